@@ -1,0 +1,3 @@
+//! strata: the command-line client of the strata API.
+
+fn main() {}

@@ -1,0 +1,16 @@
+//! Core types shared by every strata crate: identifiers, sandbox sizes, the
+//! sandbox state machine, accelerator choice and the stable error codes the
+//! API reports.
+
+pub mod error;
+pub mod id;
+pub mod size;
+pub mod state;
+
+pub use error::ErrorCode;
+pub use id::{SandboxId, SnapshotId, TemplateId};
+pub use size::{Accel, SandboxSize, SizeError};
+pub use state::{Op, SandboxState, TransitionError};
+
+/// The strata release, recorded in snapshot metadata.
+pub const STRATA_VERSION: &str = env!("CARGO_PKG_VERSION");

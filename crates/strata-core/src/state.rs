@@ -1,0 +1,199 @@
+//! The sandbox state machine.
+//!
+//! `creating → running ⇄ paused`, `running|paused → hibernated → running`,
+//! `creating|running|paused → failed → running` (recovery from the last
+//! snapshot) and any state `→ deleted`. Every operation asks
+//! [`SandboxState::apply`] first; a refused operation changes nothing.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// Where a sandbox is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SandboxState {
+    /// Being forked from a template or snapshot.
+    Creating,
+    /// The VM runs and its agent answers.
+    Running,
+    /// vCPUs stopped, RAM kept, the VM process alive.
+    Paused,
+    /// Snapshotted and the VM process ended: no CPU, no RAM.
+    Hibernated,
+    /// The VM died unexpectedly; recoverable from the last snapshot.
+    Failed,
+    /// Gone; only the record remains.
+    Deleted,
+}
+
+impl SandboxState {
+    /// All states, for documentation and filters.
+    pub const ALL: [SandboxState; 6] = [
+        SandboxState::Creating,
+        SandboxState::Running,
+        SandboxState::Paused,
+        SandboxState::Hibernated,
+        SandboxState::Failed,
+        SandboxState::Deleted,
+    ];
+
+    /// The lowercase name used in the API.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            SandboxState::Creating => "creating",
+            SandboxState::Running => "running",
+            SandboxState::Paused => "paused",
+            SandboxState::Hibernated => "hibernated",
+            SandboxState::Failed => "failed",
+            SandboxState::Deleted => "deleted",
+        }
+    }
+
+    /// Whether a VM process should exist for a sandbox in this state.
+    pub fn has_vm(&self) -> bool {
+        matches!(
+            self,
+            SandboxState::Creating | SandboxState::Running | SandboxState::Paused
+        )
+    }
+
+    /// The state after `op`, or why `op` is not allowed now.
+    pub fn apply(self, op: Op) -> Result<SandboxState, TransitionError> {
+        use Op::*;
+        use SandboxState::*;
+        let next = match (self, op) {
+            (Creating, Created) => Running,
+            (Running, Pause) => Paused,
+            (Paused, Resume) | (Hibernated, Resume) => Running,
+            (Running | Paused, Hibernate) => Hibernated,
+            (Running | Paused, Snapshot) => self,
+            (Running | Paused, Fork) => self,
+            (Running | Paused | Hibernated | Failed, Rewind) => Running,
+            (Running, Exec) => Running,
+            (Creating | Running | Paused, Fail) => Failed,
+            (Failed, Recover) => Running,
+            (Deleted, Delete) => return Err(TransitionError { state: self, op }),
+            (_, Delete) => Deleted,
+            _ => return Err(TransitionError { state: self, op }),
+        };
+        Ok(next)
+    }
+}
+
+impl fmt::Display for SandboxState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for SandboxState {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        SandboxState::ALL
+            .iter()
+            .copied()
+            .find(|st| st.as_str() == s)
+            .ok_or_else(|| format!("unknown state {s:?}"))
+    }
+}
+
+/// An operation on a sandbox, as far as its state is concerned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Op {
+    /// The VM of a new sandbox came up.
+    Created,
+    /// Stop the vCPUs.
+    Pause,
+    /// Continue a paused sandbox or wake a hibernated one.
+    Resume,
+    /// Snapshot and stop the VM process.
+    Hibernate,
+    /// Take a snapshot.
+    Snapshot,
+    /// Fork the present state into a new sandbox.
+    Fork,
+    /// Return to one of its own snapshots.
+    Rewind,
+    /// Run a command or touch files through the agent.
+    Exec,
+    /// The VM died.
+    Fail,
+    /// Restore a failed sandbox from its last snapshot.
+    Recover,
+    /// Delete it.
+    Delete,
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = serde_json::to_string(self).unwrap_or_default();
+        f.write_str(s.trim_matches('"'))
+    }
+}
+
+/// An operation refused in the sandbox's present state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("cannot {op} a sandbox that is {state}")]
+pub struct TransitionError {
+    /// The state the sandbox is in (and stays in).
+    pub state: SandboxState,
+    /// The refused operation.
+    pub op: Op,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Op::*;
+    use super::SandboxState::*;
+    use super::*;
+
+    #[test]
+    fn lifecycle() {
+        let s = Creating.apply(Created).unwrap();
+        assert_eq!(s, Running);
+        let s = s.apply(Pause).unwrap();
+        assert_eq!(s, Paused);
+        assert_eq!(s.apply(Resume).unwrap(), Running);
+        assert_eq!(s.apply(Hibernate).unwrap(), Hibernated);
+        assert_eq!(Hibernated.apply(Resume).unwrap(), Running);
+        assert_eq!(Running.apply(Fail).unwrap(), Failed);
+        assert_eq!(Failed.apply(Recover).unwrap(), Running);
+        assert_eq!(Hibernated.apply(Delete).unwrap(), Deleted);
+    }
+
+    #[test]
+    fn refusals_name_state_and_op() {
+        let e = Hibernated.apply(Snapshot).unwrap_err();
+        assert_eq!(e.state, Hibernated);
+        assert_eq!(
+            e.to_string(),
+            "cannot snapshot a sandbox that is hibernated"
+        );
+        assert!(Paused.apply(Exec).is_err());
+        assert!(Running.apply(Resume).is_err());
+        assert!(Deleted.apply(Delete).is_err());
+        assert!(Deleted.apply(Resume).is_err());
+        assert!(Hibernated.apply(Fork).is_err());
+    }
+
+    #[test]
+    fn every_state_answers_every_op_without_panic() {
+        let ops = [
+            Created, Pause, Resume, Hibernate, Snapshot, Fork, Rewind, Exec, Fail, Recover, Delete,
+        ];
+        for st in SandboxState::ALL {
+            for op in ops {
+                let _ = st.apply(op);
+            }
+        }
+    }
+
+    #[test]
+    fn state_names_round_trip() {
+        for st in SandboxState::ALL {
+            assert_eq!(st.as_str().parse::<SandboxState>().unwrap(), st);
+        }
+    }
+}

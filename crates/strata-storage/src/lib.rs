@@ -1,0 +1,1 @@
+//! The btrfs storage pool: loop-mounted image, one subvolume per sandbox, read-only snapshot subvolumes, space accounting.

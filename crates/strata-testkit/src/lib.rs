@@ -1,0 +1,1 @@
+//! Shared fixtures for strata's integration tests: the guest image, a btrfs pool, test sandboxes.

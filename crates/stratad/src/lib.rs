@@ -1,0 +1,1 @@
+//! stratad: the strata daemon (HTTP API, metadata store, rolling snapshots, retention, recovery).
