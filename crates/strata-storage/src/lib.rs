@@ -1,1 +1,36 @@
-//! The btrfs storage pool: loop-mounted image, one subvolume per sandbox, read-only snapshot subvolumes, space accounting.
+//! The btrfs storage pool: loop-mounted image, one subvolume per sandbox, read-only
+//! snapshot subvolumes, space accounting.
+//!
+//! ```no_run
+//! use strata_storage::{Pool, PoolConfig};
+//! # fn main() -> Result<(), strata_storage::StorageError> {
+//! let pool = Pool::open(&PoolConfig::Image {
+//!     image: "/var/lib/strata/pool.img".into(),
+//!     size_bytes: 64 << 30,
+//!     mount_point: "/var/lib/strata/pool".into(),
+//! })?;
+//! let sb = pool.create_subvolume("sandboxes/sb-1")?;
+//! pool.snapshot(&sb, "snapshots/sb-1@1", true)?;
+//! pool.trash("snapshots/sb-1@1")?;
+//! # Ok(()) }
+//! ```
+//!
+//! Hot-path operations are single ioctls (no `btrfs` process). The only external
+//! programs are `mkfs.btrfs` (btrfs-progs) when an image is created and `mount`
+//! (util-linux) when it is mounted.
+
+mod error;
+mod ioctl;
+mod mountinfo;
+mod pool;
+pub mod subvol;
+mod usage;
+
+#[cfg(feature = "testing")]
+pub mod testing;
+
+pub use error::{Result, StorageError};
+pub use pool::{
+    Pool, PoolConfig, PoolOptions, PoolUsage, UsageMethod, LAYOUT, MIN_IMAGE_SIZE, MOUNT_OPTIONS,
+};
+pub use usage::{extent_usage, qgroup_usage, QuotaStatus, SubvolUsage};

@@ -1,0 +1,2 @@
+//! Snapshot benchmark (filled in below).
+fn main() {}

@@ -1,0 +1,279 @@
+//! Space accounting: per-subvolume exclusive / referenced bytes, two ways.
+//!
+//! - [`extent_usage`]: walks the subvolume's files with `FS_IOC_FIEMAP` and sums extent
+//!   lengths, split by the kernel's `FIEMAP_EXTENT_SHARED` flag (what
+//!   `btrfs filesystem du` does). Needs no quotas, costs nothing on the snapshot path;
+//!   the cost is paid by the query, proportional to the number of extents.
+//! - [`qgroup_usage`]: reads the level-0 quota group of the subvolume from the quota
+//!   tree (`BTRFS_IOC_TREE_SEARCH`). Instant to read, but only exists when quotas are
+//!   enabled, and quotas make every transaction commit (every snapshot) pay for
+//!   accounting. See `docs/storage.md` for the measurements behind the default.
+
+use std::fs::File;
+use std::io;
+use std::mem::size_of;
+use std::os::fd::AsFd;
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+
+use crate::error::{Result, StorageError};
+use crate::ioctl;
+use crate::subvol;
+
+/// Space used by one subvolume.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SubvolUsage {
+    /// Bytes of data the subvolume references (its files' allocated extents).
+    pub referenced_bytes: u64,
+    /// Bytes referenced only by this subvolume: what deleting it would free.
+    pub exclusive_bytes: u64,
+}
+
+impl SubvolUsage {
+    /// Bytes shared with other subvolumes or files: referenced − exclusive.
+    pub fn shared_bytes(&self) -> u64 {
+        self.referenced_bytes.saturating_sub(self.exclusive_bytes)
+    }
+}
+
+const FIEMAP_BATCH: usize = 512;
+
+#[repr(C)]
+struct FiemapBuf {
+    hdr: ioctl::FiemapHeader,
+    ext: [ioctl::FiemapExtent; FIEMAP_BATCH],
+}
+
+/// Exclusive / referenced data bytes of the subvolume at `path` by extent walk.
+///
+/// Files in nested subvolumes are not counted. Pages still dirty in memory (not yet
+/// written back) are not counted; a read-only snapshot has none.
+pub fn extent_usage(path: &Path) -> Result<SubvolUsage> {
+    let root_dev = std::fs::symlink_metadata(path)
+        .map_err(|e| StorageError::io("stat", path, e))?
+        .dev();
+    let mut usage = SubvolUsage::default();
+    let mut buf = Box::new(FiemapBuf {
+        hdr: ioctl::FiemapHeader::default(),
+        ext: [ioctl::FiemapExtent::default(); FIEMAP_BATCH],
+    });
+    let mut stack = vec![path.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let rd =
+            std::fs::read_dir(&dir).map_err(|e| StorageError::io("read directory", &dir, e))?;
+        for entry in rd {
+            let entry = entry.map_err(|e| StorageError::io("read directory", &dir, e))?;
+            let p = entry.path();
+            let md = match std::fs::symlink_metadata(&p) {
+                Ok(md) => md,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(StorageError::io("stat", &p, e)),
+            };
+            if md.dev() != root_dev {
+                continue; // a nested subvolume
+            }
+            if md.is_dir() {
+                stack.push(p);
+            } else if md.is_file() && md.blocks() > 0 {
+                let f = match File::open(&p) {
+                    Ok(f) => f,
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                    Err(e) => return Err(StorageError::io("open", &p, e)),
+                };
+                file_extents(&f, &mut buf, &mut usage)
+                    .map_err(|e| StorageError::io("fiemap", &p, e))?;
+            }
+        }
+    }
+    Ok(usage)
+}
+
+fn file_extents(f: &File, buf: &mut FiemapBuf, usage: &mut SubvolUsage) -> io::Result<()> {
+    let mut start = 0u64;
+    loop {
+        buf.hdr = ioctl::FiemapHeader {
+            fm_start: start,
+            fm_length: u64::MAX - start,
+            fm_extent_count: FIEMAP_BATCH as u32,
+            ..Default::default()
+        };
+        // SAFETY: FS_IOC_FIEMAP takes a `struct fiemap` followed by `fm_extent_count`
+        // `struct fiemap_extent`s; `FiemapBuf` is exactly that (repr(C), sizes tested).
+        unsafe { ioctl::ioctl_ptr(f.as_fd(), ioctl::FS_IOC_FIEMAP, buf) }?;
+        let n = (buf.hdr.fm_mapped_extents as usize).min(FIEMAP_BATCH);
+        if n == 0 {
+            return Ok(());
+        }
+        for e in &buf.ext[..n] {
+            usage.referenced_bytes += e.fe_length;
+            if e.fe_flags & ioctl::FIEMAP_EXTENT_SHARED == 0 {
+                usage.exclusive_bytes += e.fe_length;
+            }
+        }
+        let last = buf.ext[n - 1];
+        if last.fe_flags & ioctl::FIEMAP_EXTENT_LAST != 0 {
+            return Ok(());
+        }
+        start = last.fe_logical + last.fe_length;
+    }
+}
+
+/// Quota status of a btrfs file system.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuotaStatus {
+    /// Quotas are off.
+    Disabled,
+    /// Quotas are on and consistent.
+    Enabled,
+    /// Quotas are on but the numbers need a rescan.
+    Inconsistent,
+}
+
+/// Turns btrfs quota groups on or off for the file system holding `path`.
+/// Enabling starts a rescan; this waits for it.
+pub fn set_quotas(path: &Path, enable: bool) -> Result<()> {
+    let f = subvol::open_dir(path)?;
+    let mut args = ioctl::QuotaCtlArgs {
+        cmd: if enable {
+            ioctl::QUOTA_CTL_ENABLE
+        } else {
+            ioctl::QUOTA_CTL_DISABLE
+        },
+        status: 0,
+    };
+    // SAFETY: BTRFS_IOC_QUOTA_CTL takes a `struct btrfs_ioctl_quota_ctl_args`.
+    unsafe { ioctl::ioctl_ptr(f.as_fd(), ioctl::BTRFS_IOC_QUOTA_CTL, &mut args) }.map_err(|e| {
+        StorageError::io(
+            if enable {
+                "enable quotas"
+            } else {
+                "disable quotas"
+            },
+            path,
+            e,
+        )
+    })?;
+    if enable {
+        // SAFETY: BTRFS_IOC_QUOTA_RESCAN_WAIT takes no argument.
+        match unsafe { ioctl::ioctl_val(f.as_fd(), ioctl::BTRFS_IOC_QUOTA_RESCAN_WAIT, 0) } {
+            Ok(_) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {} // no rescan running
+            Err(e) => return Err(StorageError::io("wait for quota rescan", path, e)),
+        }
+    }
+    Ok(())
+}
+
+/// Whether quotas are on for the file system holding `path`.
+pub fn quota_status(path: &Path) -> Result<QuotaStatus> {
+    let key = ioctl::SearchKey {
+        tree_id: ioctl::QUOTA_TREE_OBJECTID,
+        max_objectid: 0,
+        min_type: ioctl::QGROUP_STATUS_KEY,
+        max_type: ioctl::QGROUP_STATUS_KEY,
+        max_offset: u64::MAX,
+        max_transid: u64::MAX,
+        nr_items: 1,
+        ..Default::default()
+    };
+    match search_one(path, key)? {
+        None => Ok(QuotaStatus::Disabled),
+        // struct btrfs_qgroup_status_item { version, generation, flags, rescan }
+        Some(item) => match le_u64(&item, 16) {
+            Some(flags) if flags & ioctl::QGROUP_STATUS_FLAG_INCONSISTENT != 0 => {
+                Ok(QuotaStatus::Inconsistent)
+            }
+            _ => Ok(QuotaStatus::Enabled),
+        },
+    }
+}
+
+/// Exclusive / referenced bytes of subvolume `path` from its level-0 quota group.
+///
+/// Commits the current transaction first (`BTRFS_IOC_SYNC`) so the numbers include
+/// recent writes. Fails with `QuotasDisabled` if quotas are off.
+pub fn qgroup_usage(path: &Path) -> Result<SubvolUsage> {
+    if !subvol::is_subvolume(path)? {
+        return Err(StorageError::NotASubvolume {
+            path: path.to_path_buf(),
+        });
+    }
+    let id = subvol::subvolume_id(path)?;
+    subvol::sync_fs(path)?;
+    let key = ioctl::SearchKey {
+        tree_id: ioctl::QUOTA_TREE_OBJECTID,
+        min_type: ioctl::QGROUP_INFO_KEY,
+        max_type: ioctl::QGROUP_INFO_KEY,
+        min_offset: id,
+        max_offset: id,
+        max_transid: u64::MAX,
+        nr_items: 1,
+        ..Default::default()
+    };
+    let item = search_one(path, key)?.ok_or_else(|| StorageError::QuotasDisabled {
+        root: path.to_path_buf(),
+    })?;
+    // struct btrfs_qgroup_info_item { generation, rfer, rfer_cmpr, excl, excl_cmpr }
+    match (le_u64(&item, 8), le_u64(&item, 24)) {
+        (Some(rfer), Some(excl)) => Ok(SubvolUsage {
+            referenced_bytes: rfer,
+            exclusive_bytes: excl,
+        }),
+        _ => Err(StorageError::Io {
+            op: "read qgroup item",
+            path: path.to_path_buf(),
+            source: io::Error::new(io::ErrorKind::InvalidData, "qgroup info item too short"),
+        }),
+    }
+}
+
+/// The first item matching `key` in a tree search, if any.
+fn search_one(path: &Path, key: ioctl::SearchKey) -> Result<Option<Vec<u8>>> {
+    let f = File::open(path).map_err(|e| StorageError::io("open", path, e))?;
+    let mut args = ioctl::SearchArgs::new(key);
+    // SAFETY: BTRFS_IOC_TREE_SEARCH takes a `struct btrfs_ioctl_search_args`, which
+    // `SearchArgs` reproduces (4096 bytes, tested).
+    match unsafe { ioctl::ioctl_ptr(f.as_fd(), ioctl::BTRFS_IOC_TREE_SEARCH, &mut *args) } {
+        Ok(_) => {}
+        // No quota tree at all: quotas were never enabled.
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(None),
+        Err(e) => return Err(StorageError::io("btrfs tree search", path, e)),
+    }
+    if args.key.nr_items == 0 {
+        return Ok(None);
+    }
+    let h = size_of::<ioctl::SearchHeader>();
+    let len = u32::from_ne_bytes(args.buf[28..32].try_into().unwrap_or([0; 4])) as usize;
+    let ty = u32::from_ne_bytes(args.buf[24..28].try_into().unwrap_or([0; 4]));
+    if ty != key.min_type || h + len > args.buf.len() {
+        return Ok(None);
+    }
+    Ok(Some(args.buf[h..h + len].to_vec()))
+}
+
+fn le_u64(b: &[u8], off: usize) -> Option<u64> {
+    b.get(off..off + 8)
+        .and_then(|s| s.try_into().ok())
+        .map(u64::from_le_bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_is_referenced_minus_exclusive() {
+        let u = SubvolUsage {
+            referenced_bytes: 10,
+            exclusive_bytes: 3,
+        };
+        assert_eq!(u.shared_bytes(), 7);
+    }
+
+    #[test]
+    fn le_u64_bounds() {
+        let b = [1u8, 0, 0, 0, 0, 0, 0, 0, 2];
+        assert_eq!(le_u64(&b, 0), Some(1));
+        assert_eq!(le_u64(&b, 2), None);
+    }
+}
