@@ -1,1 +1,20 @@
 //! Wire protocol between the host and the strata guest agent: framing, messages, and the async host-side client.
+//!
+//! See `PROTOCOL.md` in this crate for the wire format.
+
+pub mod client;
+pub mod frame;
+pub mod msg;
+
+pub use client::{
+    AgentClient, AgentError, ExecEvent, ExecHandle, ExecOutput, ExecRequest, ExitStatus,
+    FileDownload, Stdin,
+};
+pub use frame::{decode_frame, Decoded, Frame, FrameDecoder, FrameError, FrameKind};
+pub use msg::{
+    AgentInfo, Command, DirEntry, FileKind, FileStat, RemoteErrorKind, Request, Response,
+    RestoreSync,
+};
+
+/// Version of the wire protocol; host and agent must agree.
+pub const PROTOCOL_VERSION: u32 = 1;

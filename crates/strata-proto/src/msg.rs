@@ -1,0 +1,372 @@
+//! Control messages (JSON payloads of [`crate::frame::FrameKind::Control`] frames).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// Host → agent control messages. The frame id names the request they belong to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Request {
+    /// Starts a session; always preceded by [`crate::frame::SYNC_MAGIC`].
+    Hello {
+        /// Host's protocol version.
+        version: u32,
+        /// Random per-connection nonce, echoed in the reply.
+        nonce: u64,
+    },
+    /// Liveness check; answered with [`Response::Pong`].
+    Ping {},
+    /// Starts a command.
+    Exec {
+        /// What to run.
+        command: Command,
+        /// Extra environment variables.
+        #[serde(default)]
+        env: BTreeMap<String, String>,
+        /// Working directory (absolute).
+        #[serde(default)]
+        cwd: Option<String>,
+        /// User name or numeric uid to run as.
+        #[serde(default)]
+        user: Option<String>,
+        /// Whether stdin is a pipe fed by `Stdin` frames (else /dev/null).
+        #[serde(default)]
+        stdin: bool,
+        /// Kill the process group after this many milliseconds.
+        #[serde(default)]
+        timeout_ms: Option<u64>,
+    },
+    /// Closes the command's stdin.
+    StdinClose {},
+    /// Sends a signal to the command's process group.
+    Signal {
+        /// Signal number.
+        signal: i32,
+    },
+    /// Starts an upload; `FileData` frames follow, then [`Request::WriteEnd`].
+    WriteFile {
+        /// Absolute destination path.
+        path: String,
+        /// Permission bits (default 0o644).
+        #[serde(default)]
+        mode: Option<u32>,
+    },
+    /// Ends an upload.
+    WriteEnd {},
+    /// Starts a download; answered with `FileStart`, `FileData` frames, `Done`.
+    ReadFile {
+        /// Absolute path.
+        path: String,
+    },
+    /// Download flow control: total bytes the host has consumed.
+    ReadAck {
+        /// Cumulative byte count.
+        bytes: u64,
+    },
+    /// Lists a directory.
+    ListDir {
+        /// Absolute path.
+        path: String,
+    },
+    /// Stats a path (lstat semantics).
+    Stat {
+        /// Absolute path.
+        path: String,
+    },
+    /// `mkdir -p`.
+    MkdirAll {
+        /// Absolute path.
+        path: String,
+        /// Permission bits for created directories (default 0o755).
+        #[serde(default)]
+        mode: Option<u32>,
+    },
+    /// Removes a file, symlink or directory.
+    Remove {
+        /// Absolute path.
+        path: String,
+        /// Remove directory contents too.
+        #[serde(default)]
+        recursive: bool,
+    },
+    /// Post-restore fork-safety fixups.
+    RestoreSync(RestoreSync),
+}
+
+/// Agent → host control messages.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Response {
+    /// Session accepted; preceded by [`crate::frame::SYNC_MAGIC`].
+    HelloOk {
+        /// Nonce from the Hello.
+        nonce: u64,
+        /// Who answered.
+        info: AgentInfo,
+    },
+    /// Session refused: the versions differ. Preceded by the sync marker.
+    VersionMismatch {
+        /// Nonce from the Hello.
+        nonce: u64,
+        /// Version the host asked for.
+        host_version: u32,
+        /// Version the agent speaks.
+        agent_version: u32,
+    },
+    /// Answer to [`Request::Ping`].
+    Pong {
+        /// Current agent facts.
+        info: AgentInfo,
+    },
+    /// Command started.
+    Started {
+        /// Process id in the guest (also its process group id).
+        pid: u32,
+    },
+    /// Command finished; last message for its id.
+    Exit {
+        /// Exit code, if it exited.
+        code: Option<i32>,
+        /// Terminating signal, if killed.
+        signal: Option<i32>,
+        /// Killed because its timeout expired.
+        timed_out: bool,
+    },
+    /// Upload / stdin flow control: total bytes consumed so far.
+    Ack {
+        /// Cumulative byte count.
+        bytes: u64,
+    },
+    /// Download starts.
+    FileStart {
+        /// File size at open time.
+        size: u64,
+    },
+    /// Upload or download finished.
+    Done {
+        /// Bytes transferred.
+        bytes: u64,
+    },
+    /// Directory listing.
+    Listing {
+        /// Entries sorted by name.
+        entries: Vec<DirEntry>,
+    },
+    /// Stat result (`None`: no such path).
+    Stat {
+        /// Result.
+        stat: Option<FileStat>,
+    },
+    /// Success without data.
+    Ok,
+    /// Request failed; last message for its id. Id 0: protocol error, the
+    /// agent dropped out of sync and the host must reconnect.
+    Error {
+        /// Category.
+        kind: RemoteErrorKind,
+        /// Human-readable detail.
+        message: String,
+    },
+}
+
+/// What to run.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum Command {
+    /// Program and arguments, looked up in `PATH`.
+    Argv(Vec<String>),
+    /// A string for `/bin/sh -c`.
+    Shell(String),
+}
+
+/// Agent facts returned by the handshake and by ping.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentInfo {
+    /// Protocol version the agent speaks.
+    pub protocol_version: u32,
+    /// Agent build (crate) version.
+    pub agent_version: String,
+    /// Guest hostname.
+    pub hostname: String,
+    /// Guest kernel boot id.
+    pub boot_id: String,
+    /// Guest uptime in milliseconds.
+    pub uptime_ms: u64,
+}
+
+/// Post-restore fixups: fresh entropy, clock, identity.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RestoreSync {
+    /// Host randomness to add to and credit in the guest pool (≥ 64 bytes).
+    pub entropy: Vec<u8>,
+    /// Host wall clock, nanoseconds since the Unix epoch.
+    pub unix_time_ns: u64,
+    /// New hostname, if the identity changed.
+    #[serde(default)]
+    pub hostname: Option<String>,
+    /// New machine-id (32 lowercase hex digits), if the identity changed.
+    #[serde(default)]
+    pub machine_id: Option<String>,
+}
+
+/// Minimum entropy bytes a [`RestoreSync`] must carry.
+pub const MIN_RESTORE_ENTROPY: usize = 64;
+
+/// File type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FileKind {
+    /// Regular file.
+    File,
+    /// Directory.
+    Dir,
+    /// Symbolic link.
+    Symlink,
+    /// Anything else (device, fifo, socket).
+    Other,
+}
+
+/// One directory entry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DirEntry {
+    /// File name (lossy UTF-8).
+    pub name: String,
+    /// Type (symlinks not followed).
+    pub kind: FileKind,
+    /// Size in bytes.
+    pub size: u64,
+    /// Permission bits (`st_mode & 0o7777`).
+    pub mode: u32,
+    /// Modification time, seconds since the Unix epoch.
+    pub mtime: i64,
+}
+
+/// Metadata of one path (lstat).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileStat {
+    /// Type (symlinks not followed).
+    pub kind: FileKind,
+    /// Size in bytes.
+    pub size: u64,
+    /// Permission bits.
+    pub mode: u32,
+    /// Modification time, seconds since the Unix epoch.
+    pub mtime: i64,
+    /// Owner uid.
+    pub uid: u32,
+    /// Owner gid.
+    pub gid: u32,
+}
+
+/// Category of an error reported by the agent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RemoteErrorKind {
+    /// Path, user or program not found.
+    NotFound,
+    /// EACCES / EPERM.
+    PermissionDenied,
+    /// ENOSPC / EDQUOT.
+    NoSpace,
+    /// The command could not be started.
+    SpawnFailed,
+    /// Bad request (relative path, NUL byte, bad value).
+    InvalidArgument,
+    /// Target exists.
+    AlreadyExists,
+    /// A directory where a file was expected.
+    IsADirectory,
+    /// A non-directory where a directory was expected.
+    NotADirectory,
+    /// Malformed frame or message; the agent resynchronises.
+    Protocol,
+    /// Anything else.
+    #[serde(other)]
+    Other,
+}
+
+impl std::fmt::Display for RemoteErrorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = match self {
+            Self::NotFound => "not found",
+            Self::PermissionDenied => "permission denied",
+            Self::NoSpace => "no space left",
+            Self::SpawnFailed => "spawn failed",
+            Self::InvalidArgument => "invalid argument",
+            Self::AlreadyExists => "already exists",
+            Self::IsADirectory => "is a directory",
+            Self::NotADirectory => "not a directory",
+            Self::Protocol => "protocol error",
+            Self::Other => "error",
+        };
+        f.write_str(s)
+    }
+}
+
+impl RemoteErrorKind {
+    /// Maps an I/O error to a category.
+    pub fn from_io(e: &std::io::Error) -> Self {
+        use std::io::ErrorKind as K;
+        match e.raw_os_error() {
+            Some(28) | Some(122) => return Self::NoSpace, // ENOSPC, EDQUOT
+            Some(21) => return Self::IsADirectory,        // EISDIR
+            Some(20) => return Self::NotADirectory,       // ENOTDIR
+            _ => {}
+        }
+        match e.kind() {
+            K::NotFound => Self::NotFound,
+            K::PermissionDenied => Self::PermissionDenied,
+            K::AlreadyExists => Self::AlreadyExists,
+            K::InvalidInput | K::InvalidData => Self::InvalidArgument,
+            _ => Self::Other,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_json_shape() {
+        let r = Request::Exec {
+            command: Command::Argv(vec!["echo".into(), "hi".into()]),
+            env: BTreeMap::new(),
+            cwd: None,
+            user: None,
+            stdin: false,
+            timeout_ms: Some(5),
+        };
+        let s = serde_json::to_string(&r).unwrap();
+        assert!(s.contains(r#""op":"exec""#), "{s}");
+        assert!(s.contains(r#""argv":["echo","hi"]"#), "{s}");
+        assert_eq!(serde_json::from_str::<Request>(&s).unwrap(), r);
+        let s = serde_json::to_string(&Request::Ping {}).unwrap();
+        assert_eq!(s, r#"{"op":"ping"}"#);
+    }
+
+    #[test]
+    fn unknown_fields_and_ops_rejected() {
+        assert!(serde_json::from_str::<Request>(r#"{"op":"ping","x":1}"#).is_err());
+        assert!(serde_json::from_str::<Request>(r#"{"op":"format_disk"}"#).is_err());
+        assert!(serde_json::from_str::<Request>(
+            r#"{"op":"restore_sync","entropy":[],"unix_time_ns":1,"bogus":true}"#
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn unknown_error_kind_is_other() {
+        let r: Response =
+            serde_json::from_str(r#"{"op":"error","kind":"brand_new","message":"m"}"#).unwrap();
+        assert_eq!(
+            r,
+            Response::Error {
+                kind: RemoteErrorKind::Other,
+                message: "m".into()
+            }
+        );
+    }
+}
