@@ -242,7 +242,18 @@ impl Pool {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
         let target = self.trash_dir().join(format!("{}-{name}", unique_stamp()));
-        std::fs::rename(&p, &target).map_err(|e| StorageError::io("move to trash", &p, e))?;
+        // A read-only subvolume cannot be renamed (its `..` entry would change): make
+        // it writable first, and read-only again if the rename fails.
+        let was_ro = subvol::is_subvolume(&p)? && subvol::is_readonly(&p)?;
+        if was_ro {
+            subvol::set_readonly(&p, false)?;
+        }
+        if let Err(e) = std::fs::rename(&p, &target) {
+            if was_ro {
+                let _ = subvol::set_readonly(&p, true);
+            }
+            return Err(StorageError::io("move to trash", &p, e));
+        }
         self.trash.push(target);
         Ok(())
     }

@@ -1,0 +1,476 @@
+//! Integration tests on real btrfs file systems in loop-mounted images (needs root).
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::fd::AsRawFd;
+use std::path::Path;
+
+use strata_storage::testing::TestPool;
+use strata_storage::{
+    subvol, Pool, PoolConfig, PoolOptions, QuotaStatus, StorageError, UsageMethod,
+};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+/// Writes `mib` MiB of non-zero, non-repeating data (so no hole or dedup games) and fsyncs.
+fn write_file(path: &Path, mib: u64) {
+    let mut f = File::create(path).expect("create");
+    let mut buf = vec![0u8; MIB as usize];
+    for i in 0..mib {
+        for (j, chunk) in buf.chunks_mut(8).enumerate() {
+            chunk.copy_from_slice(&(i * MIB + j as u64 * 8 + 1).to_le_bytes());
+        }
+        f.write_all(&buf).expect("write");
+    }
+    f.sync_all().expect("fsync");
+}
+
+fn is_mounted(mp: &Path) -> bool {
+    let mi = fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+    let mp = mp.to_str().expect("utf8");
+    mi.lines().any(|l| l.split(' ').nth(4) == Some(mp))
+}
+
+#[test]
+fn image_mode_creates_mounts_reuses_and_remounts() {
+    let dir = tempfile::Builder::new()
+        .prefix("strata-storage-test-")
+        .tempdir_in("/tmp")
+        .expect("tmp");
+    let cfg = TestPool::config_in(dir.path(), GIB);
+    let pool = Pool::open(&cfg).expect("create pool");
+    let root = pool.root().to_path_buf();
+    assert!(is_mounted(&root));
+    assert_eq!(subvol::fs_type(&root).expect("statfs").1, "btrfs");
+    for d in strata_storage::LAYOUT {
+        assert!(root.join(d).is_dir(), "{d}");
+    }
+    let image = dir.path().join("pool.img");
+    let md = fs::metadata(&image).expect("image");
+    assert_eq!(md.len(), GIB);
+    assert!(
+        std::os::unix::fs::MetadataExt::blocks(&md) * 512 < 64 * MIB,
+        "image is sparse"
+    );
+    pool.create_subvolume("sandboxes/a").expect("subvol");
+
+    // Already mounted: reused, not mounted twice.
+    let again = Pool::open(&cfg).expect("reuse mounted pool");
+    assert_eq!(again.root(), root);
+    let mounts = fs::read_to_string("/proc/self/mountinfo").expect("mi");
+    assert_eq!(
+        mounts
+            .lines()
+            .filter(|l| l.split(' ').nth(4) == root.to_str())
+            .count(),
+        1
+    );
+    drop(again);
+
+    // Unmount, then reopen: the image is reused with its contents.
+    pool.unmount().expect("unmount");
+    assert!(!is_mounted(&root));
+    let pool = Pool::open(&cfg).expect("remount");
+    assert!(pool.is_subvolume("sandboxes/a").expect("stat"));
+    pool.unmount().expect("unmount");
+    let loops = fs::read_dir("/sys/block")
+        .expect("sys")
+        .flatten()
+        .filter(|e| {
+            fs::read_to_string(e.path().join("loop/backing_file"))
+                .is_ok_and(|b| b.trim() == image.to_str().unwrap_or(""))
+        });
+    assert_eq!(loops.count(), 0, "loop device detached");
+}
+
+#[test]
+fn image_mode_refuses_a_mount_point_with_something_else_mounted() {
+    let dir = tempfile::Builder::new()
+        .prefix("strata-storage-test-")
+        .tempdir_in("/tmp")
+        .expect("tmp");
+    let mp = dir.path().join("mnt");
+    fs::create_dir(&mp).expect("mkdir");
+    let st = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "strata-test-tmpfs"])
+        .arg(&mp)
+        .status();
+    assert!(st.expect("mount").success());
+    let res = Pool::open(&TestPool::config_in(dir.path(), GIB));
+    let c = std::ffi::CString::new(mp.to_str().expect("utf8")).expect("cstr");
+    // SAFETY: `c` is a valid NUL-terminated path; we unmount the tmpfs we mounted above.
+    assert_eq!(unsafe { libc::umount2(c.as_ptr(), 0) }, 0);
+    match res {
+        Err(e @ StorageError::MountPointBusy { .. }) => {
+            assert!(e.to_string().contains("tmpfs"), "{e}")
+        }
+        other => panic!("expected MountPointBusy, got {other:?}"),
+    }
+}
+
+#[test]
+fn path_mode_refuses_non_btrfs_and_accepts_btrfs() {
+    let dir = tempfile::Builder::new()
+        .prefix("strata-storage-test-")
+        .tempdir_in("/tmp")
+        .expect("tmp");
+    match Pool::open(&PoolConfig::Path(dir.path().into())) {
+        Err(e @ StorageError::NotBtrfs { .. }) => {
+            assert!(e.to_string().contains("not btrfs"), "{e}")
+        }
+        other => panic!("expected NotBtrfs, got {other:?}"),
+    }
+    let tp = TestPool::new(GIB).expect("pool");
+    let sub = tp.root().join("sandboxes");
+    let p = Pool::open(&PoolConfig::Path(sub.clone())).expect("path pool on btrfs");
+    assert_eq!(p.root(), sub);
+    assert!(p.image().is_none());
+    p.create_subvolume("x").expect("subvol in path pool");
+    assert!(p.is_subvolume("x").expect("stat"));
+    // Closing a path pool unmounts nothing.
+    p.unmount().expect("close");
+    assert!(is_mounted(tp.root()));
+}
+
+#[test]
+fn subvolume_create_snapshot_readonly_delete() {
+    let tp = TestPool::new(GIB).expect("pool");
+    let sb = tp.create_subvolume("sandboxes/sb").expect("create");
+    assert!(tp.is_subvolume(&sb).expect("stat"));
+    assert!(!tp.is_readonly(&sb).expect("flags"));
+    fs::write(sb.join("meta.json"), b"{\"v\":1}").expect("write");
+    assert!(!tp.is_subvolume("sandboxes").expect("stat"), "plain dir");
+
+    // Read-only snapshot: content is there, writes fail with EROFS.
+    let ro = tp
+        .snapshot(&sb, "snapshots/sb@1", true)
+        .expect("ro snapshot");
+    assert!(tp.is_subvolume(&ro).expect("stat") && tp.is_readonly(&ro).expect("flags"));
+    assert_eq!(fs::read(ro.join("meta.json")).expect("read"), b"{\"v\":1}");
+    let e = fs::write(ro.join("new"), b"x").expect_err("write into ro snapshot");
+    assert_eq!(e.raw_os_error(), Some(libc::EROFS));
+    let e = OpenOptions::new()
+        .write(true)
+        .open(ro.join("meta.json"))
+        .expect_err("open ro file for write");
+    assert_eq!(e.raw_os_error(), Some(libc::EROFS));
+
+    // Writable snapshot of the read-only one (a fork) is independent.
+    let rw = tp
+        .snapshot(&ro, "sandboxes/fork", false)
+        .expect("rw snapshot");
+    assert!(!tp.is_readonly(&rw).expect("flags"));
+    fs::write(rw.join("meta.json"), b"fork").expect("write fork");
+    assert_eq!(fs::read(sb.join("meta.json")).expect("read"), b"{\"v\":1}");
+    assert_eq!(fs::read(ro.join("meta.json")).expect("read"), b"{\"v\":1}");
+
+    // Flags toggle.
+    tp.set_readonly(&rw, true).expect("set ro");
+    assert!(fs::write(rw.join("x"), b"x").is_err());
+    tp.set_readonly(&rw, false).expect("set rw");
+    fs::write(rw.join("x"), b"x").expect("writable again");
+
+    // Errors leave things as they were.
+    assert!(matches!(
+        tp.snapshot(&sb, &ro, true),
+        Err(StorageError::AlreadyExists { .. })
+    ));
+    assert_eq!(fs::read(ro.join("meta.json")).expect("read"), b"{\"v\":1}");
+    assert!(matches!(
+        tp.create_subvolume(&sb),
+        Err(StorageError::AlreadyExists { .. })
+    ));
+    assert!(matches!(
+        tp.snapshot("sandboxes/none", "snapshots/n", true),
+        Err(StorageError::NotFound { .. })
+    ));
+    assert!(!tp.root().join("snapshots/n").exists());
+    assert!(matches!(
+        tp.snapshot("sandboxes", "snapshots/d", true),
+        Err(StorageError::NotASubvolume { .. })
+    ));
+    assert!(matches!(
+        tp.delete_subvolume("sandboxes"),
+        Err(StorageError::NotASubvolume { .. })
+    ));
+    assert!(matches!(
+        tp.create_subvolume("/tmp/outside"),
+        Err(StorageError::OutsidePool { .. })
+    ));
+    assert!(matches!(
+        tp.create_subvolume("sandboxes/../../escape"),
+        Err(StorageError::OutsidePool { .. })
+    ));
+    assert!(matches!(
+        tp.create_subvolume("sandboxes/.."),
+        Err(StorageError::InvalidArgument { .. })
+    ));
+    assert!(matches!(
+        tp.snapshot(&sb, "nodir/x", true),
+        Err(StorageError::NotFound { .. })
+    ));
+
+    // Delete, read-only or not.
+    tp.delete_subvolume(&ro).expect("delete ro");
+    tp.delete_subvolume(&rw).expect("delete rw");
+    assert!(!ro.exists() && !rw.exists());
+    assert!(matches!(
+        tp.delete_subvolume(&ro),
+        Err(StorageError::NotFound { .. })
+    ));
+    assert!(sb.join("meta.json").exists());
+}
+
+#[test]
+fn trash_is_immediate_and_deletes_in_background() {
+    let tp = TestPool::new(GIB).expect("pool");
+    let sb = tp.create_subvolume("sandboxes/t").expect("create");
+    write_file(&sb.join("mem"), 32);
+    let ro = tp.snapshot(&sb, "snapshots/t@1", true).expect("snap");
+    fs::create_dir(tp.root().join("sandboxes/plain")).expect("mkdir");
+    tp.trash(&ro).expect("trash ro snapshot");
+    tp.trash(&sb).expect("trash subvolume");
+    tp.trash("sandboxes/plain").expect("trash plain dir");
+    assert!(!sb.exists() && !ro.exists());
+    tp.wait_trash_empty();
+    assert_eq!(fs::read_dir(tp.trash_dir()).expect("ls").count(), 0);
+    assert!(matches!(
+        tp.trash("sandboxes/t"),
+        Err(StorageError::NotFound { .. })
+    ));
+}
+
+#[test]
+fn reflinked_file_shares_extents() {
+    let tp = TestPool::with_options(GIB, PoolOptions { quotas: true }).expect("pool");
+    assert_eq!(tp.quota_status().expect("status"), QuotaStatus::Enabled);
+    let a = tp.create_subvolume("sandboxes/a").expect("a");
+    let b = tp.create_subvolume("sandboxes/b").expect("b");
+    write_file(&a.join("disk.img"), 64);
+    tp.reflink_file(a.join("disk.img"), b.join("disk.img"))
+        .expect("reflink");
+    let mut x = Vec::new();
+    File::open(b.join("disk.img"))
+        .expect("open")
+        .read_to_end(&mut x)
+        .expect("read");
+    assert_eq!(x.len() as u64, 64 * MIB);
+    assert_eq!(fs::read(a.join("disk.img")).expect("read"), x);
+    subvol::sync_fs(tp.root()).expect("sync");
+    for m in [UsageMethod::Extents, UsageMethod::Qgroups] {
+        let u = tp.subvolume_usage(&b, m).expect("usage");
+        assert!(u.referenced_bytes >= 64 * MIB, "{m:?} {u:?}");
+        assert!(
+            u.exclusive_bytes < MIB,
+            "{m:?}: 2nd reflink should be ~0 exclusive: {u:?}"
+        );
+        assert!(u.shared_bytes() >= 63 * MIB, "{m:?} {u:?}");
+    }
+    // The clone is a copy: writing it does not touch the original.
+    let mut f = OpenOptions::new()
+        .write(true)
+        .open(b.join("disk.img"))
+        .expect("open");
+    f.write_all(b"changed").expect("write");
+    f.sync_all().expect("fsync");
+    assert_eq!(&fs::read(a.join("disk.img")).expect("read")[..7], &x[..7]);
+    // Reflink onto an existing file is refused and leaves it alone.
+    assert!(matches!(
+        tp.reflink_file(a.join("disk.img"), b.join("disk.img")),
+        Err(StorageError::AlreadyExists { .. })
+    ));
+    assert_eq!(
+        &fs::read(b.join("disk.img")).expect("read")[..7],
+        b"changed"
+    );
+}
+
+#[test]
+fn ten_writable_snapshots_share_a_256mib_file() {
+    let tp = TestPool::new(2 * GIB).expect("pool");
+    let sb = tp.create_subvolume("sandboxes/big").expect("create");
+    write_file(&sb.join("mem"), 256);
+    subvol::sync_fs(tp.root()).expect("sync");
+    let before = tp.usage().expect("usage").used_bytes;
+    for i in 0..10 {
+        let s = tp
+            .snapshot(&sb, format!("sandboxes/fork{i}"), false)
+            .expect("snapshot");
+        let mut f = OpenOptions::new()
+            .write(true)
+            .open(s.join("mem"))
+            .expect("open");
+        f.seek(SeekFrom::Start(i * 8 * MIB)).expect("seek");
+        f.write_all(&[0xab; 4096]).expect("write");
+        f.sync_all().expect("fsync");
+    }
+    subvol::sync_fs(tp.root()).expect("sync");
+    let after = tp.usage().expect("usage").used_bytes;
+    let grown = after.saturating_sub(before);
+    println!(
+        "10 writable snapshots of 256 MiB: pool used +{} KiB",
+        grown >> 10
+    );
+    assert!(
+        grown < 32 * MIB,
+        "10 snapshots used {grown} bytes, expected << 2560 MiB"
+    );
+    let u = tp
+        .subvolume_usage("sandboxes/fork3", UsageMethod::Extents)
+        .expect("usage");
+    assert!(
+        u.referenced_bytes >= 256 * MIB && u.exclusive_bytes < MIB,
+        "{u:?}"
+    );
+}
+
+/// QEMU's RAM file: mapped MAP_SHARED, written through the mapping, never msync'ed.
+#[test]
+fn snapshot_captures_pages_dirtied_through_a_shared_mapping() {
+    let tp = TestPool::new(GIB).expect("pool");
+    let sb = tp.create_subvolume("sandboxes/vm").expect("create");
+    let len = 64 * MIB as usize;
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(sb.join("mem"))
+        .expect("mem");
+    f.set_len(len as u64).expect("size");
+    // SAFETY: mapping a file we own of `len` bytes; the pointer is used only within `len`
+    // and unmapped at the end of the test.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(ptr, libc::MAP_FAILED);
+    // SAFETY: `ptr` is a live, writable mapping of `len` bytes.
+    let mem = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
+    let pages = [0usize, 1, 777, 4096, len / 4096 - 1];
+    let check = |snap: &Path, tag: u8| {
+        let data = fs::read(snap.join("mem")).expect("read snapshot mem");
+        for p in pages {
+            assert_eq!(data[p * 4096], tag, "page {p} in {}", snap.display());
+            assert_eq!(data[p * 4096 + 4095], tag.wrapping_add(1), "page {p} end");
+        }
+    };
+    for (round, tag) in [(1u8, 0x5au8), (2, 0xc3)] {
+        for p in pages {
+            mem[p * 4096] = tag;
+            mem[p * 4096 + 4095] = tag.wrapping_add(1);
+        }
+        let snap = tp
+            .snapshot(&sb, format!("snapshots/vm@{round}"), true)
+            .expect("snapshot");
+        check(&snap, tag);
+    }
+    check(&tp.root().join("snapshots/vm@1"), 0x5a);
+    // SAFETY: unmapping the mapping created above; `mem` is not used afterwards.
+    assert_eq!(unsafe { libc::munmap(ptr, len) }, 0);
+}
+
+#[test]
+fn full_pool_maps_to_no_space_and_leaves_no_partial_subvolume() {
+    let tp = TestPool::new(strata_storage::MIN_IMAGE_SIZE).expect("pool");
+    let sb = tp.create_subvolume("sandboxes/s").expect("create");
+    // Fill data...
+    let mut f = File::create(sb.join("fill")).expect("create");
+    let buf = vec![0x11u8; MIB as usize];
+    while f.write_all(&buf).is_ok() {}
+    drop(f);
+    // ...then metadata (inodes with big xattrs live in metadata blocks).
+    let val = vec![b'x'; 3900];
+    for i in 0..100_000 {
+        let p = sb.join(format!("x{i}"));
+        if File::create(&p).is_err() {
+            break;
+        }
+        let c = std::ffi::CString::new(p.to_str().expect("utf8")).expect("cstr");
+        // SAFETY: valid NUL-terminated path and name; `val` is a live buffer of its length.
+        let r = unsafe {
+            libc::setxattr(
+                c.as_ptr(),
+                c"user.fill".as_ptr(),
+                val.as_ptr().cast(),
+                val.len(),
+                0,
+            )
+        };
+        if r != 0 {
+            break;
+        }
+    }
+    // Snapshots until the pool is full.
+    let mut err = None;
+    let mut made = 0;
+    for i in 0..5000 {
+        match tp.snapshot(&sb, format!("snapshots/s{i}"), true) {
+            Ok(_) => made += 1,
+            Err(e) => {
+                err = Some((i, e));
+                break;
+            }
+        }
+    }
+    let (i, e) = err.expect("the pool never filled up");
+    assert!(e.is_no_space(), "{e:?}");
+    assert_eq!(
+        e.to_string().split(" (").next(),
+        Some("storage pool is full")
+    );
+    assert!(
+        !tp.root().join(format!("snapshots/s{i}")).exists(),
+        "no partial snapshot"
+    );
+    assert_eq!(fs::read_dir(tp.snapshots_dir()).expect("ls").count(), made);
+    // Freeing space makes it work again.
+    fs::remove_file(sb.join("fill")).expect("rm");
+    for j in 0..made {
+        tp.delete_subvolume(format!("snapshots/s{j}"))
+            .expect("delete");
+    }
+    subvol::sync_fs(tp.root()).expect("sync");
+    let mut ok = false;
+    for _ in 0..50 {
+        if tp.snapshot(&sb, "snapshots/after", true).is_ok() {
+            ok = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let _ = subvol::sync_fs(tp.root());
+    }
+    assert!(ok, "snapshot works again after freeing space");
+}
+
+#[test]
+fn grow_enlarges_the_file_system_online() {
+    let tp = TestPool::new(256 * MIB).expect("pool");
+    let before = tp.usage().expect("usage");
+    assert_eq!(before.image_size_bytes, Some(256 * MIB));
+    tp.grow(768 * MIB).expect("grow");
+    let after = tp.usage().expect("usage");
+    assert_eq!(after.image_size_bytes, Some(768 * MIB));
+    assert!(
+        after.total_bytes >= before.total_bytes + 500 * MIB,
+        "{before:?} -> {after:?}"
+    );
+    assert!(
+        after.free_bytes > before.free_bytes + 400 * MIB,
+        "{before:?} -> {after:?}"
+    );
+    assert!(matches!(
+        tp.grow(512 * MIB),
+        Err(StorageError::InvalidArgument { .. })
+    ));
+    // Reopening with a larger configured size grows too.
+    let cfg = TestPool::config_in(tp.dir(), GIB);
+    let again = Pool::open(&cfg).expect("reopen");
+    assert_eq!(again.usage().expect("usage").image_size_bytes, Some(GIB));
+}
