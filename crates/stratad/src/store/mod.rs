@@ -1,0 +1,442 @@
+//! The metadata store: what the daemon knows about sandboxes, snapshots and
+//! templates, and an append-only journal of every transition.
+//!
+//! [`Store`] is the seam for a PostgreSQL implementation; [`sqlite`] is the
+//! embedded default. Methods are synchronous (they block on disk I/O): async
+//! callers run them on the blocking pool (see `service::Service::db`).
+//! Every write method is one transaction, durable when it returns.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use strata_core::{Op, SandboxId, SandboxSize, SandboxState, SnapshotId, TemplateId};
+
+pub mod sqlite;
+
+pub use sqlite::SqliteStore;
+
+/// The tenant every resource belongs to until tenants exist.
+pub const DEFAULT_TENANT: &str = "default";
+
+/// A sandbox as recorded.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SandboxRecord {
+    /// Id.
+    pub id: SandboxId,
+    /// Owning tenant.
+    pub tenant: String,
+    /// Template it was created from, if any.
+    pub template: Option<TemplateId>,
+    /// Snapshot it was forked from, if any.
+    pub source_snapshot: Option<SnapshotId>,
+    /// Size.
+    pub size: SandboxSize,
+    /// User labels.
+    pub labels: BTreeMap<String, String>,
+    /// Present (last acknowledged) state.
+    pub state: SandboxState,
+    /// Why it is in that state, when not obvious (failure reasons).
+    pub state_reason: Option<String>,
+    /// An operation started and not yet finished (recorded before acting).
+    pub pending_op: Option<Op>,
+    /// Idle timeout in seconds (`None` = daemon default, `Some(0)` = never).
+    pub idle_timeout_s: Option<u64>,
+    /// Rolling snapshot interval in seconds (`None` = daemon default, `Some(0)` = off).
+    pub snapshot_interval_s: Option<u64>,
+    /// Creation time.
+    pub created_at: DateTime<Utc>,
+    /// Last change of the record.
+    pub updated_at: DateTime<Utc>,
+    /// Last API activity (persisted lazily, at most every few seconds).
+    pub last_activity_at: DateTime<Utc>,
+    /// VM process id while it has one.
+    pub pid: Option<u32>,
+    /// Accelerator of its VM.
+    pub accel: Option<String>,
+    /// When it was deleted.
+    pub deleted_at: Option<DateTime<Utc>>,
+}
+
+/// Why a snapshot was taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SnapshotKind {
+    /// Asked for by a user.
+    Manual,
+    /// Taken by the rolling schedule.
+    Rolling,
+    /// The state before a rewind (so the rewind can be undone).
+    PreRewind,
+    /// Taken when the sandbox hibernated.
+    Hibernate,
+    /// The implicit snapshot of a fork from a live sandbox.
+    Fork,
+    /// A template's snapshot.
+    Template,
+}
+
+impl SnapshotKind {
+    /// The snake_case name.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            SnapshotKind::Manual => "manual",
+            SnapshotKind::Rolling => "rolling",
+            SnapshotKind::PreRewind => "pre_rewind",
+            SnapshotKind::Hibernate => "hibernate",
+            SnapshotKind::Fork => "fork",
+            SnapshotKind::Template => "template",
+        }
+    }
+
+    /// Parses [`SnapshotKind::as_str`] back.
+    pub fn parse(s: &str) -> Option<Self> {
+        [
+            SnapshotKind::Manual,
+            SnapshotKind::Rolling,
+            SnapshotKind::PreRewind,
+            SnapshotKind::Hibernate,
+            SnapshotKind::Fork,
+            SnapshotKind::Template,
+        ]
+        .into_iter()
+        .find(|k| k.as_str() == s)
+    }
+}
+
+/// Where a snapshot is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SnapshotStatus {
+    /// Recorded, being taken; never usable.
+    Pending,
+    /// Complete and usable.
+    Ready,
+    /// Deleted (by the user, by GC, or rolled back).
+    Deleted,
+}
+
+impl SnapshotStatus {
+    /// The snake_case name.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            SnapshotStatus::Pending => "pending",
+            SnapshotStatus::Ready => "ready",
+            SnapshotStatus::Deleted => "deleted",
+        }
+    }
+
+    /// Parses [`SnapshotStatus::as_str`] back.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "pending" => Some(SnapshotStatus::Pending),
+            "ready" => Some(SnapshotStatus::Ready),
+            "deleted" => Some(SnapshotStatus::Deleted),
+            _ => None,
+        }
+    }
+}
+
+/// A snapshot as recorded.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SnapshotRecord {
+    /// Id.
+    pub id: SnapshotId,
+    /// Owning tenant.
+    pub tenant: String,
+    /// The sandbox it is a point of.
+    pub sandbox_id: SandboxId,
+    /// Why it was taken.
+    pub kind: SnapshotKind,
+    /// User label.
+    pub label: Option<String>,
+    /// Pending, ready or deleted.
+    pub status: SnapshotStatus,
+    /// Why it was deleted or failed.
+    pub status_reason: Option<String>,
+    /// When it was taken (the guest's point in time).
+    pub created_at: DateTime<Utc>,
+    /// vCPU pause it cost, in ms.
+    pub pause_ms: Option<f64>,
+    /// Bytes only it holds.
+    pub exclusive_bytes: Option<u64>,
+    /// Bytes it references.
+    pub referenced_bytes: Option<u64>,
+}
+
+/// Template build status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TemplateStatus {
+    /// Being built.
+    Building,
+    /// Usable.
+    Ready,
+    /// The build failed (see reason).
+    Failed,
+    /// Deleted.
+    Deleted,
+}
+
+impl TemplateStatus {
+    /// The snake_case name.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            TemplateStatus::Building => "building",
+            TemplateStatus::Ready => "ready",
+            TemplateStatus::Failed => "failed",
+            TemplateStatus::Deleted => "deleted",
+        }
+    }
+
+    /// Parses [`TemplateStatus::as_str`] back.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "building" => Some(TemplateStatus::Building),
+            "ready" => Some(TemplateStatus::Ready),
+            "failed" => Some(TemplateStatus::Failed),
+            "deleted" => Some(TemplateStatus::Deleted),
+            _ => None,
+        }
+    }
+}
+
+/// A template as recorded.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TemplateRecord {
+    /// Id.
+    pub id: TemplateId,
+    /// Owning tenant.
+    pub tenant: String,
+    /// Human name (unique among live templates is not enforced).
+    pub name: Option<String>,
+    /// Size its guest was booted with (the default size of its sandboxes).
+    pub size: SandboxSize,
+    /// Build status.
+    pub status: TemplateStatus,
+    /// Why it failed.
+    pub status_reason: Option<String>,
+    /// Accelerator it was made under.
+    pub accel: Option<String>,
+    /// Creation time.
+    pub created_at: DateTime<Utc>,
+    /// Last change.
+    pub updated_at: DateTime<Utc>,
+}
+
+/// Phase of a journaled transition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EventPhase {
+    /// Recorded before acting.
+    Pending,
+    /// Finished; the new state is acknowledged.
+    Done,
+    /// Failed; the previous state stands.
+    Failed,
+    /// Found by recovery (rolled back or completed after a crash).
+    Recovered,
+}
+
+impl EventPhase {
+    /// The snake_case name.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            EventPhase::Pending => "pending",
+            EventPhase::Done => "done",
+            EventPhase::Failed => "failed",
+            EventPhase::Recovered => "recovered",
+        }
+    }
+}
+
+/// One entry of the append-only journal.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    /// Position in the journal (assigned by the store; 0 before insert).
+    pub seq: i64,
+    /// When.
+    pub at: DateTime<Utc>,
+    /// Tenant of the sandbox.
+    pub tenant: String,
+    /// Sandbox concerned.
+    pub sandbox_id: SandboxId,
+    /// Operation.
+    pub op: Op,
+    /// State before.
+    pub from_state: Option<SandboxState>,
+    /// State after (the same as before for a failed op).
+    pub to_state: Option<SandboxState>,
+    /// Phase.
+    pub phase: EventPhase,
+    /// Details (failure reason, snapshot id, ...).
+    pub detail: Option<String>,
+}
+
+impl Event {
+    /// An event about `rec` (from its present state) for `op`.
+    pub fn new(
+        rec: &SandboxRecord,
+        op: Op,
+        to: Option<SandboxState>,
+        phase: EventPhase,
+        detail: Option<String>,
+        at: DateTime<Utc>,
+    ) -> Self {
+        Event {
+            seq: 0,
+            at,
+            tenant: rec.tenant.clone(),
+            sandbox_id: rec.id.clone(),
+            op,
+            from_state: Some(rec.state),
+            to_state: to,
+            phase,
+            detail,
+        }
+    }
+}
+
+/// Filters and page of a sandbox listing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SandboxFilter {
+    /// Tenant whose sandboxes are listed.
+    pub tenant: String,
+    /// Only these states (empty: every state but `deleted`).
+    pub states: Vec<SandboxState>,
+    /// Only sandboxes carrying all these labels.
+    pub labels: BTreeMap<String, String>,
+    /// Page size (clamped to 1..=1000).
+    pub limit: usize,
+    /// Opaque cursor from the previous page.
+    pub cursor: Option<String>,
+}
+
+/// One page of results.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Page<T> {
+    /// The items.
+    pub items: Vec<T>,
+    /// Cursor of the next page, when there is one.
+    pub next_cursor: Option<String>,
+}
+
+/// Why a store call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The database refused or failed.
+    #[error("database error")]
+    Db(#[from] rusqlite::Error),
+    /// A stored value does not parse (corruption or a newer schema).
+    #[error("corrupt record {table}/{id}: {what}")]
+    Corrupt {
+        /// Table.
+        table: &'static str,
+        /// Row id.
+        id: String,
+        /// What failed to parse.
+        what: String,
+    },
+    /// A pagination cursor that this store did not hand out.
+    #[error("invalid cursor")]
+    BadCursor,
+    /// The database was written by a newer stratad.
+    #[error("database schema version {found} is newer than this stratad ({supported})")]
+    TooNew {
+        /// Version in the file.
+        found: i64,
+        /// Newest version known here.
+        supported: i64,
+    },
+    /// Opening the database file failed.
+    #[error("cannot open {path}")]
+    Open {
+        /// The file.
+        path: String,
+        /// Cause.
+        #[source]
+        source: rusqlite::Error,
+    },
+    /// A blocking task failed to run.
+    #[error("store task failed: {0}")]
+    Task(String),
+}
+
+/// Result of store calls.
+pub type StoreResult<T> = Result<T, StoreError>;
+
+/// Counts for metrics.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoreCounts {
+    /// Sandboxes per state (deleted excluded).
+    pub sandboxes_by_state: BTreeMap<String, u64>,
+    /// Ready snapshots.
+    pub snapshots_ready: u64,
+    /// Ready templates.
+    pub templates_ready: u64,
+}
+
+/// Durable records of one control plane. Implementations are shared between
+/// threads; each write is atomic and durable when it returns.
+pub trait Store: Send + Sync + 'static {
+    /// Inserts a new sandbox and its first journal event.
+    fn insert_sandbox(&self, rec: &SandboxRecord, event: &Event) -> StoreResult<()>;
+    /// Replaces a sandbox record and appends `event`, atomically.
+    fn update_sandbox(&self, rec: &SandboxRecord, event: Option<&Event>) -> StoreResult<()>;
+    /// Records API activity (no journal entry).
+    fn touch_sandbox(&self, id: &SandboxId, at: DateTime<Utc>) -> StoreResult<()>;
+    /// One sandbox (deleted ones too).
+    fn get_sandbox(&self, id: &SandboxId) -> StoreResult<Option<SandboxRecord>>;
+    /// A filtered page, oldest first.
+    fn list_sandboxes(&self, filter: &SandboxFilter) -> StoreResult<Page<SandboxRecord>>;
+    /// Every sandbox not deleted (recovery, scheduler start).
+    fn live_sandboxes(&self) -> StoreResult<Vec<SandboxRecord>>;
+
+    /// Inserts or replaces a snapshot record.
+    fn put_snapshot(&self, rec: &SnapshotRecord) -> StoreResult<()>;
+    /// Writes a sandbox, snapshot records and an event in one transaction.
+    fn commit(
+        &self,
+        sandboxes: &[&SandboxRecord],
+        snapshots: &[&SnapshotRecord],
+        event: Option<&Event>,
+    ) -> StoreResult<()>;
+    /// One snapshot.
+    fn get_snapshot(&self, id: &SnapshotId) -> StoreResult<Option<SnapshotRecord>>;
+    /// A sandbox's snapshots, oldest first (`deleted` ones only when asked).
+    fn list_snapshots(
+        &self,
+        sandbox: &SandboxId,
+        include_deleted: bool,
+    ) -> StoreResult<Vec<SnapshotRecord>>;
+    /// Every snapshot left `pending` (recovery).
+    fn pending_snapshots(&self) -> StoreResult<Vec<SnapshotRecord>>;
+    /// The newest ready snapshot of a sandbox.
+    fn latest_ready_snapshot(&self, sandbox: &SandboxId) -> StoreResult<Option<SnapshotRecord>>;
+    /// The newest ready snapshot of a sandbox taken at or before `at`.
+    fn ready_snapshot_at(
+        &self,
+        sandbox: &SandboxId,
+        at: DateTime<Utc>,
+    ) -> StoreResult<Option<SnapshotRecord>>;
+    /// Every ready snapshot id (recovery checks them against the pool).
+    fn ready_snapshot_ids(&self) -> StoreResult<Vec<SnapshotId>>;
+    /// Ids of sandboxes with ready snapshots, after `after`, at most `limit` (GC sweep).
+    fn sandboxes_with_snapshots(
+        &self,
+        after: Option<&SandboxId>,
+        limit: usize,
+    ) -> StoreResult<Vec<SandboxId>>;
+
+    /// Inserts or replaces a template.
+    fn put_template(&self, rec: &TemplateRecord) -> StoreResult<()>;
+    /// One template.
+    fn get_template(&self, id: &TemplateId) -> StoreResult<Option<TemplateRecord>>;
+    /// Templates not deleted, oldest first.
+    fn list_templates(&self, tenant: &str) -> StoreResult<Vec<TemplateRecord>>;
+
+    /// The journal of a sandbox, newest last, at most `limit` entries.
+    fn events(&self, sandbox: &SandboxId, limit: usize) -> StoreResult<Vec<Event>>;
+    /// Counts for metrics.
+    fn counts(&self) -> StoreResult<StoreCounts>;
+}

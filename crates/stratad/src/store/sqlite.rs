@@ -1,0 +1,895 @@
+//! The embedded SQLite store.
+//!
+//! Durability: the database runs in WAL mode with `synchronous=FULL`, so a
+//! commit returns only after its WAL frames are fsynced. `NORMAL` would be
+//! enough against a `kill -9` of the daemon (the WAL write has reached the
+//! kernel before `COMMIT` returns) but not against a host crash or power cut,
+//! where the last transactions before a checkpoint could be lost; the daemon
+//! acknowledges a state change only after its commit, and the rate of writes
+//! (state changes, about one snapshot per running sandbox per minute) is far
+//! below what one fsync per commit allows.
+//!
+//! Concurrency: one writer connection behind a mutex (SQLite has one writer
+//! anyway) and a small pool of read-only connections, which WAL lets read
+//! while the writer writes. Callers are on the blocking pool.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+use base64::Engine as _;
+use chrono::{DateTime, Utc};
+use rusqlite::{params, Connection, OpenFlags, OptionalExtension, Row};
+use strata_core::{Op, SandboxId, SandboxSize, SandboxState, SnapshotId, TemplateId};
+
+use super::*;
+
+/// Newest schema version this build knows.
+pub const SCHEMA_VERSION: i64 = 1;
+
+const MIGRATIONS: &[&str] = &[
+    // 1: initial schema.
+    r#"
+    CREATE TABLE sandboxes (
+        id TEXT PRIMARY KEY,
+        tenant_id TEXT NOT NULL DEFAULT 'default',
+        template_id TEXT,
+        source_snapshot_id TEXT,
+        vcpus INTEGER NOT NULL,
+        memory_mib INTEGER NOT NULL,
+        disk_gib INTEGER NOT NULL,
+        labels TEXT NOT NULL DEFAULT '{}',
+        state TEXT NOT NULL,
+        state_reason TEXT,
+        pending_op TEXT,
+        idle_timeout_s INTEGER,
+        snapshot_interval_s INTEGER,
+        created_at INTEGER NOT NULL,
+        updated_at INTEGER NOT NULL,
+        last_activity_at INTEGER NOT NULL,
+        pid INTEGER,
+        accel TEXT,
+        deleted_at INTEGER
+    ) WITHOUT ROWID;
+    CREATE INDEX sandboxes_by_tenant ON sandboxes (tenant_id, created_at, id);
+    CREATE INDEX sandboxes_by_state ON sandboxes (tenant_id, state, created_at, id);
+    CREATE TABLE sandbox_labels (
+        sandbox_id TEXT NOT NULL,
+        key TEXT NOT NULL,
+        value TEXT NOT NULL,
+        PRIMARY KEY (sandbox_id, key)
+    ) WITHOUT ROWID;
+    CREATE INDEX sandbox_labels_by_kv ON sandbox_labels (key, value, sandbox_id);
+    CREATE TABLE snapshots (
+        id TEXT PRIMARY KEY,
+        tenant_id TEXT NOT NULL DEFAULT 'default',
+        sandbox_id TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        label TEXT,
+        status TEXT NOT NULL,
+        status_reason TEXT,
+        created_at INTEGER NOT NULL,
+        pause_ms REAL,
+        exclusive_bytes INTEGER,
+        referenced_bytes INTEGER
+    ) WITHOUT ROWID;
+    CREATE INDEX snapshots_by_sandbox ON snapshots (sandbox_id, created_at);
+    CREATE INDEX snapshots_by_status ON snapshots (status, sandbox_id);
+    CREATE TABLE templates (
+        id TEXT PRIMARY KEY,
+        tenant_id TEXT NOT NULL DEFAULT 'default',
+        name TEXT,
+        vcpus INTEGER NOT NULL,
+        memory_mib INTEGER NOT NULL,
+        disk_gib INTEGER NOT NULL,
+        status TEXT NOT NULL,
+        status_reason TEXT,
+        accel TEXT,
+        created_at INTEGER NOT NULL,
+        updated_at INTEGER NOT NULL
+    ) WITHOUT ROWID;
+    CREATE TABLE events (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        at INTEGER NOT NULL,
+        tenant_id TEXT NOT NULL DEFAULT 'default',
+        sandbox_id TEXT NOT NULL,
+        op TEXT NOT NULL,
+        from_state TEXT,
+        to_state TEXT,
+        phase TEXT NOT NULL,
+        detail TEXT
+    );
+    CREATE INDEX events_by_sandbox ON events (sandbox_id, seq);
+    CREATE TRIGGER events_append_only_update BEFORE UPDATE ON events
+        BEGIN SELECT RAISE(ABORT, 'events are append-only'); END;
+    CREATE TRIGGER events_append_only_delete BEFORE DELETE ON events
+        BEGIN SELECT RAISE(ABORT, 'events are append-only'); END;
+    "#,
+];
+
+/// SQLite implementation of [`Store`].
+pub struct SqliteStore {
+    writer: Mutex<Connection>,
+    readers: Vec<Mutex<Connection>>,
+    next_reader: AtomicUsize,
+}
+
+impl std::fmt::Debug for SqliteStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqliteStore")
+            .field("readers", &self.readers.len())
+            .finish()
+    }
+}
+
+fn ms(t: DateTime<Utc>) -> i64 {
+    t.timestamp_millis()
+}
+
+fn from_ms(v: i64) -> DateTime<Utc> {
+    DateTime::from_timestamp_millis(v).unwrap_or_default()
+}
+
+fn op_str(op: Op) -> String {
+    op.to_string()
+}
+
+fn parse_op(s: &str) -> Option<Op> {
+    serde_json::from_value(serde_json::Value::String(s.to_owned())).ok()
+}
+
+fn corrupt(table: &'static str, id: &str, what: impl Into<String>) -> StoreError {
+    StoreError::Corrupt {
+        table,
+        id: id.to_owned(),
+        what: what.into(),
+    }
+}
+
+const SANDBOX_COLS: &str = "id, tenant_id, template_id, source_snapshot_id, vcpus, memory_mib, \
+    disk_gib, labels, state, state_reason, pending_op, idle_timeout_s, snapshot_interval_s, \
+    created_at, updated_at, last_activity_at, pid, accel, deleted_at";
+
+/// Raw row, converted outside rusqlite's closure so parse errors are ours.
+struct SandboxRow {
+    id: String,
+    tenant: String,
+    template: Option<String>,
+    source: Option<String>,
+    vcpus: u32,
+    memory_mib: u32,
+    disk_gib: u32,
+    labels: String,
+    state: String,
+    state_reason: Option<String>,
+    pending_op: Option<String>,
+    idle: Option<i64>,
+    interval: Option<i64>,
+    created: i64,
+    updated: i64,
+    activity: i64,
+    pid: Option<i64>,
+    accel: Option<String>,
+    deleted: Option<i64>,
+}
+
+fn sandbox_row(r: &Row<'_>) -> rusqlite::Result<SandboxRow> {
+    Ok(SandboxRow {
+        id: r.get(0)?,
+        tenant: r.get(1)?,
+        template: r.get(2)?,
+        source: r.get(3)?,
+        vcpus: r.get(4)?,
+        memory_mib: r.get(5)?,
+        disk_gib: r.get(6)?,
+        labels: r.get(7)?,
+        state: r.get(8)?,
+        state_reason: r.get(9)?,
+        pending_op: r.get(10)?,
+        idle: r.get(11)?,
+        interval: r.get(12)?,
+        created: r.get(13)?,
+        updated: r.get(14)?,
+        activity: r.get(15)?,
+        pid: r.get(16)?,
+        accel: r.get(17)?,
+        deleted: r.get(18)?,
+    })
+}
+
+impl SandboxRow {
+    fn into_record(self) -> StoreResult<SandboxRecord> {
+        let t = "sandboxes";
+        let id: SandboxId = self
+            .id
+            .parse()
+            .map_err(|e| corrupt(t, &self.id, format!("{e}")))?;
+        let template = match self.template {
+            Some(s) => Some(
+                s.parse()
+                    .map_err(|e| corrupt(t, &self.id, format!("{e}")))?,
+            ),
+            None => None,
+        };
+        let source_snapshot = match self.source {
+            Some(s) => Some(
+                s.parse()
+                    .map_err(|e| corrupt(t, &self.id, format!("{e}")))?,
+            ),
+            None => None,
+        };
+        let labels = serde_json::from_str(&self.labels)
+            .map_err(|e| corrupt(t, &self.id, format!("labels: {e}")))?;
+        let state = self
+            .state
+            .parse()
+            .map_err(|e: String| corrupt(t, &self.id, e))?;
+        let pending_op = match self.pending_op {
+            Some(s) => Some(parse_op(&s).ok_or_else(|| corrupt(t, &self.id, format!("op {s:?}")))?),
+            None => None,
+        };
+        Ok(SandboxRecord {
+            id,
+            tenant: self.tenant,
+            template,
+            source_snapshot,
+            size: SandboxSize {
+                vcpus: self.vcpus,
+                memory_mib: self.memory_mib,
+                disk_gib: self.disk_gib,
+            },
+            labels,
+            state,
+            state_reason: self.state_reason,
+            pending_op,
+            idle_timeout_s: self.idle.map(|v| v.max(0) as u64),
+            snapshot_interval_s: self.interval.map(|v| v.max(0) as u64),
+            created_at: from_ms(self.created),
+            updated_at: from_ms(self.updated),
+            last_activity_at: from_ms(self.activity),
+            pid: self.pid.and_then(|p| u32::try_from(p).ok()),
+            accel: self.accel,
+            deleted_at: self.deleted.map(from_ms),
+        })
+    }
+}
+
+const SNAPSHOT_COLS: &str = "id, tenant_id, sandbox_id, kind, label, status, status_reason, \
+    created_at, pause_ms, exclusive_bytes, referenced_bytes";
+
+type SnapshotRow = (
+    String,
+    String,
+    String,
+    String,
+    Option<String>,
+    String,
+    Option<String>,
+    i64,
+    Option<f64>,
+    Option<i64>,
+    Option<i64>,
+);
+
+fn snapshot_row(r: &Row<'_>) -> rusqlite::Result<SnapshotRow> {
+    Ok((
+        r.get(0)?,
+        r.get(1)?,
+        r.get(2)?,
+        r.get(3)?,
+        r.get(4)?,
+        r.get(5)?,
+        r.get(6)?,
+        r.get(7)?,
+        r.get(8)?,
+        r.get(9)?,
+        r.get(10)?,
+    ))
+}
+
+fn snapshot_record(row: SnapshotRow) -> StoreResult<SnapshotRecord> {
+    let (id, tenant, sandbox, kind, label, status, reason, created, pause, excl, refd) = row;
+    let t = "snapshots";
+    Ok(SnapshotRecord {
+        id: id.parse().map_err(|e| corrupt(t, &id, format!("{e}")))?,
+        tenant,
+        sandbox_id: sandbox
+            .parse()
+            .map_err(|e| corrupt(t, &id, format!("{e}")))?,
+        kind: SnapshotKind::parse(&kind)
+            .ok_or_else(|| corrupt(t, &id, format!("kind {kind:?}")))?,
+        label,
+        status: SnapshotStatus::parse(&status)
+            .ok_or_else(|| corrupt(t, &id, format!("status {status:?}")))?,
+        status_reason: reason,
+        created_at: from_ms(created),
+        pause_ms: pause,
+        exclusive_bytes: excl.map(|v| v.max(0) as u64),
+        referenced_bytes: refd.map(|v| v.max(0) as u64),
+    })
+}
+
+const TEMPLATE_COLS: &str = "id, tenant_id, name, vcpus, memory_mib, disk_gib, status, \
+    status_reason, accel, created_at, updated_at";
+
+type TemplateRow = (
+    String,
+    String,
+    Option<String>,
+    u32,
+    u32,
+    u32,
+    String,
+    Option<String>,
+    Option<String>,
+    i64,
+    i64,
+);
+
+fn template_row(r: &Row<'_>) -> rusqlite::Result<TemplateRow> {
+    Ok((
+        r.get(0)?,
+        r.get(1)?,
+        r.get(2)?,
+        r.get(3)?,
+        r.get(4)?,
+        r.get(5)?,
+        r.get(6)?,
+        r.get(7)?,
+        r.get(8)?,
+        r.get(9)?,
+        r.get(10)?,
+    ))
+}
+
+fn template_record(row: TemplateRow) -> StoreResult<TemplateRecord> {
+    let (id, tenant, name, vcpus, memory_mib, disk_gib, status, reason, accel, created, updated) =
+        row;
+    let t = "templates";
+    Ok(TemplateRecord {
+        id: id.parse().map_err(|e| corrupt(t, &id, format!("{e}")))?,
+        tenant,
+        name,
+        size: SandboxSize {
+            vcpus,
+            memory_mib,
+            disk_gib,
+        },
+        status: TemplateStatus::parse(&status)
+            .ok_or_else(|| corrupt(t, &id, format!("status {status:?}")))?,
+        status_reason: reason,
+        accel,
+        created_at: from_ms(created),
+        updated_at: from_ms(updated),
+    })
+}
+
+fn encode_cursor(created: DateTime<Utc>, id: &SandboxId) -> String {
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(format!("{}:{}", ms(created), id))
+}
+
+fn decode_cursor(c: &str) -> StoreResult<(i64, String)> {
+    let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(c)
+        .map_err(|_| StoreError::BadCursor)?;
+    let s = String::from_utf8(raw).map_err(|_| StoreError::BadCursor)?;
+    let (t, id) = s.split_once(':').ok_or(StoreError::BadCursor)?;
+    let t: i64 = t.parse().map_err(|_| StoreError::BadCursor)?;
+    id.parse::<SandboxId>().map_err(|_| StoreError::BadCursor)?;
+    Ok((t, id.to_owned()))
+}
+
+fn write_sandbox(tx: &Connection, rec: &SandboxRecord, insert: bool) -> StoreResult<()> {
+    let labels = serde_json::to_string(&rec.labels).unwrap_or_else(|_| "{}".into());
+    let verb = if insert { "INSERT" } else { "REPLACE" };
+    tx.execute(
+        &format!("{verb} INTO sandboxes ({SANDBOX_COLS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18,?19)"),
+        params![
+            rec.id.as_str(),
+            rec.tenant,
+            rec.template.as_ref().map(|t| t.as_str().to_owned()),
+            rec.source_snapshot.as_ref().map(|t| t.as_str().to_owned()),
+            rec.size.vcpus,
+            rec.size.memory_mib,
+            rec.size.disk_gib,
+            labels,
+            rec.state.as_str(),
+            rec.state_reason,
+            rec.pending_op.map(op_str),
+            rec.idle_timeout_s.map(|v| v.min(i64::MAX as u64) as i64),
+            rec.snapshot_interval_s.map(|v| v.min(i64::MAX as u64) as i64),
+            ms(rec.created_at),
+            ms(rec.updated_at),
+            ms(rec.last_activity_at),
+            rec.pid.map(i64::from),
+            rec.accel,
+            rec.deleted_at.map(ms),
+        ],
+    )?;
+    tx.execute(
+        "DELETE FROM sandbox_labels WHERE sandbox_id = ?1",
+        params![rec.id.as_str()],
+    )?;
+    if rec.state != SandboxState::Deleted {
+        let mut stmt = tx.prepare_cached(
+            "INSERT INTO sandbox_labels (sandbox_id, key, value) VALUES (?1, ?2, ?3)",
+        )?;
+        for (k, v) in &rec.labels {
+            stmt.execute(params![rec.id.as_str(), k, v])?;
+        }
+    }
+    Ok(())
+}
+
+fn write_snapshot(tx: &Connection, rec: &SnapshotRecord) -> StoreResult<()> {
+    tx.execute(
+        &format!(
+            "REPLACE INTO snapshots ({SNAPSHOT_COLS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11)"
+        ),
+        params![
+            rec.id.as_str(),
+            rec.tenant,
+            rec.sandbox_id.as_str(),
+            rec.kind.as_str(),
+            rec.label,
+            rec.status.as_str(),
+            rec.status_reason,
+            ms(rec.created_at),
+            rec.pause_ms,
+            rec.exclusive_bytes.map(|v| v.min(i64::MAX as u64) as i64),
+            rec.referenced_bytes.map(|v| v.min(i64::MAX as u64) as i64),
+        ],
+    )?;
+    Ok(())
+}
+
+fn write_event(tx: &Connection, ev: &Event) -> StoreResult<()> {
+    tx.execute(
+        "INSERT INTO events (at, tenant_id, sandbox_id, op, from_state, to_state, phase, detail) \
+         VALUES (?1,?2,?3,?4,?5,?6,?7,?8)",
+        params![
+            ms(ev.at),
+            ev.tenant,
+            ev.sandbox_id.as_str(),
+            op_str(ev.op),
+            ev.from_state.map(|s| s.as_str()),
+            ev.to_state.map(|s| s.as_str()),
+            ev.phase.as_str(),
+            ev.detail,
+        ],
+    )?;
+    Ok(())
+}
+
+impl SqliteStore {
+    /// Opens (creating and migrating if needed) the database at `path`, with
+    /// `readers` read-only connections.
+    pub fn open(path: &Path, readers: usize) -> StoreResult<Self> {
+        let open_err = |source| StoreError::Open {
+            path: path.display().to_string(),
+            source,
+        };
+        let mut writer = Connection::open(path).map_err(open_err)?;
+        writer.busy_timeout(std::time::Duration::from_secs(5))?;
+        let mode: String = writer.query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))?;
+        if !mode.eq_ignore_ascii_case("wal") {
+            return Err(corrupt("pragma", "journal_mode", format!("got {mode}")));
+        }
+        writer.execute_batch("PRAGMA synchronous=FULL; PRAGMA foreign_keys=ON;")?;
+        Self::migrate(&mut writer)?;
+        let mut pool = Vec::new();
+        for _ in 0..readers.max(1) {
+            let c = Connection::open_with_flags(
+                path,
+                OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+            )
+            .map_err(open_err)?;
+            c.busy_timeout(std::time::Duration::from_secs(5))?;
+            pool.push(Mutex::new(c));
+        }
+        Ok(SqliteStore {
+            writer: Mutex::new(writer),
+            readers: pool,
+            next_reader: AtomicUsize::new(0),
+        })
+    }
+
+    fn migrate(conn: &mut Connection) -> StoreResult<()> {
+        let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+        if version > SCHEMA_VERSION {
+            return Err(StoreError::TooNew {
+                found: version,
+                supported: SCHEMA_VERSION,
+            });
+        }
+        for (i, sql) in MIGRATIONS.iter().enumerate().skip(version.max(0) as usize) {
+            let tx = conn.transaction()?;
+            tx.execute_batch(sql)?;
+            tx.execute_batch(&format!("PRAGMA user_version = {}", i + 1))?;
+            tx.commit()?;
+        }
+        Ok(())
+    }
+
+    fn writer(&self) -> MutexGuard<'_, Connection> {
+        // A poisoned lock only means another thread panicked mid-call; the
+        // connection itself rolled the transaction back.
+        self.writer.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn reader(&self) -> MutexGuard<'_, Connection> {
+        let n = self.readers.len();
+        let start = self.next_reader.fetch_add(1, Ordering::Relaxed);
+        for i in 0..n {
+            if let Ok(g) = self.readers[(start + i) % n].try_lock() {
+                return g;
+            }
+        }
+        self.readers[start % n]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn ready_snapshot_at_ms(
+        &self,
+        sandbox: &SandboxId,
+        at_ms: i64,
+    ) -> StoreResult<Option<SnapshotRecord>> {
+        let conn = self.reader();
+        let mut v = Self::query_snapshots(
+            &conn,
+            &format!(
+                "SELECT {SNAPSHOT_COLS} FROM snapshots WHERE sandbox_id = ?1 AND status = 'ready' \
+                 AND created_at <= ?2 ORDER BY created_at DESC, id DESC LIMIT 1"
+            ),
+            &[&sandbox.as_str(), &at_ms],
+        )?;
+        Ok(v.pop())
+    }
+
+    fn query_sandboxes(
+        conn: &Connection,
+        sql: &str,
+        args: &[&dyn rusqlite::ToSql],
+    ) -> StoreResult<Vec<SandboxRecord>> {
+        let mut stmt = conn.prepare_cached(sql)?;
+        let rows = stmt
+            .query_map(args, sandbox_row)?
+            .collect::<Result<Vec<_>, _>>()?;
+        rows.into_iter().map(SandboxRow::into_record).collect()
+    }
+
+    fn query_snapshots(
+        conn: &Connection,
+        sql: &str,
+        args: &[&dyn rusqlite::ToSql],
+    ) -> StoreResult<Vec<SnapshotRecord>> {
+        let mut stmt = conn.prepare_cached(sql)?;
+        let rows = stmt
+            .query_map(args, snapshot_row)?
+            .collect::<Result<Vec<_>, _>>()?;
+        rows.into_iter().map(snapshot_record).collect()
+    }
+}
+
+impl Store for SqliteStore {
+    fn insert_sandbox(&self, rec: &SandboxRecord, event: &Event) -> StoreResult<()> {
+        let mut w = self.writer();
+        let tx = w.transaction()?;
+        write_sandbox(&tx, rec, true)?;
+        write_event(&tx, event)?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    fn update_sandbox(&self, rec: &SandboxRecord, event: Option<&Event>) -> StoreResult<()> {
+        self.commit(&[rec], &[], event)
+    }
+
+    fn touch_sandbox(&self, id: &SandboxId, at: DateTime<Utc>) -> StoreResult<()> {
+        self.writer().execute(
+            "UPDATE sandboxes SET last_activity_at = max(last_activity_at, ?2) WHERE id = ?1",
+            params![id.as_str(), ms(at)],
+        )?;
+        Ok(())
+    }
+
+    fn get_sandbox(&self, id: &SandboxId) -> StoreResult<Option<SandboxRecord>> {
+        let conn = self.reader();
+        let mut stmt = conn.prepare_cached(&format!(
+            "SELECT {SANDBOX_COLS} FROM sandboxes WHERE id = ?1"
+        ))?;
+        let row = stmt.query_row([id.as_str()], sandbox_row).optional()?;
+        row.map(SandboxRow::into_record).transpose()
+    }
+
+    fn list_sandboxes(&self, f: &SandboxFilter) -> StoreResult<Page<SandboxRecord>> {
+        let limit = f.limit.clamp(1, 1000);
+        let mut sql = format!("SELECT {SANDBOX_COLS} FROM sandboxes s WHERE tenant_id = ?");
+        let mut args: Vec<Box<dyn rusqlite::ToSql>> = vec![Box::new(f.tenant.clone())];
+        if f.states.is_empty() {
+            sql.push_str(" AND state != 'deleted'");
+        } else {
+            sql.push_str(" AND state IN (");
+            for (i, st) in f.states.iter().enumerate() {
+                sql.push_str(if i == 0 { "?" } else { ",?" });
+                args.push(Box::new(st.as_str()));
+            }
+            sql.push(')');
+        }
+        for (k, v) in &f.labels {
+            sql.push_str(
+                " AND EXISTS (SELECT 1 FROM sandbox_labels l WHERE l.sandbox_id = s.id AND l.key = ? AND l.value = ?)",
+            );
+            args.push(Box::new(k.clone()));
+            args.push(Box::new(v.clone()));
+        }
+        if let Some(c) = &f.cursor {
+            let (t, id) = decode_cursor(c)?;
+            sql.push_str(" AND (created_at, id) > (?, ?)");
+            args.push(Box::new(t));
+            args.push(Box::new(id));
+        }
+        sql.push_str(" ORDER BY created_at, id LIMIT ?");
+        args.push(Box::new((limit + 1) as i64));
+        let conn = self.reader();
+        let refs: Vec<&dyn rusqlite::ToSql> = args.iter().map(|b| b.as_ref()).collect();
+        let mut items = Self::query_sandboxes(&conn, &sql, &refs)?;
+        let next_cursor = if items.len() > limit {
+            items.truncate(limit);
+            items.last().map(|r| encode_cursor(r.created_at, &r.id))
+        } else {
+            None
+        };
+        Ok(Page { items, next_cursor })
+    }
+
+    fn live_sandboxes(&self) -> StoreResult<Vec<SandboxRecord>> {
+        let conn = self.reader();
+        Self::query_sandboxes(
+            &conn,
+            &format!("SELECT {SANDBOX_COLS} FROM sandboxes WHERE state != 'deleted' ORDER BY created_at, id"),
+            &[],
+        )
+    }
+
+    fn put_snapshot(&self, rec: &SnapshotRecord) -> StoreResult<()> {
+        self.commit(&[], &[rec], None)
+    }
+
+    fn commit(
+        &self,
+        sandboxes: &[&SandboxRecord],
+        snapshots: &[&SnapshotRecord],
+        event: Option<&Event>,
+    ) -> StoreResult<()> {
+        let mut w = self.writer();
+        let tx = w.transaction()?;
+        for s in sandboxes {
+            write_sandbox(&tx, s, false)?;
+        }
+        for s in snapshots {
+            write_snapshot(&tx, s)?;
+        }
+        if let Some(ev) = event {
+            write_event(&tx, ev)?;
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    fn get_snapshot(&self, id: &SnapshotId) -> StoreResult<Option<SnapshotRecord>> {
+        let conn = self.reader();
+        let mut v = Self::query_snapshots(
+            &conn,
+            &format!("SELECT {SNAPSHOT_COLS} FROM snapshots WHERE id = ?1"),
+            &[&id.as_str()],
+        )?;
+        Ok(v.pop())
+    }
+
+    fn list_snapshots(
+        &self,
+        sandbox: &SandboxId,
+        include_deleted: bool,
+    ) -> StoreResult<Vec<SnapshotRecord>> {
+        let conn = self.reader();
+        let filter = if include_deleted {
+            ""
+        } else {
+            " AND status != 'deleted'"
+        };
+        Self::query_snapshots(
+            &conn,
+            &format!("SELECT {SNAPSHOT_COLS} FROM snapshots WHERE sandbox_id = ?1{filter} ORDER BY created_at, id"),
+            &[&sandbox.as_str()],
+        )
+    }
+
+    fn pending_snapshots(&self) -> StoreResult<Vec<SnapshotRecord>> {
+        let conn = self.reader();
+        Self::query_snapshots(
+            &conn,
+            &format!("SELECT {SNAPSHOT_COLS} FROM snapshots WHERE status = 'pending'"),
+            &[],
+        )
+    }
+
+    fn latest_ready_snapshot(&self, sandbox: &SandboxId) -> StoreResult<Option<SnapshotRecord>> {
+        self.ready_snapshot_at_ms(sandbox, i64::MAX)
+    }
+
+    fn ready_snapshot_at(
+        &self,
+        sandbox: &SandboxId,
+        at: DateTime<Utc>,
+    ) -> StoreResult<Option<SnapshotRecord>> {
+        self.ready_snapshot_at_ms(sandbox, ms(at))
+    }
+
+    fn ready_snapshot_ids(&self) -> StoreResult<Vec<SnapshotId>> {
+        let conn = self.reader();
+        let mut stmt = conn.prepare_cached("SELECT id FROM snapshots WHERE status = 'ready'")?;
+        let ids = stmt
+            .query_map([], |r| r.get::<_, String>(0))?
+            .collect::<Result<Vec<_>, _>>()?;
+        ids.into_iter()
+            .map(|s| {
+                s.parse()
+                    .map_err(|e| corrupt("snapshots", &s, format!("{e}")))
+            })
+            .collect()
+    }
+
+    fn sandboxes_with_snapshots(
+        &self,
+        after: Option<&SandboxId>,
+        limit: usize,
+    ) -> StoreResult<Vec<SandboxId>> {
+        let conn = self.reader();
+        let mut stmt = conn.prepare_cached(
+            "SELECT DISTINCT sandbox_id FROM snapshots WHERE status = 'ready' AND sandbox_id > ?1 \
+             ORDER BY sandbox_id LIMIT ?2",
+        )?;
+        let ids = stmt
+            .query_map(
+                params![after.map(|a| a.as_str()).unwrap_or(""), limit as i64],
+                |r| r.get::<_, String>(0),
+            )?
+            .collect::<Result<Vec<_>, _>>()?;
+        ids.into_iter()
+            .map(|s| {
+                s.parse()
+                    .map_err(|e| corrupt("snapshots", &s, format!("{e}")))
+            })
+            .collect()
+    }
+
+    fn put_template(&self, rec: &TemplateRecord) -> StoreResult<()> {
+        self.writer().execute(
+            &format!("REPLACE INTO templates ({TEMPLATE_COLS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11)"),
+            params![
+                rec.id.as_str(),
+                rec.tenant,
+                rec.name,
+                rec.size.vcpus,
+                rec.size.memory_mib,
+                rec.size.disk_gib,
+                rec.status.as_str(),
+                rec.status_reason,
+                rec.accel,
+                ms(rec.created_at),
+                ms(rec.updated_at),
+            ],
+        )?;
+        Ok(())
+    }
+
+    fn get_template(&self, id: &TemplateId) -> StoreResult<Option<TemplateRecord>> {
+        let conn = self.reader();
+        let mut stmt = conn.prepare_cached(&format!(
+            "SELECT {TEMPLATE_COLS} FROM templates WHERE id = ?1"
+        ))?;
+        let row = stmt.query_row([id.as_str()], template_row).optional()?;
+        row.map(template_record).transpose()
+    }
+
+    fn list_templates(&self, tenant: &str) -> StoreResult<Vec<TemplateRecord>> {
+        let conn = self.reader();
+        let mut stmt = conn.prepare_cached(&format!(
+            "SELECT {TEMPLATE_COLS} FROM templates WHERE tenant_id = ?1 AND status != 'deleted' ORDER BY created_at, id"
+        ))?;
+        let rows = stmt
+            .query_map([tenant], template_row)?
+            .collect::<Result<Vec<_>, _>>()?;
+        rows.into_iter().map(template_record).collect()
+    }
+
+    fn events(&self, sandbox: &SandboxId, limit: usize) -> StoreResult<Vec<Event>> {
+        let conn = self.reader();
+        let mut stmt = conn.prepare_cached(
+            "SELECT seq, at, tenant_id, sandbox_id, op, from_state, to_state, phase, detail \
+             FROM events WHERE sandbox_id = ?1 ORDER BY seq DESC LIMIT ?2",
+        )?;
+        type EvRow = (
+            i64,
+            i64,
+            String,
+            String,
+            String,
+            Option<String>,
+            Option<String>,
+            String,
+            Option<String>,
+        );
+        let rows: Vec<EvRow> = stmt
+            .query_map(params![sandbox.as_str(), limit as i64], |r| {
+                Ok((
+                    r.get(0)?,
+                    r.get(1)?,
+                    r.get(2)?,
+                    r.get(3)?,
+                    r.get(4)?,
+                    r.get(5)?,
+                    r.get(6)?,
+                    r.get(7)?,
+                    r.get(8)?,
+                ))
+            })?
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut out = Vec::with_capacity(rows.len());
+        for (seq, at, tenant, sb, op, from, to, phase, detail) in rows.into_iter().rev() {
+            let id = seq.to_string();
+            let st = |s: Option<String>| -> StoreResult<Option<SandboxState>> {
+                s.map(|s| s.parse().map_err(|e: String| corrupt("events", &id, e)))
+                    .transpose()
+            };
+            out.push(Event {
+                seq,
+                at: from_ms(at),
+                tenant,
+                sandbox_id: sb
+                    .parse()
+                    .map_err(|e| corrupt("events", &id, format!("{e}")))?,
+                op: parse_op(&op).ok_or_else(|| corrupt("events", &id, format!("op {op:?}")))?,
+                from_state: st(from)?,
+                to_state: st(to)?,
+                phase: match phase.as_str() {
+                    "pending" => EventPhase::Pending,
+                    "done" => EventPhase::Done,
+                    "failed" => EventPhase::Failed,
+                    "recovered" => EventPhase::Recovered,
+                    other => return Err(corrupt("events", &id, format!("phase {other:?}"))),
+                },
+                detail,
+            });
+        }
+        Ok(out)
+    }
+
+    fn counts(&self) -> StoreResult<StoreCounts> {
+        let conn = self.reader();
+        let mut out = StoreCounts::default();
+        let mut stmt = conn.prepare_cached(
+            "SELECT state, count(*) FROM sandboxes WHERE state != 'deleted' GROUP BY state",
+        )?;
+        for row in stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))? {
+            let (s, n) = row?;
+            out.sandboxes_by_state.insert(s, n.max(0) as u64);
+        }
+        out.snapshots_ready = conn.query_row(
+            "SELECT count(*) FROM snapshots WHERE status = 'ready'",
+            [],
+            |r| r.get::<_, i64>(0),
+        )? as u64;
+        out.templates_ready = conn.query_row(
+            "SELECT count(*) FROM templates WHERE status = 'ready'",
+            [],
+            |r| r.get::<_, i64>(0),
+        )? as u64;
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests;

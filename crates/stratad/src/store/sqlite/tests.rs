@@ -1,0 +1,311 @@
+use std::collections::BTreeMap;
+
+use chrono::{Duration as CDuration, TimeZone, Utc};
+use strata_core::{Op, SandboxId, SandboxSize, SandboxState, SnapshotId};
+
+use super::*;
+
+fn t0() -> DateTime<Utc> {
+    Utc.with_ymd_and_hms(2026, 1, 1, 0, 0, 0).single().unwrap()
+}
+
+pub(crate) fn sandbox(i: i64, state: SandboxState) -> SandboxRecord {
+    let at = t0() + CDuration::seconds(i);
+    SandboxRecord {
+        id: format!("sb-{i:08}").parse().unwrap(),
+        tenant: DEFAULT_TENANT.into(),
+        template: Some("tpl-base".parse().unwrap()),
+        source_snapshot: None,
+        size: SandboxSize::default(),
+        labels: BTreeMap::from([("team".to_string(), format!("t{}", i % 3))]),
+        state,
+        state_reason: None,
+        pending_op: None,
+        idle_timeout_s: None,
+        snapshot_interval_s: Some(60),
+        created_at: at,
+        updated_at: at,
+        last_activity_at: at,
+        pid: Some(1000 + i as u32),
+        accel: Some("tcg".into()),
+        deleted_at: None,
+    }
+}
+
+fn snap(i: i64, sb: &SandboxId, secs: i64, status: SnapshotStatus) -> SnapshotRecord {
+    SnapshotRecord {
+        id: format!("snap-{i:06}").parse().unwrap(),
+        tenant: DEFAULT_TENANT.into(),
+        sandbox_id: sb.clone(),
+        kind: SnapshotKind::Rolling,
+        label: None,
+        status,
+        status_reason: None,
+        created_at: t0() + CDuration::seconds(secs),
+        pause_ms: Some(15.0),
+        exclusive_bytes: Some(4096),
+        referenced_bytes: Some(1 << 20),
+    }
+}
+
+fn created(rec: &SandboxRecord) -> Event {
+    Event::new(
+        rec,
+        Op::Created,
+        Some(rec.state),
+        EventPhase::Done,
+        None,
+        rec.created_at,
+    )
+}
+
+fn open(dir: &tempfile::TempDir) -> SqliteStore {
+    SqliteStore::open(&dir.path().join("strata.db"), 2).unwrap()
+}
+
+#[test]
+fn sandbox_round_trip_and_journal() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(&dir);
+    let mut rec = sandbox(1, SandboxState::Running);
+    s.insert_sandbox(&rec, &created(&rec)).unwrap();
+    assert_eq!(s.get_sandbox(&rec.id).unwrap().unwrap(), rec);
+    // A second insert of the same id is refused, not merged.
+    assert!(s.insert_sandbox(&rec, &created(&rec)).is_err());
+
+    let ev = Event::new(
+        &rec,
+        Op::Pause,
+        Some(SandboxState::Paused),
+        EventPhase::Done,
+        None,
+        t0(),
+    );
+    rec.state = SandboxState::Paused;
+    rec.pending_op = Some(Op::Hibernate);
+    s.update_sandbox(&rec, Some(&ev)).unwrap();
+    let got = s.get_sandbox(&rec.id).unwrap().unwrap();
+    assert_eq!(got.state, SandboxState::Paused);
+    assert_eq!(got.pending_op, Some(Op::Hibernate));
+    let evs = s.events(&rec.id, 10).unwrap();
+    assert_eq!(evs.len(), 2);
+    assert_eq!(evs[1].op, Op::Pause);
+    assert_eq!(evs[1].from_state, Some(SandboxState::Running));
+    assert!(evs[0].seq < evs[1].seq);
+}
+
+#[test]
+fn journal_is_append_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(&dir);
+    let rec = sandbox(1, SandboxState::Running);
+    s.insert_sandbox(&rec, &created(&rec)).unwrap();
+    let w = s.writer();
+    assert!(w.execute("UPDATE events SET detail = 'x'", []).is_err());
+    assert!(w.execute("DELETE FROM events", []).is_err());
+}
+
+#[test]
+fn list_filters_and_paginates() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(&dir);
+    for i in 0..50 {
+        let st = if i % 5 == 0 {
+            SandboxState::Hibernated
+        } else if i == 7 {
+            SandboxState::Deleted
+        } else {
+            SandboxState::Running
+        };
+        let rec = sandbox(i, st);
+        s.insert_sandbox(&rec, &created(&rec)).unwrap();
+    }
+    let mut f = SandboxFilter {
+        tenant: DEFAULT_TENANT.into(),
+        limit: 7,
+        ..Default::default()
+    };
+    let mut seen = Vec::new();
+    loop {
+        let page = s.list_sandboxes(&f).unwrap();
+        assert!(page.items.len() <= 7);
+        seen.extend(page.items.iter().map(|r| r.id.clone()));
+        match page.next_cursor {
+            Some(c) => f.cursor = Some(c),
+            None => break,
+        }
+    }
+    assert_eq!(seen.len(), 49, "deleted ones are not listed by default");
+    let mut sorted = seen.clone();
+    sorted.sort();
+    assert_eq!(seen, sorted, "stable order, no duplicates across pages");
+    sorted.dedup();
+    assert_eq!(sorted.len(), 49);
+
+    let f = SandboxFilter {
+        tenant: DEFAULT_TENANT.into(),
+        states: vec![SandboxState::Hibernated],
+        labels: BTreeMap::from([("team".into(), "t0".into())]),
+        limit: 100,
+        cursor: None,
+    };
+    let page = s.list_sandboxes(&f).unwrap();
+    // i % 5 == 0 and i % 3 == 0: 0, 15, 30, 45.
+    assert_eq!(page.items.len(), 4);
+    assert!(page.next_cursor.is_none());
+
+    let other_tenant = SandboxFilter {
+        tenant: "other".into(),
+        limit: 10,
+        ..Default::default()
+    };
+    assert!(s.list_sandboxes(&other_tenant).unwrap().items.is_empty());
+
+    let bad = SandboxFilter {
+        tenant: DEFAULT_TENANT.into(),
+        limit: 10,
+        cursor: Some("garbage!".into()),
+        ..Default::default()
+    };
+    assert!(matches!(s.list_sandboxes(&bad), Err(StoreError::BadCursor)));
+}
+
+#[test]
+fn listing_uses_indexes() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(&dir);
+    let w = s.writer();
+    let plan = |sql: &str| -> String {
+        let mut stmt = w.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).unwrap();
+        let rows: Vec<String> = stmt
+            .query_map([], |r| r.get::<_, String>(3))
+            .unwrap()
+            .map(|r| r.unwrap())
+            .collect();
+        rows.join(" | ")
+    };
+    let p = plan("SELECT id FROM sandboxes s WHERE tenant_id = 'default' AND state != 'deleted' AND (created_at, id) > (1, 'sb-a') ORDER BY created_at, id LIMIT 10");
+    assert!(
+        p.contains("USING INDEX sandboxes_by_tenant") || p.contains("USING COVERING INDEX"),
+        "{p}"
+    );
+    let p = plan("SELECT id FROM sandboxes s WHERE tenant_id = 'default' AND state IN ('running') ORDER BY created_at, id LIMIT 10");
+    assert!(p.contains("sandboxes_by_state"), "{p}");
+    let p = plan("SELECT id FROM snapshots WHERE sandbox_id = 'sb-a' AND status = 'ready' AND created_at <= 5 ORDER BY created_at DESC LIMIT 1");
+    assert!(p.contains("INDEX"), "{p}");
+}
+
+#[test]
+fn snapshots_pending_and_point_in_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(&dir);
+    let rec = sandbox(1, SandboxState::Running);
+    s.insert_sandbox(&rec, &created(&rec)).unwrap();
+    for i in 0..10 {
+        s.put_snapshot(&snap(i, &rec.id, i * 60, SnapshotStatus::Ready))
+            .unwrap();
+    }
+    let pending = snap(10, &rec.id, 600, SnapshotStatus::Pending);
+    s.put_snapshot(&pending).unwrap();
+    let mut deleted = snap(11, &rec.id, 30, SnapshotStatus::Deleted);
+    deleted.status_reason = Some("gc".into());
+    s.put_snapshot(&deleted).unwrap();
+
+    assert_eq!(s.list_snapshots(&rec.id, false).unwrap().len(), 11);
+    assert_eq!(s.list_snapshots(&rec.id, true).unwrap().len(), 12);
+    assert_eq!(s.pending_snapshots().unwrap(), vec![pending.clone()]);
+    // The newest *ready* one: a pending snapshot is never a restore point.
+    let latest = s.latest_ready_snapshot(&rec.id).unwrap().unwrap();
+    assert_eq!(latest.id.as_str(), "snap-000009");
+    let at = s
+        .ready_snapshot_at(&rec.id, t0() + CDuration::seconds(150))
+        .unwrap()
+        .unwrap();
+    assert_eq!(at.id.as_str(), "snap-000002");
+    assert!(s
+        .ready_snapshot_at(&rec.id, t0() - CDuration::seconds(1))
+        .unwrap()
+        .is_none());
+    assert_eq!(s.ready_snapshot_ids().unwrap().len(), 10);
+    assert_eq!(
+        s.sandboxes_with_snapshots(None, 10).unwrap(),
+        vec![rec.id.clone()]
+    );
+    assert!(s
+        .sandboxes_with_snapshots(Some(&rec.id), 10)
+        .unwrap()
+        .is_empty());
+    let other: SnapshotId = "snap-none".parse().unwrap();
+    assert!(s.get_snapshot(&other).unwrap().is_none());
+}
+
+#[test]
+fn acknowledged_writes_survive_a_crash() {
+    // A "crash": the store is leaked, never closed, never checkpointed. What
+    // a call acknowledged (returned Ok for) must be there on reopen.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("strata.db");
+    let rec = sandbox(1, SandboxState::Running);
+    let sn = snap(1, &rec.id, 5, SnapshotStatus::Ready);
+    {
+        let s = SqliteStore::open(&path, 1).unwrap();
+        s.insert_sandbox(&rec, &created(&rec)).unwrap();
+        s.put_snapshot(&sn).unwrap();
+        std::mem::forget(s);
+    }
+    assert!(dir.path().join("strata.db-wal").exists(), "WAL mode");
+    let s = SqliteStore::open(&path, 1).unwrap();
+    assert_eq!(s.get_sandbox(&rec.id).unwrap().unwrap(), rec);
+    assert_eq!(s.get_snapshot(&sn.id).unwrap().unwrap(), sn);
+    let sync: i64 = s
+        .writer()
+        .query_row("PRAGMA synchronous", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(sync, 2, "synchronous=FULL");
+}
+
+#[test]
+fn schema_versioning() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("strata.db");
+    {
+        let s = SqliteStore::open(&path, 1).unwrap();
+        let v: i64 = s
+            .writer()
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(v, SCHEMA_VERSION);
+        s.writer()
+            .execute_batch("PRAGMA user_version = 99")
+            .unwrap();
+    }
+    match SqliteStore::open(&path, 1) {
+        Err(StoreError::TooNew { found: 99, .. }) => {}
+        other => panic!("expected TooNew, got {other:?}"),
+    }
+}
+
+#[test]
+fn templates_and_counts() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(&dir);
+    let tpl = TemplateRecord {
+        id: "tpl-base".parse().unwrap(),
+        tenant: DEFAULT_TENANT.into(),
+        name: Some("base".into()),
+        size: SandboxSize::default(),
+        status: TemplateStatus::Ready,
+        status_reason: None,
+        accel: Some("tcg".into()),
+        created_at: t0(),
+        updated_at: t0(),
+    };
+    s.put_template(&tpl).unwrap();
+    assert_eq!(s.get_template(&tpl.id).unwrap().unwrap(), tpl);
+    assert_eq!(s.list_templates(DEFAULT_TENANT).unwrap().len(), 1);
+    let rec = sandbox(1, SandboxState::Running);
+    s.insert_sandbox(&rec, &created(&rec)).unwrap();
+    let c = s.counts().unwrap();
+    assert_eq!(c.sandboxes_by_state.get("running"), Some(&1));
+    assert_eq!(c.templates_ready, 1);
+}
