@@ -1,1 +1,22 @@
-//! Sandbox runtime: live snapshots, fork, rewind, pause, hibernate and templates, combining the VMM driver and the btrfs pool.
+//! The sandbox runtime of one host: live snapshots, fork, rewind,
+//! pause/resume, hibernate/wake and templates.
+//!
+//! It combines the VMM driver (`strata-vmm`), the btrfs pool
+//! (`strata-storage`) and the guest agent client (`strata-proto`). It keeps
+//! the live VM handles of this host; the daemon owns the records (which
+//! state a sandbox is in, which snapshots exist) and calls the runtime to act.
+//!
+//! Pool layout:
+//!
+//! ```text
+//! <pool>/sandboxes/<sb-id>/      writable subvolume: mem, disk.img, device.state, meta.json
+//! <pool>/snapshots/<snap-id>/    read-only subvolume, same files, meta.json = SnapshotMeta
+//! <pool>/templates/<tpl-id>/     read-only subvolume, a snapshot of a freshly booted guest
+//! <run_dir>/<sb-id>/             qmp.sock, agent.sock, qemu.pid, console.log (outside the pool)
+//! ```
+
+pub mod api;
+pub mod error;
+
+pub use api::*;
+pub use error::RuntimeError;

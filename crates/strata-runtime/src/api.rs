@@ -1,0 +1,86 @@
+//! The runtime's public types. The operations live on [`crate::Runtime`]
+//! (added with the implementation); this module fixes the vocabulary the
+//! daemon is written against.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+use strata_core::{Accel, SandboxSize};
+
+/// Where the runtime keeps its state.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RuntimeConfig {
+    /// btrfs pool: an existing btrfs directory, or an image file to create and loop-mount.
+    pub pool: PoolSetting,
+    /// Directory for per-VM sockets and logs (short path: unix sockets ≤ 108 bytes).
+    pub run_dir: PathBuf,
+    /// Accelerator choice.
+    pub accel: Accel,
+    /// QEMU binary.
+    pub qemu_binary: PathBuf,
+    /// Cap of each VM's console log in bytes.
+    pub console_log_max_bytes: u64,
+    /// How long to wait for a guest agent after boot or restore, in ms.
+    pub agent_timeout_ms: u64,
+}
+
+/// How the btrfs pool is provided.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PoolSetting {
+    /// A directory on an existing btrfs mount.
+    Path(PathBuf),
+    /// An image file created, formatted and loop-mounted by strata.
+    Image {
+        /// The image file.
+        image: PathBuf,
+        /// Size of the image in bytes.
+        size_bytes: u64,
+        /// Where to mount it.
+        mount_point: PathBuf,
+    },
+}
+
+/// What a new sandbox starts from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// A template (a snapshot of a freshly booted guest).
+    Template(strata_core::TemplateId),
+    /// Any snapshot (a fork).
+    Snapshot(strata_core::SnapshotId),
+}
+
+/// Facts about a live sandbox VM.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VmInfo {
+    /// QEMU process id.
+    pub pid: u32,
+    /// Resolved accelerator.
+    pub accel: String,
+    /// Size the VM runs with.
+    pub size: SandboxSize,
+    /// Milliseconds from request to agent answering.
+    pub ready_ms: f64,
+}
+
+/// What a snapshot cost and contains.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SnapshotInfo {
+    /// Snapshot id.
+    pub id: strata_core::SnapshotId,
+    /// How long the guest's vCPUs were stopped, in ms.
+    pub pause_ms: f64,
+    /// Bytes of device state written.
+    pub device_state_bytes: u64,
+    /// When it was taken.
+    pub created_at: chrono::DateTime<chrono::Utc>,
+}
+
+/// Space used by a snapshot.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+pub struct SpaceUsage {
+    /// Bytes only this snapshot holds.
+    pub exclusive_bytes: u64,
+    /// Bytes it references in all (shared = referenced - exclusive).
+    pub referenced_bytes: u64,
+}
