@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One command: set up a fresh Debian 12 host and run strata's whole test suite.
+#   sudo scripts/test.sh            # everything
+#   sudo scripts/test.sh -p stratad # extra args go to `cargo test`
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PATH="$HOME/.cargo/bin:$PATH"
+
+bash scripts/setup.sh
+
+echo "== lint" >&2
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+echo "== build (agent + CLI, release)" >&2
+cargo build --release --locked -p strata-agent -p strata-cli
+
+echo "== guest image (cached by recipe hash under /var/cache/strata/images)" >&2
+./target/release/strata image build
+
+echo "== tests" >&2
+# Integration tests boot real guests under TCG; on 2 cores run test binaries one at a time.
+cargo test --workspace --locked "$@" -- --test-threads=2
