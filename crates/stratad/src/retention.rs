@@ -1,0 +1,305 @@
+//! Tiered retention of rolling snapshots (pure: no I/O, no clock).
+//!
+//! A policy is a list of tiers `(within, every)`: a snapshot younger than
+//! `within` falls in the first such tier and is kept if it is the oldest one
+//! of its `every`-long bucket, or if `every` is zero (keep all). Snapshots
+//! older than the last tier are deleted. Buckets are aligned to the epoch,
+//! not to `now`, so the choice is stable from one GC run to the next: a kept
+//! snapshot stays kept until it leaves its tier, and at most one snapshot
+//! per bucket survives (the oldest, which a later snapshot never displaces).
+//!
+//! Default: every snapshot of the last hour, one per 10 minutes for a day,
+//! one per hour for 7 days.
+//!
+//! What is never deleted by retention (only by the user):
+//! - `manual` and `pre_rewind` snapshots (a user asked for them, or they
+//!   are the undo of a rewind), and `template` ones;
+//! - the newest snapshot of the sandbox, whatever its kind and age: it is
+//!   the restore point for crash recovery and hibernation.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use crate::store::SnapshotKind;
+
+/// One tier of the policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tier {
+    /// Snapshots younger than this fall in the tier.
+    #[serde(with = "crate::duration::serde_human")]
+    pub within: Duration,
+    /// Keep one per bucket of this length (zero: keep all).
+    #[serde(with = "crate::duration::serde_human")]
+    pub every: Duration,
+}
+
+/// A tiered retention policy.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetentionPolicy {
+    /// Tiers, by increasing `within`.
+    pub tiers: Vec<Tier>,
+}
+
+impl Default for RetentionPolicy {
+    fn default() -> Self {
+        let m = |n: u64| Duration::from_secs(60 * n);
+        RetentionPolicy {
+            tiers: vec![
+                Tier {
+                    within: m(60),
+                    every: Duration::ZERO,
+                },
+                Tier {
+                    within: m(24 * 60),
+                    every: m(10),
+                },
+                Tier {
+                    within: m(7 * 24 * 60),
+                    every: m(60),
+                },
+            ],
+        }
+    }
+}
+
+/// A policy that does not make sense.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PolicyError {
+    /// No tiers at all (every snapshot would be deleted).
+    #[error("retention needs at least one tier")]
+    Empty,
+    /// Tiers must cover growing ages.
+    #[error("retention tiers must have strictly increasing `within` (tier {0})")]
+    NotIncreasing(usize),
+    /// A tier of zero age.
+    #[error("retention tier {0} has a zero `within`")]
+    ZeroWithin(usize),
+}
+
+/// The view of a snapshot retention needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Point<Id> {
+    /// Snapshot id.
+    pub id: Id,
+    /// When it was taken.
+    pub at: DateTime<Utc>,
+    /// Why it was taken.
+    pub kind: SnapshotKind,
+}
+
+impl RetentionPolicy {
+    /// Parses `1h:0,24h:10m,7d:1h` (`within:every` pairs).
+    pub fn parse(spec: &str) -> Result<Self, String> {
+        let mut tiers = Vec::new();
+        for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (w, e) = part
+                .split_once(':')
+                .ok_or_else(|| format!("retention tier {part:?}: expected WITHIN:EVERY"))?;
+            tiers.push(Tier {
+                within: crate::duration::parse_duration(w).map_err(|e| e.to_string())?,
+                every: crate::duration::parse_duration(e).map_err(|e| e.to_string())?,
+            });
+        }
+        let p = RetentionPolicy { tiers };
+        p.validate().map_err(|e| e.to_string())?;
+        Ok(p)
+    }
+
+    /// Checks the tiers.
+    pub fn validate(&self) -> Result<(), PolicyError> {
+        if self.tiers.is_empty() {
+            return Err(PolicyError::Empty);
+        }
+        for (i, t) in self.tiers.iter().enumerate() {
+            if t.within.is_zero() {
+                return Err(PolicyError::ZeroWithin(i));
+            }
+            if i > 0 && t.within <= self.tiers[i - 1].within {
+                return Err(PolicyError::NotIncreasing(i));
+            }
+        }
+        Ok(())
+    }
+
+    /// The longest age anything rolling is kept: `--ago` beyond it cannot succeed.
+    pub fn horizon(&self) -> Duration {
+        self.tiers.last().map(|t| t.within).unwrap_or_default()
+    }
+
+    /// Which of one sandbox's snapshots to delete at `now`.
+    pub fn to_delete<Id: Clone>(&self, snaps: &[Point<Id>], now: DateTime<Utc>) -> Vec<Id> {
+        let newest = snaps.iter().map(|s| s.at).max();
+        let mut order: Vec<&Point<Id>> = snaps.iter().collect();
+        order.sort_by_key(|s| s.at);
+        // (tier index, bucket) already holding a kept snapshot.
+        let mut taken = std::collections::HashSet::new();
+        let mut out = Vec::new();
+        let mut newest_spared = false;
+        for s in order {
+            if !matches!(
+                s.kind,
+                SnapshotKind::Rolling | SnapshotKind::Hibernate | SnapshotKind::Fork
+            ) {
+                continue;
+            }
+            if Some(s.at) == newest && !newest_spared {
+                newest_spared = true;
+                continue;
+            }
+            let age = (now - s.at).to_std().unwrap_or(Duration::ZERO);
+            let Some((ti, tier)) = self.tiers.iter().enumerate().find(|(_, t)| age < t.within)
+            else {
+                out.push(s.id.clone());
+                continue;
+            };
+            if tier.every.is_zero() {
+                continue;
+            }
+            let every_ms = tier.every.as_millis().max(1) as i64;
+            let bucket = s.at.timestamp_millis().div_euclid(every_ms);
+            if !taken.insert((ti, bucket)) {
+                out.push(s.id.clone());
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use chrono::{Duration as CDuration, TimeZone};
+
+    use super::*;
+
+    fn t0() -> DateTime<Utc> {
+        Utc.with_ymd_and_hms(2026, 1, 1, 0, 0, 0).single().unwrap()
+    }
+
+    fn rolling_every_minute(minutes: i64) -> Vec<Point<i64>> {
+        (0..minutes)
+            .map(|i| Point {
+                id: i,
+                at: t0() + CDuration::minutes(i),
+                kind: SnapshotKind::Rolling,
+            })
+            .collect()
+    }
+
+    /// Runs GC each simulated minute for `minutes`, as the daemon would, and
+    /// returns the survivors.
+    fn simulate(policy: &RetentionPolicy, minutes: i64) -> Vec<Point<i64>> {
+        let mut live: Vec<Point<i64>> = Vec::new();
+        for i in 0..minutes {
+            let now = t0() + CDuration::minutes(i);
+            live.push(Point {
+                id: i,
+                at: now,
+                kind: SnapshotKind::Rolling,
+            });
+            let del = policy.to_delete(&live, now);
+            live.retain(|p| !del.contains(&p.id));
+        }
+        live
+    }
+
+    #[test]
+    fn keeps_everything_of_the_last_hour() {
+        let p = RetentionPolicy::default();
+        let snaps = rolling_every_minute(60);
+        assert!(p
+            .to_delete(&snaps, t0() + CDuration::minutes(59))
+            .is_empty());
+    }
+
+    #[test]
+    fn a_week_of_minutes_thins_to_the_tiers() {
+        let p = RetentionPolicy::default();
+        let minutes = 8 * 24 * 60;
+        let live = simulate(&p, minutes);
+        let now = t0() + CDuration::minutes(minutes - 1);
+        let age = |pt: &Point<i64>| (now - pt.at).num_minutes();
+        let hour: Vec<_> = live.iter().filter(|p| age(p) < 60).collect();
+        let day: Vec<_> = live
+            .iter()
+            .filter(|p| (60..24 * 60).contains(&age(p)))
+            .collect();
+        let week: Vec<_> = live.iter().filter(|p| age(p) >= 24 * 60).collect();
+        assert_eq!(hour.len(), 60);
+        // 23 hours at one per 10 minutes (plus a partial bucket at each edge).
+        assert!((138..=140).contains(&day.len()), "{}", day.len());
+        // 6 days at one per hour.
+        assert!((144..=146).contains(&week.len()), "{}", week.len());
+        assert!(
+            live.iter().all(|p| age(p) < 7 * 24 * 60),
+            "nothing older than a week"
+        );
+        // One per bucket: kept day-tier snapshots are at least ~10 minutes apart.
+        for w in day.windows(2) {
+            assert!(
+                (w[1].at - w[0].at).num_minutes() >= 9,
+                "{:?}",
+                (w[0].id, w[1].id)
+            );
+        }
+    }
+
+    #[test]
+    fn choice_is_stable_between_runs() {
+        let p = RetentionPolicy::default();
+        let snaps = rolling_every_minute(3 * 60);
+        let now = t0() + CDuration::minutes(3 * 60);
+        let del = p.to_delete(&snaps, now);
+        let kept: Vec<_> = snaps
+            .iter()
+            .filter(|s| !del.contains(&s.id))
+            .cloned()
+            .collect();
+        assert!(p.to_delete(&kept, now).is_empty());
+        assert!(p.to_delete(&kept, now + CDuration::seconds(30)).is_empty());
+    }
+
+    #[test]
+    fn manual_pre_rewind_and_newest_are_kept() {
+        let p = RetentionPolicy::default();
+        let now = t0() + CDuration::days(30);
+        let snaps = vec![
+            Point {
+                id: 1,
+                at: t0(),
+                kind: SnapshotKind::Manual,
+            },
+            Point {
+                id: 2,
+                at: t0(),
+                kind: SnapshotKind::PreRewind,
+            },
+            Point {
+                id: 3,
+                at: t0(),
+                kind: SnapshotKind::Rolling,
+            },
+            Point {
+                id: 4,
+                at: t0() + CDuration::minutes(1),
+                kind: SnapshotKind::Hibernate,
+            },
+        ];
+        // 3 is too old; 4 is too old as well but the newest: the restore point.
+        assert_eq!(p.to_delete(&snaps, now), vec![3]);
+    }
+
+    #[test]
+    fn parses_and_validates_tiers() {
+        let p = RetentionPolicy::parse("1h:0, 24h:10m,7d:1h").unwrap();
+        assert_eq!(p, RetentionPolicy::default());
+        assert_eq!(p.horizon(), Duration::from_secs(7 * 86400));
+        assert!(RetentionPolicy::parse("").is_err());
+        assert!(RetentionPolicy::parse("1h:0,30m:1m").is_err());
+        assert!(RetentionPolicy::parse("1h").is_err());
+        assert!(RetentionPolicy::parse("0:0").is_err());
+    }
+}
