@@ -1,0 +1,492 @@
+//! The session loop: decodes frames from the transport, tracks the host
+//! session (Hello with nonce), dispatches requests and routes stream data.
+//!
+//! A session ends when the host disconnects, a new Hello (new nonce)
+//! arrives, or a frame is malformed. Ending a session drops its request
+//! table: uploads are abandoned (partial files removed), downloads stop,
+//! stdin pipes close; running commands keep running, their output is dropped.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use strata_proto::frame::{Decoded, Frame, FrameDecoder, FrameError, FrameKind};
+use strata_proto::{AgentInfo, RemoteErrorKind, Request, Response, PROTOCOL_VERSION};
+use tokio::sync::{mpsc, watch};
+
+use crate::exec::{self, Spec};
+use crate::files::{self, UploadMsg};
+use crate::outbox::Outbox;
+use crate::system::System;
+use crate::transport::{Event, Transport};
+use crate::Fail;
+
+/// One in-flight request.
+pub enum Entry {
+    /// A running command.
+    Exec {
+        /// Stdin feed, while open.
+        stdin: Option<mpsc::UnboundedSender<Bytes>>,
+        /// Its process group.
+        pgid: i32,
+    },
+    /// An upload.
+    Upload {
+        /// Chunk queue.
+        tx: mpsc::Sender<UploadMsg>,
+    },
+    /// A download.
+    Download {
+        /// Host's consumed-bytes counter.
+        acks: watch::Sender<u64>,
+    },
+}
+
+/// In-flight requests of the current session, keyed by id.
+pub type Table = Arc<Mutex<HashMap<u32, (u64, Entry)>>>;
+
+fn lock(t: &Table) -> std::sync::MutexGuard<'_, HashMap<u32, (u64, Entry)>> {
+    t.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Removes `id` if it still belongs to `epoch`.
+pub fn remove_entry(t: &Table, id: u32, epoch: u64) {
+    let mut g = lock(t);
+    if g.get(&id).is_some_and(|(e, _)| *e == epoch) {
+        g.remove(&id);
+    }
+}
+
+/// Upload queue depth (chunks); the host's window is smaller.
+const UPLOAD_QUEUE: usize =
+    2 * (strata_proto::client::WRITE_WINDOW as usize / strata_proto::frame::MAX_FILE_CHUNK);
+
+/// Agent state for one transport.
+pub struct Session {
+    transport: Transport,
+    sys: Arc<dyn System>,
+    table: Table,
+    nonce: Option<u64>,
+    awaiting_hello: bool,
+    version: u32,
+}
+
+/// Current agent facts.
+pub fn agent_info() -> AgentInfo {
+    let read = |p: &str| {
+        std::fs::read_to_string(p)
+            .map(|s| s.trim().to_owned())
+            .unwrap_or_default()
+    };
+    let uptime_ms = read("/proc/uptime")
+        .split_whitespace()
+        .next()
+        .and_then(|s| s.parse::<f64>().ok())
+        .map(|s| (s * 1000.0) as u64)
+        .unwrap_or(0);
+    AgentInfo {
+        protocol_version: PROTOCOL_VERSION,
+        agent_version: env!("CARGO_PKG_VERSION").to_owned(),
+        hostname: read("/proc/sys/kernel/hostname"),
+        boot_id: read("/proc/sys/kernel/random/boot_id"),
+        uptime_ms,
+    }
+}
+
+impl Session {
+    /// A session loop over `transport`.
+    pub fn new(transport: Transport, sys: Arc<dyn System>, version: u32) -> Self {
+        Self {
+            version,
+            transport,
+            sys,
+            table: Arc::new(Mutex::new(HashMap::new())),
+            nonce: None,
+            awaiting_hello: false,
+        }
+    }
+
+    fn epoch(&self) -> u64 {
+        self.transport.epoch.load(Ordering::SeqCst)
+    }
+
+    fn outbox(&self) -> Outbox {
+        Outbox::new(self.transport.out.clone(), Some(self.epoch()))
+    }
+
+    fn end_session(&mut self, why: &str) {
+        if self.nonce.is_some() {
+            tracing::info!(why, "session ended");
+        }
+        self.nonce = None;
+        self.awaiting_hello = false;
+        self.transport.epoch.fetch_add(1, Ordering::SeqCst);
+        lock(&self.table).clear();
+    }
+
+    /// Runs until the transport goes away (never, in practice).
+    pub async fn run(mut self) {
+        let mut dec = FrameDecoder::new();
+        let mut conn = 0u64;
+        while let Some(ev) = self.transport.events.recv().await {
+            match ev {
+                Event::Connected(g) => {
+                    conn = g;
+                    dec.reset();
+                    self.end_session("new host connection");
+                }
+                Event::Disconnected(g) => {
+                    if g != conn {
+                        continue;
+                    }
+                    if let Err(e) = dec.finish() {
+                        tracing::warn!(error = %e, "host connection ended inside a frame");
+                    }
+                    dec.reset();
+                    self.end_session("host disconnected");
+                }
+                Event::Bytes(g, data) => {
+                    if g != conn {
+                        continue;
+                    }
+                    dec.extend(&data);
+                    loop {
+                        match dec.next_item() {
+                            Ok(None) => break,
+                            Ok(Some(Decoded::Sync)) => self.awaiting_hello = true,
+                            Ok(Some(Decoded::Frame(f))) => self.on_frame(f, &mut dec).await,
+                            Err(e) => self.protocol_error(e, &mut dec).await,
+                        }
+                    }
+                    if dec.discarded() > 0 && !dec.is_synced() {
+                        tracing::debug!(discarded = dec.discarded(), "waiting for sync marker");
+                    }
+                }
+            }
+        }
+    }
+
+    async fn protocol_error(&mut self, e: FrameError, dec: &mut FrameDecoder) {
+        tracing::warn!(error = %e, "protocol error; resynchronising");
+        // Sent regardless of epoch so the host learns why its session ended.
+        Outbox::new(self.transport.out.clone(), None)
+            .msg(
+                0,
+                &Response::Error {
+                    kind: RemoteErrorKind::Protocol,
+                    message: e.to_string(),
+                },
+            )
+            .await;
+        if dec.is_synced() {
+            dec.reset();
+        }
+        self.end_session("protocol error");
+    }
+
+    async fn on_frame(&mut self, f: Frame, dec: &mut FrameDecoder) {
+        if self.awaiting_hello {
+            self.awaiting_hello = false;
+            match f.parse::<Request>() {
+                Ok(Request::Hello { version, nonce }) => return self.hello(version, nonce).await,
+                Ok(_) => {
+                    let e =
+                        FrameError::Violation("the sync marker must be followed by hello".into());
+                    return self.protocol_error(e, dec).await;
+                }
+                Err(e) => return self.protocol_error(e, dec).await,
+            }
+        }
+        if f.kind == FrameKind::Control {
+            match f.parse::<Request>() {
+                Ok(Request::Hello { version, nonce }) => self.hello(version, nonce).await,
+                Ok(_) if self.nonce.is_none() => {
+                    let e = FrameError::Violation("request before hello".into());
+                    self.protocol_error(e, dec).await;
+                }
+                Ok(req) => self.request(f.id, req).await,
+                Err(e) if self.nonce.is_some() && f.id != 0 => {
+                    // Well framed but not understood: fail just that request.
+                    self.outbox()
+                        .error(
+                            f.id,
+                            Fail::new(
+                                RemoteErrorKind::InvalidArgument,
+                                format!("bad request: {e}"),
+                            ),
+                        )
+                        .await;
+                }
+                Err(e) => self.protocol_error(e, dec).await,
+            }
+            return;
+        }
+        if self.nonce.is_none() {
+            let e = FrameError::Violation("data before hello".into());
+            return self.protocol_error(e, dec).await;
+        }
+        self.data(f).await;
+    }
+
+    async fn hello(&mut self, version: u32, nonce: u64) {
+        if version != self.version {
+            tracing::warn!(
+                host = version,
+                agent = self.version,
+                "protocol version mismatch"
+            );
+            self.end_session("version mismatch");
+            self.outbox()
+                .sync_msg(
+                    0,
+                    &Response::VersionMismatch {
+                        nonce,
+                        host_version: version,
+                        agent_version: self.version,
+                    },
+                )
+                .await;
+            return;
+        }
+        if self.nonce != Some(nonce) {
+            self.end_session("new session");
+            self.nonce = Some(nonce);
+            tracing::info!(nonce, "session started");
+        }
+        self.outbox()
+            .sync_msg(
+                0,
+                &Response::HelloOk {
+                    nonce,
+                    info: agent_info(),
+                },
+            )
+            .await;
+    }
+
+    async fn data(&mut self, f: Frame) {
+        let mut table = lock(&self.table);
+        let Some((_, entry)) = table.get_mut(&f.id) else {
+            return; // late data for a finished request
+        };
+        match (f.kind, entry) {
+            (
+                FrameKind::Stdin,
+                Entry::Exec {
+                    stdin: Some(tx), ..
+                },
+            ) => {
+                let _ = tx.send(f.payload);
+            }
+            (FrameKind::FileData, Entry::Upload { tx }) => {
+                if tx.try_send(UploadMsg::Data(f.payload)).is_err() {
+                    tracing::warn!(id = f.id, "host overran the upload window; aborting upload");
+                    table.remove(&f.id);
+                    drop(table);
+                    self.outbox()
+                        .error(
+                            f.id,
+                            Fail::new(RemoteErrorKind::Protocol, "upload window exceeded"),
+                        )
+                        .await;
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn busy(&self, id: u32) -> bool {
+        id == 0 || lock(&self.table).contains_key(&id)
+    }
+
+    async fn request(&mut self, id: u32, req: Request) {
+        let out = self.outbox();
+        let epoch = self.epoch();
+        match req {
+            Request::Hello { .. } => {}
+            Request::Ping {} => out.msg(id, &Response::Pong { info: agent_info() }).await,
+            Request::Exec {
+                command,
+                env,
+                cwd,
+                user,
+                stdin,
+                timeout_ms,
+            } => {
+                if self.busy(id) {
+                    return out
+                        .error(
+                            id,
+                            Fail::new(RemoteErrorKind::InvalidArgument, "request id in use"),
+                        )
+                        .await;
+                }
+                let spec = Spec {
+                    command,
+                    env,
+                    cwd,
+                    user,
+                    stdin,
+                    timeout: timeout_ms.map(Duration::from_millis),
+                };
+                let child = match exec::spawn(&spec) {
+                    Ok(c) => c,
+                    Err(f) => return out.error(id, f).await,
+                };
+                let pid = child.id().unwrap_or(0);
+                let (stdin_tx, stdin_rx) = if stdin {
+                    let (tx, rx) = mpsc::unbounded_channel();
+                    (Some(tx), Some(rx))
+                } else {
+                    (None, None)
+                };
+                lock(&self.table).insert(
+                    id,
+                    (
+                        epoch,
+                        Entry::Exec {
+                            stdin: stdin_tx,
+                            pgid: pid as i32,
+                        },
+                    ),
+                );
+                tracing::debug!(id, pid, "started");
+                out.msg(id, &Response::Started { pid }).await;
+                tokio::spawn(exec::run(
+                    child,
+                    spec.timeout,
+                    stdin_rx,
+                    id,
+                    out,
+                    self.table.clone(),
+                    epoch,
+                ));
+            }
+            Request::StdinClose {} => {
+                if let Some((_, Entry::Exec { stdin, .. })) = lock(&self.table).get_mut(&id) {
+                    *stdin = None;
+                }
+            }
+            Request::Signal { signal } => {
+                let pgid = match lock(&self.table).get(&id) {
+                    Some((_, Entry::Exec { pgid, .. })) => Some(*pgid),
+                    _ => None,
+                };
+                if let Some(pgid) = pgid {
+                    exec::kill_group(pgid, signal);
+                }
+            }
+            Request::WriteFile { path, mode } => {
+                if self.busy(id) {
+                    return out
+                        .error(
+                            id,
+                            Fail::new(RemoteErrorKind::InvalidArgument, "request id in use"),
+                        )
+                        .await;
+                }
+                let p = path.clone();
+                let opened = tokio::task::spawn_blocking(move || files::open_upload(&p, id))
+                    .await
+                    .unwrap_or_else(|e| Err(Fail::new(RemoteErrorKind::Other, e.to_string())));
+                let (dest, tmp, file) = match opened {
+                    Ok(x) => x,
+                    Err(f) => return out.error(id, f).await,
+                };
+                let (tx, rx) = mpsc::channel(UPLOAD_QUEUE);
+                lock(&self.table).insert(id, (epoch, Entry::Upload { tx }));
+                tokio::spawn(files::upload(
+                    dest,
+                    tmp,
+                    file,
+                    mode,
+                    rx,
+                    id,
+                    out,
+                    self.table.clone(),
+                    epoch,
+                ));
+            }
+            Request::WriteEnd {} => {
+                if let Some((_, Entry::Upload { tx })) = lock(&self.table).get(&id) {
+                    let _ = tx.try_send(UploadMsg::End);
+                }
+            }
+            Request::ReadFile { path } => {
+                if self.busy(id) {
+                    return out
+                        .error(
+                            id,
+                            Fail::new(RemoteErrorKind::InvalidArgument, "request id in use"),
+                        )
+                        .await;
+                }
+                let (file, size) = match files::open_download(&path) {
+                    Ok(x) => x,
+                    Err(f) => return out.error(id, f).await,
+                };
+                let (acks, acks_rx) = watch::channel(0u64);
+                lock(&self.table).insert(id, (epoch, Entry::Download { acks }));
+                tokio::spawn(files::download(
+                    file,
+                    size,
+                    acks_rx,
+                    id,
+                    out,
+                    self.table.clone(),
+                    epoch,
+                ));
+            }
+            Request::ReadAck { bytes } => {
+                if let Some((_, Entry::Download { acks })) = lock(&self.table).get(&id) {
+                    let _ = acks.send(bytes);
+                }
+            }
+            Request::ListDir { path } => blocking_reply(out, id, move || {
+                files::list_dir(&path).map(|entries| Response::Listing { entries })
+            }),
+            Request::Stat { path } => blocking_reply(out, id, move || {
+                files::stat(&path).map(|stat| Response::Stat { stat })
+            }),
+            Request::MkdirAll { path, mode } => blocking_reply(out, id, move || {
+                files::mkdir_all(&path, mode).map(|()| Response::Ok)
+            }),
+            Request::Remove { path, recursive } => blocking_reply(out, id, move || {
+                files::remove(&path, recursive).map(|()| Response::Ok)
+            }),
+            Request::RestoreSync(rs) => {
+                let sys = self.sys.clone();
+                tracing::info!(
+                    entropy = rs.entropy.len(),
+                    hostname = ?rs.hostname,
+                    machine_id = ?rs.machine_id,
+                    "restore sync"
+                );
+                blocking_reply(out, id, move || {
+                    crate::system::restore_sync(sys.as_ref(), &rs).map(|()| Response::Ok)
+                })
+            }
+        }
+    }
+}
+
+/// Runs `f` on the blocking pool and sends its result as the reply.
+fn blocking_reply<F>(out: Outbox, id: u32, f: F)
+where
+    F: FnOnce() -> Result<Response, Fail> + Send + 'static,
+{
+    tokio::spawn(async move {
+        let r = tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| {
+            Err(Fail::new(
+                RemoteErrorKind::Other,
+                format!("internal error: {e}"),
+            ))
+        });
+        match r {
+            Ok(resp) => out.msg(id, &resp).await,
+            Err(f) => out.error(id, f).await,
+        }
+    });
+}
