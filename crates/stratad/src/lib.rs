@@ -6,3 +6,5 @@ pub mod engine;
 pub mod retention;
 pub mod scheduler;
 pub mod store;
+pub mod config;
+pub mod metrics;

@@ -1,0 +1,237 @@
+//! Daemon configuration: embedded defaults, an optional TOML file, then flags.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use strata_core::{Accel, SandboxSize};
+
+use crate::duration::serde_human;
+use crate::retention::RetentionPolicy;
+
+/// The defaults, as a TOML file (also the reference for the file format).
+pub const DEFAULT_TOML: &str = include_str!("../stratad.default.toml");
+
+/// Host capacity the daemon places sandboxes against.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Capacity {
+    /// vCPUs available to sandboxes (0: the host's CPU count).
+    pub vcpus: u32,
+    /// Memory available to sandboxes in MiB (0: 90 % of the host's RAM).
+    pub memory_mib: u64,
+    /// How many vCPUs may share one host CPU.
+    pub cpu_overcommit: f64,
+}
+
+impl Default for Capacity {
+    fn default() -> Self {
+        Capacity {
+            vcpus: 0,
+            memory_mib: 0,
+            cpu_overcommit: 4.0,
+        }
+    }
+}
+
+impl Capacity {
+    /// Resolves automatic values against this host: `(vcpus, memory_mib)`.
+    pub fn resolve(&self) -> (u64, u64) {
+        let cpus = if self.vcpus == 0 {
+            std::thread::available_parallelism()
+                .map(|n| n.get() as u64)
+                .unwrap_or(1)
+        } else {
+            u64::from(self.vcpus)
+        };
+        let vcpus = ((cpus as f64) * self.cpu_overcommit.max(1.0)) as u64;
+        let mem = if self.memory_mib == 0 {
+            host_memory_mib().map(|m| m * 9 / 10).unwrap_or(4096)
+        } else {
+            self.memory_mib
+        };
+        (vcpus, mem)
+    }
+}
+
+fn host_memory_mib() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024)
+}
+
+/// Everything `stratad` can be told.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Address of the HTTP API.
+    pub listen: SocketAddr,
+    /// State directory: `strata.db`, `pool.img`, `pool/`, `run/`.
+    pub data_dir: PathBuf,
+    /// Accelerator for new VMs.
+    pub accel: Accel,
+    /// Size of the pool image created on first start, in GiB.
+    pub pool_size_gib: u64,
+    /// Rolling snapshot interval (a sandbox may override it; `0s` turns them off).
+    #[serde(with = "serde_human")]
+    pub snapshot_interval: Duration,
+    /// Idle time after which a sandbox hibernates (a sandbox may override it; `0s`: never).
+    #[serde(with = "serde_human")]
+    pub idle_timeout: Duration,
+    /// Period of the GC sweep over every sandbox with snapshots.
+    #[serde(with = "serde_human")]
+    pub gc_sweep_interval: Duration,
+    /// Scheduled tasks (snapshots, hibernations) run at once.
+    pub max_concurrent_tasks: usize,
+    /// Retention of rolling snapshots.
+    pub retention: RetentionPolicy,
+    /// Size of a sandbox created without one.
+    pub default_size: SandboxSize,
+    /// Host capacity.
+    pub capacity: Capacity,
+    /// Largest JSON request body, in bytes.
+    pub max_json_body_bytes: usize,
+    /// Largest file upload, in bytes.
+    pub max_upload_bytes: u64,
+    /// Recovery kills VMs and removes subvolumes that no record owns.
+    pub clean_orphans: bool,
+    /// A sandbox whose VM died is restored from its latest snapshot.
+    pub auto_recover: bool,
+    /// Read-only SQLite connections.
+    pub db_readers: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            listen: SocketAddr::from(([127, 0, 0, 1], 7070)),
+            data_dir: PathBuf::from("/var/lib/strata"),
+            accel: Accel::Auto,
+            pool_size_gib: 64,
+            snapshot_interval: Duration::from_secs(60),
+            idle_timeout: Duration::from_secs(30 * 60),
+            gc_sweep_interval: Duration::from_secs(10 * 60),
+            max_concurrent_tasks: 4,
+            retention: RetentionPolicy::default(),
+            default_size: SandboxSize::default(),
+            capacity: Capacity::default(),
+            max_json_body_bytes: 1024 * 1024,
+            max_upload_bytes: 1024 * 1024 * 1024,
+            clean_orphans: true,
+            auto_recover: true,
+            db_readers: 4,
+        }
+    }
+}
+
+/// A configuration that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read {path}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML for this schema.
+    #[error("invalid configuration in {path}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// Cause.
+        #[source]
+        source: toml::de::Error,
+    },
+    /// A value is out of range.
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+impl Config {
+    /// Reads a TOML file over the defaults (missing keys keep their default).
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let cfg: Config = toml::from_str(&text).map_err(|source| ConfigError::Parse {
+            path: path.to_owned(),
+            source,
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks ranges.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.retention
+            .validate()
+            .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        self.default_size
+            .validate()
+            .map_err(|e| ConfigError::Invalid(format!("default_size: {e}")))?;
+        if !self.snapshot_interval.is_zero() && self.snapshot_interval < Duration::from_secs(1) {
+            return Err(ConfigError::Invalid(
+                "snapshot_interval must be 0s (off) or at least 1s".into(),
+            ));
+        }
+        if self.max_json_body_bytes < 1024 {
+            return Err(ConfigError::Invalid(
+                "max_json_body_bytes must be at least 1024".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The SQLite database.
+    pub fn db_path(&self) -> PathBuf {
+        self.data_dir.join("strata.db")
+    }
+
+    /// The pool image file.
+    pub fn pool_image(&self) -> PathBuf {
+        self.data_dir.join("pool.img")
+    }
+
+    /// Where the pool is mounted.
+    pub fn pool_mount(&self) -> PathBuf {
+        self.data_dir.join("pool")
+    }
+
+    /// Per-VM sockets and logs.
+    pub fn run_dir(&self) -> PathBuf {
+        self.data_dir.join("run")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn embedded_defaults_match_code_defaults() {
+        let parsed: Config = toml::from_str(DEFAULT_TOML).unwrap();
+        assert_eq!(parsed, Config::default());
+        parsed.validate().unwrap();
+    }
+
+    #[test]
+    fn partial_file_keeps_defaults_and_unknown_keys_fail() {
+        let c: Config = toml::from_str("snapshot_interval = \"5s\"\n").unwrap();
+        assert_eq!(c.snapshot_interval, Duration::from_secs(5));
+        assert_eq!(c.listen, Config::default().listen);
+        assert!(toml::from_str::<Config>("snapshot_intervall = \"5s\"\n").is_err());
+        assert!(toml::from_str::<Config>("snapshot_interval = \"soon\"\n").is_err());
+    }
+
+    #[test]
+    fn capacity_resolves() {
+        let (v, m) = Capacity::default().resolve();
+        assert!(v >= 4 && m > 0);
+    }
+}

@@ -1,0 +1,213 @@
+//! Latency histograms (per API operation and per VM step) and gauges.
+//!
+//! Two views of the same observations: Prometheus text at `/metrics`
+//! (summaries with p50/p95/p99, rendered by `metrics-exporter-prometheus`
+//! from a recorder owned by this daemon, not a global one) and JSON at
+//! `/v1/stats` (HdrHistogram quantiles, for `strata stats`).
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use hdrhistogram::Histogram;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
+use serde::Serialize;
+
+/// Quantiles reported everywhere.
+pub const QUANTILES: [f64; 3] = [0.5, 0.95, 0.99];
+
+/// VM steps measured around engine calls.
+pub mod step {
+    /// New sandbox from a template (VM start included).
+    pub const SPAWN: &str = "spawn";
+    /// Restore of a snapshot into a VM (fork, wake, rewind, recovery).
+    pub const RESTORE: &str = "restore";
+    /// vCPU pause of a snapshot, as reported by the engine.
+    pub const SNAPSHOT_PAUSE: &str = "snapshot_pause";
+    /// Whole snapshot call.
+    pub const SNAPSHOT: &str = "snapshot";
+    /// Exec from request to exit event.
+    pub const EXEC_ROUND_TRIP: &str = "exec_round_trip";
+    /// Hibernation (snapshot + stop).
+    pub const HIBERNATE: &str = "hibernate";
+}
+
+/// Summary of one histogram, in milliseconds.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Summary {
+    /// Observations.
+    pub count: u64,
+    /// Median.
+    pub p50_ms: f64,
+    /// 95th percentile.
+    pub p95_ms: f64,
+    /// 99th percentile.
+    pub p99_ms: f64,
+    /// Largest.
+    pub max_ms: f64,
+}
+
+/// `/v1/stats` body.
+#[derive(Debug, Clone, Serialize, PartialEq, Default)]
+pub struct Stats {
+    /// Per API operation (`METHOD /route`).
+    pub api: BTreeMap<String, Summary>,
+    /// Per VM step.
+    pub steps: BTreeMap<String, Summary>,
+    /// Sandboxes per state.
+    pub sandboxes: BTreeMap<String, u64>,
+    /// Ready snapshots.
+    pub snapshots: u64,
+}
+
+/// The daemon's metrics.
+pub struct Metrics {
+    recorder: PrometheusRecorder,
+    handle: PrometheusHandle,
+    hist: Mutex<BTreeMap<(bool, String), Histogram<u64>>>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Fresh metrics.
+    pub fn new() -> Self {
+        let builder = PrometheusBuilder::new();
+        let builder = match builder.set_quantiles(&QUANTILES) {
+            Ok(b) => b,
+            // Only fails on an empty list; QUANTILES is not empty.
+            Err(_) => PrometheusBuilder::new(),
+        };
+        let recorder = builder.build_recorder();
+        let handle = recorder.handle();
+        Metrics {
+            recorder,
+            handle,
+            hist: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    fn record_hdr(&self, api: bool, name: &str, d: Duration) {
+        let mut g = self.hist.lock().unwrap_or_else(|p| p.into_inner());
+        let key = (api, name.to_owned());
+        if !g.contains_key(&key) {
+            // 1 µs .. 1 h at 3 significant figures; constant, valid bounds.
+            match Histogram::new_with_bounds(1, 3_600_000_000, 3) {
+                Ok(h) => g.insert(key.clone(), h),
+                Err(_) => return,
+            };
+        }
+        if let Some(h) = g.get_mut(&key) {
+            h.saturating_record((d.as_micros() as u64).max(1));
+        }
+    }
+
+    /// Records the latency of an API operation.
+    pub fn observe_api(&self, op: &str, status: u16, d: Duration) {
+        let op = op.to_owned();
+        metrics::with_local_recorder(&self.recorder, || {
+            metrics::histogram!("strata_api_request_duration_seconds", "op" => op.clone())
+                .record(d.as_secs_f64());
+            metrics::counter!("strata_api_requests_total", "op" => op.clone(), "status" => status.to_string())
+                .increment(1);
+        });
+        self.record_hdr(true, &op, d);
+    }
+
+    /// Records the latency of a VM step.
+    pub fn observe_step(&self, step: &str, d: Duration) {
+        let s = step.to_owned();
+        metrics::with_local_recorder(&self.recorder, || {
+            metrics::histogram!("strata_vm_step_duration_seconds", "step" => s.clone())
+                .record(d.as_secs_f64());
+        });
+        self.record_hdr(false, step, d);
+    }
+
+    /// Counts an event (`strata_events_total{kind}`), e.g. failed snapshots.
+    pub fn count(&self, kind: &'static str) {
+        metrics::with_local_recorder(&self.recorder, || {
+            metrics::counter!("strata_events_total", "kind" => kind).increment(1);
+        });
+    }
+
+    /// Sets the gauges from store counts.
+    pub fn set_counts(&self, by_state: &BTreeMap<String, u64>, snapshots: u64) {
+        metrics::with_local_recorder(&self.recorder, || {
+            for st in strata_core::SandboxState::ALL {
+                let n = by_state.get(st.as_str()).copied().unwrap_or(0);
+                metrics::gauge!("strata_sandboxes", "state" => st.as_str()).set(n as f64);
+            }
+            metrics::gauge!("strata_snapshots_ready").set(snapshots as f64);
+        });
+    }
+
+    /// Prometheus text exposition.
+    pub fn render_prometheus(&self) -> String {
+        self.handle.render()
+    }
+
+    /// Quantile summaries (sandbox counts are filled in by the caller).
+    pub fn stats(&self) -> Stats {
+        let g = self.hist.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out = Stats::default();
+        for ((api, name), h) in g.iter() {
+            let ms = |q: f64| h.value_at_quantile(q) as f64 / 1000.0;
+            let s = Summary {
+                count: h.len(),
+                p50_ms: ms(0.5),
+                p95_ms: ms(0.95),
+                p99_ms: ms(0.99),
+                max_ms: h.max() as f64 / 1000.0,
+            };
+            if *api {
+                out.api.insert(name.clone(), s);
+            } else {
+                out.steps.insert(name.clone(), s);
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_in_both_views() {
+        let m = Metrics::new();
+        for i in 1..=100u64 {
+            m.observe_api("GET /v1/sandboxes", 200, Duration::from_millis(i));
+        }
+        m.observe_step(step::SNAPSHOT_PAUSE, Duration::from_millis(15));
+        let s = m.stats();
+        let api = &s.api["GET /v1/sandboxes"];
+        assert_eq!(api.count, 100);
+        assert!((api.p50_ms - 50.0).abs() < 1.0, "{api:?}");
+        assert!((api.p99_ms - 99.0).abs() < 1.0, "{api:?}");
+        assert_eq!(s.steps["snapshot_pause"].count, 1);
+        let text = m.render_prometheus();
+        assert!(text.contains("strata_api_request_duration_seconds{op=\"GET /v1/sandboxes\",quantile=\"0.99\"}"), "{text}");
+        assert!(text.contains("strata_vm_step_duration_seconds"), "{text}");
+    }
+
+    #[test]
+    fn two_instances_do_not_share_state() {
+        let a = Metrics::new();
+        let b = Metrics::new();
+        a.observe_step("x", Duration::from_millis(1));
+        assert!(b.stats().steps.is_empty());
+        assert!(!b.render_prometheus().contains("strata_vm_step"));
+    }
+}
