@@ -267,33 +267,39 @@ impl Session {
     }
 
     async fn data(&mut self, f: Frame) {
-        let mut table = lock(&self.table);
-        let Some((_, entry)) = table.get_mut(&f.id) else {
-            return; // late data for a finished request
-        };
-        match (f.kind, entry) {
-            (
-                FrameKind::Stdin,
-                Entry::Exec {
-                    stdin: Some(tx), ..
-                },
-            ) => {
-                let _ = tx.send(f.payload);
-            }
-            (FrameKind::FileData, Entry::Upload { tx }) => {
-                if tx.try_send(UploadMsg::Data(f.payload)).is_err() {
-                    tracing::warn!(id = f.id, "host overran the upload window; aborting upload");
-                    table.remove(&f.id);
-                    drop(table);
-                    self.outbox()
-                        .error(
-                            f.id,
-                            Fail::new(RemoteErrorKind::Protocol, "upload window exceeded"),
-                        )
-                        .await;
+        let overrun = {
+            let mut table = lock(&self.table);
+            let Some((_, entry)) = table.get_mut(&f.id) else {
+                return; // late data for a finished request
+            };
+            match (f.kind, entry) {
+                (
+                    FrameKind::Stdin,
+                    Entry::Exec {
+                        stdin: Some(tx), ..
+                    },
+                ) => {
+                    let _ = tx.send(f.payload);
+                    false
                 }
+                (FrameKind::FileData, Entry::Upload { tx }) => {
+                    let full = tx.try_send(UploadMsg::Data(f.payload)).is_err();
+                    if full {
+                        table.remove(&f.id);
+                    }
+                    full
+                }
+                _ => false,
             }
-            _ => {}
+        };
+        if overrun {
+            tracing::warn!(id = f.id, "host overran the upload window; aborting upload");
+            self.outbox()
+                .error(
+                    f.id,
+                    Fail::new(RemoteErrorKind::Protocol, "upload window exceeded"),
+                )
+                .await;
         }
     }
 

@@ -391,9 +391,8 @@ mod tests {
             d.extend(&SYNC_MAGIC);
             d.extend(&buf);
             for _ in 0..100 {
-                match d.next_item() {
-                    Ok(None) => break,
-                    Ok(Some(_)) | Err(_) => {}
+                if let Ok(None) = d.next_item() {
+                    break;
                 }
             }
             let _ = d.finish();
