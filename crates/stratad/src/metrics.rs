@@ -198,7 +198,12 @@ mod tests {
         assert!((api.p99_ms - 99.0).abs() < 1.0, "{api:?}");
         assert_eq!(s.steps["snapshot_pause"].count, 1);
         let text = m.render_prometheus();
-        assert!(text.contains("strata_api_request_duration_seconds{op=\"GET /v1/sandboxes\",quantile=\"0.99\"}"), "{text}");
+        assert!(
+            text.contains(
+                "strata_api_request_duration_seconds{op=\"GET /v1/sandboxes\",quantile=\"0.99\"}"
+            ),
+            "{text}"
+        );
         assert!(text.contains("strata_vm_step_duration_seconds"), "{text}");
     }
 

@@ -53,6 +53,7 @@ const MIGRATIONS: &[&str] = &[
     ) WITHOUT ROWID;
     CREATE INDEX sandboxes_by_tenant ON sandboxes (tenant_id, created_at, id);
     CREATE INDEX sandboxes_by_state ON sandboxes (tenant_id, state, created_at, id);
+    CREATE INDEX sandboxes_by_state_only ON sandboxes (state);
     CREATE TABLE sandbox_labels (
         sandbox_id TEXT NOT NULL,
         key TEXT NOT NULL,
@@ -642,6 +643,17 @@ impl Store for SqliteStore {
             None
         };
         Ok(Page { items, next_cursor })
+    }
+
+    fn reserved_capacity(&self) -> StoreResult<(u64, u64)> {
+        let conn = self.reader();
+        let (v, m): (i64, i64) = conn.query_row(
+            "SELECT coalesce(sum(vcpus), 0), coalesce(sum(memory_mib), 0) FROM sandboxes \
+             WHERE state IN ('creating', 'running', 'paused')",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )?;
+        Ok((v.max(0) as u64, m.max(0) as u64))
     }
 
     fn live_sandboxes(&self) -> StoreResult<Vec<SandboxRecord>> {

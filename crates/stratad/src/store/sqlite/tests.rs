@@ -305,6 +305,7 @@ fn templates_and_counts() {
     assert_eq!(s.list_templates(DEFAULT_TENANT).unwrap().len(), 1);
     let rec = sandbox(1, SandboxState::Running);
     s.insert_sandbox(&rec, &created(&rec)).unwrap();
+    assert_eq!(s.reserved_capacity().unwrap(), (1, 512));
     let c = s.counts().unwrap();
     assert_eq!(c.sandboxes_by_state.get("running"), Some(&1));
     assert_eq!(c.templates_ready, 1);
