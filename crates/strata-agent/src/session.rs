@@ -63,6 +63,10 @@ pub fn remove_entry(t: &Table, id: u32, epoch: u64) {
 const UPLOAD_QUEUE: usize =
     2 * (strata_proto::client::WRITE_WINDOW as usize / strata_proto::frame::MAX_FILE_CHUNK);
 
+/// A frame that has started but not completed within this time is taken to
+/// be a stale fragment of an earlier host (hosts write whole frames at once).
+const STALE_PARTIAL: Duration = Duration::from_secs(3);
+
 /// Agent state for one transport.
 pub struct Session {
     transport: Transport,
@@ -130,7 +134,30 @@ impl Session {
     pub async fn run(mut self) {
         let mut dec = FrameDecoder::new();
         let mut conn = 0u64;
-        while let Some(ev) = self.transport.events.recv().await {
+        let mut partial_since: Option<tokio::time::Instant> = None;
+        loop {
+            let ev = match partial_since {
+                None => self.transport.events.recv().await,
+                Some(t) => {
+                    match tokio::time::timeout_at(t + STALE_PARTIAL, self.transport.events.recv())
+                        .await
+                    {
+                        Ok(ev) => ev,
+                        Err(_) => {
+                            tracing::warn!(
+                                buffered = dec.buffered(),
+                                "partial frame never completed; resynchronising"
+                            );
+                            dec.abandon_partial();
+                            self.end_session("stale partial frame");
+                            partial_since = None;
+                            self.drain(&mut dec).await;
+                            continue;
+                        }
+                    }
+                }
+            };
+            let Some(ev) = ev else { break };
             match ev {
                 Event::Connected(g) => {
                     conn = g;
@@ -152,18 +179,30 @@ impl Session {
                         continue;
                     }
                     dec.extend(&data);
-                    loop {
-                        match dec.next_item() {
-                            Ok(None) => break,
-                            Ok(Some(Decoded::Sync)) => self.awaiting_hello = true,
-                            Ok(Some(Decoded::Frame(f))) => self.on_frame(f, &mut dec).await,
-                            Err(e) => self.protocol_error(e, &mut dec).await,
-                        }
-                    }
-                    if dec.discarded() > 0 && !dec.is_synced() {
-                        tracing::debug!(discarded = dec.discarded(), "waiting for sync marker");
+                    let before = dec.buffered();
+                    self.drain(&mut dec).await;
+                    // Restart the stale timer whenever a frame completes.
+                    if !dec.has_partial() {
+                        partial_since = None;
+                    } else if partial_since.is_none() || dec.buffered() < before {
+                        partial_since = Some(tokio::time::Instant::now());
                     }
                 }
+            }
+            if !dec.has_partial() {
+                partial_since = None;
+            }
+        }
+    }
+
+    /// Handles every complete item in the decoder.
+    async fn drain(&mut self, dec: &mut FrameDecoder) {
+        loop {
+            match dec.next_item() {
+                Ok(None) => break,
+                Ok(Some(Decoded::Sync)) => self.awaiting_hello = true,
+                Ok(Some(Decoded::Frame(f))) => self.on_frame(f, dec).await,
+                Err(e) => self.protocol_error(e, dec).await,
             }
         }
     }

@@ -885,3 +885,57 @@ async fn bench_exec_round_trip() {
     }
     println!("BENCH ping round trip: mean {:?}", t.elapsed() / 200);
 }
+
+#[tokio::test]
+async fn stale_partial_frame_is_skipped_on_rehello() {
+    // The agent missed a disconnect (virtio-serial reconnect between polls):
+    // a fragment of the old host's frame sits in its buffer, and the new
+    // host's Hello bytes land inside it. Re-sent Hellos must still get through.
+    let agent = Agent::start();
+    let _ = agent.client().await;
+    let mut s = StdUnixStream::connect(&agent.sock).unwrap();
+    s.write_all(&raw_hello(strata_proto::PROTOCOL_VERSION))
+        .unwrap();
+    let (_, r) = raw_read_response(&mut s).unwrap();
+    assert!(matches!(r, Response::HelloOk { nonce: 77, .. }));
+    s.write_all(&[0, 0, 0x10, 0, 1, 0, 0, 0, 3]).unwrap(); // header of a 4 KiB frame, no body
+    let mut hello = SYNC_MAGIC.to_vec();
+    hello.extend_from_slice(
+        &Frame::control(
+            0,
+            &Request::Hello {
+                version: strata_proto::PROTOCOL_VERSION,
+                nonce: 78,
+            },
+        )
+        .unwrap()
+        .encode()
+        .unwrap(),
+    );
+    let t = Instant::now();
+    s.set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let mut buf = Vec::new();
+    let mut tmp = [0u8; 4096];
+    let got = 'outer: loop {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "no reply to the re-sent hello"
+        );
+        s.write_all(&hello).unwrap();
+        if let Ok(n) = s.read(&mut tmp) {
+            buf.extend_from_slice(&tmp[..n]);
+        }
+        let mut off = 0;
+        while let Ok(Some((item, used))) = decode_frame(&buf[off..]) {
+            off += used;
+            if let Decoded::Frame(f) = item {
+                if let Ok(Response::HelloOk { nonce: 78, .. }) = f.parse::<Response>() {
+                    break 'outer t.elapsed();
+                }
+            }
+        }
+        buf.drain(..off);
+    };
+    println!("resynchronised after {got:?}");
+}

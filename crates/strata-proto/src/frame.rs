@@ -249,6 +249,21 @@ impl FrameDecoder {
         self.buf.len()
     }
 
+    /// Whether a frame has started but not completed.
+    pub fn has_partial(&self) -> bool {
+        self.synced && !self.buf.is_empty()
+    }
+
+    /// Gives up on a partial frame that never completed (a stale fragment
+    /// left by a previous host): drops out of sync and rescans the buffered
+    /// bytes, after the fragment's first byte, for a sync marker.
+    pub fn abandon_partial(&mut self) {
+        if self.has_partial() {
+            self.buf.advance(1);
+            self.synced = false;
+        }
+    }
+
     /// Called at end of stream: an error if a frame was cut off.
     pub fn finish(&self) -> Result<(), FrameError> {
         if self.synced && !self.buf.is_empty() {
@@ -356,6 +371,23 @@ mod tests {
         // ... and the next marker brings it back.
         d.extend(&SYNC_MAGIC);
         d.extend(&f.encode().unwrap());
+        assert_eq!(d.next_item().unwrap(), Some(Decoded::Sync));
+        assert_eq!(d.next_item().unwrap(), Some(Decoded::Frame(f)));
+    }
+
+    #[test]
+    fn stale_partial_frame_is_abandoned() {
+        let mut d = FrameDecoder::new();
+        d.extend(&SYNC_MAGIC);
+        assert_eq!(d.next_item().unwrap(), Some(Decoded::Sync));
+        // Header of a 1000-byte frame, then a new host's marker + frame.
+        d.extend(&[0, 0, 3, 232, 5, 0, 0, 0, 1]);
+        d.extend(&SYNC_MAGIC);
+        let f = Frame::data(FrameKind::Stdin, 2, Bytes::from_static(b"y"));
+        d.extend(&f.encode().unwrap());
+        assert!(d.next_item().unwrap().is_none());
+        assert!(d.has_partial());
+        d.abandon_partial();
         assert_eq!(d.next_item().unwrap(), Some(Decoded::Sync));
         assert_eq!(d.next_item().unwrap(), Some(Decoded::Frame(f)));
     }
