@@ -14,7 +14,7 @@ use crate::kernel;
 use crate::lock::Lock;
 use crate::manifest::{
     BuiltImage, FileSizes, Manifest, DEFAULT_CMDLINE, INITRD_FILE, KERNEL_FILE, MANIFEST_FILE,
-    MANIFEST_VERSION, ROOTFS_FILE,
+    MANIFEST_VERSION, ROOTFS_FILE, VMLINUX_FILE,
 };
 use crate::progress::{Progress, Step};
 use crate::recipe::{image_hash, sha256_hex, HashInputs, ImageRecipe, RECIPE_VERSION};
@@ -122,6 +122,25 @@ pub fn build(
     let kernel_path = out.join(KERNEL_FILE);
     fs::copy(&kx.vmlinuz, &kernel_path)
         .map_err(ImageError::io("cannot copy kernel to", &kernel_path))?;
+    let vmlinux_path = out.join(VMLINUX_FILE);
+    let vmlinux_len = match kernel::extract_vmlinux(&kx.vmlinuz, work.path())? {
+        Some(elf) => {
+            fs::write(&vmlinux_path, &elf)
+                .map_err(ImageError::io("cannot write", &vmlinux_path))?;
+            report(
+                Step::Kernel,
+                &format!("extracted vmlinux ({} MiB, PVH entry)", elf.len() >> 20),
+            );
+            elf.len() as u64
+        }
+        None => {
+            report(
+                Step::Kernel,
+                "kernel payload is not xz: no vmlinux, boot vmlinuz",
+            );
+            0
+        }
+    };
     let order = kx
         .db
         .load_order(&recipe.modules)
@@ -199,6 +218,7 @@ pub fn build(
         busybox_sha256: inputs.busybox_sha256,
         sizes: FileSizes {
             kernel: size(&kernel_path)?.len(),
+            vmlinux: vmlinux_len,
             initrd: initrd.len() as u64,
             rootfs: rootfs_meta.len(),
             rootfs_allocated: rootfs_meta.blocks() * 512,
@@ -264,11 +284,16 @@ pub fn load(dir: &Path) -> Result<BuiltImage, ImageError> {
         Ok(p)
     };
     let kernel = check(KERNEL_FILE, manifest.sizes.kernel)?;
+    let kernel_pvh = match manifest.sizes.vmlinux {
+        0 => None,
+        n => Some(check(VMLINUX_FILE, n)?),
+    };
     let initrd = check(INITRD_FILE, manifest.sizes.initrd)?;
     let rootfs = check(ROOTFS_FILE, manifest.sizes.rootfs)?;
     Ok(BuiltImage {
         dir: dir.to_path_buf(),
         kernel,
+        kernel_pvh,
         initrd,
         rootfs,
         cmdline: if manifest.cmdline.is_empty() {

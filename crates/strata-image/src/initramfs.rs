@@ -118,7 +118,7 @@ pub(crate) fn build(busybox: &[u8], modules: &[(String, Vec<u8>)]) -> std::io::R
         Kind::File(order.into_bytes()),
     );
     // mtime 0 in the archive and in the gzip header: reproducible bytes.
-    let mut gz = GzEncoder::new(Vec::new(), Compression::best());
+    let mut gz = GzEncoder::new(Vec::new(), Compression::default());
     a.write_to(&mut gz, 0)?;
     let mut out = gz.finish()?;
     out.flush()?;

@@ -228,6 +228,53 @@ pub(crate) fn read_module(path: &Path) -> Result<Vec<u8>, ImageError> {
     }
 }
 
+/// Where the compressed kernel sits inside a bzImage, from its setup header
+/// (`setup_sects` at 0x1f1, `payload_offset`/`payload_length` at 0x248).
+pub(crate) fn bzimage_payload(b: &[u8]) -> Option<&[u8]> {
+    if b.get(0x202..0x206)? != b"HdrS" {
+        return None;
+    }
+    let setup_sects = match *b.get(0x1f1)? {
+        0 => 4,
+        n => usize::from(n),
+    };
+    let u32_at = |o: usize| {
+        b.get(o..o + 4)
+            .map(|s| u32::from_le_bytes([s[0], s[1], s[2], s[3]]) as usize)
+    };
+    let start = (setup_sects + 1) * 512 + u32_at(0x248)?;
+    b.get(start..start.checked_add(u32_at(0x24c)?)?)
+}
+
+/// The uncompressed kernel ELF (`vmlinux`) inside a bzImage, for booting
+/// through its PVH entry point (`qemu -kernel vmlinux`), which skips the
+/// in-guest decompression: seconds under TCG. `Ok(None)` when the payload
+/// is not xz-compressed or not an ELF.
+pub(crate) fn extract_vmlinux(
+    vmlinuz: &Path,
+    workdir: &Path,
+) -> Result<Option<Vec<u8>>, ImageError> {
+    let bytes = std::fs::read(vmlinuz).map_err(ImageError::io("cannot read", vmlinuz))?;
+    let Some(payload) = bzimage_payload(&bytes) else {
+        return Ok(None);
+    };
+    if !payload.starts_with(b"\xfd7zXZ\x00") {
+        return Ok(None);
+    }
+    let payload_path = workdir.join("vmlinux.xz");
+    std::fs::write(&payload_path, payload)
+        .map_err(ImageError::io("cannot write", &payload_path))?;
+    let out = tools::run(
+        XZ,
+        os_args!["-dc", "--single-stream", payload_path],
+        None,
+        true,
+        &|_| {},
+    )?;
+    let _ = std::fs::remove_file(&payload_path);
+    Ok(out.stdout.starts_with(b"\x7fELF").then_some(out.stdout))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -258,5 +305,19 @@ mod tests {
             Some("linux-image-6.1.0-57-amd64 (= 6.1.192-3)")
         );
         assert_eq!(field(c, "Version"), Some("6.1.192-3"));
+    }
+
+    #[test]
+    fn bzimage_payload_needs_a_setup_header() {
+        assert!(bzimage_payload(b"not a kernel").is_none());
+        let mut b = vec![0u8; 4096];
+        b[0x202..0x206].copy_from_slice(b"HdrS");
+        b[0x1f1] = 1; // protected-mode code at 1024
+        b[0x248..0x24c].copy_from_slice(&16u32.to_le_bytes());
+        b[0x24c..0x250].copy_from_slice(&6u32.to_le_bytes());
+        b[1040..1046].copy_from_slice(b"\xfd7zXZ\x00");
+        assert_eq!(bzimage_payload(&b), Some(&b"\xfd7zXZ\x00"[..]));
+        b[0x24c..0x250].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(bzimage_payload(&b).is_none());
     }
 }

@@ -4,6 +4,8 @@
 //! An image is a directory `<cache_dir>/<hash>/` with:
 //! - `vmlinuz`: the kernel of Debian's `linux-image-<flavour>` (resolved
 //!   through the metapackage, downloaded, never installed on the host);
+//! - `vmlinux`: the same kernel uncompressed, bootable through its PVH entry
+//!   (faster under TCG: no in-guest decompression);
 //! - `initrd.img`: a gzip'd newc cpio with static busybox, the virtio / ext4
 //!   modules in dependency order (from the package's `modules.dep`), and an
 //!   `/init` that mounts `/dev/vda` and runs `strata-agent --init`;
@@ -37,7 +39,7 @@ pub use error::ImageError;
 pub use initramfs::{AGENT_PATH, INIT_SCRIPT};
 pub use manifest::{
     BuiltImage, FileSizes, Manifest, DEFAULT_CMDLINE, INITRD_FILE, KERNEL_FILE, MANIFEST_FILE,
-    MANIFEST_VERSION, ROOTFS_FILE,
+    MANIFEST_VERSION, ROOTFS_FILE, VMLINUX_FILE,
 };
 pub use progress::{Progress, Step};
 pub use recipe::{
