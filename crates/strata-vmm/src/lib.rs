@@ -1,1 +1,141 @@
 //! VMM drivers for strata: the driver trait and the QEMU microvm driver (process, QMP, accel probe, console).
+//!
+//! - [`VmmDriver`] starts (cold boot or restore from device state) and adopts VMs;
+//!   [`Vm`] is a handle on one running VM. Both are object-safe (`Box<dyn ..>`).
+//! - [`QemuDriver`] is the QEMU `microvm` implementation; [`QmpClient`] its QMP client.
+//! - A VM's QEMU runs in its own session: it survives the death of the process that
+//!   started it, and a later process can [`VmmDriver::adopt`] it from its run dir.
+
+pub mod cmdline;
+pub mod console;
+mod error;
+pub mod probe;
+pub mod process;
+pub mod qemu;
+pub mod qmp;
+pub mod spec;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use strata_core::Accel;
+
+pub use error::VmmError;
+pub use probe::KvmProbe;
+pub use process::RssInfo;
+pub use qemu::{QemuDriver, QemuVm};
+pub use qmp::{QmpClient, QmpError, QmpEvent};
+pub use spec::{
+    FwdProto, GuestFwd, GuestFwdTarget, HostFwd, NetSpec, ResolvedAccel, VmSpec,
+    DEFAULT_CONSOLE_LOG_MAX, DEFAULT_QEMU,
+};
+
+/// How a VM's process ended.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VmExit {
+    /// One-line explanation, fit to mark a sandbox failed with.
+    pub reason: String,
+    /// Exit code, when QEMU was our child and exited normally.
+    pub code: Option<i32>,
+    /// Terminating signal, when QEMU was our child and was killed.
+    pub signal: Option<i32>,
+    /// Whether the exit was asked for through this handle (`shutdown`/`kill`).
+    pub expected: bool,
+    /// Names of the QMP events seen last (e.g. `SHUTDOWN`, `GUEST_PANICKED`).
+    pub events: Vec<String>,
+    /// The last lines of `qemu.stderr`.
+    pub stderr_tail: String,
+    /// The last lines of `console.log`.
+    pub console_tail: String,
+}
+
+/// QEMU's run state (`query-status`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmStatus {
+    /// QEMU's run state name: `running`, `paused`, `postmigrate`, `inmigrate`, ...
+    pub status: String,
+    /// Whether vCPUs are running.
+    pub running: bool,
+}
+
+/// How device state is written to a file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum SaveMethod {
+    /// The driver opens the file and passes it with `getfd` (`SCM_RIGHTS`), then
+    /// `migrate fd:`. No extra process; works under QEMU's seccomp filter.
+    #[default]
+    Fd,
+    /// `migrate exec:cat > file`: QEMU spawns a shell. Needs `seccomp: false`.
+    Exec,
+}
+
+/// Figures of one device-state save.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SaveStats {
+    /// Bytes written.
+    pub bytes: u64,
+    /// Wall time from `migrate` to `completed`.
+    pub elapsed: Duration,
+    /// Method used.
+    pub method: SaveMethod,
+}
+
+/// A VMM back end (QEMU today, Firecracker later).
+#[async_trait::async_trait]
+pub trait VmmDriver: Send + Sync {
+    /// Short name (`qemu`).
+    fn name(&self) -> &'static str;
+
+    /// Turns `tcg|kvm|auto` into a concrete accelerator. `auto` boots `probe_kernel`
+    /// under KVM with a timeout (once per process) and falls back to TCG.
+    async fn resolve_accel(&self, requested: Accel, probe_kernel: &Path) -> ResolvedAccel;
+
+    /// Starts a VM: cold boot, or restore when `spec.incoming` is set. Returns once
+    /// the vCPUs run (or are paused, with `spec.start_paused`).
+    async fn start(&self, spec: &VmSpec) -> Result<Box<dyn Vm>, VmmError>;
+
+    /// Re-attaches to a VM started earlier (maybe by another process) in `spec.run_dir`.
+    async fn adopt(&self, spec: &VmSpec) -> Result<Box<dyn Vm>, VmmError>;
+}
+
+/// A handle on one running VM.
+#[async_trait::async_trait]
+pub trait Vm: Send + Sync + std::fmt::Debug {
+    /// QEMU's pid.
+    fn pid(&self) -> u32;
+    /// The spec the VM runs with.
+    fn spec(&self) -> &VmSpec;
+    /// Stops the vCPUs (QMP `stop`). RAM stays; no guest CPU time is used.
+    async fn pause(&self) -> Result<(), VmmError>;
+    /// Runs the vCPUs again (QMP `cont`); also valid after a device-state save.
+    async fn resume(&self) -> Result<(), VmmError>;
+    /// QEMU's run state.
+    async fn status(&self) -> Result<VmStatus, VmmError>;
+    /// Writes the device state (not RAM: it is shared in the RAM file) to `path`.
+    /// The VM must be paused; it stays paused (`postmigrate`) until `resume`.
+    async fn save_device_state(&self, path: &Path) -> Result<SaveStats, VmmError>;
+    /// Grows the root disk to `bytes` (file and guest-visible capacity).
+    async fn block_resize(&self, bytes: u64) -> Result<(), VmmError>;
+    /// ACPI power-off, then QMP `quit`, then SIGKILL, within `timeout` overall.
+    async fn shutdown(&self, timeout: Duration) -> Result<VmExit, VmmError>;
+    /// SIGKILL now, and wait for the exit.
+    async fn kill(&self) -> Result<VmExit, VmmError>;
+    /// Resident memory of QEMU (see [`RssInfo::beyond_guest_ram`]).
+    fn rss_bytes(&self) -> Result<RssInfo, VmmError>;
+    /// The host end of the guest agent's channel.
+    fn agent_socket(&self) -> PathBuf;
+    /// The last `n` bytes of the console log.
+    fn console_tail(&self, n: usize) -> String;
+    /// Waits until the QEMU process is gone and says why.
+    async fn wait_exit(&self) -> VmExit;
+    /// The exit, if the process is already gone.
+    fn exited(&self) -> Option<VmExit>;
+    /// Runs a raw QMP command (escape hatch for callers and benchmarks).
+    async fn qmp(
+        &self,
+        command: &str,
+        arguments: Option<serde_json::Value>,
+    ) -> Result<serde_json::Value, VmmError>;
+}

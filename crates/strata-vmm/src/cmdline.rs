@@ -1,0 +1,180 @@
+//! The QEMU command line, built by one function so that a VM and every VM restored
+//! from its device state get the same devices, in the same order, with the same ids.
+
+use crate::spec::{netdev_arg, path_str, qemu_escape, ResolvedAccel, VmSpec};
+
+/// Version of the device layout below. Bump it whenever a device, its order or its
+/// id changes: device state saved under one layout cannot be loaded into another.
+pub const MACHINE_LAYOUT_VERSION: u32 = 1;
+
+/// Machine type and options.
+pub const MACHINE: &str = "microvm,x-option-roms=off,rtc=on,isa-serial=on,memory-backend=ram";
+
+/// Fixed MAC of the guest NIC (user networking; identity is reset by the agent on fork).
+pub const GUEST_MAC: &str = "52:54:00:12:34:56";
+
+/// The kernel command line actually passed: under TCG, `tsc_early_khz=<host khz>` and
+/// `tsc=reliable` are appended (unless already there) because on a loaded host the
+/// guest's PIT calibration of the TSC fails and the kernel hangs without a clocksource.
+/// Under TCG the guest TSC runs at the host TSC rate, so the host value is right.
+pub fn effective_cmdline(spec: &VmSpec, host_tsc_khz: Option<u64>) -> String {
+    let mut c = spec.cmdline.trim().to_owned();
+    if spec.accel == ResolvedAccel::Tcg {
+        if let Some(khz) = host_tsc_khz {
+            if !c.contains("tsc_early_khz=") {
+                c.push_str(&format!(" tsc_early_khz={khz}"));
+            }
+        }
+        if !c.contains("tsc=") {
+            c.push_str(" tsc=reliable");
+        }
+    }
+    c
+}
+
+/// All arguments after the binary name. Cold boot starts with `-S` (vCPUs stopped
+/// until the driver has attached the console); restore uses `-incoming defer`.
+pub fn qemu_args(spec: &VmSpec, host_tsc_khz: Option<u64>) -> Vec<String> {
+    let mut a: Vec<String> = Vec::with_capacity(64);
+    let mut push = |xs: &[&str]| a.extend(xs.iter().map(|s| s.to_string()));
+    let mem = format!("{}M", spec.memory_mib);
+    let name = format!("guest={},debug-threads=on", qemu_escape(&spec.name));
+    let machine = MACHINE;
+    let accel = spec.accel.qemu_name();
+    let smp = spec.vcpus.to_string();
+    let ram = format!(
+        "memory-backend-file,id=ram,size={mem},mem-path={},share=on,prealloc=off",
+        path_str(&spec.mem_path)
+    );
+    let drive = format!(
+        "id=disk0,file={},format=raw,if=none,cache=writeback,discard=unmap,aio=threads",
+        path_str(&spec.disk_path)
+    );
+    let agent = format!(
+        "socket,id=ag,path={},server=on,wait=off",
+        path_str(&spec.agent_socket())
+    );
+    let console = format!(
+        "socket,id=con,path={},server=on,wait=off",
+        path_str(&spec.console_socket())
+    );
+    let qmp = format!(
+        "socket,id=qmp,path={},server=on,wait=off",
+        path_str(&spec.qmp_socket())
+    );
+    let netdev = netdev_arg(&spec.net);
+    let nic = format!("virtio-net-device,netdev=net0,mac={GUEST_MAC}");
+    let cmdline = effective_cmdline(spec, host_tsc_khz);
+
+    push(&["-name", &name]);
+    push(&["-M", machine, "-accel", accel]);
+    if spec.accel == ResolvedAccel::Kvm {
+        push(&["-cpu", "host"]);
+    }
+    push(&["-smp", &smp, "-m", &mem, "-object", &ram]);
+    push(&["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"]);
+    push(&["-msg", "timestamp=on"]);
+    push(&["-global", "virtio-mmio.force-legacy=false"]);
+    push(&["-kernel", &spec.kernel.to_string_lossy()]);
+    if let Some(initrd) = &spec.initrd {
+        push(&["-initrd", &initrd.to_string_lossy()]);
+    }
+    push(&["-append", &cmdline]);
+    // Devices: order and ids are part of the device state. Do not reorder.
+    push(&["-chardev", &console, "-serial", "chardev:con"]);
+    push(&[
+        "-drive",
+        &drive,
+        "-device",
+        "virtio-blk-device,drive=disk0,id=vda",
+    ]);
+    push(&["-device", "virtio-serial-device,id=vser0"]);
+    push(&[
+        "-chardev",
+        &agent,
+        "-device",
+        "virtserialport,chardev=ag,name=strata.agent,id=agentport",
+    ]);
+    push(&["-netdev", &netdev, "-device", &nic]);
+    push(&["-chardev", &qmp, "-mon", "chardev=qmp,mode=control"]);
+    if spec.seccomp {
+        push(&[
+            "-sandbox",
+            "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+        ]);
+    }
+    if spec.incoming.is_some() {
+        push(&["-incoming", "defer"]);
+    } else {
+        push(&["-S"]);
+    }
+    a
+}
+
+/// The part of the command line that must match between a VM and one restored from
+/// its device state: everything except the boot-only and per-instance options.
+pub fn device_layout(spec: &VmSpec) -> Vec<String> {
+    let args = qemu_args(spec, None);
+    let mut out = Vec::new();
+    let mut it = args.into_iter();
+    while let Some(arg) = it.next() {
+        match arg.as_str() {
+            "-device" | "-M" | "-global" | "-accel" | "-smp" | "-m" | "-cpu" => {
+                let v = it.next().unwrap_or_default();
+                out.push(format!("{arg} {v}"));
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> VmSpec {
+        let mut s = VmSpec::new("box,1", "/r/a", "/k/vmlinuz", "/s/mem", "/s/disk.img");
+        s.initrd = Some("/k/initrd.img".into());
+        s.cmdline = "console=ttyS0 quiet".into();
+        s
+    }
+
+    #[test]
+    fn cold_boot_and_restore_share_the_device_layout() {
+        let cold = spec();
+        let mut restore = spec();
+        restore.incoming = Some("/s2/device.state".into());
+        restore.mem_path = "/s2/mem".into();
+        restore.disk_path = "/s2/disk.img".into();
+        restore.run_dir = "/r/b".into();
+        assert_eq!(device_layout(&cold), device_layout(&restore));
+        let a = qemu_args(&cold, Some(2_100_000));
+        let b = qemu_args(&restore, Some(2_100_000));
+        assert!(a.contains(&"-S".to_string()) && !a.contains(&"-incoming".to_string()));
+        assert!(b.ends_with(&["-incoming".to_string(), "defer".to_string()]));
+        assert_eq!(a.len() + 1, b.len());
+    }
+
+    #[test]
+    fn tcg_gets_tsc_hint_kvm_does_not() {
+        let s = spec();
+        assert_eq!(
+            effective_cmdline(&s, Some(2_100_000)),
+            "console=ttyS0 quiet tsc_early_khz=2100000 tsc=reliable"
+        );
+        let mut k = spec();
+        k.accel = ResolvedAccel::Kvm;
+        assert_eq!(effective_cmdline(&k, Some(1)), "console=ttyS0 quiet");
+        assert!(qemu_args(&k, None).contains(&"host".to_string()));
+    }
+
+    #[test]
+    fn names_and_paths_are_escaped() {
+        let args = qemu_args(&spec(), None);
+        assert!(args.contains(&"guest=box,,1,debug-threads=on".to_string()));
+        assert!(args.iter().any(
+            |a| a.starts_with("memory-backend-file,id=ram,size=256M,mem-path=/s/mem,share=on")
+        ));
+    }
+}

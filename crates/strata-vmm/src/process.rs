@@ -1,0 +1,241 @@
+//! Host-process helpers: pidfds, memory accounting, file tails, the host TSC rate.
+
+use std::io::{Read, Seek, SeekFrom};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use serde::{Deserialize, Serialize};
+
+/// Opens a pidfd for `pid` (Linux ≥ 5.3). Works for children and non-children.
+pub(crate) fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
+    let pid = libc::pid_t::try_from(pid)
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "pid out of range"))?;
+    // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1; no memory is shared.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let fd = i32::try_from(fd)
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "fd out of range"))?;
+    // SAFETY: the kernel just returned this fd to us; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Sends `sig` to the process behind `pidfd` (safe against pid reuse).
+pub(crate) fn pidfd_send_signal(pidfd: &OwnedFd, sig: libc::c_int) -> std::io::Result<()> {
+    // SAFETY: pidfd_send_signal reads only its scalar arguments; info is NULL.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            sig,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    if r < 0 {
+        let e = std::io::Error::last_os_error();
+        // ESRCH: already exited, which is what the caller wanted.
+        if e.raw_os_error() == Some(libc::ESRCH) {
+            return Ok(());
+        }
+        return Err(e);
+    }
+    Ok(())
+}
+
+/// Whether a process with `pid` exists (zombies included).
+pub(crate) fn pid_exists(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// The NUL-separated `/proc/<pid>/cmdline`, joined with spaces.
+pub(crate) fn proc_cmdline(pid: u32) -> std::io::Result<String> {
+    let raw = std::fs::read(format!("/proc/{pid}/cmdline"))?;
+    Ok(raw
+        .split(|&b| b == 0)
+        .map(|s| String::from_utf8_lossy(s).into_owned())
+        .collect::<Vec<_>>()
+        .join(" "))
+}
+
+/// Reads at most the last `n` bytes of `path` (lossy UTF-8; empty if missing).
+pub fn tail_file(path: &Path, n: usize) -> String {
+    let Ok(mut f) = std::fs::File::open(path) else {
+        return String::new();
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let start = len.saturating_sub(n as u64);
+    if f.seek(SeekFrom::Start(start)).is_err() {
+        return String::new();
+    }
+    let mut buf = Vec::with_capacity(n.min(1 << 20));
+    let _ = f.take(n as u64).read_to_end(&mut buf);
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
+/// The last non-empty lines of `text`, at most `max` of them, joined by " | ".
+pub(crate) fn last_lines(text: &str, max: usize) -> String {
+    let lines: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
+    lines[lines.len().saturating_sub(max)..].join(" | ")
+}
+
+/// Resident memory of a QEMU process.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RssInfo {
+    /// `VmRSS`: everything resident.
+    pub total: u64,
+    /// `RssAnon`: QEMU's own heap, stacks, TCG translation cache.
+    pub anon: u64,
+    /// `RssFile`: file mappings (the guest RAM file when it is on a disk file system, binaries).
+    pub file: u64,
+    /// `RssShmem`: shared memory (the guest RAM file when it is on tmpfs).
+    pub shmem: u64,
+    /// Resident pages of the guest RAM mapping (from `/proc/<pid>/smaps`).
+    pub guest_ram: u64,
+}
+
+impl RssInfo {
+    /// What QEMU costs on top of the guest's RAM.
+    pub fn beyond_guest_ram(&self) -> u64 {
+        self.total.saturating_sub(self.guest_ram)
+    }
+}
+
+fn kb_field(line: &str, key: &str) -> Option<u64> {
+    let rest = line.strip_prefix(key)?.strip_prefix(':')?;
+    let num = rest.split_whitespace().next()?.parse::<u64>().ok()?;
+    Some(num * 1024)
+}
+
+/// Reads `/proc/<pid>/status` and `smaps` for `pid`; `mem_path` is the guest RAM file.
+pub(crate) fn rss_info(pid: u32, mem_path: &Path) -> std::io::Result<RssInfo> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let mut info = RssInfo::default();
+    for line in status.lines() {
+        if let Some(v) = kb_field(line, "VmRSS") {
+            info.total = v;
+        } else if let Some(v) = kb_field(line, "RssAnon") {
+            info.anon = v;
+        } else if let Some(v) = kb_field(line, "RssFile") {
+            info.file = v;
+        } else if let Some(v) = kb_field(line, "RssShmem") {
+            info.shmem = v;
+        }
+    }
+    let mem = std::fs::canonicalize(mem_path).unwrap_or_else(|_| mem_path.to_path_buf());
+    let mem = mem.to_string_lossy();
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps"))?;
+    info.guest_ram = guest_ram_rss(&smaps, &mem);
+    Ok(info)
+}
+
+fn guest_ram_rss(smaps: &str, mem: &str) -> u64 {
+    let mut in_mem = false;
+    let mut total = 0;
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if first.contains('-') && first.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
+            // Header: "start-end perms offset dev inode [path]".
+            let path = line.split_whitespace().nth(5).unwrap_or("");
+            in_mem = path == mem;
+        } else if in_mem {
+            if let Some(v) = kb_field(line, "Rss") {
+                total += v;
+            }
+        }
+    }
+    total
+}
+
+/// The host TSC rate in kHz, measured once per process (x86_64 only). Under TCG the
+/// guest's TSC ticks at this rate.
+pub fn host_tsc_khz() -> Option<u64> {
+    static KHZ: OnceLock<Option<u64>> = OnceLock::new();
+    *KHZ.get_or_init(measure_tsc_khz)
+}
+
+#[cfg(target_arch = "x86_64")]
+fn measure_tsc_khz() -> Option<u64> {
+    use std::time::{Duration, Instant};
+    // SAFETY: rdtsc has no memory effects; it is available on every x86_64 CPU.
+    let read = || unsafe { core::arch::x86_64::_rdtsc() };
+    let mut best: Option<u64> = None;
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        let c0 = read();
+        std::thread::sleep(Duration::from_millis(20));
+        let c1 = read();
+        let ns = t0.elapsed().as_nanos() as u64;
+        if ns == 0 || c1 <= c0 {
+            continue;
+        }
+        let khz = (c1 - c0) * 1_000_000 / ns;
+        // Keep the smallest: a preemption between the two reads only inflates the interval's ns.
+        best = Some(best.map_or(khz, |b: u64| b.min(khz)).max(1));
+    }
+    // Round to 1 MHz: calibration noise beyond that only confuses the guest.
+    best.map(|k| (k + 500) / 1000 * 1000)
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn measure_tsc_khz() -> Option<u64> {
+    None
+}
+
+/// Looks up `binary` like `execvp` would.
+pub(crate) fn find_binary(binary: &Path) -> Option<PathBuf> {
+    if binary.components().count() > 1 || binary.is_absolute() {
+        return is_executable(binary).then(|| binary.to_path_buf());
+    }
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(binary))
+        .find(|p| is_executable(p))
+}
+
+fn is_executable(p: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(p)
+        .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        .unwrap_or(false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn smaps_sum_only_counts_the_ram_file() {
+        let smaps = "\
+7f0000000000-7f0010000000 rw-s 00000000 fd:01 1234 /s/mem
+Size:             262144 kB
+Rss:               10240 kB
+Pss:               10240 kB
+7f0010000000-7f0010001000 rw-p 00000000 00:00 0
+Rss:                   4 kB
+55d000000000-55d000100000 r-xp 00000000 fd:01 99 /usr/bin/qemu-system-x86_64
+Rss:                2048 kB
+";
+        assert_eq!(guest_ram_rss(smaps, "/s/mem"), 10240 * 1024);
+    }
+
+    #[test]
+    fn own_process_rss_and_helpers() {
+        let info = rss_info(std::process::id(), Path::new("/nonexistent")).unwrap();
+        assert!(info.total > 0 && info.guest_ram == 0);
+        assert_eq!(info.beyond_guest_ram(), info.total);
+        assert!(find_binary(Path::new("sh")).is_some());
+        assert!(find_binary(Path::new("no-such-binary-strata")).is_none());
+        assert_eq!(last_lines("a\n\nb\nc\n", 2), "b | c");
+        if cfg!(target_arch = "x86_64") {
+            let khz = host_tsc_khz().unwrap();
+            assert!(khz > 100_000, "{khz}");
+        }
+    }
+}
