@@ -1,0 +1,1 @@
+//! Tool-call policy: rules, evaluation, audit chain, egress proxy.
