@@ -1,11 +1,117 @@
-//! stratad: the strata daemon (HTTP API, metadata store, rolling snapshots, retention, recovery).
+//! stratad: the strata daemon (HTTP API, metadata store, rolling snapshots,
+//! retention, recovery).
+//!
+//! Layout: [`store`] (records, SQLite), [`retention`] (pure policy),
+//! [`scheduler`] (rolling snapshots, idle hibernation, GC), [`service`]
+//! (typed commands, operation locks, transitions), [`api`] (axum routes),
+//! [`recovery`] (start-up reconciliation), [`engine`] (the runtime
+//! boundary). [`App`] ties them together; `main.rs` is a thin binary.
 
+pub mod api;
 pub mod clock;
 pub mod config;
 pub mod duration;
 pub mod engine;
 pub mod metrics;
+pub mod recovery;
 pub mod retention;
 pub mod scheduler;
 pub mod service;
 pub mod store;
+
+use std::sync::Arc;
+
+use tokio::sync::watch;
+
+use crate::clock::{Clock, SystemClock};
+use crate::config::Config;
+use crate::engine::Engine;
+use crate::service::Service;
+use crate::store::{SqliteStore, Store, StoreError};
+
+/// A daemon assembled from its parts: a service over a store and an engine,
+/// its HTTP router and its background tasks.
+#[derive(Debug)]
+pub struct App {
+    service: Arc<Service>,
+    shutdown: watch::Sender<bool>,
+}
+
+impl App {
+    /// Assembles a daemon over `store` and `engine` (nothing runs yet).
+    pub fn new(
+        config: Config,
+        store: Arc<dyn Store>,
+        engine: Arc<dyn Engine>,
+        clock: Arc<dyn Clock>,
+    ) -> Self {
+        let metrics = Arc::new(metrics::Metrics::new());
+        let service = Service::new(store, engine, Arc::new(config), clock, metrics);
+        App {
+            service,
+            shutdown: watch::channel(false).0,
+        }
+    }
+
+    /// Assembles a daemon over the SQLite store in `config.data_dir`.
+    pub fn open(config: Config, engine: Arc<dyn Engine>) -> Result<Self, StoreError> {
+        std::fs::create_dir_all(&config.data_dir).map_err(|e| {
+            StoreError::Task(format!("cannot create {}: {e}", config.data_dir.display()))
+        })?;
+        let store = SqliteStore::open(&config.db_path(), config.db_readers)?;
+        Ok(Self::new(
+            config,
+            Arc::new(store),
+            engine,
+            Arc::new(SystemClock),
+        ))
+    }
+
+    /// The service (for tests and embedding).
+    pub fn service(&self) -> &Arc<Service> {
+        &self.service
+    }
+
+    /// The HTTP API.
+    pub fn router(&self) -> axum::Router {
+        api::router(self.service.clone())
+    }
+
+    /// Runs recovery, then starts the scheduler and the exit watcher.
+    pub async fn start(&self) -> service::ServiceResult<recovery::RecoveryReport> {
+        let report = recovery::reconcile(&self.service).await?;
+        self.service.spawn_exit_watcher();
+        let cfg = self.service.config();
+        let driver = scheduler::DriverConfig {
+            max_concurrent: cfg.max_concurrent_tasks,
+            sweep_interval: cfg.gc_sweep_interval,
+        };
+        tokio::spawn(scheduler::run(
+            self.service.scheduler().clone(),
+            Arc::new(service::ScheduledActions(self.service.clone())),
+            self.service.clock(),
+            driver,
+            self.shutdown.subscribe(),
+        ));
+        Ok(report)
+    }
+
+    /// Stops the background tasks (VMs keep running).
+    pub fn stop(&self) {
+        let _ = self.shutdown.send(true);
+    }
+}
+
+/// Serves the API on `listener` until `shutdown` completes, then stops the
+/// background tasks. VMs keep running; the next start adopts them.
+pub async fn serve(
+    app: &App,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let result = axum::serve(listener, app.router())
+        .with_graceful_shutdown(shutdown)
+        .await;
+    app.stop();
+    result
+}

@@ -371,6 +371,11 @@ impl Service {
         &self.engine
     }
 
+    /// The injected clock.
+    pub fn clock(&self) -> Arc<dyn Clock> {
+        self.clock.clone()
+    }
+
     /// The clock.
     pub fn now(&self) -> DateTime<Utc> {
         self.clock.now()

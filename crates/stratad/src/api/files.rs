@@ -1,0 +1,182 @@
+//! Guest files: upload and download stream; list, stat, mkdir, remove.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use axum::extract::{Path, RawQuery, Request, State};
+use axum::http::{header, StatusCode};
+use axum::response::IntoResponse;
+use axum::Json;
+use futures::StreamExt;
+use serde_json::json;
+use strata_core::{ErrorCode, SandboxId};
+
+use super::{parse_id, query_pairs, ApiError, ApiResult};
+use crate::engine::EngineError;
+use crate::service::Service;
+
+/// Query parameters of the file endpoints.
+#[derive(Debug, Default)]
+struct FileQuery {
+    path: String,
+    mode: Option<u32>,
+    parents: bool,
+    recursive: bool,
+}
+
+fn parse_bool(k: &str, v: &str) -> ApiResult<bool> {
+    match v {
+        "true" | "1" | "" => Ok(true),
+        "false" | "0" => Ok(false),
+        _ => Err(ApiError::new(
+            ErrorCode::InvalidRequest,
+            format!("{k}: expected true or false"),
+        )),
+    }
+}
+
+fn file_query(raw: Option<&str>, allowed: &[&str]) -> ApiResult<FileQuery> {
+    let mut q = FileQuery::default();
+    let mut has_path = false;
+    for (k, v) in query_pairs(raw) {
+        if !allowed.contains(&k.as_str()) && k != "path" {
+            return Err(ApiError::new(
+                ErrorCode::InvalidRequest,
+                format!("unknown query parameter {k:?}"),
+            ));
+        }
+        match k.as_str() {
+            "path" => {
+                q.path = v;
+                has_path = true;
+            }
+            "mode" => {
+                q.mode = Some(u32::from_str_radix(&v, 8).map_err(|_| {
+                    ApiError::new(
+                        ErrorCode::InvalidRequest,
+                        format!("mode {v:?}: expected octal, e.g. 644"),
+                    )
+                })?)
+            }
+            "parents" => q.parents = parse_bool(&k, &v)?,
+            "recursive" => q.recursive = parse_bool(&k, &v)?,
+            _ => {}
+        }
+    }
+    if !has_path {
+        return Err(ApiError::new(
+            ErrorCode::InvalidRequest,
+            "missing query parameter `path`",
+        ));
+    }
+    crate::service::validate_guest_path(&q.path)?;
+    Ok(q)
+}
+
+pub(super) async fn download(
+    State(svc): State<Arc<Service>>,
+    Path(id): Path<String>,
+    RawQuery(raw): RawQuery,
+) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = parse_id(&id)?;
+    let q = file_query(raw.as_deref(), &[])?;
+    let stream = svc.read_file(&id, &q.path).await?;
+    let body = stream.map(|r| r.map_err(std::io::Error::other));
+    Ok((
+        [(header::CONTENT_TYPE, "application/octet-stream")],
+        axum::body::Body::from_stream(body),
+    ))
+}
+
+pub(super) async fn upload(
+    State(svc): State<Arc<Service>>,
+    Path(id): Path<String>,
+    RawQuery(raw): RawQuery,
+    req: Request,
+) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = parse_id(&id)?;
+    let q = file_query(raw.as_deref(), &["mode"])?;
+    let limit = svc.config().max_upload_bytes;
+    let too_large = || {
+        ApiError::new(
+            ErrorCode::PayloadTooLarge,
+            format!("upload larger than {limit} bytes"),
+        )
+    };
+    if let Some(len) = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        if len > limit {
+            return Err(too_large());
+        }
+    }
+    // Counted as it streams: a chunked body over the limit is cut off.
+    let seen = Arc::new(AtomicU64::new(0));
+    let exceeded = Arc::new(AtomicBool::new(false));
+    let (seen2, exceeded2) = (seen.clone(), exceeded.clone());
+    let body = req.into_body().into_data_stream().map(move |chunk| {
+        let chunk = chunk.map_err(|e| EngineError::Other(format!("reading upload: {e}")))?;
+        let total = seen2.fetch_add(chunk.len() as u64, Ordering::Relaxed) + chunk.len() as u64;
+        if total > limit {
+            exceeded2.store(true, Ordering::Relaxed);
+            return Err(EngineError::Other("upload over the size limit".into()));
+        }
+        Ok(chunk)
+    });
+    match svc
+        .write_file(&id, &q.path, q.mode.unwrap_or(0o644), body.boxed())
+        .await
+    {
+        Ok(n) => Ok((
+            StatusCode::CREATED,
+            Json(json!({ "path": q.path, "bytes": n })),
+        )),
+        Err(_) if exceeded.load(Ordering::Relaxed) => Err(too_large()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+pub(super) async fn list(
+    State(svc): State<Arc<Service>>,
+    Path(id): Path<String>,
+    RawQuery(raw): RawQuery,
+) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = parse_id(&id)?;
+    let q = file_query(raw.as_deref(), &[])?;
+    Ok(Json(json!({ "items": svc.list_dir(&id, &q.path).await? })))
+}
+
+pub(super) async fn stat(
+    State(svc): State<Arc<Service>>,
+    Path(id): Path<String>,
+    RawQuery(raw): RawQuery,
+) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = parse_id(&id)?;
+    let q = file_query(raw.as_deref(), &[])?;
+    Ok(Json(svc.stat(&id, &q.path).await?))
+}
+
+pub(super) async fn mkdir(
+    State(svc): State<Arc<Service>>,
+    Path(id): Path<String>,
+    RawQuery(raw): RawQuery,
+) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = parse_id(&id)?;
+    let q = file_query(raw.as_deref(), &["parents"])?;
+    svc.mkdir(&id, &q.path, q.parents).await?;
+    Ok((StatusCode::CREATED, Json(json!({ "path": q.path }))))
+}
+
+pub(super) async fn remove(
+    State(svc): State<Arc<Service>>,
+    Path(id): Path<String>,
+    RawQuery(raw): RawQuery,
+) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = parse_id(&id)?;
+    let q = file_query(raw.as_deref(), &["recursive"])?;
+    svc.remove(&id, &q.path, q.recursive).await?;
+    Ok(Json(json!({ "path": q.path, "removed": true })))
+}

@@ -1,0 +1,263 @@
+//! Sandboxes, exec, snapshots, fork and rewind.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::extract::{Path, RawQuery, State};
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::Json;
+use base64::Engine as _;
+use futures::StreamExt;
+use serde::Deserialize;
+use serde_json::json;
+use strata_core::{ErrorCode, SandboxId, SandboxState, SnapshotId};
+
+use super::{ndjson_headers, parse_id, query_pairs, ApiError, ApiResult, Body};
+use crate::engine::{ExecEvent, ExecRequest};
+use crate::service::{CreateSandbox, Rewind, SandboxSpec, Service, TakeSnapshot};
+use crate::store::{SandboxFilter, DEFAULT_TENANT};
+
+fn invalid(msg: impl Into<String>) -> ApiError {
+    ApiError::new(ErrorCode::InvalidRequest, msg)
+}
+
+pub(super) async fn create(
+    State(svc): State<Arc<Service>>,
+    Body(cmd): Body<CreateSandbox>,
+) -> ApiResult<impl IntoResponse> {
+    let rec = svc.create(cmd).await?;
+    Ok((StatusCode::CREATED, Json(rec)))
+}
+
+pub(super) async fn list(
+    State(svc): State<Arc<Service>>,
+    RawQuery(q): RawQuery,
+) -> ApiResult<impl IntoResponse> {
+    let mut f = SandboxFilter {
+        tenant: DEFAULT_TENANT.into(),
+        limit: 100,
+        ..Default::default()
+    };
+    let mut labels = BTreeMap::new();
+    for (k, v) in query_pairs(q.as_deref()) {
+        match k.as_str() {
+            "state" => {
+                for s in v.split(',') {
+                    f.states.push(s.parse::<SandboxState>().map_err(invalid)?);
+                }
+            }
+            "label" => {
+                let (lk, lv) = v
+                    .split_once('=')
+                    .ok_or_else(|| invalid(format!("label filter {v:?}: expected KEY=VALUE")))?;
+                labels.insert(lk.to_owned(), lv.to_owned());
+            }
+            "limit" => {
+                f.limit = v
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|n| (1..=1000).contains(n))
+                    .ok_or_else(|| invalid(format!("limit {v:?}: expected 1..=1000")))?;
+            }
+            "cursor" => f.cursor = Some(v),
+            other => return Err(invalid(format!("unknown query parameter {other:?}"))),
+        }
+    }
+    f.labels = labels;
+    Ok(Json(svc.list_sandboxes(f).await?))
+}
+
+pub(super) async fn get(
+    State(svc): State<Arc<Service>>,
+    Path(id): Path<String>,
+) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = parse_id(&id)?;
+    Ok(Json(svc.get_sandbox(&id).await?))
+}
+
+pub(super) async fn delete(
+    State(svc): State<Arc<Service>>,
+    Path(id): Path<String>,
+) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = parse_id(&id)?;
+    Ok(Json(svc.delete(&id).await?))
+}
+
+pub(super) async fn pause(
+    State(svc): State<Arc<Service>>,
+    Path(id): Path<String>,
+) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = parse_id(&id)?;
+    Ok(Json(svc.pause(&id).await?))
+}
+
+pub(super) async fn resume(
+    State(svc): State<Arc<Service>>,
+    Path(id): Path<String>,
+) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = parse_id(&id)?;
+    Ok(Json(svc.resume(&id).await?))
+}
+
+pub(super) async fn hibernate(
+    State(svc): State<Arc<Service>>,
+    Path(id): Path<String>,
+) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = parse_id(&id)?;
+    Ok(Json(svc.hibernate(&id).await?))
+}
+
+pub(super) async fn fork(
+    State(svc): State<Arc<Service>>,
+    Path(id): Path<String>,
+    Body(spec): Body<SandboxSpec>,
+) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = parse_id(&id)?;
+    Ok((
+        StatusCode::CREATED,
+        Json(svc.fork_sandbox(&id, spec).await?),
+    ))
+}
+
+pub(super) async fn fork_snapshot(
+    State(svc): State<Arc<Service>>,
+    Path(id): Path<String>,
+    Body(spec): Body<SandboxSpec>,
+) -> ApiResult<impl IntoResponse> {
+    let id: SnapshotId = parse_id(&id)?;
+    Ok((
+        StatusCode::CREATED,
+        Json(svc.fork_snapshot(&id, spec).await?),
+    ))
+}
+
+/// `POST /v1/sandboxes/{id}/rewind` body (exactly one field).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RewindBody {
+    #[serde(default)]
+    to: Option<SnapshotId>,
+    #[serde(default)]
+    ago: Option<String>,
+}
+
+pub(super) async fn rewind(
+    State(svc): State<Arc<Service>>,
+    Path(id): Path<String>,
+    Body(b): Body<RewindBody>,
+) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = parse_id(&id)?;
+    let (sandbox, to, pre) = svc
+        .rewind(
+            &id,
+            Rewind {
+                to: b.to,
+                ago: b.ago,
+            },
+        )
+        .await?;
+    Ok(Json(
+        json!({ "sandbox": sandbox, "rewound_to": to, "pre_rewind_snapshot": pre }),
+    ))
+}
+
+pub(super) async fn events(
+    State(svc): State<Arc<Service>>,
+    Path(id): Path<String>,
+) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = parse_id(&id)?;
+    svc.get_sandbox(&id).await?;
+    Ok(Json(json!({ "items": svc.events(&id, 1000).await? })))
+}
+
+pub(super) async fn take_snapshot(
+    State(svc): State<Arc<Service>>,
+    Path(id): Path<String>,
+    Body(cmd): Body<TakeSnapshot>,
+) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = parse_id(&id)?;
+    Ok((
+        StatusCode::CREATED,
+        Json(svc.take_snapshot(&id, cmd).await?),
+    ))
+}
+
+pub(super) async fn list_snapshots(
+    State(svc): State<Arc<Service>>,
+    Path(id): Path<String>,
+) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = parse_id(&id)?;
+    Ok(Json(json!({ "items": svc.list_snapshots(&id).await? })))
+}
+
+pub(super) async fn get_snapshot(
+    State(svc): State<Arc<Service>>,
+    Path(id): Path<String>,
+) -> ApiResult<impl IntoResponse> {
+    let id: SnapshotId = parse_id(&id)?;
+    Ok(Json(svc.get_snapshot(&id).await?))
+}
+
+pub(super) async fn delete_snapshot(
+    State(svc): State<Arc<Service>>,
+    Path(id): Path<String>,
+) -> ApiResult<impl IntoResponse> {
+    let id: SnapshotId = parse_id(&id)?;
+    Ok(Json(svc.delete_snapshot(&id).await?))
+}
+
+/// `POST /v1/sandboxes/{id}/exec` body.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ExecBody {
+    cmd: Vec<String>,
+    #[serde(default)]
+    env: BTreeMap<String, String>,
+    #[serde(default)]
+    cwd: Option<String>,
+    /// Base64 bytes for the command's stdin.
+    #[serde(default)]
+    stdin: Option<String>,
+    #[serde(default)]
+    timeout_s: Option<u64>,
+}
+
+fn line(v: serde_json::Value) -> Result<bytes::Bytes, std::convert::Infallible> {
+    let mut s = v.to_string();
+    s.push('\n');
+    Ok(bytes::Bytes::from(s))
+}
+
+pub(super) async fn exec(
+    State(svc): State<Arc<Service>>,
+    Path(id): Path<String>,
+    Body(b): Body<ExecBody>,
+) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = parse_id(&id)?;
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let stdin = match b.stdin {
+        Some(s) => Some(
+            b64.decode(s.as_bytes())
+                .map_err(|e| invalid(format!("stdin: not base64: {e}")))?,
+        ),
+        None => None,
+    };
+    let req = ExecRequest {
+        cmd: b.cmd,
+        env: b.env,
+        cwd: b.cwd,
+        stdin,
+        timeout_s: b.timeout_s,
+    };
+    let stream = svc.exec(&id, req).await?;
+    let body = stream.map(move |ev| match ev {
+        Ok(ExecEvent::Stdout(d)) => line(json!({ "stdout": b64.encode(&d) })),
+        Ok(ExecEvent::Stderr(d)) => line(json!({ "stderr": b64.encode(&d) })),
+        Ok(ExecEvent::Exit { code, signal }) => {
+            line(json!({ "exit": { "code": code, "signal": signal } }))
+        }
+        Err(e) => line(ApiError::new(e.code(), e.to_string()).body()),
+    });
+    Ok((ndjson_headers(), axum::body::Body::from_stream(body)))
+}

@@ -1,0 +1,362 @@
+//! Start-up reconciliation of the records with what runs on the host.
+//!
+//! Order:
+//! 1. snapshots left `pending` by a crash are rolled back (recorded as
+//!    deleted, their subvolume removed): a pending snapshot is never listed
+//!    as ready;
+//! 2. each sandbox record is compared with the live VMs: a VM that survived
+//!    is adopted (and paused/continued to match the record); an operation
+//!    left pending is completed if the VM shows it finished (a create whose
+//!    VM runs) or rolled back otherwise (the previous state stands); a
+//!    sandbox whose VM is gone is marked failed and restored from its latest
+//!    ready snapshot (or stays failed, with the reason);
+//! 3. orphans — VMs and subvolumes no record owns — are reported and, with
+//!    `clean_orphans`, removed; ready snapshots whose subvolume vanished are
+//!    recorded as deleted.
+//!
+//! If the engine cannot list VMs or subvolumes, reconciliation is skipped
+//! (reported) rather than taking "nothing found" for "everything died".
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use serde::Serialize;
+use strata_core::{Op, SandboxId, SandboxState, SnapshotId};
+use tracing::{info, warn};
+
+use crate::engine::LiveVm;
+use crate::service::{Service, ServiceResult};
+use crate::store::{
+    Event, EventPhase, SandboxRecord, SnapshotStatus, TemplateStatus, DEFAULT_TENANT,
+};
+
+/// What recovery found and did.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct RecoveryReport {
+    /// Pending snapshots rolled back.
+    pub rolled_back_snapshots: Vec<SnapshotId>,
+    /// Sandboxes whose VM was adopted.
+    pub adopted: Vec<SandboxId>,
+    /// Pending operations completed or rolled back: `(sandbox, op, outcome)`.
+    pub pending_ops: Vec<(SandboxId, String, String)>,
+    /// Sandboxes restored from their latest snapshot.
+    pub restored: Vec<SandboxId>,
+    /// Sandboxes left failed, with the reason.
+    pub failed: Vec<(SandboxId, String)>,
+    /// VMs without a record: `(id, pid)`.
+    pub orphan_vms: Vec<(SandboxId, u32)>,
+    /// Subvolumes without a record.
+    pub orphan_subvolumes: Vec<String>,
+    /// Ready snapshots whose subvolume is gone.
+    pub missing_snapshots: Vec<SnapshotId>,
+    /// Why reconciliation with the engine was skipped, if it was.
+    pub skipped: Option<String>,
+}
+
+async fn record(
+    svc: &Service,
+    rec: &mut SandboxRecord,
+    op: Op,
+    next: SandboxState,
+    detail: String,
+) -> ServiceResult<()> {
+    let mut ev = Event::new(
+        rec,
+        op,
+        Some(next),
+        EventPhase::Recovered,
+        Some(detail),
+        svc.now(),
+    );
+    ev.from_state = Some(rec.state);
+    rec.state = next;
+    rec.pending_op = None;
+    rec.updated_at = svc.now();
+    if !next.has_vm() {
+        rec.pid = None;
+    }
+    if next == SandboxState::Deleted {
+        rec.deleted_at = Some(svc.now());
+    }
+    let r = rec.clone();
+    svc.db(move |s| s.update_sandbox(&r, Some(&ev))).await
+}
+
+/// Reconciles; see the module documentation.
+pub async fn reconcile(svc: &Arc<Service>) -> ServiceResult<RecoveryReport> {
+    let mut report = RecoveryReport::default();
+    let engine = svc.engine().clone();
+
+    // 1. Pending snapshots.
+    for mut s in svc.db(|st| st.pending_snapshots()).await? {
+        s.status = SnapshotStatus::Deleted;
+        s.status_reason = Some("interrupted by a daemon restart".into());
+        let s2 = s.clone();
+        svc.db(move |st| st.put_snapshot(&s2)).await?;
+        let _ = engine.delete_snapshot(&s.id).await;
+        warn!(snapshot = %s.id, sandbox = %s.sandbox_id, "rolled back a snapshot left pending");
+        report.rolled_back_snapshots.push(s.id);
+    }
+
+    let records = svc.db(|st| st.live_sandboxes()).await?;
+    let (live, subs) = match (engine.live_vms().await, engine.subvolumes().await) {
+        (Ok(l), Ok(s)) => (l, s),
+        (Err(e), _) | (_, Err(e)) => {
+            warn!(error = %e, "engine cannot list VMs/subvolumes; records left as they are");
+            report.skipped = Some(e.to_string());
+            for r in &records {
+                svc.reschedule(r);
+            }
+            return Ok(report);
+        }
+    };
+    let live: HashMap<SandboxId, LiveVm> = live.into_iter().map(|v| (v.id.clone(), v)).collect();
+    let known: HashSet<SandboxId> = records.iter().map(|r| r.id.clone()).collect();
+
+    // 2. Sandboxes.
+    let mut to_restore = Vec::new();
+    for mut rec in records {
+        let id = rec.id.clone();
+        let vm = live.get(&id);
+        let pending = rec.pending_op;
+        match (pending, vm) {
+            (Some(Op::Created), Some(_)) => match engine.adopt(&id).await {
+                Ok(info) => {
+                    rec.pid = Some(info.pid);
+                    rec.accel = Some(info.accel);
+                    record(
+                        svc,
+                        &mut rec,
+                        Op::Created,
+                        SandboxState::Running,
+                        "create completed after restart".into(),
+                    )
+                    .await?;
+                    report
+                        .pending_ops
+                        .push((id.clone(), "created".into(), "completed".into()));
+                    report.adopted.push(id.clone());
+                }
+                Err(e) => {
+                    let _ = engine.delete(&id).await;
+                    rec.state_reason = Some(format!("create interrupted: {e}"));
+                    record(
+                        svc,
+                        &mut rec,
+                        Op::Created,
+                        SandboxState::Deleted,
+                        "create rolled back".into(),
+                    )
+                    .await?;
+                    report
+                        .pending_ops
+                        .push((id.clone(), "created".into(), "rolled back".into()));
+                }
+            },
+            (Some(Op::Created), None) => {
+                let _ = engine.delete(&id).await;
+                rec.state_reason = Some("create interrupted by a daemon restart".into());
+                record(
+                    svc,
+                    &mut rec,
+                    Op::Created,
+                    SandboxState::Deleted,
+                    "create rolled back".into(),
+                )
+                .await?;
+                report
+                    .pending_ops
+                    .push((id.clone(), "created".into(), "rolled back".into()));
+            }
+            (Some(Op::Delete), _) => {
+                let _ = engine.delete(&id).await;
+                let id2 = id.clone();
+                for mut s in svc.db(move |st| st.list_snapshots(&id2, false)).await? {
+                    s.status = SnapshotStatus::Deleted;
+                    s.status_reason = Some("sandbox deleted".into());
+                    let s2 = s.clone();
+                    svc.db(move |st| st.put_snapshot(&s2)).await?;
+                    let _ = engine.delete_snapshot(&s.id).await;
+                }
+                record(
+                    svc,
+                    &mut rec,
+                    Op::Delete,
+                    SandboxState::Deleted,
+                    "delete completed after restart".into(),
+                )
+                .await?;
+                report
+                    .pending_ops
+                    .push((id.clone(), "delete".into(), "completed".into()));
+            }
+            (_, Some(vm)) => {
+                // The VM lives. Adopt it and make it match the record; an
+                // interrupted pause/resume/snapshot/rewind keeps the recorded state.
+                let adopted = engine.adopt(&id).await;
+                match adopted {
+                    Ok(info) => {
+                        rec.pid = Some(info.pid);
+                        let next = match rec.state {
+                            SandboxState::Hibernated => {
+                                rec.state.apply(Op::Resume).unwrap_or(rec.state)
+                            }
+                            SandboxState::Failed => {
+                                rec.state.apply(Op::Recover).unwrap_or(rec.state)
+                            }
+                            SandboxState::Creating => {
+                                rec.state.apply(Op::Created).unwrap_or(rec.state)
+                            }
+                            s => s,
+                        };
+                        let fix = match (next, vm.paused) {
+                            (SandboxState::Running, true) => engine.resume(&id).await,
+                            (SandboxState::Paused, false) => engine.pause(&id).await,
+                            _ => Ok(()),
+                        };
+                        if let Err(e) = fix {
+                            warn!(sandbox = %id, error = %e, "adopted VM does not match its record");
+                        }
+                        let detail = match pending {
+                            Some(op) => {
+                                report.pending_ops.push((
+                                    id.clone(),
+                                    op.to_string(),
+                                    "rolled back".into(),
+                                ));
+                                format!("adopted after restart; {op} rolled back")
+                            }
+                            None => "adopted after restart".into(),
+                        };
+                        record(svc, &mut rec, pending.unwrap_or(Op::Resume), next, detail).await?;
+                        report.adopted.push(id.clone());
+                    }
+                    Err(e) => {
+                        warn!(sandbox = %id, error = %e, "adopting the VM failed; restoring instead");
+                        let _ = engine.delete(&id).await;
+                        if rec.state.has_vm() {
+                            rec.state_reason = Some(format!("vm could not be adopted: {e}"));
+                            record(svc, &mut rec, Op::Fail, SandboxState::Failed, e.to_string())
+                                .await?;
+                        }
+                        to_restore.push(id.clone());
+                    }
+                }
+            }
+            (_, None) => {
+                if let Some(op) = pending {
+                    report
+                        .pending_ops
+                        .push((id.clone(), op.to_string(), "rolled back".into()));
+                }
+                if rec.state.has_vm() {
+                    rec.state_reason = Some("vm gone after a daemon or host restart".into());
+                    let next = rec.state.apply(Op::Fail).unwrap_or(SandboxState::Failed);
+                    record(
+                        svc,
+                        &mut rec,
+                        Op::Fail,
+                        next,
+                        "vm not found at start".into(),
+                    )
+                    .await?;
+                    to_restore.push(id.clone());
+                } else {
+                    if pending.is_some() {
+                        let st = rec.state;
+                        record(
+                            svc,
+                            &mut rec,
+                            pending.unwrap_or(Op::Resume),
+                            st,
+                            "rolled back after restart".into(),
+                        )
+                        .await?;
+                    }
+                    if rec.state == SandboxState::Failed {
+                        to_restore.push(id.clone());
+                    }
+                }
+            }
+        }
+        if rec.state != SandboxState::Deleted {
+            svc.reschedule(&rec);
+        }
+    }
+
+    // 3. Orphans.
+    let clean = svc.config().clean_orphans;
+    for (id, vm) in &live {
+        if !known.contains(id) {
+            warn!(sandbox = %id, pid = vm.pid, clean, "orphaned VM");
+            report.orphan_vms.push((id.clone(), vm.pid));
+            if clean {
+                let _ = engine.delete(id).await;
+            }
+        }
+    }
+    for id in &subs.sandboxes {
+        if !known.contains(id) && !live.contains_key(id) {
+            report.orphan_subvolumes.push(format!("sandboxes/{id}"));
+            if clean {
+                let _ = engine.delete(id).await;
+            }
+        }
+    }
+    let ready: HashSet<SnapshotId> = svc
+        .db(|st| st.ready_snapshot_ids())
+        .await?
+        .into_iter()
+        .collect();
+    let on_disk: HashSet<SnapshotId> = subs.snapshots.iter().cloned().collect();
+    for id in &subs.snapshots {
+        if !ready.contains(id) {
+            report.orphan_subvolumes.push(format!("snapshots/{id}"));
+            if clean {
+                let _ = engine.delete_snapshot(id).await;
+            }
+        }
+    }
+    for id in ready.difference(&on_disk) {
+        let id2 = id.clone();
+        if let Some(mut s) = svc.db(move |st| st.get_snapshot(&id2)).await? {
+            s.status = SnapshotStatus::Deleted;
+            s.status_reason = Some("subvolume missing from the pool".into());
+            svc.db(move |st| st.put_snapshot(&s)).await?;
+            report.missing_snapshots.push(id.clone());
+        }
+    }
+    let templates: HashSet<_> = svc
+        .db(|st| st.list_templates(DEFAULT_TENANT))
+        .await?
+        .into_iter()
+        .filter(|t| t.status != TemplateStatus::Deleted)
+        .map(|t| t.id)
+        .collect();
+    for id in &subs.templates {
+        if !templates.contains(id) {
+            report.orphan_subvolumes.push(format!("templates/{id}"));
+            if clean {
+                let _ = engine.delete_template(id).await;
+            }
+        }
+    }
+
+    // 4. Restores (after orphans are gone: they free capacity).
+    if svc.config().auto_recover {
+        for id in to_restore {
+            match svc.recover(&id).await {
+                Ok(_) => report.restored.push(id),
+                Err(e) => report.failed.push((id, e.message())),
+            }
+        }
+    }
+    info!(
+        adopted = report.adopted.len(),
+        restored = report.restored.len(),
+        failed = report.failed.len(),
+        orphans = report.orphan_vms.len() + report.orphan_subvolumes.len(),
+        "recovery done"
+    );
+    Ok(report)
+}
