@@ -1,1 +1,693 @@
+//! HTTP-layer tests: validation and error mapping. The engine here is a
+//! test double (the end-to-end suite with real guests uses the runtime);
+//! the store, service, router and extractors under test are the real ones.
 
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use axum::body::Body as AxBody;
+use axum::http::{Request, StatusCode};
+use chrono::Utc;
+use http_body_util::BodyExt;
+use serde_json::{json, Value};
+use strata_core::{SandboxId, SandboxSize, SnapshotId, TemplateId};
+use tower::ServiceExt;
+
+use crate::clock::SystemClock;
+use crate::config::Config;
+use crate::engine::*;
+use crate::store::{SqliteStore, Store, TemplateRecord, TemplateStatus, DEFAULT_TENANT};
+use crate::App;
+
+#[derive(Default)]
+struct Double {
+    pids: AtomicU32,
+    fail_pause: AtomicBool,
+    slow_rewind: tokio::sync::Notify,
+    hold_rewind: AtomicBool,
+    snaps: std::sync::Mutex<Vec<SnapshotId>>,
+}
+
+fn snap_info(id: &SnapshotId) -> SnapshotInfo {
+    SnapshotInfo {
+        id: id.clone(),
+        pause_ms: 15.0,
+        device_state_bytes: 50_000,
+        created_at: Utc::now(),
+    }
+}
+
+impl Double {
+    fn vm(&self, size: SandboxSize) -> VmInfo {
+        VmInfo {
+            pid: 10_000 + self.pids.fetch_add(1, Ordering::Relaxed),
+            accel: "tcg".into(),
+            size,
+            ready_ms: 1.0,
+        }
+    }
+}
+
+#[async_trait]
+impl Engine for Double {
+    async fn create(&self, _: &SandboxId, _: &Source, size: SandboxSize) -> EngineResult<VmInfo> {
+        Ok(self.vm(size))
+    }
+    async fn snapshot(&self, _: &SandboxId, snap: &SnapshotId) -> EngineResult<SnapshotInfo> {
+        self.snaps.lock().unwrap().push(snap.clone());
+        Ok(snap_info(snap))
+    }
+    async fn fork_live(
+        &self,
+        _: &SandboxId,
+        snap: &SnapshotId,
+        _: &SandboxId,
+        size: SandboxSize,
+    ) -> EngineResult<(SnapshotInfo, VmInfo)> {
+        Ok((snap_info(snap), self.vm(size)))
+    }
+    async fn rewind(
+        &self,
+        _: &SandboxId,
+        _: &SnapshotId,
+        pre: Option<&SnapshotId>,
+    ) -> EngineResult<(Option<SnapshotInfo>, VmInfo)> {
+        if self.hold_rewind.load(Ordering::Relaxed) {
+            self.slow_rewind.notified().await;
+        }
+        Ok((pre.map(snap_info), self.vm(SandboxSize::default())))
+    }
+    async fn restore(&self, _: &SandboxId, _: &SnapshotId) -> EngineResult<VmInfo> {
+        Ok(self.vm(SandboxSize::default()))
+    }
+    async fn pause(&self, id: &SandboxId) -> EngineResult<()> {
+        if self.fail_pause.load(Ordering::Relaxed) {
+            return Err(EngineError::VmFailed {
+                id: id.to_string(),
+                reason: "qmp stop timed out".into(),
+            });
+        }
+        Ok(())
+    }
+    async fn resume(&self, _: &SandboxId) -> EngineResult<()> {
+        Ok(())
+    }
+    async fn hibernate(&self, _: &SandboxId, snap: &SnapshotId) -> EngineResult<SnapshotInfo> {
+        Ok(snap_info(snap))
+    }
+    async fn wake(&self, _: &SandboxId, _: &SnapshotId) -> EngineResult<VmInfo> {
+        Ok(self.vm(SandboxSize::default()))
+    }
+    async fn delete(&self, _: &SandboxId) -> EngineResult<()> {
+        Ok(())
+    }
+    async fn delete_snapshot(&self, _: &SnapshotId) -> EngineResult<()> {
+        Ok(())
+    }
+    async fn snapshot_usage(&self, _: &SnapshotId) -> EngineResult<SpaceUsage> {
+        Ok(SpaceUsage {
+            exclusive_bytes: 4096,
+            referenced_bytes: 1 << 20,
+        })
+    }
+    async fn exec(&self, _: &SandboxId, req: ExecRequest) -> EngineResult<ExecStream> {
+        let out = bytes::Bytes::from(req.cmd.join(" "));
+        Ok(futures::stream::iter(vec![
+            Ok(ExecEvent::Stdout(out)),
+            Ok(ExecEvent::Stderr(bytes::Bytes::from_static(b"warn"))),
+            Ok(ExecEvent::Exit {
+                code: Some(3),
+                signal: None,
+            }),
+        ])
+        .boxed())
+    }
+    async fn read_file(&self, _: &SandboxId, _: &str) -> EngineResult<ByteStream> {
+        Ok(futures::stream::iter(vec![Ok(bytes::Bytes::from_static(b"hello"))]).boxed())
+    }
+    async fn write_file(
+        &self,
+        _: &SandboxId,
+        _: &str,
+        _: u32,
+        mut body: ByteStream,
+    ) -> EngineResult<u64> {
+        use futures::StreamExt;
+        let mut n = 0;
+        while let Some(c) = body.next().await {
+            n += c?.len() as u64;
+        }
+        Ok(n)
+    }
+    async fn list_dir(&self, _: &SandboxId, _: &str) -> EngineResult<Vec<FileStat>> {
+        Ok(vec![])
+    }
+    async fn stat(&self, _: &SandboxId, p: &str) -> EngineResult<FileStat> {
+        Err(EngineError::Agent(format!(
+            "{p}: no such file or directory"
+        )))
+    }
+    async fn mkdir(&self, _: &SandboxId, _: &str, _: bool) -> EngineResult<()> {
+        Ok(())
+    }
+    async fn remove(&self, _: &SandboxId, _: &str, _: bool) -> EngineResult<()> {
+        Ok(())
+    }
+    async fn build_template(
+        &self,
+        tpl: &TemplateId,
+        size: SandboxSize,
+        _: ProgressSink,
+    ) -> EngineResult<TemplateInfo> {
+        Ok(TemplateInfo {
+            id: tpl.clone(),
+            size,
+            accel: "tcg".into(),
+            build_ms: 1.0,
+        })
+    }
+    async fn delete_template(&self, _: &TemplateId) -> EngineResult<()> {
+        Ok(())
+    }
+    async fn live_vms(&self) -> EngineResult<Vec<LiveVm>> {
+        Ok(vec![])
+    }
+    async fn subvolumes(&self) -> EngineResult<Subvolumes> {
+        Ok(Subvolumes {
+            snapshots: self.snaps.lock().unwrap().clone(),
+            ..Subvolumes::default()
+        })
+    }
+    async fn adopt(&self, id: &SandboxId) -> EngineResult<VmInfo> {
+        Err(EngineError::SandboxNotFound(id.to_string()))
+    }
+    fn exit_events(&self) -> tokio::sync::mpsc::UnboundedReceiver<ExitEvent> {
+        tokio::sync::mpsc::unbounded_channel().1
+    }
+}
+
+use futures::StreamExt as _;
+
+struct Harness {
+    app: App,
+    engine: Arc<Double>,
+    _dir: tempfile::TempDir,
+}
+
+fn harness() -> Harness {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = Config {
+        data_dir: dir.path().to_owned(),
+        max_json_body_bytes: 4096,
+        max_upload_bytes: 16,
+        ..Config::default()
+    };
+    cfg.capacity.vcpus = 4;
+    cfg.capacity.cpu_overcommit = 1.0;
+    cfg.capacity.memory_mib = 8192;
+    let store = Arc::new(SqliteStore::open(&cfg.db_path(), 2).unwrap());
+    store
+        .put_template(&TemplateRecord {
+            id: "tpl-base".parse().unwrap(),
+            tenant: DEFAULT_TENANT.into(),
+            name: None,
+            size: SandboxSize::default(),
+            status: TemplateStatus::Ready,
+            status_reason: None,
+            accel: Some("tcg".into()),
+            created_at: Utc::now(),
+            updated_at: Utc::now(),
+        })
+        .unwrap();
+    let engine = Arc::new(Double::default());
+    let app = App::new(cfg, store, engine.clone(), Arc::new(SystemClock));
+    Harness {
+        app,
+        engine,
+        _dir: dir,
+    }
+}
+
+async fn call(
+    h: &Harness,
+    method: &str,
+    uri: &str,
+    body: impl Into<AxBody>,
+) -> (StatusCode, Value) {
+    let req = Request::builder()
+        .method(method)
+        .uri(uri)
+        .body(body.into())
+        .unwrap();
+    let resp = h.app.router().oneshot(req).await.unwrap();
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    let v = serde_json::from_slice(&bytes)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()));
+    (status, v)
+}
+
+fn code(v: &Value) -> &str {
+    v["error"]["code"].as_str().unwrap_or("<none>")
+}
+
+async fn create(h: &Harness) -> String {
+    let (s, v) = call(
+        h,
+        "POST",
+        "/v1/sandboxes",
+        r#"{"template":"tpl-base","labels":{"team":"a"}}"#,
+    )
+    .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    assert_eq!(v["state"], "running");
+    v["id"].as_str().unwrap().to_owned()
+}
+
+#[tokio::test]
+async fn malformed_bodies_are_invalid_request() {
+    let h = harness();
+    for body in [
+        "{not json",
+        r#"{"template": 5}"#,
+        r#"{"template":"tpl-base","colour":"red"}"#,
+        r#"{"template":"tpl-base","size":{"vcpus":"two"}}"#,
+        r#"{"template":"tpl-base","size":{"vcpus":-1}}"#,
+        r#"{"template":"../etc"}"#,
+        r#"{"template":"tpl-base","idle_timeout":"soon"}"#,
+    ] {
+        let (s, v) = call(&h, "POST", "/v1/sandboxes", body).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{body}: {v}");
+        assert_eq!(code(&v), "invalid_request", "{body}: {v}");
+        assert!(!v["error"]["message"].as_str().unwrap().is_empty());
+    }
+    let (_, v) = call(&h, "GET", "/v1/sandboxes", "").await;
+    assert_eq!(
+        v["items"].as_array().unwrap().len(),
+        0,
+        "nothing was created"
+    );
+}
+
+#[tokio::test]
+async fn sizes_are_validated_and_capacity_enforced() {
+    let h = harness();
+    for (body, status, c) in [
+        (r#"{"size":{"vcpus":0}}"#, 400, "invalid_size"),
+        (r#"{"size":{"memory_mib":1048576}}"#, 400, "invalid_size"),
+        (r#"{"size":{"disk_gib":0}}"#, 400, "invalid_size"),
+        (r#"{"size":{"vcpus":8}}"#, 507, "insufficient_capacity"),
+    ] {
+        let (s, v) = call(&h, "POST", "/v1/sandboxes", body).await;
+        assert_eq!(s.as_u16(), status, "{body}: {v}");
+        assert_eq!(code(&v), c, "{body}: {v}");
+    }
+    // Four 1-vCPU sandboxes fill the 4 vCPUs; the fifth does not fit.
+    for _ in 0..4 {
+        create(&h).await;
+    }
+    let (s, v) = call(&h, "POST", "/v1/sandboxes", "{}").await;
+    assert_eq!(s.as_u16(), 507, "{v}");
+}
+
+#[tokio::test]
+async fn body_over_the_limit_is_413() {
+    let h = harness();
+    let big = format!(r#"{{"labels":{{"k":"{}"}}}}"#, "x".repeat(10_000));
+    let (s, v) = call(&h, "POST", "/v1/sandboxes", big).await;
+    assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE, "{v}");
+    assert_eq!(code(&v), "payload_too_large");
+    let id = create(&h).await;
+    let (s, v) = call(
+        &h,
+        "PUT",
+        &format!("/v1/sandboxes/{id}/files?path=/tmp/x"),
+        vec![0u8; 64],
+    )
+    .await;
+    assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE, "{v}");
+    let (s, v) = call(
+        &h,
+        "PUT",
+        &format!("/v1/sandboxes/{id}/files?path=/tmp/x"),
+        vec![0u8; 8],
+    )
+    .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    assert_eq!(v["bytes"], 8);
+}
+
+#[tokio::test]
+async fn unknown_and_malformed_ids() {
+    let h = harness();
+    let (s, v) = call(&h, "GET", "/v1/sandboxes/sb-doesnotexist", "").await;
+    assert_eq!((s, code(&v)), (StatusCode::NOT_FOUND, "not_found"));
+    let (s, v) = call(&h, "POST", "/v1/sandboxes/sb-nope/pause", "").await;
+    assert_eq!((s, code(&v)), (StatusCode::NOT_FOUND, "not_found"));
+    let (s, v) = call(&h, "GET", "/v1/sandboxes/NOT-AN-ID", "").await;
+    assert_eq!((s, code(&v)), (StatusCode::BAD_REQUEST, "invalid_request"));
+    let (s, v) = call(&h, "DELETE", "/v1/snapshots/snap-nope", "").await;
+    assert_eq!((s, code(&v)), (StatusCode::NOT_FOUND, "not_found"));
+    let (s, v) = call(&h, "GET", "/v1/nothing-here", "").await;
+    assert_eq!((s, code(&v)), (StatusCode::NOT_FOUND, "not_found"));
+    let (s, _) = call(&h, "PATCH", "/v1/sandboxes", "").await;
+    assert_eq!(s, StatusCode::METHOD_NOT_ALLOWED);
+}
+
+#[tokio::test]
+async fn guest_paths_are_checked() {
+    let h = harness();
+    let id = create(&h).await;
+    for q in [
+        "path=/etc/../root",
+        "path=..",
+        "path=relative",
+        "path=/a%00b",
+        "",
+        "path=/x&bogus=1",
+    ] {
+        let (s, v) = call(&h, "GET", &format!("/v1/sandboxes/{id}/files/stat?{q}"), "").await;
+        assert_eq!(
+            (s, code(&v)),
+            (StatusCode::BAD_REQUEST, "invalid_request"),
+            "{q}: {v}"
+        );
+    }
+    let (s, v) = call(
+        &h,
+        "GET",
+        &format!("/v1/sandboxes/{id}/files/stat?path=/nope"),
+        "",
+    )
+    .await;
+    assert_eq!(
+        (s, code(&v)),
+        (StatusCode::BAD_GATEWAY, "agent_error"),
+        "{v}"
+    );
+    let (s, v) = call(
+        &h,
+        "GET",
+        &format!("/v1/sandboxes/{id}/files?path=/etc/hostname"),
+        "",
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v, Value::String("hello".into()));
+}
+
+#[tokio::test]
+async fn exec_streams_ndjson() {
+    let h = harness();
+    let id = create(&h).await;
+    let (s, v) = call(
+        &h,
+        "POST",
+        &format!("/v1/sandboxes/{id}/exec"),
+        r#"{"cmd":["echo","hi"]}"#,
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+    let text = v.as_str().unwrap().to_owned();
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines[0], json!({"stdout": "ZWNobyBoaQ=="}));
+    assert_eq!(lines[1], json!({"stderr": "d2Fybg=="}));
+    assert_eq!(lines[2], json!({"exit": {"code": 3, "signal": null}}));
+    let (s, v) = call(
+        &h,
+        "POST",
+        &format!("/v1/sandboxes/{id}/exec"),
+        r#"{"cmd":[]}"#,
+    )
+    .await;
+    assert_eq!((s, code(&v)), (StatusCode::BAD_REQUEST, "invalid_request"));
+    // Exec in a paused sandbox is refused with the state, not queued.
+    call(&h, "POST", &format!("/v1/sandboxes/{id}/pause"), "").await;
+    let (s, v) = call(
+        &h,
+        "POST",
+        &format!("/v1/sandboxes/{id}/exec"),
+        r#"{"cmd":["true"]}"#,
+    )
+    .await;
+    assert_eq!(
+        (s, code(&v)),
+        (StatusCode::CONFLICT, "invalid_state"),
+        "{v}"
+    );
+}
+
+#[tokio::test]
+async fn concurrent_rewinds_conflict_and_state_is_kept() {
+    let h = harness();
+    let id = create(&h).await;
+    let (_, snap) = call(
+        &h,
+        "POST",
+        &format!("/v1/sandboxes/{id}/snapshots"),
+        r#"{"label":"base"}"#,
+    )
+    .await;
+    let snap_id = snap["id"].as_str().unwrap().to_owned();
+    assert_eq!(snap["status"], "ready");
+    h.engine.hold_rewind.store(true, Ordering::Relaxed);
+    let body = format!(r#"{{"to":"{snap_id}"}}"#);
+    let router = h.app.router();
+    let first = tokio::spawn({
+        let (uri, body) = (format!("/v1/sandboxes/{id}/rewind"), body.clone());
+        async move {
+            let req = Request::builder()
+                .method("POST")
+                .uri(uri)
+                .body(AxBody::from(body))
+                .unwrap();
+            router.oneshot(req).await.unwrap().status()
+        }
+    });
+    // Let the first one take the lock.
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    let (s, v) = call(
+        &h,
+        "POST",
+        &format!("/v1/sandboxes/{id}/rewind"),
+        body.clone(),
+    )
+    .await;
+    assert_eq!((s, code(&v)), (StatusCode::CONFLICT, "conflict"), "{v}");
+    h.engine.slow_rewind.notify_one();
+    assert_eq!(first.await.unwrap(), StatusCode::OK);
+    let (_, list) = call(&h, "GET", &format!("/v1/sandboxes/{id}/snapshots"), "").await;
+    let kinds: Vec<&str> = list["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, vec!["manual", "pre_rewind"]);
+}
+
+#[tokio::test]
+async fn rewind_targets_are_checked() {
+    let h = harness();
+    let a = create(&h).await;
+    let b = create(&h).await;
+    let (_, snap) = call(&h, "POST", &format!("/v1/sandboxes/{b}/snapshots"), "").await;
+    let other = snap["id"].as_str().unwrap();
+    let (s, v) = call(
+        &h,
+        "POST",
+        &format!("/v1/sandboxes/{a}/rewind"),
+        format!(r#"{{"to":"{other}"}}"#),
+    )
+    .await;
+    assert_eq!(
+        (s, code(&v)),
+        (StatusCode::BAD_REQUEST, "invalid_request"),
+        "{v}"
+    );
+    let (s, v) = call(
+        &h,
+        "POST",
+        &format!("/v1/sandboxes/{a}/rewind"),
+        r#"{"ago":"30d"}"#,
+    )
+    .await;
+    assert_eq!((s, code(&v)), (StatusCode::NOT_FOUND, "not_found"), "{v}");
+    let (s, v) = call(&h, "POST", &format!("/v1/sandboxes/{a}/rewind"), r#"{}"#).await;
+    assert_eq!(
+        (s, code(&v)),
+        (StatusCode::BAD_REQUEST, "invalid_request"),
+        "{v}"
+    );
+    let (_, got) = call(&h, "GET", &format!("/v1/sandboxes/{a}"), "").await;
+    assert_eq!(got["state"], "running", "no state changed");
+}
+
+#[tokio::test]
+async fn failed_operation_keeps_previous_state_with_reason() {
+    let h = harness();
+    let id = create(&h).await;
+    h.engine.fail_pause.store(true, Ordering::Relaxed);
+    let (s, v) = call(&h, "POST", &format!("/v1/sandboxes/{id}/pause"), "").await;
+    assert_eq!(
+        (s, code(&v)),
+        (StatusCode::INTERNAL_SERVER_ERROR, "vm_failed"),
+        "{v}"
+    );
+    let (_, got) = call(&h, "GET", &format!("/v1/sandboxes/{id}"), "").await;
+    assert_eq!(got["state"], "running");
+    assert!(got["pending_op"].is_null());
+    assert!(got["state_reason"]
+        .as_str()
+        .unwrap()
+        .contains("qmp stop timed out"));
+    let (_, ev) = call(&h, "GET", &format!("/v1/sandboxes/{id}/events"), "").await;
+    let phases: Vec<&str> = ev["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["phase"].as_str().unwrap())
+        .collect();
+    assert_eq!(phases, vec!["pending", "done", "pending", "failed"]);
+}
+
+#[tokio::test]
+async fn hibernated_sandbox_wakes_on_access() {
+    let h = harness();
+    let id = create(&h).await;
+    let (_, v) = call(&h, "POST", &format!("/v1/sandboxes/{id}/hibernate"), "").await;
+    assert_eq!(v["state"], "hibernated");
+    let (s, _) = call(
+        &h,
+        "POST",
+        &format!("/v1/sandboxes/{id}/exec"),
+        r#"{"cmd":["true"]}"#,
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+    let (_, v) = call(&h, "GET", &format!("/v1/sandboxes/{id}"), "").await;
+    assert_eq!(v["state"], "running");
+}
+
+#[tokio::test]
+async fn list_filters_and_pages_over_http() {
+    let h = harness();
+    for _ in 0..3 {
+        create(&h).await;
+    }
+    let (_, p1) = call(
+        &h,
+        "GET",
+        "/v1/sandboxes?limit=2&label=team%3Da&state=running",
+        "",
+    )
+    .await;
+    assert_eq!(p1["items"].as_array().unwrap().len(), 2);
+    let cursor = p1["next_cursor"].as_str().unwrap();
+    let (_, p2) = call(
+        &h,
+        "GET",
+        &format!("/v1/sandboxes?limit=2&label=team%3Da&cursor={cursor}"),
+        "",
+    )
+    .await;
+    assert_eq!(p2["items"].as_array().unwrap().len(), 1);
+    assert!(p2["next_cursor"].is_null());
+    for q in [
+        "state=sleepy",
+        "limit=0",
+        "label=nokv",
+        "cursor=%%%",
+        "colour=red",
+    ] {
+        let (s, v) = call(&h, "GET", &format!("/v1/sandboxes?{q}"), "").await;
+        assert_eq!(
+            (s, code(&v)),
+            (StatusCode::BAD_REQUEST, "invalid_request"),
+            "{q}: {v}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn every_route_is_documented_and_served() {
+    let doc: Value = serde_json::from_str(super::OPENAPI_JSON).unwrap();
+    let h = harness();
+    for (method, path) in super::ROUTES {
+        let oa_path = path.replace(":id", "{id}");
+        let op = &doc["paths"][&oa_path][method.to_lowercase()];
+        assert!(op.is_object(), "{method} {path} missing from openapi.json");
+        // The route exists: whatever it answers, it is not the fallback.
+        let uri = path.replace(":id", "sb-zzz");
+        let (s, v) = call(&h, method, &uri, "").await;
+        assert_ne!(s, StatusCode::METHOD_NOT_ALLOWED, "{method} {path}");
+        assert_ne!(v["error"]["message"], "no such endpoint", "{method} {path}");
+    }
+    // And nothing documented is missing from the router.
+    let n: usize = doc["paths"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|p| p.as_object().unwrap().len())
+        .sum();
+    assert_eq!(n, super::ROUTES.len());
+}
+
+#[tokio::test]
+async fn metrics_and_stats_report_quantiles() {
+    let h = harness();
+    let id = create(&h).await;
+    call(&h, "GET", &format!("/v1/sandboxes/{id}"), "").await;
+    let (s, text) = call(&h, "GET", "/metrics", "").await;
+    assert_eq!(s, StatusCode::OK);
+    let text = text.as_str().unwrap();
+    assert!(
+        text.contains(
+            r#"strata_api_request_duration_seconds{op="GET /v1/sandboxes/:id",quantile="0.99"}"#
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"strata_sandboxes{state="running"} 1"#),
+        "{text}"
+    );
+    let (_, stats) = call(&h, "GET", "/v1/stats", "").await;
+    assert!(
+        stats["api"]["POST /v1/sandboxes"]["p99_ms"].is_number(),
+        "{stats}"
+    );
+    assert!(stats["steps"]["spawn"]["count"].as_u64().unwrap() >= 1);
+    assert_eq!(stats["sandboxes"]["running"], 1);
+}
+
+#[tokio::test]
+async fn recovery_restores_a_sandbox_whose_vm_died() {
+    let h = harness();
+    let id = create(&h).await;
+    call(&h, "POST", &format!("/v1/sandboxes/{id}/snapshots"), "").await;
+    // The double reports no live VMs: the VM is gone, a snapshot exists.
+    let report = crate::recovery::reconcile(h.app.service()).await.unwrap();
+    assert_eq!(report.restored.len(), 1, "{report:?}");
+    let (_, v) = call(&h, "GET", &format!("/v1/sandboxes/{id}"), "").await;
+    assert_eq!(v["state"], "running");
+    let (_, ev) = call(&h, "GET", &format!("/v1/sandboxes/{id}/events"), "").await;
+    let ops: Vec<&str> = ev["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["op"].as_str().unwrap())
+        .collect();
+    assert!(ops.ends_with(&["fail", "recover", "recover"]), "{ops:?}");
+    let (_, ev) = call(&h, "GET", &format!("/v1/sandboxes/{id}/events"), "").await;
+    let ops: Vec<&str> = ev["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["op"].as_str().unwrap())
+        .collect();
+    assert!(ops.ends_with(&["fail", "recover", "recover"]), "{ops:?}");
+}
