@@ -14,6 +14,8 @@ pub struct RuntimeConfig {
     pub pool: PoolSetting,
     /// Directory for per-VM sockets and logs (short path: unix sockets ≤ 108 bytes).
     pub run_dir: PathBuf,
+    /// Guest image directory (from `strata image build`) templates are booted from.
+    pub image_dir: PathBuf,
     /// Accelerator choice.
     pub accel: Accel,
     /// QEMU binary.

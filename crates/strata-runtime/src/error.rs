@@ -48,6 +48,18 @@ pub enum RuntimeError {
     /// Another operation holds this sandbox.
     #[error("another operation is in progress on {0}")]
     Busy(String),
+    /// The request cannot be satisfied as asked (bad size, wrong owner, exists).
+    #[error("{0}")]
+    Invalid(String),
+    /// The guest agent answered with an error or the channel broke.
+    #[error("guest agent of {id}")]
+    Agent {
+        /// The sandbox.
+        id: String,
+        /// What the agent said.
+        #[source]
+        source: strata_proto::client::AgentError,
+    },
     /// Anything else.
     #[error("{0}")]
     Other(String),
@@ -66,6 +78,8 @@ impl RuntimeError {
             RuntimeError::VmFailed { .. } => ErrorCode::VmFailed,
             RuntimeError::AgentTimeout { .. } => ErrorCode::AgentTimeout,
             RuntimeError::Busy(_) => ErrorCode::Conflict,
+            RuntimeError::Invalid(_) => ErrorCode::InvalidRequest,
+            RuntimeError::Agent { .. } => ErrorCode::AgentError,
             RuntimeError::Other(_) => ErrorCode::Internal,
         }
     }

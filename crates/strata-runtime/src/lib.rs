@@ -17,6 +17,10 @@
 
 pub mod api;
 pub mod error;
+pub mod meta;
+mod runtime;
 
 pub use api::*;
 pub use error::RuntimeError;
+pub use meta::{StateMeta, SNAPSHOT_FORMAT_VERSION};
+pub use runtime::{load_image, qemu_version, Runtime, TemplateBuilt, VmDied};

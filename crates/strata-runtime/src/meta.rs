@@ -1,0 +1,256 @@
+//! Self-describing metadata stored as `meta.json` in every sandbox, snapshot
+//! and template subvolume.
+//!
+//! JSON with `#[serde(default)]` on everything added after version 1 plus an
+//! explicit [`SNAPSHOT_FORMAT_VERSION`], so snapshots written by older strata
+//! keep loading; a snapshot that this host cannot restore (other QEMU, other
+//! accelerator, other device layout, newer format) is refused with a reason
+//! instead of a crashed guest.
+
+use std::path::Path;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use strata_core::SandboxSize;
+use strata_vmm::{NetSpec, VmSpec};
+
+/// Version of the snapshot directory format this build writes and reads.
+pub const SNAPSHOT_FORMAT_VERSION: u32 = 1;
+
+/// File names inside a state subvolume.
+pub mod files {
+    /// Guest RAM (memory-backend-file, share=on).
+    pub const MEM: &str = "mem";
+    /// Root disk (raw).
+    pub const DISK: &str = "disk.img";
+    /// QEMU device state (migration stream without RAM).
+    pub const DEVICE_STATE: &str = "device.state";
+    /// Kernel the guest was booted with (restores need the same bytes).
+    pub const KERNEL: &str = "kernel";
+    /// Initramfs the guest was booted with.
+    pub const INITRD: &str = "initrd";
+    /// This metadata.
+    pub const META: &str = "meta.json";
+}
+
+/// What a state subvolume holds and how it was made.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StateMeta {
+    /// [`SNAPSHOT_FORMAT_VERSION`] of the writer.
+    pub format_version: u32,
+    /// strata release that wrote it.
+    pub strata_version: String,
+    /// `qemu-system-x86_64 --version` first line of the VM that ran it.
+    pub qemu_version: String,
+    /// `tcg` or `kvm`.
+    pub accel: String,
+    /// Hash of the VM's device layout (devices, machine, vCPUs, memory).
+    pub machine_layout: String,
+    /// Size of the VM.
+    pub size: SandboxSize,
+    /// Kernel command line it booted with.
+    pub cmdline: String,
+    /// Guest image hash.
+    pub image_hash: String,
+    /// Guest kernel version.
+    #[serde(default)]
+    pub kernel_version: String,
+    /// User networking of the VM (must match on restore).
+    #[serde(default)]
+    pub net: NetSpec,
+    /// Sandbox the state belongs to, if any (templates have none).
+    #[serde(default)]
+    pub sandbox: Option<String>,
+    /// Template it descends from.
+    #[serde(default)]
+    pub template: Option<String>,
+    /// Guest hostname.
+    #[serde(default)]
+    pub hostname: Option<String>,
+    /// When this file was written.
+    pub written_at: DateTime<Utc>,
+}
+
+/// Hash of the device layout of `spec` (what must match between a VM and a restore).
+pub fn layout_hash(spec: &VmSpec) -> String {
+    let mut h = Sha256::new();
+    for part in strata_vmm::cmdline::device_layout(spec) {
+        h.update(part.as_bytes());
+        h.update([0u8]);
+    }
+    hex::encode(&h.finalize()[..12])
+}
+
+/// Why a state subvolume cannot be restored here.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Incompatible(pub String);
+
+impl StateMeta {
+    /// Reads `meta.json` from a state directory.
+    pub fn read(dir: &Path) -> Result<StateMeta, Incompatible> {
+        let path = dir.join(files::META);
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| Incompatible(format!("cannot read {}: {e}", path.display())))?;
+        if text.len() > 1 << 20 {
+            return Err(Incompatible("meta.json is larger than 1 MiB".into()));
+        }
+        serde_json::from_str(&text)
+            .map_err(|e| Incompatible(format!("meta.json is not valid: {e}")))
+    }
+
+    /// Writes `meta.json` atomically (temp file, fsync, rename).
+    pub fn write(&self, dir: &Path) -> std::io::Result<()> {
+        use std::io::Write;
+        let tmp = dir.join(".meta.json.tmp");
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(&serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, dir.join(files::META))
+    }
+
+    /// Checks that a VM of this host (`qemu_version`, `accel`) can restore it, and that
+    /// every file a restore needs is present and plausible.
+    pub fn check_restorable(
+        &self,
+        dir: &Path,
+        qemu_version: &str,
+        accel: &str,
+    ) -> Result<(), Incompatible> {
+        if self.format_version > SNAPSHOT_FORMAT_VERSION || self.format_version == 0 {
+            return Err(Incompatible(format!(
+                "snapshot format {} is not supported by this strata (reads 1..={SNAPSHOT_FORMAT_VERSION})",
+                self.format_version
+            )));
+        }
+        if self.qemu_version != qemu_version {
+            return Err(Incompatible(format!(
+                "taken under {:?}, this host runs {:?}",
+                self.qemu_version, qemu_version
+            )));
+        }
+        if self.accel != accel {
+            return Err(Incompatible(format!(
+                "taken under accel {}, this host runs {}",
+                self.accel, accel
+            )));
+        }
+        let need = [
+            files::MEM,
+            files::DISK,
+            files::DEVICE_STATE,
+            files::KERNEL,
+            files::INITRD,
+        ];
+        for name in need {
+            let p = dir.join(name);
+            match std::fs::metadata(&p) {
+                Ok(m) if m.len() > 0 => {}
+                Ok(_) => return Err(Incompatible(format!("{name} is empty"))),
+                Err(_) => return Err(Incompatible(format!("{name} is missing"))),
+            }
+        }
+        let mem_len = std::fs::metadata(dir.join(files::MEM))
+            .map(|m| m.len())
+            .unwrap_or(0);
+        if mem_len != self.size.memory_bytes() {
+            return Err(Incompatible(format!(
+                "mem is {mem_len} bytes, expected {}",
+                self.size.memory_bytes()
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta() -> StateMeta {
+        StateMeta {
+            format_version: 1,
+            strata_version: "0.1.0".into(),
+            qemu_version: "QEMU 7.2".into(),
+            accel: "tcg".into(),
+            machine_layout: "x".into(),
+            size: SandboxSize {
+                vcpus: 1,
+                memory_mib: 128,
+                disk_gib: 1,
+            },
+            cmdline: String::new(),
+            image_hash: "h".into(),
+            kernel_version: String::new(),
+            net: NetSpec::default(),
+            sandbox: None,
+            template: None,
+            hostname: None,
+            written_at: Utc::now(),
+        }
+    }
+
+    fn populated() -> tempfile::TempDir {
+        let d = tempfile::tempdir().unwrap();
+        for f in [
+            files::DISK,
+            files::DEVICE_STATE,
+            files::KERNEL,
+            files::INITRD,
+        ] {
+            std::fs::write(d.path().join(f), b"x").unwrap();
+        }
+        let mem = std::fs::File::create(d.path().join(files::MEM)).unwrap();
+        mem.set_len(128 << 20).unwrap();
+        d
+    }
+
+    #[test]
+    fn round_trip_and_restorable() {
+        let d = populated();
+        meta().write(d.path()).unwrap();
+        let back = StateMeta::read(d.path()).unwrap();
+        assert_eq!(back, meta_with_time(&back));
+        back.check_restorable(d.path(), "QEMU 7.2", "tcg").unwrap();
+    }
+
+    fn meta_with_time(m: &StateMeta) -> StateMeta {
+        StateMeta {
+            written_at: m.written_at,
+            ..meta()
+        }
+    }
+
+    #[test]
+    fn refuses_other_qemu_accel_format_and_missing_parts() {
+        let d = populated();
+        let m = meta();
+        assert!(m.check_restorable(d.path(), "QEMU 8.0", "tcg").is_err());
+        assert!(m.check_restorable(d.path(), "QEMU 7.2", "kvm").is_err());
+        let newer = StateMeta {
+            format_version: 99,
+            ..meta()
+        };
+        let e = newer
+            .check_restorable(d.path(), "QEMU 7.2", "tcg")
+            .unwrap_err();
+        assert!(e.0.contains("format 99"), "{e}");
+        std::fs::remove_file(d.path().join(files::DEVICE_STATE)).unwrap();
+        let e = m.check_restorable(d.path(), "QEMU 7.2", "tcg").unwrap_err();
+        assert!(e.0.contains("device.state is missing"), "{e}");
+    }
+
+    #[test]
+    fn old_meta_without_new_fields_loads() {
+        let d = tempfile::tempdir().unwrap();
+        let json = serde_json::json!({
+            "format_version": 1, "strata_version": "0.0.1", "qemu_version": "q", "accel": "tcg",
+            "machine_layout": "l", "size": {"vcpus": 1, "memory_mib": 128, "disk_gib": 1},
+            "cmdline": "", "image_hash": "h", "written_at": "2026-01-01T00:00:00Z"
+        });
+        std::fs::write(d.path().join(files::META), json.to_string()).unwrap();
+        let m = StateMeta::read(d.path()).unwrap();
+        assert_eq!(m.sandbox, None);
+    }
+}

@@ -1,0 +1,393 @@
+//! Live snapshots on a real btrfs pool with real guests under TCG: snapshot,
+//! fork, rewind, pause, hibernate, templates, fork safety, and the faults.
+//!
+//! All tests share one tokio runtime, one pool and one template (booted once),
+//! because every VM's QMP and agent tasks live on the runtime that started them.
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use strata_core::{SandboxId, SandboxSize, SnapshotId, TemplateId};
+use strata_proto::client::ExecRequest;
+use strata_runtime::{PoolSetting, Runtime, RuntimeConfig, RuntimeError, Source};
+use strata_storage::testing::TestPool;
+
+struct Fixture {
+    rt: Arc<Runtime>,
+    template: TemplateId,
+    _pool: TestPool,
+    _run: tempfile::TempDir,
+}
+
+fn tokio_rt() -> &'static tokio::runtime::Runtime {
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("tokio runtime")
+    })
+}
+
+fn size() -> SandboxSize {
+    SandboxSize {
+        vcpus: 1,
+        memory_mib: 256,
+        disk_gib: 2,
+    }
+}
+
+fn fixture() -> &'static Fixture {
+    static F: OnceLock<Fixture> = OnceLock::new();
+    F.get_or_init(|| {
+        let image = strata_testkit::test_image();
+        let pool = TestPool::new(8 << 30).expect("test pool");
+        let run = tempfile::Builder::new()
+            .prefix("strt-")
+            .tempdir_in("/tmp")
+            .expect("run dir");
+        let cfg = RuntimeConfig {
+            pool: PoolSetting::Path(pool.root().to_path_buf()),
+            run_dir: run.path().to_path_buf(),
+            image_dir: image.dir.clone(),
+            accel: strata_core::Accel::Tcg,
+            qemu_binary: "qemu-system-x86_64".into(),
+            console_log_max_bytes: 1 << 20,
+            agent_timeout_ms: 60_000,
+        };
+        let template = TemplateId::generate();
+        let rt = tokio_rt().block_on(async {
+            let rt = Runtime::open(cfg).await.expect("runtime");
+            let built = rt
+                .build_template(&template, size(), &|s| eprintln!("template: {s}"))
+                .await
+                .expect("template build");
+            eprintln!(
+                "template built: boot {:.0} ms, total {:.0} ms",
+                built.boot_ms, built.build_ms
+            );
+            rt
+        });
+        Fixture {
+            rt,
+            template,
+            _pool: pool,
+            _run: run,
+        }
+    })
+}
+
+async fn sh(rt: &Runtime, id: &SandboxId, script: &str) -> (i32, String) {
+    let agent = rt.agent(id).await.expect("agent");
+    let out = agent
+        .exec_collect(ExecRequest::shell(script))
+        .await
+        .expect("exec");
+    (
+        out.status.code.unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).trim().to_owned(),
+    )
+}
+
+async fn new_sandbox(f: &Fixture) -> SandboxId {
+    let id = SandboxId::generate();
+    f.rt.create(&id, &Source::Template(f.template.clone()), None)
+        .await
+        .expect("create from template");
+    id
+}
+
+/// Starts a counter loop in the guest; returns after it has counted a bit.
+async fn start_counter(rt: &Runtime, id: &SandboxId) {
+    let (code, _) = sh(
+        rt,
+        id,
+        "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done' >/dev/null 2>&1 &",
+    )
+    .await;
+    assert_eq!(code, 0);
+    tokio::time::sleep(Duration::from_millis(800)).await;
+}
+
+async fn count(rt: &Runtime, id: &SandboxId) -> u64 {
+    let (_, out) = sh(rt, id, "cat /tmp/count").await;
+    out.parse().unwrap_or_else(|_| panic!("count is {out:?}"))
+}
+
+#[test]
+fn process_keeps_counting_across_snapshot_and_fork() {
+    let f = fixture();
+    tokio_rt().block_on(async {
+        let a = new_sandbox(f).await;
+        start_counter(&f.rt, &a).await;
+        let snap = SnapshotId::generate();
+        let info = f.rt.snapshot(&a, &snap).await.expect("snapshot");
+        eprintln!(
+            "snapshot pause {:.1} ms, device state {} B",
+            info.pause_ms, info.device_state_bytes
+        );
+        let at_snap = count(&f.rt, &a).await;
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let b = SandboxId::generate();
+        f.rt.create(&b, &Source::Snapshot(snap.clone()), None)
+            .await
+            .expect("fork");
+        let fork_start = count(&f.rt, &b).await;
+        let orig_now = count(&f.rt, &a).await;
+        // The fork resumed from the snapshot's count: far below where the original is now.
+        assert!(
+            fork_start >= at_snap.saturating_sub(5),
+            "fork {fork_start} vs snap {at_snap}"
+        );
+        assert!(
+            orig_now > fork_start,
+            "original {orig_now} vs fork {fork_start}"
+        );
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        let fork_later = count(&f.rt, &b).await;
+        assert!(fork_later > fork_start, "the fork's process keeps running");
+        // Independent: a file written in the fork is not in the original.
+        sh(&f.rt, &b, "echo fork > /root/who").await;
+        let (code, _) = sh(&f.rt, &a, "test -e /root/who").await;
+        assert_ne!(code, 0);
+        for id in [&a, &b] {
+            f.rt.delete(id).await.expect("delete");
+        }
+    });
+}
+
+#[test]
+fn rewind_restores_files_and_memory() {
+    let f = fixture();
+    tokio_rt().block_on(async {
+        let a = new_sandbox(f).await;
+        // A file on disk, a value only in memory (a process holding a variable), a file to delete later.
+        sh(&f.rt, &a, "echo v1 > /root/file; echo keep > /root/doomed; sync").await;
+        sh(
+            &f.rt,
+            &a,
+            "nohup sh -c 'secret=s3cr3t; while true; do sleep 0.2; [ -e /tmp/ask ] && echo $secret > /tmp/answer && rm /tmp/ask; done' >/dev/null 2>&1 &",
+        )
+        .await;
+        let snap = SnapshotId::generate();
+        f.rt.snapshot(&a, &snap).await.expect("snapshot");
+        sh(&f.rt, &a, "echo v2 > /root/file; rm /root/doomed; pkill -f secret; sync").await;
+        let (_, v) = sh(&f.rt, &a, "cat /root/file").await;
+        assert_eq!(v, "v2");
+        let pre = SnapshotId::generate();
+        let (pre_info, _) = f.rt.rewind(&a, &snap, Some(&pre)).await.expect("rewind");
+        assert!(pre_info.is_some(), "pre-rewind snapshot taken");
+        let (_, v) = sh(&f.rt, &a, "cat /root/file").await;
+        assert_eq!(v, "v1", "file content rewound");
+        let (_, d) = sh(&f.rt, &a, "cat /root/doomed").await;
+        assert_eq!(d, "keep", "deleted file is back");
+        let (_, ans) = sh(&f.rt, &a, "touch /tmp/ask; for i in $(seq 50); do [ -e /tmp/answer ] && break; sleep 0.1; done; cat /tmp/answer").await;
+        assert_eq!(ans, "s3cr3t", "in-memory process state is back");
+        // The rewind can be undone through the pre-rewind snapshot.
+        f.rt.rewind(&a, &pre, None).await.expect("undo rewind");
+        let (_, v) = sh(&f.rt, &a, "cat /root/file").await;
+        assert_eq!(v, "v2");
+        f.rt.delete(&a).await.expect("delete");
+    });
+}
+
+#[test]
+fn ten_forks_share_extents_and_differ_in_randomness() {
+    let f = fixture();
+    tokio_rt().block_on(async {
+        let a = new_sandbox(f).await;
+        let snap = SnapshotId::generate();
+        f.rt.snapshot(&a, &snap).await.expect("snapshot");
+        let mut forks = Vec::new();
+        for _ in 0..10 {
+            let id = SandboxId::generate();
+            let info =
+                f.rt.create(&id, &Source::Snapshot(snap.clone()), None)
+                    .await
+                    .expect("fork");
+            eprintln!("fork ready in {:.0} ms", info.ready_ms);
+            forks.push(id);
+        }
+        let mut randoms = std::collections::HashSet::new();
+        let mut hostnames = std::collections::HashSet::new();
+        for id in &forks {
+            let (_, r) = sh(
+                &f.rt,
+                id,
+                "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'",
+            )
+            .await;
+            assert_eq!(r.len(), 64);
+            randoms.insert(r);
+            let (_, h) = sh(&f.rt, id, "hostname; cat /etc/machine-id").await;
+            hostnames.insert(h);
+        }
+        assert_eq!(randoms.len(), 10, "every fork has its own RNG state");
+        assert_eq!(hostnames.len(), 10, "every fork has its own identity");
+        // Clock within a second of the host's.
+        let (_, guest) = sh(&f.rt, &forks[0], "date +%s.%N").await;
+        let host = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64();
+        let g: f64 = guest.parse().unwrap();
+        assert!((g - host).abs() < 1.0, "guest clock {g} vs host {host}");
+        // Shared extents: the snapshot's own exclusive bytes are a small part of what it references.
+        let usage = f.rt.snapshot_usage(&snap).await.expect("usage");
+        eprintln!("snapshot usage: {usage:?}");
+        assert!(usage.referenced_bytes > 0);
+        let pool_used = f.rt.pool().usage().expect("pool usage").used_bytes;
+        let logical = 11 * (size().memory_bytes() + size().disk_bytes());
+        eprintln!(
+            "pool used {pool_used} B for 11 sandboxes of {} B logical",
+            logical
+        );
+        assert!(pool_used < logical / 4, "forks share extents");
+        for id in forks.iter().chain([&a]) {
+            f.rt.delete(id).await.expect("delete");
+        }
+    });
+}
+
+#[test]
+fn pause_resume_hibernate_wake_keep_processes() {
+    let f = fixture();
+    tokio_rt().block_on(async {
+        let a = new_sandbox(f).await;
+        start_counter(&f.rt, &a).await;
+        f.rt.pause(&a).await.expect("pause");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        f.rt.resume(&a).await.expect("resume");
+        let c1 = count(&f.rt, &a).await;
+        let snap = SnapshotId::generate();
+        f.rt.hibernate(&a, &snap).await.expect("hibernate");
+        assert!(f.rt.agent(&a).await.is_err(), "no VM while hibernated");
+        assert!(matches!(
+            f.rt.snapshot(&a, &SnapshotId::generate()).await,
+            Err(RuntimeError::NotRunning { .. })
+        ));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let info = f.rt.wake(&a, &snap).await.expect("wake");
+        eprintln!("wake ready in {:.0} ms", info.ready_ms);
+        let c2 = count(&f.rt, &a).await;
+        assert!(c2 >= c1, "counter continues after wake ({c1} -> {c2})");
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        assert!(count(&f.rt, &a).await > c2, "and keeps counting");
+        let (_, guest) = sh(&f.rt, &a, "date +%s").await;
+        let host = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs() as i64;
+        let g: i64 = guest.parse().unwrap();
+        assert!(
+            (g - host).abs() <= 1,
+            "woken guest's clock {g} vs host {host}"
+        );
+        f.rt.delete(&a).await.expect("delete");
+    });
+}
+
+#[test]
+fn faults_leave_sandboxes_as_they_were() {
+    let f = fixture();
+    tokio_rt().block_on(async {
+        let a = new_sandbox(f).await;
+        let b = new_sandbox(f).await;
+        // Unknown sandbox.
+        let ghost = SandboxId::generate();
+        assert!(matches!(
+            f.rt.snapshot(&ghost, &SnapshotId::generate()).await,
+            Err(RuntimeError::NotRunning { .. })
+        ));
+        // Fork from a snapshot that does not exist.
+        let e =
+            f.rt.create(
+                &SandboxId::generate(),
+                &Source::Snapshot(SnapshotId::generate()),
+                None,
+            )
+            .await
+            .unwrap_err();
+        assert!(matches!(e, RuntimeError::SnapshotNotFound(_)), "{e}");
+        // Rewind to another sandbox's snapshot.
+        let sb = SnapshotId::generate();
+        f.rt.snapshot(&b, &sb).await.expect("snapshot b");
+        let e =
+            f.rt.rewind(&a, &sb, Some(&SnapshotId::generate()))
+                .await
+                .unwrap_err();
+        assert!(matches!(e, RuntimeError::Invalid(_)), "{e}");
+        assert_eq!(sh(&f.rt, &a, "echo alive").await.1, "alive");
+        // A snapshot whose device state was deleted underneath, and one missing mem.
+        let sa = SnapshotId::generate();
+        f.rt.snapshot(&a, &sa).await.expect("snapshot a");
+        let dir = f.rt.pool().snapshots_dir().join(sa.as_str());
+        f.rt.pool().set_readonly(&dir, false).expect("rw");
+        std::fs::remove_file(dir.join("device.state")).expect("rm device.state");
+        let e =
+            f.rt.rewind(&a, &sa, Some(&SnapshotId::generate()))
+                .await
+                .unwrap_err();
+        assert!(matches!(e, RuntimeError::SnapshotUnusable { .. }), "{e}");
+        assert!(e.to_string().contains("device.state"), "{e}");
+        assert_eq!(
+            sh(&f.rt, &a, "echo still").await.1,
+            "still",
+            "running after a refused rewind"
+        );
+        std::fs::remove_file(dir.join("mem")).expect("rm mem");
+        let e =
+            f.rt.create(&SandboxId::generate(), &Source::Snapshot(sa.clone()), None)
+                .await
+                .unwrap_err();
+        assert!(matches!(e, RuntimeError::SnapshotUnusable { .. }), "{e}");
+        // A size the snapshot cannot give.
+        let e =
+            f.rt.create(
+                &SandboxId::generate(),
+                &Source::Snapshot(sb.clone()),
+                Some(SandboxSize {
+                    memory_mib: 1024,
+                    ..size()
+                }),
+            )
+            .await
+            .unwrap_err();
+        assert!(matches!(e, RuntimeError::Invalid(_)), "{e}");
+        // QEMU killed behind the runtime's back: a snapshot attempt fails cleanly, nothing listed.
+        let mut died = f.rt.take_died_events();
+        let (_, pid) =
+            f.rt.running()
+                .into_iter()
+                .find(|(id, _)| id == &b)
+                .expect("b runs");
+        // SAFETY: sending SIGKILL to the QEMU process this test started.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        let snap_dead = SnapshotId::generate();
+        let r = f.rt.snapshot(&b, &snap_dead).await;
+        assert!(r.is_err(), "snapshot of a dead VM fails");
+        assert!(
+            !f.rt
+                .pool()
+                .snapshots_dir()
+                .join(snap_dead.as_str())
+                .exists(),
+            "no half snapshot"
+        );
+        if let Some(rx) = died.as_mut() {
+            let ev = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+                .await
+                .expect("death reported")
+                .expect("event");
+            assert_eq!(ev.id, b);
+            eprintln!("death reason: {}", ev.reason);
+        }
+        // It can be restored from its last snapshot.
+        f.rt.restore(&b, &sb).await.expect("restore dead sandbox");
+        assert_eq!(sh(&f.rt, &b, "echo back").await.1, "back");
+        for id in [&a, &b] {
+            f.rt.delete(id).await.expect("delete");
+        }
+    });
+}
