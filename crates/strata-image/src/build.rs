@@ -53,7 +53,7 @@ pub fn build(
     validate(recipe)?;
 
     report(Step::Resolve, "hashing agent and busybox, resolving kernel");
-    let agent = read_agent(&recipe.agent_binary)?;
+    let agent_sha256 = agent_sha256(&recipe.agent_binary)?;
     let busybox = read_busybox(&recipe.busybox)?;
     let resolve_dir = tempfile::Builder::new()
         .prefix("strata-image-resolve-")
@@ -62,12 +62,14 @@ pub fn build(
             "cannot create a temporary directory in",
             std::env::temp_dir(),
         ))?;
-    let k = kernel::resolve(&recipe.kernel_flavour, resolve_dir.path(), &|l| {
+    let _ = fs::create_dir_all(cache_dir);
+    let memo = cache_dir.join(format!(".kernel-{}.json", recipe.kernel_flavour));
+    let k = kernel::resolve_memo(&recipe.kernel_flavour, &memo, resolve_dir.path(), &|l| {
         report(Step::Resolve, l)
     })?;
     let inputs = HashInputs {
         recipe_version: RECIPE_VERSION,
-        agent_sha256: sha256_hex(&agent),
+        agent_sha256,
         busybox_sha256: sha256_hex(&busybox),
         kernel_version: k.version.clone(),
         kernel_package_version: k.package_version.clone(),
@@ -189,6 +191,16 @@ pub fn build(
     report(Step::RootFs, "copying tree, adding agent, user and config");
     let tree = work.path().join("tree");
     rootfs::copy_tree(&base.root, &tree)?;
+    let agent = fs::read(&recipe.agent_binary).map_err(ImageError::io(
+        "cannot read agent binary",
+        &recipe.agent_binary,
+    ))?;
+    if sha256_hex(&agent) != inputs.agent_sha256 {
+        return Err(ImageError::InvalidRecipe(format!(
+            "agent binary {} changed during the build; build again",
+            recipe.agent_binary.display()
+        )));
+    }
     rootfs::customize(&tree, &agent)?;
     report(
         Step::Filesystem,
@@ -334,13 +346,33 @@ fn validate(recipe: &ImageRecipe) -> Result<(), ImageError> {
     Ok(())
 }
 
-fn read_agent(path: &Path) -> Result<Vec<u8>, ImageError> {
+/// sha256 of the agent binary, with coreutils' `sha256sum` when present
+/// (an unoptimised test build of this crate hashes 30 MB in seconds).
+fn agent_sha256(path: &Path) -> Result<String, ImageError> {
     if path.as_os_str().is_empty() || !path.is_file() {
         return Err(ImageError::MissingAgent {
             path: path.to_path_buf(),
         });
     }
-    fs::read(path).map_err(ImageError::io("cannot read agent binary", path))
+    if let Ok(out) = tools::run(
+        tools::SHA256SUM,
+        crate::os_args!["--", path],
+        None,
+        true,
+        &|_| {},
+    ) {
+        if let Some(h) = out
+            .stdout
+            .get(..64)
+            .and_then(|h| std::str::from_utf8(h).ok())
+        {
+            if h.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Ok(h.to_ascii_lowercase());
+            }
+        }
+    }
+    let bytes = fs::read(path).map_err(ImageError::io("cannot read agent binary", path))?;
+    Ok(sha256_hex(&bytes))
 }
 
 fn read_busybox(path: &Path) -> Result<Vec<u8>, ImageError> {

@@ -10,7 +10,7 @@ use crate::os_args;
 use crate::tools::{self, APT_CACHE, APT_GET, DEPMOD, DPKG_DEB, XZ, ZSTD};
 
 /// The kernel package a metapackage currently points to.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub(crate) struct ResolvedKernel {
     /// Package name, e.g. `linux-image-6.1.0-57-amd64`.
     pub package: String,
@@ -103,6 +103,83 @@ pub(crate) fn resolve(
             depends.trim()
         ))
     })
+}
+
+/// Files whose state decides what apt resolves a package to.
+const APT_STATE: &[&str] = &[
+    "/var/lib/apt/lists",
+    "/etc/apt/sources.list",
+    "/etc/apt/sources.list.d",
+    "/etc/apt/preferences",
+    "/etc/apt/preferences.d",
+];
+
+/// A fingerprint (names, sizes, mtimes) of apt's package lists and sources.
+fn apt_fingerprint(flavour: &str) -> String {
+    let mut text = format!("flavour={flavour}\n");
+    let mut add = |p: &Path| {
+        if let Ok(m) = p.metadata() {
+            let mtime = m
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .unwrap_or_default();
+            text.push_str(&format!(
+                "{} {} {}\n",
+                p.display(),
+                m.len(),
+                mtime.as_nanos()
+            ));
+        }
+    };
+    for root in APT_STATE {
+        let root = Path::new(root);
+        add(root);
+        if let Ok(entries) = std::fs::read_dir(root) {
+            let mut paths: Vec<PathBuf> = entries.flatten().map(|e| e.path()).collect();
+            paths.sort();
+            paths.iter().for_each(|p| add(p));
+        }
+    }
+    crate::recipe::sha256_hex(text.as_bytes())
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct ResolveMemo {
+    fingerprint: String,
+    kernel: ResolvedKernel,
+}
+
+/// [`resolve`], remembered in `memo` until apt's lists or sources change
+/// (`apt-cache` alone takes seconds on a busy machine; a cache hit should not).
+pub(crate) fn resolve_memo(
+    flavour: &str,
+    memo: &Path,
+    workdir: &Path,
+    log: &dyn Fn(&str),
+) -> Result<ResolvedKernel, ImageError> {
+    let fingerprint = apt_fingerprint(flavour);
+    if let Some(m) = std::fs::read(memo)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<ResolveMemo>(&b).ok())
+    {
+        if m.fingerprint == fingerprint {
+            return Ok(m.kernel);
+        }
+    }
+    let kernel = resolve(flavour, workdir, log)?;
+    // The lists may have changed during resolve (apt-get update): fingerprint again.
+    let m = ResolveMemo {
+        fingerprint: apt_fingerprint(flavour),
+        kernel,
+    };
+    if let Ok(json) = serde_json::to_vec(&m) {
+        let tmp = memo.with_extension("tmp");
+        if std::fs::write(&tmp, json).is_ok() {
+            let _ = std::fs::rename(&tmp, memo); // best effort: only a speed-up
+        }
+    }
+    Ok(m.kernel)
 }
 
 /// `apt-get download <spec>` into `dir`, with one `apt-get update` retry

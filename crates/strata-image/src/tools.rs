@@ -46,6 +46,10 @@ pub(crate) const MKFS_EXT4: Tool = Tool {
     name: "mkfs.ext4",
     package: "e2fsprogs",
 };
+pub(crate) const SHA256SUM: Tool = Tool {
+    name: "sha256sum",
+    package: "coreutils",
+};
 pub(crate) const CP: Tool = Tool {
     name: "cp",
     package: "coreutils",
