@@ -1,1 +1,14 @@
-//! Tool-call policy: rules, evaluation, audit chain, egress proxy.
+//! Tool-call policy for strata: the tool-call model, a layered TOML policy
+//! with precompiled matchers, an approval queue, a tamper-evident audit log
+//! and an HTTP egress proxy that applies the policy per request.
+//!
+//! See `docs/policy.md` for the file format and the guarantees.
+
+pub mod call;
+pub mod path;
+pub mod policy;
+
+pub use call::{CallKind, KindName, ToolCall};
+pub use policy::{
+    Access, ComposeError, Connector, Decision, Effect, Layer, ParseError, Policy, PolicySet,
+};

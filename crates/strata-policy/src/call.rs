@@ -1,0 +1,177 @@
+//! The tool-call model: every action an agent takes through the platform.
+
+use serde::{Deserialize, Serialize};
+
+/// One action an agent asks the platform to perform, as seen by the policy.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolCall {
+    /// Tenant the call runs for.
+    pub tenant: String,
+    /// Sandbox the call targets, when there is one.
+    pub sandbox: Option<String>,
+    /// Who asks: token id or user name.
+    pub actor: String,
+    /// What is asked.
+    pub kind: CallKind,
+}
+
+/// What a tool call does, with its arguments.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum CallKind {
+    /// Run a program in the sandbox.
+    Exec {
+        /// Program and arguments (`argv[0]` is the program).
+        argv: Vec<String>,
+        /// A shell script run as `sh -c <script>`; when set, `argv` is ignored
+        /// and the policy sees `["sh", "-c", script]`.
+        #[serde(default)]
+        shell: Option<String>,
+    },
+    /// Read a file in the sandbox.
+    FileRead {
+        /// Path in the guest.
+        path: String,
+    },
+    /// Write (create, replace, delete) a file in the sandbox.
+    FileWrite {
+        /// Path in the guest.
+        path: String,
+    },
+    /// An outbound network request through the egress proxy.
+    Egress {
+        /// Connector the host belongs to; always recomputed from `host` by
+        /// the evaluator, so a caller cannot claim another connector.
+        #[serde(default)]
+        connector: Option<String>,
+        /// Destination host name (lower case, no trailing dot).
+        host: String,
+        /// Destination port.
+        port: u16,
+        /// HTTP method (`CONNECT` for a tunnel).
+        method: String,
+        /// Request path (empty for a tunnel).
+        path: String,
+        /// `http` or `https`.
+        scheme: String,
+    },
+    /// Take a snapshot of the sandbox.
+    Snapshot,
+    /// Fork the sandbox or one of its snapshots.
+    Fork,
+    /// Rewind the sandbox to one of its snapshots.
+    Rewind,
+    /// Another lifecycle operation (`create`, `delete`, `pause`, `resume`, `hibernate`, `wake` …).
+    Lifecycle {
+        /// The operation name.
+        op: String,
+    },
+}
+
+/// Kinds of tool call, as named in policy files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KindName {
+    /// [`CallKind::Exec`]
+    Exec,
+    /// [`CallKind::FileRead`]
+    FileRead,
+    /// [`CallKind::FileWrite`]
+    FileWrite,
+    /// [`CallKind::Egress`]
+    Egress,
+    /// [`CallKind::Snapshot`]
+    Snapshot,
+    /// [`CallKind::Fork`]
+    Fork,
+    /// [`CallKind::Rewind`]
+    Rewind,
+    /// [`CallKind::Lifecycle`]
+    Lifecycle,
+}
+
+impl KindName {
+    /// Every kind, in a fixed order (index = [`KindName::index`]).
+    pub const ALL: [KindName; 8] = [
+        KindName::Exec,
+        KindName::FileRead,
+        KindName::FileWrite,
+        KindName::Egress,
+        KindName::Snapshot,
+        KindName::Fork,
+        KindName::Rewind,
+        KindName::Lifecycle,
+    ];
+
+    /// Stable small index of this kind.
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The name used in policy files.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KindName::Exec => "exec",
+            KindName::FileRead => "file_read",
+            KindName::FileWrite => "file_write",
+            KindName::Egress => "egress",
+            KindName::Snapshot => "snapshot",
+            KindName::Fork => "fork",
+            KindName::Rewind => "rewind",
+            KindName::Lifecycle => "lifecycle",
+        }
+    }
+}
+
+impl std::fmt::Display for KindName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl CallKind {
+    /// The kind of this call.
+    pub fn kind(&self) -> KindName {
+        match self {
+            CallKind::Exec { .. } => KindName::Exec,
+            CallKind::FileRead { .. } => KindName::FileRead,
+            CallKind::FileWrite { .. } => KindName::FileWrite,
+            CallKind::Egress { .. } => KindName::Egress,
+            CallKind::Snapshot => KindName::Snapshot,
+            CallKind::Fork => KindName::Fork,
+            CallKind::Rewind => KindName::Rewind,
+            CallKind::Lifecycle { .. } => KindName::Lifecycle,
+        }
+    }
+}
+
+impl ToolCall {
+    /// The policy-file name of this call's kind (`exec`, `file_read`, …).
+    pub fn kind_name(&self) -> &'static str {
+        self.kind.kind().as_str()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kind_names_round_trip_through_serde() {
+        for k in KindName::ALL {
+            let s = serde_json::to_string(&k).unwrap_or_default();
+            assert_eq!(s, format!("\"{}\"", k.as_str()));
+            assert_eq!(KindName::ALL[k.index()], k);
+        }
+        let c = ToolCall {
+            tenant: "t".into(),
+            sandbox: None,
+            actor: "a".into(),
+            kind: CallKind::Lifecycle { op: "pause".into() },
+        };
+        assert_eq!(c.kind_name(), "lifecycle");
+        let j = serde_json::to_string(&c).unwrap_or_default();
+        let back: ToolCall = serde_json::from_str(&j).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(back, c);
+    }
+}

@@ -1,0 +1,658 @@
+//! Policy layers, their composition and evaluation of tool calls.
+//!
+//! Precedence (see `docs/policy.md`):
+//! 1. **Hard rules** — every rule of the platform layer, and rules marked
+//!    `hard = true` in the tenant or sandbox layer, plus the implicit write
+//!    block of a `read_only` connector. Each layer's first matching hard rule
+//!    gives that layer's verdict; the strictest verdict (deny > approve >
+//!    allow) is a floor no other rule can loosen.
+//! 2. **Soft rules** — first match among the sandbox layer's rules, then the
+//!    tenant layer's; if none matches, the sandbox `default`, else the tenant
+//!    `default`, else the platform `default`, else `deny`.
+//! 3. The result is the stricter of the floor and the soft verdict.
+
+mod matchers;
+mod parse;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use globset::{Candidate, GlobSet};
+use serde::{Deserialize, Serialize};
+
+use crate::call::{CallKind, KindName, ToolCall};
+use crate::path::normalize;
+use matchers::{exec_views, ArgsMatcher, ExecView};
+pub use matchers::{looks_like_ip, split_script, HostPattern};
+pub use parse::{ParseError, DEFAULT_WRITE_METHODS};
+
+const KIND_COUNT: usize = KindName::ALL.len();
+
+/// What the policy says about a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Effect {
+    /// Run it.
+    Allow,
+    /// Refuse it.
+    Deny,
+    /// Hold it until a human approves.
+    Approve,
+}
+
+impl Effect {
+    /// Strictness order: allow < approve < deny.
+    pub fn strictness(self) -> u8 {
+        match self {
+            Effect::Allow => 0,
+            Effect::Approve => 1,
+            Effect::Deny => 2,
+        }
+    }
+}
+
+/// Whether an egress request reads or writes, relative to its connector.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Access {
+    /// A method not in the connector's `write_methods` (and not `CONNECT`).
+    Read,
+    /// A method in the connector's `write_methods`, or a `CONNECT` tunnel
+    /// (whose contents the proxy cannot see).
+    Write,
+}
+
+/// Where a policy comes from; also its rank in precedence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Layer {
+    /// Platform administrators: every rule is hard.
+    Platform,
+    /// The tenant's policy.
+    Tenant,
+    /// One sandbox's policy.
+    Sandbox,
+}
+
+impl Layer {
+    /// Name as used in decisions and docs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Layer::Platform => "platform",
+            Layer::Tenant => "tenant",
+            Layer::Sandbox => "sandbox",
+        }
+    }
+}
+
+/// A named external API: the hosts it lives on and which methods write.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Connector {
+    /// Name used in rules (`salesforce`).
+    pub name: String,
+    /// Host patterns (`login.salesforce.com`, `*.my.salesforce.com`).
+    pub hosts: Vec<HostPattern>,
+    /// Upper-case HTTP methods that count as writes.
+    pub write_methods: Vec<String>,
+    /// Ports egress may use (default 80 and 443).
+    pub ports: Vec<u16>,
+    /// Writes are refused whatever the other rules say.
+    pub read_only: bool,
+}
+
+impl Connector {
+    /// Does `method` (upper case) write through this connector?
+    pub fn is_write(&self, method: &str) -> bool {
+        method == "CONNECT" || self.write_methods.iter().any(|m| m == method)
+    }
+}
+
+/// One compiled rule.
+#[derive(Debug, Clone)]
+pub struct Rule {
+    /// Rule id (`rule-N` when the file gives none).
+    pub id: String,
+    /// Position in its layer (0-based).
+    pub index: usize,
+    /// What the rule decides.
+    pub effect: Effect,
+    /// Text shown to approvers and in refusals.
+    pub reason: Option<String>,
+    /// A hard rule cannot be loosened by lower layers.
+    pub hard: bool,
+    kinds: u16,
+    program: Option<GlobSet>,
+    args: Option<ArgsMatcher>,
+    args_contain: Option<Vec<globset::GlobMatcher>>,
+    command: Option<GlobSet>,
+    path: Option<GlobSet>,
+    connector: Option<Vec<String>>,
+    method: Option<Vec<String>>,
+    host: Option<Vec<HostPattern>>,
+    http_path: Option<GlobSet>,
+    access: Option<Access>,
+    op: Option<Vec<String>>,
+}
+
+/// One parsed policy layer.
+#[derive(Debug, Clone, Default)]
+pub struct Policy {
+    /// Effect when no rule matches (the lowest layer that sets one wins).
+    pub default: Option<Effect>,
+    /// Connectors declared by this layer.
+    pub connectors: Vec<Connector>,
+    /// Rules in file order.
+    pub rules: Vec<Rule>,
+}
+
+/// Errors loading a policy file from disk.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// The file could not be read.
+    #[error("reading policy file {path}")]
+    Read {
+        /// The file.
+        path: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file was refused.
+    #[error(transparent)]
+    Parse(#[from] ParseError),
+}
+
+impl Policy {
+    /// Parse TOML text. A syntax error, an unknown field or an invalid value
+    /// refuses the whole policy with the line and column.
+    pub fn parse(text: &str) -> Result<Policy, ParseError> {
+        parse::parse(text)
+    }
+
+    /// Read and parse a policy file.
+    pub fn load(path: &Path) -> Result<Policy, LoadError> {
+        let text = std::fs::read_to_string(path).map_err(|source| LoadError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Ok(Policy::parse(&text)?)
+    }
+}
+
+/// Errors composing layers into a [`PolicySet`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ComposeError {
+    /// Sandbox policies may not declare connectors.
+    #[error("connector `{0}` declared in a sandbox policy; connectors belong to the platform or tenant policy")]
+    ConnectorInSandbox(String),
+    /// Two layers declare the same connector name.
+    #[error("connector `{0}` declared by both the platform and the tenant policy")]
+    DuplicateConnector(String),
+    /// A rule names a connector no layer declares.
+    #[error("rule `{rule}` of the {layer} policy names unknown connector `{connector}`")]
+    UnknownConnector {
+        /// Layer of the rule.
+        layer: &'static str,
+        /// Rule id.
+        rule: String,
+        /// The unknown name.
+        connector: String,
+    },
+}
+
+/// The decision for one tool call.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Decision {
+    /// allow, deny or approve.
+    pub effect: Effect,
+    /// The layer whose rule or default decided; `None` for the built-in
+    /// default or an invalid call.
+    pub layer: Option<Layer>,
+    /// Id of the deciding rule, `default`, `connector:<name>:read-only`, or
+    /// `invalid-call`.
+    pub rule_id: String,
+    /// Index of the deciding rule in its layer.
+    pub rule_index: Option<usize>,
+    /// Whether a hard rule decided.
+    pub hard: bool,
+    /// Why; shown to approvers and in refusals.
+    pub reason: String,
+}
+
+struct LayerIndex {
+    layer: Layer,
+    policy: Arc<Policy>,
+    hard: [Vec<u32>; KIND_COUNT],
+    soft: [Vec<u32>; KIND_COUNT],
+}
+
+/// Platform, tenant and sandbox policies composed and indexed for evaluation.
+/// Immutable: swap a whole `Arc<PolicySet>` to change policy.
+pub struct PolicySet {
+    layers: Vec<LayerIndex>,
+    connectors: Vec<(Layer, Connector)>,
+}
+
+impl std::fmt::Debug for PolicySet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PolicySet")
+            .field(
+                "layers",
+                &self
+                    .layers
+                    .iter()
+                    .map(|l| (l.layer, l.policy.rules.len()))
+                    .collect::<Vec<_>>(),
+            )
+            .field(
+                "connectors",
+                &self
+                    .connectors
+                    .iter()
+                    .map(|c| &c.1.name)
+                    .collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+/// An egress call, prepared.
+struct EgressView<'a> {
+    connector: Option<&'a Connector>,
+    host: String,
+    method: String,
+    path: String,
+    write: bool,
+}
+
+enum Prepared<'a> {
+    Exec(Vec<ExecView>),
+    File(String),
+    Egress(EgressView<'a>),
+    Op(&'a str),
+    None,
+}
+
+impl PolicySet {
+    /// Compose layers. Any may be absent. Sandbox layers may not declare
+    /// connectors; rules may only name declared connectors.
+    pub fn new(
+        platform: Option<Arc<Policy>>,
+        tenant: Option<Arc<Policy>>,
+        sandbox: Option<Arc<Policy>>,
+    ) -> Result<PolicySet, ComposeError> {
+        let mut connectors: Vec<(Layer, Connector)> = Vec::new();
+        let mut layers = Vec::new();
+        for (layer, p) in [
+            (Layer::Platform, platform),
+            (Layer::Tenant, tenant),
+            (Layer::Sandbox, sandbox),
+        ] {
+            let Some(policy) = p else { continue };
+            for c in &policy.connectors {
+                if layer == Layer::Sandbox {
+                    return Err(ComposeError::ConnectorInSandbox(c.name.clone()));
+                }
+                if connectors.iter().any(|(_, x)| x.name == c.name) {
+                    return Err(ComposeError::DuplicateConnector(c.name.clone()));
+                }
+                connectors.push((layer, c.clone()));
+            }
+            layers.push((layer, policy));
+        }
+        let mut out = Vec::new();
+        for (layer, policy) in layers {
+            let mut hard: [Vec<u32>; KIND_COUNT] = Default::default();
+            let mut soft: [Vec<u32>; KIND_COUNT] = Default::default();
+            for (i, r) in policy.rules.iter().enumerate() {
+                for name in r.connector.iter().flatten() {
+                    if !connectors.iter().any(|(_, c)| &c.name == name) {
+                        return Err(ComposeError::UnknownConnector {
+                            layer: layer.as_str(),
+                            rule: r.id.clone(),
+                            connector: name.clone(),
+                        });
+                    }
+                }
+                let is_hard = r.hard || layer == Layer::Platform;
+                for k in 0..KIND_COUNT {
+                    if r.kinds & (1 << k) != 0 {
+                        let i = u32::try_from(i).unwrap_or(u32::MAX);
+                        if is_hard {
+                            hard[k].push(i)
+                        } else {
+                            soft[k].push(i)
+                        }
+                    }
+                }
+            }
+            out.push(LayerIndex {
+                layer,
+                policy,
+                hard,
+                soft,
+            });
+        }
+        Ok(PolicySet {
+            layers: out,
+            connectors,
+        })
+    }
+
+    /// The connector a host belongs to: an exact host pattern beats a
+    /// wildcard; otherwise the first declared (platform before tenant).
+    pub fn connector_for_host(&self, host: &str) -> Option<&Connector> {
+        let host = host.trim_end_matches('.').to_ascii_lowercase();
+        self.connectors
+            .iter()
+            .find(|(_, c)| c.hosts.iter().any(|h| h.is_exact() && h.matches(&host)))
+            .or_else(|| {
+                self.connectors
+                    .iter()
+                    .find(|(_, c)| c.hosts.iter().any(|h| h.matches(&host)))
+            })
+            .map(|(_, c)| c)
+    }
+
+    fn connector_layer(&self, name: &str) -> Option<Layer> {
+        self.connectors
+            .iter()
+            .find(|(_, c)| c.name == name)
+            .map(|(l, _)| *l)
+    }
+
+    /// All connectors, with the layer that declared each.
+    pub fn connectors(&self) -> impl Iterator<Item = (Layer, &Connector)> {
+        self.connectors.iter().map(|(l, c)| (*l, c))
+    }
+
+    fn prepare<'a>(&'a self, call: &'a ToolCall) -> Result<Prepared<'a>, String> {
+        Ok(match &call.kind {
+            CallKind::Exec { argv, shell } => {
+                if shell.is_none() && argv.is_empty() {
+                    return Err("exec with an empty argv".into());
+                }
+                if argv.iter().chain(shell.iter()).any(|a| a.contains('\0')) {
+                    return Err("exec argument contains a NUL byte".into());
+                }
+                Prepared::Exec(exec_views(argv, shell.as_deref()))
+            }
+            CallKind::FileRead { path } | CallKind::FileWrite { path } => {
+                Prepared::File(normalize(path).map_err(|e| format!("invalid path: {e}"))?)
+            }
+            CallKind::Egress {
+                host, method, path, ..
+            } => {
+                let host = host.trim_end_matches('.').to_ascii_lowercase();
+                let method = method.to_ascii_uppercase();
+                let connector = self.connector_for_host(&host);
+                let write = match connector {
+                    Some(c) => c.is_write(&method),
+                    None => method == "CONNECT" || DEFAULT_WRITE_METHODS.contains(&method.as_str()),
+                };
+                let path = if path.is_empty() {
+                    String::new()
+                } else {
+                    let p = path.split(['?', '#']).next().unwrap_or("");
+                    normalize(p).map_err(|e| format!("invalid request path: {e}"))?
+                };
+                Prepared::Egress(EgressView {
+                    connector,
+                    host,
+                    method,
+                    path,
+                    write,
+                })
+            }
+            CallKind::Lifecycle { op } => Prepared::Op(op),
+            CallKind::Snapshot | CallKind::Fork | CallKind::Rewind => Prepared::None,
+        })
+    }
+
+    /// Decide a tool call. Pure and fast: no I/O, globs precompiled, rules
+    /// indexed by kind.
+    pub fn evaluate(&self, call: &ToolCall) -> Decision {
+        let prepared = match self.prepare(call) {
+            Ok(p) => p,
+            Err(reason) => {
+                return Decision {
+                    effect: Effect::Deny,
+                    layer: None,
+                    rule_id: "invalid-call".into(),
+                    rule_index: None,
+                    hard: true,
+                    reason,
+                }
+            }
+        };
+        let kind = call.kind.kind().index();
+        let file_cand = match &prepared {
+            Prepared::File(p) => Some(Candidate::new(p.as_str())),
+            _ => None,
+        };
+        let http_cand = match &prepared {
+            Prepared::Egress(e) => Some(Candidate::new(e.path.as_str())),
+            _ => None,
+        };
+        let ctx = Ctx {
+            prepared: &prepared,
+            file: file_cand.as_ref(),
+            http: http_cand.as_ref(),
+        };
+
+        // 1. Hard floor.
+        let mut floor: Option<Decision> = None;
+        let consider = |d: Decision, floor: &mut Option<Decision>| {
+            if floor
+                .as_ref()
+                .is_none_or(|f| d.effect.strictness() > f.effect.strictness())
+            {
+                *floor = Some(d);
+            }
+        };
+        if let Prepared::Egress(e) = &prepared {
+            if let Some(c) = e.connector {
+                if c.read_only && e.write {
+                    let layer = self.connector_layer(&c.name);
+                    consider(
+                        Decision {
+                            effect: Effect::Deny,
+                            layer,
+                            rule_id: format!("connector:{}:read-only", c.name),
+                            rule_index: None,
+                            hard: true,
+                            reason: format!(
+                                "connector `{}` is read-only: {} is a write{}",
+                                c.name,
+                                e.method,
+                                if e.method == "CONNECT" {
+                                    " (a tunnel's contents cannot be inspected)"
+                                } else {
+                                    ""
+                                }
+                            ),
+                        },
+                        &mut floor,
+                    );
+                }
+            }
+        }
+        for l in &self.layers {
+            if let Some(r) = l.hard[kind]
+                .iter()
+                .map(|&i| &l.policy.rules[i as usize])
+                .find(|r| r.matches(&ctx))
+            {
+                consider(decision_of(l.layer, r, true), &mut floor);
+            }
+        }
+
+        // 2. Soft: sandbox, then tenant (platform rules are all hard).
+        let mut soft = None;
+        for l in self.layers.iter().rev() {
+            if let Some(r) = l.soft[kind]
+                .iter()
+                .map(|&i| &l.policy.rules[i as usize])
+                .find(|r| r.matches(&ctx))
+            {
+                soft = Some(decision_of(l.layer, r, false));
+                break;
+            }
+        }
+        let soft = soft.unwrap_or_else(|| {
+            match self
+                .layers
+                .iter()
+                .rev()
+                .find_map(|l| l.policy.default.map(|d| (l.layer, d)))
+            {
+                Some((layer, effect)) => Decision {
+                    effect,
+                    layer: Some(layer),
+                    rule_id: "default".into(),
+                    rule_index: None,
+                    hard: false,
+                    reason: format!(
+                        "no rule matched; the {} policy's default is {effect:?}",
+                        layer.as_str()
+                    )
+                    .to_lowercase(),
+                },
+                None => Decision {
+                    effect: Effect::Deny,
+                    layer: None,
+                    rule_id: "default".into(),
+                    rule_index: None,
+                    hard: false,
+                    reason: "no rule matched and no policy sets a default: deny".into(),
+                },
+            }
+        });
+
+        // 3. The stricter wins; a hard deny/approve is reported over an equal soft one.
+        match floor {
+            Some(f)
+                if f.effect != Effect::Allow
+                    && f.effect.strictness() >= soft.effect.strictness() =>
+            {
+                f
+            }
+            _ => soft,
+        }
+    }
+}
+
+fn decision_of(layer: Layer, r: &Rule, hard: bool) -> Decision {
+    Decision {
+        effect: r.effect,
+        layer: Some(layer),
+        rule_id: r.id.clone(),
+        rule_index: Some(r.index),
+        hard,
+        reason: r
+            .reason
+            .clone()
+            .unwrap_or_else(|| format!("{} rule `{}`", layer.as_str(), r.id)),
+    }
+}
+
+struct Ctx<'a, 'b> {
+    prepared: &'a Prepared<'b>,
+    file: Option<&'a Candidate<'a>>,
+    http: Option<&'a Candidate<'a>>,
+}
+
+impl Rule {
+    fn has_exec_matchers(&self) -> bool {
+        self.program.is_some()
+            || self.args.is_some()
+            || self.args_contain.is_some()
+            || self.command.is_some()
+    }
+
+    fn exec_view_matches(&self, v: &ExecView) -> bool {
+        if let Some(p) = &self.program {
+            let full = v.argv.first().map(String::as_str).unwrap_or("");
+            if !(p.is_match(v.program_base()) || p.is_match(full)) {
+                return false;
+            }
+        }
+        let args = v.argv.get(1..).unwrap_or(&[]);
+        if let Some(a) = &self.args {
+            if !a.matches(args) {
+                return false;
+            }
+        }
+        if let Some(c) = &self.args_contain {
+            if !c.iter().all(|m| args.iter().any(|a| m.is_match(a))) {
+                return false;
+            }
+        }
+        if let Some(c) = &self.command {
+            if !c.is_match(&v.line) {
+                return false;
+            }
+        }
+        true
+    }
+
+    fn matches(&self, ctx: &Ctx<'_, '_>) -> bool {
+        match ctx.prepared {
+            Prepared::Exec(views) => {
+                if !self.has_exec_matchers() {
+                    return true;
+                }
+                // Derived readings (wrappers stripped, shell sub-commands) can
+                // only make a call stricter: allow rules see the literal argv.
+                let derived_ok = self.effect != Effect::Allow;
+                views
+                    .iter()
+                    .any(|v| (v.literal || derived_ok) && self.exec_view_matches(v))
+            }
+            Prepared::File(_) => match (&self.path, ctx.file) {
+                (Some(set), Some(c)) => set.is_match_candidate(c),
+                (None, _) => true,
+                _ => false,
+            },
+            Prepared::Egress(e) => {
+                if let Some(names) = &self.connector {
+                    if !e
+                        .connector
+                        .is_some_and(|c| names.iter().any(|n| n == &c.name))
+                    {
+                        return false;
+                    }
+                }
+                if let Some(m) = &self.method {
+                    if !m.iter().any(|m| m == &e.method) {
+                        return false;
+                    }
+                }
+                if let Some(h) = &self.host {
+                    if !h.iter().any(|h| h.matches(&e.host)) {
+                        return false;
+                    }
+                }
+                if let Some(a) = self.access {
+                    if (a == Access::Write) != e.write {
+                        return false;
+                    }
+                }
+                if let (Some(set), Some(c)) = (&self.http_path, ctx.http) {
+                    if !set.is_match_candidate(c) {
+                        return false;
+                    }
+                }
+                true
+            }
+            Prepared::Op(op) => self
+                .op
+                .as_ref()
+                .is_none_or(|ops| ops.iter().any(|o| o == op)),
+            Prepared::None => true,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

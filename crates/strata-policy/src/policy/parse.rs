@@ -1,0 +1,476 @@
+//! The TOML policy file: schema, parsing with positions, compilation.
+
+use std::fmt;
+
+use serde::de::{self, Deserializer, SeqAccess, Visitor};
+use serde::Deserialize;
+use toml::Spanned;
+
+use super::matchers::{glob_set, one_glob, ArgsMatcher, GlobMode, HostPattern};
+use super::{Access, Connector, Effect, Policy, Rule, KIND_COUNT};
+use crate::call::KindName;
+
+/// A policy file was refused. The whole file is refused; the caller keeps the
+/// policy that was in force.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("policy refused at line {line}, column {column}: {message}")]
+pub struct ParseError {
+    /// 1-based line of the offending text.
+    pub line: usize,
+    /// 1-based column (in characters) of the offending text.
+    pub column: usize,
+    /// What is wrong.
+    pub message: String,
+}
+
+fn line_col(text: &str, offset: usize) -> (usize, usize) {
+    let offset = offset.min(text.len());
+    let before = text.get(..offset).unwrap_or(text);
+    let line = before.matches('\n').count() + 1;
+    let col = before
+        .rsplit('\n')
+        .next()
+        .map(|l| l.chars().count())
+        .unwrap_or(0)
+        + 1;
+    (line, col)
+}
+
+fn err_at(text: &str, span: std::ops::Range<usize>, message: impl Into<String>) -> ParseError {
+    let (line, column) = line_col(text, span.start);
+    ParseError {
+        line,
+        column,
+        message: message.into(),
+    }
+}
+
+/// A string or a list of strings.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct StrList(pub Vec<String>);
+
+impl<'de> Deserialize<'de> for StrList {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = StrList;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string or a list of strings")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<StrList, E> {
+                Ok(StrList(vec![v.to_string()]))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<StrList, A::Error> {
+                let mut out = Vec::new();
+                while let Some(s) = seq.next_element::<String>()? {
+                    out.push(s);
+                }
+                Ok(StrList(out))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+type Field = Option<Spanned<StrList>>;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PolicyFile {
+    #[serde(default)]
+    version: Option<Spanned<u32>>,
+    #[serde(default)]
+    default: Option<Effect>,
+    #[serde(default, rename = "connector")]
+    connectors: Vec<Spanned<ConnectorFile>>,
+    #[serde(default, rename = "rule")]
+    rules: Vec<Spanned<RuleFile>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ConnectorFile {
+    name: Spanned<String>,
+    hosts: Spanned<StrList>,
+    #[serde(default)]
+    write_methods: Field,
+    #[serde(default)]
+    ports: Option<Vec<u16>>,
+    #[serde(default)]
+    read_only: bool,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RuleFile {
+    #[serde(default)]
+    id: Option<Spanned<String>>,
+    effect: Effect,
+    #[serde(default)]
+    reason: Option<String>,
+    #[serde(default)]
+    hard: bool,
+    #[serde(default)]
+    kind: Field,
+    #[serde(default)]
+    program: Field,
+    #[serde(default)]
+    args: Field,
+    #[serde(default)]
+    args_contain: Field,
+    #[serde(default)]
+    command: Field,
+    #[serde(default)]
+    path: Field,
+    #[serde(default)]
+    connector: Field,
+    #[serde(default)]
+    method: Field,
+    #[serde(default)]
+    host: Field,
+    #[serde(default)]
+    http_path: Field,
+    #[serde(default)]
+    access: Option<Access>,
+    #[serde(default)]
+    op: Field,
+}
+
+const EXEC: u16 = 1 << KindName::Exec as u16;
+const FILES: u16 = (1 << KindName::FileRead as u16) | (1 << KindName::FileWrite as u16);
+const EGRESS: u16 = 1 << KindName::Egress as u16;
+const LIFECYCLE: u16 = 1 << KindName::Lifecycle as u16;
+const ALL_KINDS: u16 = (1 << KIND_COUNT) - 1;
+
+/// Default HTTP methods that count as writes.
+pub const DEFAULT_WRITE_METHODS: [&str; 4] = ["POST", "PUT", "PATCH", "DELETE"];
+
+fn nonempty(text: &str, f: &Spanned<StrList>, name: &str) -> Result<Vec<String>, ParseError> {
+    if f.get_ref().0.is_empty() {
+        return Err(err_at(
+            text,
+            f.span(),
+            format!("`{name}` must not be an empty list"),
+        ));
+    }
+    Ok(f.get_ref().0.clone())
+}
+
+fn globs(
+    text: &str,
+    f: &Field,
+    name: &str,
+    mode: GlobMode,
+) -> Result<Option<globset::GlobSet>, ParseError> {
+    let Some(f) = f else { return Ok(None) };
+    let pats = nonempty(text, f, name)?;
+    glob_set(&pats, mode)
+        .map(Some)
+        .map_err(|(_, e)| err_at(text, f.span(), format!("`{name}`: {e}")))
+}
+
+fn upper_list(text: &str, f: &Field, name: &str) -> Result<Option<Vec<String>>, ParseError> {
+    let Some(f) = f else { return Ok(None) };
+    let v = nonempty(text, f, name)?;
+    for m in &v {
+        if m.is_empty() || !m.bytes().all(|b| b.is_ascii_alphabetic()) {
+            return Err(err_at(
+                text,
+                f.span(),
+                format!("`{name}`: `{m}` is not an HTTP method"),
+            ));
+        }
+    }
+    Ok(Some(v.iter().map(|m| m.to_ascii_uppercase()).collect()))
+}
+
+fn hosts(text: &str, f: &Spanned<StrList>, name: &str) -> Result<Vec<HostPattern>, ParseError> {
+    nonempty(text, f, name)?
+        .iter()
+        .map(|h| {
+            HostPattern::parse(h).map_err(|e| err_at(text, f.span(), format!("`{name}`: {e}")))
+        })
+        .collect()
+}
+
+/// Parse and compile one policy layer from TOML text.
+pub fn parse(text: &str) -> Result<Policy, ParseError> {
+    let file: PolicyFile = toml::from_str(text).map_err(|e| {
+        let (line, column) = e.span().map(|s| line_col(text, s.start)).unwrap_or((1, 1));
+        ParseError {
+            line,
+            column,
+            message: e.message().to_string(),
+        }
+    })?;
+    if let Some(v) = &file.version {
+        if *v.get_ref() != 1 {
+            return Err(err_at(
+                text,
+                v.span(),
+                format!("unsupported policy version {}", v.get_ref()),
+            ));
+        }
+    }
+
+    let mut connectors = Vec::new();
+    for c in &file.connectors {
+        let span = c.span();
+        let c = c.get_ref();
+        let name = c.name.get_ref().trim().to_string();
+        if name.is_empty()
+            || !name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        {
+            return Err(err_at(
+                text,
+                c.name.span(),
+                "connector name must be letters, digits, `-` or `_`",
+            ));
+        }
+        if connectors.iter().any(|x: &Connector| x.name == name) {
+            return Err(err_at(
+                text,
+                c.name.span(),
+                format!("connector `{name}` defined twice"),
+            ));
+        }
+        let write_methods =
+            upper_list(text, &c.write_methods, "write_methods")?.unwrap_or_else(|| {
+                DEFAULT_WRITE_METHODS
+                    .iter()
+                    .map(|s| s.to_string())
+                    .collect()
+            });
+        let ports = c.ports.clone().unwrap_or_else(|| vec![80, 443]);
+        if ports.is_empty() || ports.contains(&0) {
+            return Err(err_at(text, span, "`ports` must list ports 1-65535"));
+        }
+        connectors.push(Connector {
+            name,
+            hosts: hosts(text, &c.hosts, "hosts")?,
+            write_methods,
+            ports,
+            read_only: c.read_only,
+        });
+    }
+
+    let mut rules: Vec<Rule> = Vec::new();
+    for (index, r) in file.rules.iter().enumerate() {
+        let span = r.span();
+        let r = r.get_ref();
+        let id = match &r.id {
+            Some(id) => {
+                let s = id.get_ref().trim().to_string();
+                if s.is_empty() {
+                    return Err(err_at(text, id.span(), "rule id must not be empty"));
+                }
+                if rules.iter().any(|x| x.id == s) {
+                    return Err(err_at(text, id.span(), format!("rule id `{s}` used twice")));
+                }
+                s
+            }
+            None => format!("rule-{}", index + 1),
+        };
+
+        // Which kinds the matchers apply to.
+        let mut applicable = ALL_KINDS;
+        let mut narrow = |present: bool, mask: u16| {
+            if present {
+                applicable &= mask;
+            }
+        };
+        narrow(
+            r.program.is_some()
+                || r.args.is_some()
+                || r.args_contain.is_some()
+                || r.command.is_some(),
+            EXEC,
+        );
+        narrow(r.path.is_some(), FILES);
+        narrow(
+            r.connector.is_some()
+                || r.method.is_some()
+                || r.host.is_some()
+                || r.http_path.is_some()
+                || r.access.is_some(),
+            EGRESS,
+        );
+        narrow(r.op.is_some(), LIFECYCLE);
+        if applicable == 0 {
+            return Err(err_at(
+                text,
+                span,
+                "rule mixes matchers of different kinds; it could never match",
+            ));
+        }
+        let kinds = match &r.kind {
+            None => applicable,
+            Some(k) => {
+                let mut mask = 0u16;
+                for name in nonempty(text, k, "kind")? {
+                    let kind = KindName::ALL
+                        .iter()
+                        .find(|x| x.as_str() == name)
+                        .ok_or_else(|| {
+                            let all: Vec<_> = KindName::ALL.iter().map(|k| k.as_str()).collect();
+                            err_at(
+                                text,
+                                k.span(),
+                                format!(
+                                    "unknown kind `{name}` (expected one of {})",
+                                    all.join(", ")
+                                ),
+                            )
+                        })?;
+                    if applicable & (1 << kind.index()) == 0 {
+                        return Err(err_at(
+                            text,
+                            k.span(),
+                            format!("the rule's matchers do not apply to kind `{name}`"),
+                        ));
+                    }
+                    mask |= 1 << kind.index();
+                }
+                mask
+            }
+        };
+
+        let args = match &r.args {
+            None => None,
+            Some(f) => {
+                let mut pats = f.get_ref().0.clone();
+                let rest = pats.last().is_some_and(|p| p == "...");
+                if rest {
+                    pats.pop();
+                }
+                if pats.iter().any(|p| p == "...") {
+                    return Err(err_at(text, f.span(), "`...` may only end the `args` list"));
+                }
+                let positions = pats
+                    .iter()
+                    .map(|p| one_glob(p, GlobMode::Text).map(|g| g.compile_matcher()))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| err_at(text, f.span(), format!("`args`: {e}")))?;
+                Some(ArgsMatcher { positions, rest })
+            }
+        };
+        let args_contain = match &r.args_contain {
+            None => None,
+            Some(f) => Some(
+                nonempty(text, f, "args_contain")?
+                    .iter()
+                    .map(|p| one_glob(p, GlobMode::Text).map(|g| g.compile_matcher()))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| err_at(text, f.span(), format!("`args_contain`: {e}")))?,
+            ),
+        };
+        let connector = match &r.connector {
+            None => None,
+            Some(f) => Some(nonempty(text, f, "connector")?),
+        };
+        let host = match &r.host {
+            None => None,
+            Some(f) => Some(hosts(text, f, "host")?),
+        };
+        let op = match &r.op {
+            None => None,
+            Some(f) => Some(nonempty(text, f, "op")?),
+        };
+        rules.push(Rule {
+            id,
+            index,
+            effect: r.effect,
+            reason: r.reason.clone(),
+            hard: r.hard,
+            kinds,
+            program: globs(text, &r.program, "program", GlobMode::Text)?,
+            args,
+            args_contain,
+            command: globs(text, &r.command, "command", GlobMode::Text)?,
+            path: globs(text, &r.path, "path", GlobMode::Path)?,
+            connector,
+            method: upper_list(text, &r.method, "method")?,
+            host,
+            http_path: globs(text, &r.http_path, "http_path", GlobMode::Path)?,
+            access: r.access,
+            op,
+        });
+    }
+    Ok(Policy {
+        default: file.default,
+        connectors,
+        rules,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(text: &str) -> ParseError {
+        match parse(text) {
+            Ok(_) => panic!("accepted:\n{text}"),
+            Err(e) => e,
+        }
+    }
+
+    #[test]
+    fn syntax_error_names_line_and_column() {
+        let e = refused("default = \"deny\"\n\n[[rule]]\neffect = \"allow\"\nkind = [\"exec\"\n");
+        assert_eq!(e.line, 6, "{e}");
+        let e = refused("default = \"deny\"\n[[rule]\neffect = \"allow\"\n");
+        assert_eq!((e.line, e.column), (2, 7), "{e}");
+        assert!(
+            e.to_string()
+                .starts_with("policy refused at line 2, column 7"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn unknown_field_is_refused_with_position() {
+        let e = refused("default = \"deny\"\n[[rule]]\neffect = \"allow\"\nkindd = \"exec\"\n");
+        assert_eq!(e.line, 4, "{e}");
+        assert!(e.message.contains("kindd"), "{e}");
+        let e = refused("defualt = \"deny\"\n");
+        assert_eq!((e.line, e.column), (1, 1), "{e}");
+        let e = refused("[[connector]]\nname = \"x\"\nhosts = \"a.com\"\nreadonly = true\n");
+        assert_eq!(e.line, 4, "{e}");
+    }
+
+    #[test]
+    fn semantic_errors_have_positions() {
+        let e = refused("[[rule]]\neffect = \"maybe\"\n");
+        assert_eq!(e.line, 2, "{e}");
+        let e = refused("[[rule]]\neffect = \"deny\"\npath = \"/a/[\"\n");
+        assert_eq!((e.line, e.column), (3, 8), "{e}");
+        let e = refused("[[rule]]\neffect = \"deny\"\nkind = \"exec\"\npath = \"/a\"\n");
+        assert_eq!(e.line, 3, "{e}");
+        let e = refused("[[rule]]\neffect = \"deny\"\nkind = \"teleport\"\n");
+        assert!(e.message.contains("teleport"), "{e}");
+        let e = refused("[[rule]]\neffect = \"deny\"\nprogram = \"rm\"\npath = \"/a\"\n");
+        assert_eq!(e.line, 1, "{e}");
+        let e = refused(
+            "[[rule]]\nid = \"a\"\neffect = \"deny\"\n[[rule]]\nid = \"a\"\neffect = \"deny\"\n",
+        );
+        assert_eq!(e.line, 5, "{e}");
+        let e = refused("[[connector]]\nname = \"x\"\nhosts = [\"10.0.0.1\"]\n");
+        assert_eq!(e.line, 3, "{e}");
+        let e = refused("version = 2\n");
+        assert_eq!(e.line, 1);
+        let e = refused("[[rule]]\neffect = \"deny\"\nargs = [\"...\", \"x\"]\n");
+        assert_eq!(e.line, 3);
+        let e = refused("[[rule]]\neffect = \"deny\"\nprogram = 5\n");
+        assert!(e.message.contains("a string or a list of strings"), "{e}");
+        let e = refused("[[rule]]\neffect = \"deny\"\nmethod = []\n");
+        assert_eq!(e.line, 3);
+    }
+
+    #[test]
+    fn line_col_counts_characters() {
+        assert_eq!(line_col("ab\ncé d", 6), (2, 3));
+        assert_eq!(line_col("", 10), (1, 1));
+    }
+}

@@ -1,0 +1,574 @@
+//! Evaluation table tests: kinds × matchers × layers, hard-block precedence.
+
+use super::*;
+
+const PLATFORM: &str = r#"
+version = 1
+
+[[connector]]
+name = "salesforce"
+hosts = ["*.salesforce.com", "login.salesforce.com"]
+read_only = true
+
+[[connector]]
+name = "slack"
+hosts = "slack.com"
+write_methods = ["POST"]
+
+[[rule]]
+id = "no-rm-rf-root"
+effect = "deny"
+program = "rm"
+args_contain = ["-*[rR]*", "/"]
+reason = "recursive delete of /"
+
+[[rule]]
+id = "no-etc-shadow"
+effect = "deny"
+kind = ["file_read", "file_write"]
+path = ["/etc/shadow", "/etc/gshadow"]
+
+[[rule]]
+id = "curl-needs-ok"
+effect = "approve"
+program = ["curl", "wget"]
+reason = "network tools need a human"
+"#;
+
+const TENANT: &str = r#"
+default = "deny"
+
+[[connector]]
+name = "snowflake"
+hosts = ["*.snowflakecomputing.com"]
+
+[[rule]]
+id = "ws-read"
+effect = "allow"
+kind = "file_read"
+path = "/workspace/**"
+
+[[rule]]
+id = "ws-write"
+effect = "allow"
+kind = "file_write"
+path = "/workspace/**"
+
+[[rule]]
+id = "tmp-any"
+effect = "allow"
+path = "/tmp/*"
+
+[[rule]]
+id = "sf-read"
+effect = "allow"
+connector = "salesforce"
+access = "read"
+
+[[rule]]
+id = "slack-post"
+effect = "approve"
+connector = "slack"
+method = "POST"
+http_path = "/api/chat.postMessage"
+reason = "posting to Slack needs approval"
+
+[[rule]]
+id = "slack-read"
+effect = "allow"
+connector = "slack"
+method = ["GET"]
+
+[[rule]]
+id = "no-delete-sandbox"
+effect = "deny"
+hard = true
+kind = "lifecycle"
+op = "delete"
+reason = "tenant admins delete sandboxes"
+
+[[rule]]
+id = "snap"
+effect = "allow"
+kind = ["snapshot", "fork", "rewind"]
+
+[[rule]]
+id = "lifecycle"
+effect = "allow"
+kind = "lifecycle"
+
+[[rule]]
+id = "git"
+effect = "allow"
+program = ["git", "/usr/bin/git"]
+
+[[rule]]
+id = "ls"
+effect = "allow"
+program = "ls"
+args = ["-l", "..."]
+
+[[rule]]
+id = "py-exact"
+effect = "allow"
+program = "python3"
+args = ["-c", "print(*)"]
+
+[[rule]]
+id = "snowflake-any"
+effect = "approve"
+connector = "snowflake"
+"#;
+
+const SANDBOX: &str = r#"
+default = "allow"
+
+[[rule]]
+id = "sb-allow-rm"
+effect = "allow"
+program = "rm"
+
+[[rule]]
+id = "sb-allow-sf-writes"
+effect = "allow"
+connector = "salesforce"
+
+[[rule]]
+id = "sb-allow-delete"
+effect = "allow"
+kind = "lifecycle"
+op = "delete"
+
+[[rule]]
+id = "sb-deny-git-push"
+effect = "deny"
+program = "git"
+args = ["push", "..."]
+
+[[rule]]
+id = "sb-curl"
+effect = "allow"
+program = "curl"
+
+[[rule]]
+id = "sb-secrets"
+effect = "deny"
+path = "/workspace/secrets/**"
+"#;
+
+fn set(platform: bool, tenant: bool, sandbox: bool) -> PolicySet {
+    let p = |t: &str| Some(Arc::new(Policy::parse(t).unwrap_or_else(|e| panic!("{e}"))));
+    PolicySet::new(
+        if platform { p(PLATFORM) } else { None },
+        if tenant { p(TENANT) } else { None },
+        if sandbox { p(SANDBOX) } else { None },
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn call(kind: CallKind) -> ToolCall {
+    ToolCall {
+        tenant: "acme".into(),
+        sandbox: Some("sb1".into()),
+        actor: "tok1".into(),
+        kind,
+    }
+}
+fn exec(argv: &[&str]) -> CallKind {
+    CallKind::Exec {
+        argv: argv.iter().map(|s| s.to_string()).collect(),
+        shell: None,
+    }
+}
+fn sh(script: &str) -> CallKind {
+    CallKind::Exec {
+        argv: vec![],
+        shell: Some(script.into()),
+    }
+}
+fn read(p: &str) -> CallKind {
+    CallKind::FileRead { path: p.into() }
+}
+fn write(p: &str) -> CallKind {
+    CallKind::FileWrite { path: p.into() }
+}
+fn egress(host: &str, method: &str, path: &str) -> CallKind {
+    CallKind::Egress {
+        connector: None,
+        host: host.into(),
+        port: 443,
+        method: method.into(),
+        path: path.into(),
+        scheme: "https".into(),
+    }
+}
+fn op(o: &str) -> CallKind {
+    CallKind::Lifecycle { op: o.into() }
+}
+
+use Effect::{Allow as A, Approve as P, Deny as D};
+
+/// (layers platform/tenant/sandbox, call, expected effect, expected rule id)
+fn rows() -> Vec<((bool, bool, bool), CallKind, Effect, &'static str)> {
+    let pt = (true, true, false);
+    let all = (true, true, true);
+    vec![
+        // exec: program + args
+        (pt, exec(&["git", "status"]), A, "git"),
+        (pt, exec(&["/usr/bin/git", "log"]), A, "git"),
+        (pt, exec(&["/opt/git"]), A, "git"),
+        (pt, exec(&["ls", "-l"]), A, "ls"),
+        (pt, exec(&["ls", "-l", "/x", "/y"]), A, "ls"),
+        (pt, exec(&["ls", "-a"]), D, "default"),
+        (pt, exec(&["ls"]), D, "default"),
+        (pt, exec(&["python3", "-c", "print(1)"]), A, "py-exact"),
+        (
+            pt,
+            exec(&["python3", "-c", "print(1)", "extra"]),
+            D,
+            "default",
+        ),
+        (pt, exec(&["python3", "-c", "import os"]), D, "default"),
+        (pt, exec(&["rm", "-rf", "/"]), D, "no-rm-rf-root"),
+        (pt, exec(&["rm", "-fr", "/"]), D, "no-rm-rf-root"),
+        (pt, exec(&["rm", "-r", "-f", "/"]), D, "no-rm-rf-root"),
+        (pt, exec(&["/bin/rm", "-Rf", "/"]), D, "no-rm-rf-root"),
+        (pt, exec(&["sudo", "rm", "-rf", "/"]), D, "no-rm-rf-root"),
+        (
+            pt,
+            exec(&["env", "X=1", "rm", "-rf", "/"]),
+            D,
+            "no-rm-rf-root",
+        ),
+        (pt, sh("cd / && rm -rf /"), D, "no-rm-rf-root"),
+        (
+            pt,
+            exec(&["bash", "-c", "echo hi; rm -rf '/'"]),
+            D,
+            "no-rm-rf-root",
+        ),
+        (pt, exec(&["rm", "-rf", "/workspace/x"]), D, "default"),
+        // a hard approve is a floor, but the tenant's default deny is stricter
+        (pt, exec(&["curl", "https://x"]), D, "default"),
+        (all, sh("ls -l | curl -d @- x"), P, "curl-needs-ok"),
+        (pt, exec(&["", "x"]), D, "default"),
+        // an allow rule never matches a derived reading: `git` inside a shell is not `git`
+        (pt, sh("git status; cat /etc/shadow"), D, "default"),
+        (pt, exec(&["sudo", "git", "status"]), D, "default"),
+        // files: normalisation, globs
+        (pt, read("/workspace/src/main.rs"), A, "ws-read"),
+        (pt, read("/workspace"), D, "default"),
+        (pt, read("/workspace/a/../../etc/passwd"), D, "default"),
+        (pt, read("/workspace/../etc/shadow"), D, "no-etc-shadow"),
+        (pt, read("//etc//./shadow"), D, "no-etc-shadow"),
+        (pt, read("/workspace/../../etc/passwd"), D, "invalid-call"),
+        (pt, read("workspace/a"), D, "invalid-call"),
+        (pt, read("/workspace/a\0"), D, "invalid-call"),
+        (pt, write("/workspace/out.txt"), A, "ws-write"),
+        (pt, write("/tmp/x"), A, "tmp-any"),
+        (pt, read("/tmp/x"), A, "tmp-any"),
+        (pt, write("/tmp/a/b"), D, "default"),
+        (pt, write("/etc/shadow"), D, "no-etc-shadow"),
+        // egress: connectors, methods, access, http path
+        (
+            pt,
+            egress("na1.salesforce.com", "GET", "/services/data"),
+            A,
+            "sf-read",
+        ),
+        (pt, egress("NA1.Salesforce.COM.", "get", "/x"), A, "sf-read"),
+        (
+            pt,
+            egress("login.salesforce.com", "HEAD", "/"),
+            A,
+            "sf-read",
+        ),
+        (
+            pt,
+            egress("na1.salesforce.com", "POST", "/x"),
+            D,
+            "connector:salesforce:read-only",
+        ),
+        (
+            pt,
+            egress("na1.salesforce.com", "DELETE", "/x"),
+            D,
+            "connector:salesforce:read-only",
+        ),
+        (
+            pt,
+            egress("na1.salesforce.com", "CONNECT", ""),
+            D,
+            "connector:salesforce:read-only",
+        ),
+        (pt, egress("salesforce.com", "GET", "/"), D, "default"),
+        (
+            pt,
+            egress("slack.com", "POST", "/api/chat.postMessage"),
+            P,
+            "slack-post",
+        ),
+        (
+            pt,
+            egress("slack.com", "POST", "/api/x/../chat.postMessage"),
+            P,
+            "slack-post",
+        ),
+        (
+            pt,
+            egress("slack.com", "POST", "/api/chat.postMessage?x=1"),
+            P,
+            "slack-post",
+        ),
+        (
+            pt,
+            egress("slack.com", "POST", "/api/files.upload"),
+            D,
+            "default",
+        ),
+        (
+            pt,
+            egress("slack.com", "GET", "/api/conversations.list"),
+            A,
+            "slack-read",
+        ),
+        (pt, egress("slack.com", "PUT", "/api/x"), D, "default"),
+        (
+            pt,
+            egress("x.snowflakecomputing.com", "POST", "/q"),
+            P,
+            "snowflake-any",
+        ),
+        (pt, egress("example.com", "GET", "/"), D, "default"),
+        (
+            pt,
+            egress("slack.com", "GET", "/../../x"),
+            D,
+            "invalid-call",
+        ),
+        // other kinds
+        (pt, CallKind::Snapshot, A, "snap"),
+        (pt, CallKind::Fork, A, "snap"),
+        (pt, CallKind::Rewind, A, "snap"),
+        (pt, op("pause"), A, "lifecycle"),
+        (pt, op("delete"), D, "no-delete-sandbox"),
+        // sandbox layer loosens soft tenant rules but never hard ones
+        (all, exec(&["rm", "x"]), A, "sb-allow-rm"),
+        (all, exec(&["rm", "-rf", "/"]), D, "no-rm-rf-root"),
+        (all, sh("rm -rf /"), D, "no-rm-rf-root"),
+        (
+            all,
+            egress("na1.salesforce.com", "POST", "/x"),
+            D,
+            "connector:salesforce:read-only",
+        ),
+        (
+            all,
+            egress("na1.salesforce.com", "GET", "/x"),
+            A,
+            "sb-allow-sf-writes",
+        ),
+        (all, op("delete"), D, "no-delete-sandbox"),
+        (all, exec(&["curl", "x"]), P, "curl-needs-ok"),
+        (all, exec(&["git", "push", "origin"]), D, "sb-deny-git-push"),
+        (all, exec(&["git", "pull"]), A, "git"),
+        (all, read("/workspace/secrets/key"), D, "sb-secrets"),
+        (all, read("/workspace/ok"), A, "ws-read"),
+        (all, read("/srv/ok"), A, "default"),
+        (all, read("/etc/shadow"), D, "no-etc-shadow"),
+        (all, egress("example.com", "GET", "/"), A, "default"),
+        // nothing at all: built-in deny
+        ((false, false, false), CallKind::Snapshot, D, "default"),
+    ]
+}
+
+#[test]
+fn evaluation_table() {
+    let sets: Vec<((bool, bool, bool), PolicySet)> = {
+        let mut v = Vec::new();
+        for r in rows() {
+            if !v.iter().any(|(k, _)| *k == r.0) {
+                v.push((r.0, set(r.0 .0, r.0 .1, r.0 .2)));
+            }
+        }
+        v
+    };
+    let mut failures = Vec::new();
+    for (i, (layers, kind, effect, rule)) in rows().into_iter().enumerate() {
+        let Some((_, s)) = sets.iter().find(|(k, _)| *k == layers) else {
+            continue;
+        };
+        let d = s.evaluate(&call(kind.clone()));
+        if d.effect != effect || d.rule_id != rule {
+            failures.push(format!(
+                "row {i} {layers:?} {kind:?}: want {effect:?}/{rule}, got {d:?}"
+            ));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn decisions_carry_layer_index_and_reason() {
+    let s = set(true, true, true);
+    let d = s.evaluate(&call(exec(&["rm", "-rf", "/"])));
+    assert_eq!(d.layer, Some(Layer::Platform));
+    assert_eq!(d.rule_index, Some(0));
+    assert!(d.hard);
+    assert_eq!(d.reason, "recursive delete of /");
+    let d = s.evaluate(&call(egress("slack.com", "POST", "/api/chat.postMessage")));
+    assert_eq!(
+        (d.layer, d.rule_index, d.hard),
+        (Some(Layer::Tenant), Some(4), false)
+    );
+    assert_eq!(d.reason, "posting to Slack needs approval");
+    let d = s.evaluate(&call(op("delete")));
+    assert_eq!((d.layer, d.hard), (Some(Layer::Tenant), true));
+    let d = s.evaluate(&call(read("/workspace/x")));
+    assert_eq!(
+        (d.layer, d.rule_id.as_str()),
+        (Some(Layer::Tenant), "ws-read")
+    );
+    let d = s.evaluate(&call(read("/srv/x")));
+    assert_eq!(
+        (d.layer, d.rule_id.as_str()),
+        (Some(Layer::Sandbox), "default")
+    );
+}
+
+#[test]
+fn caller_cannot_claim_a_connector() {
+    let s = set(true, true, false);
+    let mut k = egress("na1.salesforce.com", "POST", "/x");
+    if let CallKind::Egress { connector, .. } = &mut k {
+        *connector = Some("slack".into());
+    }
+    assert_eq!(
+        s.evaluate(&call(k)).rule_id,
+        "connector:salesforce:read-only"
+    );
+}
+
+#[test]
+fn hard_approve_is_a_floor_and_hard_allow_loosens_nothing() {
+    let platform = Policy::parse(
+        "[[rule]]\neffect = \"allow\"\nkind = \"snapshot\"\n[[rule]]\neffect = \"approve\"\nkind = \"fork\"\n",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let sandbox =
+        Policy::parse("default = \"deny\"\n[[rule]]\neffect = \"allow\"\nkind = \"fork\"\n")
+            .unwrap_or_else(|e| panic!("{e}"));
+    let s = PolicySet::new(Some(Arc::new(platform)), None, Some(Arc::new(sandbox)))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(s.evaluate(&call(CallKind::Snapshot)).effect, Effect::Deny);
+    let d = s.evaluate(&call(CallKind::Fork));
+    assert_eq!(
+        (d.effect, d.layer),
+        (Effect::Approve, Some(Layer::Platform))
+    );
+}
+
+#[test]
+fn composition_errors() {
+    let c = |t: &str| Some(Arc::new(Policy::parse(t).unwrap_or_else(|e| panic!("{e}"))));
+    let conn = "[[connector]]\nname = \"x\"\nhosts = \"x.com\"\n";
+    assert!(matches!(
+        PolicySet::new(None, None, c(conn)),
+        Err(ComposeError::ConnectorInSandbox(_))
+    ));
+    assert!(matches!(
+        PolicySet::new(c(conn), c(conn), None),
+        Err(ComposeError::DuplicateConnector(_))
+    ));
+    let rule = "[[rule]]\neffect = \"allow\"\nconnector = \"y\"\n";
+    assert!(matches!(
+        PolicySet::new(c(conn), c(rule), None),
+        Err(ComposeError::UnknownConnector { .. })
+    ));
+}
+
+#[test]
+fn exact_host_beats_wildcard() {
+    let p = Policy::parse(
+        "[[connector]]\nname = \"wild\"\nhosts = \"*.example.com\"\n[[connector]]\nname = \"exact\"\nhosts = \"api.example.com\"\n",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let s = PolicySet::new(Some(Arc::new(p)), None, None).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        s.connector_for_host("api.example.com")
+            .map(|c| c.name.as_str()),
+        Some("exact")
+    );
+    assert_eq!(
+        s.connector_for_host("b.example.com")
+            .map(|c| c.name.as_str()),
+        Some("wild")
+    );
+    assert!(s.connector_for_host("example.com").is_none());
+}
+
+#[test]
+fn random_input_never_panics_the_parser() {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x5eed);
+    let pieces = [
+        "[[rule]]",
+        "[[connector]]",
+        "effect",
+        "=",
+        "\"allow\"",
+        "\"deny\"",
+        "\"approve\"",
+        "kind",
+        "path",
+        "program",
+        "args",
+        "[",
+        "]",
+        "{",
+        "}",
+        ",",
+        "\n",
+        "\"",
+        "'",
+        "\"/a/**\"",
+        "\"[\"",
+        "\"...\"",
+        "hosts",
+        "name",
+        "\"*.x.com\"",
+        "true",
+        "1",
+        "-",
+        "#",
+        "é",
+        "\\",
+        "hard",
+        "default",
+        "version",
+        "method",
+        "\"GET\"",
+        "access",
+        "\"read\"",
+    ];
+    for _ in 0..20_000 {
+        let n = rng.gen_range(0..40);
+        let mut s = String::new();
+        for _ in 0..n {
+            if rng.gen_bool(0.15) {
+                s.push(char::from(rng.gen_range(0u8..128)));
+            } else {
+                s.push_str(pieces[rng.gen_range(0..pieces.len())]);
+                s.push(' ');
+            }
+        }
+        if let Err(e) = Policy::parse(&s) {
+            assert!(e.line >= 1 && e.column >= 1, "{e:?} for {s:?}");
+        }
+    }
+}
