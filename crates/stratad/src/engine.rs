@@ -25,6 +25,7 @@ use futures::stream::BoxStream;
 use serde::{Deserialize, Serialize};
 use strata_core::{ErrorCode, SandboxId, SandboxSize, SnapshotId, TemplateId};
 
+pub mod runtime;
 pub mod unavailable;
 
 /// What a new sandbox starts from (mirrors `strata_runtime::Source`).
@@ -226,6 +227,13 @@ pub enum EngineError {
     /// The guest agent reported an error (no such file, permission denied...).
     #[error("guest: {0}")]
     Agent(String),
+    /// The request cannot be satisfied as asked (size the snapshot cannot give,
+    /// snapshot of another sandbox, invalid guest path).
+    #[error("{0}")]
+    Invalid(String),
+    /// A guest path does not exist.
+    #[error("{0}")]
+    GuestNotFound(String),
     /// The engine is busy with this resource.
     #[error("another operation is in progress on {0}")]
     Busy(String),
@@ -251,6 +259,8 @@ impl EngineError {
             EngineError::AgentTimeout { .. } => ErrorCode::AgentTimeout,
             EngineError::Agent(_) => ErrorCode::AgentError,
             EngineError::Busy(_) => ErrorCode::Conflict,
+            EngineError::Invalid(_) => ErrorCode::InvalidRequest,
+            EngineError::GuestNotFound(_) => ErrorCode::NotFound,
             EngineError::Unavailable(_) | EngineError::Other(_) => ErrorCode::Internal,
         }
     }
