@@ -113,68 +113,30 @@ pub fn build(
     let out = work.path().join("image");
     fs::create_dir(&out).map_err(ImageError::io("cannot create", &out))?;
 
-    // Kernel and initramfs.
-    report(
-        Step::Kernel,
-        &format!("downloading {}={}", k.package, k.package_version),
-    );
-    let kx = kernel::fetch(&k, &work.path().join("kernel"), &|l| {
-        report(Step::Kernel, l)
-    })?;
-    let kernel_path = out.join(KERNEL_FILE);
-    fs::copy(&kx.vmlinuz, &kernel_path)
-        .map_err(ImageError::io("cannot copy kernel to", &kernel_path))?;
-    let vmlinux_path = out.join(VMLINUX_FILE);
-    let vmlinux_len = match kernel::extract_vmlinux(&kx.vmlinuz, work.path())? {
-        Some(elf) => {
-            fs::write(&vmlinux_path, &elf)
-                .map_err(ImageError::io("cannot write", &vmlinux_path))?;
-            report(
-                Step::Kernel,
-                &format!("extracted vmlinux ({} MiB, PVH entry)", elf.len() >> 20),
-            );
-            elf.len() as u64
+    // Kernel and initramfs (cached apart from the root fs: an agent change reuses them).
+    let kernel_dir = kernel_stage(
+        recipe,
+        &k,
+        &busybox,
+        &inputs.busybox_sha256,
+        cache_dir,
+        &report,
+    )?;
+    let order: Vec<String> = fs::read_to_string(kernel_dir.join(MODULES_LIST))
+        .map_err(ImageError::io("cannot read", kernel_dir.join(MODULES_LIST)))?
+        .lines()
+        .filter(|l| !l.is_empty())
+        .map(str::to_string)
+        .collect();
+    for name in [KERNEL_FILE, VMLINUX_FILE, INITRD_FILE] {
+        let src = kernel_dir.join(name);
+        if src.exists() {
+            link_or_copy(&src, &out.join(name))?;
         }
-        None => {
-            report(
-                Step::Kernel,
-                "kernel payload is not xz: no vmlinux, boot vmlinuz",
-            );
-            0
-        }
-    };
-    let order = kx
-        .db
-        .load_order(&recipe.modules)
-        .map_err(|module| ImageError::ModuleNotFound {
-            module,
-            kernel_version: k.version.clone(),
-        })?;
-    let mut modules = Vec::with_capacity(order.len());
-    for name in &order {
-        let rel = kx
-            .db
-            .paths
-            .get(name)
-            .ok_or_else(|| ImageError::ModuleNotFound {
-                module: name.clone(),
-                kernel_version: k.version.clone(),
-            })?;
-        modules.push((
-            name.clone(),
-            kernel::read_module(&kx.modules_dir.join(rel))?,
-        ));
     }
-    report(
-        Step::Initramfs,
-        &format!("busybox + {} modules: {}", order.len(), order.join(" ")),
-    );
-    let initrd = initramfs::build(&busybox, &modules)
-        .map_err(ImageError::io("cannot build initramfs", &out))?;
+    let kernel_path = out.join(KERNEL_FILE);
+    let vmlinux_path = out.join(VMLINUX_FILE);
     let initrd_path = out.join(INITRD_FILE);
-    fs::write(&initrd_path, &initrd).map_err(ImageError::io("cannot write", &initrd_path))?;
-    drop(kx);
-    remove_dir(&work.path().join("kernel"));
 
     // Root file system.
     report(Step::Debootstrap, "looking for a cached debootstrap tree");
@@ -230,8 +192,8 @@ pub fn build(
         busybox_sha256: inputs.busybox_sha256,
         sizes: FileSizes {
             kernel: size(&kernel_path)?.len(),
-            vmlinux: vmlinux_len,
-            initrd: initrd.len() as u64,
+            vmlinux: fs::metadata(&vmlinux_path).map(|m| m.len()).unwrap_or(0),
+            initrd: size(&initrd_path)?.len(),
             rootfs: rootfs_meta.len(),
             rootfs_allocated: rootfs_meta.blocks() * 512,
         },
@@ -266,6 +228,116 @@ pub fn build(
         ),
     );
     Ok(img)
+}
+
+/// Name of the module load order file in a kernel stage directory.
+const MODULES_LIST: &str = "modules.txt";
+
+/// The kernel, uncompressed kernel and initramfs for `k`, the recipe's
+/// modules and this busybox, in `<cache_dir>/kernel/<hash>/` (built there
+/// through a temporary directory and a rename if missing).
+fn kernel_stage(
+    recipe: &ImageRecipe,
+    k: &kernel::ResolvedKernel,
+    busybox: &[u8],
+    busybox_sha256: &str,
+    cache_dir: &Path,
+    report: &dyn Fn(Step, &str),
+) -> Result<PathBuf, ImageError> {
+    let key = serde_json::json!({
+        "recipe_version": RECIPE_VERSION,
+        "kernel_version": k.version,
+        "kernel_package_version": k.package_version,
+        "modules": recipe.modules,
+        "busybox_sha256": busybox_sha256,
+    });
+    let key = sha256_hex(key.to_string().as_bytes());
+    let short = &key[..DIR_HASH_LEN];
+    let parent = cache_dir.join("kernel");
+    fs::create_dir_all(&parent).map_err(ImageError::io("cannot create", &parent))?;
+    let dir = parent.join(short);
+    let _lock = Lock::acquire(&parent.join(format!(".{short}.lock")), &|l| {
+        report(Step::Kernel, l)
+    })?;
+    if dir.join(MODULES_LIST).is_file() {
+        report(
+            Step::Kernel,
+            &format!("cached kernel and initramfs {}", dir.display()),
+        );
+        return Ok(dir);
+    }
+    rootfs::remove_stale(&parent, &format!(".tmp-{short}-"));
+    remove_dir(&dir);
+    let work = tempfile::Builder::new()
+        .prefix(&format!(".tmp-{short}-"))
+        .tempdir_in(&parent)
+        .map_err(ImageError::io(
+            "cannot create a temporary directory in",
+            &parent,
+        ))?;
+    let stage = work.path().join("stage");
+    fs::create_dir(&stage).map_err(ImageError::io("cannot create", &stage))?;
+    report(
+        Step::Kernel,
+        &format!("downloading {}={}", k.package, k.package_version),
+    );
+    let kx = kernel::fetch(k, &work.path().join("pkg"), &|l| report(Step::Kernel, l))?;
+    let kernel_path = stage.join(KERNEL_FILE);
+    fs::copy(&kx.vmlinuz, &kernel_path)
+        .map_err(ImageError::io("cannot copy kernel to", &kernel_path))?;
+    match kernel::extract_vmlinux(&kx.vmlinuz, work.path())? {
+        Some(elf) => {
+            let p = stage.join(VMLINUX_FILE);
+            fs::write(&p, &elf).map_err(ImageError::io("cannot write", &p))?;
+            report(
+                Step::Kernel,
+                &format!("extracted vmlinux ({} MiB, PVH entry)", elf.len() >> 20),
+            );
+        }
+        None => report(
+            Step::Kernel,
+            "kernel payload is not xz: no vmlinux, boot vmlinuz",
+        ),
+    }
+    let not_found = |module: String| ImageError::ModuleNotFound {
+        module,
+        kernel_version: k.version.clone(),
+    };
+    let order = kx.db.load_order(&recipe.modules).map_err(not_found)?;
+    let mut modules = Vec::with_capacity(order.len());
+    for name in &order {
+        let rel = kx
+            .db
+            .paths
+            .get(name)
+            .ok_or_else(|| not_found(name.clone()))?;
+        modules.push((
+            name.clone(),
+            kernel::read_module(&kx.modules_dir.join(rel))?,
+        ));
+    }
+    report(
+        Step::Initramfs,
+        &format!("busybox + {} modules: {}", order.len(), order.join(" ")),
+    );
+    let initrd = initramfs::build(busybox, &modules)
+        .map_err(ImageError::io("cannot build initramfs", &stage))?;
+    let initrd_path = stage.join(INITRD_FILE);
+    fs::write(&initrd_path, &initrd).map_err(ImageError::io("cannot write", &initrd_path))?;
+    let list = stage.join(MODULES_LIST);
+    fs::write(&list, order.join("\n") + "\n").map_err(ImageError::io("cannot write", &list))?;
+    fs::rename(&stage, &dir).map_err(ImageError::io("cannot rename into place", &dir))?;
+    Ok(dir)
+}
+
+/// Hard-links `src` to `dst` (same file system: the cache), else copies it.
+fn link_or_copy(src: &Path, dst: &Path) -> Result<(), ImageError> {
+    if fs::hard_link(src, dst).is_ok() {
+        return Ok(());
+    }
+    fs::copy(src, dst)
+        .map(|_| ())
+        .map_err(ImageError::io("cannot copy to", dst))
 }
 
 /// Loads a built image from its directory, checking that the manifest
