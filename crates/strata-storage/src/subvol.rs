@@ -27,6 +27,8 @@ pub fn fs_type(path: &Path) -> Result<(i64, String)> {
     }
     // SAFETY: statfs returned 0, so it initialised the struct.
     let st = unsafe { st.assume_init() };
+    // `f_type`'s C type differs between architectures (i64 on x86_64, u32 elsewhere).
+    #[allow(clippy::unnecessary_cast)]
     let t = st.f_type as i64;
     Ok((t, fs_type_name(t)))
 }
