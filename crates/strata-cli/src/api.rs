@@ -1,0 +1,364 @@
+//! A thin client of the stratad HTTP API (`/v1`).
+//!
+//! Every call returns the daemon's JSON as a [`serde_json::Value`] (commands
+//! print it as-is under `--json` and read typed views of it otherwise), or an
+//! [`ApiError`] carrying the HTTP status and the daemon's stable error code.
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use reqwest::{Method, RequestBuilder, Response, StatusCode, Url};
+use serde::Serialize;
+use serde_json::Value;
+
+/// Default daemon address.
+pub const DEFAULT_URL: &str = "http://127.0.0.1:7070";
+
+/// Why an API call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// The server address is not a usable URL.
+    #[error("invalid server URL {url:?}: {reason}")]
+    BadUrl {
+        /// The URL given.
+        url: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Nothing answers at the address.
+    #[error(
+        "cannot reach stratad at {url} ({detail}): is stratad running? \
+         Start it with `strata serve`, or point --url / STRATA_URL at it"
+    )]
+    Unreachable {
+        /// The server URL.
+        url: String,
+        /// The innermost cause (e.g. `Connection refused (os error 111)`).
+        detail: String,
+    },
+    /// The daemon answered with an error.
+    #[error("{message}")]
+    Api {
+        /// HTTP status (0 when the error arrived inside a streamed body).
+        status: u16,
+        /// Stable machine-readable code (`not_found`, `invalid_state`, ...).
+        code: String,
+        /// The daemon's message.
+        message: String,
+    },
+    /// The request failed on the way (timeout, reset, body error).
+    #[error("request to {url} failed")]
+    Transport {
+        /// The URL requested.
+        url: String,
+        /// The underlying error.
+        #[source]
+        source: reqwest::Error,
+    },
+    /// The daemon answered something this client does not understand.
+    #[error("unexpected answer from {url}: {reason}")]
+    Protocol {
+        /// The URL requested.
+        url: String,
+        /// What was wrong.
+        reason: String,
+    },
+}
+
+impl ApiError {
+    /// The stable code reported under `--json`.
+    pub fn code(&self) -> &str {
+        match self {
+            ApiError::BadUrl { .. } => "invalid_request",
+            ApiError::Unreachable { .. } => "unavailable",
+            ApiError::Api { code, .. } => code,
+            ApiError::Transport { .. } => "transport_error",
+            ApiError::Protocol { .. } => "protocol_error",
+        }
+    }
+}
+
+/// Result of API calls.
+pub type ApiResult<T> = Result<T, ApiError>;
+
+/// The client: base URL, optional bearer token, one connection pool.
+#[derive(Debug, Clone)]
+pub struct ApiClient {
+    base: Url,
+    token: Option<String>,
+    http: reqwest::Client,
+}
+
+impl ApiClient {
+    /// A client of the daemon at `url` (e.g. `http://127.0.0.1:7070`).
+    pub fn new(url: &str, token: Option<String>) -> ApiResult<Self> {
+        let bad = |reason: &str| ApiError::BadUrl {
+            url: url.to_owned(),
+            reason: reason.to_owned(),
+        };
+        let base = Url::parse(url.trim()).map_err(|e| bad(&e.to_string()))?;
+        if base.scheme() != "http" {
+            return Err(bad("only http:// is supported by this build"));
+        }
+        if base.cannot_be_a_base() || base.host().is_none() {
+            return Err(bad("expected http://HOST:PORT"));
+        }
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(5))
+            .build()
+            .map_err(|e| bad(&e.to_string()))?;
+        Ok(ApiClient {
+            base,
+            token: token.filter(|t| !t.is_empty()),
+            http,
+        })
+    }
+
+    /// The server's base URL.
+    pub fn base(&self) -> &Url {
+        &self.base
+    }
+
+    /// `base` + path segments (each percent-encoded) + query pairs.
+    pub fn url(&self, segments: &[&str], query: &[(&str, &str)]) -> Url {
+        let mut u = self.base.clone();
+        if let Ok(mut p) = u.path_segments_mut() {
+            p.pop_if_empty().extend(segments);
+        }
+        if !query.is_empty() {
+            u.query_pairs_mut().extend_pairs(query);
+        }
+        u
+    }
+
+    /// A request with the bearer token set.
+    pub fn request(&self, method: Method, url: Url) -> RequestBuilder {
+        let rb = self.http.request(method, url);
+        match &self.token {
+            Some(t) => rb.bearer_auth(t),
+            None => rb,
+        }
+    }
+
+    /// Sends a request; a non-2xx answer becomes [`ApiError::Api`].
+    pub async fn send(&self, rb: RequestBuilder) -> ApiResult<Response> {
+        let req = rb.build().map_err(|e| ApiError::Protocol {
+            url: self.base.to_string(),
+            reason: format!("cannot build request: {e}"),
+        })?;
+        let url = req.url().to_string();
+        let resp = self
+            .http
+            .execute(req)
+            .await
+            .map_err(|e| self.transport(&url, e))?;
+        if resp.status().is_success() {
+            return Ok(resp);
+        }
+        Err(error_from_response(resp).await)
+    }
+
+    fn transport(&self, url: &str, e: reqwest::Error) -> ApiError {
+        if e.is_connect() {
+            ApiError::Unreachable {
+                url: self.base.as_str().trim_end_matches('/').to_owned(),
+                detail: innermost(&e),
+            }
+        } else {
+            ApiError::Transport {
+                url: url.to_owned(),
+                source: e,
+            }
+        }
+    }
+
+    /// Sends a request and parses the JSON answer.
+    pub async fn json(&self, rb: RequestBuilder) -> ApiResult<Value> {
+        let resp = self.send(rb).await?;
+        let url = resp.url().to_string();
+        let bytes = resp.bytes().await.map_err(|e| self.transport(&url, e))?;
+        if bytes.is_empty() {
+            return Ok(Value::Null);
+        }
+        serde_json::from_slice(&bytes).map_err(|e| ApiError::Protocol {
+            url,
+            reason: format!("invalid JSON: {e}"),
+        })
+    }
+
+    /// `GET` a JSON resource.
+    pub async fn get(&self, segments: &[&str], query: &[(&str, &str)]) -> ApiResult<Value> {
+        self.json(self.request(Method::GET, self.url(segments, query)))
+            .await
+    }
+
+    /// `POST` a JSON body.
+    pub async fn post<B: Serialize + ?Sized>(
+        &self,
+        segments: &[&str],
+        body: &B,
+    ) -> ApiResult<Value> {
+        self.json(
+            self.request(Method::POST, self.url(segments, &[]))
+                .json(body),
+        )
+        .await
+    }
+
+    /// `DELETE` a resource.
+    pub async fn delete(&self, segments: &[&str], query: &[(&str, &str)]) -> ApiResult<Value> {
+        self.json(self.request(Method::DELETE, self.url(segments, query)))
+            .await
+    }
+
+    /// Reads a streamed body to its end, calling `f` for each chunk.
+    pub async fn for_each_chunk<F>(&self, resp: Response, mut f: F) -> ApiResult<()>
+    where
+        F: FnMut(&[u8]) -> ApiResult<()>,
+    {
+        let url = resp.url().to_string();
+        let mut stream = resp.bytes_stream();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| self.transport(&url, e))?;
+            f(&chunk)?;
+        }
+        Ok(())
+    }
+}
+
+/// The `{"error":{"code","message"}}` body of a failed answer, or a code made
+/// from the status when the body is not that.
+async fn error_from_response(resp: Response) -> ApiError {
+    let status = resp.status();
+    let text = resp.text().await.unwrap_or_default();
+    parse_error_body(status, &text)
+}
+
+/// Turns an error answer into an [`ApiError::Api`].
+pub fn parse_error_body(status: StatusCode, text: &str) -> ApiError {
+    if let Some(ApiError::Api { code, message, .. }) = error_object(text) {
+        return ApiError::Api {
+            status: status.as_u16(),
+            code,
+            message,
+        };
+    }
+    let code = match status {
+        StatusCode::UNAUTHORIZED => "unauthorized",
+        StatusCode::FORBIDDEN => "forbidden",
+        StatusCode::NOT_FOUND => "not_found",
+        StatusCode::PAYLOAD_TOO_LARGE => "payload_too_large",
+        s if s.is_client_error() => "invalid_request",
+        _ => "internal",
+    };
+    let body: String = text.trim().chars().take(300).collect();
+    ApiError::Api {
+        status: status.as_u16(),
+        code: code.to_owned(),
+        message: if body.is_empty() {
+            format!("HTTP {status}")
+        } else {
+            format!("HTTP {status}: {body}")
+        },
+    }
+}
+
+/// Parses `{"error":{"code":..,"message":..}}` (status 0).
+pub fn error_object(text: &str) -> Option<ApiError> {
+    let v: Value = serde_json::from_str(text).ok()?;
+    error_from_value(&v)
+}
+
+/// Reads `{"error":{"code":..,"message":..}}` out of a JSON value (status 0).
+pub fn error_from_value(v: &Value) -> Option<ApiError> {
+    let e = v.get("error")?;
+    let code = e.get("code")?.as_str()?.to_owned();
+    let message = e
+        .get("message")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_owned();
+    Some(ApiError::Api {
+        status: 0,
+        code,
+        message,
+    })
+}
+
+fn innermost(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut last = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        last = s.to_string();
+        src = s.source();
+    }
+    last
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_encode_segments_and_keep_a_prefix() {
+        let c = ApiClient::new("http://127.0.0.1:7070", None).unwrap();
+        let u = c.url(&["v1", "sandboxes", "sb-1", "files"], &[("path", "/a b/c")]);
+        assert_eq!(
+            u.as_str(),
+            "http://127.0.0.1:7070/v1/sandboxes/sb-1/files?path=%2Fa+b%2Fc"
+        );
+        let c = ApiClient::new("http://h:1/strata/", None).unwrap();
+        assert_eq!(
+            c.url(&["v1", "x/y"], &[]).as_str(),
+            "http://h:1/strata/v1/x%2Fy"
+        );
+    }
+
+    #[test]
+    fn bad_urls_are_refused() {
+        for u in ["127.0.0.1:7070", "ftp://x", "https://x", "not a url"] {
+            let e = ApiClient::new(u, None).unwrap_err();
+            assert_eq!(e.code(), "invalid_request", "{u}: {e}");
+        }
+    }
+
+    #[test]
+    fn error_bodies_become_typed_errors() {
+        let e = parse_error_body(
+            StatusCode::CONFLICT,
+            r#"{"error":{"code":"invalid_state","message":"sandbox is paused"}}"#,
+        );
+        match &e {
+            ApiError::Api {
+                status,
+                code,
+                message,
+            } => {
+                assert_eq!((*status, code.as_str()), (409, "invalid_state"));
+                assert_eq!(message, "sandbox is paused");
+            }
+            other => panic!("{other:?}"),
+        }
+        let e = parse_error_body(StatusCode::BAD_GATEWAY, "<html>proxy</html>");
+        assert_eq!(e.code(), "internal");
+        assert!(e.to_string().contains("502"), "{e}");
+        assert_eq!(
+            parse_error_body(StatusCode::NOT_FOUND, "").code(),
+            "not_found"
+        );
+    }
+
+    #[tokio::test]
+    async fn refused_connection_says_is_stratad_running() {
+        // A port nobody listens on: bind, take the port, close.
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        drop(l);
+        let c = ApiClient::new(&format!("http://127.0.0.1:{port}"), None).unwrap();
+        let e = c.get(&["v1", "sandboxes"], &[]).await.unwrap_err();
+        assert_eq!(e.code(), "unavailable");
+        let msg = e.to_string();
+        assert!(msg.contains("is stratad running"), "{msg}");
+        assert!(msg.contains(&port.to_string()), "{msg}");
+    }
+}

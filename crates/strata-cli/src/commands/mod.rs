@@ -1,0 +1,381 @@
+//! The command line: global options, one module per verb, and what they share.
+
+use clap::{Parser, Subcommand};
+use serde_json::Value;
+
+use crate::api::{ApiClient, ApiError, DEFAULT_URL};
+
+pub mod create;
+pub mod dev;
+pub mod exec;
+pub mod files;
+pub mod fork;
+pub mod hibernate;
+pub mod image;
+pub mod info;
+pub mod ls;
+pub mod pause;
+pub mod resume;
+pub mod rewind;
+pub mod rm;
+pub mod serve;
+pub mod snapshot;
+pub mod snapshots;
+pub mod stats;
+pub mod template;
+
+/// strata: microVM sandboxes for AI agents (client of stratad).
+#[derive(Debug, Parser)]
+#[command(name = "strata", version, about, propagate_version = true)]
+pub struct Cli {
+    /// Address of stratad.
+    #[arg(long, global = true, env = "STRATA_URL", default_value = DEFAULT_URL)]
+    pub url: String,
+    /// API token, sent as `Authorization: Bearer`.
+    #[arg(long, global = true, env = "STRATA_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Machine-readable output (errors as {"error":{"code","message"}}).
+    #[arg(long, global = true)]
+    pub json: bool,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The verbs.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Build or list guest images (local, no daemon).
+    #[command(subcommand)]
+    Image(image::ImageCmd),
+    /// Developer tools that run on this host without a daemon.
+    #[command(subcommand)]
+    Dev(dev::DevCmd),
+    /// Create a sandbox from a template.
+    Create(create::Args),
+    /// List sandboxes.
+    Ls(ls::Args),
+    /// Show one sandbox.
+    Info(info::Args),
+    /// Delete a sandbox.
+    Rm(rm::Args),
+    /// Run a command in a sandbox, streaming its output.
+    Exec(exec::Args),
+    /// Move files in and out of a sandbox.
+    #[command(subcommand)]
+    Files(files::FilesCmd),
+    /// Stop a sandbox's vCPUs (RAM kept).
+    Pause(pause::Args),
+    /// Continue a paused sandbox, or wake a hibernated one.
+    Resume(resume::Args),
+    /// Snapshot a sandbox and stop its VM (no CPU, no RAM).
+    Hibernate(hibernate::Args),
+    /// Take a snapshot of a sandbox.
+    Snapshot(snapshot::Args),
+    /// Show a sandbox's snapshot timeline.
+    Snapshots(snapshots::Args),
+    /// Fork a sandbox (its present state) or a snapshot into a new sandbox.
+    Fork(fork::Args),
+    /// Return a sandbox to one of its snapshots, in place.
+    Rewind(rewind::Args),
+    /// Build, list or delete templates.
+    #[command(subcommand)]
+    Template(template::TemplateCmd),
+    /// Latency percentiles of the daemon's operations.
+    Stats(stats::Args),
+    /// Run the daemon (execs the `stratad` binary).
+    Serve(serve::Args),
+}
+
+/// What every command gets: output mode and how to reach the daemon.
+#[derive(Debug, Clone)]
+pub struct Ctx {
+    /// `--json`.
+    pub json: bool,
+    url: String,
+    token: Option<String>,
+}
+
+impl Ctx {
+    /// From the parsed global options.
+    pub fn new(cli: &Cli) -> Self {
+        Ctx {
+            json: cli.json,
+            url: cli.url.clone(),
+            token: cli.token.clone(),
+        }
+    }
+
+    /// A client of the daemon.
+    pub fn client(&self) -> Result<ApiClient, ApiError> {
+        ApiClient::new(&self.url, self.token.clone())
+    }
+
+    /// Prints `v` as JSON under `--json`, else the human text `human()`.
+    pub fn emit(
+        &self,
+        v: &Value,
+        human: impl FnOnce() -> anyhow::Result<String>,
+    ) -> anyhow::Result<()> {
+        if self.json {
+            println!("{v}");
+        } else {
+            let text = human()?;
+            print!("{text}");
+            if !text.is_empty() && !text.ends_with('\n') {
+                println!();
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Runs one command; returns the process exit code.
+pub async fn run(ctx: &Ctx, cmd: Command) -> anyhow::Result<i32> {
+    match cmd {
+        Command::Image(c) => image::run(ctx, c).await,
+        Command::Dev(c) => dev::run(ctx, c).await,
+        Command::Create(a) => create::run(ctx, a).await,
+        Command::Ls(a) => ls::run(ctx, a).await,
+        Command::Info(a) => info::run(ctx, a).await,
+        Command::Rm(a) => rm::run(ctx, a).await,
+        Command::Exec(a) => exec::run(ctx, a).await,
+        Command::Files(c) => files::run(ctx, c).await,
+        Command::Pause(a) => pause::run(ctx, a).await,
+        Command::Resume(a) => resume::run(ctx, a).await,
+        Command::Hibernate(a) => hibernate::run(ctx, a).await,
+        Command::Snapshot(a) => snapshot::run(ctx, a).await,
+        Command::Snapshots(a) => snapshots::run(ctx, a).await,
+        Command::Fork(a) => fork::run(ctx, a).await,
+        Command::Rewind(a) => rewind::run(ctx, a).await,
+        Command::Template(c) => template::run(ctx, c).await,
+        Command::Stats(a) => stats::run(ctx, a).await,
+        Command::Serve(a) => serve::run(ctx, a).await,
+    }
+}
+
+/// Errors found by the CLI itself (before or without the daemon).
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// A bad argument the parser could not catch.
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// Something needed on this host is missing (agent binary, image, stratad).
+    #[error("{0}")]
+    Missing(String),
+    /// Interrupted by a signal.
+    #[error("interrupted")]
+    Interrupted,
+}
+
+impl CliError {
+    fn code(&self) -> &'static str {
+        match self {
+            CliError::InvalidArgument(_) => "invalid_request",
+            CliError::Missing(_) => "not_found",
+            CliError::Interrupted => "interrupted",
+        }
+    }
+}
+
+/// The stable code of an error for `--json` (the first typed error in the chain).
+pub fn error_code(e: &anyhow::Error) -> String {
+    for cause in e.chain() {
+        if let Some(a) = cause.downcast_ref::<ApiError>() {
+            return a.code().to_owned();
+        }
+        if let Some(c) = cause.downcast_ref::<CliError>() {
+            return c.code().to_owned();
+        }
+        if cause.downcast_ref::<strata_image::ImageError>().is_some() {
+            return "image_error".into();
+        }
+        if cause.downcast_ref::<strata_vmm::VmmError>().is_some() {
+            return "vm_failed".into();
+        }
+        if cause.downcast_ref::<strata_proto::AgentError>().is_some() {
+            return "agent_error".into();
+        }
+        if cause.downcast_ref::<std::io::Error>().is_some() {
+            return "io_error".into();
+        }
+    }
+    "internal".into()
+}
+
+/// Prints an error: under `--json` `{"error":{"code","message"}}` on stdout,
+/// else `strata: error: MESSAGE` on stderr.
+pub fn print_error(ctx: &Ctx, code: &str, message: &str) {
+    if ctx.json {
+        let body = serde_json::json!({ "error": { "code": code, "message": message } });
+        println!("{body}");
+    } else {
+        eprintln!("strata: error: {message}");
+    }
+}
+
+/// Parses `KEY=VALUE` (labels, env).
+pub fn key_value(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),
+        _ => Err(format!("{s:?}: expected KEY=VALUE")),
+    }
+}
+
+/// `{"k": "v", ...}` from pairs (labels, env).
+pub fn string_map(pairs: &[(String, String)]) -> Value {
+    Value::Object(
+        pairs
+            .iter()
+            .map(|(k, v)| (k.clone(), Value::from(v.clone())))
+            .collect(),
+    )
+}
+
+/// The size object of a request (only the fields given).
+pub fn size_json(vcpus: Option<u32>, memory: Option<u32>, disk: Option<u32>) -> Value {
+    let mut m = serde_json::Map::new();
+    if let Some(v) = vcpus {
+        m.insert("vcpus".into(), v.into());
+    }
+    if let Some(v) = memory {
+        m.insert("memory_mib".into(), v.into());
+    }
+    if let Some(v) = disk {
+        m.insert("disk_gib".into(), v.into());
+    }
+    Value::Object(m)
+}
+
+/// One-line human summary of a sandbox record.
+pub fn sandbox_line(v: &Value) -> anyhow::Result<String> {
+    let s: crate::views::Sandbox = crate::views::view(v)?;
+    let mut line = format!("{}  {}  {}", s.id, s.state, s.size.describe());
+    if let Some(r) = &s.state_reason {
+        line.push_str(&format!("  ({r})"));
+    }
+    Ok(line)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("strata").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn global_options_go_anywhere() {
+        let cli = parse(&["ls", "--json", "--url", "http://h:1", "--token", "t"]).unwrap();
+        assert!(cli.json);
+        assert_eq!(cli.url, "http://h:1");
+        assert_eq!(cli.token.as_deref(), Some("t"));
+        let cli = parse(&["--json", "info", "sb-1"]).unwrap();
+        assert!(cli.json);
+    }
+
+    #[test]
+    fn exec_takes_everything_after_the_double_dash() {
+        let cli = parse(&[
+            "exec",
+            "sb-1",
+            "--env",
+            "A=1",
+            "--cwd",
+            "/tmp",
+            "--",
+            "sh",
+            "-c",
+            "echo --json",
+        ])
+        .unwrap();
+        let Command::Exec(a) = cli.command else {
+            panic!("not exec")
+        };
+        assert_eq!(a.id, "sb-1");
+        assert_eq!(a.cmd, ["sh", "-c", "echo --json"]);
+        assert_eq!(a.env, [("A".to_string(), "1".to_string())]);
+        assert!(!cli.json);
+        assert!(parse(&["exec", "sb-1"]).is_err(), "a command is required");
+    }
+
+    #[test]
+    fn rewind_needs_exactly_one_target() {
+        assert!(parse(&["rewind", "sb-1", "--to", "snap-1"]).is_ok());
+        assert!(parse(&["rewind", "sb-1", "--ago", "10m"]).is_ok());
+        assert!(parse(&["rewind", "sb-1"]).is_err());
+        assert!(parse(&["rewind", "sb-1", "--to", "snap-1", "--ago", "10m"]).is_err());
+        let e = parse(&["rewind", "sb-1", "--ago", "ten minutes"]).unwrap_err();
+        assert!(e.to_string().contains("invalid duration"), "{e}");
+    }
+
+    #[test]
+    fn create_options() {
+        let cli = parse(&[
+            "create",
+            "--template",
+            "tpl-a",
+            "--vcpus",
+            "2",
+            "--memory",
+            "1024",
+            "--label",
+            "team=ml",
+            "--label",
+            "env=dev",
+            "--idle-timeout",
+            "30m",
+        ])
+        .unwrap();
+        let Command::Create(a) = cli.command else {
+            panic!("not create")
+        };
+        assert_eq!(a.vcpus, Some(2));
+        assert_eq!(a.labels.len(), 2);
+        assert_eq!(a.idle_timeout.as_deref(), Some("30m"));
+        assert!(parse(&["create", "--label", "novalue"]).is_err());
+        assert!(parse(&["create", "--vcpus", "-1"]).is_err());
+    }
+
+    #[test]
+    fn dev_run_defaults() {
+        let cli = parse(&["dev", "run", "--", "uname", "-a"]).unwrap();
+        let Command::Dev(dev::DevCmd::Run(a)) = cli.command else {
+            panic!("not dev run")
+        };
+        assert_eq!(a.cmd, ["uname", "-a"]);
+        assert_eq!(a.memory, 512);
+        assert_eq!(a.vcpus, 1);
+        assert_eq!(a.accel, strata_core::Accel::Auto);
+        assert!(parse(&["dev", "run", "--accel", "fast", "--", "true"]).is_err());
+    }
+
+    #[test]
+    fn key_values() {
+        assert_eq!(key_value("a=b=c").unwrap(), ("a".into(), "b=c".into()));
+        assert_eq!(key_value("a=").unwrap(), ("a".into(), "".into()));
+        assert!(key_value("=b").is_err());
+        assert!(key_value("ab").is_err());
+    }
+
+    #[test]
+    fn error_codes_come_from_the_first_typed_error() {
+        let e = anyhow::Error::new(ApiError::Api {
+            status: 404,
+            code: "not_found".into(),
+            message: "no sandbox sb-x".into(),
+        })
+        .context("info");
+        assert_eq!(error_code(&e), "not_found");
+        let e = anyhow::Error::new(CliError::InvalidArgument("x".into()));
+        assert_eq!(error_code(&e), "invalid_request");
+        assert_eq!(error_code(&anyhow::anyhow!("plain")), "internal");
+    }
+}

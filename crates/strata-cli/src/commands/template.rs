@@ -1,0 +1,163 @@
+//! `strata template build|ls|rm`.
+
+use std::time::{Duration, Instant};
+
+use chrono::Utc;
+use clap::Subcommand;
+use serde_json::{json, Value};
+
+use super::{size_json, Ctx};
+use crate::human;
+use crate::views::{items, view, Template};
+
+/// `strata template ...`
+#[derive(Debug, Subcommand)]
+pub enum TemplateCmd {
+    /// Build a template (boot the image, snapshot it); shows progress.
+    Build(BuildArgs),
+    /// List templates.
+    Ls,
+    /// Delete templates.
+    Rm {
+        /// Template ids.
+        #[arg(required = true)]
+        ids: Vec<String>,
+    },
+}
+
+/// `strata template build`
+#[derive(Debug, clap::Args)]
+pub struct BuildArgs {
+    /// Human name.
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Template id to use [default: generated].
+    #[arg(long)]
+    pub id: Option<String>,
+    /// Virtual CPUs of the template guest.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub vcpus: Option<u32>,
+    /// Memory in MiB.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub memory: Option<u32>,
+    /// Disk in GiB.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub disk: Option<u32>,
+    /// Return as soon as the build is accepted.
+    #[arg(long)]
+    pub no_wait: bool,
+    /// Give up waiting after this many seconds.
+    #[arg(long, default_value_t = 900)]
+    pub timeout: u64,
+}
+
+/// Runs a template command.
+pub async fn run(ctx: &Ctx, cmd: TemplateCmd) -> anyhow::Result<i32> {
+    match cmd {
+        TemplateCmd::Build(a) => build(ctx, a).await,
+        TemplateCmd::Ls => ls(ctx).await,
+        TemplateCmd::Rm { ids } => rm(ctx, ids).await,
+    }
+}
+
+async fn build(ctx: &Ctx, a: BuildArgs) -> anyhow::Result<i32> {
+    let client = ctx.client()?;
+    let mut body = json!({ "size": size_json(a.vcpus, a.memory, a.disk) });
+    if let Some(n) = &a.name {
+        body["name"] = n.clone().into();
+    }
+    if let Some(i) = &a.id {
+        body["id"] = i.clone().into();
+    }
+    let started = Instant::now();
+    let mut v = client.post(&["v1", "templates"], &body).await?;
+    let mut t: Template = view(&v)?;
+    if !ctx.json {
+        eprintln!("strata: building template {}", t.id);
+    }
+    let mut last_progress = None;
+    while !a.no_wait && t.status == "building" {
+        if started.elapsed() > Duration::from_secs(a.timeout) {
+            anyhow::bail!(
+                "template {} still building after {} s (see `strata template ls`)",
+                t.id,
+                a.timeout
+            );
+        }
+        if !ctx.json && t.progress != last_progress {
+            if let Some(p) = &t.progress {
+                let pct = p
+                    .fraction
+                    .map(|f| format!(" {:>3.0}%", f * 100.0))
+                    .unwrap_or_default();
+                eprintln!(
+                    "[{:>6.1}s]{pct} {}",
+                    started.elapsed().as_secs_f64(),
+                    p.step
+                );
+            }
+            last_progress = t.progress.clone();
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        v = client.get(&["v1", "templates", &t.id], &[]).await?;
+        t = view(&v)?;
+    }
+    ctx.emit(&v, || {
+        Ok(format!(
+            "{}  {}  {}{}",
+            t.id,
+            t.status,
+            t.size.describe(),
+            t.status_reason
+                .as_ref()
+                .map(|r| format!("  ({r})"))
+                .unwrap_or_default()
+        ))
+    })?;
+    Ok(if t.status == "failed" { 1 } else { 0 })
+}
+
+async fn ls(ctx: &Ctx) -> anyhow::Result<i32> {
+    let v = ctx.client()?.get(&["v1", "templates"], &[]).await?;
+    ctx.emit(&v, || {
+        let list: Vec<Template> = items(&v)?;
+        let now = Utc::now();
+        let rows: Vec<Vec<String>> = list
+            .iter()
+            .map(|t| {
+                vec![
+                    t.id.clone(),
+                    t.name.clone().unwrap_or_else(|| "-".into()),
+                    t.status.clone(),
+                    t.size.describe(),
+                    t.accel.clone().unwrap_or_else(|| "-".into()),
+                    t.created_at.map(|c| human::age(c, now)).unwrap_or_default(),
+                ]
+            })
+            .collect();
+        Ok(human::table(
+            &["ID", "NAME", "STATUS", "SIZE", "ACCEL", "CREATED"],
+            &rows,
+        ))
+    })?;
+    Ok(0)
+}
+
+async fn rm(ctx: &Ctx, ids: Vec<String>) -> anyhow::Result<i32> {
+    let client = ctx.client()?;
+    let mut done = Vec::new();
+    for id in &ids {
+        let v = client.delete(&["v1", "templates", id], &[]).await?;
+        if !ctx.json {
+            println!("deleted {id}");
+        }
+        done.push(v);
+    }
+    if ctx.json {
+        match done.len() {
+            1 => println!("{}", done[0]),
+            _ => println!("{}", Value::Array(done)),
+        }
+    }
+    Ok(0)
+}

@@ -1,0 +1,221 @@
+//! Typed, lenient views of the daemon's JSON for human output. Every field
+//! defaults, so an older or newer daemon still prints; `--json` output is
+//! the daemon's JSON untouched.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::Value;
+
+/// Parses a view out of a value (a daemon answer that does not fit is an error).
+pub fn view<T: DeserializeOwned>(v: &Value) -> anyhow::Result<T> {
+    T::deserialize(v).map_err(|e| anyhow::anyhow!("unexpected answer from stratad: {e}"))
+}
+
+/// The `items` of a list answer.
+pub fn items<T: DeserializeOwned>(v: &Value) -> anyhow::Result<Vec<T>> {
+    match v.get("items") {
+        Some(items) => view(items),
+        None => view(v),
+    }
+}
+
+/// A sandbox size.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct Size {
+    /// vCPUs.
+    pub vcpus: u32,
+    /// MiB.
+    pub memory_mib: u32,
+    /// GiB.
+    pub disk_gib: u32,
+}
+
+impl Size {
+    /// `2 vCPU, 512 MiB, 2 GiB`.
+    pub fn describe(&self) -> String {
+        format!(
+            "{} vCPU, {} MiB, {} GiB",
+            self.vcpus, self.memory_mib, self.disk_gib
+        )
+    }
+}
+
+/// A sandbox record.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct Sandbox {
+    /// Id.
+    pub id: String,
+    /// State.
+    pub state: String,
+    /// Why it is in that state.
+    pub state_reason: Option<String>,
+    /// Operation in progress.
+    pub pending_op: Option<String>,
+    /// Template it came from.
+    pub template: Option<String>,
+    /// Snapshot it was forked from.
+    pub source_snapshot: Option<String>,
+    /// Size.
+    pub size: Size,
+    /// Labels.
+    pub labels: BTreeMap<String, String>,
+    /// Idle timeout (s).
+    pub idle_timeout_s: Option<u64>,
+    /// Rolling snapshot interval (s).
+    pub snapshot_interval_s: Option<u64>,
+    /// Created.
+    pub created_at: Option<DateTime<Utc>>,
+    /// Last activity.
+    pub last_activity_at: Option<DateTime<Utc>>,
+    /// VM pid.
+    pub pid: Option<u32>,
+    /// Accelerator.
+    pub accel: Option<String>,
+}
+
+/// A snapshot record.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct Snapshot {
+    /// Id.
+    pub id: String,
+    /// Its sandbox.
+    pub sandbox_id: String,
+    /// manual / rolling / pre_rewind / ...
+    pub kind: String,
+    /// Label.
+    pub label: Option<String>,
+    /// pending / ready / deleted.
+    pub status: String,
+    /// When.
+    pub created_at: Option<DateTime<Utc>>,
+    /// vCPU pause (ms).
+    pub pause_ms: Option<f64>,
+    /// Bytes only it holds.
+    pub exclusive_bytes: Option<u64>,
+    /// Bytes it references.
+    pub referenced_bytes: Option<u64>,
+}
+
+impl Snapshot {
+    /// Bytes it shares with other snapshots (referenced - exclusive).
+    pub fn shared_bytes(&self) -> Option<u64> {
+        Some(
+            self.referenced_bytes?
+                .saturating_sub(self.exclusive_bytes.unwrap_or(0)),
+        )
+    }
+}
+
+/// Progress of a template build.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct Progress {
+    /// Step.
+    pub step: String,
+    /// Fraction done.
+    pub fraction: Option<f32>,
+}
+
+/// A template.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct Template {
+    /// Id.
+    pub id: String,
+    /// Name.
+    pub name: Option<String>,
+    /// Size.
+    pub size: Size,
+    /// building / ready / failed / deleted.
+    pub status: String,
+    /// Why it failed.
+    pub status_reason: Option<String>,
+    /// Accelerator.
+    pub accel: Option<String>,
+    /// Created.
+    pub created_at: Option<DateTime<Utc>>,
+    /// Build progress.
+    pub progress: Option<Progress>,
+}
+
+/// A guest directory entry.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct FileEntry {
+    /// Name.
+    pub name: String,
+    /// file / dir / symlink / other.
+    pub kind: String,
+    /// Bytes.
+    pub size: u64,
+    /// Permission bits.
+    pub mode: u32,
+    /// Seconds since the epoch.
+    pub mtime: i64,
+}
+
+/// A latency summary.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct Summary {
+    /// Observations.
+    pub count: u64,
+    /// p50.
+    pub p50_ms: f64,
+    /// p95.
+    pub p95_ms: f64,
+    /// p99.
+    pub p99_ms: f64,
+    /// Max.
+    pub max_ms: f64,
+}
+
+/// `/v1/stats`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct Stats {
+    /// Per API operation.
+    pub api: BTreeMap<String, Summary>,
+    /// Per VM step.
+    pub steps: BTreeMap<String, Summary>,
+    /// Sandboxes per state.
+    pub sandboxes: BTreeMap<String, u64>,
+    /// Ready snapshots.
+    pub snapshots: u64,
+}
+
+/// `k=v,k2=v2` (or `-`).
+pub fn labels(l: &BTreeMap<String, String>) -> String {
+    if l.is_empty() {
+        return "-".into();
+    }
+    l.iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn views_tolerate_missing_and_extra_fields() {
+        let s: Sandbox = view(&json!({"id": "sb-1", "state": "running", "new_field": 1})).unwrap();
+        assert_eq!(s.id, "sb-1");
+        assert_eq!(s.size.vcpus, 0);
+        let list: Vec<Snapshot> = items(&json!({"items": [
+            {"id": "snap-1", "referenced_bytes": 100, "exclusive_bytes": 30}
+        ]}))
+        .unwrap();
+        assert_eq!(list[0].shared_bytes(), Some(70));
+        assert!(view::<Sandbox>(&json!({"id": 5})).is_err());
+    }
+}
