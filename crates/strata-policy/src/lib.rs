@@ -4,6 +4,8 @@
 //!
 //! See `docs/policy.md` for the file format and the guarantees.
 
+pub mod approval;
+pub mod audit;
 pub mod call;
 pub mod path;
 pub mod policy;
