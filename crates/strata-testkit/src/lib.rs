@@ -54,7 +54,7 @@ fn newest_mtime(dir: &Path) -> Option<SystemTime> {
 
 /// Path to the release guest agent, `target/release/strata-agent`. Runs
 /// `cargo build --release -p strata-agent` first if it is missing or older
-/// than the sources of the agent and its protocol crate (or `Cargo.lock`).
+/// than the sources (`src/`, `Cargo.toml`) of the agent and its protocol crate.
 ///
 /// Panics with cargo's exit status if the build fails: this is test support.
 pub fn agent_binary() -> PathBuf {
@@ -64,10 +64,12 @@ pub fn agent_binary() -> PathBuf {
             let root = workspace_root();
             let bin = target_dir().join("release").join("strata-agent");
             let built = bin.metadata().and_then(|m| m.modified()).ok();
+            // Sources of the agent and its protocol crate. Not Cargo.lock: it
+            // changes whenever anyone adds a dependency anywhere.
             let sources = ["crates/strata-agent", "crates/strata-proto"]
                 .iter()
-                .filter_map(|c| newest_mtime(&root.join(c)))
-                .chain(root.join("Cargo.lock").metadata().and_then(|m| m.modified()).ok())
+                .flat_map(|c| ["src", "Cargo.toml"].map(|f| root.join(c).join(f)))
+                .filter_map(|p| if p.is_dir() { newest_mtime(&p) } else { p.metadata().and_then(|m| m.modified()).ok() })
                 .max();
             let stale = match (built, sources) {
                 (None, _) => true,
