@@ -1068,6 +1068,20 @@ impl Runtime {
         })
     }
 
+    /// Runs a raw QMP command on a sandbox's VM (benchmarks and diagnostics).
+    pub async fn qmp(
+        &self,
+        id: &SandboxId,
+        command: &str,
+        arguments: Option<serde_json::Value>,
+    ) -> Result<serde_json::Value> {
+        let live = self.live(id)?;
+        live.vm
+            .qmp(command, arguments)
+            .await
+            .map_err(|e| vmm_err(id.as_str(), e))
+    }
+
     /// Resident memory of a sandbox's QEMU beyond its guest RAM, in bytes.
     pub fn vm_overhead_bytes(&self, id: &SandboxId) -> Result<u64> {
         let live = self.live(id)?;
