@@ -270,10 +270,18 @@ fn check_inputs(spec: &VmSpec) -> Result<(), VmmError> {
                 path: state.clone(),
             });
         }
-        if !spec.mem_path.is_file() {
+        let mem_len = std::fs::metadata(&spec.mem_path)
+            .map(|m| m.len())
+            .map_err(|_| {
+                VmmError::InvalidSpec(format!(
+                    "restore needs the guest RAM file {:?}, which does not exist",
+                    spec.mem_path
+                ))
+            })?;
+        if mem_len != spec.memory_mib << 20 {
             return Err(VmmError::InvalidSpec(format!(
-                "restore needs the guest RAM file {:?}, which does not exist",
-                spec.mem_path
+                "guest RAM file {:?} has {mem_len} bytes, the spec says {} MiB",
+                spec.mem_path, spec.memory_mib
             )));
         }
     }
@@ -487,6 +495,12 @@ impl QemuVm {
         path: &Path,
         method: SaveMethod,
     ) -> Result<SaveStats, VmmError> {
+        if method == SaveMethod::Exec && self.spec.seccomp {
+            // QEMU's seccomp filter (spawn=deny) kills the whole process on fork.
+            return Err(VmmError::Migration {
+                reason: "exec: migration spawns a process, which this VM's seccomp filter forbids; use SaveMethod::Fd".into(),
+            });
+        }
         let st = self.status().await?;
         if st.running {
             return Err(VmmError::WrongState {
@@ -777,7 +791,18 @@ async fn monitor(
     }
     let events = qmp.events();
     let stderr_tail = last_lines(&tail_file(&spec.stderr_file(), 4096), 5);
-    let console_tail = last_lines(&tail_file(&spec.console_log(), 4096), 5);
+    let console_text = tail_file(&spec.console_log(), 32 * 1024);
+    let mut console_tail = last_lines(&console_text, 5);
+    // A panic's backtrace pushes its headline out of the last lines: keep the headline.
+    if let Some(line) = console_text
+        .lines()
+        .rev()
+        .find(|l| l.contains("Kernel panic"))
+    {
+        if !console_tail.contains("Kernel panic") {
+            console_tail = format!("{} | ... | {console_tail}", line.trim());
+        }
+    }
     let expected = expected.load(Ordering::SeqCst);
     let reason = exit_reason(&events, code, signal, expected, &stderr_tail, &console_tail);
     if expected {
