@@ -38,7 +38,12 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             report_error(&ctx, &e);
-            1
+            // 128 + SIGINT, as shells report an interrupted command.
+            if commands::error_code(&e) == "interrupted" {
+                130
+            } else {
+                1
+            }
         }
     };
     let _ = std::io::stdout().flush();
