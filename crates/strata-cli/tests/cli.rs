@@ -1,6 +1,8 @@
 //! The `strata` binary without a daemon or a VM: errors are clear, typed
 //! under `--json`, and the exit status is non-zero.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::process::{Command, Stdio};
 
 fn strata(args: &[&str]) -> std::process::Output {

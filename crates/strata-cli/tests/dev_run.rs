@@ -2,6 +2,8 @@
 //! codes, and a command that does not exist. Each test boots one VM; they run
 //! one at a time (the machine is small).
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::process::{Command, Output, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
