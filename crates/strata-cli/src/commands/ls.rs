@@ -58,6 +58,9 @@ pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
     let v = json!({ "items": all, "next_cursor": cursor });
     ctx.emit(&v, || {
         let list: Vec<Sandbox> = items(&v)?;
+        if list.is_empty() {
+            return Ok("no sandboxes\n".into());
+        }
         let now = Utc::now();
         let rows: Vec<Vec<String>> = list
             .iter()

@@ -163,6 +163,9 @@ pub enum CliError {
     /// Something needed on this host is missing (agent binary, image, stratad).
     #[error("{0}")]
     Missing(String),
+    /// A long operation the daemon accepted ended in failure.
+    #[error("{0}")]
+    OperationFailed(String),
     /// Interrupted by a signal.
     #[error("interrupted")]
     Interrupted,
@@ -173,6 +176,7 @@ impl CliError {
         match self {
             CliError::InvalidArgument(_) => "invalid_request",
             CliError::Missing(_) => "not_found",
+            CliError::OperationFailed(_) => "operation_failed",
             CliError::Interrupted => "interrupted",
         }
     }

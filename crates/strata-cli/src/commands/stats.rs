@@ -49,6 +49,10 @@ pub fn render(s: &Stats) -> String {
         s.snapshots
     ));
     for (title, m) in [("API OPERATION", &s.api), ("VM STEP", &s.steps)] {
+        if m.is_empty() {
+            out.push_str(&format!("{title}: no observations yet\n\n"));
+            continue;
+        }
         let mut h = head;
         h[0] = title;
         out.push_str(&human::table(&h, &rows(m)));

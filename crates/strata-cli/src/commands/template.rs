@@ -6,7 +6,7 @@ use chrono::Utc;
 use clap::Subcommand;
 use serde_json::{json, Value};
 
-use super::{size_json, Ctx};
+use super::{size_json, CliError, Ctx};
 use crate::human;
 use crate::views::{items, view, Template};
 
@@ -102,6 +102,14 @@ async fn build(ctx: &Ctx, a: BuildArgs) -> anyhow::Result<i32> {
         v = client.get(&["v1", "templates", &t.id], &[]).await?;
         t = view(&v)?;
     }
+    if t.status == "failed" {
+        return Err(CliError::OperationFailed(format!(
+            "template {} failed to build: {}",
+            t.id,
+            t.status_reason.as_deref().unwrap_or("no reason given")
+        ))
+        .into());
+    }
     ctx.emit(&v, || {
         Ok(format!(
             "{}  {}  {}{}",
@@ -114,21 +122,28 @@ async fn build(ctx: &Ctx, a: BuildArgs) -> anyhow::Result<i32> {
                 .unwrap_or_default()
         ))
     })?;
-    Ok(if t.status == "failed" { 1 } else { 0 })
+    Ok(0)
 }
 
 async fn ls(ctx: &Ctx) -> anyhow::Result<i32> {
     let v = ctx.client()?.get(&["v1", "templates"], &[]).await?;
     ctx.emit(&v, || {
         let list: Vec<Template> = items(&v)?;
+        if list.is_empty() {
+            return Ok("no templates (build one with `strata template build`)\n".into());
+        }
         let now = Utc::now();
         let rows: Vec<Vec<String>> = list
             .iter()
             .map(|t| {
+                let mut status = t.status.clone();
+                if let Some(p) = t.progress.as_ref().filter(|_| t.status == "building") {
+                    status = format!("building: {}", p.step);
+                }
                 vec![
                     t.id.clone(),
                     t.name.clone().unwrap_or_else(|| "-".into()),
-                    t.status.clone(),
+                    status,
                     t.size.describe(),
                     t.accel.clone().unwrap_or_else(|| "-".into()),
                     t.created_at.map(|c| human::age(c, now)).unwrap_or_default(),
