@@ -277,6 +277,11 @@ pub fn open_port(path: &Path) -> io::Result<Transport> {
     Ok(t)
 }
 
+/// How long the port reader waits before polling again while the host side is
+/// absent (poll reports POLLHUP at once then). Short: after a restore the host
+/// reconnects within milliseconds and the handshake waits on this.
+const HUP_BACKOFF: Duration = Duration::from_millis(10);
+
 fn port_reader(fd: Arc<OwnedFd>, ev_tx: mpsc::Sender<Event>) {
     let mut buf = vec![0u8; 256 * 1024];
     let mut gen = 0u64;
@@ -287,7 +292,7 @@ fn port_reader(fd: Arc<OwnedFd>, ev_tx: mpsc::Sender<Event>) {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(error = %e, "poll on port failed");
-                std::thread::sleep(Duration::from_millis(50));
+                std::thread::sleep(HUP_BACKOFF);
                 continue;
             }
         };
@@ -330,7 +335,7 @@ fn port_reader(fd: Arc<OwnedFd>, ev_tx: mpsc::Sender<Event>) {
                     return;
                 }
             }
-            std::thread::sleep(Duration::from_millis(50));
+            std::thread::sleep(HUP_BACKOFF);
         } else if hup {
             if connected {
                 connected = false;
@@ -339,7 +344,7 @@ fn port_reader(fd: Arc<OwnedFd>, ev_tx: mpsc::Sender<Event>) {
                     return;
                 }
             }
-            std::thread::sleep(Duration::from_millis(50));
+            std::thread::sleep(HUP_BACKOFF);
         }
     }
 }

@@ -28,7 +28,7 @@ use crate::msg::{
 use crate::PROTOCOL_VERSION;
 
 /// How long the client waits for a hello reply before sending Hello again.
-pub const HELLO_RESEND: Duration = Duration::from_millis(200);
+pub const HELLO_RESEND: Duration = Duration::from_millis(40);
 /// Unacknowledged upload bytes the client may have in flight.
 pub const WRITE_WINDOW: u64 = 16 * MAX_FILE_CHUNK as u64;
 /// Unacknowledged stdin bytes the client may have in flight.
