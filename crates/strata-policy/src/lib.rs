@@ -9,6 +9,8 @@ pub mod audit;
 pub mod call;
 pub mod path;
 pub mod policy;
+pub mod proxy;
+pub mod sni;
 
 pub use call::{CallKind, KindName, ToolCall};
 pub use policy::{

@@ -184,7 +184,7 @@ async fn many_waiters_one_answer_race() {
     for i in 0..8 {
         let (q2, id) = (q.clone(), req.id.clone());
         answerers.push(tokio::spawn(async move {
-            q2.answer("acme", &id, &format!("ap{i}"), i % 2 == 0)
+            q2.answer("acme", &id, &format!("ap{i}"), i.is_multiple_of(2))
         }));
     }
     let mut ok = 0;

@@ -18,7 +18,7 @@ fn call(tenant: &str, sandbox: &str, i: usize) -> ToolCall {
 
 fn dec(i: usize) -> AuditDecision {
     let d = Decision {
-        effect: if i % 3 == 0 {
+        effect: if i.is_multiple_of(3) {
             Effect::Deny
         } else {
             Effect::Allow
@@ -31,7 +31,7 @@ fn dec(i: usize) -> AuditDecision {
     };
     AuditDecision::from_decision(
         &d,
-        if i % 3 == 0 {
+        if i.is_multiple_of(3) {
             Outcome::Denied
         } else {
             Outcome::Allowed
@@ -43,7 +43,7 @@ fn dec(i: usize) -> AuditDecision {
 fn fill(path: &Path, n: usize) {
     let log = AuditLog::open(path).unwrap_or_else(|e| panic!("{e}"));
     for i in 1..=n {
-        let (t, s) = if i % 2 == 0 {
+        let (t, s) = if i.is_multiple_of(2) {
             ("acme", "sb1")
         } else {
             ("globex", "sb2")

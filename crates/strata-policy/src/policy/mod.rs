@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use crate::call::{CallKind, KindName, ToolCall};
 use crate::path::normalize;
 use matchers::{exec_views, ArgsMatcher, ExecView};
-pub use matchers::{looks_like_ip, split_script, HostPattern};
+pub use matchers::{is_host_name, looks_like_ip, split_script, HostPattern};
 pub use parse::{ParseError, DEFAULT_WRITE_METHODS};
 
 const KIND_COUNT: usize = KindName::ALL.len();

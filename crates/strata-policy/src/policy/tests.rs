@@ -209,7 +209,9 @@ fn op(o: &str) -> CallKind {
 use Effect::{Allow as A, Approve as P, Deny as D};
 
 /// (layers platform/tenant/sandbox, call, expected effect, expected rule id)
-fn rows() -> Vec<((bool, bool, bool), CallKind, Effect, &'static str)> {
+type Row = ((bool, bool, bool), CallKind, Effect, &'static str);
+
+fn rows() -> Vec<Row> {
     let pt = (true, true, false);
     let all = (true, true, true);
     vec![

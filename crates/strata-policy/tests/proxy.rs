@@ -1,0 +1,557 @@
+//! Egress proxy over real sockets: a local hyper server stands in for the
+//! connector hosts, a static resolver points their names at 127.0.0.1.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use strata_policy::approval::ApprovalQueue;
+use strata_policy::audit::{self, AuditLog, Outcome};
+use strata_policy::proxy::{EgressProxy, ProxyConfig, SharedPolicy, StaticResolver};
+use strata_policy::sni::fake_client_hello;
+use strata_policy::{Policy, PolicySet};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// Upstream: answers with a JSON echo of what it received; counts requests.
+async fn upstream() -> (SocketAddr, Arc<AtomicUsize>) {
+    let l = TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let addr = l.local_addr().unwrap_or_else(|e| panic!("{e}"));
+    let hits = Arc::new(AtomicUsize::new(0));
+    let h = hits.clone();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            let h = h.clone();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(
+                    move |req: hyper::Request<hyper::body::Incoming>| {
+                        let h = h.clone();
+                        async move {
+                            h.fetch_add(1, Ordering::SeqCst);
+                            let (parts, body) = req.into_parts();
+                            let body = body
+                                .collect()
+                                .await
+                                .map(|b| b.to_bytes())
+                                .unwrap_or_default();
+                            let headers: HashMap<String, String> = parts
+                                .headers
+                                .iter()
+                                .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("").to_string()))
+                                .collect();
+                            let j = serde_json::json!({
+                                "method": parts.method.as_str(),
+                                "uri": parts.uri.to_string(),
+                                "headers": headers,
+                                "body": String::from_utf8_lossy(&body),
+                            });
+                            Ok::<_, std::convert::Infallible>(hyper::Response::new(Full::new(
+                                Bytes::from(j.to_string()),
+                            )))
+                        }
+                    },
+                );
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+    (addr, hits)
+}
+
+/// Raw TCP echo server (tunnel target).
+async fn echo() -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let addr = l.local_addr().unwrap_or_else(|e| panic!("{e}"));
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let (mut r, mut w) = s.split();
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+            });
+        }
+    });
+    addr
+}
+
+struct Env {
+    proxy: EgressProxy,
+    port: u16,
+    echo_port: u16,
+    hits: Arc<AtomicUsize>,
+    approvals: Arc<ApprovalQueue>,
+    policy: Arc<SharedPolicy>,
+    audit_path: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+fn policy_set(port: u16, echo_port: u16, tenant_extra: &str) -> PolicySet {
+    let platform = format!(
+        r#"
+[[connector]]
+name = "salesforce"
+hosts = ["api.salesforce.test"]
+ports = [{port}, {echo_port}]
+read_only = true
+
+[[connector]]
+name = "slack"
+hosts = "slack.test"
+ports = [{port}]
+write_methods = ["POST"]
+
+[[connector]]
+name = "tunnel"
+hosts = ["tunnel.test", "other.test"]
+ports = [{echo_port}]
+"#
+    );
+    let tenant = format!(
+        r#"
+default = "deny"
+{tenant_extra}
+[[rule]]
+effect = "allow"
+connector = "salesforce"
+access = "read"
+
+[[rule]]
+id = "slack-post"
+effect = "approve"
+connector = "slack"
+method = "POST"
+reason = "Slack post needs approval"
+
+[[rule]]
+effect = "allow"
+connector = ["slack", "tunnel"]
+"#
+    );
+    let p = |t: &str| Some(Arc::new(Policy::parse(t).unwrap_or_else(|e| panic!("{e}"))));
+    PolicySet::new(p(&platform), p(&tenant), None).unwrap_or_else(|e| panic!("{e}"))
+}
+
+async fn env(approval_timeout: Duration) -> Env {
+    let (up, hits) = upstream().await;
+    let echo_addr = echo().await;
+    let policy = Arc::new(SharedPolicy::new(policy_set(
+        up.port(),
+        echo_addr.port(),
+        "",
+    )));
+    let lo = IpAddr::V4(Ipv4Addr::LOCALHOST);
+    let resolver = StaticResolver(
+        [
+            "api.salesforce.test",
+            "slack.test",
+            "tunnel.test",
+            "other.test",
+            "unlisted.test",
+        ]
+        .iter()
+        .map(|h| (h.to_string(), lo))
+        .collect(),
+    );
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let audit_path = dir.path().join("audit.jsonl");
+    let approvals = Arc::new(ApprovalQueue::new());
+    let mut cfg = ProxyConfig::new("acme", Some("sb1"), policy.clone());
+    cfg.resolver = Arc::new(resolver);
+    cfg.approvals = Some(approvals.clone());
+    cfg.approval_timeout = approval_timeout;
+    cfg.audit = Some(Arc::new(
+        AuditLog::open(&audit_path).unwrap_or_else(|e| panic!("{e}")),
+    ));
+    let proxy = EgressProxy::bind("127.0.0.1:0".parse().unwrap_or_else(|e| panic!("{e}")), cfg)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    Env {
+        proxy,
+        port: up.port(),
+        echo_port: echo_addr.port(),
+        hits,
+        approvals,
+        policy,
+        audit_path,
+        _dir: dir,
+    }
+}
+
+/// Send raw bytes, read until the proxy closes; returns (status, body).
+async fn raw(e: &Env, req: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(e.proxy.local_addr())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    s.write_all(req.as_bytes())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut out)).await;
+    let text = String::from_utf8_lossy(&out).to_string();
+    let status = text.get(9..12).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|x| x.1.to_string())
+        .unwrap_or_default();
+    (status, body)
+}
+
+fn json(body: &str) -> serde_json::Value {
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body:?}"))
+}
+
+#[tokio::test]
+async fn get_passes_post_is_refused_on_read_only_connector() {
+    let e = env(Duration::from_secs(5)).await;
+    let p = e.port;
+    let (st, body) = raw(
+        &e,
+        &format!(
+            "GET http://api.salesforce.test:{p}/services/data?q=1 HTTP/1.1\r\nHost: api.salesforce.test:{p}\r\n\
+             Proxy-Authorization: secret\r\nConnection: close, X-Drop\r\nX-Drop: 1\r\nX-Keep: 2\r\n\r\n"
+        ),
+    )
+    .await;
+    assert_eq!(st, 200, "{body}");
+    let j = json(&body);
+    assert_eq!(j["method"], "GET");
+    assert_eq!(j["uri"], "/services/data?q=1");
+    assert_eq!(j["headers"]["host"], format!("api.salesforce.test:{p}"));
+    assert_eq!(j["headers"]["x-keep"], "2");
+    assert!(j["headers"].get("proxy-authorization").is_none(), "{j}");
+    assert!(
+        j["headers"].get("x-drop").is_none(),
+        "hop-by-hop header named in Connection must go: {j}"
+    );
+    assert_eq!(e.hits.load(Ordering::SeqCst), 1);
+
+    for m in ["POST", "PUT", "PATCH", "DELETE"] {
+        let (st, body) = raw(
+            &e,
+            &format!(
+                "{m} http://api.salesforce.test:{p}/services/data HTTP/1.1\r\nHost: api.salesforce.test:{p}\r\n\
+                 Content-Length: 2\r\nConnection: close\r\n\r\n{{}}"
+            ),
+        )
+        .await;
+        assert_eq!(st, 403, "{m}: {body}");
+        let j = json(&body);
+        assert_eq!(j["error"], "policy_denied");
+        assert_eq!(j["rule"], "connector:salesforce:read-only");
+        assert_eq!(j["layer"], "platform");
+    }
+    assert_eq!(
+        e.hits.load(Ordering::SeqCst),
+        1,
+        "refused writes never reach the upstream"
+    );
+
+    // the decisions are in the audit chain
+    let v = audit::verify(&e.audit_path).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(v.entries, 5);
+    let entries = audit::query(&e.audit_path, &audit::Filter::default()).unwrap_or_default();
+    assert_eq!(entries[0].decision.outcome, Outcome::Allowed);
+    assert!(entries[1..]
+        .iter()
+        .all(|x| x.decision.outcome == Outcome::Denied));
+    assert_eq!(entries[0].sandbox.as_deref(), Some("sb1"));
+}
+
+#[tokio::test]
+async fn connect_tunnels_bytes_to_an_allowed_host() {
+    let e = env(Duration::from_secs(5)).await;
+    let ep = e.echo_port;
+    let mut s = TcpStream::connect(e.proxy.local_addr())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    s.write_all(
+        format!("CONNECT tunnel.test:{ep} HTTP/1.1\r\nHost: tunnel.test:{ep}\r\n\r\n").as_bytes(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let mut head = [0u8; 19];
+    s.read_exact(&mut head)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let head = String::from_utf8_lossy(&head).to_string();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    // drain the rest of the response head
+    let mut b = [0u8; 1];
+    let mut tail = Vec::new();
+    while !tail.ends_with(b"\r\n\r\n") {
+        s.read_exact(&mut b).await.unwrap_or_else(|e| panic!("{e}"));
+        tail.push(b[0]);
+    }
+    // a ClientHello for the right name, sent in two pieces, then data
+    let hello = fake_client_hello(Some("tunnel.test"));
+    s.write_all(&hello[..10])
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    s.write_all(&hello[10..])
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    s.write_all(b"ping through the tunnel")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut back = vec![0u8; hello.len() + 23];
+    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut back))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(&back[..hello.len()], &hello[..]);
+    assert_eq!(&back[hello.len()..], b"ping through the tunnel");
+}
+
+#[tokio::test]
+async fn connect_with_a_foreign_sni_is_cut() {
+    let e = env(Duration::from_secs(5)).await;
+    let ep = e.echo_port;
+    let mut s = TcpStream::connect(e.proxy.local_addr())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    s.write_all(
+        format!("CONNECT tunnel.test:{ep} HTTP/1.1\r\nHost: tunnel.test:{ep}\r\n\r\n").as_bytes(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let mut buf = vec![0u8; 1024];
+    let n = s.read(&mut buf).await.unwrap_or(0);
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    s.write_all(&fake_client_hello(Some("other.test")))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut rest = Vec::new();
+    let r = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut rest)).await;
+    assert!(matches!(r, Ok(Ok(_))), "tunnel must be closed");
+    assert!(
+        rest.is_empty(),
+        "nothing may come back through a fronted tunnel"
+    );
+}
+
+#[tokio::test]
+async fn connect_refusals() {
+    let e = env(Duration::from_secs(5)).await;
+    let ep = e.echo_port;
+    let p = e.port;
+    let (st, body) = raw(
+        &e,
+        &format!("CONNECT unlisted.test:{ep} HTTP/1.1\r\nHost: unlisted.test:{ep}\r\n\r\n"),
+    )
+    .await;
+    assert_eq!(st, 403, "{body}");
+    assert_eq!(json(&body)["rule"], "unlisted-host");
+    let (st, body) = raw(
+        &e,
+        &format!("CONNECT 127.0.0.1:{ep} HTTP/1.1\r\nHost: 127.0.0.1:{ep}\r\n\r\n"),
+    )
+    .await;
+    assert_eq!(
+        (st, json(&body)["error"].as_str()),
+        (403, Some("ip_literal"))
+    );
+    let (st, _) = raw(
+        &e,
+        &format!("CONNECT [::1]:{ep} HTTP/1.1\r\nHost: [::1]:{ep}\r\n\r\n"),
+    )
+    .await;
+    assert!(st == 403 || st == 400, "{st}");
+    // read-only connector: a tunnel could carry writes, so it is refused
+    let (st, body) = raw(
+        &e,
+        &format!(
+            "CONNECT api.salesforce.test:{ep} HTTP/1.1\r\nHost: api.salesforce.test:{ep}\r\n\r\n"
+        ),
+    )
+    .await;
+    assert_eq!(st, 403, "{body}");
+    assert_eq!(json(&body)["rule"], "connector:salesforce:read-only");
+    // a port the connector does not open
+    let (st, body) = raw(
+        &e,
+        &format!("CONNECT tunnel.test:{p} HTTP/1.1\r\nHost: tunnel.test:{p}\r\n\r\n"),
+    )
+    .await;
+    assert_eq!(
+        (st, json(&body)["rule"].as_str()),
+        (403, Some("connector-port"))
+    );
+    // CONNECT Host header naming another host
+    let (st, _) = raw(
+        &e,
+        &format!("CONNECT tunnel.test:{ep} HTTP/1.1\r\nHost: other.test:{ep}\r\n\r\n"),
+    )
+    .await;
+    assert_eq!(st, 400);
+}
+
+#[tokio::test]
+async fn ip_literals_unlisted_hosts_and_malformed_targets_are_refused() {
+    let e = env(Duration::from_secs(5)).await;
+    let p = e.port;
+    let cases: Vec<(String, u16)> = vec![
+        (format!("GET http://127.0.0.1:{p}/ HTTP/1.1\r\nHost: 127.0.0.1:{p}\r\n\r\n"), 403),
+        (format!("GET http://2130706433:{p}/ HTTP/1.1\r\nHost: 2130706433:{p}\r\n\r\n"), 403),
+        (format!("GET http://0x7f.1:{p}/ HTTP/1.1\r\nHost: 0x7f.1:{p}\r\n\r\n"), 403),
+        (format!("GET http://unlisted.test:{p}/ HTTP/1.1\r\nHost: unlisted.test:{p}\r\n\r\n"), 403),
+        // Host disagrees with the absolute URL
+        (format!("GET http://api.salesforce.test:{p}/ HTTP/1.1\r\nHost: unlisted.test:{p}\r\n\r\n"), 400),
+        (format!("GET http://api.salesforce.test:{p}/ HTTP/1.1\r\nHost: api.salesforce.test\r\n\r\n"), 400),
+        (format!("GET http://api.salesforce.test:{p}/ HTTP/1.1\r\n\r\n"), 400),
+        // origin-form is not a proxy request
+        (format!("GET / HTTP/1.1\r\nHost: api.salesforce.test:{p}\r\n\r\n"), 400),
+        // https in absolute form
+        (format!("GET https://api.salesforce.test:{p}/ HTTP/1.1\r\nHost: api.salesforce.test:{p}\r\n\r\n"), 400),
+        // userinfo tricks
+        (format!("GET http://x@api.salesforce.test:{p}/ HTTP/1.1\r\nHost: api.salesforce.test:{p}\r\n\r\n"), 400),
+        // default port 80 is not opened by the connector
+        ("GET http://api.salesforce.test/ HTTP/1.1\r\nHost: api.salesforce.test\r\n\r\n".to_string(), 403),
+    ];
+    for (req, want) in cases {
+        let (st, body) = raw(&e, &req).await;
+        assert_eq!(st, want, "{req:?} -> {body}");
+    }
+    assert_eq!(e.hits.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn smuggling_attempts_are_refused() {
+    let e = env(Duration::from_secs(5)).await;
+    let p = e.port;
+    let start = format!("POST http://slack.test:{p}/api HTTP/1.1\r\nHost: slack.test:{p}\r\n");
+    let get = format!(
+        "GET http://api.salesforce.test:{p}/ HTTP/1.1\r\nHost: api.salesforce.test:{p}\r\n"
+    );
+    let cases = vec![
+        format!("{start}Content-Length: 5\r\nContent-Length: 5\r\n\r\nhello"),
+        format!("{start}Content-Length: 5\r\nContent-Length: 6\r\n\r\nhello!"),
+        format!("{start}Content-Length: 5, 5\r\n\r\nhello"),
+        format!("{start}Content-Length: +5\r\n\r\nhello"),
+        format!("{start}Transfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n0\r\n\r\n"),
+        format!("{start}Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"),
+        format!("{start}Transfer-Encoding: chunked, identity\r\n\r\n0\r\n\r\n"),
+        format!("{start}Transfer-Encoding: xchunked\r\n\r\n0\r\n\r\n"),
+        format!("{start}Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"),
+        format!("{start}Transfer-Encoding:\r\n chunked\r\n\r\n0\r\n\r\n"),
+        format!("{get}X-Folded: a\r\n b\r\n\r\n"),
+        format!("{get}Host: evil.test\r\n\r\n"),
+        format!("{start}Content-Length: 3\r\n\r\nabcGET http://unlisted.test/ HTTP/1.1\r\nHost: unlisted.test\r\n\r\n"),
+    ];
+    for (i, req) in cases.iter().enumerate() {
+        let (st, body) = raw(&e, req).await;
+        // the last case is a well-framed POST followed by a second request on
+        // the same connection: the POST is held for approval (times out here
+        // is not wanted), so only check that nothing reaches `unlisted`.
+        if i == cases.len() - 1 {
+            let _ = (st, body);
+            continue;
+        }
+        assert_eq!(st, 400, "case {i} {req:?} -> {st} {body}");
+    }
+    assert_eq!(e.hits.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn approve_rule_holds_the_request_until_answered() {
+    let e = Arc::new(env(Duration::from_secs(10)).await);
+    let p = e.port;
+    let req = format!(
+        "POST http://slack.test:{p}/api/chat.postMessage HTTP/1.1\r\nHost: slack.test:{p}\r\n\
+         Content-Length: 11\r\nConnection: close\r\n\r\nhello slack"
+    );
+    // approved
+    let (e2, r2) = (e.clone(), req.clone());
+    let call = tokio::spawn(async move { raw(&e2, &r2).await });
+    let pending = wait_pending(&e).await;
+    assert_eq!(pending.reason, "Slack post needs approval");
+    assert_eq!(e.hits.load(Ordering::SeqCst), 0, "held, not forwarded");
+    assert!(!call.is_finished());
+    e.approvals
+        .answer("acme", &pending.id, "alice", true)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let (st, body) = call.await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(st, 200, "{body}");
+    assert_eq!(json(&body)["body"], "hello slack");
+    assert_eq!(e.hits.load(Ordering::SeqCst), 1);
+
+    // denied
+    let (e2, r2) = (e.clone(), req.clone());
+    let call = tokio::spawn(async move { raw(&e2, &r2).await });
+    let pending = wait_pending(&e).await;
+    e.approvals
+        .answer("acme", &pending.id, "bob", false)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let (st, body) = call.await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(st, 403, "{body}");
+    assert_eq!(json(&body)["approval_id"], pending.id.as_str());
+    assert_eq!(e.hits.load(Ordering::SeqCst), 1);
+
+    let outcomes: Vec<Outcome> = audit::query(&e.audit_path, &audit::Filter::default())
+        .unwrap_or_default()
+        .iter()
+        .map(|x| x.decision.outcome)
+        .collect();
+    assert_eq!(
+        outcomes,
+        vec![
+            Outcome::Held,
+            Outcome::Approved,
+            Outcome::Held,
+            Outcome::Rejected
+        ]
+    );
+    let entries = audit::query(&e.audit_path, &audit::Filter::default()).unwrap_or_default();
+    assert_eq!(entries[1].by.as_deref(), Some("alice"));
+    audit::verify(&e.audit_path).unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[tokio::test]
+async fn unanswered_approval_times_out_as_denied() {
+    let e = env(Duration::from_millis(200)).await;
+    let p = e.port;
+    let (st, body) = raw(
+        &e,
+        &format!("POST http://slack.test:{p}/x HTTP/1.1\r\nHost: slack.test:{p}\r\nContent-Length: 0\r\n\r\n"),
+    )
+    .await;
+    assert_eq!(st, 403, "{body}");
+    assert_eq!(e.hits.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn policy_swaps_apply_to_the_next_request() {
+    let e = env(Duration::from_secs(5)).await;
+    let p = e.port;
+    let req = format!(
+        "GET http://api.salesforce.test:{p}/ HTTP/1.1\r\nHost: api.salesforce.test:{p}\r\nConnection: close\r\n\r\n"
+    );
+    assert_eq!(raw(&e, &req).await.0, 200);
+    e.policy.replace(policy_set(
+        p,
+        e.echo_port,
+        "[[rule]]\nid = \"lockdown\"\neffect = \"deny\"\nhard = true\nkind = \"egress\"\n",
+    ));
+    let (st, body) = raw(&e, &req).await;
+    assert_eq!((st, json(&body)["rule"].as_str()), (403, Some("lockdown")));
+}
+
+async fn wait_pending(e: &Env) -> strata_policy::approval::ApprovalRequest {
+    for _ in 0..200 {
+        if let Some(r) = e.approvals.list("acme", true).into_iter().next() {
+            return r;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("no pending approval appeared");
+}
