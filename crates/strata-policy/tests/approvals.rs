@@ -181,7 +181,7 @@ async fn many_waiters_one_answer_race() {
         }));
     }
     let mut answerers = Vec::new();
-    for i in 0..8 {
+    for i in 0..8u32 {
         let (q2, id) = (q.clone(), req.id.clone());
         answerers.push(tokio::spawn(async move {
             q2.answer("acme", &id, &format!("ap{i}"), i.is_multiple_of(2))
