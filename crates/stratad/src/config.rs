@@ -68,12 +68,38 @@ fn host_memory_mib() -> Option<u64> {
 pub struct Config {
     /// Address of the HTTP API.
     pub listen: SocketAddr,
-    /// State directory: `strata.db`, `pool.img`, `pool/`, `run/`.
+    /// State directory: `strata.db`, `pool.img`, `pool/` (the pool's mount point).
     pub data_dir: PathBuf,
     /// Accelerator for new VMs.
     pub accel: Accel,
-    /// Size of the pool image created on first start, in GiB.
+    /// Size of the pool image (`<data_dir>/pool.img`, sparse) created on first
+    /// start, in GiB; a larger value grows an existing image.
     pub pool_size_gib: u64,
+    /// An existing btrfs directory to use as the pool instead of the image.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pool_path: Option<PathBuf>,
+    /// Per-VM sockets, pid files and console logs. Short on purpose: unix
+    /// socket paths inside it must stay under 108 bytes.
+    pub run_dir: PathBuf,
+    /// Guest image directory (`strata image build` prints it); unset: the
+    /// newest image in the image cache (`$STRATA_IMAGE_CACHE` or
+    /// `/var/cache/strata/images`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_dir: Option<PathBuf>,
+    /// QEMU binary.
+    pub qemu_binary: PathBuf,
+    /// How long to wait for a guest agent after a boot or a restore.
+    #[serde(with = "serde_human")]
+    pub agent_timeout: Duration,
+    /// Cap of each VM's console log, in bytes.
+    pub console_log_max_bytes: u64,
+    /// On start, build the template `tpl-default` (named `default`, of
+    /// `default_size`) in the background when no template exists.
+    pub default_template: bool,
+    /// How long a create without a template waits for a template that is
+    /// still being built before answering `409 invalid_state`.
+    #[serde(with = "serde_human")]
+    pub template_wait: Duration,
     /// Rolling snapshot interval (a sandbox may override it; `0s` turns them off).
     #[serde(with = "serde_human")]
     pub snapshot_interval: Duration,
@@ -110,6 +136,14 @@ impl Default for Config {
             data_dir: PathBuf::from("/var/lib/strata"),
             accel: Accel::Auto,
             pool_size_gib: 64,
+            pool_path: None,
+            run_dir: PathBuf::from("/run/strata"),
+            image_dir: None,
+            qemu_binary: PathBuf::from("qemu-system-x86_64"),
+            agent_timeout: Duration::from_secs(60),
+            console_log_max_bytes: 1024 * 1024,
+            default_template: true,
+            template_wait: Duration::from_secs(300),
             snapshot_interval: Duration::from_secs(60),
             idle_timeout: Duration::from_secs(30 * 60),
             gc_sweep_interval: Duration::from_secs(10 * 60),
@@ -180,6 +214,25 @@ impl Config {
                 "snapshot_interval must be 0s (off) or at least 1s".into(),
             ));
         }
+        if self.pool_path.is_none() && self.pool_size_gib == 0 {
+            return Err(ConfigError::Invalid(
+                "pool_size_gib must be at least 1".into(),
+            ));
+        }
+        // `<run_dir>/<sb-id>/agent.sock`: ids take up to 67 bytes.
+        let longest = self.run_dir.as_os_str().len() + 1 + 67 + 1 + "agent.sock".len();
+        if longest > 107 {
+            return Err(ConfigError::Invalid(format!(
+                "run_dir {} is too long for unix socket paths (at most {} bytes)",
+                self.run_dir.display(),
+                107 - (longest - self.run_dir.as_os_str().len())
+            )));
+        }
+        if self.agent_timeout < Duration::from_secs(1) {
+            return Err(ConfigError::Invalid(
+                "agent_timeout must be at least 1s".into(),
+            ));
+        }
         if self.max_json_body_bytes < 1024 {
             return Err(ConfigError::Invalid(
                 "max_json_body_bytes must be at least 1024".into(),
@@ -205,7 +258,7 @@ impl Config {
 
     /// Per-VM sockets and logs.
     pub fn run_dir(&self) -> PathBuf {
-        self.data_dir.join("run")
+        self.run_dir.clone()
     }
 }
 

@@ -5,11 +5,13 @@
 //! [`scheduler`] (rolling snapshots, idle hibernation, GC), [`service`]
 //! (typed commands, operation locks, transitions), [`api`] (axum routes),
 //! [`recovery`] (start-up reconciliation), [`engine`] (the runtime
-//! boundary). [`App`] ties them together; `main.rs` is a thin binary.
+//! boundary). [`App`] ties them together; [`daemon::run`] runs it over the
+//! real runtime; `main.rs` is a thin binary.
 
 pub mod api;
 pub mod clock;
 pub mod config;
+pub mod daemon;
 pub mod duration;
 pub mod engine;
 pub mod metrics;
@@ -28,6 +30,8 @@ use crate::config::Config;
 use crate::engine::Engine;
 use crate::service::Service;
 use crate::store::{SqliteStore, Store, StoreError};
+
+pub use crate::daemon::run;
 
 /// A daemon assembled from its parts: a service over a store and an engine,
 /// its HTTP router and its background tasks.

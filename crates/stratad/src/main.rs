@@ -2,12 +2,10 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use anyhow::Context;
 use clap::Parser;
 use stratad::config::Config;
-use stratad::engine::unavailable::UnavailableEngine;
 use stratad::retention::RetentionPolicy;
 
 /// strata daemon: HTTP API, rolling snapshots, retention, recovery.
@@ -20,9 +18,30 @@ struct Args {
     /// Address of the HTTP API.
     #[arg(long)]
     listen: Option<SocketAddr>,
-    /// State directory (SQLite db, pool.img, pool mount, run dir).
+    /// State directory (SQLite db, pool.img, pool mount).
     #[arg(long)]
     data_dir: Option<PathBuf>,
+    /// Use this existing btrfs directory as the pool instead of `<data-dir>/pool.img`.
+    #[arg(long)]
+    pool_path: Option<PathBuf>,
+    /// Size of `<data-dir>/pool.img` (sparse) in GiB.
+    #[arg(long)]
+    pool_size_gib: Option<u64>,
+    /// Directory for per-VM sockets and pid files (short: unix socket paths).
+    #[arg(long)]
+    run_dir: Option<PathBuf>,
+    /// Guest image directory [default: newest in the image cache].
+    #[arg(long)]
+    image_dir: Option<PathBuf>,
+    /// QEMU binary.
+    #[arg(long)]
+    qemu: Option<PathBuf>,
+    /// How long to wait for a guest agent after boot/restore, e.g. 60s.
+    #[arg(long)]
+    agent_timeout: Option<String>,
+    /// Do not build the default template on first start.
+    #[arg(long)]
+    no_default_template: bool,
     /// Accelerator: auto, kvm or tcg.
     #[arg(long)]
     accel: Option<strata_core::Accel>,
@@ -56,6 +75,27 @@ fn config(args: &Args) -> anyhow::Result<Config> {
     }
     if let Some(v) = args.accel {
         cfg.accel = v;
+    }
+    if let Some(v) = &args.pool_path {
+        cfg.pool_path = Some(v.clone());
+    }
+    if let Some(v) = args.pool_size_gib {
+        cfg.pool_size_gib = v;
+    }
+    if let Some(v) = &args.run_dir {
+        cfg.run_dir = v.clone();
+    }
+    if let Some(v) = &args.image_dir {
+        cfg.image_dir = Some(v.clone());
+    }
+    if let Some(v) = &args.qemu {
+        cfg.qemu_binary = v.clone();
+    }
+    if let Some(v) = &args.agent_timeout {
+        cfg.agent_timeout = stratad::duration::parse_duration(v).context("--agent-timeout")?;
+    }
+    if args.no_default_template {
+        cfg.default_template = false;
     }
     if let Some(v) = &args.snapshot_interval {
         cfg.snapshot_interval =
@@ -107,23 +147,16 @@ async fn main() -> anyhow::Result<()> {
         tracing_subscriber::fmt().with_env_filter(filter).init();
     }
     let cfg = config(&args)?;
-    let listen = cfg.listen;
-    // The runtime-backed engine plugs in here once strata-runtime lands.
-    let engine = Arc::new(UnavailableEngine);
-    tracing::warn!("no sandbox runtime linked: VM operations will fail");
-    let app = stratad::App::open(cfg, engine).context("opening the metadata store")?;
-    let report = app
-        .start()
-        .await
-        .map_err(|e| anyhow::anyhow!(e.message()))
-        .context("recovery")?;
-    tracing::info!(report = %serde_json::to_string(&report).unwrap_or_default(), "recovered");
-    let listener = tokio::net::TcpListener::bind(listen)
-        .await
-        .with_context(|| format!("binding {listen}"))?;
-    tracing::info!(%listen, "stratad listening");
-    stratad::serve(&app, listener, shutdown_signal())
-        .await
-        .context("serving")?;
+    if let Err(e) = stratad::daemon::run(cfg, shutdown_signal()).await {
+        let mut msg = e.to_string();
+        let mut src = std::error::Error::source(&e);
+        while let Some(c) = src {
+            msg.push_str(": ");
+            msg.push_str(&c.to_string());
+            src = c.source();
+        }
+        tracing::error!(error = %msg, "stratad failed");
+        anyhow::bail!(msg);
+    }
     Ok(())
 }

@@ -49,6 +49,8 @@ pub struct RecoveryReport {
     pub orphan_subvolumes: Vec<String>,
     /// Ready snapshots whose subvolume is gone.
     pub missing_snapshots: Vec<SnapshotId>,
+    /// Template builds interrupted by the restart (now failed).
+    pub interrupted_templates: Vec<String>,
     /// Why reconciliation with the engine was skipped, if it was.
     pub skipped: Option<String>,
 }
@@ -190,7 +192,7 @@ pub async fn reconcile(svc: &Arc<Service>) -> ServiceResult<RecoveryReport> {
                     .pending_ops
                     .push((id.clone(), "delete".into(), "completed".into()));
             }
-            (_, Some(vm)) => {
+            (_, Some(_)) => {
                 // The VM lives. Adopt it and make it match the record; an
                 // interrupted pause/resume/snapshot/rewind keeps the recorded state.
                 let adopted = engine.adopt(&id).await;
@@ -209,9 +211,12 @@ pub async fn reconcile(svc: &Arc<Service>) -> ServiceResult<RecoveryReport> {
                             }
                             s => s,
                         };
-                        let fix = match (next, vm.paused) {
-                            (SandboxState::Running, true) => engine.resume(&id).await,
-                            (SandboxState::Paused, false) => engine.pause(&id).await,
+                        // Always re-assert the recorded run state (pause and resume
+                        // are idempotent): a daemon killed in the middle of a snapshot
+                        // leaves its VM stopped, whatever `paused` said at listing time.
+                        let fix = match next {
+                            SandboxState::Running => engine.resume(&id).await,
+                            SandboxState::Paused => engine.pause(&id).await,
                             _ => Ok(()),
                         };
                         if let Err(e) = fix {
@@ -324,6 +329,18 @@ pub async fn reconcile(svc: &Arc<Service>) -> ServiceResult<RecoveryReport> {
             s.status_reason = Some("subvolume missing from the pool".into());
             svc.db(move |st| st.put_snapshot(&s)).await?;
             report.missing_snapshots.push(id.clone());
+        }
+    }
+    // Template builds are not resumable: one interrupted by the restart failed.
+    for mut t in svc.db(|st| st.list_templates(DEFAULT_TENANT)).await? {
+        if t.status == TemplateStatus::Building {
+            t.status = TemplateStatus::Failed;
+            t.status_reason = Some("build interrupted by a daemon restart".into());
+            t.updated_at = svc.now();
+            warn!(template = %t.id, "template build interrupted by the restart");
+            let _ = engine.delete_template(&t.id).await;
+            report.interrupted_templates.push(t.id.to_string());
+            svc.db(move |st| st.put_template(&t)).await?;
         }
     }
     let templates: HashSet<_> = svc

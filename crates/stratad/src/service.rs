@@ -310,6 +310,26 @@ pub fn validate_guest_path(path: &str) -> ServiceResult<()> {
     Ok(())
 }
 
+/// Id of the template built on first start.
+pub const DEFAULT_TEMPLATE: &str = "tpl-default";
+
+/// A sandbox made from a snapshot keeps its vCPUs and memory; its disk only grows.
+fn check_source_size(what: &str, source: SandboxSize, asked: SandboxSize) -> ServiceResult<()> {
+    if asked.vcpus != source.vcpus || asked.memory_mib != source.memory_mib {
+        return Err(ServiceError::InvalidRequest(format!(
+            "{what} has {} vCPU(s) and {} MiB; a sandbox made from it keeps them (asked {} vCPU(s), {} MiB): leave vcpus/memory_mib out or build a template of that size",
+            source.vcpus, source.memory_mib, asked.vcpus, asked.memory_mib
+        )));
+    }
+    if asked.disk_gib < source.disk_gib {
+        return Err(ServiceError::InvalidRequest(format!(
+            "disk_gib {} is smaller than {what}'s {} GiB; disks only grow",
+            asked.disk_gib, source.disk_gib
+        )));
+    }
+    Ok(())
+}
+
 fn validate_labels(labels: &BTreeMap<String, String>) -> ServiceResult<()> {
     if labels.len() > 64 {
         return Err(ServiceError::InvalidRequest("at most 64 labels".into()));
@@ -686,42 +706,119 @@ impl Service {
         })
     }
 
-    /// Creates a sandbox from a template.
-    pub async fn create(self: &Arc<Self>, cmd: CreateSandbox) -> ServiceResult<SandboxRecord> {
-        let tpl = match cmd.template {
-            Some(id) => {
-                let id2 = id.clone();
-                self.db(move |s| s.get_template(&id2))
-                    .await?
-                    .filter(|t| t.status != TemplateStatus::Deleted)
-                    .ok_or_else(|| not_found("template", &id))?
+    /// The template a create starts from: the one named, or the newest ready
+    /// one. A template still being built (the default one on a first start)
+    /// is waited for, up to `template_wait`.
+    async fn resolve_template(&self, id: Option<TemplateId>) -> ServiceResult<TemplateRecord> {
+        let deadline = Instant::now() + self.config.template_wait;
+        loop {
+            let tpl = match &id {
+                Some(id) => {
+                    let id2 = id.clone();
+                    self.db(move |s| s.get_template(&id2))
+                        .await?
+                        .filter(|t| t.status != TemplateStatus::Deleted)
+                        .ok_or_else(|| not_found("template", id))?
+                }
+                None => {
+                    let all = self.db(|s| s.list_templates(DEFAULT_TENANT)).await?;
+                    let ready = all.iter().rev().find(|t| t.status == TemplateStatus::Ready);
+                    let building = all
+                        .iter()
+                        .rev()
+                        .find(|t| t.status == TemplateStatus::Building);
+                    match (ready, building) {
+                        (Some(t), _) | (None, Some(t)) => t.clone(),
+                        (None, None) => {
+                            let failed = all
+                                .iter()
+                                .rev()
+                                .find(|t| t.status == TemplateStatus::Failed)
+                                .map(|t| {
+                                    format!(
+                                        " (template {} failed: {})",
+                                        t.id,
+                                        t.status_reason.as_deref().unwrap_or("unknown reason")
+                                    )
+                                })
+                                .unwrap_or_default();
+                            return Err(ServiceError::InvalidStateOther(format!(
+                                "no template given and none is ready{failed}: build one with POST /v1/templates"
+                            )));
+                        }
+                    }
+                }
+            };
+            match tpl.status {
+                TemplateStatus::Ready => return Ok(tpl),
+                TemplateStatus::Building if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+                TemplateStatus::Building => {
+                    let step = self
+                        .template_view(tpl.clone())
+                        .progress
+                        .map(|p| format!(" (now: {})", p.step))
+                        .unwrap_or_default();
+                    return Err(ServiceError::InvalidStateOther(format!(
+                        "template {} is still being built{step}; retry later",
+                        tpl.id
+                    )));
+                }
+                other => {
+                    return Err(ServiceError::InvalidStateOther(format!(
+                        "template {} is {}{}",
+                        tpl.id,
+                        other.as_str(),
+                        tpl.status_reason
+                            .as_deref()
+                            .map(|r| format!(": {r}"))
+                            .unwrap_or_default()
+                    )))
+                }
             }
-            None => self
-                .db(|s| s.list_templates(DEFAULT_TENANT))
-                .await?
-                .into_iter()
-                .rev()
-                .find(|t| t.status == TemplateStatus::Ready)
-                .ok_or_else(|| {
-                    ServiceError::InvalidRequest(
-                        "no template given and none is ready: build one with POST /v1/templates"
-                            .into(),
-                    )
-                })?,
-        };
-        if tpl.status != TemplateStatus::Ready {
-            return Err(ServiceError::InvalidStateOther(format!(
-                "template {} is {}",
-                tpl.id,
-                tpl.status.as_str()
-            )));
         }
+    }
+
+    /// Creates a sandbox from a template. vCPUs and memory are the template's
+    /// (a snapshot restores with the RAM and CPUs it was taken with); the
+    /// disk may be larger than the template's (it grows).
+    pub async fn create(self: &Arc<Self>, cmd: CreateSandbox) -> ServiceResult<SandboxRecord> {
+        let size = cmd.spec.size.over(SandboxSize::default());
+        size.validate()?;
+        let tpl = self.resolve_template(cmd.template).await?;
         let size = cmd.spec.size.over(tpl.size);
         size.validate()?;
+        check_source_size(&format!("template {}", tpl.id), tpl.size, size)?;
         let mut rec = self.new_record(&cmd.spec, size)?;
         rec.template = Some(tpl.id.clone());
         self.spawn_new(rec, Source::Template(tpl.id), step::SPAWN)
             .await
+    }
+
+    /// Starts the build of the default template (`tpl-default`, named
+    /// `default`, of `default_size`) unless a template is ready or building.
+    /// Returns the build started, if any.
+    pub async fn ensure_default_template(self: &Arc<Self>) -> ServiceResult<Option<TemplateView>> {
+        let all = self.db(|s| s.list_templates(DEFAULT_TENANT)).await?;
+        if all
+            .iter()
+            .any(|t| matches!(t.status, TemplateStatus::Ready | TemplateStatus::Building))
+        {
+            return Ok(None);
+        }
+        let id: TemplateId = DEFAULT_TEMPLATE
+            .parse()
+            .map_err(|e: strata_core::id::IdError| ServiceError::InvalidRequest(e.to_string()))?;
+        info!(template = %id, "no template yet: building the default one in the background");
+        let v = self
+            .build_template(BuildTemplate {
+                id: Some(id),
+                name: Some("default".into()),
+                size: SizeSpec::default(),
+            })
+            .await?;
+        Ok(Some(v))
     }
 
     /// Records a new sandbox as creating, starts its VM, finalizes.
@@ -1077,6 +1174,7 @@ impl Service {
         src_rec.state.apply(Op::Fork)?;
         let size = spec.size.over(src_rec.size);
         size.validate()?;
+        check_source_size(&format!("sandbox {src}"), src_rec.size, size)?;
         let mut rec = self.new_record(&spec, size)?;
         rec.template = src_rec.template.clone();
         let mut snap = self.new_snapshot(&src_rec, SnapshotKind::Fork, None);
@@ -1159,6 +1257,9 @@ impl Service {
             .unwrap_or(self.config.default_size);
         let size = spec.size.over(base);
         size.validate()?;
+        if src.is_some() {
+            check_source_size(&format!("snapshot {snap}"), base, size)?;
+        }
         let mut rec = self.new_record(&spec, size)?;
         rec.template = src.and_then(|r| r.template);
         rec.source_snapshot = Some(snap.clone());
@@ -1421,7 +1522,10 @@ impl Service {
         let id = cmd.id.unwrap_or_else(TemplateId::generate);
         let id2 = id.clone();
         if let Some(t) = self.db(move |s| s.get_template(&id2)).await? {
-            if t.status != TemplateStatus::Deleted {
+            if t.status == TemplateStatus::Failed {
+                // A failed build may have left parts behind; a rebuild starts clean.
+                let _ = self.engine.delete_template(&id).await;
+            } else if t.status != TemplateStatus::Deleted {
                 return Err(ServiceError::Conflict(format!(
                     "template {id} exists ({})",
                     t.status.as_str()

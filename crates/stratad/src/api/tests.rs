@@ -297,7 +297,9 @@ async fn sizes_are_validated_and_capacity_enforced() {
         (r#"{"size":{"vcpus":0}}"#, 400, "invalid_size"),
         (r#"{"size":{"memory_mib":1048576}}"#, 400, "invalid_size"),
         (r#"{"size":{"disk_gib":0}}"#, 400, "invalid_size"),
-        (r#"{"size":{"vcpus":8}}"#, 507, "insufficient_capacity"),
+        // The template fixes vCPUs and memory (a restore keeps them).
+        (r#"{"size":{"vcpus":2}}"#, 400, "invalid_request"),
+        (r#"{"size":{"memory_mib":1024}}"#, 400, "invalid_request"),
     ] {
         let (s, v) = call(&h, "POST", "/v1/sandboxes", body).await;
         assert_eq!(s.as_u16(), status, "{body}: {v}");

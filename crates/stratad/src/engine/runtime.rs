@@ -21,7 +21,9 @@ pub struct RuntimeEngine {
 
 impl std::fmt::Debug for RuntimeEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RuntimeEngine").field("rt", &self.rt).finish()
+        f.debug_struct("RuntimeEngine")
+            .field("rt", &self.rt)
+            .finish()
     }
 }
 
@@ -103,7 +105,11 @@ impl Engine for RuntimeEngine {
     }
 
     async fn snapshot(&self, id: &SandboxId, snap: &SnapshotId) -> EngineResult<SnapshotInfo> {
-        self.rt.snapshot(id, snap).await.map(snap_info).map_err(rt_err)
+        self.rt
+            .snapshot(id, snap)
+            .await
+            .map(snap_info)
+            .map_err(rt_err)
     }
 
     async fn fork_live(
@@ -144,7 +150,11 @@ impl Engine for RuntimeEngine {
     }
 
     async fn hibernate(&self, id: &SandboxId, snap: &SnapshotId) -> EngineResult<SnapshotInfo> {
-        self.rt.hibernate(id, snap).await.map(snap_info).map_err(rt_err)
+        self.rt
+            .hibernate(id, snap)
+            .await
+            .map(snap_info)
+            .map_err(rt_err)
     }
 
     async fn wake(&self, id: &SandboxId, snap: &SnapshotId) -> EngineResult<VmInfo> {

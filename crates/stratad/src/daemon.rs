@@ -1,0 +1,219 @@
+//! The daemon as one call: [`run`] opens the sandbox runtime described by the
+//! configuration (pool, run dir, guest image, accelerator, QEMU), wraps it
+//! in [`RuntimeEngine`], recovers, starts the background tasks, builds the
+//! default template when none exists, and serves the API until shutdown.
+//!
+//! The `stratad` binary is a thin wrapper around it; `strata serve` runs that
+//! binary; embedders call [`run`] (or [`open_engine`] + [`App`]) directly.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use strata_runtime::{PoolSetting, Runtime, RuntimeConfig};
+use tokio::net::TcpListener;
+
+use crate::config::Config;
+use crate::engine::runtime::RuntimeEngine;
+use crate::store::StoreError;
+use crate::App;
+
+/// Why the daemon could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    /// No guest image was configured and none is in the image cache.
+    #[error("no guest image in {cache}: run `strata image build` (or set image_dir)")]
+    NoImage {
+        /// The image cache searched.
+        cache: PathBuf,
+    },
+    /// The data directory cannot be created.
+    #[error("cannot create {path}")]
+    DataDir {
+        /// The directory.
+        path: PathBuf,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The sandbox runtime (pool, QEMU) could not be opened.
+    #[error("cannot open the sandbox runtime")]
+    Runtime(#[source] strata_runtime::RuntimeError),
+    /// The metadata store could not be opened.
+    #[error("cannot open the metadata store")]
+    Store(#[source] StoreError),
+    /// Start-up reconciliation failed.
+    #[error("recovery failed: {0}")]
+    Recovery(String),
+    /// The listen address cannot be bound.
+    #[error("cannot listen on {addr}")]
+    Bind {
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Serving failed.
+    #[error("serving the API failed")]
+    Serve(#[source] std::io::Error),
+}
+
+/// The newest guest image (by manifest modification time) in an image cache
+/// laid out as `strata image build` leaves it: `<cache>/<hash>/manifest.json`.
+pub fn newest_image(cache: &Path) -> Option<PathBuf> {
+    let rd = std::fs::read_dir(cache).ok()?;
+    rd.flatten()
+        .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
+        .filter_map(|e| {
+            let dir = e.path();
+            let m = dir.join(strata_image::MANIFEST_FILE).metadata().ok()?;
+            Some((m.modified().ok()?, dir))
+        })
+        .max()
+        .map(|(_, dir)| dir)
+}
+
+/// The guest image directory the daemon boots templates from.
+pub fn image_dir(cfg: &Config) -> Result<PathBuf, DaemonError> {
+    if let Some(d) = &cfg.image_dir {
+        return Ok(d.clone());
+    }
+    let cache = strata_image::default_cache_dir();
+    newest_image(&cache).ok_or(DaemonError::NoImage { cache })
+}
+
+/// The runtime configuration the daemon's configuration describes.
+pub fn runtime_config(cfg: &Config) -> Result<RuntimeConfig, DaemonError> {
+    let pool = match &cfg.pool_path {
+        Some(p) => PoolSetting::Path(p.clone()),
+        None => PoolSetting::Image {
+            image: cfg.pool_image(),
+            size_bytes: cfg.pool_size_gib.saturating_mul(1 << 30),
+            mount_point: cfg.pool_mount(),
+        },
+    };
+    Ok(RuntimeConfig {
+        pool,
+        run_dir: cfg.run_dir(),
+        image_dir: image_dir(cfg)?,
+        accel: cfg.accel,
+        qemu_binary: cfg.qemu_binary.clone(),
+        console_log_max_bytes: cfg.console_log_max_bytes,
+        agent_timeout_ms: cfg.agent_timeout.as_millis() as u64,
+    })
+}
+
+/// Opens the runtime (creating and loop-mounting the pool image when needed)
+/// and wraps it as the daemon's engine.
+pub async fn open_engine(cfg: &Config) -> Result<Arc<RuntimeEngine>, DaemonError> {
+    std::fs::create_dir_all(&cfg.data_dir).map_err(|source| DaemonError::DataDir {
+        path: cfg.data_dir.clone(),
+        source,
+    })?;
+    let rc = runtime_config(cfg)?;
+    tracing::info!(
+        pool = ?rc.pool,
+        run_dir = %rc.run_dir.display(),
+        image = %rc.image_dir.display(),
+        accel = %cfg.accel,
+        "opening the sandbox runtime"
+    );
+    let rt: Arc<Runtime> = Runtime::open(rc).await.map_err(DaemonError::Runtime)?;
+    Ok(Arc::new(RuntimeEngine::new(rt)))
+}
+
+/// Runs the daemon on the real runtime until `shutdown` completes: open the
+/// engine and the store, recover (adopting VMs that survived), start the
+/// scheduler, build the default template if none exists, serve the API on
+/// `config.listen`. VMs keep running after it returns.
+pub async fn run(
+    config: Config,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), DaemonError> {
+    let listen = config.listen;
+    let engine = open_engine(&config).await?;
+    let app = App::open(config, engine.clone()).map_err(DaemonError::Store)?;
+    let report = app
+        .start()
+        .await
+        .map_err(|e| DaemonError::Recovery(e.message()))?;
+    tracing::info!(
+        report = %serde_json::to_string(&report).unwrap_or_default(),
+        "recovered"
+    );
+    if app.service().config().default_template {
+        if let Err(e) = app.service().ensure_default_template().await {
+            tracing::warn!(error = %e.message(), "cannot start the default template build");
+        }
+    }
+    let listener = TcpListener::bind(listen)
+        .await
+        .map_err(|source| DaemonError::Bind {
+            addr: listen,
+            source,
+        })?;
+    tracing::info!(%listen, "stratad listening");
+    let result = crate::serve(&app, listener, shutdown).await;
+    // The VMs outlive the daemon; the next start adopts them.
+    engine.runtime().detach_all();
+    result.map_err(DaemonError::Serve)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn newest_image_picks_the_latest_manifest() {
+        let d = tempfile::tempdir().unwrap();
+        assert_eq!(newest_image(d.path()), None);
+        for (name, age) in [("old", 100), ("new", 0)] {
+            let dir = d.path().join(name);
+            std::fs::create_dir(&dir).unwrap();
+            let m = dir.join(strata_image::MANIFEST_FILE);
+            std::fs::write(&m, "{}").unwrap();
+            let t = std::time::SystemTime::now() - std::time::Duration::from_secs(age);
+            std::fs::File::options()
+                .write(true)
+                .open(&m)
+                .unwrap()
+                .set_modified(t)
+                .unwrap();
+        }
+        std::fs::create_dir(d.path().join("no-manifest")).unwrap();
+        assert_eq!(newest_image(d.path()), Some(d.path().join("new")));
+    }
+
+    #[test]
+    fn runtime_config_from_daemon_config() {
+        let cfg = Config {
+            data_dir: "/srv/strata".into(),
+            image_dir: Some("/img".into()),
+            pool_size_gib: 8,
+            ..Config::default()
+        };
+        let rc = runtime_config(&cfg).unwrap();
+        match rc.pool {
+            PoolSetting::Image {
+                image,
+                size_bytes,
+                mount_point,
+            } => {
+                assert_eq!(image, PathBuf::from("/srv/strata/pool.img"));
+                assert_eq!(size_bytes, 8 << 30);
+                assert_eq!(mount_point, PathBuf::from("/srv/strata/pool"));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(rc.run_dir, PathBuf::from("/run/strata"));
+        assert_eq!(rc.agent_timeout_ms, 60_000);
+        let cfg = Config {
+            pool_path: Some("/mnt/b".into()),
+            ..cfg
+        };
+        assert!(matches!(
+            runtime_config(&cfg).unwrap().pool,
+            PoolSetting::Path(p) if p == Path::new("/mnt/b")
+        ));
+    }
+}
