@@ -1,0 +1,1 @@
+//! E2B-compatible API over strata sandboxes.
