@@ -123,16 +123,6 @@ pub struct ArgsMatcher {
     pub rest: bool,
 }
 
-impl ArgsMatcher {
-    /// Does the argument list (without `argv[0]`) match?
-    pub fn matches(&self, args: &[String]) -> bool {
-        if args.len() < self.positions.len() || (!self.rest && args.len() != self.positions.len()) {
-            return false;
-        }
-        self.positions.iter().zip(args).all(|(m, a)| m.is_match(a))
-    }
-}
-
 /// One way to read an exec call's command: the literal argv, or a derived
 /// reading (wrapper stripped, shell sub-command).
 #[derive(Debug, Clone)]

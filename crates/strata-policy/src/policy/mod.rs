@@ -434,8 +434,26 @@ impl PolicySet {
             Prepared::Egress(e) => Some(Candidate::new(e.path.as_str())),
             _ => None,
         };
+        let exec = match &prepared {
+            Prepared::Exec(views) => views
+                .iter()
+                .map(|v| ExecCands {
+                    base: Candidate::new(v.program_base()),
+                    full: Candidate::new(v.argv.first().map(String::as_str).unwrap_or("")),
+                    line: Candidate::new(v.line.as_str()),
+                    args: v
+                        .argv
+                        .iter()
+                        .skip(1)
+                        .map(|a| Candidate::new(a.as_str()))
+                        .collect(),
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
         let ctx = Ctx {
             prepared: &prepared,
+            exec,
             file: file_cand.as_ref(),
             http: http_cand.as_ref(),
         };
@@ -556,8 +574,17 @@ fn decision_of(layer: Layer, r: &Rule, hard: bool) -> Decision {
     }
 }
 
+/// Glob candidates of one exec reading, built once per evaluation.
+struct ExecCands<'a> {
+    base: Candidate<'a>,
+    full: Candidate<'a>,
+    line: Candidate<'a>,
+    args: Vec<Candidate<'a>>,
+}
+
 struct Ctx<'a, 'b> {
     prepared: &'a Prepared<'b>,
+    exec: Vec<ExecCands<'a>>,
     file: Option<&'a Candidate<'a>>,
     http: Option<&'a Candidate<'a>>,
 }
@@ -570,26 +597,36 @@ impl Rule {
             || self.command.is_some()
     }
 
-    fn exec_view_matches(&self, v: &ExecView) -> bool {
+    fn exec_view_matches(&self, c: &ExecCands<'_>) -> bool {
         if let Some(p) = &self.program {
-            let full = v.argv.first().map(String::as_str).unwrap_or("");
-            if !(p.is_match(v.program_base()) || p.is_match(full)) {
+            if !(p.is_match_candidate(&c.base) || p.is_match_candidate(&c.full)) {
                 return false;
             }
         }
-        let args = v.argv.get(1..).unwrap_or(&[]);
         if let Some(a) = &self.args {
-            if !a.matches(args) {
+            let n = c.args.len();
+            if n < a.positions.len() || (!a.rest && n != a.positions.len()) {
+                return false;
+            }
+            if !a
+                .positions
+                .iter()
+                .zip(&c.args)
+                .all(|(m, x)| m.is_match_candidate(x))
+            {
                 return false;
             }
         }
-        if let Some(c) = &self.args_contain {
-            if !c.iter().all(|m| args.iter().any(|a| m.is_match(a))) {
+        if let Some(m) = &self.args_contain {
+            if !m
+                .iter()
+                .all(|m| c.args.iter().any(|a| m.is_match_candidate(a)))
+            {
                 return false;
             }
         }
-        if let Some(c) = &self.command {
-            if !c.is_match(&v.line) {
+        if let Some(set) = &self.command {
+            if !set.is_match_candidate(&c.line) {
                 return false;
             }
         }
@@ -607,7 +644,8 @@ impl Rule {
                 let derived_ok = self.effect != Effect::Allow;
                 views
                     .iter()
-                    .any(|v| (v.literal || derived_ok) && self.exec_view_matches(v))
+                    .zip(&ctx.exec)
+                    .any(|(v, c)| (v.literal || derived_ok) && self.exec_view_matches(c))
             }
             Prepared::File(_) => match (&self.path, ctx.file) {
                 (Some(set), Some(c)) => set.is_match_candidate(c),
