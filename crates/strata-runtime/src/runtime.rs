@@ -355,7 +355,9 @@ impl Runtime {
 
     /// Fresh entropy, the host clock and (for a new identity) hostname + machine-id.
     async fn sync_guest(&self, id: &SandboxId, live: &Live, new_identity: bool) -> Result<()> {
+        let t0 = Instant::now();
         let agent = self.agent_of(id, live).await?;
+        tracing::debug!(sandbox = %id, connect_ms = ms(t0), "agent connected");
         let mut entropy = vec![0u8; 256];
         rand::rngs::OsRng.fill_bytes(&mut entropy);
         let (hostname, machine_id) = if new_identity {
