@@ -14,7 +14,7 @@ export STRATA_URL="http://$LISTEN"
 
 bash scripts/setup.sh
 echo "== build (release)" >&2
-cargo build --release --locked -p strata-agent -p strata-cli -p stratad
+cargo build --release -p strata-agent -p strata-cli -p stratad
 BIN="$PWD/target/release"
 
 echo "== guest image (cached by recipe hash)" >&2

@@ -10,14 +10,14 @@ bash scripts/setup.sh
 
 echo "== lint" >&2
 cargo fmt --all -- --check
-cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo clippy --workspace --all-targets -- -D warnings
 
 echo "== build (agent + CLI, release)" >&2
-cargo build --release --locked -p strata-agent -p strata-cli
+cargo build --release -p strata-agent -p strata-cli
 
 echo "== guest image (cached by recipe hash under /var/cache/strata/images)" >&2
 ./target/release/strata image build
 
 echo "== tests" >&2
 # Integration tests boot real guests under TCG; on 2 cores run test binaries one at a time.
-cargo test --workspace --locked "$@" -- --test-threads=2
+cargo test --workspace "$@" -- --test-threads=2

@@ -22,6 +22,9 @@ use crate::meta::{files, layout_hash, StateMeta, SNAPSHOT_FORMAT_VERSION};
 
 type Result<T, E = RuntimeError> = std::result::Result<T, E>;
 
+/// Free pool space below which snapshots and new sandboxes are refused (`PoolFull`).
+pub const MIN_FREE_BYTES: u64 = 256 << 20;
+
 /// A VM that died without being asked to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VmDied {
@@ -606,6 +609,7 @@ impl Runtime {
                 "snapshot {snap} already exists"
             )));
         }
+        self.check_free_space()?;
         let was_running = live
             .vm
             .status()
@@ -647,6 +651,18 @@ impl Runtime {
             device_state_bytes: bytes,
             created_at: Utc::now(),
         })
+    }
+
+    /// Refuses new state when the pool is nearly full: a snapshot writes the guest's
+    /// dirty pages and btrfs needs room for metadata; failing up front leaves the
+    /// sandbox untouched instead of failing half-way with the VM stopped.
+    fn check_free_space(&self) -> Result<()> {
+        let usage = self.pool.usage().map_err(storage_err)?;
+        if usage.free_bytes < MIN_FREE_BYTES {
+            tracing::warn!(free = usage.free_bytes, "storage pool is full");
+            return Err(RuntimeError::PoolFull);
+        }
+        Ok(())
     }
 
     /// Removes a snapshot. Idempotent.
@@ -751,6 +767,7 @@ impl Runtime {
                 "sandbox {id} already has a VM"
             )));
         }
+        self.check_free_space()?;
         let dir = self.sandbox_dir(id);
         let pool = self.pool.clone();
         let (s, d) = (src_dir.to_path_buf(), dir.clone());

@@ -391,3 +391,55 @@ fn faults_leave_sandboxes_as_they_were() {
         }
     });
 }
+
+#[test]
+fn full_pool_refuses_snapshots_and_forks_and_the_sandbox_runs_on() {
+    let f = fixture();
+    tokio_rt().block_on(async {
+        let a = new_sandbox(f).await;
+        let snap = SnapshotId::generate();
+        f.rt.snapshot(&a, &snap).await.expect("snapshot with room");
+        // Fill the pool up to ~64 MiB of free space with one preallocated file.
+        let filler = f.rt.pool().root().join("filler");
+        let free = f.rt.pool().usage().expect("usage").free_bytes;
+        let file = std::fs::File::create(&filler).expect("filler");
+        // SAFETY: fallocate on a file descriptor we own, with a valid length.
+        let rc = unsafe {
+            libc::fallocate(
+                std::os::fd::AsRawFd::as_raw_fd(&file),
+                0,
+                0,
+                free.saturating_sub(64 << 20) as libc::off_t,
+            )
+        };
+        assert_eq!(rc, 0, "fallocate: {}", std::io::Error::last_os_error());
+        drop(file);
+        let _ = std::process::Command::new("sync").status();
+        let after = f.rt.pool().usage().expect("usage").free_bytes;
+        eprintln!("free before {free} B, after fallocate {after} B");
+        let r = f.rt.snapshot(&a, &SnapshotId::generate()).await;
+        assert!(matches!(r, Err(RuntimeError::PoolFull)), "{r:?}");
+        let r =
+            f.rt.create(
+                &SandboxId::generate(),
+                &Source::Snapshot(snap.clone()),
+                None,
+            )
+            .await;
+        assert!(matches!(r, Err(RuntimeError::PoolFull)), "{r:?}");
+        assert_eq!(sh(&f.rt, &a, "echo running").await.1, "running");
+        std::fs::remove_file(&filler).expect("rm filler");
+        // Space comes back once btrfs commits the delete.
+        let _ = std::process::Command::new("sync").status();
+        let mut ok = false;
+        for _ in 0..50 {
+            if f.rt.snapshot(&a, &SnapshotId::generate()).await.is_ok() {
+                ok = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        assert!(ok, "snapshots work again after space is freed");
+        f.rt.delete(&a).await.expect("delete");
+    });
+}
