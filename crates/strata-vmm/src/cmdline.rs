@@ -35,6 +35,18 @@ pub fn effective_cmdline(spec: &VmSpec, host_tsc_khz: Option<u64>) -> String {
     c
 }
 
+/// QEMU's seccomp filter. With `run_as`, set*id calls stay allowed: QEMU installs the
+/// filter before it drops to the user (`setgid`, `initgroups`, `setuid` of `-runas`),
+/// and `elevateprivileges=deny` would kill it there with SIGSYS. After the drop the
+/// process has no capabilities, so those calls can no longer raise its privileges.
+pub fn sandbox_arg(spec: &VmSpec) -> &'static str {
+    if spec.run_as.is_some() {
+        "on,obsolete=deny,spawn=deny,resourcecontrol=deny"
+    } else {
+        "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+    }
+}
+
 /// All arguments after the binary name. Cold boot starts with `-S` (vCPUs stopped
 /// until the driver has attached the console); restore uses `-incoming defer`.
 pub fn qemu_args(spec: &VmSpec, host_tsc_khz: Option<u64>) -> Vec<String> {
@@ -107,10 +119,10 @@ pub fn qemu_args(spec: &VmSpec, host_tsc_khz: Option<u64>) -> Vec<String> {
     push(&["-netdev", &netdev, "-device", &nic]);
     push(&["-chardev", &qmp, "-mon", "chardev=qmp,mode=control"]);
     if spec.seccomp {
-        push(&[
-            "-sandbox",
-            "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
-        ]);
+        push(&["-sandbox", sandbox_arg(spec)]);
+    }
+    if let Some(user) = &spec.run_as {
+        push(&["-runas", user]);
     }
     if spec.incoming.is_some() {
         push(&["-incoming", "defer"]);
@@ -176,6 +188,29 @@ mod tests {
         k.accel = ResolvedAccel::Kvm;
         assert_eq!(effective_cmdline(&k, Some(1)), "console=ttyS0 quiet");
         assert!(qemu_args(&k, None).contains(&"host".to_string()));
+    }
+
+    #[test]
+    fn run_as_adds_runas_and_keeps_the_rest_of_the_sandbox() {
+        let plain = qemu_args(&spec(), None);
+        assert!(!plain.contains(&"-runas".to_string()));
+        assert!(plain.contains(
+            &"on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny".to_string()
+        ));
+        let mut s = spec();
+        s.run_as = Some("strata-vm".into());
+        let args = qemu_args(&s, None);
+        let i = args.iter().position(|a| a == "-runas").unwrap();
+        assert_eq!(args[i + 1], "strata-vm");
+        let j = args.iter().position(|a| a == "-sandbox").unwrap();
+        assert_eq!(
+            args[j + 1],
+            "on,obsolete=deny,spawn=deny,resourcecontrol=deny"
+        );
+        // Same device layout: a VM saved as root restores under run_as and back.
+        assert_eq!(device_layout(&s), device_layout(&spec()));
+        s.run_as = Some("bad user".into());
+        assert!(s.validate().is_err());
     }
 
     #[test]

@@ -85,6 +85,9 @@ pub enum VmmError {
         /// Why.
         reason: String,
     },
+    /// The VM's cgroup could not be set up and its limits are required.
+    #[error("cgroup limits required but not applied")]
+    Cgroup(#[from] crate::cgroup::CgroupError),
     /// A host I/O operation failed.
     #[error("I/O on {path:?}")]
     Io {

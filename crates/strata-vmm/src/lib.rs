@@ -5,7 +5,12 @@
 //! - [`QemuDriver`] is the QEMU `microvm` implementation; [`QmpClient`] its QMP client.
 //! - A VM's QEMU runs in its own session: it survives the death of the process that
 //!   started it, and a later process can [`VmmDriver::adopt`] it from its run dir.
+//! - Hardening (see `docs/hardening.md`): QEMU runs under its seccomp filter, switches
+//!   to an unprivileged user (`VmSpec::run_as`, `-runas`), lives in a per-VM cgroup
+//!   with CPU and memory limits (`VmSpec::limits`, [`cgroup`]), and its run dir (the
+//!   agent, QMP and console sockets) is mode 0700, reachable only by the daemon's user.
 
+pub mod cgroup;
 pub mod cmdline;
 pub mod console;
 mod error;
@@ -21,9 +26,10 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use strata_core::Accel;
 
+pub use cgroup::{Limits, VmCgroup};
 pub use error::VmmError;
 pub use probe::KvmProbe;
-pub use process::RssInfo;
+pub use process::{default_vm_user, lookup_user, RssInfo, UserIds, DEFAULT_VM_USER};
 pub use qemu::{QemuDriver, QemuVm};
 pub use qmp::{QmpClient, QmpError, QmpEvent};
 pub use spec::{
@@ -48,6 +54,21 @@ pub struct VmExit {
     pub stderr_tail: String,
     /// The last lines of `console.log`.
     pub console_tail: String,
+}
+
+/// How a VM is confined beyond seccomp: its user and its cgroup limits.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Confinement {
+    /// The user QEMU was asked to switch to (`VmSpec::run_as`).
+    pub run_as: Option<String>,
+    /// The limits asked for (`VmSpec::limits`).
+    pub limits: Option<Limits>,
+    /// Whether QEMU is in its cgroup with those limits written.
+    pub limits_applied: bool,
+    /// The VM's cgroup directories, when it has any.
+    pub cgroup_dirs: Vec<PathBuf>,
+    /// Why the limits are not applied, when they were asked for and are not.
+    pub error: Option<String>,
 }
 
 /// QEMU's run state (`query-status`).
@@ -132,6 +153,14 @@ pub trait Vm: Send + Sync + std::fmt::Debug {
     async fn wait_exit(&self) -> VmExit;
     /// The exit, if the process is already gone.
     fn exited(&self) -> Option<VmExit>;
+    /// The VM's user and cgroup limits, as applied.
+    fn confinement(&self) -> Confinement {
+        Confinement {
+            run_as: self.spec().run_as.clone(),
+            limits: self.spec().limits,
+            ..Confinement::default()
+        }
+    }
     /// Runs a raw QMP command (escape hatch for callers and benchmarks).
     async fn qmp(
         &self,

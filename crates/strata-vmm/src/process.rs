@@ -188,6 +188,68 @@ fn measure_tsc_khz() -> Option<u64> {
     None
 }
 
+/// The unprivileged user QEMU runs as by default (created by `scripts/setup.sh`).
+pub const DEFAULT_VM_USER: &str = "strata-vm";
+
+/// A host user's ids.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UserIds {
+    /// User id.
+    pub uid: u32,
+    /// Primary group id.
+    pub gid: u32,
+}
+
+/// Looks a user up in the host's user database (`getpwnam_r`; NSS included).
+pub fn lookup_user(name: &str) -> Option<UserIds> {
+    let cname = std::ffi::CString::new(name).ok()?;
+    let mut len = 4096usize;
+    loop {
+        let mut buf = vec![0 as libc::c_char; len];
+        // SAFETY: `passwd` is a plain C struct; all-zero is a valid (empty) value.
+        let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
+        let mut result: *mut libc::passwd = std::ptr::null_mut();
+        // SAFETY: every pointer refers to memory owned by this frame and valid for the
+        // call; `buf.len()` is the real size of `buf`; the result is read only if set.
+        let rc = unsafe {
+            libc::getpwnam_r(
+                cname.as_ptr(),
+                &mut pwd,
+                buf.as_mut_ptr(),
+                buf.len(),
+                &mut result,
+            )
+        };
+        if rc == libc::ERANGE && len < (1 << 20) {
+            len *= 4;
+            continue;
+        }
+        if rc != 0 || result.is_null() {
+            return None;
+        }
+        return Some(UserIds {
+            uid: pwd.pw_uid,
+            gid: pwd.pw_gid,
+        });
+    }
+}
+
+/// [`DEFAULT_VM_USER`] when that user exists on this host, else `None` (QEMU then keeps
+/// the daemon's user) with a warning, logged once per process.
+pub fn default_vm_user() -> Option<String> {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    if lookup_user(DEFAULT_VM_USER).is_some() {
+        return Some(DEFAULT_VM_USER.to_owned());
+    }
+    WARNED.call_once(|| {
+        tracing::warn!(
+            user = DEFAULT_VM_USER,
+            "user does not exist: QEMU will run as the daemon's user; create it with scripts/setup.sh"
+        );
+    });
+    None
+}
+
 /// Looks up `binary` like `execvp` would.
 pub(crate) fn find_binary(binary: &Path) -> Option<PathBuf> {
     if binary.components().count() > 1 || binary.is_absolute() {
@@ -223,6 +285,17 @@ Rss:                   4 kB
 Rss:                2048 kB
 ";
         assert_eq!(guest_ram_rss(smaps, "/s/mem"), 10240 * 1024);
+    }
+
+    #[test]
+    fn users_are_looked_up() {
+        assert_eq!(lookup_user("root"), Some(UserIds { uid: 0, gid: 0 }));
+        assert_eq!(lookup_user("no-such-user-strata"), None);
+        assert_eq!(lookup_user("nul\0byte"), None);
+        assert_eq!(
+            default_vm_user().is_some(),
+            lookup_user(DEFAULT_VM_USER).is_some()
+        );
     }
 
     #[test]

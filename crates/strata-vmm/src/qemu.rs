@@ -23,16 +23,19 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::cgroup::{self, CgroupError, Limits, VmCgroup};
 use crate::cmdline::qemu_args;
 use crate::console;
 use crate::probe::{probe_kvm_cached, DEFAULT_PROBE_TIMEOUT};
 use crate::process::{
-    find_binary, host_tsc_khz, last_lines, pid_exists, pidfd_open, pidfd_send_signal, proc_cmdline,
-    rss_info, tail_file,
+    find_binary, host_tsc_khz, last_lines, lookup_user, pid_exists, pidfd_open, pidfd_send_signal,
+    proc_cmdline, rss_info, tail_file, DEFAULT_VM_USER,
 };
 use crate::qmp::{QmpClient, QmpError};
 use crate::spec::{ResolvedAccel, VmSpec};
-use crate::{RssInfo, SaveMethod, SaveStats, Vm, VmExit, VmStatus, VmmDriver, VmmError};
+use crate::{
+    Confinement, RssInfo, SaveMethod, SaveStats, Vm, VmExit, VmStatus, VmmDriver, VmmError,
+};
 
 /// How long QEMU may take to create its QMP socket.
 const SOCKET_TIMEOUT: Duration = Duration::from_secs(15);
@@ -72,7 +75,15 @@ impl QemuDriver {
             binary: spec.qemu_binary.clone(),
         })?;
         check_inputs(spec)?;
+        if let Some(user) = &spec.run_as {
+            if lookup_user(user).is_none() {
+                return Err(VmmError::InvalidSpec(format!(
+                    "run_as user {user:?} does not exist on this host (scripts/setup.sh creates {DEFAULT_VM_USER:?})"
+                )));
+            }
+        }
         std::fs::create_dir_all(&spec.run_dir).map_err(|e| VmmError::io(&spec.run_dir, e))?;
+        secure_run_dir(&spec.run_dir)?;
         if let Some(pid) = live_qemu_in(spec) {
             return Err(VmmError::InvalidSpec(format!(
                 "a QEMU (pid {pid}) already runs in {:?}",
@@ -100,6 +111,29 @@ impl QemuDriver {
         let stdout = stderr
             .try_clone()
             .map_err(|e| VmmError::io(&stderr_path, e))?;
+        let mut confinement = Confinement {
+            run_as: spec.run_as.clone(),
+            limits: spec.limits,
+            ..Confinement::default()
+        };
+        // The cgroup is made (limits written) before the spawn; the child joins it
+        // between fork and exec, so every page QEMU touches is charged to it.
+        let mut cgroup: Option<(VmCgroup, Vec<std::fs::File>)> = None;
+        if let Some(limits) = &spec.limits {
+            match prepare_cgroup(&spec.name, limits) {
+                Ok(c) => cgroup = Some(c),
+                Err(e) if limits.required => return Err(e.into()),
+                Err(e) => {
+                    let msg = error_chain(&e);
+                    tracing::warn!(name = %spec.name, error = %msg, "VM starts without cgroup limits");
+                    confinement.error = Some(msg);
+                }
+            }
+        }
+        let procs_fds: Vec<libc::c_int> = cgroup
+            .as_ref()
+            .map(|(_, files)| files.iter().map(|f| f.as_raw_fd()).collect())
+            .unwrap_or_default();
         let args = qemu_args(spec, host_tsc_khz());
         tracing::debug!(name = %spec.name, ?args, "starting QEMU");
         let mut cmd = std::process::Command::new(&binary);
@@ -108,13 +142,17 @@ impl QemuDriver {
             .stdin(Stdio::null())
             .stdout(stdout)
             .stderr(stderr);
-        // SAFETY: the closure runs between fork and exec and only calls setsid(2),
-        // which is async-signal-safe and touches no memory of the parent.
+        // SAFETY: the closure runs between fork and exec and only makes the
+        // async-signal-safe calls setsid(2), umask(2) and write(2) (in `join_self`, on
+        // fds opened before the fork, from a vector it only reads); it allocates nothing.
         unsafe {
-            cmd.pre_exec(|| {
+            cmd.pre_exec(move || {
                 if libc::setsid() < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
+                // Sockets and the RAM file QEMU creates: owner only.
+                libc::umask(0o077);
+                cgroup::join_self(&procs_fds);
                 Ok(())
             });
         }
@@ -131,8 +169,26 @@ impl QemuDriver {
             reason: format!("pidfd_open({pid}): {e}"),
         })?;
         let pidfd = Arc::new(pidfd);
-        // From here on, any failure must not leave the process behind.
-        let guard = KillGuard(Some(pidfd.clone()));
+        // From here on, any failure must not leave the process (or its cgroup) behind.
+        let mut guard = KillGuard(Some(pidfd.clone()), None);
+        let cgroup = match cgroup {
+            Some((cg, files)) => {
+                drop(files);
+                guard.1 = Some(cg.clone());
+                match join_cgroup(&cg, pid) {
+                    Ok(()) => confinement.limits_applied = true,
+                    Err(e) if spec.limits.is_some_and(|l| l.required) => return Err(e.into()),
+                    Err(e) => {
+                        let msg = error_chain(&e);
+                        tracing::warn!(name = %spec.name, pid, error = %msg, "QEMU runs without cgroup limits");
+                        confinement.error = Some(msg);
+                    }
+                }
+                confinement.cgroup_dirs = cg.dirs.clone();
+                Some(cg)
+            }
+            None => None,
+        };
         write_pid_file(spec, pid)?;
 
         let qmp = match wait_qmp(spec, self.qmp_timeout, || {
@@ -162,6 +218,7 @@ impl QemuDriver {
             exit_rx,
             Exiter::Child(child),
             exit_tx,
+            (confinement, cgroup),
         )
         .await?;
         let vm = match &spec.incoming {
@@ -201,6 +258,7 @@ impl QemuDriver {
         let qmp = QmpClient::connect(&spec.qmp_socket(), self.qmp_timeout)
             .await
             .map_err(|e| fail(format!("QMP: {e} (is another process attached?)")))?;
+        let confined = adopt_confinement(spec, pid);
         let (exit_tx, exit_rx) = watch::channel(None);
         let vm = QemuVm::assemble(
             spec.clone(),
@@ -211,6 +269,7 @@ impl QemuDriver {
             exit_rx,
             Exiter::Adopted,
             exit_tx,
+            confined,
         )
         .await?;
         Ok(vm)
@@ -295,6 +354,98 @@ fn check_inputs(spec: &VmSpec) -> Result<(), VmmError> {
     Ok(())
 }
 
+/// Makes the run dir (the agent, QMP and console sockets, logs, pid file) reachable
+/// by its owner only: mode 0700, owned by this process's user. A symlink is refused.
+fn secure_run_dir(dir: &Path) -> Result<(), VmmError> {
+    use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+    let meta = std::fs::symlink_metadata(dir).map_err(|e| VmmError::io(dir, e))?;
+    if !meta.is_dir() {
+        return Err(VmmError::InvalidSpec(format!(
+            "run_dir {dir:?} is not a directory (symlinks are refused)"
+        )));
+    }
+    // SAFETY: geteuid/getegid have no arguments and cannot fail.
+    let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+    if meta.uid() != uid {
+        std::os::unix::fs::chown(dir, Some(uid), Some(gid)).map_err(|e| VmmError::io(dir, e))?;
+    }
+    if meta.mode() & 0o7777 != 0o700 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| VmmError::io(dir, e))?;
+    }
+    Ok(())
+}
+
+/// Creates the VM's cgroup with `limits` and opens its `cgroup.procs` files.
+fn prepare_cgroup(
+    name: &str,
+    limits: &Limits,
+) -> Result<(VmCgroup, Vec<std::fs::File>), CgroupError> {
+    let cg = VmCgroup::locate(&cgroup::detect()?, name);
+    cg.create(limits)?;
+    let files = cg.open_procs()?;
+    Ok((cg, files))
+}
+
+/// Checks the child joined its cgroup before exec; moves it from here if not.
+fn join_cgroup(cg: &VmCgroup, pid: u32) -> Result<(), CgroupError> {
+    if cg.check_member(pid).is_ok() {
+        return Ok(());
+    }
+    cg.attach(pid)?;
+    cg.check_member(pid)
+}
+
+/// The confinement of an adopted VM: its cgroup is found again from its name and
+/// must already hold the pid.
+fn adopt_confinement(spec: &VmSpec, pid: u32) -> (Confinement, Option<VmCgroup>) {
+    let mut c = Confinement {
+        run_as: spec.run_as.clone(),
+        limits: spec.limits,
+        ..Confinement::default()
+    };
+    let Some(limits) = spec.limits else {
+        return (c, None);
+    };
+    let cg = match cgroup::detect() {
+        Ok(h) => VmCgroup::locate(&h, &spec.name),
+        Err(e) => {
+            c.error = Some(error_chain(&e));
+            return (c, None);
+        }
+    };
+    if let Err(e) = cg.check_member(pid) {
+        c.error = Some(error_chain(&e));
+        return (c, None);
+    }
+    c.cgroup_dirs = cg.dirs.clone();
+    match cg.read_limits() {
+        Ok((cpu, mem)) if cpu == Some(limits.cpu_millis) && mem == Some(limits.memory_bytes) => {
+            c.limits_applied = true;
+        }
+        Ok((cpu, mem)) => {
+            c.error = Some(format!(
+                "cgroup holds cpu_millis {cpu:?}, memory_bytes {mem:?}; the spec says {}, {}",
+                limits.cpu_millis, limits.memory_bytes
+            ));
+        }
+        Err(e) => c.error = Some(error_chain(&e)),
+    }
+    (c, Some(cg))
+}
+
+/// An error and its sources on one line.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(inner) = src {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        src = inner.source();
+    }
+    s
+}
+
 /// The pid of a QEMU that still runs for this run dir, if any.
 fn live_qemu_in(spec: &VmSpec) -> Option<u32> {
     let pid: u32 = std::fs::read_to_string(spec.pid_file())
@@ -343,12 +494,14 @@ async fn wait_qmp(
     }
 }
 
-/// Kills the process on drop unless disarmed (startup failures leave nothing behind).
-struct KillGuard(Option<Arc<OwnedFd>>);
+/// Kills the process on drop unless disarmed (startup failures leave nothing behind),
+/// and removes its cgroup once it is gone.
+struct KillGuard(Option<Arc<OwnedFd>>, Option<VmCgroup>);
 
 impl KillGuard {
     fn disarm(mut self) {
         self.0 = None;
+        self.1 = None;
     }
 }
 
@@ -356,6 +509,13 @@ impl Drop for KillGuard {
     fn drop(&mut self) {
         if let Some(fd) = &self.0 {
             let _ = pidfd_send_signal(fd, libc::SIGKILL);
+            if let (Some(cg), Ok(rt)) = (self.1.take(), tokio::runtime::Handle::try_current()) {
+                rt.spawn(async move {
+                    if let Err(e) = cg.remove().await {
+                        tracing::warn!(error = %error_chain(&e), "cgroup of a failed start left behind");
+                    }
+                });
+            }
         }
     }
 }
@@ -374,6 +534,7 @@ pub struct QemuVm {
     expected: Arc<AtomicBool>,
     exit_rx: watch::Receiver<Option<VmExit>>,
     tasks: Vec<JoinHandle<()>>,
+    confinement: Confinement,
 }
 
 impl std::fmt::Debug for QemuVm {
@@ -406,6 +567,7 @@ impl QemuVm {
         exit_rx: watch::Receiver<Option<VmExit>>,
         exiter: Exiter,
         exit_tx: watch::Sender<Option<VmExit>>,
+        (confinement, cgroup): (Confinement, Option<VmCgroup>),
     ) -> Result<Self, VmmError> {
         let mut tasks = Vec::new();
         let stream = console::connect(&spec.console_socket(), Duration::from_secs(5))
@@ -423,6 +585,7 @@ impl QemuVm {
             expected.clone(),
             exiter,
             exit_tx,
+            cgroup,
         )));
         Ok(QemuVm {
             spec,
@@ -432,6 +595,7 @@ impl QemuVm {
             expected,
             exit_rx,
             tasks,
+            confinement,
         })
     }
 
@@ -757,6 +921,10 @@ impl Vm for QemuVm {
         self.exit_rx.borrow().clone()
     }
 
+    fn confinement(&self) -> Confinement {
+        self.confinement.clone()
+    }
+
     async fn qmp(&self, command: &str, arguments: Option<Value>) -> Result<Value, VmmError> {
         self.exec(command, arguments).await
     }
@@ -770,6 +938,7 @@ async fn monitor(
     expected: Arc<AtomicBool>,
     exiter: Exiter,
     tx: watch::Sender<Option<VmExit>>,
+    cgroup: Option<VmCgroup>,
 ) {
     let (code, signal) = match exiter {
         Exiter::Child(mut child) => match child.wait().await {
@@ -788,6 +957,12 @@ async fn monitor(
     let t0 = Instant::now();
     while !qmp.is_closed() && t0.elapsed() < Duration::from_millis(500) {
         tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The process is gone: its cgroup goes before anyone hears of the exit.
+    if let Some(cg) = cgroup {
+        if let Err(e) = cg.remove().await {
+            tracing::warn!(name = %spec.name, error = %error_chain(&e), "cannot remove the VM's cgroup");
+        }
     }
     let events = qmp.events();
     let stderr_tail = last_lines(&tail_file(&spec.stderr_file(), 4096), 5);

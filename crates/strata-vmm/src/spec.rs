@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use strata_core::Accel;
 
+use crate::cgroup::Limits;
+
 /// Longest path a unix socket can bind to (`sun_path` is 108 bytes incl. the NUL).
 pub const MAX_SOCKET_PATH: usize = 107;
 
@@ -162,6 +164,14 @@ pub struct VmSpec {
     /// Run QEMU under its seccomp filter (`-sandbox on,spawn=deny,...`).
     #[serde(default = "default_true")]
     pub seccomp: bool,
+    /// Unprivileged user QEMU switches to (`-runas`) once it has opened its files
+    /// (RAM file, disk, kernel, initrd, sockets) as the starting user. `None`: QEMU
+    /// keeps the starting user. See [`crate::default_vm_user`].
+    #[serde(default)]
+    pub run_as: Option<String>,
+    /// CPU and memory limits, enforced through a per-VM cgroup (see [`crate::cgroup`]).
+    #[serde(default)]
+    pub limits: Option<Limits>,
 }
 
 fn default_true() -> bool {
@@ -170,7 +180,7 @@ fn default_true() -> bool {
 
 impl VmSpec {
     /// A spec with the defaults filled in (1 vCPU, 256 MiB, TCG, no network rules,
-    /// 1 MiB console log, `qemu-system-x86_64`, seccomp on).
+    /// 1 MiB console log, `qemu-system-x86_64`, seccomp on, no `run_as`, no limits).
     pub fn new(
         name: impl Into<String>,
         run_dir: impl Into<PathBuf>,
@@ -195,6 +205,8 @@ impl VmSpec {
             console_log_max_bytes: DEFAULT_CONSOLE_LOG_MAX,
             qemu_binary: PathBuf::from(DEFAULT_QEMU),
             seccomp: true,
+            run_as: None,
+            limits: None,
         }
     }
 
@@ -254,6 +266,19 @@ impl VmSpec {
             if p.to_str().is_none() {
                 return Err(format!("{what} {p:?} is not UTF-8"));
             }
+        }
+        if let Some(user) = &self.run_as {
+            if user.is_empty()
+                || user.starts_with('-')
+                || !user
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | '$'))
+            {
+                return Err(format!("run_as {user:?} is not a valid user name"));
+            }
+        }
+        if let Some(limits) = &self.limits {
+            limits.validate()?;
         }
         for f in &self.net.hostfwd {
             if f.host_port == 0 || f.guest_port == 0 {
