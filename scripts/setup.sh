@@ -22,6 +22,16 @@ modprobe loop 2>/dev/null || true
 modprobe btrfs 2>/dev/null || true
 grep -qw btrfs /proc/filesystems || { echo "setup: this kernel has no btrfs support" >&2; exit 1; }
 
+# QEMU drops to this system user after opening its files (`-runas`, see docs/hardening.md).
+# /dev/kvm is opened before the drop; the kvm group lets the user reopen it if QEMU ever needs to.
+if ! getent passwd strata-vm >/dev/null; then
+  echo "setup: creating system user strata-vm" >&2
+  useradd --system --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin strata-vm
+fi
+if getent group kvm >/dev/null && ! id -nG strata-vm | tr ' ' '\n' | grep -qx kvm; then
+  usermod -a -G kvm strata-vm
+fi
+
 if ! command -v cargo >/dev/null; then
   if [ -x "$HOME/.cargo/bin/cargo" ]; then export PATH="$HOME/.cargo/bin:$PATH"; else
     echo "setup: cargo not found: install Rust (rustup) first" >&2; exit 1; fi
