@@ -1,0 +1,102 @@
+//! Authentication: `X-API-KEY` on the control plane, the per-sandbox
+//! `X-Access-Token` on envd (HMAC-SHA256 of the sandbox id under a secret).
+
+use std::sync::Arc;
+
+use axum::extract::{Request, State};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use rand::RngCore;
+use sha2::{Digest, Sha256};
+
+use crate::control::E2bError;
+use crate::E2b;
+
+/// 32 random bytes.
+pub fn random_secret() -> Vec<u8> {
+    let mut k = vec![0u8; 32];
+    rand::thread_rng().fill_bytes(&mut k);
+    k
+}
+
+/// HMAC-SHA256 (RFC 2104).
+pub fn hmac_sha256(key: &[u8], msg: &[u8]) -> [u8; 32] {
+    const BLOCK: usize = 64;
+    let mut k = [0u8; BLOCK];
+    if key.len() > BLOCK {
+        k[..32].copy_from_slice(&Sha256::digest(key));
+    } else {
+        k[..key.len()].copy_from_slice(key);
+    }
+    let mut inner = Sha256::new();
+    inner.update(k.map(|b| b ^ 0x36));
+    inner.update(msg);
+    let ih = inner.finalize();
+    let mut outer = Sha256::new();
+    outer.update(k.map(|b| b ^ 0x5c));
+    outer.update(ih);
+    outer.finalize().into()
+}
+
+/// The envd access token of sandbox `id`.
+pub fn envd_token(secret: &[u8], id: &str) -> String {
+    hex::encode(hmac_sha256(
+        secret,
+        format!("strata-e2b envd {id}").as_bytes(),
+    ))
+}
+
+/// Compares without an early exit on the first differing byte.
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Middleware of the control plane: a configured `X-API-KEY` or 401.
+pub async fn require_api_key(State(st): State<Arc<E2b>>, req: Request, next: Next) -> Response {
+    if st.cfg.api_keys.is_empty() {
+        return next.run(req).await;
+    }
+    let given = req
+        .headers()
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    if st
+        .cfg
+        .api_keys
+        .iter()
+        .any(|k| constant_time_eq(k.as_bytes(), given.as_bytes()))
+    {
+        return next.run(req).await;
+    }
+    let msg = if given.is_empty() {
+        "missing X-API-KEY header"
+    } else {
+        "invalid API key"
+    };
+    E2bError::new(401, msg).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hmac_matches_rfc4231_case_2() {
+        let mac = hmac_sha256(b"Jefe", b"what do ya want for nothing?");
+        assert_eq!(
+            hex::encode(mac),
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+        );
+    }
+
+    #[test]
+    fn tokens_depend_on_secret_and_id() {
+        let a = envd_token(b"s1", "sbx-a");
+        assert_eq!(a, envd_token(b"s1", "sbx-a"));
+        assert_ne!(a, envd_token(b"s2", "sbx-a"));
+        assert_ne!(a, envd_token(b"s1", "sbx-b"));
+        assert!(constant_time_eq(a.as_bytes(), a.as_bytes()));
+        assert!(!constant_time_eq(a.as_bytes(), b"x"));
+    }
+}

@@ -1,0 +1,582 @@
+//! E2B process handles on top of strata's one-shot exec.
+//!
+//! envd keeps every process it started in a table by pid: clients attach
+//! (`Connect`), list, signal, write to stdin after the start. strata's
+//! service offers one call, `exec`, that runs a command and streams its
+//! output to the one caller. This module builds the rest in the guest with
+//! a small `sh` wrapper, run through that same exec:
+//!
+//! - the wrapper prints a marker line with its pid (`\x1estrata-e2b-pid N`)
+//!   on stdout, then `exec`s the command: the pid is the command's, and
+//!   since the agent starts every command in its own session, also its
+//!   process group;
+//! - with `stdin: true` the wrapper first makes a FIFO under
+//!   `/tmp/.strata-e2b/`, starts a holder process (`sleep`) that keeps its
+//!   write end open, and reads stdin from it: `SendInput` is another exec
+//!   (`cat > fifo`), `CloseStdin` kills the holder (the reader sees EOF);
+//! - signals are another exec, `kill -s SIG -- -PID` (the process group);
+//! - one pump task per process reads the exec stream and fans the events
+//!   out to the attached clients, so a process outlives the request that
+//!   started it.
+//!
+//! Limits (a service-level process API would lift them): output is only
+//! delivered live (no replay to a late `Connect`); when the sandbox
+//! hibernates the exec stream ends, so a process that keeps running in the
+//! woken guest is "detached": it is listed and can be signalled, a
+//! `Connect` to it reports its end (polled) but not its output or exit code;
+//! the table is in memory (a daemon restart forgets it); each signal, input
+//! or close costs one exec round trip.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use strata_core::SandboxId;
+use stratad::engine::{ExecEvent, ExecRequest, ExecStream};
+use stratad::service::Service;
+use tokio::sync::mpsc;
+
+use crate::connect::{Code, ConnectError};
+use crate::envd::service_err;
+use crate::proto::{exit_status, ProcessConfig, ProcessEvent, ProcessInfo};
+
+/// Guest directory of the FIFOs and holder pid files.
+pub const GUEST_DIR: &str = "/tmp/.strata-e2b";
+
+const MARKER: &[u8] = b"\x1estrata-e2b-pid ";
+
+/// The wrapper: `sh -c WRAPPER strata-e2b <stdin 0|1> <cmd> <args…>`.
+const WRAPPER: &str = r#"d=/tmp/.strata-e2b
+if [ "$1" = 1 ]; then
+  mkdir -p "$d" || exit 126
+  f="$d/$$.stdin"
+  rm -f "$f"
+  mkfifo -m 600 "$f" || exit 126
+  sleep 2147483647 >"$f" </dev/null 2>/dev/null &
+  echo $! >"$d/$$.holder"
+  exec <"$f"
+else
+  exec </dev/null
+fi
+shift
+printf '\036strata-e2b-pid %s\n' "$$"
+exec "$@"
+"#;
+
+/// The argv that runs `cmd args` under the wrapper.
+pub fn wrapper_argv(stdin: bool, cmd: &str, args: &[String]) -> Vec<String> {
+    let mut v = vec![
+        "/bin/sh".to_owned(),
+        "-c".to_owned(),
+        WRAPPER.to_owned(),
+        "strata-e2b".to_owned(),
+        if stdin { "1" } else { "0" }.to_owned(),
+        cmd.to_owned(),
+    ];
+    v.extend(args.iter().cloned());
+    v
+}
+
+/// Looks for the marker line at the start of `buf`: `Some(Ok((pid, rest)))`
+/// when complete, `None` when more bytes are needed, `Some(Err)` when the
+/// output does not start with the marker.
+pub fn parse_marker(buf: &[u8]) -> Option<Result<(u32, &[u8]), ()>> {
+    let n = buf.len().min(MARKER.len());
+    if buf[..n] != MARKER[..n] {
+        return Some(Err(()));
+    }
+    let nl = match buf.iter().position(|&b| b == b'\n') {
+        Some(i) => i,
+        None if buf.len() > 64 => return Some(Err(())),
+        None => return None,
+    };
+    let num = buf.get(MARKER.len()..nl)?;
+    let pid = std::str::from_utf8(num).ok().and_then(|s| s.parse().ok());
+    Some(pid.map(|p| (p, &buf[nl + 1..])).ok_or(()))
+}
+
+#[derive(Debug, Default)]
+struct ProcState {
+    subscribers: Vec<mpsc::Sender<ProcessEvent>>,
+    /// The exec stream still delivers this process's output.
+    attached: bool,
+}
+
+/// A process started through envd.
+#[derive(Debug)]
+pub struct Proc {
+    /// Pid in the guest.
+    pub pid: u32,
+    /// Caller's tag.
+    pub tag: Option<String>,
+    /// How it was started.
+    pub config: ProcessConfig,
+    /// Whether it reads stdin from a FIFO.
+    pub stdin: bool,
+    state: Mutex<ProcState>,
+}
+
+impl Proc {
+    /// Whether output is still delivered live.
+    pub fn attached(&self) -> bool {
+        self.lock().attached
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, ProcState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A new client: it gets the events from now on (`None`: detached).
+    pub fn subscribe(&self) -> Option<mpsc::Receiver<ProcessEvent>> {
+        let mut s = self.lock();
+        if !s.attached {
+            return None;
+        }
+        let (tx, rx) = mpsc::channel(256);
+        s.subscribers.push(tx);
+        Some(rx)
+    }
+
+    async fn publish(&self, ev: ProcessEvent) {
+        let subs = self.lock().subscribers.clone();
+        for tx in subs {
+            let _ = tx.send(ev.clone()).await;
+        }
+        self.lock().subscribers.retain(|t| !t.is_closed());
+    }
+
+    fn detach(&self) {
+        let mut s = self.lock();
+        s.attached = false;
+        s.subscribers.clear();
+    }
+
+    /// The `ProcessInfo` of `List`.
+    pub fn info(&self) -> ProcessInfo {
+        ProcessInfo {
+            config: self.config.clone(),
+            pid: self.pid,
+            tag: self.tag.clone(),
+        }
+    }
+}
+
+/// The processes started through envd, per sandbox.
+#[derive(Debug, Default)]
+pub struct Registry {
+    map: Mutex<HashMap<SandboxId, HashMap<u32, Arc<Proc>>>>,
+}
+
+impl Registry {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<SandboxId, HashMap<u32, Arc<Proc>>>> {
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The processes of a sandbox.
+    pub fn all(&self, id: &SandboxId) -> Vec<Arc<Proc>> {
+        self.lock()
+            .get(id)
+            .map(|m| m.values().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// A process by pid or tag.
+    pub fn find(&self, id: &SandboxId, pid: Option<u32>, tag: Option<&str>) -> Option<Arc<Proc>> {
+        let g = self.lock();
+        let m = g.get(id)?;
+        match (pid, tag) {
+            (Some(p), _) => m.get(&p).cloned(),
+            (None, Some(t)) => m.values().find(|p| p.tag.as_deref() == Some(t)).cloned(),
+            (None, None) => None,
+        }
+    }
+
+    fn insert(&self, id: &SandboxId, p: Arc<Proc>) {
+        self.lock().entry(id.clone()).or_default().insert(p.pid, p);
+    }
+
+    /// Drops a process (it ended).
+    pub fn remove(&self, id: &SandboxId, pid: u32) {
+        let mut g = self.lock();
+        if let Some(m) = g.get_mut(id) {
+            m.remove(&pid);
+            if m.is_empty() {
+                g.remove(id);
+            }
+        }
+    }
+
+    /// Forgets a deleted sandbox's processes.
+    pub fn forget_sandbox(&self, id: &SandboxId) {
+        if let Some(m) = self.lock().remove(id) {
+            m.values().for_each(|p| p.detach());
+        }
+    }
+
+    /// Marks a sandbox's processes detached (it hibernated: the exec streams end).
+    pub fn detach_sandbox(&self, id: &SandboxId) {
+        for p in self.all(id) {
+            p.detach();
+        }
+    }
+}
+
+/// Runs a short helper command in the guest and collects it.
+pub async fn run_helper(
+    svc: &Arc<Service>,
+    id: &SandboxId,
+    argv: Vec<String>,
+    stdin: Option<Vec<u8>>,
+    timeout_s: u64,
+) -> Result<(Option<i32>, Vec<u8>, Vec<u8>), ConnectError> {
+    let mut s = svc
+        .exec(
+            id,
+            ExecRequest {
+                cmd: argv,
+                stdin,
+                timeout_s: Some(timeout_s),
+                ..ExecRequest::default()
+            },
+        )
+        .await
+        .map_err(service_err)?;
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    while let Some(ev) = s.next().await {
+        match ev.map_err(|e| ConnectError::new(Code::Unavailable, e.to_string()))? {
+            ExecEvent::Stdout(b) => out.extend_from_slice(&b),
+            ExecEvent::Stderr(b) => err.extend_from_slice(&b),
+            ExecEvent::Exit { code, .. } => return Ok((code, out, err)),
+        }
+    }
+    Err(ConnectError::new(
+        Code::Unavailable,
+        "the command's stream ended without an exit status",
+    ))
+}
+
+/// Which of `pids` still run in the guest.
+pub async fn alive(
+    svc: &Arc<Service>,
+    id: &SandboxId,
+    pids: &[u32],
+) -> Result<Vec<u32>, ConnectError> {
+    if pids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut argv = vec![
+        "/bin/sh".to_owned(),
+        "-c".to_owned(),
+        // A zombie has no cmdline: it counts as gone.
+        r#"for p in "$@"; do [ -s /proc/$p/cmdline ] && echo $p; done; true"#.to_owned(),
+        "alive".to_owned(),
+    ];
+    argv.extend(pids.iter().map(|p| p.to_string()));
+    let (_, out, _) = run_helper(svc, id, argv, None, 10).await?;
+    Ok(String::from_utf8_lossy(&out)
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect())
+}
+
+/// What [`start`] returns: the process and the starter's event receiver.
+pub type Started = (Arc<Proc>, mpsc::Receiver<ProcessEvent>);
+
+/// Starts a process: runs the wrapper, waits for its pid, registers it and
+/// spawns the pump that delivers its events.
+pub async fn start(
+    svc: &Arc<Service>,
+    reg: &Arc<Registry>,
+    id: &SandboxId,
+    config: ProcessConfig,
+    env: std::collections::BTreeMap<String, String>,
+    tag: Option<String>,
+    stdin: bool,
+) -> Result<Started, ConnectError> {
+    let argv = wrapper_argv(stdin, &config.cmd, &config.args);
+    let mut stream = svc
+        .exec(
+            id,
+            ExecRequest {
+                cmd: argv,
+                env,
+                cwd: config.cwd.clone(),
+                stdin: None,
+                timeout_s: None,
+            },
+        )
+        .await
+        .map_err(service_err)?;
+    let mut head = Vec::new();
+    let mut early_err = Vec::new();
+    let (pid, rest) = loop {
+        match stream.next().await {
+            Some(Ok(ExecEvent::Stdout(b))) => {
+                head.extend_from_slice(&b);
+                match parse_marker(&head) {
+                    None => continue,
+                    Some(Ok((pid, rest))) => break (pid, rest.to_vec()),
+                    Some(Err(())) => {
+                        return Err(ConnectError::new(
+                            Code::Internal,
+                            "the process wrapper did not report a pid",
+                        ))
+                    }
+                }
+            }
+            Some(Ok(ExecEvent::Stderr(b))) => early_err.extend_from_slice(&b),
+            Some(Ok(ExecEvent::Exit { code, signal })) => {
+                let (c, status) = exit_status(code, signal);
+                return Err(ConnectError::new(
+                    if c == 126 {
+                        Code::FailedPrecondition
+                    } else {
+                        Code::Unknown
+                    },
+                    format!(
+                        "the process did not start ({status}): {}",
+                        String::from_utf8_lossy(&early_err).trim()
+                    ),
+                ));
+            }
+            Some(Err(e)) => return Err(ConnectError::new(Code::Unavailable, e.to_string())),
+            None => {
+                return Err(ConnectError::new(
+                    Code::Unavailable,
+                    "the exec stream ended before the process started",
+                ))
+            }
+        }
+    };
+    let proc = Arc::new(Proc {
+        pid,
+        tag,
+        config,
+        stdin,
+        state: Mutex::new(ProcState {
+            subscribers: Vec::new(),
+            attached: true,
+        }),
+    });
+    let rx = proc
+        .subscribe()
+        .ok_or_else(|| ConnectError::new(Code::Internal, "process detached before it started"))?;
+    reg.insert(id, proc.clone());
+    let mut first = Vec::new();
+    if !early_err.is_empty() {
+        first.push(ProcessEvent::Stderr(early_err));
+    }
+    if !rest.is_empty() {
+        first.push(ProcessEvent::Stdout(rest));
+    }
+    tokio::spawn(pump(
+        svc.clone(),
+        reg.clone(),
+        id.clone(),
+        proc.clone(),
+        stream,
+        first,
+    ));
+    Ok((proc, rx))
+}
+
+async fn pump(
+    svc: Arc<Service>,
+    reg: Arc<Registry>,
+    id: SandboxId,
+    proc: Arc<Proc>,
+    mut stream: ExecStream,
+    first: Vec<ProcessEvent>,
+) {
+    for ev in first {
+        proc.publish(ev).await;
+    }
+    loop {
+        match stream.next().await {
+            Some(Ok(ExecEvent::Stdout(b))) => proc.publish(ProcessEvent::Stdout(b.to_vec())).await,
+            Some(Ok(ExecEvent::Stderr(b))) => proc.publish(ProcessEvent::Stderr(b.to_vec())).await,
+            Some(Ok(ExecEvent::Exit { code, signal })) => {
+                let (exit_code, status) = exit_status(code, signal);
+                reg.remove(&id, proc.pid);
+                proc.publish(ProcessEvent::End {
+                    exit_code,
+                    exited: code.is_some(),
+                    status,
+                    error: None,
+                })
+                .await;
+                proc.detach();
+                if proc.stdin {
+                    let argv = vec![
+                        "/bin/sh".to_owned(),
+                        "-c".to_owned(),
+                        r#"h="$0/$1.holder"; [ -f "$h" ] && kill "$(cat "$h")" 2>/dev/null; rm -f "$h" "$0/$1.stdin"; true"#.to_owned(),
+                        GUEST_DIR.to_owned(),
+                        proc.pid.to_string(),
+                    ];
+                    if let Err(e) = run_helper(&svc, &id, argv, None, 10).await {
+                        tracing::debug!(sandbox = %id, pid = proc.pid, error = %e, "stdin cleanup failed");
+                    }
+                }
+                return;
+            }
+            Some(Err(e)) => {
+                // The VM went away under the stream (hibernation, death):
+                // the process may live on in the woken guest.
+                tracing::info!(sandbox = %id, pid = proc.pid, error = %e, "process output detached");
+                proc.detach();
+                return;
+            }
+            None => {
+                proc.detach();
+                return;
+            }
+        }
+    }
+}
+
+/// Sends signal `sig` to the process group of `pid`.
+pub async fn signal(
+    svc: &Arc<Service>,
+    id: &SandboxId,
+    pid: u32,
+    sig: i32,
+) -> Result<(), ConnectError> {
+    let argv = vec![
+        "/bin/sh".to_owned(),
+        "-c".to_owned(),
+        r#"kill -s "$0" -- "-$1" 2>/dev/null || kill -s "$0" "$1""#.to_owned(),
+        if sig == 9 { "KILL" } else { "TERM" }.to_owned(),
+        pid.to_string(),
+    ];
+    let (code, _, err) = run_helper(svc, id, argv, None, 10).await?;
+    if code != Some(0) {
+        return Err(ConnectError::new(
+            Code::NotFound,
+            format!(
+                "process {pid} not found: {}",
+                String::from_utf8_lossy(&err).trim()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Writes `data` to the stdin FIFO of `pid`.
+pub async fn send_input(
+    svc: &Arc<Service>,
+    id: &SandboxId,
+    pid: u32,
+    data: Vec<u8>,
+) -> Result<(), ConnectError> {
+    let argv = vec![
+        "/bin/sh".to_owned(),
+        "-c".to_owned(),
+        r#"f="$0/$1.stdin"; [ -p "$f" ] || exit 3; cat >"$f""#.to_owned(),
+        GUEST_DIR.to_owned(),
+        pid.to_string(),
+    ];
+    match run_helper(svc, id, argv, Some(data), 30).await?.0 {
+        Some(0) => Ok(()),
+        Some(3) => Err(ConnectError::new(
+            Code::FailedPrecondition,
+            format!("process {pid} has no open stdin (start it with stdin=True)"),
+        )),
+        other => Err(ConnectError::new(
+            Code::Unknown,
+            format!("writing to the stdin of {pid} failed ({other:?})"),
+        )),
+    }
+}
+
+/// Closes the stdin of `pid` (the reader sees EOF once the FIFO drains).
+pub async fn close_stdin(svc: &Arc<Service>, id: &SandboxId, pid: u32) -> Result<(), ConnectError> {
+    let argv = vec![
+        "/bin/sh".to_owned(),
+        "-c".to_owned(),
+        r#"h="$0/$1.holder"; [ -f "$h" ] || exit 3; kill "$(cat "$h")"; rm -f "$h""#.to_owned(),
+        GUEST_DIR.to_owned(),
+        pid.to_string(),
+    ];
+    match run_helper(svc, id, argv, None, 10).await?.0 {
+        Some(0) => Ok(()),
+        _ => Err(ConnectError::new(
+            Code::FailedPrecondition,
+            format!("process {pid} has no open stdin"),
+        )),
+    }
+}
+
+/// How often a detached process is polled by `Connect`.
+pub const DETACHED_POLL: Duration = Duration::from_secs(2);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn marker_parsing() {
+        assert_eq!(
+            parse_marker(b"\x1estrata-e2b-pid 42\nhello"),
+            Some(Ok((42, &b"hello"[..])))
+        );
+        assert_eq!(parse_marker(b"\x1estrata-e2b-pid 4"), None);
+        assert_eq!(parse_marker(b"\x1estrata"), None);
+        assert_eq!(parse_marker(b"hello\n"), Some(Err(())));
+        assert_eq!(parse_marker(b"\x1estrata-e2b-pid x\n"), Some(Err(())));
+    }
+
+    #[test]
+    fn wrapper_argv_keeps_the_command_verbatim() {
+        let v = wrapper_argv(
+            true,
+            "/bin/bash",
+            &["-l".into(), "-c".into(), "echo 'a b'".into()],
+        );
+        assert_eq!(v[0], "/bin/sh");
+        assert_eq!(v[4], "1");
+        assert_eq!(&v[5..], ["/bin/bash", "-l", "-c", "echo 'a b'"]);
+    }
+
+    #[tokio::test]
+    async fn wrapper_runs_on_this_host() {
+        // The wrapper is plain POSIX sh: check it here with the host's sh.
+        let out = tokio::process::Command::new("/bin/sh")
+            .args(
+                &wrapper_argv(
+                    false,
+                    "/bin/sh",
+                    &["-c".into(), "echo out; echo err >&2; exit 3".into()],
+                )[1..],
+            )
+            .output()
+            .await
+            .unwrap();
+        let (pid, rest) = parse_marker(&out.stdout).unwrap().unwrap();
+        assert!(pid > 1);
+        assert_eq!(rest, b"out\n");
+        assert_eq!(out.stderr, b"err\n");
+        assert_eq!(out.status.code(), Some(3));
+    }
+
+    #[tokio::test]
+    async fn subscribers_get_events_until_detached() {
+        let p = Proc {
+            pid: 1,
+            tag: None,
+            config: ProcessConfig::default(),
+            stdin: false,
+            state: Mutex::new(ProcState {
+                subscribers: Vec::new(),
+                attached: true,
+            }),
+        };
+        let mut a = p.subscribe().unwrap();
+        p.publish(ProcessEvent::Stdout(b"x".to_vec())).await;
+        assert_eq!(a.recv().await, Some(ProcessEvent::Stdout(b"x".to_vec())));
+        p.detach();
+        assert_eq!(a.recv().await, None);
+        assert!(p.subscribe().is_none());
+    }
+}

@@ -1,0 +1,179 @@
+"""The unmodified `e2b` SDK against strata (real daemon, real guests)."""
+
+import os
+import time
+
+import pytest
+from e2b import Sandbox
+from e2b.exceptions import (
+    AuthenticationException,
+    NotFoundException,
+    SandboxException,
+)
+from e2b.sandbox.commands.command_handle import CommandExitException
+
+from conftest import SUITE
+
+
+def test_run_stdout_stderr_exit_code(sbx):
+    r = sbx.commands.run("echo hello; echo oops >&2")
+    assert r.exit_code == 0
+    assert r.stdout == "hello\n"
+    assert r.stderr == "oops\n"
+
+
+def test_nonzero_exit_raises(sbx):
+    with pytest.raises(CommandExitException) as ei:
+        sbx.commands.run("echo partial; exit 7")
+    assert ei.value.exit_code == 7
+    assert ei.value.stdout == "partial\n"
+
+
+def test_envs_and_cwd(sbx):
+    r = sbx.commands.run("echo $FOO; pwd", envs={"FOO": "bar"}, cwd="/tmp")
+    assert r.stdout == "bar\n/tmp\n"
+
+
+def test_streaming_callbacks(sbx):
+    out, err = [], []
+    r = sbx.commands.run(
+        "for i in 1 2 3; do echo out$i; echo err$i >&2; sleep 0.2; done",
+        on_stdout=out.append,
+        on_stderr=err.append,
+    )
+    assert "".join(out) == "out1\nout2\nout3\n"
+    assert "".join(err) == "err1\nerr2\nerr3\n"
+    assert r.exit_code == 0
+
+
+def test_background_command_list_and_kill(sbx):
+    h = sbx.commands.run("sleep 600", background=True)
+    assert h.pid > 1
+    pids = [p.pid for p in sbx.commands.list()]
+    assert h.pid in pids
+    assert sbx.commands.kill(h.pid) is True
+    with pytest.raises(CommandExitException):
+        h.wait()
+    assert h.pid not in [p.pid for p in sbx.commands.list()]
+
+
+def test_stdin(sbx):
+    h = sbx.commands.run("cat", background=True, stdin=True)
+    sbx.commands.send_stdin(h.pid, "hello ")
+    sbx.commands.send_stdin(h.pid, "stdin\n")
+    sbx.commands.close_stdin(h.pid)
+    r = h.wait()
+    assert r.stdout == "hello stdin\n"
+    assert r.exit_code == 0
+
+
+def test_connect_to_running_command(sbx):
+    h = sbx.commands.run("sleep 1; echo late", background=True)
+    h2 = sbx.commands.connect(h.pid)
+    r = h2.wait()
+    assert r.stdout == "late\n"
+    h.wait()
+
+
+def test_files(sbx):
+    info = sbx.files.write("/tmp/e2b-test/dir/a.txt", "hello file")
+    assert info.path == "/tmp/e2b-test/dir/a.txt"
+    assert info.name == "a.txt"
+    assert sbx.files.read("/tmp/e2b-test/dir/a.txt") == "hello file"
+    assert sbx.files.read("/tmp/e2b-test/dir/a.txt", format="bytes") == bytearray(b"hello file")
+    sbx.files.write("/tmp/e2b-test/bin.dat", bytes(range(256)))
+    assert bytes(sbx.files.read("/tmp/e2b-test/bin.dat", format="bytes")) == bytes(range(256))
+    assert sbx.files.exists("/tmp/e2b-test/dir/a.txt")
+    assert not sbx.files.exists("/tmp/e2b-test/missing")
+    names = sorted(e.name for e in sbx.files.list("/tmp/e2b-test"))
+    assert names == ["bin.dat", "dir"]
+    deep = sorted(e.path for e in sbx.files.list("/tmp/e2b-test", depth=2))
+    assert "/tmp/e2b-test/dir/a.txt" in deep
+    assert sbx.files.make_dir("/tmp/e2b-test/new/sub") is True
+    assert sbx.files.make_dir("/tmp/e2b-test/new/sub") is False
+    st = sbx.files.get_info("/tmp/e2b-test/dir/a.txt")
+    assert st.size == len("hello file")
+    assert st.type.value == "file"
+    sbx.files.rename("/tmp/e2b-test/dir/a.txt", "/tmp/e2b-test/b.txt")
+    assert sbx.files.read("/tmp/e2b-test/b.txt") == "hello file"
+    sbx.files.remove("/tmp/e2b-test/b.txt")
+    assert not sbx.files.exists("/tmp/e2b-test/b.txt")
+    with pytest.raises(NotFoundException):
+        sbx.files.read("/tmp/e2b-test/b.txt")
+    # The files are the guest's: a command sees them.
+    assert sbx.commands.run("cat /tmp/e2b-test/bin.dat | wc -c").stdout.strip() == "256"
+
+
+def test_get_info_and_list_with_metadata(sbx):
+    info = sbx.get_info()
+    assert info.sandbox_id == sbx.sandbox_id
+    assert info.metadata.get("suite") == SUITE
+    assert info.state.value == "running"
+    assert info.cpu_count >= 1 and info.memory_mb >= 64
+    listed = Sandbox.list(query=__import__("e2b").SandboxQuery(metadata={"suite": SUITE, "role": "shared"}))
+    items = listed.next_items()
+    assert [s.sandbox_id for s in items] == [sbx.sandbox_id]
+    none = Sandbox.list(query=__import__("e2b").SandboxQuery(metadata={"suite": "no-such-suite"}))
+    assert none.next_items() == []
+
+
+def test_set_timeout(sbx):
+    before = sbx.get_info().end_at
+    sbx.set_timeout(3600)
+    after = sbx.get_info().end_at
+    assert after > before
+    sbx.set_timeout(600)
+
+
+def test_pause_and_connect_keeps_processes_and_files():
+    s = Sandbox.create(metadata={"suite": SUITE, "role": "pause"}, timeout=600)
+    try:
+        s.files.write("/root/kept.txt", "still here")
+        h = s.commands.run("sleep 900", background=True)
+        assert s.pause() is True
+        assert s.get_info().state.value == "paused"
+        assert Sandbox.pause(s.sandbox_id) is False  # already paused: 409
+        s2 = Sandbox.connect(s.sandbox_id)
+        assert s2.get_info().state.value == "running"
+        assert s2.files.read("/root/kept.txt") == "still here"
+        # The process survived the hibernation (memory was kept).
+        assert s2.commands.run(f"kill -0 {h.pid} && echo alive").stdout == "alive\n"
+        assert h.pid in [p.pid for p in s2.commands.list()]
+        assert s2.commands.kill(h.pid) is True
+    finally:
+        assert s.kill() is True
+    assert Sandbox.kill(s.sandbox_id) is False
+    with pytest.raises(NotFoundException):
+        Sandbox.get_info(s.sandbox_id)
+
+
+def test_wrong_api_key():
+    with pytest.raises(AuthenticationException):
+        Sandbox.create(api_key="e2b_wrong_key")
+    with pytest.raises(AuthenticationException):
+        Sandbox.list(api_key="e2b_wrong_key").next_items()
+
+
+def test_unknown_sandbox_is_not_found():
+    unknown = "sbx-doesnotexist0000"
+    with pytest.raises(NotFoundException):
+        Sandbox.connect(unknown)
+    with pytest.raises(NotFoundException):
+        Sandbox.get_info(unknown)
+    assert Sandbox.kill(unknown) is False
+
+
+def test_wrong_envd_token_is_refused(sbx):
+    other = Sandbox.connect(sbx.sandbox_id)
+    other._envd_access_token = "wrong"
+    # The connection keeps its headers; build one with the wrong token.
+    from e2b.connection_config import ConnectionConfig
+    import httpx
+
+    r = httpx.post(
+        os.environ["E2B_SANDBOX_URL"] + "/filesystem.Filesystem/Stat",
+        json={"path": "/"},
+        headers={"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": "wrong"},
+    )
+    assert r.status_code == 401
+    assert r.json()["code"] == "unauthenticated"
