@@ -67,8 +67,11 @@ pub fn qemu_args(spec: &VmSpec, host_tsc_khz: Option<u64>) -> Vec<String> {
         "memory-backend-file,id=ram,size={mem},mem-path={},share=on,prealloc=off",
         path_str(&spec.mem_path)
     );
+    // auto-read-only=off: QEMU keeps the read-write fd it opened at start-up. With the
+    // default (on) it reopens the file read-only when a migration inactivates the disk
+    // and read-write again on `cont`, which fails once it runs as `run_as`.
     let drive = format!(
-        "id=disk0,file={},format=raw,if=none,cache=writeback,discard=unmap,aio=threads",
+        "id=disk0,file={},format=raw,if=none,cache=writeback,discard=unmap,aio=threads,auto-read-only=off",
         path_str(&spec.disk_path)
     );
     let agent = format!(

@@ -185,6 +185,11 @@ impl QemuDriver {
                     }
                 }
                 confinement.cgroup_dirs = cg.dirs.clone();
+                // Recorded for adopters, which may run in another cgroup than we do.
+                let record = spec.cgroup_file();
+                if let Ok(json) = serde_json::to_vec(&cg) {
+                    std::fs::write(&record, json).map_err(|e| VmmError::io(&record, e))?;
+                }
                 Some(cg)
             }
             None => None,
@@ -396,8 +401,8 @@ fn join_cgroup(cg: &VmCgroup, pid: u32) -> Result<(), CgroupError> {
     cg.check_member(pid)
 }
 
-/// The confinement of an adopted VM: its cgroup is found again from its name and
-/// must already hold the pid.
+/// The confinement of an adopted VM: its cgroup (recorded in `cgroup.json` of the
+/// run dir, else located from its name) must already hold the pid.
 fn adopt_confinement(spec: &VmSpec, pid: u32) -> (Confinement, Option<VmCgroup>) {
     let mut c = Confinement {
         run_as: spec.run_as.clone(),
@@ -407,12 +412,18 @@ fn adopt_confinement(spec: &VmSpec, pid: u32) -> (Confinement, Option<VmCgroup>)
     let Some(limits) = spec.limits else {
         return (c, None);
     };
-    let cg = match cgroup::detect() {
-        Ok(h) => VmCgroup::locate(&h, &spec.name),
-        Err(e) => {
-            c.error = Some(error_chain(&e));
-            return (c, None);
-        }
+    let recorded: Option<VmCgroup> = std::fs::read(spec.cgroup_file())
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok());
+    let cg = match recorded {
+        Some(cg) => cg,
+        None => match cgroup::detect() {
+            Ok(h) => VmCgroup::locate(&h, &spec.name),
+            Err(e) => {
+                c.error = Some(error_chain(&e));
+                return (c, None);
+            }
+        },
     };
     if let Err(e) = cg.check_member(pid) {
         c.error = Some(error_chain(&e));

@@ -128,7 +128,9 @@ pub struct VmSpec {
     /// Human name (shown by QEMU as `-name`).
     pub name: String,
     /// Directory for `qmp.sock`, `agent.sock`, `console.sock`, `qemu.pid`,
-    /// `console.log`, `qemu.stderr`. Keep it short: socket paths must fit 107 bytes.
+    /// `console.log`, `qemu.stderr`, `cgroup.json`. Keep it short: socket paths must
+    /// fit 107 bytes. The driver makes it mode 0700, owned by the daemon's user: the
+    /// sockets in it are reachable by nobody else (QEMU opens them before `run_as`).
     pub run_dir: PathBuf,
     /// Guest kernel (bzImage, or an uncompressed PVH `vmlinux`).
     pub kernel: PathBuf,
@@ -229,6 +231,10 @@ impl VmSpec {
     /// `<run_dir>/qemu.pid`.
     pub fn pid_file(&self) -> PathBuf {
         self.run_dir.join("qemu.pid")
+    }
+    /// `<run_dir>/cgroup.json`: the VM's cgroup directories, for adopters.
+    pub fn cgroup_file(&self) -> PathBuf {
+        self.run_dir.join("cgroup.json")
     }
     /// `<run_dir>/qemu.stderr`: QEMU's stdout and stderr.
     pub fn stderr_file(&self) -> PathBuf {
