@@ -7,19 +7,28 @@
 mod common;
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::*;
 use strata_vmm::cgroup::{self, Limits, VmCgroup};
 use strata_vmm::{default_vm_user, lookup_user, QemuDriver, Vm};
 
-struct KillOnDrop(u32);
+/// SIGKILLs a VM we started if the test fails half-way, and removes its cgroup.
+struct KillOnDrop(u32, Vec<PathBuf>);
 impl Drop for KillOnDrop {
     fn drop(&mut self) {
         if Path::new(&format!("/proc/{}", self.0)).exists() {
             // SAFETY: kill(2) with the pid of a QEMU this test started; no memory involved.
             unsafe { libc::kill(self.0 as i32, libc::SIGKILL) };
+        }
+        for _ in 0..100 {
+            self.1
+                .retain(|d| std::fs::remove_dir(d).is_err() && d.exists());
+            if self.1.is_empty() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 }
@@ -68,7 +77,7 @@ async fn qemu_runs_unprivileged_in_its_cgroup_with_private_sockets() {
 
     let vm = QemuDriver::new().start_vm(&spec).await.unwrap();
     let pid = vm.pid();
-    let _g = KillOnDrop(pid);
+    let _g = KillOnDrop(pid, vm.confinement().cgroup_dirs);
     let agent_c = agent(&vm.agent_socket(), Duration::from_secs(120)).await;
     assert_eq!(sh(&agent_c, "echo hi").await, "hi");
 
@@ -194,7 +203,7 @@ async fn restore_under_run_as_and_limits_and_unknown_user() {
     spec.run_as = default_vm_user();
     spec.limits = Some(Limits::for_guest(1, spec.memory_mib));
     let vm = QemuDriver::new().start_vm(&spec).await.unwrap();
-    let _g = KillOnDrop(vm.pid());
+    let _g = KillOnDrop(vm.pid(), vm.confinement().cgroup_dirs);
     let a = agent(&vm.agent_socket(), Duration::from_secs(120)).await;
     sh(&a, "echo 41 > /tmp/x").await;
     drop(a);
@@ -207,7 +216,7 @@ async fn restore_under_run_as_and_limits_and_unknown_user() {
     let mut rspec = restore_spec(&spec, d2.path(), &state, &format!("{name}-r"));
     rspec.start_paused = false;
     let r = QemuDriver::new().start_vm(&rspec).await.unwrap();
-    let _gr = KillOnDrop(r.pid());
+    let _gr = KillOnDrop(r.pid(), r.confinement().cgroup_dirs);
     let a = agent(&r.agent_socket(), Duration::from_secs(30)).await;
     assert_eq!(sh(&a, "cat /tmp/x").await, "41");
     let conf = r.confinement();

@@ -67,6 +67,9 @@ async fn lifecycle() {
     let da = scratch("vmm-a");
     let mut spec_a = image_spec(da.path(), "vmm-a");
     spec_a.console_log_max_bytes = 64 * 1024;
+    // Confined as the daemon runs VMs: unprivileged user (when it exists), cgroup limits.
+    spec_a.run_as = strata_vmm::default_vm_user();
+    spec_a.limits = Some(strata_vmm::Limits::for_guest(1, spec_a.memory_mib));
 
     // --- cold boot to agent-ready
     let t0 = Instant::now();
@@ -254,6 +257,8 @@ async fn lifecycle() {
 
     // --- guest kernel panic is reported as such
     spec_d.seccomp = false;
+    // exec: migration runs `cat > file` as QEMU's user, in a directory only root can enter.
+    spec_d.run_as = None;
     let d = driver.start_vm(&spec_d).await.unwrap();
     let _gd = KillOnDrop(d.pid());
     let agent_d = agent(&d.agent_socket(), Duration::from_secs(30)).await;
