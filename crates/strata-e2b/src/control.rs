@@ -255,6 +255,10 @@ pub async fn kill(State(st): State<Arc<E2b>>, Path(id): Path<String>) -> E2bResu
     let rec = st.record(&id).await?;
     st.svc.delete(&rec.id).await?;
     st.procs.forget_sandbox(&rec.id);
+    st.watchers
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .retain(|_, w| w.sandbox != rec.id);
     st.envs
         .lock()
         .unwrap_or_else(|p| p.into_inner())

@@ -520,6 +520,188 @@ pub async fn remove(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes)
     })
 }
 
+// ---------------------------------------------------------------- watch
+
+/// What a watcher remembers of one entry: kind, size, mtime.
+type Seen = (FileKind, u64, i64);
+
+/// A polling watcher: the listing at the last poll, diffed at the next.
+#[derive(Debug)]
+pub struct Watcher {
+    pub(crate) sandbox: SandboxId,
+    root: String,
+    recursive: bool,
+    seen: BTreeMap<String, Seen>,
+}
+
+/// Most entries a watcher tracks.
+const WATCH_MAX_ENTRIES: usize = 20_000;
+
+async fn snapshot_dir(
+    st: &Arc<E2b>,
+    id: &SandboxId,
+    root: &str,
+    recursive: bool,
+) -> Result<BTreeMap<String, Seen>, ConnectError> {
+    let mut out = BTreeMap::new();
+    let mut level = vec![root.to_owned()];
+    while let Some(dir) = level.pop() {
+        let items = match st.svc.list_dir(id, &dir).await {
+            Ok(v) => v,
+            // A subdirectory removed between two listings.
+            Err(ServiceError::Engine(EngineError::GuestNotFound(_))) if dir != root => continue,
+            Err(e) => return Err(service_err(e)),
+        };
+        for s in items {
+            let p = join(&dir, &s.name);
+            if recursive && s.kind == FileKind::Dir {
+                level.push(p.clone());
+            }
+            let rel = p[root.trim_end_matches('/').len()..]
+                .trim_start_matches('/')
+                .to_owned();
+            out.insert(rel, (s.kind, s.size, s.mtime));
+            if out.len() > WATCH_MAX_ENTRIES {
+                return Err(ConnectError::new(
+                    Code::ResourceExhausted,
+                    format!("more than {WATCH_MAX_ENTRIES} entries to watch"),
+                ));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The events between two listings: `(relative name, EVENT_TYPE_…)`.
+pub fn diff_listings(
+    old: &BTreeMap<String, Seen>,
+    new: &BTreeMap<String, Seen>,
+) -> Vec<(String, &'static str)> {
+    let mut ev = Vec::new();
+    for (k, v) in new {
+        match old.get(k) {
+            None => ev.push((k.clone(), "EVENT_TYPE_CREATE")),
+            Some(o) if o.0 != FileKind::Dir && (o.1 != v.1 || o.2 != v.2) => {
+                ev.push((k.clone(), "EVENT_TYPE_WRITE"))
+            }
+            _ => {}
+        }
+    }
+    for k in old.keys() {
+        if !new.contains_key(k) {
+            ev.push((k.clone(), "EVENT_TYPE_REMOVE"));
+        }
+    }
+    ev
+}
+
+/// `filesystem.Filesystem/CreateWatcher`: remembers the directory's listing.
+pub async fn create_watcher(
+    State(st): State<Arc<E2b>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    unary!(st, headers, body, serde_json::Value, |id, r| async {
+        let path = st.guest_path(r.get("path").and_then(|v| v.as_str()).unwrap_or(""));
+        let recursive = r
+            .get("recursive")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false);
+        let top = st.svc.stat(&id, &path).await.map_err(service_err)?;
+        if top.kind != FileKind::Dir {
+            return Err(ConnectError::new(
+                Code::InvalidArgument,
+                format!("path {path} is not a directory"),
+            ));
+        }
+        let seen = snapshot_dir(&st, &id, &path, recursive).await?;
+        let wid = format!("w-{}", hex::encode(&crate::auth::random_secret()[..8]));
+        st.watchers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(
+                wid.clone(),
+                Watcher {
+                    sandbox: id,
+                    root: path,
+                    recursive,
+                    seen,
+                },
+            );
+        Ok::<_, ConnectError>(json!({ "watcherId": wid }))
+    })
+}
+
+fn watcher_id(r: &serde_json::Value) -> String {
+    r.get("watcherId")
+        .and_then(|v| v.as_str())
+        .unwrap_or("")
+        .to_owned()
+}
+
+/// `filesystem.Filesystem/GetWatcherEvents`: lists again and reports the difference.
+pub async fn get_watcher_events(
+    State(st): State<Arc<E2b>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    unary!(st, headers, body, serde_json::Value, |id, r| async {
+        let wid = watcher_id(&r);
+        let (root, recursive) = {
+            let g = st.watchers.lock().unwrap_or_else(|p| p.into_inner());
+            match g.get(&wid) {
+                Some(w) if w.sandbox == id => (w.root.clone(), w.recursive),
+                _ => {
+                    return Err(ConnectError::new(
+                        Code::NotFound,
+                        format!("watcher {wid} not found"),
+                    ))
+                }
+            }
+        };
+        let new = snapshot_dir(&st, &id, &root, recursive).await?;
+        let events = {
+            let mut g = st.watchers.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(w) = g.get_mut(&wid) else {
+                return Err(ConnectError::new(
+                    Code::NotFound,
+                    format!("watcher {wid} not found"),
+                ));
+            };
+            let ev = diff_listings(&w.seen, &new);
+            w.seen = new;
+            ev
+        };
+        let events: Vec<serde_json::Value> = events
+            .into_iter()
+            .map(|(name, ty)| json!({ "name": name, "type": ty }))
+            .collect();
+        Ok::<_, ConnectError>(json!({ "events": events }))
+    })
+}
+
+/// `filesystem.Filesystem/RemoveWatcher`.
+pub async fn remove_watcher(
+    State(st): State<Arc<E2b>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    unary!(st, headers, body, serde_json::Value, |id, r| async {
+        let wid = watcher_id(&r);
+        let mut g = st.watchers.lock().unwrap_or_else(|p| p.into_inner());
+        match g.get(&wid) {
+            Some(w) if w.sandbox == id => {
+                g.remove(&wid);
+                Ok(json!({}))
+            }
+            _ => Err(ConnectError::new(
+                Code::NotFound,
+                format!("watcher {wid} not found"),
+            )),
+        }
+    })
+}
+
 // --------------------------------------------------------------- process
 
 fn keepalive_interval(headers: &HeaderMap) -> Duration {
@@ -814,6 +996,29 @@ mod tests {
         assert_eq!(
             disposition_param("multipart/form-data; boundary=xyz", "boundary").as_deref(),
             Some("xyz")
+        );
+    }
+
+    #[test]
+    fn watcher_diff() {
+        let mut a = BTreeMap::new();
+        a.insert("x".to_owned(), (FileKind::File, 1, 10));
+        a.insert("gone".to_owned(), (FileKind::File, 1, 10));
+        a.insert("d".to_owned(), (FileKind::Dir, 4096, 10));
+        let mut b = a.clone();
+        b.remove("gone");
+        b.insert("x".to_owned(), (FileKind::File, 2, 11));
+        b.insert("d".to_owned(), (FileKind::Dir, 4096, 12));
+        b.insert("new".to_owned(), (FileKind::File, 0, 12));
+        let mut ev = diff_listings(&a, &b);
+        ev.sort();
+        assert_eq!(
+            ev,
+            [
+                ("gone".to_owned(), "EVENT_TYPE_REMOVE"),
+                ("new".to_owned(), "EVENT_TYPE_CREATE"),
+                ("x".to_owned(), "EVENT_TYPE_WRITE"),
+            ]
         );
     }
 

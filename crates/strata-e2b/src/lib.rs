@@ -73,6 +73,8 @@ pub struct E2b {
     /// `envVars` given at create, applied to every command of the sandbox.
     /// Kept in memory: lost when the daemon restarts.
     envs: Mutex<HashMap<SandboxId, BTreeMap<String, String>>>,
+    /// Polling directory watchers by id (in memory).
+    watchers: Mutex<HashMap<String, envd::Watcher>>,
 }
 
 impl E2b {
@@ -83,6 +85,7 @@ impl E2b {
             cfg,
             procs: Arc::new(procs::Registry::default()),
             envs: Mutex::new(HashMap::new()),
+            watchers: Mutex::new(HashMap::new()),
         })
     }
 
@@ -153,6 +156,12 @@ pub fn router(svc: Arc<Service>, cfg: E2bConfig) -> Router {
         .route(&format!("{f}/MakeDir"), post(envd::make_dir))
         .route(&format!("{f}/Move"), post(envd::move_entry))
         .route(&format!("{f}/Remove"), post(envd::remove))
+        .route(&format!("{f}/CreateWatcher"), post(envd::create_watcher))
+        .route(
+            &format!("{f}/GetWatcherEvents"),
+            post(envd::get_watcher_events),
+        )
+        .route(&format!("{f}/RemoveWatcher"), post(envd::remove_watcher))
         .layer(axum::extract::DefaultBodyLimit::max(1 << 30));
     control.merge(envd).with_state(state)
 }

@@ -268,8 +268,8 @@ pub async fn alive(
     let mut argv = vec![
         "/bin/sh".to_owned(),
         "-c".to_owned(),
-        // A zombie has no cmdline: it counts as gone.
-        r#"for p in "$@"; do [ -s /proc/$p/cmdline ] && echo $p; done; true"#.to_owned(),
+        // A zombie counts as gone.
+        r#"for p in "$@"; do [ -d /proc/$p ] && ! grep -q '^State:[[:space:]]*Z' /proc/$p/status 2>/dev/null && echo $p; done; true"#.to_owned(),
         "alive".to_owned(),
     ];
     argv.extend(pids.iter().map(|p| p.to_string()));

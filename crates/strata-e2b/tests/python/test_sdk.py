@@ -164,10 +164,6 @@ def test_unknown_sandbox_is_not_found():
 
 
 def test_wrong_envd_token_is_refused(sbx):
-    other = Sandbox.connect(sbx.sandbox_id)
-    other._envd_access_token = "wrong"
-    # The connection keeps its headers; build one with the wrong token.
-    from e2b.connection_config import ConnectionConfig
     import httpx
 
     r = httpx.post(
@@ -177,3 +173,31 @@ def test_wrong_envd_token_is_refused(sbx):
     )
     assert r.status_code == 401
     assert r.json()["code"] == "unauthenticated"
+
+
+def test_same_sandbox_in_strata_api(sbx):
+    """A sandbox made through E2B is a strata sandbox: strata's own API
+    lists it with its metadata as labels and can snapshot it."""
+    import httpx
+
+    base = os.environ["E2B_API_URL"]
+    r = httpx.get(f"{base}/v1/sandboxes/{sbx.sandbox_id}")
+    assert r.status_code == 200, r.text
+    assert r.json()["labels"]["suite"] == SUITE
+    r = httpx.post(f"{base}/v1/sandboxes/{sbx.sandbox_id}/snapshots", json={"label": "from-e2b"}, timeout=120)
+    assert r.status_code < 300, r.text
+    # And the sandbox keeps working through E2B afterwards.
+    assert sbx.commands.run("echo ok").stdout == "ok\n"
+
+
+def test_watch_dir(sbx):
+    sbx.files.make_dir("/tmp/watched")
+    sbx.files.write("/tmp/watched/old.txt", "x")
+    h = sbx.files.watch_dir("/tmp/watched")
+    sbx.files.write("/tmp/watched/new.txt", "hello")
+    sbx.files.remove("/tmp/watched/old.txt")
+    events = {(e.name, e.type.value) for e in h.get_new_events()}
+    assert ("new.txt", "create") in events
+    assert ("old.txt", "remove") in events
+    assert h.get_new_events() == []
+    h.stop()

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Runs the e2b SDK test suite (tests/python) against a real strata daemon:
+# builds strata-e2b-dev, starts it (real QEMU guests, btrfs pool in a
+# loop-mounted image), points the unmodified `e2b` package from PyPI at it,
+# runs pytest, then stops the daemon, kills its QEMUs by pid and unmounts
+# the pool. Needs root (loop mount), python3-venv, network for PyPI.
+#
+#   crates/strata-e2b/tests/run-python.sh [pytest args…]
+#   BENCH=10 crates/strata-e2b/tests/run-python.sh   # also the latency bench
+#
+# Env: PORT (default 47983), SCRATCH (/tmp/strata-e2b-py), RUN_DIR
+# (/tmp/se2b-run, short: unix socket paths), VENV (/tmp/strata-e2b-venv),
+# CARGO_TARGET_DIR (where the binary is built), KEEP=1 keeps the data dir.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "$0")" && pwd)"
+ROOT="$(cd "$HERE/../../.." && pwd)"
+PORT="${PORT:-47983}"
+SCRATCH="${SCRATCH:-/tmp/strata-e2b-py}"
+RUN_DIR="${RUN_DIR:-/tmp/se2b-run}"
+VENV="${VENV:-/tmp/strata-e2b-venv}"
+TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
+API_KEY="e2b_strata_test_key"
+URL="http://127.0.0.1:$PORT"
+
+log() { echo "run-python: $*" >&2; }
+
+(cd "$ROOT" && cargo build -p strata-e2b --bin strata-e2b-dev)
+BIN="$TARGET/debug/strata-e2b-dev"
+
+if [ ! -x "$VENV/bin/pytest" ] || ! "$VENV/bin/python" -c 'import e2b, sys; sys.exit(0 if __import__("importlib.metadata").metadata.version("e2b") == "2.63.0" else 1)' 2>/dev/null; then
+  log "creating virtualenv $VENV (e2b==2.63.0, pytest)"
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q "e2b==2.63.0" pytest
+fi
+
+mkdir -p "$SCRATCH" "$RUN_DIR"
+DAEMON_PID=""
+cleanup() {
+  set +e
+  if [ -n "$DAEMON_PID" ] && kill -0 "$DAEMON_PID" 2>/dev/null; then
+    kill -TERM "$DAEMON_PID"
+    for _ in $(seq 1 50); do kill -0 "$DAEMON_PID" 2>/dev/null || break; sleep 0.2; done
+    kill -KILL "$DAEMON_PID" 2>/dev/null
+  fi
+  # The daemon leaves VMs running (as stratad does): kill ours by pid.
+  for f in "$RUN_DIR"/*/qemu.pid; do
+    [ -f "$f" ] || continue
+    pid="$(cat "$f")"
+    if [ -n "$pid" ] && grep -q qemu "/proc/$pid/cmdline" 2>/dev/null; then
+      kill -KILL "$pid" 2>/dev/null
+    fi
+  done
+  sleep 0.5
+  if mountpoint -q "$SCRATCH/pool" 2>/dev/null; then
+    umount "$SCRATCH/pool" || umount -l "$SCRATCH/pool"
+  fi
+  for dev in $(losetup -j "$SCRATCH/pool.img" -O NAME -n 2>/dev/null); do losetup -d "$dev"; done
+  if [ "${KEEP:-0}" != 1 ]; then rm -rf "$SCRATCH" "$RUN_DIR"; fi
+}
+trap cleanup EXIT
+
+log "starting strata-e2b-dev on $URL (log: $SCRATCH/daemon.log)"
+RUST_LOG="${RUST_LOG:-info}" "$BIN" --listen "127.0.0.1:$PORT" --data-dir "$SCRATCH" \
+  --run-dir "$RUN_DIR" --api-key "$API_KEY" >"$SCRATCH/daemon.log" 2>&1 &
+DAEMON_PID=$!
+
+for i in $(seq 1 600); do
+  if curl -fsS "$URL/healthz" >/dev/null 2>&1; then break; fi
+  kill -0 "$DAEMON_PID" 2>/dev/null || { tail -50 "$SCRATCH/daemon.log"; log "daemon died"; exit 1; }
+  sleep 1
+done
+log "waiting for the default template"
+for i in $(seq 1 900); do
+  st="$(curl -fsS "$URL/v1/templates" | python3 -c 'import json,sys; d=json.load(sys.stdin); print(" ".join(t["status"] for t in d.get("items", d if isinstance(d, list) else [])))' 2>/dev/null || true)"
+  case "$st" in *ready*) break ;; *failed*) tail -50 "$SCRATCH/daemon.log"; log "template build failed"; exit 1 ;; esac
+  kill -0 "$DAEMON_PID" 2>/dev/null || { tail -50 "$SCRATCH/daemon.log"; log "daemon died"; exit 1; }
+  sleep 1
+done
+log "template ready after ${i}s"
+
+export E2B_API_URL="$URL" E2B_SANDBOX_URL="$URL" E2B_API_KEY="$API_KEY" E2B_DEBUG=false
+unset E2B_DOMAIN E2B_ACCESS_TOKEN || true
+status=0
+(cd "$HERE/python" && "$VENV/bin/pytest" -v -p no:cacheprovider "$@") || status=$?
+if [ -n "${BENCH:-}" ]; then
+  log "bench: $BENCH x (Sandbox.create + commands.run('true'))"
+  (cd "$HERE/python" && "$VENV/bin/python" bench.py "$BENCH") || status=$?
+fi
+exit $status
