@@ -105,7 +105,7 @@ fn io_err(what: &str, e: std::io::Error) -> RuntimeError {
 
 fn agent_err(id: &str, e: AgentError, timeout: Duration) -> RuntimeError {
     match e {
-        AgentError::ConnectTimeout { .. } | AgentError::Timeout { .. } => {
+        AgentError::ConnectTimeout(_) | AgentError::Timeout => {
             RuntimeError::AgentTimeout {
                 id: id.to_owned(),
                 timeout_ms: timeout.as_millis() as u64,
@@ -280,6 +280,13 @@ impl Runtime {
         spec.net = meta.net.clone();
         spec.console_log_max_bytes = self.cfg.console_log_max_bytes;
         spec.qemu_binary = self.cfg.qemu_binary.clone();
+        spec.run_as = self.cfg.run_as.clone();
+        if self.cfg.cgroups {
+            spec.limits = Some(strata_vmm::Limits::for_guest(
+                meta.size.vcpus,
+                u64::from(meta.size.memory_mib),
+            ));
+        }
         spec
     }
 
