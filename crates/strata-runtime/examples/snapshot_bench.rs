@@ -127,6 +127,8 @@ fn main() {
         qemu_binary: "qemu-system-x86_64".into(),
         console_log_max_bytes: 1 << 20,
         agent_timeout_ms: 60_000,
+        run_as: strata_runtime::default_run_as(),
+        cgroups: true,
     };
     let size = SandboxSize {
         vcpus: 1,

@@ -24,6 +24,24 @@ pub struct RuntimeConfig {
     pub console_log_max_bytes: u64,
     /// How long to wait for a guest agent after boot or restore, in ms.
     pub agent_timeout_ms: u64,
+    /// Unprivileged user QEMU switches to once it has opened its files (`-runas`).
+    /// Default: [`default_run_as`] (`strata-vm` when that user exists); `None` keeps
+    /// QEMU under the daemon's user.
+    #[serde(default = "default_run_as")]
+    pub run_as: Option<String>,
+    /// Put each VM in its own cgroup with CPU (one CPU per vCPU) and memory (guest RAM
+    /// + margin) limits from its size. Failures are logged, the VM still starts.
+    #[serde(default = "default_cgroups")]
+    pub cgroups: bool,
+}
+
+/// `strata-vm` when that user exists on this host, else `None` (warned once).
+pub fn default_run_as() -> Option<String> {
+    strata_vmm::default_vm_user()
+}
+
+fn default_cgroups() -> bool {
+    true
 }
 
 /// How the btrfs pool is provided.

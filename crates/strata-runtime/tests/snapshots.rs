@@ -55,6 +55,8 @@ fn fixture() -> &'static Fixture {
             qemu_binary: "qemu-system-x86_64".into(),
             console_log_max_bytes: 1 << 20,
             agent_timeout_ms: 60_000,
+            run_as: strata_runtime::default_run_as(),
+            cgroups: true,
         };
         let template = TemplateId::generate();
         let rt = tokio_rt().block_on(async {

@@ -100,6 +100,8 @@ pub fn runtime_config(cfg: &Config) -> Result<RuntimeConfig, DaemonError> {
         qemu_binary: cfg.qemu_binary.clone(),
         console_log_max_bytes: cfg.console_log_max_bytes,
         agent_timeout_ms: cfg.agent_timeout.as_millis() as u64,
+        run_as: strata_runtime::default_run_as(),
+        cgroups: true,
     })
 }
 
