@@ -1,9 +1,12 @@
-"""`Sandbox.create()` + first `commands.run("true")` through the e2b SDK, p50/p99."""
+"""`Sandbox.create()` + first `commands.run("true")` through the e2b SDK,
+p50/p99, next to the same through strata's own HTTP API (create, exec
+`true`, delete: the calls `strata create` / `strata exec` make)."""
 
-import statistics
+import os
 import sys
 import time
 
+import httpx
 from e2b import Sandbox
 
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 10
@@ -26,5 +29,27 @@ def pct(v, p):
     return v[k]
 
 
-for name, v in [("create", create_ms), ("first run", first_ms), ("create+run", total_ms)]:
-    print(f"{name:>11}: n={len(v)} p50={pct(v, 50):.0f} ms p99={pct(v, 99):.0f} ms min={min(v):.0f} max={max(v):.0f}")
+base = os.environ["E2B_API_URL"]
+s_create, s_first, s_total = [], [], []
+with httpx.Client(base_url=base, timeout=300) as c:
+    for i in range(n):
+        t0 = time.perf_counter()
+        r = c.post("/v1/sandboxes", json={"labels": {"suite": "strata-e2b-bench"}})
+        r.raise_for_status()
+        sid = r.json()["id"]
+        t1 = time.perf_counter()
+        r = c.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": ["true"]})
+        r.raise_for_status()
+        assert '"exit"' in r.text, r.text
+        t2 = time.perf_counter()
+        c.delete(f"/v1/sandboxes/{sid}").raise_for_status()
+        s_create.append((t1 - t0) * 1000)
+        s_first.append((t2 - t1) * 1000)
+        s_total.append((t2 - t0) * 1000)
+
+for label, rows in [
+    ("e2b SDK", [("create", create_ms), ("first run", first_ms), ("create+run", total_ms)]),
+    ("strata API", [("create", s_create), ("first exec", s_first), ("create+exec", s_total)]),
+]:
+    for name, v in rows:
+        print(f"{label:>10} {name:>11}: n={len(v)} p50={pct(v, 50):.0f} ms p99={pct(v, 99):.0f} ms min={min(v):.0f} max={max(v):.0f}")
