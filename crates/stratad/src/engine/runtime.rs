@@ -43,6 +43,58 @@ impl RuntimeEngine {
     }
 }
 
+impl RuntimeEngine {
+    /// Makes a surviving VM's vCPUs run before the runtime adopts it.
+    ///
+    /// `Runtime::adopt` connects to the guest agent, which only answers a
+    /// running guest; a daemon killed in the middle of a snapshot leaves its
+    /// VM stopped (or `postmigrate`), and then the agent handshake never ends
+    /// (its writes block once the paused guest stops draining virtio-serial).
+    /// So: one short QMP session of our own: wait for an outgoing device-state
+    /// save to finish, `cont` if not running, disconnect. Recovery pauses the
+    /// VM again afterwards when its record says paused.
+    async fn unstick(&self, id: &SandboxId) {
+        let sock = self.rt.config().run_dir.join(id.as_str()).join("qmp.sock");
+        if !sock.exists() {
+            return;
+        }
+        let t = Duration::from_secs(10);
+        let qmp = match strata_vmm::QmpClient::connect(&sock, t).await {
+            Ok(q) => q,
+            Err(e) => {
+                tracing::warn!(sandbox = %id, error = %e, "cannot check the VM's run state before adopting it");
+                return;
+            }
+        };
+        for _ in 0..100 {
+            let active = qmp
+                .execute("query-migrate", None)
+                .await
+                .ok()
+                .and_then(|v| v["status"].as_str().map(str::to_owned))
+                .is_some_and(|s| {
+                    matches!(s.as_str(), "setup" | "active" | "device" | "pre-switchover")
+                });
+            if !active {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let status = qmp
+            .execute("query-status", None)
+            .await
+            .ok()
+            .and_then(|v| v["status"].as_str().map(str::to_owned))
+            .unwrap_or_default();
+        if status != "running" {
+            tracing::warn!(sandbox = %id, %status, "VM found stopped after a restart; continuing it");
+            if let Err(e) = qmp.execute("cont", None).await {
+                tracing::warn!(sandbox = %id, error = %e, "cont failed");
+            }
+        }
+    }
+}
+
 fn rt_err(e: RuntimeError) -> EngineError {
     match e {
         RuntimeError::SandboxNotFound(s) => EngineError::SandboxNotFound(s),
@@ -354,6 +406,9 @@ impl Engine for RuntimeEngine {
     }
 
     async fn adopt(&self, id: &SandboxId) -> EngineResult<VmInfo> {
+        if !self.rt.running().iter().any(|(r, _)| r == id) {
+            self.unstick(id).await;
+        }
         self.rt.adopt(id).await.map(vm_info).map_err(rt_err)
     }
 

@@ -312,10 +312,26 @@ disk_gib = 2
         cleanup(&self.root, None);
     }
 
+    /// The bootstrap admin token the daemon wrote on first start (auth on).
+    pub fn token(&self) -> Option<String> {
+        std::fs::read_to_string(self.root.join("data/admin.token"))
+            .ok()
+            .map(|t| t.trim().to_owned())
+    }
+
+    /// A request builder for `method path`, with the admin token if any.
+    pub fn request(&self, method: &str, path: &str) -> reqwest::RequestBuilder {
+        let m = reqwest::Method::from_bytes(method.as_bytes()).expect("method");
+        let rb = self.http.request(m, format!("{}{path}", self.url));
+        match self.token() {
+            Some(t) => rb.bearer_auth(t),
+            None => rb,
+        }
+    }
+
     /// A request; returns the status and the JSON body (`null` if none).
     pub async fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
-        let m = reqwest::Method::from_bytes(method.as_bytes()).expect("method");
-        let mut rb = self.http.request(m, format!("{}{path}", self.url));
+        let mut rb = self.request(method, path);
         if let Some(b) = body {
             rb = rb.json(&b);
         }
@@ -331,10 +347,8 @@ disk_gib = 2
 
     /// A request with a raw body.
     pub async fn raw(&self, method: &str, path: &str, body: Vec<u8>) -> (u16, Vec<u8>) {
-        let m = reqwest::Method::from_bytes(method.as_bytes()).expect("method");
         let resp = self
-            .http
-            .request(m, format!("{}{path}", self.url))
+            .request(method, path)
             .body(body)
             .send()
             .await
@@ -371,8 +385,7 @@ disk_gib = 2
     pub async fn exec_body(&self, id: &str, body: Value) -> Exec {
         let t0 = Instant::now();
         let resp = self
-            .http
-            .post(format!("{}/v1/sandboxes/{id}/exec", self.url))
+            .request("POST", &format!("/v1/sandboxes/{id}/exec"))
             .json(&body)
             .send()
             .await
