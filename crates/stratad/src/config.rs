@@ -127,6 +127,8 @@ pub struct Config {
     pub auto_recover: bool,
     /// Read-only SQLite connections.
     pub db_readers: usize,
+    /// Tokens, policy, approvals, audit, egress, rate limits.
+    pub security: crate::security::SecurityConfig,
 }
 
 impl Default for Config {
@@ -156,6 +158,7 @@ impl Default for Config {
             clean_orphans: true,
             auto_recover: true,
             db_readers: 4,
+            security: crate::security::SecurityConfig::default(),
         }
     }
 }

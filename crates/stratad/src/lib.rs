@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod recovery;
 pub mod retention;
 pub mod scheduler;
+pub mod security;
 pub mod service;
 pub mod store;
 
@@ -39,6 +40,7 @@ pub use crate::daemon::run;
 pub struct App {
     service: Arc<Service>,
     shutdown: watch::Sender<bool>,
+    security: Result<Arc<security::Security>, String>,
 }
 
 impl App {
@@ -50,10 +52,23 @@ impl App {
         clock: Arc<dyn Clock>,
     ) -> Self {
         let metrics = Arc::new(metrics::Metrics::new());
+        // Fails closed: without it every /v1 request answers 500.
+        let security = security::Security::open(&config).map_err(|e| {
+            let mut m = e.to_string();
+            let mut src = std::error::Error::source(&e);
+            while let Some(c) = src {
+                m.push_str(": ");
+                m.push_str(&c.to_string());
+                src = c.source();
+            }
+            tracing::error!(error = %m, "security subsystem failed to open");
+            m
+        });
         let service = Service::new(store, engine, Arc::new(config), clock, metrics);
         App {
             service,
             shutdown: watch::channel(false).0,
+            security,
         }
     }
 
@@ -63,12 +78,11 @@ impl App {
             StoreError::Task(format!("cannot create {}: {e}", config.data_dir.display()))
         })?;
         let store = SqliteStore::open(&config.db_path(), config.db_readers)?;
-        Ok(Self::new(
-            config,
-            Arc::new(store),
-            engine,
-            Arc::new(SystemClock),
-        ))
+        let app = Self::new(config, Arc::new(store), engine, Arc::new(SystemClock));
+        if let Err(e) = &app.security {
+            return Err(StoreError::Task(format!("security: {e}")));
+        }
+        Ok(app)
     }
 
     /// The service (for tests and embedding).
@@ -76,9 +90,19 @@ impl App {
         &self.service
     }
 
-    /// The HTTP API.
+    /// The security subsystem (tokens, policy, approvals, audit, egress),
+    /// unless it failed to open.
+    pub fn security(&self) -> Option<&Arc<security::Security>> {
+        self.security.as_ref().ok()
+    }
+
+    /// The HTTP API, behind the security layer (`api::security`).
     pub fn router(&self) -> axum::Router {
-        api::router(self.service.clone())
+        api::security::wrap(
+            api::router(self.service.clone()),
+            self.service.clone(),
+            self.security.clone(),
+        )
     }
 
     /// Runs recovery, then starts the scheduler and the exit watcher.

@@ -54,6 +54,10 @@ struct Args {
     /// Retention tiers, WITHIN:EVERY pairs, e.g. "1h:0,24h:10m,7d:1h".
     #[arg(long)]
     retention: Option<String>,
+    /// API authentication: `on` (Bearer tokens; default) or `off` (local
+    /// development only: every caller is an admin of tenant `default`).
+    #[arg(long, env = "STRATAD_AUTH", value_parser = ["on", "off"])]
+    auth: Option<String>,
     /// Log format.
     #[arg(long, default_value = "text", value_parser = ["text", "json"])]
     log_format: String,
@@ -108,6 +112,9 @@ fn config(args: &Args) -> anyhow::Result<Config> {
         cfg.retention = RetentionPolicy::parse(v)
             .map_err(anyhow::Error::msg)
             .context("--retention")?;
+    }
+    if let Some(v) = &args.auth {
+        cfg.security.auth = v == "on";
     }
     cfg.validate()?;
     Ok(cfg)

@@ -687,7 +687,7 @@ impl Service {
         let now = self.now();
         Ok(SandboxRecord {
             id: SandboxId::generate(),
-            tenant: DEFAULT_TENANT.into(),
+            tenant: crate::security::current_tenant(),
             template: None,
             source_snapshot: None,
             size,
@@ -1535,7 +1535,7 @@ impl Service {
         let now = self.now();
         let rec = TemplateRecord {
             id: id.clone(),
-            tenant: DEFAULT_TENANT.into(),
+            tenant: crate::security::current_tenant(),
             name: cmd.name,
             size,
             status: TemplateStatus::Building,
@@ -1614,7 +1614,18 @@ impl Service {
 
     /// Templates not deleted.
     pub async fn list_templates(&self) -> ServiceResult<Vec<TemplateView>> {
-        let v = self.db(|s| s.list_templates(DEFAULT_TENANT)).await?;
+        let tenant = crate::security::current_tenant();
+        let v = self
+            .db(move |s| {
+                // The caller's templates and the shared platform ones.
+                let mut v = s.list_templates(DEFAULT_TENANT)?;
+                if tenant != DEFAULT_TENANT {
+                    v.extend(s.list_templates(&tenant)?);
+                    v.sort_by_key(|t| t.created_at);
+                }
+                Ok(v)
+            })
+            .await?;
         Ok(v.into_iter().map(|r| self.template_view(r)).collect())
     }
 

@@ -30,6 +30,7 @@ use crate::service::{Service, ServiceError};
 
 mod files;
 mod sandboxes;
+pub mod security;
 mod system;
 mod templates;
 
@@ -69,6 +70,23 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/v1/templates"),
     ("GET", "/v1/templates/:id"),
     ("DELETE", "/v1/templates/:id"),
+    // Security (api::security::SECURITY_ROUTES).
+    ("GET", "/v1/whoami"),
+    ("POST", "/v1/tokens"),
+    ("GET", "/v1/tokens"),
+    ("DELETE", "/v1/tokens/:id"),
+    ("GET", "/v1/policy"),
+    ("PUT", "/v1/policy"),
+    ("POST", "/v1/policy/test"),
+    ("GET", "/v1/sandboxes/:id/policy"),
+    ("PUT", "/v1/sandboxes/:id/policy"),
+    ("GET", "/v1/sandboxes/:id/egress"),
+    ("GET", "/v1/approvals"),
+    ("GET", "/v1/approvals/:id"),
+    ("POST", "/v1/approvals/:id/approve"),
+    ("POST", "/v1/approvals/:id/deny"),
+    ("GET", "/v1/audit"),
+    ("GET", "/v1/audit/verify"),
 ];
 
 /// An API error: a stable code, its HTTP status and a message.

@@ -16,7 +16,7 @@ use strata_core::{ErrorCode, SandboxId, SandboxState, SnapshotId};
 use super::{ndjson_headers, parse_id, query_pairs, ApiError, ApiResult, Body};
 use crate::engine::{ExecEvent, ExecRequest};
 use crate::service::{CreateSandbox, Rewind, SandboxSpec, Service, TakeSnapshot};
-use crate::store::{SandboxFilter, DEFAULT_TENANT};
+use crate::store::SandboxFilter;
 
 fn invalid(msg: impl Into<String>) -> ApiError {
     ApiError::new(ErrorCode::InvalidRequest, msg)
@@ -35,7 +35,7 @@ pub(super) async fn list(
     RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
     let mut f = SandboxFilter {
-        tenant: DEFAULT_TENANT.into(),
+        tenant: crate::security::current_tenant(),
         limit: 100,
         ..Default::default()
     };

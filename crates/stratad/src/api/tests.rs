@@ -206,6 +206,8 @@ fn harness() -> Harness {
     cfg.capacity.vcpus = 4;
     cfg.capacity.cpu_overcommit = 1.0;
     cfg.capacity.memory_mib = 8192;
+    // Authentication and policy have their own tests (tests/security.rs).
+    cfg.security.auth = false;
     let store = Arc::new(SqliteStore::open(&cfg.db_path(), 2).unwrap());
     store
         .put_template(&TemplateRecord {
@@ -693,3 +695,5 @@ async fn recovery_restores_a_sandbox_whose_vm_died() {
         .collect();
     assert!(ops.ends_with(&["fail", "recover", "recover"]), "{ops:?}");
 }
+
+mod security;

@@ -25,7 +25,7 @@ use strata_core::{Op, SandboxId, SandboxSize, SandboxState, SnapshotId, Template
 use super::*;
 
 /// Newest schema version this build knows.
-pub const SCHEMA_VERSION: i64 = 1;
+pub const SCHEMA_VERSION: i64 = 2;
 
 const MIGRATIONS: &[&str] = &[
     // 1: initial schema.
@@ -106,6 +106,8 @@ const MIGRATIONS: &[&str] = &[
     CREATE TRIGGER events_append_only_delete BEFORE DELETE ON events
         BEGIN SELECT RAISE(ABORT, 'events are append-only'); END;
     "#,
+    // 2: tokens, tenants, policies, approvals, audit head (see `security::store`).
+    crate::security::store::MIGRATION_V2,
 ];
 
 /// SQLite implementation of [`Store`].

@@ -1,0 +1,835 @@
+//! Security through the HTTP API: tokens, the role matrix, tenant isolation,
+//! policy (deny / approve / timeout / re-submission), approvals, audit,
+//! rate limits and the egress proxy. Real store, service, router, policy
+//! engine, approval queue, audit log and proxy; the engine is the test double.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use axum::http::HeaderMap;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::*;
+use crate::security::auth::{allowed, Role};
+
+struct Sec {
+    app: App,
+    dir: tempfile::TempDir,
+    admin: String,
+}
+
+fn sec_harness(tune: impl FnOnce(&mut Config)) -> Sec {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = Config {
+        data_dir: dir.path().to_owned(),
+        max_json_body_bytes: 4096,
+        ..Config::default()
+    };
+    cfg.capacity.vcpus = 64;
+    cfg.capacity.cpu_overcommit = 1.0;
+    cfg.capacity.memory_mib = 1 << 20;
+    cfg.security.rate_limit_per_second = 0.0;
+    tune(&mut cfg);
+    let store = Arc::new(SqliteStore::open(&cfg.db_path(), 2).unwrap());
+    store
+        .put_template(&TemplateRecord {
+            id: "tpl-base".parse().unwrap(),
+            tenant: DEFAULT_TENANT.into(),
+            name: None,
+            size: SandboxSize::default(),
+            status: TemplateStatus::Ready,
+            status_reason: None,
+            accel: Some("tcg".into()),
+            created_at: Utc::now(),
+            updated_at: Utc::now(),
+        })
+        .unwrap();
+    let app = App::new(
+        cfg,
+        store,
+        Arc::new(Double::default()),
+        Arc::new(SystemClock),
+    );
+    let path = dir.path().join("admin.token");
+    let admin = std::fs::read_to_string(&path).unwrap().trim().to_owned();
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "admin.token must be 0600");
+    Sec { app, dir, admin }
+}
+
+async fn req(
+    h: &Sec,
+    method: &str,
+    uri: &str,
+    token: Option<&str>,
+    body: impl Into<AxBody>,
+) -> (StatusCode, Value, HeaderMap) {
+    let mut b = Request::builder().method(method).uri(uri);
+    if let Some(t) = token {
+        b = b.header("authorization", format!("Bearer {t}"));
+    }
+    let resp = h
+        .app
+        .router()
+        .oneshot(b.body(body.into()).unwrap())
+        .await
+        .unwrap();
+    let status = resp.status();
+    let headers = resp.headers().clone();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    let v = serde_json::from_slice(&bytes)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()));
+    (status, v, headers)
+}
+
+async fn token(h: &Sec, tenant: &str, role: &str) -> String {
+    let (s, v, _) = req(
+        h,
+        "POST",
+        "/v1/tokens",
+        Some(&h.admin),
+        json!({ "role": role, "tenant": tenant, "name": format!("{tenant}-{role}") }).to_string(),
+    )
+    .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    assert!(v.get("hash").is_none(), "the hash is never shown");
+    v["token"].as_str().unwrap().to_owned()
+}
+
+async fn create_sb(h: &Sec, tok: &str) -> String {
+    let (s, v, _) = req(
+        h,
+        "POST",
+        "/v1/sandboxes",
+        Some(tok),
+        r#"{"template":"tpl-base"}"#,
+    )
+    .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    v["id"].as_str().unwrap().to_owned()
+}
+
+async fn exec(h: &Sec, tok: &str, id: &str, q: &str, cmd: &[&str]) -> (StatusCode, Value) {
+    let (s, v, _) = req(
+        h,
+        "POST",
+        &format!("/v1/sandboxes/{id}/exec{q}"),
+        Some(tok),
+        json!({ "cmd": cmd }).to_string(),
+    )
+    .await;
+    (s, v)
+}
+
+#[tokio::test]
+async fn missing_malformed_unknown_expired_revoked_tokens_are_401() {
+    let h = sec_harness(|_| {});
+    let (s, _, _) = req(&h, "GET", "/healthz", None, "").await;
+    assert_eq!(s, StatusCode::OK, "/healthz stays open");
+    let unknown = crate::security::auth::new_token().1;
+    for t in [None, Some("nope"), Some(unknown.as_str())] {
+        let (s, v, hd) = req(&h, "GET", "/v1/sandboxes", t, "").await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED, "{t:?}: {v}");
+        assert_eq!(code(&v), "unauthorized");
+        assert!(hd.contains_key("www-authenticate"));
+    }
+    // Basic auth and garbage schemes.
+    let r = Request::builder()
+        .uri("/v1/whoami")
+        .header("authorization", format!("Basic {}", h.admin))
+        .body(AxBody::empty())
+        .unwrap();
+    assert_eq!(
+        h.app.router().oneshot(r).await.unwrap().status(),
+        StatusCode::UNAUTHORIZED
+    );
+    // Expired.
+    let (_, v, _) = req(
+        &h,
+        "POST",
+        "/v1/tokens",
+        Some(&h.admin),
+        r#"{"role":"viewer","expires_in":"1s"}"#,
+    )
+    .await;
+    let short = v["token"].as_str().unwrap().to_owned();
+    let (s, v, _) = req(&h, "GET", "/v1/whoami", Some(&short), "").await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["role"], "viewer");
+    assert_eq!(v["tenant"], "default");
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let (s, v, _) = req(&h, "GET", "/v1/whoami", Some(&short), "").await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    assert!(v["error"]["message"].as_str().unwrap().contains("expired"));
+    // Revoked.
+    let (_, v, _) = req(
+        &h,
+        "POST",
+        "/v1/tokens",
+        Some(&h.admin),
+        r#"{"role":"developer"}"#,
+    )
+    .await;
+    let (dev, dev_id) = (
+        v["token"].as_str().unwrap().to_owned(),
+        v["id"].as_str().unwrap().to_owned(),
+    );
+    assert_eq!(
+        req(&h, "GET", "/v1/whoami", Some(&dev), "").await.0,
+        StatusCode::OK
+    );
+    let (s, v, _) = req(
+        &h,
+        "DELETE",
+        &format!("/v1/tokens/{dev_id}"),
+        Some(&h.admin),
+        "",
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert!(v["revoked_at"].is_string());
+    let (s, v, _) = req(&h, "GET", "/v1/whoami", Some(&dev), "").await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    assert!(v["error"]["message"].as_str().unwrap().contains("revoked"));
+    // Listing shows no secrets.
+    let (_, v, _) = req(&h, "GET", "/v1/tokens", Some(&h.admin), "").await;
+    let text = v.to_string();
+    assert!(!text.contains(&h.admin) && !text.contains(&dev));
+    assert_eq!(v["items"].as_array().unwrap().len(), 3);
+    // A restart does not make a second bootstrap token.
+    let again = crate::security::Security::open(&Config {
+        data_dir: h.dir.path().to_owned(),
+        ..Config::default()
+    })
+    .unwrap();
+    assert_eq!(again.store().token_count().unwrap(), 3);
+}
+
+#[tokio::test]
+async fn role_matrix_over_every_route() {
+    let h = sec_harness(|_| {});
+    let mut toks = HashMap::new();
+    for role in ["admin", "developer", "approver", "viewer"] {
+        toks.insert(role, token(&h, "acme", role).await);
+    }
+    for (method, path) in crate::api::ROUTES {
+        if !path.starts_with("/v1/") {
+            continue;
+        }
+        for (role_name, tok) in &toks {
+            let role: Role = role_name.parse().unwrap();
+            let uri = path.replace(":id", "sb-zzz");
+            let (s, v, _) = req(&h, method, &uri, Some(tok), "").await;
+            assert_ne!(
+                s,
+                StatusCode::UNAUTHORIZED,
+                "{role_name} {method} {path}: {v}"
+            );
+            if allowed(method, path, role) {
+                assert_ne!(s, StatusCode::FORBIDDEN, "{role_name} {method} {path}: {v}");
+            } else {
+                assert_eq!(s, StatusCode::FORBIDDEN, "{role_name} {method} {path}: {v}");
+                assert_eq!(code(&v), "forbidden");
+            }
+        }
+    }
+    // Spot checks of the matrix itself.
+    let dev = &toks["developer"];
+    let viewer = &toks["viewer"];
+    let id = create_sb(&h, dev).await;
+    assert_eq!(
+        req(
+            &h,
+            "POST",
+            &format!("/v1/sandboxes/{id}/pause"),
+            Some(viewer),
+            ""
+        )
+        .await
+        .0,
+        StatusCode::FORBIDDEN
+    );
+    assert_eq!(
+        req(&h, "GET", &format!("/v1/sandboxes/{id}"), Some(viewer), "")
+            .await
+            .0,
+        StatusCode::OK
+    );
+    assert_eq!(
+        req(&h, "PUT", "/v1/policy", Some(dev), "default = \"allow\"")
+            .await
+            .0,
+        StatusCode::FORBIDDEN
+    );
+    // A tenant admin cannot mint tokens for another tenant.
+    let (s, _, _) = req(
+        &h,
+        "POST",
+        "/v1/tokens",
+        Some(&toks["admin"]),
+        r#"{"role":"admin","tenant":"default"}"#,
+    )
+    .await;
+    assert_eq!(s, StatusCode::FORBIDDEN);
+}
+
+#[tokio::test]
+async fn another_tenants_ids_answer_like_unknown_ids() {
+    let h = sec_harness(|_| {});
+    let a = token(&h, "alpha", "admin").await;
+    let b = token(&h, "beta", "admin").await;
+    let sb = create_sb(&h, &a).await;
+    let (s, v, _) = req(
+        &h,
+        "POST",
+        &format!("/v1/sandboxes/{sb}/snapshots"),
+        Some(&a),
+        "{}",
+    )
+    .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let snap = v["id"].as_str().unwrap().to_owned();
+    // Beta sees nothing of alpha's.
+    let (_, v, _) = req(&h, "GET", "/v1/sandboxes", Some(&b), "").await;
+    assert_eq!(v["items"].as_array().unwrap().len(), 0);
+    let (_, v, _) = req(&h, "GET", "/v1/sandboxes", Some(&a), "").await;
+    assert_eq!(v["items"].as_array().unwrap().len(), 1);
+    let unknown_sb = "sb-0000000000000000zzzz";
+    let unknown_snap = "snap-0000000000000000zzzz";
+    for (method, path) in crate::api::ROUTES {
+        let (id, unknown) = if path.starts_with("/v1/sandboxes/:id") {
+            (&sb, unknown_sb)
+        } else if path.starts_with("/v1/snapshots/:id") {
+            (&snap, unknown_snap)
+        } else {
+            continue;
+        };
+        let q = if path.contains("/files") {
+            "?path=/etc/hosts"
+        } else {
+            ""
+        };
+        let body = if path.ends_with("/exec") {
+            r#"{"cmd":["ls"]}"#
+        } else {
+            ""
+        };
+        let (s1, v1, _) = req(
+            &h,
+            method,
+            &format!("{}{q}", path.replace(":id", id)),
+            Some(&b),
+            body,
+        )
+        .await;
+        let (s2, v2, _) = req(
+            &h,
+            method,
+            &format!("{}{q}", path.replace(":id", unknown)),
+            Some(&b),
+            body,
+        )
+        .await;
+        assert!(s1.is_client_error(), "{method} {path}: {v1}");
+        assert_eq!(s1, s2, "{method} {path}: {v1} vs {v2}");
+        assert_eq!(code(&v1), code(&v2));
+        assert_eq!(
+            v1["error"]["message"]
+                .as_str()
+                .unwrap()
+                .replace(id.as_str(), "X"),
+            v2["error"]["message"]
+                .as_str()
+                .unwrap()
+                .replace(unknown, "X"),
+            "{method} {path}"
+        );
+    }
+    // Rewinding one's own sandbox to a foreign snapshot: 404 too.
+    let sb_b = create_sb(&h, &b).await;
+    let (s, v, _) = req(
+        &h,
+        "POST",
+        &format!("/v1/sandboxes/{sb_b}/rewind"),
+        Some(&b),
+        json!({ "to": snap }).to_string(),
+    )
+    .await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+    // Templates: beta's own template is invisible to alpha; the platform one is shared.
+    let (s, _, _) = req(
+        &h,
+        "POST",
+        "/v1/templates",
+        Some(&b),
+        r#"{"id":"tpl-beta"}"#,
+    )
+    .await;
+    assert_eq!(s, StatusCode::ACCEPTED);
+    let (s, _, _) = req(&h, "GET", "/v1/templates/tpl-beta", Some(&a), "").await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (s, _, _) = req(&h, "GET", "/v1/templates/tpl-beta", Some(&b), "").await;
+    assert_eq!(s, StatusCode::OK);
+    let (_, v, _) = req(&h, "GET", "/v1/templates", Some(&a), "").await;
+    let names: Vec<_> = v["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["id"].clone())
+        .collect();
+    assert_eq!(names, vec![json!("tpl-base")]);
+    let (s, _, _) = req(
+        &h,
+        "POST",
+        "/v1/sandboxes",
+        Some(&a),
+        r#"{"template":"tpl-beta"}"#,
+    )
+    .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (s, _, _) = req(&h, "DELETE", "/v1/templates/tpl-base", Some(&b), "").await;
+    assert_eq!(
+        s,
+        StatusCode::FORBIDDEN,
+        "the shared template belongs to the platform"
+    );
+    // Sandboxes record their tenant.
+    let (_, v, _) = req(&h, "GET", &format!("/v1/sandboxes/{sb}"), Some(&a), "").await;
+    assert_eq!(v["tenant"], "alpha");
+}
+
+const POLICY: &str = r#"
+default = "allow"
+
+[[rule]]
+id = "no-rm"
+effect = "deny"
+program = "rm"
+reason = "no deleting"
+hard = true
+
+[[rule]]
+id = "curl-needs-human"
+effect = "approve"
+program = "curl"
+reason = "network access"
+
+[[rule]]
+id = "etc-read-only"
+effect = "deny"
+kind = "file_write"
+path = "/etc/**"
+"#;
+
+async fn pending(h: &Sec, tok: &str) -> Vec<Value> {
+    for _ in 0..200 {
+        let (_, v, _) = req(h, "GET", "/v1/approvals", Some(tok), "").await;
+        let items = v["items"].as_array().unwrap().clone();
+        if !items.is_empty() {
+            return items;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("no pending approval appeared");
+}
+
+#[tokio::test]
+async fn policy_denies_holds_and_runs_after_approval() {
+    let h = Arc::new(sec_harness(|_| {}));
+    let admin = token(&h, "acme", "admin").await;
+    let dev = token(&h, "acme", "developer").await;
+    let approver = token(&h, "acme", "approver").await;
+    let viewer = token(&h, "acme", "viewer").await;
+    let (s, v, _) = req(&h, "PUT", "/v1/policy", Some(&admin), POLICY).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let id = create_sb(&h, &dev).await;
+
+    // allow
+    let (s, v) = exec(&h, &dev, &id, "", &["ls", "/"]).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert!(v.as_str().unwrap().contains("\"exit\""));
+    // deny, with the rule and reason
+    let (s, v) = exec(&h, &dev, &id, "", &["/bin/rm", "-rf", "/x"]).await;
+    assert_eq!(s, StatusCode::FORBIDDEN, "{v}");
+    assert_eq!(code(&v), "policy_denied");
+    assert_eq!(v["error"]["rule"], "no-rm");
+    assert_eq!(v["error"]["reason"], "no deleting");
+    let (s, v, _) = req(
+        &h,
+        "PUT",
+        &format!("/v1/sandboxes/{id}/files?path=/etc/passwd"),
+        Some(&dev),
+        "x",
+    )
+    .await;
+    assert_eq!(s, StatusCode::FORBIDDEN, "{v}");
+    assert_eq!(v["error"]["rule"], "etc-read-only");
+    // A sandbox policy cannot loosen a hard tenant rule.
+    let (s, v, _) = req(
+        &h,
+        "PUT",
+        &format!("/v1/sandboxes/{id}/policy"),
+        Some(&admin),
+        "[[rule]]\nid = \"rm-ok\"\neffect = \"allow\"\nprogram = \"rm\"\n",
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let (s, _) = exec(&h, &dev, &id, "", &["rm", "x"]).await;
+    assert_eq!(s, StatusCode::FORBIDDEN);
+
+    // approve → the caller waits; the approver approves; the call runs.
+    let h2 = h.clone();
+    let (dev2, id2) = (dev.clone(), id.clone());
+    let waiting =
+        tokio::spawn(async move { exec(&h2, &dev2, &id2, "", &["curl", "example.com"]).await });
+    let items = pending(&h, &approver).await;
+    assert_eq!(items.len(), 1);
+    let ap = items[0]["id"].as_str().unwrap().to_owned();
+    assert_eq!(items[0]["rule_id"], "curl-needs-human");
+    assert_eq!(items[0]["reason"], "network access");
+    // A viewer and a developer may not answer.
+    for t in [&viewer, &dev] {
+        let (s, _, _) = req(
+            &h,
+            "POST",
+            &format!("/v1/approvals/{ap}/approve"),
+            Some(t),
+            "",
+        )
+        .await;
+        assert_eq!(s, StatusCode::FORBIDDEN);
+    }
+    let (s, v, _) = req(
+        &h,
+        "POST",
+        &format!("/v1/approvals/{ap}/approve"),
+        Some(&approver),
+        "",
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["status"]["status"], "approved");
+    let (s, v) = waiting.await.unwrap();
+    assert_eq!(s, StatusCode::OK, "{v}");
+    // The double echoes the argv as base64 stdout: "curl example.com".
+    assert!(
+        v.as_str().unwrap().contains("Y3VybCBleGFtcGxlLmNvbQ=="),
+        "{v}"
+    );
+    // Answered twice → 409.
+    let (s, v, _) = req(
+        &h,
+        "POST",
+        &format!("/v1/approvals/{ap}/deny"),
+        Some(&approver),
+        "",
+    )
+    .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    // Another tenant cannot see it.
+    let other = token(&h, "other", "approver").await;
+    let (s, _, _) = req(&h, "GET", &format!("/v1/approvals/{ap}"), Some(&other), "").await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+
+    // deny → the call does not run.
+    let h2 = h.clone();
+    let (dev2, id2) = (dev.clone(), id.clone());
+    let waiting = tokio::spawn(async move { exec(&h2, &dev2, &id2, "", &["curl", "x"]).await });
+    let ap = pending(&h, &approver).await[0]["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let (s, _, _) = req(
+        &h,
+        "POST",
+        &format!("/v1/approvals/{ap}/deny"),
+        Some(&approver),
+        "",
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+    let (s, v) = waiting.await.unwrap();
+    assert_eq!(s, StatusCode::FORBIDDEN, "{v}");
+    assert_eq!(code(&v), "policy_denied");
+    assert_eq!(v["error"]["approval_id"], ap.as_str());
+
+    // Nobody answers → denied after the timeout; answering later is 409.
+    let started = std::time::Instant::now();
+    let (s, v) = exec(&h, &dev, &id, "?approval_timeout=300ms", &["curl", "y"]).await;
+    assert_eq!(s, StatusCode::FORBIDDEN, "{v}");
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("not answered"));
+    let late = v["error"]["approval_id"].as_str().unwrap().to_owned();
+    let (s, _, _) = req(
+        &h,
+        "POST",
+        &format!("/v1/approvals/{late}/approve"),
+        Some(&approver),
+        "",
+    )
+    .await;
+    assert_eq!(s, StatusCode::CONFLICT);
+
+    // wait=false → 202 with the id; approve; re-submit with approval=<id> runs once.
+    let (s, v) = exec(&h, &dev, &id, "?wait=false", &["curl", "z"]).await;
+    assert_eq!(s, StatusCode::ACCEPTED, "{v}");
+    let ap = v["approval"]["id"].as_str().unwrap().to_owned();
+    let (s, v) = exec(&h, &dev, &id, &format!("?approval={ap}"), &["curl", "z"]).await;
+    assert_eq!(s, StatusCode::FORBIDDEN, "not approved yet: {v}");
+    req(
+        &h,
+        "POST",
+        &format!("/v1/approvals/{ap}/approve"),
+        Some(&approver),
+        "",
+    )
+    .await;
+    let (s, v) = exec(
+        &h,
+        &dev,
+        &id,
+        &format!("?approval={ap}"),
+        &["curl", "other"],
+    )
+    .await;
+    assert_eq!(s, StatusCode::FORBIDDEN, "an approval covers one call: {v}");
+    let (s, v) = exec(&h, &dev, &id, &format!("?approval={ap}"), &["curl", "z"]).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let (s, _) = exec(&h, &dev, &id, &format!("?approval={ap}"), &["curl", "z"]).await;
+    assert_eq!(s, StatusCode::FORBIDDEN, "used once");
+
+    // The audit log has every decision, and who answered.
+    let (s, v, _) = req(
+        &h,
+        "GET",
+        &format!("/v1/audit?sandbox={id}"),
+        Some(&viewer),
+        "",
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+    let lines: Vec<Value> = v
+        .as_str()
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let outcomes: Vec<&str> = lines
+        .iter()
+        .map(|l| l["decision"]["outcome"].as_str().unwrap())
+        .collect();
+    for o in [
+        "allowed",
+        "denied",
+        "held",
+        "approved",
+        "rejected",
+        "timed_out",
+    ] {
+        assert!(outcomes.contains(&o), "{o} missing from {outcomes:?}");
+    }
+    assert!(lines.iter().any(|l| l["by"]
+        .as_str()
+        .is_some_and(|b| b.starts_with("token:tok-"))));
+    // Other tenants' audit is not theirs to read.
+    let (_, v, _) = req(&h, "GET", "/v1/audit", Some(&other), "").await;
+    assert_eq!(v, Value::String(String::new()));
+
+    // Dry evaluation.
+    let (s, v, _) = req(
+        &h,
+        "POST",
+        "/v1/policy/test",
+        Some(&viewer),
+        json!({"sandbox": id, "call": {"kind":"exec","argv":["sudo","rm","-rf","/"]}}).to_string(),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["effect"], "deny");
+    assert_eq!(v["rule_id"], "no-rm");
+}
+
+#[tokio::test]
+async fn bad_policy_is_refused_whole_and_the_old_one_stays() {
+    let h = sec_harness(|_| {});
+    let admin = token(&h, "acme", "admin").await;
+    let (s, _, _) = req(&h, "PUT", "/v1/policy", Some(&admin), POLICY).await;
+    assert_eq!(s, StatusCode::OK);
+    for (bad, line) in [
+        (
+            "default = \"allow\"\n[[rule]]\neffect = \"deny\"\nprogram = \"rm\nx",
+            4,
+        ),
+        (
+            "default = \"allow\"\n\n[[rule]]\neffect = \"deny\"\nprogramm = \"rm\"\n",
+            5,
+        ),
+        ("default = \"sometimes\"\n", 1),
+    ] {
+        let (s, v, _) = req(&h, "PUT", "/v1/policy", Some(&admin), bad).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{bad}: {v}");
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(&format!("line {line}")), "{msg}");
+    }
+    let (_, v, _) = req(&h, "GET", "/v1/policy", Some(&admin), "").await;
+    assert_eq!(v["toml"], POLICY);
+    let dev = token(&h, "acme", "developer").await;
+    let id = create_sb(&h, &dev).await;
+    let (s, _) = exec(&h, &dev, &id, "", &["rm", "x"]).await;
+    assert_eq!(s, StatusCode::FORBIDDEN, "the old policy is in force");
+}
+
+#[tokio::test]
+async fn audit_verification_detects_an_edited_line() {
+    let h = sec_harness(|_| {});
+    let dev = token(&h, "acme", "developer").await;
+    let id = create_sb(&h, &dev).await;
+    for _ in 0..3 {
+        assert_eq!(exec(&h, &dev, &id, "", &["true"]).await.0, StatusCode::OK);
+    }
+    let (s, v, _) = req(&h, "GET", "/v1/audit/verify", Some(&h.admin), "").await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["ok"], true, "{v}");
+    assert_eq!(v["entries"], 4);
+    let path = h.dir.path().join("audit.jsonl");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let edited = text.replacen("\"argv\":[\"true\"]", "\"argv\":[\"fals\"]", 1);
+    assert_ne!(text, edited);
+    std::fs::write(&path, edited).unwrap();
+    let (_, v, _) = req(&h, "GET", "/v1/audit/verify", Some(&h.admin), "").await;
+    assert_eq!(v["ok"], false, "{v}");
+    assert!(v["error"].as_str().unwrap().contains("line 2"), "{v}");
+    // A cut-off tail is caught by the head kept in the database.
+    let lines: Vec<&str> = text.lines().collect();
+    std::fs::write(&path, format!("{}\n", lines[..3].join("\n"))).unwrap();
+    let (_, v, _) = req(&h, "GET", "/v1/audit/verify", Some(&h.admin), "").await;
+    assert_eq!(v["ok"], false, "{v}");
+    assert!(v["error"].as_str().unwrap().contains("tail removed"), "{v}");
+}
+
+#[tokio::test]
+async fn rate_limit_answers_429_with_retry_after() {
+    let h = sec_harness(|c| {
+        c.security.rate_limit_per_second = 0.5;
+        c.security.rate_limit_burst = 3;
+    });
+    for _ in 0..3 {
+        assert_eq!(
+            req(&h, "GET", "/v1/whoami", Some(&h.admin), "").await.0,
+            StatusCode::OK
+        );
+    }
+    let (s, v, hd) = req(&h, "GET", "/v1/whoami", Some(&h.admin), "").await;
+    assert_eq!(s, StatusCode::TOO_MANY_REQUESTS, "{v}");
+    assert_eq!(code(&v), "rate_limited");
+    let after: u64 = hd["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!((1..=2).contains(&after), "{after}");
+    // Buckets are per token.
+    let other = crate::security::auth::new_token();
+    let _ = other;
+    let (s, _, _) = req(&h, "GET", "/healthz", None, "").await;
+    assert_eq!(s, StatusCode::OK);
+}
+
+async fn upstream() -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = l.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let n = s.read(&mut buf).await.unwrap_or(0);
+                let head = String::from_utf8_lossy(&buf[..n]).to_string();
+                let line = head.lines().next().unwrap_or("").to_owned();
+                let body = format!("upstream saw: {line}");
+                let _ = s
+                    .write_all(
+                        format!(
+                            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                            body.len()
+                        )
+                        .as_bytes(),
+                    )
+                    .await;
+            });
+        }
+    });
+    (addr, task)
+}
+
+async fn through_proxy(proxy: &str, method: &str, url: &str, host: &str) -> String {
+    let mut s = tokio::net::TcpStream::connect(proxy).await.unwrap();
+    s.write_all(
+        format!("{method} {url} HTTP/1.1\r\nHost: {host}\r\ncontent-length: 0\r\n\r\n").as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
+}
+
+#[tokio::test]
+async fn egress_proxy_applies_the_tenant_policy_per_request() {
+    let (up, _task) = upstream().await;
+    let h = sec_harness(|c| {
+        c.security
+            .egress_static_hosts
+            .insert("api.crm.test".into(), "127.0.0.1".parse().unwrap());
+    });
+    let admin = token(&h, "acme", "admin").await;
+    let dev = token(&h, "acme", "developer").await;
+    let policy = format!(
+        "default = \"deny\"\n[[connector]]\nname = \"crm\"\nhosts = [\"api.crm.test\"]\nports = [{}]\nread_only = true\n\n[[rule]]\nid = \"crm-read\"\neffect = \"allow\"\nconnector = \"crm\"\naccess = \"read\"\n\n[[rule]]\nid = \"the-rest\"\neffect = \"allow\"\nkind = [\"exec\", \"lifecycle\"]\n",
+        up.port()
+    );
+    let (s, v, _) = req(&h, "PUT", "/v1/policy", Some(&admin), policy).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let id = create_sb(&h, &dev).await;
+    let (s, v, _) = req(
+        &h,
+        "GET",
+        &format!("/v1/sandboxes/{id}/egress"),
+        Some(&dev),
+        "",
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["guest_proxy"], "http://10.0.2.100:3128");
+    let proxy = v["proxy"].as_str().unwrap().to_owned();
+    assert!(proxy.starts_with("127.0.0.1:"));
+    let url = format!("http://api.crm.test:{}/records", up.port());
+    let host = format!("api.crm.test:{}", up.port());
+    let got = through_proxy(&proxy, "GET", &url, &host).await;
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    assert!(got.contains("upstream saw: GET /records"), "{got}");
+    let posted = through_proxy(&proxy, "POST", &url, &host).await;
+    assert!(posted.starts_with("HTTP/1.1 403"), "{posted}");
+    assert!(!posted.contains("upstream saw"), "{posted}");
+    let unlisted = through_proxy(&proxy, "GET", "http://evil.test/", "evil.test").await;
+    assert!(unlisted.starts_with("HTTP/1.1 403"), "{unlisted}");
+    let ip = through_proxy(&proxy, "GET", &format!("http://{up}/"), &up.to_string()).await;
+    assert!(ip.starts_with("HTTP/1.1 403"), "{ip}");
+    // The same proxy on a second ask; decisions are in the tenant's audit.
+    let (_, v, _) = req(
+        &h,
+        "GET",
+        &format!("/v1/sandboxes/{id}/egress"),
+        Some(&dev),
+        "",
+    )
+    .await;
+    assert_eq!(v["proxy"], proxy.as_str());
+    let (_, v, _) = req(&h, "GET", "/v1/audit", Some(&admin), "").await;
+    let text = v.as_str().unwrap();
+    assert!(text.contains("\"kind\":\"egress\""), "{text}");
+    let (_, v, _) = req(&h, "GET", "/v1/audit/verify", Some(&admin), "").await;
+    assert_eq!(v["ok"], true, "{v}");
+}

@@ -1,0 +1,183 @@
+//! Identity: roles, the authenticated caller ([`Principal`]), token secrets
+//! and the role matrix of the HTTP routes.
+
+use rand::RngCore;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// What a token may do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Everything in its tenant: tokens, policies, audit verification, and
+    /// all a developer and an approver may do.
+    Admin,
+    /// Sandboxes, exec, files, snapshots, fork, rewind, templates (+ read).
+    Developer,
+    /// Answers approval requests (+ read).
+    Approver,
+    /// Read-only (GET).
+    Viewer,
+}
+
+impl Role {
+    /// The name used in the API and the database.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Admin => "admin",
+            Role::Developer => "developer",
+            Role::Approver => "approver",
+            Role::Viewer => "viewer",
+        }
+    }
+}
+
+impl std::str::FromStr for Role {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "admin" => Ok(Role::Admin),
+            "developer" => Ok(Role::Developer),
+            "approver" => Ok(Role::Approver),
+            "viewer" => Ok(Role::Viewer),
+            _ => Err(format!(
+                "role {s:?}: expected admin, developer, approver or viewer"
+            )),
+        }
+    }
+}
+
+/// The authenticated caller of a request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Principal {
+    /// Token id (`tok-…`), or `anonymous` with authentication off.
+    pub token_id: String,
+    /// Tenant the caller acts for.
+    pub tenant: String,
+    /// Role.
+    pub role: Role,
+    /// Token name, if any.
+    pub name: Option<String>,
+}
+
+impl Principal {
+    /// The actor name recorded in approvals and the audit log.
+    pub fn actor(&self) -> String {
+        format!("token:{}", self.token_id)
+    }
+}
+
+/// Prefix of every token secret (helps secret scanners).
+pub const TOKEN_PREFIX: &str = "strata_";
+
+/// A fresh token: `(id, secret)`. The secret is 32 random bytes, hex.
+pub fn new_token() -> (String, String) {
+    let mut rng = rand::thread_rng();
+    let mut id = [0u8; 8];
+    let mut secret = [0u8; 32];
+    rng.fill_bytes(&mut id);
+    rng.fill_bytes(&mut secret);
+    (
+        format!("tok-{}", hex::encode(id)),
+        format!("{TOKEN_PREFIX}{}", hex::encode(secret)),
+    )
+}
+
+/// SHA-256 of a secret, hex (what the database keeps).
+pub fn hash_secret(secret: &str) -> String {
+    hex::encode(Sha256::digest(secret.as_bytes()))
+}
+
+/// The secret of an `Authorization: Bearer <secret>` header value, if well formed.
+pub fn bearer(value: &str) -> Option<&str> {
+    let (scheme, rest) = value.split_once(' ')?;
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return None;
+    }
+    let t = rest.trim();
+    let ok = t.len() == TOKEN_PREFIX.len() + 64
+        && t.starts_with(TOKEN_PREFIX)
+        && t[TOKEN_PREFIX.len()..]
+            .bytes()
+            .all(|b| b.is_ascii_hexdigit());
+    ok.then_some(t)
+}
+
+/// Who may call a route: `(method, matched route)` → the roles allowed.
+/// Routes outside `/v1` (`/healthz`, `/metrics`) are not checked here.
+pub fn allowed(method: &str, route: &str, role: Role) -> bool {
+    use Role::*;
+    if role == Admin {
+        return true;
+    }
+    let admin_only = matches!(
+        (method, route),
+        (_, "/v1/tokens")
+            | (_, "/v1/tokens/:id")
+            | ("PUT", "/v1/policy")
+            | ("PUT", "/v1/sandboxes/:id/policy")
+            | ("GET", "/v1/audit/verify")
+    );
+    if admin_only {
+        return false;
+    }
+    if route.starts_with("/v1/approvals/") && method == "POST" {
+        return role == Approver;
+    }
+    // Dry evaluation changes nothing: open to every role.
+    if (method, route) == ("POST", "/v1/policy/test") {
+        return true;
+    }
+    // Starting an egress proxy is a developer's action even though it is a GET.
+    if route == "/v1/sandboxes/:id/egress" {
+        return role == Developer;
+    }
+    if method == "GET" || method == "HEAD" {
+        return true;
+    }
+    role == Developer
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_are_random_hex_and_hash_stably() {
+        let (id, s) = new_token();
+        let (id2, s2) = new_token();
+        assert_ne!(s, s2);
+        assert_ne!(id, id2);
+        assert_eq!(bearer(&format!("Bearer {s}")), Some(s.as_str()));
+        assert_eq!(hash_secret(&s), hash_secret(&s));
+        assert_eq!(hash_secret(&s).len(), 64);
+        for bad in [
+            "",
+            "Bearer",
+            "Bearer ",
+            "Basic abc",
+            "Bearer strata_xyz",
+            &format!("Token {s}"),
+            &format!("Bearer {}", &s[..s.len() - 1]),
+        ] {
+            assert_eq!(bearer(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn role_matrix_basics() {
+        use Role::*;
+        assert!(allowed("GET", "/v1/sandboxes", Viewer));
+        assert!(!allowed("POST", "/v1/sandboxes", Viewer));
+        assert!(allowed("POST", "/v1/sandboxes", Developer));
+        assert!(!allowed("POST", "/v1/sandboxes", Approver));
+        assert!(allowed("POST", "/v1/approvals/:id/approve", Approver));
+        assert!(!allowed("POST", "/v1/approvals/:id/approve", Developer));
+        assert!(!allowed("POST", "/v1/approvals/:id/approve", Viewer));
+        assert!(!allowed("GET", "/v1/tokens", Developer));
+        assert!(allowed("GET", "/v1/tokens", Admin));
+        assert!(!allowed("PUT", "/v1/policy", Developer));
+        assert!(allowed("GET", "/v1/policy", Viewer));
+        assert!(!allowed("GET", "/v1/audit/verify", Approver));
+    }
+}

@@ -1,0 +1,644 @@
+//! Security of the daemon (issue 5): API tokens, tenants and roles; the
+//! tool-call policy applied before the engine is called; the approval queue
+//! (persisted in SQLite); the hash-chained audit log; per-sandbox egress
+//! proxies; per-token rate limits.
+//!
+//! The policy engine, approval queue, audit log and proxy are
+//! `strata_policy`'s; this module wires them to the store, the API and the
+//! configuration. The HTTP side (middleware and routes) is `api::security`.
+//!
+//! Tenancy reaches the service layer through a task-local
+//! ([`current_tenant`]), set by the API middleware around each request, so
+//! records a request creates belong to the caller's tenant. Outside a
+//! request (scheduler, recovery) it is [`DEFAULT_TENANT`].
+
+pub mod auth;
+pub mod ratelimit;
+pub mod store;
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use strata_policy::approval::ApprovalQueue;
+use strata_policy::audit::{self, AuditDecision, AuditLog, Outcome};
+use strata_policy::proxy::{
+    EgressProxy, PolicySource, ProxyConfig, Resolver, StaticResolver, SystemResolver,
+};
+use strata_policy::{Decision, Policy, PolicySet, ToolCall};
+
+use crate::config::Config;
+use crate::duration::serde_human;
+use crate::store::DEFAULT_TENANT;
+use auth::{Principal, Role};
+use ratelimit::RateLimiter;
+use store::{SecStoreError, SecurityStore, TokenRecord};
+
+tokio::task_local! {
+    static TENANT: String;
+}
+
+/// The tenant of the request being served ([`DEFAULT_TENANT`] outside one).
+pub fn current_tenant() -> String {
+    TENANT
+        .try_with(|t| t.clone())
+        .unwrap_or_else(|_| DEFAULT_TENANT.to_owned())
+}
+
+/// Runs `f` with [`current_tenant`] = `tenant`.
+pub async fn with_tenant<F: std::future::Future>(tenant: String, f: F) -> F::Output {
+    TENANT.scope(tenant, f).await
+}
+
+/// Whether a template of `owner` may be used by the current tenant: its
+/// own, or one of the platform tenant (`default`), which every tenant shares.
+pub fn template_visible(owner: &str) -> bool {
+    owner == DEFAULT_TENANT || owner == current_tenant()
+}
+
+/// `[security]` of the daemon configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SecurityConfig {
+    /// Require `Authorization: Bearer <token>` on `/v1` (except `/healthz`,
+    /// `/metrics`). Off: every caller is an admin of tenant `default`
+    /// (local development only).
+    pub auth: bool,
+    /// Platform policy file (TOML, see `crates/strata-policy/docs/policy.md`);
+    /// unset: a built-in platform policy with `default = "allow"`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub platform_policy: Option<PathBuf>,
+    /// How long a held call waits for an approver by default.
+    #[serde(with = "serde_human")]
+    pub approval_timeout: Duration,
+    /// Longest `approval_timeout` a request may ask for.
+    #[serde(with = "serde_human")]
+    pub max_approval_timeout: Duration,
+    /// Sustained requests per second per token (0: no limit).
+    pub rate_limit_per_second: f64,
+    /// Requests a token may make at once before the sustained rate applies.
+    pub rate_limit_burst: u32,
+    /// Address the per-sandbox egress proxies listen on (port chosen per sandbox).
+    pub egress_bind: IpAddr,
+    /// Host names the egress proxy resolves to fixed addresses instead of
+    /// DNS (pinning connector hosts; tests point them at loopback). The
+    /// system resolver refuses private and loopback answers.
+    pub egress_static_hosts: BTreeMap<String, IpAddr>,
+}
+
+impl Default for SecurityConfig {
+    fn default() -> Self {
+        SecurityConfig {
+            auth: true,
+            platform_policy: None,
+            approval_timeout: Duration::from_secs(60),
+            max_approval_timeout: Duration::from_secs(600),
+            rate_limit_per_second: 50.0,
+            rate_limit_burst: 100,
+            egress_bind: IpAddr::from([127, 0, 0, 1]),
+            egress_static_hosts: BTreeMap::new(),
+        }
+    }
+}
+
+/// Why the security subsystem could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum SecurityError {
+    /// The security tables.
+    #[error(transparent)]
+    Store(#[from] SecStoreError),
+    /// The platform policy file.
+    #[error("platform policy")]
+    Policy(#[from] strata_policy::policy::LoadError),
+    /// Policies that do not compose.
+    #[error("policy: {0}")]
+    Compose(String),
+    /// The audit log.
+    #[error(transparent)]
+    Audit(#[from] audit::AuditError),
+    /// The approval queue could not be reloaded.
+    #[error(transparent)]
+    Approvals(#[from] strata_policy::approval::StoreError),
+    /// Writing the bootstrap token.
+    #[error("writing {path}")]
+    Bootstrap {
+        /// The file.
+        path: PathBuf,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Why a token was refused (all answer `401 unauthorized`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AuthFailure {
+    /// No `Authorization` header.
+    Missing,
+    /// Not `Bearer <strata token>`.
+    Malformed,
+    /// Unknown token.
+    Unknown,
+    /// Past its expiry.
+    Expired,
+    /// Revoked.
+    Revoked,
+}
+
+impl AuthFailure {
+    /// Message for the client.
+    pub fn message(self) -> &'static str {
+        match self {
+            AuthFailure::Missing => "missing Authorization: Bearer <token>",
+            AuthFailure::Malformed => "malformed Authorization header: expected Bearer <token>",
+            AuthFailure::Unknown => "unknown token",
+            AuthFailure::Expired => "token expired",
+            AuthFailure::Revoked => "token revoked",
+        }
+    }
+}
+
+/// A new token and its secret (shown once).
+#[derive(Debug, Clone, Serialize)]
+pub struct IssuedToken {
+    /// The record.
+    #[serde(flatten)]
+    pub record: TokenRecord,
+    /// The secret: `Authorization: Bearer <token>`. Not stored; not shown again.
+    pub token: String,
+}
+
+/// Rule id used when stored policies no longer compose.
+pub const INVALID_POLICY_RULE: &str = "invalid-policy";
+
+/// Parsed policies, cached by tenant and sandbox.
+pub struct Policies {
+    platform: Option<Arc<Policy>>,
+    store: Arc<SecurityStore>,
+    tenants: Mutex<HashMap<String, Option<Arc<Policy>>>>,
+    sandboxes: Mutex<HashMap<String, Option<Arc<Policy>>>>,
+    fallback: Arc<PolicySet>,
+}
+
+impl std::fmt::Debug for Policies {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Policies").finish_non_exhaustive()
+    }
+}
+
+fn parse_stored(what: &str, text: Option<String>) -> Option<Arc<Policy>> {
+    let text = text?;
+    match Policy::parse(&text) {
+        Ok(p) => Some(Arc::new(p)),
+        Err(e) => {
+            // Only accepted policies are stored; this is a tampered database.
+            tracing::error!(policy = what, error = %e, "stored policy no longer parses; denying");
+            Policy::parse(&deny_all_toml("stored policy does not parse"))
+                .ok()
+                .map(Arc::new)
+        }
+    }
+}
+
+fn deny_all_toml(reason: &str) -> String {
+    format!(
+        "default = \"deny\"\n[[rule]]\nid = \"{INVALID_POLICY_RULE}\"\neffect = \"deny\"\nhard = true\nreason = {}\n",
+        toml::Value::String(reason.to_owned())
+    )
+}
+
+impl Policies {
+    fn lock<'a, T>(m: &'a Mutex<T>) -> std::sync::MutexGuard<'a, T> {
+        m.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The tenant layer in force.
+    pub fn tenant(&self, tenant: &str) -> Result<Option<Arc<Policy>>, SecStoreError> {
+        if let Some(p) = Self::lock(&self.tenants).get(tenant) {
+            return Ok(p.clone());
+        }
+        let p = parse_stored(tenant, self.store.tenant_policy(tenant)?);
+        Self::lock(&self.tenants).insert(tenant.to_owned(), p.clone());
+        Ok(p)
+    }
+
+    /// The sandbox layer in force.
+    pub fn sandbox(&self, sandbox: &str) -> Result<Option<Arc<Policy>>, SecStoreError> {
+        if let Some(p) = Self::lock(&self.sandboxes).get(sandbox) {
+            return Ok(p.clone());
+        }
+        let p = parse_stored(sandbox, self.store.sandbox_policy(sandbox)?);
+        Self::lock(&self.sandboxes).insert(sandbox.to_owned(), p.clone());
+        Ok(p)
+    }
+
+    /// The composed policy for a call of `tenant` on `sandbox`. Layers that
+    /// no longer compose (a tenant policy dropped a connector a sandbox rule
+    /// names) give a deny-everything set: fail closed.
+    pub fn set(&self, tenant: &str, sandbox: Option<&str>) -> Arc<PolicySet> {
+        let layers = (|| -> Result<_, SecStoreError> {
+            Ok((
+                self.tenant(tenant)?,
+                match sandbox {
+                    Some(s) => self.sandbox(s)?,
+                    None => None,
+                },
+            ))
+        })();
+        let composed = match layers {
+            Ok((t, s)) => PolicySet::new(self.platform.clone(), t, s).map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        match composed {
+            Ok(set) => Arc::new(set),
+            Err(why) => {
+                tracing::error!(tenant, ?sandbox, error = %why, "policy layers do not compose; denying");
+                self.fallback.clone()
+            }
+        }
+    }
+
+    /// Checks and stores a tenant policy; on error the old one stays.
+    pub fn put_tenant(&self, tenant: &str, text: &str, by: &str) -> Result<(), String> {
+        let p = Arc::new(Policy::parse(text).map_err(|e| e.to_string())?);
+        PolicySet::new(self.platform.clone(), Some(p.clone()), None).map_err(|e| e.to_string())?;
+        self.store
+            .put_tenant_policy(tenant, text, by)
+            .map_err(|e| format!("storing policy: {e}"))?;
+        Self::lock(&self.tenants).insert(tenant.to_owned(), Some(p));
+        Ok(())
+    }
+
+    /// Checks and stores a sandbox policy; on error the old one stays.
+    pub fn put_sandbox(
+        &self,
+        tenant: &str,
+        sandbox: &str,
+        text: &str,
+        by: &str,
+    ) -> Result<(), String> {
+        let p = Arc::new(Policy::parse(text).map_err(|e| e.to_string())?);
+        let t = self.tenant(tenant).map_err(|e| e.to_string())?;
+        PolicySet::new(self.platform.clone(), t, Some(p.clone())).map_err(|e| e.to_string())?;
+        self.store
+            .put_sandbox_policy(tenant, sandbox, text, by)
+            .map_err(|e| format!("storing policy: {e}"))?;
+        Self::lock(&self.sandboxes).insert(sandbox.to_owned(), Some(p));
+        Ok(())
+    }
+}
+
+/// The security subsystem of a daemon.
+pub struct Security {
+    cfg: SecurityConfig,
+    data_dir: PathBuf,
+    store: Arc<SecurityStore>,
+    policies: Arc<Policies>,
+    approvals: Arc<ApprovalQueue>,
+    audit: Arc<AuditLog>,
+    audit_lock: Mutex<()>,
+    limiter: RateLimiter,
+    resolver: Mutex<Arc<dyn Resolver>>,
+    proxies: tokio::sync::Mutex<HashMap<String, EgressProxy>>,
+}
+
+impl std::fmt::Debug for Security {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Security")
+            .field("auth", &self.cfg.auth)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The built-in platform policy when no file is configured.
+pub const DEFAULT_PLATFORM_POLICY: &str = "default = \"allow\"\n";
+
+impl Security {
+    /// Opens the security tables (in `config.db_path()`, migrated by the
+    /// store), the audit log (`<data_dir>/audit.jsonl`, checked against the
+    /// head recorded in the database) and the platform policy; makes the
+    /// bootstrap admin token on first start.
+    pub fn open(config: &Config) -> Result<Arc<Security>, SecurityError> {
+        let cfg = config.security.clone();
+        let store = Arc::new(SecurityStore::open(&config.db_path())?);
+        let platform = match &cfg.platform_policy {
+            Some(p) => Policy::load(p)?,
+            None => Policy::parse(DEFAULT_PLATFORM_POLICY)
+                .map_err(strata_policy::policy::LoadError::Parse)?,
+        };
+        let deny = Policy::parse(&deny_all_toml("the stored policy layers do not compose"))
+            .map_err(strata_policy::policy::LoadError::Parse)?;
+        let fallback = PolicySet::new(Some(Arc::new(deny)), None, None)
+            .map_err(|e| SecurityError::Compose(e.to_string()))?;
+        let audit_path = config.data_dir.join("audit.jsonl");
+        let audit = AuditLog::open(&audit_path)?;
+        if let Some((seq, hash)) = store.audit_head()? {
+            audit::verify_head(&audit_path, seq, &hash)?;
+        }
+        let approvals = ApprovalQueue::with_store(store.clone())?;
+        let resolver: Arc<dyn Resolver> = if cfg.egress_static_hosts.is_empty() {
+            Arc::new(SystemResolver)
+        } else {
+            Arc::new(StaticResolver(
+                cfg.egress_static_hosts
+                    .iter()
+                    .map(|(k, v)| (k.to_ascii_lowercase(), *v))
+                    .collect(),
+            ))
+        };
+        let sec = Security {
+            limiter: RateLimiter::new(cfg.rate_limit_per_second, cfg.rate_limit_burst),
+            data_dir: config.data_dir.clone(),
+            policies: Arc::new(Policies {
+                platform: Some(Arc::new(platform)),
+                store: store.clone(),
+                tenants: Mutex::new(HashMap::new()),
+                sandboxes: Mutex::new(HashMap::new()),
+                fallback: Arc::new(fallback),
+            }),
+            store,
+            approvals: Arc::new(approvals),
+            audit: Arc::new(audit),
+            audit_lock: Mutex::new(()),
+            resolver: Mutex::new(resolver),
+            proxies: tokio::sync::Mutex::new(HashMap::new()),
+            cfg,
+        };
+        if sec.cfg.auth {
+            sec.bootstrap()?;
+        }
+        Ok(Arc::new(sec))
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SecurityConfig {
+        &self.cfg
+    }
+
+    /// The security tables.
+    pub fn store(&self) -> &Arc<SecurityStore> {
+        &self.store
+    }
+
+    /// Parsed policies.
+    pub fn policies(&self) -> &Arc<Policies> {
+        &self.policies
+    }
+
+    /// The approval queue.
+    pub fn approvals(&self) -> &Arc<ApprovalQueue> {
+        &self.approvals
+    }
+
+    /// The audit log file.
+    pub fn audit_path(&self) -> &Path {
+        self.audit.path()
+    }
+
+    /// The per-token rate limiter.
+    pub fn limiter(&self) -> &RateLimiter {
+        &self.limiter
+    }
+
+    /// Where the bootstrap admin token is written.
+    pub fn bootstrap_token_path(&self) -> PathBuf {
+        self.data_dir.join("admin.token")
+    }
+
+    /// On first start (no token was ever made): an admin token of tenant
+    /// `default`, written to `<data_dir>/admin.token` with mode 0600.
+    fn bootstrap(&self) -> Result<(), SecurityError> {
+        if self.store.token_count()? > 0 {
+            return Ok(());
+        }
+        let path = self.bootstrap_token_path();
+        let issued = self.make_token(
+            DEFAULT_TENANT,
+            Role::Admin,
+            Some("bootstrap".into()),
+            None,
+            "bootstrap",
+        );
+        let io = |source| SecurityError::Bootstrap {
+            path: path.clone(),
+            source,
+        };
+        let tmp = path.with_extension("token.tmp");
+        {
+            use std::io::Write;
+            use std::os::unix::fs::OpenOptionsExt;
+            let _ = std::fs::remove_file(&tmp);
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&tmp)
+                .map_err(io)?;
+            f.write_all(format!("{}\n", issued.token).as_bytes())
+                .map_err(io)?;
+            f.sync_all().map_err(io)?;
+        }
+        std::fs::rename(&tmp, &path).map_err(io)?;
+        self.store.insert_token(&issued.record)?;
+        tracing::info!(
+            path = %path.display(),
+            token_id = %issued.record.id,
+            "bootstrap admin token written (mode 0600); read it once, then make tokens with POST /v1/tokens"
+        );
+        Ok(())
+    }
+
+    fn make_token(
+        &self,
+        tenant: &str,
+        role: Role,
+        name: Option<String>,
+        expires_at: Option<DateTime<Utc>>,
+        by: &str,
+    ) -> IssuedToken {
+        let (id, secret) = auth::new_token();
+        IssuedToken {
+            record: TokenRecord {
+                id,
+                tenant: tenant.to_owned(),
+                role,
+                name,
+                created_at: Utc::now(),
+                created_by: Some(by.to_owned()),
+                expires_at,
+                revoked_at: None,
+                hash: auth::hash_secret(&secret),
+            },
+            token: secret,
+        }
+    }
+
+    /// Makes and stores a token.
+    pub fn issue_token(
+        &self,
+        tenant: &str,
+        role: Role,
+        name: Option<String>,
+        expires_at: Option<DateTime<Utc>>,
+        by: &str,
+    ) -> Result<IssuedToken, SecStoreError> {
+        let t = self.make_token(tenant, role, name, expires_at, by);
+        self.store.insert_token(&t.record)?;
+        Ok(t)
+    }
+
+    /// The caller of a request with this `Authorization` header value.
+    pub fn authenticate(&self, header: Option<&str>) -> Result<Principal, AuthFailure> {
+        if !self.cfg.auth {
+            return Ok(Principal {
+                token_id: "anonymous".into(),
+                tenant: DEFAULT_TENANT.into(),
+                role: Role::Admin,
+                name: None,
+            });
+        }
+        let h = header.ok_or(AuthFailure::Missing)?;
+        let secret = auth::bearer(h).ok_or(AuthFailure::Malformed)?;
+        let t = self
+            .store
+            .token_by_hash(&auth::hash_secret(secret))
+            .map_err(|e| {
+                tracing::error!(error = %e, "token lookup failed");
+                AuthFailure::Unknown
+            })?
+            .ok_or(AuthFailure::Unknown)?;
+        if t.revoked_at.is_some() {
+            return Err(AuthFailure::Revoked);
+        }
+        if t.expires_at.is_some_and(|e| e <= Utc::now()) {
+            return Err(AuthFailure::Expired);
+        }
+        Ok(Principal {
+            token_id: t.id,
+            tenant: t.tenant,
+            role: t.role,
+            name: t.name,
+        })
+    }
+
+    /// Evaluates a call against the layers in force.
+    pub fn evaluate(&self, call: &ToolCall) -> Decision {
+        self.policies
+            .set(&call.tenant, call.sandbox.as_deref())
+            .evaluate(call)
+    }
+
+    /// Appends a decision to the audit log (on disk when it returns) and
+    /// records the new head in the database.
+    pub fn record(
+        &self,
+        call: &ToolCall,
+        decision: &Decision,
+        outcome: Outcome,
+        approval_id: Option<String>,
+        by: Option<String>,
+    ) -> Result<(), String> {
+        let _g = self.audit_lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.audit
+            .append(
+                call,
+                AuditDecision::from_decision(decision, outcome, approval_id),
+                by,
+            )
+            .map_err(|e| format!("audit log: {e}"))?;
+        // The head includes entries the egress proxies appended meanwhile.
+        let (seq, hash) = self.audit.head();
+        self.store
+            .set_audit_head(seq, &hash)
+            .map_err(|e| format!("recording the audit head: {e}"))
+    }
+
+    /// Verifies the audit chain and that it still reaches the recorded head.
+    pub fn verify_audit(&self) -> Result<audit::Verified, audit::AuditError> {
+        let _g = self.audit_lock.lock().unwrap_or_else(|p| p.into_inner());
+        match self.store.audit_head() {
+            Ok(Some((seq, hash))) => audit::verify_head(self.audit.path(), seq, &hash),
+            _ => audit::verify(self.audit.path()),
+        }
+    }
+
+    /// Replaces the resolver of egress proxies started from now on.
+    pub fn set_egress_resolver(&self, r: Arc<dyn Resolver>) {
+        *self.resolver.lock().unwrap_or_else(|p| p.into_inner()) = r;
+    }
+
+    /// The egress proxy of a sandbox (started on first use, on the port it
+    /// had before when that port is free, so a VM adopted after a daemon
+    /// restart keeps its forwarding). The runtime forwards the guest's
+    /// `10.0.2.100:3128` to this address (QEMU `guestfwd`).
+    pub async fn egress_proxy(
+        self: &Arc<Self>,
+        tenant: &str,
+        sandbox: &str,
+    ) -> std::io::Result<SocketAddr> {
+        let mut g = self.proxies.lock().await;
+        if let Some(p) = g.get(sandbox) {
+            return Ok(p.local_addr());
+        }
+        let policies = self.policies.clone();
+        let (t, s) = (tenant.to_owned(), sandbox.to_owned());
+        let source: Arc<dyn PolicySource> = Arc::new(move || policies.set(&t, Some(s.as_str())));
+        let mut pc = ProxyConfig::new(tenant, Some(sandbox), source);
+        pc.resolver = self
+            .resolver
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        pc.approvals = Some(self.approvals.clone());
+        pc.approval_timeout = self.cfg.approval_timeout;
+        pc.audit = Some(self.audit.clone());
+        let previous = self.store.egress_port(sandbox).ok().flatten();
+        let proxy = match previous {
+            Some(port) => {
+                match EgressProxy::bind(SocketAddr::new(self.cfg.egress_bind, port), clone_pc(&pc))
+                    .await
+                {
+                    Ok(p) => p,
+                    Err(_) => {
+                        EgressProxy::bind(SocketAddr::new(self.cfg.egress_bind, 0), pc).await?
+                    }
+                }
+            }
+            None => EgressProxy::bind(SocketAddr::new(self.cfg.egress_bind, 0), pc).await?,
+        };
+        let addr = proxy.local_addr();
+        if let Err(e) = self.store.set_egress_port(tenant, sandbox, addr.port()) {
+            tracing::warn!(sandbox, error = %e, "recording the egress port failed");
+        }
+        tracing::info!(sandbox, %addr, "egress proxy listening");
+        g.insert(sandbox.to_owned(), proxy);
+        Ok(addr)
+    }
+
+    /// Stops a sandbox's egress proxy (on delete).
+    pub async fn stop_egress_proxy(&self, sandbox: &str) {
+        self.proxies.lock().await.remove(sandbox);
+    }
+}
+
+fn clone_pc(pc: &ProxyConfig) -> ProxyConfig {
+    ProxyConfig {
+        tenant: pc.tenant.clone(),
+        sandbox: pc.sandbox.clone(),
+        actor: pc.actor.clone(),
+        policy: pc.policy.clone(),
+        resolver: pc.resolver.clone(),
+        approvals: pc.approvals.clone(),
+        approval_timeout: pc.approval_timeout,
+        audit: pc.audit.clone(),
+        connect_timeout: pc.connect_timeout,
+    }
+}
+
+/// The guest side of the egress proxy: what the runtime's `guestfwd` maps
+/// to the sandbox's proxy, and what the guest uses as `http_proxy`.
+pub const GUEST_PROXY: &str = "10.0.2.100:3128";

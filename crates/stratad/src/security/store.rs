@@ -1,0 +1,420 @@
+//! Security records in the daemon's SQLite database: API tokens, tenants,
+//! tenant and sandbox policies, approval requests (the library's
+//! [`ApprovalStore`]), the audit log's head and egress proxy ports.
+//!
+//! The schema is migration 2 of `store::sqlite` ([`MIGRATION_V2`]); this
+//! module keeps its own writer connection to the same file (WAL mode lets
+//! both writers take turns; every write is one short transaction).
+
+use std::path::Path;
+use std::sync::Mutex;
+
+use chrono::{DateTime, Utc};
+use rusqlite::{params, Connection, OptionalExtension, Row};
+use serde::{Deserialize, Serialize};
+use strata_policy::approval::{ApprovalRequest, ApprovalStatus, ApprovalStore, StoreError};
+
+use super::auth::Role;
+
+/// Schema of the security tables (migration 2 of the SQLite store).
+pub const MIGRATION_V2: &str = r#"
+    CREATE TABLE tenants (
+        id TEXT PRIMARY KEY,
+        created_at INTEGER NOT NULL
+    ) WITHOUT ROWID;
+    INSERT INTO tenants (id, created_at) VALUES ('default', 0);
+    CREATE TABLE api_tokens (
+        id TEXT PRIMARY KEY,
+        tenant_id TEXT NOT NULL,
+        role TEXT NOT NULL,
+        name TEXT,
+        hash TEXT NOT NULL UNIQUE,
+        created_at INTEGER NOT NULL,
+        created_by TEXT,
+        expires_at INTEGER,
+        revoked_at INTEGER
+    ) WITHOUT ROWID;
+    CREATE INDEX api_tokens_by_tenant ON api_tokens (tenant_id, created_at);
+    CREATE TABLE tenant_policies (
+        tenant_id TEXT PRIMARY KEY,
+        toml TEXT NOT NULL,
+        updated_at INTEGER NOT NULL,
+        updated_by TEXT
+    ) WITHOUT ROWID;
+    CREATE TABLE sandbox_policies (
+        sandbox_id TEXT PRIMARY KEY,
+        tenant_id TEXT NOT NULL,
+        toml TEXT NOT NULL,
+        updated_at INTEGER NOT NULL,
+        updated_by TEXT
+    ) WITHOUT ROWID;
+    CREATE TABLE approvals (
+        id TEXT PRIMARY KEY,
+        tenant_id TEXT NOT NULL,
+        created_at INTEGER NOT NULL,
+        status TEXT NOT NULL,
+        body TEXT NOT NULL,
+        consumed_at INTEGER
+    ) WITHOUT ROWID;
+    CREATE INDEX approvals_by_tenant ON approvals (tenant_id, status, created_at);
+    CREATE TABLE audit_head (
+        id INTEGER PRIMARY KEY CHECK (id = 1),
+        seq INTEGER NOT NULL,
+        hash TEXT NOT NULL,
+        updated_at INTEGER NOT NULL
+    );
+    CREATE TABLE egress_ports (
+        sandbox_id TEXT PRIMARY KEY,
+        tenant_id TEXT NOT NULL,
+        port INTEGER NOT NULL
+    ) WITHOUT ROWID;
+"#;
+
+/// Errors of the security store.
+#[derive(Debug, thiserror::Error)]
+pub enum SecStoreError {
+    /// SQLite failed.
+    #[error("security store")]
+    Sqlite(#[from] rusqlite::Error),
+    /// The database has not been migrated to the security schema.
+    #[error("database {0} lacks the security tables (schema older than 2)")]
+    Schema(String),
+    /// A stored row could not be decoded.
+    #[error("corrupt security record: {0}")]
+    Corrupt(String),
+}
+
+/// Result of store calls.
+pub type SecResult<T> = Result<T, SecStoreError>;
+
+/// An API token as stored (never the secret itself, only its SHA-256).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenRecord {
+    /// Token id (`tok-…`), safe to show and log.
+    pub id: String,
+    /// Tenant the token acts for.
+    pub tenant: String,
+    /// Role.
+    pub role: Role,
+    /// Free-form name.
+    pub name: Option<String>,
+    /// When it was made.
+    pub created_at: DateTime<Utc>,
+    /// Token id of the admin who made it (`bootstrap` for the first one).
+    pub created_by: Option<String>,
+    /// When it stops working.
+    pub expires_at: Option<DateTime<Utc>>,
+    /// When it was revoked.
+    pub revoked_at: Option<DateTime<Utc>>,
+    /// SHA-256 of the secret, hex; not serialized to clients.
+    #[serde(skip)]
+    pub hash: String,
+}
+
+fn ms(t: DateTime<Utc>) -> i64 {
+    t.timestamp_millis()
+}
+
+fn from_ms(v: i64) -> DateTime<Utc> {
+    DateTime::from_timestamp_millis(v).unwrap_or_default()
+}
+
+const TOKEN_COLS: &str =
+    "id, tenant_id, role, name, hash, created_at, created_by, expires_at, revoked_at";
+
+fn token_row(r: &Row<'_>) -> rusqlite::Result<(TokenRecord, String)> {
+    let role: String = r.get(2)?;
+    Ok((
+        TokenRecord {
+            id: r.get(0)?,
+            tenant: r.get(1)?,
+            role: Role::Viewer,
+            name: r.get(3)?,
+            hash: r.get(4)?,
+            created_at: from_ms(r.get(5)?),
+            created_by: r.get(6)?,
+            expires_at: r.get::<_, Option<i64>>(7)?.map(from_ms),
+            revoked_at: r.get::<_, Option<i64>>(8)?.map(from_ms),
+        },
+        role,
+    ))
+}
+
+fn token_record((mut t, role): (TokenRecord, String)) -> SecResult<TokenRecord> {
+    t.role = role
+        .parse()
+        .map_err(|_| SecStoreError::Corrupt(format!("token {}: role {role:?}", t.id)))?;
+    Ok(t)
+}
+
+/// The security tables.
+pub struct SecurityStore {
+    conn: Mutex<Connection>,
+}
+
+impl std::fmt::Debug for SecurityStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SecurityStore").finish_non_exhaustive()
+    }
+}
+
+fn status_str(s: &ApprovalStatus) -> &'static str {
+    match s {
+        ApprovalStatus::Pending => "pending",
+        ApprovalStatus::Approved { .. } => "approved",
+        ApprovalStatus::Denied { .. } => "denied",
+        ApprovalStatus::TimedOut { .. } => "timed_out",
+    }
+}
+
+impl SecurityStore {
+    /// Opens the database at `path`; it must carry schema version 2 or later
+    /// (the main store migrates it when it opens).
+    pub fn open(path: &Path) -> SecResult<Self> {
+        let conn = Connection::open(path)?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        conn.execute_batch("PRAGMA synchronous=FULL;")?;
+        let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+        if version < 2 {
+            return Err(SecStoreError::Schema(path.display().to_string()));
+        }
+        Ok(SecurityStore {
+            conn: Mutex::new(conn),
+        })
+    }
+
+    fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
+        // A panic mid-call rolls its transaction back; the connection is fine.
+        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Number of tokens ever made (revoked ones included).
+    pub fn token_count(&self) -> SecResult<u64> {
+        let n: i64 = self
+            .conn()
+            .query_row("SELECT COUNT(*) FROM api_tokens", [], |r| r.get(0))?;
+        Ok(n.max(0) as u64)
+    }
+
+    /// Records a new token (and its tenant, if new).
+    pub fn insert_token(&self, t: &TokenRecord) -> SecResult<()> {
+        let mut c = self.conn();
+        let tx = c.transaction()?;
+        tx.execute(
+            "INSERT OR IGNORE INTO tenants (id, created_at) VALUES (?1, ?2)",
+            params![t.tenant, ms(t.created_at)],
+        )?;
+        tx.execute(
+            &format!("INSERT INTO api_tokens ({TOKEN_COLS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9)"),
+            params![
+                t.id,
+                t.tenant,
+                t.role.as_str(),
+                t.name,
+                t.hash,
+                ms(t.created_at),
+                t.created_by,
+                t.expires_at.map(ms),
+                t.revoked_at.map(ms)
+            ],
+        )?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// The token whose secret hashes to `hash`.
+    pub fn token_by_hash(&self, hash: &str) -> SecResult<Option<TokenRecord>> {
+        self.conn()
+            .query_row(
+                &format!("SELECT {TOKEN_COLS} FROM api_tokens WHERE hash = ?1"),
+                [hash],
+                token_row,
+            )
+            .optional()?
+            .map(token_record)
+            .transpose()
+    }
+
+    /// One token of `tenant`.
+    pub fn token(&self, tenant: &str, id: &str) -> SecResult<Option<TokenRecord>> {
+        self.conn()
+            .query_row(
+                &format!("SELECT {TOKEN_COLS} FROM api_tokens WHERE id = ?1 AND tenant_id = ?2"),
+                [id, tenant],
+                token_row,
+            )
+            .optional()?
+            .map(token_record)
+            .transpose()
+    }
+
+    /// Tokens of `tenant`, oldest first.
+    pub fn tokens(&self, tenant: &str) -> SecResult<Vec<TokenRecord>> {
+        let c = self.conn();
+        let mut st = c.prepare(&format!(
+            "SELECT {TOKEN_COLS} FROM api_tokens WHERE tenant_id = ?1 ORDER BY created_at, id"
+        ))?;
+        let rows = st.query_map([tenant], token_row)?;
+        let mut out = Vec::new();
+        for r in rows {
+            out.push(token_record(r?)?);
+        }
+        Ok(out)
+    }
+
+    /// Marks a token revoked; false when it does not exist for `tenant`.
+    pub fn revoke_token(&self, tenant: &str, id: &str, at: DateTime<Utc>) -> SecResult<bool> {
+        let n = self.conn().execute(
+            "UPDATE api_tokens SET revoked_at = COALESCE(revoked_at, ?3) WHERE id = ?1 AND tenant_id = ?2",
+            params![id, tenant, ms(at)],
+        )?;
+        Ok(n > 0)
+    }
+
+    /// Every tenant's policy text.
+    pub fn tenant_policy(&self, tenant: &str) -> SecResult<Option<String>> {
+        Ok(self
+            .conn()
+            .query_row(
+                "SELECT toml FROM tenant_policies WHERE tenant_id = ?1",
+                [tenant],
+                |r| r.get(0),
+            )
+            .optional()?)
+    }
+
+    /// Replaces a tenant's policy text.
+    pub fn put_tenant_policy(&self, tenant: &str, toml: &str, by: &str) -> SecResult<()> {
+        self.conn().execute(
+            "INSERT OR REPLACE INTO tenant_policies (tenant_id, toml, updated_at, updated_by) VALUES (?1,?2,?3,?4)",
+            params![tenant, toml, ms(Utc::now()), by],
+        )?;
+        Ok(())
+    }
+
+    /// A sandbox's policy text.
+    pub fn sandbox_policy(&self, sandbox: &str) -> SecResult<Option<String>> {
+        Ok(self
+            .conn()
+            .query_row(
+                "SELECT toml FROM sandbox_policies WHERE sandbox_id = ?1",
+                [sandbox],
+                |r| r.get(0),
+            )
+            .optional()?)
+    }
+
+    /// Replaces a sandbox's policy text.
+    pub fn put_sandbox_policy(
+        &self,
+        tenant: &str,
+        sandbox: &str,
+        toml: &str,
+        by: &str,
+    ) -> SecResult<()> {
+        self.conn().execute(
+            "INSERT OR REPLACE INTO sandbox_policies (sandbox_id, tenant_id, toml, updated_at, updated_by) VALUES (?1,?2,?3,?4,?5)",
+            params![sandbox, tenant, toml, ms(Utc::now()), by],
+        )?;
+        Ok(())
+    }
+
+    /// The recorded audit head `(seq, hash)`.
+    pub fn audit_head(&self) -> SecResult<Option<(u64, String)>> {
+        Ok(self
+            .conn()
+            .query_row("SELECT seq, hash FROM audit_head WHERE id = 1", [], |r| {
+                Ok((r.get::<_, i64>(0)?.max(0) as u64, r.get(1)?))
+            })
+            .optional()?)
+    }
+
+    /// Records the audit head.
+    pub fn set_audit_head(&self, seq: u64, hash: &str) -> SecResult<()> {
+        self.conn().execute(
+            "INSERT OR REPLACE INTO audit_head (id, seq, hash, updated_at) VALUES (1, ?1, ?2, ?3)",
+            params![i64::try_from(seq).unwrap_or(i64::MAX), hash, ms(Utc::now())],
+        )?;
+        Ok(())
+    }
+
+    /// Marks an approved request as used (a `?approval=` re-submission runs
+    /// once); false when it was used before.
+    pub fn consume_approval(&self, id: &str) -> SecResult<bool> {
+        let n = self.conn().execute(
+            "UPDATE approvals SET consumed_at = ?2 WHERE id = ?1 AND consumed_at IS NULL",
+            params![id, ms(Utc::now())],
+        )?;
+        Ok(n > 0)
+    }
+
+    /// The egress proxy port last used for a sandbox.
+    pub fn egress_port(&self, sandbox: &str) -> SecResult<Option<u16>> {
+        Ok(self
+            .conn()
+            .query_row(
+                "SELECT port FROM egress_ports WHERE sandbox_id = ?1",
+                [sandbox],
+                |r| r.get::<_, i64>(0),
+            )
+            .optional()?
+            .and_then(|p| u16::try_from(p).ok()))
+    }
+
+    /// Records the egress proxy port of a sandbox.
+    pub fn set_egress_port(&self, tenant: &str, sandbox: &str, port: u16) -> SecResult<()> {
+        self.conn().execute(
+            "INSERT OR REPLACE INTO egress_ports (sandbox_id, tenant_id, port) VALUES (?1,?2,?3)",
+            params![sandbox, tenant, i64::from(port)],
+        )?;
+        Ok(())
+    }
+}
+
+fn store_err(e: impl std::fmt::Display) -> StoreError {
+    StoreError(e.to_string())
+}
+
+impl ApprovalStore for SecurityStore {
+    fn insert(&self, req: &ApprovalRequest) -> Result<(), StoreError> {
+        let body = serde_json::to_string(req).map_err(store_err)?;
+        self.conn()
+            .execute(
+                "INSERT INTO approvals (id, tenant_id, created_at, status, body) VALUES (?1,?2,?3,?4,?5)",
+                params![req.id, req.tenant, ms(req.created_at), status_str(&req.status), body],
+            )
+            .map_err(store_err)?;
+        Ok(())
+    }
+
+    fn update(&self, req: &ApprovalRequest) -> Result<(), StoreError> {
+        let body = serde_json::to_string(req).map_err(store_err)?;
+        let n = self
+            .conn()
+            .execute(
+                "UPDATE approvals SET status = ?2, body = ?3 WHERE id = ?1",
+                params![req.id, status_str(&req.status), body],
+            )
+            .map_err(store_err)?;
+        if n == 0 {
+            return Err(StoreError(format!("approval {} not recorded", req.id)));
+        }
+        Ok(())
+    }
+
+    fn load(&self) -> Result<Vec<ApprovalRequest>, StoreError> {
+        let c = self.conn();
+        let mut st = c
+            .prepare("SELECT body FROM approvals ORDER BY created_at, id")
+            .map_err(store_err)?;
+        let rows = st
+            .query_map([], |r| r.get::<_, String>(0))
+            .map_err(store_err)?;
+        let mut out = Vec::new();
+        for r in rows {
+            let body = r.map_err(store_err)?;
+            out.push(serde_json::from_str(&body).map_err(store_err)?);
+        }
+        Ok(out)
+    }
+}
