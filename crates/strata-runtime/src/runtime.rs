@@ -105,12 +105,10 @@ fn io_err(what: &str, e: std::io::Error) -> RuntimeError {
 
 fn agent_err(id: &str, e: AgentError, timeout: Duration) -> RuntimeError {
     match e {
-        AgentError::ConnectTimeout(_) | AgentError::Timeout => {
-            RuntimeError::AgentTimeout {
-                id: id.to_owned(),
-                timeout_ms: timeout.as_millis() as u64,
-            }
-        }
+        AgentError::ConnectTimeout(_) | AgentError::Timeout => RuntimeError::AgentTimeout {
+            id: id.to_owned(),
+            timeout_ms: timeout.as_millis() as u64,
+        },
         other => RuntimeError::Agent {
             id: id.to_owned(),
             source: other,
