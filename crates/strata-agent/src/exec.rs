@@ -24,6 +24,9 @@ const OUT_CHUNK: usize = 64 * 1024;
 /// children may hold them open).
 const PIPE_GRACE: Duration = Duration::from_millis(500);
 
+/// Hosts commands reach directly even with egress on.
+const NO_PROXY: &str = "localhost,127.0.0.1";
+
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 /// What to run (parsed from the request).
@@ -40,6 +43,8 @@ pub struct Spec {
     pub stdin: bool,
     /// Timeout.
     pub timeout: Option<Duration>,
+    /// Egress proxy URL for the `*_proxy` variables (egress enabled).
+    pub proxy: Option<String>,
 }
 
 /// Spawns the process (in its own session / process group).
@@ -110,6 +115,12 @@ pub fn spawn(spec: &Spec) -> Result<Child, Fail> {
         None => {
             cmd.env("HOME", "/root");
         }
+    }
+    if let Some(url) = &spec.proxy {
+        for k in ["http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"] {
+            cmd.env(k, url);
+        }
+        cmd.env("no_proxy", NO_PROXY).env("NO_PROXY", NO_PROXY);
     }
     cmd.envs(&spec.env);
     cmd.current_dir(spec.cwd.as_deref().unwrap_or("/"));

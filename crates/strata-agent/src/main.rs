@@ -1,5 +1,6 @@
 //! The strata guest agent: runs inside the microVM, executes commands and moves files for the host over virtio-serial.
 
+mod egress;
 mod exec;
 mod files;
 mod init;
@@ -59,6 +60,10 @@ struct Args {
     /// Log system changes (clock, RNG, hostname) instead of making them.
     #[arg(long)]
     dry_system: bool,
+    /// Where guest programs reach the egress proxy, once the host enables
+    /// egress (`127.0.0.1:0` picks a free port; the host learns it).
+    #[arg(long, default_value = "127.0.0.1:3128")]
+    egress_listen: std::net::SocketAddr,
     /// Testing only: claim this protocol version in the handshake.
     #[arg(long, hide = true)]
     pretend_protocol_version: Option<u32>,
@@ -117,7 +122,8 @@ fn run_agent(args: &Args) -> i32 {
     let version = args
         .pretend_protocol_version
         .unwrap_or(strata_proto::PROTOCOL_VERSION);
-    rt.block_on(session::Session::new(transport, sys, version).run());
+    let egress = egress::Egress::new(args.egress_listen);
+    rt.block_on(session::Session::new(transport, sys, version, egress).run());
     0
 }
 

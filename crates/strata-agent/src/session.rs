@@ -13,9 +13,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use strata_proto::frame::{Decoded, Frame, FrameDecoder, FrameError, FrameKind};
+use strata_proto::tunnel::{Delivered, TunnelHandle, TunnelMsg};
 use strata_proto::{AgentInfo, RemoteErrorKind, Request, Response, PROTOCOL_VERSION};
 use tokio::sync::{mpsc, watch};
 
+use crate::egress::{self, Egress, Opened};
 use crate::exec::{self, Spec};
 use crate::files::{self, UploadMsg};
 use crate::outbox::Outbox;
@@ -42,12 +44,20 @@ pub enum Entry {
         /// Host's consumed-bytes counter.
         acks: watch::Sender<u64>,
     },
+    /// An egress tunnel (agent-chosen id).
+    Tunnel {
+        /// Where the host's tunnel messages go; dropping it stops the tunnel.
+        handle: TunnelHandle,
+        /// Waiting for the host to accept or refuse the tunnel.
+        opened: Option<Opened>,
+    },
 }
 
 /// In-flight requests of the current session, keyed by id.
 pub type Table = Arc<Mutex<HashMap<u32, (u64, Entry)>>>;
 
-fn lock(t: &Table) -> std::sync::MutexGuard<'_, HashMap<u32, (u64, Entry)>> {
+/// Locks the table (a poisoned lock is still usable).
+pub fn lock(t: &Table) -> std::sync::MutexGuard<'_, HashMap<u32, (u64, Entry)>> {
     t.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -75,6 +85,7 @@ pub struct Session {
     nonce: Option<u64>,
     awaiting_hello: bool,
     version: u32,
+    egress: Arc<Egress>,
 }
 
 /// Current agent facts.
@@ -101,9 +112,15 @@ pub fn agent_info() -> AgentInfo {
 
 impl Session {
     /// A session loop over `transport`.
-    pub fn new(transport: Transport, sys: Arc<dyn System>, version: u32) -> Self {
+    pub fn new(
+        transport: Transport,
+        sys: Arc<dyn System>,
+        version: u32,
+        egress: Arc<Egress>,
+    ) -> Self {
         Self {
             version,
+            egress,
             transport,
             sys,
             table: Arc::new(Mutex::new(HashMap::new())),
@@ -305,7 +322,51 @@ impl Session {
             .await;
     }
 
+    /// Routes a host message to tunnel `id`; aborts the tunnel if the host broke its rules.
+    async fn tunnel_msg(&mut self, id: u32, msg: TunnelMsg) {
+        let abort = {
+            let mut table = lock(&self.table);
+            let Some((_, Entry::Tunnel { handle, opened })) = table.get_mut(&id) else {
+                return; // late message for a finished tunnel
+            };
+            if let TunnelMsg::Close(error) = &msg {
+                if let Some(o) = opened.take() {
+                    let _ = o.send(Err(error.clone().unwrap_or_else(|| "refused".into())));
+                }
+            }
+            let delivered = if opened.is_some() && !matches!(msg, TunnelMsg::Close(_)) {
+                Delivered::Abort("tunnel message before tunnel_ok".into())
+            } else {
+                handle.deliver(msg)
+            };
+            match delivered {
+                Delivered::Keep => None,
+                Delivered::Remove => {
+                    table.remove(&id);
+                    None
+                }
+                Delivered::Abort(why) => {
+                    table.remove(&id);
+                    Some(why)
+                }
+            }
+        };
+        if let Some(why) = abort {
+            self.tunnel_abort(id, why).await;
+        }
+    }
+
+    async fn tunnel_abort(&self, id: u32, why: String) {
+        tracing::warn!(id, %why, "host broke tunnel rules; closing the tunnel");
+        self.outbox()
+            .msg(id, &Response::TunnelClose { error: Some(why) })
+            .await;
+    }
+
     async fn data(&mut self, f: Frame) {
+        if f.kind == FrameKind::Tunnel {
+            return self.tunnel_msg(f.id, TunnelMsg::Data(f.payload)).await;
+        }
         let overrun = {
             let mut table = lock(&self.table);
             let Some((_, entry)) = table.get_mut(&f.id) else {
@@ -375,6 +436,7 @@ impl Session {
                     user,
                     stdin,
                     timeout: timeout_ms.map(Duration::from_millis),
+                    proxy: self.egress.proxy_url(epoch),
                 };
                 let child = match exec::spawn(&spec) {
                     Ok(c) => c,
@@ -501,6 +563,35 @@ impl Session {
             Request::Remove { path, recursive } => blocking_reply(out, id, move || {
                 files::remove(&path, recursive).map(|()| Response::Ok)
             }),
+            Request::EgressEnable {} => {
+                let ctx = egress::Ctx {
+                    out: self.transport.out.clone(),
+                    epoch: self.transport.epoch.clone(),
+                    table: self.table.clone(),
+                };
+                match self.egress.enable(epoch, ctx) {
+                    Ok(a) => {
+                        out.msg(
+                            id,
+                            &Response::EgressEnabled {
+                                listen: a.to_string(),
+                            },
+                        )
+                        .await
+                    }
+                    Err(f) => out.error(id, f).await,
+                }
+            }
+            Request::TunnelOk {} => {
+                if let Some((_, Entry::Tunnel { opened, .. })) = lock(&self.table).get_mut(&id) {
+                    if let Some(o) = opened.take() {
+                        let _ = o.send(Ok(()));
+                    }
+                }
+            }
+            Request::TunnelAck { bytes } => self.tunnel_msg(id, TunnelMsg::Ack(bytes)).await,
+            Request::TunnelEof {} => self.tunnel_msg(id, TunnelMsg::Eof).await,
+            Request::TunnelClose { error } => self.tunnel_msg(id, TunnelMsg::Close(error)).await,
             Request::RestoreSync(rs) => {
                 let sys = self.sys.clone();
                 tracing::info!(

@@ -6,15 +6,16 @@
 //! dropping every clone (and every handle) closes it.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use futures::Stream;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::net::UnixStream;
+use tokio::net::{TcpStream, UnixStream};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -24,6 +25,10 @@ use crate::frame::{
 };
 use crate::msg::{
     AgentInfo, Command, DirEntry, FileStat, RemoteErrorKind, Request, Response, RestoreSync,
+};
+use crate::tunnel::{
+    is_tunnel_id, run_tunnel, tunnel_pair, Delivered, TunnelEnd, TunnelHandle, TunnelMsg,
+    TunnelOut, TUNNEL_ID_BIT,
 };
 use crate::PROTOCOL_VERSION;
 
@@ -35,6 +40,28 @@ pub const WRITE_WINDOW: u64 = 16 * MAX_FILE_CHUNK as u64;
 pub const STDIN_WINDOW: u64 = 1024 * 1024;
 /// Size of one stdin data frame.
 pub const STDIN_CHUNK: usize = 64 * 1024;
+/// Default time the host gives the egress target to accept a tunnel's connection.
+pub const EGRESS_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How the client serves the tunnels the agent opens (guest egress): each
+/// becomes a TCP connection to `target` (the daemon's egress proxy).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TunnelHandler {
+    /// Where every tunnel is connected to.
+    pub target: SocketAddr,
+    /// How long a connect to `target` may take before the tunnel is refused.
+    pub connect_timeout: Duration,
+}
+
+impl TunnelHandler {
+    /// Tunnels go to the TCP address `target`.
+    pub fn tcp(target: SocketAddr) -> Self {
+        Self {
+            target,
+            connect_timeout: EGRESS_CONNECT_TIMEOUT,
+        }
+    }
+}
 
 /// Errors of the agent client.
 #[derive(Debug, thiserror::Error)]
@@ -190,6 +217,8 @@ enum Incoming {
 
 struct Shared {
     routes: Mutex<HashMap<u32, mpsc::UnboundedSender<Incoming>>>,
+    tunnels: Mutex<HashMap<u32, TunnelHandle>>,
+    egress: Option<TunnelHandler>,
     closed: AtomicBool,
     next_id: AtomicU32,
 }
@@ -200,9 +229,16 @@ impl Shared {
         self.routes.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    fn tunnels(&self) -> MutexGuard<'_, HashMap<u32, TunnelHandle>> {
+        self.tunnels.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn close(&self) {
         self.closed.store(true, Ordering::SeqCst);
         self.routes().clear();
+        // Dropping the handles stops their pumps (sockets closed).
+        let tunnels = std::mem::take(&mut *self.tunnels());
+        drop(tunnels);
     }
 }
 
@@ -211,6 +247,7 @@ struct Inner {
     out: mpsc::Sender<Bytes>,
     info: AgentInfo,
     reader: JoinHandle<()>,
+    egress_listen: OnceLock<SocketAddr>,
 }
 
 impl Drop for Inner {
@@ -280,6 +317,44 @@ impl AgentClient {
     /// the guest agent listens, and after a restore the agent first sees the
     /// port close and reopen.
     pub async fn connect_unix(path: &Path, timeout: Duration) -> Result<AgentClient, AgentError> {
+        Self::connect_unix_with(path, timeout, None).await
+    }
+
+    /// Like [`AgentClient::connect_unix`]; with `egress`, the client also
+    /// enables egress in the guest (the agent's listener forwards guest
+    /// connections as tunnels, served by connecting to `egress.target`).
+    ///
+    /// An agent that cannot enable egress (an older agent, or its listen
+    /// address is taken) is logged and the client is returned without it:
+    /// [`AgentClient::egress_listen`] is then `None` and the guest has no
+    /// egress at all.
+    pub async fn connect_unix_with(
+        path: &Path,
+        timeout: Duration,
+        egress: Option<TunnelHandler>,
+    ) -> Result<AgentClient, AgentError> {
+        let client = Self::connect_unix_inner(path, timeout, egress).await?;
+        if egress.is_some() {
+            match tokio::time::timeout(timeout, client.enable_egress()).await {
+                Ok(Ok(addr)) => {
+                    tracing::debug!(listen = %addr, "guest egress enabled");
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "agent cannot enable egress; the guest has none");
+                }
+                Err(_) => {
+                    tracing::warn!("agent did not answer egress_enable; the guest has no egress");
+                }
+            }
+        }
+        Ok(client)
+    }
+
+    async fn connect_unix_inner(
+        path: &Path,
+        timeout: Duration,
+        egress: Option<TunnelHandler>,
+    ) -> Result<AgentClient, AgentError> {
         let deadline = Instant::now() + timeout;
         loop {
             if Instant::now() >= deadline {
@@ -294,7 +369,7 @@ impl AgentClient {
                 }
                 Ok(Ok(s)) => s,
             };
-            match Self::handshake(stream, deadline, timeout).await? {
+            match Self::handshake(stream, deadline, timeout, egress).await? {
                 Some(client) => return Ok(client),
                 None => tokio::time::sleep(Duration::from_millis(50)).await,
             }
@@ -306,6 +381,7 @@ impl AgentClient {
         mut stream: UnixStream,
         deadline: Instant,
         timeout: Duration,
+        egress: Option<TunnelHandler>,
     ) -> Result<Option<AgentClient>, AgentError> {
         let nonce: u64 = rand::random();
         let mut hello = BytesMut::new();
@@ -348,7 +424,7 @@ impl AgentClient {
                     }
                     match f.parse::<Response>() {
                         Ok(Response::HelloOk { nonce: n, info }) if n == nonce => {
-                            return Ok(Some(Self::start(stream, dec, info)));
+                            return Ok(Some(Self::start(stream, dec, info, egress)));
                         }
                         Ok(Response::VersionMismatch {
                             nonce: n,
@@ -370,24 +446,61 @@ impl AgentClient {
         }
     }
 
-    fn start(stream: UnixStream, dec: FrameDecoder, info: AgentInfo) -> AgentClient {
+    fn start(
+        stream: UnixStream,
+        dec: FrameDecoder,
+        info: AgentInfo,
+        egress: Option<TunnelHandler>,
+    ) -> AgentClient {
         let (rd, wr) = stream.into_split();
         let shared = Arc::new(Shared {
             routes: Mutex::new(HashMap::new()),
+            tunnels: Mutex::new(HashMap::new()),
+            egress,
             closed: AtomicBool::new(false),
             next_id: AtomicU32::new(1),
         });
         let (out, out_rx) = mpsc::channel::<Bytes>(64);
         tokio::spawn(writer_task(wr, out_rx, shared.clone()));
-        let reader = tokio::spawn(reader_task(rd, dec, shared.clone()));
+        let reader = tokio::spawn(reader_task(rd, dec, shared.clone(), out.clone()));
         AgentClient {
             inner: Arc::new(Inner {
                 shared,
                 out,
                 info,
                 reader,
+                egress_listen: OnceLock::new(),
             }),
         }
+    }
+
+    /// Asks the agent to forward guest connections to its egress listener
+    /// (this session only; the client does it on connect when given a
+    /// [`TunnelHandler`]). Returns the listener's address in the guest.
+    /// Tunnels opened while the client has no handler are refused.
+    pub async fn enable_egress(&self) -> Result<SocketAddr, AgentError> {
+        match self.call(&Request::EgressEnable {}).await? {
+            Response::EgressEnabled { listen } => {
+                let addr: SocketAddr = listen.parse().map_err(|_| {
+                    AgentError::Protocol(FrameError::Violation(format!(
+                        "bad egress listen address {listen:?}"
+                    )))
+                })?;
+                let _ = self.inner.egress_listen.set(addr);
+                Ok(addr)
+            }
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    /// The guest's egress listener, once egress is enabled on this connection.
+    pub fn egress_listen(&self) -> Option<SocketAddr> {
+        self.inner.egress_listen.get().copied()
+    }
+
+    /// Tunnels currently open on this connection.
+    pub fn open_tunnels(&self) -> usize {
+        self.inner.shared.tunnels().len()
     }
 
     /// What the agent said in the handshake.
@@ -408,7 +521,8 @@ impl AgentClient {
             return Err(AgentError::Closed);
         }
         let id = loop {
-            let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
+            // Host ids keep the high bit clear: those ids belong to the agent's tunnels.
+            let id = shared.next_id.fetch_add(1, Ordering::Relaxed) & !TUNNEL_ID_BIT;
             if id != 0 && !routes.contains_key(&id) {
                 break id;
             }
@@ -906,6 +1020,7 @@ async fn reader_task(
     mut rd: tokio::net::unix::OwnedReadHalf,
     mut dec: FrameDecoder,
     shared: Arc<Shared>,
+    out: mpsc::Sender<Bytes>,
 ) {
     let mut buf = vec![0u8; 256 * 1024];
     'outer: loop {
@@ -914,7 +1029,7 @@ async fn reader_task(
                 Ok(None) => break,
                 Ok(Some(Decoded::Sync)) => {}
                 Ok(Some(Decoded::Frame(f))) => {
-                    if !route(&shared, f) {
+                    if !route(&shared, &out, f) {
                         break 'outer;
                     }
                 }
@@ -937,7 +1052,10 @@ async fn reader_task(
 }
 
 /// Routes one frame; `false` if the connection must close.
-fn route(shared: &Shared, f: Frame) -> bool {
+fn route(shared: &Arc<Shared>, out: &mpsc::Sender<Bytes>, f: Frame) -> bool {
+    if is_tunnel_id(f.id) {
+        return route_tunnel(shared, out, f);
+    }
     let inc = if f.kind == FrameKind::Control {
         match f.parse::<Response>() {
             Ok(r) => Incoming::Msg(r),
@@ -963,4 +1081,143 @@ fn route(shared: &Shared, f: Frame) -> bool {
         let _ = tx.send(inc);
     }
     true
+}
+
+/// Sends a tunnel's messages to the agent.
+struct HostTunnelOut {
+    id: u32,
+    out: mpsc::Sender<Bytes>,
+}
+
+impl HostTunnelOut {
+    async fn send_frame(&self, f: Result<Frame, FrameError>) -> bool {
+        match f.and_then(|f| f.encode()) {
+            Ok(b) => self.out.send(b).await.is_ok(),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot encode tunnel frame");
+                false
+            }
+        }
+    }
+}
+
+impl TunnelOut for HostTunnelOut {
+    async fn send(&self, msg: TunnelMsg) -> bool {
+        let f = match msg {
+            TunnelMsg::Data(b) => Ok(Frame::data(FrameKind::Tunnel, self.id, b)),
+            TunnelMsg::Ack(bytes) => Frame::control(self.id, &Request::TunnelAck { bytes }),
+            TunnelMsg::Eof => Frame::control(self.id, &Request::TunnelEof {}),
+            TunnelMsg::Close(error) => Frame::control(self.id, &Request::TunnelClose { error }),
+        };
+        self.send_frame(f).await
+    }
+}
+
+/// Tells the agent tunnel `id` is closed, without blocking the reader.
+fn send_tunnel_close(out: &mpsc::Sender<Bytes>, id: u32, error: String) {
+    let o = HostTunnelOut {
+        id,
+        out: out.clone(),
+    };
+    tokio::spawn(async move { o.send(TunnelMsg::Close(Some(error))).await });
+}
+
+/// Routes one frame of an agent-opened tunnel; `false` if the connection must close.
+fn route_tunnel(shared: &Arc<Shared>, out: &mpsc::Sender<Bytes>, f: Frame) -> bool {
+    let id = f.id;
+    let msg = match f.kind {
+        FrameKind::Tunnel => TunnelMsg::Data(f.payload),
+        FrameKind::Control => match f.parse::<Response>() {
+            Ok(Response::TunnelOpen { peer }) => {
+                open_tunnel(shared.clone(), out.clone(), id, peer);
+                return true;
+            }
+            Ok(Response::TunnelAck { bytes }) => TunnelMsg::Ack(bytes),
+            Ok(Response::TunnelEof {}) => TunnelMsg::Eof,
+            Ok(Response::TunnelClose { error }) => TunnelMsg::Close(error),
+            Ok(r) => {
+                tracing::debug!(id, reply = ?r, "unexpected message on a tunnel id");
+                return true;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "undecodable control message from agent");
+                return false;
+            }
+        },
+        k => {
+            tracing::debug!(id, kind = ?k, "unexpected frame kind on a tunnel id");
+            return true;
+        }
+    };
+    let mut tunnels = shared.tunnels();
+    let Some(h) = tunnels.get_mut(&id) else {
+        return true; // late frame of a finished tunnel
+    };
+    match h.deliver(msg) {
+        Delivered::Keep => {}
+        Delivered::Remove => {
+            tunnels.remove(&id);
+        }
+        Delivered::Abort(why) => {
+            tracing::warn!(id, %why, "agent broke tunnel rules; closing the tunnel");
+            tunnels.remove(&id);
+            send_tunnel_close(out, id, why);
+        }
+    }
+    true
+}
+
+/// Serves a tunnel the agent opened: connect to the egress target, then pump.
+fn open_tunnel(shared: Arc<Shared>, out: mpsc::Sender<Bytes>, id: u32, peer: String) {
+    let Some(handler) = shared.egress else {
+        tracing::debug!(id, %peer, "tunnel refused: no egress configured");
+        send_tunnel_close(&out, id, "egress is not enabled on this host".into());
+        return;
+    };
+    tokio::spawn(async move {
+        let o = HostTunnelOut { id, out };
+        let sock = match tokio::time::timeout(
+            handler.connect_timeout,
+            TcpStream::connect(handler.target),
+        )
+        .await
+        {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                tracing::warn!(id, target = %handler.target, error = %e, "egress target refused a tunnel");
+                o.send(TunnelMsg::Close(Some(format!("egress target: {e}"))))
+                    .await;
+                return;
+            }
+            Err(_) => {
+                tracing::warn!(id, target = %handler.target, "egress target did not accept in time");
+                o.send(TunnelMsg::Close(Some("egress target timed out".into())))
+                    .await;
+                return;
+            }
+        };
+        let (handle, ends) = tunnel_pair();
+        {
+            let mut tunnels = shared.tunnels();
+            if shared.closed.load(Ordering::SeqCst) {
+                return;
+            }
+            tunnels.insert(id, handle);
+        }
+        if !o
+            .send_frame(Frame::control(id, &Request::TunnelOk {}))
+            .await
+        {
+            shared.tunnels().remove(&id);
+            return;
+        }
+        tracing::debug!(id, %peer, target = %handler.target, "tunnel open");
+        match run_tunnel(sock, ends, o).await {
+            TunnelEnd::Done { sent, received } => {
+                tracing::debug!(id, sent, received, "tunnel finished")
+            }
+            TunnelEnd::Aborted(why) => tracing::debug!(id, %why, "tunnel aborted"),
+        }
+        shared.tunnels().remove(&id);
+    });
 }

@@ -37,6 +37,10 @@ pub enum FrameKind {
     Stderr = 4,
     /// Raw file content (either direction, ≤ [`MAX_FILE_CHUNK`]).
     FileData = 5,
+    /// Raw bytes of an egress tunnel stream (either direction, ≤
+    /// [`crate::tunnel::TUNNEL_CHUNK`]); only in sessions where the host
+    /// enabled egress.
+    Tunnel = 6,
 }
 
 impl FrameKind {
@@ -48,6 +52,7 @@ impl FrameKind {
             3 => Self::Stdout,
             4 => Self::Stderr,
             5 => Self::FileData,
+            6 => Self::Tunnel,
             _ => return None,
         })
     }
@@ -58,7 +63,8 @@ impl FrameKind {
 pub struct Frame {
     /// Payload type.
     pub kind: FrameKind,
-    /// Request/stream id chosen by the host; 0 = connection-level.
+    /// Request/stream id: chosen by the host (high bit clear) or, for egress
+    /// tunnels, by the agent (high bit set); 0 = connection-level.
     pub id: u32,
     /// Payload bytes.
     pub payload: Bytes,
@@ -412,7 +418,7 @@ mod tests {
             if len >= HEADER_LEN && rng.gen_bool(0.5) {
                 buf[0] = 0;
                 buf[1] = 0;
-                buf[4] = rng.gen_range(0..7);
+                buf[4] = rng.gen_range(0..8);
             }
             let _ = decode_frame(&buf);
             if let Ok(Some((Decoded::Frame(f), _))) = decode_frame(&buf) {

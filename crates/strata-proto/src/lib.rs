@@ -5,10 +5,11 @@
 pub mod client;
 pub mod frame;
 pub mod msg;
+pub mod tunnel;
 
 pub use client::{
     AgentClient, AgentError, ExecEvent, ExecHandle, ExecOutput, ExecRequest, ExitStatus,
-    FileDownload, Stdin,
+    FileDownload, Stdin, TunnelHandler,
 };
 pub use frame::{decode_frame, Decoded, Frame, FrameDecoder, FrameError, FrameKind};
 pub use msg::{

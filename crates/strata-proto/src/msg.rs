@@ -92,6 +92,27 @@ pub enum Request {
     },
     /// Post-restore fork-safety fixups.
     RestoreSync(RestoreSync),
+    /// Turns egress on for this session: the agent listens for guest
+    /// connections (binding its listener on first use) and forwards each one
+    /// as a tunnel (answered with [`Response::EgressEnabled`]). Lapses when
+    /// the session ends.
+    EgressEnable {},
+    /// Tunnel accepted: the host reached the egress target; data may flow.
+    TunnelOk {},
+    /// Tunnel flow control: total tunnel bytes the host has written out.
+    TunnelAck {
+        /// Cumulative byte count.
+        bytes: u64,
+    },
+    /// The host's side of the tunnel has no more data (half-close).
+    TunnelEof {},
+    /// Aborts the tunnel (or refuses it, as the answer to
+    /// [`Response::TunnelOpen`]). No reply.
+    TunnelClose {
+        /// Why, if it is a failure.
+        #[serde(default)]
+        error: Option<String>,
+    },
 }
 
 /// Agent → host control messages.
@@ -160,6 +181,32 @@ pub enum Response {
     },
     /// Success without data.
     Ok,
+    /// Answer to [`Request::EgressEnable`]: where guest programs connect.
+    EgressEnabled {
+        /// Bound listen address in the guest, e.g. `127.0.0.1:3128`.
+        listen: String,
+    },
+    /// A guest program connected to the egress listener; the id (high bit
+    /// set) names the new tunnel. The host answers [`Request::TunnelOk`] or
+    /// [`Request::TunnelClose`].
+    TunnelOpen {
+        /// The guest-side peer address (for logs).
+        #[serde(default)]
+        peer: String,
+    },
+    /// Tunnel flow control: total tunnel bytes the agent has written out.
+    TunnelAck {
+        /// Cumulative byte count.
+        bytes: u64,
+    },
+    /// The guest side of the tunnel has no more data (half-close).
+    TunnelEof {},
+    /// Aborts the tunnel. No reply.
+    TunnelClose {
+        /// Why, if it is a failure.
+        #[serde(default)]
+        error: Option<String>,
+    },
     /// Request failed; last message for its id. Id 0: protocol error, the
     /// agent dropped out of sync and the host must reconnect.
     Error {
@@ -355,6 +402,23 @@ mod tests {
             r#"{"op":"restore_sync","entropy":[],"unix_time_ns":1,"bogus":true}"#
         )
         .is_err());
+    }
+
+    #[test]
+    fn tunnel_messages_json_shape() {
+        let s = serde_json::to_string(&Request::EgressEnable {}).unwrap();
+        assert_eq!(s, r#"{"op":"egress_enable"}"#);
+        let r: Request = serde_json::from_str(r#"{"op":"tunnel_close"}"#).unwrap();
+        assert_eq!(r, Request::TunnelClose { error: None });
+        let r: Response = serde_json::from_str(r#"{"op":"tunnel_open","peer":"x"}"#).unwrap();
+        assert_eq!(r, Response::TunnelOpen { peer: "x".into() });
+        let s = serde_json::to_string(&Response::TunnelAck { bytes: 7 }).unwrap();
+        assert_eq!(s, r#"{"op":"tunnel_ack","bytes":7}"#);
+        let s = serde_json::to_string(&Response::TunnelEof {}).unwrap();
+        assert_eq!(
+            serde_json::from_str::<Response>(&s).unwrap(),
+            Response::TunnelEof {}
+        );
     }
 
     #[test]
