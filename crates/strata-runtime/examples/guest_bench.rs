@@ -48,6 +48,7 @@ fn main() {
         agent_timeout_ms: 60_000,
         run_as: strata_runtime::default_run_as(),
         cgroups: true,
+        egress_proxy: None,
     };
     let size = SandboxSize {
         vcpus: 1,
@@ -116,7 +117,7 @@ fn main() {
             pct(&mut ping, 99.0)
         );
         let data: Vec<u8> = (0..file_mib * 1024 * 1024)
-            .map(|i| (i * 2654435761usize >> 13) as u8)
+            .map(|i| ((i * 2654435761usize) >> 13) as u8)
             .collect();
         let want = hex::encode(Sha256::digest(&data));
         let t = Instant::now();
