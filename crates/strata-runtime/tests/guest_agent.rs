@@ -51,6 +51,7 @@ fn fixture() -> &'static Fixture {
             agent_timeout_ms: 60_000,
             run_as: strata_runtime::default_run_as(),
             cgroups: true,
+            egress_proxy: None,
         };
         let (rt, agent) = tokio_rt().block_on(async {
             let rt = Runtime::open(cfg).await.expect("runtime");
@@ -217,7 +218,7 @@ fn hundred_mib_round_trip_and_file_operations() {
         let mut dl = a.read_file("/root/big.bin").await.unwrap();
         let mut h = Sha256::new();
         while let Some(c) = dl.next_chunk().await {
-            h.update(&c.unwrap());
+            h.update(c.unwrap());
         }
         assert_eq!(hex::encode(h.finalize()), want);
         let st = a.stat("/root/big.bin").await.unwrap().expect("exists");
