@@ -129,6 +129,7 @@ fn main() {
         agent_timeout_ms: 60_000,
         run_as: strata_runtime::default_run_as(),
         cgroups: true,
+        egress_proxy: None,
     };
     let size = SandboxSize {
         vcpus: 1,

@@ -33,6 +33,13 @@ pub struct RuntimeConfig {
     /// + margin) limits from its size. Failures are logged, the VM still starts.
     #[serde(default = "default_cgroups")]
     pub cgroups: bool,
+    /// Guest egress target (the daemon's egress proxy). When set, every agent
+    /// connection enables egress: guest programs reach `127.0.0.1:3128` in the
+    /// guest (their `http_proxy`), and each such connection is tunnelled over
+    /// the agent channel to a TCP connection to this address. `None`: the
+    /// guest has no egress at all.
+    #[serde(default)]
+    pub egress_proxy: Option<std::net::SocketAddr>,
 }
 
 /// `strata-vm` when that user exists on this host, else `None` (warned once).

@@ -10,7 +10,7 @@ use chrono::Utc;
 use rand::RngCore;
 use strata_core::{SandboxId, SandboxSize, SnapshotId, TemplateId};
 use strata_image::BuiltImage;
-use strata_proto::client::{AgentClient, AgentError, ExecRequest};
+use strata_proto::client::{AgentClient, AgentError, ExecRequest, TunnelHandler};
 use strata_proto::msg::RestoreSync;
 use strata_storage::{Pool, PoolConfig, StorageError, UsageMethod};
 use strata_vmm::{QemuDriver, ResolvedAccel, Vm, VmSpec, VmmDriver, VmmError};
@@ -354,7 +354,11 @@ impl Runtime {
             }
         }
         let t = self.agent_timeout();
-        let client = AgentClient::connect_unix(&live.vm.agent_socket(), t)
+        // With an egress target, the client enables egress in this agent
+        // session (again after every reconnect, e.g. after a restore) and
+        // serves the guest's tunnels by connecting to the target.
+        let egress = self.cfg.egress_proxy.map(TunnelHandler::tcp);
+        let client = AgentClient::connect_unix_with(&live.vm.agent_socket(), t, egress)
             .await
             .map_err(|e| agent_err(id.as_str(), e, t))?;
         *slot = Some(client.clone());

@@ -57,6 +57,7 @@ fn fixture() -> &'static Fixture {
             agent_timeout_ms: 60_000,
             run_as: strata_runtime::default_run_as(),
             cgroups: true,
+            egress_proxy: None,
         };
         let template = TemplateId::generate();
         let rt = tokio_rt().block_on(async {

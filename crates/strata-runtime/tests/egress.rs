@@ -1,0 +1,229 @@
+//! Guest egress inside a real guest (TCG, the image strata builds): with
+//! `egress_proxy` set, programs in the guest reach the host's proxy through
+//! the agent's listener on 127.0.0.1:3128 (tunnelled over virtio-serial),
+//! while direct egress stays closed (QEMU user networking with
+//! `restrict=on`). The "proxy" is a tiny HTTP server on the host that
+//! records the request lines it sees. One template boot per test binary.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use strata_core::{SandboxId, SandboxSize, TemplateId};
+use strata_proto::client::{AgentClient, ExecRequest};
+use strata_runtime::{PoolSetting, Runtime, RuntimeConfig, Source};
+use strata_storage::testing::TestPool;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+const BODY: &str = "hello from the host proxy";
+
+struct Fixture {
+    agent: AgentClient,
+    proxy: SocketAddr,
+    seen: Arc<Mutex<Vec<String>>>,
+    _rt: std::sync::Arc<Runtime>,
+    _pool: TestPool,
+    _run: tempfile::TempDir,
+}
+
+fn tokio_rt() -> &'static tokio::runtime::Runtime {
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("tokio runtime")
+    })
+}
+
+/// A minimal HTTP/1.1 server: records each request's first line (and Host
+/// header) and answers `BODY`, then closes.
+async fn http_server(seen: Arc<Mutex<Vec<String>>>) -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = l.local_addr().expect("addr");
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = l.accept().await else {
+                return;
+            };
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut b = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut b).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&b[..n]),
+                    }
+                }
+                let text = String::from_utf8_lossy(&head).into_owned();
+                let mut lines = text.lines();
+                let first = lines.next().unwrap_or_default().to_owned();
+                let host = lines
+                    .find(|l| l.to_ascii_lowercase().starts_with("host:"))
+                    .unwrap_or_default()
+                    .to_owned();
+                seen.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(format!("{first} | {host}"));
+                let resp = format!(
+                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\n{BODY}",
+                    BODY.len()
+                );
+                let _ = s.write_all(resp.as_bytes()).await;
+                let _ = s.shutdown().await;
+            });
+        }
+    });
+    addr
+}
+
+fn fixture() -> &'static Fixture {
+    static F: OnceLock<Fixture> = OnceLock::new();
+    F.get_or_init(|| {
+        let image = strata_testkit::test_image();
+        let pool = TestPool::new(8 << 30).expect("test pool");
+        let run = tempfile::Builder::new()
+            .prefix("stregr-")
+            .tempdir_in("/tmp")
+            .expect("run dir");
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let proxy = tokio_rt().block_on(http_server(seen.clone()));
+        let cfg = RuntimeConfig {
+            pool: PoolSetting::Path(pool.root().to_path_buf()),
+            run_dir: run.path().to_path_buf(),
+            image_dir: image.dir.clone(),
+            accel: strata_core::Accel::Tcg,
+            qemu_binary: "qemu-system-x86_64".into(),
+            console_log_max_bytes: 1 << 20,
+            agent_timeout_ms: 60_000,
+            run_as: strata_runtime::default_run_as(),
+            cgroups: true,
+            egress_proxy: Some(proxy),
+        };
+        let (rt, agent) = tokio_rt().block_on(async {
+            let rt = Runtime::open(cfg).await.expect("runtime");
+            let tpl = TemplateId::generate();
+            let size = SandboxSize {
+                vcpus: 1,
+                memory_mib: 512,
+                disk_gib: 2,
+            };
+            rt.build_template(&tpl, size, &|s| eprintln!("template: {s}"))
+                .await
+                .expect("template");
+            let id = SandboxId::generate();
+            rt.create(&id, &Source::Template(tpl), None)
+                .await
+                .expect("sandbox");
+            let agent = rt.agent(&id).await.expect("agent");
+            (rt, agent)
+        });
+        Fixture {
+            agent,
+            proxy,
+            seen,
+            _rt: rt,
+            _pool: pool,
+            _run: run,
+        }
+    })
+}
+
+fn seen(f: &Fixture) -> Vec<String> {
+    f.seen.lock().unwrap_or_else(|p| p.into_inner()).clone()
+}
+
+#[test]
+fn guest_reaches_the_host_proxy_through_the_agent() {
+    let f = fixture();
+    let a = &f.agent;
+    assert_eq!(
+        a.egress_listen(),
+        Some("127.0.0.1:3128".parse().unwrap()),
+        "egress enabled in the restored sandbox"
+    );
+    tokio_rt().block_on(async {
+        let before = seen(f).len();
+        let out = a
+            .exec_collect(ExecRequest::shell(
+                "curl -s -S -m 30 -x http://127.0.0.1:3128 http://anything.test/hello",
+            ))
+            .await
+            .unwrap();
+        assert_eq!(
+            out.status.code,
+            Some(0),
+            "curl failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(String::from_utf8_lossy(&out.stdout), BODY);
+        let s = seen(f);
+        assert_eq!(s.len(), before + 1, "{s:?}");
+        // An absolute-form proxy request, as the policy proxy expects.
+        assert_eq!(
+            s[before],
+            "GET http://anything.test/hello HTTP/1.1 | Host: anything.test"
+        );
+
+        // The default environment carries the proxy: plain curl uses it.
+        let out = a
+            .exec_collect(ExecRequest::shell(
+                "echo \"$http_proxy $https_proxy $no_proxy\"; curl -s -S -m 30 http://other.test/x",
+            ))
+            .await
+            .unwrap();
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            format!("http://127.0.0.1:3128 http://127.0.0.1:3128 localhost,127.0.0.1\n{BODY}"),
+            "stderr: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let s = seen(f);
+        assert!(s.last().unwrap().starts_with("GET http://other.test/x HTTP/1.1"), "{s:?}");
+
+        // Several at once.
+        let out = a
+            .exec_collect(ExecRequest::shell(
+                "for i in 1 2 3 4 5 6; do curl -s -m 60 http://p$i.test/ > /tmp/o$i & done; wait; cat /tmp/o1 /tmp/o2 /tmp/o3 /tmp/o4 /tmp/o5 /tmp/o6",
+            ))
+            .await
+            .unwrap();
+        assert_eq!(String::from_utf8_lossy(&out.stdout), BODY.repeat(6));
+    });
+}
+
+#[test]
+fn direct_egress_stays_closed() {
+    let f = fixture();
+    let a = &f.agent;
+    tokio_rt().block_on(async {
+        // 10.0.2.2 is the host under QEMU user networking; restrict=on drops it.
+        for url in [
+            "http://10.0.2.2/".to_owned(),
+            format!("http://10.0.2.2:{}/direct", f.proxy.port()),
+        ] {
+            let out = a
+                .exec_collect(ExecRequest::shell(format!(
+                    "curl -s --noproxy '*' --connect-timeout 5 -m 10 {url}"
+                )))
+                .await
+                .unwrap();
+            assert_ne!(out.status.code, Some(0), "direct {url} must fail");
+            assert!(
+                out.stdout.is_empty(),
+                "{:?}",
+                String::from_utf8_lossy(&out.stdout)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let s = seen(f);
+        assert!(
+            !s.iter()
+                .any(|r| r.contains("/direct") || r.contains("10.0.2.2")),
+            "the server saw a direct request: {s:?}"
+        );
+    });
+}
