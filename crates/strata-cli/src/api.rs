@@ -55,6 +55,18 @@ pub enum ApiError {
         #[source]
         source: reqwest::Error,
     },
+    /// The daemon holds the call for a human's approval and the caller
+    /// chose not to wait (`--no-wait`), or waited in vain.
+    #[error("{message}")]
+    Held {
+        /// The approval request's id.
+        approval_id: String,
+        /// What to do next.
+        message: String,
+        /// The daemon's `202` answer (`{"status":"pending","approval":{…}}`),
+        /// or the approval record when the wait ran out.
+        body: Value,
+    },
     /// The daemon answered something this client does not understand.
     #[error("unexpected answer from {url}: {reason}")]
     Protocol {
@@ -74,7 +86,63 @@ impl ApiError {
             ApiError::Api { code, .. } => code,
             ApiError::Transport { .. } => "transport_error",
             ApiError::Protocol { .. } => "protocol_error",
+            ApiError::Held { .. } => "approval_pending",
         }
+    }
+
+    /// The HTTP status of a daemon error (`None` for the client's own
+    /// errors and for errors inside a streamed body).
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            ApiError::Api { status, .. } if *status != 0 => Some(*status),
+            _ => None,
+        }
+    }
+}
+
+/// What a tool call does when the daemon's policy holds it for approval.
+#[derive(Debug, Clone)]
+pub struct Gate {
+    /// Do not wait: fail with [`ApiError::Held`] at once (`--no-wait`).
+    pub no_wait: bool,
+    /// Re-send a held call with this approved request (`--approval ID`).
+    pub approval: Option<String>,
+    /// How long to wait for an answer (`--approval-timeout`).
+    pub timeout: Duration,
+    /// How often to ask the daemon.
+    pub poll: Duration,
+    /// Tell the user (on stderr) about the wait.
+    pub notify: bool,
+}
+
+impl Default for Gate {
+    fn default() -> Self {
+        Gate {
+            no_wait: false,
+            approval: None,
+            timeout: Duration::from_secs(600),
+            poll: Duration::from_millis(500),
+            notify: true,
+        }
+    }
+}
+
+/// The approval id of a daemon answer to a held call
+/// (`202 {"status":"pending","approval":{"id":…}}`).
+pub fn held_approval_id(v: &Value) -> Option<&str> {
+    if v.get("status").and_then(Value::as_str) != Some("pending") {
+        return None;
+    }
+    v.get("approval")?.get("id")?.as_str()
+}
+
+/// The status name of an approval record: `pending`, `approved`, `denied`,
+/// `timed_out` (`"status"` is `{"status":"approved","by":…,"at":…}`).
+pub fn approval_status(v: &Value) -> &str {
+    match v.get("status") {
+        Some(Value::String(s)) => s,
+        Some(o) => o.get("status").and_then(Value::as_str).unwrap_or("unknown"),
+        None => "unknown",
     }
 }
 
@@ -87,6 +155,7 @@ pub struct ApiClient {
     base: Url,
     token: Option<String>,
     http: reqwest::Client,
+    gate: Gate,
 }
 
 impl ApiClient {
@@ -111,7 +180,14 @@ impl ApiClient {
             base,
             token: token.filter(|t| !t.is_empty()),
             http,
+            gate: Gate::default(),
         })
+    }
+
+    /// Sets what tool calls do when held for approval.
+    pub fn with_gate(mut self, gate: Gate) -> Self {
+        self.gate = gate;
+        self
     }
 
     /// The server's base URL.
@@ -209,6 +285,163 @@ impl ApiClient {
     pub async fn delete(&self, segments: &[&str], query: &[(&str, &str)]) -> ApiResult<Value> {
         self.json(self.request(Method::DELETE, self.url(segments, query)))
             .await
+    }
+
+    /// Sends a tool call (exec, files, snapshot, fork, lifecycle …): one the
+    /// daemon's policy may hold for a human's approval.
+    ///
+    /// The call goes out with `?wait=false`, so a held call answers at once
+    /// `202 {"status":"pending","approval":{…}}` instead of a silent wait.
+    /// Then, per [`Gate`]: with `no_wait`, [`ApiError::Held`]; otherwise the
+    /// wait is announced on stderr, the approval is polled until answered,
+    /// and the same request is re-sent with `?approval=<id>` (it runs once).
+    /// A denial or timeout is `403 policy_denied`. With `gate.approval` set,
+    /// the call is sent with `?approval=<id>` directly.
+    pub async fn send_call(&self, rb: RequestBuilder) -> ApiResult<Response> {
+        if let Some(id) = &self.gate.approval {
+            return self.send(rb.query(&[("approval", id.as_str())])).await;
+        }
+        let retry = rb.try_clone();
+        let resp = self.send(rb.query(&[("wait", "false")])).await?;
+        if resp.status() != StatusCode::ACCEPTED {
+            return Ok(resp);
+        }
+        let status = resp.status();
+        let headers = resp.headers().clone();
+        let url = resp.url().clone();
+        let bytes = resp
+            .bytes()
+            .await
+            .map_err(|e| self.transport(url.as_str(), e))?;
+        let held: Option<(String, Value)> = serde_json::from_slice::<Value>(&bytes)
+            .ok()
+            .and_then(|v| held_approval_id(&v).map(|id| (id.to_owned(), v.clone())));
+        let Some((id, body)) = held else {
+            // A plain 202 (e.g. a template build accepted): hand it back.
+            let mut r = http::Response::new(bytes);
+            *r.status_mut() = status;
+            *r.headers_mut() = headers;
+            return Ok(Response::from(r));
+        };
+        if self.gate.no_wait {
+            return Err(ApiError::Held {
+                message: format!(
+                    "held for approval {id}: answer with `strata approvals approve {id}`, \
+                     then re-send with --approval {id}"
+                ),
+                approval_id: id,
+                body,
+            });
+        }
+        if self.gate.notify {
+            eprintln!("strata: waiting for approval {id} (strata approvals approve {id})");
+        }
+        let record = self.wait_approval(&id).await?;
+        match approval_status(&record) {
+            "approved" => {}
+            "pending" => {
+                return Err(ApiError::Held {
+                    message: format!(
+                        "approval {id} still pending after {}s: re-send later with --approval {id}",
+                        self.gate.timeout.as_secs()
+                    ),
+                    approval_id: id,
+                    body: record,
+                })
+            }
+            other => {
+                let by = record
+                    .get("status")
+                    .and_then(|s| s.get("by"))
+                    .and_then(Value::as_str)
+                    .map(|b| format!(" by {b}"))
+                    .unwrap_or_default();
+                return Err(ApiError::Api {
+                    status: 403,
+                    code: "policy_denied".into(),
+                    message: format!(
+                        "approval {id} {}{by}: the call did not run",
+                        other.replace('_', " ")
+                    ),
+                });
+            }
+        }
+        let Some(retry) = retry else {
+            return Err(ApiError::Held {
+                message: format!(
+                    "approval {id} granted, but this request cannot be re-sent by itself \
+                     (streamed body): run it again with --approval {id}"
+                ),
+                approval_id: id,
+                body: record,
+            });
+        };
+        if self.gate.notify {
+            eprintln!("strata: approval {id} granted, sending the call again");
+        }
+        self.send(retry.query(&[("approval", id.as_str())])).await
+    }
+
+    /// Polls `GET /v1/approvals/{id}` until it is no longer pending or the
+    /// gate's timeout ends; returns the last record.
+    async fn wait_approval(&self, id: &str) -> ApiResult<Value> {
+        let deadline = tokio::time::Instant::now() + self.gate.timeout;
+        loop {
+            let v = self.get(&["v1", "approvals", id], &[]).await?;
+            if approval_status(&v) != "pending" || tokio::time::Instant::now() >= deadline {
+                return Ok(v);
+            }
+            tokio::time::sleep(self.gate.poll).await;
+        }
+    }
+
+    /// [`Self::send_call`] with a JSON answer.
+    pub async fn json_call(&self, rb: RequestBuilder) -> ApiResult<Value> {
+        let resp = self.send_call(rb).await?;
+        let url = resp.url().to_string();
+        let bytes = resp.bytes().await.map_err(|e| self.transport(&url, e))?;
+        if bytes.is_empty() {
+            return Ok(Value::Null);
+        }
+        serde_json::from_slice(&bytes).map_err(|e| ApiError::Protocol {
+            url,
+            reason: format!("invalid JSON: {e}"),
+        })
+    }
+
+    /// `POST` a tool call with a JSON body (see [`Self::send_call`]).
+    pub async fn post_call<B: Serialize + ?Sized>(
+        &self,
+        segments: &[&str],
+        body: &B,
+    ) -> ApiResult<Value> {
+        self.json_call(
+            self.request(Method::POST, self.url(segments, &[]))
+                .json(body),
+        )
+        .await
+    }
+
+    /// `GET` as a tool call (file reads; see [`Self::send_call`]).
+    pub async fn get_call(&self, segments: &[&str], query: &[(&str, &str)]) -> ApiResult<Value> {
+        self.json_call(self.request(Method::GET, self.url(segments, query)))
+            .await
+    }
+
+    /// `DELETE` as a tool call (see [`Self::send_call`]).
+    pub async fn delete_call(&self, segments: &[&str], query: &[(&str, &str)]) -> ApiResult<Value> {
+        self.json_call(self.request(Method::DELETE, self.url(segments, query)))
+            .await
+    }
+
+    /// `PUT` a text body (policies are TOML).
+    pub async fn put_text(&self, segments: &[&str], body: String) -> ApiResult<Value> {
+        self.json(
+            self.request(Method::PUT, self.url(segments, &[]))
+                .header(reqwest::header::CONTENT_TYPE, "application/toml")
+                .body(body),
+        )
+        .await
     }
 
     /// Reads a streamed body to its end, calling `f` for each chunk.

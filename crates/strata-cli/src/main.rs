@@ -38,12 +38,7 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             report_error(&ctx, &e);
-            // 128 + SIGINT, as shells report an interrupted command.
-            if commands::error_code(&e) == "interrupted" {
-                130
-            } else {
-                1
-            }
+            commands::exit_code(&e)
         }
     };
     let _ = std::io::stdout().flush();
@@ -53,7 +48,7 @@ fn main() -> ExitCode {
 /// Prints an error: the whole cause chain on one line, or under `--json`
 /// `{"error":{"code","message"}}` on stdout.
 fn report_error(ctx: &Ctx, e: &anyhow::Error) {
-    commands::print_error(ctx, &commands::error_code(e), &chain(e));
+    commands::print_failure(ctx, e, &commands::error_code(e), &chain(e));
 }
 
 fn chain(e: &anyhow::Error) -> String {

@@ -190,6 +190,145 @@ pub struct Stats {
     pub snapshots: u64,
 }
 
+/// `GET /v1/whoami`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct Whoami {
+    /// Token id.
+    pub token_id: String,
+    /// Tenant.
+    pub tenant: String,
+    /// Role.
+    pub role: String,
+    /// Token name.
+    pub name: Option<String>,
+}
+
+/// An API token record (the secret only in [`Self::token`], once).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct Token {
+    /// Id (`tok-…`).
+    pub id: String,
+    /// Tenant.
+    pub tenant: String,
+    /// Role.
+    pub role: String,
+    /// Name.
+    pub name: Option<String>,
+    /// Made.
+    pub created_at: Option<DateTime<Utc>>,
+    /// Made by (token id, or `bootstrap`).
+    pub created_by: Option<String>,
+    /// Expiry.
+    pub expires_at: Option<DateTime<Utc>>,
+    /// Revoked.
+    pub revoked_at: Option<DateTime<Utc>>,
+    /// The secret (only in the answer of a creation).
+    pub token: Option<String>,
+}
+
+/// A policy decision (`POST /v1/policy/test`).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct Decision {
+    /// allow / deny / approve.
+    pub effect: String,
+    /// platform / tenant / sandbox (none: built-in default, invalid call).
+    pub layer: Option<String>,
+    /// Deciding rule id.
+    pub rule_id: String,
+    /// Index of the rule in its layer.
+    pub rule_index: Option<u64>,
+    /// A hard rule decided.
+    pub hard: bool,
+    /// Why.
+    pub reason: String,
+}
+
+/// Status of an approval request.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct ApprovalState {
+    /// pending / approved / denied / timed_out.
+    pub status: String,
+    /// Who answered.
+    pub by: Option<String>,
+    /// When.
+    pub at: Option<DateTime<Utc>>,
+}
+
+/// The held call inside an approval request.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct HeldCall {
+    /// Sandbox.
+    pub sandbox: Option<String>,
+    /// Who asked.
+    pub actor: String,
+    /// The call: `{"kind":"exec","argv":[…]}` …
+    pub kind: Value,
+}
+
+/// An approval request.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct Approval {
+    /// Id.
+    pub id: String,
+    /// Sandbox.
+    pub sandbox: Option<String>,
+    /// The call.
+    pub call: HeldCall,
+    /// Why it was held.
+    pub reason: String,
+    /// Rule that held it.
+    pub rule_id: String,
+    /// Who asked.
+    pub requested_by: String,
+    /// When.
+    pub created_at: Option<DateTime<Utc>>,
+    /// Where it stands.
+    pub status: ApprovalState,
+}
+
+/// One line describing a tool call: `exec rm -rf /`, `file_write /etc/x`,
+/// `egress POST api.x.com:443/path`, `lifecycle delete`.
+pub fn describe_call(kind: &Value) -> String {
+    let s = |k: &str| kind.get(k).and_then(Value::as_str).unwrap_or("");
+    let name = s("kind");
+    match name {
+        "exec" => {
+            if let Some(sh) = kind.get("shell").and_then(Value::as_str) {
+                return format!("exec sh -c {sh:?}");
+            }
+            let argv: Vec<&str> = kind
+                .get("argv")
+                .and_then(Value::as_array)
+                .map(|a| a.iter().filter_map(Value::as_str).collect())
+                .unwrap_or_default();
+            format!("exec {}", argv.join(" "))
+        }
+        "file_read" | "file_write" => format!("{name} {}", s("path")),
+        "egress" => {
+            let port = kind.get("port").and_then(Value::as_u64).unwrap_or(0);
+            let connector = match s("connector") {
+                "" => String::new(),
+                c => format!(" ({c})"),
+            };
+            format!(
+                "egress {} {}:{port}{}{connector}",
+                s("method"),
+                s("host"),
+                s("path")
+            )
+        }
+        "lifecycle" => format!("lifecycle {}", s("op")),
+        "" => kind.to_string(),
+        other => other.to_owned(),
+    }
+}
+
 /// `k=v,k2=v2` (or `-`).
 pub fn labels(l: &BTreeMap<String, String>) -> String {
     if l.is_empty() {
@@ -217,5 +356,29 @@ mod tests {
         .unwrap();
         assert_eq!(list[0].shared_bytes(), Some(70));
         assert!(view::<Sandbox>(&json!({"id": 5})).is_err());
+    }
+
+    #[test]
+    fn calls_are_described_on_one_line() {
+        assert_eq!(
+            describe_call(&json!({"kind": "exec", "argv": ["rm", "-rf", "/"]})),
+            "exec rm -rf /"
+        );
+        assert_eq!(
+            describe_call(&json!({"kind": "file_write", "path": "/etc/x"})),
+            "file_write /etc/x"
+        );
+        assert_eq!(
+            describe_call(
+                &json!({"kind": "egress", "connector": "salesforce", "host": "a.my.salesforce.com",
+                "port": 443, "method": "POST", "path": "/x", "scheme": "https"})
+            ),
+            "egress POST a.my.salesforce.com:443/x (salesforce)"
+        );
+        assert_eq!(
+            describe_call(&json!({"kind": "lifecycle", "op": "delete"})),
+            "lifecycle delete"
+        );
+        assert_eq!(describe_call(&json!({"kind": "snapshot"})), "snapshot");
     }
 }

@@ -51,7 +51,10 @@ pub fn body(a: &Args) -> Value {
 
 /// Runs `strata create`.
 pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
-    let v = ctx.client()?.post(&["v1", "sandboxes"], &body(&a)).await?;
+    let v = ctx
+        .client()?
+        .post_call(&["v1", "sandboxes"], &body(&a))
+        .await?;
     ctx.emit(&v, || sandbox_line(&v))?;
     Ok(0)
 }

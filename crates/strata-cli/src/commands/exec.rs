@@ -164,7 +164,7 @@ pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
     let b = body(&a, stdin.as_deref())?;
     let url = client.url(&["v1", "sandboxes", &a.id, "exec"], &[]);
     let resp = client
-        .send(client.request(Method::POST, url).json(&b))
+        .send_call(client.request(Method::POST, url).json(&b))
         .await?;
 
     let (mut out, mut err) = (Vec::new(), Vec::new());

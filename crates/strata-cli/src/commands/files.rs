@@ -112,7 +112,7 @@ async fn put(
     if let Some(n) = len {
         rb = rb.header(CONTENT_LENGTH, n);
     }
-    let v = client.json(rb).await?;
+    let v = client.json_call(rb).await?;
     ctx.emit(&v, || {
         let n = v
             .get("bytes")
@@ -126,7 +126,7 @@ async fn put(
 async fn get(ctx: &Ctx, id: &str, remote: &str, local: &std::path::Path) -> anyhow::Result<i32> {
     let client = ctx.client()?;
     let url = client.url(&["v1", "sandboxes", id, "files"], &[("path", remote)]);
-    let resp = client.send(client.request(Method::GET, url)).await?;
+    let resp = client.send_call(client.request(Method::GET, url)).await?;
     let mut written: u64 = 0;
     if is_dash(local) {
         let mut out = tokio::io::stdout();
@@ -183,7 +183,7 @@ async fn get(ctx: &Ctx, id: &str, remote: &str, local: &std::path::Path) -> anyh
 async fn ls(ctx: &Ctx, id: &str, path: &str) -> anyhow::Result<i32> {
     let v = ctx
         .client()?
-        .get(&["v1", "sandboxes", id, "files", "list"], &[("path", path)])
+        .get_call(&["v1", "sandboxes", id, "files", "list"], &[("path", path)])
         .await?;
     ctx.emit(&v, || {
         let entries: Vec<FileEntry> = items(&v)?;

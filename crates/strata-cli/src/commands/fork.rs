@@ -46,7 +46,7 @@ pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
     if let Some(t) = &a.idle_timeout {
         body["idle_timeout"] = Value::from(t.clone());
     }
-    let v = ctx.client()?.post(&route(&a.source), &body).await?;
+    let v = ctx.client()?.post_call(&route(&a.source), &body).await?;
     ctx.emit(&v, || sandbox_line(&v))?;
     Ok(0)
 }

@@ -3,8 +3,13 @@
 use clap::{Parser, Subcommand};
 use serde_json::Value;
 
-use crate::api::{ApiClient, ApiError, DEFAULT_URL};
+use std::path::PathBuf;
+use std::time::Duration;
 
+use crate::api::{ApiClient, ApiError, Gate, DEFAULT_URL};
+use crate::human::{duration_arg, parse_duration};
+
+pub mod approvals;
 pub mod create;
 pub mod dev;
 pub mod exec;
@@ -15,6 +20,7 @@ pub mod image;
 pub mod info;
 pub mod ls;
 pub mod pause;
+pub mod policy;
 pub mod resume;
 pub mod rewind;
 pub mod rm;
@@ -23,6 +29,8 @@ pub mod snapshot;
 pub mod snapshots;
 pub mod stats;
 pub mod template;
+pub mod token;
+pub mod whoami;
 
 /// strata: microVM sandboxes for AI agents (client of stratad).
 #[derive(Debug, Parser)]
@@ -37,6 +45,16 @@ pub struct Cli {
     /// Machine-readable output (errors as {"error":{"code","message"}}).
     #[arg(long, global = true)]
     pub json: bool,
+    /// Do not wait: a call held for approval prints the approval id and
+    /// exits 75; `template build` returns once the build is accepted.
+    #[arg(long, global = true)]
+    pub no_wait: bool,
+    /// Re-send a held call with this approved request id.
+    #[arg(long, global = true, value_name = "ID")]
+    pub approval: Option<String>,
+    /// How long to wait for a held call's approval, e.g. 10m.
+    #[arg(long, global = true, value_parser = duration_arg, default_value = "10m")]
+    pub approval_timeout: String,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
@@ -83,8 +101,48 @@ pub enum Command {
     Template(template::TemplateCmd),
     /// Latency percentiles of the daemon's operations.
     Stats(stats::Args),
+    /// The approval queue: calls held by policy until a human answers.
+    #[command(subcommand)]
+    Approvals(approvals::ApprovalsCmd),
+    /// Tool-call policies (tenant or sandbox): get, set, dry-run test.
+    #[command(subcommand)]
+    Policy(policy::PolicyCmd),
+    /// API tokens: create, list, revoke.
+    #[command(subcommand)]
+    Token(token::TokenCmd),
+    /// Who the token is: tenant, role, token id.
+    Whoami,
     /// Run the daemon (execs the `stratad` binary).
     Serve(serve::Args),
+}
+
+/// Exit code of a call held for approval and not waited for (`--no-wait`,
+/// or the wait ran out): `EX_TEMPFAIL`, "try again later".
+pub const EXIT_HELD: i32 = 75;
+
+/// Where the daemon writes its bootstrap admin token, in this order:
+/// `$STRATA_DATA_DIR/admin.token`, `/var/lib/strata/admin.token`.
+pub fn admin_token_paths(data_dir: Option<&std::ffi::OsStr>) -> Vec<PathBuf> {
+    let mut v = Vec::new();
+    if let Some(d) = data_dir.filter(|d| !d.is_empty()) {
+        v.push(PathBuf::from(d).join("admin.token"));
+    }
+    v.push(PathBuf::from("/var/lib/strata/admin.token"));
+    v
+}
+
+/// The token to use: `--token` / `STRATA_TOKEN`, else the first readable,
+/// non-empty admin token file of [`admin_token_paths`].
+pub fn resolve_token(given: Option<&str>, files: &[PathBuf]) -> Option<String> {
+    if let Some(t) = given.map(str::trim).filter(|t| !t.is_empty()) {
+        return Some(t.to_owned());
+    }
+    files.iter().find_map(|p| {
+        std::fs::read_to_string(p)
+            .ok()
+            .map(|s| s.trim().to_owned())
+            .filter(|s| !s.is_empty())
+    })
 }
 
 /// What every command gets: output mode and how to reach the daemon.
@@ -92,23 +150,37 @@ pub enum Command {
 pub struct Ctx {
     /// `--json`.
     pub json: bool,
+    /// `--no-wait`.
+    pub no_wait: bool,
     url: String,
     token: Option<String>,
+    gate: Gate,
 }
 
 impl Ctx {
     /// From the parsed global options.
     pub fn new(cli: &Cli) -> Self {
+        let gate = Gate {
+            no_wait: cli.no_wait,
+            approval: cli.approval.clone(),
+            timeout: parse_duration(&cli.approval_timeout).unwrap_or(Duration::from_secs(600)),
+            ..Gate::default()
+        };
         Ctx {
             json: cli.json,
+            no_wait: cli.no_wait,
             url: cli.url.clone(),
             token: cli.token.clone(),
+            gate,
         }
     }
 
-    /// A client of the daemon.
+    /// A client of the daemon. Without `--token`/`STRATA_TOKEN`, the
+    /// daemon's bootstrap admin token is used when its file is readable.
     pub fn client(&self) -> Result<ApiClient, ApiError> {
-        ApiClient::new(&self.url, self.token.clone())
+        let files = admin_token_paths(std::env::var_os("STRATA_DATA_DIR").as_deref());
+        let token = resolve_token(self.token.as_deref(), &files);
+        Ok(ApiClient::new(&self.url, token)?.with_gate(self.gate.clone()))
     }
 
     /// Prints `v` as JSON under `--json`, else the human text `human()`.
@@ -150,6 +222,10 @@ pub async fn run(ctx: &Ctx, cmd: Command) -> anyhow::Result<i32> {
         Command::Rewind(a) => rewind::run(ctx, a).await,
         Command::Template(c) => template::run(ctx, c).await,
         Command::Stats(a) => stats::run(ctx, a).await,
+        Command::Approvals(c) => approvals::run(ctx, c).await,
+        Command::Policy(c) => policy::run(ctx, c).await,
+        Command::Token(c) => token::run(ctx, c).await,
+        Command::Whoami => whoami::run(ctx).await,
         Command::Serve(a) => serve::run(ctx, a).await,
     }
 }
@@ -207,14 +283,71 @@ pub fn error_code(e: &anyhow::Error) -> String {
     "internal".into()
 }
 
-/// Prints an error: under `--json` `{"error":{"code","message"}}` on stdout,
-/// else `strata: error: MESSAGE` on stderr.
+/// The first [`ApiError`] in an error's chain.
+pub fn api_error(e: &anyhow::Error) -> Option<&ApiError> {
+    e.chain().find_map(|c| c.downcast_ref::<ApiError>())
+}
+
+/// The process exit code of a failed command: 130 when interrupted,
+/// [`EXIT_HELD`] for a call left waiting for approval, else 1.
+pub fn exit_code(e: &anyhow::Error) -> i32 {
+    if matches!(api_error(e), Some(ApiError::Held { .. })) {
+        return EXIT_HELD;
+    }
+    // 128 + SIGINT, as shells report an interrupted command.
+    if error_code(e) == "interrupted" {
+        130
+    } else {
+        1
+    }
+}
+
+/// Prints an error: under `--json` `{"error":{"code","message","status"}}`
+/// on stdout, else `strata: error: MESSAGE (HTTP STATUS CODE)` on stderr.
+/// A call held for approval prints the approval id on stdout (the daemon's
+/// `202` answer under `--json`) and the hint on stderr.
+pub fn print_failure(ctx: &Ctx, e: &anyhow::Error, code: &str, message: &str) {
+    let api = api_error(e);
+    if let Some(ApiError::Held {
+        approval_id, body, ..
+    }) = api
+    {
+        if ctx.json {
+            println!("{body}");
+        } else {
+            println!("{approval_id}");
+            eprintln!("strata: {message}");
+        }
+        return;
+    }
+    let status = api.and_then(ApiError::status);
+    if ctx.json {
+        let mut err = serde_json::json!({ "code": code, "message": message });
+        if let Some(s) = status {
+            err["status"] = s.into();
+        }
+        println!("{}", serde_json::json!({ "error": err }));
+    } else {
+        eprintln!("strata: error: {}", human_error(message, code, status));
+    }
+}
+
+/// Prints an error of the client's own: under `--json`
+/// `{"error":{"code","message"}}` on stdout, else `strata: error: MESSAGE`.
 pub fn print_error(ctx: &Ctx, code: &str, message: &str) {
     if ctx.json {
         let body = serde_json::json!({ "error": { "code": code, "message": message } });
         println!("{body}");
     } else {
         eprintln!("strata: error: {message}");
+    }
+}
+
+/// `MESSAGE (HTTP 403 forbidden)` for a daemon error, else `MESSAGE`.
+pub fn human_error(message: &str, code: &str, status: Option<u16>) -> String {
+    match status {
+        Some(s) => format!("{message} (HTTP {s} {code})"),
+        None => message.to_owned(),
     }
 }
 

@@ -13,7 +13,7 @@ pub struct Args {
 pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
     let v = ctx
         .client()?
-        .post(&["v1", "sandboxes", &a.id, "pause"], &serde_json::json!({}))
+        .post_call(&["v1", "sandboxes", &a.id, "pause"], &serde_json::json!({}))
         .await?;
     ctx.emit(&v, || sandbox_line(&v))?;
     Ok(0)

@@ -13,7 +13,7 @@ pub struct Args {
 pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
     let v = ctx
         .client()?
-        .post(
+        .post_call(
             &["v1", "sandboxes", &a.id, "resume"],
             &serde_json::json!({}),
         )

@@ -29,7 +29,7 @@ pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
     };
     let v = ctx
         .client()?
-        .post(&["v1", "sandboxes", &a.id, "rewind"], &body)
+        .post_call(&["v1", "sandboxes", &a.id, "rewind"], &body)
         .await?;
     ctx.emit(&v, || {
         let s = |k: &str| v.get(k).and_then(Value::as_str).unwrap_or("-").to_owned();

@@ -17,7 +17,7 @@ pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
     let client = ctx.client()?;
     let mut done = Vec::new();
     for id in &a.ids {
-        let v = client.delete(&["v1", "sandboxes", id], &[]).await?;
+        let v = client.delete_call(&["v1", "sandboxes", id], &[]).await?;
         if !ctx.json {
             println!(
                 "deleted {}",

@@ -24,7 +24,7 @@ pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
     };
     let v = ctx
         .client()?
-        .post(&["v1", "sandboxes", &a.id, "snapshots"], &body)
+        .post_call(&["v1", "sandboxes", &a.id, "snapshots"], &body)
         .await?;
     ctx.emit(&v, || {
         let s: Snapshot = view(&v)?;

@@ -43,9 +43,6 @@ pub struct BuildArgs {
     /// Disk in GiB.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub disk: Option<u32>,
-    /// Return as soon as the build is accepted.
-    #[arg(long)]
-    pub no_wait: bool,
     /// Give up waiting after this many seconds.
     #[arg(long, default_value_t = 900)]
     pub timeout: u64,
@@ -70,13 +67,13 @@ async fn build(ctx: &Ctx, a: BuildArgs) -> anyhow::Result<i32> {
         body["id"] = i.clone().into();
     }
     let started = Instant::now();
-    let mut v = client.post(&["v1", "templates"], &body).await?;
+    let mut v = client.post_call(&["v1", "templates"], &body).await?;
     let mut t: Template = view(&v)?;
     if !ctx.json {
         eprintln!("strata: building template {}", t.id);
     }
     let mut last_progress = None;
-    while !a.no_wait && t.status == "building" {
+    while !ctx.no_wait && t.status == "building" {
         if started.elapsed() > Duration::from_secs(a.timeout) {
             anyhow::bail!(
                 "template {} still building after {} s (see `strata template ls`)",
@@ -162,7 +159,7 @@ async fn rm(ctx: &Ctx, ids: Vec<String>) -> anyhow::Result<i32> {
     let client = ctx.client()?;
     let mut done = Vec::new();
     for id in &ids {
-        let v = client.delete(&["v1", "templates", id], &[]).await?;
+        let v = client.delete_call(&["v1", "templates", id], &[]).await?;
         if !ctx.json {
             println!("deleted {id}");
         }
