@@ -32,7 +32,7 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
     v[idx.min(v.len() - 1)]
 }
 
-fn report(name: &str, v: &mut Vec<f64>) -> f64 {
+fn report(name: &str, v: &mut [f64]) -> f64 {
     let p50 = pct(v, 50.0);
     println!(
         "{name:<44} n={:<3} p50={:>8.1} p95={:>8.1} p99={:>8.1} max={:>8.1} ms",

@@ -102,6 +102,7 @@ pub fn runtime_config(cfg: &Config) -> Result<RuntimeConfig, DaemonError> {
         agent_timeout_ms: cfg.agent_timeout.as_millis() as u64,
         run_as: strata_runtime::default_run_as(),
         cgroups: true,
+        egress_proxy: None,
     })
 }
 
