@@ -252,7 +252,19 @@ impl QemuDriver {
             .trim()
             .parse()
             .map_err(|_| fail(format!("pid file holds {:?}", pid_text.trim())))?;
-        let pidfd = pidfd_open(pid).map_err(|e| fail(format!("process {pid} is gone ({e})")))?;
+        let pidfd = match pidfd_open(pid) {
+            Ok(fd) => fd,
+            Err(e) => {
+                // The VM died while nobody watched it: its cgroup is empty, drop it.
+                if let Some(cg) = std::fs::read(spec.cgroup_file())
+                    .ok()
+                    .and_then(|b| serde_json::from_slice::<VmCgroup>(&b).ok())
+                {
+                    let _ = cg.remove().await;
+                }
+                return Err(fail(format!("process {pid} is gone ({e})")));
+            }
+        };
         let cmdline = proc_cmdline(pid).map_err(|e| fail(format!("process {pid}: {e}")))?;
         let qmp_path = spec.qmp_socket().to_string_lossy().into_owned();
         if !cmdline.contains(&qmp_path) {
