@@ -23,4 +23,4 @@ mod runtime;
 pub use api::*;
 pub use error::RuntimeError;
 pub use meta::{StateMeta, SNAPSHOT_FORMAT_VERSION};
-pub use runtime::{load_image, qemu_version, Runtime, TemplateBuilt, VmDied};
+pub use runtime::{load_image, qemu_version, EgressResolver, Runtime, TemplateBuilt, VmDied};

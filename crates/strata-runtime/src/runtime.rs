@@ -69,7 +69,20 @@ pub struct Runtime {
     ops: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     died_tx: mpsc::UnboundedSender<VmDied>,
     died_rx: Mutex<Option<mpsc::UnboundedReceiver<VmDied>>>,
+    egress: std::sync::RwLock<Option<EgressResolver>>,
 }
+
+/// Finds the egress target (the host's policy proxy) of one sandbox; `None`
+/// leaves its egress closed. Called whenever the host (re)connects to a
+/// sandbox's agent, e.g. after every restore.
+pub type EgressResolver = Arc<
+    dyn Fn(
+            SandboxId,
+        ) -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = Option<std::net::SocketAddr>> + Send>,
+        > + Send
+        + Sync,
+>;
 
 impl std::fmt::Debug for Runtime {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -179,7 +192,14 @@ impl Runtime {
             ops: Mutex::new(HashMap::new()),
             died_tx,
             died_rx: Mutex::new(Some(died_rx)),
+            egress: std::sync::RwLock::new(None),
         }))
+    }
+
+    /// Sets the per-sandbox egress target lookup (it takes precedence over
+    /// `RuntimeConfig::egress_proxy`). Applies from the next agent connection.
+    pub fn set_egress_resolver(&self, resolver: EgressResolver) {
+        *self.egress.write().unwrap_or_else(|p| p.into_inner()) = Some(resolver);
     }
 
     /// The pool.
@@ -357,7 +377,17 @@ impl Runtime {
         // With an egress target, the client enables egress in this agent
         // session (again after every reconnect, e.g. after a restore) and
         // serves the guest's tunnels by connecting to the target.
-        let egress = self.cfg.egress_proxy.map(TunnelHandler::tcp);
+        let resolver = self
+            .egress
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let target = match resolver {
+            Some(r) => r(id.clone()).await,
+            None => None,
+        }
+        .or(self.cfg.egress_proxy);
+        let egress = target.map(TunnelHandler::tcp);
         let client = AgentClient::connect_unix_with(&live.vm.agent_socket(), t, egress)
             .await
             .map_err(|e| agent_err(id.as_str(), e, t))?;

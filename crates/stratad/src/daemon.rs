@@ -136,6 +136,26 @@ pub async fn run(
     let listen = config.listen;
     let engine = open_engine(&config).await?;
     let app = App::open(config, engine.clone()).map_err(DaemonError::Store)?;
+    // Egress: each sandbox's guest traffic to 127.0.0.1:3128 is tunnelled over
+    // its agent channel to that sandbox's policy proxy on the host.
+    if let Some(sec) = app.security() {
+        let sec = sec.clone();
+        let svc = app.service().clone();
+        let resolver: strata_runtime::EgressResolver = Arc::new(move |id| {
+            let (sec, svc) = (sec.clone(), svc.clone());
+            Box::pin(async move {
+                let rec = svc.get_sandbox(&id).await.ok()?;
+                match sec.egress_proxy(&rec.tenant, id.as_str()).await {
+                    Ok(addr) => Some(addr),
+                    Err(e) => {
+                        tracing::warn!(sandbox = %id, error = %e, "egress proxy unavailable; egress stays closed");
+                        None
+                    }
+                }
+            })
+        });
+        engine.runtime().set_egress_resolver(resolver);
+    }
     let report = app
         .start()
         .await

@@ -251,7 +251,7 @@ fn lifecycle_create_exec_files_snapshot_rewind_fork_pause_hibernate_delete() {
                 201,
             )
             .await;
-        assert_eq!(c["source_snapshot"].is_string(), true, "{c}");
+        assert!(c["source_snapshot"].is_string(), "{c}");
         let c = c["id"].as_str().expect("id").to_owned();
         assert_eq!(d.sh(&c, "cat /root/state").await.out(), "three");
         assert_eq!(d.sh(&c, "echo child > /root/state").await.code, Some(0));

@@ -344,9 +344,7 @@ async fn pre(
         };
         match ctx.svc.get_snapshot(&id).await {
             Ok(s) if s.tenant != p.tenant => {
-                return Err(
-                    as_unknown(ctx, req, &raw_id, SnapshotId::generate().as_ref()).await,
-                )
+                return Err(as_unknown(ctx, req, &raw_id, SnapshotId::generate().as_ref()).await)
             }
             Ok(s) => sandbox = Some(s.sandbox_id.to_string()),
             Err(_) => return Ok(req),
@@ -358,9 +356,7 @@ async fn pre(
         if let Ok(t) = ctx.svc.get_template(&id).await {
             let owner = t.record.tenant;
             if owner != p.tenant && owner != DEFAULT_TENANT {
-                return Err(
-                    as_unknown(ctx, req, &raw_id, TemplateId::generate().as_ref()).await,
-                );
+                return Err(as_unknown(ctx, req, &raw_id, TemplateId::generate().as_ref()).await);
             }
             if method == "DELETE" && owner != p.tenant {
                 return Err(err(

@@ -573,8 +573,8 @@ impl Security {
 
     /// The egress proxy of a sandbox (started on first use, on the port it
     /// had before when that port is free, so a VM adopted after a daemon
-    /// restart keeps its forwarding). The runtime forwards the guest's
-    /// `10.0.2.100:3128` to this address (QEMU `guestfwd`).
+    /// restart keeps its forwarding). The runtime tunnels the guest's
+    /// `127.0.0.1:3128` to this address over the agent channel.
     pub async fn egress_proxy(
         self: &Arc<Self>,
         tenant: &str,
@@ -639,6 +639,7 @@ fn clone_pc(pc: &ProxyConfig) -> ProxyConfig {
     }
 }
 
-/// The guest side of the egress proxy: what the runtime's `guestfwd` maps
-/// to the sandbox's proxy, and what the guest uses as `http_proxy`.
-pub const GUEST_PROXY: &str = "10.0.2.100:3128";
+/// The guest side of the egress proxy: the guest agent listens here and
+/// tunnels every connection over the agent channel to the sandbox's proxy
+/// on the host; commands run through the agent get it as `http_proxy`.
+pub const GUEST_PROXY: &str = "127.0.0.1:3128";
