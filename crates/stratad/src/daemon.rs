@@ -133,6 +133,19 @@ pub async fn run(
     config: Config,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), DaemonError> {
+    run_with(config, shutdown, None).await
+}
+
+/// Extra routes served next to the API (e.g. the E2B front door), built from
+/// the daemon's service once it is open.
+pub type Mount = Box<dyn FnOnce(Arc<crate::service::Service>) -> axum::Router + Send>;
+
+/// [`run`], with `mount`'s routes merged into the API router.
+pub async fn run_with(
+    config: Config,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    mount: Option<Mount>,
+) -> Result<(), DaemonError> {
     let listen = config.listen;
     let engine = open_engine(&config).await?;
     let app = App::open(config, engine.clone()).map_err(DaemonError::Store)?;
@@ -176,7 +189,17 @@ pub async fn run(
             source,
         })?;
     tracing::info!(%listen, "stratad listening");
-    let result = crate::serve(&app, listener, shutdown).await;
+    let result = match mount {
+        None => crate::serve(&app, listener, shutdown).await,
+        Some(mount) => {
+            let router = app.router().merge(mount(app.service().clone()));
+            let r = axum::serve(listener, router)
+                .with_graceful_shutdown(shutdown)
+                .await;
+            app.stop();
+            r
+        }
+    };
     // The VMs outlive the daemon; the next start adopts them.
     engine.runtime().detach_all();
     result.map_err(DaemonError::Serve)

@@ -9,6 +9,7 @@
 //! real runtime; `main.rs` is a thin binary.
 
 pub mod api;
+pub mod cli;
 pub mod clock;
 pub mod config;
 pub mod daemon;

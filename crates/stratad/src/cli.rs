@@ -1,0 +1,171 @@
+//! The `stratad` command line, shared by the `stratad` binary and by
+//! `strata serve` (which mounts extra front doors such as the E2B API).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use crate::config::Config;
+use crate::retention::RetentionPolicy;
+use anyhow::Context;
+
+/// strata daemon: HTTP API, rolling snapshots, retention, recovery.
+#[derive(Debug, clap::Parser)]
+#[command(name = "stratad", version)]
+pub struct Args {
+    /// TOML configuration file (the built-in defaults: `--print-default-config`).
+    #[arg(long, env = "STRATAD_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Address of the HTTP API.
+    #[arg(long)]
+    pub listen: Option<SocketAddr>,
+    /// State directory (SQLite db, pool.img, pool mount).
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Use this existing btrfs directory as the pool instead of `<data-dir>/pool.img`.
+    #[arg(long)]
+    pub pool_path: Option<PathBuf>,
+    /// Size of `<data-dir>/pool.img` (sparse) in GiB.
+    #[arg(long)]
+    pub pool_size_gib: Option<u64>,
+    /// Directory for per-VM sockets and pid files (short: unix socket paths).
+    #[arg(long)]
+    pub run_dir: Option<PathBuf>,
+    /// Guest image directory [default: newest in the image cache].
+    #[arg(long)]
+    pub image_dir: Option<PathBuf>,
+    /// QEMU binary.
+    #[arg(long)]
+    pub qemu: Option<PathBuf>,
+    /// How long to wait for a guest agent after boot/restore, e.g. 60s.
+    #[arg(long)]
+    pub agent_timeout: Option<String>,
+    /// Do not build the default template on first start.
+    #[arg(long)]
+    pub no_default_template: bool,
+    /// Accelerator: auto, kvm or tcg.
+    #[arg(long)]
+    pub accel: Option<strata_core::Accel>,
+    /// Rolling snapshot interval, e.g. 60s ("0s" = off).
+    #[arg(long)]
+    pub snapshot_interval: Option<String>,
+    /// Idle timeout before hibernation, e.g. 30m ("0s" = never).
+    #[arg(long)]
+    pub idle_timeout: Option<String>,
+    /// Retention tiers, WITHIN:EVERY pairs, e.g. "1h:0,24h:10m,7d:1h".
+    #[arg(long)]
+    pub retention: Option<String>,
+    /// API authentication: `on` (Bearer tokens; default) or `off` (local
+    /// development only: every caller is an admin of tenant `default`).
+    #[arg(long, env = "STRATAD_AUTH", value_parser = ["on", "off"])]
+    pub auth: Option<String>,
+    /// Log format.
+    #[arg(long, default_value = "text", value_parser = ["text", "json"])]
+    pub log_format: String,
+    /// Print the built-in configuration and exit.
+    #[arg(long)]
+    pub print_default_config: bool,
+}
+
+/// The configuration the arguments describe (file, then flags on top).
+pub fn config(args: &Args) -> anyhow::Result<Config> {
+    let mut cfg = match &args.config {
+        Some(p) => Config::from_file(p)?,
+        None => Config::default(),
+    };
+    if let Some(v) = args.listen {
+        cfg.listen = v;
+    }
+    if let Some(v) = &args.data_dir {
+        cfg.data_dir = v.clone();
+    }
+    if let Some(v) = args.accel {
+        cfg.accel = v;
+    }
+    if let Some(v) = &args.pool_path {
+        cfg.pool_path = Some(v.clone());
+    }
+    if let Some(v) = args.pool_size_gib {
+        cfg.pool_size_gib = v;
+    }
+    if let Some(v) = &args.run_dir {
+        cfg.run_dir = v.clone();
+    }
+    if let Some(v) = &args.image_dir {
+        cfg.image_dir = Some(v.clone());
+    }
+    if let Some(v) = &args.qemu {
+        cfg.qemu_binary = v.clone();
+    }
+    if let Some(v) = &args.agent_timeout {
+        cfg.agent_timeout = crate::duration::parse_duration(v).context("--agent-timeout")?;
+    }
+    if args.no_default_template {
+        cfg.default_template = false;
+    }
+    if let Some(v) = &args.snapshot_interval {
+        cfg.snapshot_interval =
+            crate::duration::parse_duration(v).context("--snapshot-interval")?;
+    }
+    if let Some(v) = &args.idle_timeout {
+        cfg.idle_timeout = crate::duration::parse_duration(v).context("--idle-timeout")?;
+    }
+    if let Some(v) = &args.retention {
+        cfg.retention = RetentionPolicy::parse(v)
+            .map_err(anyhow::Error::msg)
+            .context("--retention")?;
+    }
+    if let Some(v) = &args.auth {
+        cfg.security.auth = v == "on";
+    }
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+/// Completes on SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let term = signal(SignalKind::terminate());
+    let int = signal(SignalKind::interrupt());
+    match (term, int) {
+        (Ok(mut t), Ok(mut i)) => {
+            tokio::select! {
+                _ = t.recv() => {}
+                _ = i.recv() => {}
+            }
+        }
+        _ => std::future::pending::<()>().await,
+    }
+    tracing::info!("shutting down (VMs keep running)");
+}
+
+/// Runs the daemon as the `stratad` binary does; `mount` adds routes (served
+/// on the same listener, outside the `/v1` authentication layer).
+pub async fn main_with(args: Args, mount: Option<crate::daemon::Mount>) -> anyhow::Result<()> {
+    if args.print_default_config {
+        print!("{}", crate::config::DEFAULT_TOML);
+        return Ok(());
+    }
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    if args.log_format == "json" {
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .json()
+            .init();
+    } else {
+        tracing_subscriber::fmt().with_env_filter(filter).init();
+    }
+    let cfg = config(&args)?;
+    if let Err(e) = crate::daemon::run_with(cfg, shutdown_signal(), mount).await {
+        let mut msg = e.to_string();
+        let mut src = std::error::Error::source(&e);
+        while let Some(c) = src {
+            msg.push_str(": ");
+            msg.push_str(&c.to_string());
+            src = c.source();
+        }
+        tracing::error!(error = %msg, "stratad failed");
+        anyhow::bail!(msg);
+    }
+    Ok(())
+}
