@@ -398,8 +398,12 @@ impl AgentClient {
         let mut dec = FrameDecoder::new();
         let mut buf = vec![0u8; 64 * 1024];
         loop {
-            if stream.write_all(&hello).await.is_err() {
-                return Ok(None);
+            // A paused guest reads nothing: bound the write by the deadline too,
+            // or repeated Hellos fill the socket and the write blocks forever.
+            match tokio::time::timeout_at(deadline, stream.write_all(&hello)).await {
+                Err(_) => return Err(AgentError::ConnectTimeout(timeout)),
+                Ok(Err(_)) => return Ok(None),
+                Ok(Ok(())) => {}
             }
             let resend_at = (Instant::now() + HELLO_RESEND).min(deadline);
             loop {

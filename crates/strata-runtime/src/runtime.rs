@@ -1116,8 +1116,10 @@ impl Runtime {
             .await
             .map_err(|e| vmm_err(id.as_str(), e))?;
         let accel = spec.accel.qemu_name().to_owned();
+        // The agent is connected on first use: the VM may be paused (by the
+        // user, or stopped by a snapshot the previous process did not finish),
+        // and a paused guest cannot answer a handshake.
         let live = self.register(id, vm, meta.size).await?;
-        self.agent_of(id, &live).await?;
         Ok(VmInfo {
             pid: live.vm.pid(),
             accel,

@@ -151,9 +151,10 @@ pub async fn main_with(args: Args, mount: Option<crate::daemon::Mount>) -> anyho
         tracing_subscriber::fmt()
             .with_env_filter(filter)
             .json()
-            .init();
+            .try_init()
+            .ok();
     } else {
-        tracing_subscriber::fmt().with_env_filter(filter).init();
+        let _ = tracing_subscriber::fmt().with_env_filter(filter).try_init();
     }
     let cfg = config(&args)?;
     if let Err(e) = crate::daemon::run_with(cfg, shutdown_signal(), mount).await {
