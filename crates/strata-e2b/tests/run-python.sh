@@ -25,8 +25,8 @@ URL="http://127.0.0.1:$PORT"
 
 log() { echo "run-python: $*" >&2; }
 
-(cd "$ROOT" && cargo build -p strata-e2b --bin strata-e2b-dev)
-BIN="$TARGET/debug/strata-e2b-dev"
+(cd "$ROOT" && cargo build -p strata-e2b --bin strata-server)
+BIN="$TARGET/debug/strata-server"
 
 if [ ! -x "$VENV/bin/pytest" ] || ! "$VENV/bin/python" -c 'import e2b, sys; sys.exit(0 if __import__("importlib.metadata").metadata.version("e2b") == "2.63.0" else 1)' 2>/dev/null; then
   log "creating virtualenv $VENV (e2b==2.63.0, pytest)"
@@ -60,9 +60,10 @@ cleanup() {
 }
 trap cleanup EXIT
 
-log "starting strata-e2b-dev on $URL (log: $SCRATCH/daemon.log)"
+log "starting strata-server on $URL (log: $SCRATCH/daemon.log)"
 RUST_LOG="${RUST_LOG:-info}" "$BIN" --listen "127.0.0.1:$PORT" --data-dir "$SCRATCH" \
-  --run-dir "$RUN_DIR" --api-key "$API_KEY" >"$SCRATCH/daemon.log" 2>&1 &
+  --run-dir "$RUN_DIR" --accel "${ACCEL:-tcg}" --pool-size-gib 16 --e2b-api-key "$API_KEY" \
+  ${IMAGE_DIR:+--image-dir "$IMAGE_DIR"} >"$SCRATCH/daemon.log" 2>&1 &
 DAEMON_PID=$!
 
 for i in $(seq 1 600); do
@@ -71,15 +72,18 @@ for i in $(seq 1 600); do
   sleep 1
 done
 log "waiting for the default template"
-for i in $(seq 1 900); do
-  st="$(curl -fsS "$URL/v1/templates" | python3 -c 'import json,sys; d=json.load(sys.stdin); print(" ".join(t["status"] for t in d.get("items", d if isinstance(d, list) else [])))' 2>/dev/null || true)"
+for i in $(seq 1 400); do
+  auth=()
+  [ -r "$SCRATCH/admin.token" ] && auth=(-H "Authorization: Bearer $(cat "$SCRATCH/admin.token")")
+  st="$(curl -fsS "${auth[@]}" "$URL/v1/templates" | python3 -c 'import json,sys; d=json.load(sys.stdin); print(" ".join(t["status"] for t in d.get("items", d if isinstance(d, list) else [])))' 2>/dev/null || true)"
   case "$st" in *ready*) break ;; *failed*) tail -50 "$SCRATCH/daemon.log"; log "template build failed"; exit 1 ;; esac
   kill -0 "$DAEMON_PID" 2>/dev/null || { tail -50 "$SCRATCH/daemon.log"; log "daemon died"; exit 1; }
   sleep 1
 done
-log "template ready after ${i}s"
+case "$st" in *ready*) log "template ready after ${i}s" ;; *) tail -50 "$SCRATCH/daemon.log"; log "no ready template after ${i}s"; exit 1 ;; esac
 
 export E2B_API_URL="$URL" E2B_SANDBOX_URL="$URL" E2B_API_KEY="$API_KEY" E2B_DEBUG=false
+STRATA_TOKEN="$(cat "$SCRATCH/admin.token" 2>/dev/null || true)"; export STRATA_TOKEN
 unset E2B_DOMAIN E2B_ACCESS_TOKEN || true
 status=0
 (cd "$HERE/python" && "$VENV/bin/pytest" -v -p no:cacheprovider "$@") || status=$?

@@ -31,7 +31,7 @@ def pct(v, p):
 
 base = os.environ["E2B_API_URL"]
 s_create, s_first, s_total = [], [], []
-with httpx.Client(base_url=base, timeout=300) as c:
+with httpx.Client(base_url=base, timeout=300, headers={"Authorization": f"Bearer {os.environ.get('STRATA_TOKEN', '')}"}) as c:
     for i in range(n):
         t0 = time.perf_counter()
         r = c.post("/v1/sandboxes", json={"labels": {"suite": "strata-e2b-bench"}})

@@ -181,10 +181,11 @@ def test_same_sandbox_in_strata_api(sbx):
     import httpx
 
     base = os.environ["E2B_API_URL"]
-    r = httpx.get(f"{base}/v1/sandboxes/{sbx.sandbox_id}")
+    auth = {"Authorization": f"Bearer {os.environ.get('STRATA_TOKEN', '')}"}
+    r = httpx.get(f"{base}/v1/sandboxes/{sbx.sandbox_id}", headers=auth)
     assert r.status_code == 200, r.text
     assert r.json()["labels"]["suite"] == SUITE
-    r = httpx.post(f"{base}/v1/sandboxes/{sbx.sandbox_id}/snapshots", json={"label": "from-e2b"}, timeout=120)
+    r = httpx.post(f"{base}/v1/sandboxes/{sbx.sandbox_id}/snapshots", json={"label": "from-e2b"}, headers=auth, timeout=120)
     assert r.status_code < 300, r.text
     # And the sandbox keeps working through E2B afterwards.
     assert sbx.commands.run("echo ok").stdout == "ok\n"
