@@ -581,6 +581,23 @@ mod tests {
         );
     }
 
+    #[test]
+    fn held_answers_are_recognised() {
+        let v = serde_json::json!({"status": "pending", "approval": {"id": "apr-1", "status": {"status": "pending"}}});
+        assert_eq!(held_approval_id(&v), Some("apr-1"));
+        assert_eq!(approval_status(&v["approval"]), "pending");
+        // A template build accepted (202) is not a held call.
+        assert_eq!(
+            held_approval_id(&serde_json::json!({"id": "tpl-1", "status": "building"})),
+            None
+        );
+        assert_eq!(
+            approval_status(&serde_json::json!({"status": {"status": "timed_out", "at": "x"}})),
+            "timed_out"
+        );
+        assert_eq!(approval_status(&serde_json::json!({})), "unknown");
+    }
+
     #[tokio::test]
     async fn refused_connection_says_is_stratad_running() {
         // A port nobody listens on: bind, take the port, close.

@@ -495,6 +495,97 @@ mod tests {
     }
 
     #[test]
+    fn approval_options_are_global() {
+        let cli = parse(&["create", "--no-wait"]).unwrap();
+        assert!(cli.no_wait);
+        assert_eq!(cli.approval_timeout, "10m");
+        let cli = parse(&["exec", "sb-1", "--approval", "apr-1", "--", "git", "push"]).unwrap();
+        assert_eq!(cli.approval.as_deref(), Some("apr-1"));
+        let cli = parse(&["template", "build", "--no-wait"]).unwrap();
+        assert!(cli.no_wait);
+        assert!(parse(&["create", "--approval-timeout", "soon"]).is_err());
+        let ctx = Ctx::new(&parse(&["--approval-timeout", "90s", "ls"]).unwrap());
+        assert_eq!(ctx.gate.timeout, Duration::from_secs(90));
+    }
+
+    #[test]
+    fn security_commands_parse() {
+        assert!(parse(&["approvals", "ls", "--all"]).is_ok());
+        assert!(
+            parse(&["approvals", "approve"]).is_err(),
+            "an id is required"
+        );
+        assert!(parse(&[
+            "token",
+            "create",
+            "--role",
+            "developer",
+            "--expires-in",
+            "30d"
+        ])
+        .is_ok());
+        assert!(parse(&["token", "create", "--role", "root"]).is_err());
+        assert!(parse(&[
+            "token",
+            "create",
+            "--role",
+            "viewer",
+            "--expires-in",
+            "a month"
+        ])
+        .is_err());
+        assert!(parse(&["token", "create"]).is_err(), "a role is required");
+        assert!(parse(&["policy", "set", "p.toml", "--sandbox", "sb-1"]).is_ok());
+        assert!(matches!(
+            parse(&["whoami"]).unwrap().command,
+            Command::Whoami
+        ));
+    }
+
+    #[test]
+    fn token_comes_from_the_flag_then_the_admin_token_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = admin_token_paths(Some(dir.path().as_os_str()));
+        assert_eq!(paths[0], dir.path().join("admin.token"));
+        assert_eq!(paths[1], PathBuf::from("/var/lib/strata/admin.token"));
+        let only_mine = &paths[..1];
+        assert_eq!(resolve_token(None, only_mine), None);
+        std::fs::write(dir.path().join("admin.token"), "strata_abc\n").unwrap();
+        assert_eq!(
+            resolve_token(None, only_mine).as_deref(),
+            Some("strata_abc")
+        );
+        assert_eq!(resolve_token(Some("t"), only_mine).as_deref(), Some("t"));
+        assert_eq!(
+            resolve_token(Some(" "), only_mine).as_deref(),
+            Some("strata_abc")
+        );
+        assert_eq!(admin_token_paths(None).len(), 1);
+    }
+
+    #[test]
+    fn errors_name_status_and_code() {
+        assert_eq!(
+            human_error(
+                "role developer may not call POST /v1/tokens",
+                "forbidden",
+                Some(403)
+            ),
+            "role developer may not call POST /v1/tokens (HTTP 403 forbidden)"
+        );
+        assert_eq!(human_error("no daemon", "unavailable", None), "no daemon");
+        let held = anyhow::Error::new(ApiError::Held {
+            approval_id: "apr-1".into(),
+            message: "held".into(),
+            body: Value::Null,
+        });
+        assert_eq!(exit_code(&held), EXIT_HELD);
+        assert_eq!(error_code(&held), "approval_pending");
+        assert_eq!(exit_code(&anyhow::Error::new(CliError::Interrupted)), 130);
+        assert_eq!(exit_code(&anyhow::anyhow!("x")), 1);
+    }
+
+    #[test]
     fn key_values() {
         assert_eq!(key_value("a=b=c").unwrap(), ("a".into(), "b=c".into()));
         assert_eq!(key_value("a=").unwrap(), ("a".into(), "".into()));
