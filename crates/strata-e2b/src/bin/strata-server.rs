@@ -19,7 +19,7 @@ use clap::Parser;
 
 #[derive(Debug, Parser)]
 #[command(name = "strata-server", version)]
-struct Args {
+struct ServerArgs {
     #[command(flatten)]
     daemon: stratad::cli::Args,
     /// Accepted E2B API keys (X-API-KEY). Empty: the E2B control plane is
@@ -63,7 +63,7 @@ fn token_secret(path: &Path) -> anyhow::Result<Vec<u8>> {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+    let args = ServerArgs::parse();
     let data_dir = match &args.daemon.data_dir {
         Some(d) => d.clone(),
         None => stratad::cli::config(&args.daemon)?.data_dir,
