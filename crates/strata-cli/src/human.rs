@@ -5,52 +5,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
-/// A string that is not a duration.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid duration {0:?}: expected e.g. 250ms, 90s, 10m, 1h30m or 7d")]
-pub struct DurationError(pub String);
-
-/// Parses `[<number><unit>]+` with units `ms`, `s`, `m`, `h`, `d` (the daemon's
-/// syntax); a bare `0` is zero.
-pub fn parse_duration(input: &str) -> Result<Duration, DurationError> {
-    let err = || DurationError(input.chars().take(40).collect());
-    let s = input.trim();
-    if s == "0" {
-        return Ok(Duration::ZERO);
-    }
-    if s.is_empty() {
-        return Err(err());
-    }
-    let mut total: u64 = 0;
-    let mut rest = s;
-    while !rest.is_empty() {
-        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
-        if digits == 0 || digits > 12 {
-            return Err(err());
-        }
-        let n: u64 = rest[..digits].parse().map_err(|_| err())?;
-        rest = &rest[digits..];
-        let (unit_ms, len) = if rest.starts_with("ms") {
-            (1, 2)
-        } else if rest.starts_with('s') {
-            (1_000, 1)
-        } else if rest.starts_with('m') {
-            (60_000, 1)
-        } else if rest.starts_with('h') {
-            (3_600_000, 1)
-        } else if rest.starts_with('d') {
-            (86_400_000, 1)
-        } else {
-            return Err(err());
-        };
-        rest = &rest[len..];
-        total = n
-            .checked_mul(unit_ms)
-            .and_then(|v| total.checked_add(v))
-            .ok_or_else(err)?;
-    }
-    Ok(Duration::from_millis(total))
-}
+pub use strata_core::duration::parse_duration;
 
 /// A clap value parser that checks the syntax and keeps the original text
 /// (the daemon parses it again).

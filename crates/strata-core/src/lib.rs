@@ -2,6 +2,7 @@
 //! sandbox state machine, accelerator choice and the stable error codes the
 //! API reports.
 
+pub mod duration;
 pub mod error;
 pub mod id;
 pub mod size;
