@@ -1,15 +1,21 @@
-//! Authentication: `X-API-KEY` on the control plane, the per-sandbox
-//! `X-Access-Token` on envd (HMAC-SHA256 of the sandbox id under a secret).
+//! Authentication: `X-API-KEY` on the control plane (a configured E2B key
+//! or a strata API token), the per-sandbox `X-Access-Token` on envd
+//! (HMAC-SHA256 of the sandbox id under a secret).
 
 use std::sync::Arc;
 
 use axum::extract::{Request, State};
+use axum::http::Method;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use rand::RngCore;
 use sha2::{Digest, Sha256};
 
+use stratad::security::auth::TOKEN_PREFIX;
+use stratad::security::with_tenant;
+
 use crate::control::E2bError;
+use crate::policy::Caller;
 use crate::E2b;
 
 /// 32 random bytes.
@@ -51,30 +57,84 @@ pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Middleware of the control plane: a configured `X-API-KEY` or 401.
-pub async fn require_api_key(State(st): State<Arc<E2b>>, req: Request, next: Next) -> Response {
-    if st.cfg.api_keys.is_empty() {
-        return next.run(req).await;
-    }
-    let given = req
-        .headers()
-        .get("x-api-key")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("");
+/// Why an `X-API-KEY` was refused, or who it is.
+pub async fn caller_of(st: &E2b, given: &str) -> Result<Caller, E2bError> {
     if st
         .cfg
         .api_keys
         .iter()
         .any(|k| constant_time_eq(k.as_bytes(), given.as_bytes()))
     {
-        return next.run(req).await;
+        return Ok(Caller::api_key());
     }
-    let msg = if given.is_empty() {
-        "missing X-API-KEY header"
-    } else {
-        "invalid API key"
+    let strata_auth = st.sec.as_ref().filter(|s| s.config().auth);
+    if let Some(sec) = strata_auth {
+        if given.starts_with(TOKEN_PREFIX) {
+            let sec2 = sec.clone();
+            let header = format!("Bearer {given}");
+            let p = tokio::task::spawn_blocking(move || sec2.authenticate(Some(&header)))
+                .await
+                .map_err(|e| E2bError::new(500, format!("authentication: {e}")))?
+                .map_err(|f| E2bError::new(401, f.message()))?;
+            if let Err(wait) = sec.limiter().check(&p.token_id) {
+                return Err(E2bError::new(
+                    429,
+                    format!(
+                        "rate limit of {} requests/s for this token exceeded; retry in {}s",
+                        sec.config().rate_limit_per_second,
+                        wait.as_secs_f64().ceil().max(1.0)
+                    ),
+                ));
+            }
+            return Ok(Caller {
+                actor: p.actor(),
+                tenant: p.tenant,
+                role: p.role,
+            });
+        }
+    } else if st.cfg.api_keys.is_empty() {
+        // No key list and no strata authentication: open (development).
+        return Ok(Caller::api_key());
+    }
+    Err(E2bError::new(
+        401,
+        if given.is_empty() {
+            "missing X-API-KEY header"
+        } else {
+            "invalid API key"
+        },
+    ))
+}
+
+/// Middleware of the control plane: `X-API-KEY` → [`Caller`] (a configured
+/// key, or a strata API token: its tenant and role) or 401; read-only roles
+/// may only `GET`; the request then runs as the caller's tenant (stratad's
+/// tenant task-local, so the sandboxes it creates are the tenant's).
+pub async fn require_api_key(State(st): State<Arc<E2b>>, mut req: Request, next: Next) -> Response {
+    let given = req
+        .headers()
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .trim()
+        .to_owned();
+    let caller = match caller_of(&st, &given).await {
+        Ok(c) => c,
+        Err(e) => return e.into_response(),
     };
-    E2bError::new(401, msg).into_response()
+    if req.method() != Method::GET && !caller.may_write() {
+        return E2bError::new(
+            403,
+            format!(
+                "role {} may only read (GET) through the E2B API",
+                caller.role.as_str()
+            ),
+        )
+        .into_response();
+    }
+    let tenant = caller.tenant.clone();
+    req.extensions_mut().insert(caller);
+    with_tenant(tenant, next.run(req)).await
 }
 
 #[cfg(test)]

@@ -20,15 +20,18 @@ use std::sync::Arc;
 use axum::extract::{Path, RawQuery, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::{Extension, Json};
 use bytes::Bytes;
 use chrono::{DateTime, SecondsFormat, Utc};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use strata_core::{SandboxId, SandboxState, TemplateId};
+use strata_policy::CallKind;
+use stratad::security::{current_tenant, template_visible};
 use stratad::service::{CreateSandbox, SandboxSpec, ServiceError};
-use stratad::store::{SandboxFilter, SandboxRecord, DEFAULT_TENANT};
+use stratad::store::{SandboxFilter, SandboxRecord};
 
+use crate::policy::{Caller, Refusal};
 use crate::{E2b, ENVD_VERSION};
 
 /// An error in E2B's shape: `{"code": <http status>, "message": "…"}`.
@@ -47,6 +50,12 @@ impl E2bError {
             status,
             message: message.into(),
         }
+    }
+}
+
+impl From<Refusal> for E2bError {
+    fn from(r: Refusal) -> Self {
+        E2bError::new(r.http_status(), r.message())
     }
 }
 
@@ -157,17 +166,26 @@ impl E2b {
         })
     }
 
-    /// `SandboxDetail`.
-    fn detail_json(&self, rec: &SandboxRecord) -> Value {
+    /// `SandboxDetail`. The envd access token only for callers who may
+    /// write (it lets its holder run commands).
+    fn detail_json(&self, rec: &SandboxRecord, caller: &Caller) -> Value {
         let mut v = self.listed_json(rec);
-        v["envdAccessToken"] = json!(self.envd_token(rec.id.as_str()));
+        if caller.may_write() {
+            self.remember_envd_caller(&rec.id, caller);
+            v["envdAccessToken"] = json!(self.envd_token(rec.id.as_str()));
+        }
         v["domain"] = Value::Null;
         v
     }
 
+    /// The record of a sandbox of the current tenant: another tenant's
+    /// sandbox answers exactly like an unknown id.
     async fn record(&self, id: &str) -> E2bResult<SandboxRecord> {
         let id = parse_sandbox_id(id)?;
         match self.svc.get_sandbox(&id).await {
+            Ok(r) if r.tenant != current_tenant() => {
+                Err(E2bError::new(404, format!("sandbox {id} not found")))
+            }
             Ok(r) => Ok(r),
             Err(ServiceError::NotFound { .. }) => {
                 Err(E2bError::new(404, format!("sandbox {id} not found")))
@@ -203,15 +221,33 @@ impl E2b {
         Ok(())
     }
 
+    /// A template of this tenant or the platform's by id; `None` (the
+    /// default template) for anything else, another tenant's included.
     async fn resolve_template(&self, asked: &str) -> Option<TemplateId> {
         let id: TemplateId = asked.parse().ok()?;
-        self.svc.get_template(&id).await.ok().map(|t| t.record.id)
+        self.svc
+            .get_template(&id)
+            .await
+            .ok()
+            .filter(|t| template_visible(&t.record.tenant))
+            .map(|t| t.record.id)
+    }
+
+    /// The policy gate of a lifecycle operation.
+    async fn lifecycle(&self, c: &Caller, sandbox: Option<&SandboxId>, op: &str) -> E2bResult<()> {
+        let kind = CallKind::Lifecycle { op: op.to_owned() };
+        Ok(self.gate(&c.tenant, sandbox, &c.actor, kind).await?)
     }
 }
 
 /// `POST /sandboxes`, `POST /v2/sandboxes` → 201 `Sandbox`.
-pub async fn create(State(st): State<Arc<E2b>>, body: Bytes) -> E2bResult<Response> {
+pub async fn create(
+    State(st): State<Arc<E2b>>,
+    Extension(caller): Extension<Caller>,
+    body: Bytes,
+) -> E2bResult<Response> {
     let req: NewSandbox = parse_body(&body)?;
+    st.lifecycle(&caller, None, "create").await?;
     let template = st.resolve_template(&req.template_id).await;
     let timeout = req.timeout.unwrap_or(st.cfg.default_timeout_s).max(1);
     if req.auto_pause == Some(false) {
@@ -226,6 +262,7 @@ pub async fn create(State(st): State<Arc<E2b>>, body: Bytes) -> E2bResult<Respon
         },
     };
     let rec = st.svc.create(cmd).await?;
+    st.remember_envd_caller(&rec.id, &caller);
     if let Some(envs) = req.env_vars.filter(|e| !e.is_empty()) {
         st.envs
             .lock()
@@ -236,7 +273,11 @@ pub async fn create(State(st): State<Arc<E2b>>, body: Bytes) -> E2bResult<Respon
 }
 
 /// `GET /sandboxes/{id}` → `SandboxDetail`.
-pub async fn get(State(st): State<Arc<E2b>>, Path(id): Path<String>) -> E2bResult<Response> {
+pub async fn get(
+    State(st): State<Arc<E2b>>,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> E2bResult<Response> {
     let rec = st.record(&id).await?;
     if rec.state == SandboxState::Failed {
         return Err(E2bError::new(
@@ -247,12 +288,17 @@ pub async fn get(State(st): State<Arc<E2b>>, Path(id): Path<String>) -> E2bResul
             ),
         ));
     }
-    Ok(Json(st.detail_json(&rec)).into_response())
+    Ok(Json(st.detail_json(&rec, &caller)).into_response())
 }
 
 /// `DELETE /sandboxes/{id}` → 204 (404 unknown).
-pub async fn kill(State(st): State<Arc<E2b>>, Path(id): Path<String>) -> E2bResult<StatusCode> {
+pub async fn kill(
+    State(st): State<Arc<E2b>>,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> E2bResult<StatusCode> {
     let rec = st.record(&id).await?;
+    st.lifecycle(&caller, Some(&rec.id), "delete").await?;
     st.svc.delete(&rec.id).await?;
     st.procs.forget_sandbox(&rec.id);
     st.watchers
@@ -289,7 +335,11 @@ pub async fn refresh(State(st): State<Arc<E2b>>, Path(id): Path<String>) -> E2bR
 }
 
 /// `POST /sandboxes/{id}/pause` → 204: hibernate with memory (409 if paused).
-pub async fn pause(State(st): State<Arc<E2b>>, Path(id): Path<String>) -> E2bResult<StatusCode> {
+pub async fn pause(
+    State(st): State<Arc<E2b>>,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> E2bResult<StatusCode> {
     let rec = st.record(&id).await?;
     if rec.state == SandboxState::Hibernated {
         return Err(E2bError::new(
@@ -297,16 +347,23 @@ pub async fn pause(State(st): State<Arc<E2b>>, Path(id): Path<String>) -> E2bRes
             format!("sandbox {id} is already paused"),
         ));
     }
+    st.lifecycle(&caller, Some(&rec.id), "hibernate").await?;
     st.svc.hibernate(&rec.id).await?;
     st.procs.detach_sandbox(&rec.id);
     Ok(StatusCode::NO_CONTENT)
 }
 
-async fn wake(st: &Arc<E2b>, id: &str, body: &Bytes) -> E2bResult<(bool, SandboxRecord)> {
+async fn wake(
+    st: &Arc<E2b>,
+    caller: &Caller,
+    id: &str,
+    body: &Bytes,
+) -> E2bResult<(bool, SandboxRecord)> {
     let req: TimeoutBody = parse_body(body)?;
     let rec = st.record(id).await?;
     let resumed = matches!(rec.state, SandboxState::Hibernated | SandboxState::Paused);
     let rec = if resumed {
+        st.lifecycle(caller, Some(&rec.id), "resume").await?;
         st.svc.resume(&rec.id).await?
     } else if rec.state == SandboxState::Failed {
         return Err(E2bError::new(
@@ -324,16 +381,18 @@ async fn wake(st: &Arc<E2b>, id: &str, body: &Bytes) -> E2bResult<(bool, Sandbox
     } else {
         st.svc.touch(&rec.id);
     }
+    st.remember_envd_caller(&rec.id, caller);
     Ok((resumed, rec))
 }
 
 /// `POST /sandboxes/{id}/connect`, `/v2/…/connect` → 200 running, 201 resumed.
 pub async fn connect(
     State(st): State<Arc<E2b>>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     body: Bytes,
 ) -> E2bResult<Response> {
-    let (resumed, rec) = wake(&st, &id, &body).await?;
+    let (resumed, rec) = wake(&st, &caller, &id, &body).await?;
     let status = if resumed {
         StatusCode::CREATED
     } else {
@@ -345,6 +404,7 @@ pub async fn connect(
 /// `POST /sandboxes/{id}/resume` (deprecated) → 201, 409 when not paused.
 pub async fn resume(
     State(st): State<Arc<E2b>>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     body: Bytes,
 ) -> E2bResult<Response> {
@@ -352,7 +412,7 @@ pub async fn resume(
     if !matches!(rec.state, SandboxState::Hibernated | SandboxState::Paused) {
         return Err(E2bError::new(409, format!("sandbox {id} is not paused")));
     }
-    let (_, rec) = wake(&st, &id, &body).await?;
+    let (_, rec) = wake(&st, &caller, &id, &body).await?;
     Ok((StatusCode::CREATED, Json(st.sandbox_json(&rec))).into_response())
 }
 
@@ -420,7 +480,7 @@ async fn list(st: Arc<E2b>, raw: Option<String>, default_states: &[&str]) -> E2b
     let page = st
         .svc
         .list_sandboxes(SandboxFilter {
-            tenant: DEFAULT_TENANT.into(),
+            tenant: current_tenant(),
             states: q.states,
             labels: q.metadata,
             limit: q.limit,

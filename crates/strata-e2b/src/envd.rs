@@ -16,6 +16,7 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use futures::{Stream, StreamExt, TryStreamExt};
 use serde_json::json;
 use strata_core::{SandboxId, SandboxState};
+use strata_policy::CallKind;
 use stratad::engine::{EngineError, FileKind, FileStat};
 use stratad::service::ServiceError;
 use tokio::sync::mpsc;
@@ -100,6 +101,18 @@ impl E2b {
         }
         raw.parse()
             .map_err(|_| ConnectError::new(Code::Unavailable, not_running(raw)))
+    }
+}
+
+fn read(path: &str) -> CallKind {
+    CallKind::FileRead {
+        path: path.to_owned(),
+    }
+}
+
+fn write(path: &str) -> CallKind {
+    CallKind::FileWrite {
+        path: path.to_owned(),
     }
 }
 
@@ -206,6 +219,9 @@ pub async fn download(
     let Some(path) = query_path(&st, raw.as_deref()) else {
         return files_err(ConnectError::new(Code::InvalidArgument, "missing path"));
     };
+    if let Err(e) = st.envd_gate(&id, read(&path)).await {
+        return files_err(e);
+    }
     match st.svc.stat(&id, &path).await {
         Ok(s) if s.kind == FileKind::Dir => {
             return files_err(ConnectError::new(
@@ -310,6 +326,7 @@ async fn write_one(
     path: &str,
     body: stratad::engine::ByteStream,
 ) -> Result<serde_json::Value, ConnectError> {
+    st.envd_gate(id, write(path)).await?;
     if let Some(dir) = parent(path) {
         if dir != "/" {
             st.svc.mkdir(id, dir, true).await.map_err(service_err)?;
@@ -422,7 +439,9 @@ macro_rules! unary {
 /// `filesystem.Filesystem/Stat`.
 pub async fn stat(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
     unary!(st, headers, body, proto::PathRequest, |id, r| async {
-        let e = stat_entry(&st, &id, &st.guest_path(&r.path)).await?;
+        let path = st.guest_path(&r.path);
+        st.envd_gate(&id, read(&path)).await?;
+        let e = stat_entry(&st, &id, &path).await?;
         Ok::<_, ConnectError>(json!({ "entry": e }))
     })
 }
@@ -431,6 +450,7 @@ pub async fn stat(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -
 pub async fn list_dir(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
     unary!(st, headers, body, proto::ListDirRequest, |id, r| async {
         let root = st.guest_path(&r.path);
+        st.envd_gate(&id, read(&root)).await?;
         let depth = r.depth.max(1);
         let top = st.svc.stat(&id, &root).await.map_err(service_err)?;
         if top.kind != FileKind::Dir {
@@ -469,6 +489,7 @@ pub async fn list_dir(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Byte
 pub async fn make_dir(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
     unary!(st, headers, body, proto::PathRequest, |id, r| async {
         let path = st.guest_path(&r.path);
+        st.envd_gate(&id, write(&path)).await?;
         match st.svc.stat(&id, &path).await {
             Ok(_) => {
                 return Err(ConnectError::new(
@@ -491,6 +512,8 @@ pub async fn move_entry(State(st): State<Arc<E2b>>, headers: HeaderMap, body: By
         let (src, dst) = (st.guest_path(&r.source), st.guest_path(&r.destination));
         stratad::service::validate_guest_path(&src).map_err(service_err)?;
         stratad::service::validate_guest_path(&dst).map_err(service_err)?;
+        st.envd_gate(&id, write(&src)).await?;
+        st.envd_gate(&id, write(&dst)).await?;
         st.svc.stat(&id, &src).await.map_err(service_err)?;
         let argv = vec![
             "/bin/sh".to_owned(),
@@ -515,6 +538,7 @@ pub async fn move_entry(State(st): State<Arc<E2b>>, headers: HeaderMap, body: By
 pub async fn remove(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
     unary!(st, headers, body, proto::PathRequest, |id, r| async {
         let path = st.guest_path(&r.path);
+        st.envd_gate(&id, write(&path)).await?;
         st.svc.remove(&id, &path, true).await.map_err(service_err)?;
         Ok::<_, ConnectError>(json!({}))
     })
@@ -607,6 +631,7 @@ pub async fn create_watcher(
             .get("recursive")
             .and_then(|v| v.as_bool())
             .unwrap_or(false);
+        st.envd_gate(&id, read(&path)).await?;
         let top = st.svc.stat(&id, &path).await.map_err(service_err)?;
         if top.kind != FileKind::Dir {
             return Err(ConnectError::new(
@@ -817,6 +842,13 @@ pub async fn start(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) 
                 "process.cmd is empty",
             ));
         }
+        // The policy sees the argv the SDK sends (`/bin/bash -l -c CMD`);
+        // its shell reading splits CMD into simple commands.
+        let argv: Vec<String> = std::iter::once(req.process.cmd.clone())
+            .chain(req.process.args.iter().cloned())
+            .collect();
+        st.envd_gate(&id, CallKind::Exec { argv, shell: None })
+            .await?;
         let mut env: BTreeMap<String, String> = st.sandbox_envs(&id);
         env.extend(req.process.envs.clone());
         let mut config = req.process;

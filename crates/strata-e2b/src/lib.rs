@@ -12,12 +12,20 @@
 //! Modules: [`connect`] (Connect protocol framing), [`proto`] (envd
 //! messages in proto3 JSON), [`control`] (control-plane handlers),
 //! [`envd`] (envd handlers), [`procs`] (E2B process handles on top of
-//! strata's one-shot exec), [`auth`] (API keys, envd tokens).
+//! strata's one-shot exec), [`auth`] (API keys and strata tokens, envd
+//! tokens), [`policy`] (callers, the tool-call gate shared with `/v1`).
+//!
+//! Security: `X-API-KEY` is a configured E2B key (tenant `default`,
+//! developer) or a strata API token (its tenant and role); sandboxes
+//! belong to the caller's tenant and another tenant's id answers like an
+//! unknown one; envd tool calls (exec, file reads and writes) pass through
+//! stratad's policy engine, approval queue and audit log.
 
 pub mod auth;
 pub mod connect;
 pub mod control;
 pub mod envd;
+pub mod policy;
 pub mod procs;
 pub mod proto;
 
@@ -27,6 +35,7 @@ use std::sync::{Arc, Mutex};
 use axum::routing::{delete, get, post};
 use axum::Router;
 use strata_core::SandboxId;
+use stratad::security::Security;
 use stratad::service::Service;
 
 /// The envd version advertised to the SDK. The SDK gates features on it:
@@ -37,9 +46,9 @@ pub const ENVD_VERSION: &str = "0.5.7";
 /// Settings of the E2B front door.
 #[derive(Debug, Clone)]
 pub struct E2bConfig {
-    /// Accepted `X-API-KEY` values. Empty: the control plane is open (only
-    /// for local development; the daemon's tokens replace this list once
-    /// strata-policy's tokens are wired in).
+    /// Accepted `X-API-KEY` values besides strata API tokens (a key of this
+    /// list acts as a developer of tenant `default`). Empty, and the daemon
+    /// has no authentication: the control plane is open (local development).
     pub api_keys: Vec<String>,
     /// Secret the per-sandbox envd access tokens are derived from (HMAC of
     /// the sandbox id): the same secret gives the same tokens after a restart.
@@ -68,6 +77,9 @@ impl Default for E2bConfig {
 #[derive(Debug)]
 pub struct E2b {
     svc: Arc<Service>,
+    /// stratad's security subsystem (tokens, policy, approvals, audit);
+    /// `None`: no strata tokens, every tool call allowed (tests).
+    sec: Option<Arc<Security>>,
     cfg: E2bConfig,
     procs: Arc<procs::Registry>,
     /// `envVars` given at create, applied to every command of the sandbox.
@@ -75,17 +87,22 @@ pub struct E2b {
     envs: Mutex<HashMap<SandboxId, BTreeMap<String, String>>>,
     /// Polling directory watchers by id (in memory).
     watchers: Mutex<HashMap<String, envd::Watcher>>,
+    /// Tenant and actor of each sandbox's envd access token (who it was
+    /// handed to), for the policy gate and the audit log of envd calls.
+    envd_callers: Mutex<HashMap<SandboxId, (String, String)>>,
 }
 
 impl E2b {
     /// The state over a service.
-    pub fn new(svc: Arc<Service>, cfg: E2bConfig) -> Arc<Self> {
+    pub fn new(svc: Arc<Service>, sec: Option<Arc<Security>>, cfg: E2bConfig) -> Arc<Self> {
         Arc::new(E2b {
             svc,
+            sec,
             cfg,
             procs: Arc::new(procs::Registry::default()),
             envs: Mutex::new(HashMap::new()),
             watchers: Mutex::new(HashMap::new()),
+            envd_callers: Mutex::new(HashMap::new()),
         })
     }
 
@@ -119,10 +136,12 @@ impl E2b {
     }
 }
 
-/// The E2B API (control plane and envd) over `svc`. Has no fallback, so it
-/// merges into stratad's router (`app.router().merge(strata_e2b::router(…))`).
-pub fn router(svc: Arc<Service>, cfg: E2bConfig) -> Router {
-    let state = E2b::new(svc, cfg);
+/// The E2B API (control plane and envd) over `svc`, with `sec` (stratad's
+/// security subsystem: `app.security().cloned()`) for strata tokens,
+/// tenancy, policy and audit. Has no fallback, so it merges into stratad's
+/// router (`app.router().merge(strata_e2b::router(…))`).
+pub fn router(svc: Arc<Service>, sec: Option<Arc<Security>>, cfg: E2bConfig) -> Router {
+    let state = E2b::new(svc, sec, cfg);
     let control = Router::new()
         .route("/sandboxes", post(control::create).get(control::list_v1))
         .route("/v2/sandboxes", post(control::create).get(control::list_v2))

@@ -137,8 +137,12 @@ pub async fn run(
 }
 
 /// Extra routes served next to the API (e.g. the E2B front door), built from
-/// the daemon's service once it is open.
-pub type Mount = Box<dyn FnOnce(Arc<crate::service::Service>) -> axum::Router + Send>;
+/// the daemon's service and its security subsystem (tokens, policy,
+/// approvals, audit; `None` when it failed to open) once they are open.
+pub type Mount = Box<
+    dyn FnOnce(Arc<crate::service::Service>, Option<Arc<crate::security::Security>>) -> axum::Router
+        + Send,
+>;
 
 /// [`run`], with `mount`'s routes merged into the API router.
 pub async fn run_with(
@@ -192,7 +196,9 @@ pub async fn run_with(
     let result = match mount {
         None => crate::serve(&app, listener, shutdown).await,
         Some(mount) => {
-            let router = app.router().merge(mount(app.service().clone()));
+            let router = app
+                .router()
+                .merge(mount(app.service().clone(), app.security().cloned()));
             let r = axum::serve(listener, router)
                 .with_graceful_shutdown(shutdown)
                 .await;

@@ -101,9 +101,11 @@ async fn main() -> anyhow::Result<()> {
     if let Some(s) = args.token_secret {
         e2b.token_secret = hex::decode(s).context("--token-secret: hex")?;
     }
-    let router = app
-        .router()
-        .merge(strata_e2b::router(app.service().clone(), e2b));
+    let router = app.router().merge(strata_e2b::router(
+        app.service().clone(),
+        app.security().cloned(),
+        e2b,
+    ));
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;

@@ -2,7 +2,9 @@
 //! listener. Takes every `stratad` flag, and:
 //!
 //! - `--e2b-api-key KEY` (repeatable; env `STRATA_E2B_API_KEYS`, comma
-//!   separated): accepted `X-API-KEY` values of the E2B control plane;
+//!   separated): accepted `X-API-KEY` values of the E2B control plane
+//!   (tenant `default`, role developer), besides strata API tokens
+//!   (`strata_…`, their own tenant and role);
 //! - `--e2b-token-secret-file PATH` (default `<data-dir>/e2b.secret`, created
 //!   with mode 0600 on first start): the secret per-sandbox envd access tokens
 //!   are derived from, so they stay valid across restarts.
@@ -22,8 +24,9 @@ use clap::Parser;
 struct ServerArgs {
     #[command(flatten)]
     daemon: stratad::cli::Args,
-    /// Accepted E2B API keys (X-API-KEY). Empty: the E2B control plane is
-    /// open to anyone who can reach the listener (local development only).
+    /// Accepted E2B API keys (X-API-KEY) besides strata API tokens. Empty
+    /// with `[security] auth = false`: the E2B control plane is open to
+    /// anyone who can reach the listener (local development only).
     #[arg(
         long = "e2b-api-key",
         env = "STRATA_E2B_API_KEYS",
@@ -77,12 +80,15 @@ async fn main() -> anyhow::Result<()> {
         token_secret: token_secret(&secret_path)?,
         ..Default::default()
     };
-    if cfg.api_keys.is_empty() {
-        eprintln!("strata-server: no --e2b-api-key given: the E2B control plane accepts any key");
-    }
     stratad::cli::main_with(
         args.daemon,
-        Some(Box::new(move |svc| strata_e2b::router(svc, cfg))),
+        Some(Box::new(move |svc, sec| {
+            let auth = sec.as_ref().is_some_and(|s| s.config().auth);
+            if cfg.api_keys.is_empty() && !auth {
+                eprintln!("strata-server: no --e2b-api-key and no strata authentication: the E2B control plane accepts any key");
+            }
+            strata_e2b::router(svc, sec, cfg)
+        })),
     )
     .await
 }

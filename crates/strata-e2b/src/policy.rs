@@ -1,0 +1,235 @@
+//! Who calls, and whether they may: the caller of a control-plane request
+//! ([`Caller`], from `X-API-KEY`), and the tool-call gate shared with
+//! stratad's `/v1` routes ([`E2b::gate`]): the same policy layers, the same
+//! approval queue and the same hash-chained audit log.
+
+use strata_core::SandboxId;
+use strata_policy::approval::Outcome as WaitOutcome;
+use strata_policy::audit::Outcome;
+use strata_policy::{CallKind, Decision, Effect, ToolCall};
+use stratad::security::auth::Role;
+use stratad::store::DEFAULT_TENANT;
+
+use crate::connect::{Code, ConnectError};
+use crate::E2b;
+
+/// The caller of a control-plane request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    /// Tenant the caller acts for.
+    pub tenant: String,
+    /// Role (viewers and approvers may only read).
+    pub role: Role,
+    /// Actor recorded in approvals and the audit log (`token:tok-…`, or
+    /// `e2b-api-key` for a configured key).
+    pub actor: String,
+}
+
+impl Caller {
+    /// A caller with a configured E2B API key (or on an open control
+    /// plane): a developer of tenant `default`.
+    pub fn api_key() -> Self {
+        Caller {
+            tenant: DEFAULT_TENANT.to_owned(),
+            role: Role::Developer,
+            actor: "e2b-api-key".to_owned(),
+        }
+    }
+
+    /// Whether the caller may change things (create, kill, pause, run…).
+    pub fn may_write(&self) -> bool {
+        matches!(self.role, Role::Admin | Role::Developer)
+    }
+}
+
+/// Why the gate refused a tool call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    /// Denied by a rule (or an approver, or an approval that timed out).
+    Denied {
+        /// The rule that decided.
+        rule: String,
+        /// Message for the client (names the rule).
+        message: String,
+    },
+    /// A malformed call (relative path, `..` above `/`, empty argv).
+    Invalid(String),
+    /// The audit log or the approval queue failed: fail closed.
+    Internal(String),
+}
+
+impl Refusal {
+    /// The message for the client.
+    pub fn message(&self) -> &str {
+        match self {
+            Refusal::Denied { message, .. } => message,
+            Refusal::Invalid(m) | Refusal::Internal(m) => m,
+        }
+    }
+
+    /// As a Connect error (`permission_denied` for a policy refusal).
+    pub fn to_connect(&self) -> ConnectError {
+        let code = match self {
+            Refusal::Denied { .. } => Code::PermissionDenied,
+            Refusal::Invalid(_) => Code::InvalidArgument,
+            Refusal::Internal(_) => Code::Internal,
+        };
+        ConnectError::new(code, self.message())
+    }
+
+    /// The HTTP status of the control plane and `/files` (403, 400, 500).
+    pub fn http_status(&self) -> u16 {
+        match self {
+            Refusal::Denied { .. } => 403,
+            Refusal::Invalid(_) => 400,
+            Refusal::Internal(_) => 500,
+        }
+    }
+}
+
+fn denied(d: &Decision, message: String) -> Refusal {
+    Refusal::Denied {
+        rule: d.rule_id.clone(),
+        message,
+    }
+}
+
+impl E2b {
+    /// The tenant and actor of envd calls on sandbox `id`: remembered when
+    /// its access token was handed out, else (after a restart) the sandbox
+    /// record's tenant and the actor `e2b-envd`.
+    pub(crate) async fn envd_caller(
+        &self,
+        id: &SandboxId,
+    ) -> Result<(String, String), ConnectError> {
+        if let Some(c) = self
+            .envd_callers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+        {
+            return Ok(c.clone());
+        }
+        let rec = self
+            .svc
+            .get_sandbox(id)
+            .await
+            .map_err(crate::envd::service_err)?;
+        let c = (rec.tenant, "e2b-envd".to_owned());
+        self.envd_callers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id.clone(), c.clone());
+        Ok(c)
+    }
+
+    /// Remembers who was handed sandbox `id`'s envd access token.
+    pub(crate) fn remember_envd_caller(&self, id: &SandboxId, c: &Caller) {
+        self.envd_callers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id.clone(), (c.tenant.clone(), c.actor.clone()));
+    }
+
+    /// The gate of an envd call on sandbox `id`, as a Connect error.
+    pub(crate) async fn envd_gate(
+        &self,
+        id: &SandboxId,
+        kind: CallKind,
+    ) -> Result<(), ConnectError> {
+        if self.sec.is_none() {
+            return Ok(());
+        }
+        let (tenant, actor) = self.envd_caller(id).await?;
+        self.gate(&tenant, Some(id), &actor, kind)
+            .await
+            .map_err(|r| r.to_connect())
+    }
+
+    /// Decides a tool call exactly as stratad's `/v1` gate does: evaluate
+    /// the layers in force, append the decision to the audit log, and for
+    /// `approve` hold the call in the approval queue until an approver
+    /// answers or the configured approval timeout passes (then denied).
+    /// Without a security subsystem (tests) every call is allowed.
+    pub async fn gate(
+        &self,
+        tenant: &str,
+        sandbox: Option<&SandboxId>,
+        actor: &str,
+        kind: CallKind,
+    ) -> Result<(), Refusal> {
+        let Some(sec) = self.sec.clone() else {
+            return Ok(());
+        };
+        let call = ToolCall {
+            tenant: tenant.to_owned(),
+            sandbox: sandbox.map(|s| s.to_string()),
+            actor: actor.to_owned(),
+            kind,
+        };
+        let d = sec.evaluate(&call);
+        let record = |outcome: Outcome, approval: Option<String>| {
+            let (sec, call, d) = (sec.clone(), call.clone(), d.clone());
+            async move {
+                tokio::task::spawn_blocking(move || sec.record(&call, &d, outcome, approval, None))
+                    .await
+                    .map_err(|e| Refusal::Internal(format!("audit: {e}")))?
+                    .map_err(Refusal::Internal)
+            }
+        };
+        match d.effect {
+            Effect::Allow => record(Outcome::Allowed, None).await,
+            Effect::Deny if d.rule_id == "invalid-call" && d.layer.is_none() => {
+                record(Outcome::Denied, None).await?;
+                Err(Refusal::Invalid(format!("invalid tool call: {}", d.reason)))
+            }
+            Effect::Deny => {
+                record(Outcome::Denied, None).await?;
+                Err(denied(
+                    &d,
+                    format!("denied by policy rule `{}`: {}", d.rule_id, d.reason),
+                ))
+            }
+            Effect::Approve => {
+                let q = sec.approvals().clone();
+                let (call2, d2) = (call.clone(), d.clone());
+                let req = tokio::task::spawn_blocking(move || q.request(&call2, &d2))
+                    .await
+                    .map_err(|e| Refusal::Internal(e.to_string()))?
+                    .map_err(|e| Refusal::Internal(e.to_string()))?;
+                record(Outcome::Held, Some(req.id.clone())).await?;
+                let timeout = sec.config().approval_timeout;
+                tracing::info!(approval = %req.id, rule = %d.rule_id, "e2b call held for approval");
+                match sec.approvals().wait(tenant, &req.id, timeout).await {
+                    Ok(WaitOutcome::Approved { .. }) => {
+                        let store = sec.store().clone();
+                        let id = req.id.clone();
+                        let _ =
+                            tokio::task::spawn_blocking(move || store.consume_approval(&id)).await;
+                        Ok(())
+                    }
+                    Ok(WaitOutcome::Denied { by, .. }) => Err(denied(
+                        &d,
+                        format!(
+                            "policy rule `{}` holds this call: approval {} denied by {by}",
+                            d.rule_id, req.id
+                        ),
+                    )),
+                    Ok(WaitOutcome::TimedOut) => {
+                        record(Outcome::TimedOut, Some(req.id.clone())).await?;
+                        Err(denied(
+                            &d,
+                            format!(
+                                "policy rule `{}` holds this call: approval {} not answered within {}s: denied",
+                                d.rule_id,
+                                req.id,
+                                timeout.as_secs()
+                            ),
+                        ))
+                    }
+                    Err(e) => Err(Refusal::Internal(e.to_string())),
+                }
+            }
+        }
+    }
+}
