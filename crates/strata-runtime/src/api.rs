@@ -43,6 +43,30 @@ pub struct RuntimeConfig {
 }
 
 /// `strata-vm` when that user exists on this host, else `None` (warned once).
+impl RuntimeConfig {
+    /// A configuration with the defaults: accel `auto`, `qemu-system-x86_64`,
+    /// 1 MiB console logs, 60 s agent timeout, QEMU as `strata-vm` when that
+    /// user exists, cgroups on, egress closed.
+    pub fn new(
+        pool: PoolSetting,
+        run_dir: impl Into<PathBuf>,
+        image_dir: impl Into<PathBuf>,
+    ) -> Self {
+        RuntimeConfig {
+            pool,
+            run_dir: run_dir.into(),
+            image_dir: image_dir.into(),
+            accel: Accel::Auto,
+            qemu_binary: PathBuf::from("qemu-system-x86_64"),
+            console_log_max_bytes: 1 << 20,
+            agent_timeout_ms: 60_000,
+            run_as: default_run_as(),
+            cgroups: default_cgroups(),
+            egress_proxy: None,
+        }
+    }
+}
+
 pub fn default_run_as() -> Option<String> {
     strata_vmm::default_vm_user()
 }

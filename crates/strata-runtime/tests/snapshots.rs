@@ -48,16 +48,12 @@ fn fixture() -> &'static Fixture {
             .tempdir_in("/tmp")
             .expect("run dir");
         let cfg = RuntimeConfig {
-            pool: PoolSetting::Path(pool.root().to_path_buf()),
-            run_dir: run.path().to_path_buf(),
-            image_dir: image.dir.clone(),
             accel: strata_core::Accel::Tcg,
-            qemu_binary: "qemu-system-x86_64".into(),
-            console_log_max_bytes: 1 << 20,
-            agent_timeout_ms: 60_000,
-            run_as: strata_runtime::default_run_as(),
-            cgroups: true,
-            egress_proxy: None,
+            ..RuntimeConfig::new(
+                PoolSetting::Path(pool.root().to_path_buf()),
+                run.path().to_path_buf(),
+                image.dir.clone(),
+            )
         };
         let template = TemplateId::generate();
         let rt = tokio_rt().block_on(async {
