@@ -202,3 +202,117 @@ def test_watch_dir(sbx):
     assert ("old.txt", "remove") in events
     assert h.get_new_events() == []
     h.stop()
+
+
+# ------------------------------------------------- strata tokens, tenancy, policy
+
+
+def _strata(method, path, **kw):
+    """A call to strata's own API as the bootstrap admin (STRATA_TOKEN)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {os.environ['STRATA_TOKEN']}"}
+    headers.update(kw.pop("headers", {}))
+    return httpx.request(method, os.environ["E2B_API_URL"] + path, headers=headers, timeout=60, **kw)
+
+
+def _token(role, tenant=None):
+    body = {"role": role, "name": f"e2b-test-{role}"}
+    if tenant:
+        body["tenant"] = tenant
+    r = _strata("POST", "/v1/tokens", json=body)
+    assert r.status_code in (200, 201), r.text
+    return r.json()["token"]
+
+
+def test_strata_token_as_api_key(sbx):
+    """A strata developer token works as E2B_API_KEY (its tenant: default,
+    the shared sandbox's); a viewer token may only read."""
+    dev = _token("developer")
+    assert Sandbox.get_info(sbx.sandbox_id, api_key=dev).sandbox_id == sbx.sandbox_id
+    s = Sandbox.create(api_key=dev, metadata={"suite": SUITE, "role": "token"}, timeout=120)
+    try:
+        assert s.commands.run("echo via-token").stdout == "via-token\n"
+        r = _strata("GET", f"/v1/sandboxes/{s.sandbox_id}")
+        assert r.status_code == 200, r.text
+        assert r.json().get("tenant", "default") == "default", r.text
+    finally:
+        s.kill()
+    viewer = _token("viewer")
+    assert Sandbox.get_info(sbx.sandbox_id, api_key=viewer).sandbox_id == sbx.sandbox_id
+    with pytest.raises(Exception) as e:
+        Sandbox.create(api_key=viewer)
+    assert "may only read" in str(e.value) or "403" in str(e.value), e.value
+    with pytest.raises(AuthenticationException):
+        Sandbox.list(api_key="strata_" + "0" * 64).next_items()
+
+
+def test_other_tenant_sees_not_found(sbx):
+    other = _token("developer", tenant="e2b-other")
+    with pytest.raises(NotFoundException):
+        Sandbox.connect(sbx.sandbox_id, api_key=other)
+    with pytest.raises(NotFoundException):
+        Sandbox.get_info(sbx.sandbox_id, api_key=other)
+    assert Sandbox.kill(sbx.sandbox_id, api_key=other) is False
+    listed = Sandbox.list(api_key=other).next_items()
+    assert sbx.sandbox_id not in [x.sandbox_id for x in listed]
+    # Still alive for its own tenant.
+    assert sbx.commands.run("echo still").stdout == "still\n"
+
+
+POLICY = """
+[[rule]]
+id = "no-rm"
+effect = "deny"
+kind = "exec"
+program = "rm"
+reason = "no deleting through commands"
+
+[[rule]]
+id = "locked-dir"
+effect = "deny"
+kind = "file_write"
+path = "/tmp/locked/**"
+reason = "read-only area"
+"""
+
+
+def test_policy_applies_to_envd_calls(sbx):
+    r = _strata("PUT", f"/v1/sandboxes/{sbx.sandbox_id}/policy", content=POLICY,
+                headers={"Content-Type": "application/toml"})
+    assert r.status_code == 200, r.text
+    try:
+        # exec: the SDK sends `/bin/bash -l -c CMD`; the shell reading sees rm.
+        with pytest.raises(Exception) as e:
+            sbx.commands.run("rm -f /tmp/x")
+        assert "no-rm" in str(e.value), e.value
+        assert sbx.commands.run("echo allowed").stdout == "allowed\n"
+        # file writes: upload and make_dir under the locked directory.
+        with pytest.raises(Exception) as e:
+            sbx.files.write("/tmp/locked/a.txt", "x")
+        assert "locked-dir" in str(e.value), e.value
+        with pytest.raises(Exception) as e:
+            sbx.files.make_dir("/tmp/locked/sub")
+        assert "locked-dir" in str(e.value), e.value
+        sbx.files.write("/tmp/free.txt", "ok")
+        assert sbx.files.read("/tmp/free.txt") == "ok"
+        # The audit log has the denials, attributed to the sandbox.
+        r = _strata("GET", f"/v1/audit?sandbox={sbx.sandbox_id}")
+        assert r.status_code == 200, r.text
+        import json
+
+        entries = [json.loads(line) for line in r.text.splitlines() if line.strip()]
+
+        def kind(e):
+            k = e["call"]["kind"]
+            return k["kind"] if isinstance(k, dict) else k
+
+        denied = {(kind(e), e["decision"]["rule_id"]) for e in entries
+                  if e["decision"]["outcome"] == "denied"}
+        assert ("exec", "no-rm") in denied, denied
+        assert ("file_write", "locked-dir") in denied, denied
+        assert any(kind(e) == "exec" and e["decision"]["outcome"] == "allowed" for e in entries)
+    finally:
+        r = _strata("PUT", f"/v1/sandboxes/{sbx.sandbox_id}/policy", content='default = "allow"\n',
+                    headers={"Content-Type": "application/toml"})
+        assert r.status_code == 200, r.text
