@@ -233,3 +233,42 @@ impl E2b {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refusals_map_to_connect_and_http() {
+        let d = Refusal::Denied {
+            rule: "no-rm".into(),
+            message: "denied by policy rule `no-rm`: x".into(),
+        };
+        assert_eq!(d.to_connect().code, Code::PermissionDenied);
+        assert!(d.to_connect().message.contains("no-rm"));
+        assert_eq!(d.http_status(), 403);
+        assert_eq!(Refusal::Invalid("x".into()).http_status(), 400);
+        assert_eq!(
+            Refusal::Internal("x".into()).to_connect().code,
+            Code::Internal
+        );
+    }
+
+    #[test]
+    fn only_admins_and_developers_write() {
+        assert!(Caller::api_key().may_write());
+        assert_eq!(Caller::api_key().tenant, DEFAULT_TENANT);
+        for (role, w) in [
+            (Role::Admin, true),
+            (Role::Developer, true),
+            (Role::Approver, false),
+            (Role::Viewer, false),
+        ] {
+            let c = Caller {
+                role,
+                ..Caller::api_key()
+            };
+            assert_eq!(c.may_write(), w, "{role:?}");
+        }
+    }
+}
