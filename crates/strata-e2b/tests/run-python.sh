@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the e2b SDK test suite (tests/python) against a real strata daemon:
-# builds strata-e2b-dev, starts it (real QEMU guests, btrfs pool in a
+# builds strata-server (auth on; STRATA_TOKEN = its admin token), starts it (real QEMU guests, btrfs pool in a
 # loop-mounted image), points the unmodified `e2b` package from PyPI at it,
 # runs pytest, then stops the daemon, kills its QEMUs by pid and unmounts
 # the pool. Needs root (loop mount), python3-venv, network for PyPI.
