@@ -19,6 +19,14 @@ struct Fixture {
     _run: tempfile::TempDir,
 }
 
+/// Tests share one pool; the one that fills it runs alone (write lock), the
+/// others run side by side (read locks).
+static POOL_USE: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+fn shared_pool() -> std::sync::RwLockReadGuard<'static, ()> {
+    POOL_USE.read().unwrap_or_else(|p| p.into_inner())
+}
+
 fn tokio_rt() -> &'static tokio::runtime::Runtime {
     static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
     RT.get_or_init(|| {
@@ -116,6 +124,7 @@ async fn count(rt: &Runtime, id: &SandboxId) -> u64 {
 
 #[test]
 fn process_keeps_counting_across_snapshot_and_fork() {
+    let _pool = shared_pool();
     let f = fixture();
     tokio_rt().block_on(async {
         let a = new_sandbox(f).await;
@@ -158,6 +167,7 @@ fn process_keeps_counting_across_snapshot_and_fork() {
 
 #[test]
 fn rewind_restores_files_and_memory() {
+    let _pool = shared_pool();
     let f = fixture();
     tokio_rt().block_on(async {
         let a = new_sandbox(f).await;
@@ -193,6 +203,7 @@ fn rewind_restores_files_and_memory() {
 
 #[test]
 fn ten_forks_share_extents_and_differ_in_randomness() {
+    let _pool = shared_pool();
     let f = fixture();
     tokio_rt().block_on(async {
         let a = new_sandbox(f).await;
@@ -251,6 +262,7 @@ fn ten_forks_share_extents_and_differ_in_randomness() {
 
 #[test]
 fn pause_resume_hibernate_wake_keep_processes() {
+    let _pool = shared_pool();
     let f = fixture();
     tokio_rt().block_on(async {
         let a = new_sandbox(f).await;
@@ -289,6 +301,7 @@ fn pause_resume_hibernate_wake_keep_processes() {
 
 #[test]
 fn faults_leave_sandboxes_as_they_were() {
+    let _pool = shared_pool();
     let f = fixture();
     tokio_rt().block_on(async {
         let a = new_sandbox(f).await;
@@ -393,6 +406,7 @@ fn faults_leave_sandboxes_as_they_were() {
 
 #[test]
 fn full_pool_refuses_snapshots_and_forks_and_the_sandbox_runs_on() {
+    let _pool = POOL_USE.write().unwrap_or_else(|p| p.into_inner());
     let f = fixture();
     tokio_rt().block_on(async {
         let a = new_sandbox(f).await;
