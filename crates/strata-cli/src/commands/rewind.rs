@@ -32,7 +32,13 @@ pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
         .post_call(&["v1", "sandboxes", &a.id, "rewind"], &body)
         .await?;
     ctx.emit(&v, || {
-        let s = |k: &str| v.get(k).and_then(Value::as_str).unwrap_or("-").to_owned();
+        // The daemon answers with snapshot records (or ids): show the ids.
+        let s = |k: &str| {
+            v.get(k)
+                .and_then(|x| x.as_str().or_else(|| x.get("id").and_then(Value::as_str)))
+                .unwrap_or("-")
+                .to_owned()
+        };
         Ok(format!(
             "{} rewound to {} (previous state kept as {})\n",
             a.id,
