@@ -145,5 +145,6 @@ fn main() {
             overhead as f64 / 1048576.0
         );
         rt.delete(&id).await.expect("delete");
+        rt.kill_all();
     });
 }

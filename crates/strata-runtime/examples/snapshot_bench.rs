@@ -225,6 +225,7 @@ fn main() {
             100.0 * used as f64 / logical as f64,
             logical >> 20
         );
-        rt.detach_all();
+        rt.kill_all();
+        tokio::time::sleep(Duration::from_millis(300)).await;
     });
 }

@@ -1156,6 +1156,22 @@ impl Runtime {
         Ok(self.live(id)?.vm.console_tail(n))
     }
 
+    /// SIGKILLs every VM this runtime holds and forgets them (synchronous, for
+    /// process exit paths such as test and benchmark teardown). Returns how
+    /// many were killed.
+    pub fn kill_all(&self) -> usize {
+        let mut vms = self.vms.lock().unwrap_or_else(|p| p.into_inner());
+        let n = vms.len();
+        for live in vms.values() {
+            live.stopping.store(true, Ordering::SeqCst);
+            let pid = live.vm.pid() as i32;
+            // SAFETY: kill(2) on the pid of a QEMU this runtime started or adopted.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        vms.clear();
+        n
+    }
+
     /// Pauses every live VM's watcher and forgets the VMs without stopping them
     /// (used when the controlling process exits but the VMs must keep running).
     pub fn detach_all(&self) {

@@ -23,7 +23,7 @@ struct Fixture {
     proxy: SocketAddr,
     seen: Arc<Mutex<Vec<String>>>,
     _rt: std::sync::Arc<Runtime>,
-    _pool: TestPool,
+    pool: std::sync::Mutex<Option<TestPool>>,
     _run: tempfile::TempDir,
 }
 
@@ -80,9 +80,24 @@ async fn http_server(seen: Arc<Mutex<Vec<String>>>) -> SocketAddr {
     addr
 }
 
+static F: OnceLock<Fixture> = OnceLock::new();
+
+/// At process exit (after libtest is done, pass or fail): kill this binary's
+/// VMs and unmount its pool, so no QEMU or mount outlives the test run.
+extern "C" fn teardown() {
+    if let Some(f) = F.get() {
+        f._rt.kill_all();
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        if let Ok(mut pool) = f.pool.lock() {
+            drop(pool.take());
+        }
+    }
+}
+
 fn fixture() -> &'static Fixture {
-    static F: OnceLock<Fixture> = OnceLock::new();
     F.get_or_init(|| {
+        // SAFETY: registers a plain extern "C" fn without captures.
+        unsafe { libc::atexit(teardown) };
         let image = strata_testkit::test_image();
         let pool = TestPool::new(8 << 30).expect("test pool");
         let run = tempfile::Builder::new()
@@ -123,7 +138,7 @@ fn fixture() -> &'static Fixture {
             proxy,
             seen,
             _rt: rt,
-            _pool: pool,
+            pool: std::sync::Mutex::new(Some(pool)),
             _run: run,
         }
     })

@@ -271,7 +271,8 @@ async fn vm_bench(root: &Path, iterations: usize, creates: usize) -> Res<()> {
         s - d
     );
     app.stop();
-    rt.detach_all();
+    // A benchmark leaves nothing running behind it.
+    rt.kill_all();
     Ok(())
 }
 
