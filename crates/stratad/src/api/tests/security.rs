@@ -802,7 +802,7 @@ async fn egress_proxy_applies_the_tenant_policy_per_request() {
     )
     .await;
     assert_eq!(s, StatusCode::OK, "{v}");
-    assert_eq!(v["guest_proxy"], "http://10.0.2.100:3128");
+    assert_eq!(v["guest_proxy"], "http://127.0.0.1:3128");
     let proxy = v["proxy"].as_str().unwrap().to_owned();
     assert!(proxy.starts_with("127.0.0.1:"));
     let url = format!("http://api.crm.test:{}/records", up.port());
