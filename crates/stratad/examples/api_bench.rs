@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use serde_json::{json, Value};
+use serde_json::json;
 use strata_core::{Op, SandboxId, SandboxSize, SandboxState};
 use strata_proto::client::ExecRequest as AgentExec;
 use stratad::clock::SystemClock;
@@ -34,16 +34,10 @@ use stratad::store::{
 };
 use stratad::App;
 
-type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+#[path = "support/mod.rs"]
+mod support;
 
-fn arg(name: &str, default: usize) -> usize {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
+use support::{arg, cleanup, http, serve, Res};
 
 /// `p50 p95 p99 (n)` in milliseconds.
 fn summary(name: &str, samples: &mut [Duration]) {
@@ -59,82 +53,6 @@ fn summary(name: &str, samples: &mut [Duration]) {
         q(0.99),
         samples.len()
     );
-}
-
-struct Http {
-    url: String,
-    token: Option<String>,
-    client: reqwest::Client,
-}
-
-impl Http {
-    fn req(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
-        let rb = self.client.request(method, format!("{}{path}", self.url));
-        match &self.token {
-            Some(t) => rb.bearer_auth(t),
-            None => rb,
-        }
-    }
-
-    async fn json(
-        &self,
-        method: reqwest::Method,
-        path: &str,
-        body: Option<Value>,
-    ) -> Res<(u16, Value)> {
-        let mut rb = self.req(method, path);
-        if let Some(b) = body {
-            rb = rb.json(&b);
-        }
-        let resp = rb.send().await?;
-        let s = resp.status().as_u16();
-        let b = resp.bytes().await?;
-        Ok((s, serde_json::from_slice(&b).unwrap_or(Value::Null)))
-    }
-
-    /// Exec through the API, reading the ndjson stream to its exit line.
-    async fn exec_true(&self, id: &str) -> Res<()> {
-        let resp = self
-            .req(reqwest::Method::POST, &format!("/v1/sandboxes/{id}/exec"))
-            .json(&json!({"cmd": ["true"]}))
-            .send()
-            .await?;
-        if resp.status().as_u16() != 200 {
-            return Err(format!("exec: {} {}", resp.status(), resp.text().await?).into());
-        }
-        let mut s = resp.bytes_stream();
-        let mut body = Vec::new();
-        while let Some(c) = s.next().await {
-            body.extend_from_slice(&c?);
-        }
-        let text = String::from_utf8_lossy(&body);
-        if !text.contains("\"exit\":{\"code\":0") {
-            return Err(format!("exec answered {text}").into());
-        }
-        Ok(())
-    }
-}
-
-async fn serve(app: &Arc<App>) -> Res<String> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let url = format!("http://{}", listener.local_addr()?);
-    let router = app.router();
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, router).await;
-    });
-    Ok(url)
-}
-
-fn http(url: String, data_dir: &Path) -> Res<Http> {
-    Ok(Http {
-        url,
-        token: std::fs::read_to_string(data_dir.join("admin.token"))
-            .ok()
-            .map(|t| t.trim().to_owned()),
-        client: reqwest::Client::builder()
-            .timeout(Duration::from_secs(300))
-            .build()?,
-    })
 }
 
 // ---------------------------------------------------------------- VMs
@@ -434,53 +352,6 @@ async fn store_bench(root: &Path, n: usize, iterations: usize) -> Res<()> {
         &mut list_deep,
     );
     Ok(())
-}
-
-fn cleanup(root: &Path) {
-    let mnt = root.join("data/pool");
-    let run = root.join("run");
-    if let Ok(rd) = std::fs::read_dir(&run) {
-        for e in rd.flatten() {
-            if let Ok(p) = std::fs::read_to_string(e.path().join("qemu.pid")) {
-                if let Ok(pid) = p.trim().parse::<i32>() {
-                    let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-                    if String::from_utf8_lossy(&cmd).contains(&*run.to_string_lossy()) {
-                        // SAFETY: a QEMU of this benchmark's run dir.
-                        unsafe { libc::kill(pid, libc::SIGKILL) };
-                    }
-                }
-            }
-        }
-    }
-    std::thread::sleep(Duration::from_millis(500));
-    for _ in 0..20 {
-        let ok = std::process::Command::new("umount")
-            .arg(&mnt)
-            .stderr(std::process::Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
-        let mounted = std::fs::read_to_string("/proc/mounts")
-            .map(|m| m.contains(&*mnt.to_string_lossy()))
-            .unwrap_or(false);
-        if ok || !mounted {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    if let Ok(out) = std::process::Command::new("losetup")
-        .arg("-j")
-        .arg(root.join("data/pool.img"))
-        .output()
-    {
-        for line in String::from_utf8_lossy(&out.stdout).lines() {
-            if let Some(dev) = line.split(':').next() {
-                let _ = std::process::Command::new("losetup")
-                    .args(["-d", dev])
-                    .status();
-            }
-        }
-    }
-    let _ = std::fs::remove_dir_all(root);
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
