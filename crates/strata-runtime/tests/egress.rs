@@ -9,33 +9,23 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use strata_core::{SandboxId, SandboxSize, TemplateId};
+use strata_core::{SandboxId, SandboxSize};
 use strata_proto::client::{AgentClient, ExecRequest};
-use strata_runtime::{PoolSetting, Runtime, RuntimeConfig, Source};
-use strata_storage::testing::TestPool;
+use strata_runtime::Source;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
 const BODY: &str = "hello from the host proxy";
 
+mod common;
+
+use common::{tokio_rt, TestRuntime};
+
 struct Fixture {
     agent: AgentClient,
     proxy: SocketAddr,
     seen: Arc<Mutex<Vec<String>>>,
-    _rt: std::sync::Arc<Runtime>,
-    pool: std::sync::Mutex<Option<TestPool>>,
-    _run: tempfile::TempDir,
-}
-
-fn tokio_rt() -> &'static tokio::runtime::Runtime {
-    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-    RT.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("tokio runtime")
-    })
+    _t: TestRuntime,
 }
 
 /// A minimal HTTP/1.1 server: records each request's first line (and Host
@@ -80,66 +70,29 @@ async fn http_server(seen: Arc<Mutex<Vec<String>>>) -> SocketAddr {
     addr
 }
 
-static F: OnceLock<Fixture> = OnceLock::new();
-
-/// At process exit (after libtest is done, pass or fail): kill this binary's
-/// VMs and unmount its pool, so no QEMU or mount outlives the test run.
-extern "C" fn teardown() {
-    if let Some(f) = F.get() {
-        f._rt.kill_all();
-        std::thread::sleep(std::time::Duration::from_millis(300));
-        if let Ok(mut pool) = f.pool.lock() {
-            drop(pool.take());
-        }
-    }
-}
-
 fn fixture() -> &'static Fixture {
+    static F: OnceLock<Fixture> = OnceLock::new();
     F.get_or_init(|| {
-        // SAFETY: registers a plain extern "C" fn without captures.
-        unsafe { libc::atexit(teardown) };
-        let image = strata_testkit::test_image();
-        let pool = TestPool::new(8 << 30).expect("test pool");
-        let run = tempfile::Builder::new()
-            .prefix("stregr-")
-            .tempdir_in("/tmp")
-            .expect("run dir");
         let seen = Arc::new(Mutex::new(Vec::new()));
         let proxy = tokio_rt().block_on(http_server(seen.clone()));
-        let cfg = RuntimeConfig {
-            accel: strata_core::Accel::Tcg,
-            egress_proxy: Some(proxy),
-            ..RuntimeConfig::new(
-                PoolSetting::Path(pool.root().to_path_buf()),
-                run.path().to_path_buf(),
-                image.dir.clone(),
-            )
+        let size = SandboxSize {
+            vcpus: 1,
+            memory_mib: 512,
+            disk_gib: 2,
         };
-        let (rt, agent) = tokio_rt().block_on(async {
-            let rt = Runtime::open(cfg).await.expect("runtime");
-            let tpl = TemplateId::generate();
-            let size = SandboxSize {
-                vcpus: 1,
-                memory_mib: 512,
-                disk_gib: 2,
-            };
-            rt.build_template(&tpl, size, &|s| eprintln!("template: {s}"))
-                .await
-                .expect("template");
+        let t = TestRuntime::start("stregr-", size, |c| c.egress_proxy = Some(proxy));
+        let agent = tokio_rt().block_on(async {
             let id = SandboxId::generate();
-            rt.create(&id, &Source::Template(tpl), None)
+            t.rt.create(&id, &Source::Template(t.template.clone()), None)
                 .await
                 .expect("sandbox");
-            let agent = rt.agent(&id).await.expect("agent");
-            (rt, agent)
+            t.rt.agent(&id).await.expect("agent")
         });
         Fixture {
             agent,
             proxy,
             seen,
-            _rt: rt,
-            pool: std::sync::Mutex::new(Some(pool)),
-            _run: run,
+            _t: t,
         }
     })
 }

@@ -8,86 +8,37 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
-use strata_core::{SandboxId, SandboxSize, TemplateId};
+use strata_core::{SandboxId, SandboxSize};
 use strata_proto::client::{AgentClient, ExecEvent, ExecRequest, Stdin};
 use strata_proto::msg::RemoteErrorKind;
-use strata_runtime::{PoolSetting, Runtime, RuntimeConfig, Source};
-use strata_storage::testing::TestPool;
+use strata_runtime::Source;
+
+mod common;
+
+use common::{tokio_rt, TestRuntime};
 
 struct Fixture {
     agent: AgentClient,
-    _rt: std::sync::Arc<Runtime>,
-    pool: std::sync::Mutex<Option<TestPool>>,
-    _run: tempfile::TempDir,
-}
-
-fn tokio_rt() -> &'static tokio::runtime::Runtime {
-    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-    RT.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("tokio runtime")
-    })
-}
-
-static F: OnceLock<Fixture> = OnceLock::new();
-
-/// At process exit (after libtest is done, pass or fail): kill this binary's
-/// VMs and unmount its pool, so no QEMU or mount outlives the test run.
-extern "C" fn teardown() {
-    if let Some(f) = F.get() {
-        f._rt.kill_all();
-        std::thread::sleep(std::time::Duration::from_millis(300));
-        if let Ok(mut pool) = f.pool.lock() {
-            drop(pool.take());
-        }
-    }
+    _t: TestRuntime,
 }
 
 fn fixture() -> &'static Fixture {
+    static F: OnceLock<Fixture> = OnceLock::new();
     F.get_or_init(|| {
-        // SAFETY: registers a plain extern "C" fn without captures.
-        unsafe { libc::atexit(teardown) };
-        let image = strata_testkit::test_image();
-        let pool = TestPool::new(8 << 30).expect("test pool");
-        let run = tempfile::Builder::new()
-            .prefix("strga-")
-            .tempdir_in("/tmp")
-            .expect("run dir");
-        let cfg = RuntimeConfig {
-            accel: strata_core::Accel::Tcg,
-            ..RuntimeConfig::new(
-                PoolSetting::Path(pool.root().to_path_buf()),
-                run.path().to_path_buf(),
-                image.dir.clone(),
-            )
+        let size = SandboxSize {
+            vcpus: 1,
+            memory_mib: 512,
+            disk_gib: 2,
         };
-        let (rt, agent) = tokio_rt().block_on(async {
-            let rt = Runtime::open(cfg).await.expect("runtime");
-            let tpl = TemplateId::generate();
-            let size = SandboxSize {
-                vcpus: 1,
-                memory_mib: 512,
-                disk_gib: 2,
-            };
-            rt.build_template(&tpl, size, &|s| eprintln!("template: {s}"))
-                .await
-                .expect("template");
+        let t = TestRuntime::start("strga-", size, |_| {});
+        let agent = tokio_rt().block_on(async {
             let id = SandboxId::generate();
-            rt.create(&id, &Source::Template(tpl), None)
+            t.rt.create(&id, &Source::Template(t.template.clone()), None)
                 .await
                 .expect("sandbox");
-            let agent = rt.agent(&id).await.expect("agent");
-            (rt, agent)
+            t.rt.agent(&id).await.expect("agent")
         });
-        Fixture {
-            agent,
-            _rt: rt,
-            pool: std::sync::Mutex::new(Some(pool)),
-            _run: run,
-        }
+        Fixture { agent, _t: t }
     })
 }
 

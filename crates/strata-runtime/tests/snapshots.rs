@@ -4,20 +4,16 @@
 //! All tests share one tokio runtime, one pool and one template (booted once),
 //! because every VM's QMP and agent tasks live on the runtime that started them.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 use std::time::Duration;
 
-use strata_core::{SandboxId, SandboxSize, SnapshotId, TemplateId};
+use strata_core::{SandboxId, SandboxSize, SnapshotId};
 use strata_proto::client::ExecRequest;
-use strata_runtime::{PoolSetting, Runtime, RuntimeConfig, RuntimeError, Source};
-use strata_storage::testing::TestPool;
+use strata_runtime::{Runtime, RuntimeError, Source};
 
-struct Fixture {
-    rt: Arc<Runtime>,
-    template: TemplateId,
-    pool: std::sync::Mutex<Option<TestPool>>,
-    _run: tempfile::TempDir,
-}
+mod common;
+
+use common::{tokio_rt, TestRuntime};
 
 /// Tests share one pool; the one that fills it runs alone (write lock), the
 /// others run side by side (read locks).
@@ -25,17 +21,6 @@ static POOL_USE: std::sync::RwLock<()> = std::sync::RwLock::new(());
 
 fn shared_pool() -> std::sync::RwLockReadGuard<'static, ()> {
     POOL_USE.read().unwrap_or_else(|p| p.into_inner())
-}
-
-fn tokio_rt() -> &'static tokio::runtime::Runtime {
-    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-    RT.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("tokio runtime")
-    })
 }
 
 fn size() -> SandboxSize {
@@ -46,58 +31,9 @@ fn size() -> SandboxSize {
     }
 }
 
-static F: OnceLock<Fixture> = OnceLock::new();
-
-/// At process exit (after libtest is done, pass or fail): kill this binary's
-/// VMs and unmount its pool, so no QEMU or mount outlives the test run.
-extern "C" fn teardown() {
-    if let Some(f) = F.get() {
-        f.rt.kill_all();
-        std::thread::sleep(std::time::Duration::from_millis(300));
-        if let Ok(mut pool) = f.pool.lock() {
-            drop(pool.take());
-        }
-    }
-}
-
-fn fixture() -> &'static Fixture {
-    F.get_or_init(|| {
-        // SAFETY: registers a plain extern "C" fn without captures.
-        unsafe { libc::atexit(teardown) };
-        let image = strata_testkit::test_image();
-        let pool = TestPool::new(8 << 30).expect("test pool");
-        let run = tempfile::Builder::new()
-            .prefix("strt-")
-            .tempdir_in("/tmp")
-            .expect("run dir");
-        let cfg = RuntimeConfig {
-            accel: strata_core::Accel::Tcg,
-            ..RuntimeConfig::new(
-                PoolSetting::Path(pool.root().to_path_buf()),
-                run.path().to_path_buf(),
-                image.dir.clone(),
-            )
-        };
-        let template = TemplateId::generate();
-        let rt = tokio_rt().block_on(async {
-            let rt = Runtime::open(cfg).await.expect("runtime");
-            let built = rt
-                .build_template(&template, size(), &|s| eprintln!("template: {s}"))
-                .await
-                .expect("template build");
-            eprintln!(
-                "template built: boot {:.0} ms, total {:.0} ms",
-                built.boot_ms, built.build_ms
-            );
-            rt
-        });
-        Fixture {
-            rt,
-            template,
-            pool: std::sync::Mutex::new(Some(pool)),
-            _run: run,
-        }
-    })
+fn fixture() -> &'static TestRuntime {
+    static F: OnceLock<TestRuntime> = OnceLock::new();
+    F.get_or_init(|| TestRuntime::start("strt-", size(), |_| {}))
 }
 
 async fn sh(rt: &Runtime, id: &SandboxId, script: &str) -> (i32, String) {
@@ -112,7 +48,7 @@ async fn sh(rt: &Runtime, id: &SandboxId, script: &str) -> (i32, String) {
     )
 }
 
-async fn new_sandbox(f: &Fixture) -> SandboxId {
+async fn new_sandbox(f: &TestRuntime) -> SandboxId {
     let id = SandboxId::generate();
     f.rt.create(&id, &Source::Template(f.template.clone()), None)
         .await

@@ -1,0 +1,100 @@
+//! Shared by the runtime's integration tests: one tokio runtime per test
+//! binary (every VM's QMP and agent tasks live on the runtime that started
+//! them), a real btrfs pool, a short run dir, a runtime under TCG with one
+//! template booted, and a teardown at process exit (after libtest is done,
+//! pass or fail) that kills the binary's VMs and unmounts its pool.
+
+#![allow(dead_code)]
+
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use strata_core::{SandboxSize, TemplateId};
+use strata_runtime::{PoolSetting, Runtime, RuntimeConfig};
+use strata_storage::testing::TestPool;
+
+/// The tokio runtime of this test binary.
+pub fn tokio_rt() -> &'static tokio::runtime::Runtime {
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("tokio runtime")
+    })
+}
+
+/// What the exit-time teardown must stop.
+type Live = (Arc<Runtime>, Arc<Mutex<Option<TestPool>>>);
+
+static LIVE: Mutex<Vec<Live>> = Mutex::new(Vec::new());
+
+extern "C" fn teardown_all() {
+    let all = std::mem::take(&mut *LIVE.lock().unwrap_or_else(|p| p.into_inner()));
+    for (rt, pool) in all {
+        rt.kill_all();
+        std::thread::sleep(Duration::from_millis(300));
+        drop(pool.lock().unwrap_or_else(|p| p.into_inner()).take());
+    }
+}
+
+/// A runtime on its own pool with one template booted.
+pub struct TestRuntime {
+    /// The runtime.
+    pub rt: Arc<Runtime>,
+    /// The template every sandbox of the test forks.
+    pub template: TemplateId,
+    _pool: Arc<Mutex<Option<TestPool>>>,
+    _run: tempfile::TempDir,
+}
+
+impl TestRuntime {
+    /// An 8 GiB pool, a run dir `/tmp/<prefix>…`, accel TCG, `tweak` applied to
+    /// the configuration, and a template of `size` (one cold boot).
+    pub fn start(prefix: &str, size: SandboxSize, tweak: impl FnOnce(&mut RuntimeConfig)) -> Self {
+        static ATEXIT: std::sync::Once = std::sync::Once::new();
+        ATEXIT.call_once(|| {
+            // SAFETY: registers a plain extern "C" fn without captures.
+            unsafe { libc::atexit(teardown_all) };
+        });
+        let image = strata_testkit::test_image();
+        let pool = TestPool::new(8 << 30).expect("test pool");
+        let run = tempfile::Builder::new()
+            .prefix(prefix)
+            .tempdir_in("/tmp")
+            .expect("run dir");
+        let mut cfg = RuntimeConfig {
+            accel: strata_core::Accel::Tcg,
+            ..RuntimeConfig::new(
+                PoolSetting::Path(pool.root().to_path_buf()),
+                run.path().to_path_buf(),
+                image.dir.clone(),
+            )
+        };
+        tweak(&mut cfg);
+        let template = TemplateId::generate();
+        let rt = tokio_rt().block_on(async {
+            let rt = Runtime::open(cfg).await.expect("runtime");
+            let built = rt
+                .build_template(&template, size, &|s| eprintln!("template: {s}"))
+                .await
+                .expect("template build");
+            eprintln!(
+                "template built: boot {:.0} ms, total {:.0} ms",
+                built.boot_ms, built.build_ms
+            );
+            rt
+        });
+        let pool = Arc::new(Mutex::new(Some(pool)));
+        LIVE.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((rt.clone(), pool.clone()));
+        TestRuntime {
+            rt,
+            template,
+            _pool: pool,
+            _run: run,
+        }
+    }
+}
