@@ -975,10 +975,27 @@ impl Runtime {
             .await
     }
 
+    /// Ends the sandbox's VM: the one this runtime holds, or else one that
+    /// survived a restart of the controlling process and was never adopted
+    /// (found by its pid file), so no QEMU runs on with its subvolume gone.
     async fn stop_vm(&self, id: &SandboxId) {
         if let Some(live) = self.take_live(id) {
             live.stopping.store(true, Ordering::SeqCst);
             let _ = live.vm.kill().await;
+            return;
+        }
+        let run_dir = self.run_dir(id.as_str());
+        let Some(pid) = strata_vmm::qemu_in_run_dir(&run_dir) else {
+            return;
+        };
+        tracing::warn!(sandbox = %id, pid, "killing a VM that was never adopted");
+        // SAFETY: kill(2) on the pid of this sandbox's QEMU, confirmed by its command line.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        for _ in 0..100 {
+            if strata_vmm::qemu_in_run_dir(&run_dir).is_none() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 
@@ -1042,30 +1059,19 @@ impl Runtime {
 
     // ------------------------------------------------------------------ discovery
 
-    /// QEMU processes found under the run dir (alive), by sandbox id.
+    /// QEMU processes found under the run dir (alive and really that sandbox's
+    /// QEMU), by sandbox id.
     pub fn find_vms(&self) -> Vec<(SandboxId, u32)> {
-        let mut out = Vec::new();
         let Ok(rd) = std::fs::read_dir(&self.cfg.run_dir) else {
-            return out;
+            return Vec::new();
         };
-        for e in rd.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            let Ok(id) = name.parse::<SandboxId>() else {
-                continue;
-            };
-            let Ok(pid) = std::fs::read_to_string(e.path().join("qemu.pid")) else {
-                continue;
-            };
-            let Ok(pid) = pid.trim().parse::<u32>() else {
-                continue;
-            };
-            // SAFETY: kill(pid, 0) only checks for existence; no signal is sent.
-            let alive = unsafe { libc::kill(pid as i32, 0) } == 0;
-            if alive {
-                out.push((id, pid));
-            }
-        }
-        out
+        rd.flatten()
+            .filter_map(|e| {
+                let id = e.file_name().to_string_lossy().parse::<SandboxId>().ok()?;
+                let pid = strata_vmm::qemu_in_run_dir(&e.path())?;
+                Some((id, pid))
+            })
+            .collect()
     }
 
     /// Names of the subvolumes under `sandboxes/`, `snapshots/` and `templates/`.

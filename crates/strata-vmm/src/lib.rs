@@ -30,7 +30,7 @@ pub use cgroup::{Limits, VmCgroup};
 pub use error::VmmError;
 pub use probe::KvmProbe;
 pub use process::{default_vm_user, lookup_user, RssInfo, UserIds, DEFAULT_VM_USER};
-pub use qemu::{QemuDriver, QemuVm};
+pub use qemu::{qemu_in_run_dir, QemuDriver, QemuVm};
 pub use qmp::{QmpClient, QmpError, QmpEvent};
 pub use spec::{
     FwdProto, GuestFwd, GuestFwdTarget, HostFwd, NetSpec, ResolvedAccel, VmSpec,

@@ -471,14 +471,21 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 
 /// The pid of a QEMU that still runs for this run dir, if any.
 fn live_qemu_in(spec: &VmSpec) -> Option<u32> {
-    let pid: u32 = std::fs::read_to_string(spec.pid_file())
+    qemu_in_run_dir(&spec.run_dir)
+}
+
+/// The pid of the QEMU whose run dir is `run_dir`, if it still runs: read from
+/// `qemu.pid` and confirmed by its command line naming `<run_dir>/qmp.sock`
+/// (a reused pid or a zombie, whose command line is empty, does not count).
+pub fn qemu_in_run_dir(run_dir: &Path) -> Option<u32> {
+    let pid: u32 = std::fs::read_to_string(run_dir.join("qemu.pid"))
         .ok()?
         .trim()
         .parse()
         .ok()?;
     let cmdline = proc_cmdline(pid).ok()?;
     cmdline
-        .contains(spec.qmp_socket().to_string_lossy().as_ref())
+        .contains(run_dir.join("qmp.sock").to_string_lossy().as_ref())
         .then_some(pid)
 }
 

@@ -214,18 +214,9 @@ impl Engine for RuntimeEngine {
     }
 
     async fn delete(&self, id: &SandboxId) -> EngineResult<()> {
-        // The runtime stops only the VMs it holds. A VM that survived a daemon
-        // restart and was never adopted (an orphan, or a create interrupted
-        // before its spec was written) is found by its pid file and killed
-        // here, else it would run on with its subvolume gone.
-        if !self.rt.running().iter().any(|(r, _)| r == id) {
-            for (vm_id, pid) in self.rt.find_vms() {
-                if &vm_id == id && is_qemu_of(pid, id) {
-                    tracing::warn!(sandbox = %id, pid, "killing a VM that was never adopted");
-                    kill_and_wait(pid).await;
-                }
-            }
-        }
+        // The runtime also ends a VM that survived a daemon restart and was
+        // never adopted (an orphan, or a create interrupted before its spec
+        // was written).
         self.rt.delete(id).await.map_err(rt_err)
     }
 
@@ -387,7 +378,6 @@ impl Engine for RuntimeEngine {
             .rt
             .find_vms()
             .into_iter()
-            .filter(|(_, pid)| alive(*pid))
             .map(|(id, pid)| LiveVm {
                 id,
                 pid,
@@ -431,41 +421,6 @@ impl Engine for RuntimeEngine {
             });
         }
         rx
-    }
-}
-
-/// Whether `pid` is a QEMU process of sandbox `id` (guards against a pid
-/// file that outlived its process and a pid the kernel has reused).
-fn is_qemu_of(pid: u32, id: &SandboxId) -> bool {
-    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
-        return false;
-    };
-    let text = String::from_utf8_lossy(&cmdline);
-    text.contains("qemu") && text.contains(id.as_str())
-}
-
-/// Whether `pid` exists and is not a zombie.
-fn alive(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        // Field 3 (after the parenthesised command) is the state.
-        Ok(stat) => stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().next())
-            .is_some_and(|st| st != "Z" && st != "X"),
-        Err(_) => false,
-    }
-}
-
-/// SIGKILL, then wait (up to 5 s) until the process is gone.
-async fn kill_and_wait(pid: u32) {
-    let Ok(p) = i32::try_from(pid) else { return };
-    // SAFETY: kill(2) with a positive pid checked to be a QEMU of ours.
-    unsafe { libc::kill(p, libc::SIGKILL) };
-    for _ in 0..100 {
-        if !alive(pid) {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
