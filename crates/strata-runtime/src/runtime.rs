@@ -466,7 +466,7 @@ impl Runtime {
         let pool = self.pool.clone();
         let w = work.clone();
         let _ = blocking(move || pool.trash(&w).map_err(storage_err)).await;
-        let (boot_ms, _) = result?;
+        let boot_ms = result?;
         progress("template ready");
         Ok(TemplateBuilt {
             id: tpl.clone(),
@@ -487,7 +487,7 @@ impl Runtime {
         build_id: &str,
         work: &Path,
         progress: &(dyn Fn(&str) + Send + Sync),
-    ) -> Result<(f64, ())> {
+    ) -> Result<f64> {
         progress("copying kernel, initrd and root disk into the pool");
         let kernel_src = match (accel, &image.kernel_pvh) {
             (ResolvedAccel::Tcg, Some(pvh)) => pvh.clone(),
@@ -573,7 +573,7 @@ impl Runtime {
         .await;
         let _ = live.vm.kill().await;
         let _ = std::fs::remove_dir_all(self.run_dir(build_id));
-        outcome.map(|b| (b, ()))
+        outcome
     }
 
     /// Removes a template. Idempotent.
