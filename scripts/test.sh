@@ -16,7 +16,7 @@ echo "== build (agent + CLI, release)" >&2
 cargo build --release -p strata-agent -p strata-cli
 
 echo "== guest image (cached by recipe hash under /var/cache/strata/images)" >&2
-./target/release/strata image build
+"${CARGO_TARGET_DIR:-target}/release/strata" image build
 
 echo "== tests" >&2
 # Integration tests boot real guests under TCG; on 2 cores run test binaries one at a time.
