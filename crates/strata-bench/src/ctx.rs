@@ -1,0 +1,394 @@
+//! What every section gets: the run's settings, and environments to measure
+//! in — a strata runtime on its own loop-mounted btrfs pool, or a whole
+//! stratad daemon served on a loopback port — that are torn down (VMs killed,
+//! pool unmounted) when dropped, at process exit, and on Ctrl-C.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{anyhow, Context as _, Result};
+use serde_json::Value;
+use strata_core::{Accel, SandboxSize, TemplateId};
+use strata_runtime::{PoolSetting, Runtime, RuntimeConfig};
+use strata_storage::testing::TestPool;
+use stratad::App;
+
+/// Settings shared by all sections.
+#[derive(Debug, Clone)]
+pub struct Ctx {
+    /// The run's output folder (report, plots).
+    pub out: PathBuf,
+    /// Guest image directory.
+    pub image: PathBuf,
+    /// Accelerator the guests run under.
+    pub accel: Accel,
+    /// QEMU binary.
+    pub qemu: PathBuf,
+    /// CI smoke size: every count at its minimum.
+    pub smoke: bool,
+}
+
+impl Ctx {
+    /// Path of an output file (plots are `<section key>-<name>.svg`).
+    pub fn file(&self, name: &str) -> PathBuf {
+        self.out.join(name)
+    }
+}
+
+// ------------------------------------------------------------ teardown
+
+type Teardown = Box<dyn FnOnce() + Send>;
+
+static TEARDOWN: Mutex<Vec<(u64, Teardown)>> = Mutex::new(Vec::new());
+static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+fn register(f: Teardown) -> u64 {
+    let k = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    TEARDOWN
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push((k, f));
+    k
+}
+
+fn run_one(key: u64) {
+    let f = {
+        let mut v = TEARDOWN.lock().unwrap_or_else(|p| p.into_inner());
+        v.iter().position(|(k, _)| *k == key).map(|i| v.remove(i).1)
+    };
+    if let Some(f) = f {
+        f();
+    }
+}
+
+/// Runs every pending teardown (newest first). Called at exit and on Ctrl-C;
+/// safe to call more than once.
+pub fn teardown_all() {
+    let all = std::mem::take(&mut *TEARDOWN.lock().unwrap_or_else(|p| p.into_inner()));
+    for (_, f) in all.into_iter().rev() {
+        f();
+    }
+}
+
+// ------------------------------------------------------------ runtime env
+
+/// A strata runtime under the run's accelerator on its own pool.
+pub struct BenchRuntime {
+    /// The runtime.
+    pub rt: Arc<Runtime>,
+    key: u64,
+    pool_dir: PathBuf,
+    _run: tempfile::TempDir,
+}
+
+impl BenchRuntime {
+    /// A runtime with a fresh sparse pool of `pool_gib` GiB under `/tmp` and
+    /// a run dir `/tmp/<prefix>…`; `tweak` edits the configuration first.
+    pub async fn start(
+        ctx: &Ctx,
+        prefix: &str,
+        pool_gib: u64,
+        tweak: impl FnOnce(&mut RuntimeConfig),
+    ) -> Result<BenchRuntime> {
+        let pool = TestPool::new(pool_gib << 30).context("create the btrfs pool")?;
+        let run = tempfile::Builder::new()
+            .prefix(prefix)
+            .tempdir_in("/tmp")
+            .context("run dir")?;
+        let mut cfg = RuntimeConfig {
+            accel: ctx.accel,
+            qemu_binary: ctx.qemu.clone(),
+            ..RuntimeConfig::new(
+                PoolSetting::Path(pool.root().to_path_buf()),
+                run.path().to_path_buf(),
+                ctx.image.clone(),
+            )
+        };
+        tweak(&mut cfg);
+        let pool_dir = pool.dir().to_path_buf();
+        let rt = Runtime::open(cfg).await.context("open the runtime")?;
+        let rt2 = rt.clone();
+        let pool = Mutex::new(Some(pool));
+        let key = register(Box::new(move || {
+            rt2.kill_all();
+            std::thread::sleep(Duration::from_millis(300));
+            drop(pool.lock().unwrap_or_else(|p| p.into_inner()).take());
+        }));
+        Ok(BenchRuntime {
+            rt,
+            key,
+            pool_dir,
+            _run: run,
+        })
+    }
+
+    /// Builds a template of `size` (one cold boot); returns it and the boot time in ms.
+    pub async fn template(&self, size: SandboxSize) -> Result<(TemplateId, f64)> {
+        let tpl = TemplateId::generate();
+        let built = self
+            .rt
+            .build_template(&tpl, size, &|_| {})
+            .await
+            .with_context(|| format!("build a template of {size:?}"))?;
+        Ok((tpl, built.boot_ms))
+    }
+
+    /// The directory holding the pool image (`pool.img`) and its mount (`mnt`).
+    pub fn pool_dir(&self) -> &Path {
+        &self.pool_dir
+    }
+
+    /// Kills the VMs and unmounts the pool now.
+    pub fn stop(self) {
+        run_one(self.key);
+    }
+}
+
+impl Drop for BenchRuntime {
+    fn drop(&mut self) {
+        run_one(self.key);
+    }
+}
+
+// ------------------------------------------------------------ daemon env
+
+/// A stratad daemon (the real runtime underneath) served on a loopback port,
+/// with the bootstrap admin token.
+pub struct BenchDaemon {
+    /// The daemon.
+    pub app: Arc<App>,
+    /// A client of its HTTP API.
+    pub http: Http,
+    /// Its data dir, run dir and pool live under here.
+    pub root: PathBuf,
+    key: u64,
+}
+
+impl BenchDaemon {
+    /// Starts a daemon under `/tmp/<prefix>…`: pool of `pool_gib` GiB, no
+    /// rolling snapshots and no idle hibernation unless `tweak` sets them,
+    /// default sandbox size `size`. Builds the default template and waits
+    /// for it.
+    pub async fn start(
+        ctx: &Ctx,
+        prefix: &str,
+        pool_gib: u64,
+        size: SandboxSize,
+        tweak: impl FnOnce(&mut stratad::config::Config),
+    ) -> Result<BenchDaemon> {
+        let root = tempfile::Builder::new()
+            .prefix(prefix)
+            .tempdir_in("/tmp")
+            .context("daemon root")?
+            .keep();
+        let r2 = root.clone();
+        let key = register(Box::new(move || cleanup_daemon_root(&r2)));
+        let mut cfg = stratad::config::Config {
+            data_dir: root.join("data"),
+            run_dir: root.join("run"),
+            image_dir: Some(ctx.image.clone()),
+            accel: ctx.accel,
+            qemu_binary: ctx.qemu.clone(),
+            pool_size_gib: pool_gib,
+            snapshot_interval: Duration::ZERO,
+            idle_timeout: Duration::ZERO,
+            default_size: size,
+            ..stratad::config::Config::default()
+        };
+        tweak(&mut cfg);
+        let data_dir = cfg.data_dir.clone();
+        let engine = stratad::daemon::open_engine(&cfg)
+            .await
+            .map_err(|e| anyhow!("open the engine: {e}"))?;
+        let app = Arc::new(App::open(cfg, engine).map_err(|e| anyhow!("open the store: {e}"))?);
+        app.start()
+            .await
+            .map_err(|e| anyhow!("start: {}", e.message()))?;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!("http://{}", listener.local_addr()?);
+        let router = app.router();
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, router).await;
+        });
+        let http = Http::new(url, &data_dir)?;
+        let d = BenchDaemon {
+            app,
+            http,
+            root,
+            key,
+        };
+        d.app
+            .service()
+            .ensure_default_template()
+            .await
+            .map_err(|e| anyhow!("default template: {}", e.message()))?;
+        loop {
+            let (_, v) = d
+                .http
+                .json(reqwest::Method::GET, "/v1/templates/tpl-default", None)
+                .await?;
+            match v["status"].as_str() {
+                Some("ready") => break,
+                Some("building") => tokio::time::sleep(Duration::from_millis(200)).await,
+                _ => return Err(anyhow!("default template: {v}")),
+            }
+        }
+        Ok(d)
+    }
+
+    /// Stops the daemon's tasks, kills its VMs, unmounts its pool, removes its root.
+    pub fn stop(self) {
+        self.app.stop();
+        run_one(self.key);
+    }
+}
+
+impl Drop for BenchDaemon {
+    fn drop(&mut self) {
+        self.app.stop();
+        run_one(self.key);
+    }
+}
+
+/// Kills the QEMUs of `root/run`, unmounts and detaches `root/data/pool`, removes `root`.
+fn cleanup_daemon_root(root: &Path) {
+    let mnt = root.join("data/pool");
+    let run = root.join("run");
+    let vm_dirs = std::fs::read_dir(&run).into_iter().flatten().flatten();
+    for pid in vm_dirs.filter_map(|e| strata_vmm::qemu_in_run_dir(&e.path())) {
+        // SAFETY: kill(2) on a QEMU whose pid file and command line name this
+        // benchmark's run dir; no memory is touched.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    for _ in 0..20 {
+        let ok = std::process::Command::new("umount")
+            .arg(&mnt)
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        let mounted = std::fs::read_to_string("/proc/mounts")
+            .map(|m| m.contains(&*mnt.to_string_lossy()))
+            .unwrap_or(false);
+        if ok || !mounted {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    if let Ok(out) = std::process::Command::new("losetup")
+        .arg("-j")
+        .arg(root.join("data/pool.img"))
+        .output()
+    {
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            if let Some(dev) = line.split(':').next() {
+                let _ = std::process::Command::new("losetup")
+                    .args(["-d", dev])
+                    .status();
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(root);
+}
+
+/// A client of a served strata API with a bearer token.
+#[derive(Clone)]
+pub struct Http {
+    /// Base URL (`http://127.0.0.1:port`).
+    pub url: String,
+    token: Option<String>,
+    client: reqwest::Client,
+}
+
+impl Http {
+    /// A client of `url` with the admin token of `data_dir` (when there is one).
+    pub fn new(url: String, data_dir: &Path) -> Result<Http> {
+        Ok(Http {
+            url,
+            token: std::fs::read_to_string(data_dir.join("admin.token"))
+                .ok()
+                .map(|t| t.trim().to_owned()),
+            client: reqwest::Client::builder()
+                .timeout(Duration::from_secs(300))
+                .pool_max_idle_per_host(64)
+                .build()?,
+        })
+    }
+
+    /// A request with the token set.
+    pub fn req(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        let rb = self.client.request(method, format!("{}{path}", self.url));
+        match &self.token {
+            Some(t) => rb.bearer_auth(t),
+            None => rb,
+        }
+    }
+
+    /// A JSON request; the status and the JSON body (Null when not JSON).
+    pub async fn json(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> Result<(u16, Value)> {
+        let mut rb = self.req(method, path);
+        if let Some(b) = body {
+            rb = rb.json(&b);
+        }
+        let resp = rb.send().await?;
+        let s = resp.status().as_u16();
+        let b = resp.bytes().await?;
+        Ok((s, serde_json::from_slice(&b).unwrap_or(Value::Null)))
+    }
+
+    /// Like [`Http::json`] but any status other than `want` is an error.
+    pub async fn expect(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+        want: u16,
+    ) -> Result<Value> {
+        let (s, v) = self.json(method.clone(), path, body).await?;
+        if s != want {
+            return Err(anyhow!("{method} {path}: {s} {v}"));
+        }
+        Ok(v)
+    }
+
+    /// Runs `cmd` (argv) in a sandbox through the API; returns exit code and stdout.
+    pub async fn exec(&self, id: &str, cmd: &[&str]) -> Result<(i64, String)> {
+        use futures::StreamExt;
+        let resp = self
+            .req(reqwest::Method::POST, &format!("/v1/sandboxes/{id}/exec"))
+            .json(&serde_json::json!({ "cmd": cmd }))
+            .send()
+            .await?;
+        if resp.status().as_u16() != 200 {
+            let s = resp.status();
+            return Err(anyhow!("exec: {s} {}", resp.text().await?));
+        }
+        let mut stream = resp.bytes_stream();
+        let mut body = Vec::new();
+        while let Some(c) = stream.next().await {
+            body.extend_from_slice(&c?);
+        }
+        let mut code = None;
+        let mut stdout = String::new();
+        for line in body.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
+            let v: Value = serde_json::from_slice(line)?;
+            if let Some(c) = v.pointer("/exit/code").and_then(Value::as_i64) {
+                code = Some(c);
+            }
+            if let Some(s) = v.get("stdout").and_then(Value::as_str) {
+                use base64::Engine as _;
+                let bytes = base64::engine::general_purpose::STANDARD.decode(s)?;
+                stdout.push_str(&String::from_utf8_lossy(&bytes));
+            }
+        }
+        let code = code
+            .ok_or_else(|| anyhow!("exec: no exit line in {}", String::from_utf8_lossy(&body)))?;
+        Ok((code, stdout))
+    }
+}

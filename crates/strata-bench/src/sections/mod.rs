@@ -1,0 +1,15 @@
+//! The six parts of the benchmark. Each module has an `Args` (its flags,
+//! all prefixed with the section key, with defaults sized so the whole run
+//! finishes in under 15 minutes on a 2-core machine, and a `smoke()` that
+//! shrinks them to the CI smoke size) and a `run` that fills a [`Section`]
+//! as it measures, so a failure part-way still reports what was measured.
+
+pub mod density;
+pub mod history;
+pub mod load;
+pub mod restore;
+pub mod scale;
+pub mod snapshot;
+
+/// Section keys in report order.
+pub const ALL: &[&str] = &["snapshot", "restore", "load", "density", "history", "scale"];
