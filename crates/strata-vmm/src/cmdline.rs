@@ -1,7 +1,7 @@
 //! The QEMU command line, built by one function so that a VM and every VM restored
 //! from its device state get the same devices, in the same order, with the same ids.
 
-use crate::spec::{netdev_arg, path_str, qemu_escape, ResolvedAccel, VmSpec};
+use crate::spec::{netdev_arg, path_str, qemu_escape, RamBacking, ResolvedAccel, VmSpec};
 
 /// Version of the device layout below. Bump it whenever a device, its order or its
 /// id changes: device state saved under one layout cannot be loaded into another.
@@ -63,16 +63,20 @@ pub fn qemu_args(spec: &VmSpec, host_tsc_khz: Option<u64>) -> Vec<String> {
         ResolvedAccel::Kvm => spec.accel.qemu_name().to_owned(),
     };
     let smp = spec.vcpus.to_string();
-    let ram = format!(
-        "memory-backend-file,id=ram,size={mem},mem-path={},share=on,prealloc=off",
-        path_str(&spec.mem_path)
-    );
+    let ram = match spec.ram {
+        RamBacking::File => format!(
+            "memory-backend-file,id=ram,size={mem},mem-path={},share=on,prealloc=off",
+            path_str(&spec.mem_path)
+        ),
+        RamBacking::Anonymous => format!("memory-backend-ram,id=ram,size={mem}"),
+    };
     // auto-read-only=off: QEMU keeps the read-write fd it opened at start-up. With the
     // default (on) it reopens the file read-only when a migration inactivates the disk
     // and read-write again on `cont`, which fails once it runs as `run_as`.
     let drive = format!(
-        "id=disk0,file={},format=raw,if=none,cache=writeback,discard=unmap,aio=threads,auto-read-only=off",
-        path_str(&spec.disk_path)
+        "id=disk0,file={},format={},if=none,cache=writeback,discard=unmap,aio=threads,auto-read-only=off",
+        path_str(&spec.disk_path),
+        spec.disk_format.qemu_name()
     );
     let agent = format!(
         "socket,id=ag,path={},server=on,wait=off",
@@ -214,6 +218,28 @@ mod tests {
         assert_eq!(device_layout(&s), device_layout(&spec()));
         s.run_as = Some("bad user".into());
         assert!(s.validate().is_err());
+    }
+
+    #[test]
+    fn qcow2_disk_and_anonymous_ram() {
+        let plain = qemu_args(&spec(), None);
+        assert!(plain
+            .iter()
+            .any(|a| a.starts_with("id=disk0,file=/s/disk.img,format=raw,")));
+        let mut s = spec();
+        s.disk_format = crate::spec::DiskFormat::Qcow2;
+        s.ram = RamBacking::Anonymous;
+        let args = qemu_args(&s, None);
+        assert!(args.contains(&"memory-backend-ram,id=ram,size=256M".to_string()));
+        assert!(!args.iter().any(|a| a.contains("mem-path")));
+        assert!(args
+            .iter()
+            .any(|a| a.starts_with("id=disk0,file=/s/disk.img,format=qcow2,")));
+        // Same devices: only the backing of RAM and the disk's format differ.
+        assert_eq!(device_layout(&s), device_layout(&spec()));
+        s.validate().unwrap();
+        s.incoming = Some("/s/device.state".into());
+        assert!(s.validate().unwrap_err().contains("file-backed RAM"));
     }
 
     #[test]

@@ -33,8 +33,8 @@ pub use process::{default_vm_user, lookup_user, RssInfo, UserIds, DEFAULT_VM_USE
 pub use qemu::{qemu_in_run_dir, QemuDriver, QemuVm};
 pub use qmp::{QmpClient, QmpError, QmpEvent};
 pub use spec::{
-    FwdProto, GuestFwd, GuestFwdTarget, HostFwd, NetSpec, ResolvedAccel, VmSpec,
-    DEFAULT_CONSOLE_LOG_MAX, DEFAULT_QEMU,
+    DiskFormat, FwdProto, GuestFwd, GuestFwdTarget, HostFwd, NetSpec, RamBacking, ResolvedAccel,
+    VmSpec, DEFAULT_CONSOLE_LOG_MAX, DEFAULT_QEMU,
 };
 
 /// How a VM's process ended.

@@ -361,7 +361,7 @@ fn check_inputs(spec: &VmSpec) -> Result<(), VmmError> {
             )));
         }
     }
-    if let Some(parent) = spec.mem_path.parent() {
+    if let (crate::spec::RamBacking::File, Some(parent)) = (spec.ram, spec.mem_path.parent()) {
         if !parent.as_os_str().is_empty() && !parent.is_dir() {
             return Err(VmmError::InvalidSpec(format!(
                 "directory of mem_path {parent:?} does not exist"

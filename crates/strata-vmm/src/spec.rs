@@ -122,6 +122,44 @@ pub struct NetSpec {
     pub guestfwd: Vec<GuestFwd>,
 }
 
+/// Format of the root disk image (QEMU's `format=`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum DiskFormat {
+    /// A raw image: what strata uses (btrfs does the copy-on-write).
+    #[default]
+    Raw,
+    /// A qcow2 image: QEMU's own copy-on-write format, which can also hold
+    /// internal snapshots (`savevm`). Used by benchmarks of stock QEMU.
+    Qcow2,
+}
+
+impl DiskFormat {
+    /// The name QEMU's `format=` takes.
+    pub fn qemu_name(self) -> &'static str {
+        match self {
+            DiskFormat::Raw => "raw",
+            DiskFormat::Qcow2 => "qcow2",
+        }
+    }
+}
+
+/// What backs guest RAM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum RamBacking {
+    /// `memory-backend-file,share=on` at [`VmSpec::mem_path`]: RAM is a file in the
+    /// sandbox's subvolume, so device state alone (with `x-ignore-shared`) plus a
+    /// snapshot of the file captures the VM. strata's snapshots rely on it.
+    #[default]
+    File,
+    /// `memory-backend-ram`: plain anonymous memory, as a stock QEMU user has it.
+    /// [`VmSpec::mem_path`] is unused; such a VM cannot be restored from device
+    /// state (its RAM is in no file), and a device-state save carries all of RAM.
+    /// For benchmarks of the alternatives.
+    Anonymous,
+}
+
 /// Everything needed to start (or adopt) one VM.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct VmSpec {
@@ -146,8 +184,14 @@ pub struct VmSpec {
     /// Guest RAM file (`memory-backend-file,share=on`), normally inside the sandbox's
     /// btrfs subvolume. Created by QEMU if absent; taken as-is on restore.
     pub mem_path: PathBuf,
-    /// Raw root disk (`virtio-blk-device`).
+    /// What backs guest RAM: the file at `mem_path` (default) or anonymous memory.
+    #[serde(default)]
+    pub ram: RamBacking,
+    /// Root disk (`virtio-blk-device`).
     pub disk_path: PathBuf,
+    /// Format of the root disk (default raw).
+    #[serde(default)]
+    pub disk_format: DiskFormat,
     /// Resolved accelerator.
     pub accel: ResolvedAccel,
     /// Device-state file to restore from (`-incoming defer` + `migrate-incoming`).
@@ -181,8 +225,8 @@ fn default_true() -> bool {
 }
 
 impl VmSpec {
-    /// A spec with the defaults filled in (1 vCPU, 256 MiB, TCG, no network rules,
-    /// 1 MiB console log, `qemu-system-x86_64`, seccomp on, no `run_as`, no limits).
+    /// A spec with the defaults filled in (1 vCPU, 256 MiB, file-backed RAM, raw
+    /// disk, TCG, no network rules, 1 MiB console log, `qemu-system-x86_64`, seccomp on, no `run_as`, no limits).
     pub fn new(
         name: impl Into<String>,
         run_dir: impl Into<PathBuf>,
@@ -199,7 +243,9 @@ impl VmSpec {
             vcpus: 1,
             memory_mib: 256,
             mem_path: mem_path.into(),
+            ram: RamBacking::File,
             disk_path: disk_path.into(),
+            disk_format: DiskFormat::Raw,
             accel: ResolvedAccel::Tcg,
             incoming: None,
             start_paused: false,
@@ -248,6 +294,9 @@ impl VmSpec {
         }
         if self.memory_mib < 16 {
             return Err(format!("memory_mib must be >= 16, got {}", self.memory_mib));
+        }
+        if self.incoming.is_some() && self.ram == RamBacking::Anonymous {
+            return Err("a restore from device state needs file-backed RAM".into());
         }
         if self.console_log_max_bytes < 4096 {
             return Err("console_log_max_bytes must be >= 4096".into());
