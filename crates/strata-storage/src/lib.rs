@@ -33,4 +33,7 @@ pub use error::{Result, StorageError};
 pub use pool::{
     Pool, PoolConfig, PoolOptions, PoolUsage, UsageMethod, LAYOUT, MIN_IMAGE_SIZE, MOUNT_OPTIONS,
 };
-pub use usage::{extent_usage, qgroup_usage, QuotaStatus, SubvolUsage};
+pub use usage::{
+    extent_usage, file_extent_map, qgroup_usage, rewritten_bytes, FileExtent, QuotaStatus,
+    SubvolUsage,
+};

@@ -89,6 +89,20 @@ pub fn extent_usage(path: &Path) -> Result<SubvolUsage> {
 }
 
 fn file_extents(f: &File, buf: &mut FiemapBuf, usage: &mut SubvolUsage) -> io::Result<()> {
+    walk_extents(f, buf, |e| {
+        usage.referenced_bytes += e.fe_length;
+        if e.fe_flags & ioctl::FIEMAP_EXTENT_SHARED == 0 {
+            usage.exclusive_bytes += e.fe_length;
+        }
+    })
+}
+
+/// Calls `each` for every extent of `f`, in file order.
+fn walk_extents(
+    f: &File,
+    buf: &mut FiemapBuf,
+    mut each: impl FnMut(&ioctl::FiemapExtent),
+) -> io::Result<()> {
     let mut start = 0u64;
     loop {
         buf.hdr = ioctl::FiemapHeader {
@@ -105,10 +119,7 @@ fn file_extents(f: &File, buf: &mut FiemapBuf, usage: &mut SubvolUsage) -> io::R
             return Ok(());
         }
         for e in &buf.ext[..n] {
-            usage.referenced_bytes += e.fe_length;
-            if e.fe_flags & ioctl::FIEMAP_EXTENT_SHARED == 0 {
-                usage.exclusive_bytes += e.fe_length;
-            }
+            each(e);
         }
         let last = buf.ext[n - 1];
         if last.fe_flags & ioctl::FIEMAP_EXTENT_LAST != 0 {
@@ -116,6 +127,70 @@ fn file_extents(f: &File, buf: &mut FiemapBuf, usage: &mut SubvolUsage) -> io::R
         }
         start = last.fe_logical + last.fe_length;
     }
+}
+
+/// One data extent of a file: `length` bytes at file offset `logical` are stored at
+/// `physical` (the file system's address space; on btrfs, its logical addresses).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileExtent {
+    /// Offset in the file.
+    pub logical: u64,
+    /// Where the data is stored.
+    pub physical: u64,
+    /// Length in bytes.
+    pub length: u64,
+}
+
+/// The allocated extents of the file at `path`, in file order (holes are absent).
+///
+/// With two read-only snapshots of the same file, [`rewritten_bytes`] of their maps
+/// is what was written (copy-on-write) between them.
+pub fn file_extent_map(path: &Path) -> Result<Vec<FileExtent>> {
+    let f = File::open(path).map_err(|e| StorageError::io("open", path, e))?;
+    let mut buf = Box::new(FiemapBuf {
+        hdr: ioctl::FiemapHeader::default(),
+        ext: [ioctl::FiemapExtent::default(); FIEMAP_BATCH],
+    });
+    let mut out = Vec::new();
+    walk_extents(&f, &mut buf, |e| {
+        out.push(FileExtent {
+            logical: e.fe_logical,
+            physical: e.fe_physical,
+            length: e.fe_length,
+        })
+    })
+    .map_err(|e| StorageError::io("fiemap", path, e))?;
+    Ok(out)
+}
+
+/// Bytes of `cur` (an extent map in file order) not stored where `prev` stored the
+/// same file offsets: on a copy-on-write file system, the data written since `prev`
+/// was taken (new data in holes included). Both maps must be in file order.
+pub fn rewritten_bytes(prev: &[FileExtent], cur: &[FileExtent]) -> u64 {
+    let mut unchanged = 0u64;
+    let mut total = 0u64;
+    let mut j = 0usize;
+    for c in cur {
+        total += c.length;
+        let (c0, c1) = (c.logical, c.logical.saturating_add(c.length));
+        // Skip the extents of `prev` that end before this one starts.
+        while j < prev.len() && prev[j].logical.saturating_add(prev[j].length) <= c0 {
+            j += 1;
+        }
+        let mut k = j;
+        while k < prev.len() && prev[k].logical < c1 {
+            let p = &prev[k];
+            let (p0, p1) = (p.logical, p.logical.saturating_add(p.length));
+            // Same place iff the offset→address shift is the same over the overlap.
+            let same =
+                i128::from(p.physical) - i128::from(p0) == i128::from(c.physical) - i128::from(c0);
+            if same {
+                unchanged += c1.min(p1).saturating_sub(c0.max(p0));
+            }
+            k += 1;
+        }
+    }
+    total.saturating_sub(unchanged)
 }
 
 /// Quota status of a btrfs file system.
@@ -268,6 +343,61 @@ mod tests {
             exclusive_bytes: 3,
         };
         assert_eq!(u.shared_bytes(), 7);
+    }
+
+    fn ext(logical: u64, physical: u64, length: u64) -> FileExtent {
+        FileExtent {
+            logical,
+            physical,
+            length,
+        }
+    }
+
+    #[test]
+    fn rewritten_bytes_counts_moved_and_new_ranges() {
+        let prev = [ext(0, 1000, 100), ext(200, 5000, 100)];
+        // Nothing changed, also when the same place is reported merged or split.
+        assert_eq!(rewritten_bytes(&prev, &prev), 0);
+        let split = [ext(0, 1000, 50), ext(50, 1050, 50), ext(200, 5000, 100)];
+        assert_eq!(rewritten_bytes(&split, &prev), 0);
+        assert_eq!(rewritten_bytes(&prev, &split), 0);
+        // The middle of the first extent rewritten elsewhere, a hole filled, the
+        // second extent untouched.
+        let cur = [
+            ext(0, 1000, 40),
+            ext(40, 9000, 20),
+            ext(60, 1060, 40),
+            ext(100, 9020, 50),
+            ext(200, 5000, 100),
+        ];
+        assert_eq!(rewritten_bytes(&prev, &cur), 70);
+        // Everything new.
+        assert_eq!(rewritten_bytes(&[], &cur), 250);
+        // A range that overlaps two old extents at a shifted address is all new.
+        assert_eq!(rewritten_bytes(&prev, &[ext(50, 1100, 200)]), 200);
+        // Removed data does not count.
+        assert_eq!(rewritten_bytes(&prev, &[]), 0);
+    }
+
+    #[test]
+    fn extent_map_of_a_written_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f");
+        let data = vec![7u8; 1 << 20];
+        std::fs::write(&p, &data).unwrap();
+        File::open(&p).unwrap().sync_all().unwrap();
+        match file_extent_map(&p) {
+            Ok(map) => {
+                let total: u64 = map.iter().map(|e| e.length).sum();
+                assert!(total >= 1 << 20, "{map:?}");
+                assert_eq!(rewritten_bytes(&map, &map), 0);
+            }
+            // tmpfs and friends have no FIEMAP.
+            Err(StorageError::Io { source, .. })
+                if source.raw_os_error() == Some(libc::EOPNOTSUPP) => {}
+            Err(e) => panic!("{e}"),
+        }
+        assert!(file_extent_map(&dir.path().join("missing")).is_err());
     }
 
     #[test]
