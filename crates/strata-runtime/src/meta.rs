@@ -68,6 +68,11 @@ pub struct StateMeta {
     /// Guest hostname.
     #[serde(default)]
     pub hostname: Option<String>,
+    /// Set on the wake snapshot of a sandbox created hibernated (never
+    /// started): its first start gives the guest a new identity and runs with
+    /// this size (the disk grows to it). Cleared in the sandbox once started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_start: Option<SandboxSize>,
     /// When this file was written.
     pub written_at: DateTime<Utc>,
 }
@@ -187,6 +192,7 @@ mod tests {
             sandbox: None,
             template: None,
             hostname: None,
+            first_start: None,
             written_at: Utc::now(),
         }
     }

@@ -520,6 +520,7 @@ impl Runtime {
             sandbox: None,
             template: Some(tpl.to_string()),
             hostname: Some("strata".into()),
+            first_start: None,
             written_at: Utc::now(),
         };
         let mut spec = self.spec_for(build_id, work, &meta, accel);
@@ -783,24 +784,10 @@ impl Runtime {
                 id: src_name.to_owned(),
                 reason: e.0,
             })?;
-        let mut want = meta.size;
-        if let Some(s) = size {
-            s.validate()
-                .map_err(|e| RuntimeError::Invalid(e.to_string()))?;
-            if s.vcpus != meta.size.vcpus || s.memory_mib != meta.size.memory_mib {
-                return Err(RuntimeError::Invalid(format!(
-                    "{src_name} was taken with {} vCPU(s) and {} MiB; a sandbox made from it keeps them (asked {} vCPU(s), {} MiB)",
-                    meta.size.vcpus, meta.size.memory_mib, s.vcpus, s.memory_mib
-                )));
-            }
-            if s.disk_gib < meta.size.disk_gib {
-                return Err(RuntimeError::Invalid(format!(
-                    "disk_gib {} is smaller than the source's {} GiB; disks only grow",
-                    s.disk_gib, meta.size.disk_gib
-                )));
-            }
-            want = s;
-        }
+        // A sandbox created hibernated starts for the first time here: it gets
+        // its identity now, and the size it was created with.
+        let new_identity = new_identity || meta.first_start.is_some();
+        let want = wanted_size(&meta, src_name, size.or(meta.first_start))?;
         if self.live(id).is_ok() {
             return Err(RuntimeError::Invalid(format!(
                 "sandbox {id} already has a VM"
@@ -828,6 +815,7 @@ impl Runtime {
         let clone_ms = ms(t_snap);
         let mut new_meta = StateMeta {
             sandbox: Some(id.to_string()),
+            first_start: None,
             written_at: Utc::now(),
             ..meta.clone()
         };
@@ -880,6 +868,85 @@ impl Runtime {
                 Err(e)
             }
         }
+    }
+
+    /// Creates sandbox `id` hibernated, without starting a VM: its wake
+    /// snapshot `snap` is a read-only btrfs snapshot of the source whose
+    /// metadata names the sandbox and asks the first start for a new identity
+    /// (hostname, machine-id, entropy) and `size` (the disk grows then). Costs
+    /// one snapshot ioctl and a metadata file; no QEMU, no guest RAM.
+    /// [`Runtime::wake`] from `snap` then starts it as [`Runtime::create`]
+    /// would have. The source is checked as a create checks it, so a snapshot
+    /// this host cannot restore is refused now rather than at the first wake.
+    pub async fn create_hibernated(
+        &self,
+        id: &SandboxId,
+        source: &Source,
+        snap: &SnapshotId,
+        size: Option<SandboxSize>,
+    ) -> Result<SnapshotInfo> {
+        let lock = self.op_lock(id.as_str());
+        let _g = lock.lock().await;
+        let (src_dir, src_name) = match source {
+            Source::Template(t) => (self.template_dir(t), t.to_string()),
+            Source::Snapshot(s) => (self.snapshot_dir(s), s.to_string()),
+        };
+        if !src_dir.exists() {
+            return Err(RuntimeError::SnapshotNotFound(src_name));
+        }
+        let meta = StateMeta::read(&src_dir).map_err(|e| RuntimeError::SnapshotUnusable {
+            id: src_name.clone(),
+            reason: e.0,
+        })?;
+        let accel = self.accel().await?;
+        meta.check_restorable(&src_dir, &self.qemu_version, accel.qemu_name())
+            .map_err(|e| RuntimeError::SnapshotUnusable {
+                id: src_name.clone(),
+                reason: e.0,
+            })?;
+        let want = wanted_size(&meta, &src_name, size)?;
+        if self.live(id).is_ok() || self.sandbox_dir(id).exists() {
+            return Err(RuntimeError::Invalid(format!(
+                "sandbox {id} already exists"
+            )));
+        }
+        let dst = self.snapshot_dir(snap);
+        if dst.exists() {
+            return Err(RuntimeError::Invalid(format!(
+                "snapshot {snap} already exists"
+            )));
+        }
+        self.check_free_space()?;
+        let new_meta = StateMeta {
+            sandbox: Some(id.to_string()),
+            hostname: Some(id.to_string()),
+            first_start: Some(want),
+            written_at: Utc::now(),
+            ..meta
+        };
+        let pool = self.pool.clone();
+        let device_state_bytes = blocking(move || {
+            pool.snapshot(&src_dir, &dst, false).map_err(storage_err)?;
+            let made = new_meta
+                .write(&dst)
+                .map_err(|e| io_err("write meta.json", e))
+                .and_then(|()| pool.set_readonly(&dst, true).map_err(storage_err));
+            if let Err(e) = made {
+                let _ = pool.trash(&dst);
+                return Err(e);
+            }
+            Ok(std::fs::metadata(dst.join(files::DEVICE_STATE))
+                .map(|m| m.len())
+                .unwrap_or(0))
+        })
+        .await?;
+        tracing::info!(sandbox = %id, snapshot = %snap, from = %src_name, "sandbox created hibernated");
+        Ok(SnapshotInfo {
+            id: snap.clone(),
+            pause_ms: 0.0,
+            device_state_bytes,
+            created_at: Utc::now(),
+        })
     }
 
     async fn grow_disk(&self, id: &SandboxId, live: &Live, bytes: u64) -> Result<()> {
@@ -1187,6 +1254,34 @@ impl Runtime {
         }
         vms.clear();
     }
+}
+
+/// The size a sandbox made from state `meta` (named `src_name`) runs with:
+/// `asked` when given (same vCPUs and memory as the state, a disk at least as
+/// large), else the state's own.
+fn wanted_size(
+    meta: &StateMeta,
+    src_name: &str,
+    asked: Option<SandboxSize>,
+) -> Result<SandboxSize> {
+    let Some(s) = asked else {
+        return Ok(meta.size);
+    };
+    s.validate()
+        .map_err(|e| RuntimeError::Invalid(e.to_string()))?;
+    if s.vcpus != meta.size.vcpus || s.memory_mib != meta.size.memory_mib {
+        return Err(RuntimeError::Invalid(format!(
+            "{src_name} was taken with {} vCPU(s) and {} MiB; a sandbox made from it keeps them (asked {} vCPU(s), {} MiB)",
+            meta.size.vcpus, meta.size.memory_mib, s.vcpus, s.memory_mib
+        )));
+    }
+    if s.disk_gib < meta.size.disk_gib {
+        return Err(RuntimeError::Invalid(format!(
+            "disk_gib {} is smaller than the source's {} GiB; disks only grow",
+            s.disk_gib, meta.size.disk_gib
+        )));
+    }
+    Ok(s)
 }
 
 /// Loads the guest image the runtime boots templates from.

@@ -281,6 +281,18 @@ pub trait Engine: Send + Sync + 'static {
         size: SandboxSize,
     ) -> EngineResult<VmInfo>;
 
+    /// Creates a sandbox hibernated, without starting a VM: `snap` becomes
+    /// its wake snapshot (a copy-on-write snapshot of `source`, no guest RAM
+    /// or CPU used). The first [`Engine::wake`] from `snap` starts the guest
+    /// as [`Engine::create`] would have (new identity, `size`).
+    async fn create_hibernated(
+        &self,
+        id: &SandboxId,
+        source: &Source,
+        snap: &SnapshotId,
+        size: SandboxSize,
+    ) -> EngineResult<SnapshotInfo>;
+
     /// Snapshots a running or paused sandbox; it stays in its state.
     async fn snapshot(&self, id: &SandboxId, snap: &SnapshotId) -> EngineResult<SnapshotInfo>;
 

@@ -796,6 +796,92 @@ impl Service {
             .await
     }
 
+    /// Creates a sandbox from a template directly in the hibernated state
+    /// (`"start": false`): no VM starts and no capacity is reserved. Its wake
+    /// snapshot is a copy-on-write snapshot of the template (listed as its
+    /// `hibernate` snapshot, kept by retention as its newest), and its first
+    /// use (exec, files, resume, snapshot, fork) wakes it with a new identity
+    /// and the size asked here. Validated like [`Service::create`].
+    pub async fn create_hibernated(
+        self: &Arc<Self>,
+        cmd: CreateSandbox,
+    ) -> ServiceResult<SandboxRecord> {
+        let size = cmd.spec.size.over(SandboxSize::default());
+        size.validate()?;
+        let tpl = self.resolve_template(cmd.template).await?;
+        let size = cmd.spec.size.over(tpl.size);
+        size.validate()?;
+        check_source_size(&format!("template {}", tpl.id), tpl.size, size)?;
+        let mut rec = self.new_record(&cmd.spec, size)?;
+        rec.template = Some(tpl.id.clone());
+        let span = tracing::info_span!("create_hibernated", sandbox = %rec.id);
+        async move {
+            let mut snap = self.new_snapshot(&rec, SnapshotKind::Hibernate, None);
+            {
+                // Recorded first, both pending: a crash before the end is
+                // rolled back by recovery (sandbox deleted, snapshot removed).
+                let ev = Event::new(
+                    &rec,
+                    Op::Created,
+                    None,
+                    EventPhase::Pending,
+                    Some(format!("start=false, wake snapshot {}", snap.id)),
+                    self.now(),
+                );
+                let (r, sn) = (rec.clone(), snap.clone());
+                self.db(move |s| {
+                    s.insert_sandbox(&r, &ev)?;
+                    s.put_snapshot(&sn)
+                })
+                .await?;
+            }
+            let source = Source::Template(tpl.id.clone());
+            match self
+                .engine
+                .create_hibernated(&rec.id, &source, &snap.id, rec.size)
+                .await
+            {
+                Ok(info) => {
+                    Self::ready(&mut snap, &info);
+                    self.done(
+                        &mut rec,
+                        Op::Created,
+                        SandboxState::Hibernated,
+                        &[&snap],
+                        Some(format!("hibernated, wakes from {}", snap.id)),
+                    )
+                    .await?;
+                    self.spawn_usage(snap.id.clone());
+                    info!(snapshot = %snap.id, "sandbox created hibernated");
+                    Ok(rec)
+                }
+                Err(e) => {
+                    warn!(error = %e, "create (hibernated) failed");
+                    let _ = self.engine.delete_snapshot(&snap.id).await;
+                    let _ = self.engine.delete(&rec.id).await;
+                    Self::dropped(&mut snap, format!("create failed: {e}"));
+                    rec.pending_op = None;
+                    rec.state = SandboxState::Deleted;
+                    rec.deleted_at = Some(self.now());
+                    rec.state_reason = Some(format!("create failed: {e}"));
+                    let ev = Event::new(
+                        &rec,
+                        Op::Created,
+                        Some(SandboxState::Deleted),
+                        EventPhase::Failed,
+                        Some(e.to_string()),
+                        self.now(),
+                    );
+                    let (r, sn) = (rec.clone(), snap.clone());
+                    let _ = self.db(move |s| s.commit(&[&r], &[&sn], Some(&ev))).await;
+                    Err(e.into())
+                }
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
     /// Starts the build of the default template (`tpl-default`, named
     /// `default`, of `default_size`) unless a template is ready or building.
     /// Returns the build started, if any.

@@ -12,7 +12,7 @@ mod common;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use common::{alive, Daemon};
+use common::{alive, qemu_pids, Daemon};
 use serde_json::{json, Value};
 
 fn rt() -> &'static tokio::runtime::Runtime {
@@ -481,6 +481,106 @@ fn idle_sandbox_hibernates_and_wakes_on_request() {
         let v = d.ok("GET", &format!("/v1/sandboxes/{a}"), None, 200).await;
         assert_eq!(v["state"], "running");
         delete(d, &a).await;
+    });
+}
+
+#[test]
+fn created_with_start_false_runs_no_vm_until_first_use() {
+    let d = daemon();
+    rt().block_on(async {
+        let tpl = d.ok("GET", "/v1/templates/tpl-default", None, 200).await;
+        let disk = tpl["size"]["disk_gib"].as_u64().expect("disk_gib") + 1;
+        let t = Instant::now();
+        let v = d
+            .ok(
+                "POST",
+                "/v1/sandboxes",
+                Some(json!({
+                    "start": false,
+                    "size": { "disk_gib": disk },
+                    "labels": { "test": "start-false" }
+                })),
+                201,
+            )
+            .await;
+        eprintln!("create hibernated: {:?}", t.elapsed());
+        assert_eq!(v["state"], "hibernated", "{v}");
+        assert!(v["pid"].is_null(), "{v}");
+        let a = v["id"].as_str().expect("id").to_owned();
+        assert!(
+            !qemu_pids(&d.run_dir).iter().any(|(n, _)| *n == a),
+            "a QEMU runs for {a}"
+        );
+        let snaps = snapshots(d, &a).await;
+        assert_eq!(snaps.len(), 1, "{snaps:?}");
+        assert_eq!(
+            (snaps[0]["kind"].as_str(), snaps[0]["status"].as_str()),
+            (Some("hibernate"), Some("ready"))
+        );
+        let listed = d
+            .ok(
+                "GET",
+                "/v1/sandboxes?state=hibernated&label=test%3Dstart-false",
+                None,
+                200,
+            )
+            .await;
+        assert_eq!(
+            listed["items"].as_array().map(Vec::len),
+            Some(1),
+            "{listed}"
+        );
+        // The first use wakes it as a create would have started it: its own
+        // identity and the disk it was created with.
+        let t = Instant::now();
+        let e = d.sh(&a, "hostname; cat /sys/block/vda/size").await;
+        eprintln!("first exec (wake): {:?}", t.elapsed());
+        assert_eq!(e.code, Some(0), "{:?}", e.error);
+        let out = e.out();
+        let mut lines = out.lines();
+        assert_eq!(lines.next(), Some(a.as_str()), "{out}");
+        assert_eq!(
+            lines.next().and_then(|l| l.trim().parse::<u64>().ok()),
+            Some((disk << 30) / 512),
+            "{out}"
+        );
+        let v = d.ok("GET", &format!("/v1/sandboxes/{a}"), None, 200).await;
+        assert_eq!(v["state"], "running", "{v}");
+        assert!(alive(v["pid"].as_u64().expect("pid") as u32), "{v}");
+        // It behaves like any sandbox from then on.
+        assert_eq!(d.sh(&a, "echo x > /root/x").await.code, Some(0));
+        d.ok("POST", &format!("/v1/sandboxes/{a}/hibernate"), None, 200)
+            .await;
+        assert_eq!(d.sh(&a, "cat /root/x").await.out(), "x");
+        delete(d, &a).await;
+        // Bad input: clear 4xx, nothing created.
+        for (body, status, c) in [
+            (json!({"start": "no"}), 400, "invalid_request"),
+            (
+                json!({"start": false, "colour": "red"}),
+                400,
+                "invalid_request",
+            ),
+            (
+                json!({"start": false, "size": {"vcpus": 2}}),
+                400,
+                "invalid_request",
+            ),
+            (
+                json!({"start": false, "size": {"disk_gib": 0}}),
+                400,
+                "invalid_size",
+            ),
+            (
+                json!({"start": false, "template": "tpl-nope"}),
+                404,
+                "not_found",
+            ),
+        ] {
+            let (s, v) = d.call("POST", "/v1/sandboxes", Some(body.clone())).await;
+            assert_eq!((s, code(&v)), (status, c), "{body}: {v}");
+            assert!(!v["error"]["message"].as_str().unwrap_or("").is_empty());
+        }
     });
 }
 

@@ -22,11 +22,39 @@ fn invalid(msg: impl Into<String>) -> ApiError {
     ApiError::new(ErrorCode::InvalidRequest, msg)
 }
 
+/// `POST /v1/sandboxes` body: [`CreateSandbox`] plus `start`.
+#[derive(Debug, Deserialize)]
+pub(super) struct CreateBody {
+    /// `false`: create the sandbox hibernated, without starting a VM; its
+    /// first use wakes it. Default `true`.
+    #[serde(default = "yes")]
+    start: bool,
+    #[serde(flatten)]
+    cmd: CreateSandbox,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl Default for CreateBody {
+    fn default() -> Self {
+        CreateBody {
+            start: true,
+            cmd: CreateSandbox::default(),
+        }
+    }
+}
+
 pub(super) async fn create(
     State(svc): State<Arc<Service>>,
-    Body(cmd): Body<CreateSandbox>,
+    Body(body): Body<CreateBody>,
 ) -> ApiResult<impl IntoResponse> {
-    let rec = svc.create(cmd).await?;
+    let rec = if body.start {
+        svc.create(body.cmd).await?
+    } else {
+        svc.create_hibernated(body.cmd).await?
+    };
     Ok((StatusCode::CREATED, Json(rec)))
 }
 

@@ -54,6 +54,15 @@ impl Engine for Double {
     async fn create(&self, _: &SandboxId, _: &Source, size: SandboxSize) -> EngineResult<VmInfo> {
         Ok(self.vm(size))
     }
+    async fn create_hibernated(
+        &self,
+        _: &SandboxId,
+        _: &Source,
+        snap: &SnapshotId,
+        _: SandboxSize,
+    ) -> EngineResult<SnapshotInfo> {
+        Ok(snap_info(snap))
+    }
     async fn snapshot(&self, _: &SandboxId, snap: &SnapshotId) -> EngineResult<SnapshotInfo> {
         self.snaps.lock().unwrap().push(snap.clone());
         Ok(snap_info(snap))
@@ -575,6 +584,57 @@ async fn hibernated_sandbox_wakes_on_access() {
     assert_eq!(s, StatusCode::OK);
     let (_, v) = call(&h, "GET", &format!("/v1/sandboxes/{id}"), "").await;
     assert_eq!(v["state"], "running");
+}
+
+#[tokio::test]
+async fn create_with_start_false_is_hibernated_and_wakes_on_access() {
+    let h = harness();
+    let (s, v) = call(
+        &h,
+        "POST",
+        "/v1/sandboxes",
+        r#"{"template":"tpl-base","start":false,"labels":{"team":"h"}}"#,
+    )
+    .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    assert_eq!(v["state"], "hibernated", "{v}");
+    assert!(v["pid"].is_null(), "{v}");
+    assert!(v["pending_op"].is_null(), "{v}");
+    let id = v["id"].as_str().unwrap().to_owned();
+    let (_, snaps) = call(&h, "GET", &format!("/v1/sandboxes/{id}/snapshots"), "").await;
+    let items = snaps["items"].as_array().unwrap();
+    assert_eq!(items.len(), 1, "{snaps}");
+    assert_eq!(
+        (&items[0]["kind"], &items[0]["status"]),
+        (&json!("hibernate"), &json!("ready"))
+    );
+    // A hibernated sandbox holds no capacity: many fit where four running ones do.
+    for _ in 0..6 {
+        let (s, v) = call(&h, "POST", "/v1/sandboxes", r#"{"start":false}"#).await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+    }
+    let (s, _) = call(
+        &h,
+        "POST",
+        &format!("/v1/sandboxes/{id}/exec"),
+        r#"{"cmd":["true"]}"#,
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+    let (_, v) = call(&h, "GET", &format!("/v1/sandboxes/{id}"), "").await;
+    assert_eq!(v["state"], "running");
+    assert!(v["pid"].is_number(), "{v}");
+    for body in [
+        r#"{"start":"no"}"#,
+        r#"{"start":0}"#,
+        r#"{"start":false,"colour":"red"}"#,
+        r#"{"start":false,"size":{"vcpus":2}}"#,
+        r#"{"start":false,"template":"tpl-nope"}"#,
+    ] {
+        let (s, v) = call(&h, "POST", "/v1/sandboxes", body).await;
+        assert!(s.is_client_error(), "{body}: {s} {v}");
+        assert!(!v["error"]["message"].as_str().unwrap().is_empty(), "{v}");
+    }
 }
 
 #[tokio::test]

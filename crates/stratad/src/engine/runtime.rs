@@ -156,6 +156,24 @@ impl Engine for RuntimeEngine {
         Ok(vm_info(info))
     }
 
+    async fn create_hibernated(
+        &self,
+        id: &SandboxId,
+        source: &Source,
+        snap: &SnapshotId,
+        size: SandboxSize,
+    ) -> EngineResult<SnapshotInfo> {
+        let src = match source {
+            Source::Template(t) => strata_runtime::Source::Template(t.clone()),
+            Source::Snapshot(s) => strata_runtime::Source::Snapshot(s.clone()),
+        };
+        self.rt
+            .create_hibernated(id, &src, snap, Some(size))
+            .await
+            .map(snap_info)
+            .map_err(rt_err)
+    }
+
     async fn snapshot(&self, id: &SandboxId, snap: &SnapshotId) -> EngineResult<SnapshotInfo> {
         self.rt
             .snapshot(id, snap)

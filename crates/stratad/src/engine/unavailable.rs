@@ -26,6 +26,15 @@ impl Engine for UnavailableEngine {
     async fn create(&self, _: &SandboxId, _: &Source, _: SandboxSize) -> EngineResult<VmInfo> {
         no()
     }
+    async fn create_hibernated(
+        &self,
+        _: &SandboxId,
+        _: &Source,
+        _: &SnapshotId,
+        _: SandboxSize,
+    ) -> EngineResult<SnapshotInfo> {
+        no()
+    }
     async fn snapshot(&self, _: &SandboxId, _: &SnapshotId) -> EngineResult<SnapshotInfo> {
         no()
     }
