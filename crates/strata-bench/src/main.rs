@@ -252,3 +252,19 @@ fn main() -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    #[test]
+    fn flags_of_all_sections_fit_in_one_command() {
+        Cli::command().debug_assert();
+        let cli = Cli::try_parse_from(["strata-bench", "--smoke", "--only", "scale,snapshot"])
+            .expect("parse");
+        assert!(cli.smoke);
+        assert_eq!(cli.only, ["scale", "snapshot"]);
+    }
+}

@@ -1,7 +1,8 @@
 //! The six parts of the benchmark. Each module has an `Args` (its flags,
 //! all prefixed with the section key, with defaults sized so the whole run
 //! finishes in under 15 minutes on a 2-core machine, and a `smoke()` that
-//! shrinks them to the CI smoke size) and a `run` that fills a [`Section`]
+//! shrinks them to the CI smoke size; it must carry `#[group(id = "<key>-args")]`,
+//! or clap refuses the flattened CLI) and a `run` that fills a [`Section`]
 //! as it measures, so a failure part-way still reports what was measured.
 
 pub mod density;
