@@ -44,7 +44,7 @@ pub struct Args {
     #[arg(long = "scale-records", default_value_t = 1_000_000)]
     pub records: usize,
     /// Timed operations of each kind.
-    #[arg(long = "scale-ops", default_value_t = 2000)]
+    #[arg(long = "scale-ops", default_value_t = 1000)]
     pub ops: usize,
     /// Running sandboxes the scheduler tracks (simulated VMs).
     #[arg(long = "scale-running", default_value_t = 10_000)]

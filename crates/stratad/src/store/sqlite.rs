@@ -25,7 +25,7 @@ use strata_core::{Op, SandboxId, SandboxSize, SandboxState, SnapshotId, Template
 use super::*;
 
 /// Newest schema version this build knows.
-pub const SCHEMA_VERSION: i64 = 2;
+pub const SCHEMA_VERSION: i64 = 3;
 
 const MIGRATIONS: &[&str] = &[
     // 1: initial schema.
@@ -108,6 +108,18 @@ const MIGRATIONS: &[&str] = &[
     "#,
     // 2: tokens, tenants, policies, approvals, audit head (see `security::store`).
     crate::security::store::MIGRATION_V2,
+    // 3: label rows carry their sandbox's tenant and creation time, so a
+    // label filter walks one index in listing order instead of testing every
+    // live sandbox of the tenant (1.8 s p99 at 1M records before, see
+    // `strata-bench --only scale`).
+    r#"
+    ALTER TABLE sandbox_labels ADD COLUMN tenant_id TEXT NOT NULL DEFAULT '';
+    ALTER TABLE sandbox_labels ADD COLUMN created_at INTEGER NOT NULL DEFAULT 0;
+    UPDATE sandbox_labels SET
+        tenant_id = (SELECT s.tenant_id FROM sandboxes s WHERE s.id = sandbox_labels.sandbox_id),
+        created_at = (SELECT s.created_at FROM sandboxes s WHERE s.id = sandbox_labels.sandbox_id);
+    CREATE INDEX sandbox_labels_in_order ON sandbox_labels (tenant_id, key, value, created_at, sandbox_id);
+    "#,
 ];
 
 /// SQLite implementation of [`Store`].
@@ -415,10 +427,11 @@ fn write_sandbox(tx: &Connection, rec: &SandboxRecord, insert: bool) -> StoreRes
     )?;
     if rec.state != SandboxState::Deleted {
         let mut stmt = tx.prepare_cached(
-            "INSERT INTO sandbox_labels (sandbox_id, key, value) VALUES (?1, ?2, ?3)",
+            "INSERT INTO sandbox_labels (sandbox_id, key, value, tenant_id, created_at) \
+             VALUES (?1, ?2, ?3, ?4, ?5)",
         )?;
         for (k, v) in &rec.labels {
-            stmt.execute(params![rec.id.as_str(), k, v])?;
+            stmt.execute(params![rec.id.as_str(), k, v, rec.tenant, ms(rec.created_at)])?;
         }
     }
     Ok(())
@@ -608,32 +621,58 @@ impl Store for SqliteStore {
 
     fn list_sandboxes(&self, f: &SandboxFilter) -> StoreResult<Page<SandboxRecord>> {
         let limit = f.limit.clamp(1, 1000);
-        let mut sql = format!("SELECT {SANDBOX_COLS} FROM sandboxes s WHERE tenant_id = ?");
+        let cols = SANDBOX_COLS
+            .split(',')
+            .map(|c| format!("s.{}", c.trim()))
+            .collect::<Vec<_>>()
+            .join(", ");
         let mut args: Vec<Box<dyn rusqlite::ToSql>> = vec![Box::new(f.tenant.clone())];
+        let mut labels = f.labels.iter();
+        // With a label filter the first label leads: its index yields the
+        // tenant's sandboxes carrying it already in listing order (label rows
+        // exist only for sandboxes not deleted). Without one, the sandboxes'
+        // own (tenant, created_at, id) index does.
+        let (mut sql, order) = match labels.next() {
+            Some((k, v)) => {
+                args.push(Box::new(k.clone()));
+                args.push(Box::new(v.clone()));
+                (
+                    format!(
+                        "SELECT {cols} FROM sandbox_labels l JOIN sandboxes s ON s.id = l.sandbox_id \
+                         WHERE l.tenant_id = ? AND l.key = ? AND l.value = ? AND s.tenant_id = l.tenant_id"
+                    ),
+                    ("l.created_at", "l.sandbox_id"),
+                )
+            }
+            None => (
+                format!("SELECT {cols} FROM sandboxes s WHERE s.tenant_id = ?"),
+                ("s.created_at", "s.id"),
+            ),
+        };
         if f.states.is_empty() {
-            sql.push_str(" AND state != 'deleted'");
+            sql.push_str(" AND s.state != 'deleted'");
         } else {
-            sql.push_str(" AND state IN (");
+            sql.push_str(" AND s.state IN (");
             for (i, st) in f.states.iter().enumerate() {
                 sql.push_str(if i == 0 { "?" } else { ",?" });
                 args.push(Box::new(st.as_str()));
             }
             sql.push(')');
         }
-        for (k, v) in &f.labels {
+        for (k, v) in labels {
             sql.push_str(
-                " AND EXISTS (SELECT 1 FROM sandbox_labels l WHERE l.sandbox_id = s.id AND l.key = ? AND l.value = ?)",
+                " AND EXISTS (SELECT 1 FROM sandbox_labels x WHERE x.sandbox_id = s.id AND x.key = ? AND x.value = ?)",
             );
             args.push(Box::new(k.clone()));
             args.push(Box::new(v.clone()));
         }
         if let Some(c) = &f.cursor {
             let (t, id) = decode_cursor(c)?;
-            sql.push_str(" AND (created_at, id) > (?, ?)");
+            sql.push_str(&format!(" AND ({}, {}) > (?, ?)", order.0, order.1));
             args.push(Box::new(t));
             args.push(Box::new(id));
         }
-        sql.push_str(" ORDER BY created_at, id LIMIT ?");
+        sql.push_str(&format!(" ORDER BY {}, {} LIMIT ?", order.0, order.1));
         args.push(Box::new((limit + 1) as i64));
         let conn = self.reader();
         let refs: Vec<&dyn rusqlite::ToSql> = args.iter().map(|b| b.as_ref()).collect();

@@ -191,6 +191,9 @@ fn listing_uses_indexes() {
     );
     let p = plan("SELECT id FROM sandboxes s WHERE tenant_id = 'default' AND state IN ('running') ORDER BY created_at, id LIMIT 10");
     assert!(p.contains("sandboxes_by_state"), "{p}");
+    let p = plan("SELECT s.id FROM sandbox_labels l JOIN sandboxes s ON s.id = l.sandbox_id WHERE l.tenant_id = 'default' AND l.key = 'team' AND l.value = 't1' AND s.tenant_id = l.tenant_id AND s.state != 'deleted' AND (l.created_at, l.sandbox_id) > (1, 'sb-a') ORDER BY l.created_at, l.sandbox_id LIMIT 10");
+    assert!(p.contains("sandbox_labels_in_order"), "{p}");
+    assert!(!p.contains("TEMP B-TREE"), "label listing needs no sort: {p}");
     let p = plan("SELECT id FROM snapshots WHERE sandbox_id = 'sb-a' AND status = 'ready' AND created_at <= 5 ORDER BY created_at DESC LIMIT 1");
     assert!(p.contains("INDEX"), "{p}");
 }
@@ -309,4 +312,62 @@ fn templates_and_counts() {
     let c = s.counts().unwrap();
     assert_eq!(c.sandboxes_by_state.get("running"), Some(&1));
     assert_eq!(c.templates_ready, 1);
+}
+
+#[test]
+fn label_index_is_filled_by_the_migration() {
+    // A database as schema version 2 left it: label rows without tenant or time.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("strata.db");
+    let a = sandbox(1, SandboxState::Running);
+    let b = sandbox(4, SandboxState::Running);
+    {
+        let conn = Connection::open(&path).unwrap();
+        for m in &MIGRATIONS[..2] {
+            conn.execute_batch(m).unwrap();
+        }
+        conn.execute_batch("PRAGMA user_version = 2").unwrap();
+        for r in [&a, &b] {
+            conn.execute(
+                "INSERT INTO sandboxes (id, tenant_id, vcpus, memory_mib, disk_gib, labels, state, \
+                 created_at, updated_at, last_activity_at) VALUES (?1, 'default', 1, 256, 2, ?2, 'running', ?3, ?3, ?3)",
+                params![r.id.as_str(), serde_json::to_string(&r.labels).unwrap(), ms(r.created_at)],
+            )
+            .unwrap();
+            for (k, v) in &r.labels {
+                conn.execute(
+                    "INSERT INTO sandbox_labels (sandbox_id, key, value) VALUES (?1, ?2, ?3)",
+                    params![r.id.as_str(), k, v],
+                )
+                .unwrap();
+            }
+        }
+    }
+    let s = SqliteStore::open(&path, 1).unwrap();
+    // sandbox(i) is labelled team=t{i % 3}: 1 and 4 both carry t1.
+    let f = SandboxFilter {
+        tenant: DEFAULT_TENANT.into(),
+        labels: BTreeMap::from([("team".into(), "t1".into())]),
+        limit: 1,
+        ..Default::default()
+    };
+    let first = s.list_sandboxes(&f).unwrap();
+    assert_eq!(first.items.len(), 1);
+    let second = s
+        .list_sandboxes(&SandboxFilter {
+            cursor: first.next_cursor.clone(),
+            ..f.clone()
+        })
+        .unwrap();
+    let mut got = vec![first.items[0].id.clone(), second.items[0].id.clone()];
+    got.sort();
+    let mut want = vec![a.id.clone(), b.id.clone()];
+    want.sort();
+    assert_eq!(got, want);
+    assert!(second.next_cursor.is_none());
+    let other = SandboxFilter {
+        tenant: "other".into(),
+        ..f
+    };
+    assert!(s.list_sandboxes(&other).unwrap().items.is_empty());
 }
