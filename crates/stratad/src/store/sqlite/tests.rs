@@ -193,7 +193,10 @@ fn listing_uses_indexes() {
     assert!(p.contains("sandboxes_by_state"), "{p}");
     let p = plan("SELECT s.id FROM sandbox_labels l JOIN sandboxes s ON s.id = l.sandbox_id WHERE l.tenant_id = 'default' AND l.key = 'team' AND l.value = 't1' AND s.tenant_id = l.tenant_id AND s.state != 'deleted' AND (l.created_at, l.sandbox_id) > (1, 'sb-a') ORDER BY l.created_at, l.sandbox_id LIMIT 10");
     assert!(p.contains("sandbox_labels_in_order"), "{p}");
-    assert!(!p.contains("TEMP B-TREE"), "label listing needs no sort: {p}");
+    assert!(
+        !p.contains("TEMP B-TREE"),
+        "label listing needs no sort: {p}"
+    );
     let p = plan("SELECT id FROM snapshots WHERE sandbox_id = 'sb-a' AND status = 'ready' AND created_at <= 5 ORDER BY created_at DESC LIMIT 1");
     assert!(p.contains("INDEX"), "{p}");
 }
