@@ -473,6 +473,9 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
     let d = BenchDaemon::start(ctx, "strata-bench-load-", 16, size, |cfg| {
         // `n` 1-vCPU sandboxes whatever the host's CPU count.
         cfg.capacity.vcpus = n as u32;
+        // `App::stop` leaves the exit watcher running: with auto-recovery on,
+        // the teardown's kill of the VMs would have them restored (and leaked).
+        cfg.auto_recover = false;
         cfg.security.rate_limit_per_second = 100_000.0;
         cfg.security.rate_limit_burst = 100_000;
     })
