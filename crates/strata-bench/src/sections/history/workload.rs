@@ -386,12 +386,12 @@ pub fn step(k: u64) -> Step {
     let commit = format!(
         "python3 {GUEST_TOOLS}/edit.py {proj} {k} && cd {proj} && git add -A && git -c user.name=agent -c user.email=agent@sandbox -c gc.auto=0 commit -qm 'agent step {k}'"
     );
-    let (v_agent, v_json) = if cycle % 2 == 0 {
+    let (v_agent, v_json) = if cycle.is_multiple_of(2) {
         ("1.0.0", "0.3.0")
     } else {
         ("1.1.0", "0.4.0")
     };
-    let (u_agent, u_json) = if cycle % 2 == 0 {
+    let (u_agent, u_json) = if cycle.is_multiple_of(2) {
         ("1.1.0", "0.4.0")
     } else {
         ("1.0.0", "0.3.0")
@@ -401,7 +401,7 @@ pub fn step(k: u64) -> Step {
         0 => Step {
             label: "git clone",
             script: format!(
-                "rm -rf {proj} && mkdir -p {GUEST_WORK} && git clone -q --no-hardlinks {GUEST_REPO} {proj} && git -C {proj} log --oneline | wc -l >/dev/null"
+                "rm -rf {proj} && mkdir -p {GUEST_WORK} && git clone -q {GUEST_REPO} {proj} && git -C {proj} log --oneline | wc -l >/dev/null"
             ),
         },
         1 => Step {
