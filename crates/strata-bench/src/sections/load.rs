@@ -623,6 +623,18 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         &bounds,
         daemon_pause,
     )?;
+    let expected = (b_end - b_start).max(0.0) / args.load_interval.max(1) as f64 * n as f64;
+    if (rolling.len() as f64) < 0.9 * expected {
+        sec.text(format!(
+            "The schedule asked for about {expected:.0} rolling snapshots in phase (b) and {} were \
+             taken: the daemon runs at most {} scheduled snapshots at once and a slot that comes due \
+             while the scheduler waits for a free one is not made up for, and a \
+             scheduled snapshot that finds its sandbox busy with another operation (here, a \
+             manual snapshot) is skipped; with pauses this long the schedule fell behind.",
+            rolling.len(),
+            svc.config().max_concurrent_tasks
+        ));
+    }
     let mut all = a.recs.clone();
     all.extend(b.recs.iter().cloned());
     data["records"] = json!(all);
