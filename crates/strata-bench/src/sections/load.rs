@@ -552,6 +552,7 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
     data["idle_exec_ms"] = json!(idle);
     sec.data = data.clone();
 
+    let load_before = loadavg();
     let svc = d.app.service().clone();
     let t0 = Instant::now();
     let t0_utc = svc.now();
@@ -623,6 +624,14 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         &bounds,
         daemon_pause,
     )?;
+    let load_after = loadavg();
+    sec.text(format!(
+        "Host load average (1 min) when phase (a) started: {}; when phase (b) ended: {} \
+         (everything on the machine counts, including other work running beside this benchmark).",
+        load_before.map(fmt_num).unwrap_or_else(|| "unknown".into()),
+        load_after.map(fmt_num).unwrap_or_else(|| "unknown".into()),
+    ));
+    data["loadavg"] = json!({ "before": load_before, "after": load_after });
     let expected = (b_end - b_start).max(0.0) / args.load_interval.max(1) as f64 * n as f64;
     if (rolling.len() as f64) < 0.9 * expected {
         sec.text(format!(
@@ -708,6 +717,16 @@ fn ops_table(args: &Args, idle: &[f64], phases: &[&PhaseOut]) -> Table {
         }
     }
     t
+}
+
+/// The host's 1-minute load average.
+fn loadavg() -> Option<f64> {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// Execs of the unloaded reference (one client, one at a time).
