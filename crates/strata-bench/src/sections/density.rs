@@ -499,7 +499,7 @@ async fn hibernated_many(
             .ok_or_else(|| anyhow!("no id in {v}"))?
             .to_owned();
         ids.push(id);
-        if (i + 1) % 250 == 0 {
+        if (i + 1).is_multiple_of(250) {
             eprintln!(
                 "density: {} hibernated created ({:.1} s)",
                 i + 1,

@@ -68,7 +68,7 @@ fn cold_slots(runs: usize, cold: usize) -> Vec<usize> {
 
 /// Whether run `i` reads its marker back (the first, the last, every 5th).
 fn checks(i: usize, runs: usize) -> bool {
-    i == 0 || i + 1 == runs || i % 5 == 0
+    i == 0 || i + 1 == runs || i.is_multiple_of(5)
 }
 
 async fn sh(rt: &Runtime, id: &SandboxId, script: &str) -> Result<String> {
