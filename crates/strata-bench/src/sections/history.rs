@@ -201,6 +201,19 @@ fn simulate_kept(policy: &RetentionPolicy, every: u64, minutes: u64, t0: DateTim
     live.len()
 }
 
+/// `k` random snapshots of `live`, preferring distinct workspace states (so the
+/// rewinds check different disk states, not the same one after a long idle
+/// stretch): a random order, the first snapshot of each state taken first,
+/// then the rest in that order.
+fn pick_rewinds(live: &[Snap], k: usize, rng: &mut impl rand::Rng) -> Vec<Snap> {
+    let mut order: Vec<&Snap> = live.iter().collect();
+    order.shuffle(rng);
+    let mut seen = std::collections::HashSet::new();
+    let (first, rest): (Vec<&Snap>, Vec<&Snap>) =
+        order.into_iter().partition(|s| seen.insert(s.state));
+    first.into_iter().chain(rest).take(k).cloned().collect()
+}
+
 /// Keeps at most `max` points, evenly spaced, always the last one.
 fn thin(points: &[(f64, f64)], max: usize) -> Vec<(f64, f64)> {
     if points.len() <= max || max < 2 {
@@ -743,12 +756,9 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
 
     // ---------------------------------------------------------------- rewinds
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let picks: Vec<Snap> = live
-        .choose_multiple(&mut rng, args.history_rewinds.min(live.len()))
-        .cloned()
-        .collect();
+    let picks = pick_rewinds(&live, args.history_rewinds, &mut rng);
     let mut rt_table = Table::new(
-        format!("Rewinds to random surviving snapshots (seed {seed}), each verified"),
+        format!("Rewinds to random surviving snapshots (seed {seed}; distinct workspace states first), each verified"),
         &[
             "snapshot",
             "tier",
@@ -854,7 +864,7 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
          rewind began), and it keeps counting.\n\n\
          **Compression.** {steps} steps of {every} virtual minute(s) ran in {loop_s:.0} s of real time: {} per \
          virtual minute without activity (snapshot + RAM marker + retention + deletes), {} per activity step (guest \
-         exec + checksum). Under TCG on this 2-core machine a snapshot pause is tens of ms, so the default run covers \
+         exec + checksum). Under TCG on this 2-core machine one virtual minute costs tens to hundreds of ms of real time, so the default run covers \
          {:.2} virtual days to stay within its time budget. The full week is \
          `strata-bench --accel tcg --only history --history-days 7` ({week_steps} snapshots, {} activity steps): \
          estimated from this run's rates at {week_est_min:.0} min. The same retention policy run alone over a week \
@@ -913,6 +923,22 @@ mod tests {
         assert_eq!(simulate_kept(&p, 1, 30, t0), 30);
         assert!(is_activity(0, 1, 120) && is_activity(2, 1, 120) && !is_activity(3, 1, 120));
         assert!(is_activity(240, 1, 120) && !is_activity(239, 1, 120));
+        let snaps: Vec<Snap> = (0..50u64)
+            .map(|i| Snap {
+                id: SnapshotId::generate(),
+                step: i,
+                at: t0,
+                state: if i < 45 { 0 } else { 1 + (i as usize % 2) },
+                counter_lo: 0,
+                counter_hi: 0,
+            })
+            .collect();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let p3 = pick_rewinds(&snaps, 3, &mut rng);
+        let states: std::collections::HashSet<usize> = p3.iter().map(|s| s.state).collect();
+        assert_eq!(states.len(), 3, "three distinct states first");
+        assert_eq!(pick_rewinds(&snaps, 10, &mut rng).len(), 10);
+        assert_eq!(pick_rewinds(&snaps[..2], 5, &mut rng).len(), 2);
         let pts: Vec<(f64, f64)> = (0..1000).map(|i| (i as f64, 0.0)).collect();
         let t = thin(&pts, 100);
         assert!(t.len() <= 101 && t.len() >= 50);
