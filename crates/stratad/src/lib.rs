@@ -109,7 +109,19 @@ impl App {
     /// Runs recovery, then starts the scheduler and the exit watcher.
     pub async fn start(&self) -> service::ServiceResult<recovery::RecoveryReport> {
         let report = recovery::reconcile(&self.service).await?;
-        self.service.spawn_exit_watcher();
+        // The exit watcher stops with the other background tasks: after
+        // `stop` a VM that dies (killed by whoever stopped the daemon) must
+        // not be restored by a daemon that is going away.
+        let watcher = self.service.spawn_exit_watcher();
+        let mut stopped = self.shutdown.subscribe();
+        tokio::spawn(async move {
+            while !*stopped.borrow() {
+                if stopped.changed().await.is_err() {
+                    break;
+                }
+            }
+            watcher.abort();
+        });
         let cfg = self.service.config();
         let driver = scheduler::DriverConfig {
             max_concurrent: cfg.max_concurrent_tasks,
@@ -125,7 +137,7 @@ impl App {
         Ok(report)
     }
 
-    /// Stops the background tasks (VMs keep running).
+    /// Stops the background tasks: scheduler and exit watcher (VMs keep running).
     pub fn stop(&self) {
         let _ = self.shutdown.send(true);
     }
