@@ -603,7 +603,7 @@ async fn hibernated_many(
         fmt_bytes(avail_before as f64),
         fmt_bytes(avail_after as f64),
         format!(
-            "{} (change, noise of a shared host included)",
+            "{} drop (negative: it rose; other work on this shared host included)",
             fmt_bytes(mem_delta / n)
         ),
     ]);
