@@ -263,10 +263,12 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         .tempdir_in("/tmp")
         .context("host scratch dir")?;
     let repo_dir = host.path().join("repo");
+    // Smoke size: a smaller repository (the clone dominates a smoke run's time).
+    let (repo_files, repo_commits) = if ctx.smoke { (60, 3) } else { (300, 8) };
     let repo_tar = host.path().join("repo.tar");
     {
         let (d, t) = (repo_dir.clone(), repo_tar.clone());
-        tokio::task::spawn_blocking(move || workload::make_repo(&d, &t, 300, 8))
+        tokio::task::spawn_blocking(move || workload::make_repo(&d, &t, repo_files, repo_commits))
             .await
             .context("make the repository")??;
     }
@@ -334,7 +336,7 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
     let written0 = disk_written(&agent).await?;
     let wheel_bytes: usize = wheels.iter().map(|w| w.1.len()).sum();
     eprintln!(
-        "history: guest set up in {:.1} s: repo of 300+ files in {} commits ({}), {} wheels ({}), counter pid {counter_pid}, site-packages {site}",
+        "history: guest set up in {:.1} s: repo of {repo_files}+ files in {} commits ({}), {} wheels ({}), counter pid {counter_pid}, site-packages {site}",
         t_setup.elapsed().as_secs_f64(),
         commits.trim(),
         fmt_bytes(tar.len() as f64),
@@ -350,7 +352,7 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
          \"now\" and really deletes (`Runtime::delete_snapshot`) every snapshot it selects. So {steps} snapshots \
          ({:.2} virtual days) are taken back to back instead of one a minute: the time is compressed, the snapshots, \
          deletions and bytes are real. Retention tiers: {}.\n\n\
-         **Workload.** Prepared on the host: a git repository of 300 source files plus later additions in {} commits \
+         **Workload.** Prepared on the host: a git repository of {repo_files} source files plus later additions in {} commits \
          (host `git`, uploaded as a tar through the agent's file API) and a folder of {} small pure-Python wheels \
          ({} in all: zip files with `<name>.dist-info/{{METADATA,WHEEL,RECORD}}`, written by the harness). The image \
          has python3 but no pip, so wheels are installed by a 30-line installer that does what pip does for a pure \

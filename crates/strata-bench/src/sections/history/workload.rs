@@ -382,9 +382,12 @@ pub struct Step {
 /// install, edit + commit, build, upgrade, edit + commit + tidy).
 pub fn step(k: u64) -> Step {
     let cycle = k / 6;
+    // An identity for every git command: without one git looks the host name
+    // up to make one (a DNS query in a guest with no network: seconds).
+    let git = "git -c user.name=agent -c user.email=agent@sandbox -c gc.auto=0";
     let proj = format!("{GUEST_WORK}/proj");
     let commit = format!(
-        "python3 {GUEST_TOOLS}/edit.py {proj} {k} && cd {proj} && git add -A && git -c user.name=agent -c user.email=agent@sandbox -c gc.auto=0 commit -qm 'agent step {k}'"
+        "python3 {GUEST_TOOLS}/edit.py {proj} {k} && cd {proj} && {git} add -A && {git} commit -qm 'agent step {k}'"
     );
     let (v_agent, v_json) = if cycle.is_multiple_of(2) {
         ("1.0.0", "0.3.0")
@@ -401,7 +404,7 @@ pub fn step(k: u64) -> Step {
         0 => Step {
             label: "git clone",
             script: format!(
-                "rm -rf {proj} && mkdir -p {GUEST_WORK} && git clone -q {GUEST_REPO} {proj} && git -C {proj} log --oneline | wc -l >/dev/null"
+                "rm -rf {proj} && mkdir -p {GUEST_WORK} && {git} clone -q {GUEST_REPO} {proj} && {git} -C {proj} log --oneline | wc -l >/dev/null"
             ),
         },
         1 => Step {
@@ -433,7 +436,7 @@ pub fn step(k: u64) -> Step {
         },
         _ => Step {
             label: "edit + commit + gc",
-            script: format!("{commit} && git -C {proj} gc -q"),
+            script: format!("{commit} && {git} -C {proj} gc -q"),
         },
     }
 }
