@@ -39,7 +39,7 @@ use workload::{GUEST_RAM_DIR, GUEST_REPO, GUEST_TOOLS, GUEST_WHEELS, GUEST_WORK}
 #[group(id = "history-args")]
 pub struct Args {
     /// Virtual days of history to run (a full week: 7; see the report for what it takes).
-    #[arg(long = "history-days", default_value_t = 0.5)]
+    #[arg(long = "history-days", default_value_t = 1.0 / 3.0)]
     pub history_days: f64,
     /// Virtual minutes between two snapshots (the daemon's rolling interval).
     #[arg(long = "history-every", default_value_t = 1)]
@@ -57,7 +57,7 @@ pub struct Args {
     #[arg(long = "history-seed")]
     pub history_seed: Option<u64>,
     /// Virtual minutes between two bursts of agent activity (3 steps each).
-    #[arg(long = "history-burst-every", default_value_t = 180)]
+    #[arg(long = "history-burst-every", default_value_t = 120)]
     pub history_burst_every: u64,
 }
 
@@ -967,18 +967,18 @@ mod tests {
             image,
             accel: strata_core::Accel::Tcg,
             qemu: "qemu-system-x86_64".into(),
-            smoke: true,
+            smoke: std::env::var_os("HISTORY_FULL").is_none(),
         };
         let mut args = Args {
-            history_days: 0.5,
+            history_days: 1.0 / 3.0,
             history_every: 1,
             history_retention: None,
             history_mem: 512,
             history_rewinds: 5,
             history_seed: Some(1),
-            history_burst_every: 180,
+            history_burst_every: 120,
         };
-        if std::env::var_os("HISTORY_FULL").is_none() {
+        if ctx.smoke {
             args.smoke();
         }
         let mut sec = Section::new("history", "history");
