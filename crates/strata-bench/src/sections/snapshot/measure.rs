@@ -31,18 +31,24 @@ pub fn fill_script(mib: u64) -> String {
 
 /// Shell script that starts the writer in the background: it dirties every
 /// page of a `mib` MiB working set once per second (like `snapshot_bench`'s),
-/// then checks it runs.
+/// spread evenly over the second (a tenth of the pages every 100 ms, so any
+/// window between two snapshots sees its share, not all or nothing), then
+/// checks it runs.
 pub fn writer_start_script(mib: u64) -> String {
     format!(
         "cat > {WRITER} <<'EOF'
 import sys, time
 n = int(sys.argv[1]) << 20
+pages = n // 4096
 b = bytearray(n)
+t = time.time()
 while True:
-    t = time.time()
-    for o in range(0, n, 4096):
-        b[o] = (b[o] + 1) & 255
-    time.sleep(max(0.0, 1.0 - (time.time() - t)))
+    for k in range(10):
+        for p in range(k * pages // 10, (k + 1) * pages // 10):
+            o = p * 4096
+            b[o] = (b[o] + 1) & 255
+        t += 0.1
+        time.sleep(max(0.0, t - time.time()))
 EOF
 nohup python3 {WRITER} {mib} >/dev/null 2>&1 &
 sleep 1; pgrep -f {WRITER_PATTERN} >/dev/null && echo running"
@@ -62,6 +68,8 @@ pub struct StrataSample {
     /// Guest RAM and disk bytes rewritten since the previous snapshot (extent
     /// maps compared) plus the device state written.
     pub dirtied_bytes: u64,
+    /// Time the extent walk of the snapshot took (outside the pause), ms.
+    pub walk_ms: f64,
 }
 
 /// Extent maps of a snapshot's RAM file and disk.
@@ -103,7 +111,9 @@ pub async fn strata_snapshots(
                 .await
                 .map_err(|e| anyhow!("snapshot: {e}"))?;
             let old = std::mem::replace(&mut prev, s);
+            let t_walk = Instant::now();
             let maps = blocking_maps(snap_dir(&prev)).await?;
+            let walk_ms = t_walk.elapsed().as_secs_f64() * 1000.0;
             let dirtied = rewritten_bytes(&prev_maps.mem, &maps.mem)
                 + rewritten_bytes(&prev_maps.disk, &maps.disk)
                 + info.device_state_bytes;
@@ -114,6 +124,7 @@ pub async fn strata_snapshots(
             each(StrataSample {
                 pause_ms: info.pause_ms,
                 dirtied_bytes: dirtied,
+                walk_ms,
             });
         }
         Ok::<(), anyhow::Error>(())
