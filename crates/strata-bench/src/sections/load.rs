@@ -41,7 +41,7 @@ pub struct Args {
     #[arg(long, default_value_t = 50)]
     pub load_clients: usize,
     /// Length of each phase (baseline, rolling), seconds.
-    #[arg(long, default_value_t = 60)]
+    #[arg(long, default_value_t = 45)]
     pub load_secs: u64,
     /// Rolling snapshot interval of every sandbox in phase (b), seconds.
     #[arg(long, default_value_t = 10)]

@@ -37,7 +37,7 @@ pub struct Args {
     #[arg(
         long = "restore-cold-runs",
         id = "restore_cold_runs",
-        default_value_t = 15
+        default_value_t = 10
     )]
     pub cold_runs: usize,
     /// Guest memory of the template and sandboxes, MiB.
