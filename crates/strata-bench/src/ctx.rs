@@ -167,7 +167,7 @@ pub struct BenchDaemon {
 
 impl BenchDaemon {
     /// Starts a daemon under `/tmp/<prefix>…`: pool of `pool_gib` GiB, no
-    /// rolling snapshots and no idle hibernation unless `tweak` sets them,
+    /// rolling snapshots, no idle hibernation and no rate limit unless `tweak` sets them,
     /// default sandbox size `size`. Builds the default template and waits
     /// for it.
     pub async fn start(
@@ -196,6 +196,10 @@ impl BenchDaemon {
             default_size: size,
             ..stratad::config::Config::default()
         };
+        // A benchmark measures the daemon, not its per-token rate limiter (50/s
+        // by default, which a quiet machine's hibernated creates exceed).
+        cfg.security.rate_limit_per_second = 1e9;
+        cfg.security.rate_limit_burst = u32::MAX;
         tweak(&mut cfg);
         let data_dir = cfg.data_dir.clone();
         let engine = stratad::daemon::open_engine(&cfg)

@@ -1,4 +1,4 @@
-//! Shared by the stratad benchmarks (`api_bench`, `rolling_bench`): argument
+//! Shared by the stratad examples (`api_bench`): argument
 //! parsing, the daemon served on a loopback port, an HTTP client with the
 //! bootstrap admin token, and the teardown that leaves no VM or mount behind.
 #![allow(dead_code)]

@@ -30,7 +30,7 @@ pub fn fill_script(mib: u64) -> String {
 }
 
 /// Shell script that starts the writer in the background: it dirties every
-/// page of a `mib` MiB working set once per second (like `snapshot_bench`'s),
+/// page of a `mib` MiB working set once per second,
 /// spread evenly over the second (a tenth of the pages every 100 ms, so any
 /// window between two snapshots sees its share, not all or nothing), then
 /// checks it runs.
