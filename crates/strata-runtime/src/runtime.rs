@@ -1229,9 +1229,10 @@ impl Runtime {
         Ok(self.live(id)?.vm.console_tail(n))
     }
 
-    /// SIGKILLs every VM this runtime holds and forgets them (synchronous, for
-    /// process exit paths such as test and benchmark teardown). Returns how
-    /// many were killed.
+    /// SIGKILLs every VM this runtime holds and forgets them, and any other QEMU
+    /// running from its run dir (a template build's boot, a restore not yet
+    /// answering); synchronous, for process exit paths such as test and
+    /// benchmark teardown. Returns how many were signalled.
     pub fn kill_all(&self) -> usize {
         let mut vms = self.vms.lock().unwrap_or_else(|p| p.into_inner());
         let n = vms.len();
@@ -1242,7 +1243,23 @@ impl Runtime {
             unsafe { libc::kill(pid, libc::SIGKILL) };
         }
         vms.clear();
-        n
+        drop(vms);
+        // VMs not (yet) in the table: a template build's cold boot, a restore
+        // still waiting for its agent. Each runs from its own directory under
+        // this runtime's run dir, which names them.
+        let stray = std::fs::read_dir(&self.cfg.run_dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| strata_vmm::qemu_in_run_dir(&e.path()));
+        let mut extra = 0;
+        for pid in stray {
+            // SAFETY: kill(2) on a QEMU whose pid file and command line name a
+            // directory of this runtime's run dir: one this runtime started.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            extra += 1;
+        }
+        n + extra
     }
 
     /// Pauses every live VM's watcher and forgets the VMs without stopping them

@@ -23,7 +23,9 @@ use rand::{seq::SliceRandom, SeedableRng};
 use serde_json::json;
 use strata_core::{SandboxId, SandboxSize, SnapshotId};
 use strata_proto::client::{AgentClient, ExecRequest};
+use strata_runtime::meta::files;
 use strata_runtime::{Runtime, Source};
+use strata_storage::{file_extent_map, rewritten_bytes, FileExtent};
 use stratad::retention::{Point, RetentionPolicy};
 use stratad::store::SnapshotKind;
 
@@ -399,6 +401,12 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
     let mut activity = 0u64;
     let mut deleted = 0usize;
     let mut last_written = 0u64;
+    // What the guest changed between consecutive snapshots, RAM and disk:
+    // the extents of each snapshot's `mem` and `disk.img` that moved since
+    // the previous snapshot (copy-on-write), compared while both exist.
+    let mut changed = 0u64;
+    let mut changed_series: Vec<(f64, f64)> = vec![(0.0, 0.0)];
+    let mut prev_maps: Option<(Vec<FileExtent>, Vec<FileExtent>)> = None;
     let t_loop = Instant::now();
     let checksum_cmd = workload::checksum_cmd(&site);
     for i in 0..steps {
@@ -453,6 +461,18 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             .with_context(|| format!("snapshot at step {i}"))?;
         snap_calls.push_dur(t.elapsed());
         pauses.push(info.pause_ms);
+        let dir = rt.pool().snapshots_dir().join(snap.as_str());
+        let maps = tokio::task::spawn_blocking(move || -> Result<_> {
+            let m = file_extent_map(&dir.join(files::MEM)).map_err(|e| anyhow!("{e}"))?;
+            let d = file_extent_map(&dir.join(files::DISK)).map_err(|e| anyhow!("{e}"))?;
+            Ok((m, d))
+        })
+        .await??;
+        if let Some((pm, pd)) = &prev_maps {
+            changed += rewritten_bytes(pm, &maps.0) + rewritten_bytes(pd, &maps.1);
+            changed_series.push((days, changed as f64));
+        }
+        prev_maps = Some(maps);
         let t = Instant::now();
         let (c, _) = counter(&agent).await?;
         probes.push(probe_ms + t.elapsed().as_secs_f64() * 1000.0);
@@ -657,6 +677,15 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         ),
     ]);
     bytes.row(vec![
+        "RAM + disk the guest changed, snapshot to snapshot".into(),
+        fmt_bytes(changed as f64),
+        format!(
+            "extents of `mem` and `disk.img` rewritten between consecutive snapshots (FIEMAP), summed \
+             over all {steps}; retention drops the intermediate states: pool / changed = {}",
+            fmt_ratio(used_end as f64, changed as f64)
+        ),
+    ]);
+    bytes.row(vec![
         "logical RAM + disk of the kept snapshots".into(),
         fmt_bytes(logical as f64),
         format!(
@@ -730,13 +759,17 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         &[
             Series::new("pool bytes used above start (MiB)", mib(&used_series)),
             Series::new("cumulative guest disk writes (MiB)", mib(&written_series)),
+            Series::new(
+                "cumulative RAM + disk changed between snapshots (MiB)",
+                mib(&thin(&changed_series, 1000)),
+            ),
             Series::new("snapshots kept (count)", thin(&kept_series, 400)),
         ],
         false,
     )?;
     sec.plot(
         file,
-        "Pool bytes used (above the start of the loop) and the guest's cumulative disk writes, in MiB, and the number of snapshots kept, over virtual time",
+        "Pool bytes used (above the start of the loop), the guest's cumulative disk writes and the RAM + disk it changed between snapshots, in MiB, and the number of snapshots kept, over virtual time",
     );
     sec.data["loop"] = json!({
         "seconds": loop_s, "snapshots_per_s": rate, "deleted": deleted, "kept": live.len(),
@@ -745,16 +778,17 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         "pause_ms": pauses.0, "snapshot_call_ms": snap_calls.0, "delete_ms": deletes.0,
         "probe_ms": probes.0, "states": states,
         "used_series": thin(&used_series, 1000), "kept_series": thin(&kept_series, 1000),
-        "written_series": written_series,
+        "written_series": written_series, "changed": changed,
+        "changed_series": thin(&changed_series, 1000),
     });
     let pause = pauses.summary();
     sec.headline(format!(
-        "{steps} real snapshots ({:.2} virtual days at 1 per {every} min) at {rate:.1} snapshots/s with the daemon's retention: {} kept; pool grew {} for {} the guest wrote to disk ({}), vs {} logical RAM + disk in the kept snapshots; pause p50 {} / p99 {} (n={})",
+        "{steps} real snapshots ({:.2} virtual days at 1 per {every} min) at {rate:.1} snapshots/s with the daemon's retention: {} kept; pool grew {} while the guest wrote {} to disk and changed {} of RAM + disk between snapshots, vs {} logical RAM + disk in the kept snapshots; pause p50 {} / p99 {} (n={})",
         (steps * every) as f64 / 1440.0,
         live.len(),
         fmt_bytes(used_end as f64),
         fmt_bytes(last_written as f64),
-        fmt_ratio(used_end as f64, last_written as f64),
+        fmt_bytes(changed as f64),
         fmt_bytes(logical as f64),
         fmt_ms(pause.p50),
         fmt_ms(pause.p99),
