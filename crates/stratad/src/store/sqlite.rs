@@ -431,7 +431,13 @@ fn write_sandbox(tx: &Connection, rec: &SandboxRecord, insert: bool) -> StoreRes
              VALUES (?1, ?2, ?3, ?4, ?5)",
         )?;
         for (k, v) in &rec.labels {
-            stmt.execute(params![rec.id.as_str(), k, v, rec.tenant, ms(rec.created_at)])?;
+            stmt.execute(params![
+                rec.id.as_str(),
+                k,
+                v,
+                rec.tenant,
+                ms(rec.created_at)
+            ])?;
         }
     }
     Ok(())
