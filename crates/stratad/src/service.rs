@@ -638,6 +638,34 @@ impl Service {
         snap.status_reason = Some(why);
     }
 
+    /// Records a sandbox whose creation failed as deleted, with the snapshot
+    /// made for it, in one transaction (best effort: the engine already
+    /// failed, and recovery rolls back a pending create anyway).
+    async fn abandon_create(
+        &self,
+        mut rec: SandboxRecord,
+        mut snap: SnapshotRecord,
+        why: String,
+        err: &EngineError,
+    ) {
+        Self::dropped(&mut snap, why.clone());
+        rec.pending_op = None;
+        rec.state = SandboxState::Deleted;
+        rec.deleted_at = Some(self.now());
+        rec.state_reason = Some(why);
+        let ev = Event::new(
+            &rec,
+            Op::Created,
+            Some(SandboxState::Deleted),
+            EventPhase::Failed,
+            Some(err.to_string()),
+            self.now(),
+        );
+        let _ = self
+            .db(move |s| s.commit(&[&rec], &[&snap], Some(&ev)))
+            .await;
+    }
+
     fn observe_snapshot(&self, started: Instant, info: &crate::engine::SnapshotInfo) {
         self.metrics.observe_step(step::SNAPSHOT, started.elapsed());
         self.metrics.observe_step(
@@ -859,21 +887,8 @@ impl Service {
                     warn!(error = %e, "create (hibernated) failed");
                     let _ = self.engine.delete_snapshot(&snap.id).await;
                     let _ = self.engine.delete(&rec.id).await;
-                    Self::dropped(&mut snap, format!("create failed: {e}"));
-                    rec.pending_op = None;
-                    rec.state = SandboxState::Deleted;
-                    rec.deleted_at = Some(self.now());
-                    rec.state_reason = Some(format!("create failed: {e}"));
-                    let ev = Event::new(
-                        &rec,
-                        Op::Created,
-                        Some(SandboxState::Deleted),
-                        EventPhase::Failed,
-                        Some(e.to_string()),
-                        self.now(),
-                    );
-                    let (r, sn) = (rec.clone(), snap.clone());
-                    let _ = self.db(move |s| s.commit(&[&r], &[&sn], Some(&ev))).await;
+                    self.abandon_create(rec, snap, format!("create failed: {e}"), &e)
+                        .await;
                     Err(e.into())
                 }
             }
@@ -1300,21 +1315,8 @@ impl Service {
                 }
                 Err(e) => {
                     let _ = self.engine.delete(&rec.id).await;
-                    Self::dropped(&mut snap, format!("fork failed: {e}"));
-                    rec.pending_op = None;
-                    rec.state = SandboxState::Deleted;
-                    rec.deleted_at = Some(self.now());
-                    rec.state_reason = Some(format!("fork failed: {e}"));
-                    let ev = Event::new(
-                        &rec,
-                        Op::Created,
-                        Some(SandboxState::Deleted),
-                        EventPhase::Failed,
-                        Some(e.to_string()),
-                        self.now(),
-                    );
-                    let (r, s) = (rec.clone(), snap.clone());
-                    let _ = self.db(move |st| st.commit(&[&r], &[&s], Some(&ev))).await;
+                    self.abandon_create(rec, snap, format!("fork failed: {e}"), &e)
+                        .await;
                     Err(e.into())
                 }
             }
