@@ -4,10 +4,9 @@
 //! approval queue and the same hash-chained audit log.
 
 use strata_core::SandboxId;
-use strata_policy::approval::Outcome as WaitOutcome;
-use strata_policy::audit::Outcome;
-use strata_policy::{CallKind, Decision, Effect, ToolCall};
+use strata_policy::{CallKind, ToolCall};
 use stratad::security::auth::Role;
+use stratad::security::gate::{GateOptions, GateRefusal};
 use stratad::store::DEFAULT_TENANT;
 
 use crate::connect::{Code, ConnectError};
@@ -87,13 +86,6 @@ impl Refusal {
     }
 }
 
-fn denied(d: &Decision, message: String) -> Refusal {
-    Refusal::Denied {
-        rule: d.rule_id.clone(),
-        message,
-    }
-}
-
 impl E2b {
     /// The tenant and actor of envd calls on sandbox `id`: remembered when
     /// its access token was handed out, else (after a restart) the sandbox
@@ -146,7 +138,7 @@ impl E2b {
             .map_err(|r| r.to_connect())
     }
 
-    /// Decides a tool call exactly as stratad's `/v1` gate does: evaluate
+    /// Decides a tool call through stratad's shared gate (`Security::gate`, also behind `/v1`): evaluate
     /// the layers in force, append the decision to the audit log, and for
     /// `approve` hold the call in the approval queue until an approver
     /// answers or the configured approval timeout passes (then denied).
@@ -167,70 +159,23 @@ impl E2b {
             actor: actor.to_owned(),
             kind,
         };
-        let d = sec.evaluate(&call);
-        let record = |outcome: Outcome, approval: Option<String>| {
-            let (sec, call, d) = (sec.clone(), call.clone(), d.clone());
-            async move {
-                tokio::task::spawn_blocking(move || sec.record(&call, &d, outcome, approval, None))
-                    .await
-                    .map_err(|e| Refusal::Internal(format!("audit: {e}")))?
-                    .map_err(Refusal::Internal)
-            }
-        };
-        match d.effect {
-            Effect::Allow => record(Outcome::Allowed, None).await,
-            Effect::Deny if d.rule_id == "invalid-call" && d.layer.is_none() => {
-                record(Outcome::Denied, None).await?;
-                Err(Refusal::Invalid(format!("invalid tool call: {}", d.reason)))
-            }
-            Effect::Deny => {
-                record(Outcome::Denied, None).await?;
-                Err(denied(
-                    &d,
-                    format!("denied by policy rule `{}`: {}", d.rule_id, d.reason),
-                ))
-            }
-            Effect::Approve => {
-                let q = sec.approvals().clone();
-                let (call2, d2) = (call.clone(), d.clone());
-                let req = tokio::task::spawn_blocking(move || q.request(&call2, &d2))
-                    .await
-                    .map_err(|e| Refusal::Internal(e.to_string()))?
-                    .map_err(|e| Refusal::Internal(e.to_string()))?;
-                record(Outcome::Held, Some(req.id.clone())).await?;
-                let timeout = sec.config().approval_timeout;
-                tracing::info!(approval = %req.id, rule = %d.rule_id, "e2b call held for approval");
-                match sec.approvals().wait(tenant, &req.id, timeout).await {
-                    Ok(WaitOutcome::Approved { .. }) => {
-                        let store = sec.store().clone();
-                        let id = req.id.clone();
-                        let _ =
-                            tokio::task::spawn_blocking(move || store.consume_approval(&id)).await;
-                        Ok(())
-                    }
-                    Ok(WaitOutcome::Denied { by, .. }) => Err(denied(
-                        &d,
-                        format!(
-                            "policy rule `{}` holds this call: approval {} denied by {by}",
-                            d.rule_id, req.id
-                        ),
-                    )),
-                    Ok(WaitOutcome::TimedOut) => {
-                        record(Outcome::TimedOut, Some(req.id.clone())).await?;
-                        Err(denied(
-                            &d,
-                            format!(
-                                "policy rule `{}` holds this call: approval {} not answered within {}s: denied",
-                                d.rule_id,
-                                req.id,
-                                timeout.as_secs()
-                            ),
-                        ))
-                    }
-                    Err(e) => Err(Refusal::Internal(e.to_string())),
-                }
-            }
-        }
+        sec.gate(call, GateOptions::waiting())
+            .await
+            .map_err(|r| match r {
+                GateRefusal::Invalid(m) => Refusal::Invalid(m),
+                GateRefusal::Denied {
+                    decision, message, ..
+                } => Refusal::Denied {
+                    rule: decision.rule_id,
+                    message,
+                },
+                // Only when not waiting, which the E2B API always does.
+                GateRefusal::Pending(req) => Refusal::Denied {
+                    rule: req.rule_id,
+                    message: format!("held for approval {}", req.id),
+                },
+                GateRefusal::Internal(m) => Refusal::Internal(m),
+            })
     }
 }
 

@@ -27,12 +27,13 @@ use chrono::{DateTime, Utc};
 use serde::Deserialize;
 use serde_json::json;
 use strata_core::{ErrorCode, SandboxId, SnapshotId, TemplateId};
-use strata_policy::approval::{ApprovalError, ApprovalStatus, Outcome as WaitOutcome};
+use strata_policy::approval::ApprovalError;
 use strata_policy::audit::{self, Outcome};
 use strata_policy::{CallKind, Decision, Effect, ToolCall};
 
 use super::{query_pairs, ApiError, ApiResult, Body};
 use crate::security::auth::{self, Principal, Role};
+use crate::security::gate::{GateOptions, GateRefusal};
 use crate::security::{self as sec, with_tenant, AuthFailure, Security, GUEST_PROXY};
 use crate::service::Service;
 use crate::store::DEFAULT_TENANT;
@@ -489,134 +490,35 @@ fn denied(d: &Decision, approval_id: Option<&str>, msg: String) -> Response {
         .into_response()
 }
 
-async fn record(
-    ctx: &Ctx,
-    call: &ToolCall,
-    d: &Decision,
-    outcome: Outcome,
-    approval_id: Option<String>,
-    by: Option<String>,
-) -> Result<(), Response> {
-    let (sec, call, d) = (ctx.sec.clone(), call.clone(), d.clone());
-    match tokio::task::spawn_blocking(move || sec.record(&call, &d, outcome, approval_id, by)).await
-    {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(err(ErrorCode::Internal, e)),
-        Err(e) => Err(err(ErrorCode::Internal, format!("audit: {e}"))),
-    }
-}
-
-/// Decides a tool call: allow → `Ok`; deny → 403; approve → hold it and
-/// wait (or 202 with `wait=false`); a re-submission with `approval=<id>`
-/// runs once if that request was approved for the same call.
+/// Decides a tool call through the shared gate ([`Security::gate`]): allow
+/// → `Ok`; deny → 403; approve → hold it and wait (or 202 with
+/// `wait=false`); a re-submission with `approval=<id>` runs once if that
+/// request was approved for the same call.
 async fn gate(ctx: &Ctx, call: ToolCall, opts: GateOpts) -> Result<(), Response> {
-    let d = ctx.sec.evaluate(&call);
-    match d.effect {
-        Effect::Allow => record(ctx, &call, &d, Outcome::Allowed, None, None).await,
-        Effect::Deny if d.rule_id == "invalid-call" && d.layer.is_none() => {
-            // A malformed call (relative path, `..` above `/`, empty argv).
-            record(ctx, &call, &d, Outcome::Denied, None, None).await?;
-            Err(err(
-                ErrorCode::InvalidRequest,
-                format!("invalid tool call: {}", d.reason),
-            ))
-        }
-        Effect::Deny => {
-            record(ctx, &call, &d, Outcome::Denied, None, None).await?;
-            Err(denied(
-                &d,
-                None,
-                format!("denied by policy rule `{}`: {}", d.rule_id, d.reason),
-            ))
-        }
-        Effect::Approve => {
-            let q = ctx.sec.approvals();
-            if let Some(id) = opts.approval {
-                let ok = match q.get(&call.tenant, &id) {
-                    Ok(r) => {
-                        matches!(r.status, ApprovalStatus::Approved { .. })
-                            && r.call.kind == call.kind
-                            && r.call.sandbox == call.sandbox
-                    }
-                    Err(_) => false,
-                };
-                let store = ctx.sec.store().clone();
-                let id2 = id.clone();
-                let fresh = ok
-                    && tokio::task::spawn_blocking(move || store.consume_approval(&id2))
-                        .await
-                        .ok()
-                        .and_then(Result::ok)
-                        .unwrap_or(false);
-                if !fresh {
-                    return Err(denied(
-                        &d,
-                        Some(&id),
-                        format!("approval {id} is not an unused approval of this call"),
-                    ));
-                }
-                return record(ctx, &call, &d, Outcome::Allowed, Some(id), None).await;
-            }
-            let q2 = q.clone();
-            let (call2, d2) = (call.clone(), d.clone());
-            let req = match tokio::task::spawn_blocking(move || q2.request(&call2, &d2)).await {
-                Ok(Ok(r)) => r,
-                Ok(Err(e)) => return Err(err(ErrorCode::Internal, e.to_string())),
-                Err(e) => return Err(err(ErrorCode::Internal, e.to_string())),
-            };
-            record(ctx, &call, &d, Outcome::Held, Some(req.id.clone()), None).await?;
-            if !opts.wait {
-                return Err((
-                    StatusCode::ACCEPTED,
-                    Json(json!({
-                        "status": "pending",
-                        "approval": req,
-                        "poll": format!("/v1/approvals/{}", req.id),
-                        "resubmit_with": format!("approval={}", req.id),
-                    })),
-                )
-                    .into_response());
-            }
-            let cfg = ctx.sec.config();
-            let timeout = opts
-                .timeout
-                .unwrap_or(cfg.approval_timeout)
-                .min(cfg.max_approval_timeout);
-            match q.wait(&call.tenant, &req.id, timeout).await {
-                Ok(WaitOutcome::Approved { .. }) => {
-                    let store = ctx.sec.store().clone();
-                    let id = req.id.clone();
-                    let _ = tokio::task::spawn_blocking(move || store.consume_approval(&id)).await;
-                    Ok(())
-                }
-                Ok(WaitOutcome::Denied { by, .. }) => Err(denied(
-                    &d,
-                    Some(&req.id),
-                    format!("approval {} denied by {by}", req.id),
-                )),
-                Ok(WaitOutcome::TimedOut) => {
-                    record(
-                        ctx,
-                        &call,
-                        &d,
-                        Outcome::TimedOut,
-                        Some(req.id.clone()),
-                        None,
-                    )
-                    .await?;
-                    Err(denied(
-                        &d,
-                        Some(&req.id),
-                        format!(
-                            "approval {} not answered within {}s: denied",
-                            req.id,
-                            timeout.as_secs()
-                        ),
-                    ))
-                }
-                Err(e) => Err(err(ErrorCode::Internal, e.to_string())),
-            }
-        }
+    let opts = GateOptions {
+        wait: opts.wait,
+        timeout: opts.timeout,
+        approval: opts.approval,
+    };
+    match ctx.sec.gate(call, opts).await {
+        Ok(()) => Ok(()),
+        Err(GateRefusal::Invalid(m)) => Err(err(ErrorCode::InvalidRequest, m)),
+        Err(GateRefusal::Denied {
+            decision,
+            approval_id,
+            message,
+        }) => Err(denied(&decision, approval_id.as_deref(), message)),
+        Err(GateRefusal::Pending(req)) => Err((
+            StatusCode::ACCEPTED,
+            Json(json!({
+                "status": "pending",
+                "poll": format!("/v1/approvals/{}", req.id),
+                "resubmit_with": format!("approval={}", req.id),
+                "approval": req,
+            })),
+        )
+            .into_response()),
+        Err(GateRefusal::Internal(m)) => Err(err(ErrorCode::Internal, m)),
     }
 }
 
@@ -968,9 +870,12 @@ async fn answer(ctx: Ctx, p: Principal, id: String, approve: bool) -> ApiResult<
     } else {
         Outcome::Rejected
     };
-    record(&ctx, &r.call, &d, outcome, Some(r.id.clone()), Some(who))
+    let (sec, call, rid) = (ctx.sec.clone(), r.call.clone(), r.id.clone());
+    tokio::task::spawn_blocking(move || sec.record(&call, &d, outcome, Some(rid), Some(who)))
         .await
-        .map_err(|_| ApiError::new(ErrorCode::Internal, "audit log write failed"))?;
+        .ok()
+        .and_then(Result::ok)
+        .ok_or_else(|| ApiError::new(ErrorCode::Internal, "audit log write failed"))?;
     Ok(Json(r).into_response())
 }
 

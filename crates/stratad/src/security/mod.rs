@@ -13,6 +13,7 @@
 //! request (scheduler, recovery) it is [`DEFAULT_TENANT`].
 
 pub mod auth;
+pub mod gate;
 pub mod ratelimit;
 pub mod store;
 

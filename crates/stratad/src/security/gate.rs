@@ -1,0 +1,212 @@
+//! The tool-call gate: one decision path for every front end (stratad's `/v1`
+//! routes and the E2B API). Evaluate the call against the policy layers in
+//! force, append the decision to the audit log, and for `approve` hold the
+//! call in the approval queue until an approver answers, the wait times out,
+//! or (when the client does not wait) answer that it is pending.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use strata_policy::approval::{ApprovalRequest, ApprovalStatus, Outcome as WaitOutcome};
+use strata_policy::audit::Outcome;
+use strata_policy::{Decision, Effect, ToolCall};
+
+use super::Security;
+
+/// How a held call is handled.
+#[derive(Debug, Clone, Default)]
+pub struct GateOptions {
+    /// Wait for an approver (else a held call is refused as
+    /// [`GateRefusal::Pending`] at once, to be re-sent with `approval`).
+    pub wait: bool,
+    /// How long to wait, capped by the configuration's maximum (default: the
+    /// configured approval timeout).
+    pub timeout: Option<Duration>,
+    /// The id of an approval granted earlier for this same call: the call
+    /// runs once if that approval is approved and unused.
+    pub approval: Option<String>,
+}
+
+impl GateOptions {
+    /// Wait for an approver, with the configured timeout.
+    pub fn waiting() -> Self {
+        GateOptions {
+            wait: true,
+            ..Default::default()
+        }
+    }
+}
+
+/// Why the gate refused a call.
+#[derive(Debug, Clone)]
+pub enum GateRefusal {
+    /// A malformed call (relative path, `..` above `/`, empty argv).
+    Invalid(String),
+    /// Denied: by a rule, by an approver, or because nobody answered in time.
+    Denied {
+        /// The decision that held or denied the call.
+        decision: Decision,
+        /// The approval request involved, if any.
+        approval_id: Option<String>,
+        /// Message for the client (names the rule).
+        message: String,
+    },
+    /// Held for approval and the client does not wait.
+    Pending(Box<ApprovalRequest>),
+    /// The audit log or the approval queue failed: fail closed.
+    Internal(String),
+}
+
+impl GateRefusal {
+    fn denied(d: &Decision, approval_id: Option<&str>, message: String) -> Self {
+        GateRefusal::Denied {
+            decision: d.clone(),
+            approval_id: approval_id.map(str::to_owned),
+            message,
+        }
+    }
+}
+
+impl Security {
+    async fn record_blocking(
+        self: &Arc<Self>,
+        call: &ToolCall,
+        d: &Decision,
+        outcome: Outcome,
+        approval_id: Option<String>,
+    ) -> Result<(), GateRefusal> {
+        let (sec, call, d) = (self.clone(), call.clone(), d.clone());
+        tokio::task::spawn_blocking(move || sec.record(&call, &d, outcome, approval_id, None))
+            .await
+            .map_err(|e| GateRefusal::Internal(format!("audit: {e}")))?
+            .map_err(GateRefusal::Internal)
+    }
+
+    /// Decides `call`: `Ok` when it may run (allowed, or approved). Every
+    /// decision is in the audit log before this returns.
+    pub async fn gate(
+        self: &Arc<Self>,
+        call: ToolCall,
+        opts: GateOptions,
+    ) -> Result<(), GateRefusal> {
+        let d = self.evaluate(&call);
+        match d.effect {
+            Effect::Allow => {
+                self.record_blocking(&call, &d, Outcome::Allowed, None)
+                    .await
+            }
+            Effect::Deny if d.rule_id == "invalid-call" && d.layer.is_none() => {
+                self.record_blocking(&call, &d, Outcome::Denied, None)
+                    .await?;
+                Err(GateRefusal::Invalid(format!(
+                    "invalid tool call: {}",
+                    d.reason
+                )))
+            }
+            Effect::Deny => {
+                self.record_blocking(&call, &d, Outcome::Denied, None)
+                    .await?;
+                Err(GateRefusal::denied(
+                    &d,
+                    None,
+                    format!("denied by policy rule `{}`: {}", d.rule_id, d.reason),
+                ))
+            }
+            Effect::Approve => match opts.approval {
+                Some(id) => self.run_approved(call, d, id).await,
+                None => self.hold(call, d, opts).await,
+            },
+        }
+    }
+
+    /// A re-sent call with the id of its approval: runs once.
+    async fn run_approved(
+        self: &Arc<Self>,
+        call: ToolCall,
+        d: Decision,
+        id: String,
+    ) -> Result<(), GateRefusal> {
+        let same_call = match self.approvals().get(&call.tenant, &id) {
+            Ok(r) => {
+                matches!(r.status, ApprovalStatus::Approved { .. })
+                    && r.call.kind == call.kind
+                    && r.call.sandbox == call.sandbox
+            }
+            Err(_) => false,
+        };
+        let store = self.store().clone();
+        let id2 = id.clone();
+        let fresh = same_call
+            && tokio::task::spawn_blocking(move || store.consume_approval(&id2))
+                .await
+                .ok()
+                .and_then(Result::ok)
+                .unwrap_or(false);
+        if !fresh {
+            return Err(GateRefusal::denied(
+                &d,
+                Some(&id),
+                format!("approval {id} is not an unused approval of this call"),
+            ));
+        }
+        self.record_blocking(&call, &d, Outcome::Allowed, Some(id))
+            .await
+    }
+
+    /// Holds the call for an approver.
+    async fn hold(
+        self: &Arc<Self>,
+        call: ToolCall,
+        d: Decision,
+        opts: GateOptions,
+    ) -> Result<(), GateRefusal> {
+        let q = self.approvals().clone();
+        let (call2, d2) = (call.clone(), d.clone());
+        let req = tokio::task::spawn_blocking(move || q.request(&call2, &d2))
+            .await
+            .map_err(|e| GateRefusal::Internal(e.to_string()))?
+            .map_err(|e| GateRefusal::Internal(e.to_string()))?;
+        self.record_blocking(&call, &d, Outcome::Held, Some(req.id.clone()))
+            .await?;
+        tracing::info!(approval = %req.id, rule = %d.rule_id, "call held for approval");
+        if !opts.wait {
+            return Err(GateRefusal::Pending(Box::new(req)));
+        }
+        let cfg = self.config();
+        let timeout = opts
+            .timeout
+            .unwrap_or(cfg.approval_timeout)
+            .min(cfg.max_approval_timeout);
+        match self.approvals().wait(&call.tenant, &req.id, timeout).await {
+            Ok(WaitOutcome::Approved { .. }) => {
+                let store = self.store().clone();
+                let id = req.id.clone();
+                let _ = tokio::task::spawn_blocking(move || store.consume_approval(&id)).await;
+                Ok(())
+            }
+            Ok(WaitOutcome::Denied { by, .. }) => Err(GateRefusal::denied(
+                &d,
+                Some(&req.id),
+                format!(
+                    "policy rule `{}` holds this call: approval {} denied by {by}",
+                    d.rule_id, req.id
+                ),
+            )),
+            Ok(WaitOutcome::TimedOut) => {
+                self.record_blocking(&call, &d, Outcome::TimedOut, Some(req.id.clone()))
+                    .await?;
+                Err(GateRefusal::denied(
+                    &d,
+                    Some(&req.id),
+                    format!(
+                        "policy rule `{}` holds this call: approval {} not answered within {}s: denied",
+                        d.rule_id,
+                        req.id,
+                        timeout.as_secs()
+                    ),
+                ))
+            }
+            Err(e) => Err(GateRefusal::Internal(e.to_string())),
+        }
+    }
+}
