@@ -638,6 +638,31 @@ impl Service {
         snap.status_reason = Some(why);
     }
 
+    /// Records a new sandbox and the snapshot made for it, both pending, in
+    /// one transaction before the engine acts: a crash before the end is
+    /// rolled back by recovery (sandbox deleted, snapshot removed).
+    async fn begin_create(
+        &self,
+        rec: &SandboxRecord,
+        snap: &SnapshotRecord,
+        detail: String,
+    ) -> ServiceResult<()> {
+        let ev = Event::new(
+            rec,
+            Op::Created,
+            None,
+            EventPhase::Pending,
+            Some(detail),
+            self.now(),
+        );
+        let (r, sn) = (rec.clone(), snap.clone());
+        self.db(move |s| {
+            s.insert_sandbox(&r, &ev)?;
+            s.put_snapshot(&sn)
+        })
+        .await
+    }
+
     /// Records a sandbox whose creation failed as deleted, with the snapshot
     /// made for it, in one transaction (best effort: the engine already
     /// failed, and recovery rolls back a pending create anyway).
@@ -848,19 +873,11 @@ impl Service {
             {
                 // Recorded first, both pending: a crash before the end is
                 // rolled back by recovery (sandbox deleted, snapshot removed).
-                let ev = Event::new(
+                self.begin_create(
                     &rec,
-                    Op::Created,
-                    None,
-                    EventPhase::Pending,
-                    Some(format!("start=false, wake snapshot {}", snap.id)),
-                    self.now(),
-                );
-                let (r, sn) = (rec.clone(), snap.clone());
-                self.db(move |s| {
-                    s.insert_sandbox(&r, &ev)?;
-                    s.put_snapshot(&sn)
-                })
+                    &snap,
+                    format!("start=false, wake snapshot {}", snap.id),
+                )
                 .await?;
             }
             let source = Source::Template(tpl.id.clone());
@@ -1285,20 +1302,8 @@ impl Service {
             {
                 let _placement = self.placement.lock().await;
                 self.check_capacity(size).await?;
-                let ev = Event::new(
-                    &rec,
-                    Op::Created,
-                    None,
-                    EventPhase::Pending,
-                    Some(format!("fork of {src} via {}", snap.id)),
-                    self.now(),
-                );
-                let (r, s) = (rec.clone(), snap.clone());
-                self.db(move |st| {
-                    st.insert_sandbox(&r, &ev)?;
-                    st.put_snapshot(&s)
-                })
-                .await?;
+                self.begin_create(&rec, &snap, format!("fork of {src} via {}", snap.id))
+                    .await?;
             }
             let started = Instant::now();
             match self.engine.fork_live(src, &snap.id, &rec.id, size).await {
