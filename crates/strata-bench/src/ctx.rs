@@ -265,33 +265,10 @@ fn cleanup_daemon_root(root: &Path) {
         // benchmark's run dir; no memory is touched.
         unsafe { libc::kill(pid as i32, libc::SIGKILL) };
     }
-    std::thread::sleep(Duration::from_millis(500));
-    for _ in 0..20 {
-        let ok = std::process::Command::new("umount")
-            .arg(&mnt)
-            .stderr(std::process::Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
-        let mounted = std::fs::read_to_string("/proc/mounts")
-            .map(|m| m.contains(&*mnt.to_string_lossy()))
-            .unwrap_or(false);
-        if ok || !mounted {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    if let Ok(out) = std::process::Command::new("losetup")
-        .arg("-j")
-        .arg(root.join("data/pool.img"))
-        .output()
+    if let Err(e) =
+        strata_storage::unmount_image(&mnt, &root.join("data/pool.img"), Duration::from_secs(10))
     {
-        for line in String::from_utf8_lossy(&out.stdout).lines() {
-            if let Some(dev) = line.split(':').next() {
-                let _ = std::process::Command::new("losetup")
-                    .args(["-d", dev])
-                    .status();
-            }
-        }
+        eprintln!("teardown: {e}");
     }
     let _ = std::fs::remove_dir_all(root);
 }

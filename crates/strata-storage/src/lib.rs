@@ -31,7 +31,8 @@ pub mod testing;
 
 pub use error::{Result, StorageError};
 pub use pool::{
-    Pool, PoolConfig, PoolOptions, PoolUsage, UsageMethod, LAYOUT, MIN_IMAGE_SIZE, MOUNT_OPTIONS,
+    unmount_image, Pool, PoolConfig, PoolOptions, PoolUsage, UsageMethod, LAYOUT, MIN_IMAGE_SIZE,
+    MOUNT_OPTIONS,
 };
 pub use usage::{
     extent_usage, file_extent_map, qgroup_usage, rewritten_bytes, FileExtent, QuotaStatus,

@@ -587,6 +587,35 @@ fn open_image(image: &Path, size: u64, mount_point: &Path) -> Result<(PathBuf, P
 }
 
 /// Detaches every loop device still backed by `image` (no-op for auto-cleared ones).
+/// Unmounts an image pool that no [`Pool`] value holds any more (the pool of
+/// a process that was killed, or of a test or benchmark whose VMs were just
+/// killed and may still hold files open for a moment): retries a busy
+/// unmount for up to `wait`, then detaches the image's loop devices. A mount
+/// point that is not mounted is fine.
+pub fn unmount_image(mount_point: &Path, image: &Path, wait: std::time::Duration) -> Result<()> {
+    let c = subvol::cpath(mount_point)?;
+    let deadline = std::time::Instant::now() + wait;
+    loop {
+        if mountinfo::mount_at(mount_point)
+            .map_err(|e| StorageError::io("read mountinfo", mount_point, e))?
+            .is_none()
+        {
+            break;
+        }
+        // SAFETY: `c` is a valid NUL-terminated path.
+        if unsafe { libc::umount2(c.as_ptr(), 0) } == 0 {
+            break;
+        }
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EBUSY) || std::time::Instant::now() >= deadline {
+            return Err(StorageError::io("unmount", mount_point, e));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    detach_loops(image);
+    Ok(())
+}
+
 fn detach_loops(image: &Path) {
     for dev in mountinfo::loop_devices_of(image) {
         if let Ok(f) = File::open(&dev) {

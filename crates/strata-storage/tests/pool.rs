@@ -474,3 +474,47 @@ fn grow_enlarges_the_file_system_online() {
     let again = Pool::open(&cfg).expect("reopen");
     assert_eq!(again.usage().expect("usage").image_size_bytes, Some(GIB));
 }
+
+#[test]
+fn unmount_image_waits_out_a_busy_mount_and_detaches_the_loop() {
+    let dir = tempfile::Builder::new()
+        .prefix("strata-storage-test-")
+        .tempdir_in("/tmp")
+        .expect("tmp");
+    let cfg = TestPool::config_in(dir.path(), GIB);
+    let pool = Pool::open(&cfg).expect("create pool");
+    let root = pool.root().to_path_buf();
+    let image = dir.path().join("pool.img");
+    // Nobody unmounts it: as after a killed process.
+    std::mem::forget(pool);
+    // A file held open keeps the mount busy for a moment, as a VM being
+    // killed does.
+    let held = File::create(root.join("busy")).expect("open a file in the pool");
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(400));
+        drop(held);
+    });
+    strata_storage::unmount_image(&root, &image, std::time::Duration::from_secs(10))
+        .expect("unmount");
+    release.join().expect("release thread");
+    assert!(!is_mounted(&root));
+    let loops = std::process::Command::new("losetup")
+        .arg("-j")
+        .arg(&image)
+        .output()
+        .expect("losetup");
+    assert!(loops.stdout.is_empty(), "loop device left: {:?}", loops);
+    // Not mounted any more: a second call is fine.
+    strata_storage::unmount_image(&root, &image, std::time::Duration::from_secs(1))
+        .expect("unmount again");
+    // A busy mount that never frees up is an error after the wait.
+    let pool = Pool::open(&cfg).expect("mount again");
+    let root = pool.root().to_path_buf();
+    std::mem::forget(pool);
+    let held = File::create(root.join("busy2")).expect("open");
+    let e = strata_storage::unmount_image(&root, &image, std::time::Duration::from_millis(300));
+    assert!(e.is_err(), "busy mount reported");
+    drop(held);
+    strata_storage::unmount_image(&root, &image, std::time::Duration::from_secs(10))
+        .expect("unmount once free");
+}

@@ -105,46 +105,16 @@ pub fn http(url: String, data_dir: &Path) -> Res<Http> {
 pub fn cleanup(root: &Path) {
     let mnt = root.join("data/pool");
     let run = root.join("run");
-    if let Ok(rd) = std::fs::read_dir(&run) {
-        for e in rd.flatten() {
-            if let Ok(p) = std::fs::read_to_string(e.path().join("qemu.pid")) {
-                if let Ok(pid) = p.trim().parse::<i32>() {
-                    let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-                    if String::from_utf8_lossy(&cmd).contains(&*run.to_string_lossy()) {
-                        // SAFETY: a QEMU of this benchmark's run dir.
-                        unsafe { libc::kill(pid, libc::SIGKILL) };
-                    }
-                }
-            }
-        }
+    let vm_dirs = std::fs::read_dir(&run).into_iter().flatten().flatten();
+    for pid in vm_dirs.filter_map(|e| strata_vmm::qemu_in_run_dir(&e.path())) {
+        // SAFETY: kill(2) on a QEMU whose pid file and command line name this
+        // benchmark's run dir.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
     }
-    std::thread::sleep(Duration::from_millis(500));
-    for _ in 0..20 {
-        let ok = std::process::Command::new("umount")
-            .arg(&mnt)
-            .stderr(std::process::Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
-        let mounted = std::fs::read_to_string("/proc/mounts")
-            .map(|m| m.contains(&*mnt.to_string_lossy()))
-            .unwrap_or(false);
-        if ok || !mounted {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    if let Ok(out) = std::process::Command::new("losetup")
-        .arg("-j")
-        .arg(root.join("data/pool.img"))
-        .output()
+    if let Err(e) =
+        strata_storage::unmount_image(&mnt, &root.join("data/pool.img"), Duration::from_secs(10))
     {
-        for line in String::from_utf8_lossy(&out.stdout).lines() {
-            if let Some(dev) = line.split(':').next() {
-                let _ = std::process::Command::new("losetup")
-                    .args(["-d", dev])
-                    .status();
-            }
-        }
+        eprintln!("teardown: {e}");
     }
     let _ = std::fs::remove_dir_all(root);
 }
