@@ -175,22 +175,27 @@ fn transport(e: reqwest::Error) -> Fail {
     fail("transport", e.to_string())
 }
 
-/// `exec true` through the API, to its exit line.
-async fn op_exec(h: &Http, id: &str) -> Result<Option<f64>, Fail> {
-    let resp = h
-        .req(reqwest::Method::POST, &format!("/v1/sandboxes/{id}/exec"))
-        .json(&json!({ "cmd": ["true"] }))
-        .send()
-        .await
-        .map_err(transport)?;
+/// Sends `rb`; the body when the answer has status `want`, else a failure
+/// classed by its status (`what` names the operation in the message).
+async fn send(rb: reqwest::RequestBuilder, want: u16, what: &str) -> Result<bytes::Bytes, Fail> {
+    let resp = rb.send().await.map_err(transport)?;
     let status = resp.status().as_u16();
     let body = resp.bytes().await.map_err(transport)?;
-    if status != 200 {
+    if status != want {
         return Err(fail(
             status.to_string(),
-            format!("exec: {status} {}", String::from_utf8_lossy(&body)),
+            format!("{what}: {status} {}", String::from_utf8_lossy(&body)),
         ));
     }
+    Ok(body)
+}
+
+/// `exec true` through the API, to its exit line.
+async fn op_exec(h: &Http, id: &str) -> Result<Option<f64>, Fail> {
+    let rb = h
+        .req(reqwest::Method::POST, &format!("/v1/sandboxes/{id}/exec"))
+        .json(&json!({ "cmd": ["true"] }));
+    let body = send(rb, 200, "exec").await?;
     match exit_code(&body) {
         Some(0) => Ok(None),
         Some(c) => Err(fail(format!("exit {c}"), format!("exec true exited {c}"))),
@@ -210,45 +215,25 @@ fn exit_code(body: &[u8]) -> Option<i64> {
 
 /// PUT of a 64 KiB file through the files API.
 async fn op_write(h: &Http, id: &str, client: usize, data: &[u8]) -> Result<Option<f64>, Fail> {
-    let resp = h
+    let rb = h
         .req(
             reqwest::Method::PUT,
             &format!("/v1/sandboxes/{id}/files?path=/tmp/load-{client}.bin"),
         )
-        .body(data.to_vec())
-        .send()
-        .await
-        .map_err(transport)?;
-    let status = resp.status().as_u16();
-    let body = resp.bytes().await.map_err(transport)?;
-    if status != 201 {
-        return Err(fail(
-            status.to_string(),
-            format!("file write: {status} {}", String::from_utf8_lossy(&body)),
-        ));
-    }
+        .body(data.to_vec());
+    send(rb, 201, "file write").await?;
     Ok(None)
 }
 
 /// POST of a manual snapshot; its vCPU pause from the answer.
 async fn op_snapshot(h: &Http, id: &str) -> Result<Option<f64>, Fail> {
-    let resp = h
+    let rb = h
         .req(
             reqwest::Method::POST,
             &format!("/v1/sandboxes/{id}/snapshots"),
         )
-        .json(&json!({ "label": "load" }))
-        .send()
-        .await
-        .map_err(transport)?;
-    let status = resp.status().as_u16();
-    let body = resp.bytes().await.map_err(transport)?;
-    if status != 201 {
-        return Err(fail(
-            status.to_string(),
-            format!("snapshot: {status} {}", String::from_utf8_lossy(&body)),
-        ));
-    }
+        .json(&json!({ "label": "load" }));
+    let body = send(rb, 201, "snapshot").await?;
     let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     Ok(v.get("pause_ms").and_then(Value::as_f64))
 }
