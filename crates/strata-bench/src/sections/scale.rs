@@ -34,7 +34,7 @@ use stratad::App;
 use crate::ctx::{Ctx, Http};
 use crate::plot;
 use crate::report::{Section, Table};
-use crate::stats::{fmt_ms, fmt_num, Samples, Summary};
+use crate::stats::{fmt_ms, fmt_num, Samples};
 
 /// Flags of the `scale` section.
 #[derive(Debug, Clone, clap::Args)]
@@ -538,7 +538,6 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             "lag_ms": lag_s,
         },
     });
-    let _: Summary = lag_s;
     Ok(())
 }
 
