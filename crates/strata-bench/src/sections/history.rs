@@ -46,7 +46,7 @@ pub struct Args {
     /// Virtual minutes between two snapshots (the daemon's rolling interval).
     /// The default week takes one every 20 virtual minutes (504 snapshots, about
     /// 2.5 minutes here); `--history-every 1` is the full 1/min week (10,080
-    /// snapshots, about 25 minutes on 2 cores).
+    /// snapshots, an estimated 25–45 minutes on 2 cores, not run yet).
     #[arg(long = "history-every", default_value_t = 20)]
     pub history_every: u64,
     /// Retention tiers `WITHIN:EVERY,…` (e.g. `1h:0,24h:10m,7d:1h`) [default: the daemon's].
