@@ -73,6 +73,8 @@ impl SandboxState {
             (Running, Exec) => Running,
             (Creating | Running | Paused, Fail) => Failed,
             (Failed, Recover) => Running,
+            (Deleted, Configure) => return Err(TransitionError { state: self, op }),
+            (_, Configure) => self,
             (Deleted, Delete) => return Err(TransitionError { state: self, op }),
             (_, Delete) => Deleted,
             _ => return Err(TransitionError { state: self, op }),
@@ -124,6 +126,8 @@ pub enum Op {
     Recover,
     /// Delete it.
     Delete,
+    /// Change its settings (idle timeout): any state but deleted, unchanged.
+    Configure,
 }
 
 impl fmt::Display for Op {
@@ -182,6 +186,7 @@ mod tests {
     fn every_state_answers_every_op_without_panic() {
         let ops = [
             Created, Pause, Resume, Hibernate, Snapshot, Fork, Rewind, Exec, Fail, Recover, Delete,
+            Configure,
         ];
         for st in SandboxState::ALL {
             for op in ops {

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use strata_runtime::{PoolSetting, Runtime, RuntimeConfig};
 use tokio::net::TcpListener;
 
+use crate::caller::{Caller, SystemReason};
 use crate::config::Config;
 use crate::engine::runtime::RuntimeEngine;
 use crate::store::StoreError;
@@ -161,8 +162,13 @@ pub async fn run_with(
         let resolver: strata_runtime::EgressResolver = Arc::new(move |id| {
             let (sec, svc) = (sec.clone(), svc.clone());
             Box::pin(async move {
-                let rec = svc.get_sandbox(&id).await.ok()?;
-                match sec.egress_proxy(&rec.tenant, id.as_str()).await {
+                let daemon = Caller::system(SystemReason::Egress);
+                let rec = svc.get_sandbox(&daemon, &id).await.ok()?;
+                let guest = Caller::Guest {
+                    sandbox: rec.id,
+                    tenant: rec.tenant,
+                };
+                match sec.egress_proxy(&guest).await {
                     Ok(addr) => Some(addr),
                     Err(e) => {
                         tracing::warn!(sandbox = %id, error = %e, "egress proxy unavailable; egress stays closed");

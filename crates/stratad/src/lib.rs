@@ -9,6 +9,7 @@
 //! real runtime; `main.rs` is a thin binary.
 
 pub mod api;
+pub mod caller;
 pub mod cli;
 pub mod clock;
 pub mod config;
@@ -65,7 +66,11 @@ impl App {
             tracing::error!(error = %m, "security subsystem failed to open");
             m
         });
-        let service = Service::new(store, engine, Arc::new(config), clock, metrics);
+        let gate: Arc<dyn security::gate::ToolGate> = match &security {
+            Ok(sec) => Arc::new(security::gate::SecurityGate(sec.clone())),
+            Err(m) => Arc::new(security::gate::ClosedGate(m.clone())),
+        };
+        let service = Service::new(store, engine, Arc::new(config), clock, metrics, gate);
         App {
             service,
             shutdown: watch::channel(false).0,

@@ -64,7 +64,7 @@ pub struct Stats {
 pub struct Metrics {
     recorder: PrometheusRecorder,
     handle: PrometheusHandle,
-    hist: Mutex<BTreeMap<(bool, String), Histogram<u64>>>,
+    hist: Mutex<BTreeMap<(Scope, String), Histogram<u64>>>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -77,6 +77,17 @@ impl Default for Metrics {
     fn default() -> Self {
         Self::new()
     }
+}
+
+/// Whose latencies a histogram holds.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum Scope {
+    /// API operations of every tenant.
+    Api,
+    /// API operations of one tenant (what its `/v1/stats` shows).
+    TenantApi(String),
+    /// VM steps.
+    Step,
 }
 
 impl Metrics {
@@ -97,9 +108,9 @@ impl Metrics {
         }
     }
 
-    fn record_hdr(&self, api: bool, name: &str, d: Duration) {
+    fn record_hdr(&self, scope: Scope, name: &str, d: Duration) {
         let mut g = self.hist.lock().unwrap_or_else(|p| p.into_inner());
-        let key = (api, name.to_owned());
+        let key = (scope, name.to_owned());
         if !g.contains_key(&key) {
             // 1 µs .. 1 h at 3 significant figures; constant, valid bounds.
             match Histogram::new_with_bounds(1, 3_600_000_000, 3) {
@@ -112,8 +123,9 @@ impl Metrics {
         }
     }
 
-    /// Records the latency of an API operation.
-    pub fn observe_api(&self, op: &str, status: u16, d: Duration) {
+    /// Records the latency of an API operation (and in its tenant's view,
+    /// when the caller had one).
+    pub fn observe_api(&self, op: &str, status: u16, d: Duration, tenant: Option<&str>) {
         let op = op.to_owned();
         metrics::with_local_recorder(&self.recorder, || {
             metrics::histogram!("strata_api_request_duration_seconds", "op" => op.clone())
@@ -121,7 +133,10 @@ impl Metrics {
             metrics::counter!("strata_api_requests_total", "op" => op.clone(), "status" => status.to_string())
                 .increment(1);
         });
-        self.record_hdr(true, &op, d);
+        self.record_hdr(Scope::Api, &op, d);
+        if let Some(t) = tenant {
+            self.record_hdr(Scope::TenantApi(t.to_owned()), &op, d);
+        }
     }
 
     /// Records the latency of a VM step.
@@ -131,7 +146,7 @@ impl Metrics {
             metrics::histogram!("strata_vm_step_duration_seconds", "step" => s.clone())
                 .record(d.as_secs_f64());
         });
-        self.record_hdr(false, step, d);
+        self.record_hdr(Scope::Step, step, d);
     }
 
     /// Counts an event (`strata_events_total{kind}`), e.g. failed snapshots.
@@ -159,9 +174,21 @@ impl Metrics {
 
     /// Quantile summaries (sandbox counts are filled in by the caller).
     pub fn stats(&self) -> Stats {
+        self.stats_for(None)
+    }
+
+    /// Quantile summaries of one tenant's API operations (`None`: every
+    /// tenant's), with the host's VM steps.
+    pub fn stats_for(&self, tenant: Option<&str>) -> Stats {
         let g = self.hist.lock().unwrap_or_else(|p| p.into_inner());
         let mut out = Stats::default();
-        for ((api, name), h) in g.iter() {
+        for ((scope, name), h) in g.iter() {
+            let api = match (scope, tenant) {
+                (Scope::Step, _) => false,
+                (Scope::Api, None) => true,
+                (Scope::TenantApi(t), Some(want)) if t == want => true,
+                _ => continue,
+            };
             let ms = |q: f64| h.value_at_quantile(q) as f64 / 1000.0;
             let s = Summary {
                 count: h.len(),
@@ -170,7 +197,7 @@ impl Metrics {
                 p99_ms: ms(0.99),
                 max_ms: h.max() as f64 / 1000.0,
             };
-            if *api {
+            if api {
                 out.api.insert(name.clone(), s);
             } else {
                 out.steps.insert(name.clone(), s);
@@ -188,7 +215,7 @@ mod tests {
     fn quantiles_in_both_views() {
         let m = Metrics::new();
         for i in 1..=100u64 {
-            m.observe_api("GET /v1/sandboxes", 200, Duration::from_millis(i));
+            m.observe_api("GET /v1/sandboxes", 200, Duration::from_millis(i), None);
         }
         m.observe_step(step::SNAPSHOT_PAUSE, Duration::from_millis(15));
         let s = m.stats();

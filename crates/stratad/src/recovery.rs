@@ -27,7 +27,7 @@ use tracing::{info, warn};
 use crate::engine::LiveVm;
 use crate::service::{Service, ServiceResult};
 use crate::store::{
-    Event, EventPhase, SandboxRecord, SnapshotStatus, TemplateStatus, DEFAULT_TENANT,
+    Event, EventPhase, SandboxRecord, SnapshotStatus, TemplateStatus,
 };
 
 /// What recovery found and did.
@@ -332,7 +332,7 @@ pub async fn reconcile(svc: &Arc<Service>) -> ServiceResult<RecoveryReport> {
         }
     }
     // Template builds are not resumable: one interrupted by the restart failed.
-    for mut t in svc.db(|st| st.list_templates(DEFAULT_TENANT)).await? {
+    for mut t in svc.db(|st| st.all_templates()).await? {
         if t.status == TemplateStatus::Building {
             t.status = TemplateStatus::Failed;
             t.status_reason = Some("build interrupted by a daemon restart".into());
@@ -344,7 +344,7 @@ pub async fn reconcile(svc: &Arc<Service>) -> ServiceResult<RecoveryReport> {
         }
     }
     let templates: HashSet<_> = svc
-        .db(|st| st.list_templates(DEFAULT_TENANT))
+        .db(|st| st.all_templates())
         .await?
         .into_iter()
         .filter(|t| t.status != TemplateStatus::Deleted)

@@ -29,6 +29,7 @@ use strata_core::{
 use tokio::sync::OwnedMutexGuard;
 use tracing::{info, warn, Instrument};
 
+use crate::caller::{Caller, PLATFORM_SCOPE};
 use crate::clock::Clock;
 use crate::config::Config;
 use crate::engine::{
@@ -37,7 +38,9 @@ use crate::engine::{
 use crate::metrics::{step, Metrics};
 use crate::retention::Point;
 use crate::scheduler::{Actions, SchedulerHandle, Timing};
+use crate::security::gate::{GateOptions, GateRefusal, ToolGate};
 use crate::store::*;
+use strata_policy::{CallKind, ToolCall};
 
 /// Why a service call failed; maps onto the API's error codes.
 #[derive(Debug, thiserror::Error)]
@@ -74,6 +77,20 @@ pub enum ServiceError {
     /// The store failed.
     #[error("metadata store")]
     Store(#[from] StoreError),
+    /// The caller's role or scope does not allow this (a platform template).
+    #[error("{0}")]
+    Forbidden(String),
+    /// The tool-call gate refused (denied, held for approval, or failed closed).
+    #[error("{}", gate_message(.0))]
+    Gate(GateRefusal),
+}
+
+fn gate_message(r: &GateRefusal) -> String {
+    match r {
+        GateRefusal::Invalid(m) | GateRefusal::Internal(m) => m.clone(),
+        GateRefusal::Denied { message, .. } => message.clone(),
+        GateRefusal::Pending(req) => format!("held for approval {}", req.id),
+    }
 }
 
 impl ServiceError {
@@ -91,6 +108,12 @@ impl ServiceError {
             ServiceError::Engine(e) => e.code(),
             ServiceError::Store(StoreError::BadCursor) => ErrorCode::InvalidRequest,
             ServiceError::Store(_) => ErrorCode::Internal,
+            ServiceError::Forbidden(_) => ErrorCode::Forbidden,
+            ServiceError::Gate(GateRefusal::Invalid(_)) => ErrorCode::InvalidRequest,
+            ServiceError::Gate(GateRefusal::Internal(_)) => ErrorCode::Internal,
+            ServiceError::Gate(GateRefusal::Denied { .. } | GateRefusal::Pending(_)) => {
+                ErrorCode::PolicyDenied
+            }
         }
     }
 
@@ -226,6 +249,80 @@ pub struct TemplateView {
     pub progress: Option<BuildProgress>,
 }
 
+/// A tool call the gate allowed on one sandbox of its caller (made only by
+/// [`Service::grant`] and [`Service::access`]). Guest file operations run
+/// under a grant and only on the paths it covers, so what the gate decided
+/// and what runs come from the same values.
+#[derive(Debug, Clone)]
+pub struct Grant {
+    sandbox: SandboxId,
+    caller: Caller,
+    kind: Option<CallKind>,
+}
+
+/// A guest file operation, for [`Grant::covers`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GuestOp {
+    /// Read a file's content.
+    Read,
+    /// Stat a path.
+    Stat,
+    /// List a directory.
+    List,
+    /// Write a file.
+    Write,
+    /// Make a directory.
+    Mkdir,
+    /// Remove a path.
+    Remove,
+}
+
+fn is_under(path: &str, dir: &str) -> bool {
+    let dir = dir.trim_end_matches('/');
+    path.strip_prefix(dir)
+        .is_some_and(|rest| rest.starts_with('/'))
+}
+
+impl Grant {
+    /// The sandbox.
+    pub fn sandbox(&self) -> &SandboxId {
+        &self.sandbox
+    }
+
+    /// Who it was granted to.
+    pub fn caller(&self) -> &Caller {
+        &self.caller
+    }
+
+    /// The call the gate decided (`None` for [`Service::access`]).
+    pub fn kind(&self) -> Option<&CallKind> {
+        self.kind.as_ref()
+    }
+
+    /// Whether `op` on `path` is what the gate decided: a read covers
+    /// reading, stating and listing the path and what is below it; a write
+    /// covers writing, removing and making the path, and stating or making
+    /// the directories above it (an upload makes its parent).
+    pub fn covers(&self, op: GuestOp, path: &str) -> bool {
+        match &self.kind {
+            Some(CallKind::FileRead { path: p }) => {
+                matches!(op, GuestOp::Read | GuestOp::Stat | GuestOp::List)
+                    && (path == p || is_under(path, p))
+            }
+            Some(CallKind::FileWrite { path: p }) => match op {
+                GuestOp::Write | GuestOp::Remove => path == p,
+                GuestOp::Mkdir | GuestOp::Stat => path == p || is_under(p, path),
+                GuestOp::Read | GuestOp::List => false,
+            },
+            _ => false,
+        }
+    }
+}
+
+fn lifecycle(op: &str) -> CallKind {
+    CallKind::Lifecycle { op: op.to_owned() }
+}
+
 /// Who holds an operation lock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Who {
@@ -268,6 +365,7 @@ pub struct Service {
     placement: tokio::sync::Mutex<()>,
     progress: Mutex<HashMap<TemplateId, BuildProgress>>,
     flushed: Mutex<HashMap<SandboxId, DateTime<Utc>>>,
+    gate: Arc<dyn ToolGate>,
 }
 
 impl std::fmt::Debug for Service {
@@ -356,8 +454,10 @@ impl Service {
         config: Arc<Config>,
         clock: Arc<dyn Clock>,
         metrics: Arc<Metrics>,
+        gate: Arc<dyn ToolGate>,
     ) -> Arc<Self> {
         Arc::new(Service {
+            gate,
             store,
             engine,
             sched: SchedulerHandle::new(),
@@ -475,8 +575,10 @@ impl Service {
         })
     }
 
-    /// A sandbox record that is not deleted.
-    pub async fn get_sandbox(&self, id: &SandboxId) -> ServiceResult<SandboxRecord> {
+    /// A sandbox record that is not deleted, whoever owns it (the
+    /// service's own bookkeeping; commands look up through
+    /// [`Service::get_sandbox`]).
+    async fn record(&self, id: &SandboxId) -> ServiceResult<SandboxRecord> {
         let id2 = id.clone();
         match self.db(move |s| s.get_sandbox(&id2)).await? {
             Some(r) if r.state != SandboxState::Deleted => Ok(r),
@@ -484,9 +586,87 @@ impl Service {
         }
     }
 
-    /// A filtered page of sandboxes.
-    pub async fn list_sandboxes(&self, f: SandboxFilter) -> ServiceResult<Page<SandboxRecord>> {
+    /// A sandbox record the caller may see: another tenant's sandbox
+    /// answers exactly like an unknown id.
+    pub async fn get_sandbox(
+        &self,
+        caller: &Caller,
+        id: &SandboxId,
+    ) -> ServiceResult<SandboxRecord> {
+        match self.record(id).await {
+            Ok(r) if caller.sees(&r.tenant) => Ok(r),
+            Ok(_) => Err(not_found("sandbox", id)),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// A filtered page of the caller's sandboxes (the filter's tenant is
+    /// the caller's; only the daemon lists another tenant's).
+    pub async fn list_sandboxes(
+        &self,
+        caller: &Caller,
+        mut f: SandboxFilter,
+    ) -> ServiceResult<Page<SandboxRecord>> {
+        if let Some(t) = caller.tenant() {
+            f.tenant = t.to_owned();
+        }
         self.db(move |s| s.list_sandboxes(&f)).await
+    }
+
+    /// A snapshot record that is not deleted, whoever owns it.
+    async fn snapshot_record(&self, id: &SnapshotId) -> ServiceResult<SnapshotRecord> {
+        let id2 = id.clone();
+        match self.db(move |s| s.get_snapshot(&id2)).await? {
+            Some(r) if r.status != SnapshotStatus::Deleted => Ok(r),
+            _ => Err(not_found("snapshot", id)),
+        }
+    }
+
+    /// A template record that is not deleted, whoever owns it.
+    async fn template_record(&self, id: &TemplateId) -> ServiceResult<TemplateRecord> {
+        let id2 = id.clone();
+        match self.db(move |s| s.get_template(&id2)).await? {
+            Some(r) if r.status != TemplateStatus::Deleted => Ok(r),
+            _ => Err(not_found("template", id)),
+        }
+    }
+
+    /// Decides a tool call of `caller` through the gate (policy, approval,
+    /// audit), with the values the action will use. The daemon's own work
+    /// ([`Caller::System`]) is not a tool call: it is not gated.
+    pub async fn authorize(
+        &self,
+        caller: &Caller,
+        sandbox: Option<&SandboxId>,
+        kind: CallKind,
+        opts: &GateOptions,
+    ) -> ServiceResult<()> {
+        let Some(tenant) = caller.tenant() else {
+            return Ok(());
+        };
+        let call = ToolCall {
+            tenant: tenant.to_owned(),
+            sandbox: sandbox.map(|s| s.to_string()),
+            actor: caller.actor(),
+            kind,
+        };
+        self.gate
+            .check(call, opts.clone())
+            .await
+            .map_err(ServiceError::Gate)
+    }
+
+    /// Looks up the caller's sandbox `id`, then gates `kind` on it.
+    async fn authorize_on(
+        &self,
+        caller: &Caller,
+        id: &SandboxId,
+        kind: CallKind,
+        opts: &GateOptions,
+    ) -> ServiceResult<SandboxRecord> {
+        let rec = self.get_sandbox(caller, id).await?;
+        self.authorize(caller, Some(id), kind, opts).await?;
+        Ok(rec)
     }
 
     /// Records activity: postpones idle hibernation; persisted lazily.
@@ -735,12 +915,17 @@ impl Service {
         Ok(())
     }
 
-    fn new_record(&self, spec: &SandboxSpec, size: SandboxSize) -> ServiceResult<SandboxRecord> {
+    fn new_record(
+        &self,
+        owner: &str,
+        spec: &SandboxSpec,
+        size: SandboxSize,
+    ) -> ServiceResult<SandboxRecord> {
         validate_labels(&spec.labels)?;
         let now = self.now();
         Ok(SandboxRecord {
             id: SandboxId::generate(),
-            tenant: crate::security::current_tenant(),
+            tenant: owner.to_owned(),
             template: None,
             source_snapshot: None,
             size,
@@ -762,19 +947,17 @@ impl Service {
     /// The template a create starts from: the one named, or the newest ready
     /// one. A template still being built (the default one on a first start)
     /// is waited for, up to `template_wait`.
-    async fn resolve_template(&self, id: Option<TemplateId>) -> ServiceResult<TemplateRecord> {
+    async fn resolve_template(
+        &self,
+        caller: &Caller,
+        id: Option<&TemplateId>,
+    ) -> ServiceResult<TemplateRecord> {
         let deadline = Instant::now() + self.config.template_wait;
         loop {
-            let tpl = match &id {
-                Some(id) => {
-                    let id2 = id.clone();
-                    self.db(move |s| s.get_template(&id2))
-                        .await?
-                        .filter(|t| t.status != TemplateStatus::Deleted)
-                        .ok_or_else(|| not_found("template", id))?
-                }
+            let tpl = match id {
+                Some(id) => self.get_template(caller, id).await?.record,
                 None => {
-                    let all = self.db(|s| s.list_templates(DEFAULT_TENANT)).await?;
+                    let all = self.db(|s| s.list_templates(PLATFORM_SCOPE)).await?;
                     let ready = all.iter().rev().find(|t| t.status == TemplateStatus::Ready);
                     let building = all
                         .iter()
@@ -836,17 +1019,40 @@ impl Service {
     /// Creates a sandbox from a template. vCPUs and memory are the template's
     /// (a snapshot restores with the RAM and CPUs it was taken with); the
     /// disk may be larger than the template's (it grows).
-    pub async fn create(self: &Arc<Self>, cmd: CreateSandbox) -> ServiceResult<SandboxRecord> {
-        let size = cmd.spec.size.over(SandboxSize::default());
-        size.validate()?;
-        let tpl = self.resolve_template(cmd.template).await?;
+    pub async fn create(
+        self: &Arc<Self>,
+        caller: &Caller,
+        cmd: CreateSandbox,
+        opts: &GateOptions,
+    ) -> ServiceResult<SandboxRecord> {
+        let tpl = self.admit_create(caller, &cmd, opts).await?;
         let size = cmd.spec.size.over(tpl.size);
         size.validate()?;
         check_source_size(&format!("template {}", tpl.id), tpl.size, size)?;
-        let mut rec = self.new_record(&cmd.spec, size)?;
+        let mut rec = self.new_record(caller.owner(), &cmd.spec, size)?;
         rec.template = Some(tpl.id.clone());
         self.spawn_new(rec, Source::Template(tpl.id), step::SPAWN)
             .await
+    }
+
+    /// The checks every create makes, in order: the size, the template is
+    /// one the caller may use (else `not_found`, as for an unknown id), the
+    /// gate (`lifecycle create`), then the template is ready (waiting for a
+    /// build in progress).
+    async fn admit_create(
+        &self,
+        caller: &Caller,
+        cmd: &CreateSandbox,
+        opts: &GateOptions,
+    ) -> ServiceResult<TemplateRecord> {
+        let size = cmd.spec.size.over(SandboxSize::default());
+        size.validate()?;
+        if let Some(t) = &cmd.template {
+            self.get_template(caller, t).await?;
+        }
+        self.authorize(caller, None, lifecycle("create"), opts)
+            .await?;
+        self.resolve_template(caller, cmd.template.as_ref()).await
     }
 
     /// Creates a sandbox from a template directly in the hibernated state
@@ -857,15 +1063,15 @@ impl Service {
     /// and the size asked here. Validated like [`Service::create`].
     pub async fn create_hibernated(
         self: &Arc<Self>,
+        caller: &Caller,
         cmd: CreateSandbox,
+        opts: &GateOptions,
     ) -> ServiceResult<SandboxRecord> {
-        let size = cmd.spec.size.over(SandboxSize::default());
-        size.validate()?;
-        let tpl = self.resolve_template(cmd.template).await?;
+        let tpl = self.admit_create(caller, &cmd, opts).await?;
         let size = cmd.spec.size.over(tpl.size);
         size.validate()?;
         check_source_size(&format!("template {}", tpl.id), tpl.size, size)?;
-        let mut rec = self.new_record(&cmd.spec, size)?;
+        let mut rec = self.new_record(caller.owner(), &cmd.spec, size)?;
         rec.template = Some(tpl.id.clone());
         let span = tracing::info_span!("create_hibernated", sandbox = %rec.id);
         async move {
@@ -918,7 +1124,7 @@ impl Service {
     /// `default`, of `default_size`) unless a template is ready or building.
     /// Returns the build started, if any.
     pub async fn ensure_default_template(self: &Arc<Self>) -> ServiceResult<Option<TemplateView>> {
-        let all = self.db(|s| s.list_templates(DEFAULT_TENANT)).await?;
+        let all = self.db(|s| s.list_templates(PLATFORM_SCOPE)).await?;
         if all
             .iter()
             .any(|t| matches!(t.status, TemplateStatus::Ready | TemplateStatus::Building))
@@ -930,11 +1136,15 @@ impl Service {
             .map_err(|e: strata_core::id::IdError| ServiceError::InvalidRequest(e.to_string()))?;
         info!(template = %id, "no template yet: building the default one in the background");
         let v = self
-            .build_template(BuildTemplate {
-                id: Some(id),
-                name: Some("default".into()),
-                size: SizeSpec::default(),
-            })
+            .build_template(
+                &Caller::system(crate::caller::SystemReason::Platform),
+                BuildTemplate {
+                    id: Some(id),
+                    name: Some("default".into()),
+                    size: SizeSpec::default(),
+                },
+                &GateOptions::default(),
+            )
             .await?;
         Ok(Some(v))
     }
@@ -999,19 +1209,26 @@ impl Service {
     }
 
     /// Makes sure a sandbox runs, waking it from hibernation (wake-on-access).
-    pub async fn ensure_awake(self: &Arc<Self>, id: &SandboxId) -> ServiceResult<SandboxRecord> {
-        let rec = self.get_sandbox(id).await?;
+    async fn ensure_awake(self: &Arc<Self>, id: &SandboxId) -> ServiceResult<SandboxRecord> {
+        let rec = self.record(id).await?;
         self.touch(id);
         if rec.state == SandboxState::Hibernated {
-            return self.resume(id).await;
+            return self.resume_ungated(id).await;
         }
         Ok(rec)
     }
 
     /// Deletes a sandbox and its snapshots.
-    pub async fn delete(self: &Arc<Self>, id: &SandboxId) -> ServiceResult<SandboxRecord> {
+    pub async fn delete(
+        self: &Arc<Self>,
+        caller: &Caller,
+        id: &SandboxId,
+        opts: &GateOptions,
+    ) -> ServiceResult<SandboxRecord> {
+        self.authorize_on(caller, id, lifecycle("delete"), opts)
+            .await?;
         let _g = self.acquire(id, Op::Delete, Who::User).await?;
-        let mut rec = self.get_sandbox(id).await?;
+        let mut rec = self.record(id).await?;
         let next = rec.state.apply(Op::Delete)?;
         self.begin(&mut rec, Op::Delete, None).await?;
         if let Err(e) = self.engine.delete(id).await {
@@ -1040,9 +1257,16 @@ impl Service {
     }
 
     /// Pauses a running sandbox.
-    pub async fn pause(self: &Arc<Self>, id: &SandboxId) -> ServiceResult<SandboxRecord> {
+    pub async fn pause(
+        self: &Arc<Self>,
+        caller: &Caller,
+        id: &SandboxId,
+        opts: &GateOptions,
+    ) -> ServiceResult<SandboxRecord> {
+        self.authorize_on(caller, id, lifecycle("pause"), opts)
+            .await?;
         let _g = self.acquire(id, Op::Pause, Who::User).await?;
-        let mut rec = self.get_sandbox(id).await?;
+        let mut rec = self.record(id).await?;
         self.touch(id);
         let next = rec.state.apply(Op::Pause)?;
         self.begin(&mut rec, Op::Pause, None).await?;
@@ -1059,9 +1283,20 @@ impl Service {
     }
 
     /// Resumes a paused sandbox or wakes a hibernated one.
-    pub async fn resume(self: &Arc<Self>, id: &SandboxId) -> ServiceResult<SandboxRecord> {
+    pub async fn resume(
+        self: &Arc<Self>,
+        caller: &Caller,
+        id: &SandboxId,
+        opts: &GateOptions,
+    ) -> ServiceResult<SandboxRecord> {
+        self.authorize_on(caller, id, lifecycle("resume"), opts)
+            .await?;
+        self.resume_ungated(id).await
+    }
+
+    async fn resume_ungated(self: &Arc<Self>, id: &SandboxId) -> ServiceResult<SandboxRecord> {
         let _g = self.acquire(id, Op::Resume, Who::User).await?;
-        let mut rec = self.get_sandbox(id).await?;
+        let mut rec = self.record(id).await?;
         self.touch(id);
         let next = rec.state.apply(Op::Resume)?;
         self.begin(&mut rec, Op::Resume, None).await?;
@@ -1100,7 +1335,14 @@ impl Service {
     }
 
     /// Hibernates a sandbox (snapshot, then the VM ends).
-    pub async fn hibernate(self: &Arc<Self>, id: &SandboxId) -> ServiceResult<SandboxRecord> {
+    pub async fn hibernate(
+        self: &Arc<Self>,
+        caller: &Caller,
+        id: &SandboxId,
+        opts: &GateOptions,
+    ) -> ServiceResult<SandboxRecord> {
+        self.authorize_on(caller, id, lifecycle("hibernate"), opts)
+            .await?;
         let g = self.acquire(id, Op::Hibernate, Who::User).await?;
         self.hibernate_locked(id, g).await
     }
@@ -1110,7 +1352,7 @@ impl Service {
         id: &SandboxId,
         _g: OpGuard,
     ) -> ServiceResult<SandboxRecord> {
-        let mut rec = self.get_sandbox(id).await?;
+        let mut rec = self.record(id).await?;
         let next = rec.state.apply(Op::Hibernate)?;
         let mut snap = self.new_snapshot(&rec, SnapshotKind::Hibernate, None);
         rec.pending_op = Some(Op::Hibernate);
@@ -1157,9 +1399,12 @@ impl Service {
     /// Takes a snapshot (waking a hibernated sandbox first).
     pub async fn take_snapshot(
         self: &Arc<Self>,
+        caller: &Caller,
         id: &SandboxId,
         cmd: TakeSnapshot,
+        opts: &GateOptions,
     ) -> ServiceResult<SnapshotRecord> {
+        self.get_sandbox(caller, id).await?;
         if cmd
             .label
             .as_ref()
@@ -1169,6 +1414,8 @@ impl Service {
                 "label: at most 255 bytes, no NUL".into(),
             ));
         }
+        self.authorize(caller, Some(id), CallKind::Snapshot, opts)
+            .await?;
         self.ensure_awake(id).await?;
         let g = self.acquire(id, Op::Snapshot, Who::User).await?;
         self.snapshot_locked(id, SnapshotKind::Manual, cmd.label, g)
@@ -1182,7 +1429,7 @@ impl Service {
         label: Option<String>,
         _g: OpGuard,
     ) -> ServiceResult<SnapshotRecord> {
-        let rec = self.get_sandbox(id).await?;
+        let rec = self.record(id).await?;
         rec.state.apply(Op::Snapshot)?;
         let mut snap = self.new_snapshot(&rec, kind, label);
         {
@@ -1231,24 +1478,46 @@ impl Service {
     }
 
     /// A sandbox's snapshots, oldest first.
-    pub async fn list_snapshots(&self, id: &SandboxId) -> ServiceResult<Vec<SnapshotRecord>> {
-        self.get_sandbox(id).await?;
+    pub async fn list_snapshots(
+        &self,
+        caller: &Caller,
+        id: &SandboxId,
+    ) -> ServiceResult<Vec<SnapshotRecord>> {
+        self.get_sandbox(caller, id).await?;
         let id = id.clone();
         self.db(move |s| s.list_snapshots(&id, false)).await
     }
 
-    /// One snapshot that is not deleted.
-    pub async fn get_snapshot(&self, id: &SnapshotId) -> ServiceResult<SnapshotRecord> {
-        let id2 = id.clone();
-        match self.db(move |s| s.get_snapshot(&id2)).await? {
-            Some(r) if r.status != SnapshotStatus::Deleted => Ok(r),
-            _ => Err(not_found("snapshot", id)),
+    /// One snapshot the caller may see that is not deleted (another
+    /// tenant's answers like an unknown id).
+    pub async fn get_snapshot(
+        &self,
+        caller: &Caller,
+        id: &SnapshotId,
+    ) -> ServiceResult<SnapshotRecord> {
+        match self.snapshot_record(id).await {
+            Ok(r) if caller.sees(&r.tenant) => Ok(r),
+            Ok(_) => Err(not_found("snapshot", id)),
+            Err(e) => Err(e),
         }
     }
 
     /// Deletes a snapshot (recorded first, then removed from the pool).
-    pub async fn delete_snapshot(&self, id: &SnapshotId) -> ServiceResult<SnapshotRecord> {
-        let mut snap = self.get_snapshot(id).await?;
+    pub async fn delete_snapshot(
+        &self,
+        caller: &Caller,
+        id: &SnapshotId,
+        opts: &GateOptions,
+    ) -> ServiceResult<SnapshotRecord> {
+        let snap = self.get_snapshot(caller, id).await?;
+        self.authorize(
+            caller,
+            Some(&snap.sandbox_id),
+            lifecycle("delete_snapshot"),
+            opts,
+        )
+        .await?;
+        let mut snap = self.snapshot_record(id).await?;
         if snap.status == SnapshotStatus::Pending {
             return Err(ServiceError::Conflict(format!(
                 "snapshot {id} is being taken"
@@ -1266,10 +1535,14 @@ impl Service {
     /// Forks the present state of a sandbox into a new one.
     pub async fn fork_sandbox(
         self: &Arc<Self>,
+        caller: &Caller,
         src: &SandboxId,
         spec: SandboxSpec,
+        opts: &GateOptions,
     ) -> ServiceResult<SandboxRecord> {
-        let src_rec = self.get_sandbox(src).await?;
+        let src_rec = self
+            .authorize_on(caller, src, CallKind::Fork, opts)
+            .await?;
         self.touch(src);
         if matches!(
             src_rec.state,
@@ -1285,15 +1558,15 @@ impl Service {
                         "sandbox {src} has no snapshot to fork"
                     ))
                 })?;
-            return self.fork_snapshot(&snap.id, spec).await;
+            return self.fork_snapshot_ungated(caller, &snap.id, spec).await;
         }
         let _g = self.acquire(src, Op::Fork, Who::User).await?;
-        let src_rec = self.get_sandbox(src).await?;
+        let src_rec = self.record(src).await?;
         src_rec.state.apply(Op::Fork)?;
         let size = spec.size.over(src_rec.size);
         size.validate()?;
         check_source_size(&format!("sandbox {src}"), src_rec.size, size)?;
-        let mut rec = self.new_record(&spec, size)?;
+        let mut rec = self.new_record(caller.owner(), &spec, size)?;
         rec.template = src_rec.template.clone();
         let mut snap = self.new_snapshot(&src_rec, SnapshotKind::Fork, None);
         rec.source_snapshot = Some(snap.id.clone());
@@ -1333,10 +1606,24 @@ impl Service {
     /// Forks a snapshot into a new sandbox.
     pub async fn fork_snapshot(
         self: &Arc<Self>,
+        caller: &Caller,
+        snap: &SnapshotId,
+        spec: SandboxSpec,
+        opts: &GateOptions,
+    ) -> ServiceResult<SandboxRecord> {
+        let s = self.get_snapshot(caller, snap).await?;
+        self.authorize(caller, Some(&s.sandbox_id), CallKind::Fork, opts)
+            .await?;
+        self.fork_snapshot_ungated(caller, snap, spec).await
+    }
+
+    async fn fork_snapshot_ungated(
+        self: &Arc<Self>,
+        caller: &Caller,
         snap: &SnapshotId,
         spec: SandboxSpec,
     ) -> ServiceResult<SandboxRecord> {
-        let s = self.get_snapshot(snap).await?;
+        let s = self.snapshot_record(snap).await?;
         if s.status != SnapshotStatus::Ready {
             return Err(ServiceError::InvalidStateOther(format!(
                 "snapshot {snap} is not ready"
@@ -1353,7 +1640,7 @@ impl Service {
         if src.is_some() {
             check_source_size(&format!("snapshot {snap}"), base, size)?;
         }
-        let mut rec = self.new_record(&spec, size)?;
+        let mut rec = self.new_record(caller.owner(), &spec, size)?;
         rec.template = src.and_then(|r| r.template);
         rec.source_snapshot = Some(snap.clone());
         self.spawn_new(rec, Source::Snapshot(snap.clone()), step::RESTORE)
@@ -1363,16 +1650,19 @@ impl Service {
     /// Returns a sandbox to one of its snapshots (by id or by time ago).
     pub async fn rewind(
         self: &Arc<Self>,
+        caller: &Caller,
         id: &SandboxId,
         cmd: Rewind,
+        opts: &GateOptions,
     ) -> ServiceResult<(SandboxRecord, SnapshotRecord, Option<SnapshotRecord>)> {
+        self.get_sandbox(caller, id).await?;
         let target = match (&cmd.to, &cmd.ago) {
             (Some(to), None) => {
-                let t = self.get_snapshot(to).await?;
+                let t = self.get_snapshot(caller, to).await?;
                 if &t.sandbox_id != id {
+                    // Names no other sandbox: the snapshot may be anyone's.
                     return Err(ServiceError::InvalidRequest(format!(
-                        "snapshot {to} belongs to sandbox {}, not {id}: rewind goes to a sandbox's own snapshots (fork it instead)",
-                        t.sandbox_id
+                        "snapshot {to} is not a snapshot of {id}: rewind goes to a sandbox's own snapshots (fork it instead)"
                     )));
                 }
                 t
@@ -1384,7 +1674,6 @@ impl Service {
                     - chrono::Duration::from_std(d)
                         .map_err(|_| ServiceError::InvalidRequest("ago: too large".into()))?;
                 let id2 = id.clone();
-                self.get_sandbox(id).await?;
                 self.db(move |s| s.ready_snapshot_at(&id2, at)).await?.ok_or_else(|| {
                     ServiceError::NotFound {
                         kind: "snapshot",
@@ -1408,8 +1697,10 @@ impl Service {
                 target.id
             )));
         }
+        self.authorize(caller, Some(id), CallKind::Rewind, opts)
+            .await?;
         let _g = self.acquire(id, Op::Rewind, Who::User).await?;
-        let mut rec = self.get_sandbox(id).await?;
+        let mut rec = self.record(id).await?;
         self.touch(id);
         let next = rec.state.apply(Op::Rewind)?;
         let mut pre = rec.state.has_vm().then(|| {
@@ -1488,9 +1779,12 @@ impl Service {
     /// Runs a command; the stream ends with the exit event.
     pub async fn exec(
         self: &Arc<Self>,
+        caller: &Caller,
         id: &SandboxId,
         req: ExecRequest,
+        opts: &GateOptions,
     ) -> ServiceResult<ExecStream> {
+        self.get_sandbox(caller, id).await?;
         if req.cmd.is_empty() || req.cmd[0].is_empty() {
             return Err(ServiceError::InvalidRequest(
                 "cmd: give at least the program".into(),
@@ -1510,6 +1804,19 @@ impl Service {
         if let Some(cwd) = &req.cwd {
             validate_guest_path(cwd)?;
         }
+        let kind = CallKind::Exec {
+            argv: req.cmd.clone(),
+            shell: None,
+        };
+        self.authorize(caller, Some(id), kind, opts).await?;
+        self.exec_granted(id, req).await
+    }
+
+    async fn exec_granted(
+        self: &Arc<Self>,
+        id: &SandboxId,
+        req: ExecRequest,
+    ) -> ServiceResult<ExecStream> {
         let rec = self.ensure_awake(id).await?;
         rec.state.apply(Op::Exec)?;
         let started = Instant::now();
@@ -1524,27 +1831,80 @@ impl Service {
             .boxed())
     }
 
-    async fn guest_ready(self: &Arc<Self>, id: &SandboxId, path: &str) -> ServiceResult<()> {
+    async fn guest_ready(
+        self: &Arc<Self>,
+        g: &Grant,
+        op: GuestOp,
+        path: &str,
+    ) -> ServiceResult<SandboxId> {
         validate_guest_path(path)?;
-        let rec = self.ensure_awake(id).await?;
+        if !g.covers(op, path) {
+            // A front door passed a path its grant was not decided for.
+            return Err(ServiceError::Forbidden(format!(
+                "{op:?} of {path} is not covered by the call the gate decided"
+            )));
+        }
+        let rec = self.ensure_awake(&g.sandbox).await?;
         rec.state.apply(Op::Exec)?;
-        Ok(())
+        Ok(rec.id)
+    }
+
+    /// Gates a tool call of `caller` on its sandbox `id` and returns the
+    /// grant the guest operations run under ([`Service::read_file`] …).
+    /// The call is built by the front door from the values it will use.
+    pub async fn grant(
+        &self,
+        caller: &Caller,
+        id: &SandboxId,
+        kind: CallKind,
+        opts: &GateOptions,
+    ) -> ServiceResult<Grant> {
+        self.authorize_on(caller, id, kind.clone(), opts).await?;
+        Ok(Grant {
+            sandbox: id.clone(),
+            caller: caller.clone(),
+            kind: Some(kind),
+        })
+    }
+
+    /// Access to the caller's sandbox `id` without a tool call: only for a
+    /// front door's own helper commands ([`Service::exec_helper`]) that
+    /// serve calls already decided (an E2B process's signals and stdin).
+    pub async fn access(&self, caller: &Caller, id: &SandboxId) -> ServiceResult<Grant> {
+        self.get_sandbox(caller, id).await?;
+        Ok(Grant {
+            sandbox: id.clone(),
+            caller: caller.clone(),
+            kind: None,
+        })
+    }
+
+    /// Runs a front door's helper command under a grant (the E2B door's
+    /// process wrapper, `mv` for a move, `kill` for a signal): the gate
+    /// already decided the call it serves.
+    pub async fn exec_helper(
+        self: &Arc<Self>,
+        g: &Grant,
+        req: ExecRequest,
+    ) -> ServiceResult<ExecStream> {
+        if req.cmd.is_empty() || req.cmd.iter().any(|s| s.contains('\0')) {
+            return Err(ServiceError::InvalidRequest(
+                "helper command: empty or with NUL bytes".into(),
+            ));
+        }
+        self.exec_granted(&g.sandbox, req).await
     }
 
     /// Streams a guest file.
-    pub async fn read_file(
-        self: &Arc<Self>,
-        id: &SandboxId,
-        path: &str,
-    ) -> ServiceResult<ByteStream> {
-        self.guest_ready(id, path).await?;
-        Ok(self.engine.read_file(id, path).await?)
+    pub async fn read_file(self: &Arc<Self>, g: &Grant, path: &str) -> ServiceResult<ByteStream> {
+        let id = self.guest_ready(g, GuestOp::Read, path).await?;
+        Ok(self.engine.read_file(&id, path).await?)
     }
 
     /// Writes a guest file from a stream.
     pub async fn write_file(
         self: &Arc<Self>,
-        id: &SandboxId,
+        g: &Grant,
         path: &str,
         mode: u32,
         body: ByteStream,
@@ -1554,53 +1914,55 @@ impl Service {
                 "mode {mode:o}: at most 7777 (octal)"
             )));
         }
-        self.guest_ready(id, path).await?;
-        Ok(self.engine.write_file(id, path, mode, body).await?)
+        let id = self.guest_ready(g, GuestOp::Write, path).await?;
+        Ok(self.engine.write_file(&id, path, mode, body).await?)
     }
 
     /// Lists a guest directory.
-    pub async fn list_dir(
-        self: &Arc<Self>,
-        id: &SandboxId,
-        path: &str,
-    ) -> ServiceResult<Vec<FileStat>> {
-        self.guest_ready(id, path).await?;
-        Ok(self.engine.list_dir(id, path).await?)
+    pub async fn list_dir(self: &Arc<Self>, g: &Grant, path: &str) -> ServiceResult<Vec<FileStat>> {
+        let id = self.guest_ready(g, GuestOp::List, path).await?;
+        Ok(self.engine.list_dir(&id, path).await?)
     }
 
     /// Stats a guest path.
-    pub async fn stat(self: &Arc<Self>, id: &SandboxId, path: &str) -> ServiceResult<FileStat> {
-        self.guest_ready(id, path).await?;
-        Ok(self.engine.stat(id, path).await?)
+    pub async fn stat(self: &Arc<Self>, g: &Grant, path: &str) -> ServiceResult<FileStat> {
+        let id = self.guest_ready(g, GuestOp::Stat, path).await?;
+        Ok(self.engine.stat(&id, path).await?)
     }
 
     /// Makes a guest directory.
     pub async fn mkdir(
         self: &Arc<Self>,
-        id: &SandboxId,
+        g: &Grant,
         path: &str,
         parents: bool,
     ) -> ServiceResult<()> {
-        self.guest_ready(id, path).await?;
-        Ok(self.engine.mkdir(id, path, parents).await?)
+        let id = self.guest_ready(g, GuestOp::Mkdir, path).await?;
+        Ok(self.engine.mkdir(&id, path, parents).await?)
     }
 
     /// Removes a guest path.
     pub async fn remove(
         self: &Arc<Self>,
-        id: &SandboxId,
+        g: &Grant,
         path: &str,
         recursive: bool,
     ) -> ServiceResult<()> {
-        self.guest_ready(id, path).await?;
         if path.trim_end_matches('/').is_empty() {
             return Err(ServiceError::InvalidRequest("refusing to remove /".into()));
         }
-        Ok(self.engine.remove(id, path, recursive).await?)
+        let id = self.guest_ready(g, GuestOp::Remove, path).await?;
+        Ok(self.engine.remove(&id, path, recursive).await?)
     }
 
-    /// The journal of a sandbox.
-    pub async fn events(&self, id: &SandboxId, limit: usize) -> ServiceResult<Vec<Event>> {
+    /// The journal of one of the caller's sandboxes.
+    pub async fn events(
+        &self,
+        caller: &Caller,
+        id: &SandboxId,
+        limit: usize,
+    ) -> ServiceResult<Vec<Event>> {
+        self.get_sandbox(caller, id).await?;
         let id = id.clone();
         self.db(move |s| s.events(&id, limit.clamp(1, 1000))).await
     }
@@ -1608,13 +1970,29 @@ impl Service {
     /// Starts a template build; returns at once with the `building` record.
     pub async fn build_template(
         self: &Arc<Self>,
+        caller: &Caller,
         cmd: BuildTemplate,
+        opts: &GateOptions,
     ) -> ServiceResult<TemplateView> {
         let size = cmd.size.over(self.config.default_size);
         size.validate()?;
+        if !caller.is_system() && cmd.id.as_ref().is_some_and(|i| i.as_str() == DEFAULT_TEMPLATE) {
+            return Err(ServiceError::Forbidden(format!(
+                "template id {DEFAULT_TEMPLATE} is reserved for the platform"
+            )));
+        }
+        self.authorize(caller, None, lifecycle("build_template"), opts)
+            .await?;
         let id = cmd.id.unwrap_or_else(TemplateId::generate);
         let id2 = id.clone();
         if let Some(t) = self.db(move |s| s.get_template(&id2)).await? {
+            if t.tenant != caller.owner() {
+                // Ids are global: one once used by another owner (the
+                // platform's included) stays theirs, whatever its status.
+                return Err(ServiceError::Conflict(format!(
+                    "template id {id} is taken"
+                )));
+            }
             if t.status == TemplateStatus::Failed {
                 // A failed build may have left parts behind; a rebuild starts clean.
                 let _ = self.engine.delete_template(&id).await;
@@ -1628,7 +2006,7 @@ impl Service {
         let now = self.now();
         let rec = TemplateRecord {
             id: id.clone(),
-            tenant: crate::security::current_tenant(),
+            tenant: caller.owner().to_owned(),
             name: cmd.name,
             size,
             status: TemplateStatus::Building,
@@ -1705,35 +2083,55 @@ impl Service {
         TemplateView { record, progress }
     }
 
-    /// Templates not deleted.
-    pub async fn list_templates(&self) -> ServiceResult<Vec<TemplateView>> {
-        let tenant = crate::security::current_tenant();
+    /// Templates not deleted that the caller may use: the platform's and
+    /// its tenant's (the daemon: all).
+    pub async fn list_templates(&self, caller: &Caller) -> ServiceResult<Vec<TemplateView>> {
+        let tenant = caller.tenant().map(str::to_owned);
         let v = self
-            .db(move |s| {
-                // The caller's templates and the shared platform ones.
-                let mut v = s.list_templates(DEFAULT_TENANT)?;
-                if tenant != DEFAULT_TENANT {
-                    v.extend(s.list_templates(&tenant)?);
-                    v.sort_by_key(|t| t.created_at);
+            .db(move |s| match tenant {
+                None => s.all_templates(),
+                Some(t) => {
+                    let mut v = s.list_templates(PLATFORM_SCOPE)?;
+                    v.extend(s.list_templates(&t)?);
+                    v.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
+                    Ok(v)
                 }
-                Ok(v)
             })
             .await?;
         Ok(v.into_iter().map(|r| self.template_view(r)).collect())
     }
 
-    /// One template.
-    pub async fn get_template(&self, id: &TemplateId) -> ServiceResult<TemplateView> {
-        let id2 = id.clone();
-        match self.db(move |s| s.get_template(&id2)).await? {
-            Some(r) if r.status != TemplateStatus::Deleted => Ok(self.template_view(r)),
-            _ => Err(not_found("template", id)),
+    /// One template the caller may use (another tenant's answers like an
+    /// unknown id).
+    pub async fn get_template(
+        &self,
+        caller: &Caller,
+        id: &TemplateId,
+    ) -> ServiceResult<TemplateView> {
+        match self.template_record(id).await {
+            Ok(r) if caller.sees_template(&r.tenant) => Ok(self.template_view(r)),
+            Ok(_) => Err(not_found("template", id)),
+            Err(e) => Err(e),
         }
     }
 
-    /// Deletes a template (sandboxes made from it are independent).
-    pub async fn delete_template(&self, id: &TemplateId) -> ServiceResult<TemplateView> {
-        let mut v = self.get_template(id).await?;
+    /// Deletes one of the caller's templates (sandboxes made from it are
+    /// independent). Platform templates are deleted by no tenant.
+    pub async fn delete_template(
+        &self,
+        caller: &Caller,
+        id: &TemplateId,
+        opts: &GateOptions,
+    ) -> ServiceResult<TemplateView> {
+        let v = self.get_template(caller, id).await?;
+        if v.record.tenant != caller.owner() {
+            return Err(ServiceError::Forbidden(format!(
+                "template {id} belongs to the platform; no tenant may delete it"
+            )));
+        }
+        self.authorize(caller, None, lifecycle("delete_template"), opts)
+            .await?;
+        let mut v = self.get_template(caller, id).await?;
         if v.record.status == TemplateStatus::Building {
             return Err(ServiceError::Conflict(format!(
                 "template {id} is being built"
@@ -1791,7 +2189,7 @@ impl Service {
 
     /// Restores a failed sandbox from its latest ready snapshot.
     pub async fn recover(&self, id: &SandboxId) -> ServiceResult<SandboxRecord> {
-        let mut rec = self.get_sandbox(id).await?;
+        let mut rec = self.record(id).await?;
         let next = rec.state.apply(Op::Recover)?;
         let id2 = id.clone();
         let Some(snap) = self.db(move |s| s.latest_ready_snapshot(&id2)).await? else {
@@ -1847,7 +2245,7 @@ impl Service {
                 warn!(reason, "vm exited during another operation");
                 return;
             };
-            let Ok(mut rec) = self.get_sandbox(id).await else {
+            let Ok(mut rec) = self.record(id).await else {
                 return;
             };
             let Ok(next) = rec.state.apply(Op::Fail) else {
@@ -1897,10 +2295,52 @@ impl Service {
 
     /// Counts for metrics and stats.
     pub async fn refresh_gauges(&self) -> ServiceResult<StoreCounts> {
-        let c = self.db(|s| s.counts()).await?;
+        let c = self.db(|s| s.counts(None)).await?;
         self.metrics
             .set_counts(&c.sandboxes_by_state, c.snapshots_ready);
         Ok(c)
+    }
+
+    /// Counts of the caller's tenant (the daemon: all).
+    pub async fn counts(&self, caller: &Caller) -> ServiceResult<StoreCounts> {
+        let t = caller.tenant().map(str::to_owned);
+        self.db(move |s| s.counts(t.as_deref())).await
+    }
+
+    /// Sets one of the caller's sandboxes' idle timeout (the E2B door's
+    /// `timeout`) and counts as activity. Bounded: at most a year.
+    pub async fn set_idle_timeout(
+        &self,
+        caller: &Caller,
+        id: &SandboxId,
+        timeout_s: u64,
+    ) -> ServiceResult<SandboxRecord> {
+        const MAX: u64 = 366 * 24 * 3600;
+        if timeout_s > MAX {
+            return Err(ServiceError::InvalidRequest(format!(
+                "timeout {timeout_s}s: at most {MAX}s (a year)"
+            )));
+        }
+        self.get_sandbox(caller, id).await?;
+        let _g = self.acquire(id, Op::Configure, Who::User).await?;
+        let mut rec = self.record(id).await?;
+        rec.state.apply(Op::Configure)?;
+        rec.idle_timeout_s = Some(timeout_s.max(1));
+        rec.last_activity_at = self.now();
+        rec.updated_at = self.now();
+        let r = rec.clone();
+        self.db(move |s| s.update_sandbox(&r, None)).await?;
+        self.reschedule(&rec);
+        self.touch(id);
+        Ok(rec)
+    }
+
+    /// Records activity on one of the caller's sandboxes (postpones idle
+    /// hibernation).
+    pub async fn refresh(&self, caller: &Caller, id: &SandboxId) -> ServiceResult<()> {
+        self.get_sandbox(caller, id).await?;
+        self.touch(id);
+        Ok(())
     }
 }
 
@@ -1918,7 +2358,7 @@ impl Actions for ScheduledActions {
                 // Busy: this slot is skipped, the next one comes an interval later.
                 return;
             };
-            match svc.get_sandbox(&id).await {
+            match svc.record(&id).await {
                 Ok(r) if r.state == SandboxState::Running => {}
                 _ => return,
             }

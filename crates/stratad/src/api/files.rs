@@ -6,22 +6,53 @@ use std::sync::Arc;
 use axum::extract::{Path, RawQuery, Request, State};
 use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
-use axum::Json;
+use axum::{Extension, Json};
 use futures::StreamExt;
 use serde_json::json;
 use strata_core::{ErrorCode, SandboxId};
+use strata_policy::CallKind;
 
-use super::{parse_id, query_pairs, ApiError, ApiResult};
+use super::{parse_id, ApiError, ApiResult, Params};
+use crate::caller::Caller;
 use crate::engine::EngineError;
-use crate::service::Service;
+use crate::security::gate::GateOptions;
+use crate::service::{Grant, Service};
 
-/// Query parameters of the file endpoints.
+/// Query parameters of the file endpoints, parsed once: the path the gate
+/// decides on is the path the action uses.
 #[derive(Debug, Default)]
 struct FileQuery {
     path: String,
     mode: Option<u32>,
     parents: bool,
     recursive: bool,
+    gate: GateOptions,
+}
+
+impl FileQuery {
+    fn read(&self) -> CallKind {
+        CallKind::FileRead {
+            path: self.path.clone(),
+        }
+    }
+
+    fn write(&self) -> CallKind {
+        CallKind::FileWrite {
+            path: self.path.clone(),
+        }
+    }
+}
+
+/// Looks the caller's sandbox up and gates `kind` on it.
+async fn grant(
+    svc: &Service,
+    caller: &Caller,
+    id: &str,
+    q: &FileQuery,
+    kind: CallKind,
+) -> ApiResult<Grant> {
+    let id: SandboxId = parse_id(id)?;
+    Ok(svc.grant(caller, &id, kind, &q.gate).await?)
 }
 
 fn parse_bool(k: &str, v: &str) -> ApiResult<bool> {
@@ -35,39 +66,32 @@ fn parse_bool(k: &str, v: &str) -> ApiResult<bool> {
     }
 }
 
-fn file_query(raw: Option<&str>, allowed: &[&str]) -> ApiResult<FileQuery> {
-    let mut q = FileQuery::default();
-    let mut has_path = false;
-    for (k, v) in query_pairs(raw) {
-        if !allowed.contains(&k.as_str()) && k != "path" {
-            return Err(ApiError::new(
+fn file_query(raw: Option<&str>, extra: &[&str]) -> ApiResult<FileQuery> {
+    let mut allowed = vec!["path"];
+    allowed.extend_from_slice(extra);
+    // No key repeats: `?path=a&path=b` is refused, not read two ways.
+    let p = Params::parse(raw, &allowed, &[], true)?;
+    let mut q = FileQuery {
+        gate: p.gate_options()?,
+        ..FileQuery::default()
+    };
+    q.path = p
+        .one("path")
+        .ok_or_else(|| ApiError::new(ErrorCode::InvalidRequest, "missing query parameter `path`"))?
+        .to_owned();
+    if let Some(v) = p.one("mode") {
+        q.mode = Some(u32::from_str_radix(v, 8).map_err(|_| {
+            ApiError::new(
                 ErrorCode::InvalidRequest,
-                format!("unknown query parameter {k:?}"),
-            ));
-        }
-        match k.as_str() {
-            "path" => {
-                q.path = v;
-                has_path = true;
-            }
-            "mode" => {
-                q.mode = Some(u32::from_str_radix(&v, 8).map_err(|_| {
-                    ApiError::new(
-                        ErrorCode::InvalidRequest,
-                        format!("mode {v:?}: expected octal, e.g. 644"),
-                    )
-                })?)
-            }
-            "parents" => q.parents = parse_bool(&k, &v)?,
-            "recursive" => q.recursive = parse_bool(&k, &v)?,
-            _ => {}
-        }
+                format!("mode {v:?}: expected octal, e.g. 644"),
+            )
+        })?)
     }
-    if !has_path {
-        return Err(ApiError::new(
-            ErrorCode::InvalidRequest,
-            "missing query parameter `path`",
-        ));
+    if let Some(v) = p.one("parents") {
+        q.parents = parse_bool("parents", v)?;
+    }
+    if let Some(v) = p.one("recursive") {
+        q.recursive = parse_bool("recursive", v)?;
     }
     crate::service::validate_guest_path(&q.path)?;
     Ok(q)
@@ -75,12 +99,13 @@ fn file_query(raw: Option<&str>, allowed: &[&str]) -> ApiResult<FileQuery> {
 
 pub(super) async fn download(
     State(svc): State<Arc<Service>>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     RawQuery(raw): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
-    let id: SandboxId = parse_id(&id)?;
     let q = file_query(raw.as_deref(), &[])?;
-    let stream = svc.read_file(&id, &q.path).await?;
+    let g = grant(&svc, &caller, &id, &q, q.read()).await?;
+    let stream = svc.read_file(&g, &q.path).await?;
     let body = stream.map(|r| r.map_err(std::io::Error::other));
     Ok((
         [(header::CONTENT_TYPE, "application/octet-stream")],
@@ -90,11 +115,11 @@ pub(super) async fn download(
 
 pub(super) async fn upload(
     State(svc): State<Arc<Service>>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     RawQuery(raw): RawQuery,
     req: Request,
 ) -> ApiResult<impl IntoResponse> {
-    let id: SandboxId = parse_id(&id)?;
     let q = file_query(raw.as_deref(), &["mode"])?;
     let limit = svc.config().max_upload_bytes;
     let too_large = || {
@@ -113,6 +138,7 @@ pub(super) async fn upload(
             return Err(too_large());
         }
     }
+    let g = grant(&svc, &caller, &id, &q, q.write()).await?;
     // Counted as it streams: a chunked body over the limit is cut off.
     let seen = Arc::new(AtomicU64::new(0));
     let exceeded = Arc::new(AtomicBool::new(false));
@@ -127,7 +153,7 @@ pub(super) async fn upload(
         Ok(chunk)
     });
     match svc
-        .write_file(&id, &q.path, q.mode.unwrap_or(0o644), body.boxed())
+        .write_file(&g, &q.path, q.mode.unwrap_or(0o644), body.boxed())
         .await
     {
         Ok(n) => Ok((
@@ -141,42 +167,46 @@ pub(super) async fn upload(
 
 pub(super) async fn list(
     State(svc): State<Arc<Service>>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     RawQuery(raw): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
-    let id: SandboxId = parse_id(&id)?;
     let q = file_query(raw.as_deref(), &[])?;
-    Ok(Json(json!({ "items": svc.list_dir(&id, &q.path).await? })))
+    let g = grant(&svc, &caller, &id, &q, q.read()).await?;
+    Ok(Json(json!({ "items": svc.list_dir(&g, &q.path).await? })))
 }
 
 pub(super) async fn stat(
     State(svc): State<Arc<Service>>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     RawQuery(raw): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
-    let id: SandboxId = parse_id(&id)?;
     let q = file_query(raw.as_deref(), &[])?;
-    Ok(Json(svc.stat(&id, &q.path).await?))
+    let g = grant(&svc, &caller, &id, &q, q.read()).await?;
+    Ok(Json(svc.stat(&g, &q.path).await?))
 }
 
 pub(super) async fn mkdir(
     State(svc): State<Arc<Service>>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     RawQuery(raw): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
-    let id: SandboxId = parse_id(&id)?;
     let q = file_query(raw.as_deref(), &["parents"])?;
-    svc.mkdir(&id, &q.path, q.parents).await?;
+    let g = grant(&svc, &caller, &id, &q, q.write()).await?;
+    svc.mkdir(&g, &q.path, q.parents).await?;
     Ok((StatusCode::CREATED, Json(json!({ "path": q.path }))))
 }
 
 pub(super) async fn remove(
     State(svc): State<Arc<Service>>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     RawQuery(raw): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
-    let id: SandboxId = parse_id(&id)?;
     let q = file_query(raw.as_deref(), &["recursive"])?;
-    svc.remove(&id, &q.path, q.recursive).await?;
+    let g = grant(&svc, &caller, &id, &q, q.write()).await?;
+    svc.remove(&g, &q.path, q.recursive).await?;
     Ok(Json(json!({ "path": q.path, "removed": true })))
 }

@@ -14,7 +14,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use axum::extract::{DefaultBodyLimit, FromRequest, MatchedPath, Request, State};
+use axum::extract::{DefaultBodyLimit, FromRequest, FromRequestParts, MatchedPath, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
@@ -26,6 +26,7 @@ use serde_json::json;
 use strata_core::ErrorCode;
 use tracing::Instrument;
 
+use crate::security::gate::GateOptions;
 use crate::service::{Service, ServiceError};
 
 mod files;
@@ -89,13 +90,17 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/v1/audit/verify"),
 ];
 
-/// An API error: a stable code, its HTTP status and a message.
+/// An API error: a stable code, its HTTP status and a message (and, for
+/// a policy decision, the decision's details; for a call held for approval,
+/// the `202` answer that says how to poll and re-send).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {
     /// Stable code.
     pub code: ErrorCode,
     /// Human message.
     pub message: String,
+    /// A status and body other than `{error:{code,message}}` at the code's status.
+    custom: Option<(u16, serde_json::Value)>,
 }
 
 impl ApiError {
@@ -104,28 +109,72 @@ impl ApiError {
         ApiError {
             code,
             message: message.into(),
+            custom: None,
         }
     }
 
     /// The JSON body.
     pub fn body(&self) -> serde_json::Value {
-        json!({ "error": { "code": self.code, "message": self.message } })
+        match &self.custom {
+            Some((_, b)) => b.clone(),
+            None => json!({ "error": { "code": self.code, "message": self.message } }),
+        }
+    }
+
+    /// The HTTP status.
+    pub fn status(&self) -> u16 {
+        self.custom
+            .as_ref()
+            .map(|(s, _)| *s)
+            .unwrap_or(self.code.http_status())
     }
 }
 
 impl From<ServiceError> for ApiError {
     fn from(e: ServiceError) -> Self {
+        use crate::security::gate::GateRefusal;
         if matches!(e.code(), ErrorCode::Internal) {
             tracing::error!(error = %e.message(), "internal error");
         }
-        ApiError::new(e.code(), e.message())
+        let mut out = ApiError::new(e.code(), e.message());
+        match e {
+            ServiceError::Gate(GateRefusal::Denied {
+                decision,
+                approval_id,
+                message,
+            }) => {
+                out.custom = Some((
+                    403,
+                    json!({ "error": {
+                        "code": ErrorCode::PolicyDenied,
+                        "message": message,
+                        "rule": decision.rule_id,
+                        "layer": decision.layer,
+                        "reason": decision.reason,
+                        "approval_id": approval_id,
+                    }}),
+                ));
+            }
+            ServiceError::Gate(GateRefusal::Pending(req)) => {
+                out.custom = Some((
+                    202,
+                    json!({
+                        "status": "pending",
+                        "poll": format!("/v1/approvals/{}", req.id),
+                        "resubmit_with": format!("approval={}", req.id),
+                        "approval": req,
+                    }),
+                ));
+            }
+            _ => {}
+        }
+        out
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let status = StatusCode::from_u16(self.code.http_status())
-            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let status = StatusCode::from_u16(self.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         (status, Json(self.body())).into_response()
     }
 }
@@ -167,14 +216,95 @@ where
     }
 }
 
-/// Query parameters as `(key, value)` pairs (repeated keys allowed).
-pub(crate) fn query_pairs(raw: Option<&str>) -> Vec<(String, String)> {
-    raw.map(|q| {
-        form_urlencoded::parse(q.as_bytes())
-            .map(|(k, v)| (k.into_owned(), v.into_owned()))
-            .collect()
-    })
-    .unwrap_or_default()
+/// The query of one request, parsed once: every key must be one the route
+/// takes, and only the keys it lets repeat may appear twice (`400
+/// invalid_request` otherwise), so what a check reads and what the action
+/// uses are the same value.
+#[derive(Debug, Default)]
+pub(crate) struct Params {
+    pairs: Vec<(String, String)>,
+}
+
+/// Query keys of every gated call: how a held call waits (see
+/// [`Params::gate_options`]).
+pub(crate) const GATE_KEYS: &[&str] = &["wait", "approval_timeout", "approval"];
+
+impl Params {
+    /// Parses `raw`: keys outside `allowed` (and, on gated routes,
+    /// [`GATE_KEYS`]) are refused, and so is a second value of a key not in
+    /// `repeatable`.
+    pub(crate) fn parse(
+        raw: Option<&str>,
+        allowed: &[&str],
+        repeatable: &[&str],
+        gated: bool,
+    ) -> ApiResult<Params> {
+        let mut pairs: Vec<(String, String)> = Vec::new();
+        for (k, v) in form_urlencoded::parse(raw.unwrap_or("").as_bytes()) {
+            let k = k.into_owned();
+            let known = allowed.contains(&k.as_str()) || (gated && GATE_KEYS.contains(&k.as_str()));
+            if !known {
+                return Err(ApiError::new(
+                    ErrorCode::InvalidRequest,
+                    format!("unknown query parameter {k:?}"),
+                ));
+            }
+            if !repeatable.contains(&k.as_str()) && pairs.iter().any(|(pk, _)| *pk == k) {
+                return Err(ApiError::new(
+                    ErrorCode::InvalidRequest,
+                    format!("query parameter {k:?} given more than once"),
+                ));
+            }
+            pairs.push((k, v.into_owned()));
+        }
+        Ok(Params { pairs })
+    }
+
+    /// The value of a key given at most once.
+    pub(crate) fn one(&self, key: &str) -> Option<&str> {
+        self.pairs
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// Every value of a repeatable key, in order.
+    pub(crate) fn all<'a>(&'a self, key: &'a str) -> impl Iterator<Item = &'a str> + 'a {
+        self.pairs
+            .iter()
+            .filter(move |(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// How a held call is handled: `wait` (default true), `approval_timeout`,
+    /// `approval` (the id of an approval granted for this same call).
+    pub(crate) fn gate_options(&self) -> ApiResult<GateOptions> {
+        let wait = match self.one("wait") {
+            None | Some("true" | "1" | "") => true,
+            Some("false" | "0") => false,
+            Some(_) => {
+                return Err(ApiError::new(
+                    ErrorCode::InvalidRequest,
+                    "wait: expected true or false",
+                ))
+            }
+        };
+        let timeout = self
+            .one("approval_timeout")
+            .map(crate::duration::parse_duration)
+            .transpose()
+            .map_err(|e| ApiError::new(ErrorCode::InvalidRequest, format!("approval_timeout: {e}")))?;
+        Ok(GateOptions {
+            wait,
+            timeout,
+            approval: self.one("approval").map(str::to_owned),
+        })
+    }
+}
+
+/// The query of a gated route that takes no other parameter.
+pub(crate) fn gate_only(raw: Option<&str>) -> ApiResult<GateOptions> {
+    Params::parse(raw, &[], &[], true)?.gate_options()
 }
 
 /// A parsed id from the path (malformed: `400 invalid_request`).
@@ -186,15 +316,12 @@ where
         .map_err(|e: T::Err| ApiError::new(ErrorCode::InvalidRequest, e.to_string()))
 }
 
-fn sandbox_of(path: &str) -> &str {
-    let mut it = path.split('/').skip(1);
-    match (it.next(), it.next(), it.next()) {
-        (Some("v1"), Some("sandboxes"), Some(id)) => id,
-        _ => "",
-    }
-}
+/// The tenant a response was made for (set by the security layer), so
+/// latencies are also kept per tenant for its `/v1/stats`.
+#[derive(Debug, Clone)]
+pub(crate) struct TenantTag(pub(crate) String);
 
-/// Records latency per operation and puts the sandbox id on the request's span.
+/// Records latency per operation and puts the (decoded) id on the request's span.
 async fn track(State(svc): State<Arc<Service>>, req: Request, next: Next) -> Response {
     let route = req
         .extensions()
@@ -202,12 +329,25 @@ async fn track(State(svc): State<Arc<Service>>, req: Request, next: Next) -> Res
         .map(|p| p.as_str().to_owned())
         .unwrap_or_else(|| "unmatched".into());
     let op = format!("{} {}", req.method(), route);
-    let sandbox = sandbox_of(req.uri().path()).to_owned();
-    let span = tracing::info_span!("request", op = %op, sandbox = %sandbox);
+    // The id as the handler sees it (decoded by the router), for logs only.
+    let (mut parts, body) = req.into_parts();
+    let id = axum::extract::RawPathParams::from_request_parts(&mut parts, &())
+        .await
+        .ok()
+        .and_then(|p| {
+            p.iter()
+                .find(|(k, _)| *k == "id")
+                .map(|(_, v)| v.escape_debug().to_string())
+        })
+        .unwrap_or_default();
+    let req = Request::from_parts(parts, body);
+    let span = tracing::info_span!("request", op = %op, id = %id);
     let started = Instant::now();
     let resp = next.run(req).instrument(span.clone()).await;
     let status = resp.status().as_u16();
-    svc.metrics().observe_api(&op, status, started.elapsed());
+    let tenant = resp.extensions().get::<TenantTag>().map(|t| t.0.clone());
+    svc.metrics()
+        .observe_api(&op, status, started.elapsed(), tenant.as_deref());
     span.in_scope(|| {
         tracing::debug!(
             status,

@@ -6,14 +6,15 @@ use std::sync::Arc;
 use axum::extract::{Path, RawQuery, State};
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
-use axum::Json;
+use axum::{Extension, Json};
 use base64::Engine as _;
 use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::json;
 use strata_core::{ErrorCode, SandboxId, SandboxState, SnapshotId};
 
-use super::{ndjson_headers, parse_id, query_pairs, ApiError, ApiResult, Body};
+use super::{gate_only, ndjson_headers, parse_id, ApiError, ApiResult, Body, Params};
+use crate::caller::Caller;
 use crate::engine::{ExecEvent, ExecRequest};
 use crate::service::{CreateSandbox, Rewind, SandboxSpec, Service, TakeSnapshot};
 use crate::store::SandboxFilter;
@@ -48,115 +49,141 @@ impl Default for CreateBody {
 
 pub(super) async fn create(
     State(svc): State<Arc<Service>>,
+    Extension(caller): Extension<Caller>,
+    RawQuery(q): RawQuery,
     Body(body): Body<CreateBody>,
 ) -> ApiResult<impl IntoResponse> {
+    let opts = gate_only(q.as_deref())?;
     let rec = if body.start {
-        svc.create(body.cmd).await?
+        svc.create(&caller, body.cmd, &opts).await?
     } else {
-        svc.create_hibernated(body.cmd).await?
+        svc.create_hibernated(&caller, body.cmd, &opts).await?
     };
     Ok((StatusCode::CREATED, Json(rec)))
 }
 
 pub(super) async fn list(
     State(svc): State<Arc<Service>>,
+    Extension(caller): Extension<Caller>,
     RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
+    // `state` and `label` repeat (the CLI sends one per filter); the rest may not.
+    let params = Params::parse(
+        q.as_deref(),
+        &["state", "label", "limit", "cursor"],
+        &["state", "label"],
+        false,
+    )?;
     let mut f = SandboxFilter {
-        tenant: crate::security::current_tenant(),
         limit: 100,
         ..Default::default()
     };
-    let mut labels = BTreeMap::new();
-    for (k, v) in query_pairs(q.as_deref()) {
-        match k.as_str() {
-            "state" => {
-                for s in v.split(',') {
-                    f.states.push(s.parse::<SandboxState>().map_err(invalid)?);
-                }
-            }
-            "label" => {
-                let (lk, lv) = v
-                    .split_once('=')
-                    .ok_or_else(|| invalid(format!("label filter {v:?}: expected KEY=VALUE")))?;
-                labels.insert(lk.to_owned(), lv.to_owned());
-            }
-            "limit" => {
-                f.limit = v
-                    .parse::<usize>()
-                    .ok()
-                    .filter(|n| (1..=1000).contains(n))
-                    .ok_or_else(|| invalid(format!("limit {v:?}: expected 1..=1000")))?;
-            }
-            "cursor" => f.cursor = Some(v),
-            other => return Err(invalid(format!("unknown query parameter {other:?}"))),
+    for v in params.all("state") {
+        for s in v.split(',') {
+            f.states.push(s.parse::<SandboxState>().map_err(invalid)?);
         }
     }
+    let mut labels = BTreeMap::new();
+    for v in params.all("label") {
+        let (lk, lv) = v
+            .split_once('=')
+            .ok_or_else(|| invalid(format!("label filter {v:?}: expected KEY=VALUE")))?;
+        labels.insert(lk.to_owned(), lv.to_owned());
+    }
+    if let Some(v) = params.one("limit") {
+        f.limit = v
+            .parse::<usize>()
+            .ok()
+            .filter(|n| (1..=1000).contains(n))
+            .ok_or_else(|| invalid(format!("limit {v:?}: expected 1..=1000")))?;
+    }
+    f.cursor = params.one("cursor").map(str::to_owned);
     f.labels = labels;
-    Ok(Json(svc.list_sandboxes(f).await?))
+    Ok(Json(svc.list_sandboxes(&caller, f).await?))
 }
 
 pub(super) async fn get(
     State(svc): State<Arc<Service>>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
+    RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
+    Params::parse(q.as_deref(), &[], &[], false)?;
     let id: SandboxId = parse_id(&id)?;
-    Ok(Json(svc.get_sandbox(&id).await?))
+    Ok(Json(svc.get_sandbox(&caller, &id).await?))
 }
 
 pub(super) async fn delete(
     State(svc): State<Arc<Service>>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
+    RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
     let id: SandboxId = parse_id(&id)?;
-    Ok(Json(svc.delete(&id).await?))
+    let opts = gate_only(q.as_deref())?;
+    Ok(Json(svc.delete(&caller, &id, &opts).await?))
 }
 
 pub(super) async fn pause(
     State(svc): State<Arc<Service>>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
+    RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
     let id: SandboxId = parse_id(&id)?;
-    Ok(Json(svc.pause(&id).await?))
+    let opts = gate_only(q.as_deref())?;
+    Ok(Json(svc.pause(&caller, &id, &opts).await?))
 }
 
 pub(super) async fn resume(
     State(svc): State<Arc<Service>>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
+    RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
     let id: SandboxId = parse_id(&id)?;
-    Ok(Json(svc.resume(&id).await?))
+    let opts = gate_only(q.as_deref())?;
+    Ok(Json(svc.resume(&caller, &id, &opts).await?))
 }
 
 pub(super) async fn hibernate(
     State(svc): State<Arc<Service>>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
+    RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
     let id: SandboxId = parse_id(&id)?;
-    Ok(Json(svc.hibernate(&id).await?))
+    let opts = gate_only(q.as_deref())?;
+    Ok(Json(svc.hibernate(&caller, &id, &opts).await?))
 }
 
 pub(super) async fn fork(
     State(svc): State<Arc<Service>>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
+    RawQuery(q): RawQuery,
     Body(spec): Body<SandboxSpec>,
 ) -> ApiResult<impl IntoResponse> {
     let id: SandboxId = parse_id(&id)?;
+    let opts = gate_only(q.as_deref())?;
     Ok((
         StatusCode::CREATED,
-        Json(svc.fork_sandbox(&id, spec).await?),
+        Json(svc.fork_sandbox(&caller, &id, spec, &opts).await?),
     ))
 }
 
 pub(super) async fn fork_snapshot(
     State(svc): State<Arc<Service>>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
+    RawQuery(q): RawQuery,
     Body(spec): Body<SandboxSpec>,
 ) -> ApiResult<impl IntoResponse> {
     let id: SnapshotId = parse_id(&id)?;
+    let opts = gate_only(q.as_deref())?;
     Ok((
         StatusCode::CREATED,
-        Json(svc.fork_snapshot(&id, spec).await?),
+        Json(svc.fork_snapshot(&caller, &id, spec, &opts).await?),
     ))
 }
 
@@ -172,17 +199,22 @@ pub(super) struct RewindBody {
 
 pub(super) async fn rewind(
     State(svc): State<Arc<Service>>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
+    RawQuery(q): RawQuery,
     Body(b): Body<RewindBody>,
 ) -> ApiResult<impl IntoResponse> {
     let id: SandboxId = parse_id(&id)?;
+    let opts = gate_only(q.as_deref())?;
     let (sandbox, to, pre) = svc
         .rewind(
+            &caller,
             &id,
             Rewind {
                 to: b.to,
                 ago: b.ago,
             },
+            &opts,
         )
         .await?;
     Ok(Json(
@@ -192,47 +224,65 @@ pub(super) async fn rewind(
 
 pub(super) async fn events(
     State(svc): State<Arc<Service>>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
+    RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
+    Params::parse(q.as_deref(), &[], &[], false)?;
     let id: SandboxId = parse_id(&id)?;
-    svc.get_sandbox(&id).await?;
-    Ok(Json(json!({ "items": svc.events(&id, 1000).await? })))
+    Ok(Json(
+        json!({ "items": svc.events(&caller, &id, 1000).await? }),
+    ))
 }
 
 pub(super) async fn take_snapshot(
     State(svc): State<Arc<Service>>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
+    RawQuery(q): RawQuery,
     Body(cmd): Body<TakeSnapshot>,
 ) -> ApiResult<impl IntoResponse> {
     let id: SandboxId = parse_id(&id)?;
+    let opts = gate_only(q.as_deref())?;
     Ok((
         StatusCode::CREATED,
-        Json(svc.take_snapshot(&id, cmd).await?),
+        Json(svc.take_snapshot(&caller, &id, cmd, &opts).await?),
     ))
 }
 
 pub(super) async fn list_snapshots(
     State(svc): State<Arc<Service>>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
+    RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
+    Params::parse(q.as_deref(), &[], &[], false)?;
     let id: SandboxId = parse_id(&id)?;
-    Ok(Json(json!({ "items": svc.list_snapshots(&id).await? })))
+    Ok(Json(
+        json!({ "items": svc.list_snapshots(&caller, &id).await? }),
+    ))
 }
 
 pub(super) async fn get_snapshot(
     State(svc): State<Arc<Service>>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
+    RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
+    Params::parse(q.as_deref(), &[], &[], false)?;
     let id: SnapshotId = parse_id(&id)?;
-    Ok(Json(svc.get_snapshot(&id).await?))
+    Ok(Json(svc.get_snapshot(&caller, &id).await?))
 }
 
 pub(super) async fn delete_snapshot(
     State(svc): State<Arc<Service>>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
+    RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
     let id: SnapshotId = parse_id(&id)?;
-    Ok(Json(svc.delete_snapshot(&id).await?))
+    let opts = gate_only(q.as_deref())?;
+    Ok(Json(svc.delete_snapshot(&caller, &id, &opts).await?))
 }
 
 /// `POST /v1/sandboxes/{id}/exec` body.
@@ -259,10 +309,13 @@ fn line(v: serde_json::Value) -> Result<bytes::Bytes, std::convert::Infallible> 
 
 pub(super) async fn exec(
     State(svc): State<Arc<Service>>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
+    RawQuery(q): RawQuery,
     Body(b): Body<ExecBody>,
 ) -> ApiResult<impl IntoResponse> {
     let id: SandboxId = parse_id(&id)?;
+    let opts = gate_only(q.as_deref())?;
     let b64 = base64::engine::general_purpose::STANDARD;
     let stdin = match b.stdin {
         Some(s) => Some(
@@ -278,7 +331,7 @@ pub(super) async fn exec(
         stdin,
         timeout_s: b.timeout_s,
     };
-    let stream = svc.exec(&id, req).await?;
+    let stream = svc.exec(&caller, &id, req, &opts).await?;
     let body = stream.map(move |ev| match ev {
         Ok(ExecEvent::Stdout(d)) => line(json!({ "stdout": b64.encode(&d) })),
         Ok(ExecEvent::Stderr(d)) => line(json!({ "stderr": b64.encode(&d) })),

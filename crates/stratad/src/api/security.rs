@@ -1,23 +1,22 @@
-//! The security side of the HTTP API: the `guard` middleware (token →
-//! [`Principal`], rate limit, role matrix, tenant isolation, tool-call
-//! policy with approvals and audit) and the routes for tokens, policies,
-//! approvals, audit and egress.
+//! The security side of the HTTP API: the `authenticate` middleware (token →
+//! [`Caller`], rate limit, the role of the route) and the routes for tokens,
+//! policies, approvals, audit and egress.
 //!
-//! Tenant isolation: a sandbox, snapshot or template id of another tenant
-//! answers exactly like an unknown id (`404 not_found`, same message).
-//! Templates of tenant `default` (the platform tenant, where the bootstrap
-//! admin lives) are shared: every tenant may list and use them; only
-//! `default` may delete them.
-
-// The middleware's helpers return the finished `Response` as their error:
-// it is built once, on the refusal path, and sent as is.
-#![allow(clippy::result_large_err)]
+//! This layer decides *who* calls and whether their role may call the
+//! route, nothing else. Tenant isolation and the tool-call policy are
+//! decided by the service command the handler calls, with the caller and
+//! the values the action will use (decoded path parameters, the one parsed
+//! query, the parsed body): a sandbox, snapshot or template id of another
+//! tenant answers exactly like an unknown id (`404 not_found`, same
+//! message), whatever way the id was spelled in the URL.
+//!
+//! Templates of the platform scope (the default template) are shared by
+//! every tenant and deleted or taken over by none.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::extract::{DefaultBodyLimit, MatchedPath, Path, RawQuery, Request, State};
-use axum::http::{header, HeaderValue, StatusCode, Uri};
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -26,15 +25,15 @@ use bytes::Bytes;
 use chrono::{DateTime, Utc};
 use serde::Deserialize;
 use serde_json::json;
-use strata_core::{ErrorCode, SandboxId, SnapshotId, TemplateId};
+use strata_core::{ErrorCode, SandboxId};
 use strata_policy::approval::ApprovalError;
 use strata_policy::audit::{self, Outcome};
 use strata_policy::{CallKind, Decision, Effect, ToolCall};
 
-use super::{query_pairs, ApiError, ApiResult, Body};
-use crate::security::auth::{self, Principal, Role};
-use crate::security::gate::{GateOptions, GateRefusal};
-use crate::security::{self as sec, with_tenant, AuthFailure, Security, GUEST_PROXY};
+use super::{ApiError, ApiResult, Body, Params, TenantTag};
+use crate::caller::Caller;
+use crate::security::auth::{self, Role};
+use crate::security::{AuthFailure, Security, GUEST_PROXY};
 use crate::service::Service;
 use crate::store::DEFAULT_TENANT;
 
@@ -63,9 +62,6 @@ pub const SECURITY_ROUTES: &[(&str, &str)] = &[
 pub(crate) struct Ctx {
     svc: Arc<Service>,
     sec: Arc<Security>,
-    /// The routes without this middleware: a foreign id is answered by
-    /// routing the request again with an id that does not exist.
-    inner: Router,
 }
 
 /// Puts the security layer around the API router. When the security
@@ -74,14 +70,9 @@ pub fn wrap(api: Router, svc: Arc<Service>, security: Result<Arc<Security>, Stri
     match security {
         Ok(sec) => {
             let limit = svc.config().max_json_body_bytes;
-            let mut ctx = Ctx {
-                svc,
-                sec,
-                inner: Router::new(),
-            };
-            let inner = api.merge(routes(ctx.clone()).layer(DefaultBodyLimit::max(limit)));
-            ctx.inner = inner.clone();
-            inner.layer(axum::middleware::from_fn_with_state(ctx, guard))
+            let ctx = Ctx { svc, sec };
+            api.merge(routes(ctx.clone()).layer(DefaultBodyLimit::max(limit)))
+                .layer(axum::middleware::from_fn_with_state(ctx, authenticate))
         }
         Err(msg) => api.layer(axum::middleware::from_fn_with_state(Arc::new(msg), broken)),
     }
@@ -109,7 +100,8 @@ fn routes(ctx: Ctx) -> Router {
 }
 
 async fn broken(State(msg): State<Arc<String>>, req: Request, next: Next) -> Response {
-    if req.uri().path().starts_with("/v1/") {
+    let p = req.uri().path();
+    if p.starts_with("/v1/") || p == "/metrics" {
         return ApiError::new(
             ErrorCode::Internal,
             format!("security subsystem unavailable: {msg}"),
@@ -127,10 +119,18 @@ fn invalid(msg: impl Into<String>) -> ApiError {
     ApiError::new(ErrorCode::InvalidRequest, msg)
 }
 
-/// Authentication, rate limit, role, tenant isolation, then tool-call policy.
-async fn guard(State(ctx): State<Ctx>, mut req: Request, next: Next) -> Response {
-    if !req.uri().path().starts_with("/v1/") {
-        // `/healthz` and `/metrics` stay open (see docs/daemon.md).
+fn internal(e: impl std::fmt::Display) -> ApiError {
+    ApiError::new(ErrorCode::Internal, e.to_string())
+}
+
+/// Authentication, rate limit and the role of the route; the request then
+/// carries its [`Caller`] to the handler. `/healthz` stays open; `/metrics`
+/// (every tenant's figures) needs a `metrics` token or an admin of the
+/// platform tenant.
+async fn authenticate(State(ctx): State<Ctx>, mut req: Request, next: Next) -> Response {
+    let path = req.uri().path();
+    let metrics = path == "/metrics";
+    if !path.starts_with("/v1/") && !metrics {
         return next.run(req).await;
     }
     let header = match req.headers().get(header::AUTHORIZATION) {
@@ -162,6 +162,16 @@ async fn guard(State(ctx): State<Ctx>, mut req: Request, next: Next) -> Response
             return r;
         }
     }
+    if metrics {
+        let operator = p.role == Role::Admin && p.tenant == DEFAULT_TENANT;
+        if !(operator || p.role == Role::Metrics) {
+            return err(
+                ErrorCode::Forbidden,
+                "/metrics covers every tenant: it needs a metrics token or an admin of the platform tenant",
+            );
+        }
+        return next.run(req).await;
+    }
     let route = req
         .extensions()
         .get::<MatchedPath>()
@@ -175,19 +185,11 @@ async fn guard(State(ctx): State<Ctx>, mut req: Request, next: Next) -> Response
             );
         }
     }
-    req.extensions_mut().insert(p.clone());
     let tenant = p.tenant.clone();
-    with_tenant(tenant, async move {
-        let req = match route {
-            Some(route) => match pre(&ctx, &p, &method, &route, req).await {
-                Ok(r) => r,
-                Err(resp) => return resp,
-            },
-            None => req,
-        };
-        next.run(req).await
-    })
-    .await
+    req.extensions_mut().insert(p.caller());
+    let mut resp = next.run(req).await;
+    resp.extensions_mut().insert(TenantTag(tenant));
+    resp
 }
 
 fn unauthorized(f: AuthFailure) -> Response {
@@ -199,338 +201,51 @@ fn unauthorized(f: AuthFailure) -> Response {
     r
 }
 
-fn path_id(path: &str) -> Option<&str> {
-    path.split('/').nth(3)
+/// The fields of an API caller the security routes use.
+struct Who<'a> {
+    tenant: &'a str,
+    token: &'a str,
+    actor: String,
 }
 
-/// Options of a gated call, from (and removed from) the query string.
-#[derive(Debug, Default)]
-struct GateOpts {
-    wait: bool,
-    timeout: Option<Duration>,
-    approval: Option<String>,
-}
-
-fn take_gate_opts(req: &mut Request) -> Result<GateOpts, Response> {
-    let mut o = GateOpts {
-        wait: true,
-        ..Default::default()
-    };
-    let Some(q) = req.uri().query() else {
-        return Ok(o);
-    };
-    let mut rest = form_urlencoded::Serializer::new(String::new());
-    let mut changed = false;
-    for (k, v) in query_pairs(Some(q)) {
-        match k.as_str() {
-            "wait" => {
-                o.wait = match v.as_str() {
-                    "true" | "1" | "" => true,
-                    "false" | "0" => false,
-                    _ => {
-                        return Err(err(
-                            ErrorCode::InvalidRequest,
-                            "wait: expected true or false",
-                        ))
-                    }
-                };
-                changed = true;
-            }
-            "approval_timeout" => {
-                o.timeout = Some(crate::duration::parse_duration(&v).map_err(|e| {
-                    err(ErrorCode::InvalidRequest, format!("approval_timeout: {e}"))
-                })?);
-                changed = true;
-            }
-            "approval" => {
-                o.approval = Some(v);
-                changed = true;
-            }
-            _ => {
-                rest.append_pair(&k, &v);
-            }
-        }
-    }
-    if changed {
-        let rest = rest.finish();
-        let pq = if rest.is_empty() {
-            req.uri().path().to_owned()
-        } else {
-            format!("{}?{rest}", req.uri().path())
-        };
-        if let Ok(uri) = pq.parse::<Uri>() {
-            *req.uri_mut() = uri;
-        }
-    }
-    Ok(o)
-}
-
-async fn buffer(ctx: &Ctx, req: Request) -> Result<(Request, Bytes), Response> {
-    let limit = ctx.svc.config().max_json_body_bytes;
-    let (parts, body) = req.into_parts();
-    let bytes = axum::body::to_bytes(body, limit).await.map_err(|_| {
-        err(
-            ErrorCode::PayloadTooLarge,
-            "request body is larger than the limit",
-        )
-    })?;
-    Ok((
-        Request::from_parts(parts, axum::body::Body::from(bytes.clone())),
-        bytes,
-    ))
-}
-
-/// Answers a request about another tenant's resource exactly as the same
-/// request about an unknown id: it is routed again with a fresh (unknown)
-/// id in place of the foreign one, and the id is put back in the answer.
-async fn as_unknown(ctx: &Ctx, req: Request, real: &str, fake: &str) -> Response {
-    use tower::ServiceExt as _;
-    let (mut parts, body) = req.into_parts();
-    let pq = parts
-        .uri
-        .path_and_query()
-        .map(|x| x.as_str().replacen(real, fake, 1))
-        .unwrap_or_default();
-    match pq.parse::<Uri>() {
-        Ok(u) => parts.uri = u,
-        Err(_) => return err(ErrorCode::NotFound, format!("{real} not found")),
-    }
-    // A fresh request: the first routing's path parameters must not stay.
-    let mut fresh = Request::new(body);
-    *fresh.method_mut() = parts.method;
-    *fresh.uri_mut() = parts.uri;
-    *fresh.headers_mut() = parts.headers;
-    if let Some(p) = parts.extensions.get::<Principal>() {
-        fresh.extensions_mut().insert(p.clone());
-    }
-    let resp = match ctx.inner.clone().oneshot(fresh).await {
-        Ok(r) => r,
-        Err(never) => match never {},
-    };
-    let (mut parts, body) = resp.into_parts();
-    let bytes = axum::body::to_bytes(body, 1 << 20)
-        .await
-        .unwrap_or_default();
-    let text = String::from_utf8_lossy(&bytes).replace(fake, real);
-    parts.headers.remove(header::CONTENT_LENGTH);
-    Response::from_parts(parts, axum::body::Body::from(text))
-}
-
-/// Tenant isolation of ids in the path, then the policy gate.
-async fn pre(
-    ctx: &Ctx,
-    p: &Principal,
-    method: &str,
-    route: &str,
-    mut req: Request,
-) -> Result<Request, Response> {
-    let raw_id = path_id(req.uri().path()).unwrap_or("").to_owned();
-    // Which sandbox the call is about, once its ownership is checked.
-    let mut sandbox: Option<String> = None;
-    if route.starts_with("/v1/sandboxes/:id") {
-        let Ok(id) = raw_id.parse::<SandboxId>() else {
-            return Ok(req);
-        };
-        match ctx.svc.get_sandbox(&id).await {
-            Ok(rec) if rec.tenant != p.tenant => {
-                return Err(as_unknown(ctx, req, &raw_id, SandboxId::generate().as_ref()).await)
-            }
-            Ok(_) => sandbox = Some(id.to_string()),
-            // Unknown: the handler answers 404 itself, no tool call happens.
-            Err(_) => return Ok(req),
-        }
-    } else if route.starts_with("/v1/snapshots/:id") {
-        let Ok(id) = raw_id.parse::<SnapshotId>() else {
-            return Ok(req);
-        };
-        match ctx.svc.get_snapshot(&id).await {
-            Ok(s) if s.tenant != p.tenant => {
-                return Err(as_unknown(ctx, req, &raw_id, SnapshotId::generate().as_ref()).await)
-            }
-            Ok(s) => sandbox = Some(s.sandbox_id.to_string()),
-            Err(_) => return Ok(req),
-        }
-    } else if route.starts_with("/v1/templates/:id") {
-        let Ok(id) = raw_id.parse::<TemplateId>() else {
-            return Ok(req);
-        };
-        if let Ok(t) = ctx.svc.get_template(&id).await {
-            let owner = t.record.tenant;
-            if owner != p.tenant && owner != DEFAULT_TENANT {
-                return Err(as_unknown(ctx, req, &raw_id, TemplateId::generate().as_ref()).await);
-            }
-            if method == "DELETE" && owner != p.tenant {
-                return Err(err(
-                    ErrorCode::Forbidden,
-                    format!("template {raw_id} is shared by the platform; only its tenant may delete it"),
-                ));
-            }
-        }
-    }
-    let lifecycle = |op: &str| Some(CallKind::Lifecycle { op: op.to_owned() });
-    let file_path = |req: &Request| {
-        query_pairs(req.uri().query())
-            .into_iter()
-            .find(|(k, _)| k == "path")
-            .map(|(_, v)| v)
-    };
-    let kind: Option<CallKind> = match (method, route) {
-        ("POST", "/v1/sandboxes") => {
-            let (r, bytes) = buffer(ctx, req).await?;
-            req = r;
-            #[derive(Deserialize)]
-            struct Peek {
-                #[serde(default)]
-                template: Option<String>,
-            }
-            if let Ok(Peek { template: Some(t) }) = serde_json::from_slice::<Peek>(&bytes) {
-                if let Ok(tid) = t.parse::<TemplateId>() {
-                    if let Ok(v) = ctx.svc.get_template(&tid).await {
-                        if !sec::template_visible(&v.record.tenant) {
-                            return Err(err(
-                                ErrorCode::NotFound,
-                                format!("template {t} not found"),
-                            ));
-                        }
-                    }
-                }
-            }
-            lifecycle("create")
-        }
-        ("POST", "/v1/templates") => lifecycle("build_template"),
-        ("DELETE", "/v1/templates/:id") => lifecycle("delete_template"),
-        _ if sandbox.is_none() => None,
-        ("POST", "/v1/sandboxes/:id/exec") => {
-            let (r, bytes) = buffer(ctx, req).await?;
-            req = r;
-            #[derive(Deserialize)]
-            struct Peek {
-                cmd: Vec<String>,
-            }
-            let peek: Peek = serde_json::from_slice(&bytes)
-                .map_err(|e| err(ErrorCode::InvalidRequest, format!("invalid JSON body: {e}")))?;
-            Some(CallKind::Exec {
-                argv: peek.cmd,
-                shell: None,
-            })
-        }
-        ("GET", "/v1/sandboxes/:id/files")
-        | ("GET", "/v1/sandboxes/:id/files/list")
-        | ("GET", "/v1/sandboxes/:id/files/stat") => {
-            file_path(&req).map(|path| CallKind::FileRead { path })
-        }
-        ("PUT", "/v1/sandboxes/:id/files")
-        | ("DELETE", "/v1/sandboxes/:id/files")
-        | ("POST", "/v1/sandboxes/:id/files/mkdir") => {
-            file_path(&req).map(|path| CallKind::FileWrite { path })
-        }
-        ("POST", "/v1/sandboxes/:id/snapshots") => Some(CallKind::Snapshot),
-        ("POST", "/v1/sandboxes/:id/fork") | ("POST", "/v1/snapshots/:id/fork") => {
-            Some(CallKind::Fork)
-        }
-        ("POST", "/v1/sandboxes/:id/rewind") => {
-            let (r, bytes) = buffer(ctx, req).await?;
-            req = r;
-            #[derive(Deserialize)]
-            struct Peek {
-                #[serde(default)]
-                to: Option<String>,
-            }
-            if let Ok(Peek { to: Some(to) }) = serde_json::from_slice::<Peek>(&bytes) {
-                if let Ok(sid) = to.parse::<SnapshotId>() {
-                    if let Ok(s) = ctx.svc.get_snapshot(&sid).await {
-                        if s.tenant != p.tenant {
-                            return Err(err(
-                                ErrorCode::NotFound,
-                                format!("snapshot {to} not found"),
-                            ));
-                        }
-                    }
-                }
-            }
-            Some(CallKind::Rewind)
-        }
-        ("POST", "/v1/sandboxes/:id/pause") => lifecycle("pause"),
-        ("POST", "/v1/sandboxes/:id/resume") => lifecycle("resume"),
-        ("POST", "/v1/sandboxes/:id/hibernate") => lifecycle("hibernate"),
-        ("DELETE", "/v1/sandboxes/:id") => lifecycle("delete"),
-        ("DELETE", "/v1/snapshots/:id") => lifecycle("delete_snapshot"),
-        _ => None,
-    };
-    let Some(kind) = kind else {
-        return Ok(req);
-    };
-    let opts = take_gate_opts(&mut req)?;
-    let call = ToolCall {
-        tenant: p.tenant.clone(),
-        sandbox,
-        actor: p.actor(),
-        kind,
-    };
-    gate(ctx, call, opts).await?;
-    Ok(req)
-}
-
-fn decision_body(d: &Decision, approval_id: Option<&str>, msg: String) -> serde_json::Value {
-    json!({ "error": {
-        "code": ErrorCode::PolicyDenied,
-        "message": msg,
-        "rule": d.rule_id,
-        "layer": d.layer,
-        "reason": d.reason,
-        "approval_id": approval_id,
-    }})
-}
-
-fn denied(d: &Decision, approval_id: Option<&str>, msg: String) -> Response {
-    (
-        StatusCode::FORBIDDEN,
-        Json(decision_body(d, approval_id, msg)),
-    )
-        .into_response()
-}
-
-/// Decides a tool call through the shared gate ([`Security::gate`]): allow
-/// → `Ok`; deny → 403; approve → hold it and wait (or 202 with
-/// `wait=false`); a re-submission with `approval=<id>` runs once if that
-/// request was approved for the same call.
-async fn gate(ctx: &Ctx, call: ToolCall, opts: GateOpts) -> Result<(), Response> {
-    let opts = GateOptions {
-        wait: opts.wait,
-        timeout: opts.timeout,
-        approval: opts.approval,
-    };
-    match ctx.sec.gate(call, opts).await {
-        Ok(()) => Ok(()),
-        Err(GateRefusal::Invalid(m)) => Err(err(ErrorCode::InvalidRequest, m)),
-        Err(GateRefusal::Denied {
-            decision,
-            approval_id,
-            message,
-        }) => Err(denied(&decision, approval_id.as_deref(), message)),
-        Err(GateRefusal::Pending(req)) => Err((
-            StatusCode::ACCEPTED,
-            Json(json!({
-                "status": "pending",
-                "poll": format!("/v1/approvals/{}", req.id),
-                "resubmit_with": format!("approval={}", req.id),
-                "approval": req,
-            })),
-        )
-            .into_response()),
-        Err(GateRefusal::Internal(m)) => Err(err(ErrorCode::Internal, m)),
+fn who(c: &Caller) -> ApiResult<Who<'_>> {
+    match c {
+        Caller::Api {
+            tenant,
+            token,
+            actor,
+            ..
+        } => Ok(Who {
+            tenant,
+            token,
+            actor: actor.clone(),
+        }),
+        _ => Err(ApiError::new(
+            ErrorCode::Forbidden,
+            "only API callers use these routes",
+        )),
     }
 }
 
 // ---------------------------------------------------------------- handlers
 
-async fn whoami(Extension(p): Extension<Principal>) -> impl IntoResponse {
-    Json(json!({
-        "token_id": p.token_id,
-        "tenant": p.tenant,
-        "role": p.role,
-        "name": p.name,
-    }))
+async fn whoami(Extension(caller): Extension<Caller>) -> ApiResult<impl IntoResponse> {
+    let Caller::Api {
+        tenant,
+        role,
+        token,
+        name,
+        ..
+    } = &caller
+    else {
+        return Err(ApiError::new(ErrorCode::Forbidden, "not an API caller"));
+    };
+    Ok(Json(json!({
+        "token_id": token,
+        "tenant": tenant,
+        "role": role,
+        "name": name,
+    })))
 }
 
 /// `POST /v1/tokens` body.
@@ -556,10 +271,10 @@ fn valid_tenant(t: &str) -> bool {
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
 }
 
-fn target_tenant(p: &Principal, asked: Option<String>) -> ApiResult<String> {
+fn target_tenant(p: &Who<'_>, asked: Option<&str>) -> ApiResult<String> {
     match asked {
-        None => Ok(p.tenant.clone()),
-        Some(t) if t == p.tenant => Ok(t),
+        None => Ok(p.tenant.to_owned()),
+        Some(t) if t == p.tenant => Ok(t.to_owned()),
         Some(t) => {
             if p.tenant != DEFAULT_TENANT {
                 return Err(ApiError::new(
@@ -567,23 +282,30 @@ fn target_tenant(p: &Principal, asked: Option<String>) -> ApiResult<String> {
                     "only admins of the platform tenant `default` act on other tenants",
                 ));
             }
-            if !valid_tenant(&t) {
+            if !valid_tenant(t) {
                 return Err(invalid(format!("tenant {t:?}: 1-63 of [a-z0-9-_]")));
             }
-            Ok(t)
+            Ok(t.to_owned())
         }
     }
 }
 
 async fn create_token(
     State(ctx): State<Ctx>,
-    Extension(p): Extension<Principal>,
+    Extension(caller): Extension<Caller>,
     Body(b): Body<CreateToken>,
 ) -> ApiResult<impl IntoResponse> {
-    let role = b
-        .role
-        .ok_or_else(|| invalid("role: required (admin, developer, approver, viewer)"))?;
-    let tenant = target_tenant(&p, b.tenant)?;
+    let p = who(&caller)?;
+    let role = b.role.ok_or_else(|| {
+        invalid("role: required (admin, developer, approver, viewer, metrics)")
+    })?;
+    let tenant = target_tenant(&p, b.tenant.as_deref())?;
+    if role == Role::Metrics && p.tenant != DEFAULT_TENANT {
+        return Err(ApiError::new(
+            ErrorCode::Forbidden,
+            "metrics tokens read every tenant's figures: only admins of the platform tenant make them",
+        ));
+    }
     if b.name.as_ref().is_some_and(|n| n.len() > 128) {
         return Err(invalid("name: at most 128 bytes"));
     }
@@ -594,52 +316,50 @@ async fn create_token(
                 .map_err(|e| invalid(format!("expires_in: {e}")))?;
             let d =
                 chrono::Duration::from_std(d).map_err(|e| invalid(format!("expires_in: {e}")))?;
-            Some(Utc::now() + d)
+            Some(
+                Utc::now()
+                    .checked_add_signed(d)
+                    .ok_or_else(|| invalid("expires_in: too far in the future"))?,
+            )
         }
     };
     let sec = ctx.sec.clone();
-    let by = p.token_id.clone();
+    let by = p.token.to_owned();
     let issued = tokio::task::spawn_blocking(move || {
         sec.issue_token(&tenant, role, b.name, expires_at, &by)
     })
     .await
-    .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?
-    .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
+    .map_err(internal)?
+    .map_err(internal)?;
     Ok((StatusCode::CREATED, Json(issued)))
 }
 
-fn tenant_param(p: &Principal, q: Option<&str>) -> ApiResult<String> {
-    let mut asked = None;
-    for (k, v) in query_pairs(q) {
-        match k.as_str() {
-            "tenant" => asked = Some(v),
-            other => return Err(invalid(format!("unknown query parameter {other:?}"))),
-        }
-    }
-    target_tenant(p, asked)
+fn tenant_param(p: &Who<'_>, q: Option<&str>) -> ApiResult<String> {
+    let params = Params::parse(q, &["tenant"], &[], false)?;
+    target_tenant(p, params.one("tenant"))
 }
 
 async fn list_tokens(
     State(ctx): State<Ctx>,
-    Extension(p): Extension<Principal>,
+    Extension(caller): Extension<Caller>,
     RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
-    let tenant = tenant_param(&p, q.as_deref())?;
+    let tenant = tenant_param(&who(&caller)?, q.as_deref())?;
     let store = ctx.sec.store().clone();
     let items = tokio::task::spawn_blocking(move || store.tokens(&tenant))
         .await
-        .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?
-        .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
+        .map_err(internal)?
+        .map_err(internal)?;
     Ok(Json(json!({ "items": items })))
 }
 
 async fn revoke_token(
     State(ctx): State<Ctx>,
-    Extension(p): Extension<Principal>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
-    let tenant = tenant_param(&p, q.as_deref())?;
+    let tenant = tenant_param(&who(&caller)?, q.as_deref())?;
     let store = ctx.sec.store().clone();
     let id2 = id.clone();
     let rec = tokio::task::spawn_blocking(move || {
@@ -650,8 +370,8 @@ async fn revoke_token(
         }
     })
     .await
-    .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?
-    .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
+    .map_err(internal)?
+    .map_err(internal)?;
     rec.map(Json)
         .ok_or_else(|| ApiError::new(ErrorCode::NotFound, format!("token {id} not found")))
 }
@@ -662,62 +382,67 @@ fn policy_text(body: Bytes) -> ApiResult<String> {
 
 async fn get_policy(
     State(ctx): State<Ctx>,
-    Extension(p): Extension<Principal>,
+    Extension(caller): Extension<Caller>,
 ) -> ApiResult<impl IntoResponse> {
+    let p = who(&caller)?;
     let store = ctx.sec.store().clone();
-    let t = p.tenant.clone();
+    let t = p.tenant.to_owned();
     let text = tokio::task::spawn_blocking(move || store.tenant_policy(&t))
         .await
-        .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?
-        .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
+        .map_err(internal)?
+        .map_err(internal)?;
     Ok(Json(json!({ "tenant": p.tenant, "toml": text })))
 }
 
 async fn put_policy(
     State(ctx): State<Ctx>,
-    Extension(p): Extension<Principal>,
+    Extension(caller): Extension<Caller>,
     body: Bytes,
 ) -> ApiResult<impl IntoResponse> {
+    let p = who(&caller)?;
     let text = policy_text(body)?;
     let sec = ctx.sec.clone();
-    let (t, by) = (p.tenant.clone(), p.token_id.clone());
+    let (t, by) = (p.tenant.to_owned(), p.token.to_owned());
     tokio::task::spawn_blocking(move || sec.policies().put_tenant(&t, &text, &by))
         .await
-        .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?
+        .map_err(internal)?
         .map_err(invalid)?;
     Ok(Json(json!({ "tenant": p.tenant, "updated": true })))
 }
 
 async fn get_sandbox_policy(
     State(ctx): State<Ctx>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
 ) -> ApiResult<impl IntoResponse> {
     let sid: SandboxId = super::parse_id(&id)?;
-    ctx.svc.get_sandbox(&sid).await?;
+    let rec = ctx.svc.get_sandbox(&caller, &sid).await?;
     let store = ctx.sec.store().clone();
-    let text = tokio::task::spawn_blocking(move || store.sandbox_policy(&id))
+    let key = rec.id.to_string();
+    let text = tokio::task::spawn_blocking(move || store.sandbox_policy(&key))
         .await
-        .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?
-        .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
-    Ok(Json(json!({ "sandbox": sid, "toml": text })))
+        .map_err(internal)?
+        .map_err(internal)?;
+    Ok(Json(json!({ "sandbox": rec.id, "toml": text })))
 }
 
 async fn put_sandbox_policy(
     State(ctx): State<Ctx>,
-    Extension(p): Extension<Principal>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     body: Bytes,
 ) -> ApiResult<impl IntoResponse> {
+    let p = who(&caller)?;
     let sid: SandboxId = super::parse_id(&id)?;
-    ctx.svc.get_sandbox(&sid).await?;
+    let rec = ctx.svc.get_sandbox(&caller, &sid).await?;
     let text = policy_text(body)?;
     let sec = ctx.sec.clone();
-    let (t, by) = (p.tenant.clone(), p.token_id.clone());
-    tokio::task::spawn_blocking(move || sec.policies().put_sandbox(&t, &id, &text, &by))
+    let (t, by, key) = (rec.tenant.clone(), p.token.to_owned(), rec.id.to_string());
+    tokio::task::spawn_blocking(move || sec.policies().put_sandbox(&t, &key, &text, &by))
         .await
-        .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?
+        .map_err(internal)?
         .map_err(invalid)?;
-    Ok(Json(json!({ "sandbox": sid, "updated": true })))
+    Ok(Json(json!({ "sandbox": rec.id, "updated": true })))
 }
 
 /// `POST /v1/policy/test` body.
@@ -740,46 +465,48 @@ impl Default for TestCall {
 
 async fn test_policy(
     State(ctx): State<Ctx>,
-    Extension(p): Extension<Principal>,
+    Extension(caller): Extension<Caller>,
     Body(b): Body<TestCall>,
 ) -> ApiResult<impl IntoResponse> {
-    if let Some(s) = &b.sandbox {
-        let sid: SandboxId = super::parse_id(s)?;
-        let rec = ctx.svc.get_sandbox(&sid).await?;
-        if rec.tenant != p.tenant {
-            return Err(ApiError::new(
-                ErrorCode::NotFound,
-                format!("sandbox {s} not found"),
-            ));
+    let p = who(&caller)?;
+    let sandbox = match &b.sandbox {
+        Some(s) => {
+            let sid: SandboxId = super::parse_id(s)?;
+            Some(ctx.svc.get_sandbox(&caller, &sid).await?.id.to_string())
         }
-    }
+        None => None,
+    };
     let call = ToolCall {
-        tenant: p.tenant.clone(),
-        sandbox: b.sandbox,
-        actor: p.actor(),
+        tenant: p.tenant.to_owned(),
+        sandbox,
+        actor: p.actor.clone(),
         kind: b.call,
     };
     let sec = ctx.sec.clone();
     let d = tokio::task::spawn_blocking(move || sec.evaluate(&call))
         .await
-        .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
+        .map_err(internal)?;
     Ok(Json(d))
 }
 
 async fn egress(
     State(ctx): State<Ctx>,
-    Extension(p): Extension<Principal>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
 ) -> ApiResult<impl IntoResponse> {
     let sid: SandboxId = super::parse_id(&id)?;
-    ctx.svc.get_sandbox(&sid).await?;
+    let rec = ctx.svc.get_sandbox(&caller, &sid).await?;
+    let guest = Caller::Guest {
+        sandbox: rec.id.clone(),
+        tenant: rec.tenant.clone(),
+    };
     let addr = ctx
         .sec
-        .egress_proxy(&p.tenant, &id)
+        .egress_proxy(&guest)
         .await
         .map_err(|e| ApiError::new(ErrorCode::Internal, format!("egress proxy: {e}")))?;
     Ok(Json(json!({
-        "sandbox": sid,
+        "sandbox": rec.id,
         "proxy": addr.to_string(),
         "guest_proxy": format!("http://{GUEST_PROXY}"),
     })))
@@ -787,24 +514,22 @@ async fn egress(
 
 async fn list_approvals(
     State(ctx): State<Ctx>,
-    Extension(p): Extension<Principal>,
+    Extension(caller): Extension<Caller>,
     RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
-    let mut pending = true;
-    for (k, v) in query_pairs(q.as_deref()) {
-        match (k.as_str(), v.as_str()) {
-            ("status", "pending") => pending = true,
-            ("status", "all") => pending = false,
-            ("status", other) => {
-                return Err(invalid(format!(
-                    "status {other:?}: expected pending or all"
-                )))
-            }
-            (other, _) => return Err(invalid(format!("unknown query parameter {other:?}"))),
+    let p = who(&caller)?;
+    let params = Params::parse(q.as_deref(), &["status"], &[], false)?;
+    let pending = match params.one("status") {
+        None | Some("pending") => true,
+        Some("all") => false,
+        Some(other) => {
+            return Err(invalid(format!(
+                "status {other:?}: expected pending or all"
+            )))
         }
-    }
+    };
     Ok(Json(
-        json!({ "items": ctx.sec.approvals().list(&p.tenant, pending) }),
+        json!({ "items": ctx.sec.approvals().list(p.tenant, pending) }),
     ))
 }
 
@@ -833,29 +558,31 @@ fn approval_error(id: &str, e: ApprovalError) -> ApiError {
 
 async fn get_approval(
     State(ctx): State<Ctx>,
-    Extension(p): Extension<Principal>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
 ) -> ApiResult<impl IntoResponse> {
+    let p = who(&caller)?;
     ctx.sec
         .approvals()
-        .get(&p.tenant, &id)
+        .get(p.tenant, &id)
         .map(Json)
         .map_err(|e| approval_error(&id, e))
 }
 
-async fn answer(ctx: Ctx, p: Principal, id: String, approve: bool) -> ApiResult<Response> {
+async fn answer(ctx: Ctx, caller: Caller, id: String, approve: bool) -> ApiResult<Response> {
+    let p = who(&caller)?;
     // With authentication off there is one anonymous caller; let it answer
     // its own requests (local development).
-    let who = if p.token_id == "anonymous" {
+    let answerer = if p.token == "anonymous" {
         "anonymous-approver".to_owned()
     } else {
-        p.actor()
+        p.actor.clone()
     };
     let q = ctx.sec.approvals().clone();
-    let (t, id2, who2) = (p.tenant.clone(), id.clone(), who.clone());
+    let (t, id2, who2) = (p.tenant.to_owned(), id.clone(), answerer.clone());
     let r = tokio::task::spawn_blocking(move || q.answer(&t, &id2, &who2, approve))
         .await
-        .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?
+        .map_err(internal)?
         .map_err(|e| approval_error(&id, e))?;
     let d = Decision {
         effect: Effect::Approve,
@@ -871,7 +598,7 @@ async fn answer(ctx: Ctx, p: Principal, id: String, approve: bool) -> ApiResult<
         Outcome::Rejected
     };
     let (sec, call, rid) = (ctx.sec.clone(), r.call.clone(), r.id.clone());
-    tokio::task::spawn_blocking(move || sec.record(&call, &d, outcome, Some(rid), Some(who)))
+    tokio::task::spawn_blocking(move || sec.record(&call, &d, outcome, Some(rid), Some(answerer)))
         .await
         .ok()
         .and_then(Result::ok)
@@ -881,51 +608,48 @@ async fn answer(ctx: Ctx, p: Principal, id: String, approve: bool) -> ApiResult<
 
 async fn approve(
     State(ctx): State<Ctx>,
-    Extension(p): Extension<Principal>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
 ) -> ApiResult<Response> {
-    answer(ctx, p, id, true).await
+    answer(ctx, caller, id, true).await
 }
 
 async fn deny(
     State(ctx): State<Ctx>,
-    Extension(p): Extension<Principal>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
 ) -> ApiResult<Response> {
-    answer(ctx, p, id, false).await
+    answer(ctx, caller, id, false).await
 }
 
 async fn audit_export(
     State(ctx): State<Ctx>,
-    Extension(p): Extension<Principal>,
+    Extension(caller): Extension<Caller>,
     RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
-    let mut filter = audit::Filter {
-        tenant: Some(p.tenant.clone()),
-        sandbox: None,
+    let p = who(&caller)?;
+    let params = Params::parse(q.as_deref(), &["sandbox", "since"], &[], false)?;
+    let filter = audit::Filter {
+        tenant: Some(p.tenant.to_owned()),
+        sandbox: params.one("sandbox").map(str::to_owned),
     };
-    let mut since: Option<DateTime<Utc>> = None;
-    for (k, v) in query_pairs(q.as_deref()) {
-        match k.as_str() {
-            "sandbox" => filter.sandbox = Some(v),
-            "since" => {
-                since = Some(match DateTime::parse_from_rfc3339(&v) {
-                    Ok(t) => t.with_timezone(&Utc),
-                    Err(_) => {
-                        let d = crate::duration::parse_duration(&v).map_err(|_| {
-                            invalid(format!(
-                                "since {v:?}: expected RFC 3339 time or a duration like 10m"
-                            ))
-                        })?;
-                        Utc::now()
-                            - chrono::Duration::from_std(d)
-                                .map_err(|e| invalid(format!("since: {e}")))?
-                    }
-                })
+    let since: Option<DateTime<Utc>> = match params.one("since") {
+        None => None,
+        Some(v) => Some(match DateTime::parse_from_rfc3339(v) {
+            Ok(t) => t.with_timezone(&Utc),
+            Err(_) => {
+                let d = crate::duration::parse_duration(v).map_err(|_| {
+                    invalid(format!(
+                        "since {v:?}: expected RFC 3339 time or a duration like 10m"
+                    ))
+                })?;
+                chrono::Duration::from_std(d)
+                    .ok()
+                    .and_then(|d| Utc::now().checked_sub_signed(d))
+                    .ok_or_else(|| invalid("since: too far back"))?
             }
-            other => return Err(invalid(format!("unknown query parameter {other:?}"))),
-        }
-    }
+        }),
+    };
     let path = ctx.sec.audit_path().to_owned();
     let out = tokio::task::spawn_blocking(move || -> Result<Vec<u8>, audit::AuditError> {
         let mut buf = Vec::new();
@@ -945,8 +669,8 @@ async fn audit_export(
         Ok(kept)
     })
     .await
-    .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?
-    .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
+    .map_err(internal)?
+    .map_err(internal)?;
     Ok(([(header::CONTENT_TYPE, super::NDJSON)], out))
 }
 
@@ -954,7 +678,7 @@ async fn audit_verify(State(ctx): State<Ctx>) -> ApiResult<impl IntoResponse> {
     let sec = ctx.sec.clone();
     let r = tokio::task::spawn_blocking(move || sec.verify_audit())
         .await
-        .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
+        .map_err(internal)?;
     Ok(Json(match r {
         Ok(v) => json!({ "ok": true, "entries": v.entries, "head": v.head }),
         Err(e) => json!({ "ok": false, "error": e.to_string() }),

@@ -2,39 +2,59 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Path, State};
+use axum::extract::{Path, RawQuery, State};
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
-use axum::Json;
+use axum::{Extension, Json};
 use serde_json::json;
 use strata_core::TemplateId;
 
-use super::{parse_id, ApiResult, Body};
+use super::{gate_only, parse_id, ApiResult, Body, Params};
+use crate::caller::Caller;
 use crate::service::{BuildTemplate, Service};
 
 pub(super) async fn build(
     State(svc): State<Arc<Service>>,
+    Extension(caller): Extension<Caller>,
+    RawQuery(q): RawQuery,
     Body(cmd): Body<BuildTemplate>,
 ) -> ApiResult<impl IntoResponse> {
-    Ok((StatusCode::ACCEPTED, Json(svc.build_template(cmd).await?)))
+    let opts = gate_only(q.as_deref())?;
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(svc.build_template(&caller, cmd, &opts).await?),
+    ))
 }
 
-pub(super) async fn list(State(svc): State<Arc<Service>>) -> ApiResult<impl IntoResponse> {
-    Ok(Json(json!({ "items": svc.list_templates().await? })))
+pub(super) async fn list(
+    State(svc): State<Arc<Service>>,
+    Extension(caller): Extension<Caller>,
+    RawQuery(q): RawQuery,
+) -> ApiResult<impl IntoResponse> {
+    Params::parse(q.as_deref(), &[], &[], false)?;
+    Ok(Json(
+        json!({ "items": svc.list_templates(&caller).await? }),
+    ))
 }
 
 pub(super) async fn get(
     State(svc): State<Arc<Service>>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
+    RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
+    Params::parse(q.as_deref(), &[], &[], false)?;
     let id: TemplateId = parse_id(&id)?;
-    Ok(Json(svc.get_template(&id).await?))
+    Ok(Json(svc.get_template(&caller, &id).await?))
 }
 
 pub(super) async fn delete(
     State(svc): State<Arc<Service>>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
+    RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
     let id: TemplateId = parse_id(&id)?;
-    Ok(Json(svc.delete_template(&id).await?))
+    let opts = gate_only(q.as_deref())?;
+    Ok(Json(svc.delete_template(&caller, &id, &opts).await?))
 }

@@ -16,8 +16,11 @@ pub enum Role {
     Developer,
     /// Answers approval requests (+ read).
     Approver,
-    /// Read-only (GET).
+    /// Reads records (GET), never guest files.
     Viewer,
+    /// Reads `/metrics` (and `whoami`), nothing else. Made only by admins of
+    /// the platform tenant: the metrics cover every tenant.
+    Metrics,
 }
 
 impl Role {
@@ -28,6 +31,7 @@ impl Role {
             Role::Developer => "developer",
             Role::Approver => "approver",
             Role::Viewer => "viewer",
+            Role::Metrics => "metrics",
         }
     }
 }
@@ -40,8 +44,9 @@ impl std::str::FromStr for Role {
             "developer" => Ok(Role::Developer),
             "approver" => Ok(Role::Approver),
             "viewer" => Ok(Role::Viewer),
+            "metrics" => Ok(Role::Metrics),
             _ => Err(format!(
-                "role {s:?}: expected admin, developer, approver or viewer"
+                "role {s:?}: expected admin, developer, approver, viewer or metrics"
             )),
         }
     }
@@ -64,6 +69,17 @@ impl Principal {
     /// The actor name recorded in approvals and the audit log.
     pub fn actor(&self) -> String {
         format!("token:{}", self.token_id)
+    }
+
+    /// The caller of service commands this credential makes.
+    pub fn caller(&self) -> crate::caller::Caller {
+        crate::caller::Caller::Api {
+            tenant: self.tenant.clone(),
+            actor: self.actor(),
+            role: self.role,
+            token: self.token_id.clone(),
+            name: self.name.clone(),
+        }
     }
 }
 
@@ -103,12 +119,22 @@ pub fn bearer(value: &str) -> Option<&str> {
     ok.then_some(t)
 }
 
-/// Who may call a route: `(method, matched route)` → the roles allowed.
-/// Routes outside `/v1` (`/healthz`, `/metrics`) are not checked here.
+/// Who may call a route: `(method, matched route)` → the roles allowed
+/// (`HEAD` counts as `GET`). Routes outside `/v1` (`/healthz`, `/metrics`)
+/// are not checked here.
 pub fn allowed(method: &str, route: &str, role: Role) -> bool {
     use Role::*;
+    let method = if method == "HEAD" { "GET" } else { method };
+    if role == Metrics {
+        return (method, route) == ("GET", "/v1/whoami");
+    }
     if role == Admin {
         return true;
+    }
+    // Guest files are guest data, not records: developers only (a viewer
+    // reads records; reading a file also wakes a hibernated VM).
+    if route.starts_with("/v1/sandboxes/:id/files") {
+        return role == Developer;
     }
     let admin_only = matches!(
         (method, route),
@@ -132,7 +158,7 @@ pub fn allowed(method: &str, route: &str, role: Role) -> bool {
     if route == "/v1/sandboxes/:id/egress" {
         return role == Developer;
     }
-    if method == "GET" || method == "HEAD" {
+    if method == "GET" {
         return true;
     }
     role == Developer
@@ -179,5 +205,13 @@ mod tests {
         assert!(!allowed("PUT", "/v1/policy", Developer));
         assert!(allowed("GET", "/v1/policy", Viewer));
         assert!(!allowed("GET", "/v1/audit/verify", Approver));
+        for r in [Viewer, Approver, Metrics] {
+            assert!(!allowed("GET", "/v1/sandboxes/:id/files", r), "{r:?}");
+            assert!(!allowed("HEAD", "/v1/sandboxes/:id/files", r), "{r:?}");
+            assert!(!allowed("GET", "/v1/sandboxes/:id/files/stat", r), "{r:?}");
+        }
+        assert!(allowed("HEAD", "/v1/sandboxes/:id/files", Developer));
+        assert!(!allowed("GET", "/v1/sandboxes", Metrics));
+        assert!(allowed("GET", "/v1/whoami", Metrics));
     }
 }

@@ -13,6 +13,54 @@ use strata_policy::{Decision, Effect, ToolCall};
 
 use super::Security;
 
+/// The decision point of tool calls the service consults
+/// ([`crate::service::Service::authorize`]): the daemon's
+/// [`Security`] in production, [`ClosedGate`] when the security subsystem
+/// failed to open (fail closed), [`OpenGate`] for embedders and tests that
+/// run without one.
+#[async_trait::async_trait]
+pub trait ToolGate: Send + Sync + std::fmt::Debug {
+    /// `Ok` when the call may run now; every decision is audited first.
+    async fn check(&self, call: ToolCall, opts: GateOptions) -> Result<(), GateRefusal>;
+}
+
+/// The daemon's gate: [`Security::gate`].
+#[derive(Debug, Clone)]
+pub struct SecurityGate(pub Arc<Security>);
+
+#[async_trait::async_trait]
+impl ToolGate for SecurityGate {
+    async fn check(&self, call: ToolCall, opts: GateOptions) -> Result<(), GateRefusal> {
+        self.0.gate(call, opts).await
+    }
+}
+
+/// Refuses every call (the security subsystem is unavailable).
+#[derive(Debug, Clone)]
+pub struct ClosedGate(pub String);
+
+#[async_trait::async_trait]
+impl ToolGate for ClosedGate {
+    async fn check(&self, _: ToolCall, _: GateOptions) -> Result<(), GateRefusal> {
+        Err(GateRefusal::Internal(format!(
+            "security subsystem unavailable: {}",
+            self.0
+        )))
+    }
+}
+
+/// Allows every call without policy or audit: only for embedders that run
+/// a service without a security subsystem (tests, benchmarks).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OpenGate;
+
+#[async_trait::async_trait]
+impl ToolGate for OpenGate {
+    async fn check(&self, _: ToolCall, _: GateOptions) -> Result<(), GateRefusal> {
+        Ok(())
+    }
+}
+
 /// How a held call is handled.
 #[derive(Debug, Clone, Default)]
 pub struct GateOptions {

@@ -7,10 +7,10 @@
 //! `strata_policy`'s; this module wires them to the store, the API and the
 //! configuration. The HTTP side (middleware and routes) is `api::security`.
 //!
-//! Tenancy reaches the service layer through a task-local
-//! ([`current_tenant`]), set by the API middleware around each request, so
-//! records a request creates belong to the caller's tenant. Outside a
-//! request (scheduler, recovery) it is [`DEFAULT_TENANT`].
+//! Tenancy is decided from the [`crate::caller::Caller`] each front door
+//! builds and passes to every service command (no task-local, no second
+//! router): the service's lookups answer another tenant's ids exactly like
+//! unknown ids, and the gate ([`gate::ToolGate`]) sees the caller's actor.
 
 pub mod auth;
 pub mod gate;
@@ -38,28 +38,6 @@ use crate::store::DEFAULT_TENANT;
 use auth::{Principal, Role};
 use ratelimit::RateLimiter;
 use store::{SecStoreError, SecurityStore, TokenRecord};
-
-tokio::task_local! {
-    static TENANT: String;
-}
-
-/// The tenant of the request being served ([`DEFAULT_TENANT`] outside one).
-pub fn current_tenant() -> String {
-    TENANT
-        .try_with(|t| t.clone())
-        .unwrap_or_else(|_| DEFAULT_TENANT.to_owned())
-}
-
-/// Runs `f` with [`current_tenant`] = `tenant`.
-pub async fn with_tenant<F: std::future::Future>(tenant: String, f: F) -> F::Output {
-    TENANT.scope(tenant, f).await
-}
-
-/// Whether a template of `owner` may be used by the current tenant: its
-/// own, or one of the platform tenant (`default`), which every tenant shares.
-pub fn template_visible(owner: &str) -> bool {
-    owner == DEFAULT_TENANT || owner == current_tenant()
-}
 
 /// `[security]` of the daemon configuration.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -578,9 +556,15 @@ impl Security {
     /// `127.0.0.1:3128` to this address over the agent channel.
     pub async fn egress_proxy(
         self: &Arc<Self>,
-        tenant: &str,
-        sandbox: &str,
+        guest: &crate::caller::Caller,
     ) -> std::io::Result<SocketAddr> {
+        let crate::caller::Caller::Guest { sandbox, tenant } = guest else {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "an egress proxy serves a guest caller",
+            ));
+        };
+        let (tenant, sandbox) = (tenant.as_str(), sandbox.as_str());
         let mut g = self.proxies.lock().await;
         if let Some(p) = g.get(sandbox) {
             return Ok(p.local_addr());
@@ -589,6 +573,7 @@ impl Security {
         let (t, s) = (tenant.to_owned(), sandbox.to_owned());
         let source: Arc<dyn PolicySource> = Arc::new(move || policies.set(&t, Some(s.as_str())));
         let mut pc = ProxyConfig::new(tenant, Some(sandbox), source);
+        pc.actor = guest.actor();
         pc.resolver = self
             .resolver
             .lock()

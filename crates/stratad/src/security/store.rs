@@ -369,6 +369,41 @@ impl SecurityStore {
         )?;
         Ok(())
     }
+
+    /// Binds a sandbox's E2B envd access token to the caller it was handed
+    /// to (schema 4): envd calls then act as that caller, across restarts.
+    pub fn bind_envd(&self, sandbox: &str, caller: &crate::caller::Caller) -> SecResult<()> {
+        let json = serde_json::to_string(caller)
+            .map_err(|e| SecStoreError::Corrupt(format!("caller: {e}")))?;
+        self.conn().execute(
+            "INSERT OR REPLACE INTO envd_bindings (sandbox_id, caller, updated_at) VALUES (?1,?2,?3)",
+            params![sandbox, json, Utc::now().timestamp_millis()],
+        )?;
+        Ok(())
+    }
+
+    /// The caller a sandbox's envd token was handed to, if recorded.
+    pub fn envd_binding(&self, sandbox: &str) -> SecResult<Option<crate::caller::Caller>> {
+        let json: Option<String> = self
+            .conn()
+            .query_row(
+                "SELECT caller FROM envd_bindings WHERE sandbox_id = ?1",
+                [sandbox],
+                |r| r.get(0),
+            )
+            .optional()?;
+        json.map(|j| {
+            serde_json::from_str(&j).map_err(|e| SecStoreError::Corrupt(format!("caller: {e}")))
+        })
+        .transpose()
+    }
+
+    /// Forgets a sandbox's envd binding (on delete).
+    pub fn unbind_envd(&self, sandbox: &str) -> SecResult<()> {
+        self.conn()
+            .execute("DELETE FROM envd_bindings WHERE sandbox_id = ?1", [sandbox])?;
+        Ok(())
+    }
 }
 
 fn store_err(e: impl std::fmt::Display) -> StoreError {

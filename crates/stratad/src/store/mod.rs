@@ -434,11 +434,13 @@ pub trait Store: Send + Sync + 'static {
     fn put_template(&self, rec: &TemplateRecord) -> StoreResult<()>;
     /// One template.
     fn get_template(&self, id: &TemplateId) -> StoreResult<Option<TemplateRecord>>;
-    /// Templates not deleted, oldest first.
+    /// Templates not deleted of one owner, oldest first.
     fn list_templates(&self, tenant: &str) -> StoreResult<Vec<TemplateRecord>>;
+    /// Every template not deleted, whoever owns it, oldest first.
+    fn all_templates(&self) -> StoreResult<Vec<TemplateRecord>>;
 
     /// The journal of a sandbox, newest last, at most `limit` entries.
     fn events(&self, sandbox: &SandboxId, limit: usize) -> StoreResult<Vec<Event>>;
-    /// Counts for metrics.
-    fn counts(&self) -> StoreResult<StoreCounts>;
+    /// Counts for metrics and stats, of one tenant or (`None`) of all.
+    fn counts(&self, tenant: Option<&str>) -> StoreResult<StoreCounts>;
 }

@@ -25,7 +25,7 @@ use strata_core::{Op, SandboxId, SandboxSize, SandboxState, SnapshotId, Template
 use super::*;
 
 /// Newest schema version this build knows.
-pub const SCHEMA_VERSION: i64 = 3;
+pub const SCHEMA_VERSION: i64 = 4;
 
 const MIGRATIONS: &[&str] = &[
     // 1: initial schema.
@@ -119,6 +119,17 @@ const MIGRATIONS: &[&str] = &[
         tenant_id = (SELECT s.tenant_id FROM sandboxes s WHERE s.id = sandbox_labels.sandbox_id),
         created_at = (SELECT s.created_at FROM sandboxes s WHERE s.id = sandbox_labels.sandbox_id);
     CREATE INDEX sandbox_labels_in_order ON sandbox_labels (tenant_id, key, value, created_at, sandbox_id);
+    "#,
+    // 4: the default template belongs to the platform scope (shared by every
+    // tenant, deletable by none); the E2B door's envd tokens are bound to
+    // the caller they were handed to (see `security::store`).
+    r#"
+    UPDATE templates SET tenant_id = '@platform' WHERE id = 'tpl-default' AND tenant_id = 'default';
+    CREATE TABLE envd_bindings (
+        sandbox_id TEXT PRIMARY KEY,
+        caller TEXT NOT NULL,
+        updated_at INTEGER NOT NULL
+    );
     "#,
 ];
 
@@ -853,6 +864,17 @@ impl Store for SqliteStore {
         row.map(template_record).transpose()
     }
 
+    fn all_templates(&self) -> StoreResult<Vec<TemplateRecord>> {
+        let conn = self.reader();
+        let mut stmt = conn.prepare_cached(&format!(
+            "SELECT {TEMPLATE_COLS} FROM templates WHERE status != 'deleted' ORDER BY created_at, id"
+        ))?;
+        let rows = stmt
+            .query_map([], template_row)?
+            .collect::<Result<Vec<_>, _>>()?;
+        rows.into_iter().map(template_record).collect()
+    }
+
     fn list_templates(&self, tenant: &str) -> StoreResult<Vec<TemplateRecord>> {
         let conn = self.reader();
         let mut stmt = conn.prepare_cached(&format!(
@@ -926,24 +948,29 @@ impl Store for SqliteStore {
         Ok(out)
     }
 
-    fn counts(&self) -> StoreResult<StoreCounts> {
+    fn counts(&self, tenant: Option<&str>) -> StoreResult<StoreCounts> {
         let conn = self.reader();
         let mut out = StoreCounts::default();
+        // `?1 IS NULL`: every tenant.
         let mut stmt = conn.prepare_cached(
-            "SELECT state, count(*) FROM sandboxes WHERE state != 'deleted' GROUP BY state",
+            "SELECT state, count(*) FROM sandboxes WHERE state != 'deleted' \
+             AND (?1 IS NULL OR tenant_id = ?1) GROUP BY state",
         )?;
-        for row in stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))? {
+        for row in stmt.query_map([tenant], |r| {
+            Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?))
+        })? {
             let (s, n) = row?;
             out.sandboxes_by_state.insert(s, n.max(0) as u64);
         }
         out.snapshots_ready = conn.query_row(
-            "SELECT count(*) FROM snapshots WHERE status = 'ready'",
-            [],
+            "SELECT count(*) FROM snapshots WHERE status = 'ready' AND (?1 IS NULL OR tenant_id = ?1)",
+            [tenant],
             |r| r.get::<_, i64>(0),
         )? as u64;
         out.templates_ready = conn.query_row(
-            "SELECT count(*) FROM templates WHERE status = 'ready'",
-            [],
+            "SELECT count(*) FROM templates WHERE status = 'ready' \
+             AND (?1 IS NULL OR tenant_id = ?1 OR tenant_id = '@platform')",
+            [tenant],
             |r| r.get::<_, i64>(0),
         )? as u64;
         Ok(out)
