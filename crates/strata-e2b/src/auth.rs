@@ -11,11 +11,11 @@ use axum::response::{IntoResponse, Response};
 use rand::RngCore;
 use sha2::{Digest, Sha256};
 
-use stratad::security::auth::TOKEN_PREFIX;
-use stratad::security::with_tenant;
+use stratad::caller::Caller;
+use stratad::security::auth::{Role, TOKEN_PREFIX};
 
 use crate::control::E2bError;
-use crate::policy::Caller;
+use crate::policy::{api_key_caller, may_write};
 use crate::E2b;
 
 /// 32 random bytes.
@@ -65,7 +65,7 @@ pub async fn caller_of(st: &E2b, given: &str) -> Result<Caller, E2bError> {
         .iter()
         .any(|k| constant_time_eq(k.as_bytes(), given.as_bytes()))
     {
-        return Ok(Caller::api_key());
+        return Ok(api_key_caller());
     }
     let strata_auth = st.sec.as_ref().filter(|s| s.config().auth);
     if let Some(sec) = strata_auth {
@@ -86,15 +86,11 @@ pub async fn caller_of(st: &E2b, given: &str) -> Result<Caller, E2bError> {
                     ),
                 ));
             }
-            return Ok(Caller {
-                actor: p.actor(),
-                tenant: p.tenant,
-                role: p.role,
-            });
+            return Ok(p.caller());
         }
     } else if st.cfg.api_keys.is_empty() {
         // No key list and no strata authentication: open (development).
-        return Ok(Caller::api_key());
+        return Ok(api_key_caller());
     }
     Err(E2bError::new(
         401,
@@ -108,8 +104,9 @@ pub async fn caller_of(st: &E2b, given: &str) -> Result<Caller, E2bError> {
 
 /// Middleware of the control plane: `X-API-KEY` → [`Caller`] (a configured
 /// key, or a strata API token: its tenant and role) or 401; read-only roles
-/// may only `GET`; the request then runs as the caller's tenant (stratad's
-/// tenant task-local, so the sandboxes it creates are the tenant's).
+/// (viewer, approver) may only `GET`, a metrics token nothing. The caller
+/// goes into the request's extensions: every handler passes it to the
+/// service commands, which decide tenancy (and gate tool calls) from it.
 pub async fn require_api_key(State(st): State<Arc<E2b>>, mut req: Request, next: Next) -> Response {
     let given = req
         .headers()
@@ -122,19 +119,20 @@ pub async fn require_api_key(State(st): State<Arc<E2b>>, mut req: Request, next:
         Ok(c) => c,
         Err(e) => return e.into_response(),
     };
-    if req.method() != Method::GET && !caller.may_write() {
+    let role = caller.role().map_or("none", Role::as_str);
+    if caller.role() == Some(Role::Metrics) {
+        return E2bError::new(403, format!("role {role} may not use the E2B API")).into_response();
+    }
+    let read = matches!(*req.method(), Method::GET | Method::HEAD);
+    if !read && !may_write(&caller) {
         return E2bError::new(
             403,
-            format!(
-                "role {} may only read (GET) through the E2B API",
-                caller.role.as_str()
-            ),
+            format!("role {role} may only read (GET) through the E2B API"),
         )
         .into_response();
     }
-    let tenant = caller.tenant.clone();
     req.extensions_mut().insert(caller);
-    with_tenant(tenant, next.run(req)).await
+    next.run(req).await
 }
 
 #[cfg(test)]

@@ -26,12 +26,11 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use strata_core::{SandboxId, SandboxState, TemplateId};
-use strata_policy::CallKind;
-use stratad::security::{current_tenant, template_visible};
+use stratad::caller::Caller;
 use stratad::service::{CreateSandbox, SandboxSpec, ServiceError};
 use stratad::store::{SandboxFilter, SandboxRecord};
 
-use crate::policy::{Caller, Refusal};
+use crate::policy::{gate_opts, may_write};
 use crate::{E2b, ENVD_VERSION};
 
 /// An error in E2B's shape: `{"code": <http status>, "message": "…"}`.
@@ -53,13 +52,9 @@ impl E2bError {
     }
 }
 
-impl From<Refusal> for E2bError {
-    fn from(r: Refusal) -> Self {
-        E2bError::new(r.http_status(), r.message())
-    }
-}
-
 impl From<ServiceError> for E2bError {
+    /// The service's status and message: the gate's refusal is 403 (denied,
+    /// the message naming the rule), 400 (invalid call) or 500 (fail closed).
     fn from(e: ServiceError) -> Self {
         E2bError::new(e.code().http_status(), e.message())
     }
@@ -82,9 +77,38 @@ fn rfc3339(t: DateTime<Utc>) -> String {
     t.to_rfc3339_opts(SecondsFormat::Millis, true)
 }
 
+/// The answer for an unknown sandbox, another tenant's included, naming the
+/// id as the caller sent it.
+fn not_found(id: &str) -> E2bError {
+    E2bError::new(404, format!("sandbox {id} not found"))
+}
+
 fn parse_sandbox_id(s: &str) -> E2bResult<SandboxId> {
-    s.parse()
-        .map_err(|_| E2bError::new(404, format!("sandbox {s} not found")))
+    s.parse().map_err(|_| not_found(s))
+}
+
+/// A service error of a command on sandbox `id` (as the caller sent it): an
+/// unknown sandbox, another tenant's included, answers [`not_found`].
+fn sandbox_err(id: &str) -> impl FnOnce(ServiceError) -> E2bError + '_ {
+    move |e| match e {
+        ServiceError::NotFound {
+            kind: "sandbox", ..
+        } => not_found(id),
+        e => e.into(),
+    }
+}
+
+/// Longest E2B `timeout`: a year (the service's bound on idle timeouts).
+pub const MAX_TIMEOUT_S: u64 = stratad::service::MAX_IDLE_TIMEOUT_S;
+
+fn check_timeout(t: u64) -> E2bResult<u64> {
+    if t > MAX_TIMEOUT_S {
+        return Err(E2bError::new(
+            400,
+            format!("timeout {t}s: at most {MAX_TIMEOUT_S}s (a year)"),
+        ));
+    }
+    Ok(t)
 }
 
 fn parse_body<T: serde::de::DeserializeOwned + Default>(body: &Bytes) -> E2bResult<T> {
@@ -122,12 +146,17 @@ impl E2b {
     fn end_at(&self, rec: &SandboxRecord) -> DateTime<Utc> {
         let t = self.idle_timeout_s(rec);
         let base = rec.last_activity_at.max(rec.updated_at);
-        if t == 0 {
-            // Never hibernated: E2B has no "never"; a far date says it.
-            base + chrono::TimeDelta::days(365 * 100)
-        } else {
-            base + chrono::TimeDelta::seconds(i64::try_from(t).unwrap_or(i64::MAX / 2))
-        }
+        // Never hibernated (0), or more than chrono holds: E2B has no
+        // "never"; a far date says it.
+        let far = chrono::TimeDelta::days(365 * 100);
+        let d = i64::try_from(t)
+            .ok()
+            .filter(|&t| t > 0)
+            .and_then(chrono::TimeDelta::try_seconds)
+            .unwrap_or(far);
+        base.checked_add_signed(d)
+            .or_else(|| base.checked_add_signed(far))
+            .unwrap_or(base)
     }
 
     fn state_name(state: SandboxState) -> &'static str {
@@ -167,76 +196,45 @@ impl E2b {
     }
 
     /// `SandboxDetail`. The envd access token only for callers who may
-    /// write (it lets its holder run commands).
-    fn detail_json(&self, rec: &SandboxRecord, caller: &Caller) -> Value {
+    /// write (it lets its holder run commands); handing it out binds it to
+    /// the caller.
+    async fn detail_json(&self, rec: &SandboxRecord, caller: &Caller) -> E2bResult<Value> {
         let mut v = self.listed_json(rec);
-        if caller.may_write() {
-            self.remember_envd_caller(&rec.id, caller);
+        if may_write(caller) {
+            self.bind(&rec.id, caller).await?;
             v["envdAccessToken"] = json!(self.envd_token(rec.id.as_str()));
         }
         v["domain"] = Value::Null;
-        v
+        Ok(v)
     }
 
-    /// The record of a sandbox of the current tenant: another tenant's
+    /// Binds sandbox `id`'s envd token to `caller` before it is handed out.
+    async fn bind(&self, id: &SandboxId, caller: &Caller) -> E2bResult<()> {
+        self.bind_envd(id, caller)
+            .await
+            .map_err(|e| E2bError::new(500, format!("binding the envd token: {e}")))
+    }
+
+    /// The record of one of the caller's sandboxes: another tenant's
     /// sandbox answers exactly like an unknown id.
-    async fn record(&self, id: &str) -> E2bResult<SandboxRecord> {
-        let id = parse_sandbox_id(id)?;
-        match self.svc.get_sandbox(&id).await {
-            Ok(r) if r.tenant != current_tenant() => {
-                Err(E2bError::new(404, format!("sandbox {id} not found")))
-            }
-            Ok(r) => Ok(r),
-            Err(ServiceError::NotFound { .. }) => {
-                Err(E2bError::new(404, format!("sandbox {id} not found")))
-            }
-            Err(e) => Err(e.into()),
-        }
+    async fn record(&self, caller: &Caller, id: &str) -> E2bResult<SandboxRecord> {
+        let sid = parse_sandbox_id(id)?;
+        self.svc
+            .get_sandbox(caller, &sid)
+            .await
+            .map_err(sandbox_err(id))
     }
 
-    /// Sets a sandbox's idle timeout (E2B `timeout`) and counts as activity.
-    ///
-    /// The service has no command for this yet: the record is updated
-    /// through the store, outside the sandbox's operation lock (an
-    /// operation finishing at the same moment may write its older copy back).
-    async fn apply_timeout(&self, id: &SandboxId, timeout_s: u64) -> E2bResult<()> {
-        let id2 = id.clone();
-        let rec = self
-            .svc
-            .db(move |s| {
-                let Some(mut r) = s.get_sandbox(&id2)? else {
-                    return Ok(None);
-                };
-                r.idle_timeout_s = Some(timeout_s.max(1));
-                r.last_activity_at = Utc::now();
-                s.update_sandbox(&r, None)?;
-                Ok(Some(r))
-            })
-            .await?;
-        let Some(rec) = rec.filter(|r| r.state != SandboxState::Deleted) else {
-            return Err(E2bError::new(404, format!("sandbox {id} not found")));
-        };
-        self.svc.reschedule(&rec);
-        self.svc.touch(id);
-        Ok(())
-    }
-
-    /// A template of this tenant or the platform's by id; `None` (the
-    /// default template) for anything else, another tenant's included.
-    async fn resolve_template(&self, asked: &str) -> Option<TemplateId> {
+    /// A template the caller may use (its tenant's or the platform's) by
+    /// id; `None` (the default template) for anything else, another
+    /// tenant's included.
+    async fn resolve_template(&self, caller: &Caller, asked: &str) -> Option<TemplateId> {
         let id: TemplateId = asked.parse().ok()?;
         self.svc
-            .get_template(&id)
+            .get_template(caller, &id)
             .await
             .ok()
-            .filter(|t| template_visible(&t.record.tenant))
             .map(|t| t.record.id)
-    }
-
-    /// The policy gate of a lifecycle operation.
-    async fn lifecycle(&self, c: &Caller, sandbox: Option<&SandboxId>, op: &str) -> E2bResult<()> {
-        let kind = CallKind::Lifecycle { op: op.to_owned() };
-        Ok(self.gate(&c.tenant, sandbox, &c.actor, kind).await?)
     }
 }
 
@@ -247,9 +245,8 @@ pub async fn create(
     body: Bytes,
 ) -> E2bResult<Response> {
     let req: NewSandbox = parse_body(&body)?;
-    st.lifecycle(&caller, None, "create").await?;
-    let template = st.resolve_template(&req.template_id).await;
-    let timeout = req.timeout.unwrap_or(st.cfg.default_timeout_s).max(1);
+    let template = st.resolve_template(&caller, &req.template_id).await;
+    let timeout = check_timeout(req.timeout.unwrap_or(st.cfg.default_timeout_s))?.max(1);
     if req.auto_pause == Some(false) {
         tracing::debug!("autoPause=false: strata hibernates on timeout anyway, it never deletes");
     }
@@ -261,8 +258,12 @@ pub async fn create(
             ..SandboxSpec::default()
         },
     };
-    let rec = st.svc.create(cmd).await?;
-    st.remember_envd_caller(&rec.id, &caller);
+    let rec = st.svc.create(&caller, cmd, &gate_opts()).await?;
+    if let Err(e) = st.bind_envd(&rec.id, &caller).await {
+        // The sandbox exists: answer it. Its envd calls act as a developer
+        // `e2b-envd` of its tenant until a get_info or connect binds again.
+        tracing::warn!(sandbox = %rec.id, error = %e, "binding the envd token failed");
+    }
     if let Some(envs) = req.env_vars.filter(|e| !e.is_empty()) {
         st.envs
             .lock()
@@ -278,7 +279,7 @@ pub async fn get(
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
 ) -> E2bResult<Response> {
-    let rec = st.record(&id).await?;
+    let rec = st.record(&caller, &id).await?;
     if rec.state == SandboxState::Failed {
         return Err(E2bError::new(
             404,
@@ -288,7 +289,7 @@ pub async fn get(
             ),
         ));
     }
-    Ok(Json(st.detail_json(&rec, &caller)).into_response())
+    Ok(Json(st.detail_json(&rec, &caller).await?).into_response())
 }
 
 /// `DELETE /sandboxes/{id}` → 204 (404 unknown).
@@ -297,40 +298,55 @@ pub async fn kill(
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
 ) -> E2bResult<StatusCode> {
-    let rec = st.record(&id).await?;
-    st.lifecycle(&caller, Some(&rec.id), "delete").await?;
-    st.svc.delete(&rec.id).await?;
+    let sid = parse_sandbox_id(&id)?;
+    let rec = st
+        .svc
+        .delete(&caller, &sid, &gate_opts())
+        .await
+        .map_err(sandbox_err(&id))?;
     st.procs.forget_sandbox(&rec.id);
     st.watchers
         .lock()
         .unwrap_or_else(|p| p.into_inner())
-        .retain(|_, w| w.sandbox != rec.id);
+        .retain(|_, w| w.grant.sandbox() != &rec.id);
     st.envs
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .remove(&rec.id);
+    st.unbind_envd(&rec.id).await;
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// `POST /sandboxes/{id}/timeout` → 204.
+/// `POST /sandboxes/{id}/timeout` → 204 (400 over a year).
 pub async fn set_timeout(
     State(st): State<Arc<E2b>>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     body: Bytes,
 ) -> E2bResult<StatusCode> {
     let req: TimeoutBody = parse_body(&body)?;
-    let rec = st.record(&id).await?;
+    let rec = st.record(&caller, &id).await?;
     let t = req
         .timeout
         .ok_or_else(|| E2bError::new(400, "timeout is required"))?;
-    st.apply_timeout(&rec.id, t).await?;
+    st.svc
+        .set_idle_timeout(&caller, &rec.id, check_timeout(t)?)
+        .await
+        .map_err(sandbox_err(&id))?;
     Ok(StatusCode::NO_CONTENT)
 }
 
 /// `POST /sandboxes/{id}/refreshes` → 204 (counts as activity).
-pub async fn refresh(State(st): State<Arc<E2b>>, Path(id): Path<String>) -> E2bResult<StatusCode> {
-    let rec = st.record(&id).await?;
-    st.svc.touch(&rec.id);
+pub async fn refresh(
+    State(st): State<Arc<E2b>>,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> E2bResult<StatusCode> {
+    let sid = parse_sandbox_id(&id)?;
+    st.svc
+        .refresh(&caller, &sid)
+        .await
+        .map_err(sandbox_err(&id))?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -340,15 +356,17 @@ pub async fn pause(
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
 ) -> E2bResult<StatusCode> {
-    let rec = st.record(&id).await?;
+    let rec = st.record(&caller, &id).await?;
     if rec.state == SandboxState::Hibernated {
         return Err(E2bError::new(
             409,
             format!("sandbox {id} is already paused"),
         ));
     }
-    st.lifecycle(&caller, Some(&rec.id), "hibernate").await?;
-    st.svc.hibernate(&rec.id).await?;
+    st.svc
+        .hibernate(&caller, &rec.id, &gate_opts())
+        .await
+        .map_err(sandbox_err(&id))?;
     st.procs.detach_sandbox(&rec.id);
     Ok(StatusCode::NO_CONTENT)
 }
@@ -360,11 +378,14 @@ async fn wake(
     body: &Bytes,
 ) -> E2bResult<(bool, SandboxRecord)> {
     let req: TimeoutBody = parse_body(body)?;
-    let rec = st.record(id).await?;
+    let timeout = req.timeout.map(check_timeout).transpose()?;
+    let rec = st.record(caller, id).await?;
     let resumed = matches!(rec.state, SandboxState::Hibernated | SandboxState::Paused);
     let rec = if resumed {
-        st.lifecycle(caller, Some(&rec.id), "resume").await?;
-        st.svc.resume(&rec.id).await?
+        st.svc
+            .resume(caller, &rec.id, &gate_opts())
+            .await
+            .map_err(sandbox_err(id))?
     } else if rec.state == SandboxState::Failed {
         return Err(E2bError::new(
             404,
@@ -376,12 +397,21 @@ async fn wake(
     } else {
         rec
     };
-    if let Some(t) = req.timeout {
-        st.apply_timeout(&rec.id, t).await?;
-    } else {
-        st.svc.touch(&rec.id);
-    }
-    st.remember_envd_caller(&rec.id, caller);
+    let rec = match timeout {
+        Some(t) => st
+            .svc
+            .set_idle_timeout(caller, &rec.id, t)
+            .await
+            .map_err(sandbox_err(id))?,
+        None => {
+            st.svc
+                .refresh(caller, &rec.id)
+                .await
+                .map_err(sandbox_err(id))?;
+            rec
+        }
+    };
+    st.bind(&rec.id, caller).await?;
     Ok((resumed, rec))
 }
 
@@ -408,7 +438,7 @@ pub async fn resume(
     Path(id): Path<String>,
     body: Bytes,
 ) -> E2bResult<Response> {
-    let rec = st.record(&id).await?;
+    let rec = st.record(&caller, &id).await?;
     if !matches!(rec.state, SandboxState::Hibernated | SandboxState::Paused) {
         return Err(E2bError::new(409, format!("sandbox {id} is not paused")));
     }
@@ -475,17 +505,26 @@ fn parse_list_query(raw: Option<&str>, default_states: &[&str]) -> E2bResult<Lis
     Ok(q)
 }
 
-async fn list(st: Arc<E2b>, raw: Option<String>, default_states: &[&str]) -> E2bResult<Response> {
+async fn list(
+    st: Arc<E2b>,
+    caller: &Caller,
+    raw: Option<String>,
+    default_states: &[&str],
+) -> E2bResult<Response> {
     let q = parse_list_query(raw.as_deref(), default_states)?;
     let page = st
         .svc
-        .list_sandboxes(SandboxFilter {
-            tenant: current_tenant(),
-            states: q.states,
-            labels: q.metadata,
-            limit: q.limit,
-            cursor: q.next_token,
-        })
+        .list_sandboxes(
+            caller,
+            SandboxFilter {
+                // The service lists the caller's tenant whatever this says.
+                tenant: caller.owner().to_owned(),
+                states: q.states,
+                labels: q.metadata,
+                limit: q.limit,
+                cursor: q.next_token,
+            },
+        )
         .await?;
     let items: Vec<Value> = page.items.iter().map(|r| st.listed_json(r)).collect();
     let mut headers = HeaderMap::new();
@@ -498,13 +537,21 @@ async fn list(st: Arc<E2b>, raw: Option<String>, default_states: &[&str]) -> E2b
 }
 
 /// `GET /v2/sandboxes` (running and paused by default).
-pub async fn list_v2(State(st): State<Arc<E2b>>, RawQuery(raw): RawQuery) -> E2bResult<Response> {
-    list(st, raw, &["running", "paused"]).await
+pub async fn list_v2(
+    State(st): State<Arc<E2b>>,
+    Extension(caller): Extension<Caller>,
+    RawQuery(raw): RawQuery,
+) -> E2bResult<Response> {
+    list(st, &caller, raw, &["running", "paused"]).await
 }
 
 /// `GET /sandboxes` (the v1 listing: running sandboxes).
-pub async fn list_v1(State(st): State<Arc<E2b>>, RawQuery(raw): RawQuery) -> E2bResult<Response> {
-    list(st, raw, &["running"]).await
+pub async fn list_v1(
+    State(st): State<Arc<E2b>>,
+    Extension(caller): Extension<Caller>,
+    RawQuery(raw): RawQuery,
+) -> E2bResult<Response> {
+    list(st, &caller, raw, &["running"]).await
 }
 
 #[cfg(test)]

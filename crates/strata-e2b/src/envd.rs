@@ -18,7 +18,7 @@ use serde_json::json;
 use strata_core::{SandboxId, SandboxState};
 use strata_policy::CallKind;
 use stratad::engine::{EngineError, FileKind, FileStat};
-use stratad::service::ServiceError;
+use stratad::service::{Grant, ServiceError};
 use tokio::sync::mpsc;
 
 use crate::connect::{self, Code, ConnectError};
@@ -75,6 +75,8 @@ pub fn service_err(e: ServiceError) -> ConnectError {
             return ConnectError::new(Code::Unavailable, not_running(id))
         }
         ServiceError::Engine(EngineError::AgentTimeout { .. }) => Code::DeadlineExceeded,
+        ServiceError::Gate(r) => crate::policy::refusal_code(r),
+        ServiceError::Forbidden(_) => Code::PermissionDenied,
         _ => Code::Internal,
     };
     ConnectError::new(code, msg)
@@ -163,16 +165,21 @@ fn parent(path: &str) -> Option<&str> {
 // ---------------------------------------------------------------- health
 
 /// `GET /health` → 204 while the sandbox runs, 502 (not found) otherwise.
+/// Without a valid `X-Access-Token` for the sandbox it answers exactly as
+/// for an unknown one (the SDK's `is_running()` reads 502 as not running).
 pub async fn health(State(st): State<Arc<E2b>>, headers: HeaderMap) -> Response {
     let raw = headers
         .get(SANDBOX_ID_HEADER)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
-    let running = match raw.parse::<SandboxId>() {
-        Ok(id) => matches!(
-            st.svc.get_sandbox(&id).await.map(|r| r.state),
-            Ok(SandboxState::Running)
-        ),
+    let running = match st.envd_sandbox(&headers) {
+        Ok(id) => match st.envd_caller(&id).await {
+            Ok(caller) => matches!(
+                st.svc.get_sandbox(&caller, &id).await.map(|r| r.state),
+                Ok(SandboxState::Running)
+            ),
+            Err(_) => false,
+        },
         Err(_) => false,
     };
     if running {
@@ -219,10 +226,11 @@ pub async fn download(
     let Some(path) = query_path(&st, raw.as_deref()) else {
         return files_err(ConnectError::new(Code::InvalidArgument, "missing path"));
     };
-    if let Err(e) = st.envd_gate(&id, read(&path)).await {
-        return files_err(e);
-    }
-    match st.svc.stat(&id, &path).await {
+    let g = match st.envd_grant(&id, read(&path)).await {
+        Ok(g) => g,
+        Err(e) => return files_err(e),
+    };
+    match st.svc.stat(&g, &path).await {
         Ok(s) if s.kind == FileKind::Dir => {
             return files_err(ConnectError::new(
                 Code::InvalidArgument,
@@ -232,7 +240,7 @@ pub async fn download(
         Ok(_) => {}
         Err(e) => return files_err(service_err(e)),
     }
-    match st.svc.read_file(&id, &path).await {
+    match st.svc.read_file(&g, &path).await {
         Ok(stream) => {
             let body = Body::from_stream(stream.map_err(std::io::Error::other));
             (
@@ -326,14 +334,14 @@ async fn write_one(
     path: &str,
     body: stratad::engine::ByteStream,
 ) -> Result<serde_json::Value, ConnectError> {
-    st.envd_gate(id, write(path)).await?;
+    let g = st.envd_grant(id, write(path)).await?;
     if let Some(dir) = parent(path) {
         if dir != "/" {
-            st.svc.mkdir(id, dir, true).await.map_err(service_err)?;
+            st.svc.mkdir(&g, dir, true).await.map_err(service_err)?;
         }
     }
     st.svc
-        .write_file(id, path, 0o644, body)
+        .write_file(&g, path, 0o644, body)
         .await
         .map_err(service_err)?;
     let name = path.rsplit('/').next().unwrap_or("").to_owned();
@@ -417,8 +425,8 @@ pub async fn upload(
 
 // ------------------------------------------------------------ filesystem
 
-async fn stat_entry(st: &Arc<E2b>, id: &SandboxId, path: &str) -> Result<EntryInfo, ConnectError> {
-    let s = st.svc.stat(id, path).await.map_err(service_err)?;
+async fn stat_entry(st: &Arc<E2b>, g: &Grant, path: &str) -> Result<EntryInfo, ConnectError> {
+    let s = st.svc.stat(g, path).await.map_err(service_err)?;
     Ok(entry(path, &s))
 }
 
@@ -440,8 +448,8 @@ macro_rules! unary {
 pub async fn stat(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
     unary!(st, headers, body, proto::PathRequest, |id, r| async {
         let path = st.guest_path(&r.path);
-        st.envd_gate(&id, read(&path)).await?;
-        let e = stat_entry(&st, &id, &path).await?;
+        let g = st.envd_grant(&id, read(&path)).await?;
+        let e = stat_entry(&st, &g, &path).await?;
         Ok::<_, ConnectError>(json!({ "entry": e }))
     })
 }
@@ -450,9 +458,9 @@ pub async fn stat(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -
 pub async fn list_dir(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
     unary!(st, headers, body, proto::ListDirRequest, |id, r| async {
         let root = st.guest_path(&r.path);
-        st.envd_gate(&id, read(&root)).await?;
+        let g = st.envd_grant(&id, read(&root)).await?;
         let depth = r.depth.max(1);
-        let top = st.svc.stat(&id, &root).await.map_err(service_err)?;
+        let top = st.svc.stat(&g, &root).await.map_err(service_err)?;
         if top.kind != FileKind::Dir {
             return Err(ConnectError::new(
                 Code::InvalidArgument,
@@ -464,7 +472,7 @@ pub async fn list_dir(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Byte
         for _ in 0..depth {
             let mut next = Vec::new();
             for dir in level {
-                let items = st.svc.list_dir(&id, &dir).await.map_err(service_err)?;
+                let items = st.svc.list_dir(&g, &dir).await.map_err(service_err)?;
                 for s in items {
                     let p = join(&dir, &s.name);
                     if s.kind == FileKind::Dir {
@@ -489,8 +497,8 @@ pub async fn list_dir(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Byte
 pub async fn make_dir(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
     unary!(st, headers, body, proto::PathRequest, |id, r| async {
         let path = st.guest_path(&r.path);
-        st.envd_gate(&id, write(&path)).await?;
-        match st.svc.stat(&id, &path).await {
+        let g = st.envd_grant(&id, write(&path)).await?;
+        match st.svc.stat(&g, &path).await {
             Ok(_) => {
                 return Err(ConnectError::new(
                     Code::AlreadyExists,
@@ -500,8 +508,8 @@ pub async fn make_dir(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Byte
             Err(ServiceError::Engine(EngineError::GuestNotFound(_))) => {}
             Err(e) => return Err(service_err(e)),
         }
-        st.svc.mkdir(&id, &path, true).await.map_err(service_err)?;
-        let e = stat_entry(&st, &id, &path).await?;
+        st.svc.mkdir(&g, &path, true).await.map_err(service_err)?;
+        let e = stat_entry(&st, &g, &path).await?;
         Ok::<_, ConnectError>(json!({ "entry": e }))
     })
 }
@@ -512,9 +520,11 @@ pub async fn move_entry(State(st): State<Arc<E2b>>, headers: HeaderMap, body: By
         let (src, dst) = (st.guest_path(&r.source), st.guest_path(&r.destination));
         stratad::service::validate_guest_path(&src).map_err(service_err)?;
         stratad::service::validate_guest_path(&dst).map_err(service_err)?;
-        st.envd_gate(&id, write(&src)).await?;
-        st.envd_gate(&id, write(&dst)).await?;
-        st.svc.stat(&id, &src).await.map_err(service_err)?;
+        // Both ends are writes: the gate decides each, the `mv` helper
+        // runs under the destination's grant.
+        let from = st.envd_grant(&id, write(&src)).await?;
+        let to = st.envd_grant(&id, write(&dst)).await?;
+        st.svc.stat(&from, &src).await.map_err(service_err)?;
         let argv = vec![
             "/bin/sh".to_owned(),
             "-c".to_owned(),
@@ -522,14 +532,14 @@ pub async fn move_entry(State(st): State<Arc<E2b>>, headers: HeaderMap, body: By
             src,
             dst.clone(),
         ];
-        let (code, _, err) = procs::run_helper(&st.svc, &id, argv, None, 60).await?;
+        let (code, _, err) = procs::run_helper(&st.svc, &to, argv, None, 60).await?;
         if code != Some(0) {
             return Err(ConnectError::new(
                 Code::Unknown,
                 format!("move failed: {}", String::from_utf8_lossy(&err).trim()),
             ));
         }
-        let e = stat_entry(&st, &id, &dst).await?;
+        let e = stat_entry(&st, &to, &dst).await?;
         Ok::<_, ConnectError>(json!({ "entry": e }))
     })
 }
@@ -538,8 +548,8 @@ pub async fn move_entry(State(st): State<Arc<E2b>>, headers: HeaderMap, body: By
 pub async fn remove(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
     unary!(st, headers, body, proto::PathRequest, |id, r| async {
         let path = st.guest_path(&r.path);
-        st.envd_gate(&id, write(&path)).await?;
-        st.svc.remove(&id, &path, true).await.map_err(service_err)?;
+        let g = st.envd_grant(&id, write(&path)).await?;
+        st.svc.remove(&g, &path, true).await.map_err(service_err)?;
         Ok::<_, ConnectError>(json!({}))
     })
 }
@@ -550,9 +560,10 @@ pub async fn remove(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes)
 type Seen = (FileKind, u64, i64);
 
 /// A polling watcher: the listing at the last poll, diffed at the next.
+/// It polls under the read grant of its root, decided at its creation.
 #[derive(Debug)]
 pub struct Watcher {
-    pub(crate) sandbox: SandboxId,
+    pub(crate) grant: Grant,
     root: String,
     recursive: bool,
     seen: BTreeMap<String, Seen>,
@@ -563,14 +574,14 @@ const WATCH_MAX_ENTRIES: usize = 20_000;
 
 async fn snapshot_dir(
     st: &Arc<E2b>,
-    id: &SandboxId,
+    g: &Grant,
     root: &str,
     recursive: bool,
 ) -> Result<BTreeMap<String, Seen>, ConnectError> {
     let mut out = BTreeMap::new();
     let mut level = vec![root.to_owned()];
     while let Some(dir) = level.pop() {
-        let items = match st.svc.list_dir(id, &dir).await {
+        let items = match st.svc.list_dir(g, &dir).await {
             Ok(v) => v,
             // A subdirectory removed between two listings.
             Err(ServiceError::Engine(EngineError::GuestNotFound(_))) if dir != root => continue,
@@ -631,15 +642,15 @@ pub async fn create_watcher(
             .get("recursive")
             .and_then(|v| v.as_bool())
             .unwrap_or(false);
-        st.envd_gate(&id, read(&path)).await?;
-        let top = st.svc.stat(&id, &path).await.map_err(service_err)?;
+        let g = st.envd_grant(&id, read(&path)).await?;
+        let top = st.svc.stat(&g, &path).await.map_err(service_err)?;
         if top.kind != FileKind::Dir {
             return Err(ConnectError::new(
                 Code::InvalidArgument,
                 format!("path {path} is not a directory"),
             ));
         }
-        let seen = snapshot_dir(&st, &id, &path, recursive).await?;
+        let seen = snapshot_dir(&st, &g, &path, recursive).await?;
         let wid = format!("w-{}", hex::encode(&crate::auth::random_secret()[..8]));
         st.watchers
             .lock()
@@ -647,7 +658,7 @@ pub async fn create_watcher(
             .insert(
                 wid.clone(),
                 Watcher {
-                    sandbox: id,
+                    grant: g,
                     root: path,
                     recursive,
                     seen,
@@ -672,10 +683,12 @@ pub async fn get_watcher_events(
 ) -> Response {
     unary!(st, headers, body, serde_json::Value, |id, r| async {
         let wid = watcher_id(&r);
-        let (root, recursive) = {
+        let (grant, root, recursive) = {
             let g = st.watchers.lock().unwrap_or_else(|p| p.into_inner());
             match g.get(&wid) {
-                Some(w) if w.sandbox == id => (w.root.clone(), w.recursive),
+                Some(w) if w.grant.sandbox() == &id => {
+                    (w.grant.clone(), w.root.clone(), w.recursive)
+                }
                 _ => {
                     return Err(ConnectError::new(
                         Code::NotFound,
@@ -684,7 +697,7 @@ pub async fn get_watcher_events(
                 }
             }
         };
-        let new = snapshot_dir(&st, &id, &root, recursive).await?;
+        let new = snapshot_dir(&st, &grant, &root, recursive).await?;
         let events = {
             let mut g = st.watchers.lock().unwrap_or_else(|p| p.into_inner());
             let Some(w) = g.get_mut(&wid) else {
@@ -715,7 +728,7 @@ pub async fn remove_watcher(
         let wid = watcher_id(&r);
         let mut g = st.watchers.lock().unwrap_or_else(|p| p.into_inner());
         match g.get(&wid) {
-            Some(w) if w.sandbox == id => {
+            Some(w) if w.grant.sandbox() == &id => {
                 g.remove(&wid);
                 Ok(json!({}))
             }
@@ -781,18 +794,18 @@ fn event_frames(
 /// while `/proc/<pid>` exists, then an `end` of unknown status.
 fn detached_frames(
     st: Arc<E2b>,
-    id: SandboxId,
+    g: Grant,
     pid: u32,
     keepalive: Duration,
 ) -> impl Stream<Item = Bytes> + Send + 'static {
     let first = connect::message_frame(&ProcessEvent::Start { pid }.to_response_json());
     let rest = futures::stream::unfold(Some(tokio::time::Instant::now()), move |state| {
-        let (st, id) = (st.clone(), id.clone());
+        let (st, g) = (st.clone(), g.clone());
         async move {
             let mut last = state?;
             loop {
                 tokio::time::sleep(procs::DETACHED_POLL).await;
-                match procs::alive(&st.svc, &id, &[pid]).await {
+                match procs::alive(&st.svc, &g, &[pid]).await {
                     Ok(v) if v.contains(&pid) => {
                         if last.elapsed() >= keepalive {
                             last = tokio::time::Instant::now();
@@ -803,7 +816,7 @@ fn detached_frames(
                         }
                     }
                     Ok(_) => {
-                        st.procs.remove(&id, pid);
+                        st.procs.remove(g.sandbox(), pid);
                         let end = ProcessEvent::End {
                             exit_code: -1,
                             exited: false,
@@ -847,17 +860,32 @@ pub async fn start(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) 
         let argv: Vec<String> = std::iter::once(req.process.cmd.clone())
             .chain(req.process.args.iter().cloned())
             .collect();
-        st.envd_gate(&id, CallKind::Exec { argv, shell: None })
-            .await?;
         let mut env: BTreeMap<String, String> = st.sandbox_envs(&id);
         env.extend(req.process.envs.clone());
         let mut config = req.process;
         config.cwd = config.cwd.map(|c| st.guest_path(&c));
+        // What the wrapper runs with besides the argv: checked as the
+        // service's exec checks it (the wrapper runs as a helper).
+        if let Some(cwd) = &config.cwd {
+            stratad::service::validate_guest_path(cwd).map_err(service_err)?;
+        }
+        if env
+            .iter()
+            .any(|(k, v)| k.contains('\0') || v.contains('\0'))
+        {
+            return Err(ConnectError::new(
+                Code::InvalidArgument,
+                "envs: NUL bytes are not allowed",
+            ));
+        }
+        let g = st
+            .envd_grant(&id, CallKind::Exec { argv, shell: None })
+            .await?;
         let reg = st.procs.clone();
         procs::start(
             &st.svc,
             &reg,
-            &id,
+            &g,
             config,
             env,
             req.tag,
@@ -910,7 +938,8 @@ pub async fn connect(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes
                 format!("process with pid {pid} not found"),
             ));
         }
-        if procs::alive(&st.svc, &id, &[pid]).await?.is_empty() {
+        let g = st.envd_access(&id).await?;
+        if procs::alive(&st.svc, &g, &[pid]).await?.is_empty() {
             st.procs.remove(&id, pid);
             return Err(ConnectError::new(
                 Code::NotFound,
@@ -919,7 +948,7 @@ pub async fn connect(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes
         }
         Ok(connect::stream_response(detached_frames(
             st.clone(),
-            id,
+            g,
             pid,
             keepalive,
         )))
@@ -939,7 +968,11 @@ pub async fn list(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -
             .filter(|p| !p.attached())
             .map(|p| p.pid)
             .collect();
-        let live = procs::alive(&st.svc, &id, &detached).await?;
+        let live = if detached.is_empty() {
+            Vec::new()
+        } else {
+            procs::alive(&st.svc, &st.envd_access(&id).await?, &detached).await?
+        };
         let mut out = Vec::new();
         for p in all {
             if p.attached() || live.contains(&p.pid) {
@@ -975,7 +1008,8 @@ pub async fn send_input(State(st): State<Arc<E2b>>, headers: HeaderMap, body: By
         }
         let data = r.input.stdin.unwrap_or_default();
         if !data.is_empty() {
-            procs::send_input(&st.svc, &id, p.pid, data).await?;
+            let g = st.envd_access(&id).await?;
+            procs::send_input(&st.svc, &g, p.pid, data).await?;
         }
         Ok::<_, ConnectError>(json!({}))
     })
@@ -988,7 +1022,8 @@ pub async fn send_signal(State(st): State<Arc<E2b>>, headers: HeaderMap, body: B
         let sig = r
             .signal_number()
             .ok_or_else(|| ConnectError::new(Code::InvalidArgument, "unsupported signal"))?;
-        procs::signal(&st.svc, &id, p.pid, sig).await?;
+        let g = st.envd_access(&id).await?;
+        procs::signal(&st.svc, &g, p.pid, sig).await?;
         Ok::<_, ConnectError>(json!({}))
     })
 }
@@ -1003,7 +1038,8 @@ pub async fn close_stdin(State(st): State<Arc<E2b>>, headers: HeaderMap, body: B
                 format!("process {} was started without stdin", p.pid),
             ));
         }
-        procs::close_stdin(&st.svc, &id, p.pid).await?;
+        let g = st.envd_access(&id).await?;
+        procs::close_stdin(&st.svc, &g, p.pid).await?;
         Ok::<_, ConnectError>(json!({}))
     })
 }

@@ -13,13 +13,17 @@
 //! messages in proto3 JSON), [`control`] (control-plane handlers),
 //! [`envd`] (envd handlers), [`procs`] (E2B process handles on top of
 //! strata's one-shot exec), [`auth`] (API keys and strata tokens, envd
-//! tokens), [`policy`] (callers, the tool-call gate shared with `/v1`).
+//! tokens), [`policy`] (callers, the envd token bindings, refusals).
 //!
 //! Security: `X-API-KEY` is a configured E2B key (tenant `default`,
-//! developer) or a strata API token (its tenant and role); sandboxes
-//! belong to the caller's tenant and another tenant's id answers like an
-//! unknown one; envd tool calls (exec, file reads and writes) pass through
-//! stratad's policy engine, approval queue and audit log.
+//! developer) or a strata API token (its tenant and role): that
+//! [`stratad::caller::Caller`] is passed to every service command, which
+//! decides tenancy (another tenant's id answers like an unknown one) and
+//! gates tool calls (lifecycle, exec, file reads and writes) through
+//! stratad's policy engine, approval queue and audit log. envd calls act as
+//! the caller the sandbox's access token was handed to (stored in stratad's
+//! security store); guest file operations and the door's helper commands
+//! run under the service's [`stratad::service::Grant`] of the decided call.
 
 pub mod auth;
 pub mod connect;
@@ -77,8 +81,9 @@ impl Default for E2bConfig {
 #[derive(Debug)]
 pub struct E2b {
     svc: Arc<Service>,
-    /// stratad's security subsystem (tokens, policy, approvals, audit);
-    /// `None`: no strata tokens, every tool call allowed (tests).
+    /// stratad's security subsystem (tokens, the envd token bindings);
+    /// `None`: no strata tokens and no stored bindings (tests). Tool calls
+    /// are gated by the service whatever this is.
     sec: Option<Arc<Security>>,
     cfg: E2bConfig,
     procs: Arc<procs::Registry>,
@@ -87,9 +92,6 @@ pub struct E2b {
     envs: Mutex<HashMap<SandboxId, BTreeMap<String, String>>>,
     /// Polling directory watchers by id (in memory).
     watchers: Mutex<HashMap<String, envd::Watcher>>,
-    /// Tenant and actor of each sandbox's envd access token (who it was
-    /// handed to), for the policy gate and the audit log of envd calls.
-    envd_callers: Mutex<HashMap<SandboxId, (String, String)>>,
 }
 
 impl E2b {
@@ -102,7 +104,6 @@ impl E2b {
             procs: Arc::new(procs::Registry::default()),
             envs: Mutex::new(HashMap::new()),
             watchers: Mutex::new(HashMap::new()),
-            envd_callers: Mutex::new(HashMap::new()),
         })
     }
 

@@ -1,219 +1,211 @@
-//! Who calls, and whether they may: the caller of a control-plane request
-//! ([`Caller`], from `X-API-KEY`), and the tool-call gate shared with
-//! stratad's `/v1` routes ([`E2b::gate`]): the same policy layers, the same
-//! approval queue and the same hash-chained audit log.
+//! Who calls: the [`Caller`] of a control-plane request (from `X-API-KEY`)
+//! and of an envd call (the caller its sandbox's access token was handed
+//! to, stored in stratad's security store). The service decides tenancy
+//! and gates tool calls (policy, approval, audit) for that caller; this
+//! module only builds callers, stores the envd bindings and maps the gate's
+//! refusals onto E2B's errors.
 
 use strata_core::SandboxId;
-use strata_policy::{CallKind, ToolCall};
+use strata_policy::CallKind;
+use stratad::caller::{Caller, SystemReason};
 use stratad::security::auth::Role;
 use stratad::security::gate::{GateOptions, GateRefusal};
+use stratad::service::Grant;
 use stratad::store::DEFAULT_TENANT;
 
 use crate::connect::{Code, ConnectError};
 use crate::E2b;
 
-/// The caller of a control-plane request.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Caller {
-    /// Tenant the caller acts for.
-    pub tenant: String,
-    /// Role (viewers and approvers may only read).
-    pub role: Role,
-    /// Actor recorded in approvals and the audit log (`token:tok-…`, or
-    /// `e2b-api-key` for a configured key).
-    pub actor: String,
-}
+/// Actor and token id of a configured E2B API key.
+pub const API_KEY_ACTOR: &str = "e2b-api-key";
+/// Actor and token id of envd calls whose token has no stored binding (it
+/// was handed out before bindings were stored).
+pub const ENVD_ACTOR: &str = "e2b-envd";
 
-impl Caller {
-    /// A caller with a configured E2B API key (or on an open control
-    /// plane): a developer of tenant `default`.
-    pub fn api_key() -> Self {
-        Caller {
-            tenant: DEFAULT_TENANT.to_owned(),
-            role: Role::Developer,
-            actor: "e2b-api-key".to_owned(),
-        }
-    }
-
-    /// Whether the caller may change things (create, kill, pause, run…).
-    pub fn may_write(&self) -> bool {
-        matches!(self.role, Role::Admin | Role::Developer)
+/// The caller with a configured E2B API key (or on an open control plane):
+/// a developer of tenant `default`.
+pub fn api_key_caller() -> Caller {
+    Caller::Api {
+        tenant: DEFAULT_TENANT.to_owned(),
+        actor: API_KEY_ACTOR.to_owned(),
+        role: Role::Developer,
+        token: API_KEY_ACTOR.to_owned(),
+        name: None,
     }
 }
 
-/// Why the gate refused a tool call.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Refusal {
-    /// Denied by a rule (or an approver, or an approval that timed out).
-    Denied {
-        /// The rule that decided.
-        rule: String,
-        /// Message for the client (names the rule).
-        message: String,
-    },
-    /// A malformed call (relative path, `..` above `/`, empty argv).
-    Invalid(String),
-    /// The audit log or the approval queue failed: fail closed.
-    Internal(String),
+/// The caller of envd calls on a sandbox of `tenant` whose token has no
+/// stored binding.
+pub fn envd_fallback_caller(tenant: String) -> Caller {
+    Caller::Api {
+        tenant,
+        actor: ENVD_ACTOR.to_owned(),
+        role: Role::Developer,
+        token: ENVD_ACTOR.to_owned(),
+        name: None,
+    }
 }
 
-impl Refusal {
-    /// The message for the client.
-    pub fn message(&self) -> &str {
-        match self {
-            Refusal::Denied { message, .. } => message,
-            Refusal::Invalid(m) | Refusal::Internal(m) => m,
-        }
-    }
+/// Whether the caller may change things (create, kill, pause, run…) and be
+/// handed envd access tokens: admins and developers.
+pub fn may_write(c: &Caller) -> bool {
+    matches!(c.role(), Some(Role::Admin | Role::Developer))
+}
 
-    /// As a Connect error (`permission_denied` for a policy refusal).
-    pub fn to_connect(&self) -> ConnectError {
-        let code = match self {
-            Refusal::Denied { .. } => Code::PermissionDenied,
-            Refusal::Invalid(_) => Code::InvalidArgument,
-            Refusal::Internal(_) => Code::Internal,
-        };
-        ConnectError::new(code, self.message())
-    }
+/// How the door's tool calls wait at the gate: for an approver, up to the
+/// configured approval timeout (the SDK has no way to re-send a call with an
+/// approval id).
+pub fn gate_opts() -> GateOptions {
+    GateOptions::waiting()
+}
 
-    /// The HTTP status of the control plane and `/files` (403, 400, 500).
-    pub fn http_status(&self) -> u16 {
-        match self {
-            Refusal::Denied { .. } => 403,
-            Refusal::Invalid(_) => 400,
-            Refusal::Internal(_) => 500,
-        }
+/// The Connect code of a gate refusal (`permission_denied` for a policy
+/// refusal, as the HTTP 403 of the control plane and `/files`).
+pub fn refusal_code(r: &GateRefusal) -> Code {
+    match r {
+        GateRefusal::Denied { .. } | GateRefusal::Pending(_) => Code::PermissionDenied,
+        GateRefusal::Invalid(_) => Code::InvalidArgument,
+        GateRefusal::Internal(_) => Code::Internal,
     }
+}
+
+fn sec_err(e: impl std::fmt::Display) -> ConnectError {
+    ConnectError::new(Code::Internal, format!("envd token binding: {e}"))
 }
 
 impl E2b {
-    /// The tenant and actor of envd calls on sandbox `id`: remembered when
-    /// its access token was handed out, else (after a restart) the sandbox
-    /// record's tenant and the actor `e2b-envd`.
-    pub(crate) async fn envd_caller(
-        &self,
-        id: &SandboxId,
-    ) -> Result<(String, String), ConnectError> {
-        if let Some(c) = self
-            .envd_callers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(id)
-        {
-            return Ok(c.clone());
+    /// The caller of envd calls on sandbox `id`: the one its access token
+    /// was handed to (stored), else a developer `e2b-envd` of the sandbox's
+    /// tenant (a token handed out before bindings were stored, or no
+    /// security subsystem). An unknown sandbox answers as not running.
+    pub(crate) async fn envd_caller(&self, id: &SandboxId) -> Result<Caller, ConnectError> {
+        if let Some(sec) = self.sec.clone() {
+            let sid = id.to_string();
+            let bound = tokio::task::spawn_blocking(move || sec.store().envd_binding(&sid))
+                .await
+                .map_err(sec_err)?
+                .map_err(sec_err)?;
+            if let Some(c) = bound {
+                return Ok(c);
+            }
         }
         let rec = self
             .svc
-            .get_sandbox(id)
+            .get_sandbox(&Caller::system(SystemReason::Embedder), id)
             .await
             .map_err(crate::envd::service_err)?;
-        let c = (rec.tenant, "e2b-envd".to_owned());
-        self.envd_callers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id.clone(), c.clone());
-        Ok(c)
+        Ok(envd_fallback_caller(rec.tenant))
     }
 
-    /// Remembers who was handed sandbox `id`'s envd access token.
-    pub(crate) fn remember_envd_caller(&self, id: &SandboxId, c: &Caller) {
-        self.envd_callers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id.clone(), (c.tenant.clone(), c.actor.clone()));
-    }
-
-    /// The gate of an envd call on sandbox `id`, as a Connect error.
-    pub(crate) async fn envd_gate(
-        &self,
-        id: &SandboxId,
-        kind: CallKind,
-    ) -> Result<(), ConnectError> {
-        if self.sec.is_none() {
-            return Ok(());
-        }
-        let (tenant, actor) = self.envd_caller(id).await?;
-        self.gate(&tenant, Some(id), &actor, kind)
-            .await
-            .map_err(|r| r.to_connect())
-    }
-
-    /// Decides a tool call through stratad's shared gate (`Security::gate`, also behind `/v1`): evaluate
-    /// the layers in force, append the decision to the audit log, and for
-    /// `approve` hold the call in the approval queue until an approver
-    /// answers or the configured approval timeout passes (then denied).
-    /// Without a security subsystem (tests) every call is allowed.
-    pub async fn gate(
-        &self,
-        tenant: &str,
-        sandbox: Option<&SandboxId>,
-        actor: &str,
-        kind: CallKind,
-    ) -> Result<(), Refusal> {
+    /// Stores that sandbox `id`'s envd access token was handed to `caller`
+    /// (create, connect, get_info): envd calls then act as that caller,
+    /// across restarts. Without a security subsystem nothing is stored.
+    pub(crate) async fn bind_envd(&self, id: &SandboxId, caller: &Caller) -> Result<(), String> {
         let Some(sec) = self.sec.clone() else {
             return Ok(());
         };
-        let call = ToolCall {
-            tenant: tenant.to_owned(),
-            sandbox: sandbox.map(|s| s.to_string()),
-            actor: actor.to_owned(),
-            kind,
-        };
-        sec.gate(call, GateOptions::waiting())
+        let (sid, c) = (id.to_string(), caller.clone());
+        tokio::task::spawn_blocking(move || sec.store().bind_envd(&sid, &c))
             .await
-            .map_err(|r| match r {
-                GateRefusal::Invalid(m) => Refusal::Invalid(m),
-                GateRefusal::Denied {
-                    decision, message, ..
-                } => Refusal::Denied {
-                    rule: decision.rule_id,
-                    message,
-                },
-                // Only when not waiting, which the E2B API always does.
-                GateRefusal::Pending(req) => Refusal::Denied {
-                    rule: req.rule_id,
-                    message: format!("held for approval {}", req.id),
-                },
-                GateRefusal::Internal(m) => Refusal::Internal(m),
-            })
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())
+    }
+
+    /// Forgets sandbox `id`'s envd binding (it was deleted).
+    pub(crate) async fn unbind_envd(&self, id: &SandboxId) {
+        let Some(sec) = self.sec.clone() else {
+            return;
+        };
+        let sid = id.to_string();
+        let r = tokio::task::spawn_blocking(move || sec.store().unbind_envd(&sid)).await;
+        if let Err(e) = r
+            .map_err(|e| e.to_string())
+            .and_then(|r| r.map_err(|e| e.to_string()))
+        {
+            tracing::warn!(sandbox = %id, error = %e, "forgetting the envd token binding failed");
+        }
+    }
+
+    /// Gates envd tool call `kind` on sandbox `id` for its envd caller and
+    /// returns the grant the guest operations run under.
+    pub(crate) async fn envd_grant(
+        &self,
+        id: &SandboxId,
+        kind: CallKind,
+    ) -> Result<Grant, ConnectError> {
+        let caller = self.envd_caller(id).await?;
+        self.svc
+            .grant(&caller, id, kind, &gate_opts())
+            .await
+            .map_err(crate::envd::service_err)
+    }
+
+    /// Access to sandbox `id` for its envd caller without a tool call, for
+    /// the helpers of calls already decided (signals, stdin, liveness).
+    pub(crate) async fn envd_access(&self, id: &SandboxId) -> Result<Grant, ConnectError> {
+        let caller = self.envd_caller(id).await?;
+        self.svc
+            .access(&caller, id)
+            .await
+            .map_err(crate::envd::service_err)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use strata_policy::{Decision, Effect};
+    use stratad::service::ServiceError;
+
+    fn denied() -> ServiceError {
+        ServiceError::Gate(GateRefusal::Denied {
+            decision: Decision {
+                effect: Effect::Deny,
+                layer: None,
+                rule_id: "no-rm".into(),
+                rule_index: Some(0),
+                hard: false,
+                reason: "x".into(),
+            },
+            approval_id: None,
+            message: "denied by policy rule `no-rm`: x".into(),
+        })
+    }
 
     #[test]
     fn refusals_map_to_connect_and_http() {
-        let d = Refusal::Denied {
-            rule: "no-rm".into(),
-            message: "denied by policy rule `no-rm`: x".into(),
-        };
-        assert_eq!(d.to_connect().code, Code::PermissionDenied);
-        assert!(d.to_connect().message.contains("no-rm"));
-        assert_eq!(d.http_status(), 403);
-        assert_eq!(Refusal::Invalid("x".into()).http_status(), 400);
-        assert_eq!(
-            Refusal::Internal("x".into()).to_connect().code,
-            Code::Internal
-        );
+        let d = crate::envd::service_err(denied());
+        assert_eq!(d.code, Code::PermissionDenied);
+        assert!(d.message.contains("no-rm"), "{}", d.message);
+        let h = crate::control::E2bError::from(denied());
+        assert_eq!(h.status, 403);
+        assert!(h.message.contains("`no-rm`"), "{}", h.message);
+        let inv = ServiceError::Gate(GateRefusal::Invalid("x".into()));
+        assert_eq!(crate::control::E2bError::from(inv).status, 400);
+        let int = ServiceError::Gate(GateRefusal::Internal("x".into()));
+        assert_eq!(crate::envd::service_err(int).code, Code::Internal);
+        let f = ServiceError::Forbidden("platform template".into());
+        assert_eq!(crate::envd::service_err(f).code, Code::PermissionDenied);
     }
 
     #[test]
     fn only_admins_and_developers_write() {
-        assert!(Caller::api_key().may_write());
-        assert_eq!(Caller::api_key().tenant, DEFAULT_TENANT);
+        let k = api_key_caller();
+        assert!(may_write(&k));
+        assert_eq!(k.tenant(), Some(DEFAULT_TENANT));
+        assert_eq!(k.actor(), API_KEY_ACTOR);
         for (role, w) in [
             (Role::Admin, true),
             (Role::Developer, true),
             (Role::Approver, false),
             (Role::Viewer, false),
+            (Role::Metrics, false),
         ] {
-            let c = Caller {
-                role,
-                ..Caller::api_key()
-            };
-            assert_eq!(c.may_write(), w, "{role:?}");
+            let c = Caller::api(DEFAULT_TENANT, role, "tok-1");
+            assert_eq!(may_write(&c), w, "{role:?}");
         }
+        assert!(!may_write(&Caller::system(SystemReason::Embedder)));
+        let f = envd_fallback_caller("acme".into());
+        assert_eq!((f.tenant(), f.actor()), (Some("acme"), ENVD_ACTOR.into()));
     }
 }

@@ -33,8 +33,9 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use strata_core::SandboxId;
+use stratad::caller::Caller;
 use stratad::engine::{ExecEvent, ExecRequest, ExecStream};
-use stratad::service::Service;
+use stratad::service::{Grant, Service};
 use tokio::sync::mpsc;
 
 use crate::connect::{Code, ConnectError};
@@ -222,17 +223,18 @@ impl Registry {
     }
 }
 
-/// Runs a short helper command in the guest and collects it.
+/// Runs a short helper command in the guest under grant `g` (the call it
+/// serves was decided already) and collects it.
 pub async fn run_helper(
     svc: &Arc<Service>,
-    id: &SandboxId,
+    g: &Grant,
     argv: Vec<String>,
     stdin: Option<Vec<u8>>,
     timeout_s: u64,
 ) -> Result<(Option<i32>, Vec<u8>, Vec<u8>), ConnectError> {
     let mut s = svc
-        .exec(
-            id,
+        .exec_helper(
+            g,
             ExecRequest {
                 cmd: argv,
                 stdin,
@@ -257,11 +259,7 @@ pub async fn run_helper(
 }
 
 /// Which of `pids` still run in the guest.
-pub async fn alive(
-    svc: &Arc<Service>,
-    id: &SandboxId,
-    pids: &[u32],
-) -> Result<Vec<u32>, ConnectError> {
+pub async fn alive(svc: &Arc<Service>, g: &Grant, pids: &[u32]) -> Result<Vec<u32>, ConnectError> {
     if pids.is_empty() {
         return Ok(Vec::new());
     }
@@ -273,7 +271,7 @@ pub async fn alive(
         "alive".to_owned(),
     ];
     argv.extend(pids.iter().map(|p| p.to_string()));
-    let (_, out, _) = run_helper(svc, id, argv, None, 10).await?;
+    let (_, out, _) = run_helper(svc, g, argv, None, 10).await?;
     Ok(String::from_utf8_lossy(&out)
         .lines()
         .filter_map(|l| l.trim().parse().ok())
@@ -283,21 +281,23 @@ pub async fn alive(
 /// What [`start`] returns: the process and the starter's event receiver.
 pub type Started = (Arc<Proc>, mpsc::Receiver<ProcessEvent>);
 
-/// Starts a process: runs the wrapper, waits for its pid, registers it and
-/// spawns the pump that delivers its events.
+/// Starts a process under `g`, the exec grant of its argv: runs the
+/// wrapper, waits for its pid, registers it and spawns the pump that
+/// delivers its events.
 pub async fn start(
     svc: &Arc<Service>,
     reg: &Arc<Registry>,
-    id: &SandboxId,
+    g: &Grant,
     config: ProcessConfig,
     env: std::collections::BTreeMap<String, String>,
     tag: Option<String>,
     stdin: bool,
 ) -> Result<Started, ConnectError> {
+    let id = g.sandbox();
     let argv = wrapper_argv(stdin, &config.cmd, &config.args);
     let mut stream = svc
-        .exec(
-            id,
+        .exec_helper(
+            g,
             ExecRequest {
                 cmd: argv,
                 env,
@@ -373,6 +373,7 @@ pub async fn start(
     tokio::spawn(pump(
         svc.clone(),
         reg.clone(),
+        g.caller().clone(),
         id.clone(),
         proc.clone(),
         stream,
@@ -384,6 +385,7 @@ pub async fn start(
 async fn pump(
     svc: Arc<Service>,
     reg: Arc<Registry>,
+    caller: Caller,
     id: SandboxId,
     proc: Arc<Proc>,
     mut stream: ExecStream,
@@ -415,7 +417,11 @@ async fn pump(
                         GUEST_DIR.to_owned(),
                         proc.pid.to_string(),
                     ];
-                    if let Err(e) = run_helper(&svc, &id, argv, None, 10).await {
+                    let cleanup = async {
+                        let g = svc.access(&caller, &id).await.map_err(service_err)?;
+                        run_helper(&svc, &g, argv, None, 10).await
+                    };
+                    if let Err(e) = cleanup.await {
                         tracing::debug!(sandbox = %id, pid = proc.pid, error = %e, "stdin cleanup failed");
                     }
                 }
@@ -437,12 +443,7 @@ async fn pump(
 }
 
 /// Sends signal `sig` to the process group of `pid`.
-pub async fn signal(
-    svc: &Arc<Service>,
-    id: &SandboxId,
-    pid: u32,
-    sig: i32,
-) -> Result<(), ConnectError> {
+pub async fn signal(svc: &Arc<Service>, g: &Grant, pid: u32, sig: i32) -> Result<(), ConnectError> {
     let argv = vec![
         "/bin/sh".to_owned(),
         "-c".to_owned(),
@@ -450,7 +451,7 @@ pub async fn signal(
         if sig == 9 { "KILL" } else { "TERM" }.to_owned(),
         pid.to_string(),
     ];
-    let (code, _, err) = run_helper(svc, id, argv, None, 10).await?;
+    let (code, _, err) = run_helper(svc, g, argv, None, 10).await?;
     if code != Some(0) {
         return Err(ConnectError::new(
             Code::NotFound,
@@ -466,7 +467,7 @@ pub async fn signal(
 /// Writes `data` to the stdin FIFO of `pid`.
 pub async fn send_input(
     svc: &Arc<Service>,
-    id: &SandboxId,
+    g: &Grant,
     pid: u32,
     data: Vec<u8>,
 ) -> Result<(), ConnectError> {
@@ -477,7 +478,7 @@ pub async fn send_input(
         GUEST_DIR.to_owned(),
         pid.to_string(),
     ];
-    match run_helper(svc, id, argv, Some(data), 30).await?.0 {
+    match run_helper(svc, g, argv, Some(data), 30).await?.0 {
         Some(0) => Ok(()),
         Some(3) => Err(ConnectError::new(
             Code::FailedPrecondition,
@@ -491,7 +492,7 @@ pub async fn send_input(
 }
 
 /// Closes the stdin of `pid` (the reader sees EOF once the FIFO drains).
-pub async fn close_stdin(svc: &Arc<Service>, id: &SandboxId, pid: u32) -> Result<(), ConnectError> {
+pub async fn close_stdin(svc: &Arc<Service>, g: &Grant, pid: u32) -> Result<(), ConnectError> {
     let argv = vec![
         "/bin/sh".to_owned(),
         "-c".to_owned(),
@@ -499,7 +500,7 @@ pub async fn close_stdin(svc: &Arc<Service>, id: &SandboxId, pid: u32) -> Result
         GUEST_DIR.to_owned(),
         pid.to_string(),
     ];
-    match run_helper(svc, id, argv, None, 10).await?.0 {
+    match run_helper(svc, g, argv, None, 10).await?.0 {
         Some(0) => Ok(()),
         _ => Err(ConnectError::new(
             Code::FailedPrecondition,

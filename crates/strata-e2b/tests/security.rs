@@ -2,7 +2,8 @@
 //! (SQLite store, security tables, audit log in a temp dir; no VMs: the
 //! engine is `UnavailableEngine`, so these tests cover what is decided
 //! before a guest is needed): strata tokens as `X-API-KEY`, roles, tenant
-//! isolation, and the policy gate of envd exec and file calls with audit.
+//! isolation, the policy gate of lifecycle, envd exec and file calls with
+//! audit (once per call), the stored envd token bindings, `/health`.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap is a failed test
 
 use std::collections::BTreeMap;
@@ -17,6 +18,7 @@ use stratad::store::{Event, EventPhase, SandboxRecord};
 use stratad::App;
 
 const KEY: &str = "e2b_test_key";
+const SECRET: &[u8] = b"e2b-test-secret-e2b-test-secret-";
 
 struct Server {
     url: String,
@@ -24,6 +26,25 @@ struct Server {
     app: App,
     http: reqwest::Client,
     _dir: tempfile::TempDir,
+}
+
+/// A fresh E2B door (empty memory: a daemon restart) over `app`, on its
+/// own listener; returns its URL.
+async fn door(app: &App) -> String {
+    let e2b = strata_e2b::E2bConfig {
+        api_keys: vec![KEY.into()],
+        token_secret: SECRET.to_vec(),
+        ..Default::default()
+    };
+    let router = app.router().merge(strata_e2b::router(
+        app.service().clone(),
+        app.security().cloned(),
+        e2b,
+    ));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    url
 }
 
 async fn server() -> Server {
@@ -40,18 +61,7 @@ async fn server() -> Server {
         .unwrap()
         .trim()
         .to_owned();
-    let e2b = strata_e2b::E2bConfig {
-        api_keys: vec![KEY.into()],
-        ..Default::default()
-    };
-    let router = app.router().merge(strata_e2b::router(
-        app.service().clone(),
-        app.security().cloned(),
-        e2b,
-    ));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, router).await });
+    let url = door(&app).await;
     Server {
         url,
         admin,
@@ -64,6 +74,11 @@ async fn server() -> Server {
 impl Server {
     /// A running sandbox record of `tenant` (no VM behind it).
     async fn sandbox(&self, tenant: &str) -> SandboxId {
+        self.sandbox_in(tenant, SandboxState::Running).await
+    }
+
+    /// A sandbox record of `tenant` in `state` (no VM behind it).
+    async fn sandbox_in(&self, tenant: &str, state: SandboxState) -> SandboxId {
         let now = Utc::now();
         let rec = SandboxRecord {
             id: SandboxId::generate(),
@@ -72,7 +87,7 @@ impl Server {
             source_snapshot: None,
             size: SandboxSize::default(),
             labels: BTreeMap::new(),
-            state: SandboxState::Running,
+            state,
             state_reason: None,
             pending_op: None,
             idle_timeout_s: None,
@@ -91,7 +106,7 @@ impl Server {
             sandbox_id: rec.id.clone(),
             op: Op::Created,
             from_state: None,
-            to_state: Some(SandboxState::Running),
+            to_state: Some(state),
             phase: EventPhase::Done,
             detail: None,
         };
@@ -125,12 +140,16 @@ impl Server {
     }
 
     async fn e2b(&self, method: &str, path: &str, key: &str) -> (u16, Value) {
+        self.e2b_body(method, path, key, "{}").await
+    }
+
+    async fn e2b_body(&self, method: &str, path: &str, key: &str, body: &str) -> (u16, Value) {
         let r = self
             .http
             .request(method.parse().unwrap(), format!("{}{path}", self.url))
             .header("X-API-KEY", key)
             .header("content-type", "application/json")
-            .body("{}")
+            .body(body.to_owned())
             .send()
             .await
             .unwrap();
@@ -138,6 +157,77 @@ impl Server {
         let text = r.text().await.unwrap();
         (status, serde_json::from_str(&text).unwrap_or(Value::Null))
     }
+
+    /// The audit log entries of sandbox `id` (of tenant default).
+    async fn audit(&self, id: &SandboxId) -> Vec<Value> {
+        self.audit_as(&self.admin, id).await
+    }
+
+    /// The audit log entries of sandbox `id`, as read by `bearer`.
+    async fn audit_as(&self, bearer: &str, id: &SandboxId) -> Vec<Value> {
+        let r = self
+            .http
+            .get(format!("{}/v1/audit?sandbox={id}", self.url))
+            .bearer_auth(bearer)
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success());
+        r.text()
+            .await
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+
+    /// An envd unary call on sandbox `id` with `token` at door `url`.
+    async fn envd(
+        &self,
+        url: &str,
+        id: &str,
+        token: &str,
+        path: &str,
+        body: Value,
+    ) -> (u16, Value) {
+        let r = self
+            .http
+            .post(format!("{url}{path}"))
+            .header("E2b-Sandbox-Id", id)
+            .header("X-Access-Token", token)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+
+    async fn health(&self, id: &str, token: Option<&str>) -> (u16, Value) {
+        let mut rq = self
+            .http
+            .get(format!("{}/health", self.url))
+            .header("E2b-Sandbox-Id", id);
+        if let Some(t) = token {
+            rq = rq.header("X-Access-Token", t);
+        }
+        let r = rq.send().await.unwrap();
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+}
+
+fn envd_token(id: &str) -> String {
+    strata_e2b::auth::envd_token(SECRET, id)
+}
+
+/// `message` with `id` replaced by `ID`.
+fn masked(v: &Value, id: &str) -> Value {
+    let mut v = v.clone();
+    if let Some(m) = v["message"].as_str() {
+        v["message"] = json!(m.replace(id, "ID"));
+    }
+    v
 }
 
 #[tokio::test]
@@ -173,39 +263,91 @@ async fn api_keys_strata_tokens_roles_and_tenants() {
         assert!(d["envdAccessToken"].is_string());
     }
 
-    // Another tenant's sandbox answers exactly like an unknown id.
+    // Another tenant's sandbox answers exactly like an unknown id (status
+    // and body; the message names the id sent), on every route, and never
+    // reaches the gate (nothing audited for it).
     let unknown = SandboxId::generate();
-    for (method, suffix) in [
-        ("GET", ""),
-        ("DELETE", ""),
-        ("POST", "/connect"),
-        ("POST", "/pause"),
-        ("POST", "/timeout"),
+    for (method, prefix, suffix) in [
+        ("GET", "/sandboxes", ""),
+        ("DELETE", "/sandboxes", ""),
+        ("POST", "/sandboxes", "/connect"),
+        ("POST", "/v2/sandboxes", "/connect"),
+        ("POST", "/sandboxes", "/resume"),
+        ("POST", "/sandboxes", "/pause"),
+        ("POST", "/sandboxes", "/timeout"),
+        ("POST", "/sandboxes", "/refreshes"),
     ] {
-        let (st, body) = s
-            .e2b(method, &format!("/sandboxes/{theirs}{suffix}"), &dev)
-            .await;
-        let (st2, body2) = s
-            .e2b(method, &format!("/sandboxes/{unknown}{suffix}"), &dev)
-            .await;
-        assert_eq!((st, st2), (404, 404), "{method} {suffix}: {body} / {body2}");
-        assert_eq!(
-            body["message"]
-                .as_str()
-                .unwrap()
-                .replace(theirs.as_str(), "ID"),
-            body2["message"]
-                .as_str()
-                .unwrap()
-                .replace(unknown.as_str(), "ID"),
-        );
+        for key in [KEY, dev.as_str()] {
+            let (st, body) = s
+                .e2b(method, &format!("{prefix}/{theirs}{suffix}"), key)
+                .await;
+            let (st2, body2) = s
+                .e2b(method, &format!("{prefix}/{unknown}{suffix}"), key)
+                .await;
+            assert_eq!((st, st2), (404, 404), "{method} {suffix}: {body} / {body2}");
+            assert!(
+                body["message"].as_str().unwrap().contains(theirs.as_str()),
+                "{body}"
+            );
+            assert_eq!(
+                masked(&body, theirs.as_str()),
+                masked(&body2, unknown.as_str())
+            );
+        }
     }
+    let admin_other = s.token("admin", Some("other")).await;
+    assert!(s.audit_as(&admin_other, &theirs).await.is_empty());
     // Its own tenant does see it.
     let other = s.token("developer", Some("other")).await;
     let (st, _) = s.e2b("GET", &format!("/sandboxes/{theirs}"), &other).await;
     assert_eq!(st, 200);
     let (st, _) = s.e2b("GET", &format!("/sandboxes/{mine}"), &other).await;
     assert_eq!(st, 404);
+
+    // A timeout over a year is refused (400), on set_timeout, connect and
+    // create, before anything changes.
+    let year = 366 * 24 * 3600;
+    for (method, path) in [
+        ("POST", format!("/sandboxes/{mine}/timeout")),
+        ("POST", format!("/sandboxes/{mine}/connect")),
+        ("POST", "/v2/sandboxes".to_owned()),
+    ] {
+        let big = format!(r#"{{"timeout": {}}}"#, year + 1);
+        let (st, body) = s.e2b_body(method, &path, &dev, &big).await;
+        assert_eq!(st, 400, "{method} {path}: {body}");
+        assert!(
+            body["message"].as_str().unwrap().contains("a year"),
+            "{body}"
+        );
+        let huge = format!(r#"{{"timeout": {}}}"#, u64::MAX);
+        let (st, body) = s.e2b_body(method, &path, &dev, &huge).await;
+        assert_eq!(st, 400, "{method} {path}: {body}");
+    }
+    // A year is fine, and endAt follows it.
+    let (st, body) = s
+        .e2b_body(
+            "POST",
+            &format!("/sandboxes/{mine}/timeout"),
+            &dev,
+            &format!(r#"{{"timeout": {year}}}"#),
+        )
+        .await;
+    assert_eq!(st, 204, "{body}");
+    let (_, d) = s.e2b("GET", &format!("/sandboxes/{mine}"), &dev).await;
+    let end = chrono::DateTime::parse_from_rfc3339(d["endAt"].as_str().unwrap()).unwrap();
+    assert!(
+        end.with_timezone(&Utc) > Utc::now() + chrono::TimeDelta::days(365),
+        "{d}"
+    );
+    let (st, _) = s
+        .e2b("POST", &format!("/sandboxes/{mine}/refreshes"), &dev)
+        .await;
+    assert_eq!(st, 204);
+
+    // A metrics token may not use the E2B API at all (it reads /metrics).
+    let metrics = s.token("metrics", None).await;
+    let (st, body) = s.e2b("GET", "/v2/sandboxes", &metrics).await;
+    assert_eq!(st, 403, "{body}");
 
     // A viewer reads (without the envd token) and may not change anything.
     let viewer = s.token("viewer", None).await;
@@ -389,4 +531,193 @@ async fn envd_calls_pass_the_policy_gate_and_are_audited() {
     assert!(entries
         .iter()
         .all(|e| e["tenant"] == "default" && e["actor"] == "e2b-api-key"));
+}
+
+#[tokio::test]
+async fn envd_tokens_are_bound_to_who_they_were_handed_to() {
+    let s = server().await;
+    let dev = s.token("developer", None).await;
+    let (st, who) = s
+        .http
+        .get(format!("{}/v1/whoami", s.url))
+        .bearer_auth(&dev)
+        .send()
+        .await
+        .map(|r| (r.status().as_u16(), r))
+        .unwrap();
+    assert_eq!(st, 200);
+    let who: Value = who.json().await.unwrap();
+    let actor = format!("token:{}", who["token_id"].as_str().unwrap());
+
+    // Handed out by get_info to a developer token: envd calls act as it,
+    // also through a fresh door over the same daemon (a restart).
+    let id = s.sandbox("default").await;
+    let (st, d) = s.e2b("GET", &format!("/sandboxes/{id}"), &dev).await;
+    assert_eq!(st, 200);
+    let token = d["envdAccessToken"].as_str().unwrap().to_owned();
+    assert_eq!(token, envd_token(id.as_str()));
+    let again = door(&s.app).await;
+    for url in [&s.url, &again] {
+        let (st, v) = s
+            .envd(
+                url,
+                id.as_str(),
+                &token,
+                "/filesystem.Filesystem/Stat",
+                json!({"path": "/etc"}),
+            )
+            .await;
+        assert_ne!(st, 403, "{v}");
+    }
+    let audit = s.audit(&id).await;
+    assert_eq!(audit.len(), 2, "{audit:?}");
+    assert!(
+        audit.iter().all(|e| e["actor"] == actor.as_str()),
+        "{audit:?}"
+    );
+
+    // A token with no stored binding (handed out before bindings were
+    // stored): a developer `e2b-envd` of the sandbox's tenant.
+    let old = s.sandbox("other").await;
+    let (st, v) = s
+        .envd(
+            &s.url,
+            old.as_str(),
+            &envd_token(old.as_str()),
+            "/filesystem.Filesystem/Stat",
+            json!({"path": "/etc"}),
+        )
+        .await;
+    assert_ne!(st, 403, "{v}");
+    let admin_other = s.token("admin", Some("other")).await;
+    let audit = s.audit_as(&admin_other, &old).await;
+    assert_eq!(audit.len(), 1, "{audit:?}");
+    assert_eq!(
+        (audit[0]["actor"].as_str(), audit[0]["tenant"].as_str()),
+        (Some("e2b-envd"), Some("other"))
+    );
+
+    // envd on an unknown sandbox and on one whose token the caller does not
+    // hold answer alike: without the right token, 401 whoever owns it; with
+    // a token for an id that does not exist, "not running".
+    let unknown = SandboxId::generate();
+    let (a, va) = s
+        .envd(
+            &s.url,
+            old.as_str(),
+            &token,
+            "/filesystem.Filesystem/Stat",
+            json!({"path": "/"}),
+        )
+        .await;
+    let (b, vb) = s
+        .envd(
+            &s.url,
+            unknown.as_str(),
+            &token,
+            "/filesystem.Filesystem/Stat",
+            json!({"path": "/"}),
+        )
+        .await;
+    assert_eq!((a, b), (401, 401));
+    assert_eq!(va, vb);
+    let (st, v) = s
+        .envd(
+            &s.url,
+            unknown.as_str(),
+            &envd_token(unknown.as_str()),
+            "/filesystem.Filesystem/Stat",
+            json!({"path": "/"}),
+        )
+        .await;
+    assert_eq!(st, 503, "{v}");
+    assert_eq!(v["code"], "unavailable");
+    assert_eq!(
+        masked(&v, unknown.as_str())["message"],
+        "The sandbox ID was not found"
+    );
+}
+
+#[tokio::test]
+async fn health_needs_the_sandbox_token() {
+    let s = server().await;
+    let up = s.sandbox("default").await;
+    let asleep = s.sandbox_in("default", SandboxState::Hibernated).await;
+    let unknown = SandboxId::generate();
+    let (st, gone) = s.health(unknown.as_str(), None).await;
+    assert_eq!(st, 502);
+    let gone = masked(&gone, unknown.as_str());
+    assert_eq!(
+        gone,
+        json!({"code": 502, "message": "The sandbox ID was not found"})
+    );
+    // Without the token (missing or wrong), a running sandbox answers as an
+    // unknown one.
+    for token in [
+        None,
+        Some("0".repeat(64)),
+        Some(envd_token(asleep.as_str())),
+    ] {
+        let (st, v) = s.health(up.as_str(), token.as_deref()).await;
+        assert_eq!(
+            (st, masked(&v, up.as_str())),
+            (502, gone.clone()),
+            "{token:?}"
+        );
+    }
+    let (st, _) = s.health(up.as_str(), Some(&envd_token(up.as_str()))).await;
+    assert_eq!(st, 204);
+    for id in [&asleep, &unknown] {
+        let (st, v) = s.health(id.as_str(), Some(&envd_token(id.as_str()))).await;
+        assert_eq!((st, masked(&v, id.as_str())), (502, gone.clone()));
+    }
+}
+
+#[tokio::test]
+async fn lifecycle_calls_are_gated_once_by_the_service() {
+    let s = server().await;
+    let id = s.sandbox("default").await;
+    let r = s
+        .http
+        .put(format!("{}/v1/sandboxes/{id}/policy", s.url))
+        .bearer_auth(&s.admin)
+        .body(
+            r#"
+[[rule]]
+id = "keep-it"
+effect = "deny"
+kind = "lifecycle"
+op = "delete"
+reason = "keep it"
+"#,
+        )
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{}", r.text().await.unwrap());
+    // Denied: 403 naming the rule, audited once.
+    let (st, body) = s.e2b("DELETE", &format!("/sandboxes/{id}"), KEY).await;
+    assert_eq!(st, 403, "{body}");
+    assert!(
+        body["message"].as_str().unwrap().contains("keep-it"),
+        "{body}"
+    );
+    // Allowed (then the absent engine fails): audited once.
+    let (st, body) = s.e2b("POST", &format!("/sandboxes/{id}/pause"), KEY).await;
+    assert_ne!(st, 403, "{body}");
+    let audit = s.audit(&id).await;
+    let ops: Vec<(&str, &str)> = audit
+        .iter()
+        .map(|e| {
+            (
+                e["call"]["kind"]["op"].as_str().unwrap_or(""),
+                e["decision"]["outcome"].as_str().unwrap_or(""),
+            )
+        })
+        .collect();
+    assert_eq!(
+        ops,
+        [("delete", "denied"), ("hibernate", "allowed")],
+        "{audit:?}"
+    );
 }

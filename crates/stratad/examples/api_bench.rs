@@ -25,10 +25,12 @@ use futures::StreamExt;
 use serde_json::json;
 use strata_core::{Op, SandboxId, SandboxSize, SandboxState};
 use strata_proto::client::ExecRequest as AgentExec;
+use stratad::caller::{Caller, SystemReason};
 use stratad::clock::SystemClock;
 use stratad::config::Config;
 use stratad::engine::unavailable::UnavailableEngine;
 use stratad::engine::ExecRequest;
+use stratad::security::gate::GateOptions;
 use stratad::store::{
     Event, EventPhase, SandboxFilter, SandboxRecord, SqliteStore, Store, DEFAULT_TENANT,
 };
@@ -129,6 +131,7 @@ async fn vm_bench(root: &Path, iterations: usize, creates: usize) -> Res<()> {
     let id: SandboxId = id_s.parse()?;
     let agent = rt.agent(&id).await?;
     let (mut api, mut service, mut direct) = (Vec::new(), Vec::new(), Vec::new());
+    let caller = Caller::system(SystemReason::Embedder);
     for _ in 0..10 {
         h.exec_true(&id_s).await?;
         agent.exec_collect(AgentExec::argv(["true"])).await?;
@@ -141,11 +144,13 @@ async fn vm_bench(root: &Path, iterations: usize, creates: usize) -> Res<()> {
         let t = Instant::now();
         let mut st = svc
             .exec(
+                &caller,
                 &id,
                 ExecRequest {
                     cmd: vec!["true".into()],
                     ..ExecRequest::default()
                 },
+                &GateOptions::waiting(),
             )
             .await
             .map_err(|e| e.message())?;

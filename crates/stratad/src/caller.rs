@@ -228,7 +228,9 @@ mod tests {
         }
         let sys = serde_json::to_string(&Caller::system(SystemReason::Scheduler)).unwrap();
         assert!(serde_json::from_str::<Caller>(&sys).is_err(), "{sys}");
-        assert!(serde_json::from_str::<Caller>(r#"{"kind":"system","reason":"scheduler"}"#).is_err());
+        assert!(
+            serde_json::from_str::<Caller>(r#"{"kind":"system","reason":"scheduler"}"#).is_err()
+        );
     }
 
     #[test]

@@ -26,9 +26,7 @@ use tracing::{info, warn};
 
 use crate::engine::LiveVm;
 use crate::service::{Service, ServiceResult};
-use crate::store::{
-    Event, EventPhase, SandboxRecord, SnapshotStatus, TemplateStatus,
-};
+use crate::store::{Event, EventPhase, SandboxRecord, SnapshotStatus, TemplateStatus};
 
 /// What recovery found and did.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]

@@ -408,6 +408,34 @@ pub fn validate_guest_path(path: &str) -> ServiceResult<()> {
     Ok(())
 }
 
+/// Checks a command from a request: a program, no NUL bytes, a valid cwd.
+fn validate_exec(req: &ExecRequest) -> ServiceResult<()> {
+    if req.cmd.is_empty() || req.cmd[0].is_empty() {
+        return Err(ServiceError::InvalidRequest(
+            "cmd: give at least the program".into(),
+        ));
+    }
+    if req
+        .cmd
+        .iter()
+        .chain(req.env.keys())
+        .chain(req.env.values())
+        .any(|s| s.contains('\0'))
+    {
+        return Err(ServiceError::InvalidRequest(
+            "cmd/env: NUL bytes are not allowed".into(),
+        ));
+    }
+    if let Some(cwd) = &req.cwd {
+        validate_guest_path(cwd)?;
+    }
+    Ok(())
+}
+
+/// Longest idle timeout a sandbox may have (a year): larger values would
+/// overflow the time arithmetic of the E2B door's `endAt` and gain nothing.
+pub const MAX_IDLE_TIMEOUT_S: u64 = 366 * 24 * 3600;
+
 /// Id of the template built on first start.
 pub const DEFAULT_TEMPLATE: &str = "tpl-default";
 
@@ -933,7 +961,14 @@ impl Service {
             state: SandboxState::Creating,
             state_reason: None,
             pending_op: Some(Op::Created),
-            idle_timeout_s: parse_opt_duration(&spec.idle_timeout, "idle_timeout")?,
+            idle_timeout_s: match parse_opt_duration(&spec.idle_timeout, "idle_timeout")? {
+                Some(t) if t > MAX_IDLE_TIMEOUT_S => {
+                    return Err(ServiceError::InvalidRequest(format!(
+                        "idle_timeout: at most {MAX_IDLE_TIMEOUT_S}s (a year)"
+                    )))
+                }
+                t => t,
+            },
             snapshot_interval_s: parse_opt_duration(&spec.snapshot_interval, "snapshot_interval")?,
             created_at: now,
             updated_at: now,
@@ -1540,9 +1575,7 @@ impl Service {
         spec: SandboxSpec,
         opts: &GateOptions,
     ) -> ServiceResult<SandboxRecord> {
-        let src_rec = self
-            .authorize_on(caller, src, CallKind::Fork, opts)
-            .await?;
+        let src_rec = self.authorize_on(caller, src, CallKind::Fork, opts).await?;
         self.touch(src);
         if matches!(
             src_rec.state,
@@ -1785,25 +1818,7 @@ impl Service {
         opts: &GateOptions,
     ) -> ServiceResult<ExecStream> {
         self.get_sandbox(caller, id).await?;
-        if req.cmd.is_empty() || req.cmd[0].is_empty() {
-            return Err(ServiceError::InvalidRequest(
-                "cmd: give at least the program".into(),
-            ));
-        }
-        if req
-            .cmd
-            .iter()
-            .chain(req.env.keys())
-            .chain(req.env.values())
-            .any(|s| s.contains('\0'))
-        {
-            return Err(ServiceError::InvalidRequest(
-                "cmd/env: NUL bytes are not allowed".into(),
-            ));
-        }
-        if let Some(cwd) = &req.cwd {
-            validate_guest_path(cwd)?;
-        }
+        validate_exec(&req)?;
         let kind = CallKind::Exec {
             argv: req.cmd.clone(),
             shell: None,
@@ -1887,11 +1902,7 @@ impl Service {
         g: &Grant,
         req: ExecRequest,
     ) -> ServiceResult<ExecStream> {
-        if req.cmd.is_empty() || req.cmd.iter().any(|s| s.contains('\0')) {
-            return Err(ServiceError::InvalidRequest(
-                "helper command: empty or with NUL bytes".into(),
-            ));
-        }
+        validate_exec(&req)?;
         self.exec_granted(&g.sandbox, req).await
     }
 
@@ -1976,7 +1987,12 @@ impl Service {
     ) -> ServiceResult<TemplateView> {
         let size = cmd.size.over(self.config.default_size);
         size.validate()?;
-        if !caller.is_system() && cmd.id.as_ref().is_some_and(|i| i.as_str() == DEFAULT_TEMPLATE) {
+        if !caller.is_system()
+            && cmd
+                .id
+                .as_ref()
+                .is_some_and(|i| i.as_str() == DEFAULT_TEMPLATE)
+        {
             return Err(ServiceError::Forbidden(format!(
                 "template id {DEFAULT_TEMPLATE} is reserved for the platform"
             )));
@@ -1989,9 +2005,7 @@ impl Service {
             if t.tenant != caller.owner() {
                 // Ids are global: one once used by another owner (the
                 // platform's included) stays theirs, whatever its status.
-                return Err(ServiceError::Conflict(format!(
-                    "template id {id} is taken"
-                )));
+                return Err(ServiceError::Conflict(format!("template id {id} is taken")));
             }
             if t.status == TemplateStatus::Failed {
                 // A failed build may have left parts behind; a rebuild starts clean.
@@ -2315,10 +2329,9 @@ impl Service {
         id: &SandboxId,
         timeout_s: u64,
     ) -> ServiceResult<SandboxRecord> {
-        const MAX: u64 = 366 * 24 * 3600;
-        if timeout_s > MAX {
+        if timeout_s > MAX_IDLE_TIMEOUT_S {
             return Err(ServiceError::InvalidRequest(format!(
-                "timeout {timeout_s}s: at most {MAX}s (a year)"
+                "timeout {timeout_s}s: at most {MAX_IDLE_TIMEOUT_S}s (a year)"
             )));
         }
         self.get_sandbox(caller, id).await?;

@@ -23,6 +23,7 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use serde_json::{json, Value};
 use strata_core::{SandboxId, SandboxSize};
+use stratad::caller::{Caller, SystemReason};
 use stratad::store::{SnapshotKind, SnapshotRecord};
 
 use crate::ctx::{BenchDaemon, Ctx, Http};
@@ -322,7 +323,7 @@ async fn set_interval(d: &BenchDaemon, ids: &[String], secs: u64) -> Result<()> 
     for id in ids {
         let sid: SandboxId = id.parse().map_err(|e| anyhow!("sandbox id {id}: {e}"))?;
         let mut rec = svc
-            .get_sandbox(&sid)
+            .get_sandbox(&Caller::system(SystemReason::Embedder), &sid)
             .await
             .map_err(|e| anyhow!("get {id}: {}", e.message()))?;
         rec.snapshot_interval_s = Some(secs);

@@ -3,7 +3,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use axum::extract::{Path, RawQuery, Request, State};
+use axum::extract::{RawQuery, Request, State};
 use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::{Extension, Json};
@@ -12,7 +12,7 @@ use serde_json::json;
 use strata_core::{ErrorCode, SandboxId};
 use strata_policy::CallKind;
 
-use super::{parse_id, ApiError, ApiResult, Params};
+use super::{parse_id, ApiError, ApiResult, Params, PathId};
 use crate::caller::Caller;
 use crate::engine::EngineError;
 use crate::security::gate::GateOptions;
@@ -100,7 +100,7 @@ fn file_query(raw: Option<&str>, extra: &[&str]) -> ApiResult<FileQuery> {
 pub(super) async fn download(
     State(svc): State<Arc<Service>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     RawQuery(raw): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
     let q = file_query(raw.as_deref(), &[])?;
@@ -116,7 +116,7 @@ pub(super) async fn download(
 pub(super) async fn upload(
     State(svc): State<Arc<Service>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     RawQuery(raw): RawQuery,
     req: Request,
 ) -> ApiResult<impl IntoResponse> {
@@ -168,7 +168,7 @@ pub(super) async fn upload(
 pub(super) async fn list(
     State(svc): State<Arc<Service>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     RawQuery(raw): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
     let q = file_query(raw.as_deref(), &[])?;
@@ -179,7 +179,7 @@ pub(super) async fn list(
 pub(super) async fn stat(
     State(svc): State<Arc<Service>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     RawQuery(raw): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
     let q = file_query(raw.as_deref(), &[])?;
@@ -190,7 +190,7 @@ pub(super) async fn stat(
 pub(super) async fn mkdir(
     State(svc): State<Arc<Service>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     RawQuery(raw): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
     let q = file_query(raw.as_deref(), &["parents"])?;
@@ -202,7 +202,7 @@ pub(super) async fn mkdir(
 pub(super) async fn remove(
     State(svc): State<Arc<Service>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     RawQuery(raw): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
     let q = file_query(raw.as_deref(), &["recursive"])?;

@@ -174,7 +174,8 @@ impl From<ServiceError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let status = StatusCode::from_u16(self.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let status =
+            StatusCode::from_u16(self.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         (status, Json(self.body())).into_response()
     }
 }
@@ -293,7 +294,9 @@ impl Params {
             .one("approval_timeout")
             .map(crate::duration::parse_duration)
             .transpose()
-            .map_err(|e| ApiError::new(ErrorCode::InvalidRequest, format!("approval_timeout: {e}")))?;
+            .map_err(|e| {
+                ApiError::new(ErrorCode::InvalidRequest, format!("approval_timeout: {e}"))
+            })?;
         Ok(GateOptions {
             wait,
             timeout,
@@ -307,6 +310,32 @@ pub(crate) fn gate_only(raw: Option<&str>) -> ApiResult<GateOptions> {
     Params::parse(raw, &[], &[], true)?.gate_options()
 }
 
+/// The `:id` path parameter as the router decoded it; a parameter that does
+/// not decode (`%ZZ`, invalid UTF-8) is `400 invalid_request` in the API's
+/// error shape.
+#[derive(Debug)]
+pub(crate) struct PathId(pub(crate) String);
+
+#[axum::async_trait]
+impl<S: Send + Sync> FromRequestParts<S> for PathId {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, ApiError> {
+        axum::extract::Path::<String>::from_request_parts(parts, state)
+            .await
+            .map(|axum::extract::Path(s)| PathId(s))
+            .map_err(|e| {
+                ApiError::new(
+                    ErrorCode::InvalidRequest,
+                    format!("path: {}", e.body_text()),
+                )
+            })
+    }
+}
+
 /// A parsed id from the path (malformed: `400 invalid_request`).
 pub(crate) fn parse_id<T: std::str::FromStr>(s: &str) -> ApiResult<T>
 where
@@ -315,11 +344,6 @@ where
     s.parse()
         .map_err(|e: T::Err| ApiError::new(ErrorCode::InvalidRequest, e.to_string()))
 }
-
-/// The tenant a response was made for (set by the security layer), so
-/// latencies are also kept per tenant for its `/v1/stats`.
-#[derive(Debug, Clone)]
-pub(crate) struct TenantTag(pub(crate) String);
 
 /// Records latency per operation and puts the (decoded) id on the request's span.
 async fn track(State(svc): State<Arc<Service>>, req: Request, next: Next) -> Response {
@@ -341,11 +365,16 @@ async fn track(State(svc): State<Arc<Service>>, req: Request, next: Next) -> Res
         })
         .unwrap_or_default();
     let req = Request::from_parts(parts, body);
+    // The caller's tenant (the security layer runs first), so latencies are
+    // also kept per tenant for its `/v1/stats`.
+    let tenant = req
+        .extensions()
+        .get::<crate::caller::Caller>()
+        .and_then(|c| c.tenant().map(str::to_owned));
     let span = tracing::info_span!("request", op = %op, id = %id);
     let started = Instant::now();
     let resp = next.run(req).instrument(span.clone()).await;
     let status = resp.status().as_u16();
-    let tenant = resp.extensions().get::<TenantTag>().map(|t| t.0.clone());
     svc.metrics()
         .observe_api(&op, status, started.elapsed(), tenant.as_deref());
     span.in_scope(|| {

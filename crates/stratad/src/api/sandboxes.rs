@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use axum::extract::{Path, RawQuery, State};
+use axum::extract::{RawQuery, State};
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::{Extension, Json};
@@ -13,7 +13,7 @@ use serde::Deserialize;
 use serde_json::json;
 use strata_core::{ErrorCode, SandboxId, SandboxState, SnapshotId};
 
-use super::{gate_only, ndjson_headers, parse_id, ApiError, ApiResult, Body, Params};
+use super::{gate_only, ndjson_headers, parse_id, ApiError, ApiResult, Body, Params, PathId};
 use crate::caller::Caller;
 use crate::engine::{ExecEvent, ExecRequest};
 use crate::service::{CreateSandbox, Rewind, SandboxSpec, Service, TakeSnapshot};
@@ -105,7 +105,7 @@ pub(super) async fn list(
 pub(super) async fn get(
     State(svc): State<Arc<Service>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
     Params::parse(q.as_deref(), &[], &[], false)?;
@@ -116,7 +116,7 @@ pub(super) async fn get(
 pub(super) async fn delete(
     State(svc): State<Arc<Service>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
     let id: SandboxId = parse_id(&id)?;
@@ -127,7 +127,7 @@ pub(super) async fn delete(
 pub(super) async fn pause(
     State(svc): State<Arc<Service>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
     let id: SandboxId = parse_id(&id)?;
@@ -138,7 +138,7 @@ pub(super) async fn pause(
 pub(super) async fn resume(
     State(svc): State<Arc<Service>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
     let id: SandboxId = parse_id(&id)?;
@@ -149,7 +149,7 @@ pub(super) async fn resume(
 pub(super) async fn hibernate(
     State(svc): State<Arc<Service>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
     let id: SandboxId = parse_id(&id)?;
@@ -160,7 +160,7 @@ pub(super) async fn hibernate(
 pub(super) async fn fork(
     State(svc): State<Arc<Service>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     RawQuery(q): RawQuery,
     Body(spec): Body<SandboxSpec>,
 ) -> ApiResult<impl IntoResponse> {
@@ -175,7 +175,7 @@ pub(super) async fn fork(
 pub(super) async fn fork_snapshot(
     State(svc): State<Arc<Service>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     RawQuery(q): RawQuery,
     Body(spec): Body<SandboxSpec>,
 ) -> ApiResult<impl IntoResponse> {
@@ -200,7 +200,7 @@ pub(super) struct RewindBody {
 pub(super) async fn rewind(
     State(svc): State<Arc<Service>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     RawQuery(q): RawQuery,
     Body(b): Body<RewindBody>,
 ) -> ApiResult<impl IntoResponse> {
@@ -225,7 +225,7 @@ pub(super) async fn rewind(
 pub(super) async fn events(
     State(svc): State<Arc<Service>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
     Params::parse(q.as_deref(), &[], &[], false)?;
@@ -238,7 +238,7 @@ pub(super) async fn events(
 pub(super) async fn take_snapshot(
     State(svc): State<Arc<Service>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     RawQuery(q): RawQuery,
     Body(cmd): Body<TakeSnapshot>,
 ) -> ApiResult<impl IntoResponse> {
@@ -253,7 +253,7 @@ pub(super) async fn take_snapshot(
 pub(super) async fn list_snapshots(
     State(svc): State<Arc<Service>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
     Params::parse(q.as_deref(), &[], &[], false)?;
@@ -266,7 +266,7 @@ pub(super) async fn list_snapshots(
 pub(super) async fn get_snapshot(
     State(svc): State<Arc<Service>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
     Params::parse(q.as_deref(), &[], &[], false)?;
@@ -277,7 +277,7 @@ pub(super) async fn get_snapshot(
 pub(super) async fn delete_snapshot(
     State(svc): State<Arc<Service>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
     let id: SnapshotId = parse_id(&id)?;
@@ -310,7 +310,7 @@ fn line(v: serde_json::Value) -> Result<bytes::Bytes, std::convert::Infallible> 
 pub(super) async fn exec(
     State(svc): State<Arc<Service>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     RawQuery(q): RawQuery,
     Body(b): Body<ExecBody>,
 ) -> ApiResult<impl IntoResponse> {

@@ -15,7 +15,7 @@
 
 use std::sync::Arc;
 
-use axum::extract::{DefaultBodyLimit, MatchedPath, Path, RawQuery, Request, State};
+use axum::extract::{DefaultBodyLimit, MatchedPath, RawQuery, Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
@@ -30,7 +30,7 @@ use strata_policy::approval::ApprovalError;
 use strata_policy::audit::{self, Outcome};
 use strata_policy::{CallKind, Decision, Effect, ToolCall};
 
-use super::{ApiError, ApiResult, Body, Params, TenantTag};
+use super::{ApiError, ApiResult, Body, Params, PathId};
 use crate::caller::Caller;
 use crate::security::auth::{self, Role};
 use crate::security::{AuthFailure, Security, GUEST_PROXY};
@@ -185,11 +185,8 @@ async fn authenticate(State(ctx): State<Ctx>, mut req: Request, next: Next) -> R
             );
         }
     }
-    let tenant = p.tenant.clone();
     req.extensions_mut().insert(p.caller());
-    let mut resp = next.run(req).await;
-    resp.extensions_mut().insert(TenantTag(tenant));
-    resp
+    next.run(req).await
 }
 
 fn unauthorized(f: AuthFailure) -> Response {
@@ -296,9 +293,9 @@ async fn create_token(
     Body(b): Body<CreateToken>,
 ) -> ApiResult<impl IntoResponse> {
     let p = who(&caller)?;
-    let role = b.role.ok_or_else(|| {
-        invalid("role: required (admin, developer, approver, viewer, metrics)")
-    })?;
+    let role = b
+        .role
+        .ok_or_else(|| invalid("role: required (admin, developer, approver, viewer, metrics)"))?;
     let tenant = target_tenant(&p, b.tenant.as_deref())?;
     if role == Role::Metrics && p.tenant != DEFAULT_TENANT {
         return Err(ApiError::new(
@@ -356,7 +353,7 @@ async fn list_tokens(
 async fn revoke_token(
     State(ctx): State<Ctx>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
     let tenant = tenant_param(&who(&caller)?, q.as_deref())?;
@@ -413,7 +410,7 @@ async fn put_policy(
 async fn get_sandbox_policy(
     State(ctx): State<Ctx>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
 ) -> ApiResult<impl IntoResponse> {
     let sid: SandboxId = super::parse_id(&id)?;
     let rec = ctx.svc.get_sandbox(&caller, &sid).await?;
@@ -429,7 +426,7 @@ async fn get_sandbox_policy(
 async fn put_sandbox_policy(
     State(ctx): State<Ctx>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     body: Bytes,
 ) -> ApiResult<impl IntoResponse> {
     let p = who(&caller)?;
@@ -492,7 +489,7 @@ async fn test_policy(
 async fn egress(
     State(ctx): State<Ctx>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
 ) -> ApiResult<impl IntoResponse> {
     let sid: SandboxId = super::parse_id(&id)?;
     let rec = ctx.svc.get_sandbox(&caller, &sid).await?;
@@ -559,7 +556,7 @@ fn approval_error(id: &str, e: ApprovalError) -> ApiError {
 async fn get_approval(
     State(ctx): State<Ctx>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
 ) -> ApiResult<impl IntoResponse> {
     let p = who(&caller)?;
     ctx.sec
@@ -609,7 +606,7 @@ async fn answer(ctx: Ctx, caller: Caller, id: String, approve: bool) -> ApiResul
 async fn approve(
     State(ctx): State<Ctx>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
 ) -> ApiResult<Response> {
     answer(ctx, caller, id, true).await
 }
@@ -617,7 +614,7 @@ async fn approve(
 async fn deny(
     State(ctx): State<Ctx>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
 ) -> ApiResult<Response> {
     answer(ctx, caller, id, false).await
 }

@@ -2,14 +2,14 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Path, RawQuery, State};
+use axum::extract::{RawQuery, State};
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::{Extension, Json};
 use serde_json::json;
 use strata_core::TemplateId;
 
-use super::{gate_only, parse_id, ApiResult, Body, Params};
+use super::{gate_only, parse_id, ApiResult, Body, Params, PathId};
 use crate::caller::Caller;
 use crate::service::{BuildTemplate, Service};
 
@@ -32,15 +32,13 @@ pub(super) async fn list(
     RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
     Params::parse(q.as_deref(), &[], &[], false)?;
-    Ok(Json(
-        json!({ "items": svc.list_templates(&caller).await? }),
-    ))
+    Ok(Json(json!({ "items": svc.list_templates(&caller).await? })))
 }
 
 pub(super) async fn get(
     State(svc): State<Arc<Service>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
     Params::parse(q.as_deref(), &[], &[], false)?;
@@ -51,7 +49,7 @@ pub(super) async fn get(
 pub(super) async fn delete(
     State(svc): State<Arc<Service>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
     let id: TemplateId = parse_id(&id)?;

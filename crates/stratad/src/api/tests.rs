@@ -17,7 +17,7 @@ use tower::ServiceExt;
 use crate::clock::SystemClock;
 use crate::config::Config;
 use crate::engine::*;
-use crate::store::{SqliteStore, Store, TemplateRecord, TemplateStatus, DEFAULT_TENANT};
+use crate::store::{SqliteStore, Store, TemplateRecord, TemplateStatus};
 use crate::App;
 
 #[derive(Default)]
@@ -221,7 +221,7 @@ fn harness() -> Harness {
     store
         .put_template(&TemplateRecord {
             id: "tpl-base".parse().unwrap(),
-            tenant: DEFAULT_TENANT.into(),
+            tenant: crate::caller::PLATFORM_SCOPE.into(),
             name: None,
             size: SandboxSize::default(),
             status: TemplateStatus::Ready,
@@ -756,4 +756,5 @@ async fn recovery_restores_a_sandbox_whose_vm_died() {
     assert!(ops.ends_with(&["fail", "recover", "recover"]), "{ops:?}");
 }
 
+mod matrix;
 mod security;

@@ -12,13 +12,13 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use super::*;
 use crate::security::auth::{allowed, Role};
 
-struct Sec {
-    app: App,
-    dir: tempfile::TempDir,
-    admin: String,
+pub(super) struct Sec {
+    pub(super) app: App,
+    pub(super) dir: tempfile::TempDir,
+    pub(super) admin: String,
 }
 
-fn sec_harness(tune: impl FnOnce(&mut Config)) -> Sec {
+pub(super) fn sec_harness(tune: impl FnOnce(&mut Config)) -> Sec {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = Config {
         data_dir: dir.path().to_owned(),
@@ -34,7 +34,7 @@ fn sec_harness(tune: impl FnOnce(&mut Config)) -> Sec {
     store
         .put_template(&TemplateRecord {
             id: "tpl-base".parse().unwrap(),
-            tenant: DEFAULT_TENANT.into(),
+            tenant: crate::caller::PLATFORM_SCOPE.into(),
             name: None,
             size: SandboxSize::default(),
             status: TemplateStatus::Ready,
@@ -58,7 +58,7 @@ fn sec_harness(tune: impl FnOnce(&mut Config)) -> Sec {
     Sec { app, dir, admin }
 }
 
-async fn req(
+pub(super) async fn req(
     h: &Sec,
     method: &str,
     uri: &str,
@@ -83,7 +83,7 @@ async fn req(
     (status, v, headers)
 }
 
-async fn token(h: &Sec, tenant: &str, role: &str) -> String {
+pub(super) async fn token(h: &Sec, tenant: &str, role: &str) -> String {
     let (s, v, _) = req(
         h,
         "POST",
@@ -97,7 +97,7 @@ async fn token(h: &Sec, tenant: &str, role: &str) -> String {
     v["token"].as_str().unwrap().to_owned()
 }
 
-async fn create_sb(h: &Sec, tok: &str) -> String {
+pub(super) async fn create_sb(h: &Sec, tok: &str) -> String {
     let (s, v, _) = req(
         h,
         "POST",

@@ -312,9 +312,15 @@ fn templates_and_counts() {
     let rec = sandbox(1, SandboxState::Running);
     s.insert_sandbox(&rec, &created(&rec)).unwrap();
     assert_eq!(s.reserved_capacity().unwrap(), (1, 512));
-    let c = s.counts().unwrap();
+    let c = s.counts(None).unwrap();
     assert_eq!(c.sandboxes_by_state.get("running"), Some(&1));
     assert_eq!(c.templates_ready, 1);
+    let own = s.counts(Some(DEFAULT_TENANT)).unwrap();
+    assert_eq!(own.sandboxes_by_state.get("running"), Some(&1));
+    let other = s.counts(Some("acme")).unwrap();
+    assert!(other.sandboxes_by_state.is_empty(), "{other:?}");
+    assert_eq!(other.templates_ready, 0, "another tenant's template");
+    assert_eq!(s.all_templates().unwrap().len(), 1);
 }
 
 #[test]
