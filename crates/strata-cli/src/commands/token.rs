@@ -10,7 +10,7 @@ use crate::human::{self, duration_arg};
 use crate::views::{items, view, Token};
 
 /// Roles a token can carry.
-pub const ROLES: [&str; 4] = ["admin", "developer", "approver", "viewer"];
+pub const ROLES: [&str; 5] = ["admin", "developer", "approver", "viewer", "metrics"];
 
 /// `strata token ...`
 #[derive(Debug, Subcommand)]
@@ -32,7 +32,8 @@ pub enum TokenCmd {
 /// `strata token create`
 #[derive(Debug, clap::Args)]
 pub struct CreateArgs {
-    /// admin, developer, approver or viewer.
+    /// admin, developer, approver, viewer or metrics (reads `/metrics` only;
+    /// made by admins of the platform tenant).
     #[arg(long, value_parser = ROLES)]
     pub role: String,
     /// Tenant the token acts for [default: the caller's]; platform admins only.
