@@ -14,7 +14,7 @@ export STRATA_URL="http://$LISTEN"
 
 bash scripts/setup.sh
 echo "== build (release)" >&2
-cargo build --release -p strata-agent -p strata-cli -p stratad
+cargo build --release -p strata-agent -p strata-cli -p strata-daemon
 BIN="$(realpath "${CARGO_TARGET_DIR:-target}")/release"
 
 echo "== guest image (cached by recipe hash)" >&2

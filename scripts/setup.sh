@@ -2,8 +2,18 @@
 # Installs everything strata needs on a Debian 12 host (idempotent), as root.
 set -euo pipefail
 
-need_pkgs=(qemu-system-x86 btrfs-progs debootstrap busybox-static e2fsprogs cpio zstd kmod xz-utils
-           util-linux iproute2 ca-certificates curl python3 python3-venv gcc pkg-config)
+# Installed with --no-install-recommends (QEMU recommends GTK and GStreamer):
+# everything strata calls is named here. QEMU: qemu-system-x86 (microvm's
+# firmware, seabios, is a dependency), qemu-utils and qemu-block-extra below.
+# Image builds: debootstrap (+ debian-archive-keyring to check the mirror's
+# signatures: only a recommendation of debootstrap), busybox-static, kmod
+# (depmod), e2fsprogs (mkfs.ext4), xz-utils, zstd, cpio. Pools: btrfs-progs,
+# mount (losetup, mount) and util-linux. Building: gcc with libc6-dev (only a
+# recommendation of gcc; cargo links with cc), pkg-config. Scripts and the
+# E2B SDK tests: curl, ca-certificates, python3, python3-venv, iproute2.
+need_pkgs=(qemu-system-x86 btrfs-progs debootstrap debian-archive-keyring busybox-static e2fsprogs
+           cpio zstd kmod xz-utils mount util-linux iproute2 ca-certificates curl python3
+           python3-venv gcc libc6-dev pkg-config)
 missing=()
 for p in "${need_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -15,7 +25,8 @@ if [ "${#missing[@]}" -gt 0 ] || [ "$qemu_utils_ok" = 0 ]; then
   echo "setup: installing ${missing[*]} qemu-utils(7.2)" >&2
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -q
-  apt-get install -y -q --allow-downgrades "${missing[@]}" qemu-utils/bookworm qemu-block-extra/bookworm
+  apt-get install -y -q --no-install-recommends --allow-downgrades "${missing[@]}" \
+    qemu-utils/bookworm qemu-block-extra/bookworm
 fi
 
 modprobe loop 2>/dev/null || true

@@ -22,5 +22,5 @@ echo "== tests" >&2
 # Integration tests boot real guests under TCG; on 2 cores run test binaries one at a time.
 cargo test --workspace --no-fail-fast "$@" -- --test-threads=2
 
-echo "== E2B SDK compatibility: the unmodified e2b package from PyPI against strata-server" >&2
+echo "== E2B SDK compatibility: the unmodified e2b package from PyPI against stratad --e2b" >&2
 bash crates/strata-e2b/tests/run-python.sh

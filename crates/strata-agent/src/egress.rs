@@ -21,16 +21,13 @@ use strata_proto::Response;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 
+use crate::error::Fail;
 use crate::outbox::Outbox;
-use crate::session::{lock, remove_entry, Entry, Table};
+use crate::requests::{lock, Entry, Slot, Table};
 use crate::transport::Outgoing;
-use crate::Fail;
 
 /// How long a new tunnel waits for the host to accept or refuse it.
 const OPEN_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Answer of the host to a tunnel open: `Err(reason)` if it refused.
-pub type Opened = oneshot::Sender<Result<(), String>>;
 
 /// Egress state of the agent (one per process).
 pub struct Egress {
@@ -148,41 +145,49 @@ impl Egress {
                 );
                 id
             };
-            let out = Outbox::new(ctx.out.clone(), Some(epoch));
-            let table = ctx.table.clone();
+            let slot = Slot::new(
+                &ctx.table,
+                id,
+                epoch,
+                Outbox::new(ctx.out.clone(), Some(epoch)),
+            );
             tokio::spawn(async move {
-                out.msg(
+                let out = AgentTunnelOut {
                     id,
-                    &Response::TunnelOpen {
-                        peer: peer.to_string(),
-                    },
-                )
-                .await;
+                    out: slot.out.clone(),
+                };
+                slot.out
+                    .msg(
+                        id,
+                        &Response::TunnelOpen {
+                            peer: peer.to_string(),
+                        },
+                    )
+                    .await;
                 match tokio::time::timeout(OPEN_TIMEOUT, opened_rx).await {
                     Ok(Ok(Ok(()))) => {}
                     Ok(Ok(Err(why))) => {
                         tracing::info!(id, %peer, %why, "host refused egress tunnel");
-                        remove_entry(&table, id, epoch);
+                        slot.release();
                         return;
                     }
                     Ok(Err(_)) => return, // session ended
                     Err(_) => {
                         tracing::warn!(id, "host did not answer a tunnel open");
-                        remove_entry(&table, id, epoch);
-                        AgentTunnelOut { id, out }
-                            .send(TunnelMsg::Close(Some("open timed out".into())))
+                        slot.release();
+                        out.send(TunnelMsg::Close(Some("open timed out".into())))
                             .await;
                         return;
                     }
                 }
                 tracing::debug!(id, %peer, "egress tunnel open");
-                match run_tunnel(sock, ends, AgentTunnelOut { id, out }).await {
+                match run_tunnel(sock, ends, out).await {
                     TunnelEnd::Done { sent, received } => {
                         tracing::debug!(id, sent, received, "egress tunnel finished")
                     }
                     TunnelEnd::Aborted(why) => tracing::debug!(id, %why, "egress tunnel aborted"),
                 }
-                remove_entry(&table, id, epoch);
+                slot.release();
             });
         }
     }

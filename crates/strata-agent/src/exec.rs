@@ -14,9 +14,10 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::process::Child;
 use tokio::sync::mpsc;
 
+use crate::error::Fail;
 use crate::outbox::Outbox;
-use crate::session::Table;
-use crate::{user, Fail};
+use crate::requests::Slot;
+use crate::user;
 
 /// Output chunk size.
 const OUT_CHUNK: usize = 64 * 1024;
@@ -197,11 +198,9 @@ pub async fn run(
     mut child: Child,
     timeout: Option<Duration>,
     stdin_rx: Option<mpsc::UnboundedReceiver<Bytes>>,
-    id: u32,
-    out: Outbox,
-    table: Table,
-    epoch: u64,
+    slot: Slot,
 ) {
+    let (id, out) = (slot.id, &slot.out);
     let pgid = child.id().map(|p| p as i32).unwrap_or(0);
     let mut pumps = Vec::new();
     if let Some(o) = child.stdout.take() {
@@ -250,7 +249,7 @@ pub async fn run(
         },
     )
     .await;
-    crate::session::remove_entry(&table, id, epoch);
+    slot.release();
 }
 
 async fn futures_join(handles: Vec<tokio::task::JoinHandle<()>>) {

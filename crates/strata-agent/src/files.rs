@@ -11,18 +11,8 @@ use strata_proto::{DirEntry, FileKind, FileStat, RemoteErrorKind, Response};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, watch};
 
-use crate::outbox::Outbox;
-use crate::session::Table;
-use crate::Fail;
-
-/// Messages from the session loop to an upload task.
-#[derive(Debug)]
-pub enum UploadMsg {
-    /// File content.
-    Data(Bytes),
-    /// End of the file.
-    End,
-}
+use crate::error::Fail;
+use crate::requests::{Slot, UploadMsg};
 
 /// Validates a request path: absolute, no NUL.
 pub fn check_path(p: &str) -> Result<PathBuf, Fail> {
@@ -167,18 +157,15 @@ pub fn open_upload(p: &str, id: u32) -> Result<(PathBuf, PathBuf, std::fs::File)
 
 /// Upload task: writes chunks, acks them, renames into place at the end.
 /// On any failure (or a vanished session) the temporary file is removed.
-#[allow(clippy::too_many_arguments)]
 pub async fn upload(
     dest: PathBuf,
     tmp: PathBuf,
     file: std::fs::File,
     mode: Option<u32>,
     mut rx: mpsc::Receiver<UploadMsg>,
-    id: u32,
-    out: Outbox,
-    table: Table,
-    epoch: u64,
+    slot: Slot,
 ) {
+    let (id, out) = (slot.id, &slot.out);
     let mut file = tokio::fs::File::from_std(file);
     let mut total = 0u64;
     let shown = dest.display().to_string();
@@ -219,7 +206,7 @@ pub async fn upload(
             out.error(id, f).await;
         }
     }
-    crate::session::remove_entry(&table, id, epoch);
+    slot.release();
 }
 
 /// Opens a file for download.
@@ -237,15 +224,8 @@ pub fn open_download(p: &str) -> Result<(std::fs::File, u64), Fail> {
 }
 
 /// Download task: sends chunks while the host's window allows.
-pub async fn download(
-    file: std::fs::File,
-    size: u64,
-    mut acks: watch::Receiver<u64>,
-    id: u32,
-    out: Outbox,
-    table: Table,
-    epoch: u64,
-) {
+pub async fn download(file: std::fs::File, size: u64, mut acks: watch::Receiver<u64>, slot: Slot) {
+    let (id, out) = (slot.id, &slot.out);
     let mut file = tokio::fs::File::from_std(file);
     out.msg(id, &Response::FileStart { size }).await;
     let mut sent = 0u64;
@@ -254,7 +234,7 @@ pub async fn download(
         while sent.saturating_sub(*acks.borrow()) >= WRITE_WINDOW {
             if acks.changed().await.is_err() {
                 // Session gone.
-                crate::session::remove_entry(&table, id, epoch);
+                slot.release();
                 return;
             }
         }
@@ -283,5 +263,5 @@ pub async fn download(
         out.data(FrameKind::FileData, id, Bytes::copy_from_slice(&buf[..n]))
             .await;
     }
-    crate::session::remove_entry(&table, id, epoch);
+    slot.release();
 }

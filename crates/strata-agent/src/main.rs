@@ -1,10 +1,12 @@
 //! The strata guest agent: runs inside the microVM, executes commands and moves files for the host over virtio-serial.
 
 mod egress;
+mod error;
 mod exec;
 mod files;
 mod init;
 mod outbox;
+mod requests;
 mod session;
 mod system;
 mod transport;
@@ -15,34 +17,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use strata_proto::RemoteErrorKind;
 
 /// Name of the virtio-serial port the agent serves on.
 pub const PORT_NAME: &str = "strata.agent";
-
-/// A failed request: category and message for the host.
-#[derive(Debug, Clone)]
-pub struct Fail {
-    /// Category.
-    pub kind: RemoteErrorKind,
-    /// Message.
-    pub message: String,
-}
-
-impl Fail {
-    /// New failure.
-    pub fn new(kind: RemoteErrorKind, message: impl Into<String>) -> Self {
-        Self {
-            kind,
-            message: message.into(),
-        }
-    }
-
-    /// From an I/O error about `what`.
-    pub fn io(e: &std::io::Error, what: &str) -> Self {
-        Self::new(RemoteErrorKind::from_io(e), format!("{what}: {e}"))
-    }
-}
 
 /// strata guest agent.
 #[derive(Debug, Clone, Parser)]

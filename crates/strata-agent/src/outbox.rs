@@ -5,6 +5,7 @@ use strata_proto::frame::{Frame, FrameKind, SYNC_MAGIC};
 use strata_proto::Response;
 use tokio::sync::mpsc;
 
+use crate::error::Fail;
 use crate::transport::Outgoing;
 
 /// Cheap handle that sends frames for one session epoch.
@@ -58,7 +59,7 @@ impl Outbox {
     }
 
     /// Sends an error reply.
-    pub async fn error(&self, id: u32, f: crate::Fail) {
+    pub async fn error(&self, id: u32, f: Fail) {
         self.msg(
             id,
             &Response::Error {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use strata_proto::msg::{RestoreSync, MIN_RESTORE_ENTROPY};
 use strata_proto::RemoteErrorKind;
 
-use crate::Fail;
+use crate::error::Fail;
 
 /// Guest-wide changes made by `restore_sync`.
 pub trait System: Send + Sync {

@@ -327,24 +327,17 @@ fn port_reader(fd: Arc<OwnedFd>, ev_tx: mpsc::Sender<Event>) {
                 }
                 Err(e) => tracing::debug!(error = %e, "port read failed"),
             }
-            // EOF: the host side closed.
-            if connected {
-                connected = false;
-                tracing::info!(conn = gen, "host disconnected");
-                if ev_tx.blocking_send(Event::Disconnected(gen)).is_err() {
-                    return;
-                }
-            }
-            std::thread::sleep(HUP_BACKOFF);
-        } else if hup {
-            if connected {
-                connected = false;
-                tracing::info!(conn = gen, "host disconnected");
-                if ev_tx.blocking_send(Event::Disconnected(gen)).is_err() {
-                    return;
-                }
-            }
-            std::thread::sleep(HUP_BACKOFF);
+        } else if !hup {
+            continue;
         }
+        // End of file, a failed read or POLLHUP: the host side closed.
+        if connected {
+            connected = false;
+            tracing::info!(conn = gen, "host disconnected");
+            if ev_tx.blocking_send(Event::Disconnected(gen)).is_err() {
+                return;
+            }
+        }
+        std::thread::sleep(HUP_BACKOFF);
     }
 }

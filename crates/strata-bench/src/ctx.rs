@@ -1,17 +1,19 @@
 //! What every section gets: the run's settings, and environments to measure
 //! in — a strata runtime on its own loop-mounted btrfs pool, or a whole
 //! stratad daemon served on a loopback port — that are torn down (VMs killed,
-//! pool unmounted) when dropped, at process exit, and on Ctrl-C.
+//! pool unmounted) when dropped, at process exit, and on Ctrl-C. The API
+//! client, the server and the teardown of a daemon's directories are
+//! `strata_testkit`'s.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{anyhow, Context as _, Result};
-use serde_json::Value;
 use strata_core::{Accel, SandboxSize, TemplateId};
 use strata_runtime::{PoolSetting, Runtime, RuntimeConfig};
 use strata_storage::testing::TestPool;
+use strata_testkit::{Api, Served};
 use stratad::App;
 
 /// Settings shared by all sections.
@@ -159,10 +161,11 @@ pub struct BenchDaemon {
     /// The daemon.
     pub app: Arc<App>,
     /// A client of its HTTP API.
-    pub http: Http,
+    pub http: Api,
     /// Its data dir, run dir and pool live under here.
     pub root: PathBuf,
     key: u64,
+    _served: Served,
 }
 
 impl BenchDaemon {
@@ -183,7 +186,9 @@ impl BenchDaemon {
             .context("daemon root")?
             .keep();
         let r2 = root.clone();
-        let key = register(Box::new(move || cleanup_daemon_root(&r2)));
+        let key = register(Box::new(move || {
+            strata_testkit::teardown::remove_daemon_root(&r2)
+        }));
         let mut cfg = stratad::config::Config {
             data_dir: root.join("data"),
             run_dir: root.join("run"),
@@ -209,18 +214,14 @@ impl BenchDaemon {
         app.start()
             .await
             .map_err(|e| anyhow!("start: {}", e.message()))?;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let url = format!("http://{}", listener.local_addr()?);
-        let router = app.router();
-        tokio::spawn(async move {
-            let _ = axum::serve(listener, router).await;
-        });
-        let http = Http::new(url, &data_dir)?;
+        let served = strata_testkit::serve(app.router()).await?;
+        let http = Api::new(served.url.clone()).admin_token_of(&data_dir);
         let d = BenchDaemon {
             app,
             http,
             root,
             key,
+            _served: served,
         };
         d.app
             .service()
@@ -252,124 +253,5 @@ impl Drop for BenchDaemon {
     fn drop(&mut self) {
         self.app.stop();
         run_one(self.key);
-    }
-}
-
-/// Kills the QEMUs of `root/run`, unmounts and detaches `root/data/pool`, removes `root`.
-fn cleanup_daemon_root(root: &Path) {
-    let mnt = root.join("data/pool");
-    let run = root.join("run");
-    let vm_dirs = std::fs::read_dir(&run).into_iter().flatten().flatten();
-    for pid in vm_dirs.filter_map(|e| strata_vmm::qemu_in_run_dir(&e.path())) {
-        // SAFETY: kill(2) on a QEMU whose pid file and command line name this
-        // benchmark's run dir; no memory is touched.
-        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-    }
-    if let Err(e) =
-        strata_storage::unmount_image(&mnt, &root.join("data/pool.img"), Duration::from_secs(10))
-    {
-        eprintln!("teardown: {e}");
-    }
-    let _ = std::fs::remove_dir_all(root);
-}
-
-/// A client of a served strata API with a bearer token.
-#[derive(Clone)]
-pub struct Http {
-    /// Base URL (`http://127.0.0.1:port`).
-    pub url: String,
-    token: Option<String>,
-    client: reqwest::Client,
-}
-
-impl Http {
-    /// A client of `url` with the admin token of `data_dir` (when there is one).
-    pub fn new(url: String, data_dir: &Path) -> Result<Http> {
-        Ok(Http {
-            url,
-            token: std::fs::read_to_string(data_dir.join("admin.token"))
-                .ok()
-                .map(|t| t.trim().to_owned()),
-            client: reqwest::Client::builder()
-                .timeout(Duration::from_secs(300))
-                .pool_max_idle_per_host(64)
-                .build()?,
-        })
-    }
-
-    /// A request with the token set.
-    pub fn req(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
-        let rb = self.client.request(method, format!("{}{path}", self.url));
-        match &self.token {
-            Some(t) => rb.bearer_auth(t),
-            None => rb,
-        }
-    }
-
-    /// A JSON request; the status and the JSON body (Null when not JSON).
-    pub async fn json(
-        &self,
-        method: reqwest::Method,
-        path: &str,
-        body: Option<Value>,
-    ) -> Result<(u16, Value)> {
-        let mut rb = self.req(method, path);
-        if let Some(b) = body {
-            rb = rb.json(&b);
-        }
-        let resp = rb.send().await?;
-        let s = resp.status().as_u16();
-        let b = resp.bytes().await?;
-        Ok((s, serde_json::from_slice(&b).unwrap_or(Value::Null)))
-    }
-
-    /// Like [`Http::json`] but any status other than `want` is an error.
-    pub async fn expect(
-        &self,
-        method: reqwest::Method,
-        path: &str,
-        body: Option<Value>,
-        want: u16,
-    ) -> Result<Value> {
-        let (s, v) = self.json(method.clone(), path, body).await?;
-        if s != want {
-            return Err(anyhow!("{method} {path}: {s} {v}"));
-        }
-        Ok(v)
-    }
-
-    /// Runs `cmd` (argv) in a sandbox through the API; returns exit code and stdout.
-    pub async fn exec(&self, id: &str, cmd: &[&str]) -> Result<(i64, String)> {
-        use futures::StreamExt;
-        let resp = self
-            .req(reqwest::Method::POST, &format!("/v1/sandboxes/{id}/exec"))
-            .json(&serde_json::json!({ "cmd": cmd }))
-            .send()
-            .await?;
-        if resp.status().as_u16() != 200 {
-            let s = resp.status();
-            return Err(anyhow!("exec: {s} {}", resp.text().await?));
-        }
-        let mut stream = resp.bytes_stream();
-        let mut body = Vec::new();
-        while let Some(c) = stream.next().await {
-            body.extend_from_slice(&c?);
-        }
-        let mut code = None;
-        let mut stdout = String::new();
-        for line in body.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
-            let v: Value = serde_json::from_slice(line)?;
-            if let Some(c) = v.pointer("/exit/code").and_then(Value::as_i64) {
-                code = Some(c);
-            }
-            if let Some(s) = v.get("stdout").and_then(Value::as_str) {
-                use base64::Engine as _;
-                let bytes = base64::engine::general_purpose::STANDARD.decode(s)?;
-                stdout.push_str(&String::from_utf8_lossy(&bytes));
-            }
-        }
-        let code = code
-            .ok_or_else(|| anyhow!("exec: no exit line in {}", String::from_utf8_lossy(&body)))?;
-        Ok((code, stdout))
     }
 }

@@ -168,12 +168,8 @@ fn main() -> Result<()> {
     });
     std::fs::create_dir_all(&out).with_context(|| format!("create {}", out.display()))?;
 
-    let tokio = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
     let t0 = Instant::now();
-    let report = tokio.block_on(async {
+    let report = strata_testkit::tokio_rt().block_on(async {
         tokio::spawn(async {
             if tokio::signal::ctrl_c().await.is_ok() {
                 eprintln!("interrupted: stopping the benchmark's VMs and unmounting its pools");

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use plotters::coord::ranged1d::{AsRangedCoord, ValueFormatter};
+use plotters::coord::ranged1d::{AsRangedCoord, Ranged, ValueFormatter};
 use plotters::prelude::*;
 
 use crate::stats::fmt_num;
@@ -18,7 +18,8 @@ pub struct PlotError {
 
 type Res<T> = Result<T, PlotError>;
 
-fn err(file: &Path) -> impl Fn(String) -> PlotError + '_ {
+/// Names `file` in an error of plotters (as text).
+pub(crate) fn err(file: &Path) -> impl Fn(String) -> PlotError + '_ {
     move |message| PlotError {
         file: file.display().to_string(),
         message,
@@ -80,6 +81,102 @@ fn label(v: &f64) -> String {
     fmt_num(*v)
 }
 
+/// The drawing area of one SVG file.
+pub(crate) type Area<'a> = DrawingArea<SVGBackend<'a>, plotters::coord::Shift>;
+
+/// A chart over `x` × `y` drawn on an [`Area`].
+pub(crate) type Chart<'a, 'b, X, Y> = ChartContext<
+    'a,
+    SVGBackend<'b>,
+    Cartesian2d<<X as AsRangedCoord>::CoordDescType, <Y as AsRangedCoord>::CoordDescType>,
+>;
+
+/// A white canvas of the report's plot size, drawing to `file`.
+pub(crate) fn canvas(file: &Path) -> Res<Area<'_>> {
+    let root = SVGBackend::new(file, (W, H)).into_drawing_area();
+    root.fill(&WHITE).map_err(|x| err(file)(x.to_string()))?;
+    Ok(root)
+}
+
+/// Writes `root` out to `file`.
+pub(crate) fn finish(file: &Path, root: &Area<'_>) -> Res<()> {
+    root.present().map_err(|x| err(file)(x.to_string()))
+}
+
+/// A chart titled `title` over `x` × `y`, with the report's margins and
+/// label areas.
+pub(crate) fn chart<'a, 'b, X, Y>(
+    root: &'a Area<'b>,
+    title: &str,
+    x: X,
+    y: Y,
+) -> Result<Chart<'a, 'b, X, Y>, String>
+where
+    X: AsRangedCoord<Value = f64>,
+    Y: AsRangedCoord<Value = f64>,
+{
+    ChartBuilder::on(root)
+        .caption(title, ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(45)
+        .y_label_area_size(70)
+        .build_cartesian_2d(x, y)
+        .map_err(|e| e.to_string())
+}
+
+/// The grid and the axes of a chart of numbers: named axes, numeric labels.
+pub(crate) fn number_mesh<X, Y>(
+    chart: &mut ChartContext<'_, SVGBackend<'_>, Cartesian2d<X, Y>>,
+    x_desc: &str,
+    y_desc: &str,
+) -> Result<(), String>
+where
+    X: Ranged<ValueType = f64> + ValueFormatter<f64>,
+    Y: Ranged<ValueType = f64> + ValueFormatter<f64>,
+{
+    chart
+        .configure_mesh()
+        .x_desc(x_desc)
+        .y_desc(y_desc)
+        .x_label_formatter(&label)
+        .y_label_formatter(&label)
+        .light_line_style(RGBColor(235, 235, 235))
+        .draw()
+        .map_err(|e| e.to_string())
+}
+
+/// The legend, upper left on a translucent white box.
+pub(crate) fn legend<'a, 'b: 'a, X, Y>(
+    chart: &mut ChartContext<'a, SVGBackend<'b>, Cartesian2d<X, Y>>,
+) -> Result<(), String>
+where
+    X: Ranged,
+    Y: Ranged,
+{
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperLeft)
+        .draw()
+        .map_err(|e| e.to_string())
+}
+
+/// A legend mark: a short line of colour `c`.
+pub(crate) fn line_mark(c: RGBColor) -> impl Fn((i32, i32)) -> PathElement<(i32, i32)> {
+    move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(3))
+}
+
+/// What a chart of lines shows, whatever its axes.
+struct Lines<'a> {
+    title: &'a str,
+    x_desc: &'a str,
+    y_desc: &'a str,
+    series: &'a [Series],
+    /// Draw each series as a step function (a CDF).
+    steps: bool,
+}
+
 /// Empirical CDF of each series' samples (x = value in `unit`, y = fraction of
 /// samples ≤ x). The x axis is logarithmic when the values span more than 20×,
 /// so a 50× gap between strata and a peer stays readable.
@@ -100,38 +197,22 @@ pub fn cdf(file: &Path, title: &str, unit: &str, series: &[(String, Vec<f64>)]) 
         })
         .collect();
     let (lo, hi) = bounds(curves.iter().flat_map(|s| s.points.iter().map(|p| p.0)));
-    let root = SVGBackend::new(file, (W, H)).into_drawing_area();
-    root.fill(&WHITE).map_err(|x| e(x.to_string()))?;
+    let root = canvas(file)?;
     let x_desc = format!("{unit} (≤ x)");
+    let spec = Lines {
+        title,
+        x_desc: &x_desc,
+        y_desc: "fraction of samples",
+        series: &curves,
+        steps: true,
+    };
     if lo > 0.0 && hi / lo > 20.0 {
-        let x = (lo * 0.9..hi * 1.1).log_scale();
-        draw_lines(
-            &root,
-            title,
-            &x_desc,
-            "fraction of samples",
-            x,
-            0.0..1.0,
-            &curves,
-            true,
-        )
-        .map_err(e)?;
+        draw_lines(&root, &spec, (lo * 0.9..hi * 1.1).log_scale(), 0.0..1.0).map_err(e)?;
     } else {
         let pad = (hi - lo) * 0.05;
-        let x = (lo - pad).max(0.0)..hi + pad;
-        draw_lines(
-            &root,
-            title,
-            &x_desc,
-            "fraction of samples",
-            x,
-            0.0..1.0,
-            &curves,
-            true,
-        )
-        .map_err(e)?;
+        draw_lines(&root, &spec, (lo - pad).max(0.0)..hi + pad, 0.0..1.0).map_err(e)?;
     }
-    root.present().map_err(|x| err(file)(x.to_string()))
+    finish(file, &root)
 }
 
 /// Lines (with point marks) of y over x; `log_y` for a logarithmic y axis.
@@ -146,73 +227,35 @@ pub fn lines(
     let e = err(file);
     let (xlo, xhi) = bounds(series.iter().flat_map(|s| s.points.iter().map(|p| p.0)));
     let (ylo, yhi) = bounds(series.iter().flat_map(|s| s.points.iter().map(|p| p.1)));
-    let root = SVGBackend::new(file, (W, H)).into_drawing_area();
-    root.fill(&WHITE).map_err(|x| e(x.to_string()))?;
+    let root = canvas(file)?;
+    let spec = Lines {
+        title,
+        x_desc,
+        y_desc,
+        series,
+        steps: false,
+    };
     if log_y && ylo > 0.0 {
-        draw_lines(
-            &root,
-            title,
-            x_desc,
-            y_desc,
-            xlo..xhi,
-            (ylo * 0.8..yhi * 1.25).log_scale(),
-            series,
-            false,
-        )
-        .map_err(e)?;
+        draw_lines(&root, &spec, xlo..xhi, (ylo * 0.8..yhi * 1.25).log_scale()).map_err(e)?;
     } else {
         let y0 = if ylo >= 0.0 { 0.0 } else { ylo * 1.1 };
-        draw_lines(
-            &root,
-            title,
-            x_desc,
-            y_desc,
-            xlo..xhi,
-            y0..yhi * 1.1,
-            series,
-            false,
-        )
-        .map_err(e)?;
+        draw_lines(&root, &spec, xlo..xhi, y0..yhi * 1.1).map_err(e)?;
     }
-    root.present().map_err(|x| err(file)(x.to_string()))
+    finish(file, &root)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn draw_lines<X, Y>(
-    root: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>,
-    title: &str,
-    x_desc: &str,
-    y_desc: &str,
-    x: X,
-    y: Y,
-    series: &[Series],
-    steps: bool,
-) -> Result<(), String>
+fn draw_lines<X, Y>(root: &Area<'_>, spec: &Lines<'_>, x: X, y: Y) -> Result<(), String>
 where
     X: AsRangedCoord<Value = f64>,
     Y: AsRangedCoord<Value = f64>,
     X::CoordDescType: ValueFormatter<f64>,
     Y::CoordDescType: ValueFormatter<f64>,
 {
-    let mut chart = ChartBuilder::on(root)
-        .caption(title, ("sans-serif", 22))
-        .margin(12)
-        .x_label_area_size(45)
-        .y_label_area_size(70)
-        .build_cartesian_2d(x, y)
-        .map_err(|e| e.to_string())?;
-    chart
-        .configure_mesh()
-        .x_desc(x_desc)
-        .y_desc(y_desc)
-        .x_label_formatter(&label)
-        .y_label_formatter(&label)
-        .light_line_style(RGBColor(235, 235, 235))
-        .draw()
-        .map_err(|e| e.to_string())?;
-    for (i, s) in series.iter().enumerate() {
+    let mut chart = chart(root, spec.title, x, y)?;
+    number_mesh(&mut chart, spec.x_desc, spec.y_desc)?;
+    for (i, s) in spec.series.iter().enumerate() {
         let c = color(i);
-        let pts: Vec<(f64, f64)> = if steps {
+        let pts: Vec<(f64, f64)> = if spec.steps {
             // A CDF is a step function: hold each level until the next sample.
             let mut v = Vec::with_capacity(s.points.len() * 2);
             let mut prev = 0.0;
@@ -229,21 +272,22 @@ where
             .draw_series(LineSeries::new(pts, c.stroke_width(2)))
             .map_err(|e| e.to_string())?
             .label(s.name.clone())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(3)));
-        if !steps && s.points.len() <= 400 {
+            .legend(line_mark(c));
+        if !spec.steps && s.points.len() <= 400 {
             chart
                 .draw_series(s.points.iter().map(|&p| Circle::new(p, 2, c.filled())))
                 .map_err(|e| e.to_string())?;
         }
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperLeft)
-        .draw()
-        .map_err(|e| e.to_string())?;
-    Ok(())
+    legend(&mut chart)
+}
+
+/// What a chart of grouped bars shows, whatever its y axis.
+struct Bars<'a> {
+    title: &'a str,
+    y_desc: &'a str,
+    categories: &'a [String],
+    series: &'a [(String, Vec<f64>)],
 }
 
 /// Grouped bars: one group per category, one bar per series in each group
@@ -259,46 +303,26 @@ pub fn bars(
 ) -> Res<()> {
     let e = err(file);
     let (lo, hi) = bounds(series.iter().flat_map(|s| s.1.iter().copied()));
-    let root = SVGBackend::new(file, (W, H)).into_drawing_area();
-    root.fill(&WHITE).map_err(|x| e(x.to_string()))?;
-    let n = categories.len().max(1);
-    let x = 0.0..n as f64;
+    let root = canvas(file)?;
+    let x = 0.0..categories.len().max(1) as f64;
+    let spec = Bars {
+        title,
+        y_desc,
+        categories,
+        series,
+    };
     if log_y && lo > 0.0 {
         let base = lo * 0.5;
-        draw_bars(
-            &root,
-            title,
-            y_desc,
-            categories,
-            series,
-            x,
-            (base..hi * 2.0).log_scale(),
-            base,
-        )
-        .map_err(e)?;
+        draw_bars(&root, &spec, x, (base..hi * 2.0).log_scale(), base).map_err(e)?;
     } else {
-        draw_bars(
-            &root,
-            title,
-            y_desc,
-            categories,
-            series,
-            x,
-            0.0..hi * 1.15,
-            0.0,
-        )
-        .map_err(e)?;
+        draw_bars(&root, &spec, x, 0.0..hi * 1.15, 0.0).map_err(e)?;
     }
-    root.present().map_err(|x| err(file)(x.to_string()))
+    finish(file, &root)
 }
 
-#[allow(clippy::too_many_arguments)]
 fn draw_bars<Y>(
-    root: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>,
-    title: &str,
-    y_desc: &str,
-    categories: &[String],
-    series: &[(String, Vec<f64>)],
+    root: &Area<'_>,
+    spec: &Bars<'_>,
     x: std::ops::Range<f64>,
     y: Y,
     base: f64,
@@ -307,7 +331,7 @@ where
     Y: AsRangedCoord<Value = f64>,
     Y::CoordDescType: ValueFormatter<f64>,
 {
-    let cats = categories.to_vec();
+    let cats = spec.categories.to_vec();
     // Labels every 0.5: the category's name at its centre (i + 0.5), nothing
     // at the group edges.
     let cat_label = move |v: &f64| -> String {
@@ -316,27 +340,21 @@ where
         }
         cats.get(v.floor() as usize).cloned().unwrap_or_default()
     };
-    let n_labels = categories.len() * 2 + 1;
-    let mut chart = ChartBuilder::on(root)
-        .caption(title, ("sans-serif", 22))
-        .margin(12)
-        .x_label_area_size(45)
-        .y_label_area_size(70)
-        .build_cartesian_2d(x, y)
-        .map_err(|e| e.to_string())?;
+    let n_labels = spec.categories.len() * 2 + 1;
+    let mut chart = chart(root, spec.title, x, y)?;
     chart
         .configure_mesh()
         .disable_x_mesh()
         .x_labels(n_labels)
-        .y_desc(y_desc)
+        .y_desc(spec.y_desc)
         .x_label_formatter(&cat_label)
         .y_label_formatter(&label)
         .light_line_style(RGBColor(235, 235, 235))
         .draw()
         .map_err(|e| e.to_string())?;
-    let k = series.len().max(1) as f64;
+    let k = spec.series.len().max(1) as f64;
     let width = 0.8 / k;
-    for (j, (name, vals)) in series.iter().enumerate() {
+    for (j, (name, vals)) in spec.series.iter().enumerate() {
         let c = color(j);
         let rects: Vec<Rectangle<(f64, f64)>> = vals
             .iter()
@@ -353,14 +371,7 @@ where
             .label(name.clone())
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], c.filled()));
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperLeft)
-        .draw()
-        .map_err(|e| e.to_string())?;
-    Ok(())
+    legend(&mut chart)
 }
 
 #[cfg(test)]

@@ -5,31 +5,15 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-/// `<target>/debug/stratad`, built when missing.
+/// The daemon binary (crate `strata-daemon`), built when missing or stale.
 fn stratad_bin() -> PathBuf {
-    let exe = std::env::current_exe().expect("current exe");
-    // <target>/debug/deps/security-<hash> → <target>/debug
-    let dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target profile dir")
-        .to_path_buf();
-    let bin = dir.join("stratad");
-    if !bin.exists() {
-        let status = Command::new(env!("CARGO"))
-            .args(["build", "-p", "stratad"])
-            .status()
-            .expect("cargo build -p stratad");
-        assert!(status.success(), "building stratad failed");
-    }
-    assert!(bin.exists(), "{} missing", bin.display());
-    bin
+    strata_testkit::stratad_bin()
 }
 
 /// A running daemon; dropping it kills it by pid and unmounts its pool.
@@ -53,10 +37,7 @@ impl Daemon {
         std::fs::create_dir_all(&images).expect("image dir");
         // Unix socket paths must stay short.
         let run_dir = PathBuf::from(format!("/tmp/scs-{}", std::process::id()));
-        let port = {
-            let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-            l.local_addr().expect("addr").port()
-        };
+        let port = strata_testkit::free_port();
         let log = std::fs::File::create(root.join("stratad.log")).expect("log");
         let child = Command::new(stratad_bin())
             .arg("--auth")
@@ -116,24 +97,8 @@ impl Daemon {
 
     /// Runs `strata ARGS` with `token` (none: no token at all).
     fn strata(&self, token: Option<&str>, args: &[&str]) -> Output {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_strata"));
-        cmd.env("STRATA_URL", &self.url)
-            .env_remove("STRATA_TOKEN")
-            // No fallback to a real host's /var/lib/strata/admin.token.
-            .env("STRATA_DATA_DIR", self.root.join("no-such-dir"))
-            .stdin(Stdio::null());
-        if let Some(t) = token {
-            cmd.env("STRATA_TOKEN", t);
-        }
-        let out = cmd.args(args).output().expect("run strata");
-        eprintln!(
-            "$ strata {}\n  exit {:?}\n  stdout: {}\n  stderr: {}",
-            args.join(" "),
-            out.status.code(),
-            String::from_utf8_lossy(&out.stdout).trim(),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-        out
+        let bin = std::path::Path::new(env!("CARGO_BIN_EXE_strata"));
+        strata_testkit::run_strata(bin, &self.url, token, args)
     }
 
     /// `--json` run that must succeed.
@@ -152,38 +117,9 @@ impl Drop for Daemon {
             let _ = c.kill();
             let _ = c.wait();
         }
-        let mnt = self.root.join("data/pool");
-        for _ in 0..50 {
-            let mounted = std::fs::read_to_string("/proc/mounts")
-                .map(|m| {
-                    m.lines()
-                        .any(|l| l.split_whitespace().nth(1) == Some(&*mnt.to_string_lossy()))
-                })
-                .unwrap_or(false);
-            if !mounted {
-                break;
-            }
-            let _ = Command::new("umount")
-                .arg(&mnt)
-                .stderr(Stdio::null())
-                .status();
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        let img = self.root.join("data/pool.img");
-        if let Ok(out) = Command::new("losetup").arg("-j").arg(&img).output() {
-            for line in String::from_utf8_lossy(&out.stdout).lines() {
-                if let Some(dev) = line.split(':').next() {
-                    let _ = Command::new("losetup").args(["-d", dev]).status();
-                }
-            }
-        }
+        strata_testkit::teardown::kill_qemus(&self.run_dir);
         let _ = std::fs::remove_dir_all(&self.run_dir);
-        let still = std::fs::read_to_string("/proc/mounts")
-            .map(|m| m.contains(&*mnt.to_string_lossy()))
-            .unwrap_or(false);
-        if !still {
-            let _ = std::fs::remove_dir_all(&self.root);
-        }
+        strata_testkit::teardown::remove_daemon_root(&self.root);
     }
 }
 

@@ -11,7 +11,7 @@ pub mod state;
 pub use error::ErrorCode;
 pub use id::{SandboxId, SnapshotId, TemplateId};
 pub use size::{Accel, SandboxSize, SizeError};
-pub use state::{Op, SandboxState, TransitionError};
+pub use state::{ForkSource, Op, SandboxState, TransitionError};
 
 /// The strata release, recorded in snapshot metadata.
 pub const STRATA_VERSION: &str = env!("CARGO_PKG_VERSION");

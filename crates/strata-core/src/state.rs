@@ -83,6 +83,33 @@ impl SandboxState {
     }
 }
 
+/// Where a fork takes a sandbox's present state from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ForkSource {
+    /// Its VM: an implicit snapshot of the running (or paused) guest.
+    Live,
+    /// It has no VM (hibernated, failed): its present state is its latest
+    /// snapshot, forked without waking it.
+    LatestSnapshot,
+}
+
+impl SandboxState {
+    /// Whether `op` is allowed now (what [`SandboxState::apply`] decides).
+    pub fn can(self, op: Op) -> bool {
+        self.apply(op).is_ok()
+    }
+
+    /// How a fork of a sandbox in this state proceeds, decided here once:
+    /// a live fork where `Fork` is allowed, the latest snapshot where the
+    /// sandbox has no VM but a history (hibernated, failed), else refused.
+    pub fn fork_source(self) -> Result<ForkSource, TransitionError> {
+        match self {
+            SandboxState::Hibernated | SandboxState::Failed => Ok(ForkSource::LatestSnapshot),
+            s => s.apply(Op::Fork).map(|_| ForkSource::Live),
+        }
+    }
+}
+
 impl fmt::Display for SandboxState {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
@@ -182,16 +209,54 @@ mod tests {
         assert!(Hibernated.apply(Fork).is_err());
     }
 
+    /// The whole state × operation table, written out: every cell is the
+    /// state the operation leads to, or `-` where it is refused. A change
+    /// of the state machine changes this table on purpose or fails here.
     #[test]
-    fn every_state_answers_every_op_without_panic() {
+    fn the_full_state_by_operation_table() {
         let ops = [
             Created, Pause, Resume, Hibernate, Snapshot, Fork, Rewind, Exec, Fail, Recover, Delete,
             Configure,
         ];
-        for st in SandboxState::ALL {
-            for op in ops {
-                let _ = st.apply(op);
+        #[rustfmt::skip]
+        let table: [(SandboxState, [&str; 12]); 6] = [
+            //           created    pause     resume     hibernate     snapshot   fork       rewind     exec       fail      recover    delete     configure
+            (Creating,   ["running", "-",      "-",       "-",          "-",       "-",       "-",       "-",       "failed", "-",       "deleted", "creating"]),
+            (Running,    ["-",       "paused", "-",       "hibernated", "running", "running", "running", "running", "failed", "-",       "deleted", "running"]),
+            (Paused,     ["-",       "-",      "running", "hibernated", "paused",  "paused",  "running", "-",       "failed", "-",       "deleted", "paused"]),
+            (Hibernated, ["-",       "-",      "running", "-",          "-",       "-",       "running", "-",       "-",      "-",       "deleted", "hibernated"]),
+            (Failed,     ["-",       "-",      "-",       "-",          "-",       "-",       "running", "-",       "-",      "running", "deleted", "failed"]),
+            (Deleted,    ["-",       "-",      "-",       "-",          "-",       "-",       "-",       "-",       "-",      "-",       "-",       "-"]),
+        ];
+        assert_eq!(
+            table.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+            SandboxState::ALL,
+            "one row per state, in order"
+        );
+        for (st, row) in table {
+            for (op, want) in ops.iter().zip(row) {
+                let got = match st.apply(*op) {
+                    Ok(next) => next.as_str().to_owned(),
+                    Err(e) => {
+                        assert_eq!((e.state, e.op), (st, *op));
+                        "-".to_owned()
+                    }
+                };
+                assert_eq!(got, want, "{st} × {op}");
+                assert_eq!(st.can(*op), want != "-", "{st} × {op}");
             }
+        }
+    }
+
+    #[test]
+    fn fork_source_is_decided_by_the_state() {
+        assert_eq!(Running.fork_source(), Ok(ForkSource::Live));
+        assert_eq!(Paused.fork_source(), Ok(ForkSource::Live));
+        assert_eq!(Hibernated.fork_source(), Ok(ForkSource::LatestSnapshot));
+        assert_eq!(Failed.fork_source(), Ok(ForkSource::LatestSnapshot));
+        for st in [Creating, Deleted] {
+            let e = st.fork_source().unwrap_err();
+            assert_eq!((e.state, e.op), (st, Fork));
         }
     }
 

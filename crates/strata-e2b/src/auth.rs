@@ -14,7 +14,7 @@ use sha2::{Digest, Sha256};
 use stratad::caller::Caller;
 use stratad::security::auth::{Role, TOKEN_PREFIX};
 
-use crate::control::E2bError;
+use crate::error::E2bError;
 use crate::policy::{api_key_caller, may_write};
 use crate::E2b;
 

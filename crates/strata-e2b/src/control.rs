@@ -30,48 +30,10 @@ use stratad::caller::Caller;
 use stratad::service::{CreateSandbox, SandboxSpec, ServiceError};
 use stratad::store::{SandboxFilter, SandboxRecord};
 
+pub use crate::error::E2bError;
+use crate::error::E2bResult;
 use crate::policy::{gate_opts, may_write};
 use crate::{E2b, ENVD_VERSION};
-
-/// An error in E2B's shape: `{"code": <http status>, "message": "…"}`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct E2bError {
-    /// HTTP status (also the `code` field).
-    pub status: u16,
-    /// Message.
-    pub message: String,
-}
-
-impl E2bError {
-    /// An error with this status and message.
-    pub fn new(status: u16, message: impl Into<String>) -> Self {
-        E2bError {
-            status,
-            message: message.into(),
-        }
-    }
-}
-
-impl From<ServiceError> for E2bError {
-    /// The service's status and message: the gate's refusal is 403 (denied,
-    /// the message naming the rule), 400 (invalid call) or 500 (fail closed).
-    fn from(e: ServiceError) -> Self {
-        E2bError::new(e.code().http_status(), e.message())
-    }
-}
-
-impl IntoResponse for E2bError {
-    fn into_response(self) -> Response {
-        let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        (
-            status,
-            Json(json!({ "code": self.status, "message": self.message })),
-        )
-            .into_response()
-    }
-}
-
-type E2bResult<T> = Result<T, E2bError>;
 
 fn rfc3339(t: DateTime<Utc>) -> String {
     t.to_rfc3339_opts(SecondsFormat::Millis, true)

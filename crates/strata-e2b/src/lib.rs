@@ -11,9 +11,11 @@
 //!
 //! Modules: [`connect`] (Connect protocol framing), [`proto`] (envd
 //! messages in proto3 JSON), [`control`] (control-plane handlers),
-//! [`envd`] (envd handlers), [`procs`] (E2B process handles on top of
-//! strata's one-shot exec), [`auth`] (API keys and strata tokens, envd
-//! tokens), [`policy`] (callers, the envd token bindings, refusals).
+//! [`envd`] (envd handlers: `files`, `filesystem`, `process`), [`procs`]
+//! (E2B process handles on top of strata's one-shot exec), [`auth`] (API
+//! keys and strata tokens, envd tokens), [`policy`] (callers, the envd
+//! token bindings), [`error`] (the door's errors and the mapping of the
+//! service's, so the modules that raise them import none of each other).
 //!
 //! Security: `X-API-KEY` is a configured E2B key (tenant `default`,
 //! developer) or a strata API token (its tenant and role): that
@@ -29,6 +31,7 @@ pub mod auth;
 pub mod connect;
 pub mod control;
 pub mod envd;
+pub mod error;
 pub mod policy;
 pub mod procs;
 pub mod proto;

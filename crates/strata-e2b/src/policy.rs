@@ -2,18 +2,20 @@
 //! and of an envd call (the caller its sandbox's access token was handed
 //! to, stored in stratad's security store). The service decides tenancy
 //! and gates tool calls (policy, approval, audit) for that caller; this
-//! module only builds callers, stores the envd bindings and maps the gate's
-//! refusals onto E2B's errors.
+//! module only builds callers and stores the envd bindings (the gate's
+//! refusals become E2B's errors in [`crate::error`]).
 
 use strata_core::SandboxId;
 use strata_policy::CallKind;
 use stratad::caller::{Caller, SystemReason};
 use stratad::security::auth::Role;
-use stratad::security::gate::{GateOptions, GateRefusal};
+use stratad::security::gate::GateOptions;
 use stratad::service::Grant;
 use stratad::store::DEFAULT_TENANT;
 
 use crate::connect::{Code, ConnectError};
+pub use crate::error::refusal_code;
+use crate::error::service_err;
 use crate::E2b;
 
 /// Actor and token id of a configured E2B API key.
@@ -59,16 +61,6 @@ pub fn gate_opts() -> GateOptions {
     GateOptions::waiting()
 }
 
-/// The Connect code of a gate refusal (`permission_denied` for a policy
-/// refusal, as the HTTP 403 of the control plane and `/files`).
-pub fn refusal_code(r: &GateRefusal) -> Code {
-    match r {
-        GateRefusal::Denied { .. } | GateRefusal::Pending(_) => Code::PermissionDenied,
-        GateRefusal::Invalid(_) => Code::InvalidArgument,
-        GateRefusal::Internal(_) => Code::Internal,
-    }
-}
-
 fn sec_err(e: impl std::fmt::Display) -> ConnectError {
     ConnectError::new(Code::Internal, format!("envd token binding: {e}"))
 }
@@ -93,7 +85,7 @@ impl E2b {
             .svc
             .get_sandbox(&Caller::system(SystemReason::Embedder), id)
             .await
-            .map_err(crate::envd::service_err)?;
+            .map_err(service_err)?;
         Ok(envd_fallback_caller(rec.tenant))
     }
 
@@ -137,56 +129,20 @@ impl E2b {
         self.svc
             .grant(&caller, id, kind, &gate_opts())
             .await
-            .map_err(crate::envd::service_err)
+            .map_err(service_err)
     }
 
     /// Access to sandbox `id` for its envd caller without a tool call, for
     /// the helpers of calls already decided (signals, stdin, liveness).
     pub(crate) async fn envd_access(&self, id: &SandboxId) -> Result<Grant, ConnectError> {
         let caller = self.envd_caller(id).await?;
-        self.svc
-            .access(&caller, id)
-            .await
-            .map_err(crate::envd::service_err)
+        self.svc.access(&caller, id).await.map_err(service_err)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use strata_policy::{Decision, Effect};
-    use stratad::service::ServiceError;
-
-    fn denied() -> ServiceError {
-        ServiceError::Gate(GateRefusal::Denied {
-            decision: Decision {
-                effect: Effect::Deny,
-                layer: None,
-                rule_id: "no-rm".into(),
-                rule_index: Some(0),
-                hard: false,
-                reason: "x".into(),
-            },
-            approval_id: None,
-            message: "denied by policy rule `no-rm`: x".into(),
-        })
-    }
-
-    #[test]
-    fn refusals_map_to_connect_and_http() {
-        let d = crate::envd::service_err(denied());
-        assert_eq!(d.code, Code::PermissionDenied);
-        assert!(d.message.contains("no-rm"), "{}", d.message);
-        let h = crate::control::E2bError::from(denied());
-        assert_eq!(h.status, 403);
-        assert!(h.message.contains("`no-rm`"), "{}", h.message);
-        let inv = ServiceError::Gate(GateRefusal::Invalid("x".into()));
-        assert_eq!(crate::control::E2bError::from(inv).status, 400);
-        let int = ServiceError::Gate(GateRefusal::Internal("x".into()));
-        assert_eq!(crate::envd::service_err(int).code, Code::Internal);
-        let f = ServiceError::Forbidden("platform template".into());
-        assert_eq!(crate::envd::service_err(f).code, Code::PermissionDenied);
-    }
 
     #[test]
     fn only_admins_and_developers_write() {

@@ -39,7 +39,7 @@ use stratad::service::{Grant, Service};
 use tokio::sync::mpsc;
 
 use crate::connect::{Code, ConnectError};
-use crate::envd::service_err;
+use crate::error::service_err;
 use crate::proto::{exit_status, ProcessConfig, ProcessEvent, ProcessInfo};
 
 /// Guest directory of the FIFOs and holder pid files.

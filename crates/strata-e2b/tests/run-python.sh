@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the e2b SDK test suite (tests/python) against a real strata daemon:
-# builds strata-server (auth on; STRATA_TOKEN = its admin token), starts it (real QEMU guests, btrfs pool in a
+# builds stratad and starts it with the E2B door (`--e2b`; auth on,
+# STRATA_TOKEN = its admin token; real QEMU guests, btrfs pool in a
 # loop-mounted image), points the unmodified `e2b` package from PyPI at it,
 # runs pytest, then stops the daemon, kills its QEMUs by pid and unmounts
 # the pool. Needs root (loop mount), python3-venv, network for PyPI.
@@ -25,8 +26,8 @@ URL="http://127.0.0.1:$PORT"
 
 log() { echo "run-python: $*" >&2; }
 
-(cd "$ROOT" && cargo build -p strata-e2b --bin strata-server)
-BIN="$TARGET/debug/strata-server"
+(cd "$ROOT" && cargo build -p strata-daemon --bin stratad)
+BIN="$TARGET/debug/stratad"
 
 if [ ! -x "$VENV/bin/pytest" ] || ! "$VENV/bin/python" -c 'import e2b, sys; sys.exit(0 if __import__("importlib.metadata").metadata.version("e2b") == "2.63.0" else 1)' 2>/dev/null; then
   log "creating virtualenv $VENV (e2b==2.63.0, pytest)"
@@ -60,9 +61,9 @@ cleanup() {
 }
 trap cleanup EXIT
 
-log "starting strata-server on $URL (log: $SCRATCH/daemon.log)"
+log "starting stratad --e2b on $URL (log: $SCRATCH/daemon.log)"
 RUST_LOG="${RUST_LOG:-info}" "$BIN" --listen "127.0.0.1:$PORT" --data-dir "$SCRATCH" \
-  --run-dir "$RUN_DIR" --accel "${ACCEL:-tcg}" --pool-size-gib 16 --e2b-api-key "$API_KEY" \
+  --run-dir "$RUN_DIR" --accel "${ACCEL:-tcg}" --pool-size-gib 16 --e2b --e2b-api-key "$API_KEY" \
   ${IMAGE_DIR:+--image-dir "$IMAGE_DIR"} >"$SCRATCH/daemon.log" 2>&1 &
 DAEMON_PID=$!
 

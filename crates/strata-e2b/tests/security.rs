@@ -6,15 +6,14 @@
 //! audit (once per call), the stored envd token bindings, `/health`.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap is a failed test
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use chrono::Utc;
 use serde_json::{json, Value};
-use strata_core::{Op, SandboxId, SandboxSize, SandboxState};
+use strata_core::{SandboxId, SandboxState};
+use strata_testkit::fixtures::{created_event, sandbox_record};
 use stratad::config::Config;
 use stratad::engine::unavailable::UnavailableEngine;
-use stratad::store::{Event, EventPhase, SandboxRecord};
 use stratad::App;
 
 const KEY: &str = "e2b_test_key";
@@ -41,10 +40,8 @@ async fn door(app: &App) -> String {
         app.security().cloned(),
         e2b,
     ));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, router).await });
-    url
+    // Serves until the test's runtime ends (a door per simulated restart).
+    strata_testkit::serve(router).await.unwrap().detach()
 }
 
 async fn server() -> Server {
@@ -79,37 +76,8 @@ impl Server {
 
     /// A sandbox record of `tenant` in `state` (no VM behind it).
     async fn sandbox_in(&self, tenant: &str, state: SandboxState) -> SandboxId {
-        let now = Utc::now();
-        let rec = SandboxRecord {
-            id: SandboxId::generate(),
-            tenant: tenant.into(),
-            template: None,
-            source_snapshot: None,
-            size: SandboxSize::default(),
-            labels: BTreeMap::new(),
-            state,
-            state_reason: None,
-            pending_op: None,
-            idle_timeout_s: None,
-            snapshot_interval_s: None,
-            created_at: now,
-            updated_at: now,
-            last_activity_at: now,
-            pid: None,
-            accel: None,
-            deleted_at: None,
-        };
-        let ev = Event {
-            seq: 0,
-            at: now,
-            tenant: tenant.into(),
-            sandbox_id: rec.id.clone(),
-            op: Op::Created,
-            from_state: None,
-            to_state: Some(state),
-            phase: EventPhase::Done,
-            detail: None,
-        };
+        let rec = sandbox_record(tenant, state, Utc::now());
+        let ev = created_event(&rec);
         let id = rec.id.clone();
         self.app
             .service()

@@ -21,6 +21,6 @@ pub mod meta;
 mod runtime;
 
 pub use api::*;
-pub use error::RuntimeError;
+pub use error::{GuestErrorKind, RuntimeError};
 pub use meta::{StateMeta, SNAPSHOT_FORMAT_VERSION};
 pub use runtime::{load_image, qemu_version, EgressResolver, Runtime, TemplateBuilt, VmDied};

@@ -9,9 +9,8 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use strata_core::{SandboxId, SandboxSize};
-use strata_proto::client::{AgentClient, ExecRequest};
-use strata_runtime::Source;
+use strata_core::SandboxSize;
+use strata_proto::client::{AgentClient, ExecOutput, ExecRequest};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
@@ -19,7 +18,7 @@ const BODY: &str = "hello from the host proxy";
 
 mod common;
 
-use common::{tokio_rt, TestRuntime};
+use common::{sandbox_agent, tokio_rt, TestRuntime};
 
 struct Fixture {
     agent: AgentClient,
@@ -81,13 +80,7 @@ fn fixture() -> &'static Fixture {
             disk_gib: 2,
         };
         let t = TestRuntime::start("stregr-", size, |c| c.egress_proxy = Some(proxy));
-        let agent = tokio_rt().block_on(async {
-            let id = SandboxId::generate();
-            t.rt.create(&id, &Source::Template(t.template.clone()), None)
-                .await
-                .expect("sandbox");
-            t.rt.agent(&id).await.expect("agent")
-        });
+        let agent = sandbox_agent(&t);
         Fixture {
             agent,
             proxy,
@@ -95,6 +88,13 @@ fn fixture() -> &'static Fixture {
             _t: t,
         }
     })
+}
+
+/// Runs a shell script in the guest and collects its output.
+async fn shell(a: &AgentClient, script: impl Into<String>) -> ExecOutput {
+    a.exec_collect(ExecRequest::shell(script))
+        .await
+        .expect("exec")
 }
 
 fn seen(f: &Fixture) -> Vec<String> {
@@ -112,12 +112,7 @@ fn guest_reaches_the_host_proxy_through_the_agent() {
     );
     tokio_rt().block_on(async {
         let before = seen(f).len();
-        let out = a
-            .exec_collect(ExecRequest::shell(
-                "curl -s -S -m 30 -x http://127.0.0.1:3128 http://anything.test/hello",
-            ))
-            .await
-            .unwrap();
+        let out = shell(a, "curl -s -S -m 30 -x http://127.0.0.1:3128 http://anything.test/hello").await;
         assert_eq!(
             out.status.code,
             Some(0),
@@ -134,12 +129,7 @@ fn guest_reaches_the_host_proxy_through_the_agent() {
         );
 
         // The default environment carries the proxy: plain curl uses it.
-        let out = a
-            .exec_collect(ExecRequest::shell(
-                "echo \"$http_proxy $https_proxy $no_proxy\"; curl -s -S -m 30 http://other.test/x",
-            ))
-            .await
-            .unwrap();
+        let out = shell(a, "echo \"$http_proxy $https_proxy $no_proxy\"; curl -s -S -m 30 http://other.test/x").await;
         assert_eq!(
             String::from_utf8_lossy(&out.stdout),
             format!("http://127.0.0.1:3128 http://127.0.0.1:3128 localhost,127.0.0.1\n{BODY}"),
@@ -150,12 +140,7 @@ fn guest_reaches_the_host_proxy_through_the_agent() {
         assert!(s.last().unwrap().starts_with("GET http://other.test/x HTTP/1.1"), "{s:?}");
 
         // Several at once.
-        let out = a
-            .exec_collect(ExecRequest::shell(
-                "for i in 1 2 3 4 5 6; do curl -s -m 60 http://p$i.test/ > /tmp/o$i & done; wait; cat /tmp/o1 /tmp/o2 /tmp/o3 /tmp/o4 /tmp/o5 /tmp/o6",
-            ))
-            .await
-            .unwrap();
+        let out = shell(a, "for i in 1 2 3 4 5 6; do curl -s -m 60 http://p$i.test/ > /tmp/o$i & done; wait; cat /tmp/o1 /tmp/o2 /tmp/o3 /tmp/o4 /tmp/o5 /tmp/o6").await;
         assert_eq!(String::from_utf8_lossy(&out.stdout), BODY.repeat(6));
     });
 }
@@ -170,12 +155,11 @@ fn direct_egress_stays_closed() {
             "http://10.0.2.2/".to_owned(),
             format!("http://10.0.2.2:{}/direct", f.proxy.port()),
         ] {
-            let out = a
-                .exec_collect(ExecRequest::shell(format!(
-                    "curl -s --noproxy '*' --connect-timeout 5 -m 10 {url}"
-                )))
-                .await
-                .unwrap();
+            let out = shell(
+                a,
+                format!("curl -s --noproxy '*' --connect-timeout 5 -m 10 {url}"),
+            )
+            .await;
             assert_ne!(out.status.code, Some(0), "direct {url} must fail");
             assert!(
                 out.stdout.is_empty(),

@@ -8,14 +8,13 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
-use strata_core::{SandboxId, SandboxSize};
+use strata_core::SandboxSize;
 use strata_proto::client::{AgentClient, ExecEvent, ExecRequest, Stdin};
 use strata_proto::msg::RemoteErrorKind;
-use strata_runtime::Source;
 
 mod common;
 
-use common::{tokio_rt, TestRuntime};
+use common::{sandbox_agent, tokio_rt, TestRuntime};
 
 struct Fixture {
     agent: AgentClient,
@@ -31,13 +30,7 @@ fn fixture() -> &'static Fixture {
             disk_gib: 2,
         };
         let t = TestRuntime::start("strga-", size, |_| {});
-        let agent = tokio_rt().block_on(async {
-            let id = SandboxId::generate();
-            t.rt.create(&id, &Source::Template(t.template.clone()), None)
-                .await
-                .expect("sandbox");
-            t.rt.agent(&id).await.expect("agent")
-        });
+        let agent = sandbox_agent(&t);
         Fixture { agent, _t: t }
     })
 }

@@ -13,7 +13,7 @@ use strata_runtime::{Runtime, RuntimeError, Source};
 
 mod common;
 
-use common::{tokio_rt, TestRuntime};
+use common::{new_sandbox, tokio_rt, TestRuntime};
 
 /// Tests share one pool; the one that fills it runs alone (write lock), the
 /// others run side by side (read locks).
@@ -46,14 +46,6 @@ async fn sh(rt: &Runtime, id: &SandboxId, script: &str) -> (i32, String) {
         out.status.code.unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).trim().to_owned(),
     )
-}
-
-async fn new_sandbox(f: &TestRuntime) -> SandboxId {
-    let id = SandboxId::generate();
-    f.rt.create(&id, &Source::Template(f.template.clone()), None)
-        .await
-        .expect("create from template");
-    id
 }
 
 /// Starts a counter loop in the guest; returns after it has counted a bit.

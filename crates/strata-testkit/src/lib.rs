@@ -1,5 +1,9 @@
-//! Shared fixtures for strata's integration tests: the workspace, the release
-//! guest agent, the guest image built from it, and short scratch directories.
+//! Test and bench support of the strata workspace, in one place: the
+//! workspace, the release guest agent and the guest image built from it,
+//! the workspace's binaries and the CLI run against a daemon, one tokio
+//! runtime per process, short scratch directories, a client of the `/v1`
+//! API, the teardown of what a daemon leaves behind (QEMUs, a loop-mounted
+//! pool), and — behind the feature `stratad` — fixtures of stratad's store.
 //!
 //! ```no_run
 //! let image = strata_testkit::test_image();
@@ -10,13 +14,29 @@
 //! Environment:
 //! - `STRATA_TEST_IMAGE=<dir>`: use this prebuilt image directory (no build).
 //! - `STRATA_IMAGE_CACHE=<dir>`: image cache (default `/var/cache/strata/images`).
-//! - `CARGO_TARGET_DIR`: honoured when locating the release agent.
+//! - `CARGO_TARGET_DIR`: honoured when locating the release agent and the
+//!   workspace's binaries.
+//!
+//! Who may use what: everything but `fixtures` names no type of stratad
+//! and serves stratad's unit tests too. `fixtures` (feature `stratad`)
+//! builds stratad's records: integration tests, examples and the benchmark
+//! only, since a unit test of stratad would see two copies of the crate.
+
+mod bin;
+mod cli;
+#[cfg(feature = "stratad")]
+pub mod fixtures;
+pub mod http;
+mod image;
+pub mod teardown;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
-use std::time::SystemTime;
 
+pub use bin::{strata_bin, stratad_bin, workspace_bin};
+pub use cli::run_strata;
+pub use http::{serve, Api, ApiError, Exec, Served};
+pub use image::{agent_binary, test_image};
 pub use strata_image::BuiltImage;
 
 /// The root of the Cargo workspace (the directory of the top `Cargo.toml`).
@@ -29,95 +49,13 @@ pub fn workspace_root() -> PathBuf {
         .unwrap_or_else(|| here.to_path_buf())
 }
 
-fn target_dir() -> PathBuf {
+/// The Cargo target directory (`$CARGO_TARGET_DIR`, else `<workspace>/target`).
+pub fn target_dir() -> PathBuf {
     match std::env::var_os("CARGO_TARGET_DIR") {
         Some(d) if Path::new(&d).is_absolute() => PathBuf::from(d),
         Some(d) => workspace_root().join(d),
         None => workspace_root().join("target"),
     }
-}
-
-/// Newest modification time of the files under `dir` (recursively).
-fn newest_mtime(dir: &Path) -> Option<SystemTime> {
-    let mut newest = None;
-    for entry in std::fs::read_dir(dir).ok()?.flatten() {
-        let path = entry.path();
-        let t = if path.is_dir() {
-            newest_mtime(&path)
-        } else {
-            entry.metadata().ok()?.modified().ok()
-        };
-        newest = newest.max(t);
-    }
-    newest
-}
-
-/// Path to the release guest agent, `target/release/strata-agent`. Runs
-/// `cargo build --release -p strata-agent` first if it is missing or older
-/// than the sources (`src/`, `Cargo.toml`) of the agent and its protocol crate.
-///
-/// Panics with cargo's exit status if the build fails: this is test support.
-pub fn agent_binary() -> PathBuf {
-    static AGENT: OnceLock<PathBuf> = OnceLock::new();
-    AGENT
-        .get_or_init(|| {
-            let root = workspace_root();
-            let bin = target_dir().join("release").join("strata-agent");
-            let built = bin.metadata().and_then(|m| m.modified()).ok();
-            // Sources of the agent and its protocol crate. Not Cargo.lock: it
-            // changes whenever anyone adds a dependency anywhere.
-            let sources = ["crates/strata-agent", "crates/strata-proto"]
-                .iter()
-                .flat_map(|c| ["src", "Cargo.toml"].map(|f| root.join(c).join(f)))
-                .filter_map(|p| if p.is_dir() { newest_mtime(&p) } else { p.metadata().and_then(|m| m.modified()).ok() })
-                .max();
-            let stale = match (built, sources) {
-                (None, _) => true,
-                (Some(b), Some(s)) => s > b,
-                (Some(_), None) => false,
-            };
-            if stale {
-                eprintln!("strata-testkit: building the guest agent (cargo build --release -p strata-agent)");
-                let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-                let status = Command::new(cargo)
-                    .args(["build", "--release", "-p", "strata-agent"])
-                    .current_dir(&root)
-                    .status()
-                    .unwrap_or_else(|e| panic!("strata-testkit: cannot run cargo: {e}"));
-                assert!(status.success(), "strata-testkit: cargo build --release -p strata-agent failed: {status}");
-            }
-            assert!(bin.is_file(), "strata-testkit: {} missing after the build", bin.display());
-            bin
-        })
-        .clone()
-}
-
-/// The guest image for tests, built once per process: the default recipe
-/// with [`agent_binary`], in `$STRATA_IMAGE_CACHE` or
-/// `/var/cache/strata/images` (a cache hit takes about a second). Progress goes
-/// to stderr. With `STRATA_TEST_IMAGE=<dir>` that prebuilt image is loaded
-/// instead.
-///
-/// Panics with the whole error chain if the image cannot be built or loaded.
-pub fn test_image() -> &'static BuiltImage {
-    static IMAGE: OnceLock<BuiltImage> = OnceLock::new();
-    IMAGE.get_or_init(|| {
-        let result = match std::env::var_os("STRATA_TEST_IMAGE") {
-            Some(dir) => strata_image::load(Path::new(&dir)),
-            None => {
-                let recipe = strata_image::ImageRecipe::new(agent_binary());
-                let cache = strata_image::default_cache_dir();
-                strata_image::build(&recipe, &cache, &|p| eprintln!("strata-image {p}"))
-            }
-        };
-        match result {
-            Ok(img) => img,
-            Err(e) => panic!(
-                "strata-testkit: guest image unavailable: {}",
-                error_chain(&e)
-            ),
-        }
-    })
 }
 
 /// The host's TSC frequency in kHz, from `/proc/cpuinfo` (`cpu MHz`), when
@@ -163,6 +101,45 @@ pub fn scratch_dir(prefix: &str) -> tempfile::TempDir {
         .prefix(&format!("{prefix}-"))
         .tempdir_in("/tmp")
         .unwrap_or_else(|e| panic!("strata-testkit: cannot create a scratch dir in /tmp: {e}"))
+}
+
+/// The tokio runtime of this process (multi-threaded, two workers, every
+/// driver on), built on first use. One per process on purpose: every VM's QMP
+/// and agent tasks, and every pooled HTTP connection, live on the runtime that
+/// made them, so a test binary that shares a daemon or a runtime across tests
+/// must run them all on one.
+///
+/// Panics if the runtime cannot be built.
+pub fn tokio_rt() -> &'static tokio::runtime::Runtime {
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("strata-testkit: cannot build the tokio runtime: {e}"))
+    })
+}
+
+/// A loopback TCP port free right now (for a daemon started on it next).
+///
+/// Panics if no port can be bound.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or_else(|e| panic!("strata-testkit: no free loopback port: {e}"))
+}
+
+/// `--name N` from this process's command line, else `default` (for
+/// examples and benchmarks with a few numeric flags).
+pub fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 // Btrfs pool fixture: the storage engineer adds it here (a loop-mounted

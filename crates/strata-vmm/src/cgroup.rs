@@ -373,7 +373,7 @@ impl VmCgroup {
         Ok(())
     }
 
-    /// Opens the `cgroup.procs` files for writing (for [`join_self`] after `fork`).
+    /// Opens the `cgroup.procs` files for writing (for `join_self` after `fork`).
     pub fn open_procs(&self) -> Result<Vec<File>, CgroupError> {
         self.procs_files()
             .iter()

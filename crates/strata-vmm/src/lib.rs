@@ -71,6 +71,17 @@ pub struct Confinement {
     pub error: Option<String>,
 }
 
+impl Confinement {
+    /// What `spec` asks for, with nothing applied yet.
+    pub(crate) fn asked(spec: &VmSpec) -> Self {
+        Confinement {
+            run_as: spec.run_as.clone(),
+            limits: spec.limits,
+            ..Confinement::default()
+        }
+    }
+}
+
 /// QEMU's run state (`query-status`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VmStatus {
@@ -155,11 +166,7 @@ pub trait Vm: Send + Sync + std::fmt::Debug {
     fn exited(&self) -> Option<VmExit>;
     /// The VM's user and cgroup limits, as applied.
     fn confinement(&self) -> Confinement {
-        Confinement {
-            run_as: self.spec().run_as.clone(),
-            limits: self.spec().limits,
-            ..Confinement::default()
-        }
+        Confinement::asked(self.spec())
     }
     /// Runs a raw QMP command (escape hatch for callers and benchmarks).
     async fn qmp(

@@ -1,5 +1,7 @@
-//! The `stratad` command line, shared by the `stratad` binary and by
-//! `strata serve` (which mounts extra front doors such as the E2B API).
+//! The `stratad` command line: the flags, the configuration they describe
+//! (file, then flags on top) and the daemon's `main`. The `stratad` binary
+//! (crate `strata-daemon`, which links the front doors such as the E2B API)
+//! calls [`main_with_doors`]; `strata serve` executes that binary.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -61,6 +63,24 @@ pub struct Args {
     /// Log format.
     #[arg(long, default_value = "text", value_parser = ["text", "json"])]
     pub log_format: String,
+    /// Serve the E2B-compatible API (control plane and envd) on the same
+    /// listener (config: `[e2b] enabled = true`).
+    #[arg(long, help_heading = "E2B front door")]
+    pub e2b: bool,
+    /// Accepted E2B API keys (X-API-KEY) besides strata API tokens;
+    /// repeatable (config: `[e2b] api_keys`). None with `--auth off`: the E2B
+    /// control plane is open to anyone who can reach the listener.
+    #[arg(
+        long = "e2b-api-key",
+        env = "STRATA_E2B_API_KEYS",
+        value_delimiter = ',',
+        help_heading = "E2B front door"
+    )]
+    pub e2b_api_keys: Vec<String>,
+    /// File holding the envd token secret [default: <data-dir>/e2b.secret]
+    /// (config: `[e2b] token_secret_file`).
+    #[arg(long, help_heading = "E2B front door")]
+    pub e2b_token_secret_file: Option<PathBuf>,
     /// Print the built-in configuration and exit.
     #[arg(long)]
     pub print_default_config: bool,
@@ -117,6 +137,15 @@ pub fn config(args: &Args) -> anyhow::Result<Config> {
     if let Some(v) = &args.auth {
         cfg.security.auth = v == "on";
     }
+    if args.e2b {
+        cfg.e2b.enabled = true;
+    }
+    if !args.e2b_api_keys.is_empty() {
+        cfg.e2b.api_keys = args.e2b_api_keys.clone();
+    }
+    if let Some(v) = &args.e2b_token_secret_file {
+        cfg.e2b.token_secret_file = Some(v.clone());
+    }
     cfg.validate()?;
     Ok(cfg)
 }
@@ -138,16 +167,11 @@ pub async fn shutdown_signal() {
     tracing::info!("shutting down (VMs keep running)");
 }
 
-/// Runs the daemon as the `stratad` binary does; `mount` adds routes (served
-/// on the same listener, outside the `/v1` authentication layer).
-pub async fn main_with(args: Args, mount: Option<crate::daemon::Mount>) -> anyhow::Result<()> {
-    if args.print_default_config {
-        print!("{}", crate::config::DEFAULT_TOML);
-        return Ok(());
-    }
+/// Sets up logging as `--log-format` says (`RUST_LOG` filters; default `info`).
+pub fn init_logging(log_format: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    if args.log_format == "json" {
+    if log_format == "json" {
         tracing_subscriber::fmt()
             .with_env_filter(filter)
             .json()
@@ -156,7 +180,29 @@ pub async fn main_with(args: Args, mount: Option<crate::daemon::Mount>) -> anyho
     } else {
         let _ = tracing_subscriber::fmt().with_env_filter(filter).try_init();
     }
+}
+
+/// Runs the daemon with `mount`'s routes (see [`main_with_doors`]).
+pub async fn main_with(args: Args, mount: Option<crate::daemon::Mount>) -> anyhow::Result<()> {
+    main_with_doors(args, |_| Ok(mount)).await
+}
+
+/// Runs the daemon as the `stratad` binary does: `--print-default-config`,
+/// logging, the configuration, then the daemon until SIGTERM or SIGINT.
+/// `doors` is given the configuration and returns the extra routes to serve
+/// (on the same listener, outside the `/v1` authentication layer), e.g. the
+/// E2B door when `[e2b] enabled`.
+pub async fn main_with_doors(
+    args: Args,
+    doors: impl FnOnce(&Config) -> anyhow::Result<Option<crate::daemon::Mount>>,
+) -> anyhow::Result<()> {
+    if args.print_default_config {
+        print!("{}", crate::config::DEFAULT_TOML);
+        return Ok(());
+    }
+    init_logging(&args.log_format);
     let cfg = config(&args)?;
+    let mount = doors(&cfg)?;
     if let Err(e) = crate::daemon::run_with(cfg, shutdown_signal(), mount).await {
         let mut msg = e.to_string();
         let mut src = std::error::Error::source(&e);
@@ -169,4 +215,63 @@ pub async fn main_with(args: Args, mount: Option<crate::daemon::Mount>) -> anyho
         anyhow::bail!(msg);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::*;
+
+    fn parse(argv: &[&str]) -> Args {
+        Args::try_parse_from(std::iter::once("stratad").chain(argv.iter().copied()))
+            .expect("arguments")
+    }
+
+    #[test]
+    fn e2b_flags_land_under_e2b() {
+        let cfg = config(&parse(&[])).unwrap();
+        assert!(!cfg.e2b.enabled);
+        assert_eq!(cfg.e2b, crate::config::E2bSettings::default());
+        let cfg = config(&parse(&[
+            "--e2b",
+            "--e2b-api-key",
+            "k1",
+            "--e2b-api-key=k2,k3",
+            "--e2b-token-secret-file",
+            "/etc/strata/e2b.secret",
+            "--data-dir",
+            "/srv/strata",
+        ]))
+        .unwrap();
+        assert!(cfg.e2b.enabled);
+        assert_eq!(cfg.e2b.api_keys, ["k1", "k2", "k3"]);
+        assert_eq!(
+            cfg.e2b.token_secret_path(&cfg.data_dir),
+            PathBuf::from("/etc/strata/e2b.secret")
+        );
+        let cfg = config(&parse(&["--data-dir", "/srv/strata"])).unwrap();
+        assert_eq!(
+            cfg.e2b.token_secret_path(&cfg.data_dir),
+            PathBuf::from("/srv/strata/e2b.secret")
+        );
+    }
+
+    #[test]
+    fn flags_override_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("stratad.toml");
+        std::fs::write(
+            &file,
+            "[e2b]\nenabled = true\napi_keys = [\"from-file\"]\nhome_dir = \"/home/user\"\n",
+        )
+        .unwrap();
+        let path = file.to_str().unwrap();
+        let cfg = config(&parse(&["--config", path])).unwrap();
+        assert!(cfg.e2b.enabled);
+        assert_eq!(cfg.e2b.api_keys, ["from-file"]);
+        assert_eq!(cfg.e2b.home_dir, "/home/user");
+        let cfg = config(&parse(&["--config", path, "--e2b-api-key", "flag"])).unwrap();
+        assert_eq!(cfg.e2b.api_keys, ["flag"]);
+    }
 }

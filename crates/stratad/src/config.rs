@@ -1,6 +1,7 @@
 //! Daemon configuration: embedded defaults, an optional TOML file, then flags.
 
-use std::net::SocketAddr;
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -60,6 +61,102 @@ fn host_memory_mib() -> Option<u64> {
     let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib / 1024)
+}
+
+/// `[security]` of the daemon configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SecurityConfig {
+    /// Require `Authorization: Bearer <token>` on `/v1` (except `/healthz`,
+    /// `/metrics`). Off: every caller is an admin of tenant `default`
+    /// (local development only).
+    pub auth: bool,
+    /// Platform policy file (TOML, see `crates/strata-policy/docs/policy.md`);
+    /// unset: a built-in platform policy with `default = "allow"`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub platform_policy: Option<PathBuf>,
+    /// How long a held call waits for an approver by default.
+    #[serde(with = "serde_human")]
+    pub approval_timeout: Duration,
+    /// Longest `approval_timeout` a request may ask for.
+    #[serde(with = "serde_human")]
+    pub max_approval_timeout: Duration,
+    /// Sustained requests per second per token (0: no limit).
+    pub rate_limit_per_second: f64,
+    /// Requests a token may make at once before the sustained rate applies.
+    pub rate_limit_burst: u32,
+    /// Address the per-sandbox egress proxies listen on (port chosen per sandbox).
+    pub egress_bind: IpAddr,
+    /// Host names the egress proxy resolves to fixed addresses instead of
+    /// DNS (pinning connector hosts; tests point them at loopback). The
+    /// system resolver refuses private and loopback answers.
+    pub egress_static_hosts: BTreeMap<String, IpAddr>,
+}
+
+impl Default for SecurityConfig {
+    fn default() -> Self {
+        SecurityConfig {
+            auth: true,
+            platform_policy: None,
+            approval_timeout: Duration::from_secs(60),
+            max_approval_timeout: Duration::from_secs(600),
+            rate_limit_per_second: 50.0,
+            rate_limit_burst: 100,
+            egress_bind: IpAddr::from([127, 0, 0, 1]),
+            egress_static_hosts: BTreeMap::new(),
+        }
+    }
+}
+
+/// `[e2b]`: the E2B-compatible front door (the `strata-e2b` crate). The
+/// `stratad` binary serves it on the API's listener when `enabled` (or
+/// `--e2b`); this library only carries the settings (an embedder mounts the
+/// door itself, see [`crate::daemon::Mount`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct E2bSettings {
+    /// Serve the E2B control plane and envd next to `/v1`.
+    pub enabled: bool,
+    /// Accepted `X-API-KEY` values besides strata API tokens (each acts as a
+    /// developer of tenant `default`). Flags: `--e2b-api-key`, env
+    /// `STRATA_E2B_API_KEYS`. Empty with `[security] auth = false`: the
+    /// control plane is open to anyone who can reach the listener.
+    pub api_keys: Vec<String>,
+    /// File holding the secret the per-sandbox envd access tokens are derived
+    /// from (created with mode 0600 on first start); unset:
+    /// `<data_dir>/e2b.secret`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_secret_file: Option<PathBuf>,
+    /// Guest directory relative paths resolve against (E2B's user home).
+    pub home_dir: String,
+    /// `clientID` reported for every sandbox.
+    pub client_id: String,
+    /// Sandbox timeout when a create request gives none.
+    #[serde(with = "serde_human")]
+    pub default_timeout: Duration,
+}
+
+impl Default for E2bSettings {
+    fn default() -> Self {
+        E2bSettings {
+            enabled: false,
+            api_keys: Vec::new(),
+            token_secret_file: None,
+            home_dir: "/root".into(),
+            client_id: "strata".into(),
+            default_timeout: Duration::from_secs(300),
+        }
+    }
+}
+
+impl E2bSettings {
+    /// The envd token secret file: `token_secret_file`, else
+    /// `<data_dir>/e2b.secret`.
+    pub fn token_secret_path(&self, data_dir: &Path) -> PathBuf {
+        self.token_secret_file
+            .clone()
+            .unwrap_or_else(|| data_dir.join("e2b.secret"))
+    }
 }
 
 /// Everything `stratad` can be told.
@@ -128,7 +225,9 @@ pub struct Config {
     /// Read-only SQLite connections.
     pub db_readers: usize,
     /// Tokens, policy, approvals, audit, egress, rate limits.
-    pub security: crate::security::SecurityConfig,
+    pub security: SecurityConfig,
+    /// The E2B-compatible front door (served by the `stratad` binary).
+    pub e2b: E2bSettings,
 }
 
 impl Default for Config {
@@ -158,7 +257,8 @@ impl Default for Config {
             clean_orphans: true,
             auto_recover: true,
             db_readers: 4,
-            security: crate::security::SecurityConfig::default(),
+            security: SecurityConfig::default(),
+            e2b: E2bSettings::default(),
         }
     }
 }
@@ -236,6 +336,17 @@ impl Config {
                 "agent_timeout must be at least 1s".into(),
             ));
         }
+        if !self.e2b.home_dir.starts_with('/') {
+            return Err(ConfigError::Invalid(format!(
+                "e2b.home_dir must be an absolute guest path, not {:?}",
+                self.e2b.home_dir
+            )));
+        }
+        if self.e2b.default_timeout < Duration::from_secs(1) {
+            return Err(ConfigError::Invalid(
+                "e2b.default_timeout must be at least 1s".into(),
+            ));
+        }
         if self.max_json_body_bytes < 1024 {
             return Err(ConfigError::Invalid(
                 "max_json_body_bytes must be at least 1024".into(),
@@ -283,6 +394,25 @@ mod tests {
         assert_eq!(c.listen, Config::default().listen);
         assert!(toml::from_str::<Config>("snapshot_intervall = \"5s\"\n").is_err());
         assert!(toml::from_str::<Config>("snapshot_interval = \"soon\"\n").is_err());
+    }
+
+    #[test]
+    fn e2b_section() {
+        let c: Config =
+            toml::from_str("[e2b]\nenabled = true\ndefault_timeout = \"10m\"\n").unwrap();
+        assert!(c.e2b.enabled);
+        assert_eq!(c.e2b.default_timeout, Duration::from_secs(600));
+        assert_eq!(c.e2b.home_dir, "/root");
+        c.validate().unwrap();
+        assert!(toml::from_str::<Config>("[e2b]\nenable = true\n").is_err());
+        let c: Config = toml::from_str("[e2b]\nhome_dir = \"root\"\n").unwrap();
+        assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn security_config_keeps_its_old_path() {
+        let c: crate::security::SecurityConfig = SecurityConfig::default();
+        assert!(c.auth);
     }
 
     #[test]

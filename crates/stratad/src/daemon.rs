@@ -3,8 +3,10 @@
 //! in [`RuntimeEngine`], recovers, starts the background tasks, builds the
 //! default template when none exists, and serves the API until shutdown.
 //!
-//! The `stratad` binary is a thin wrapper around it; `strata serve` runs that
-//! binary; embedders call [`run`] (or [`open_engine`] + [`App`]) directly.
+//! The `stratad` binary (crate `strata-daemon`) is a thin wrapper around it
+//! that mounts the E2B door when `[e2b] enabled`; `strata serve` runs that
+//! binary; embedders call [`run`] or [`run_with`] (or [`open_engine`] +
+//! [`App`]) directly.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -152,6 +154,11 @@ pub async fn run_with(
     mount: Option<Mount>,
 ) -> Result<(), DaemonError> {
     let listen = config.listen;
+    if config.e2b.enabled && mount.is_none() {
+        tracing::warn!(
+            "[e2b] enabled = true, but nothing mounts the E2B door here: it is served by the `stratad` binary"
+        );
+    }
     let engine = open_engine(&config).await?;
     let app = App::open(config, engine.clone()).map_err(DaemonError::Store)?;
     // Egress: each sandbox's guest traffic to 127.0.0.1:3128 is tunnelled over

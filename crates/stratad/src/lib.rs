@@ -6,7 +6,8 @@
 //! (typed commands, operation locks, transitions), [`api`] (axum routes),
 //! [`recovery`] (start-up reconciliation), [`engine`] (the runtime
 //! boundary). [`App`] ties them together; [`daemon::run`] runs it over the
-//! real runtime; `main.rs` is a thin binary.
+//! real runtime; [`cli`] is the daemon's command line. The `stratad` binary
+//! is crate `strata-daemon` (it links this library and the E2B door).
 
 pub mod api;
 pub mod caller;

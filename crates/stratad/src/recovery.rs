@@ -25,8 +25,9 @@ use strata_core::{Op, SandboxId, SandboxState, SnapshotId};
 use tracing::{info, warn};
 
 use crate::engine::LiveVm;
+use crate::service::VmNow;
 use crate::service::{Service, ServiceResult};
-use crate::store::{Event, EventPhase, SandboxRecord, SnapshotStatus, TemplateStatus};
+use crate::store::{SnapshotStatus, TemplateStatus};
 
 /// What recovery found and did.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -51,35 +52,6 @@ pub struct RecoveryReport {
     pub interrupted_templates: Vec<String>,
     /// Why reconciliation with the engine was skipped, if it was.
     pub skipped: Option<String>,
-}
-
-async fn record(
-    svc: &Service,
-    rec: &mut SandboxRecord,
-    op: Op,
-    next: SandboxState,
-    detail: String,
-) -> ServiceResult<()> {
-    let mut ev = Event::new(
-        rec,
-        op,
-        Some(next),
-        EventPhase::Recovered,
-        Some(detail),
-        svc.now(),
-    );
-    ev.from_state = Some(rec.state);
-    rec.state = next;
-    rec.pending_op = None;
-    rec.updated_at = svc.now();
-    if !next.has_vm() {
-        rec.pid = None;
-    }
-    if next == SandboxState::Deleted {
-        rec.deleted_at = Some(svc.now());
-    }
-    let r = rec.clone();
-    svc.db(move |s| s.update_sandbox(&r, Some(&ev))).await
 }
 
 /// Reconciles; see the module documentation.
@@ -122,13 +94,12 @@ pub async fn reconcile(svc: &Arc<Service>) -> ServiceResult<RecoveryReport> {
         match (pending, vm) {
             (Some(Op::Created), Some(_)) => match engine.adopt(&id).await {
                 Ok(info) => {
-                    rec.pid = Some(info.pid);
-                    rec.accel = Some(info.accel);
-                    record(
-                        svc,
+                    svc.recovered(
                         &mut rec,
                         Op::Created,
                         SandboxState::Running,
+                        Some(VmNow::of(&info)),
+                        None,
                         "create completed after restart".into(),
                     )
                     .await?;
@@ -139,12 +110,12 @@ pub async fn reconcile(svc: &Arc<Service>) -> ServiceResult<RecoveryReport> {
                 }
                 Err(e) => {
                     let _ = engine.delete(&id).await;
-                    rec.state_reason = Some(format!("create interrupted: {e}"));
-                    record(
-                        svc,
+                    svc.recovered(
                         &mut rec,
                         Op::Created,
                         SandboxState::Deleted,
+                        None,
+                        Some(format!("create interrupted: {e}")),
                         "create rolled back".into(),
                     )
                     .await?;
@@ -155,12 +126,12 @@ pub async fn reconcile(svc: &Arc<Service>) -> ServiceResult<RecoveryReport> {
             },
             (Some(Op::Created), None) => {
                 let _ = engine.delete(&id).await;
-                rec.state_reason = Some("create interrupted by a daemon restart".into());
-                record(
-                    svc,
+                svc.recovered(
                     &mut rec,
                     Op::Created,
                     SandboxState::Deleted,
+                    None,
+                    Some("create interrupted by a daemon restart".into()),
                     "create rolled back".into(),
                 )
                 .await?;
@@ -178,11 +149,12 @@ pub async fn reconcile(svc: &Arc<Service>) -> ServiceResult<RecoveryReport> {
                     svc.db(move |st| st.put_snapshot(&s2)).await?;
                     let _ = engine.delete_snapshot(&s.id).await;
                 }
-                record(
-                    svc,
+                svc.recovered(
                     &mut rec,
                     Op::Delete,
                     SandboxState::Deleted,
+                    None,
+                    None,
                     "delete completed after restart".into(),
                 )
                 .await?;
@@ -196,7 +168,6 @@ pub async fn reconcile(svc: &Arc<Service>) -> ServiceResult<RecoveryReport> {
                 let adopted = engine.adopt(&id).await;
                 match adopted {
                     Ok(info) => {
-                        rec.pid = Some(info.pid);
                         let next = match rec.state {
                             SandboxState::Hibernated => {
                                 rec.state.apply(Op::Resume).unwrap_or(rec.state)
@@ -231,16 +202,30 @@ pub async fn reconcile(svc: &Arc<Service>) -> ServiceResult<RecoveryReport> {
                             }
                             None => "adopted after restart".into(),
                         };
-                        record(svc, &mut rec, pending.unwrap_or(Op::Resume), next, detail).await?;
+                        svc.recovered(
+                            &mut rec,
+                            pending.unwrap_or(Op::Resume),
+                            next,
+                            Some(VmNow::pid(info.pid)),
+                            None,
+                            detail,
+                        )
+                        .await?;
                         report.adopted.push(id.clone());
                     }
                     Err(e) => {
                         warn!(sandbox = %id, error = %e, "adopting the VM failed; restoring instead");
                         let _ = engine.delete(&id).await;
                         if rec.state.has_vm() {
-                            rec.state_reason = Some(format!("vm could not be adopted: {e}"));
-                            record(svc, &mut rec, Op::Fail, SandboxState::Failed, e.to_string())
-                                .await?;
+                            svc.recovered(
+                                &mut rec,
+                                Op::Fail,
+                                SandboxState::Failed,
+                                None,
+                                Some(format!("vm could not be adopted: {e}")),
+                                e.to_string(),
+                            )
+                            .await?;
                         }
                         to_restore.push(id.clone());
                     }
@@ -253,13 +238,13 @@ pub async fn reconcile(svc: &Arc<Service>) -> ServiceResult<RecoveryReport> {
                         .push((id.clone(), op.to_string(), "rolled back".into()));
                 }
                 if rec.state.has_vm() {
-                    rec.state_reason = Some("vm gone after a daemon or host restart".into());
                     let next = rec.state.apply(Op::Fail).unwrap_or(SandboxState::Failed);
-                    record(
-                        svc,
+                    svc.recovered(
                         &mut rec,
                         Op::Fail,
                         next,
+                        None,
+                        Some("vm gone after a daemon or host restart".into()),
                         "vm not found at start".into(),
                     )
                     .await?;
@@ -267,11 +252,12 @@ pub async fn reconcile(svc: &Arc<Service>) -> ServiceResult<RecoveryReport> {
                 } else {
                     if pending.is_some() {
                         let st = rec.state;
-                        record(
-                            svc,
+                        svc.recovered(
                             &mut rec,
                             pending.unwrap_or(Op::Resume),
                             st,
+                            None,
+                            None,
                             "rolled back after restart".into(),
                         )
                         .await?;

@@ -3,49 +3,20 @@
 
 mod common;
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::Output;
 
 use common::Daemon;
 use serde_json::Value;
 
-/// The `strata` binary of this workspace (built on demand when only
-/// `cargo test -p stratad` ran).
-fn strata_bin() -> PathBuf {
-    let exe = std::env::current_exe().expect("current exe");
-    let dir = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .expect("target profile dir")
-        .to_path_buf();
-    let bin = dir.join("strata");
-    if !bin.exists() {
-        let status = Command::new(env!("CARGO"))
-            .args(["build", "-p", "strata-cli"])
-            .status()
-            .expect("cargo build -p strata-cli");
-        assert!(status.success(), "building strata-cli failed");
-    }
-    assert!(bin.exists(), "{} missing", bin.display());
-    bin
-}
-
+/// `strata ARGS` against `d` with its admin token (the `strata` binary of
+/// this workspace, built on demand when only `cargo test -p stratad` ran).
 fn strata(d: &Daemon, args: &[&str]) -> Output {
-    let mut cmd = Command::new(strata_bin());
-    cmd.env("STRATA_URL", &d.url).env_remove("STRATA_TOKEN");
-    // The bootstrap admin token the daemon wrote on first start (auth on).
-    if let Ok(token) = std::fs::read_to_string(d.root.join("data/admin.token")) {
-        cmd.env("STRATA_TOKEN", token.trim());
-    }
-    let out = cmd.args(args).output().expect("run strata");
-    eprintln!(
-        "$ strata {}\n  exit {:?}\n  stdout: {}\n  stderr: {}",
-        args.join(" "),
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout).trim(),
-        String::from_utf8_lossy(&out.stderr).trim()
-    );
-    out
+    strata_testkit::run_strata(
+        &strata_testkit::strata_bin(),
+        &d.url,
+        d.token().as_deref(),
+        args,
+    )
 }
 
 fn json(d: &Daemon, args: &[&str]) -> Value {
@@ -66,11 +37,7 @@ fn id_of(v: &Value) -> String {
 
 #[test]
 fn cli_lifecycle_against_a_real_daemon() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio");
+    let rt = strata_testkit::tokio_rt();
     let d = Daemon::start("");
     rt.block_on(d.wait_template());
 

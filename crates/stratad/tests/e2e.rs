@@ -12,18 +12,13 @@ mod common;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use common::{alive, qemu_pids, Daemon};
+use common::Daemon;
 use serde_json::{json, Value};
+use strata_testkit::teardown::{alive, qemu_pids};
 
+/// The tokio runtime every test of this file runs on.
 fn rt() -> &'static tokio::runtime::Runtime {
-    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-    RT.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("tokio runtime")
-    })
+    strata_testkit::tokio_rt()
 }
 
 /// Retention of the shared daemon: every snapshot of the last 5 s, one per

@@ -11,8 +11,9 @@ mod common;
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use common::{alive, qemu_pids, Daemon};
+use common::Daemon;
 use serde_json::{json, Value};
+use strata_testkit::teardown::{alive, qemu_pids};
 
 async fn sandbox(d: &Daemon, id: &str) -> Value {
     d.ok("GET", &format!("/v1/sandboxes/{id}"), None, 200).await
@@ -60,11 +61,7 @@ async fn no_stray_vms(d: &Daemon) {
 
 #[test]
 fn kill9_during_snapshot_and_during_fork_loses_nothing_acknowledged() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio");
+    let rt = strata_testkit::tokio_rt();
     let d = Daemon::start("");
     rt.block_on(async {
         d.wait_template().await;

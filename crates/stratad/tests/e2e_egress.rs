@@ -324,7 +324,8 @@ approval_timeout = "2m"
         );
         let id = item["id"].as_str().expect("approval id").to_owned();
         let r = d
-            .http
+            .api
+            .client()
             .post(format!("{}/v1/approvals/{id}/approve", d.url))
             .bearer_auth(&approver_token)
             .send()

@@ -548,7 +548,7 @@ async fn hibernated_many(
     // One of them used: it wakes (the first start of a never-started sandbox).
     let first = ids.first().ok_or_else(|| anyhow!("no sandbox created"))?;
     let t0 = Instant::now();
-    let (code, _) = d.http.exec(first, &["true"]).await?;
+    let (code, _) = d.http.exec_output(first, &["true"]).await?;
     let wake_ms = t0.elapsed().as_secs_f64() * 1000.0;
     if code != 0 {
         bail!("exec in a woken sandbox exited {code}");

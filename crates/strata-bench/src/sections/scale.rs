@@ -20,7 +20,9 @@ use anyhow::{anyhow, Context as _, Result};
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use serde_json::json;
-use strata_core::{Op, SandboxId, SandboxSize, SandboxState, SnapshotId};
+use strata_core::{Op, SandboxId, SandboxState, SnapshotId};
+use strata_testkit::fixtures::{commit_batched, sandbox_record};
+use strata_testkit::Api;
 use stratad::clock::{Clock, SystemClock};
 use stratad::config::Config;
 use stratad::engine::unavailable::UnavailableEngine;
@@ -31,7 +33,7 @@ use stratad::store::{
 };
 use stratad::App;
 
-use crate::ctx::{Ctx, Http};
+use crate::ctx::Ctx;
 use crate::plot;
 use crate::report::{Section, Table};
 use crate::stats::{fmt_ms, fmt_num, Samples};
@@ -81,22 +83,10 @@ fn record(id: SandboxId, i: usize, running: usize, now: DateTime<Utc>) -> Sandbo
     };
     SandboxRecord {
         id,
-        tenant: DEFAULT_TENANT.into(),
-        template: None,
-        source_snapshot: None,
-        size: SandboxSize::default(),
         labels: BTreeMap::from([("team".to_owned(), format!("t{}", i % 50))]),
-        state,
-        state_reason: None,
-        pending_op: None,
-        idle_timeout_s: None,
-        snapshot_interval_s: None,
-        created_at: now,
-        updated_at: now,
-        last_activity_at: now,
         pid: (state == SandboxState::Running).then_some(1),
-        accel: None,
         deleted_at: (state == SandboxState::Deleted).then_some(now),
+        ..sandbox_record(DEFAULT_TENANT, state, now)
     }
 }
 
@@ -157,19 +147,14 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             let mut ids: Vec<SandboxId> = (0..n).map(|_| SandboxId::generate()).collect();
             ids.sort();
             let mut run_ids = Vec::with_capacity(running);
-            let mut batch = Vec::with_capacity(5000);
-            for (i, id) in ids.iter().enumerate() {
+            let records = ids.iter().enumerate().map(|(i, id)| {
                 let r = record(id.clone(), i, running, now);
                 if r.state == SandboxState::Running {
                     run_ids.push(r.id.clone());
                 }
-                batch.push(r);
-                if batch.len() == 5000 || i + 1 == n {
-                    let refs: Vec<&SandboxRecord> = batch.iter().collect();
-                    store.commit(&refs, &[], None)?;
-                    batch.clear();
-                }
-            }
+                r
+            });
+            commit_batched(&*store, records, 5000)?;
             Ok((ids, run_ids))
         })
         .await??
@@ -197,10 +182,8 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         let mut by_label = Samples::new();
         let base = SandboxFilter {
             tenant: DEFAULT_TENANT.into(),
-            states: vec![],
-            labels: Default::default(),
             limit: 100,
-            cursor: None,
+            ..SandboxFilter::default()
         };
         // A cursor half-way through the live records (keyset pagination).
         let mut f = SandboxFilter {
@@ -294,13 +277,8 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         Arc::new(UnavailableEngine),
         Arc::new(SystemClock),
     ));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let url = format!("http://{}", listener.local_addr()?);
-    let router = app.router();
-    let server = tokio::spawn(async move {
-        let _ = axum::serve(listener, router).await;
-    });
-    let http = Http::new(url, &cfg.data_dir)?;
+    let served = strata_testkit::serve(app.router()).await?;
+    let http = Api::new(served.url.clone()).admin_token_of(&cfg.data_dir);
     let mut hget = Samples::new();
     let mut hlist = Samples::new();
     let mut pick = Pick(0x2545_f491_4f6c_dd1d);
@@ -324,7 +302,7 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             return Err(anyhow!("list: {s} {v}"));
         }
     }
-    server.abort();
+    drop(served);
     let mut t_http = Table::latency(
         "Through the HTTP API (loopback, bearer token checked, JSON; rate limit lifted), same store",
         &[],

@@ -1,7 +1,8 @@
 //! `strata serve [-- ARGS…]`: runs the daemon by replacing this process with
-//! the `stratad` binary (next to `strata`, else on `PATH`). The stratad
-//! library has no stable in-process entry point yet, and exec keeps the CLI
-//! free of the daemon's dependencies.
+//! the `stratad` binary (next to `strata`, else on `PATH`; built by
+//! `cargo build --release -p strata-daemon`), e.g. `strata serve -- --e2b`
+//! for the E2B door too. Exec keeps the CLI free of the daemon's
+//! dependencies (the CLI is a client of the API).
 
 use std::os::unix::process::CommandExt as _;
 use std::path::PathBuf;
@@ -42,7 +43,7 @@ pub fn find_stratad(given: Option<PathBuf>) -> Result<PathBuf, CliError> {
         .ok_or_else(|| {
             CliError::Missing(
                 "no stratad binary next to strata or on PATH: build it with \
-                 `cargo build --release -p stratad` or pass --stratad PATH"
+                 `cargo build --release -p strata-daemon` or pass --stratad PATH"
                     .into(),
             )
         })

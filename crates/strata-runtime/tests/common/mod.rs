@@ -6,23 +6,17 @@
 
 #![allow(dead_code)]
 
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use strata_core::{SandboxSize, TemplateId};
-use strata_runtime::{PoolSetting, Runtime, RuntimeConfig};
+use strata_core::{SandboxId, SandboxSize, TemplateId};
+use strata_proto::client::AgentClient;
+use strata_runtime::{PoolSetting, Runtime, RuntimeConfig, Source};
 use strata_storage::testing::TestPool;
 
-/// The tokio runtime of this test binary.
+/// The tokio runtime of this test binary (`strata_testkit::tokio_rt`).
 pub fn tokio_rt() -> &'static tokio::runtime::Runtime {
-    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-    RT.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("tokio runtime")
-    })
+    strata_testkit::tokio_rt()
 }
 
 /// What the exit-time teardown must stop.
@@ -97,4 +91,21 @@ impl TestRuntime {
             _run: run,
         }
     }
+}
+
+/// A new sandbox from the test runtime's template.
+pub async fn new_sandbox(t: &TestRuntime) -> SandboxId {
+    let id = SandboxId::generate();
+    t.rt.create(&id, &Source::Template(t.template.clone()), None)
+        .await
+        .expect("create from template");
+    id
+}
+
+/// The agent of a new sandbox from the template (for suites that need one guest).
+pub fn sandbox_agent(t: &TestRuntime) -> AgentClient {
+    tokio_rt().block_on(async {
+        let id = new_sandbox(t).await;
+        t.rt.agent(&id).await.expect("agent")
+    })
 }

@@ -18,7 +18,6 @@ use axum::extract::{DefaultBodyLimit, FromRequest, FromRequestParts, MatchedPath
 use axum::http::{header, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
 use axum::{Json, Router};
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
@@ -30,6 +29,7 @@ use crate::security::gate::GateOptions;
 use crate::service::{Service, ServiceError};
 
 mod files;
+pub mod routes;
 mod sandboxes;
 pub mod security;
 mod system;
@@ -38,57 +38,7 @@ mod templates;
 /// The OpenAPI document (checked in, served at `/v1/openapi.json`).
 pub const OPENAPI_JSON: &str = include_str!("../../openapi.json");
 
-/// Every route: `(method, path)` in axum syntax. The OpenAPI test checks
-/// that each one is documented and answers.
-pub const ROUTES: &[(&str, &str)] = &[
-    ("GET", "/healthz"),
-    ("GET", "/metrics"),
-    ("GET", "/v1/openapi.json"),
-    ("GET", "/v1/stats"),
-    ("POST", "/v1/sandboxes"),
-    ("GET", "/v1/sandboxes"),
-    ("GET", "/v1/sandboxes/:id"),
-    ("DELETE", "/v1/sandboxes/:id"),
-    ("POST", "/v1/sandboxes/:id/exec"),
-    ("POST", "/v1/sandboxes/:id/pause"),
-    ("POST", "/v1/sandboxes/:id/resume"),
-    ("POST", "/v1/sandboxes/:id/hibernate"),
-    ("POST", "/v1/sandboxes/:id/fork"),
-    ("POST", "/v1/sandboxes/:id/rewind"),
-    ("GET", "/v1/sandboxes/:id/events"),
-    ("POST", "/v1/sandboxes/:id/snapshots"),
-    ("GET", "/v1/sandboxes/:id/snapshots"),
-    ("GET", "/v1/sandboxes/:id/files"),
-    ("PUT", "/v1/sandboxes/:id/files"),
-    ("DELETE", "/v1/sandboxes/:id/files"),
-    ("GET", "/v1/sandboxes/:id/files/list"),
-    ("GET", "/v1/sandboxes/:id/files/stat"),
-    ("POST", "/v1/sandboxes/:id/files/mkdir"),
-    ("GET", "/v1/snapshots/:id"),
-    ("DELETE", "/v1/snapshots/:id"),
-    ("POST", "/v1/snapshots/:id/fork"),
-    ("POST", "/v1/templates"),
-    ("GET", "/v1/templates"),
-    ("GET", "/v1/templates/:id"),
-    ("DELETE", "/v1/templates/:id"),
-    // Security (api::security::SECURITY_ROUTES).
-    ("GET", "/v1/whoami"),
-    ("POST", "/v1/tokens"),
-    ("GET", "/v1/tokens"),
-    ("DELETE", "/v1/tokens/:id"),
-    ("GET", "/v1/policy"),
-    ("PUT", "/v1/policy"),
-    ("POST", "/v1/policy/test"),
-    ("GET", "/v1/sandboxes/:id/policy"),
-    ("PUT", "/v1/sandboxes/:id/policy"),
-    ("GET", "/v1/sandboxes/:id/egress"),
-    ("GET", "/v1/approvals"),
-    ("GET", "/v1/approvals/:id"),
-    ("POST", "/v1/approvals/:id/approve"),
-    ("POST", "/v1/approvals/:id/deny"),
-    ("GET", "/v1/audit"),
-    ("GET", "/v1/audit/verify"),
-];
+pub use routes::{Action, Route, ROUTES};
 
 /// An API error: a stable code, its HTTP status and a message (and, for
 /// a policy decision, the decision's details; for a call held for approval,
@@ -352,7 +302,9 @@ async fn track(State(svc): State<Arc<Service>>, req: Request, next: Next) -> Res
         .get::<MatchedPath>()
         .map(|p| p.as_str().to_owned())
         .unwrap_or_else(|| "unmatched".into());
-    let op = format!("{} {}", req.method(), route);
+    let op = routes::find(req.method().as_str(), &route)
+        .map(Route::label)
+        .unwrap_or_else(|| format!("{} {route}", req.method()));
     // The id as the handler sees it (decoded by the router), for logs only.
     let (mut parts, body) = req.into_parts();
     let id = axum::extract::RawPathParams::from_request_parts(&mut parts, &())
@@ -405,50 +357,74 @@ async fn method_not_allowed(req: Request, next: Next) -> Response {
     resp
 }
 
-/// The API router over a service.
+/// A method router for `method` (`GET` also answers `HEAD`).
+pub(crate) fn on<H, T, S>(method: &str, handler: H) -> axum::routing::MethodRouter<S>
+where
+    H: axum::handler::Handler<T, S>,
+    T: 'static,
+    S: Clone + Send + Sync + 'static,
+{
+    use axum::routing::MethodFilter;
+    let filter = match method {
+        "POST" => MethodFilter::POST,
+        "PUT" => MethodFilter::PUT,
+        "DELETE" => MethodFilter::DELETE,
+        _ => MethodFilter::GET,
+    };
+    axum::routing::on(filter, handler)
+}
+
+/// The handler of a route served over the service (`None`: a route of the
+/// security layer, [`security::wrap`]).
+fn service_route(r: &Route) -> Option<axum::routing::MethodRouter<Arc<Service>>> {
+    use Action::*;
+    let m = r.method;
+    Some(match r.action {
+        Healthz => on(m, system::healthz),
+        Metrics => on(m, system::metrics),
+        OpenApi => on(m, system::openapi),
+        Stats => on(m, system::stats),
+        CreateSandbox => on(m, sandboxes::create),
+        ListSandboxes => on(m, sandboxes::list),
+        GetSandbox => on(m, sandboxes::get),
+        DeleteSandbox => on(m, sandboxes::delete),
+        Exec => on(m, sandboxes::exec),
+        Pause => on(m, sandboxes::pause),
+        Resume => on(m, sandboxes::resume),
+        Hibernate => on(m, sandboxes::hibernate),
+        Fork => on(m, sandboxes::fork),
+        Rewind => on(m, sandboxes::rewind),
+        Events => on(m, sandboxes::events),
+        TakeSnapshot => on(m, sandboxes::take_snapshot),
+        ListSnapshots => on(m, sandboxes::list_snapshots),
+        ReadFile => on(m, files::download),
+        WriteFile => on(m, files::upload),
+        RemoveFile => on(m, files::remove),
+        ListDir => on(m, files::list),
+        StatFile => on(m, files::stat),
+        MakeDir => on(m, files::mkdir),
+        GetSnapshot => on(m, sandboxes::get_snapshot),
+        DeleteSnapshot => on(m, sandboxes::delete_snapshot),
+        ForkSnapshot => on(m, sandboxes::fork_snapshot),
+        BuildTemplate => on(m, templates::build),
+        ListTemplates => on(m, templates::list),
+        GetTemplate => on(m, templates::get),
+        DeleteTemplate => on(m, templates::delete),
+        _ => return None,
+    })
+}
+
+/// The API router over a service: every route of [`ROUTES`] the service
+/// serves (the security layer adds its own and the authentication).
 pub fn router(svc: Arc<Service>) -> Router {
     let limit = svc.config().max_json_body_bytes;
-    let id = "/v1/sandboxes/:id";
-    Router::new()
-        .route("/healthz", get(system::healthz))
-        .route("/metrics", get(system::metrics))
-        .route("/v1/openapi.json", get(system::openapi))
-        .route("/v1/stats", get(system::stats))
-        .route(
-            "/v1/sandboxes",
-            post(sandboxes::create).get(sandboxes::list),
-        )
-        .route(id, get(sandboxes::get).delete(sandboxes::delete))
-        .route(&format!("{id}/exec"), post(sandboxes::exec))
-        .route(&format!("{id}/pause"), post(sandboxes::pause))
-        .route(&format!("{id}/resume"), post(sandboxes::resume))
-        .route(&format!("{id}/hibernate"), post(sandboxes::hibernate))
-        .route(&format!("{id}/fork"), post(sandboxes::fork))
-        .route(&format!("{id}/rewind"), post(sandboxes::rewind))
-        .route(&format!("{id}/events"), get(sandboxes::events))
-        .route(
-            &format!("{id}/snapshots"),
-            post(sandboxes::take_snapshot).get(sandboxes::list_snapshots),
-        )
-        .route(
-            &format!("{id}/files"),
-            get(files::download)
-                .put(files::upload)
-                .delete(files::remove),
-        )
-        .route(&format!("{id}/files/list"), get(files::list))
-        .route(&format!("{id}/files/stat"), get(files::stat))
-        .route(&format!("{id}/files/mkdir"), post(files::mkdir))
-        .route(
-            "/v1/snapshots/:id",
-            get(sandboxes::get_snapshot).delete(sandboxes::delete_snapshot),
-        )
-        .route("/v1/snapshots/:id/fork", post(sandboxes::fork_snapshot))
-        .route("/v1/templates", post(templates::build).get(templates::list))
-        .route(
-            "/v1/templates/:id",
-            get(templates::get).delete(templates::delete),
-        )
+    let mut router = Router::new();
+    for r in ROUTES {
+        if let Some(mr) = service_route(r) {
+            router = router.route(r.path, mr);
+        }
+    }
+    router
         .fallback(fallback)
         .layer(axum::middleware::from_fn(method_not_allowed))
         .layer(axum::middleware::from_fn_with_state(svc.clone(), track))

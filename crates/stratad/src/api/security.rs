@@ -19,7 +19,6 @@ use axum::extract::{DefaultBodyLimit, MatchedPath, RawQuery, Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use bytes::Bytes;
 use chrono::{DateTime, Utc};
@@ -30,32 +29,13 @@ use strata_policy::approval::ApprovalError;
 use strata_policy::audit::{self, Outcome};
 use strata_policy::{CallKind, Decision, Effect, ToolCall};
 
-use super::{ApiError, ApiResult, Body, Params, PathId};
+use super::routes::{self, Access, Action, Route, ROUTES};
+use super::{on, ApiError, ApiResult, Body, Params, PathId};
 use crate::caller::Caller;
-use crate::security::auth::{self, Role};
+use crate::security::auth::Role;
 use crate::security::{AuthFailure, Security, GUEST_PROXY};
 use crate::service::Service;
 use crate::store::DEFAULT_TENANT;
-
-/// Routes of this module (also listed in `api::ROUTES`).
-pub const SECURITY_ROUTES: &[(&str, &str)] = &[
-    ("GET", "/v1/whoami"),
-    ("POST", "/v1/tokens"),
-    ("GET", "/v1/tokens"),
-    ("DELETE", "/v1/tokens/:id"),
-    ("GET", "/v1/policy"),
-    ("PUT", "/v1/policy"),
-    ("POST", "/v1/policy/test"),
-    ("GET", "/v1/sandboxes/:id/policy"),
-    ("PUT", "/v1/sandboxes/:id/policy"),
-    ("GET", "/v1/sandboxes/:id/egress"),
-    ("GET", "/v1/approvals"),
-    ("GET", "/v1/approvals/:id"),
-    ("POST", "/v1/approvals/:id/approve"),
-    ("POST", "/v1/approvals/:id/deny"),
-    ("GET", "/v1/audit"),
-    ("GET", "/v1/audit/verify"),
-];
 
 /// State of the security routes and middleware.
 #[derive(Clone)]
@@ -78,25 +58,39 @@ pub fn wrap(api: Router, svc: Arc<Service>, security: Result<Arc<Security>, Stri
     }
 }
 
+/// The handler of a route of this layer (`None`: a route of the service).
+fn security_route(r: &Route) -> Option<axum::routing::MethodRouter<Ctx>> {
+    use Action::*;
+    let m = r.method;
+    Some(match r.action {
+        Whoami => on(m, whoami),
+        CreateToken => on(m, create_token),
+        ListTokens => on(m, list_tokens),
+        RevokeToken => on(m, revoke_token),
+        GetPolicy => on(m, get_policy),
+        PutPolicy => on(m, put_policy),
+        TestPolicy => on(m, test_policy),
+        GetSandboxPolicy => on(m, get_sandbox_policy),
+        PutSandboxPolicy => on(m, put_sandbox_policy),
+        Egress => on(m, egress),
+        ListApprovals => on(m, list_approvals),
+        GetApproval => on(m, get_approval),
+        Approve => on(m, approve),
+        Deny => on(m, deny),
+        ExportAudit => on(m, audit_export),
+        VerifyAudit => on(m, audit_verify),
+        _ => return None,
+    })
+}
+
 fn routes(ctx: Ctx) -> Router {
-    Router::new()
-        .route("/v1/whoami", get(whoami))
-        .route("/v1/tokens", post(create_token).get(list_tokens))
-        .route("/v1/tokens/:id", axum::routing::delete(revoke_token))
-        .route("/v1/policy", get(get_policy).put(put_policy))
-        .route("/v1/policy/test", post(test_policy))
-        .route(
-            "/v1/sandboxes/:id/policy",
-            get(get_sandbox_policy).put(put_sandbox_policy),
-        )
-        .route("/v1/sandboxes/:id/egress", get(egress))
-        .route("/v1/approvals", get(list_approvals))
-        .route("/v1/approvals/:id", get(get_approval))
-        .route("/v1/approvals/:id/approve", post(approve))
-        .route("/v1/approvals/:id/deny", post(deny))
-        .route("/v1/audit", get(audit_export))
-        .route("/v1/audit/verify", get(audit_verify))
-        .with_state(ctx)
+    let mut router = Router::new();
+    for r in ROUTES {
+        if let Some(mr) = security_route(r) {
+            router = router.route(r.path, mr);
+        }
+    }
+    router.with_state(ctx)
 }
 
 async fn broken(State(msg): State<Arc<String>>, req: Request, next: Next) -> Response {
@@ -123,14 +117,21 @@ fn internal(e: impl std::fmt::Display) -> ApiError {
     ApiError::new(ErrorCode::Internal, e.to_string())
 }
 
-/// Authentication, rate limit and the role of the route; the request then
-/// carries its [`Caller`] to the handler. `/healthz` stays open; `/metrics`
-/// (every tenant's figures) needs a `metrics` token or an admin of the
-/// platform tenant.
+/// Authentication, rate limit and the role of the route (from the route
+/// table); the request then carries its [`Caller`] to the handler. Open
+/// routes (`/healthz`) and paths outside `/v1` that match no route pass;
+/// `/metrics` (every tenant's figures) needs a `metrics` token or an admin
+/// of the platform tenant.
 async fn authenticate(State(ctx): State<Ctx>, mut req: Request, next: Next) -> Response {
-    let path = req.uri().path();
-    let metrics = path == "/metrics";
-    if !path.starts_with("/v1/") && !metrics {
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .and_then(|m| routes::find(req.method().as_str(), m.as_str()));
+    let open = match route {
+        Some(r) => r.access == Access::Open,
+        None => !req.uri().path().starts_with("/v1/"),
+    };
+    if open {
         return next.run(req).await;
     }
     let header = match req.headers().get(header::AUTHORIZATION) {
@@ -162,26 +163,23 @@ async fn authenticate(State(ctx): State<Ctx>, mut req: Request, next: Next) -> R
             return r;
         }
     }
-    if metrics {
-        let operator = p.role == Role::Admin && p.tenant == DEFAULT_TENANT;
-        if !(operator || p.role == Role::Metrics) {
+    if let Some(r) = route {
+        let tenant_admin = p.role == Role::Admin && p.tenant != DEFAULT_TENANT;
+        if r.access == Access::HostMetrics && tenant_admin {
             return err(
                 ErrorCode::Forbidden,
                 "/metrics covers every tenant: it needs a metrics token or an admin of the platform tenant",
             );
         }
-        return next.run(req).await;
-    }
-    let route = req
-        .extensions()
-        .get::<MatchedPath>()
-        .map(|m| m.as_str().to_owned());
-    let method = req.method().as_str().to_owned();
-    if let Some(route) = &route {
-        if !auth::allowed(&method, route, p.role) {
+        if !r.allows(p.role) {
             return err(
                 ErrorCode::Forbidden,
-                format!("role {} may not call {method} {route}", p.role.as_str()),
+                format!(
+                    "role {} may not call {} {}",
+                    p.role.as_str(),
+                    r.method,
+                    r.path
+                ),
             );
         }
     }

@@ -9,6 +9,7 @@ use futures::{StreamExt, TryStreamExt};
 use strata_core::{SandboxId, SandboxSize, SnapshotId, TemplateId};
 use strata_proto::client::{AgentError, ExecEvent as AgentEvent, ExecRequest as AgentExec, Stdin};
 use strata_proto::msg::{Command, FileKind as AgentKind, RemoteErrorKind};
+use strata_runtime::error::GuestErrorKind;
 use strata_runtime::{Runtime, RuntimeError};
 
 use super::*;
@@ -43,59 +44,8 @@ impl RuntimeEngine {
     }
 }
 
-impl RuntimeEngine {
-    /// Makes a surviving VM's vCPUs run before the runtime adopts it.
-    ///
-    /// `Runtime::adopt` connects to the guest agent, which only answers a
-    /// running guest; a daemon killed in the middle of a snapshot leaves its
-    /// VM stopped (or `postmigrate`), and then the agent handshake never ends
-    /// (its writes block once the paused guest stops draining virtio-serial).
-    /// So: one short QMP session of our own: wait for an outgoing device-state
-    /// save to finish, `cont` if not running, disconnect. Recovery pauses the
-    /// VM again afterwards when its record says paused.
-    async fn unstick(&self, id: &SandboxId) {
-        let sock = self.rt.config().run_dir.join(id.as_str()).join("qmp.sock");
-        if !sock.exists() {
-            return;
-        }
-        let t = Duration::from_secs(10);
-        let qmp = match strata_vmm::QmpClient::connect(&sock, t).await {
-            Ok(q) => q,
-            Err(e) => {
-                tracing::warn!(sandbox = %id, error = %e, "cannot check the VM's run state before adopting it");
-                return;
-            }
-        };
-        for _ in 0..100 {
-            let active = qmp
-                .execute("query-migrate", None)
-                .await
-                .ok()
-                .and_then(|v| v["status"].as_str().map(str::to_owned))
-                .is_some_and(|s| {
-                    matches!(s.as_str(), "setup" | "active" | "device" | "pre-switchover")
-                });
-            if !active {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let status = qmp
-            .execute("query-status", None)
-            .await
-            .ok()
-            .and_then(|v| v["status"].as_str().map(str::to_owned))
-            .unwrap_or_default();
-        if status != "running" {
-            tracing::warn!(sandbox = %id, %status, "VM found stopped after a restart; continuing it");
-            if let Err(e) = qmp.execute("cont", None).await {
-                tracing::warn!(sandbox = %id, error = %e, "cont failed");
-            }
-        }
-    }
-}
-
 fn rt_err(e: RuntimeError) -> EngineError {
+    let message = e.message();
     match e {
         RuntimeError::SandboxNotFound(s) => EngineError::SandboxNotFound(s),
         RuntimeError::SnapshotNotFound(s) => EngineError::SnapshotNotFound(s),
@@ -112,6 +62,20 @@ fn rt_err(e: RuntimeError) -> EngineError {
         RuntimeError::Invalid(s) => EngineError::Invalid(s),
         RuntimeError::Agent { source, .. } => agent_err(source),
         RuntimeError::Other(s) => EngineError::Other(s),
+        RuntimeError::Vmm { id, source } => EngineError::VmFailed {
+            id,
+            reason: strata_runtime::error::chain(&source),
+        },
+        RuntimeError::Storage(_) | RuntimeError::Io { .. } => EngineError::Other(message),
+        RuntimeError::Guest {
+            kind: GuestErrorKind::NotFound,
+            ..
+        } => EngineError::GuestNotFound(message),
+        RuntimeError::Guest {
+            kind: GuestErrorKind::Invalid,
+            ..
+        } => EngineError::Invalid(message),
+        RuntimeError::Guest { .. } => EngineError::Agent(message),
     }
 }
 
@@ -263,28 +227,37 @@ impl Engine for RuntimeEngine {
             },
             timeout: req.timeout_s.map(Duration::from_secs),
         };
-        let handle = agent.exec(areq).await.map_err(agent_err)?;
-        let stream = futures::stream::unfold(Some(handle), |state| async move {
-            let mut h = state?;
-            loop {
-                match h.next_event().await {
-                    None => return None,
-                    Some(Err(e)) => return Some((Err(agent_err(e)), None)),
-                    Some(Ok(AgentEvent::Started { .. })) => continue,
-                    Some(Ok(AgentEvent::Stdout(b))) => {
-                        return Some((Ok(ExecEvent::Stdout(b)), Some(h)))
-                    }
-                    Some(Ok(AgentEvent::Stderr(b))) => {
-                        return Some((Ok(ExecEvent::Stderr(b)), Some(h)))
-                    }
-                    Some(Ok(AgentEvent::Exit(s))) => {
-                        return Some((
-                            Ok(ExecEvent::Exit {
-                                code: s.code,
-                                signal: s.signal,
-                            }),
-                            None,
-                        ))
+        let handle = agent
+            .exec(areq)
+            .await
+            .map_err(|e| rt_err(RuntimeError::from_agent(id.as_str(), e)))?;
+        let sid = id.to_string();
+        let stream = futures::stream::unfold(Some(handle), move |state| {
+            let sid = sid.clone();
+            async move {
+                let mut h = state?;
+                loop {
+                    match h.next_event().await {
+                        None => return None,
+                        Some(Err(e)) => {
+                            return Some((Err(rt_err(RuntimeError::from_agent(&sid, e))), None))
+                        }
+                        Some(Ok(AgentEvent::Started { .. })) => continue,
+                        Some(Ok(AgentEvent::Stdout(b))) => {
+                            return Some((Ok(ExecEvent::Stdout(b)), Some(h)))
+                        }
+                        Some(Ok(AgentEvent::Stderr(b))) => {
+                            return Some((Ok(ExecEvent::Stderr(b)), Some(h)))
+                        }
+                        Some(Ok(AgentEvent::Exit(s))) => {
+                            return Some((
+                                Ok(ExecEvent::Exit {
+                                    code: s.code,
+                                    signal: s.signal,
+                                }),
+                                None,
+                            ))
+                        }
                     }
                 }
             }
@@ -294,8 +267,15 @@ impl Engine for RuntimeEngine {
 
     async fn read_file(&self, id: &SandboxId, path: &str) -> EngineResult<ByteStream> {
         let agent = self.rt.agent(id).await.map_err(rt_err)?;
-        let dl = agent.read_file(path).await.map_err(agent_err)?;
-        Ok(dl.into_stream().map_err(agent_err).boxed())
+        let dl = agent
+            .read_file(path)
+            .await
+            .map_err(|e| rt_err(RuntimeError::from_agent(id.as_str(), e)))?;
+        let sid = id.to_string();
+        Ok(dl
+            .into_stream()
+            .map_err(move |e| rt_err(RuntimeError::from_agent(&sid, e)))
+            .boxed())
     }
 
     async fn write_file(
@@ -312,12 +292,15 @@ impl Engine for RuntimeEngine {
         agent
             .write_file(path, Some(mode), reader)
             .await
-            .map_err(agent_err)
+            .map_err(|e| rt_err(RuntimeError::from_agent(id.as_str(), e)))
     }
 
     async fn list_dir(&self, id: &SandboxId, path: &str) -> EngineResult<Vec<FileStat>> {
         let agent = self.rt.agent(id).await.map_err(rt_err)?;
-        let entries = agent.list_dir(path).await.map_err(agent_err)?;
+        let entries = agent
+            .list_dir(path)
+            .await
+            .map_err(|e| rt_err(RuntimeError::from_agent(id.as_str(), e)))?;
         Ok(entries
             .into_iter()
             .map(|e| FileStat {
@@ -332,7 +315,11 @@ impl Engine for RuntimeEngine {
 
     async fn stat(&self, id: &SandboxId, path: &str) -> EngineResult<FileStat> {
         let agent = self.rt.agent(id).await.map_err(rt_err)?;
-        match agent.stat(path).await.map_err(agent_err)? {
+        match agent
+            .stat(path)
+            .await
+            .map_err(|e| rt_err(RuntimeError::from_agent(id.as_str(), e)))?
+        {
             Some(s) => Ok(FileStat {
                 name: file_name(path),
                 kind: kind(s.kind),
@@ -353,18 +340,29 @@ impl Engine for RuntimeEngine {
                 Some(("", _)) | None => "/".to_owned(),
                 Some((p, _)) => p.to_owned(),
             };
-            if agent.stat(&parent).await.map_err(agent_err)?.is_none() {
+            if agent
+                .stat(&parent)
+                .await
+                .map_err(|e| rt_err(RuntimeError::from_agent(id.as_str(), e)))?
+                .is_none()
+            {
                 return Err(EngineError::GuestNotFound(format!(
                     "parent directory {parent} does not exist (use parents=true)"
                 )));
             }
         }
-        agent.mkdir_all(path, None).await.map_err(agent_err)
+        agent
+            .mkdir_all(path, None)
+            .await
+            .map_err(|e| rt_err(RuntimeError::from_agent(id.as_str(), e)))
     }
 
     async fn remove(&self, id: &SandboxId, path: &str, recursive: bool) -> EngineResult<()> {
         let agent = self.rt.agent(id).await.map_err(rt_err)?;
-        agent.remove(path, recursive).await.map_err(agent_err)
+        agent
+            .remove(path, recursive)
+            .await
+            .map_err(|e| rt_err(RuntimeError::from_agent(id.as_str(), e)))
     }
 
     async fn build_template(
@@ -414,9 +412,8 @@ impl Engine for RuntimeEngine {
     }
 
     async fn adopt(&self, id: &SandboxId) -> EngineResult<VmInfo> {
-        if !self.rt.running().iter().any(|(r, _)| r == id) {
-            self.unstick(id).await;
-        }
+        // The runtime's adopt continues a VM a restart found stopped (QMP
+        // stays below the runtime).
         self.rt.adopt(id).await.map(vm_info).map_err(rt_err)
     }
 

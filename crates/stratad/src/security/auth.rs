@@ -119,49 +119,10 @@ pub fn bearer(value: &str) -> Option<&str> {
     ok.then_some(t)
 }
 
-/// Who may call a route: `(method, matched route)` → the roles allowed
-/// (`HEAD` counts as `GET`). Routes outside `/v1` (`/healthz`, `/metrics`)
-/// are not checked here.
+/// Whether `role` may call `(method, matched route)`: what the route table
+/// (`api::routes::ROUTES`) says (`HEAD` counts as `GET`; unknown routes: no).
 pub fn allowed(method: &str, route: &str, role: Role) -> bool {
-    use Role::*;
-    let method = if method == "HEAD" { "GET" } else { method };
-    if role == Metrics {
-        return (method, route) == ("GET", "/v1/whoami");
-    }
-    if role == Admin {
-        return true;
-    }
-    // Guest files are guest data, not records: developers only (a viewer
-    // reads records; reading a file also wakes a hibernated VM).
-    if route.starts_with("/v1/sandboxes/:id/files") {
-        return role == Developer;
-    }
-    let admin_only = matches!(
-        (method, route),
-        (_, "/v1/tokens")
-            | (_, "/v1/tokens/:id")
-            | ("PUT", "/v1/policy")
-            | ("PUT", "/v1/sandboxes/:id/policy")
-            | ("GET", "/v1/audit/verify")
-    );
-    if admin_only {
-        return false;
-    }
-    if route.starts_with("/v1/approvals/") && method == "POST" {
-        return role == Approver;
-    }
-    // Dry evaluation changes nothing: open to every role.
-    if (method, route) == ("POST", "/v1/policy/test") {
-        return true;
-    }
-    // Starting an egress proxy is a developer's action even though it is a GET.
-    if route == "/v1/sandboxes/:id/egress" {
-        return role == Developer;
-    }
-    if method == "GET" {
-        return true;
-    }
-    role == Developer
+    crate::api::routes::find(method, route).is_some_and(|r| r.allows(role))
 }
 
 #[cfg(test)]

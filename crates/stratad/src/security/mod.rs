@@ -17,14 +17,13 @@ pub mod gate;
 pub mod ratelimit;
 pub mod store;
 
-use std::collections::{BTreeMap, HashMap};
-use std::net::{IpAddr, SocketAddr};
+use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use strata_policy::approval::ApprovalQueue;
 use strata_policy::audit::{self, AuditDecision, AuditLog, Outcome};
 use strata_policy::proxy::{
@@ -33,56 +32,11 @@ use strata_policy::proxy::{
 use strata_policy::{Decision, Policy, PolicySet, ToolCall};
 
 use crate::config::Config;
-use crate::duration::serde_human;
+pub use crate::config::SecurityConfig;
 use crate::store::DEFAULT_TENANT;
 use auth::{Principal, Role};
 use ratelimit::RateLimiter;
 use store::{SecStoreError, SecurityStore, TokenRecord};
-
-/// `[security]` of the daemon configuration.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct SecurityConfig {
-    /// Require `Authorization: Bearer <token>` on `/v1` (except `/healthz`,
-    /// `/metrics`). Off: every caller is an admin of tenant `default`
-    /// (local development only).
-    pub auth: bool,
-    /// Platform policy file (TOML, see `crates/strata-policy/docs/policy.md`);
-    /// unset: a built-in platform policy with `default = "allow"`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub platform_policy: Option<PathBuf>,
-    /// How long a held call waits for an approver by default.
-    #[serde(with = "serde_human")]
-    pub approval_timeout: Duration,
-    /// Longest `approval_timeout` a request may ask for.
-    #[serde(with = "serde_human")]
-    pub max_approval_timeout: Duration,
-    /// Sustained requests per second per token (0: no limit).
-    pub rate_limit_per_second: f64,
-    /// Requests a token may make at once before the sustained rate applies.
-    pub rate_limit_burst: u32,
-    /// Address the per-sandbox egress proxies listen on (port chosen per sandbox).
-    pub egress_bind: IpAddr,
-    /// Host names the egress proxy resolves to fixed addresses instead of
-    /// DNS (pinning connector hosts; tests point them at loopback). The
-    /// system resolver refuses private and loopback answers.
-    pub egress_static_hosts: BTreeMap<String, IpAddr>,
-}
-
-impl Default for SecurityConfig {
-    fn default() -> Self {
-        SecurityConfig {
-            auth: true,
-            platform_policy: None,
-            approval_timeout: Duration::from_secs(60),
-            max_approval_timeout: Duration::from_secs(600),
-            rate_limit_per_second: 50.0,
-            rate_limit_burst: 100,
-            egress_bind: IpAddr::from([127, 0, 0, 1]),
-            egress_static_hosts: BTreeMap::new(),
-        }
-    }
-}
 
 /// Why the security subsystem could not start.
 #[derive(Debug, thiserror::Error)]
@@ -501,6 +455,23 @@ impl Security {
             tenant: t.tenant,
             role: t.role,
             name: t.name,
+        })
+    }
+
+    /// Whether an API caller's credential still holds (a stored caller, such
+    /// as the one an E2B envd token was handed to, outlives its request): a
+    /// strata token must still exist in its tenant, unrevoked and unexpired.
+    /// Configured keys and the anonymous caller of `auth = false` hold.
+    pub fn credential_holds(&self, caller: &crate::caller::Caller) -> Result<bool, SecStoreError> {
+        let crate::caller::Caller::Api { tenant, token, .. } = caller else {
+            return Ok(true);
+        };
+        if !token.starts_with("tok-") {
+            return Ok(true);
+        }
+        Ok(match self.store.token(tenant, token)? {
+            Some(t) => t.revoked_at.is_none() && t.expires_at.is_none_or(|e| e > Utc::now()),
+            None => false,
         })
     }
 

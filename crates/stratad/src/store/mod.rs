@@ -5,6 +5,15 @@
 //! embedded default. Methods are synchronous (they block on disk I/O): async
 //! callers run them on the blocking pool (see `service::Service::db`).
 //! Every write method is one transaction, durable when it returns.
+//!
+//! The shape is decided for several writers (many hosts on one PostgreSQL):
+//! the trait stays synchronous and runs on the blocking pool (a PostgreSQL
+//! store implements it over a pooled synchronous client; one transaction per
+//! method, as here), and every sandbox update is a compare-and-set on the
+//! record's `version` (`UPDATE … WHERE id = $1 AND version = $2`): a writer
+//! holding an older copy gets [`StoreError::Stale`] and changes nothing, so
+//! no update is ever lost. The service's transition writer
+//! (`service::journal`) is the only code that writes a sandbox's state.
 
 use std::collections::BTreeMap;
 
@@ -56,6 +65,10 @@ pub struct SandboxRecord {
     pub accel: Option<String>,
     /// When it was deleted.
     pub deleted_at: Option<DateTime<Utc>>,
+    /// Write version: every update is a compare-and-set on it (an update
+    /// from an older copy is refused with [`StoreError::Stale`]).
+    #[serde(default)]
+    pub version: u64,
 }
 
 /// Why a snapshot was taken.
@@ -340,6 +353,17 @@ pub enum StoreError {
     /// A pagination cursor that this store did not hand out.
     #[error("invalid cursor")]
     BadCursor,
+    /// An update from an older copy of the record than the stored one:
+    /// another writer changed it meanwhile; nothing was written.
+    #[error("sandbox {id} changed meanwhile (version {expected} expected, {found} stored)")]
+    Stale {
+        /// The sandbox.
+        id: String,
+        /// The version the writer read.
+        expected: u64,
+        /// The version stored.
+        found: u64,
+    },
     /// The database was written by a newer stratad.
     #[error("database schema version {found} is newer than this stratad ({supported})")]
     TooNew {

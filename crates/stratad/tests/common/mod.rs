@@ -1,22 +1,24 @@
 //! Harness of the end-to-end tests: a real `stratad` process (its own data
 //! dir, loop-mounted btrfs pool, short run dir under /tmp, `accel = tcg`,
-//! the test image) and an HTTP client.
+//! the test image) and a client of its API (`strata_testkit::Api`, with the
+//! admin token the daemon writes on its first start).
 //!
 //! Cleanup: every daemon is registered; at process exit (atexit, which runs
 //! after libtest is done, pass or fail) and on drop, the daemon and the
 //! QEMUs listed in `<run_dir>/*/qemu.pid` are killed by pid, the pool is
-//! unmounted, its loop device detached and the directory removed.
+//! unmounted, its loop device detached and the directory removed
+//! (`strata_testkit::teardown`).
 
 #![allow(dead_code)]
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Mutex, Once};
 use std::time::{Duration, Instant};
 
-use base64::Engine as _;
-use futures::StreamExt;
 use serde_json::{json, Value};
+use strata_testkit::teardown::{cmdline, remove_daemon_root, sigkill, wait_gone};
+use strata_testkit::{error_chain, Api, Exec};
 
 /// What cleanup needs of one daemon.
 #[derive(Debug, Clone)]
@@ -38,105 +40,17 @@ extern "C" fn cleanup_all() {
     }
 }
 
-/// Whether `pid` runs and is not a zombie.
-pub fn alive(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().next())
-            .is_some_and(|st| st != "Z" && st != "X"),
-        Err(_) => false,
-    }
-}
-
-fn cmdline(pid: u32) -> String {
-    std::fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
-        .unwrap_or_default()
-}
-
-/// QEMU pids listed in `<run_dir>/*/qemu.pid` that are alive and really ours.
-pub fn qemu_pids(run_dir: &Path) -> Vec<(String, u32)> {
-    let mut out = Vec::new();
-    let Ok(rd) = std::fs::read_dir(run_dir) else {
-        return out;
-    };
-    for e in rd.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        let Ok(text) = std::fs::read_to_string(e.path().join("qemu.pid")) else {
-            continue;
-        };
-        let Ok(pid) = text.trim().parse::<u32>() else {
-            continue;
-        };
-        if alive(pid) && cmdline(pid).contains(&run_dir.to_string_lossy().to_string()) {
-            out.push((name, pid));
-        }
-    }
-    out
-}
-
-fn sigkill(pid: u32) {
-    // SAFETY: kill(2) on a pid this test started (daemon) or read from our run dir.
-    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-}
-
-fn wait_gone(pid: u32) {
-    let t = Instant::now();
-    while alive(pid) && t.elapsed() < Duration::from_secs(10) {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// Kills the daemon and its QEMUs, unmounts the pool, removes `root`.
-fn cleanup(root: &Path, daemon_pid: Option<i32>) {
+/// Kills the daemon (when `daemon_pid` still runs it) and its QEMUs,
+/// unmounts the pool, removes `root`.
+fn cleanup(root: &std::path::Path, daemon_pid: Option<i32>) {
     if let Some(pid) = daemon_pid {
-        if cmdline(pid as u32).contains("stratad") {
-            sigkill(pid as u32);
-            wait_gone(pid as u32);
+        let pid = pid as u32;
+        if cmdline(pid).contains("stratad") {
+            sigkill(pid);
+            wait_gone(pid, Duration::from_secs(10));
         }
     }
-    let run = root.join("run");
-    for (_, pid) in qemu_pids(&run) {
-        sigkill(pid);
-        wait_gone(pid);
-    }
-    let mnt = root.join("data/pool");
-    let mounted = std::fs::read_to_string("/proc/mounts")
-        .map(|m| {
-            m.lines()
-                .any(|l| l.split_whitespace().nth(1) == Some(&mnt.to_string_lossy()))
-        })
-        .unwrap_or(false);
-    if mounted {
-        for _ in 0..50 {
-            let ok = Command::new("umount")
-                .arg(&mnt)
-                .stderr(Stdio::null())
-                .status()
-                .is_ok_and(|s| s.success());
-            if ok {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-    let img = root.join("data/pool.img");
-    if let Ok(out) = Command::new("losetup").arg("-j").arg(&img).output() {
-        for line in String::from_utf8_lossy(&out.stdout).lines() {
-            if let Some(dev) = line.split(':').next() {
-                let _ = Command::new("losetup").args(["-d", dev]).status();
-            }
-        }
-    }
-    let still = std::fs::read_to_string("/proc/mounts")
-        .map(|m| m.contains(&*mnt.to_string_lossy()))
-        .unwrap_or(false);
-    if still {
-        eprintln!("e2e cleanup: {} is still mounted", mnt.display());
-    } else {
-        let _ = std::fs::remove_dir_all(root);
-    }
+    remove_daemon_root(root);
 }
 
 /// A `stratad` child process and its directories.
@@ -152,13 +66,8 @@ pub struct Daemon {
     pub url: String,
     child: Mutex<Option<Child>>,
     starts: Mutex<u32>,
-    /// HTTP client.
-    pub http: reqwest::Client,
-}
-
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    l.local_addr().expect("addr").port()
+    /// A client of its API with the admin token (once the daemon wrote it).
+    pub api: Api,
 }
 
 impl Daemon {
@@ -177,7 +86,7 @@ impl Daemon {
             .expect("scratch dir")
             .keep();
         let run_dir = root.join("run");
-        let port = free_port();
+        let port = strata_testkit::free_port();
         let config = root.join("config.toml");
         let text = format!(
             r#"listen = "127.0.0.1:{port}"
@@ -207,10 +116,14 @@ disk_gib = 2
             url: format!("http://127.0.0.1:{port}"),
             child: Mutex::new(None),
             starts: Mutex::new(0),
-            http: reqwest::Client::builder()
-                .timeout(Duration::from_secs(180))
-                .build()
-                .expect("client"),
+            api: Api::with_client(
+                format!("http://127.0.0.1:{port}"),
+                reqwest::Client::builder()
+                    .timeout(Duration::from_secs(180))
+                    .build()
+                    .expect("client"),
+            )
+            .token_file(root.join("data/admin.token")),
         };
         REGISTRY.lock().expect("registry").push(Registered {
             root: root.clone(),
@@ -237,7 +150,7 @@ disk_gib = 2
         let mut starts = self.starts.lock().expect("starts");
         *starts += 1;
         let log = std::fs::File::create(self.log(*starts)).expect("log file");
-        let child = Command::new(env!("CARGO_BIN_EXE_stratad"))
+        let child = Command::new(strata_testkit::stratad_bin())
             .arg("--config")
             .arg(&self.config)
             .env("RUST_LOG", "info")
@@ -314,47 +227,28 @@ disk_gib = 2
 
     /// The bootstrap admin token the daemon wrote on first start (auth on).
     pub fn token(&self) -> Option<String> {
-        std::fs::read_to_string(self.root.join("data/admin.token"))
-            .ok()
-            .map(|t| t.trim().to_owned())
+        self.api.token()
     }
 
     /// A request builder for `method path`, with the admin token if any.
     pub fn request(&self, method: &str, path: &str) -> reqwest::RequestBuilder {
-        let m = reqwest::Method::from_bytes(method.as_bytes()).expect("method");
-        let rb = self.http.request(m, format!("{}{path}", self.url));
-        match self.token() {
-            Some(t) => rb.bearer_auth(t),
-            None => rb,
-        }
+        self.api.req(method_of(method), path)
     }
 
     /// A request; returns the status and the JSON body (`null` if none).
     pub async fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
-        let mut rb = self.request(method, path);
-        if let Some(b) = body {
-            rb = rb.json(&b);
-        }
-        let resp = rb
-            .send()
+        self.api
+            .json(method_of(method), path, body)
             .await
-            .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
-        let status = resp.status().as_u16();
-        let bytes = resp.bytes().await.expect("body");
-        let v = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-        (status, v)
+            .unwrap_or_else(|e| panic!("{}", error_chain(&e)))
     }
 
     /// A request with a raw body.
     pub async fn raw(&self, method: &str, path: &str, body: Vec<u8>) -> (u16, Vec<u8>) {
-        let resp = self
-            .request(method, path)
-            .body(body)
-            .send()
+        self.api
+            .raw(method_of(method), path, body)
             .await
-            .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
-        let status = resp.status().as_u16();
-        (status, resp.bytes().await.expect("body").to_vec())
+            .unwrap_or_else(|e| panic!("{}", error_chain(&e)))
     }
 
     /// Asserts `status` and returns the body.
@@ -383,45 +277,10 @@ disk_gib = 2
 
     /// Runs a command with a full exec body; records when each line came.
     pub async fn exec_body(&self, id: &str, body: Value) -> Exec {
-        let t0 = Instant::now();
-        let resp = self
-            .request("POST", &format!("/v1/sandboxes/{id}/exec"))
-            .json(&body)
-            .send()
+        self.api
+            .exec(id, body)
             .await
-            .expect("exec request");
-        let status = resp.status().as_u16();
-        let mut out = Exec {
-            status,
-            ..Exec::default()
-        };
-        if status != 200 {
-            out.error = resp.json().await.unwrap_or(Value::Null);
-            return out;
-        }
-        let mut stream = resp.bytes_stream();
-        let mut buf = Vec::new();
-        let b64 = base64::engine::general_purpose::STANDARD;
-        while let Some(chunk) = stream.next().await {
-            buf.extend_from_slice(&chunk.expect("exec stream"));
-            while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
-                let line: Vec<u8> = buf.drain(..=nl).collect();
-                let v: Value = serde_json::from_slice(&line).expect("ndjson line");
-                let at = t0.elapsed();
-                if let Some(s) = v["stdout"].as_str() {
-                    out.stdout.extend(b64.decode(s).expect("b64"));
-                    out.stdout_at.push(at);
-                } else if let Some(s) = v["stderr"].as_str() {
-                    out.stderr.extend(b64.decode(s).expect("b64"));
-                } else if v.get("exit").is_some() {
-                    out.code = v["exit"]["code"].as_i64();
-                    out.exit_at = Some(at);
-                } else {
-                    out.error = v;
-                }
-            }
-        }
-        out
+            .unwrap_or_else(|e| panic!("{}", error_chain(&e)))
     }
 
     /// Polls `GET /v1/sandboxes/{id}` until `pred` holds (or panics after `max`).
@@ -461,28 +320,6 @@ impl Drop for Daemon {
     }
 }
 
-/// The outcome of an exec through the API.
-#[derive(Debug, Default)]
-pub struct Exec {
-    /// HTTP status.
-    pub status: u16,
-    /// Exit code.
-    pub code: Option<i64>,
-    /// Collected stdout.
-    pub stdout: Vec<u8>,
-    /// Collected stderr.
-    pub stderr: Vec<u8>,
-    /// When each stdout line arrived (since the request).
-    pub stdout_at: Vec<Duration>,
-    /// When the exit line arrived.
-    pub exit_at: Option<Duration>,
-    /// Error body (non-200) or error line.
-    pub error: Value,
-}
-
-impl Exec {
-    /// Stdout as trimmed text.
-    pub fn out(&self) -> String {
-        String::from_utf8_lossy(&self.stdout).trim().to_owned()
-    }
+fn method_of(method: &str) -> reqwest::Method {
+    reqwest::Method::from_bytes(method.as_bytes()).expect("method")
 }

@@ -84,6 +84,20 @@ pub fn stored_zip(entries: &[(String, Vec<u8>)]) -> Vec<u8> {
         v.extend_from_slice(&x.to_le_bytes());
     }
     const DOS_DATE: u16 = (2026 - 1980) << 9 | 1 << 5 | 1;
+    // The fields a local header and a central directory entry share, from
+    // "version needed" to "extra field length".
+    let common = |v: &mut Vec<u8>, crc: u32, len: u32, name_len: u16| {
+        u16le(v, 20); // version needed
+        u16le(v, 0); // flags
+        u16le(v, 0); // stored
+        u16le(v, 0); // time
+        u16le(v, DOS_DATE);
+        u32le(v, crc);
+        u32le(v, len); // compressed size
+        u32le(v, len); // uncompressed size
+        u16le(v, name_len);
+        u16le(v, 0); // extra
+    };
     let mut out = Vec::new();
     let mut central = Vec::new();
     for (name, data) in entries {
@@ -91,31 +105,13 @@ pub fn stored_zip(entries: &[(String, Vec<u8>)]) -> Vec<u8> {
         let offset = out.len() as u32;
         // Local file header.
         u32le(&mut out, 0x0403_4b50);
-        u16le(&mut out, 20); // version needed
-        u16le(&mut out, 0); // flags
-        u16le(&mut out, 0); // stored
-        u16le(&mut out, 0); // time
-        u16le(&mut out, DOS_DATE);
-        u32le(&mut out, crc);
-        u32le(&mut out, data.len() as u32);
-        u32le(&mut out, data.len() as u32);
-        u16le(&mut out, name.len() as u16);
-        u16le(&mut out, 0); // extra
+        common(&mut out, crc, data.len() as u32, name.len() as u16);
         out.extend_from_slice(name.as_bytes());
         out.extend_from_slice(data);
         // Central directory entry.
         u32le(&mut central, 0x0201_4b50);
         u16le(&mut central, 3 << 8 | 20); // made by: unix, 2.0
-        u16le(&mut central, 20);
-        u16le(&mut central, 0);
-        u16le(&mut central, 0);
-        u16le(&mut central, 0);
-        u16le(&mut central, DOS_DATE);
-        u32le(&mut central, crc);
-        u32le(&mut central, data.len() as u32);
-        u32le(&mut central, data.len() as u32);
-        u16le(&mut central, name.len() as u16);
-        u16le(&mut central, 0); // extra
+        common(&mut central, crc, data.len() as u32, name.len() as u16);
         u16le(&mut central, 0); // comment
         u16le(&mut central, 0); // disk
         u16le(&mut central, 0); // internal attributes

@@ -2,6 +2,7 @@
 //! converted to qcow2, RAM as plain anonymous memory, driven through its agent.
 //! Its QEMU is killed on every path: explicitly, in `Drop`, and on Ctrl-C.
 
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -35,19 +36,15 @@ impl PeerVm {
     /// `memory_mib` of anonymous RAM and 1 vCPU, and waits for its agent.
     pub async fn boot(ctx: &Ctx, memory_mib: u64, disk: &Path) -> Result<PeerVm> {
         let image = strata_runtime::load_image(&ctx.image).map_err(|e| anyhow!("{e}"))?;
-        let out = tokio::process::Command::new("qemu-img")
-            .args(["convert", "-O", "qcow2"])
-            .arg(&image.rootfs)
-            .arg(disk)
-            .output()
-            .await
-            .context("run qemu-img convert")?;
-        if !out.status.success() {
-            bail!(
-                "qemu-img convert: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-        }
+        let o = OsStr::new;
+        qemu_img(&[
+            o("convert"),
+            o("-O"),
+            o("qcow2"),
+            image.rootfs.as_os_str(),
+            disk.as_os_str(),
+        ])
+        .await?;
         let accel = match ctx.accel {
             Accel::Kvm => ResolvedAccel::Kvm,
             _ => ResolvedAccel::Tcg,
@@ -200,20 +197,31 @@ pub async fn sh(agent: &AgentClient, script: &str) -> Result<String> {
 /// The `vm-state-size` of internal snapshot `tag` in a qcow2 image (read while
 /// the VM runs, with `-U`): the RAM + device state `savevm` wrote.
 pub async fn vmstate_bytes(disk: &Path, tag: &str) -> Result<u64> {
+    let o = OsStr::new;
+    let out = qemu_img(&[o("info"), o("-U"), o("--output=json"), disk.as_os_str()]).await?;
+    let v: Value = serde_json::from_slice(&out).context("qemu-img info output")?;
+    parse_vmstate(&v, tag)
+}
+
+/// Runs `qemu-img ARGS`: its stdout, or an error with its stderr when it
+/// fails (both name the subcommand, `ARGS[0]`).
+async fn qemu_img(args: &[&OsStr]) -> Result<Vec<u8>> {
+    let sub = args
+        .first()
+        .map(|a| a.to_string_lossy())
+        .unwrap_or_default();
     let out = tokio::process::Command::new("qemu-img")
-        .args(["info", "-U", "--output=json"])
-        .arg(disk)
+        .args(args)
         .output()
         .await
-        .context("run qemu-img info")?;
+        .with_context(|| format!("run qemu-img {sub}"))?;
     if !out.status.success() {
         bail!(
-            "qemu-img info: {}",
+            "qemu-img {sub}: {}",
             String::from_utf8_lossy(&out.stderr).trim()
         );
     }
-    let v: Value = serde_json::from_slice(&out.stdout).context("qemu-img info output")?;
-    parse_vmstate(&v, tag)
+    Ok(out.stdout)
 }
 
 /// `vm-state-size` of snapshot `tag` in `qemu-img info --output=json` output.

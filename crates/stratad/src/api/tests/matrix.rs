@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use super::security::{req, sec_harness, token, Sec};
 use super::*;
+use crate::api::Action;
 use crate::security::auth::{allowed, Role};
 
 const ROLES: [&str; 5] = ["admin", "developer", "approver", "viewer", "metrics"];
@@ -97,29 +98,11 @@ fn malformed(k: Kind) -> &'static str {
     }
 }
 
-/// Whether a successful call of the route is a tool call (gated, audited).
-fn gated(method: &str, path: &str) -> bool {
-    matches!(
-        (method, path),
-        ("DELETE", "/v1/sandboxes/:id")
-            | ("POST", "/v1/sandboxes/:id/exec")
-            | ("POST", "/v1/sandboxes/:id/pause")
-            | ("POST", "/v1/sandboxes/:id/resume")
-            | ("POST", "/v1/sandboxes/:id/hibernate")
-            | ("POST", "/v1/sandboxes/:id/fork")
-            | ("POST", "/v1/sandboxes/:id/rewind")
-            | ("POST", "/v1/sandboxes/:id/snapshots")
-            | (_, "/v1/sandboxes/:id/files")
-            | ("GET" | "HEAD", "/v1/sandboxes/:id/files/list")
-            | ("GET" | "HEAD", "/v1/sandboxes/:id/files/stat")
-            | ("POST", "/v1/sandboxes/:id/files/mkdir")
-            | ("DELETE", "/v1/snapshots/:id")
-            | ("POST", "/v1/snapshots/:id/fork")
-            | ("DELETE", "/v1/templates/:id")
-            // An answer is audited too (as the answer, not a gate decision).
-            | ("POST", "/v1/approvals/:id/approve")
-            | ("POST", "/v1/approvals/:id/deny")
-    )
+/// Whether a successful call of the route writes one audit entry: a tool
+/// call (the route table says which), or an answer to a held call.
+fn audited(method: &str, path: &str) -> bool {
+    let r = crate::api::routes::find(method, path).unwrap();
+    r.tool_call || matches!(r.action, Action::Approve | Action::Deny)
 }
 
 /// The query and body a well-formed call of the route carries.
@@ -295,8 +278,8 @@ async fn every_route_every_role_every_spelling_of_the_id() {
     let mut cases = 0usize;
     let mut routes: Vec<(&str, &str)> = crate::api::ROUTES
         .iter()
-        .filter(|(_, p)| p.starts_with("/v1/") && p.contains(":id"))
-        .copied()
+        .filter(|r| r.path.starts_with("/v1/") && r.path.contains(":id"))
+        .map(|r| (r.method, r.path))
         .collect();
     let heads: Vec<(&str, &str)> = routes
         .iter()
@@ -373,7 +356,7 @@ async fn every_route_every_role_every_spelling_of_the_id() {
                             None => own_status = Some(a.status),
                             Some(s) => assert_eq!(a.status, s, "{ctx}: {}", a.body),
                         }
-                        if gated(method, path) {
+                        if audited(method, path) {
                             assert_eq!(a.audited.len(), 1, "{ctx}: {:?}", a.audited);
                             let entry = &a.audited[0];
                             let want = format!("token:{}", acme.ids[role_name]);

@@ -213,7 +213,7 @@ async fn role_matrix_over_every_route() {
     for role in ["admin", "developer", "approver", "viewer"] {
         toks.insert(role, token(&h, "acme", role).await);
     }
-    for (method, path) in crate::api::ROUTES {
+    for &crate::api::Route { method, path, .. } in crate::api::ROUTES {
         if !path.starts_with("/v1/") {
             continue;
         }
@@ -297,7 +297,7 @@ async fn another_tenants_ids_answer_like_unknown_ids() {
     assert_eq!(v["items"].as_array().unwrap().len(), 1);
     let unknown_sb = "sb-0000000000000000zzzz";
     let unknown_snap = "snap-0000000000000000zzzz";
-    for (method, path) in crate::api::ROUTES {
+    for &crate::api::Route { method, path, .. } in crate::api::ROUTES {
         let (id, unknown) = if path.starts_with("/v1/sandboxes/:id") {
             (&sb, unknown_sb)
         } else if path.starts_with("/v1/snapshots/:id") {

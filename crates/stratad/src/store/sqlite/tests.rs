@@ -29,6 +29,7 @@ pub(crate) fn sandbox(i: i64, state: SandboxState) -> SandboxRecord {
         pid: Some(1000 + i as u32),
         accel: Some("tcg".into()),
         deleted_at: None,
+        version: 0,
     }
 }
 

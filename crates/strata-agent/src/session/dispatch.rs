@@ -1,0 +1,207 @@
+//! Dispatch: what the agent does for each host request (see `PROTOCOL.md`,
+//! *Requests*). Requests that outlive their first reply (exec, write_file,
+//! read_file) get a row in the request table and a task that serves it;
+//! stream data and acks for them are routed by the session loop through
+//! that row. One-reply requests (list, stat, mkdir, remove, restore_sync)
+//! run on the blocking pool and answer once. Tunnel messages of the host
+//! (`tunnel_ok`, `tunnel_ack`, `tunnel_eof`, `tunnel_close`) go to their
+//! tunnel's row. A request that would open a row under id 0 or an id in use
+//! fails with `invalid_argument`.
+
+use std::time::Duration;
+
+use strata_proto::tunnel::TunnelMsg;
+use strata_proto::{RemoteErrorKind, Request, Response};
+use tokio::sync::{mpsc, watch};
+
+use super::{agent_info, Session};
+use crate::egress;
+use crate::error::Fail;
+use crate::exec::{self, Spec};
+use crate::files;
+use crate::outbox::Outbox;
+use crate::requests::{lock, Entry, Slot, UploadMsg};
+
+/// Upload queue depth (chunks); the host's window is smaller.
+const UPLOAD_QUEUE: usize =
+    2 * (strata_proto::client::WRITE_WINDOW as usize / strata_proto::frame::MAX_FILE_CHUNK);
+
+impl Session {
+    /// Whether `id` cannot take a new request (connection-level, or in use).
+    fn busy(&self, id: u32) -> bool {
+        id == 0 || lock(&self.table).contains_key(&id)
+    }
+
+    /// Serves one request of the current session.
+    pub(super) async fn request(&mut self, id: u32, req: Request) {
+        let out = self.outbox();
+        let epoch = self.epoch();
+        let opens_entry = matches!(
+            req,
+            Request::Exec { .. } | Request::WriteFile { .. } | Request::ReadFile { .. }
+        );
+        if opens_entry && self.busy(id) {
+            let f = Fail::new(RemoteErrorKind::InvalidArgument, "request id in use");
+            return out.error(id, f).await;
+        }
+        match req {
+            Request::Hello { .. } => {}
+            Request::Ping {} => out.msg(id, &Response::Pong { info: agent_info() }).await,
+            Request::Exec {
+                command,
+                env,
+                cwd,
+                user,
+                stdin,
+                timeout_ms,
+            } => {
+                let spec = Spec {
+                    command,
+                    env,
+                    cwd,
+                    user,
+                    stdin,
+                    timeout: timeout_ms.map(Duration::from_millis),
+                    proxy: self.egress.proxy_url(epoch),
+                };
+                let child = match exec::spawn(&spec) {
+                    Ok(c) => c,
+                    Err(f) => return out.error(id, f).await,
+                };
+                let pid = child.id().unwrap_or(0);
+                let (stdin_tx, stdin_rx) = if stdin {
+                    let (tx, rx) = mpsc::unbounded_channel();
+                    (Some(tx), Some(rx))
+                } else {
+                    (None, None)
+                };
+                let entry = Entry::Exec {
+                    stdin: stdin_tx,
+                    pgid: pid as i32,
+                };
+                let slot = Slot::insert(&self.table, id, epoch, out, entry);
+                tracing::debug!(id, pid, "started");
+                slot.out.msg(id, &Response::Started { pid }).await;
+                tokio::spawn(exec::run(child, spec.timeout, stdin_rx, slot));
+            }
+            Request::StdinClose {} => {
+                if let Some((_, Entry::Exec { stdin, .. })) = lock(&self.table).get_mut(&id) {
+                    *stdin = None;
+                }
+            }
+            Request::Signal { signal } => {
+                let pgid = match lock(&self.table).get(&id) {
+                    Some((_, Entry::Exec { pgid, .. })) => Some(*pgid),
+                    _ => None,
+                };
+                if let Some(pgid) = pgid {
+                    exec::kill_group(pgid, signal);
+                }
+            }
+            Request::WriteFile { path, mode } => {
+                let p = path.clone();
+                let opened = tokio::task::spawn_blocking(move || files::open_upload(&p, id))
+                    .await
+                    .unwrap_or_else(|e| Err(Fail::new(RemoteErrorKind::Other, e.to_string())));
+                let (dest, tmp, file) = match opened {
+                    Ok(x) => x,
+                    Err(f) => return out.error(id, f).await,
+                };
+                let (tx, rx) = mpsc::channel(UPLOAD_QUEUE);
+                let slot = Slot::insert(&self.table, id, epoch, out, Entry::Upload { tx });
+                tokio::spawn(files::upload(dest, tmp, file, mode, rx, slot));
+            }
+            Request::WriteEnd {} => {
+                if let Some((_, Entry::Upload { tx })) = lock(&self.table).get(&id) {
+                    let _ = tx.try_send(UploadMsg::End);
+                }
+            }
+            Request::ReadFile { path } => {
+                let (file, size) = match files::open_download(&path) {
+                    Ok(x) => x,
+                    Err(f) => return out.error(id, f).await,
+                };
+                let (acks, acks_rx) = watch::channel(0u64);
+                let slot = Slot::insert(&self.table, id, epoch, out, Entry::Download { acks });
+                tokio::spawn(files::download(file, size, acks_rx, slot));
+            }
+            Request::ReadAck { bytes } => {
+                if let Some((_, Entry::Download { acks })) = lock(&self.table).get(&id) {
+                    let _ = acks.send(bytes);
+                }
+            }
+            Request::ListDir { path } => blocking_reply(out, id, move || {
+                files::list_dir(&path).map(|entries| Response::Listing { entries })
+            }),
+            Request::Stat { path } => blocking_reply(out, id, move || {
+                files::stat(&path).map(|stat| Response::Stat { stat })
+            }),
+            Request::MkdirAll { path, mode } => blocking_reply(out, id, move || {
+                files::mkdir_all(&path, mode).map(|()| Response::Ok)
+            }),
+            Request::Remove { path, recursive } => blocking_reply(out, id, move || {
+                files::remove(&path, recursive).map(|()| Response::Ok)
+            }),
+            Request::EgressEnable {} => {
+                let ctx = egress::Ctx {
+                    out: self.transport.out.clone(),
+                    epoch: self.transport.epoch.clone(),
+                    table: self.table.clone(),
+                };
+                match self.egress.enable(epoch, ctx) {
+                    Ok(a) => {
+                        out.msg(
+                            id,
+                            &Response::EgressEnabled {
+                                listen: a.to_string(),
+                            },
+                        )
+                        .await
+                    }
+                    Err(f) => out.error(id, f).await,
+                }
+            }
+            Request::TunnelOk {} => {
+                if let Some((_, Entry::Tunnel { opened, .. })) = lock(&self.table).get_mut(&id) {
+                    if let Some(o) = opened.take() {
+                        let _ = o.send(Ok(()));
+                    }
+                }
+            }
+            Request::TunnelAck { bytes } => self.tunnel_msg(id, TunnelMsg::Ack(bytes)).await,
+            Request::TunnelEof {} => self.tunnel_msg(id, TunnelMsg::Eof).await,
+            Request::TunnelClose { error } => self.tunnel_msg(id, TunnelMsg::Close(error)).await,
+            Request::RestoreSync(rs) => {
+                let sys = self.sys.clone();
+                tracing::info!(
+                    entropy = rs.entropy.len(),
+                    hostname = ?rs.hostname,
+                    machine_id = ?rs.machine_id,
+                    "restore sync"
+                );
+                blocking_reply(out, id, move || {
+                    crate::system::restore_sync(sys.as_ref(), &rs).map(|()| Response::Ok)
+                })
+            }
+        }
+    }
+}
+
+/// Runs `f` on the blocking pool and sends its result as the reply.
+fn blocking_reply<F>(out: Outbox, id: u32, f: F)
+where
+    F: FnOnce() -> Result<Response, Fail> + Send + 'static,
+{
+    tokio::spawn(async move {
+        let r = tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| {
+            Err(Fail::new(
+                RemoteErrorKind::Other,
+                format!("internal error: {e}"),
+            ))
+        });
+        match r {
+            Ok(resp) => out.msg(id, &resp).await,
+            Err(f) => out.error(id, f).await,
+        }
+    });
+}

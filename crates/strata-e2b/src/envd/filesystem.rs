@@ -1,0 +1,350 @@
+//! `filesystem.Filesystem/*`: stat, list, make, move and remove guest
+//! paths, and polling directory watchers (a listing kept per watcher and
+//! diffed at each `GetWatcherEvents`).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::Response;
+use bytes::Bytes;
+use serde_json::json;
+use stratad::engine::{EngineError, FileKind};
+use stratad::service::{Grant, ServiceError};
+
+use super::{entry, join, read, write};
+use crate::connect::{Code, ConnectError};
+use crate::error::service_err;
+use crate::procs;
+use crate::proto::{self, EntryInfo};
+use crate::E2b;
+
+async fn stat_entry(st: &Arc<E2b>, g: &Grant, path: &str) -> Result<EntryInfo, ConnectError> {
+    let s = st.svc.stat(g, path).await.map_err(service_err)?;
+    Ok(entry(path, &s))
+}
+
+/// `filesystem.Filesystem/Stat`.
+pub async fn stat(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
+    unary!(st, headers, body, proto::PathRequest, |id, r| async {
+        let path = st.guest_path(&r.path);
+        let g = st.envd_grant(&id, read(&path)).await?;
+        let e = stat_entry(&st, &g, &path).await?;
+        Ok::<_, ConnectError>(json!({ "entry": e }))
+    })
+}
+
+/// `filesystem.Filesystem/ListDir` (`depth` levels, 1 by default).
+pub async fn list_dir(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
+    unary!(st, headers, body, proto::ListDirRequest, |id, r| async {
+        let root = st.guest_path(&r.path);
+        let g = st.envd_grant(&id, read(&root)).await?;
+        let depth = r.depth.max(1);
+        let top = st.svc.stat(&g, &root).await.map_err(service_err)?;
+        if top.kind != FileKind::Dir {
+            return Err(ConnectError::new(
+                Code::InvalidArgument,
+                format!("path {root} is not a directory"),
+            ));
+        }
+        let mut entries = Vec::new();
+        let mut level = vec![root];
+        for _ in 0..depth {
+            let mut next = Vec::new();
+            for dir in level {
+                let items = st.svc.list_dir(&g, &dir).await.map_err(service_err)?;
+                for s in items {
+                    let p = join(&dir, &s.name);
+                    if s.kind == FileKind::Dir {
+                        next.push(p.clone());
+                    }
+                    entries.push(entry(&p, &s));
+                    if entries.len() > 100_000 {
+                        return Err(ConnectError::new(
+                            Code::ResourceExhausted,
+                            "more than 100000 entries",
+                        ));
+                    }
+                }
+            }
+            level = next;
+        }
+        Ok::<_, ConnectError>(json!({ "entries": entries }))
+    })
+}
+
+/// `filesystem.Filesystem/MakeDir` (parents too; `already_exists` if it does).
+pub async fn make_dir(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
+    unary!(st, headers, body, proto::PathRequest, |id, r| async {
+        let path = st.guest_path(&r.path);
+        let g = st.envd_grant(&id, write(&path)).await?;
+        match st.svc.stat(&g, &path).await {
+            Ok(_) => {
+                return Err(ConnectError::new(
+                    Code::AlreadyExists,
+                    format!("{path} already exists"),
+                ))
+            }
+            Err(ServiceError::Engine(EngineError::GuestNotFound(_))) => {}
+            Err(e) => return Err(service_err(e)),
+        }
+        st.svc.mkdir(&g, &path, true).await.map_err(service_err)?;
+        let e = stat_entry(&st, &g, &path).await?;
+        Ok::<_, ConnectError>(json!({ "entry": e }))
+    })
+}
+
+/// `filesystem.Filesystem/Move` (a `mv` in the guest).
+pub async fn move_entry(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
+    unary!(st, headers, body, proto::MoveRequest, |id, r| async {
+        let (src, dst) = (st.guest_path(&r.source), st.guest_path(&r.destination));
+        stratad::service::validate_guest_path(&src).map_err(service_err)?;
+        stratad::service::validate_guest_path(&dst).map_err(service_err)?;
+        // Both ends are writes: the gate decides each, the `mv` helper
+        // runs under the destination's grant.
+        let from = st.envd_grant(&id, write(&src)).await?;
+        let to = st.envd_grant(&id, write(&dst)).await?;
+        st.svc.stat(&from, &src).await.map_err(service_err)?;
+        let argv = vec![
+            "/bin/sh".to_owned(),
+            "-c".to_owned(),
+            r#"mkdir -p -- "$(dirname -- "$1")" && mv -- "$0" "$1""#.to_owned(),
+            src,
+            dst.clone(),
+        ];
+        let (code, _, err) = procs::run_helper(&st.svc, &to, argv, None, 60).await?;
+        if code != Some(0) {
+            return Err(ConnectError::new(
+                Code::Unknown,
+                format!("move failed: {}", String::from_utf8_lossy(&err).trim()),
+            ));
+        }
+        let e = stat_entry(&st, &to, &dst).await?;
+        Ok::<_, ConnectError>(json!({ "entry": e }))
+    })
+}
+
+/// `filesystem.Filesystem/Remove` (recursive).
+pub async fn remove(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
+    unary!(st, headers, body, proto::PathRequest, |id, r| async {
+        let path = st.guest_path(&r.path);
+        let g = st.envd_grant(&id, write(&path)).await?;
+        st.svc.remove(&g, &path, true).await.map_err(service_err)?;
+        Ok::<_, ConnectError>(json!({}))
+    })
+}
+
+// ---------------------------------------------------------------- watch
+
+/// What a watcher remembers of one entry: kind, size, mtime.
+type Seen = (FileKind, u64, i64);
+
+/// A polling watcher: the listing at the last poll, diffed at the next.
+/// It polls under the read grant of its root, decided at its creation.
+#[derive(Debug)]
+pub struct Watcher {
+    pub(crate) grant: Grant,
+    root: String,
+    recursive: bool,
+    seen: BTreeMap<String, Seen>,
+}
+
+/// Most entries a watcher tracks.
+const WATCH_MAX_ENTRIES: usize = 20_000;
+
+async fn snapshot_dir(
+    st: &Arc<E2b>,
+    g: &Grant,
+    root: &str,
+    recursive: bool,
+) -> Result<BTreeMap<String, Seen>, ConnectError> {
+    let mut out = BTreeMap::new();
+    let mut level = vec![root.to_owned()];
+    while let Some(dir) = level.pop() {
+        let items = match st.svc.list_dir(g, &dir).await {
+            Ok(v) => v,
+            // A subdirectory removed between two listings.
+            Err(ServiceError::Engine(EngineError::GuestNotFound(_))) if dir != root => continue,
+            Err(e) => return Err(service_err(e)),
+        };
+        for s in items {
+            let p = join(&dir, &s.name);
+            if recursive && s.kind == FileKind::Dir {
+                level.push(p.clone());
+            }
+            let rel = p[root.trim_end_matches('/').len()..]
+                .trim_start_matches('/')
+                .to_owned();
+            out.insert(rel, (s.kind, s.size, s.mtime));
+            if out.len() > WATCH_MAX_ENTRIES {
+                return Err(ConnectError::new(
+                    Code::ResourceExhausted,
+                    format!("more than {WATCH_MAX_ENTRIES} entries to watch"),
+                ));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The events between two listings: `(relative name, EVENT_TYPE_…)`.
+pub fn diff_listings(
+    old: &BTreeMap<String, Seen>,
+    new: &BTreeMap<String, Seen>,
+) -> Vec<(String, &'static str)> {
+    let mut ev = Vec::new();
+    for (k, v) in new {
+        match old.get(k) {
+            None => ev.push((k.clone(), "EVENT_TYPE_CREATE")),
+            Some(o) if o.0 != FileKind::Dir && (o.1 != v.1 || o.2 != v.2) => {
+                ev.push((k.clone(), "EVENT_TYPE_WRITE"))
+            }
+            _ => {}
+        }
+    }
+    for k in old.keys() {
+        if !new.contains_key(k) {
+            ev.push((k.clone(), "EVENT_TYPE_REMOVE"));
+        }
+    }
+    ev
+}
+
+/// `filesystem.Filesystem/CreateWatcher`: remembers the directory's listing.
+pub async fn create_watcher(
+    State(st): State<Arc<E2b>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    unary!(st, headers, body, serde_json::Value, |id, r| async {
+        let path = st.guest_path(r.get("path").and_then(|v| v.as_str()).unwrap_or(""));
+        let recursive = r
+            .get("recursive")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false);
+        let g = st.envd_grant(&id, read(&path)).await?;
+        let top = st.svc.stat(&g, &path).await.map_err(service_err)?;
+        if top.kind != FileKind::Dir {
+            return Err(ConnectError::new(
+                Code::InvalidArgument,
+                format!("path {path} is not a directory"),
+            ));
+        }
+        let seen = snapshot_dir(&st, &g, &path, recursive).await?;
+        let wid = format!("w-{}", hex::encode(&crate::auth::random_secret()[..8]));
+        st.watchers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(
+                wid.clone(),
+                Watcher {
+                    grant: g,
+                    root: path,
+                    recursive,
+                    seen,
+                },
+            );
+        Ok::<_, ConnectError>(json!({ "watcherId": wid }))
+    })
+}
+
+fn watcher_id(r: &serde_json::Value) -> String {
+    r.get("watcherId")
+        .and_then(|v| v.as_str())
+        .unwrap_or("")
+        .to_owned()
+}
+
+/// `filesystem.Filesystem/GetWatcherEvents`: lists again and reports the difference.
+pub async fn get_watcher_events(
+    State(st): State<Arc<E2b>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    unary!(st, headers, body, serde_json::Value, |id, r| async {
+        let wid = watcher_id(&r);
+        let (grant, root, recursive) = {
+            let g = st.watchers.lock().unwrap_or_else(|p| p.into_inner());
+            match g.get(&wid) {
+                Some(w) if w.grant.sandbox() == &id => {
+                    (w.grant.clone(), w.root.clone(), w.recursive)
+                }
+                _ => {
+                    return Err(ConnectError::new(
+                        Code::NotFound,
+                        format!("watcher {wid} not found"),
+                    ))
+                }
+            }
+        };
+        let new = snapshot_dir(&st, &grant, &root, recursive).await?;
+        let events = {
+            let mut g = st.watchers.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(w) = g.get_mut(&wid) else {
+                return Err(ConnectError::new(
+                    Code::NotFound,
+                    format!("watcher {wid} not found"),
+                ));
+            };
+            let ev = diff_listings(&w.seen, &new);
+            w.seen = new;
+            ev
+        };
+        let events: Vec<serde_json::Value> = events
+            .into_iter()
+            .map(|(name, ty)| json!({ "name": name, "type": ty }))
+            .collect();
+        Ok::<_, ConnectError>(json!({ "events": events }))
+    })
+}
+
+/// `filesystem.Filesystem/RemoveWatcher`.
+pub async fn remove_watcher(
+    State(st): State<Arc<E2b>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    unary!(st, headers, body, serde_json::Value, |id, r| async {
+        let wid = watcher_id(&r);
+        let mut g = st.watchers.lock().unwrap_or_else(|p| p.into_inner());
+        match g.get(&wid) {
+            Some(w) if w.grant.sandbox() == &id => {
+                g.remove(&wid);
+                Ok(json!({}))
+            }
+            _ => Err(ConnectError::new(
+                Code::NotFound,
+                format!("watcher {wid} not found"),
+            )),
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn watcher_diff() {
+        let mut a = BTreeMap::new();
+        a.insert("x".to_owned(), (FileKind::File, 1, 10));
+        a.insert("gone".to_owned(), (FileKind::File, 1, 10));
+        a.insert("d".to_owned(), (FileKind::Dir, 4096, 10));
+        let mut b = a.clone();
+        b.remove("gone");
+        b.insert("x".to_owned(), (FileKind::File, 2, 11));
+        b.insert("d".to_owned(), (FileKind::Dir, 4096, 12));
+        b.insert("new".to_owned(), (FileKind::File, 0, 12));
+        let mut ev = diff_listings(&a, &b);
+        ev.sort();
+        assert_eq!(
+            ev,
+            [
+                ("gone".to_owned(), "EVENT_TYPE_REMOVE"),
+                ("new".to_owned(), "EVENT_TYPE_CREATE"),
+                ("x".to_owned(), "EVENT_TYPE_WRITE"),
+            ]
+        );
+    }
+}

@@ -1,0 +1,328 @@
+//! `process.Process/*`: start a command (server stream of its events with
+//! keepalives), reconnect to it, list, send input and signals, close stdin.
+//! The processes themselves are [`crate::procs`]'s handles over strata's
+//! one-shot exec.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::Response;
+use bytes::Bytes;
+use futures::{Stream, StreamExt};
+use serde_json::json;
+use strata_core::SandboxId;
+use strata_policy::CallKind;
+use stratad::service::Grant;
+use tokio::sync::mpsc;
+
+use super::KEEPALIVE_HEADER;
+use crate::connect::{self, Code, ConnectError};
+use crate::error::service_err;
+use crate::procs::{self, Proc};
+use crate::proto::{self, ProcessEvent};
+use crate::E2b;
+
+fn keepalive_interval(headers: &HeaderMap) -> Duration {
+    let s = headers
+        .get(KEEPALIVE_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(30)
+        .clamp(1, 3600);
+    Duration::from_secs(s)
+}
+
+/// The frames of a process stream: `start`, then the events with keepalives,
+/// then the trailer. A channel that closes without an `end` (the sandbox
+/// was paused) ends with a `canceled` error.
+fn event_frames(
+    pid: u32,
+    rx: mpsc::Receiver<ProcessEvent>,
+    keepalive: Duration,
+) -> impl Stream<Item = Bytes> + Send + 'static {
+    let first = connect::message_frame(&ProcessEvent::Start { pid }.to_response_json());
+    let tick = tokio::time::interval_at(tokio::time::Instant::now() + keepalive, keepalive);
+    let rest = futures::stream::unfold(Some((rx, tick)), |state| async move {
+        let (mut rx, mut tick) = state?;
+        tokio::select! {
+            ev = rx.recv() => match ev {
+                Some(ev @ ProcessEvent::End { .. }) => {
+                    let mut b = connect::message_frame(&ev.to_response_json()).to_vec();
+                    b.extend_from_slice(&connect::end_ok_frame());
+                    Some((Bytes::from(b), None))
+                }
+                Some(ev) => Some((connect::message_frame(&ev.to_response_json()), Some((rx, tick)))),
+                None => Some((
+                    ConnectError::new(
+                        Code::Canceled,
+                        "the process's output stream ended (the sandbox was paused); reconnect with commands.connect",
+                    )
+                    .end_frame(),
+                    None,
+                )),
+            },
+            _ = tick.tick() => Some((
+                connect::message_frame(&ProcessEvent::KeepAlive.to_response_json()),
+                Some((rx, tick)),
+            )),
+        }
+    });
+    futures::stream::iter([first]).chain(rest)
+}
+
+/// A stream for a process whose output is detached: `start`, keepalives
+/// while `/proc/<pid>` exists, then an `end` of unknown status.
+fn detached_frames(
+    st: Arc<E2b>,
+    g: Grant,
+    pid: u32,
+    keepalive: Duration,
+) -> impl Stream<Item = Bytes> + Send + 'static {
+    let first = connect::message_frame(&ProcessEvent::Start { pid }.to_response_json());
+    let rest = futures::stream::unfold(Some(tokio::time::Instant::now()), move |state| {
+        let (st, g) = (st.clone(), g.clone());
+        async move {
+            let mut last = state?;
+            loop {
+                tokio::time::sleep(procs::DETACHED_POLL).await;
+                match procs::alive(&st.svc, &g, &[pid]).await {
+                    Ok(v) if v.contains(&pid) => {
+                        if last.elapsed() >= keepalive {
+                            last = tokio::time::Instant::now();
+                            return Some((
+                                connect::message_frame(&ProcessEvent::KeepAlive.to_response_json()),
+                                Some(last),
+                            ));
+                        }
+                    }
+                    Ok(_) => {
+                        st.procs.remove(g.sandbox(), pid);
+                        let end = ProcessEvent::End {
+                            exit_code: -1,
+                            exited: false,
+                            status: "unknown".into(),
+                            error: Some(
+                                "the process ended while its output was detached (the sandbox was paused); its exit status is unknown"
+                                    .into(),
+                            ),
+                        };
+                        let mut b = connect::message_frame(&end.to_response_json()).to_vec();
+                        b.extend_from_slice(&connect::end_ok_frame());
+                        return Some((Bytes::from(b), None));
+                    }
+                    Err(e) => return Some((e.end_frame(), None)),
+                }
+            }
+        }
+    });
+    futures::stream::iter([first]).chain(rest)
+}
+
+/// `process.Process/Start` (server stream).
+pub async fn start(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
+    let run = async {
+        let id = st.envd_sandbox(&headers)?;
+        let req: proto::StartRequest = connect::stream_request(&body)?;
+        if req.pty.is_some() {
+            return Err(ConnectError::new(
+                Code::Unimplemented,
+                "PTY processes are not supported by strata",
+            ));
+        }
+        if req.process.cmd.is_empty() {
+            return Err(ConnectError::new(
+                Code::InvalidArgument,
+                "process.cmd is empty",
+            ));
+        }
+        // The policy sees the argv the SDK sends (`/bin/bash -l -c CMD`);
+        // its shell reading splits CMD into simple commands.
+        let argv: Vec<String> = std::iter::once(req.process.cmd.clone())
+            .chain(req.process.args.iter().cloned())
+            .collect();
+        let mut env: BTreeMap<String, String> = st.sandbox_envs(&id);
+        env.extend(req.process.envs.clone());
+        let mut config = req.process;
+        config.cwd = config.cwd.map(|c| st.guest_path(&c));
+        // What the wrapper runs with besides the argv: checked as the
+        // service's exec checks it (the wrapper runs as a helper).
+        if let Some(cwd) = &config.cwd {
+            stratad::service::validate_guest_path(cwd).map_err(service_err)?;
+        }
+        if env
+            .iter()
+            .any(|(k, v)| k.contains('\0') || v.contains('\0'))
+        {
+            return Err(ConnectError::new(
+                Code::InvalidArgument,
+                "envs: NUL bytes are not allowed",
+            ));
+        }
+        let g = st
+            .envd_grant(&id, CallKind::Exec { argv, shell: None })
+            .await?;
+        let reg = st.procs.clone();
+        procs::start(
+            &st.svc,
+            &reg,
+            &g,
+            config,
+            env,
+            req.tag,
+            req.stdin.unwrap_or(false),
+        )
+        .await
+    };
+    match run.await {
+        Ok((proc, rx)) => {
+            connect::stream_response(event_frames(proc.pid, rx, keepalive_interval(&headers)))
+        }
+        Err(e) => connect::stream_error(e),
+    }
+}
+
+fn select(
+    st: &E2b,
+    id: &SandboxId,
+    sel: &proto::ProcessSelector,
+) -> Result<Option<Arc<Proc>>, ConnectError> {
+    if sel.pid.is_none() && sel.tag.is_none() {
+        return Err(ConnectError::new(
+            Code::InvalidArgument,
+            "process selector needs a pid or a tag",
+        ));
+    }
+    Ok(st.procs.find(id, sel.pid, sel.tag.as_deref()))
+}
+
+/// `process.Process/Connect` (server stream): attach to a running process.
+pub async fn connect(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
+    let keepalive = keepalive_interval(&headers);
+    let run = async {
+        let id = st.envd_sandbox(&headers)?;
+        let req: proto::SelectRequest = connect::stream_request(&body)?;
+        let found = select(&st, &id, &req.process)?;
+        if let Some(p) = &found {
+            if let Some(rx) = p.subscribe() {
+                return Ok(connect::stream_response(event_frames(p.pid, rx, keepalive)));
+            }
+        }
+        let pid = found
+            .as_ref()
+            .map(|p| p.pid)
+            .or(req.process.pid)
+            .ok_or_else(|| ConnectError::new(Code::NotFound, "no process with that tag"))?;
+        if found.is_none() {
+            return Err(ConnectError::new(
+                Code::NotFound,
+                format!("process with pid {pid} not found"),
+            ));
+        }
+        let g = st.envd_access(&id).await?;
+        if procs::alive(&st.svc, &g, &[pid]).await?.is_empty() {
+            st.procs.remove(&id, pid);
+            return Err(ConnectError::new(
+                Code::NotFound,
+                format!("process with pid {pid} not found"),
+            ));
+        }
+        Ok(connect::stream_response(detached_frames(
+            st.clone(),
+            g,
+            pid,
+            keepalive,
+        )))
+    };
+    match run.await {
+        Ok(r) => r,
+        Err(e) => connect::stream_error(e),
+    }
+}
+
+/// `process.Process/List`: the processes started through envd that still run.
+pub async fn list(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
+    unary!(st, headers, body, serde_json::Value, |id, _r| async {
+        let all = st.procs.all(&id);
+        let detached: Vec<u32> = all
+            .iter()
+            .filter(|p| !p.attached())
+            .map(|p| p.pid)
+            .collect();
+        let live = if detached.is_empty() {
+            Vec::new()
+        } else {
+            procs::alive(&st.svc, &st.envd_access(&id).await?, &detached).await?
+        };
+        let mut out = Vec::new();
+        for p in all {
+            if p.attached() || live.contains(&p.pid) {
+                out.push(p.info());
+            } else {
+                st.procs.remove(&id, p.pid);
+            }
+        }
+        out.sort_by_key(|p| p.pid);
+        Ok::<_, ConnectError>(json!({ "processes": out }))
+    })
+}
+
+fn require(found: Option<Arc<Proc>>) -> Result<Arc<Proc>, ConnectError> {
+    found.ok_or_else(|| ConnectError::new(Code::NotFound, "process not found"))
+}
+
+/// `process.Process/SendInput`.
+pub async fn send_input(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
+    unary!(st, headers, body, proto::SendInputRequest, |id, r| async {
+        let p = require(select(&st, &id, &r.process)?)?;
+        if r.input.pty.is_some() {
+            return Err(ConnectError::new(
+                Code::Unimplemented,
+                "PTY input is not supported",
+            ));
+        }
+        if !p.stdin {
+            return Err(ConnectError::new(
+                Code::FailedPrecondition,
+                format!("process {} was started without stdin", p.pid),
+            ));
+        }
+        let data = r.input.stdin.unwrap_or_default();
+        if !data.is_empty() {
+            let g = st.envd_access(&id).await?;
+            procs::send_input(&st.svc, &g, p.pid, data).await?;
+        }
+        Ok::<_, ConnectError>(json!({}))
+    })
+}
+
+/// `process.Process/SendSignal` (to the process group).
+pub async fn send_signal(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
+    unary!(st, headers, body, proto::SendSignalRequest, |id, r| async {
+        let p = require(select(&st, &id, &r.process)?)?;
+        let sig = r
+            .signal_number()
+            .ok_or_else(|| ConnectError::new(Code::InvalidArgument, "unsupported signal"))?;
+        let g = st.envd_access(&id).await?;
+        procs::signal(&st.svc, &g, p.pid, sig).await?;
+        Ok::<_, ConnectError>(json!({}))
+    })
+}
+
+/// `process.Process/CloseStdin`.
+pub async fn close_stdin(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
+    unary!(st, headers, body, proto::SelectRequest, |id, r| async {
+        let p = require(select(&st, &id, &r.process)?)?;
+        if !p.stdin {
+            return Err(ConnectError::new(
+                Code::FailedPrecondition,
+                format!("process {} was started without stdin", p.pid),
+            ));
+        }
+        let g = st.envd_access(&id).await?;
+        procs::close_stdin(&st.svc, &g, p.pid).await?;
+        Ok::<_, ConnectError>(json!({}))
+    })
+}

@@ -1,0 +1,351 @@
+//! Host-side async client of the guest agent.
+//!
+//! One [`AgentClient`] multiplexes any number of concurrent requests over one
+//! byte-stream connection: a reader task routes incoming frames by id, a
+//! writer task serialises outgoing frames. Clones share the connection;
+//! dropping every clone (and every handle) closes it.
+//!
+//! Contract (see `PROTOCOL.md`, *Sessions and resync*): the client connects,
+//! sends the sync marker and `hello {version, nonce}` on id 0 and re-sends it
+//! every [`HELLO_RESEND`] until `hello_ok` with its nonce arrives
+//! (`version_mismatch` fails with [`AgentError::VersionMismatch`]). After
+//! that every request is a fresh id; an `error` reply becomes
+//! [`AgentError::Remote`]; a lost connection fails everything in flight with
+//! [`AgentError::Closed`] and the caller reconnects.
+//!
+//! The rooms: this file holds the connection, the handshake and the
+//! one-reply requests; `demux` the reader/writer tasks and the id table;
+//! `exec` commands; `files` uploads, downloads and file operations;
+//! `tunnel` guest egress.
+
+mod demux;
+mod exec;
+mod files;
+mod tunnel;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use self::demux::Shared;
+pub use self::exec::{
+    ExecEvent, ExecHandle, ExecOutput, ExecRequest, ExitStatus, Stdin, STDIN_CHUNK, STDIN_WINDOW,
+};
+pub use self::files::{FileDownload, WRITE_WINDOW};
+pub use self::tunnel::{TunnelHandler, EGRESS_CONNECT_TIMEOUT};
+use crate::frame::{Decoded, Frame, FrameDecoder, FrameError, FrameKind, SYNC_MAGIC};
+use crate::msg::{AgentInfo, RemoteErrorKind, Request, Response, RestoreSync};
+use crate::PROTOCOL_VERSION;
+
+/// How long the client waits for a hello reply before sending Hello again.
+pub const HELLO_RESEND: Duration = Duration::from_millis(40);
+
+/// Errors of the agent client.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// Socket I/O failed.
+    #[error("i/o error on the agent connection")]
+    Io(#[from] std::io::Error),
+    /// No agent answered the handshake in time.
+    #[error("no agent answered within {0:?}")]
+    ConnectTimeout(Duration),
+    /// An operation exceeded its deadline.
+    #[error("agent operation timed out")]
+    Timeout,
+    /// The connection is gone; in-flight requests fail with this.
+    #[error("agent connection closed")]
+    Closed,
+    /// The agent sent something that is not valid protocol.
+    #[error("agent protocol error")]
+    Protocol(#[from] FrameError),
+    /// Host and agent speak different protocol versions.
+    #[error("agent speaks protocol version {agent}, host speaks {host}")]
+    VersionMismatch {
+        /// Host's version.
+        host: u32,
+        /// Agent's version.
+        agent: u32,
+    },
+    /// The agent ran the request and reports a failure.
+    #[error("agent: {kind}: {message}")]
+    Remote {
+        /// Category.
+        kind: RemoteErrorKind,
+        /// Detail from the agent.
+        message: String,
+    },
+}
+
+impl AgentError {
+    /// The remote error category, if this is a remote error.
+    pub fn remote_kind(&self) -> Option<RemoteErrorKind> {
+        match self {
+            Self::Remote { kind, .. } => Some(*kind),
+            _ => None,
+        }
+    }
+}
+
+struct Inner {
+    shared: Arc<Shared>,
+    out: mpsc::Sender<Bytes>,
+    info: AgentInfo,
+    reader: JoinHandle<()>,
+    egress_listen: OnceLock<SocketAddr>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.reader.abort();
+        self.shared.close();
+    }
+}
+
+/// Cheaply clonable handle to one agent connection.
+#[derive(Clone)]
+pub struct AgentClient {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for AgentClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentClient")
+            .field("info", &self.inner.info)
+            .field("closed", &self.is_closed())
+            .finish()
+    }
+}
+
+fn remote(kind: RemoteErrorKind, message: String) -> AgentError {
+    AgentError::Remote { kind, message }
+}
+
+fn unexpected(r: &Response) -> AgentError {
+    AgentError::Protocol(FrameError::Violation(format!("unexpected reply {r:?}")))
+}
+
+impl AgentClient {
+    /// Connects to the agent behind a unix socket (QEMU's chardev socket or
+    /// `strata-agent --listen-unix`) and performs the handshake.
+    ///
+    /// Retries the connect and re-sends Hello every [`HELLO_RESEND`] until an
+    /// answer arrives or `timeout` passes: the socket may exist long before
+    /// the guest agent listens, and after a restore the agent first sees the
+    /// port close and reopen.
+    pub async fn connect_unix(path: &Path, timeout: Duration) -> Result<AgentClient, AgentError> {
+        Self::connect_unix_with(path, timeout, None).await
+    }
+
+    /// Like [`AgentClient::connect_unix`]; with `egress`, the client also
+    /// enables egress in the guest (the agent's listener forwards guest
+    /// connections as tunnels, served by connecting to `egress.target`).
+    ///
+    /// An agent that cannot enable egress (an older agent, or its listen
+    /// address is taken) is logged and the client is returned without it:
+    /// [`AgentClient::egress_listen`] is then `None` and the guest has no
+    /// egress at all.
+    pub async fn connect_unix_with(
+        path: &Path,
+        timeout: Duration,
+        egress: Option<TunnelHandler>,
+    ) -> Result<AgentClient, AgentError> {
+        let client = Self::connect_unix_inner(path, timeout, egress).await?;
+        if egress.is_some() {
+            match tokio::time::timeout(timeout, client.enable_egress()).await {
+                Ok(Ok(addr)) => {
+                    tracing::debug!(listen = %addr, "guest egress enabled");
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "agent cannot enable egress; the guest has none");
+                }
+                Err(_) => {
+                    tracing::warn!("agent did not answer egress_enable; the guest has no egress");
+                }
+            }
+        }
+        Ok(client)
+    }
+
+    async fn connect_unix_inner(
+        path: &Path,
+        timeout: Duration,
+        egress: Option<TunnelHandler>,
+    ) -> Result<AgentClient, AgentError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if Instant::now() >= deadline {
+                return Err(AgentError::ConnectTimeout(timeout));
+            }
+            let stream = match tokio::time::timeout_at(deadline, UnixStream::connect(path)).await {
+                Err(_) => return Err(AgentError::ConnectTimeout(timeout)),
+                Ok(Err(e)) => {
+                    tracing::trace!(path = %path.display(), error = %e, "agent socket not ready");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+                Ok(Ok(s)) => s,
+            };
+            match Self::handshake(stream, deadline, timeout, egress).await? {
+                Some(client) => return Ok(client),
+                None => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    }
+
+    /// Handshake on one connection; `Ok(None)` if it closed (try again).
+    async fn handshake(
+        mut stream: UnixStream,
+        deadline: Instant,
+        timeout: Duration,
+        egress: Option<TunnelHandler>,
+    ) -> Result<Option<AgentClient>, AgentError> {
+        let nonce: u64 = rand::random();
+        let mut hello = BytesMut::new();
+        hello.extend_from_slice(&SYNC_MAGIC);
+        Frame::control(
+            0,
+            &Request::Hello {
+                version: PROTOCOL_VERSION,
+                nonce,
+            },
+        )?
+        .encode_into(&mut hello)?;
+        let hello = hello.freeze();
+        let mut dec = FrameDecoder::new();
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            // A paused guest reads nothing: bound the write by the deadline too,
+            // or repeated Hellos fill the socket and the write blocks forever.
+            match tokio::time::timeout_at(deadline, stream.write_all(&hello)).await {
+                Err(_) => return Err(AgentError::ConnectTimeout(timeout)),
+                Ok(Err(_)) => return Ok(None),
+                Ok(Ok(())) => {}
+            }
+            let resend_at = (Instant::now() + HELLO_RESEND).min(deadline);
+            loop {
+                let n = match tokio::time::timeout_at(resend_at, stream.read(&mut buf)).await {
+                    Err(_) => break,
+                    Ok(Err(_)) | Ok(Ok(0)) => return Ok(None),
+                    Ok(Ok(n)) => n,
+                };
+                dec.extend(&buf[..n]);
+                loop {
+                    let item = match dec.next_item() {
+                        Ok(Some(i)) => i,
+                        Ok(None) => break,
+                        Err(e) => {
+                            tracing::debug!(error = %e, "garbage before hello reply");
+                            continue;
+                        }
+                    };
+                    let Decoded::Frame(f) = item else { continue };
+                    if f.kind != FrameKind::Control {
+                        continue;
+                    }
+                    match f.parse::<Response>() {
+                        Ok(Response::HelloOk { nonce: n, info }) if n == nonce => {
+                            return Ok(Some(Self::start(stream, dec, info, egress)));
+                        }
+                        Ok(Response::VersionMismatch {
+                            nonce: n,
+                            host_version,
+                            agent_version,
+                        }) if n == nonce => {
+                            return Err(AgentError::VersionMismatch {
+                                host: host_version,
+                                agent: agent_version,
+                            });
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(AgentError::ConnectTimeout(timeout));
+            }
+        }
+    }
+
+    fn start(
+        stream: UnixStream,
+        dec: FrameDecoder,
+        info: AgentInfo,
+        egress: Option<TunnelHandler>,
+    ) -> AgentClient {
+        let tunnels: demux::TunnelRouter =
+            Box::new(move |shared, out, f| tunnel::route(egress, shared, out, f));
+        let conn = demux::spawn(stream, dec, tunnels);
+        AgentClient {
+            inner: Arc::new(Inner {
+                shared: conn.shared,
+                out: conn.out,
+                info,
+                reader: conn.reader,
+                egress_listen: OnceLock::new(),
+            }),
+        }
+    }
+
+    /// What the agent said in the handshake.
+    pub fn info(&self) -> &AgentInfo {
+        &self.inner.info
+    }
+
+    /// Whether the connection is gone.
+    pub fn is_closed(&self) -> bool {
+        self.inner.shared.is_closed()
+    }
+
+    async fn send_frame(&self, frame: Frame) -> Result<(), AgentError> {
+        let bytes = frame.encode()?;
+        self.inner
+            .out
+            .send(bytes)
+            .await
+            .map_err(|_| AgentError::Closed)
+    }
+
+    async fn send_req(&self, id: u32, req: &Request) -> Result<(), AgentError> {
+        self.send_frame(Frame::control(id, req)?).await
+    }
+
+    /// One request, one reply.
+    async fn call(&self, req: &Request) -> Result<Response, AgentError> {
+        let mut call = self.inner.shared.open()?;
+        self.send_req(call.id, req).await?;
+        match call.recv_msg().await? {
+            Response::Error { kind, message } => Err(remote(kind, message)),
+            r => Ok(r),
+        }
+    }
+
+    /// One request whose reply is `ok`.
+    async fn expect_ok(&self, req: &Request) -> Result<(), AgentError> {
+        match self.call(req).await? {
+            Response::Ok => Ok(()),
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    /// Round trip to the agent; returns its current facts.
+    pub async fn ping(&self) -> Result<AgentInfo, AgentError> {
+        match self.call(&Request::Ping {}).await? {
+            Response::Pong { info } => Ok(info),
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    /// After a snapshot restore: reseed the guest RNG, step its clock and
+    /// (when given) take a new hostname / machine-id.
+    pub async fn restore_sync(&self, req: RestoreSync) -> Result<(), AgentError> {
+        self.expect_ok(&Request::RestoreSync(req)).await
+    }
+}

@@ -1,0 +1,125 @@
+//! The host side of each sandbox's guest agent: connecting (and
+//! reconnecting after a restore), egress, and the sync a restored guest needs.
+//!
+//! Contract:
+//! - One [`AgentClient`] per live VM, made on first use and made again when
+//!   the channel has closed (every restore closes it).
+//! - Every connection enables egress when the sandbox has a target (the
+//!   [`EgressResolver`], else `RuntimeConfig::egress_proxy`), so a guest
+//!   keeps its egress across restores; without a target it has none.
+//! - A guest started from a state gets fresh entropy and the host clock;
+//!   a new sandbox also a new hostname and machine-id ([`Identity::New`]).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use rand::RngCore;
+use strata_core::SandboxId;
+use strata_proto::msg::RestoreSync;
+use strata_proto::{AgentClient, TunnelHandler};
+
+use super::vms::Live;
+use super::{ms, Result, Runtime};
+use crate::error::agent_err;
+
+/// Finds the egress target (the host's policy proxy) of one sandbox; `None`
+/// leaves its egress closed. Called whenever the host (re)connects to a
+/// sandbox's agent, e.g. after every restore.
+pub type EgressResolver = Arc<
+    dyn Fn(
+            SandboxId,
+        ) -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = Option<std::net::SocketAddr>> + Send>,
+        > + Send
+        + Sync,
+>;
+
+/// Whether a guest started from a state becomes someone new.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Identity {
+    /// The same sandbox again (rewind, restore, wake): hostname and
+    /// machine-id stay.
+    Keep,
+    /// A new sandbox (create, fork, first start of one created hibernated):
+    /// its id as hostname and a random machine-id.
+    New,
+}
+
+impl Runtime {
+    /// Sets the per-sandbox egress target lookup (it takes precedence over
+    /// `RuntimeConfig::egress_proxy`). Applies from the next agent connection.
+    pub fn set_egress_resolver(&self, resolver: EgressResolver) {
+        *self.egress.write().unwrap_or_else(|p| p.into_inner()) = Some(resolver);
+    }
+
+    /// The agent of a live sandbox, connecting (or reconnecting) if needed.
+    /// Map the errors of its calls with [`crate::RuntimeError::from_agent`].
+    pub async fn agent(&self, id: &SandboxId) -> Result<AgentClient> {
+        let live = self.live(id)?;
+        self.agent_of(id, &live).await
+    }
+
+    pub(super) async fn agent_of(&self, id: &SandboxId, live: &Live) -> Result<AgentClient> {
+        let mut slot = live.agent.lock().await;
+        if let Some(a) = slot.as_ref() {
+            if !a.is_closed() {
+                return Ok(a.clone());
+            }
+        }
+        let t = self.agent_timeout();
+        // With an egress target, the client enables egress in this agent
+        // session (again after every reconnect, e.g. after a restore) and
+        // serves the guest's tunnels by connecting to the target.
+        let resolver = self
+            .egress
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let target = match resolver {
+            Some(r) => r(id.clone()).await,
+            None => None,
+        }
+        .or(self.cfg.egress_proxy);
+        let egress = target.map(TunnelHandler::tcp);
+        let client = AgentClient::connect_unix_with(&live.vm.agent_socket(), t, egress)
+            .await
+            .map_err(|e| agent_err(id.as_str(), e, t))?;
+        *slot = Some(client.clone());
+        Ok(client)
+    }
+
+    /// Fresh entropy, the host clock and (for a new identity) hostname + machine-id.
+    pub(super) async fn sync_guest(
+        &self,
+        id: &SandboxId,
+        live: &Live,
+        identity: Identity,
+    ) -> Result<()> {
+        let t0 = Instant::now();
+        let agent = self.agent_of(id, live).await?;
+        tracing::debug!(sandbox = %id, connect_ms = ms(t0), "agent connected");
+        let mut entropy = vec![0u8; 256];
+        rand::rngs::OsRng.fill_bytes(&mut entropy);
+        let (hostname, machine_id) = match identity {
+            Identity::New => {
+                let mut mid = [0u8; 16];
+                rand::rngs::OsRng.fill_bytes(&mut mid);
+                (Some(id.to_string()), Some(hex::encode(mid)))
+            }
+            Identity::Keep => (None, None),
+        };
+        let unix_time_ns = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        agent
+            .restore_sync(RestoreSync {
+                entropy,
+                unix_time_ns,
+                hostname,
+                machine_id,
+            })
+            .await
+            .map_err(|e| agent_err(id.as_str(), e, self.agent_timeout()))
+    }
+}

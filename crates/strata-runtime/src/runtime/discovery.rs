@@ -1,0 +1,149 @@
+//! What survived a restart of the controlling process, and taking it over.
+//!
+//! Contract:
+//! - [`Runtime::find_vms`] and [`Runtime::list_state_dirs`] only look: the
+//!   daemon compares them with its records and decides.
+//! - [`Runtime::adopt`] takes a surviving VM into the live table as it is,
+//!   after making sure its vCPUs run (a process killed in the middle of a
+//!   snapshot leaves its VM stopped); the caller pauses it again when its
+//!   record says paused. The daemon never talks QMP itself.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use strata_core::SandboxId;
+use strata_vmm::{VmSpec, VmmDriver};
+
+use super::{ms, Result, Runtime, StateRef};
+use crate::api::VmInfo;
+use crate::error::{vmm_err, RuntimeError};
+
+/// How long [`Runtime::unstick`] may take to connect to a VM's QMP socket.
+const UNSTICK_QMP_TIMEOUT: Duration = Duration::from_secs(10);
+
+impl Runtime {
+    /// QEMU processes found under the run dir (alive and really that sandbox's
+    /// QEMU), by sandbox id.
+    pub fn find_vms(&self) -> Vec<(SandboxId, u32)> {
+        let Ok(rd) = std::fs::read_dir(&self.cfg.run_dir) else {
+            return Vec::new();
+        };
+        rd.flatten()
+            .filter_map(|e| {
+                let id = e.file_name().to_string_lossy().parse::<SandboxId>().ok()?;
+                let pid = strata_vmm::qemu_in_run_dir(&e.path())?;
+                Some((id, pid))
+            })
+            .collect()
+    }
+
+    /// Names of the subvolumes under `sandboxes/`, `snapshots/` and `templates/`.
+    pub fn list_state_dirs(&self) -> (Vec<String>, Vec<String>, Vec<String>) {
+        let names = |dir: PathBuf| -> Vec<String> {
+            std::fs::read_dir(dir)
+                .map(|rd| {
+                    rd.flatten()
+                        .map(|e| e.file_name().to_string_lossy().into_owned())
+                        .filter(|n| !n.starts_with('.'))
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        (
+            names(self.pool.sandboxes_dir()),
+            names(self.pool.snapshots_dir()),
+            names(self.pool.templates_dir()),
+        )
+    }
+
+    /// Takes over a VM that survived a restart of the controlling process.
+    /// A VM this runtime already holds is answered as it is. Otherwise the
+    /// VM is first made to run ([`Runtime::unstick`]): the caller re-asserts
+    /// a paused record with [`Runtime::pause`].
+    pub async fn adopt(self: &Arc<Self>, id: &SandboxId) -> Result<VmInfo> {
+        let _g = self.op_lock(id.as_str()).await;
+        if let Ok(live) = self.live(id) {
+            return Ok(VmInfo {
+                pid: live.vm.pid(),
+                accel: live.vm.spec().accel.qemu_name().to_owned(),
+                size: live.size,
+                ready_ms: 0.0,
+            });
+        }
+        self.unstick(id).await;
+        let t0 = Instant::now();
+        let run = self.run_dir(id.as_str());
+        let spec: VmSpec = std::fs::read(run.join("spec.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .ok_or_else(|| RuntimeError::SandboxNotFound(id.to_string()))?;
+        let meta = self.open_state(StateRef::Sandbox(id))?.meta;
+        let vm = self
+            .driver
+            .adopt(&spec)
+            .await
+            .map_err(|e| vmm_err(id.as_str(), e))?;
+        let accel = spec.accel.qemu_name().to_owned();
+        // The agent is connected on first use: the VM may be paused (by the
+        // user, or stopped by a snapshot the previous process did not finish),
+        // and a paused guest cannot answer a handshake.
+        let live = self.register(id, vm, meta.size).await?;
+        Ok(VmInfo {
+            pid: live.vm.pid(),
+            accel,
+            size: meta.size,
+            ready_ms: ms(t0),
+        })
+    }
+
+    /// Makes a surviving, not yet adopted VM's vCPUs run.
+    ///
+    /// A process killed in the middle of a snapshot leaves its VM stopped
+    /// (or `postmigrate`); a paused guest never answers the agent handshake
+    /// (its writes block once it stops draining virtio-serial). So: one short
+    /// QMP session of our own: wait for an outgoing device-state save to
+    /// finish, `cont` if not running, disconnect (the VM's QMP socket takes
+    /// one client; the adopted handle connects next). Best effort: what
+    /// fails is logged, and the adopt goes on.
+    async fn unstick(&self, id: &SandboxId) {
+        let sock = self.run_dir(id.as_str()).join("qmp.sock");
+        if !sock.exists() {
+            return;
+        }
+        let qmp = match strata_vmm::QmpClient::connect(&sock, UNSTICK_QMP_TIMEOUT).await {
+            Ok(q) => q,
+            Err(e) => {
+                tracing::warn!(sandbox = %id, error = %e, "cannot check the VM's run state before adopting it");
+                return;
+            }
+        };
+        let status_of = |v: serde_json::Value| v["status"].as_str().map(str::to_owned);
+        for _ in 0..100 {
+            let active = qmp
+                .execute("query-migrate", None)
+                .await
+                .ok()
+                .and_then(status_of)
+                .is_some_and(|s| {
+                    matches!(s.as_str(), "setup" | "active" | "device" | "pre-switchover")
+                });
+            if !active {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let status = qmp
+            .execute("query-status", None)
+            .await
+            .ok()
+            .and_then(status_of)
+            .unwrap_or_default();
+        if status != "running" {
+            tracing::warn!(sandbox = %id, %status, "VM found stopped after a restart; continuing it");
+            if let Err(e) = qmp.execute("cont", None).await {
+                tracing::warn!(sandbox = %id, error = %e, "cont failed");
+            }
+        }
+    }
+}

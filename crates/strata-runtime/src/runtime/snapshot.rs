@@ -1,0 +1,168 @@
+//! Live snapshots, hibernation, and what snapshots cost.
+//!
+//! Contract:
+//! - A snapshot stops the vCPUs, writes only the device state (RAM is the
+//!   `mem` file the guest already runs from), takes one read-only btrfs
+//!   snapshot of the sandbox subvolume and continues a VM that was running;
+//!   a paused one stays paused. On failure nothing is listed and the VM runs
+//!   on.
+//! - Nothing new is written when the pool has less than [`MIN_FREE_BYTES`]
+//!   free: failing up front beats failing half-way with the VM stopped.
+//! - Device state is written to a temporary file and renamed, so a
+//!   `device.state` is always whole.
+
+use std::path::Path;
+use std::time::Instant;
+
+use chrono::Utc;
+use strata_core::{SandboxId, SnapshotId};
+use strata_storage::UsageMethod;
+
+use super::vms::Live;
+use super::{blocking, ms, Result, Runtime, StateRef};
+use crate::api::{SnapshotInfo, SpaceUsage};
+use crate::error::{io_err, storage_err, vmm_err, RuntimeError};
+use crate::meta::{files, StateMeta};
+
+/// Free pool space below which snapshots and new sandboxes are refused (`PoolFull`).
+pub const MIN_FREE_BYTES: u64 = 256 << 20;
+
+impl Runtime {
+    /// Writes the device state of a paused VM into `dir/device.state` (atomically).
+    pub(super) async fn save_state(&self, id: &str, live: &Live, dir: &Path) -> Result<u64> {
+        let tmp = dir.join(".device.state.tmp");
+        let stats = match live.vm.save_device_state(&tmp).await {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(vmm_err(id, e));
+            }
+        };
+        std::fs::rename(&tmp, dir.join(files::DEVICE_STATE))
+            .map_err(|e| io_err("rename device state", e))?;
+        Ok(stats.bytes)
+    }
+
+    /// Snapshots a running or paused sandbox as `snap`: stop vCPUs, save device state
+    /// only, one read-only btrfs snapshot of RAM + disk + state, continue. A paused
+    /// sandbox stays paused. On failure nothing is listed and the VM runs on.
+    pub async fn snapshot(&self, id: &SandboxId, snap: &SnapshotId) -> Result<SnapshotInfo> {
+        let _g = self.op_lock(id.as_str()).await;
+        self.snapshot_locked(id, snap).await
+    }
+
+    pub(super) async fn snapshot_locked(
+        &self,
+        id: &SandboxId,
+        snap: &SnapshotId,
+    ) -> Result<SnapshotInfo> {
+        let live = self.live(id)?;
+        let dir = self.sandbox_dir(id);
+        let dst = self.snapshot_dir(snap);
+        if dst.exists() {
+            return Err(RuntimeError::Invalid(format!(
+                "snapshot {snap} already exists"
+            )));
+        }
+        self.check_free_space()?;
+        let was_running = live
+            .vm
+            .status()
+            .await
+            .map_err(|e| vmm_err(id.as_str(), e))?
+            .running;
+        let t0 = Instant::now();
+        if was_running {
+            live.vm.pause().await.map_err(|e| vmm_err(id.as_str(), e))?;
+        }
+        let result = async {
+            let bytes = self.save_state(id.as_str(), &live, &dir).await?;
+            let t_state = ms(t0);
+            let pool = self.pool.clone();
+            let (src, d) = (dir.clone(), dst.clone());
+            blocking(move || {
+                pool.snapshot(&src, &d, true)
+                    .map_err(storage_err)
+                    .map(|_| ())
+            })
+            .await?;
+            Ok::<(u64, f64), RuntimeError>((bytes, t_state))
+        }
+        .await;
+        if was_running {
+            if let Err(e) = live.vm.resume().await {
+                tracing::error!(sandbox = %id, error = %e, "resume after snapshot failed");
+                if result.is_ok() {
+                    return Err(vmm_err(id.as_str(), e));
+                }
+            }
+        }
+        let pause_ms = ms(t0);
+        let (bytes, t_state) = result?;
+        tracing::info!(sandbox = %id, snapshot = %snap, pause_ms, device_state_ms = t_state, bytes, "snapshot taken");
+        Ok(SnapshotInfo {
+            id: snap.clone(),
+            pause_ms,
+            device_state_bytes: bytes,
+            created_at: Utc::now(),
+        })
+    }
+
+    /// Refuses new state when the pool is nearly full: a snapshot writes the guest's
+    /// dirty pages and btrfs needs room for metadata; failing up front leaves the
+    /// sandbox untouched instead of failing half-way with the VM stopped.
+    pub(super) fn check_free_space(&self) -> Result<()> {
+        let usage = self.pool.usage().map_err(storage_err)?;
+        if usage.free_bytes < MIN_FREE_BYTES {
+            tracing::warn!(free = usage.free_bytes, "storage pool is full");
+            return Err(RuntimeError::PoolFull);
+        }
+        Ok(())
+    }
+
+    /// Snapshots (as `snap`) and ends the VM process: no CPU, no RAM.
+    pub async fn hibernate(&self, id: &SandboxId, snap: &SnapshotId) -> Result<SnapshotInfo> {
+        let _g = self.op_lock(id.as_str()).await;
+        let live = self.live(id)?;
+        live.vm.pause().await.map_err(|e| vmm_err(id.as_str(), e))?;
+        let info = match self.snapshot_locked(id, snap).await {
+            Ok(i) => i,
+            Err(e) => {
+                let _ = live.vm.resume().await;
+                return Err(e);
+            }
+        };
+        self.stop_vm(id).await;
+        let _ = std::fs::remove_dir_all(self.run_dir(id.as_str()));
+        Ok(info)
+    }
+
+    /// Removes a snapshot. Idempotent.
+    pub async fn delete_snapshot(&self, snap: &SnapshotId) -> Result<()> {
+        self.trash_if_exists(self.snapshot_dir(snap)).await
+    }
+
+    /// Metadata of a snapshot.
+    pub fn snapshot_meta(&self, snap: &SnapshotId) -> Result<StateMeta> {
+        self.open_state(StateRef::Snapshot(snap)).map(|s| s.meta)
+    }
+
+    /// Exclusive and referenced bytes of a snapshot (an extent walk: not the hot path).
+    pub async fn snapshot_usage(&self, snap: &SnapshotId) -> Result<SpaceUsage> {
+        let dir = self.snapshot_dir(snap);
+        if !dir.exists() {
+            return Err(RuntimeError::SnapshotNotFound(snap.to_string()));
+        }
+        let pool = self.pool.clone();
+        blocking(move || {
+            let u = pool
+                .subvolume_usage(&dir, UsageMethod::Auto)
+                .map_err(storage_err)?;
+            Ok(SpaceUsage {
+                exclusive_bytes: u.exclusive_bytes,
+                referenced_bytes: u.referenced_bytes,
+            })
+        })
+        .await
+    }
+}

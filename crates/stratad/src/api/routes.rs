@@ -1,0 +1,274 @@
+//! The one route table of the daemon's HTTP door: every route's method,
+//! path (axum syntax), [`Action`], who may call it and whether a call is a
+//! tool call (gated by policy and audited). The router
+//! ([`super::router`]), the role check of the security layer, the metrics
+//! labels, the OpenAPI test and the security matrix tests all come from
+//! [`ROUTES`]; nothing else lists routes.
+
+use crate::security::auth::Role;
+
+/// What a route does (one per route).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[allow(missing_docs)]
+pub enum Action {
+    Healthz,
+    Metrics,
+    OpenApi,
+    Stats,
+    CreateSandbox,
+    ListSandboxes,
+    GetSandbox,
+    DeleteSandbox,
+    Exec,
+    Pause,
+    Resume,
+    Hibernate,
+    Fork,
+    Rewind,
+    Events,
+    TakeSnapshot,
+    ListSnapshots,
+    ReadFile,
+    WriteFile,
+    RemoveFile,
+    ListDir,
+    StatFile,
+    MakeDir,
+    GetSnapshot,
+    DeleteSnapshot,
+    ForkSnapshot,
+    BuildTemplate,
+    ListTemplates,
+    GetTemplate,
+    DeleteTemplate,
+    Whoami,
+    CreateToken,
+    ListTokens,
+    RevokeToken,
+    GetPolicy,
+    PutPolicy,
+    TestPolicy,
+    GetSandboxPolicy,
+    PutSandboxPolicy,
+    Egress,
+    ListApprovals,
+    GetApproval,
+    Approve,
+    Deny,
+    ExportAudit,
+    VerifyAudit,
+}
+
+/// Who may call a route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Anyone, without a token (`/healthz`).
+    Open,
+    /// A `metrics` token or an admin of the platform tenant (`/metrics`:
+    /// every tenant's figures).
+    HostMetrics,
+    /// A token with one of these roles.
+    Roles(&'static [Role]),
+}
+
+use Role::{Admin, Approver, Developer, Metrics as MetricsRole, Viewer};
+
+/// Every role that reads records.
+const READ: Access = Access::Roles(&[Admin, Developer, Approver, Viewer]);
+/// Developers (and admins): sandboxes, guest files, templates.
+const DEV: Access = Access::Roles(&[Admin, Developer]);
+/// Approvers (and admins): answers to held calls.
+const APPROVE: Access = Access::Roles(&[Admin, Approver]);
+/// Admins of the tenant.
+const ADMIN: Access = Access::Roles(&[Admin]);
+/// Every token.
+const ANY: Access = Access::Roles(&[Admin, Developer, Approver, Viewer, MetricsRole]);
+
+/// One route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Route {
+    /// HTTP method (`HEAD` is served and decided as `GET`).
+    pub method: &'static str,
+    /// Path in axum syntax (`:id`).
+    pub path: &'static str,
+    /// What it does.
+    pub action: Action,
+    /// Who may call it.
+    pub access: Access,
+    /// Whether a call is a tool call: decided by the policy gate (and
+    /// audited) by the service command it runs.
+    pub tool_call: bool,
+}
+
+const fn r(method: &'static str, path: &'static str, action: Action, access: Access) -> Route {
+    Route {
+        method,
+        path,
+        action,
+        access,
+        tool_call: false,
+    }
+}
+
+const fn tool(method: &'static str, path: &'static str, action: Action, access: Access) -> Route {
+    Route {
+        method,
+        path,
+        action,
+        access,
+        tool_call: true,
+    }
+}
+
+/// Every route of the door.
+pub const ROUTES: &[Route] = &[
+    r("GET", "/healthz", Action::Healthz, Access::Open),
+    r("GET", "/metrics", Action::Metrics, Access::HostMetrics),
+    r("GET", "/v1/openapi.json", Action::OpenApi, ANY),
+    r("GET", "/v1/stats", Action::Stats, READ),
+    tool("POST", "/v1/sandboxes", Action::CreateSandbox, DEV),
+    r("GET", "/v1/sandboxes", Action::ListSandboxes, READ),
+    r("GET", "/v1/sandboxes/:id", Action::GetSandbox, READ),
+    tool("DELETE", "/v1/sandboxes/:id", Action::DeleteSandbox, DEV),
+    tool("POST", "/v1/sandboxes/:id/exec", Action::Exec, DEV),
+    tool("POST", "/v1/sandboxes/:id/pause", Action::Pause, DEV),
+    tool("POST", "/v1/sandboxes/:id/resume", Action::Resume, DEV),
+    tool(
+        "POST",
+        "/v1/sandboxes/:id/hibernate",
+        Action::Hibernate,
+        DEV,
+    ),
+    tool("POST", "/v1/sandboxes/:id/fork", Action::Fork, DEV),
+    tool("POST", "/v1/sandboxes/:id/rewind", Action::Rewind, DEV),
+    r("GET", "/v1/sandboxes/:id/events", Action::Events, READ),
+    tool(
+        "POST",
+        "/v1/sandboxes/:id/snapshots",
+        Action::TakeSnapshot,
+        DEV,
+    ),
+    r(
+        "GET",
+        "/v1/sandboxes/:id/snapshots",
+        Action::ListSnapshots,
+        READ,
+    ),
+    tool("GET", "/v1/sandboxes/:id/files", Action::ReadFile, DEV),
+    tool("PUT", "/v1/sandboxes/:id/files", Action::WriteFile, DEV),
+    tool("DELETE", "/v1/sandboxes/:id/files", Action::RemoveFile, DEV),
+    tool("GET", "/v1/sandboxes/:id/files/list", Action::ListDir, DEV),
+    tool("GET", "/v1/sandboxes/:id/files/stat", Action::StatFile, DEV),
+    tool(
+        "POST",
+        "/v1/sandboxes/:id/files/mkdir",
+        Action::MakeDir,
+        DEV,
+    ),
+    r("GET", "/v1/snapshots/:id", Action::GetSnapshot, READ),
+    tool("DELETE", "/v1/snapshots/:id", Action::DeleteSnapshot, DEV),
+    tool("POST", "/v1/snapshots/:id/fork", Action::ForkSnapshot, DEV),
+    tool("POST", "/v1/templates", Action::BuildTemplate, DEV),
+    r("GET", "/v1/templates", Action::ListTemplates, READ),
+    r("GET", "/v1/templates/:id", Action::GetTemplate, READ),
+    tool("DELETE", "/v1/templates/:id", Action::DeleteTemplate, DEV),
+    r("GET", "/v1/whoami", Action::Whoami, ANY),
+    r("POST", "/v1/tokens", Action::CreateToken, ADMIN),
+    r("GET", "/v1/tokens", Action::ListTokens, ADMIN),
+    r("DELETE", "/v1/tokens/:id", Action::RevokeToken, ADMIN),
+    r("GET", "/v1/policy", Action::GetPolicy, READ),
+    r("PUT", "/v1/policy", Action::PutPolicy, ADMIN),
+    // A dry evaluation changes nothing.
+    r("POST", "/v1/policy/test", Action::TestPolicy, READ),
+    r(
+        "GET",
+        "/v1/sandboxes/:id/policy",
+        Action::GetSandboxPolicy,
+        READ,
+    ),
+    r(
+        "PUT",
+        "/v1/sandboxes/:id/policy",
+        Action::PutSandboxPolicy,
+        ADMIN,
+    ),
+    // Starting an egress proxy is a developer's action even though it is a GET.
+    r("GET", "/v1/sandboxes/:id/egress", Action::Egress, DEV),
+    r("GET", "/v1/approvals", Action::ListApprovals, READ),
+    r("GET", "/v1/approvals/:id", Action::GetApproval, READ),
+    r(
+        "POST",
+        "/v1/approvals/:id/approve",
+        Action::Approve,
+        APPROVE,
+    ),
+    r("POST", "/v1/approvals/:id/deny", Action::Deny, APPROVE),
+    r("GET", "/v1/audit", Action::ExportAudit, READ),
+    r("GET", "/v1/audit/verify", Action::VerifyAudit, ADMIN),
+];
+
+impl Route {
+    /// Whether a token of `role` may call this route.
+    pub fn allows(&self, role: Role) -> bool {
+        match self.access {
+            Access::Open => true,
+            Access::HostMetrics => role == MetricsRole || role == Admin,
+            Access::Roles(roles) => roles.contains(&role),
+        }
+    }
+
+    /// The label of the route in metrics and `/v1/stats` (`METHOD /path`).
+    pub fn label(&self) -> String {
+        format!("{} {}", self.method, self.path)
+    }
+}
+
+/// The route of `(method, matched path)`; `HEAD` finds the `GET` route.
+pub fn find(method: &str, path: &str) -> Option<&'static Route> {
+    let method = if method == "HEAD" { "GET" } else { method };
+    ROUTES.iter().find(|r| r.method == method && r.path == path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_entry_per_method_and_path_and_per_action() {
+        let mut seen = std::collections::HashSet::new();
+        let mut actions = std::collections::HashSet::new();
+        for r in ROUTES {
+            assert!(
+                seen.insert((r.method, r.path)),
+                "{} {} twice",
+                r.method,
+                r.path
+            );
+            assert!(actions.insert(r.action), "{:?} twice", r.action);
+        }
+    }
+
+    #[test]
+    fn roles_mean_what_they_say() {
+        let get = |m, p| find(m, p).unwrap();
+        for role in [Viewer, Approver, MetricsRole] {
+            assert!(
+                !get("GET", "/v1/sandboxes/:id/files").allows(role),
+                "{role:?}"
+            );
+            assert!(!get("HEAD", "/v1/sandboxes/:id/files/stat").allows(role));
+        }
+        assert!(get("GET", "/v1/sandboxes/:id").allows(Viewer));
+        assert!(!get("GET", "/v1/sandboxes").allows(MetricsRole));
+        assert!(get("GET", "/v1/whoami").allows(MetricsRole));
+        assert!(get("POST", "/v1/approvals/:id/approve").allows(Approver));
+        assert!(!get("POST", "/v1/approvals/:id/approve").allows(Developer));
+        assert!(!get("GET", "/v1/tokens").allows(Developer));
+        for r in ROUTES
+            .iter()
+            .filter(|r| r.access != Access::Open && r.access != Access::HostMetrics)
+        {
+            assert!(r.allows(Admin), "{} {}", r.method, r.path);
+        }
+    }
+}

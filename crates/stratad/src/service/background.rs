@@ -1,0 +1,129 @@
+//! Background work: the scheduler's actions and the VM exit watcher.
+
+use super::prelude::*;
+
+/// The scheduler's view of the service (needs `Arc<Service>` for spawns).
+#[derive(Debug, Clone)]
+pub struct ScheduledActions(pub Arc<Service>);
+
+#[async_trait]
+impl Actions for ScheduledActions {
+    async fn rolling_snapshot(&self, id: SandboxId) {
+        let svc = &self.0;
+        let span = tracing::info_span!("rolling_snapshot", sandbox = %id);
+        async {
+            let Ok(g) = svc.acquire(&id, Op::Snapshot, Who::Background).await else {
+                // Busy: this slot is skipped, the next one comes an interval later.
+                return;
+            };
+            match svc.record(&id).await {
+                Ok(r) if r.state == SandboxState::Running => {}
+                _ => return,
+            }
+            if let Err(e) = svc
+                .snapshot_locked(&id, SnapshotKind::Rolling, None, g)
+                .await
+            {
+                warn!(error = %e.message(), "rolling snapshot failed");
+                return;
+            }
+            if let Err(e) = svc.gc(&id).await {
+                warn!(error = %e.message(), "gc failed");
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn idle_hibernate(&self, id: SandboxId) {
+        let svc = &self.0;
+        let span = tracing::info_span!("idle_hibernate", sandbox = %id);
+        async {
+            let Ok(g) = svc.acquire(&id, Op::Hibernate, Who::Background).await else {
+                return;
+            };
+            match svc.hibernate_locked(&id, g).await {
+                Ok(_) => info!("hibernated after idle timeout"),
+                Err(e) => warn!(error = %e.message(), "idle hibernation failed"),
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn gc_sweep(&self) {
+        let mut after: Option<SandboxId> = None;
+        loop {
+            let a = after.clone();
+            let Ok(ids) = self
+                .0
+                .db(move |s| s.sandboxes_with_snapshots(a.as_ref(), 500))
+                .await
+            else {
+                return;
+            };
+            let Some(last) = ids.last().cloned() else {
+                return;
+            };
+            for id in ids {
+                if let Err(e) = self.0.gc(&id).await {
+                    warn!(sandbox = %id, error = %e.message(), "gc failed");
+                }
+            }
+            after = Some(last);
+        }
+    }
+}
+
+impl Service {
+    /// A VM died behind the daemon's back: mark failed, then restore.
+    pub async fn handle_exit(self: &Arc<Self>, id: &SandboxId, reason: &str) {
+        let span = tracing::info_span!("vm_exit", sandbox = %id);
+        async {
+            let Ok(_g) = self.acquire(id, Op::Fail, Who::User).await else {
+                // A user operation holds the sandbox; it sees the failure itself.
+                warn!(reason, "vm exited during another operation");
+                return;
+            };
+            let Ok(mut rec) = self.record(id).await else {
+                return;
+            };
+            let Ok(next) = rec.state.apply(Op::Fail) else {
+                return;
+            };
+            warn!(reason, "vm died");
+            if let Err(e) = self
+                .settle(
+                    &mut rec,
+                    Op::Fail,
+                    next,
+                    Some(format!("vm died: {reason}")),
+                    Some(reason.to_owned()),
+                )
+                .await
+            {
+                warn!(error = %e.message(), "recording the failure failed");
+            }
+            self.sched.remove(id);
+            self.metrics.count("vm_died");
+            if self.config.auto_recover {
+                if let Err(e) = self.recover(id).await {
+                    warn!(error = %e.message(), "recovery failed");
+                }
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Consumes the engine's exit events until it closes the stream.
+    pub fn spawn_exit_watcher(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+        let mut rx = self.engine.exit_events();
+        let this = self.clone();
+        tokio::spawn(async move {
+            while let Some(ev) = rx.recv().await {
+                this.handle_exit(&ev.id, &ev.reason).await;
+            }
+        })
+    }
+}

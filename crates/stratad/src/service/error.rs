@@ -1,0 +1,101 @@
+//! Why a service command failed, mapped onto the API's stable error codes once.
+
+use super::prelude::*;
+
+/// Why a service call failed; maps onto the API's error codes.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    /// Malformed request.
+    #[error("{0}")]
+    InvalidRequest(String),
+    /// Size outside the absolute bounds.
+    #[error(transparent)]
+    InvalidSize(#[from] SizeError),
+    /// Not enough room on this host.
+    #[error("{0}")]
+    InsufficientCapacity(String),
+    /// No such resource.
+    #[error("{kind} {id} not found")]
+    NotFound {
+        /// Resource kind.
+        kind: &'static str,
+        /// Id as given.
+        id: String,
+    },
+    /// Not allowed in the present state.
+    #[error(transparent)]
+    InvalidState(#[from] TransitionError),
+    /// Not allowed for another reason tied to state (template building...).
+    #[error("{0}")]
+    InvalidStateOther(String),
+    /// Another operation is in progress.
+    #[error("{0}")]
+    Conflict(String),
+    /// The engine failed.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// The store failed.
+    #[error("metadata store")]
+    Store(#[from] StoreError),
+    /// The caller's role or scope does not allow this (a platform template).
+    #[error("{0}")]
+    Forbidden(String),
+    /// The tool-call gate refused (denied, held for approval, or failed closed).
+    #[error("{}", gate_message(.0))]
+    Gate(GateRefusal),
+}
+
+pub(crate) fn gate_message(r: &GateRefusal) -> String {
+    match r {
+        GateRefusal::Invalid(m) | GateRefusal::Internal(m) => m.clone(),
+        GateRefusal::Denied { message, .. } => message.clone(),
+        GateRefusal::Pending(req) => format!("held for approval {}", req.id),
+    }
+}
+
+impl ServiceError {
+    /// The stable API code.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            ServiceError::InvalidRequest(_) => ErrorCode::InvalidRequest,
+            ServiceError::InvalidSize(_) => ErrorCode::InvalidSize,
+            ServiceError::InsufficientCapacity(_) => ErrorCode::InsufficientCapacity,
+            ServiceError::NotFound { .. } => ErrorCode::NotFound,
+            ServiceError::InvalidState(_) | ServiceError::InvalidStateOther(_) => {
+                ErrorCode::InvalidState
+            }
+            ServiceError::Conflict(_) => ErrorCode::Conflict,
+            ServiceError::Engine(e) => e.code(),
+            ServiceError::Store(StoreError::BadCursor) => ErrorCode::InvalidRequest,
+            ServiceError::Store(_) => ErrorCode::Internal,
+            ServiceError::Forbidden(_) => ErrorCode::Forbidden,
+            ServiceError::Gate(GateRefusal::Invalid(_)) => ErrorCode::InvalidRequest,
+            ServiceError::Gate(GateRefusal::Internal(_)) => ErrorCode::Internal,
+            ServiceError::Gate(GateRefusal::Denied { .. } | GateRefusal::Pending(_)) => {
+                ErrorCode::PolicyDenied
+            }
+        }
+    }
+
+    /// The message for the API: the whole chain, once.
+    pub fn message(&self) -> String {
+        let mut msg = self.to_string();
+        let mut src = std::error::Error::source(self);
+        while let Some(e) = src {
+            msg.push_str(": ");
+            msg.push_str(&e.to_string());
+            src = e.source();
+        }
+        msg
+    }
+}
+
+/// Result of service calls.
+pub type ServiceResult<T> = Result<T, ServiceError>;
+
+pub(crate) fn not_found(kind: &'static str, id: impl ToString) -> ServiceError {
+    ServiceError::NotFound {
+        kind,
+        id: id.to_string(),
+    }
+}

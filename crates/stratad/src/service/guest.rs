@@ -1,0 +1,255 @@
+//! Calls into the guest: exec and files, under a [`Grant`] the gate made
+//! from the values the action uses.
+
+use super::prelude::*;
+
+/// A tool call the gate allowed on one sandbox of its caller (made only by
+/// [`Service::grant`] and [`Service::access`]). Guest file operations run
+/// under a grant and only on the paths it covers, so what the gate decided
+/// and what runs come from the same values.
+#[derive(Debug, Clone)]
+pub struct Grant {
+    sandbox: SandboxId,
+    caller: Caller,
+    kind: Option<CallKind>,
+}
+
+/// A guest file operation, for [`Grant::covers`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GuestOp {
+    /// Read a file's content.
+    Read,
+    /// Stat a path.
+    Stat,
+    /// List a directory.
+    List,
+    /// Write a file.
+    Write,
+    /// Make a directory.
+    Mkdir,
+    /// Remove a path.
+    Remove,
+}
+
+pub(crate) fn is_under(path: &str, dir: &str) -> bool {
+    let dir = dir.trim_end_matches('/');
+    path.strip_prefix(dir)
+        .is_some_and(|rest| rest.starts_with('/'))
+}
+
+impl Grant {
+    /// The sandbox.
+    pub fn sandbox(&self) -> &SandboxId {
+        &self.sandbox
+    }
+
+    /// Who it was granted to.
+    pub fn caller(&self) -> &Caller {
+        &self.caller
+    }
+
+    /// The call the gate decided (`None` for [`Service::access`]).
+    pub fn kind(&self) -> Option<&CallKind> {
+        self.kind.as_ref()
+    }
+
+    /// Whether `op` on `path` is what the gate decided: a read covers
+    /// reading, stating and listing the path and what is below it; a write
+    /// covers writing, removing and making the path, and stating or making
+    /// the directories above it (an upload makes its parent).
+    pub fn covers(&self, op: GuestOp, path: &str) -> bool {
+        match &self.kind {
+            Some(CallKind::FileRead { path: p }) => {
+                matches!(op, GuestOp::Read | GuestOp::Stat | GuestOp::List)
+                    && (path == p || is_under(path, p))
+            }
+            Some(CallKind::FileWrite { path: p }) => match op {
+                GuestOp::Write | GuestOp::Remove => path == p,
+                GuestOp::Mkdir | GuestOp::Stat => path == p || is_under(p, path),
+                GuestOp::Read | GuestOp::List => false,
+            },
+            _ => false,
+        }
+    }
+}
+
+impl Service {
+    /// Runs a command; the stream ends with the exit event.
+    pub async fn exec(
+        self: &Arc<Self>,
+        caller: &Caller,
+        id: &SandboxId,
+        req: ExecRequest,
+        opts: &GateOptions,
+    ) -> ServiceResult<ExecStream> {
+        self.get_sandbox(caller, id).await?;
+        validate_exec(&req)?;
+        let kind = CallKind::Exec {
+            argv: req.cmd.clone(),
+            shell: None,
+        };
+        self.authorize(caller, Some(id), kind, opts).await?;
+        self.exec_granted(id, req).await
+    }
+
+    pub(super) async fn exec_granted(
+        self: &Arc<Self>,
+        id: &SandboxId,
+        req: ExecRequest,
+    ) -> ServiceResult<ExecStream> {
+        let rec = self.ensure_awake(id).await?;
+        rec.state.apply(Op::Exec)?;
+        let started = Instant::now();
+        let stream = self.engine.exec(id, req).await?;
+        let metrics = self.metrics.clone();
+        Ok(stream
+            .inspect(move |ev| {
+                if let Ok(ExecEvent::Exit { .. }) = ev {
+                    metrics.observe_step(step::EXEC_ROUND_TRIP, started.elapsed());
+                }
+            })
+            .boxed())
+    }
+
+    pub(super) async fn guest_ready(
+        self: &Arc<Self>,
+        g: &Grant,
+        op: GuestOp,
+        path: &str,
+    ) -> ServiceResult<SandboxId> {
+        validate_guest_path(path)?;
+        if !g.covers(op, path) {
+            // A front door passed a path its grant was not decided for.
+            return Err(ServiceError::Forbidden(format!(
+                "{op:?} of {path} is not covered by the call the gate decided"
+            )));
+        }
+        let rec = self.ensure_awake(&g.sandbox).await?;
+        rec.state.apply(Op::Exec)?;
+        Ok(rec.id)
+    }
+
+    /// Gates a tool call of `caller` on its sandbox `id` and returns the
+    /// grant the guest operations run under ([`Service::read_file`] …).
+    /// The call is built by the front door from the values it will use.
+    pub async fn grant(
+        &self,
+        caller: &Caller,
+        id: &SandboxId,
+        kind: CallKind,
+        opts: &GateOptions,
+    ) -> ServiceResult<Grant> {
+        self.authorize_on(caller, id, kind.clone(), opts).await?;
+        Ok(Grant {
+            sandbox: id.clone(),
+            caller: caller.clone(),
+            kind: Some(kind),
+        })
+    }
+
+    /// Access to the caller's sandbox `id` without a tool call: only for a
+    /// front door's own helper commands ([`Service::exec_helper`]) that
+    /// serve calls already decided (an E2B process's signals and stdin).
+    pub async fn access(&self, caller: &Caller, id: &SandboxId) -> ServiceResult<Grant> {
+        self.get_sandbox(caller, id).await?;
+        Ok(Grant {
+            sandbox: id.clone(),
+            caller: caller.clone(),
+            kind: None,
+        })
+    }
+
+    /// Runs a front door's helper command under a grant (the E2B door's
+    /// process wrapper, `mv` for a move, `kill` for a signal): the gate
+    /// already decided the call it serves.
+    pub async fn exec_helper(
+        self: &Arc<Self>,
+        g: &Grant,
+        req: ExecRequest,
+    ) -> ServiceResult<ExecStream> {
+        validate_exec(&req)?;
+        if g.kind.is_none() {
+            // No tool call was decided: a helper serving one decided earlier
+            // (a signal, stdin) never wakes a hibernated sandbox by itself.
+            let rec = self.record(&g.sandbox).await?;
+            if rec.state != SandboxState::Running {
+                return Err(ServiceError::Engine(EngineError::NotRunning(
+                    g.sandbox.to_string(),
+                )));
+            }
+        }
+        self.exec_granted(&g.sandbox, req).await
+    }
+
+    /// Streams a guest file.
+    pub async fn read_file(self: &Arc<Self>, g: &Grant, path: &str) -> ServiceResult<ByteStream> {
+        let id = self.guest_ready(g, GuestOp::Read, path).await?;
+        Ok(self.engine.read_file(&id, path).await?)
+    }
+
+    /// Writes a guest file from a stream.
+    pub async fn write_file(
+        self: &Arc<Self>,
+        g: &Grant,
+        path: &str,
+        mode: u32,
+        body: ByteStream,
+    ) -> ServiceResult<u64> {
+        if mode > 0o7777 {
+            return Err(ServiceError::InvalidRequest(format!(
+                "mode {mode:o}: at most 7777 (octal)"
+            )));
+        }
+        let id = self.guest_ready(g, GuestOp::Write, path).await?;
+        Ok(self.engine.write_file(&id, path, mode, body).await?)
+    }
+
+    /// Lists a guest directory.
+    pub async fn list_dir(self: &Arc<Self>, g: &Grant, path: &str) -> ServiceResult<Vec<FileStat>> {
+        let id = self.guest_ready(g, GuestOp::List, path).await?;
+        Ok(self.engine.list_dir(&id, path).await?)
+    }
+
+    /// Stats a guest path.
+    pub async fn stat(self: &Arc<Self>, g: &Grant, path: &str) -> ServiceResult<FileStat> {
+        let id = self.guest_ready(g, GuestOp::Stat, path).await?;
+        Ok(self.engine.stat(&id, path).await?)
+    }
+
+    /// Makes a guest directory.
+    pub async fn mkdir(
+        self: &Arc<Self>,
+        g: &Grant,
+        path: &str,
+        parents: bool,
+    ) -> ServiceResult<()> {
+        let id = self.guest_ready(g, GuestOp::Mkdir, path).await?;
+        Ok(self.engine.mkdir(&id, path, parents).await?)
+    }
+
+    /// Removes a guest path.
+    pub async fn remove(
+        self: &Arc<Self>,
+        g: &Grant,
+        path: &str,
+        recursive: bool,
+    ) -> ServiceResult<()> {
+        if path.trim_end_matches('/').is_empty() {
+            return Err(ServiceError::InvalidRequest("refusing to remove /".into()));
+        }
+        let id = self.guest_ready(g, GuestOp::Remove, path).await?;
+        Ok(self.engine.remove(&id, path, recursive).await?)
+    }
+
+    /// The journal of one of the caller's sandboxes.
+    pub async fn events(
+        &self,
+        caller: &Caller,
+        id: &SandboxId,
+        limit: usize,
+    ) -> ServiceResult<Vec<Event>> {
+        self.get_sandbox(caller, id).await?;
+        let id = id.clone();
+        self.db(move |s| s.events(&id, limit.clamp(1, 1000))).await
+    }
+}

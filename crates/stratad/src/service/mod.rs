@@ -1,0 +1,256 @@
+//! The service layer: typed commands over the store and the engine, shared
+//! by every front door (the `/v1` API, the E2B door), the scheduler and
+//! recovery. Every command takes the [`Caller`]: tenant visibility is decided
+//! in its lookups ([`access`]), the tool-call gate by the command with the
+//! values the action uses.
+//!
+//! Every state-changing operation:
+//! 1. takes the sandbox's operation lock ([`oplock`]): a second user
+//!    operation while one runs gets `409 conflict` at once (no queue); a user
+//!    operation arriving during a background one (rolling snapshot) waits
+//!    for it, it is short;
+//! 2. asks the state machine whether the operation is allowed
+//!    (`SandboxState::apply`);
+//! 3. records the operation as pending through the transition writer
+//!    ([`journal`]: sandbox `pending_op`, snapshot rows `pending`, a journal
+//!    entry) before calling the engine;
+//! 4. finalizes through the same writer: the new state on success; on
+//!    failure the previous state stays, with the reason in `state_reason`
+//!    and the journal.
+//!
+//! A crash between 3 and 4 leaves a pending record that recovery rolls back
+//! or completes; a pending snapshot is never listed as ready.
+
+mod access;
+mod background;
+mod commands;
+mod error;
+mod fork;
+mod guest;
+mod journal;
+mod lifecycle;
+mod oplock;
+mod prelude;
+mod recovery;
+mod rewind;
+mod snapshots;
+mod templates;
+
+pub use background::ScheduledActions;
+pub use commands::*;
+pub use error::*;
+pub use guest::{Grant, GuestOp};
+pub(crate) use journal::VmNow;
+pub(crate) use oplock::*;
+
+use self::prelude::*;
+
+/// Activity is written to the store at most this often per sandbox.
+pub(crate) const ACTIVITY_FLUSH: chrono::TimeDelta = chrono::TimeDelta::seconds(30);
+
+/// The daemon's operations, shared by the HTTP API, the scheduler and recovery.
+pub struct Service {
+    store: Arc<dyn Store>,
+    engine: Arc<dyn Engine>,
+    sched: SchedulerHandle,
+    metrics: Arc<Metrics>,
+    config: Arc<Config>,
+    clock: Arc<dyn Clock>,
+    slots: Mutex<HashMap<SandboxId, Arc<OpSlot>>>,
+    placement: tokio::sync::Mutex<()>,
+    progress: Mutex<HashMap<TemplateId, BuildProgress>>,
+    flushed: Mutex<HashMap<SandboxId, DateTime<Utc>>>,
+    gate: Arc<dyn ToolGate>,
+}
+
+impl std::fmt::Debug for Service {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Service").finish_non_exhaustive()
+    }
+}
+
+impl Service {
+    /// A service over these parts.
+    pub fn new(
+        store: Arc<dyn Store>,
+        engine: Arc<dyn Engine>,
+        config: Arc<Config>,
+        clock: Arc<dyn Clock>,
+        metrics: Arc<Metrics>,
+        gate: Arc<dyn ToolGate>,
+    ) -> Arc<Self> {
+        Arc::new(Service {
+            gate,
+            store,
+            engine,
+            sched: SchedulerHandle::new(),
+            metrics,
+            config,
+            clock,
+            slots: Mutex::new(HashMap::new()),
+            placement: tokio::sync::Mutex::new(()),
+            progress: Mutex::new(HashMap::new()),
+            flushed: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The scheduler's handle.
+    pub fn scheduler(&self) -> &SchedulerHandle {
+        &self.sched
+    }
+
+    /// The metrics.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Arc<Config> {
+        &self.config
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &Arc<dyn Engine> {
+        &self.engine
+    }
+
+    /// The injected clock.
+    pub fn clock(&self) -> Arc<dyn Clock> {
+        self.clock.clone()
+    }
+
+    /// The clock.
+    pub fn now(&self) -> DateTime<Utc> {
+        self.clock.now()
+    }
+
+    /// Runs a store call on the blocking pool.
+    pub async fn db<T, F>(&self, f: F) -> ServiceResult<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&dyn Store) -> StoreResult<T> + Send + 'static,
+    {
+        let s = self.store.clone();
+        tokio::task::spawn_blocking(move || f(s.as_ref()))
+            .await
+            .map_err(|e| StoreError::Task(e.to_string()))?
+            .map_err(Into::into)
+    }
+
+    pub(super) fn timing(&self, rec: &SandboxRecord) -> Timing {
+        Timing {
+            snapshot_interval: rec
+                .snapshot_interval_s
+                .map(Duration::from_secs)
+                .unwrap_or(self.config.snapshot_interval),
+            idle_timeout: rec
+                .idle_timeout_s
+                .map(Duration::from_secs)
+                .unwrap_or(self.config.idle_timeout),
+        }
+    }
+
+    /// Tells the scheduler about a sandbox's (new) state.
+    pub fn reschedule(&self, rec: &SandboxRecord) {
+        self.sched.set(
+            &rec.id,
+            rec.state,
+            self.timing(rec),
+            rec.last_activity_at,
+            self.now(),
+        );
+    }
+
+    /// Records activity: postpones idle hibernation; persisted lazily.
+    pub fn touch(&self, id: &SandboxId) {
+        let now = self.now();
+        self.sched.touch(id, now);
+        let due = {
+            let mut g = self.flushed.lock().unwrap_or_else(|p| p.into_inner());
+            let last = g.get(id).copied();
+            if last.is_none_or(|l| now - l >= ACTIVITY_FLUSH) {
+                g.insert(id.clone(), now);
+                true
+            } else {
+                false
+            }
+        };
+        if due {
+            let store = self.store.clone();
+            let id = id.clone();
+            tokio::task::spawn_blocking(move || {
+                if let Err(e) = store.touch_sandbox(&id, now) {
+                    warn!(sandbox = %id, error = %e, "recording activity failed");
+                }
+            });
+        }
+    }
+
+    pub(super) async fn check_capacity(&self, size: SandboxSize) -> ServiceResult<()> {
+        let (cap_cpu, cap_mem) = self.config.capacity.resolve();
+        let (used_cpu, used_mem) = self.db(|s| s.reserved_capacity()).await?;
+        if used_cpu + u64::from(size.vcpus) > cap_cpu
+            || used_mem + u64::from(size.memory_mib) > cap_mem
+        {
+            return Err(ServiceError::InsufficientCapacity(format!(
+                "this host has {} of {cap_cpu} vCPUs and {} of {cap_mem} MiB free; asked for {} vCPUs and {} MiB",
+                cap_cpu.saturating_sub(used_cpu),
+                cap_mem.saturating_sub(used_mem),
+                size.vcpus,
+                size.memory_mib
+            )));
+        }
+        Ok(())
+    }
+
+    pub(super) fn new_record(
+        &self,
+        owner: &str,
+        spec: &SandboxSpec,
+        size: SandboxSize,
+    ) -> ServiceResult<SandboxRecord> {
+        validate_labels(&spec.labels)?;
+        let now = self.now();
+        Ok(SandboxRecord {
+            id: SandboxId::generate(),
+            tenant: owner.to_owned(),
+            template: None,
+            source_snapshot: None,
+            size,
+            labels: spec.labels.clone(),
+            state: SandboxState::Creating,
+            state_reason: None,
+            pending_op: Some(Op::Created),
+            idle_timeout_s: match parse_opt_duration(&spec.idle_timeout, "idle_timeout")? {
+                Some(t) if t > MAX_IDLE_TIMEOUT_S => {
+                    return Err(ServiceError::InvalidRequest(format!(
+                        "idle_timeout: at most {MAX_IDLE_TIMEOUT_S}s (a year)"
+                    )))
+                }
+                t => t,
+            },
+            snapshot_interval_s: parse_opt_duration(&spec.snapshot_interval, "snapshot_interval")?,
+            created_at: now,
+            updated_at: now,
+            last_activity_at: now,
+            pid: None,
+            accel: None,
+            deleted_at: None,
+            version: 0,
+        })
+    }
+
+    /// Counts for metrics and stats.
+    pub async fn refresh_gauges(&self) -> ServiceResult<StoreCounts> {
+        let c = self.db(|s| s.counts(None)).await?;
+        self.metrics
+            .set_counts(&c.sandboxes_by_state, c.snapshots_ready);
+        Ok(c)
+    }
+
+    /// Counts of the caller's tenant (the daemon: all).
+    pub async fn counts(&self, caller: &Caller) -> ServiceResult<StoreCounts> {
+        let t = caller.tenant().map(str::to_owned);
+        self.db(move |s| s.counts(t.as_deref())).await
+    }
+}

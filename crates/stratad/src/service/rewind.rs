@@ -1,0 +1,125 @@
+//! Rewind: a sandbox returned to one of its own snapshots, in place.
+
+use super::prelude::*;
+
+impl Service {
+    /// Returns a sandbox to one of its snapshots (by id or by time ago).
+    pub async fn rewind(
+        self: &Arc<Self>,
+        caller: &Caller,
+        id: &SandboxId,
+        cmd: Rewind,
+        opts: &GateOptions,
+    ) -> ServiceResult<(SandboxRecord, SnapshotRecord, Option<SnapshotRecord>)> {
+        self.get_sandbox(caller, id).await?;
+        let target = match (&cmd.to, &cmd.ago) {
+            (Some(to), None) => {
+                let t = self.get_snapshot(caller, to).await?;
+                if &t.sandbox_id != id {
+                    // Names no other sandbox: the snapshot may be anyone's.
+                    return Err(ServiceError::InvalidRequest(format!(
+                        "snapshot {to} is not a snapshot of {id}: rewind goes to a sandbox's own snapshots (fork it instead)"
+                    )));
+                }
+                t
+            }
+            (None, Some(ago)) => {
+                let d = crate::duration::parse_duration(ago)
+                    .map_err(|e| ServiceError::InvalidRequest(format!("ago: {e}")))?;
+                let at = self.now()
+                    - chrono::Duration::from_std(d)
+                        .map_err(|_| ServiceError::InvalidRequest("ago: too large".into()))?;
+                let id2 = id.clone();
+                self.db(move |s| s.ready_snapshot_at(&id2, at)).await?.ok_or_else(|| {
+                    ServiceError::NotFound {
+                        kind: "snapshot",
+                        id: format!(
+                            "of {id} at or before {} ({ago} ago; retention keeps rolling snapshots for {})",
+                            at.to_rfc3339(),
+                            crate::duration::format_duration(self.config.retention.horizon())
+                        ),
+                    }
+                })?
+            }
+            _ => {
+                return Err(ServiceError::InvalidRequest(
+                    "give exactly one of `to` (snapshot id) or `ago` (e.g. \"10m\")".into(),
+                ))
+            }
+        };
+        if target.status != SnapshotStatus::Ready {
+            return Err(ServiceError::InvalidStateOther(format!(
+                "snapshot {} is not ready",
+                target.id
+            )));
+        }
+        self.authorize(caller, Some(id), CallKind::Rewind, opts)
+            .await?;
+        let _g = self.acquire(id, Op::Rewind, Who::User).await?;
+        let mut rec = self.record(id).await?;
+        self.touch(id);
+        let next = rec.state.apply(Op::Rewind)?;
+        let mut pre = rec.state.has_vm().then(|| {
+            self.new_snapshot(
+                &rec,
+                SnapshotKind::PreRewind,
+                Some(format!("before rewind to {}", target.id)),
+            )
+        });
+        let pending: Vec<&SnapshotRecord> = pre.iter().collect();
+        self.begin(
+            &mut rec,
+            Op::Rewind,
+            next,
+            &pending,
+            Some(target.id.to_string()),
+        )
+        .await?;
+        let started = Instant::now();
+        let result = self
+            .engine
+            .rewind(id, &target.id, pre.as_ref().map(|p| &p.id))
+            .await;
+        match result {
+            Ok((info, vm)) => {
+                self.metrics.observe_step(step::RESTORE, started.elapsed());
+                if let (Some(p), Some(info)) = (pre.as_mut(), info.as_ref()) {
+                    Self::ready(p, info);
+                    self.metrics.observe_step(
+                        step::SNAPSHOT_PAUSE,
+                        Duration::from_secs_f64(info.pause_ms.max(0.0) / 1000.0),
+                    );
+                } else if let Some(p) = pre.as_mut() {
+                    Self::dropped(p, "engine took no pre-rewind snapshot".into());
+                }
+                rec.last_activity_at = self.now();
+                let snaps: Vec<&SnapshotRecord> = pre.iter().collect();
+                self.done(
+                    &mut rec,
+                    Op::Rewind,
+                    next,
+                    Some(VmNow::pid(vm.pid)),
+                    &snaps,
+                    Some(target.id.to_string()),
+                )
+                .await?;
+                if let Some(p) = pre.as_ref().filter(|p| p.status == SnapshotStatus::Ready) {
+                    self.spawn_usage(p.id.clone());
+                }
+                Ok((
+                    rec,
+                    target,
+                    pre.filter(|p| p.status == SnapshotStatus::Ready),
+                ))
+            }
+            Err(e) => {
+                if let Some(p) = pre.as_mut() {
+                    Self::dropped(p, format!("rewind failed: {e}"));
+                }
+                let snaps: Vec<&SnapshotRecord> = pre.iter().collect();
+                self.failed(&mut rec, Op::Rewind, &e, &snaps).await;
+                Err(e.into())
+            }
+        }
+    }
+}

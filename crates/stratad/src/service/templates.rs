@@ -1,0 +1,289 @@
+//! Templates: the default one, builds, lookups, deletion; platform scope.
+
+use super::prelude::*;
+
+impl Service {
+    /// The template a create starts from: the one named, or the newest ready
+    /// one. A template still being built (the default one on a first start)
+    /// is waited for, up to `template_wait`.
+    pub(super) async fn resolve_template(
+        &self,
+        caller: &Caller,
+        id: Option<&TemplateId>,
+    ) -> ServiceResult<TemplateRecord> {
+        let deadline = Instant::now() + self.config.template_wait;
+        loop {
+            let tpl = match id {
+                Some(id) => self.get_template(caller, id).await?.record,
+                None => {
+                    let all = self.db(|s| s.list_templates(PLATFORM_SCOPE)).await?;
+                    let ready = all.iter().rev().find(|t| t.status == TemplateStatus::Ready);
+                    let building = all
+                        .iter()
+                        .rev()
+                        .find(|t| t.status == TemplateStatus::Building);
+                    match (ready, building) {
+                        (Some(t), _) | (None, Some(t)) => t.clone(),
+                        (None, None) => {
+                            let failed = all
+                                .iter()
+                                .rev()
+                                .find(|t| t.status == TemplateStatus::Failed)
+                                .map(|t| {
+                                    format!(
+                                        " (template {} failed: {})",
+                                        t.id,
+                                        t.status_reason.as_deref().unwrap_or("unknown reason")
+                                    )
+                                })
+                                .unwrap_or_default();
+                            return Err(ServiceError::InvalidStateOther(format!(
+                                "no template given and none is ready{failed}: build one with POST /v1/templates"
+                            )));
+                        }
+                    }
+                }
+            };
+            match tpl.status {
+                TemplateStatus::Ready => return Ok(tpl),
+                TemplateStatus::Building if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+                TemplateStatus::Building => {
+                    let step = self
+                        .template_view(tpl.clone())
+                        .progress
+                        .map(|p| format!(" (now: {})", p.step))
+                        .unwrap_or_default();
+                    return Err(ServiceError::InvalidStateOther(format!(
+                        "template {} is still being built{step}; retry later",
+                        tpl.id
+                    )));
+                }
+                other => {
+                    return Err(ServiceError::InvalidStateOther(format!(
+                        "template {} is {}{}",
+                        tpl.id,
+                        other.as_str(),
+                        tpl.status_reason
+                            .as_deref()
+                            .map(|r| format!(": {r}"))
+                            .unwrap_or_default()
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Starts the build of the default template (`tpl-default`, named
+    /// `default`, of `default_size`) unless a template is ready or building.
+    /// Returns the build started, if any.
+    pub async fn ensure_default_template(self: &Arc<Self>) -> ServiceResult<Option<TemplateView>> {
+        let all = self.db(|s| s.list_templates(PLATFORM_SCOPE)).await?;
+        if all
+            .iter()
+            .any(|t| matches!(t.status, TemplateStatus::Ready | TemplateStatus::Building))
+        {
+            return Ok(None);
+        }
+        let id: TemplateId = DEFAULT_TEMPLATE
+            .parse()
+            .map_err(|e: strata_core::id::IdError| ServiceError::InvalidRequest(e.to_string()))?;
+        info!(template = %id, "no template yet: building the default one in the background");
+        let v = self
+            .build_template(
+                &Caller::system(crate::caller::SystemReason::Platform),
+                BuildTemplate {
+                    id: Some(id),
+                    name: Some("default".into()),
+                    size: SizeSpec::default(),
+                },
+                &GateOptions::default(),
+            )
+            .await?;
+        Ok(Some(v))
+    }
+
+    /// Starts a template build; returns at once with the `building` record.
+    pub async fn build_template(
+        self: &Arc<Self>,
+        caller: &Caller,
+        cmd: BuildTemplate,
+        opts: &GateOptions,
+    ) -> ServiceResult<TemplateView> {
+        let size = cmd.size.over(self.config.default_size);
+        size.validate()?;
+        if !caller.is_system()
+            && cmd
+                .id
+                .as_ref()
+                .is_some_and(|i| i.as_str() == DEFAULT_TEMPLATE)
+        {
+            return Err(ServiceError::Forbidden(format!(
+                "template id {DEFAULT_TEMPLATE} is reserved for the platform"
+            )));
+        }
+        self.authorize(caller, None, lifecycle("build_template"), opts)
+            .await?;
+        let id = cmd.id.unwrap_or_else(TemplateId::generate);
+        let id2 = id.clone();
+        if let Some(t) = self.db(move |s| s.get_template(&id2)).await? {
+            if t.tenant != caller.owner() {
+                // Ids are global: one once used by another owner (the
+                // platform's included) stays theirs, whatever its status.
+                return Err(ServiceError::Conflict(format!("template id {id} is taken")));
+            }
+            if t.status == TemplateStatus::Failed {
+                // A failed build may have left parts behind; a rebuild starts clean.
+                let _ = self.engine.delete_template(&id).await;
+            } else if t.status != TemplateStatus::Deleted {
+                return Err(ServiceError::Conflict(format!(
+                    "template {id} exists ({})",
+                    t.status.as_str()
+                )));
+            }
+        }
+        let now = self.now();
+        let rec = TemplateRecord {
+            id: id.clone(),
+            tenant: caller.owner().to_owned(),
+            name: cmd.name,
+            size,
+            status: TemplateStatus::Building,
+            status_reason: None,
+            accel: None,
+            created_at: now,
+            updated_at: now,
+        };
+        let r = rec.clone();
+        self.db(move |s| s.put_template(&r)).await?;
+        self.progress
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(
+                id.clone(),
+                BuildProgress {
+                    step: "starting".into(),
+                    fraction: None,
+                },
+            );
+        let this = self.clone();
+        let mut rec2 = rec.clone();
+        tokio::spawn(
+            async move {
+                let weak = Arc::downgrade(&this);
+                let tid = rec2.id.clone();
+                let sink: crate::engine::ProgressSink =
+                    Arc::new(move |step: &str, fraction: Option<f32>| {
+                        if let Some(s) = weak.upgrade() {
+                            s.progress.lock().unwrap_or_else(|p| p.into_inner()).insert(
+                                tid.clone(),
+                                BuildProgress {
+                                    step: step.to_owned(),
+                                    fraction,
+                                },
+                            );
+                        }
+                    });
+                let result = this.engine.build_template(&rec2.id, rec2.size, sink).await;
+                match result {
+                    Ok(info) => {
+                        rec2.status = TemplateStatus::Ready;
+                        rec2.accel = Some(info.accel);
+                        info!(build_ms = info.build_ms, "template ready");
+                    }
+                    Err(e) => {
+                        warn!(error = %e, "template build failed");
+                        rec2.status = TemplateStatus::Failed;
+                        rec2.status_reason = Some(e.to_string());
+                    }
+                }
+                rec2.updated_at = this.now();
+                this.progress
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&rec2.id);
+                let r = rec2.clone();
+                if let Err(e) = this.db(move |s| s.put_template(&r)).await {
+                    warn!(error = %e.message(), "recording template failed");
+                }
+            }
+            .instrument(tracing::info_span!("template", template = %id)),
+        );
+        Ok(self.template_view(rec))
+    }
+
+    pub(super) fn template_view(&self, record: TemplateRecord) -> TemplateView {
+        let progress = self
+            .progress
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&record.id)
+            .cloned();
+        TemplateView { record, progress }
+    }
+
+    /// Templates not deleted that the caller may use: the platform's and
+    /// its tenant's (the daemon: all).
+    pub async fn list_templates(&self, caller: &Caller) -> ServiceResult<Vec<TemplateView>> {
+        let tenant = caller.tenant().map(str::to_owned);
+        let v = self
+            .db(move |s| match tenant {
+                None => s.all_templates(),
+                Some(t) => {
+                    let mut v = s.list_templates(PLATFORM_SCOPE)?;
+                    v.extend(s.list_templates(&t)?);
+                    v.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
+                    Ok(v)
+                }
+            })
+            .await?;
+        Ok(v.into_iter().map(|r| self.template_view(r)).collect())
+    }
+
+    /// One template the caller may use (another tenant's answers like an
+    /// unknown id).
+    pub async fn get_template(
+        &self,
+        caller: &Caller,
+        id: &TemplateId,
+    ) -> ServiceResult<TemplateView> {
+        match self.template_record(id).await {
+            Ok(r) if caller.sees_template(&r.tenant) => Ok(self.template_view(r)),
+            Ok(_) => Err(not_found("template", id)),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Deletes one of the caller's templates (sandboxes made from it are
+    /// independent). Platform templates are deleted by no tenant.
+    pub async fn delete_template(
+        &self,
+        caller: &Caller,
+        id: &TemplateId,
+        opts: &GateOptions,
+    ) -> ServiceResult<TemplateView> {
+        let v = self.get_template(caller, id).await?;
+        if v.record.tenant != caller.owner() {
+            return Err(ServiceError::Forbidden(format!(
+                "template {id} belongs to the platform; no tenant may delete it"
+            )));
+        }
+        self.authorize(caller, None, lifecycle("delete_template"), opts)
+            .await?;
+        let mut v = self.get_template(caller, id).await?;
+        if v.record.status == TemplateStatus::Building {
+            return Err(ServiceError::Conflict(format!(
+                "template {id} is being built"
+            )));
+        }
+        v.record.status = TemplateStatus::Deleted;
+        v.record.updated_at = self.now();
+        let r = v.record.clone();
+        self.db(move |s| s.put_template(&r)).await?;
+        if let Err(e) = self.engine.delete_template(id).await {
+            warn!(template = %id, error = %e, "removing template failed; recovery will retry");
+        }
+        Ok(v)
+    }
+}
