@@ -17,7 +17,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use axum::extract::{Path, RawQuery, State};
+use axum::extract::{FromRequestParts, Path, RawQuery, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
@@ -200,6 +200,25 @@ impl E2b {
     }
 }
 
+/// The `:id` of a control-plane path as the router decoded it; one that does
+/// not decode (invalid UTF-8 in `%FF%FE…`) is a `400` in E2B's error shape.
+pub struct SandboxPath(pub String);
+
+#[axum::async_trait]
+impl<S: Send + Sync> FromRequestParts<S> for SandboxPath {
+    type Rejection = E2bError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, E2bError> {
+        Path::<String>::from_request_parts(parts, state)
+            .await
+            .map(|Path(s)| SandboxPath(s))
+            .map_err(|e| E2bError::new(400, format!("path: {}", e.body_text())))
+    }
+}
+
 /// `POST /sandboxes`, `POST /v2/sandboxes` → 201 `Sandbox`.
 pub async fn create(
     State(st): State<Arc<E2b>>,
@@ -239,7 +258,7 @@ pub async fn create(
 pub async fn get(
     State(st): State<Arc<E2b>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    SandboxPath(id): SandboxPath,
 ) -> E2bResult<Response> {
     let rec = st.record(&caller, &id).await?;
     if rec.state == SandboxState::Failed {
@@ -258,7 +277,7 @@ pub async fn get(
 pub async fn kill(
     State(st): State<Arc<E2b>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    SandboxPath(id): SandboxPath,
 ) -> E2bResult<StatusCode> {
     let sid = parse_sandbox_id(&id)?;
     let rec = st
@@ -283,7 +302,7 @@ pub async fn kill(
 pub async fn set_timeout(
     State(st): State<Arc<E2b>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    SandboxPath(id): SandboxPath,
     body: Bytes,
 ) -> E2bResult<StatusCode> {
     let req: TimeoutBody = parse_body(&body)?;
@@ -302,7 +321,7 @@ pub async fn set_timeout(
 pub async fn refresh(
     State(st): State<Arc<E2b>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    SandboxPath(id): SandboxPath,
 ) -> E2bResult<StatusCode> {
     let sid = parse_sandbox_id(&id)?;
     st.svc
@@ -316,7 +335,7 @@ pub async fn refresh(
 pub async fn pause(
     State(st): State<Arc<E2b>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    SandboxPath(id): SandboxPath,
 ) -> E2bResult<StatusCode> {
     let rec = st.record(&caller, &id).await?;
     if rec.state == SandboxState::Hibernated {
@@ -381,7 +400,7 @@ async fn wake(
 pub async fn connect(
     State(st): State<Arc<E2b>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    SandboxPath(id): SandboxPath,
     body: Bytes,
 ) -> E2bResult<Response> {
     let (resumed, rec) = wake(&st, &caller, &id, &body).await?;
@@ -397,7 +416,7 @@ pub async fn connect(
 pub async fn resume(
     State(st): State<Arc<E2b>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    SandboxPath(id): SandboxPath,
     body: Bytes,
 ) -> E2bResult<Response> {
     let rec = st.record(&caller, &id).await?;

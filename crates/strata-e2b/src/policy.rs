@@ -78,6 +78,23 @@ impl E2b {
                 .map_err(sec_err)?
                 .map_err(sec_err)?;
             if let Some(c) = bound {
+                // The binding outlives the request that made it: the
+                // credential it names must still hold (not revoked, not
+                // expired), as on the control plane.
+                let (sec, c2) = (self.sec.clone(), c.clone());
+                let holds = match sec {
+                    Some(sec) => tokio::task::spawn_blocking(move || sec.credential_holds(&c2))
+                        .await
+                        .map_err(sec_err)?
+                        .map_err(sec_err)?,
+                    None => true,
+                };
+                if !holds {
+                    return Err(ConnectError::new(
+                        Code::Unauthenticated,
+                        "the credential this sandbox's access token was handed to is revoked or expired",
+                    ));
+                }
                 return Ok(c);
             }
         }

@@ -683,9 +683,9 @@ async fn control_plane_every_route_every_caller_every_spelling_of_the_id() {
 /// An id that does not decode (`%FF%FE`) is refused with E2B's error, as
 /// every other refusal of the control plane.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "door bug: an undecodable id in the path (`/sandboxes/%FF%FE…`) answers axum's \
-            `400 text/plain` `Invalid URL: Invalid UTF-8 in `id`` (the `Path<String>` \
-            rejection), not E2B's `{\"code\":400,\"message\":…}`"]
+// Regression (fixed): door bug: an undecodable id in the path (`/sandboxes/%FF%FE…`) answers
+// axum's `400 text/plain` `Invalid URL: Invalid UTF-8 in `id`` (the `Path<String>` rejection),
+// not E2B's `{"code":400,"message":…}`
 async fn control_plane_undecodable_ids_answer_in_e2b_shape() {
     let d = door().await;
     let (dev, _) = d.token("developer", ACME).await;
@@ -1336,11 +1336,11 @@ async fn envd_gone_sandboxes_answer_not_running() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "door bug: Connect, List, SendInput, SendSignal, CloseStdin, GetWatcherEvents and \
-            RemoveWatcher answer from the in-memory process table / watchers before looking \
-            the sandbox up: for a killed sandbox (or an unknown id) with its valid token they \
-            answer not_found (`process not found`, `watcher … not found`) or 200 \
-            {\"processes\":[]} instead of `unavailable` \"The sandbox … was not found\""]
+// Regression (fixed): door bug: Connect, List, SendInput, SendSignal, CloseStdin,
+// GetWatcherEvents and RemoveWatcher answer from the in-memory process table / watchers before
+// looking the sandbox up: for a killed sandbox (or an unknown id) with its valid token they
+// answer not_found (`process not found`, `watcher … not found`) or 200 {"processes":[]} instead
+// of `unavailable` "The sandbox … was not found\
 async fn envd_gone_sandboxes_answer_not_running_on_the_handle_routes_too() {
     gone_sandboxes(true)
         .await
@@ -1571,11 +1571,11 @@ fn the_tables_cover_every_route_of_the_door() {
 /// to a process) on a paused sandbox: they either leave it paused or, if
 /// they wake it, the wake is a decision of the gate (audited).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "door bug: on a paused (hibernated) sandbox, Connect to a detached process, List \
-            (with detached processes), SendInput, SendSignal, CloseStdin and GetWatcherEvents \
-            run their helper under `Service::access` / the watcher's old grant, which wakes the \
-            sandbox (engine `wake`) with no gate decision at all; the same wake through \
-            `POST /sandboxes/:id/connect` is gated as `lifecycle resume`"]
+// Regression (fixed): door bug: on a paused (hibernated) sandbox, Connect to a detached process,
+// List (with detached processes), SendInput, SendSignal, CloseStdin and GetWatcherEvents run
+// their helper under `Service::access` / the watcher's old grant, which wakes the sandbox (engine
+// `wake`) with no gate decision at all; the same wake through `POST /sandboxes/:id/connect` is
+// gated as `lifecycle resume`
 async fn envd_calls_that_are_not_tool_calls_do_not_wake_a_paused_sandbox_ungated() {
     let d = door().await;
     let (dev, _) = d.token("developer", ACME).await;
@@ -1614,10 +1614,10 @@ async fn envd_calls_that_are_not_tool_calls_do_not_wake_a_paused_sandbox_ungated
 /// to: once that token is revoked, they are refused (nothing decided, nothing
 /// run), as its control-plane calls are.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "door bug: the envd binding stores the caller, not a reference re-checked against \
-            the token store: after `DELETE /v1/tokens/:id` the control plane answers 401 \
-            `token revoked`, but envd calls with the sandbox's access token still run and are \
-            audited as the revoked `token:tok-…`"]
+// Regression (fixed): door bug: the envd binding stores the caller, not a reference re-checked
+// against the token store: after `DELETE /v1/tokens/:id` the control plane answers 401 `token
+// revoked`, but envd calls with the sandbox's access token still run and are audited as the
+// revoked `token:tok-…`
 async fn envd_calls_of_a_revoked_token_are_refused() {
     let d = door().await;
     let (dev, dev_id) = d.token("developer", ACME).await;

@@ -263,6 +263,7 @@ pub async fn get_watcher_events(
     body: Bytes,
 ) -> Response {
     unary!(st, headers, body, serde_json::Value, |id, r| async {
+        st.envd_access(&id).await?;
         let wid = watcher_id(&r);
         let (grant, root, recursive) = {
             let g = st.watchers.lock().unwrap_or_else(|p| p.into_inner());
@@ -278,6 +279,11 @@ pub async fn get_watcher_events(
                 }
             }
         };
+        // Polling a watcher decided at its creation never wakes the sandbox.
+        st.svc
+            .require_running(&grant)
+            .await
+            .map_err(crate::error::service_err)?;
         let new = snapshot_dir(&st, &grant, &root, recursive).await?;
         let events = {
             let mut g = st.watchers.lock().unwrap_or_else(|p| p.into_inner());
@@ -306,6 +312,7 @@ pub async fn remove_watcher(
     body: Bytes,
 ) -> Response {
     unary!(st, headers, body, serde_json::Value, |id, r| async {
+        st.envd_access(&id).await?;
         let wid = watcher_id(&r);
         let mut g = st.watchers.lock().unwrap_or_else(|p| p.into_inner());
         match g.get(&wid) {

@@ -204,6 +204,9 @@ pub async fn connect(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes
     let run = async {
         let id = st.envd_sandbox(&headers)?;
         let req: proto::SelectRequest = connect::stream_request(&body)?;
+        // The sandbox first: a gone one answers `not running` before any
+        // table of the door is consulted.
+        let g = st.envd_access(&id).await?;
         let found = select(&st, &id, &req.process)?;
         if let Some(p) = &found {
             if let Some(rx) = p.subscribe() {
@@ -221,7 +224,6 @@ pub async fn connect(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes
                 format!("process with pid {pid} not found"),
             ));
         }
-        let g = st.envd_access(&id).await?;
         if procs::alive(&st.svc, &g, &[pid]).await?.is_empty() {
             st.procs.remove(&id, pid);
             return Err(ConnectError::new(
@@ -245,6 +247,7 @@ pub async fn connect(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes
 /// `process.Process/List`: the processes started through envd that still run.
 pub async fn list(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
     unary!(st, headers, body, serde_json::Value, |id, _r| async {
+        let g = st.envd_access(&id).await?;
         let all = st.procs.all(&id);
         let detached: Vec<u32> = all
             .iter()
@@ -254,7 +257,7 @@ pub async fn list(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -
         let live = if detached.is_empty() {
             Vec::new()
         } else {
-            procs::alive(&st.svc, &st.envd_access(&id).await?, &detached).await?
+            procs::alive(&st.svc, &g, &detached).await?
         };
         let mut out = Vec::new();
         for p in all {
@@ -276,6 +279,7 @@ fn require(found: Option<Arc<Proc>>) -> Result<Arc<Proc>, ConnectError> {
 /// `process.Process/SendInput`.
 pub async fn send_input(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
     unary!(st, headers, body, proto::SendInputRequest, |id, r| async {
+        let g = st.envd_access(&id).await?;
         let p = require(select(&st, &id, &r.process)?)?;
         if r.input.pty.is_some() {
             return Err(ConnectError::new(
@@ -291,7 +295,6 @@ pub async fn send_input(State(st): State<Arc<E2b>>, headers: HeaderMap, body: By
         }
         let data = r.input.stdin.unwrap_or_default();
         if !data.is_empty() {
-            let g = st.envd_access(&id).await?;
             procs::send_input(&st.svc, &g, p.pid, data).await?;
         }
         Ok::<_, ConnectError>(json!({}))
@@ -301,11 +304,11 @@ pub async fn send_input(State(st): State<Arc<E2b>>, headers: HeaderMap, body: By
 /// `process.Process/SendSignal` (to the process group).
 pub async fn send_signal(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
     unary!(st, headers, body, proto::SendSignalRequest, |id, r| async {
+        let g = st.envd_access(&id).await?;
         let p = require(select(&st, &id, &r.process)?)?;
         let sig = r
             .signal_number()
             .ok_or_else(|| ConnectError::new(Code::InvalidArgument, "unsupported signal"))?;
-        let g = st.envd_access(&id).await?;
         procs::signal(&st.svc, &g, p.pid, sig).await?;
         Ok::<_, ConnectError>(json!({}))
     })
@@ -314,6 +317,7 @@ pub async fn send_signal(State(st): State<Arc<E2b>>, headers: HeaderMap, body: B
 /// `process.Process/CloseStdin`.
 pub async fn close_stdin(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
     unary!(st, headers, body, proto::SelectRequest, |id, r| async {
+        let g = st.envd_access(&id).await?;
         let p = require(select(&st, &id, &r.process)?)?;
         if !p.stdin {
             return Err(ConnectError::new(
@@ -321,7 +325,6 @@ pub async fn close_stdin(State(st): State<Arc<E2b>>, headers: HeaderMap, body: B
                 format!("process {} was started without stdin", p.pid),
             ));
         }
-        let g = st.envd_access(&id).await?;
         procs::close_stdin(&st.svc, &g, p.pid).await?;
         Ok::<_, ConnectError>(json!({}))
     })

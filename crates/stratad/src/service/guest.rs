@@ -159,6 +159,19 @@ impl Service {
         })
     }
 
+    /// `Ok` when the grant's sandbox runs now; otherwise the `not running`
+    /// error, without waking it (a door's polling of a call decided earlier,
+    /// such as an E2B directory watcher, never wakes a hibernated sandbox).
+    pub async fn require_running(&self, g: &Grant) -> ServiceResult<()> {
+        let rec = self.record(&g.sandbox).await?;
+        if rec.state != SandboxState::Running {
+            return Err(ServiceError::Engine(EngineError::NotRunning(
+                g.sandbox.to_string(),
+            )));
+        }
+        Ok(())
+    }
+
     /// Runs a front door's helper command under a grant (the E2B door's
     /// process wrapper, `mv` for a move, `kill` for a signal): the gate
     /// already decided the call it serves.
@@ -171,12 +184,7 @@ impl Service {
         if g.kind.is_none() {
             // No tool call was decided: a helper serving one decided earlier
             // (a signal, stdin) never wakes a hibernated sandbox by itself.
-            let rec = self.record(&g.sandbox).await?;
-            if rec.state != SandboxState::Running {
-                return Err(ServiceError::Engine(EngineError::NotRunning(
-                    g.sandbox.to_string(),
-                )));
-            }
+            self.require_running(g).await?;
         }
         self.exec_granted(&g.sandbox, req).await
     }
