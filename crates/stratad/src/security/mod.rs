@@ -149,24 +149,28 @@ impl Policies {
         m.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The tenant layer in force.
-    pub fn tenant(&self, tenant: &str) -> Result<Option<Arc<Policy>>, SecStoreError> {
-        if let Some(p) = Self::lock(&self.tenants).get(tenant) {
+    /// A layer from `cache`, else loaded from the store and cached.
+    fn cached(
+        cache: &Mutex<HashMap<String, Option<Arc<Policy>>>>,
+        key: &str,
+        load: impl FnOnce(&str) -> Result<Option<String>, SecStoreError>,
+    ) -> Result<Option<Arc<Policy>>, SecStoreError> {
+        if let Some(p) = Self::lock(cache).get(key) {
             return Ok(p.clone());
         }
-        let p = parse_stored(tenant, self.store.tenant_policy(tenant)?);
-        Self::lock(&self.tenants).insert(tenant.to_owned(), p.clone());
+        let p = parse_stored(key, load(key)?);
+        Self::lock(cache).insert(key.to_owned(), p.clone());
         Ok(p)
+    }
+
+    /// The tenant layer in force.
+    pub fn tenant(&self, tenant: &str) -> Result<Option<Arc<Policy>>, SecStoreError> {
+        Self::cached(&self.tenants, tenant, |t| self.store.tenant_policy(t))
     }
 
     /// The sandbox layer in force.
     pub fn sandbox(&self, sandbox: &str) -> Result<Option<Arc<Policy>>, SecStoreError> {
-        if let Some(p) = Self::lock(&self.sandboxes).get(sandbox) {
-            return Ok(p.clone());
-        }
-        let p = parse_stored(sandbox, self.store.sandbox_policy(sandbox)?);
-        Self::lock(&self.sandboxes).insert(sandbox.to_owned(), p.clone());
-        Ok(p)
+        Self::cached(&self.sandboxes, sandbox, |s| self.store.sandbox_policy(s))
     }
 
     /// The composed policy for a call of `tenant` on `sandbox`. Layers that

@@ -59,6 +59,29 @@ impl Service {
         Ok(())
     }
 
+    /// Lands `rec` in `next` (the one place a state is assigned): no op
+    /// pending, the VM the engine reported (a state without a VM has no
+    /// pid), the deletion time. Returns the state it left.
+    fn land(&self, rec: &mut SandboxRecord, next: SandboxState, vm: Option<VmNow>) -> SandboxState {
+        let from = rec.state;
+        rec.state = next;
+        rec.pending_op = None;
+        rec.updated_at = self.now();
+        if let Some(vm) = vm {
+            rec.pid = Some(vm.pid);
+            if vm.accel.is_some() {
+                rec.accel = vm.accel;
+            }
+        }
+        if !next.has_vm() {
+            rec.pid = None;
+        }
+        if next == SandboxState::Deleted && rec.deleted_at.is_none() {
+            rec.deleted_at = Some(self.now());
+        }
+        from
+    }
+
     fn event(
         &self,
         rec: &SandboxRecord,
@@ -108,23 +131,8 @@ impl Service {
         snaps: &[&SnapshotRecord],
         detail: Option<String>,
     ) -> ServiceResult<()> {
-        let from = rec.state;
-        rec.state = next;
-        rec.pending_op = None;
         rec.state_reason = None;
-        rec.updated_at = self.now();
-        if let Some(vm) = vm {
-            rec.pid = Some(vm.pid);
-            if vm.accel.is_some() {
-                rec.accel = vm.accel;
-            }
-        }
-        if !next.has_vm() {
-            rec.pid = None;
-        }
-        if next == SandboxState::Deleted {
-            rec.deleted_at = Some(self.now());
-        }
+        let from = self.land(rec, next, vm);
         let ev = self.event(rec, op, Some(from), Some(next), EventPhase::Done, detail);
         self.write(rec, Some(ev), snaps, false).await?;
         self.reschedule(rec);
@@ -168,17 +176,8 @@ impl Service {
         reason: Option<String>,
         detail: Option<String>,
     ) -> ServiceResult<()> {
-        let from = rec.state;
-        rec.state = next;
-        rec.pending_op = None;
         rec.state_reason = reason;
-        rec.updated_at = self.now();
-        if !next.has_vm() {
-            rec.pid = None;
-        }
-        if next == SandboxState::Deleted && rec.deleted_at.is_none() {
-            rec.deleted_at = Some(self.now());
-        }
+        let from = self.land(rec, next, None);
         let phase = if next == from && rec.state_reason.is_some() {
             EventPhase::Failed
         } else {
@@ -200,25 +199,10 @@ impl Service {
         reason: Option<String>,
         detail: String,
     ) -> ServiceResult<()> {
-        let from = rec.state;
-        rec.state = next;
-        rec.pending_op = None;
-        rec.updated_at = self.now();
         if let Some(r) = reason {
             rec.state_reason = Some(r);
         }
-        if let Some(vm) = vm {
-            rec.pid = Some(vm.pid);
-            if vm.accel.is_some() {
-                rec.accel = vm.accel;
-            }
-        }
-        if !next.has_vm() {
-            rec.pid = None;
-        }
-        if next == SandboxState::Deleted {
-            rec.deleted_at = Some(self.now());
-        }
+        let from = self.land(rec, next, vm);
         let ev = self.event(
             rec,
             op,
@@ -257,7 +241,7 @@ impl Service {
         snap: Option<&SnapshotRecord>,
         detail: Option<String>,
     ) -> ServiceResult<()> {
-        rec.state = SandboxState::Creating;
+        self.land(rec, SandboxState::Creating, None);
         rec.pending_op = Some(Op::Created);
         let ev = self.event(
             rec,
@@ -285,9 +269,7 @@ impl Service {
         if let Some(s) = snap.as_mut() {
             Self::dropped(s, why.clone());
         }
-        rec.pending_op = None;
-        rec.state = SandboxState::Deleted;
-        rec.deleted_at = Some(self.now());
+        self.land(&mut rec, SandboxState::Deleted, None);
         rec.state_reason = Some(why);
         let ev = self.event(
             &rec,

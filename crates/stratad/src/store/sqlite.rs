@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use chrono::{DateTime, Utc};
-use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
+use rusqlite::{params, Connection, OpenFlags, OptionalExtension, Row};
 use strata_core::{SandboxId, SandboxState, SnapshotId, TemplateId};
 
 use super::*;
@@ -46,6 +46,20 @@ impl std::fmt::Debug for SqliteStore {
 }
 
 impl SqliteStore {
+    /// One row by id, decoded (`None`: no such row).
+    fn by_id<R, T>(
+        &self,
+        sql: &str,
+        id: &str,
+        row: fn(&Row<'_>) -> rusqlite::Result<R>,
+        into: fn(R) -> StoreResult<T>,
+    ) -> StoreResult<Option<T>> {
+        let conn = self.reader();
+        let mut stmt = conn.prepare_cached(sql)?;
+        let r = stmt.query_row([id], row).optional()?;
+        r.map(into).transpose()
+    }
+
     /// Opens (creating and migrating if needed) the database at `path`, with
     /// `readers` read-only connections.
     pub fn open(path: &Path, readers: usize) -> StoreResult<Self> {
@@ -179,12 +193,12 @@ impl Store for SqliteStore {
     }
 
     fn get_sandbox(&self, id: &SandboxId) -> StoreResult<Option<SandboxRecord>> {
-        let conn = self.reader();
-        let mut stmt = conn.prepare_cached(&format!(
-            "SELECT {SANDBOX_COLS} FROM sandboxes WHERE id = ?1"
-        ))?;
-        let row = stmt.query_row([id.as_str()], sandbox_row).optional()?;
-        row.map(SandboxRow::into_record).transpose()
+        self.by_id(
+            &format!("SELECT {SANDBOX_COLS} FROM sandboxes WHERE id = ?1"),
+            id.as_str(),
+            sandbox_row,
+            SandboxRow::into_record,
+        )
     }
 
     fn list_sandboxes(&self, f: &SandboxFilter) -> StoreResult<Page<SandboxRecord>> {
@@ -407,12 +421,12 @@ impl Store for SqliteStore {
     }
 
     fn get_template(&self, id: &TemplateId) -> StoreResult<Option<TemplateRecord>> {
-        let conn = self.reader();
-        let mut stmt = conn.prepare_cached(&format!(
-            "SELECT {TEMPLATE_COLS} FROM templates WHERE id = ?1"
-        ))?;
-        let row = stmt.query_row([id.as_str()], template_row).optional()?;
-        row.map(template_record).transpose()
+        self.by_id(
+            &format!("SELECT {TEMPLATE_COLS} FROM templates WHERE id = ?1"),
+            id.as_str(),
+            template_row,
+            template_record,
+        )
     }
 
     fn all_templates(&self) -> StoreResult<Vec<TemplateRecord>> {
@@ -456,17 +470,7 @@ impl Store for SqliteStore {
         );
         let rows: Vec<EvRow> = stmt
             .query_map(params![sandbox.as_str(), limit as i64], |r| {
-                Ok((
-                    r.get(0)?,
-                    r.get(1)?,
-                    r.get(2)?,
-                    r.get(3)?,
-                    r.get(4)?,
-                    r.get(5)?,
-                    r.get(6)?,
-                    r.get(7)?,
-                    r.get(8)?,
-                ))
+                Ok(columns!(r; 0 1 2 3 4 5 6 7 8))
             })?
             .collect::<Result<Vec<_>, _>>()?;
         let mut out = Vec::with_capacity(rows.len());

@@ -296,35 +296,18 @@ fn times_table(plan: &Plan, lp: &Looped) -> Table {
         ),
         &[],
     );
-    lat.latency_row(
-        "snapshot pause (vCPUs stopped)",
-        &lp.pauses.summary(),
-        vec![],
-    );
-    lat.latency_row(
-        "snapshot call (Runtime::snapshot)",
-        &lp.snap_calls.summary(),
-        vec![],
-    );
-    lat.latency_row(
-        "retention delete (Runtime::delete_snapshot)",
-        &lp.deletes.summary(),
-        vec![],
-    );
-    lat.latency_row(
-        "RAM marker write + counter read (agent file API)",
-        &lp.probes.summary(),
-        vec![],
-    );
-    lat.latency_row(
-        "activity step (guest exec)",
-        &lp.activity_ms.summary(),
-        vec![],
-    );
-    lat.latency_row(
-        "workspace checksum (guest exec)",
-        &lp.checksum_ms.summary(),
-        vec![],
-    );
+    for (name, samples) in [
+        ("snapshot pause (vCPUs stopped)", &lp.pauses),
+        ("snapshot call (Runtime::snapshot)", &lp.snap_calls),
+        ("retention delete (Runtime::delete_snapshot)", &lp.deletes),
+        (
+            "RAM marker write + counter read (agent file API)",
+            &lp.probes,
+        ),
+        ("activity step (guest exec)", &lp.activity_ms),
+        ("workspace checksum (guest exec)", &lp.checksum_ms),
+    ] {
+        lat.latency_row(name, &samples.summary(), vec![]);
+    }
     lat
 }

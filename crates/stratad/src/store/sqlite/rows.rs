@@ -9,6 +9,14 @@ use strata_core::{Op, SandboxId, SandboxSize, SandboxState};
 
 use super::*;
 
+/// The first columns of a row as a tuple (`columns!(row; 0 1 2)`).
+macro_rules! columns {
+    ($r:expr; $($i:tt)*) => {
+        ($($r.get($i)?,)*)
+    };
+}
+pub(super) use columns;
+
 pub(super) fn ms(t: DateTime<Utc>) -> i64 {
     t.timestamp_millis()
 }
@@ -164,19 +172,7 @@ type SnapshotRow = (
 );
 
 pub(super) fn snapshot_row(r: &Row<'_>) -> rusqlite::Result<SnapshotRow> {
-    Ok((
-        r.get(0)?,
-        r.get(1)?,
-        r.get(2)?,
-        r.get(3)?,
-        r.get(4)?,
-        r.get(5)?,
-        r.get(6)?,
-        r.get(7)?,
-        r.get(8)?,
-        r.get(9)?,
-        r.get(10)?,
-    ))
+    Ok(columns!(r; 0 1 2 3 4 5 6 7 8 9 10))
 }
 
 pub(super) fn snapshot_record(row: SnapshotRow) -> StoreResult<SnapshotRecord> {
@@ -219,19 +215,7 @@ type TemplateRow = (
 );
 
 pub(super) fn template_row(r: &Row<'_>) -> rusqlite::Result<TemplateRow> {
-    Ok((
-        r.get(0)?,
-        r.get(1)?,
-        r.get(2)?,
-        r.get(3)?,
-        r.get(4)?,
-        r.get(5)?,
-        r.get(6)?,
-        r.get(7)?,
-        r.get(8)?,
-        r.get(9)?,
-        r.get(10)?,
-    ))
+    Ok(columns!(r; 0 1 2 3 4 5 6 7 8 9 10))
 }
 
 pub(super) fn template_record(row: TemplateRow) -> StoreResult<TemplateRecord> {
