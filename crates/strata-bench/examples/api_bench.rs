@@ -34,7 +34,6 @@ use stratad::caller::{Caller, SystemReason};
 use stratad::clock::SystemClock;
 use stratad::config::Config;
 use stratad::engine::unavailable::UnavailableEngine;
-use stratad::engine::ExecRequest;
 use stratad::security::gate::GateOptions;
 use stratad::store::{
     Event, EventPhase, SandboxFilter, SandboxRecord, SqliteStore, Store, DEFAULT_TENANT,
@@ -155,10 +154,7 @@ async fn vm_bench(root: &Path, iterations: usize, creates: usize) -> Res<()> {
             .exec(
                 &caller,
                 &id,
-                ExecRequest {
-                    cmd: vec!["true".into()],
-                    ..ExecRequest::default()
-                },
+                AgentExec::argv(["true"]),
                 &GateOptions::waiting(),
             )
             .await

@@ -248,9 +248,13 @@ impl ApiClient {
         }
     }
 
-    /// Sends a request and parses the JSON answer.
-    pub async fn json(&self, rb: RequestBuilder) -> ApiResult<Value> {
-        let resp = self.send(rb).await?;
+    /// A request to `base` + `segments` + `query`, with the bearer token set.
+    fn at(&self, method: Method, segments: &[&str], query: &[(&str, &str)]) -> RequestBuilder {
+        self.request(method, self.url(segments, query))
+    }
+
+    /// The JSON of an answer's body (`null` when it is empty).
+    async fn body_json(&self, resp: Response) -> ApiResult<Value> {
         let url = resp.url().to_string();
         let bytes = resp.bytes().await.map_err(|e| self.transport(&url, e))?;
         if bytes.is_empty() {
@@ -262,29 +266,25 @@ impl ApiClient {
         })
     }
 
+    /// Sends a request and parses the JSON answer.
+    pub async fn json(&self, rb: RequestBuilder) -> ApiResult<Value> {
+        self.body_json(self.send(rb).await?).await
+    }
+
     /// `GET` a JSON resource.
     pub async fn get(&self, segments: &[&str], query: &[(&str, &str)]) -> ApiResult<Value> {
-        self.json(self.request(Method::GET, self.url(segments, query)))
-            .await
+        self.json(self.at(Method::GET, segments, query)).await
     }
 
     /// `POST` a JSON body.
-    pub async fn post<B: Serialize + ?Sized>(
-        &self,
-        segments: &[&str],
-        body: &B,
-    ) -> ApiResult<Value> {
-        self.json(
-            self.request(Method::POST, self.url(segments, &[]))
-                .json(body),
-        )
-        .await
+    pub async fn post(&self, segments: &[&str], body: &impl Serialize) -> ApiResult<Value> {
+        self.json(self.at(Method::POST, segments, &[]).json(body))
+            .await
     }
 
     /// `DELETE` a resource.
     pub async fn delete(&self, segments: &[&str], query: &[(&str, &str)]) -> ApiResult<Value> {
-        self.json(self.request(Method::DELETE, self.url(segments, query)))
-            .await
+        self.json(self.at(Method::DELETE, segments, query)).await
     }
 
     /// Sends a tool call (exec, files, snapshot, fork, lifecycle …): one the
@@ -397,47 +397,30 @@ impl ApiClient {
 
     /// [`Self::send_call`] with a JSON answer.
     pub async fn json_call(&self, rb: RequestBuilder) -> ApiResult<Value> {
-        let resp = self.send_call(rb).await?;
-        let url = resp.url().to_string();
-        let bytes = resp.bytes().await.map_err(|e| self.transport(&url, e))?;
-        if bytes.is_empty() {
-            return Ok(Value::Null);
-        }
-        serde_json::from_slice(&bytes).map_err(|e| ApiError::Protocol {
-            url,
-            reason: format!("invalid JSON: {e}"),
-        })
+        self.body_json(self.send_call(rb).await?).await
     }
 
     /// `POST` a tool call with a JSON body (see [`Self::send_call`]).
-    pub async fn post_call<B: Serialize + ?Sized>(
-        &self,
-        segments: &[&str],
-        body: &B,
-    ) -> ApiResult<Value> {
-        self.json_call(
-            self.request(Method::POST, self.url(segments, &[]))
-                .json(body),
-        )
-        .await
+    pub async fn post_call(&self, segments: &[&str], body: &impl Serialize) -> ApiResult<Value> {
+        self.json_call(self.at(Method::POST, segments, &[]).json(body))
+            .await
     }
 
     /// `GET` as a tool call (file reads; see [`Self::send_call`]).
     pub async fn get_call(&self, segments: &[&str], query: &[(&str, &str)]) -> ApiResult<Value> {
-        self.json_call(self.request(Method::GET, self.url(segments, query)))
-            .await
+        self.json_call(self.at(Method::GET, segments, query)).await
     }
 
     /// `DELETE` as a tool call (see [`Self::send_call`]).
     pub async fn delete_call(&self, segments: &[&str], query: &[(&str, &str)]) -> ApiResult<Value> {
-        self.json_call(self.request(Method::DELETE, self.url(segments, query)))
+        self.json_call(self.at(Method::DELETE, segments, query))
             .await
     }
 
     /// `PUT` a text body (policies are TOML).
     pub async fn put_text(&self, segments: &[&str], body: String) -> ApiResult<Value> {
         self.json(
-            self.request(Method::PUT, self.url(segments, &[]))
+            self.at(Method::PUT, segments, &[])
                 .header(reqwest::header::CONTENT_TYPE, "application/toml")
                 .body(body),
         )

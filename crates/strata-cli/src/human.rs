@@ -122,6 +122,12 @@ pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
     out
 }
 
+/// [`table`] with one row per item of `list`, made by `row`.
+pub fn table_of<T>(headers: &[&str], list: &[T], row: impl FnMut(&T) -> Vec<String>) -> String {
+    let rows: Vec<Vec<String>> = list.iter().map(row).collect();
+    table(headers, &rows)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

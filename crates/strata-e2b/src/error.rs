@@ -11,7 +11,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
-use stratad::engine::EngineError;
+use stratad::engine::{GuestErrorKind, RuntimeError};
 use stratad::security::gate::GateRefusal;
 use stratad::service::ServiceError;
 
@@ -76,7 +76,8 @@ pub fn refusal_code(r: &GateRefusal) -> Code {
 
 /// A service error as a Connect error (envd). An unknown sandbox, another
 /// tenant's included, and a sandbox that is not running answer
-/// `unavailable` with E2B's "not found" message.
+/// `unavailable` with E2B's "not found" message; a failure the guest
+/// reports answers by its kind ([`guest_code`]).
 pub fn service_err(e: ServiceError) -> ConnectError {
     let msg = e.message();
     let code = match &e {
@@ -91,32 +92,32 @@ pub fn service_err(e: ServiceError) -> ConnectError {
         }
         ServiceError::Conflict(_) => Code::Aborted,
         ServiceError::InsufficientCapacity(_) => Code::ResourceExhausted,
-        ServiceError::Engine(EngineError::GuestNotFound(_)) => Code::NotFound,
-        ServiceError::Engine(EngineError::SandboxNotFound(id)) => {
-            return ConnectError::new(Code::Unavailable, not_running(id))
-        }
-        ServiceError::Engine(EngineError::Invalid(_)) => Code::InvalidArgument,
-        ServiceError::Engine(EngineError::Agent(m)) => {
-            let m = m.to_ascii_lowercase();
-            if m.contains("exists") {
-                Code::AlreadyExists
-            } else if m.contains("not a directory") || m.contains("is a directory") {
-                Code::InvalidArgument
-            } else if m.contains("permission denied") {
-                Code::PermissionDenied
-            } else {
-                Code::Unknown
-            }
-        }
-        ServiceError::Engine(EngineError::NotRunning(id)) => {
-            return ConnectError::new(Code::Unavailable, not_running(id))
-        }
-        ServiceError::Engine(EngineError::AgentTimeout { .. }) => Code::DeadlineExceeded,
+        ServiceError::Engine(
+            RuntimeError::SandboxNotFound(id) | RuntimeError::NotRunning { id },
+        ) => return ConnectError::new(Code::Unavailable, not_running(id)),
+        ServiceError::Engine(RuntimeError::Guest { kind, .. }) => guest_code(*kind),
+        ServiceError::Engine(RuntimeError::Invalid(_)) => Code::InvalidArgument,
+        // The channel to the agent failed: nothing known about the request.
+        ServiceError::Engine(RuntimeError::Agent { .. }) => Code::Unknown,
+        ServiceError::Engine(RuntimeError::AgentTimeout { .. }) => Code::DeadlineExceeded,
         ServiceError::Gate(r) => refusal_code(r),
         ServiceError::Forbidden(_) => Code::PermissionDenied,
         _ => Code::Internal,
     };
     ConnectError::new(code, msg)
+}
+
+/// The Connect code of a failure the guest agent reports, by its kind.
+pub fn guest_code(kind: GuestErrorKind) -> Code {
+    match kind {
+        GuestErrorKind::NotFound => Code::NotFound,
+        GuestErrorKind::Exists => Code::AlreadyExists,
+        GuestErrorKind::Invalid | GuestErrorKind::NotADirectory | GuestErrorKind::IsADirectory => {
+            Code::InvalidArgument
+        }
+        GuestErrorKind::PermissionDenied => Code::PermissionDenied,
+        GuestErrorKind::NoSpace | GuestErrorKind::Other => Code::Unknown,
+    }
 }
 
 #[cfg(test)]
@@ -163,7 +164,45 @@ mod tests {
         });
         assert_eq!(e.code, Code::Unavailable);
         assert!(e.message.contains("was not found"));
-        let e = service_err(ServiceError::Engine(EngineError::GuestNotFound("x".into())));
-        assert_eq!(e.code, Code::NotFound);
+        let guest = |kind, message: &str| {
+            service_err(ServiceError::Engine(RuntimeError::Guest {
+                id: "sbx-x".into(),
+                kind,
+                message: message.into(),
+            }))
+        };
+        assert_eq!(guest(GuestErrorKind::NotFound, "x").code, Code::NotFound);
+        let e = guest(GuestErrorKind::Exists, "/tmp/a");
+        assert_eq!(e.code, Code::AlreadyExists);
+        assert_eq!(e.message, "guest of sbx-x: already exists: /tmp/a");
+        for k in [
+            GuestErrorKind::Invalid,
+            GuestErrorKind::NotADirectory,
+            GuestErrorKind::IsADirectory,
+        ] {
+            assert_eq!(guest(k, "x").code, Code::InvalidArgument, "{k:?}");
+        }
+        assert_eq!(
+            guest(GuestErrorKind::PermissionDenied, "x").code,
+            Code::PermissionDenied
+        );
+        // The kind decides, never the text.
+        assert_eq!(
+            guest(GuestErrorKind::Other, "File exists").code,
+            Code::Unknown
+        );
+        assert_eq!(
+            guest(GuestErrorKind::NotFound, "permission denied").code,
+            Code::NotFound
+        );
+        let e = service_err(ServiceError::Engine(RuntimeError::NotRunning {
+            id: "sbx-x".into(),
+        }));
+        assert_eq!(e.code, Code::Unavailable);
+        let e = service_err(ServiceError::Engine(RuntimeError::AgentTimeout {
+            id: "sbx-x".into(),
+            timeout_ms: 1,
+        }));
+        assert_eq!(e.code, Code::DeadlineExceeded);
     }
 }

@@ -34,7 +34,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use strata_core::SandboxId;
 use stratad::caller::Caller;
-use stratad::engine::{ExecEvent, ExecRequest, ExecStream};
+use stratad::engine::{ExecEvent, ExecRequest, ExecStream, Stdin};
 use stratad::service::{Grant, Service};
 use tokio::sync::mpsc;
 
@@ -236,20 +236,20 @@ pub async fn run_helper(
         .exec_helper(
             g,
             ExecRequest {
-                cmd: argv,
-                stdin,
-                timeout_s: Some(timeout_s),
-                ..ExecRequest::default()
+                stdin: stdin.map_or(Stdin::Null, Stdin::Bytes),
+                timeout: Some(Duration::from_secs(timeout_s)),
+                ..ExecRequest::argv(argv)
             },
         )
         .await
         .map_err(service_err)?;
     let (mut out, mut err) = (Vec::new(), Vec::new());
     while let Some(ev) = s.next().await {
-        match ev.map_err(|e| ConnectError::new(Code::Unavailable, e.to_string()))? {
+        match ev.map_err(|e| ConnectError::new(Code::Unavailable, e.message()))? {
+            ExecEvent::Started { .. } => {}
             ExecEvent::Stdout(b) => out.extend_from_slice(&b),
             ExecEvent::Stderr(b) => err.extend_from_slice(&b),
-            ExecEvent::Exit { code, .. } => return Ok((code, out, err)),
+            ExecEvent::Exit(s) => return Ok((s.code, out, err)),
         }
     }
     Err(ConnectError::new(
@@ -299,11 +299,9 @@ pub async fn start(
         .exec_helper(
             g,
             ExecRequest {
-                cmd: argv,
                 env,
                 cwd: config.cwd.clone(),
-                stdin: None,
-                timeout_s: None,
+                ..ExecRequest::argv(argv)
             },
         )
         .await
@@ -325,9 +323,10 @@ pub async fn start(
                     }
                 }
             }
+            Some(Ok(ExecEvent::Started { .. })) => {}
             Some(Ok(ExecEvent::Stderr(b))) => early_err.extend_from_slice(&b),
-            Some(Ok(ExecEvent::Exit { code, signal })) => {
-                let (c, status) = exit_status(code, signal);
+            Some(Ok(ExecEvent::Exit(s))) => {
+                let (c, status) = exit_status(s.code, s.signal);
                 return Err(ConnectError::new(
                     if c == 126 {
                         Code::FailedPrecondition
@@ -340,7 +339,7 @@ pub async fn start(
                     ),
                 ));
             }
-            Some(Err(e)) => return Err(ConnectError::new(Code::Unavailable, e.to_string())),
+            Some(Err(e)) => return Err(ConnectError::new(Code::Unavailable, e.message())),
             None => {
                 return Err(ConnectError::new(
                     Code::Unavailable,
@@ -396,14 +395,15 @@ async fn pump(
     }
     loop {
         match stream.next().await {
+            Some(Ok(ExecEvent::Started { .. })) => {}
             Some(Ok(ExecEvent::Stdout(b))) => proc.publish(ProcessEvent::Stdout(b.to_vec())).await,
             Some(Ok(ExecEvent::Stderr(b))) => proc.publish(ProcessEvent::Stderr(b.to_vec())).await,
-            Some(Ok(ExecEvent::Exit { code, signal })) => {
-                let (exit_code, status) = exit_status(code, signal);
+            Some(Ok(ExecEvent::Exit(s))) => {
+                let (exit_code, status) = exit_status(s.code, s.signal);
                 reg.remove(&id, proc.pid);
                 proc.publish(ProcessEvent::End {
                     exit_code,
-                    exited: code.is_some(),
+                    exited: s.code.is_some(),
                     status,
                     error: None,
                 })
@@ -430,7 +430,7 @@ async fn pump(
             Some(Err(e)) => {
                 // The VM went away under the stream (hibernation, death):
                 // the process may live on in the woken guest.
-                tracing::info!(sandbox = %id, pid = proc.pid, error = %e, "process output detached");
+                tracing::info!(sandbox = %id, pid = proc.pid, error = %e.message(), "process output detached");
                 proc.detach();
                 return;
             }

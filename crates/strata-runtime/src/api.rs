@@ -135,3 +135,24 @@ pub struct SpaceUsage {
     /// Bytes it references in all (shared = referenced - exclusive).
     pub referenced_bytes: u64,
 }
+
+/// A VM process found alive on this host ([`crate::Runtime::live_vms`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LiveVm {
+    /// The sandbox it belongs to.
+    pub id: strata_core::SandboxId,
+    /// Its QEMU process id.
+    pub pid: u32,
+}
+
+/// The subvolumes found in the pool ([`crate::Runtime::subvolumes`]); names
+/// that are not ids are left out.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Subvolumes {
+    /// `<pool>/sandboxes/<id>`.
+    pub sandboxes: Vec<strata_core::SandboxId>,
+    /// `<pool>/snapshots/<id>`.
+    pub snapshots: Vec<strata_core::SnapshotId>,
+    /// `<pool>/templates/<id>`.
+    pub templates: Vec<strata_core::TemplateId>,
+}

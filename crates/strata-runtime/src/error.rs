@@ -116,6 +116,10 @@ pub enum RuntimeError {
         #[source]
         source: AgentError,
     },
+    /// No runtime is behind the caller's engine (a daemon built or started
+    /// without one); this runtime never produces it.
+    #[error("{0}")]
+    Unavailable(String),
     /// Anything else.
     #[error("{0}")]
     Other(String),
@@ -210,7 +214,7 @@ impl RuntimeError {
             RuntimeError::Invalid(_) => ErrorCode::InvalidRequest,
             RuntimeError::Guest { kind, .. } => kind.code(),
             RuntimeError::Agent { .. } => ErrorCode::AgentError,
-            RuntimeError::Other(_) => ErrorCode::Internal,
+            RuntimeError::Unavailable(_) | RuntimeError::Other(_) => ErrorCode::Internal,
         }
     }
 
@@ -461,6 +465,7 @@ mod tests {
             ),
             (RuntimeError::Busy("a".into()), ErrorCode::Conflict),
             (RuntimeError::Invalid("a".into()), ErrorCode::InvalidRequest),
+            (RuntimeError::Unavailable("a".into()), ErrorCode::Internal),
             (RuntimeError::Other("a".into()), ErrorCode::Internal),
         ];
         for (e, code) in cases {

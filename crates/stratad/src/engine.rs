@@ -6,268 +6,51 @@
 //! production engine is `strata-runtime`; the trait keeps the daemon testable
 //! and lets a second runtime (Firecracker) slot in.
 //!
+//! The trait speaks the runtime's and the agent protocol's types (one
+//! vocabulary across the boundary, re-exported here for the daemon's front
+//! doors and test doubles): [`Source`], [`VmInfo`], [`SnapshotInfo`],
+//! [`SpaceUsage`], [`LiveVm`], [`Subvolumes`], [`VmDied`], [`TemplateBuilt`]
+//! and [`RuntimeError`] from `strata-runtime`; [`ExecRequest`],
+//! [`ExecEvent`] and [`DirEntry`] from `strata-proto`.
+//!
 //! Contract every implementation keeps:
 //! - an operation that fails leaves the sandbox as it was (running if it was
-//!   running), and says why through [`EngineError`];
+//!   running), and says why through a [`RuntimeError`] (its
+//!   [`RuntimeError::code`] is the API code, once);
 //! - `pause`, `resume`, `delete`, `delete_snapshot` and `delete_template` are
 //!   idempotent (the daemon repeats them during crash recovery);
 //! - ids are chosen by the daemon and are path-safe (`strata-core` ids);
 //! - [`Engine::exit_events`] reports VMs that died *unexpectedly* only, not
 //!   the stops the daemon asked for (hibernate, delete, rewind).
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use chrono::{DateTime, Utc};
 use futures::stream::BoxStream;
-use serde::{Deserialize, Serialize};
-use strata_core::{ErrorCode, SandboxId, SandboxSize, SnapshotId, TemplateId};
+use strata_core::{SandboxId, SandboxSize, SnapshotId, TemplateId};
 
 pub mod runtime;
 pub mod unavailable;
 
-/// What a new sandbox starts from (mirrors `strata_runtime::Source`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Source {
-    /// A template (a snapshot of a freshly booted guest).
-    Template(TemplateId),
-    /// Any ready snapshot (a fork).
-    Snapshot(SnapshotId),
-}
+pub use strata_proto::{Command, DirEntry, ExecEvent, ExecRequest, ExitStatus, FileKind, Stdin};
+pub use strata_runtime::{
+    GuestErrorKind, LiveVm, RuntimeError, SnapshotInfo, Source, SpaceUsage, Subvolumes,
+    TemplateBuilt, VmDied, VmInfo,
+};
 
-/// Facts about a live sandbox VM (mirrors `strata_runtime::VmInfo`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct VmInfo {
-    /// VM process id.
-    pub pid: u32,
-    /// Resolved accelerator (`tcg`, `kvm`).
-    pub accel: String,
-    /// Size the VM runs with.
-    pub size: SandboxSize,
-    /// Milliseconds from request to agent answering.
-    pub ready_ms: f64,
-}
-
-/// What a snapshot cost (mirrors `strata_runtime::SnapshotInfo`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct SnapshotInfo {
-    /// Snapshot id.
-    pub id: SnapshotId,
-    /// How long the guest's vCPUs were stopped, in ms.
-    pub pause_ms: f64,
-    /// Bytes of device state written.
-    pub device_state_bytes: u64,
-    /// When it was taken.
-    pub created_at: DateTime<Utc>,
-}
-
-/// Space used by a snapshot (mirrors `strata_runtime::SpaceUsage`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SpaceUsage {
-    /// Bytes only this snapshot holds.
-    pub exclusive_bytes: u64,
-    /// Bytes it references in all (shared = referenced - exclusive).
-    pub referenced_bytes: u64,
-}
-
-/// A VM process found alive on this host.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct LiveVm {
-    /// The sandbox it belongs to.
-    pub id: SandboxId,
-    /// Its process id.
-    pub pid: u32,
-    /// Whether its vCPUs are stopped.
-    pub paused: bool,
-}
-
-/// The subvolumes found in the pool.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Subvolumes {
-    /// `<pool>/sandboxes/<id>`.
-    pub sandboxes: Vec<SandboxId>,
-    /// `<pool>/snapshots/<id>`.
-    pub snapshots: Vec<SnapshotId>,
-    /// `<pool>/templates/<id>`.
-    pub templates: Vec<TemplateId>,
-}
-
-/// A VM that ended without being asked to.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ExitEvent {
-    /// The sandbox whose VM died.
-    pub id: SandboxId,
-    /// What the engine knows (exit status, signal, last console lines).
-    pub reason: String,
-}
-
-/// A command to run in the guest.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ExecRequest {
-    /// Program and arguments (`argv`).
-    pub cmd: Vec<String>,
-    /// Extra environment variables.
-    pub env: BTreeMap<String, String>,
-    /// Working directory in the guest.
-    pub cwd: Option<String>,
-    /// Bytes fed to the command's standard input, then closed.
-    pub stdin: Option<Vec<u8>>,
-    /// Kill the command after this many seconds.
-    pub timeout_s: Option<u64>,
-}
-
-/// One piece of a running command's output.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ExecEvent {
-    /// Bytes the command wrote to stdout.
-    Stdout(Bytes),
-    /// Bytes the command wrote to stderr.
-    Stderr(Bytes),
-    /// The command ended; always the last event.
-    Exit {
-        /// Exit code, if it exited.
-        code: Option<i32>,
-        /// Signal number, if it was killed.
-        signal: Option<i32>,
-    },
-}
-
-/// A stream of output events, ending with [`ExecEvent::Exit`].
-pub type ExecStream = BoxStream<'static, Result<ExecEvent, EngineError>>;
+/// A command's events as the agent sends them: `Started` (from the
+/// runtime; a double may leave it out), output, and [`ExecEvent::Exit`] last.
+pub type ExecStream = BoxStream<'static, Result<ExecEvent, RuntimeError>>;
 
 /// A stream of file bytes.
-pub type ByteStream = BoxStream<'static, Result<Bytes, EngineError>>;
+pub type ByteStream = BoxStream<'static, Result<Bytes, RuntimeError>>;
 
-/// Kind of a guest file system entry.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum FileKind {
-    /// Regular file.
-    File,
-    /// Directory.
-    Dir,
-    /// Symbolic link.
-    Symlink,
-    /// Anything else (device, fifo, socket).
-    Other,
-}
-
-/// Metadata of a guest file.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct FileStat {
-    /// Entry name (last path component) or full path for `stat`.
-    pub name: String,
-    /// Kind of entry.
-    pub kind: FileKind,
-    /// Size in bytes.
-    pub size: u64,
-    /// Unix permission bits.
-    pub mode: u32,
-    /// Modification time, seconds since the epoch.
-    pub mtime: i64,
-}
-
-/// A template the engine built.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TemplateInfo {
-    /// Template id.
-    pub id: TemplateId,
-    /// Size the template guest was booted with.
-    pub size: SandboxSize,
-    /// Accelerator it was made under (restores need the same).
-    pub accel: String,
-    /// Milliseconds the build took.
-    pub build_ms: f64,
-}
-
-/// Progress callback of long builds: `(step, fraction done if known)`.
-pub type ProgressSink = Arc<dyn Fn(&str, Option<f32>) + Send + Sync>;
-
-/// Why an engine operation failed. Mirrors `strata_runtime::RuntimeError`.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum EngineError {
-    /// No live VM / subvolume for this sandbox.
-    #[error("sandbox {0} not found on this host")]
-    SandboxNotFound(String),
-    /// No such snapshot or template.
-    #[error("snapshot {0} not found on this host")]
-    SnapshotNotFound(String),
-    /// The operation needs a running VM.
-    #[error("sandbox {0} is not running")]
-    NotRunning(String),
-    /// A snapshot is missing a part or incompatible with this host.
-    #[error("snapshot {id} is unusable: {reason}")]
-    SnapshotUnusable {
-        /// Snapshot or template id.
-        id: String,
-        /// What is wrong with it.
-        reason: String,
-    },
-    /// The storage pool is full.
-    #[error("storage pool is full")]
-    PoolFull,
-    /// The VM failed or died.
-    #[error("vm of {id} failed: {reason}")]
-    VmFailed {
-        /// Sandbox id.
-        id: String,
-        /// Why.
-        reason: String,
-    },
-    /// The guest agent did not answer in time.
-    #[error("agent of {id} did not answer within {timeout_ms} ms")]
-    AgentTimeout {
-        /// Sandbox id.
-        id: String,
-        /// Timeout that expired.
-        timeout_ms: u64,
-    },
-    /// The guest agent reported an error (no such file, permission denied...).
-    #[error("guest: {0}")]
-    Agent(String),
-    /// The request cannot be satisfied as asked (size the snapshot cannot give,
-    /// snapshot of another sandbox, invalid guest path).
-    #[error("{0}")]
-    Invalid(String),
-    /// A guest path does not exist.
-    #[error("{0}")]
-    GuestNotFound(String),
-    /// The engine is busy with this resource.
-    #[error("another operation is in progress on {0}")]
-    Busy(String),
-    /// No runtime is linked into this daemon (see [`unavailable`]).
-    #[error("{0}")]
-    Unavailable(String),
-    /// Anything else.
-    #[error("{0}")]
-    Other(String),
-}
-
-impl EngineError {
-    /// The stable API code for this error.
-    pub fn code(&self) -> ErrorCode {
-        match self {
-            EngineError::SandboxNotFound(_) | EngineError::SnapshotNotFound(_) => {
-                ErrorCode::NotFound
-            }
-            EngineError::NotRunning(_) => ErrorCode::InvalidState,
-            EngineError::SnapshotUnusable { .. } => ErrorCode::SnapshotUnusable,
-            EngineError::PoolFull => ErrorCode::PoolFull,
-            EngineError::VmFailed { .. } => ErrorCode::VmFailed,
-            EngineError::AgentTimeout { .. } => ErrorCode::AgentTimeout,
-            EngineError::Agent(_) => ErrorCode::AgentError,
-            EngineError::Busy(_) => ErrorCode::Conflict,
-            EngineError::Invalid(_) => ErrorCode::InvalidRequest,
-            EngineError::GuestNotFound(_) => ErrorCode::NotFound,
-            EngineError::Unavailable(_) | EngineError::Other(_) => ErrorCode::Internal,
-        }
-    }
-}
+/// Progress callback of template builds: the step being done.
+pub type ProgressSink = Arc<dyn Fn(&str) + Send + Sync>;
 
 /// Result of engine operations.
-pub type EngineResult<T> = Result<T, EngineError>;
+pub type EngineResult<T> = Result<T, RuntimeError>;
 
 /// The machines of one host, as the daemon drives them. Dyn-compatible:
 /// the daemon holds an `Arc<dyn Engine>`.
@@ -340,7 +123,8 @@ pub trait Engine: Send + Sync + 'static {
     /// Exclusive and referenced bytes of a snapshot.
     async fn snapshot_usage(&self, snap: &SnapshotId) -> EngineResult<SpaceUsage>;
 
-    /// Runs a command in the guest; output streams as it comes.
+    /// Runs a command in the guest; output streams as it comes. Its stdin
+    /// is `Null` or `Bytes` ([`Stdin::Stream`] has no writer here).
     async fn exec(&self, id: &SandboxId, req: ExecRequest) -> EngineResult<ExecStream>;
 
     /// Streams a guest file's content.
@@ -356,10 +140,12 @@ pub trait Engine: Send + Sync + 'static {
     ) -> EngineResult<u64>;
 
     /// Lists a guest directory.
-    async fn list_dir(&self, id: &SandboxId, path: &str) -> EngineResult<Vec<FileStat>>;
+    async fn list_dir(&self, id: &SandboxId, path: &str) -> EngineResult<Vec<DirEntry>>;
 
-    /// Metadata of one guest path.
-    async fn stat(&self, id: &SandboxId, path: &str) -> EngineResult<FileStat>;
+    /// Metadata of one guest path, as its directory's listing shows it
+    /// (`name` = the last path component). A missing path is a
+    /// [`RuntimeError::Guest`] of kind [`GuestErrorKind::NotFound`].
+    async fn stat(&self, id: &SandboxId, path: &str) -> EngineResult<DirEntry>;
 
     /// Creates a guest directory (and its parents when `parents`).
     async fn mkdir(&self, id: &SandboxId, path: &str, parents: bool) -> EngineResult<()>;
@@ -373,7 +159,7 @@ pub trait Engine: Send + Sync + 'static {
         tpl: &TemplateId,
         size: SandboxSize,
         progress: ProgressSink,
-    ) -> EngineResult<TemplateInfo>;
+    ) -> EngineResult<TemplateBuilt>;
 
     /// Removes a template's subvolume. Idempotent.
     async fn delete_template(&self, tpl: &TemplateId) -> EngineResult<()>;
@@ -388,5 +174,5 @@ pub trait Engine: Send + Sync + 'static {
     async fn adopt(&self, id: &SandboxId) -> EngineResult<VmInfo>;
 
     /// VMs that died unexpectedly. Called once, at start.
-    fn exit_events(&self) -> tokio::sync::mpsc::UnboundedReceiver<ExitEvent>;
+    fn exit_events(&self) -> tokio::sync::mpsc::UnboundedReceiver<VmDied>;
 }

@@ -74,8 +74,8 @@ pub async fn reconcile(svc: &Arc<Service>) -> ServiceResult<RecoveryReport> {
     let (live, subs) = match (engine.live_vms().await, engine.subvolumes().await) {
         (Ok(l), Ok(s)) => (l, s),
         (Err(e), _) | (_, Err(e)) => {
-            warn!(error = %e, "engine cannot list VMs/subvolumes; records left as they are");
-            report.skipped = Some(e.to_string());
+            warn!(error = %e.message(), "engine cannot list VMs/subvolumes; records left as they are");
+            report.skipped = Some(e.message());
             for r in &records {
                 svc.reschedule(r);
             }
@@ -115,7 +115,7 @@ pub async fn reconcile(svc: &Arc<Service>) -> ServiceResult<RecoveryReport> {
                         Op::Created,
                         SandboxState::Deleted,
                         None,
-                        Some(format!("create interrupted: {e}")),
+                        Some(format!("create interrupted: {}", e.message())),
                         "create rolled back".into(),
                     )
                     .await?;
@@ -181,15 +181,15 @@ pub async fn reconcile(svc: &Arc<Service>) -> ServiceResult<RecoveryReport> {
                             s => s,
                         };
                         // Always re-assert the recorded run state (pause and resume
-                        // are idempotent): a daemon killed in the middle of a snapshot
-                        // leaves its VM stopped, whatever `paused` said at listing time.
+                        // are idempotent): the listing does not say whether a VM runs,
+                        // and a daemon killed in the middle of a snapshot leaves it stopped.
                         let fix = match next {
                             SandboxState::Running => engine.resume(&id).await,
                             SandboxState::Paused => engine.pause(&id).await,
                             _ => Ok(()),
                         };
                         if let Err(e) = fix {
-                            warn!(sandbox = %id, error = %e, "adopted VM does not match its record");
+                            warn!(sandbox = %id, error = %e.message(), "adopted VM does not match its record");
                         }
                         let detail = match pending {
                             Some(op) => {
@@ -214,7 +214,7 @@ pub async fn reconcile(svc: &Arc<Service>) -> ServiceResult<RecoveryReport> {
                         report.adopted.push(id.clone());
                     }
                     Err(e) => {
-                        warn!(sandbox = %id, error = %e, "adopting the VM failed; restoring instead");
+                        warn!(sandbox = %id, error = %e.message(), "adopting the VM failed; restoring instead");
                         let _ = engine.delete(&id).await;
                         if rec.state.has_vm() {
                             svc.recovered(
@@ -222,8 +222,8 @@ pub async fn reconcile(svc: &Arc<Service>) -> ServiceResult<RecoveryReport> {
                                 Op::Fail,
                                 SandboxState::Failed,
                                 None,
-                                Some(format!("vm could not be adopted: {e}")),
-                                e.to_string(),
+                                Some(format!("vm could not be adopted: {}", e.message())),
+                                e.message(),
                             )
                             .await?;
                         }

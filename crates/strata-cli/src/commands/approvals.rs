@@ -94,21 +94,7 @@ pub fn format_list(list: &[Approval], all: bool, now: DateTime<Utc>) -> String {
             "no pending approval requests\n".into()
         };
     }
-    let rows: Vec<Vec<String>> = list
-        .iter()
-        .map(|a| {
-            vec![
-                a.id.clone(),
-                a.created_at.map(|c| human::age(c, now)).unwrap_or_default(),
-                a.requested_by.clone(),
-                a.sandbox.clone().unwrap_or_else(|| "-".into()),
-                describe_call(&a.call.kind),
-                format!("{}: {}", a.rule_id, a.reason),
-                status_text(a),
-            ]
-        })
-        .collect();
-    human::table(
+    human::table_of(
         &[
             "ID",
             "AGE",
@@ -118,7 +104,18 @@ pub fn format_list(list: &[Approval], all: bool, now: DateTime<Utc>) -> String {
             "HELD BY RULE",
             "STATUS",
         ],
-        &rows,
+        list,
+        |a| {
+            vec![
+                a.id.clone(),
+                a.created_at.map(|c| human::age(c, now)).unwrap_or_default(),
+                a.requested_by.clone(),
+                a.sandbox.clone().unwrap_or_else(|| "-".into()),
+                describe_call(&a.call.kind),
+                format!("{}: {}", a.rule_id, a.reason),
+                status_text(a),
+            ]
+        },
     )
 }
 

@@ -1,31 +1,20 @@
 //! `strata create`: a new sandbox, forked from a template.
 
-use serde_json::{json, Value};
+use serde_json::Value;
 
-use super::{key_value, sandbox_line, size_json, Ctx};
+use super::{size_defaults, Ctx, NewSandboxArgs};
 use crate::human::duration_arg;
 
 /// `strata create`
 #[derive(Debug, clap::Args)]
+#[command(mut_args(size_defaults("the template's")))]
 pub struct Args {
     /// Template id [default: the newest ready template].
     #[arg(long)]
     pub template: Option<String>,
-    /// Virtual CPUs [default: the template's].
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
-    pub vcpus: Option<u32>,
-    /// Memory in MiB [default: the template's].
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
-    pub memory: Option<u32>,
-    /// Disk in GiB [default: the template's].
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
-    pub disk: Option<u32>,
-    /// Label (repeatable).
-    #[arg(long = "label", value_name = "KEY=VALUE", value_parser = key_value)]
-    pub labels: Vec<(String, String)>,
-    /// Hibernate after this long without activity, e.g. 30m (0 = never).
-    #[arg(long, value_parser = duration_arg)]
-    pub idle_timeout: Option<String>,
+    /// Size, labels, idle timeout.
+    #[command(flatten)]
+    pub sandbox: NewSandboxArgs,
     /// Rolling snapshot interval, e.g. 60s (0 = off).
     #[arg(long, value_parser = duration_arg)]
     pub snapshot_interval: Option<String>,
@@ -33,15 +22,9 @@ pub struct Args {
 
 /// The `POST /v1/sandboxes` body.
 pub fn body(a: &Args) -> Value {
-    let mut b = json!({
-        "size": size_json(a.vcpus, a.memory, a.disk),
-        "labels": super::string_map(&a.labels),
-    });
+    let mut b = a.sandbox.body();
     if let Some(t) = &a.template {
         b["template"] = t.clone().into();
-    }
-    if let Some(t) = &a.idle_timeout {
-        b["idle_timeout"] = t.clone().into();
     }
     if let Some(t) = &a.snapshot_interval {
         b["snapshot_interval"] = t.clone().into();
@@ -51,27 +34,28 @@ pub fn body(a: &Args) -> Value {
 
 /// Runs `strata create`.
 pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
-    let v = ctx
-        .client()?
-        .post_call(&["v1", "sandboxes"], &body(&a))
-        .await?;
-    ctx.emit(&v, || sandbox_line(&v))?;
-    Ok(0)
+    super::post_for_sandbox(ctx, &["v1", "sandboxes"], &body(&a)).await
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::commands::SizeArgs;
+    use serde_json::json;
 
     #[test]
     fn body_has_only_what_was_given() {
         let a = Args {
             template: None,
-            vcpus: Some(2),
-            memory: None,
-            disk: None,
-            labels: vec![("k".into(), "v".into())],
-            idle_timeout: Some("30m".into()),
+            sandbox: NewSandboxArgs {
+                size: SizeArgs {
+                    vcpus: Some(2),
+                    memory: None,
+                    disk: None,
+                },
+                labels: vec![("k".into(), "v".into())],
+                idle_timeout: Some("30m".into()),
+            },
             snapshot_interval: None,
         };
         assert_eq!(

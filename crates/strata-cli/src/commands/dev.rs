@@ -4,7 +4,6 @@
 //! command's exit code. No daemon involved.
 
 use std::collections::BTreeMap;
-use std::io::{IsTerminal as _, Read as _};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -16,7 +15,7 @@ use strata_image::BuiltImage;
 use strata_proto::{AgentClient, AgentError, ExecEvent, ExecRequest, RemoteErrorKind, Stdin};
 use strata_vmm::{QemuDriver, QemuVm, ResolvedAccel, Vm as _, VmSpec};
 
-use super::{key_value, CliError, Ctx};
+use super::{read_stdin, CliError, Ctx, ProcessArgs};
 
 /// `strata dev ...`
 #[derive(Debug, Subcommand)]
@@ -27,6 +26,10 @@ pub enum DevCmd {
 
 /// `strata dev run`
 #[derive(Debug, clap::Args)]
+#[command(
+    mut_arg("env", |a| a.help("Environment variable for the command (repeatable)")),
+    mut_arg("user", |a| a.help("User to run as in the guest (name or uid)"))
+)]
 pub struct RunArgs {
     /// Image directory (as printed by `strata image build`).
     #[arg(long, conflicts_with = "cache_dir")]
@@ -49,15 +52,9 @@ pub struct RunArgs {
     /// Seconds to wait for the guest agent.
     #[arg(long, default_value_t = 120)]
     pub boot_timeout: u64,
-    /// Environment variable for the command (repeatable).
-    #[arg(long = "env", value_name = "KEY=VALUE", value_parser = key_value)]
-    pub env: Vec<(String, String)>,
-    /// Working directory in the guest.
-    #[arg(long)]
-    pub cwd: Option<String>,
-    /// User to run as in the guest (name or uid).
-    #[arg(long)]
-    pub user: Option<String>,
+    /// Environment, working directory, user.
+    #[command(flatten)]
+    pub process: ProcessArgs,
     /// Do not pass this process's stdin to the command (it is passed when not a terminal).
     #[arg(short = 'n', long)]
     pub no_stdin: bool,
@@ -104,16 +101,7 @@ struct Timings {
 async fn dev_run(ctx: &Ctx, a: RunArgs) -> anyhow::Result<i32> {
     let img = resolve_image(&a)?;
     // Read stdin before booting: a command that reads it gets all of it.
-    let stdin = if a.no_stdin || std::io::stdin().is_terminal() {
-        Stdin::Null
-    } else {
-        let mut buf = Vec::new();
-        match std::io::stdin().read_to_end(&mut buf) {
-            Ok(_) => Stdin::Bytes(buf),
-            // A closed stdin is an empty one.
-            Err(_) => Stdin::Null,
-        }
-    };
+    let stdin = read_stdin(a.no_stdin).map_or(Stdin::Null, Stdin::Bytes);
     let scratch = tempfile::Builder::new()
         .prefix("strata-cli-dev-")
         .tempdir_in("/tmp")
@@ -298,9 +286,9 @@ async fn session(
     }
 
     let mut req = ExecRequest::argv(a.cmd.iter().cloned());
-    req.env = a.env.iter().cloned().collect::<BTreeMap<_, _>>();
-    req.cwd = a.cwd.clone();
-    req.user = a.user.clone();
+    req.env = a.process.env.iter().cloned().collect::<BTreeMap<_, _>>();
+    req.cwd = a.process.cwd.clone();
+    req.user = a.process.user.clone();
     req.stdin = stdin;
     let started = Instant::now();
     let mut h = match agent.exec(req).await {

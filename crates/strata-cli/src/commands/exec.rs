@@ -2,13 +2,11 @@
 //! as the daemon sends it (NDJSON lines `{"stdout"|"stderr": base64}`, then
 //! `{"exit":{"code","signal"}}`); the process exits with the command's code.
 
-use std::io::{IsTerminal as _, Read as _};
-
 use base64::Engine as _;
 use reqwest::Method;
 use serde_json::{json, Value};
 
-use super::{key_value, CliError, Ctx};
+use super::{read_stdin, CliError, Ctx, ProcessArgs};
 use crate::api::{error_from_value, ApiError};
 use crate::human::{duration_arg, parse_duration};
 
@@ -17,15 +15,9 @@ use crate::human::{duration_arg, parse_duration};
 pub struct Args {
     /// Sandbox id.
     pub id: String,
-    /// Environment variable (repeatable).
-    #[arg(long = "env", value_name = "KEY=VALUE", value_parser = key_value)]
-    pub env: Vec<(String, String)>,
-    /// Working directory in the guest.
-    #[arg(long)]
-    pub cwd: Option<String>,
-    /// User to run as (name or uid).
-    #[arg(long)]
-    pub user: Option<String>,
+    /// Environment, working directory, user.
+    #[command(flatten)]
+    pub process: ProcessArgs,
     /// Kill the command after this long, e.g. 30s or 5m.
     #[arg(long, value_parser = duration_arg)]
     pub timeout: Option<String>,
@@ -41,12 +33,12 @@ pub struct Args {
 pub fn body(a: &Args, stdin: Option<&[u8]>) -> Result<Value, CliError> {
     let mut b = json!({
         "cmd": a.cmd,
-        "env": super::string_map(&a.env),
+        "env": super::string_map(&a.process.env),
     });
-    if let Some(c) = &a.cwd {
+    if let Some(c) = &a.process.cwd {
         b["cwd"] = c.clone().into();
     }
-    if let Some(u) = &a.user {
+    if let Some(u) = &a.process.user {
         b["user"] = u.clone().into();
     }
     if let Some(t) = &a.timeout {
@@ -151,15 +143,7 @@ impl LineSplitter {
 
 /// Runs `strata exec`.
 pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
-    let stdin = if a.no_stdin || std::io::stdin().is_terminal() {
-        None
-    } else {
-        let mut buf = Vec::new();
-        match std::io::stdin().read_to_end(&mut buf) {
-            Ok(_) if !buf.is_empty() => Some(buf),
-            _ => None,
-        }
-    };
+    let stdin = read_stdin(a.no_stdin).filter(|b| !b.is_empty());
     let client = ctx.client()?;
     let b = body(&a, stdin.as_deref())?;
     let url = client.url(&["v1", "sandboxes", &a.id, "exec"], &[]);
@@ -272,9 +256,11 @@ mod tests {
     fn body_rounds_timeouts_up_and_encodes_stdin() {
         let a = Args {
             id: "sb-1".into(),
-            env: vec![("A".into(), "1".into())],
-            cwd: Some("/tmp".into()),
-            user: None,
+            process: ProcessArgs {
+                env: vec![("A".into(), "1".into())],
+                cwd: Some("/tmp".into()),
+                user: None,
+            },
             timeout: Some("1500ms".into()),
             no_stdin: false,
             cmd: vec!["cat".into()],

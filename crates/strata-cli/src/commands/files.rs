@@ -187,9 +187,10 @@ async fn ls(ctx: &Ctx, id: &str, path: &str) -> anyhow::Result<i32> {
         .await?;
     ctx.emit(&v, || {
         let entries: Vec<FileEntry> = items(&v)?;
-        let rows: Vec<Vec<String>> = entries
-            .iter()
-            .map(|e| {
+        Ok(human::table_of(
+            &["MODE", "KIND", ">SIZE", "MODIFIED", "NAME"],
+            &entries,
+            |e| {
                 let mtime = chrono::DateTime::from_timestamp(e.mtime, 0)
                     .map(human::local_time)
                     .unwrap_or_default();
@@ -205,11 +206,7 @@ async fn ls(ctx: &Ctx, id: &str, path: &str) -> anyhow::Result<i32> {
                     mtime,
                     name,
                 ]
-            })
-            .collect();
-        Ok(human::table(
-            &["MODE", "KIND", ">SIZE", "MODIFIED", "NAME"],
-            &rows,
+            },
         ))
     })?;
     Ok(0)

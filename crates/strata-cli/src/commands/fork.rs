@@ -1,31 +1,21 @@
 //! `strata fork ID|SNAP`: a new sandbox from a sandbox's present state or from
 //! a snapshot.
 
-use serde_json::{json, Value};
-
-use super::{key_value, sandbox_line, size_json, Ctx};
-use crate::human::duration_arg;
+use super::{size_defaults, Ctx, NewSandboxArgs};
 
 /// `strata fork`
 #[derive(Debug, clap::Args)]
+#[command(
+    mut_args(size_defaults("the source's")),
+    mut_arg("labels", |a| a.help("Label of the new sandbox (repeatable)")),
+    mut_arg("idle_timeout", |a| a.help("Idle timeout of the new sandbox, e.g. 30m"))
+)]
 pub struct Args {
     /// A sandbox id (`sb-…`: its present state) or a snapshot id (`snap-…`).
     pub source: String,
-    /// Virtual CPUs [default: the source's].
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
-    pub vcpus: Option<u32>,
-    /// Memory in MiB [default: the source's].
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
-    pub memory: Option<u32>,
-    /// Disk in GiB [default: the source's].
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
-    pub disk: Option<u32>,
-    /// Label of the new sandbox (repeatable).
-    #[arg(long = "label", value_name = "KEY=VALUE", value_parser = key_value)]
-    pub labels: Vec<(String, String)>,
-    /// Idle timeout of the new sandbox, e.g. 30m.
-    #[arg(long, value_parser = duration_arg)]
-    pub idle_timeout: Option<String>,
+    /// Size, labels, idle timeout.
+    #[command(flatten)]
+    pub sandbox: NewSandboxArgs,
 }
 
 /// The route for a source id: snapshots under `/v1/snapshots`, else sandboxes.
@@ -39,16 +29,7 @@ pub fn route(source: &str) -> [&str; 4] {
 
 /// Runs `strata fork`.
 pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
-    let mut body = json!({
-        "size": size_json(a.vcpus, a.memory, a.disk),
-        "labels": super::string_map(&a.labels),
-    });
-    if let Some(t) = &a.idle_timeout {
-        body["idle_timeout"] = Value::from(t.clone());
-    }
-    let v = ctx.client()?.post_call(&route(&a.source), &body).await?;
-    ctx.emit(&v, || sandbox_line(&v))?;
-    Ok(0)
+    super::post_for_sandbox(ctx, &route(&a.source), &a.sandbox.body()).await
 }
 
 #[cfg(test)]

@@ -189,9 +189,10 @@ fn ls(ctx: &Ctx, a: LsArgs) -> anyhow::Result<i32> {
                 cache.display()
             ));
         }
-        let rows: Vec<Vec<String>> = images
-            .iter()
-            .map(|i| {
+        Ok(human::table_of(
+            &["HASH", "CREATED", "KERNEL", ">ROOTFS", "DIR"],
+            &images,
+            |i| {
                 vec![
                     i.hash.chars().take(12).collect(),
                     i.manifest.created.clone(),
@@ -199,11 +200,7 @@ fn ls(ctx: &Ctx, a: LsArgs) -> anyhow::Result<i32> {
                     human::bytes(i.manifest.sizes.rootfs_allocated),
                     i.dir.display().to_string(),
                 ]
-            })
-            .collect();
-        Ok(human::table(
-            &["HASH", "CREATED", "KERNEL", ">ROOTFS", "DIR"],
-            &rows,
+            },
         ))
     })?;
     Ok(0)

@@ -3,15 +3,9 @@
 use chrono::Utc;
 
 use super::Ctx;
+pub use super::SandboxArg as Args;
 use crate::human;
 use crate::views::{labels, view, Sandbox};
-
-/// `strata info`
-#[derive(Debug, clap::Args)]
-pub struct Args {
-    /// Sandbox id.
-    pub id: String,
-}
 
 /// Runs `strata info`.
 pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {

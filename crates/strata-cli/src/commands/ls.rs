@@ -62,9 +62,12 @@ pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
             return Ok("no sandboxes\n".into());
         }
         let now = Utc::now();
-        let rows: Vec<Vec<String>> = list
-            .iter()
-            .map(|s| {
+        let mut out = human::table_of(
+            &[
+                "ID", "STATE", ">VCPU", ">MEMORY", ">DISK", "CREATED", "ACTIVE", "LABELS",
+            ],
+            &list,
+            |s| {
                 vec![
                     s.id.clone(),
                     s.state.clone(),
@@ -77,13 +80,7 @@ pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
                         .unwrap_or_default(),
                     labels(&s.labels),
                 ]
-            })
-            .collect();
-        let mut out = human::table(
-            &[
-                "ID", "STATE", ">VCPU", ">MEMORY", ">DISK", "CREATED", "ACTIVE", "LABELS",
-            ],
-            &rows,
+            },
         );
         if cursor.is_some() {
             out.push_str("(more sandboxes: use --all)\n");

@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 use serde_json::Value;
 
+use std::io::{IsTerminal as _, Read as _};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -369,19 +370,151 @@ pub fn string_map(pairs: &[(String, String)]) -> Value {
     )
 }
 
-/// The size object of a request (only the fields given).
-pub fn size_json(vcpus: Option<u32>, memory: Option<u32>, disk: Option<u32>) -> Value {
-    let mut m = serde_json::Map::new();
-    if let Some(v) = vcpus {
-        m.insert("vcpus".into(), v.into());
+/// `--vcpus`, `--memory`, `--disk`: the size asked for a new sandbox or
+/// template. A verb words whose size is the default with [`size_defaults`].
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct SizeArgs {
+    /// Virtual CPUs.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub vcpus: Option<u32>,
+    /// Memory in MiB.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub memory: Option<u32>,
+    /// Disk in GiB.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub disk: Option<u32>,
+}
+
+impl SizeArgs {
+    /// The size object of a request (only the fields given).
+    pub fn json(&self) -> Value {
+        let mut m = serde_json::Map::new();
+        if let Some(v) = self.vcpus {
+            m.insert("vcpus".into(), v.into());
+        }
+        if let Some(v) = self.memory {
+            m.insert("memory_mib".into(), v.into());
+        }
+        if let Some(v) = self.disk {
+            m.insert("disk_gib".into(), v.into());
+        }
+        Value::Object(m)
     }
-    if let Some(v) = memory {
-        m.insert("memory_mib".into(), v.into());
+}
+
+/// For `#[command(mut_args(size_defaults("the template's")))]`: adds
+/// `[default: WHOSE]` to the help of the [`SizeArgs`] flags.
+pub fn size_defaults(whose: &'static str) -> impl FnMut(clap::Arg) -> clap::Arg {
+    move |a| match a.get_id().as_str() {
+        "vcpus" | "memory" | "disk" => {
+            let help = a.get_help().map(ToString::to_string).unwrap_or_default();
+            a.help(format!("{help} [default: {whose}]"))
+        }
+        _ => a,
     }
-    if let Some(v) = disk {
-        m.insert("disk_gib".into(), v.into());
+}
+
+/// What `create` and `fork` ask of the new sandbox: size, labels, idle timeout.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct NewSandboxArgs {
+    /// Size.
+    #[command(flatten)]
+    pub size: SizeArgs,
+    /// Label (repeatable).
+    #[arg(long = "label", value_name = "KEY=VALUE", value_parser = key_value)]
+    pub labels: Vec<(String, String)>,
+    /// Hibernate after this long without activity, e.g. 30m (0 = never).
+    #[arg(long, value_parser = duration_arg)]
+    pub idle_timeout: Option<String>,
+}
+
+impl NewSandboxArgs {
+    /// The request body's `size`, `labels` and `idle_timeout` (when given).
+    pub fn body(&self) -> Value {
+        let mut b = serde_json::json!({
+            "size": self.size.json(),
+            "labels": string_map(&self.labels),
+        });
+        if let Some(t) = &self.idle_timeout {
+            b["idle_timeout"] = t.clone().into();
+        }
+        b
     }
-    Value::Object(m)
+}
+
+/// `--env`, `--cwd`, `--user`: how a command runs in the guest (`exec`,
+/// `dev run`).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct ProcessArgs {
+    /// Environment variable (repeatable).
+    #[arg(long = "env", value_name = "KEY=VALUE", value_parser = key_value)]
+    pub env: Vec<(String, String)>,
+    /// Working directory in the guest.
+    #[arg(long)]
+    pub cwd: Option<String>,
+    /// User to run as (name or uid).
+    #[arg(long)]
+    pub user: Option<String>,
+}
+
+/// This process's stdin for a command, read to its end: `None` with
+/// `--no-stdin`, on a terminal, or when it cannot be read (a closed stdin).
+pub fn read_stdin(no_stdin: bool) -> Option<Vec<u8>> {
+    if no_stdin || std::io::stdin().is_terminal() {
+        return None;
+    }
+    let mut buf = Vec::new();
+    std::io::stdin().read_to_end(&mut buf).ok().map(|_| buf)
+}
+
+/// The one argument of `info`, `pause`, `resume`, `hibernate`, `snapshots`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SandboxArg {
+    /// Sandbox id.
+    pub id: String,
+}
+
+/// `POST`s a tool call that answers with a sandbox record (create, fork,
+/// pause …), then prints the record.
+pub async fn post_for_sandbox(ctx: &Ctx, segments: &[&str], body: &Value) -> anyhow::Result<i32> {
+    let v = ctx.client()?.post_call(segments, body).await?;
+    ctx.emit(&v, || sandbox_line(&v))?;
+    Ok(0)
+}
+
+/// `POST /v1/sandboxes/{id}/{verb}` with an empty body (pause, resume,
+/// hibernate), then prints the sandbox record the daemon answers with.
+pub async fn sandbox_action(ctx: &Ctx, id: &str, verb: &str) -> anyhow::Result<i32> {
+    let segments = ["v1", "sandboxes", id, verb];
+    post_for_sandbox(ctx, &segments, &serde_json::json!({})).await
+}
+
+/// `DELETE /v1/{collection}/{id}` for each id in turn, stopping at the first
+/// failure. Prints `deleted WHAT` as each one goes (`what` names it from the
+/// daemon's answer), or under `--json` at the end the answer (one id) or the
+/// array of answers.
+pub async fn delete_each(
+    ctx: &Ctx,
+    collection: &str,
+    ids: &[String],
+    what: impl Fn(&str, &Value) -> String,
+) -> anyhow::Result<i32> {
+    let client = ctx.client()?;
+    let mut done = Vec::new();
+    for id in ids {
+        let v = client.delete_call(&["v1", collection, id], &[]).await?;
+        if !ctx.json {
+            println!("deleted {}", what(id, &v));
+        }
+        done.push(v);
+    }
+    if ctx.json {
+        match done.len() {
+            1 => println!("{}", done[0]),
+            _ => println!("{}", Value::Array(done)),
+        }
+    }
+    Ok(0)
 }
 
 /// One-line human summary of a sandbox record.
@@ -438,7 +571,7 @@ mod tests {
         };
         assert_eq!(a.id, "sb-1");
         assert_eq!(a.cmd, ["sh", "-c", "echo --json"]);
-        assert_eq!(a.env, [("A".to_string(), "1".to_string())]);
+        assert_eq!(a.process.env, [("A".to_string(), "1".to_string())]);
         assert!(!cli.json);
         assert!(parse(&["exec", "sb-1"]).is_err(), "a command is required");
     }
@@ -474,9 +607,9 @@ mod tests {
         let Command::Create(a) = cli.command else {
             panic!("not create")
         };
-        assert_eq!(a.vcpus, Some(2));
-        assert_eq!(a.labels.len(), 2);
-        assert_eq!(a.idle_timeout.as_deref(), Some("30m"));
+        assert_eq!(a.sandbox.size.vcpus, Some(2));
+        assert_eq!(a.sandbox.labels.len(), 2);
+        assert_eq!(a.sandbox.idle_timeout.as_deref(), Some("30m"));
         assert!(parse(&["create", "--label", "novalue"]).is_err());
         assert!(parse(&["create", "--vcpus", "-1"]).is_err());
     }

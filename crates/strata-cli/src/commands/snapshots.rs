@@ -3,15 +3,9 @@
 use chrono::{DateTime, Utc};
 
 use super::Ctx;
+pub use super::SandboxArg as Args;
 use crate::human;
 use crate::views::{items, Snapshot};
-
-/// `strata snapshots`
-#[derive(Debug, clap::Args)]
-pub struct Args {
-    /// Sandbox id.
-    pub id: String,
-}
 
 /// Runs `strata snapshots`.
 pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
@@ -31,9 +25,19 @@ pub fn timeline(list: &[Snapshot], now: DateTime<Utc>) -> String {
     let mut list: Vec<&Snapshot> = list.iter().collect();
     list.sort_by_key(|s| s.created_at);
     let opt_bytes = |b: Option<u64>| b.map(human::bytes).unwrap_or_else(|| "-".into());
-    let rows: Vec<Vec<String>> = list
-        .iter()
-        .map(|s| {
+    let mut out = human::table_of(
+        &[
+            "TIME",
+            "AGE",
+            "ID",
+            "KIND",
+            "LABEL",
+            ">PAUSE MS",
+            ">EXCLUSIVE",
+            ">SHARED",
+        ],
+        &list,
+        |s| {
             let mut kind = s.kind.replace('_', "-");
             if s.status != "ready" && !s.status.is_empty() {
                 kind.push_str(&format!(" ({})", s.status));
@@ -48,20 +52,7 @@ pub fn timeline(list: &[Snapshot], now: DateTime<Utc>) -> String {
                 opt_bytes(s.exclusive_bytes),
                 opt_bytes(s.shared_bytes()),
             ]
-        })
-        .collect();
-    let mut out = human::table(
-        &[
-            "TIME",
-            "AGE",
-            "ID",
-            "KIND",
-            "LABEL",
-            ">PAUSE MS",
-            ">EXCLUSIVE",
-            ">SHARED",
-        ],
-        &rows,
+        },
     );
     let total: u64 = list.iter().filter_map(|s| s.exclusive_bytes).sum();
     out.push_str(&format!(

@@ -4,9 +4,9 @@ use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use clap::Subcommand;
-use serde_json::{json, Value};
+use serde_json::json;
 
-use super::{size_json, CliError, Ctx};
+use super::{CliError, Ctx, SizeArgs};
 use crate::human;
 use crate::views::{items, view, Template};
 
@@ -27,6 +27,7 @@ pub enum TemplateCmd {
 
 /// `strata template build`
 #[derive(Debug, clap::Args)]
+#[command(mut_arg("vcpus", |a| a.help("Virtual CPUs of the template guest")))]
 pub struct BuildArgs {
     /// Human name.
     #[arg(long)]
@@ -34,15 +35,9 @@ pub struct BuildArgs {
     /// Template id to use [default: generated].
     #[arg(long)]
     pub id: Option<String>,
-    /// Virtual CPUs of the template guest.
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
-    pub vcpus: Option<u32>,
-    /// Memory in MiB.
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
-    pub memory: Option<u32>,
-    /// Disk in GiB.
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
-    pub disk: Option<u32>,
+    /// Size of the template guest.
+    #[command(flatten)]
+    pub size: SizeArgs,
     /// Give up waiting after this many seconds.
     #[arg(long, default_value_t = 900)]
     pub timeout: u64,
@@ -59,7 +54,7 @@ pub async fn run(ctx: &Ctx, cmd: TemplateCmd) -> anyhow::Result<i32> {
 
 async fn build(ctx: &Ctx, a: BuildArgs) -> anyhow::Result<i32> {
     let client = ctx.client()?;
-    let mut body = json!({ "size": size_json(a.vcpus, a.memory, a.disk) });
+    let mut body = json!({ "size": a.size.json() });
     if let Some(n) = &a.name {
         body["name"] = n.clone().into();
     }
@@ -130,9 +125,10 @@ async fn ls(ctx: &Ctx) -> anyhow::Result<i32> {
             return Ok("no templates (build one with `strata template build`)\n".into());
         }
         let now = Utc::now();
-        let rows: Vec<Vec<String>> = list
-            .iter()
-            .map(|t| {
+        Ok(human::table_of(
+            &["ID", "NAME", "STATUS", "SIZE", "ACCEL", "CREATED"],
+            &list,
+            |t| {
                 let mut status = t.status.clone();
                 if let Some(p) = t.progress.as_ref().filter(|_| t.status == "building") {
                     status = format!("building: {}", p.step);
@@ -145,31 +141,12 @@ async fn ls(ctx: &Ctx) -> anyhow::Result<i32> {
                     t.accel.clone().unwrap_or_else(|| "-".into()),
                     t.created_at.map(|c| human::age(c, now)).unwrap_or_default(),
                 ]
-            })
-            .collect();
-        Ok(human::table(
-            &["ID", "NAME", "STATUS", "SIZE", "ACCEL", "CREATED"],
-            &rows,
+            },
         ))
     })?;
     Ok(0)
 }
 
 async fn rm(ctx: &Ctx, ids: Vec<String>) -> anyhow::Result<i32> {
-    let client = ctx.client()?;
-    let mut done = Vec::new();
-    for id in &ids {
-        let v = client.delete_call(&["v1", "templates", id], &[]).await?;
-        if !ctx.json {
-            println!("deleted {id}");
-        }
-        done.push(v);
-    }
-    if ctx.json {
-        match done.len() {
-            1 => println!("{}", done[0]),
-            _ => println!("{}", Value::Array(done)),
-        }
-    }
-    Ok(0)
+    super::delete_each(ctx, "templates", &ids, |id, _| id.to_owned()).await
 }

@@ -134,9 +134,10 @@ pub fn format_list(list: &[Token], now: DateTime<Utc>) -> String {
     if list.is_empty() {
         return "no tokens\n".into();
     }
-    let rows: Vec<Vec<String>> = list
-        .iter()
-        .map(|t| {
+    human::table_of(
+        &["ID", "ROLE", "TENANT", "NAME", "CREATED", "BY", "STATE"],
+        list,
+        |t| {
             vec![
                 t.id.clone(),
                 t.role.clone(),
@@ -146,11 +147,7 @@ pub fn format_list(list: &[Token], now: DateTime<Utc>) -> String {
                 t.created_by.clone().unwrap_or_else(|| "-".into()),
                 state(t, now),
             ]
-        })
-        .collect();
-    human::table(
-        &["ID", "ROLE", "TENANT", "NAME", "CREATED", "BY", "STATE"],
-        &rows,
+        },
     )
 }
 

@@ -13,7 +13,7 @@ use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 use serde_json::json;
 use strata_core::SandboxId;
-use stratad::engine::{EngineError, FileKind};
+use stratad::engine::{FileKind, RuntimeError};
 
 use super::{parent, read, write};
 use crate::connect::{Code, ConnectError};
@@ -227,7 +227,7 @@ pub async fn upload(
                 }
             };
             let data = p.data.clone();
-            let stream = futures::stream::iter([Ok::<_, EngineError>(data)]).boxed();
+            let stream = futures::stream::iter([Ok::<_, RuntimeError>(data)]).boxed();
             match write_one(&st, &id, &target, stream).await {
                 Ok(v) => out.push(v),
                 Err(e) => return files_err(e),
@@ -240,7 +240,7 @@ pub async fn upload(
     };
     let stream = body
         .into_data_stream()
-        .map_err(|e| EngineError::Other(format!("upload body: {e}")))
+        .map_err(|e| RuntimeError::Other(format!("upload body: {e}")))
         .boxed();
     match write_one(&st, &id, &path, stream).await {
         Ok(v) => Json(vec![v]).into_response(),

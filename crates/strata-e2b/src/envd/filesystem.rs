@@ -10,7 +10,7 @@ use axum::http::HeaderMap;
 use axum::response::Response;
 use bytes::Bytes;
 use serde_json::json;
-use stratad::engine::{EngineError, FileKind};
+use stratad::engine::{FileKind, GuestErrorKind, RuntimeError};
 use stratad::service::{Grant, ServiceError};
 
 use super::{entry, join, read, write};
@@ -86,7 +86,10 @@ pub async fn make_dir(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Byte
                     format!("{path} already exists"),
                 ))
             }
-            Err(ServiceError::Engine(EngineError::GuestNotFound(_))) => {}
+            Err(ServiceError::Engine(RuntimeError::Guest {
+                kind: GuestErrorKind::NotFound,
+                ..
+            })) => {}
             Err(e) => return Err(service_err(e)),
         }
         st.svc.mkdir(&g, &path, true).await.map_err(service_err)?;
@@ -165,7 +168,10 @@ async fn snapshot_dir(
         let items = match st.svc.list_dir(g, &dir).await {
             Ok(v) => v,
             // A subdirectory removed between two listings.
-            Err(ServiceError::Engine(EngineError::GuestNotFound(_))) if dir != root => continue,
+            Err(ServiceError::Engine(RuntimeError::Guest {
+                kind: GuestErrorKind::NotFound,
+                ..
+            })) if dir != root => continue,
             Err(e) => return Err(service_err(e)),
         };
         for s in items {

@@ -18,7 +18,7 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use serde_json::json;
 use strata_core::{SandboxId, SandboxState};
 use strata_policy::CallKind;
-use stratad::engine::{FileKind, FileStat};
+use stratad::engine::{DirEntry, FileKind};
 
 use crate::connect::{Code, ConnectError};
 use crate::error::not_running;
@@ -103,7 +103,7 @@ fn rfc3339_secs(t: i64) -> String {
         .to_rfc3339_opts(SecondsFormat::Secs, true)
 }
 
-fn entry(path: &str, s: &FileStat) -> EntryInfo {
+fn entry(path: &str, s: &DirEntry) -> EntryInfo {
     let kind = match s.kind {
         FileKind::File => FileType::File,
         FileKind::Dir => FileType::Directory,
@@ -180,7 +180,7 @@ mod tests {
         assert_eq!(parent("/a/b"), Some("/a"));
         assert_eq!(parent("/a"), Some("/"));
         assert_eq!(join("/a/", "b"), "/a/b");
-        let s = FileStat {
+        let s = DirEntry {
             name: "b".into(),
             kind: FileKind::Dir,
             size: 4096,

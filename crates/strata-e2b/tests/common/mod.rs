@@ -18,9 +18,9 @@ use strata_core::{SandboxId, SandboxSize, SnapshotId, TemplateId};
 use stratad::clock::SystemClock;
 use stratad::config::Config;
 use stratad::engine::{
-    ByteStream, Engine, EngineError, EngineResult, ExecEvent, ExecRequest, ExecStream, ExitEvent,
-    FileKind, FileStat, LiveVm, ProgressSink, SnapshotInfo, Source, SpaceUsage, Subvolumes,
-    TemplateInfo, VmInfo,
+    ByteStream, Command, DirEntry, Engine, EngineResult, ExecEvent, ExecRequest, ExecStream,
+    ExitStatus, FileKind, GuestErrorKind, LiveVm, ProgressSink, RuntimeError, SnapshotInfo, Source,
+    SpaceUsage, Subvolumes, TemplateBuilt, VmDied, VmInfo,
 };
 use stratad::store::{SqliteStore, Store, TemplateRecord, TemplateStatus};
 use stratad::App;
@@ -83,20 +83,23 @@ impl Double {
 
     fn exec_now(&self, req: ExecRequest) -> ExecStream {
         let exit = || {
-            Ok(ExecEvent::Exit {
+            Ok(ExecEvent::Exit(ExitStatus {
                 code: Some(0),
                 signal: None,
-            })
+                timed_out: false,
+            }))
         };
-        let wrapper = req.cmd.len() >= 6
-            && req.cmd[0] == "/bin/sh"
-            && req.cmd[2].starts_with("d=/tmp/.strata-e2b");
+        let Command::Argv(cmd) = req.command else {
+            return futures::stream::iter([exit()]).boxed();
+        };
+        let wrapper =
+            cmd.len() >= 6 && cmd[0] == "/bin/sh" && cmd[2].starts_with("d=/tmp/.strata-e2b");
         if wrapper {
             let pid = 20_000 + self.pids.fetch_add(1, Ordering::Relaxed);
             let marker = Ok(ExecEvent::Stdout(Bytes::from(format!(
                 "\x1estrata-e2b-pid {pid}\n"
             ))));
-            let forever = req.cmd[5..].iter().any(|a| a.contains("sleep"));
+            let forever = cmd[5..].iter().any(|a| a.contains("sleep"));
             if forever {
                 return futures::stream::iter([marker])
                     .chain(futures::stream::pending())
@@ -105,29 +108,31 @@ impl Double {
             let out = Ok(ExecEvent::Stdout(Bytes::from_static(b"hi\n")));
             return futures::stream::iter([marker, out, exit()]).boxed();
         }
-        if req.cmd.get(3).map(String::as_str) == Some("alive") {
-            let pids: String = req.cmd[4..].iter().map(|p| format!("{p}\n")).collect();
+        if cmd.get(3).map(String::as_str) == Some("alive") {
+            let pids: String = cmd[4..].iter().map(|p| format!("{p}\n")).collect();
             let out = Ok(ExecEvent::Stdout(Bytes::from(pids)));
             return futures::stream::iter([out, exit()]).boxed();
         }
         futures::stream::iter([exit()]).boxed()
     }
 
-    fn stat_now(&self, path: &str) -> EngineResult<FileStat> {
+    fn stat_now(&self, id: &SandboxId, path: &str) -> EngineResult<DirEntry> {
         let name = path.rsplit('/').next().unwrap_or("").to_owned();
         let made = self.made.lock().unwrap().contains(path);
         let kind = if made {
             FileKind::Dir
         } else if path.contains("/new-") {
-            return Err(EngineError::GuestNotFound(format!(
-                "{path}: no such file or directory"
-            )));
+            return Err(RuntimeError::Guest {
+                id: id.to_string(),
+                kind: GuestErrorKind::NotFound,
+                message: format!("{path}: no such file or directory"),
+            });
         } else if path.ends_with(".txt") || path == "/etc/hostname" {
             FileKind::File
         } else {
             FileKind::Dir
         };
-        Ok(FileStat {
+        Ok(DirEntry {
             name,
             kind,
             size: 5,
@@ -393,7 +398,7 @@ impl Engine for Double {
         &'l0 self,
         _: &'l1 SandboxId,
         _: &'l2 str,
-    ) -> Fut<'at, Vec<FileStat>>
+    ) -> Fut<'at, Vec<DirEntry>>
     where
         'l0: 'at,
         'l1: 'at,
@@ -405,7 +410,7 @@ impl Engine for Double {
             Ok(Vec::new())
         })
     }
-    fn stat<'l0, 'l1, 'l2, 'at>(&'l0 self, _: &'l1 SandboxId, p: &'l2 str) -> Fut<'at, FileStat>
+    fn stat<'l0, 'l1, 'l2, 'at>(&'l0 self, id: &'l1 SandboxId, p: &'l2 str) -> Fut<'at, DirEntry>
     where
         'l0: 'at,
         'l1: 'at,
@@ -414,7 +419,7 @@ impl Engine for Double {
     {
         Box::pin(async move {
             self.op();
-            self.stat_now(p)
+            self.stat_now(id, p)
         })
     }
     fn mkdir<'l0, 'l1, 'l2, 'at>(&'l0 self, _: &'l1 SandboxId, p: &'l2 str, _: bool) -> Fut<'at, ()>
@@ -452,7 +457,7 @@ impl Engine for Double {
         tpl: &'l1 TemplateId,
         size: SandboxSize,
         _: ProgressSink,
-    ) -> Fut<'at, TemplateInfo>
+    ) -> Fut<'at, TemplateBuilt>
     where
         'l0: 'at,
         'l1: 'at,
@@ -460,10 +465,11 @@ impl Engine for Double {
     {
         Box::pin(async move {
             self.op();
-            Ok(TemplateInfo {
+            Ok(TemplateBuilt {
                 id: tpl.clone(),
                 size,
                 accel: "tcg".into(),
+                boot_ms: 1.0,
                 build_ms: 1.0,
             })
         })
@@ -507,10 +513,10 @@ impl Engine for Double {
     {
         Box::pin(async move {
             // Background or start-up work: not counted.
-            Err(EngineError::SandboxNotFound(id.to_string()))
+            Err(RuntimeError::SandboxNotFound(id.to_string()))
         })
     }
-    fn exit_events(&self) -> tokio::sync::mpsc::UnboundedReceiver<ExitEvent> {
+    fn exit_events(&self) -> tokio::sync::mpsc::UnboundedReceiver<VmDied> {
         tokio::sync::mpsc::unbounded_channel().1
     }
 }

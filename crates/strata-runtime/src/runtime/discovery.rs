@@ -1,8 +1,9 @@
 //! What survived a restart of the controlling process, and taking it over.
 //!
 //! Contract:
-//! - [`Runtime::find_vms`] and [`Runtime::list_state_dirs`] only look: the
-//!   daemon compares them with its records and decides.
+//! - [`Runtime::find_vms`] and [`Runtime::list_state_dirs`] (typed:
+//!   [`Runtime::live_vms`], [`Runtime::subvolumes`]) only look: the daemon
+//!   compares them with its records and decides.
 //! - [`Runtime::adopt`] takes a surviving VM into the live table as it is,
 //!   after making sure its vCPUs run (a process killed in the middle of a
 //!   snapshot leaves its VM stopped); the caller pauses it again when its
@@ -16,7 +17,7 @@ use strata_core::SandboxId;
 use strata_vmm::{VmSpec, VmmDriver};
 
 use super::{ms, Result, Runtime, StateRef};
-use crate::api::VmInfo;
+use crate::api::{LiveVm, Subvolumes, VmInfo};
 use crate::error::{vmm_err, RuntimeError};
 
 /// How long [`Runtime::unstick`] may take to connect to a VM's QMP socket.
@@ -55,6 +56,24 @@ impl Runtime {
             names(self.pool.snapshots_dir()),
             names(self.pool.templates_dir()),
         )
+    }
+
+    /// [`Runtime::find_vms`] as [`LiveVm`]s.
+    pub fn live_vms(&self) -> Vec<LiveVm> {
+        self.find_vms()
+            .into_iter()
+            .map(|(id, pid)| LiveVm { id, pid })
+            .collect()
+    }
+
+    /// [`Runtime::list_state_dirs`] as ids (other names left out).
+    pub fn subvolumes(&self) -> Subvolumes {
+        let (sb, snaps, tpls) = self.list_state_dirs();
+        Subvolumes {
+            sandboxes: sb.iter().filter_map(|s| s.parse().ok()).collect(),
+            snapshots: snaps.iter().filter_map(|s| s.parse().ok()).collect(),
+            templates: tpls.iter().filter_map(|s| s.parse().ok()).collect(),
+        }
     }
 
     /// Takes over a VM that survived a restart of the controlling process.

@@ -14,7 +14,7 @@ use strata_policy::CallKind;
 
 use super::{parse_id, ApiError, ApiResult, Params, PathId};
 use crate::caller::Caller;
-use crate::engine::EngineError;
+use crate::engine::RuntimeError;
 use crate::security::gate::GateOptions;
 use crate::service::{Grant, Service};
 
@@ -144,11 +144,11 @@ pub(super) async fn upload(
     let exceeded = Arc::new(AtomicBool::new(false));
     let (seen2, exceeded2) = (seen.clone(), exceeded.clone());
     let body = req.into_body().into_data_stream().map(move |chunk| {
-        let chunk = chunk.map_err(|e| EngineError::Other(format!("reading upload: {e}")))?;
+        let chunk = chunk.map_err(|e| RuntimeError::Other(format!("reading upload: {e}")))?;
         let total = seen2.fetch_add(chunk.len() as u64, Ordering::Relaxed) + chunk.len() as u64;
         if total > limit {
             exceeded2.store(true, Ordering::Relaxed);
-            return Err(EngineError::Other("upload over the size limit".into()));
+            return Err(RuntimeError::Other("upload over the size limit".into()));
         }
         Ok(chunk)
     });

@@ -112,11 +112,8 @@ const fn r(method: &'static str, path: &'static str, action: Action, access: Acc
 
 const fn tool(method: &'static str, path: &'static str, action: Action, access: Access) -> Route {
     Route {
-        method,
-        path,
-        action,
-        access,
         tool_call: true,
+        ..r(method, path, action, access)
     }
 }
 

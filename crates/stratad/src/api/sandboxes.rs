@@ -15,7 +15,7 @@ use strata_core::{ErrorCode, SandboxId, SandboxState, SnapshotId};
 
 use super::{gate_only, ndjson_headers, parse_id, ApiError, ApiResult, Body, Params, PathId};
 use crate::caller::Caller;
-use crate::engine::{ExecEvent, ExecRequest};
+use crate::engine::{Command, ExecEvent, ExecRequest, Stdin};
 use crate::service::{CreateSandbox, Rewind, SandboxSpec, Service, TakeSnapshot};
 use crate::store::SandboxFilter;
 
@@ -318,27 +318,31 @@ pub(super) async fn exec(
     let opts = gate_only(q.as_deref())?;
     let b64 = base64::engine::general_purpose::STANDARD;
     let stdin = match b.stdin {
-        Some(s) => Some(
+        Some(s) => Stdin::Bytes(
             b64.decode(s.as_bytes())
                 .map_err(|e| invalid(format!("stdin: not base64: {e}")))?,
         ),
-        None => None,
+        None => Stdin::Null,
     };
     let req = ExecRequest {
-        cmd: b.cmd,
+        command: Command::Argv(b.cmd),
         env: b.env,
         cwd: b.cwd,
+        user: None,
         stdin,
-        timeout_s: b.timeout_s,
+        timeout: b.timeout_s.map(std::time::Duration::from_secs),
     };
     let stream = svc.exec(&caller, &id, req, &opts).await?;
-    let body = stream.map(move |ev| match ev {
-        Ok(ExecEvent::Stdout(d)) => line(json!({ "stdout": b64.encode(&d) })),
-        Ok(ExecEvent::Stderr(d)) => line(json!({ "stderr": b64.encode(&d) })),
-        Ok(ExecEvent::Exit { code, signal }) => {
-            line(json!({ "exit": { "code": code, "signal": signal } }))
-        }
-        Err(e) => line(ApiError::new(e.code(), e.to_string()).body()),
+    let body = stream.filter_map(move |ev| {
+        futures::future::ready(match ev {
+            Ok(ExecEvent::Started { .. }) => None,
+            Ok(ExecEvent::Stdout(d)) => Some(line(json!({ "stdout": b64.encode(&d) }))),
+            Ok(ExecEvent::Stderr(d)) => Some(line(json!({ "stderr": b64.encode(&d) }))),
+            Ok(ExecEvent::Exit(s)) => Some(line(
+                json!({ "exit": { "code": s.code, "signal": s.signal } }),
+            )),
+            Err(e) => Some(line(ApiError::new(e.code(), e.message()).body())),
+        })
     });
     Ok((ndjson_headers(), axum::body::Body::from_stream(body)))
 }

@@ -92,7 +92,7 @@ impl Engine for Double {
     }
     async fn pause(&self, id: &SandboxId) -> EngineResult<()> {
         if self.fail_pause.load(Ordering::Relaxed) {
-            return Err(EngineError::VmFailed {
+            return Err(RuntimeError::VmFailed {
                 id: id.to_string(),
                 reason: "qmp stop timed out".into(),
             });
@@ -121,14 +121,18 @@ impl Engine for Double {
         })
     }
     async fn exec(&self, _: &SandboxId, req: ExecRequest) -> EngineResult<ExecStream> {
-        let out = bytes::Bytes::from(req.cmd.join(" "));
+        let Command::Argv(argv) = req.command else {
+            unreachable!("the API runs argv")
+        };
+        let out = bytes::Bytes::from(argv.join(" "));
         Ok(futures::stream::iter(vec![
             Ok(ExecEvent::Stdout(out)),
             Ok(ExecEvent::Stderr(bytes::Bytes::from_static(b"warn"))),
-            Ok(ExecEvent::Exit {
+            Ok(ExecEvent::Exit(ExitStatus {
                 code: Some(3),
                 signal: None,
-            }),
+                timed_out: false,
+            })),
         ])
         .boxed())
     }
@@ -149,13 +153,15 @@ impl Engine for Double {
         }
         Ok(n)
     }
-    async fn list_dir(&self, _: &SandboxId, _: &str) -> EngineResult<Vec<FileStat>> {
+    async fn list_dir(&self, _: &SandboxId, _: &str) -> EngineResult<Vec<DirEntry>> {
         Ok(vec![])
     }
-    async fn stat(&self, _: &SandboxId, p: &str) -> EngineResult<FileStat> {
-        Err(EngineError::Agent(format!(
-            "{p}: no such file or directory"
-        )))
+    async fn stat(&self, id: &SandboxId, p: &str) -> EngineResult<DirEntry> {
+        Err(RuntimeError::Guest {
+            id: id.to_string(),
+            kind: GuestErrorKind::Other,
+            message: format!("{p}: no such file or directory"),
+        })
     }
     async fn mkdir(&self, _: &SandboxId, _: &str, _: bool) -> EngineResult<()> {
         Ok(())
@@ -168,11 +174,12 @@ impl Engine for Double {
         tpl: &TemplateId,
         size: SandboxSize,
         _: ProgressSink,
-    ) -> EngineResult<TemplateInfo> {
-        Ok(TemplateInfo {
+    ) -> EngineResult<TemplateBuilt> {
+        Ok(TemplateBuilt {
             id: tpl.clone(),
             size,
             accel: "tcg".into(),
+            boot_ms: 1.0,
             build_ms: 1.0,
         })
     }
@@ -189,9 +196,9 @@ impl Engine for Double {
         })
     }
     async fn adopt(&self, id: &SandboxId) -> EngineResult<VmInfo> {
-        Err(EngineError::SandboxNotFound(id.to_string()))
+        Err(RuntimeError::SandboxNotFound(id.to_string()))
     }
-    fn exit_events(&self) -> tokio::sync::mpsc::UnboundedReceiver<ExitEvent> {
+    fn exit_events(&self) -> tokio::sync::mpsc::UnboundedReceiver<VmDied> {
         tokio::sync::mpsc::unbounded_channel().1
     }
 }

@@ -16,7 +16,7 @@ use super::*;
 pub struct UnavailableEngine;
 
 fn no<T>() -> EngineResult<T> {
-    Err(EngineError::Unavailable(
+    Err(RuntimeError::Unavailable(
         "no sandbox runtime is linked into this stratad build".into(),
     ))
 }
@@ -88,10 +88,10 @@ impl Engine for UnavailableEngine {
     async fn write_file(&self, _: &SandboxId, _: &str, _: u32, _: ByteStream) -> EngineResult<u64> {
         no()
     }
-    async fn list_dir(&self, _: &SandboxId, _: &str) -> EngineResult<Vec<FileStat>> {
+    async fn list_dir(&self, _: &SandboxId, _: &str) -> EngineResult<Vec<DirEntry>> {
         no()
     }
-    async fn stat(&self, _: &SandboxId, _: &str) -> EngineResult<FileStat> {
+    async fn stat(&self, _: &SandboxId, _: &str) -> EngineResult<DirEntry> {
         no()
     }
     async fn mkdir(&self, _: &SandboxId, _: &str, _: bool) -> EngineResult<()> {
@@ -105,7 +105,7 @@ impl Engine for UnavailableEngine {
         _: &TemplateId,
         _: SandboxSize,
         _: ProgressSink,
-    ) -> EngineResult<TemplateInfo> {
+    ) -> EngineResult<TemplateBuilt> {
         no()
     }
     async fn delete_template(&self, _: &TemplateId) -> EngineResult<()> {
@@ -120,7 +120,7 @@ impl Engine for UnavailableEngine {
     async fn adopt(&self, _: &SandboxId) -> EngineResult<VmInfo> {
         no()
     }
-    fn exit_events(&self) -> tokio::sync::mpsc::UnboundedReceiver<ExitEvent> {
+    fn exit_events(&self) -> tokio::sync::mpsc::UnboundedReceiver<VmDied> {
         // The sender is dropped at once: the stream is empty and ends.
         tokio::sync::mpsc::unbounded_channel().1
     }

@@ -149,18 +149,23 @@ pub fn validate_guest_path(path: &str) -> ServiceResult<()> {
     Ok(())
 }
 
-/// Checks a command from a request: a program, no NUL bytes, a valid cwd.
+/// Checks a command from a request: a program (or a script), no NUL bytes,
+/// a valid cwd, stdin given as bytes if at all (the engine has no stdin writer).
 pub(crate) fn validate_exec(req: &ExecRequest) -> ServiceResult<()> {
-    if req.cmd.is_empty() || req.cmd[0].is_empty() {
+    let words: &[String] = match &req.command {
+        Command::Argv(argv) => argv,
+        Command::Shell(script) => std::slice::from_ref(script),
+    };
+    if words.first().is_none_or(|w| w.is_empty()) {
         return Err(ServiceError::InvalidRequest(
             "cmd: give at least the program".into(),
         ));
     }
-    if req
-        .cmd
+    if words
         .iter()
         .chain(req.env.keys())
         .chain(req.env.values())
+        .chain(req.user.iter())
         .any(|s| s.contains('\0'))
     {
         return Err(ServiceError::InvalidRequest(
@@ -170,7 +175,26 @@ pub(crate) fn validate_exec(req: &ExecRequest) -> ServiceResult<()> {
     if let Some(cwd) = &req.cwd {
         validate_guest_path(cwd)?;
     }
+    if req.stdin == Stdin::Stream {
+        return Err(ServiceError::InvalidRequest(
+            "stdin: give the bytes (a stdin stream has no writer here)".into(),
+        ));
+    }
     Ok(())
+}
+
+/// The tool call a command is, for the gate.
+pub(crate) fn exec_call(req: &ExecRequest) -> CallKind {
+    match &req.command {
+        Command::Argv(argv) => CallKind::Exec {
+            argv: argv.clone(),
+            shell: None,
+        },
+        Command::Shell(script) => CallKind::Exec {
+            argv: Vec::new(),
+            shell: Some(script.clone()),
+        },
+    }
 }
 
 /// Longest idle timeout a sandbox may have (a year): larger values would

@@ -31,9 +31,9 @@ pub enum ServiceError {
     /// Another operation is in progress.
     #[error("{0}")]
     Conflict(String),
-    /// The engine failed.
+    /// The engine failed; [`RuntimeError::code`] is its API code.
     #[error(transparent)]
-    Engine(#[from] EngineError),
+    Engine(#[from] RuntimeError),
     /// The store failed.
     #[error("metadata store")]
     Store(#[from] StoreError),

@@ -64,8 +64,9 @@ impl Service {
                     Ok(rec)
                 }
                 Err(e) => {
+                    let why = e.message();
                     let _ = self.engine.delete(&rec.id).await;
-                    self.abandon_create(rec, Some(snap), format!("fork failed: {e}"), &e)
+                    self.abandon_create(rec, Some(snap), format!("fork failed: {why}"), &why)
                         .await;
                     Err(e.into())
                 }

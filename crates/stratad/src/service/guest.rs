@@ -84,11 +84,8 @@ impl Service {
     ) -> ServiceResult<ExecStream> {
         self.get_sandbox(caller, id).await?;
         validate_exec(&req)?;
-        let kind = CallKind::Exec {
-            argv: req.cmd.clone(),
-            shell: None,
-        };
-        self.authorize(caller, Some(id), kind, opts).await?;
+        self.authorize(caller, Some(id), exec_call(&req), opts)
+            .await?;
         self.exec_granted(id, req).await
     }
 
@@ -104,7 +101,7 @@ impl Service {
         let metrics = self.metrics.clone();
         Ok(stream
             .inspect(move |ev| {
-                if let Ok(ExecEvent::Exit { .. }) = ev {
+                if let Ok(ExecEvent::Exit(_)) = ev {
                     metrics.observe_step(step::EXEC_ROUND_TRIP, started.elapsed());
                 }
             })
@@ -165,9 +162,9 @@ impl Service {
     pub async fn require_running(&self, g: &Grant) -> ServiceResult<()> {
         let rec = self.record(&g.sandbox).await?;
         if rec.state != SandboxState::Running {
-            return Err(ServiceError::Engine(EngineError::NotRunning(
-                g.sandbox.to_string(),
-            )));
+            return Err(ServiceError::Engine(RuntimeError::NotRunning {
+                id: g.sandbox.to_string(),
+            }));
         }
         Ok(())
     }
@@ -213,13 +210,13 @@ impl Service {
     }
 
     /// Lists a guest directory.
-    pub async fn list_dir(self: &Arc<Self>, g: &Grant, path: &str) -> ServiceResult<Vec<FileStat>> {
+    pub async fn list_dir(self: &Arc<Self>, g: &Grant, path: &str) -> ServiceResult<Vec<DirEntry>> {
         let id = self.guest_ready(g, GuestOp::List, path).await?;
         Ok(self.engine.list_dir(&id, path).await?)
     }
 
     /// Stats a guest path.
-    pub async fn stat(self: &Arc<Self>, g: &Grant, path: &str) -> ServiceResult<FileStat> {
+    pub async fn stat(self: &Arc<Self>, g: &Grant, path: &str) -> ServiceResult<DirEntry> {
         let id = self.guest_ready(g, GuestOp::Stat, path).await?;
         Ok(self.engine.stat(&id, path).await?)
     }

@@ -95,10 +95,11 @@ impl Service {
                     Ok(rec)
                 }
                 Err(e) => {
-                    warn!(error = %e, "create (hibernated) failed");
+                    let why = e.message();
+                    warn!(error = %why, "create (hibernated) failed");
                     let _ = self.engine.delete_snapshot(&snap.id).await;
                     let _ = self.engine.delete(&rec.id).await;
-                    self.abandon_create(rec, Some(snap), format!("create failed: {e}"), &e)
+                    self.abandon_create(rec, Some(snap), format!("create failed: {why}"), &why)
                         .await;
                     Err(e.into())
                 }
@@ -139,9 +140,10 @@ impl Service {
                     Ok(rec)
                 }
                 Err(e) => {
-                    warn!(error = %e, "create failed");
+                    let why = e.message();
+                    warn!(error = %why, "create failed");
                     let _ = self.engine.delete(&rec.id).await;
-                    self.abandon_create(rec, None, format!("create failed: {e}"), &e)
+                    self.abandon_create(rec, None, format!("create failed: {why}"), &why)
                         .await;
                     Err(e.into())
                 }
@@ -178,7 +180,7 @@ impl Service {
         let next = rec.state.apply(Op::Delete)?;
         self.begin(&mut rec, Op::Delete, next, &[], None).await?;
         if let Err(e) = self.engine.delete(id).await {
-            self.failed(&mut rec, Op::Delete, &e, &[]).await;
+            self.failed(&mut rec, Op::Delete, &e.message(), &[]).await;
             return Err(e.into());
         }
         let id2 = id.clone();
@@ -196,7 +198,7 @@ impl Service {
             .remove(id);
         for s in snaps {
             if let Err(e) = self.engine.delete_snapshot(&s.id).await {
-                warn!(sandbox = %id, snapshot = %s.id, error = %e, "removing snapshot failed; recovery will retry");
+                warn!(sandbox = %id, snapshot = %s.id, error = %e.message(), "removing snapshot failed; recovery will retry");
             }
         }
         Ok(rec)
@@ -223,7 +225,7 @@ impl Service {
                 Ok(rec)
             }
             Err(e) => {
-                self.failed(&mut rec, Op::Pause, &e, &[]).await;
+                self.failed(&mut rec, Op::Pause, &e.message(), &[]).await;
                 Err(e.into())
             }
         }
@@ -261,7 +263,7 @@ impl Service {
                     }
                     r.map(Some)
                 }
-                None => Err(EngineError::SnapshotNotFound(format!(
+                None => Err(RuntimeError::SnapshotNotFound(format!(
                     "(no snapshot to wake {id} from)"
                 ))),
             }
@@ -276,7 +278,7 @@ impl Service {
                 Ok(rec)
             }
             Err(e) => {
-                self.failed(&mut rec, Op::Resume, &e, &[]).await;
+                self.failed(&mut rec, Op::Resume, &e.message(), &[]).await;
                 Err(e.into())
             }
         }
@@ -332,8 +334,9 @@ impl Service {
                 Ok(rec)
             }
             Err(e) => {
-                Self::dropped(&mut snap, format!("hibernate failed: {e}"));
-                self.failed(&mut rec, Op::Hibernate, &e, &[&snap]).await;
+                Self::dropped(&mut snap, format!("hibernate failed: {}", e.message()));
+                self.failed(&mut rec, Op::Hibernate, &e.message(), &[&snap])
+                    .await;
                 Err(e.into())
             }
         }

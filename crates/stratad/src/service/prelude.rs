@@ -21,7 +21,8 @@ pub(crate) use crate::caller::{Caller, PLATFORM_SCOPE};
 pub(crate) use crate::clock::Clock;
 pub(crate) use crate::config::Config;
 pub(crate) use crate::engine::{
-    ByteStream, Engine, EngineError, ExecEvent, ExecRequest, ExecStream, FileStat, Source,
+    ByteStream, Command, DirEntry, Engine, ExecEvent, ExecRequest, ExecStream, RuntimeError,
+    Source, Stdin,
 };
 pub(crate) use crate::metrics::{step, Metrics};
 pub(crate) use crate::retention::Point;

@@ -45,7 +45,7 @@ impl Service {
                 Ok(rec)
             }
             Err(e) => {
-                self.failed(&mut rec, Op::Recover, &e, &[]).await;
+                self.failed(&mut rec, Op::Recover, &e.message(), &[]).await;
                 Err(e.into())
             }
         }

@@ -114,10 +114,11 @@ impl Service {
             }
             Err(e) => {
                 if let Some(p) = pre.as_mut() {
-                    Self::dropped(p, format!("rewind failed: {e}"));
+                    Self::dropped(p, format!("rewind failed: {}", e.message()));
                 }
                 let snaps: Vec<&SnapshotRecord> = pre.iter().collect();
-                self.failed(&mut rec, Op::Rewind, &e, &snaps).await;
+                self.failed(&mut rec, Op::Rewind, &e.message(), &snaps)
+                    .await;
                 Err(e.into())
             }
         }

@@ -119,9 +119,9 @@ impl Service {
                 (EventPhase::Done, snap.id.to_string())
             }
             Err(e) => {
-                Self::dropped(&mut snap, format!("snapshot failed: {e}"));
+                Self::dropped(&mut snap, format!("snapshot failed: {}", e.message()));
                 self.metrics.count("snapshot_failed");
-                (EventPhase::Failed, format!("{}: {e}", snap.id))
+                (EventPhase::Failed, format!("{}: {}", snap.id, e.message()))
             }
         };
         let s = snap.clone();
@@ -193,7 +193,7 @@ impl Service {
         let s = snap.clone();
         self.db(move |st| st.put_snapshot(&s)).await?;
         if let Err(e) = self.engine.delete_snapshot(id).await {
-            warn!(snapshot = %id, error = %e, "removing snapshot failed; recovery will retry");
+            warn!(snapshot = %id, error = %e.message(), "removing snapshot failed; recovery will retry");
         }
         Ok(snap)
     }
@@ -232,7 +232,7 @@ impl Service {
         .await?;
         for r in &recs {
             if let Err(e) = self.engine.delete_snapshot(&r.id).await {
-                warn!(sandbox = %id, snapshot = %r.id, error = %e, "GC removal failed; recovery will retry");
+                warn!(sandbox = %id, snapshot = %r.id, error = %e.message(), "GC removal failed; recovery will retry");
             }
         }
         Ok(recs.len())

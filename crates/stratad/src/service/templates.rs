@@ -173,18 +173,17 @@ impl Service {
             async move {
                 let weak = Arc::downgrade(&this);
                 let tid = rec2.id.clone();
-                let sink: crate::engine::ProgressSink =
-                    Arc::new(move |step: &str, fraction: Option<f32>| {
-                        if let Some(s) = weak.upgrade() {
-                            s.progress.lock().unwrap_or_else(|p| p.into_inner()).insert(
-                                tid.clone(),
-                                BuildProgress {
-                                    step: step.to_owned(),
-                                    fraction,
-                                },
-                            );
-                        }
-                    });
+                let sink: crate::engine::ProgressSink = Arc::new(move |step: &str| {
+                    if let Some(s) = weak.upgrade() {
+                        s.progress.lock().unwrap_or_else(|p| p.into_inner()).insert(
+                            tid.clone(),
+                            BuildProgress {
+                                step: step.to_owned(),
+                                fraction: None,
+                            },
+                        );
+                    }
+                });
                 let result = this.engine.build_template(&rec2.id, rec2.size, sink).await;
                 match result {
                     Ok(info) => {
@@ -193,9 +192,9 @@ impl Service {
                         info!(build_ms = info.build_ms, "template ready");
                     }
                     Err(e) => {
-                        warn!(error = %e, "template build failed");
+                        warn!(error = %e.message(), "template build failed");
                         rec2.status = TemplateStatus::Failed;
-                        rec2.status_reason = Some(e.to_string());
+                        rec2.status_reason = Some(e.message());
                     }
                 }
                 rec2.updated_at = this.now();
@@ -282,7 +281,7 @@ impl Service {
         let r = v.record.clone();
         self.db(move |s| s.put_template(&r)).await?;
         if let Err(e) = self.engine.delete_template(id).await {
-            warn!(template = %id, error = %e, "removing template failed; recovery will retry");
+            warn!(template = %id, error = %e.message(), "removing template failed; recovery will retry");
         }
         Ok(v)
     }

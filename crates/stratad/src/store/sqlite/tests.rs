@@ -381,3 +381,76 @@ fn label_index_is_filled_by_the_migration() {
     };
     assert!(s.list_sandboxes(&other).unwrap().items.is_empty());
 }
+
+#[test]
+fn a_schema_3_database_opens_with_platform_templates_and_versions() {
+    // A database as the previous release (schema 3) left it: the default
+    // template owned by tenant `default`, a tenant's own template, a sandbox
+    // without a version.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("strata.db");
+    let a = sandbox(1, SandboxState::Running);
+    {
+        let conn = Connection::open(&path).unwrap();
+        for m in &MIGRATIONS[..3] {
+            conn.execute_batch(m).unwrap();
+        }
+        conn.execute_batch("PRAGMA user_version = 3").unwrap();
+        for (id, tenant) in [
+            ("tpl-default", "default"),
+            ("tpl-mine", "default"),
+            ("tpl-acme", "acme"),
+        ] {
+            conn.execute(
+                "INSERT INTO templates (id, tenant_id, name, vcpus, memory_mib, disk_gib, status, \
+                 created_at, updated_at) VALUES (?1, ?2, NULL, 1, 512, 2, 'ready', 0, 0)",
+                params![id, tenant],
+            )
+            .unwrap();
+        }
+        conn.execute(
+            "INSERT INTO sandboxes (id, tenant_id, vcpus, memory_mib, disk_gib, labels, state, \
+             created_at, updated_at, last_activity_at) VALUES (?1, 'default', 1, 256, 2, '{}', 'running', ?2, ?2, ?2)",
+            params![a.id.as_str(), ms(a.created_at)],
+        )
+        .unwrap();
+    }
+    let s = SqliteStore::open(&path, 1).unwrap();
+    let owner = |id: &str| {
+        s.get_template(&id.parse().unwrap())
+            .unwrap()
+            .unwrap()
+            .tenant
+    };
+    assert_eq!(owner("tpl-default"), crate::caller::PLATFORM_SCOPE);
+    assert_eq!(
+        owner("tpl-mine"),
+        "default",
+        "only the daemon's default template moves"
+    );
+    assert_eq!(owner("tpl-acme"), "acme");
+    // The old sandbox reads as version 0; an update from that copy lands
+    // once, and the same stale copy is then refused without a change.
+    let mut rec = s.get_sandbox(&a.id).unwrap().unwrap();
+    assert_eq!(rec.version, 0);
+    let stale = rec.clone();
+    rec.state = SandboxState::Paused;
+    s.update_sandbox(&rec, None).unwrap();
+    let stored = s.get_sandbox(&a.id).unwrap().unwrap();
+    assert_eq!((stored.state, stored.version), (SandboxState::Paused, 1));
+    let mut again = stale;
+    again.state = SandboxState::Hibernated;
+    match s.update_sandbox(&again, None) {
+        Err(StoreError::Stale {
+            expected: 0,
+            found: 1,
+            ..
+        }) => {}
+        other => panic!("expected Stale, got {other:?}"),
+    }
+    assert_eq!(
+        s.get_sandbox(&a.id).unwrap().unwrap().state,
+        SandboxState::Paused,
+        "the refused write changed nothing"
+    );
+}

@@ -1,0 +1,527 @@
+//! The control plane: every route naming a sandbox × every caller × every
+//! spelling of the id; undecodable ids; create and list per caller.
+
+use std::collections::{BTreeSet, HashMap};
+
+use serde_json::{json, Value};
+
+use crate::common::{door, envd_token, Door, Raw, KEY};
+use crate::support::{
+    callers, e2b_error, entry, render, same_as_unknown, Access, Checks, ACME, BETA, DEFAULT,
+    MALFORMED, UNDECODABLE, UNKNOWN,
+};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum State {
+    Running,
+    Paused,
+}
+
+/// A control-plane route naming a sandbox.
+pub(crate) struct Route {
+    pub(crate) method: &'static str,
+    pub(crate) path: &'static str,
+    /// The state its sandbox is in.
+    state: State,
+    /// The lifecycle op it gates (`lifecycle:<op>`), if it is a tool call.
+    gate: Option<&'static str>,
+    /// Whether an own call changes the sandbox (a fresh one per case).
+    fresh: bool,
+    body: &'static str,
+    /// The status of an own call.
+    ok: u16,
+}
+
+const fn route(
+    method: &'static str,
+    path: &'static str,
+    state: State,
+    gate: Option<&'static str>,
+    body: &'static str,
+    ok: u16,
+) -> Route {
+    Route {
+        method,
+        path,
+        state,
+        gate,
+        fresh: gate.is_some(),
+        body,
+        ok,
+    }
+}
+
+const T300: &str = r#"{"timeout":300}"#;
+
+pub(crate) const ID_ROUTES: [Route; 10] = [
+    route("GET", "/sandboxes/:id", State::Running, None, "", 200),
+    route(
+        "DELETE",
+        "/sandboxes/:id",
+        State::Running,
+        Some("lifecycle:delete"),
+        "",
+        204,
+    ),
+    route(
+        "POST",
+        "/sandboxes/:id/connect",
+        State::Running,
+        None,
+        T300,
+        200,
+    ),
+    route(
+        "POST",
+        "/v2/sandboxes/:id/connect",
+        State::Running,
+        None,
+        T300,
+        200,
+    ),
+    route(
+        "POST",
+        "/sandboxes/:id/connect",
+        State::Paused,
+        Some("lifecycle:resume"),
+        T300,
+        201,
+    ),
+    route(
+        "POST",
+        "/v2/sandboxes/:id/connect",
+        State::Paused,
+        Some("lifecycle:resume"),
+        "",
+        201,
+    ),
+    route(
+        "POST",
+        "/sandboxes/:id/resume",
+        State::Paused,
+        Some("lifecycle:resume"),
+        T300,
+        201,
+    ),
+    route(
+        "POST",
+        "/sandboxes/:id/timeout",
+        State::Running,
+        None,
+        T300,
+        204,
+    ),
+    route(
+        "POST",
+        "/sandboxes/:id/refreshes",
+        State::Running,
+        None,
+        "",
+        204,
+    ),
+    route(
+        "POST",
+        "/sandboxes/:id/pause",
+        State::Running,
+        Some("lifecycle:hibernate"),
+        "",
+        204,
+    ),
+];
+
+/// The control-plane routes without an id: (method, path, status of an
+/// allowed call, whether it is a tool call).
+pub(crate) const LIST_CREATE: [(&str, &str, u16, bool); 4] = [
+    ("POST", "/sandboxes", 201, true),
+    ("POST", "/v2/sandboxes", 201, true),
+    ("GET", "/sandboxes", 200, false),
+    ("GET", "/v2/sandboxes", 200, false),
+];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Spell {
+    Plain,
+    First,
+    All,
+}
+
+const SPELLS: [Spell; 3] = [Spell::Plain, Spell::First, Spell::All];
+
+fn spell(id: &str, s: Spell) -> String {
+    match s {
+        Spell::Plain => id.to_owned(),
+        Spell::First => format!("%{:02x}{}", id.as_bytes()[0], &id[1..]),
+        Spell::All => id.bytes().map(|b| format!("%{b:02X}")).collect(),
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Id {
+    Own(Spell),
+    Foreign(Spell),
+    Unknown,
+    Malformed,
+    Undecodable,
+}
+
+const IDS: [Id; 9] = [
+    Id::Own(Spell::Plain),
+    Id::Own(Spell::First),
+    Id::Own(Spell::All),
+    Id::Foreign(Spell::Plain),
+    Id::Foreign(Spell::First),
+    Id::Foreign(Spell::All),
+    Id::Unknown,
+    Id::Malformed,
+    Id::Undecodable,
+];
+
+/// The status a caller is refused with on `method`, if it is.
+fn refusal(access: Access, method: &str) -> Option<u16> {
+    match access {
+        Access::Unauth => Some(401),
+        Access::Metrics => Some(403),
+        Access::Read if method != "GET" => Some(403),
+        _ => None,
+    }
+}
+
+/// Writers of each tenant, to make fixtures with.
+struct Writers {
+    acme: String,
+    beta: String,
+}
+
+impl Writers {
+    fn of(&self, tenant: &str) -> &str {
+        match tenant {
+            ACME => &self.acme,
+            BETA => &self.beta,
+            _ => KEY,
+        }
+    }
+}
+
+async fn make(d: &Door, key: &str, s: State) -> String {
+    match s {
+        State::Running => d.create(key).await,
+        State::Paused => d.create_paused(key).await,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn control_plane_every_route_every_caller_every_spelling_of_the_id() {
+    let d = door().await;
+    let who = callers(&d).await;
+    let w = Writers {
+        acme: who[1].key.clone().unwrap(),
+        beta: d.token("developer", BETA).await.0,
+    };
+    // Read-only cases share one sandbox per tenant and state.
+    let mut shared: HashMap<(&str, State), String> = HashMap::new();
+    for t in [ACME, DEFAULT, BETA] {
+        for s in [State::Running, State::Paused] {
+            shared.insert((t, s), make(&d, w.of(t), s).await);
+        }
+    }
+    let mut c = Checks::default();
+    for r in &ID_ROUTES {
+        for caller in &who {
+            let key = caller.key.as_deref();
+            let mut unknown: HashMap<Spell, Raw> = HashMap::new();
+            for s in SPELLS {
+                let path = r.path.replace(":id", &spell(UNKNOWN, s));
+                unknown.insert(s, d.control(r.method, &path, key, r.body).await);
+            }
+            for v in IDS {
+                c.cases += 1;
+                let ctx = format!(
+                    "{} {} ({:?}) as {}, {v:?}",
+                    r.method, r.path, r.state, caller.name
+                );
+                let refused = refusal(caller.access, r.method);
+                let (real, spelled) = match v {
+                    Id::Own(s) => {
+                        let id = if refused.is_none() && r.fresh {
+                            make(&d, w.of(caller.tenant), r.state).await
+                        } else {
+                            shared[&(caller.tenant, r.state)].clone()
+                        };
+                        let sp = spell(&id, s);
+                        (id, sp)
+                    }
+                    Id::Foreign(s) => {
+                        let id = shared[&(BETA, r.state)].clone();
+                        let sp = spell(&id, s);
+                        (id, sp)
+                    }
+                    Id::Unknown => (UNKNOWN.to_owned(), UNKNOWN.to_owned()),
+                    Id::Malformed => (MALFORMED.to_owned(), MALFORMED.to_owned()),
+                    Id::Undecodable => (UNDECODABLE.to_owned(), UNDECODABLE.to_owned()),
+                };
+                let path = r.path.replace(":id", &spelled);
+                let (n0, ops0) = (d.audit_len(), d.engine.ops());
+                let a = d.control(r.method, &path, key, r.body).await;
+                let audited = d.audit_since(n0);
+                let ops = d.engine.ops() - ops0;
+                let quiet = |c: &mut Checks, audited: &[Value], ops: u64| {
+                    c.check(audited.is_empty(), || {
+                        format!("{ctx}: the gate ran: {audited:?}")
+                    });
+                    c.check(ops == 0, || format!("{ctx}: {ops} engine operations ran"));
+                };
+                if let Some(st) = refused {
+                    c.result(&ctx, e2b_error(&a, st));
+                    quiet(&mut c, &audited, ops);
+                    // A refused caller learns nothing about the id.
+                    let u = &unknown[&Spell::Plain];
+                    c.check(render(&a) == render(u), || {
+                        format!(
+                            "{ctx}: {} differs from the unknown id's {}",
+                            render(&a),
+                            render(u)
+                        )
+                    });
+                    continue;
+                }
+                match v {
+                    Id::Own(_) => {
+                        c.check(a.status == r.ok, || {
+                            format!("{ctx}: status {} (want {}): {}", a.status, r.ok, a.text())
+                        });
+                        let body = a.json();
+                        match r.ok {
+                            204 => c.check(a.body.is_empty(), || {
+                                format!("{ctx}: 204 with a body {}", a.text())
+                            }),
+                            _ => {
+                                c.check(body["sandboxID"] == real.as_str(), || {
+                                    format!("{ctx}: not the sandbox: {body}")
+                                });
+                                // The envd token only for who may write.
+                                let want = (caller.access == Access::Write)
+                                    .then(|| json!(envd_token(&real)));
+                                c.check(body.get("envdAccessToken") == want.as_ref(), || {
+                                    format!("{ctx}: envdAccessToken: {body}")
+                                });
+                            }
+                        }
+                        match r.gate {
+                            Some(kind) => {
+                                let one = audited.len() == 1
+                                    && entry(
+                                        &audited[0],
+                                        &caller.actor,
+                                        caller.tenant,
+                                        Some(&real),
+                                        kind,
+                                    );
+                                c.check(one, || {
+                                    format!(
+                                        "{ctx}: want one allowed {kind} of {} on {real}: {audited:?}",
+                                        caller.actor
+                                    )
+                                });
+                            }
+                            None => c.check(audited.is_empty(), || {
+                                format!("{ctx}: not a tool call, audited: {audited:?}")
+                            }),
+                        }
+                        if r.fresh && a.status == r.ok {
+                            // The call did what it says.
+                            let g = d
+                                .control("GET", &format!("/sandboxes/{real}"), key, "")
+                                .await;
+                            let (st, state) = (g.status, g.json()["state"].clone());
+                            let want = match r.gate {
+                                Some("lifecycle:delete") => (404, Value::Null),
+                                Some("lifecycle:hibernate") => (200, json!("paused")),
+                                _ => (200, json!("running")),
+                            };
+                            c.check((st, state.clone()) == want, || {
+                                format!("{ctx}: afterwards {st} {state} (want {want:?})")
+                            });
+                        }
+                    }
+                    Id::Foreign(s) => {
+                        c.result(&ctx, e2b_error(&a, 404));
+                        quiet(&mut c, &audited, ops);
+                        let u = &unknown[&s];
+                        let same = same_as_unknown(&a, u, &real, &spelled, &spell(UNKNOWN, s));
+                        c.check(same, || {
+                            format!(
+                                "{ctx}: {} differs from the unknown id's {}",
+                                render(&a),
+                                render(u)
+                            )
+                        });
+                    }
+                    Id::Unknown => {
+                        c.result(&ctx, e2b_error(&a, 404));
+                        quiet(&mut c, &audited, ops);
+                        // The message names the id (so the masking above
+                        // compares something).
+                        c.check(a.text().contains(UNKNOWN), || {
+                            format!("{ctx}: the message does not name the id: {}", a.text())
+                        });
+                    }
+                    Id::Malformed => {
+                        c.result(&ctx, e2b_error(&a, 404));
+                        quiet(&mut c, &audited, ops);
+                        let u = &unknown[&Spell::Plain];
+                        c.check(same_as_unknown(&a, u, MALFORMED, "", ""), || {
+                            format!(
+                                "{ctx}: {} differs from the unknown id's {}",
+                                render(&a),
+                                render(u)
+                            )
+                        });
+                    }
+                    Id::Undecodable => {
+                        // Refused before any lookup. (Its body is axum's
+                        // plain text, not E2B's error: see
+                        // `undecodable_ids_answer_in_e2b_shape`.)
+                        c.check(a.status == 400, || {
+                            format!("{ctx}: status {} (want 400): {}", a.status, a.text())
+                        });
+                        quiet(&mut c, &audited, ops);
+                    }
+                }
+            }
+        }
+    }
+    c.finish("control plane");
+}
+
+/// An id that does not decode (`%FF%FE`) is refused with E2B's error, as
+/// every other refusal of the control plane.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+// Regression (fixed): door bug: an undecodable id in the path (`/sandboxes/%FF%FE…`) answers
+// axum's `400 text/plain` `Invalid URL: Invalid UTF-8 in `id`` (the `Path<String>` rejection),
+// not E2B's `{"code":400,"message":…}`
+async fn control_plane_undecodable_ids_answer_in_e2b_shape() {
+    let d = door().await;
+    let (dev, _) = d.token("developer", ACME).await;
+    let (viewer, _) = d.token("viewer", ACME).await;
+    let mut c = Checks::default();
+    for r in &ID_ROUTES {
+        for (who, key) in [
+            ("developer", &dev),
+            ("viewer", &viewer),
+            ("e2b key", &KEY.to_owned()),
+        ] {
+            if refusal(
+                if who == "viewer" {
+                    Access::Read
+                } else {
+                    Access::Write
+                },
+                r.method,
+            )
+            .is_some()
+            {
+                continue;
+            }
+            c.cases += 1;
+            let path = r.path.replace(":id", UNDECODABLE);
+            let a = d.control(r.method, &path, Some(key), r.body).await;
+            c.result(&format!("{} {path} as {who}", r.method), e2b_error(&a, 400));
+        }
+    }
+    c.finish("undecodable ids");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn control_plane_create_and_list_every_caller() {
+    let d = door().await;
+    let who = callers(&d).await;
+    let w = Writers {
+        acme: who[1].key.clone().unwrap(),
+        beta: d.token("developer", BETA).await.0,
+    };
+    let mut owned: HashMap<&str, Vec<(String, State)>> = HashMap::new();
+    for t in [ACME, DEFAULT, BETA] {
+        for s in [State::Running, State::Paused] {
+            owned
+                .entry(t)
+                .or_default()
+                .push((make(&d, w.of(t), s).await, s));
+        }
+    }
+    let body = r#"{"templateID":"base","timeout":300}"#;
+    let mut c = Checks::default();
+    for (method, path, ok, gated) in LIST_CREATE {
+        for caller in &who {
+            c.cases += 1;
+            let ctx = format!("{method} {path} as {}", caller.name);
+            let key = caller.key.as_deref();
+            let (n0, ops0) = (d.audit_len(), d.engine.ops());
+            let a = d.control(method, path, key, body).await;
+            let audited = d.audit_since(n0);
+            let ops = d.engine.ops() - ops0;
+            if let Some(st) = refusal(caller.access, method) {
+                c.result(&ctx, e2b_error(&a, st));
+                c.check(audited.is_empty() && ops == 0, || {
+                    format!("{ctx}: refused, yet audited {audited:?} / {ops} engine ops")
+                });
+                continue;
+            }
+            c.check(a.status == ok, || {
+                format!("{ctx}: status {} (want {ok}): {}", a.status, a.text())
+            });
+            let v = a.json();
+            if gated {
+                let id = v["sandboxID"].as_str().unwrap_or("").to_owned();
+                c.check(v["envdAccessToken"] == envd_token(&id).as_str(), || {
+                    format!("{ctx}: {v}")
+                });
+                let one = audited.len() == 1
+                    && entry(
+                        &audited[0],
+                        &caller.actor,
+                        caller.tenant,
+                        None,
+                        "lifecycle:create",
+                    );
+                c.check(one, || {
+                    format!("{ctx}: want one allowed create: {audited:?}")
+                });
+                // It is the caller's tenant's, and no other's.
+                let mine = d.control("GET", &format!("/sandboxes/{id}"), key, "").await;
+                c.check(mine.status == 200, || {
+                    format!("{ctx}: own GET {}", mine.status)
+                });
+                let theirs = d
+                    .control("GET", &format!("/sandboxes/{id}"), Some(w.of(BETA)), "")
+                    .await;
+                c.check(theirs.status == 404, || {
+                    format!("{ctx}: beta sees it: {}", theirs.status)
+                });
+                owned
+                    .entry(caller.tenant)
+                    .or_default()
+                    .push((id, State::Running));
+            } else {
+                c.check(audited.is_empty(), || format!("{ctx}: audited {audited:?}"));
+                let listed: BTreeSet<String> = v
+                    .as_array()
+                    .map(|a| {
+                        a.iter()
+                            .filter_map(|x| x["sandboxID"].as_str().map(str::to_owned))
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                let paused_too = path.starts_with("/v2");
+                let want: BTreeSet<String> = owned[caller.tenant]
+                    .iter()
+                    .filter(|(_, s)| paused_too || *s == State::Running)
+                    .map(|(id, _)| id.clone())
+                    .collect();
+                c.check(listed == want, || {
+                    format!("{ctx}: listed {listed:?}, want the tenant's {want:?}")
+                });
+            }
+        }
+    }
+    c.finish("create and list");
+}
