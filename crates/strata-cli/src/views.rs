@@ -160,21 +160,8 @@ pub struct FileEntry {
     pub mtime: i64,
 }
 
-/// A latency summary.
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(default)]
-pub struct Summary {
-    /// Observations.
-    pub count: u64,
-    /// p50.
-    pub p50_ms: f64,
-    /// p95.
-    pub p95_ms: f64,
-    /// p99.
-    pub p99_ms: f64,
-    /// Max.
-    pub max_ms: f64,
-}
+/// Summary of one latency histogram, in milliseconds.
+pub use strata_core::LatencySummary as Summary;
 
 /// `/v1/stats`.
 #[derive(Debug, Clone, Default, Deserialize)]

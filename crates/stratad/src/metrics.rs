@@ -32,20 +32,8 @@ pub mod step {
     pub const HIBERNATE: &str = "hibernate";
 }
 
-/// Summary of one histogram, in milliseconds.
-#[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct Summary {
-    /// Observations.
-    pub count: u64,
-    /// Median.
-    pub p50_ms: f64,
-    /// 95th percentile.
-    pub p95_ms: f64,
-    /// 99th percentile.
-    pub p99_ms: f64,
-    /// Largest.
-    pub max_ms: f64,
-}
+/// Summary of one latency histogram, in milliseconds.
+pub use strata_core::LatencySummary as Summary;
 
 /// `/v1/stats` body.
 #[derive(Debug, Clone, Serialize, PartialEq, Default)]

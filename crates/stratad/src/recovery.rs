@@ -54,6 +54,30 @@ pub struct RecoveryReport {
     pub skipped: Option<String>,
 }
 
+/// A create the restart interrupted: its VM (if any) goes, the record is
+/// deleted with the reason.
+async fn roll_back_create(
+    svc: &Arc<Service>,
+    rec: &mut crate::store::SandboxRecord,
+    why: String,
+    report: &mut RecoveryReport,
+) -> ServiceResult<()> {
+    let _ = svc.engine().delete(&rec.id).await;
+    svc.recovered(
+        rec,
+        Op::Created,
+        SandboxState::Deleted,
+        None,
+        Some(why),
+        "create rolled back".into(),
+    )
+    .await?;
+    report
+        .pending_ops
+        .push((rec.id.clone(), "created".into(), "rolled back".into()));
+    Ok(())
+}
+
 /// Reconciles; see the module documentation.
 pub async fn reconcile(svc: &Arc<Service>) -> ServiceResult<RecoveryReport> {
     let mut report = RecoveryReport::default();
@@ -109,35 +133,13 @@ pub async fn reconcile(svc: &Arc<Service>) -> ServiceResult<RecoveryReport> {
                     report.adopted.push(id.clone());
                 }
                 Err(e) => {
-                    let _ = engine.delete(&id).await;
-                    svc.recovered(
-                        &mut rec,
-                        Op::Created,
-                        SandboxState::Deleted,
-                        None,
-                        Some(format!("create interrupted: {}", e.message())),
-                        "create rolled back".into(),
-                    )
-                    .await?;
-                    report
-                        .pending_ops
-                        .push((id.clone(), "created".into(), "rolled back".into()));
+                    let why = format!("create interrupted: {}", e.message());
+                    roll_back_create(svc, &mut rec, why, &mut report).await?;
                 }
             },
             (Some(Op::Created), None) => {
-                let _ = engine.delete(&id).await;
-                svc.recovered(
-                    &mut rec,
-                    Op::Created,
-                    SandboxState::Deleted,
-                    None,
-                    Some("create interrupted by a daemon restart".into()),
-                    "create rolled back".into(),
-                )
-                .await?;
-                report
-                    .pending_ops
-                    .push((id.clone(), "created".into(), "rolled back".into()));
+                let why = "create interrupted by a daemon restart".to_owned();
+                roll_back_create(svc, &mut rec, why, &mut report).await?;
             }
             (Some(Op::Delete), _) => {
                 let _ = engine.delete(&id).await;

@@ -10,6 +10,8 @@ use axum::http::HeaderMap;
 use axum::response::Response;
 use bytes::Bytes;
 use serde_json::json;
+use strata_core::SandboxId;
+use strata_policy::CallKind;
 use stratad::engine::{FileKind, GuestErrorKind, RuntimeError};
 use stratad::service::{Grant, ServiceError};
 
@@ -25,11 +27,25 @@ async fn stat_entry(st: &Arc<E2b>, g: &Grant, path: &str) -> Result<EntryInfo, C
     Ok(entry(path, &s))
 }
 
+impl E2b {
+    /// The guest path of a request and the grant of `kind` on it (the path
+    /// the gate decides on is the path the call uses).
+    async fn path_grant(
+        &self,
+        id: &SandboxId,
+        asked: &str,
+        kind: fn(&str) -> CallKind,
+    ) -> Result<(String, Grant), ConnectError> {
+        let path = self.guest_path(asked);
+        let g = self.envd_grant(id, kind(&path)).await?;
+        Ok((path, g))
+    }
+}
+
 /// `filesystem.Filesystem/Stat`.
 pub async fn stat(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
     unary!(st, headers, body, proto::PathRequest, |id, r| async {
-        let path = st.guest_path(&r.path);
-        let g = st.envd_grant(&id, read(&path)).await?;
+        let (path, g) = st.path_grant(&id, &r.path, read).await?;
         let e = stat_entry(&st, &g, &path).await?;
         Ok::<_, ConnectError>(json!({ "entry": e }))
     })
@@ -77,8 +93,7 @@ pub async fn list_dir(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Byte
 /// `filesystem.Filesystem/MakeDir` (parents too; `already_exists` if it does).
 pub async fn make_dir(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
     unary!(st, headers, body, proto::PathRequest, |id, r| async {
-        let path = st.guest_path(&r.path);
-        let g = st.envd_grant(&id, write(&path)).await?;
+        let (path, g) = st.path_grant(&id, &r.path, write).await?;
         match st.svc.stat(&g, &path).await {
             Ok(_) => {
                 return Err(ConnectError::new(
@@ -131,8 +146,7 @@ pub async fn move_entry(State(st): State<Arc<E2b>>, headers: HeaderMap, body: By
 /// `filesystem.Filesystem/Remove` (recursive).
 pub async fn remove(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
     unary!(st, headers, body, proto::PathRequest, |id, r| async {
-        let path = st.guest_path(&r.path);
-        let g = st.envd_grant(&id, write(&path)).await?;
+        let (path, g) = st.path_grant(&id, &r.path, write).await?;
         st.svc.remove(&g, &path, true).await.map_err(service_err)?;
         Ok::<_, ConnectError>(json!({}))
     })
@@ -218,12 +232,8 @@ pub fn diff_listings(
 }
 
 /// `filesystem.Filesystem/CreateWatcher`: remembers the directory's listing.
-pub async fn create_watcher(
-    State(st): State<Arc<E2b>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    unary!(st, headers, body, serde_json::Value, |id, r| async {
+pub async fn create_watcher(State(st): State<Arc<E2b>>, h: HeaderMap, b: Bytes) -> Response {
+    unary!(st, h, b, serde_json::Value, |id, r| async {
         let path = st.guest_path(r.get("path").and_then(|v| v.as_str()).unwrap_or(""));
         let recursive = r
             .get("recursive")
@@ -262,29 +272,39 @@ fn watcher_id(r: &serde_json::Value) -> String {
         .to_owned()
 }
 
-/// `filesystem.Filesystem/GetWatcherEvents`: lists again and reports the difference.
-pub async fn get_watcher_events(
-    State(st): State<Arc<E2b>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    unary!(st, headers, body, serde_json::Value, |id, r| async {
-        st.envd_access(&id).await?;
-        let wid = watcher_id(&r);
-        let (grant, root, recursive) = {
-            let g = st.watchers.lock().unwrap_or_else(|p| p.into_inner());
-            match g.get(&wid) {
-                Some(w) if w.grant.sandbox() == &id => {
-                    (w.grant.clone(), w.root.clone(), w.recursive)
-                }
-                _ => {
-                    return Err(ConnectError::new(
-                        Code::NotFound,
-                        format!("watcher {wid} not found"),
-                    ))
-                }
-            }
+impl E2b {
+    /// The watcher a call on sandbox `id` names (its id, grant, root and
+    /// recursion), once the sandbox is looked up for its envd caller (a gone
+    /// sandbox answers `not running` first); a watcher of another sandbox
+    /// answers like an unknown one. `remove`: it is also forgotten.
+    async fn watcher_call(
+        &self,
+        id: &SandboxId,
+        r: &serde_json::Value,
+        remove: bool,
+    ) -> Result<(String, Grant, String, bool), ConnectError> {
+        self.envd_access(id).await?;
+        let wid = watcher_id(r);
+        let mut g = self.watchers.lock().unwrap_or_else(|p| p.into_inner());
+        let (grant, root, recursive) = match g.get(&wid) {
+            Some(w) if w.grant.sandbox() == id => (w.grant.clone(), w.root.clone(), w.recursive),
+            _ => return Err(watcher_gone(&wid)),
         };
+        if remove {
+            g.remove(&wid);
+        }
+        Ok((wid, grant, root, recursive))
+    }
+}
+
+fn watcher_gone(wid: &str) -> ConnectError {
+    ConnectError::new(Code::NotFound, format!("watcher {wid} not found"))
+}
+
+/// `filesystem.Filesystem/GetWatcherEvents`: lists again and reports the difference.
+pub async fn get_watcher_events(State(st): State<Arc<E2b>>, h: HeaderMap, b: Bytes) -> Response {
+    unary!(st, h, b, serde_json::Value, |id, r| async {
+        let (wid, grant, root, recursive) = st.watcher_call(&id, &r, false).await?;
         // Polling a watcher decided at its creation never wakes the sandbox.
         st.svc
             .require_running(&grant)
@@ -294,10 +314,7 @@ pub async fn get_watcher_events(
         let events = {
             let mut g = st.watchers.lock().unwrap_or_else(|p| p.into_inner());
             let Some(w) = g.get_mut(&wid) else {
-                return Err(ConnectError::new(
-                    Code::NotFound,
-                    format!("watcher {wid} not found"),
-                ));
+                return Err(watcher_gone(&wid));
             };
             let ev = diff_listings(&w.seen, &new);
             w.seen = new;
@@ -312,25 +329,10 @@ pub async fn get_watcher_events(
 }
 
 /// `filesystem.Filesystem/RemoveWatcher`.
-pub async fn remove_watcher(
-    State(st): State<Arc<E2b>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    unary!(st, headers, body, serde_json::Value, |id, r| async {
-        st.envd_access(&id).await?;
-        let wid = watcher_id(&r);
-        let mut g = st.watchers.lock().unwrap_or_else(|p| p.into_inner());
-        match g.get(&wid) {
-            Some(w) if w.grant.sandbox() == &id => {
-                g.remove(&wid);
-                Ok(json!({}))
-            }
-            _ => Err(ConnectError::new(
-                Code::NotFound,
-                format!("watcher {wid} not found"),
-            )),
-        }
+pub async fn remove_watcher(State(st): State<Arc<E2b>>, h: HeaderMap, b: Bytes) -> Response {
+    unary!(st, h, b, serde_json::Value, |id, r| async {
+        st.watcher_call(&id, &r, true).await?;
+        Ok::<_, ConnectError>(json!({}))
     })
 }
 

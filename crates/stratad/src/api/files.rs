@@ -3,20 +3,19 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use axum::extract::{RawQuery, Request, State};
+use axum::extract::Request;
 use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
-use axum::{Extension, Json};
+use axum::Json;
 use futures::StreamExt;
 use serde_json::json;
 use strata_core::{ErrorCode, SandboxId};
 use strata_policy::CallKind;
 
-use super::{parse_id, ApiError, ApiResult, Params, PathId};
-use crate::caller::Caller;
+use super::{ApiError, ApiResult, Call, Params};
 use crate::engine::RuntimeError;
 use crate::security::gate::GateOptions;
-use crate::service::{Grant, Service};
+use crate::service::Grant;
 
 /// Query parameters of the file endpoints, parsed once: the path the gate
 /// decides on is the path the action uses.
@@ -44,15 +43,9 @@ impl FileQuery {
 }
 
 /// Looks the caller's sandbox up and gates `kind` on it.
-async fn grant(
-    svc: &Service,
-    caller: &Caller,
-    id: &str,
-    q: &FileQuery,
-    kind: CallKind,
-) -> ApiResult<Grant> {
-    let id: SandboxId = parse_id(id)?;
-    Ok(svc.grant(caller, &id, kind, &q.gate).await?)
+async fn grant(c: &Call, q: &FileQuery, kind: CallKind) -> ApiResult<Grant> {
+    let id: SandboxId = c.id()?;
+    Ok(c.svc.grant(&c.caller, &id, kind, &q.gate).await?)
 }
 
 fn parse_bool(k: &str, v: &str) -> ApiResult<bool> {
@@ -97,15 +90,10 @@ fn file_query(raw: Option<&str>, extra: &[&str]) -> ApiResult<FileQuery> {
     Ok(q)
 }
 
-pub(super) async fn download(
-    State(svc): State<Arc<Service>>,
-    Extension(caller): Extension<Caller>,
-    PathId(id): PathId,
-    RawQuery(raw): RawQuery,
-) -> ApiResult<impl IntoResponse> {
-    let q = file_query(raw.as_deref(), &[])?;
-    let g = grant(&svc, &caller, &id, &q, q.read()).await?;
-    let stream = svc.read_file(&g, &q.path).await?;
+pub(super) async fn download(c: Call) -> ApiResult<impl IntoResponse> {
+    let q = file_query(c.query(), &[])?;
+    let g = grant(&c, &q, q.read()).await?;
+    let stream = c.svc.read_file(&g, &q.path).await?;
     let body = stream.map(|r| r.map_err(std::io::Error::other));
     Ok((
         [(header::CONTENT_TYPE, "application/octet-stream")],
@@ -113,15 +101,9 @@ pub(super) async fn download(
     ))
 }
 
-pub(super) async fn upload(
-    State(svc): State<Arc<Service>>,
-    Extension(caller): Extension<Caller>,
-    PathId(id): PathId,
-    RawQuery(raw): RawQuery,
-    req: Request,
-) -> ApiResult<impl IntoResponse> {
-    let q = file_query(raw.as_deref(), &["mode"])?;
-    let limit = svc.config().max_upload_bytes;
+pub(super) async fn upload(c: Call, req: Request) -> ApiResult<impl IntoResponse> {
+    let q = file_query(c.query(), &["mode"])?;
+    let limit = c.svc.config().max_upload_bytes;
     let too_large = || {
         ApiError::new(
             ErrorCode::PayloadTooLarge,
@@ -138,7 +120,7 @@ pub(super) async fn upload(
             return Err(too_large());
         }
     }
-    let g = grant(&svc, &caller, &id, &q, q.write()).await?;
+    let g = grant(&c, &q, q.write()).await?;
     // Counted as it streams: a chunked body over the limit is cut off.
     let seen = Arc::new(AtomicU64::new(0));
     let exceeded = Arc::new(AtomicBool::new(false));
@@ -152,7 +134,8 @@ pub(super) async fn upload(
         }
         Ok(chunk)
     });
-    match svc
+    match c
+        .svc
         .write_file(&g, &q.path, q.mode.unwrap_or(0o644), body.boxed())
         .await
     {
@@ -165,48 +148,28 @@ pub(super) async fn upload(
     }
 }
 
-pub(super) async fn list(
-    State(svc): State<Arc<Service>>,
-    Extension(caller): Extension<Caller>,
-    PathId(id): PathId,
-    RawQuery(raw): RawQuery,
-) -> ApiResult<impl IntoResponse> {
-    let q = file_query(raw.as_deref(), &[])?;
-    let g = grant(&svc, &caller, &id, &q, q.read()).await?;
-    Ok(Json(json!({ "items": svc.list_dir(&g, &q.path).await? })))
+pub(super) async fn list(c: Call) -> ApiResult<impl IntoResponse> {
+    let q = file_query(c.query(), &[])?;
+    let g = grant(&c, &q, q.read()).await?;
+    Ok(Json(json!({ "items": c.svc.list_dir(&g, &q.path).await? })))
 }
 
-pub(super) async fn stat(
-    State(svc): State<Arc<Service>>,
-    Extension(caller): Extension<Caller>,
-    PathId(id): PathId,
-    RawQuery(raw): RawQuery,
-) -> ApiResult<impl IntoResponse> {
-    let q = file_query(raw.as_deref(), &[])?;
-    let g = grant(&svc, &caller, &id, &q, q.read()).await?;
-    Ok(Json(svc.stat(&g, &q.path).await?))
+pub(super) async fn stat(c: Call) -> ApiResult<impl IntoResponse> {
+    let q = file_query(c.query(), &[])?;
+    let g = grant(&c, &q, q.read()).await?;
+    Ok(Json(c.svc.stat(&g, &q.path).await?))
 }
 
-pub(super) async fn mkdir(
-    State(svc): State<Arc<Service>>,
-    Extension(caller): Extension<Caller>,
-    PathId(id): PathId,
-    RawQuery(raw): RawQuery,
-) -> ApiResult<impl IntoResponse> {
-    let q = file_query(raw.as_deref(), &["parents"])?;
-    let g = grant(&svc, &caller, &id, &q, q.write()).await?;
-    svc.mkdir(&g, &q.path, q.parents).await?;
+pub(super) async fn mkdir(c: Call) -> ApiResult<impl IntoResponse> {
+    let q = file_query(c.query(), &["parents"])?;
+    let g = grant(&c, &q, q.write()).await?;
+    c.svc.mkdir(&g, &q.path, q.parents).await?;
     Ok((StatusCode::CREATED, Json(json!({ "path": q.path }))))
 }
 
-pub(super) async fn remove(
-    State(svc): State<Arc<Service>>,
-    Extension(caller): Extension<Caller>,
-    PathId(id): PathId,
-    RawQuery(raw): RawQuery,
-) -> ApiResult<impl IntoResponse> {
-    let q = file_query(raw.as_deref(), &["recursive"])?;
-    let g = grant(&svc, &caller, &id, &q, q.write()).await?;
-    svc.remove(&g, &q.path, q.recursive).await?;
+pub(super) async fn remove(c: Call) -> ApiResult<impl IntoResponse> {
+    let q = file_query(c.query(), &["recursive"])?;
+    let g = grant(&c, &q, q.write()).await?;
+    c.svc.remove(&g, &q.path, q.recursive).await?;
     Ok(Json(json!({ "path": q.path, "removed": true })))
 }

@@ -260,6 +260,95 @@ pub(crate) fn gate_only(raw: Option<&str>) -> ApiResult<GateOptions> {
     Params::parse(raw, &[], &[], true)?.gate_options()
 }
 
+/// What a handler needs from the request parts: the service, the caller
+/// (from the security layer), the decoded `:id` (when the route has one)
+/// and the raw query, parsed by the handler once.
+pub(crate) struct Call {
+    pub(crate) svc: Arc<Service>,
+    pub(crate) caller: crate::caller::Caller,
+    id: Option<String>,
+    query: Option<String>,
+}
+
+#[axum::async_trait]
+impl<S> FromRequestParts<S> for Call
+where
+    S: Send + Sync,
+    Arc<Service>: axum::extract::FromRef<S>,
+{
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, ApiError> {
+        use axum::extract::FromRef;
+        let caller = parts
+            .extensions
+            .get::<crate::caller::Caller>()
+            .cloned()
+            .ok_or_else(|| {
+                ApiError::new(ErrorCode::Internal, "no caller: security layer missing")
+            })?;
+        let has_id = parts
+            .extensions
+            .get::<MatchedPath>()
+            .is_some_and(|m| m.as_str().contains(":id"));
+        let id = if has_id {
+            Some(PathId::from_request_parts(parts, state).await?.0)
+        } else {
+            None
+        };
+        Ok(Call {
+            svc: Arc::<Service>::from_ref(state),
+            caller,
+            id,
+            query: parts.uri.query().map(str::to_owned),
+        })
+    }
+}
+
+impl Call {
+    /// The `:id`, parsed (`400 invalid_request` when malformed).
+    pub(crate) fn id<T: std::str::FromStr>(&self) -> ApiResult<T>
+    where
+        T::Err: std::fmt::Display,
+    {
+        parse_id(self.id.as_deref().unwrap_or(""))
+    }
+
+    /// The caller, the `:id` as the router decoded it (opaque ids:
+    /// approvals, tokens) and the raw query.
+    pub(crate) fn into_parts(self) -> (crate::caller::Caller, String, Option<String>) {
+        (self.caller, self.id.unwrap_or_default(), self.query)
+    }
+
+    /// The query of a gated route that takes no other parameter.
+    pub(crate) fn gate(&self) -> ApiResult<GateOptions> {
+        gate_only(self.query.as_deref())
+    }
+
+    /// The query, parsed once with the route's keys.
+    pub(crate) fn params(
+        &self,
+        allowed: &[&str],
+        repeatable: &[&str],
+        gated: bool,
+    ) -> ApiResult<Params> {
+        Params::parse(self.query.as_deref(), allowed, repeatable, gated)
+    }
+
+    /// The raw query.
+    pub(crate) fn query(&self) -> Option<&str> {
+        self.query.as_deref()
+    }
+
+    /// Refuses any query parameter (a route that takes none).
+    pub(crate) fn no_query(&self) -> ApiResult<()> {
+        self.params(&[], &[], false).map(|_| ())
+    }
+}
+
 /// The `:id` path parameter as the router decoded it; a parameter that does
 /// not decode (`%ZZ`, invalid UTF-8) is `400 invalid_request` in the API's
 /// error shape.

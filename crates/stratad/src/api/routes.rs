@@ -118,6 +118,7 @@ const fn tool(method: &'static str, path: &'static str, action: Action, access: 
 }
 
 /// Every route of the door.
+#[rustfmt::skip]
 pub const ROUTES: &[Route] = &[
     r("GET", "/healthz", Action::Healthz, Access::Open),
     r("GET", "/metrics", Action::Metrics, Access::HostMetrics),
@@ -130,38 +131,18 @@ pub const ROUTES: &[Route] = &[
     tool("POST", "/v1/sandboxes/:id/exec", Action::Exec, DEV),
     tool("POST", "/v1/sandboxes/:id/pause", Action::Pause, DEV),
     tool("POST", "/v1/sandboxes/:id/resume", Action::Resume, DEV),
-    tool(
-        "POST",
-        "/v1/sandboxes/:id/hibernate",
-        Action::Hibernate,
-        DEV,
-    ),
+    tool("POST", "/v1/sandboxes/:id/hibernate", Action::Hibernate, DEV),
     tool("POST", "/v1/sandboxes/:id/fork", Action::Fork, DEV),
     tool("POST", "/v1/sandboxes/:id/rewind", Action::Rewind, DEV),
     r("GET", "/v1/sandboxes/:id/events", Action::Events, READ),
-    tool(
-        "POST",
-        "/v1/sandboxes/:id/snapshots",
-        Action::TakeSnapshot,
-        DEV,
-    ),
-    r(
-        "GET",
-        "/v1/sandboxes/:id/snapshots",
-        Action::ListSnapshots,
-        READ,
-    ),
+    tool("POST", "/v1/sandboxes/:id/snapshots", Action::TakeSnapshot, DEV),
+    r("GET", "/v1/sandboxes/:id/snapshots", Action::ListSnapshots, READ),
     tool("GET", "/v1/sandboxes/:id/files", Action::ReadFile, DEV),
     tool("PUT", "/v1/sandboxes/:id/files", Action::WriteFile, DEV),
     tool("DELETE", "/v1/sandboxes/:id/files", Action::RemoveFile, DEV),
     tool("GET", "/v1/sandboxes/:id/files/list", Action::ListDir, DEV),
     tool("GET", "/v1/sandboxes/:id/files/stat", Action::StatFile, DEV),
-    tool(
-        "POST",
-        "/v1/sandboxes/:id/files/mkdir",
-        Action::MakeDir,
-        DEV,
-    ),
+    tool("POST", "/v1/sandboxes/:id/files/mkdir", Action::MakeDir, DEV),
     r("GET", "/v1/snapshots/:id", Action::GetSnapshot, READ),
     tool("DELETE", "/v1/snapshots/:id", Action::DeleteSnapshot, DEV),
     tool("POST", "/v1/snapshots/:id/fork", Action::ForkSnapshot, DEV),
@@ -177,28 +158,13 @@ pub const ROUTES: &[Route] = &[
     r("PUT", "/v1/policy", Action::PutPolicy, ADMIN),
     // A dry evaluation changes nothing.
     r("POST", "/v1/policy/test", Action::TestPolicy, READ),
-    r(
-        "GET",
-        "/v1/sandboxes/:id/policy",
-        Action::GetSandboxPolicy,
-        READ,
-    ),
-    r(
-        "PUT",
-        "/v1/sandboxes/:id/policy",
-        Action::PutSandboxPolicy,
-        ADMIN,
-    ),
+    r("GET", "/v1/sandboxes/:id/policy", Action::GetSandboxPolicy, READ),
+    r("PUT", "/v1/sandboxes/:id/policy", Action::PutSandboxPolicy, ADMIN),
     // Starting an egress proxy is a developer's action even though it is a GET.
     r("GET", "/v1/sandboxes/:id/egress", Action::Egress, DEV),
     r("GET", "/v1/approvals", Action::ListApprovals, READ),
     r("GET", "/v1/approvals/:id", Action::GetApproval, READ),
-    r(
-        "POST",
-        "/v1/approvals/:id/approve",
-        Action::Approve,
-        APPROVE,
-    ),
+    r("POST", "/v1/approvals/:id/approve", Action::Approve, APPROVE),
     r("POST", "/v1/approvals/:id/deny", Action::Deny, APPROVE),
     r("GET", "/v1/audit", Action::ExportAudit, READ),
     r("GET", "/v1/audit/verify", Action::VerifyAudit, ADMIN),

@@ -1,22 +1,19 @@
 //! Sandboxes, exec, snapshots, fork and rewind.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
-use axum::extract::{RawQuery, State};
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
-use axum::{Extension, Json};
+use axum::Json;
 use base64::Engine as _;
 use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::json;
 use strata_core::{ErrorCode, SandboxId, SandboxState, SnapshotId};
 
-use super::{gate_only, ndjson_headers, parse_id, ApiError, ApiResult, Body, Params, PathId};
-use crate::caller::Caller;
+use super::{ndjson_headers, ApiError, ApiResult, Body, Call};
 use crate::engine::{Command, ExecEvent, ExecRequest, Stdin};
-use crate::service::{CreateSandbox, Rewind, SandboxSpec, Service, TakeSnapshot};
+use crate::service::{CreateSandbox, Rewind, SandboxSpec, TakeSnapshot};
 use crate::store::SandboxFilter;
 
 fn invalid(msg: impl Into<String>) -> ApiError {
@@ -47,29 +44,19 @@ impl Default for CreateBody {
     }
 }
 
-pub(super) async fn create(
-    State(svc): State<Arc<Service>>,
-    Extension(caller): Extension<Caller>,
-    RawQuery(q): RawQuery,
-    Body(body): Body<CreateBody>,
-) -> ApiResult<impl IntoResponse> {
-    let opts = gate_only(q.as_deref())?;
+pub(super) async fn create(c: Call, Body(body): Body<CreateBody>) -> ApiResult<impl IntoResponse> {
+    let opts = c.gate()?;
     let rec = if body.start {
-        svc.create(&caller, body.cmd, &opts).await?
+        c.svc.create(&c.caller, body.cmd, &opts).await?
     } else {
-        svc.create_hibernated(&caller, body.cmd, &opts).await?
+        c.svc.create_hibernated(&c.caller, body.cmd, &opts).await?
     };
     Ok((StatusCode::CREATED, Json(rec)))
 }
 
-pub(super) async fn list(
-    State(svc): State<Arc<Service>>,
-    Extension(caller): Extension<Caller>,
-    RawQuery(q): RawQuery,
-) -> ApiResult<impl IntoResponse> {
+pub(super) async fn list(c: Call) -> ApiResult<impl IntoResponse> {
     // `state` and `label` repeat (the CLI sends one per filter); the rest may not.
-    let params = Params::parse(
-        q.as_deref(),
+    let params = c.params(
         &["state", "label", "limit", "cursor"],
         &["state", "label"],
         false,
@@ -99,91 +86,57 @@ pub(super) async fn list(
     }
     f.cursor = params.one("cursor").map(str::to_owned);
     f.labels = labels;
-    Ok(Json(svc.list_sandboxes(&caller, f).await?))
+    Ok(Json(c.svc.list_sandboxes(&c.caller, f).await?))
 }
 
-pub(super) async fn get(
-    State(svc): State<Arc<Service>>,
-    Extension(caller): Extension<Caller>,
-    PathId(id): PathId,
-    RawQuery(q): RawQuery,
-) -> ApiResult<impl IntoResponse> {
-    Params::parse(q.as_deref(), &[], &[], false)?;
-    let id: SandboxId = parse_id(&id)?;
-    Ok(Json(svc.get_sandbox(&caller, &id).await?))
+pub(super) async fn get(c: Call) -> ApiResult<impl IntoResponse> {
+    c.no_query()?;
+    let id: SandboxId = c.id()?;
+    Ok(Json(c.svc.get_sandbox(&c.caller, &id).await?))
 }
 
-pub(super) async fn delete(
-    State(svc): State<Arc<Service>>,
-    Extension(caller): Extension<Caller>,
-    PathId(id): PathId,
-    RawQuery(q): RawQuery,
-) -> ApiResult<impl IntoResponse> {
-    let id: SandboxId = parse_id(&id)?;
-    let opts = gate_only(q.as_deref())?;
-    Ok(Json(svc.delete(&caller, &id, &opts).await?))
+pub(super) async fn delete(c: Call) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = c.id()?;
+    let opts = c.gate()?;
+    Ok(Json(c.svc.delete(&c.caller, &id, &opts).await?))
 }
 
-pub(super) async fn pause(
-    State(svc): State<Arc<Service>>,
-    Extension(caller): Extension<Caller>,
-    PathId(id): PathId,
-    RawQuery(q): RawQuery,
-) -> ApiResult<impl IntoResponse> {
-    let id: SandboxId = parse_id(&id)?;
-    let opts = gate_only(q.as_deref())?;
-    Ok(Json(svc.pause(&caller, &id, &opts).await?))
+pub(super) async fn pause(c: Call) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = c.id()?;
+    let opts = c.gate()?;
+    Ok(Json(c.svc.pause(&c.caller, &id, &opts).await?))
 }
 
-pub(super) async fn resume(
-    State(svc): State<Arc<Service>>,
-    Extension(caller): Extension<Caller>,
-    PathId(id): PathId,
-    RawQuery(q): RawQuery,
-) -> ApiResult<impl IntoResponse> {
-    let id: SandboxId = parse_id(&id)?;
-    let opts = gate_only(q.as_deref())?;
-    Ok(Json(svc.resume(&caller, &id, &opts).await?))
+pub(super) async fn resume(c: Call) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = c.id()?;
+    let opts = c.gate()?;
+    Ok(Json(c.svc.resume(&c.caller, &id, &opts).await?))
 }
 
-pub(super) async fn hibernate(
-    State(svc): State<Arc<Service>>,
-    Extension(caller): Extension<Caller>,
-    PathId(id): PathId,
-    RawQuery(q): RawQuery,
-) -> ApiResult<impl IntoResponse> {
-    let id: SandboxId = parse_id(&id)?;
-    let opts = gate_only(q.as_deref())?;
-    Ok(Json(svc.hibernate(&caller, &id, &opts).await?))
+pub(super) async fn hibernate(c: Call) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = c.id()?;
+    let opts = c.gate()?;
+    Ok(Json(c.svc.hibernate(&c.caller, &id, &opts).await?))
 }
 
-pub(super) async fn fork(
-    State(svc): State<Arc<Service>>,
-    Extension(caller): Extension<Caller>,
-    PathId(id): PathId,
-    RawQuery(q): RawQuery,
-    Body(spec): Body<SandboxSpec>,
-) -> ApiResult<impl IntoResponse> {
-    let id: SandboxId = parse_id(&id)?;
-    let opts = gate_only(q.as_deref())?;
+pub(super) async fn fork(c: Call, Body(spec): Body<SandboxSpec>) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = c.id()?;
+    let opts = c.gate()?;
     Ok((
         StatusCode::CREATED,
-        Json(svc.fork_sandbox(&caller, &id, spec, &opts).await?),
+        Json(c.svc.fork_sandbox(&c.caller, &id, spec, &opts).await?),
     ))
 }
 
 pub(super) async fn fork_snapshot(
-    State(svc): State<Arc<Service>>,
-    Extension(caller): Extension<Caller>,
-    PathId(id): PathId,
-    RawQuery(q): RawQuery,
+    c: Call,
     Body(spec): Body<SandboxSpec>,
 ) -> ApiResult<impl IntoResponse> {
-    let id: SnapshotId = parse_id(&id)?;
-    let opts = gate_only(q.as_deref())?;
+    let id: SnapshotId = c.id()?;
+    let opts = c.gate()?;
     Ok((
         StatusCode::CREATED,
-        Json(svc.fork_snapshot(&caller, &id, spec, &opts).await?),
+        Json(c.svc.fork_snapshot(&c.caller, &id, spec, &opts).await?),
     ))
 }
 
@@ -197,18 +150,13 @@ pub(super) struct RewindBody {
     ago: Option<String>,
 }
 
-pub(super) async fn rewind(
-    State(svc): State<Arc<Service>>,
-    Extension(caller): Extension<Caller>,
-    PathId(id): PathId,
-    RawQuery(q): RawQuery,
-    Body(b): Body<RewindBody>,
-) -> ApiResult<impl IntoResponse> {
-    let id: SandboxId = parse_id(&id)?;
-    let opts = gate_only(q.as_deref())?;
-    let (sandbox, to, pre) = svc
+pub(super) async fn rewind(c: Call, Body(b): Body<RewindBody>) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = c.id()?;
+    let opts = c.gate()?;
+    let (sandbox, to, pre) = c
+        .svc
         .rewind(
-            &caller,
+            &c.caller,
             &id,
             Rewind {
                 to: b.to,
@@ -222,67 +170,44 @@ pub(super) async fn rewind(
     ))
 }
 
-pub(super) async fn events(
-    State(svc): State<Arc<Service>>,
-    Extension(caller): Extension<Caller>,
-    PathId(id): PathId,
-    RawQuery(q): RawQuery,
-) -> ApiResult<impl IntoResponse> {
-    Params::parse(q.as_deref(), &[], &[], false)?;
-    let id: SandboxId = parse_id(&id)?;
+pub(super) async fn events(c: Call) -> ApiResult<impl IntoResponse> {
+    c.no_query()?;
+    let id: SandboxId = c.id()?;
     Ok(Json(
-        json!({ "items": svc.events(&caller, &id, 1000).await? }),
+        json!({ "items": c.svc.events(&c.caller, &id, 1000).await? }),
     ))
 }
 
 pub(super) async fn take_snapshot(
-    State(svc): State<Arc<Service>>,
-    Extension(caller): Extension<Caller>,
-    PathId(id): PathId,
-    RawQuery(q): RawQuery,
+    c: Call,
     Body(cmd): Body<TakeSnapshot>,
 ) -> ApiResult<impl IntoResponse> {
-    let id: SandboxId = parse_id(&id)?;
-    let opts = gate_only(q.as_deref())?;
+    let id: SandboxId = c.id()?;
+    let opts = c.gate()?;
     Ok((
         StatusCode::CREATED,
-        Json(svc.take_snapshot(&caller, &id, cmd, &opts).await?),
+        Json(c.svc.take_snapshot(&c.caller, &id, cmd, &opts).await?),
     ))
 }
 
-pub(super) async fn list_snapshots(
-    State(svc): State<Arc<Service>>,
-    Extension(caller): Extension<Caller>,
-    PathId(id): PathId,
-    RawQuery(q): RawQuery,
-) -> ApiResult<impl IntoResponse> {
-    Params::parse(q.as_deref(), &[], &[], false)?;
-    let id: SandboxId = parse_id(&id)?;
+pub(super) async fn list_snapshots(c: Call) -> ApiResult<impl IntoResponse> {
+    c.no_query()?;
+    let id: SandboxId = c.id()?;
     Ok(Json(
-        json!({ "items": svc.list_snapshots(&caller, &id).await? }),
+        json!({ "items": c.svc.list_snapshots(&c.caller, &id).await? }),
     ))
 }
 
-pub(super) async fn get_snapshot(
-    State(svc): State<Arc<Service>>,
-    Extension(caller): Extension<Caller>,
-    PathId(id): PathId,
-    RawQuery(q): RawQuery,
-) -> ApiResult<impl IntoResponse> {
-    Params::parse(q.as_deref(), &[], &[], false)?;
-    let id: SnapshotId = parse_id(&id)?;
-    Ok(Json(svc.get_snapshot(&caller, &id).await?))
+pub(super) async fn get_snapshot(c: Call) -> ApiResult<impl IntoResponse> {
+    c.no_query()?;
+    let id: SnapshotId = c.id()?;
+    Ok(Json(c.svc.get_snapshot(&c.caller, &id).await?))
 }
 
-pub(super) async fn delete_snapshot(
-    State(svc): State<Arc<Service>>,
-    Extension(caller): Extension<Caller>,
-    PathId(id): PathId,
-    RawQuery(q): RawQuery,
-) -> ApiResult<impl IntoResponse> {
-    let id: SnapshotId = parse_id(&id)?;
-    let opts = gate_only(q.as_deref())?;
-    Ok(Json(svc.delete_snapshot(&caller, &id, &opts).await?))
+pub(super) async fn delete_snapshot(c: Call) -> ApiResult<impl IntoResponse> {
+    let id: SnapshotId = c.id()?;
+    let opts = c.gate()?;
+    Ok(Json(c.svc.delete_snapshot(&c.caller, &id, &opts).await?))
 }
 
 /// `POST /v1/sandboxes/{id}/exec` body.
@@ -307,15 +232,9 @@ fn line(v: serde_json::Value) -> Result<bytes::Bytes, std::convert::Infallible> 
     Ok(bytes::Bytes::from(s))
 }
 
-pub(super) async fn exec(
-    State(svc): State<Arc<Service>>,
-    Extension(caller): Extension<Caller>,
-    PathId(id): PathId,
-    RawQuery(q): RawQuery,
-    Body(b): Body<ExecBody>,
-) -> ApiResult<impl IntoResponse> {
-    let id: SandboxId = parse_id(&id)?;
-    let opts = gate_only(q.as_deref())?;
+pub(super) async fn exec(c: Call, Body(b): Body<ExecBody>) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = c.id()?;
+    let opts = c.gate()?;
     let b64 = base64::engine::general_purpose::STANDARD;
     let stdin = match b.stdin {
         Some(s) => Stdin::Bytes(
@@ -332,7 +251,7 @@ pub(super) async fn exec(
         stdin,
         timeout: b.timeout_s.map(std::time::Duration::from_secs),
     };
-    let stream = svc.exec(&caller, &id, req, &opts).await?;
+    let stream = c.svc.exec(&c.caller, &id, req, &opts).await?;
     let body = stream.filter_map(move |ev| {
         futures::future::ready(match ev {
             Ok(ExecEvent::Started { .. }) => None,

@@ -30,7 +30,7 @@ use strata_policy::audit::{self, Outcome};
 use strata_policy::{CallKind, Decision, Effect, ToolCall};
 
 use super::routes::{self, Access, Action, Route, ROUTES};
-use super::{on, ApiError, ApiResult, Body, Params, PathId};
+use super::{on, ApiError, ApiResult, Body, Call, Params};
 use crate::caller::Caller;
 use crate::security::auth::Role;
 use crate::security::{AuthFailure, Security, GUEST_PROXY};
@@ -115,6 +115,25 @@ fn invalid(msg: impl Into<String>) -> ApiError {
 
 fn internal(e: impl std::fmt::Display) -> ApiError {
     ApiError::new(ErrorCode::Internal, e.to_string())
+}
+
+/// Runs a call of the security store on the blocking pool; its error (and a
+/// failed task) is `500 internal`.
+async fn blocking<T, E>(f: impl FnOnce() -> Result<T, E> + Send + 'static) -> ApiResult<T>
+where
+    T: Send + 'static,
+    E: std::fmt::Display + Send + 'static,
+{
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(internal)?
+        .map_err(internal)
+}
+
+impl axum::extract::FromRef<Ctx> for Arc<Service> {
+    fn from_ref(ctx: &Ctx) -> Self {
+        ctx.svc.clone()
+    }
 }
 
 /// Authentication, rate limit and the role of the route (from the route
@@ -320,12 +339,16 @@ async fn create_token(
     };
     let sec = ctx.sec.clone();
     let by = p.token.to_owned();
-    let issued = tokio::task::spawn_blocking(move || {
-        sec.issue_token(&tenant, role, b.name, expires_at, &by)
+    let issued = blocking(move || {
+        sec.issue_token(crate::security::NewToken {
+            tenant: &tenant,
+            role,
+            name: b.name,
+            expires_at,
+            by: &by,
+        })
     })
-    .await
-    .map_err(internal)?
-    .map_err(internal)?;
+    .await?;
     Ok((StatusCode::CREATED, Json(issued)))
 }
 
@@ -341,32 +364,23 @@ async fn list_tokens(
 ) -> ApiResult<impl IntoResponse> {
     let tenant = tenant_param(&who(&caller)?, q.as_deref())?;
     let store = ctx.sec.store().clone();
-    let items = tokio::task::spawn_blocking(move || store.tokens(&tenant))
-        .await
-        .map_err(internal)?
-        .map_err(internal)?;
+    let items = blocking(move || store.tokens(&tenant)).await?;
     Ok(Json(json!({ "items": items })))
 }
 
-async fn revoke_token(
-    State(ctx): State<Ctx>,
-    Extension(caller): Extension<Caller>,
-    PathId(id): PathId,
-    RawQuery(q): RawQuery,
-) -> ApiResult<impl IntoResponse> {
+async fn revoke_token(State(ctx): State<Ctx>, c: Call) -> ApiResult<impl IntoResponse> {
+    let (caller, id, q) = c.into_parts();
     let tenant = tenant_param(&who(&caller)?, q.as_deref())?;
     let store = ctx.sec.store().clone();
     let id2 = id.clone();
-    let rec = tokio::task::spawn_blocking(move || {
+    let rec = blocking(move || {
         if store.revoke_token(&tenant, &id2, Utc::now())? {
             store.token(&tenant, &id2)
         } else {
             Ok(None)
         }
     })
-    .await
-    .map_err(internal)?
-    .map_err(internal)?;
+    .await?;
     rec.map(Json)
         .ok_or_else(|| ApiError::new(ErrorCode::NotFound, format!("token {id} not found")))
 }
@@ -382,10 +396,7 @@ async fn get_policy(
     let p = who(&caller)?;
     let store = ctx.sec.store().clone();
     let t = p.tenant.to_owned();
-    let text = tokio::task::spawn_blocking(move || store.tenant_policy(&t))
-        .await
-        .map_err(internal)?
-        .map_err(internal)?;
+    let text = blocking(move || store.tenant_policy(&t)).await?;
     Ok(Json(json!({ "tenant": p.tenant, "toml": text })))
 }
 
@@ -405,28 +416,22 @@ async fn put_policy(
     Ok(Json(json!({ "tenant": p.tenant, "updated": true })))
 }
 
-async fn get_sandbox_policy(
-    State(ctx): State<Ctx>,
-    Extension(caller): Extension<Caller>,
-    PathId(id): PathId,
-) -> ApiResult<impl IntoResponse> {
+async fn get_sandbox_policy(State(ctx): State<Ctx>, c: Call) -> ApiResult<impl IntoResponse> {
+    let (caller, id, _) = c.into_parts();
     let sid: SandboxId = super::parse_id(&id)?;
     let rec = ctx.svc.get_sandbox(&caller, &sid).await?;
     let store = ctx.sec.store().clone();
     let key = rec.id.to_string();
-    let text = tokio::task::spawn_blocking(move || store.sandbox_policy(&key))
-        .await
-        .map_err(internal)?
-        .map_err(internal)?;
+    let text = blocking(move || store.sandbox_policy(&key)).await?;
     Ok(Json(json!({ "sandbox": rec.id, "toml": text })))
 }
 
 async fn put_sandbox_policy(
     State(ctx): State<Ctx>,
-    Extension(caller): Extension<Caller>,
-    PathId(id): PathId,
+    c: Call,
     body: Bytes,
 ) -> ApiResult<impl IntoResponse> {
+    let (caller, id, _) = c.into_parts();
     let p = who(&caller)?;
     let sid: SandboxId = super::parse_id(&id)?;
     let rec = ctx.svc.get_sandbox(&caller, &sid).await?;
@@ -484,11 +489,8 @@ async fn test_policy(
     Ok(Json(d))
 }
 
-async fn egress(
-    State(ctx): State<Ctx>,
-    Extension(caller): Extension<Caller>,
-    PathId(id): PathId,
-) -> ApiResult<impl IntoResponse> {
+async fn egress(State(ctx): State<Ctx>, c: Call) -> ApiResult<impl IntoResponse> {
+    let (caller, id, _) = c.into_parts();
     let sid: SandboxId = super::parse_id(&id)?;
     let rec = ctx.svc.get_sandbox(&caller, &sid).await?;
     let guest = Caller::Guest {
@@ -551,11 +553,8 @@ fn approval_error(id: &str, e: ApprovalError) -> ApiError {
     }
 }
 
-async fn get_approval(
-    State(ctx): State<Ctx>,
-    Extension(caller): Extension<Caller>,
-    PathId(id): PathId,
-) -> ApiResult<impl IntoResponse> {
+async fn get_approval(State(ctx): State<Ctx>, c: Call) -> ApiResult<impl IntoResponse> {
+    let (caller, id, _) = c.into_parts();
     let p = who(&caller)?;
     ctx.sec
         .approvals()
@@ -601,19 +600,13 @@ async fn answer(ctx: Ctx, caller: Caller, id: String, approve: bool) -> ApiResul
     Ok(Json(r).into_response())
 }
 
-async fn approve(
-    State(ctx): State<Ctx>,
-    Extension(caller): Extension<Caller>,
-    PathId(id): PathId,
-) -> ApiResult<Response> {
+async fn approve(State(ctx): State<Ctx>, c: Call) -> ApiResult<Response> {
+    let (caller, id, _) = c.into_parts();
     answer(ctx, caller, id, true).await
 }
 
-async fn deny(
-    State(ctx): State<Ctx>,
-    Extension(caller): Extension<Caller>,
-    PathId(id): PathId,
-) -> ApiResult<Response> {
+async fn deny(State(ctx): State<Ctx>, c: Call) -> ApiResult<Response> {
+    let (caller, id, _) = c.into_parts();
     answer(ctx, caller, id, false).await
 }
 

@@ -1,58 +1,37 @@
 //! Templates: build (asynchronous, `202`), list, get (with progress), delete.
 
-use std::sync::Arc;
-
-use axum::extract::{RawQuery, State};
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
-use axum::{Extension, Json};
+use axum::Json;
 use serde_json::json;
 use strata_core::TemplateId;
 
-use super::{gate_only, parse_id, ApiResult, Body, Params, PathId};
-use crate::caller::Caller;
-use crate::service::{BuildTemplate, Service};
+use super::{ApiResult, Body, Call};
+use crate::service::BuildTemplate;
 
-pub(super) async fn build(
-    State(svc): State<Arc<Service>>,
-    Extension(caller): Extension<Caller>,
-    RawQuery(q): RawQuery,
-    Body(cmd): Body<BuildTemplate>,
-) -> ApiResult<impl IntoResponse> {
-    let opts = gate_only(q.as_deref())?;
+pub(super) async fn build(c: Call, Body(cmd): Body<BuildTemplate>) -> ApiResult<impl IntoResponse> {
+    let opts = c.gate()?;
     Ok((
         StatusCode::ACCEPTED,
-        Json(svc.build_template(&caller, cmd, &opts).await?),
+        Json(c.svc.build_template(&c.caller, cmd, &opts).await?),
     ))
 }
 
-pub(super) async fn list(
-    State(svc): State<Arc<Service>>,
-    Extension(caller): Extension<Caller>,
-    RawQuery(q): RawQuery,
-) -> ApiResult<impl IntoResponse> {
-    Params::parse(q.as_deref(), &[], &[], false)?;
-    Ok(Json(json!({ "items": svc.list_templates(&caller).await? })))
+pub(super) async fn list(c: Call) -> ApiResult<impl IntoResponse> {
+    c.no_query()?;
+    Ok(Json(
+        json!({ "items": c.svc.list_templates(&c.caller).await? }),
+    ))
 }
 
-pub(super) async fn get(
-    State(svc): State<Arc<Service>>,
-    Extension(caller): Extension<Caller>,
-    PathId(id): PathId,
-    RawQuery(q): RawQuery,
-) -> ApiResult<impl IntoResponse> {
-    Params::parse(q.as_deref(), &[], &[], false)?;
-    let id: TemplateId = parse_id(&id)?;
-    Ok(Json(svc.get_template(&caller, &id).await?))
+pub(super) async fn get(c: Call) -> ApiResult<impl IntoResponse> {
+    c.no_query()?;
+    let id: TemplateId = c.id()?;
+    Ok(Json(c.svc.get_template(&c.caller, &id).await?))
 }
 
-pub(super) async fn delete(
-    State(svc): State<Arc<Service>>,
-    Extension(caller): Extension<Caller>,
-    PathId(id): PathId,
-    RawQuery(q): RawQuery,
-) -> ApiResult<impl IntoResponse> {
-    let id: TemplateId = parse_id(&id)?;
-    let opts = gate_only(q.as_deref())?;
-    Ok(Json(svc.delete_template(&caller, &id, &opts).await?))
+pub(super) async fn delete(c: Call) -> ApiResult<impl IntoResponse> {
+    let id: TemplateId = c.id()?;
+    let opts = c.gate()?;
+    Ok(Json(c.svc.delete_template(&c.caller, &id, &opts).await?))
 }

@@ -105,6 +105,21 @@ pub struct IssuedToken {
     pub token: String,
 }
 
+/// What a new token is.
+#[derive(Debug, Clone)]
+pub struct NewToken<'a> {
+    /// Its tenant.
+    pub tenant: &'a str,
+    /// Its role.
+    pub role: Role,
+    /// A name, if any.
+    pub name: Option<String>,
+    /// When it expires, if ever.
+    pub expires_at: Option<DateTime<Utc>>,
+    /// Who made it (a token id, or `bootstrap`).
+    pub by: &'a str,
+}
+
 /// Rule id used when stored policies no longer compose.
 pub const INVALID_POLICY_RULE: &str = "invalid-policy";
 
@@ -353,13 +368,13 @@ impl Security {
             return Ok(());
         }
         let path = self.bootstrap_token_path();
-        let issued = self.make_token(
-            DEFAULT_TENANT,
-            Role::Admin,
-            Some("bootstrap".into()),
-            None,
-            "bootstrap",
-        );
+        let issued = Self::make_token(NewToken {
+            tenant: DEFAULT_TENANT,
+            role: Role::Admin,
+            name: Some("bootstrap".into()),
+            expires_at: None,
+            by: "bootstrap",
+        });
         let io = |source| SecurityError::Bootstrap {
             path: path.clone(),
             source,
@@ -389,24 +404,17 @@ impl Security {
         Ok(())
     }
 
-    fn make_token(
-        &self,
-        tenant: &str,
-        role: Role,
-        name: Option<String>,
-        expires_at: Option<DateTime<Utc>>,
-        by: &str,
-    ) -> IssuedToken {
+    fn make_token(t: NewToken<'_>) -> IssuedToken {
         let (id, secret) = auth::new_token();
         IssuedToken {
             record: TokenRecord {
                 id,
-                tenant: tenant.to_owned(),
-                role,
-                name,
+                tenant: t.tenant.to_owned(),
+                role: t.role,
+                name: t.name,
                 created_at: Utc::now(),
-                created_by: Some(by.to_owned()),
-                expires_at,
+                created_by: Some(t.by.to_owned()),
+                expires_at: t.expires_at,
                 revoked_at: None,
                 hash: auth::hash_secret(&secret),
             },
@@ -415,15 +423,8 @@ impl Security {
     }
 
     /// Makes and stores a token.
-    pub fn issue_token(
-        &self,
-        tenant: &str,
-        role: Role,
-        name: Option<String>,
-        expires_at: Option<DateTime<Utc>>,
-        by: &str,
-    ) -> Result<IssuedToken, SecStoreError> {
-        let t = self.make_token(tenant, role, name, expires_at, by);
+    pub fn issue_token(&self, t: NewToken<'_>) -> Result<IssuedToken, SecStoreError> {
+        let t = Self::make_token(t);
         self.store.insert_token(&t.record)?;
         Ok(t)
     }

@@ -139,6 +139,38 @@ impl Service {
         Ok(())
     }
 
+    /// Steps 1–3 of a user operation on one sandbox: its lock, its record
+    /// (counted as activity), the state machine's answer, the pending write.
+    pub(crate) async fn open_op(
+        &self,
+        id: &SandboxId,
+        op: Op,
+    ) -> ServiceResult<(OpGuard, SandboxRecord, SandboxState)> {
+        let g = self.acquire(id, op, Who::User).await?;
+        let mut rec = self.record(id).await?;
+        self.touch(id);
+        let next = rec.state.apply(op)?;
+        self.begin(&mut rec, op, next, &[], None).await?;
+        Ok((g, rec, next))
+    }
+
+    /// Step 4 of what [`Service::open_op`] opened, from the engine's answer.
+    pub(crate) async fn close_op(
+        &self,
+        rec: &mut SandboxRecord,
+        op: Op,
+        next: SandboxState,
+        result: Result<Option<VmNow>, RuntimeError>,
+    ) -> ServiceResult<()> {
+        match result {
+            Ok(vm) => self.done(rec, op, next, vm, &[], None).await,
+            Err(e) => {
+                self.failed(rec, op, &e.message(), &[]).await;
+                Err(e.into())
+            }
+        }
+    }
+
     /// Step 4, failure: the previous state stays, the reason is kept (best
     /// effort: the failure is the answer; recovery settles a pending op).
     pub(crate) async fn failed(

@@ -12,12 +12,7 @@ impl Service {
         cmd: CreateSandbox,
         opts: &GateOptions,
     ) -> ServiceResult<SandboxRecord> {
-        let tpl = self.admit_create(caller, &cmd, opts).await?;
-        let size = cmd.spec.size.over(tpl.size);
-        size.validate()?;
-        check_source_size(&format!("template {}", tpl.id), tpl.size, size)?;
-        let mut rec = self.new_record(caller.owner(), &cmd.spec, size)?;
-        rec.template = Some(tpl.id.clone());
+        let (tpl, rec) = self.admit_create(caller, &cmd, opts).await?;
         self.spawn_new(rec, Source::Template(tpl.id), step::SPAWN)
             .await
     }
@@ -25,13 +20,13 @@ impl Service {
     /// The checks every create makes, in order: the size, the template is
     /// one the caller may use (else `not_found`, as for an unknown id), the
     /// gate (`lifecycle create`), then the template is ready (waiting for a
-    /// build in progress).
+    /// build in progress); then the new record, of the template's size.
     pub(super) async fn admit_create(
         &self,
         caller: &Caller,
         cmd: &CreateSandbox,
         opts: &GateOptions,
-    ) -> ServiceResult<TemplateRecord> {
+    ) -> ServiceResult<(TemplateRecord, SandboxRecord)> {
         let size = cmd.spec.size.over(SandboxSize::default());
         size.validate()?;
         if let Some(t) = &cmd.template {
@@ -39,7 +34,13 @@ impl Service {
         }
         self.authorize(caller, None, lifecycle("create"), opts)
             .await?;
-        self.resolve_template(caller, cmd.template.as_ref()).await
+        let tpl = self.resolve_template(caller, cmd.template.as_ref()).await?;
+        let size = cmd.spec.size.over(tpl.size);
+        size.validate()?;
+        check_source_size(&format!("template {}", tpl.id), tpl.size, size)?;
+        let mut rec = self.new_record(caller.owner(), &cmd.spec, size)?;
+        rec.template = Some(tpl.id.clone());
+        Ok((tpl, rec))
     }
 
     /// Creates a sandbox from a template directly in the hibernated state
@@ -54,12 +55,7 @@ impl Service {
         cmd: CreateSandbox,
         opts: &GateOptions,
     ) -> ServiceResult<SandboxRecord> {
-        let tpl = self.admit_create(caller, &cmd, opts).await?;
-        let size = cmd.spec.size.over(tpl.size);
-        size.validate()?;
-        check_source_size(&format!("template {}", tpl.id), tpl.size, size)?;
-        let mut rec = self.new_record(caller.owner(), &cmd.spec, size)?;
-        rec.template = Some(tpl.id.clone());
+        let (tpl, mut rec) = self.admit_create(caller, &cmd, opts).await?;
         let span = tracing::info_span!("create_hibernated", sandbox = %rec.id);
         async move {
             let mut snap = self.new_snapshot(&rec, SnapshotKind::Hibernate, None);
@@ -213,22 +209,11 @@ impl Service {
     ) -> ServiceResult<SandboxRecord> {
         self.authorize_on(caller, id, lifecycle("pause"), opts)
             .await?;
-        let _g = self.acquire(id, Op::Pause, Who::User).await?;
-        let mut rec = self.record(id).await?;
-        self.touch(id);
-        let next = rec.state.apply(Op::Pause)?;
-        self.begin(&mut rec, Op::Pause, next, &[], None).await?;
-        match self.engine.pause(id).await {
-            Ok(()) => {
-                self.done(&mut rec, Op::Pause, next, None, &[], None)
-                    .await?;
-                Ok(rec)
-            }
-            Err(e) => {
-                self.failed(&mut rec, Op::Pause, &e.message(), &[]).await;
-                Err(e.into())
-            }
-        }
+        let (_g, mut rec, next) = self.open_op(id, Op::Pause).await?;
+        let r = self.engine.pause(id).await;
+        self.close_op(&mut rec, Op::Pause, next, r.map(|()| None))
+            .await?;
+        Ok(rec)
     }
 
     /// Resumes a paused sandbox or wakes a hibernated one.
@@ -247,11 +232,7 @@ impl Service {
         self: &Arc<Self>,
         id: &SandboxId,
     ) -> ServiceResult<SandboxRecord> {
-        let _g = self.acquire(id, Op::Resume, Who::User).await?;
-        let mut rec = self.record(id).await?;
-        self.touch(id);
-        let next = rec.state.apply(Op::Resume)?;
-        self.begin(&mut rec, Op::Resume, next, &[], None).await?;
+        let (_g, mut rec, next) = self.open_op(id, Op::Resume).await?;
         let result = if rec.state == SandboxState::Hibernated {
             let id2 = id.clone();
             match self.db(move |s| s.latest_ready_snapshot(&id2)).await? {
@@ -270,18 +251,12 @@ impl Service {
         } else {
             self.engine.resume(id).await.map(|()| None)
         };
-        match result {
-            Ok(vm) => {
-                rec.last_activity_at = self.now();
-                let vm = vm.map(|v: crate::engine::VmInfo| VmNow::pid(v.pid));
-                self.done(&mut rec, Op::Resume, next, vm, &[], None).await?;
-                Ok(rec)
-            }
-            Err(e) => {
-                self.failed(&mut rec, Op::Resume, &e.message(), &[]).await;
-                Err(e.into())
-            }
+        if result.is_ok() {
+            rec.last_activity_at = self.now();
         }
+        let result = result.map(|vm| vm.map(|v: crate::engine::VmInfo| VmNow::pid(v.pid)));
+        self.close_op(&mut rec, Op::Resume, next, result).await?;
+        Ok(rec)
     }
 
     /// Hibernates a sandbox (snapshot, then the VM ends).

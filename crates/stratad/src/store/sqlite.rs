@@ -145,16 +145,25 @@ impl SqliteStore {
         Ok(v.pop())
     }
 
+    /// Every row of a query, decoded (rows first, so a parse error is ours).
+    fn query<R, T>(
+        conn: &Connection,
+        sql: &str,
+        args: &[&dyn rusqlite::ToSql],
+        row: fn(&Row<'_>) -> rusqlite::Result<R>,
+        into: fn(R) -> StoreResult<T>,
+    ) -> StoreResult<Vec<T>> {
+        let mut stmt = conn.prepare_cached(sql)?;
+        let rows = stmt.query_map(args, row)?.collect::<Result<Vec<_>, _>>()?;
+        rows.into_iter().map(into).collect()
+    }
+
     fn query_sandboxes(
         conn: &Connection,
         sql: &str,
         args: &[&dyn rusqlite::ToSql],
     ) -> StoreResult<Vec<SandboxRecord>> {
-        let mut stmt = conn.prepare_cached(sql)?;
-        let rows = stmt
-            .query_map(args, sandbox_row)?
-            .collect::<Result<Vec<_>, _>>()?;
-        rows.into_iter().map(SandboxRow::into_record).collect()
+        Self::query(conn, sql, args, sandbox_row, SandboxRow::into_record)
     }
 
     fn query_snapshots(
@@ -162,12 +171,18 @@ impl SqliteStore {
         sql: &str,
         args: &[&dyn rusqlite::ToSql],
     ) -> StoreResult<Vec<SnapshotRecord>> {
-        let mut stmt = conn.prepare_cached(sql)?;
-        let rows = stmt
-            .query_map(args, snapshot_row)?
-            .collect::<Result<Vec<_>, _>>()?;
-        rows.into_iter().map(snapshot_record).collect()
+        Self::query(conn, sql, args, snapshot_row, snapshot_record)
     }
+}
+
+/// Ids read from `table`, parsed (a bad one is `Corrupt`).
+fn parse_ids<T: std::str::FromStr>(table: &'static str, ids: Vec<String>) -> StoreResult<Vec<T>>
+where
+    T::Err: std::fmt::Display,
+{
+    ids.into_iter()
+        .map(|s| s.parse().map_err(|e| corrupt(table, &s, format!("{e}"))))
+        .collect()
 }
 
 impl Store for SqliteStore {
@@ -368,12 +383,7 @@ impl Store for SqliteStore {
         let ids = stmt
             .query_map([], |r| r.get::<_, String>(0))?
             .collect::<Result<Vec<_>, _>>()?;
-        ids.into_iter()
-            .map(|s| {
-                s.parse()
-                    .map_err(|e| corrupt("snapshots", &s, format!("{e}")))
-            })
-            .collect()
+        parse_ids("snapshots", ids)
     }
 
     fn sandboxes_with_snapshots(
@@ -392,12 +402,7 @@ impl Store for SqliteStore {
                 |r| r.get::<_, String>(0),
             )?
             .collect::<Result<Vec<_>, _>>()?;
-        ids.into_iter()
-            .map(|s| {
-                s.parse()
-                    .map_err(|e| corrupt("snapshots", &s, format!("{e}")))
-            })
-            .collect()
+        parse_ids("snapshots", ids)
     }
 
     fn put_template(&self, rec: &TemplateRecord) -> StoreResult<()> {
