@@ -331,6 +331,101 @@ async fn sizes_are_validated_and_capacity_enforced() {
     assert_eq!(s.as_u16(), 507, "{v}");
 }
 
+/// Every operation that starts a VM is admitted against the host's room,
+/// not only creates: a wake (resume, or any call that wakes on access), a
+/// rewind of a sandbox without a VM, a template build. A refused one is
+/// `507 insufficient_capacity` and changes nothing.
+#[tokio::test]
+async fn every_operation_that_starts_a_vm_needs_room() {
+    let h = harness();
+    let mut asleep = Vec::new();
+    for _ in 0..3 {
+        let (s, v) = call(
+            &h,
+            "POST",
+            "/v1/sandboxes",
+            r#"{"template":"tpl-base","start":false}"#,
+        )
+        .await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+        asleep.push(v["id"].as_str().unwrap().to_owned());
+    }
+    // Hibernated sandboxes hold no room: four running ones fill the 4 vCPUs.
+    let mut awake = Vec::new();
+    for _ in 0..4 {
+        awake.push(create(&h).await);
+    }
+    let refused = |s: StatusCode, v: &Value, what: &str| {
+        assert_eq!(s.as_u16(), 507, "{what}: {v}");
+        assert_eq!(code(v), "insufficient_capacity", "{what}: {v}");
+    };
+    let (s, v) = call(
+        &h,
+        "POST",
+        &format!("/v1/sandboxes/{}/resume", asleep[0]),
+        "",
+    )
+    .await;
+    refused(s, &v, "resume");
+    let (s, v) = call(
+        &h,
+        "POST",
+        &format!("/v1/sandboxes/{}/exec", asleep[1]),
+        r#"{"cmd":["true"]}"#,
+    )
+    .await;
+    refused(s, &v, "exec (wake on access)");
+    let (s, v) = call(
+        &h,
+        "POST",
+        &format!("/v1/sandboxes/{}/rewind", asleep[2]),
+        r#"{"ago":"0s"}"#,
+    )
+    .await;
+    refused(s, &v, "rewind of a hibernated sandbox");
+    let (s, v) = call(&h, "POST", "/v1/templates", "{}").await;
+    refused(s, &v, "template build");
+    for id in &asleep {
+        let (_, v) = call(&h, "GET", &format!("/v1/sandboxes/{id}"), "").await;
+        assert_eq!(
+            v["state"], "hibernated",
+            "a refused wake changes nothing: {v}"
+        );
+        assert!(v["pending_op"].is_null(), "{v}");
+    }
+    // Room again: one wake fits and holds it, so the next one is refused.
+    let (s, v) = call(&h, "DELETE", &format!("/v1/sandboxes/{}", awake[0]), "").await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let (s, v) = call(
+        &h,
+        "POST",
+        &format!("/v1/sandboxes/{}/resume", asleep[0]),
+        "",
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["state"], "running");
+    let (s, v) = call(
+        &h,
+        "POST",
+        &format!("/v1/sandboxes/{}/resume", asleep[1]),
+        "",
+    )
+    .await;
+    refused(s, &v, "the second wake");
+    // A paused sandbox keeps its VM: resuming it needs no new room.
+    let (s, v) = call(&h, "POST", &format!("/v1/sandboxes/{}/pause", awake[1]), "").await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let (s, v) = call(
+        &h,
+        "POST",
+        &format!("/v1/sandboxes/{}/resume", awake[1]),
+        "",
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "resume of a paused sandbox: {v}");
+}
+
 #[tokio::test]
 async fn body_over_the_limit_is_413() {
     let h = harness();

@@ -150,7 +150,15 @@ impl Service {
         let mut rec = self.record(id).await?;
         self.touch(id);
         let next = rec.state.apply(op)?;
+        // Room first when the operation starts a VM (a wake): the pending
+        // write is the reservation, made under the placement lock.
+        let room = if admission::starts_vm(rec.state, op) {
+            Some(self.admit(rec.size).await?)
+        } else {
+            None
+        };
         self.begin(&mut rec, op, next, &[], None).await?;
+        drop(room);
         Ok((g, rec, next))
     }
 

@@ -115,8 +115,7 @@ impl Service {
         let span = tracing::info_span!("create", sandbox = %rec.id);
         async move {
             {
-                let _placement = self.placement.lock().await;
-                self.check_capacity(rec.size).await?;
+                let _room = self.admit(rec.size).await?;
                 self.begin_create(&mut rec, None, None).await?;
             }
             let started = Instant::now();

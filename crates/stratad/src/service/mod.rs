@@ -22,6 +22,7 @@
 //! or completes; a pending snapshot is never listed as ready.
 
 mod access;
+mod admission;
 mod background;
 mod commands;
 mod error;
@@ -36,6 +37,7 @@ mod rewind;
 mod snapshots;
 mod templates;
 
+pub use admission::MAX_CONCURRENT_TEMPLATE_BUILDS;
 pub use background::ScheduledActions;
 pub use commands::*;
 pub use error::*;
@@ -58,6 +60,7 @@ pub struct Service {
     clock: Arc<dyn Clock>,
     slots: Mutex<HashMap<SandboxId, Arc<OpSlot>>>,
     placement: tokio::sync::Mutex<()>,
+    transients: admission::Transients,
     progress: Mutex<HashMap<TemplateId, BuildProgress>>,
     flushed: Mutex<HashMap<SandboxId, DateTime<Utc>>>,
     gate: Arc<dyn ToolGate>,
@@ -89,6 +92,7 @@ impl Service {
             clock,
             slots: Mutex::new(HashMap::new()),
             placement: tokio::sync::Mutex::new(()),
+            transients: admission::Transients::default(),
             progress: Mutex::new(HashMap::new()),
             flushed: Mutex::new(HashMap::new()),
         })
@@ -184,23 +188,6 @@ impl Service {
                 }
             });
         }
-    }
-
-    pub(super) async fn check_capacity(&self, size: SandboxSize) -> ServiceResult<()> {
-        let (cap_cpu, cap_mem) = self.config.capacity.resolve();
-        let (used_cpu, used_mem) = self.db(|s| s.reserved_capacity()).await?;
-        if used_cpu + u64::from(size.vcpus) > cap_cpu
-            || used_mem + u64::from(size.memory_mib) > cap_mem
-        {
-            return Err(ServiceError::InsufficientCapacity(format!(
-                "this host has {} of {cap_cpu} vCPUs and {} of {cap_mem} MiB free; asked for {} vCPUs and {} MiB",
-                cap_cpu.saturating_sub(used_cpu),
-                cap_mem.saturating_sub(used_mem),
-                size.vcpus,
-                size.memory_mib
-            )));
-        }
-        Ok(())
     }
 
     pub(super) fn new_record(

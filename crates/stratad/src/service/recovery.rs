@@ -26,8 +26,10 @@ impl Service {
                 "sandbox {id} has no snapshot to restore from"
             )));
         };
+        let room = self.admit(rec.size).await?;
         self.begin(&mut rec, Op::Recover, next, &[], Some(snap.id.to_string()))
             .await?;
+        drop(room);
         let started = Instant::now();
         match self.engine.restore(id, &snap.id).await {
             Ok(vm) => {

@@ -66,6 +66,11 @@ impl Service {
                 Some(format!("before rewind to {}", target.id)),
             )
         });
+        let room = if super::admission::starts_vm(rec.state, Op::Rewind) {
+            Some(self.admit(rec.size).await?)
+        } else {
+            None
+        };
         let pending: Vec<&SnapshotRecord> = pre.iter().collect();
         self.begin(
             &mut rec,
@@ -75,6 +80,7 @@ impl Service {
             Some(target.id.to_string()),
         )
         .await?;
+        drop(room);
         let started = Instant::now();
         let result = self
             .engine

@@ -143,6 +143,8 @@ impl Service {
                 )));
             }
         }
+        // Room for the builder VM, held until the build ends.
+        let builder = self.admit_build(size).await?;
         let now = self.now();
         let rec = TemplateRecord {
             id: id.clone(),
@@ -171,6 +173,7 @@ impl Service {
         let mut rec2 = rec.clone();
         tokio::spawn(
             async move {
+                let _builder = builder;
                 let weak = Arc::downgrade(&this);
                 let tid = rec2.id.clone();
                 let sink: crate::engine::ProgressSink = Arc::new(move |step: &str| {

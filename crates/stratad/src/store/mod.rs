@@ -413,7 +413,9 @@ pub trait Store: Send + Sync + 'static {
     fn get_sandbox(&self, id: &SandboxId) -> StoreResult<Option<SandboxRecord>>;
     /// A filtered page, oldest first.
     fn list_sandboxes(&self, filter: &SandboxFilter) -> StoreResult<Page<SandboxRecord>>;
-    /// vCPUs and MiB of memory held by sandboxes with a VM (creating, running, paused).
+    /// vCPUs and MiB of memory held by sandboxes with a VM (creating,
+    /// running, paused) or starting one (a pending resume, rewind or
+    /// recover: the reservation of `service::admission`).
     fn reserved_capacity(&self) -> StoreResult<(u64, u64)>;
     /// Every sandbox not deleted (recovery, scheduler start).
     fn live_sandboxes(&self) -> StoreResult<Vec<SandboxRecord>>;

@@ -287,7 +287,8 @@ impl Store for SqliteStore {
         let conn = self.reader();
         let (v, m): (i64, i64) = conn.query_row(
             "SELECT coalesce(sum(vcpus), 0), coalesce(sum(memory_mib), 0) FROM sandboxes \
-             WHERE state IN ('creating', 'running', 'paused')",
+             WHERE state IN ('creating', 'running', 'paused') \
+             OR (state != 'deleted' AND pending_op IN ('resume', 'rewind', 'recover'))",
             [],
             |r| Ok((r.get(0)?, r.get(1)?)),
         )?;
