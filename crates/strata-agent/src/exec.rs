@@ -1,10 +1,20 @@
 //! Running commands: own process group, optional user, streamed output,
 //! timeout that kills the whole group.
+//!
+//! Output flow control (see `PROTOCOL.md`, *Flow control*): when the session
+//! windows output, one task reads both pipes and never has more than the
+//! window of stdout and stderr together sent and not acknowledged; with the
+//! credit used up it stops reading, so the command blocks on its next write.
+//! When the host discards the output, or the session ends, the task keeps
+//! reading and drops what it reads, so the command runs on.
 
 use std::collections::BTreeMap;
+use std::io;
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -12,11 +22,11 @@ use strata_proto::frame::FrameKind;
 use strata_proto::{Command, RemoteErrorKind, Response};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::process::Child;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 use crate::error::Fail;
 use crate::outbox::Outbox;
-use crate::requests::Slot;
+use crate::requests::{OutputCredit, Slot};
 use crate::user;
 
 /// Output chunk size.
@@ -24,6 +34,8 @@ const OUT_CHUNK: usize = 64 * 1024;
 /// How long to wait for output pipes after the leader exited (background
 /// children may hold them open).
 const PIPE_GRACE: Duration = Duration::from_millis(500);
+/// Step of the pipe grace clock.
+const GRACE_TICK: Duration = Duration::from_millis(50);
 
 /// Hosts commands reach directly even with egress on.
 const NO_PROXY: &str = "localhost,127.0.0.1";
@@ -164,13 +176,85 @@ pub fn kill_group(pgid: i32, sig: i32) {
     unsafe { libc::kill(-pgid, sig) };
 }
 
-async fn pump<R: AsyncRead + Unpin>(mut r: R, kind: FrameKind, id: u32, out: Outbox) {
-    let mut buf = vec![0u8; OUT_CHUNK];
-    loop {
-        match r.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => out.data(kind, id, Bytes::copy_from_slice(&buf[..n])).await,
+/// A command's output window: its size and the host's credit.
+pub struct Window {
+    /// Bytes of stdout and stderr together that may be unacknowledged.
+    pub size: u64,
+    /// The host's acknowledgements (closed: the session ended).
+    pub credit: watch::Receiver<OutputCredit>,
+}
+
+/// Reads from `r` if it is still open; never resolves otherwise.
+async fn read_open<R: AsyncRead + Unpin>(r: &mut Option<R>, buf: &mut [u8]) -> io::Result<usize> {
+    match r {
+        Some(r) => r.read(buf).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Sends a command's stdout and stderr until both reach end of file,
+/// within `window` if the session windows output. `waiting` is set while
+/// it waits for credit.
+async fn pump_output<O, E>(
+    mut stdout: Option<O>,
+    mut stderr: Option<E>,
+    id: u32,
+    out: Outbox,
+    mut window: Option<Window>,
+    waiting: Arc<AtomicBool>,
+) where
+    O: AsyncRead + Unpin,
+    E: AsyncRead + Unpin,
+{
+    let mut bo = vec![0u8; OUT_CHUNK];
+    let mut be = vec![0u8; OUT_CHUNK];
+    let mut sent = 0u64;
+    // Read and drop: the host discarded the output, or the session ended.
+    let mut drop_all = false;
+    while stdout.is_some() || stderr.is_some() {
+        let mut room = OUT_CHUNK;
+        if let (Some(w), false) = (&mut window, drop_all) {
+            loop {
+                let c = *w.credit.borrow_and_update();
+                if c.discard {
+                    drop_all = true;
+                    break;
+                }
+                let in_flight = sent.saturating_sub(c.acked);
+                if in_flight < w.size {
+                    room = (w.size - in_flight).min(OUT_CHUNK as u64) as usize;
+                    break;
+                }
+                waiting.store(true, Ordering::SeqCst);
+                let changed = w.credit.changed().await;
+                waiting.store(false, Ordering::SeqCst);
+                if changed.is_err() {
+                    drop_all = true;
+                    break;
+                }
+            }
         }
+        let (kind, r) = tokio::select! {
+            r = read_open(&mut stdout, &mut bo[..room]) => (FrameKind::Stdout, r),
+            r = read_open(&mut stderr, &mut be[..room]) => (FrameKind::Stderr, r),
+        };
+        let n = match r {
+            Ok(n) if n > 0 => n,
+            _ => {
+                if kind == FrameKind::Stdout {
+                    stdout = None;
+                } else {
+                    stderr = None;
+                }
+                continue;
+            }
+        };
+        if drop_all {
+            continue;
+        }
+        sent += n as u64;
+        let buf = if kind == FrameKind::Stdout { &bo } else { &be };
+        out.data(kind, id, Bytes::copy_from_slice(&buf[..n])).await;
     }
 }
 
@@ -198,17 +282,20 @@ pub async fn run(
     mut child: Child,
     timeout: Option<Duration>,
     stdin_rx: Option<mpsc::UnboundedReceiver<Bytes>>,
+    window: Option<Window>,
     slot: Slot,
 ) {
     let (id, out) = (slot.id, &slot.out);
     let pgid = child.id().map(|p| p as i32).unwrap_or(0);
-    let mut pumps = Vec::new();
-    if let Some(o) = child.stdout.take() {
-        pumps.push(tokio::spawn(pump(o, FrameKind::Stdout, id, out.clone())));
-    }
-    if let Some(e) = child.stderr.take() {
-        pumps.push(tokio::spawn(pump(e, FrameKind::Stderr, id, out.clone())));
-    }
+    let waiting = Arc::new(AtomicBool::new(false));
+    let mut output = tokio::spawn(pump_output(
+        child.stdout.take(),
+        child.stderr.take(),
+        id,
+        out.clone(),
+        window,
+        waiting.clone(),
+    ));
     if let (Some(w), Some(rx)) = (child.stdin.take(), stdin_rx) {
         tokio::spawn(stdin_pump(w, rx, id, out.clone()));
     }
@@ -225,13 +312,18 @@ pub async fn run(
             }
         },
     };
-    let aborts: Vec<_> = pumps.iter().map(|h| h.abort_handle()).collect();
-    if tokio::time::timeout(PIPE_GRACE, futures_join(pumps))
-        .await
-        .is_err()
-    {
-        tracing::debug!(id, "output pipes still open after exit; not waiting");
-        aborts.iter().for_each(|a| a.abort());
+    // The grace counts only time spent reading: output held back for
+    // credit is still delivered once the host reads it.
+    let mut idle = Duration::ZERO;
+    while tokio::time::timeout(GRACE_TICK, &mut output).await.is_err() {
+        if !waiting.load(Ordering::SeqCst) {
+            idle += GRACE_TICK;
+        }
+        if idle >= PIPE_GRACE {
+            tracing::debug!(id, "output pipes still open after exit; not waiting");
+            output.abort();
+            break;
+        }
     }
     let (code, signal) = match status {
         Ok(s) => (s.code(), s.signal()),
@@ -250,10 +342,4 @@ pub async fn run(
     )
     .await;
     slot.release();
-}
-
-async fn futures_join(handles: Vec<tokio::task::JoinHandle<()>>) {
-    for h in handles {
-        let _ = h.await;
-    }
 }

@@ -41,6 +41,15 @@ pub enum UploadMsg {
     End,
 }
 
+/// What the host granted a command's output (see `PROTOCOL.md`, *Flow control*).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OutputCredit {
+    /// Cumulative output bytes the host has consumed.
+    pub acked: u64,
+    /// The host wants no more output: read and drop it.
+    pub discard: bool,
+}
+
 /// Answer of the host to a tunnel open: `Err(reason)` if it refused.
 pub type Opened = oneshot::Sender<Result<(), String>>;
 
@@ -52,6 +61,8 @@ pub enum Entry {
         stdin: Option<mpsc::UnboundedSender<Bytes>>,
         /// Its process group.
         pgid: i32,
+        /// The host's output credit, when the session windows output.
+        output: Option<watch::Sender<OutputCredit>>,
     },
     /// An upload.
     Upload {

@@ -223,8 +223,34 @@ impl Registry {
     }
 }
 
+/// Most output (stdout and stderr together) a helper command may produce;
+/// more fails the helper with `resource_exhausted` (its exec is dropped, so
+/// the guest discards the rest; the helper's timeout ends it).
+pub const HELPER_OUTPUT_LIMIT: usize = 1024 * 1024;
+
+/// Stdout and stderr of a helper, at most `limit` bytes together.
+#[derive(Debug, Default)]
+struct Collected {
+    out: Vec<u8>,
+    err: Vec<u8>,
+}
+
+impl Collected {
+    fn push(&mut self, stderr: bool, b: &[u8], limit: usize) -> Result<(), ConnectError> {
+        if self.out.len() + self.err.len() + b.len() > limit {
+            return Err(ConnectError::new(
+                Code::ResourceExhausted,
+                format!("the helper command's output exceeds {limit} bytes"),
+            ));
+        }
+        if stderr { &mut self.err } else { &mut self.out }.extend_from_slice(b);
+        Ok(())
+    }
+}
+
 /// Runs a short helper command in the guest under grant `g` (the call it
-/// serves was decided already) and collects it.
+/// serves was decided already) and collects it (at most
+/// [`HELPER_OUTPUT_LIMIT`] bytes).
 pub async fn run_helper(
     svc: &Arc<Service>,
     g: &Grant,
@@ -243,13 +269,13 @@ pub async fn run_helper(
         )
         .await
         .map_err(service_err)?;
-    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let mut got = Collected::default();
     while let Some(ev) = s.next().await {
         match ev.map_err(|e| ConnectError::new(Code::Unavailable, e.message()))? {
             ExecEvent::Started { .. } => {}
-            ExecEvent::Stdout(b) => out.extend_from_slice(&b),
-            ExecEvent::Stderr(b) => err.extend_from_slice(&b),
-            ExecEvent::Exit(s) => return Ok((s.code, out, err)),
+            ExecEvent::Stdout(b) => got.push(false, &b, HELPER_OUTPUT_LIMIT)?,
+            ExecEvent::Stderr(b) => got.push(true, &b, HELPER_OUTPUT_LIMIT)?,
+            ExecEvent::Exit(s) => return Ok((s.code, got.out, got.err)),
         }
     }
     Err(ConnectError::new(
@@ -526,6 +552,19 @@ mod tests {
         assert_eq!(parse_marker(b"\x1estrata"), None);
         assert_eq!(parse_marker(b"hello\n"), Some(Err(())));
         assert_eq!(parse_marker(b"\x1estrata-e2b-pid x\n"), Some(Err(())));
+    }
+
+    #[test]
+    fn helper_output_is_capped() {
+        let mut c = Collected::default();
+        c.push(false, b"12345", 8).unwrap();
+        c.push(true, b"678", 8).unwrap();
+        let e = c.push(false, b"9", 8).unwrap_err();
+        assert_eq!(e.code, Code::ResourceExhausted);
+        assert_eq!(
+            (c.out.as_slice(), c.err.as_slice()),
+            (&b"12345"[..], &b"678"[..])
+        );
     }
 
     #[test]

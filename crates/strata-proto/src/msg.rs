@@ -97,6 +97,25 @@ pub enum Request {
     /// as a tunnel (answered with [`Response::EgressEnabled`]). Lapses when
     /// the session ends.
     EgressEnable {},
+    /// Turns on flow control of command output for this session (answered
+    /// with [`Response::Ok`]; an older agent answers `invalid_argument`):
+    /// from now on every command's stdout and stderr together have at most
+    /// `bytes` sent and not yet acknowledged with [`Request::OutputAck`].
+    /// Lapses when the session ends.
+    OutputWindow {
+        /// Window size in bytes (> 0).
+        bytes: u64,
+    },
+    /// Command output flow control: total stdout + stderr bytes the host
+    /// has consumed of this command (on the exec's id).
+    OutputAck {
+        /// Cumulative byte count.
+        bytes: u64,
+    },
+    /// The host no longer wants this command's output: the agent keeps
+    /// reading the command's pipes and drops what it reads (the command runs
+    /// on, its window no longer applies). No reply.
+    OutputDiscard {},
     /// Tunnel accepted: the host reached the egress target; data may flow.
     TunnelOk {},
     /// Tunnel flow control: total tunnel bytes the host has written out.
@@ -419,6 +438,16 @@ mod tests {
             serde_json::from_str::<Response>(&s).unwrap(),
             Response::TunnelEof {}
         );
+    }
+
+    #[test]
+    fn output_flow_control_json_shape() {
+        let s = serde_json::to_string(&Request::OutputWindow { bytes: 9 }).unwrap();
+        assert_eq!(s, r#"{"op":"output_window","bytes":9}"#);
+        let s = serde_json::to_string(&Request::OutputAck { bytes: 3 }).unwrap();
+        assert_eq!(s, r#"{"op":"output_ack","bytes":3}"#);
+        let r: Request = serde_json::from_str(r#"{"op":"output_discard"}"#).unwrap();
+        assert_eq!(r, Request::OutputDiscard {});
     }
 
     #[test]

@@ -20,7 +20,7 @@ use crate::error::Fail;
 use crate::exec::{self, Spec};
 use crate::files;
 use crate::outbox::Outbox;
-use crate::requests::{lock, Entry, Slot, UploadMsg};
+use crate::requests::{lock, Entry, OutputCredit, Slot, UploadMsg};
 
 /// Upload queue depth (chunks); the host's window is smaller.
 const UPLOAD_QUEUE: usize =
@@ -75,14 +75,60 @@ impl Session {
                 } else {
                     (None, None)
                 };
+                let (credit, window) = match self.output_window {
+                    Some(size) => {
+                        let (tx, rx) = watch::channel(OutputCredit::default());
+                        (Some(tx), Some(exec::Window { size, credit: rx }))
+                    }
+                    None => (None, None),
+                };
                 let entry = Entry::Exec {
                     stdin: stdin_tx,
                     pgid: pid as i32,
+                    output: credit,
                 };
                 let slot = Slot::insert(&self.table, id, epoch, out, entry);
                 tracing::debug!(id, pid, "started");
                 slot.out.msg(id, &Response::Started { pid }).await;
-                tokio::spawn(exec::run(child, spec.timeout, stdin_rx, slot));
+                tokio::spawn(exec::run(child, spec.timeout, stdin_rx, window, slot));
+            }
+            Request::OutputWindow { bytes } => {
+                if bytes == 0 {
+                    let f = Fail::new(RemoteErrorKind::InvalidArgument, "output window of 0 bytes");
+                    return out.error(id, f).await;
+                }
+                // Applies to commands started from now on.
+                self.output_window = Some(bytes);
+                tracing::debug!(bytes, "output flow control on");
+                out.msg(id, &Response::Ok).await
+            }
+            Request::OutputAck { bytes } => {
+                if let Some((
+                    _,
+                    Entry::Exec {
+                        output: Some(c), ..
+                    },
+                )) = lock(&self.table).get(&id)
+                {
+                    c.send_if_modified(|c| {
+                        let newer = bytes > c.acked;
+                        if newer {
+                            c.acked = bytes;
+                        }
+                        newer
+                    });
+                }
+            }
+            Request::OutputDiscard {} => {
+                if let Some((
+                    _,
+                    Entry::Exec {
+                        output: Some(c), ..
+                    },
+                )) = lock(&self.table).get(&id)
+                {
+                    c.send_modify(|c| c.discard = true);
+                }
             }
             Request::StdinClose {} => {
                 if let Some((_, Entry::Exec { stdin, .. })) = lock(&self.table).get_mut(&id) {

@@ -40,6 +40,8 @@ pub struct Session {
     awaiting_hello: bool,
     version: u32,
     egress: Arc<Egress>,
+    /// The command-output window the host asked for in this session.
+    output_window: Option<u64>,
 }
 
 /// Current agent facts.
@@ -80,6 +82,7 @@ impl Session {
             table: Arc::new(Mutex::new(HashMap::new())),
             nonce: None,
             awaiting_hello: false,
+            output_window: None,
         }
     }
 
@@ -97,6 +100,7 @@ impl Session {
         }
         self.nonce = None;
         self.awaiting_hello = false;
+        self.output_window = None;
         self.transport.epoch.fetch_add(1, Ordering::SeqCst);
         lock(&self.table).clear();
     }

@@ -5,6 +5,7 @@
 
 mod exec;
 mod files;
+mod flow;
 mod session;
 mod support;
 mod wire;

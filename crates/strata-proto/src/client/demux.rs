@@ -17,23 +17,47 @@
 //! - A malformed frame or an undecodable control message closes the
 //!   connection; so does a failed read or write. Closing fails every
 //!   in-flight call with [`AgentError::Closed`] and stops every tunnel.
+//! - Memory is bounded (see `PROTOCOL.md`, *Flow control*): the reader never
+//!   waits for a consumer, so each call's queue counts what it holds.
+//!   Consecutive data frames of one kind are merged; every queued item costs
+//!   its payload plus [`ITEM_OVERHEAD`]. A call whose agent sends beyond the
+//!   window the call was opened with ([`Limits::window`], minus the credit
+//!   its consumer granted), or whose queue passes [`CALL_BUFFER_CAP`], or
+//!   that gets an empty data frame, is aborted: its queue is emptied, its
+//!   consumer gets [`AgentError::FlowControl`], its process group is killed
+//!   ([`Limits::kill_on_abort`]) and later frames for its id are dropped; the
+//!   connection and the other calls go on. When all queues of the connection
+//!   together hold more than [`CONNECTION_BUFFER_CAP`] the connection is
+//!   closed (the session is killed; the runtime reconnects).
 //!
 //! [`AgentClient`]: super::AgentClient
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Notify};
 use tokio::task::JoinHandle;
 
 use super::AgentError;
 use crate::frame::{Decoded, Frame, FrameDecoder, FrameKind};
-use crate::msg::Response;
+use crate::msg::{Request, Response};
 use crate::tunnel::{is_tunnel_id, TunnelHandle, TUNNEL_ID_BIT};
+
+/// Bytes one queued item costs besides its payload (the queue's own memory).
+pub const ITEM_OVERHEAD: usize = 64;
+/// Most bytes (payload plus [`ITEM_OVERHEAD`] per item) one call may hold
+/// unread before it is aborted.
+pub const CALL_BUFFER_CAP: usize = 16 * 1024 * 1024;
+/// Most bytes all calls of one connection may hold unread before the
+/// connection is closed.
+pub const CONNECTION_BUFFER_CAP: usize = 64 * 1024 * 1024;
+/// Data items shorter than this take the next data frame of the same kind
+/// into themselves instead of queueing a new item.
+const MERGE_BELOW: usize = 64 * 1024;
 
 /// One frame for a request, as its [`Call`] receives it.
 pub(super) enum Incoming {
@@ -43,16 +67,183 @@ pub(super) enum Incoming {
     Data(FrameKind, Bytes),
 }
 
+/// Flow-control rules of one call, fixed when it is opened.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Limits {
+    /// Data payload bytes the agent may have sent beyond the credit the
+    /// consumer granted ([`Call::grant`]); `None`: the agent does not window
+    /// this call, only [`CALL_BUFFER_CAP`] bounds it.
+    pub(super) window: Option<u64>,
+    /// On abort, send `signal {SIGKILL}` on the call's id (a command: the
+    /// agent kills its process group).
+    pub(super) kill_on_abort: bool,
+}
+
+/// One queued item: a message, or data that may still grow by merging.
+enum Item {
+    Msg(Response, usize),
+    Data(FrameKind, Chunk),
+}
+
+enum Chunk {
+    Frozen(Bytes),
+    Growing(BytesMut),
+}
+
+impl Chunk {
+    fn len(&self) -> usize {
+        match self {
+            Self::Frozen(b) => b.len(),
+            Self::Growing(b) => b.len(),
+        }
+    }
+}
+
+impl Item {
+    fn charge(&self) -> usize {
+        match self {
+            Self::Msg(_, c) => *c,
+            Self::Data(_, c) => c.len() + ITEM_OVERHEAD,
+        }
+    }
+
+    fn into_incoming(self) -> Incoming {
+        match self {
+            Self::Msg(m, _) => Incoming::Msg(m),
+            Self::Data(k, Chunk::Frozen(b)) => Incoming::Data(k, b),
+            Self::Data(k, Chunk::Growing(b)) => Incoming::Data(k, b.freeze()),
+        }
+    }
+}
+
+#[derive(Default)]
+struct QueueState {
+    items: VecDeque<Item>,
+    /// Bytes charged for `items` (also counted in the connection's total).
+    charged: usize,
+    /// Data payload bytes received.
+    received: u64,
+    /// Credit the consumer granted: cumulative data bytes it consumed and
+    /// told the agent about.
+    credit: u64,
+    /// The connection is gone: after the queued items, `Closed`.
+    closed: bool,
+    /// The call was aborted; its consumer gets this.
+    failed: Option<String>,
+}
+
+/// The queue of one call: filled by the reader (never waiting), emptied by
+/// the call's consumer.
+struct Queue {
+    state: Mutex<QueueState>,
+    notify: Notify,
+    limits: Limits,
+}
+
+/// What [`Queue::push`] decided.
+enum Pushed {
+    Kept,
+    /// The agent broke the call's rules: abort it with this reason.
+    Abort(String),
+}
+
+impl Queue {
+    fn lock(&self) -> MutexGuard<'_, QueueState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues one frame's content; `frame_len` is its payload size.
+    fn push(&self, inc: Incoming, frame_len: usize, conn: &AtomicUsize) -> Pushed {
+        let mut st = self.lock();
+        if st.failed.is_some() || st.closed {
+            return Pushed::Kept;
+        }
+        let added = match inc {
+            Incoming::Data(kind, b) => {
+                if b.is_empty() {
+                    return Pushed::Abort("empty data frame".into());
+                }
+                st.received += b.len() as u64;
+                if let Some(w) = self.limits.window {
+                    if st.received.saturating_sub(st.credit) > w {
+                        return Pushed::Abort(format!(
+                            "sent {} bytes beyond the last credit, window is {w}",
+                            st.received - st.credit
+                        ));
+                    }
+                }
+                let mergeable = matches!(
+                    st.items.back(),
+                    Some(Item::Data(k, c)) if *k == kind && c.len() < MERGE_BELOW
+                );
+                let charge = b.len() + if mergeable { 0 } else { ITEM_OVERHEAD };
+                if st.charged + charge > CALL_BUFFER_CAP {
+                    return Pushed::Abort(format!(
+                        "more than {CALL_BUFFER_CAP} bytes buffered and not read"
+                    ));
+                }
+                match st.items.back_mut() {
+                    Some(Item::Data(_, c)) if mergeable => {
+                        if let Chunk::Frozen(f) = c {
+                            let mut m =
+                                BytesMut::with_capacity((f.len() + b.len()).max(MERGE_BELOW));
+                            m.extend_from_slice(f);
+                            *c = Chunk::Growing(m);
+                        }
+                        if let Chunk::Growing(m) = c {
+                            m.extend_from_slice(&b);
+                        }
+                    }
+                    _ => st.items.push_back(Item::Data(kind, Chunk::Frozen(b))),
+                }
+                charge
+            }
+            Incoming::Msg(m) => {
+                let charge = frame_len + ITEM_OVERHEAD;
+                if st.charged + charge > CALL_BUFFER_CAP {
+                    return Pushed::Abort(format!(
+                        "more than {CALL_BUFFER_CAP} bytes buffered and not read"
+                    ));
+                }
+                st.items.push_back(Item::Msg(m, charge));
+                charge
+            }
+        };
+        st.charged += added;
+        conn.fetch_add(added, Ordering::SeqCst);
+        drop(st);
+        self.notify.notify_one();
+        Pushed::Kept
+    }
+
+    /// Aborts the call: drops what it holds, its consumer gets `why`.
+    fn fail(&self, why: String, conn: &AtomicUsize) {
+        let mut st = self.lock();
+        st.items.clear();
+        conn.fetch_sub(std::mem::take(&mut st.charged), Ordering::SeqCst);
+        st.failed = Some(why);
+        drop(st);
+        self.notify.notify_one();
+    }
+
+    fn close(&self) {
+        self.lock().closed = true;
+        self.notify.notify_one();
+    }
+}
+
 /// State shared by the client handles, the reader and the writer.
 pub(super) struct Shared {
-    routes: Mutex<HashMap<u32, mpsc::UnboundedSender<Incoming>>>,
+    routes: Mutex<HashMap<u32, Arc<Queue>>>,
     tunnels: Mutex<HashMap<u32, TunnelHandle>>,
     closed: AtomicBool,
     next_id: AtomicU32,
+    /// Bytes held by all call queues.
+    buffered: AtomicUsize,
 }
 
 impl Shared {
-    fn routes(&self) -> MutexGuard<'_, HashMap<u32, mpsc::UnboundedSender<Incoming>>> {
+    fn routes(&self) -> MutexGuard<'_, HashMap<u32, Arc<Queue>>> {
         // A poisoned lock only means another task panicked mid-insert; the map is still usable.
         self.routes.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -67,18 +258,33 @@ impl Shared {
         self.closed.load(Ordering::SeqCst)
     }
 
+    /// Bytes the calls of this connection hold unread.
+    pub(super) fn buffered(&self) -> usize {
+        self.buffered.load(Ordering::SeqCst)
+    }
+
     /// Marks the connection gone: in-flight calls fail, tunnels stop.
     pub(super) fn close(&self) {
         self.closed.store(true, Ordering::SeqCst);
-        self.routes().clear();
+        let routes = std::mem::take(&mut *self.routes());
+        routes.values().for_each(|q| q.close());
         // Dropping the handles stops their pumps (sockets closed).
         let tunnels = std::mem::take(&mut *self.tunnels());
         drop(tunnels);
     }
 
-    /// Registers a new request id.
+    /// Registers a new request id with no flow-control window.
     pub(super) fn open(self: &Arc<Self>) -> Result<Call, AgentError> {
-        let (tx, rx) = mpsc::unbounded_channel();
+        self.open_with(Limits::default())
+    }
+
+    /// Registers a new request id with `limits`.
+    pub(super) fn open_with(self: &Arc<Self>, limits: Limits) -> Result<Call, AgentError> {
+        let queue = Arc::new(Queue {
+            state: Mutex::new(QueueState::default()),
+            notify: Notify::new(),
+            limits,
+        });
         let mut routes = self.routes();
         if self.is_closed() {
             return Err(AgentError::Closed);
@@ -90,10 +296,10 @@ impl Shared {
                 break id;
             }
         };
-        routes.insert(id, tx);
+        routes.insert(id, queue.clone());
         Ok(Call {
             id,
-            rx,
+            queue,
             shared: self.clone(),
         })
     }
@@ -103,21 +309,60 @@ impl Shared {
 pub(super) struct Call {
     /// The request id.
     pub(super) id: u32,
-    /// Its frames, in arrival order.
-    pub(super) rx: mpsc::UnboundedReceiver<Incoming>,
+    queue: Arc<Queue>,
     shared: Arc<Shared>,
 }
 
 impl Drop for Call {
     fn drop(&mut self) {
-        self.shared.routes().remove(&self.id);
+        let mut routes = self.shared.routes();
+        if routes
+            .get(&self.id)
+            .is_some_and(|q| Arc::ptr_eq(q, &self.queue))
+        {
+            routes.remove(&self.id);
+        }
+        drop(routes);
+        let mut st = self.queue.lock();
+        st.items.clear();
+        let charged = std::mem::take(&mut st.charged);
+        self.shared.buffered.fetch_sub(charged, Ordering::SeqCst);
     }
 }
 
 impl Call {
-    /// Next frame; `Closed` once the connection is gone.
+    /// Takes the first queued item, or the reason there is none.
+    fn pop(&self) -> Option<Result<Incoming, AgentError>> {
+        let mut st = self.queue.lock();
+        if let Some(why) = &st.failed {
+            return Some(Err(AgentError::FlowControl(why.clone())));
+        }
+        match st.items.pop_front() {
+            Some(item) => {
+                let c = item.charge();
+                st.charged -= c;
+                self.shared.buffered.fetch_sub(c, Ordering::SeqCst);
+                Some(Ok(item.into_incoming()))
+            }
+            None if st.closed => Some(Err(AgentError::Closed)),
+            None => None,
+        }
+    }
+
+    /// Next frame; `Closed` once the connection is gone (after the queued
+    /// frames), `FlowControl` once the call was aborted.
     pub(super) async fn recv(&mut self) -> Result<Incoming, AgentError> {
-        self.rx.recv().await.ok_or(AgentError::Closed)
+        loop {
+            if let Some(r) = self.pop() {
+                return r;
+            }
+            self.queue.notify.notified().await;
+        }
+    }
+
+    /// Next frame if one is queued (`Ok(None)`: none yet).
+    pub(super) fn try_recv(&mut self) -> Result<Option<Incoming>, AgentError> {
+        self.pop().transpose()
     }
 
     /// Next control message, ignoring data frames.
@@ -127,6 +372,63 @@ impl Call {
                 return Ok(m);
             }
         }
+    }
+
+    /// Waits until a queued message matches `take` (removed and returned,
+    /// whatever is queued before it) or `stop` (left queued: `Ok(None)`).
+    pub(super) async fn take_msg(
+        &mut self,
+        take: impl Fn(&Response) -> bool,
+        stop: impl Fn(&Response) -> bool,
+    ) -> Result<Option<Response>, AgentError> {
+        loop {
+            {
+                let mut st = self.queue.lock();
+                if let Some(why) = &st.failed {
+                    return Err(AgentError::FlowControl(why.clone()));
+                }
+                let mut found = None;
+                for (i, item) in st.items.iter().enumerate() {
+                    if let Item::Msg(m, _) = item {
+                        if take(m) {
+                            found = Some(i);
+                            break;
+                        }
+                        if stop(m) {
+                            return Ok(None);
+                        }
+                    }
+                }
+                if let Some(item) = found.and_then(|i| st.items.remove(i)) {
+                    let c = item.charge();
+                    st.charged -= c;
+                    self.shared.buffered.fetch_sub(c, Ordering::SeqCst);
+                    if let Item::Msg(m, _) = item {
+                        return Ok(Some(m));
+                    }
+                }
+                if st.closed {
+                    return Err(AgentError::Closed);
+                }
+            }
+            self.queue.notify.notified().await;
+        }
+    }
+
+    /// Whether a message matching `pred` is queued.
+    pub(super) fn has_msg(&self, pred: impl Fn(&Response) -> bool) -> bool {
+        self.queue
+            .lock()
+            .items
+            .iter()
+            .any(|i| matches!(i, Item::Msg(m, _) if pred(m)))
+    }
+
+    /// Grants the agent credit: the consumer has taken `consumed` data bytes
+    /// in all (cumulative) and is about to tell the agent so.
+    pub(super) fn grant(&self, consumed: u64) {
+        let mut st = self.queue.lock();
+        st.credit = st.credit.max(consumed);
     }
 }
 
@@ -154,6 +456,7 @@ pub(super) fn spawn(stream: UnixStream, dec: FrameDecoder, tunnels: TunnelRouter
         tunnels: Mutex::new(HashMap::new()),
         closed: AtomicBool::new(false),
         next_id: AtomicU32::new(1),
+        buffered: AtomicUsize::new(0),
     });
     let (out, out_rx) = mpsc::channel::<Bytes>(64);
     tokio::spawn(writer_task(wr, out_rx, shared.clone()));
@@ -226,6 +529,7 @@ fn route(
     if is_tunnel_id(f.id) {
         return tunnels(shared, out, f);
     }
+    let frame_len = f.payload.len();
     let inc = if f.kind == FrameKind::Control {
         match f.parse::<Response>() {
             Ok(r) => Incoming::Msg(r),
@@ -247,8 +551,51 @@ fn route(
             _ => true,
         };
     }
-    if let Some(tx) = shared.routes().get(&f.id) {
-        let _ = tx.send(inc);
+    let Some(queue) = shared.routes().get(&f.id).cloned() else {
+        return true; // late frame of a finished call
+    };
+    if let Pushed::Abort(why) = queue.push(inc, frame_len, &shared.buffered) {
+        tracing::warn!(id = f.id, %why, "agent broke flow control; aborting the request");
+        {
+            let mut routes = shared.routes();
+            if routes.get(&f.id).is_some_and(|q| Arc::ptr_eq(q, &queue)) {
+                routes.remove(&f.id);
+            }
+        }
+        queue.fail(why, &shared.buffered);
+        if queue.limits.kill_on_abort {
+            send_detached(out, f.id, &Request::Signal { signal: 9 });
+        }
+        return true;
+    }
+    let buffered = shared.buffered();
+    if buffered > CONNECTION_BUFFER_CAP {
+        tracing::warn!(
+            buffered,
+            cap = CONNECTION_BUFFER_CAP,
+            "agent output buffered past the connection's cap; closing the connection"
+        );
+        return false;
     }
     true
+}
+
+/// Sends `req` on `id` without waiting for room in the writer's queue.
+pub(super) fn send_detached(out: &mpsc::Sender<Bytes>, id: u32, req: &Request) {
+    let bytes = match Frame::control(id, req).and_then(|f| f.encode()) {
+        Ok(b) => b,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot encode a request");
+            return;
+        }
+    };
+    match out.try_send(bytes) {
+        Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => {}
+        Err(mpsc::error::TrySendError::Full(b)) => {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                let out = out.clone();
+                rt.spawn(async move { out.send(b).await });
+            }
+        }
+    }
 }

@@ -7,15 +7,28 @@
 //! — or `error` (spawn failed, bad argument) instead. Stdin goes as Stdin data
 //! frames of at most [`STDIN_CHUNK`] bytes, at most [`STDIN_WINDOW`] bytes not
 //! yet acknowledged by the agent's cumulative `ack {bytes}`; `stdin_close`
-//! ends it, `signal` signals the command's process group. Command output has
-//! no window: the client buffers what the caller has not read yet.
+//! ends it, `signal` signals the command's process group.
+//!
+//! Command output is windowed when the connection negotiated it
+//! ([`AgentClient::output_window`]): the agent has at most [`OUTPUT_WINDOW`]
+//! bytes of stdout and stderr together sent and not yet acknowledged; the
+//! handle acknowledges (`output_ack {bytes}`, cumulative) what its caller has
+//! taken, at least every [`OUTPUT_ACK_EVERY`] bytes. A caller that stops
+//! reading therefore stops the command's pipes, not the host's memory. An
+//! agent that sends beyond the window loses that command
+//! ([`AgentError::FlowControl`], process group killed). Dropping a handle
+//! before the exit tells the agent to discard the rest (`output_discard`):
+//! the command runs on. With an older agent the handle's queue is capped
+//! instead ([`super::CALL_BUFFER_CAP`]). `Stdin::Bytes` is fed while the
+//! caller reads events, so a command that writes before it has read all its
+//! input cannot deadlock against its own output window.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use bytes::Bytes;
 
-use super::demux::{Call, Incoming};
+use super::demux::{send_detached, Call, Incoming, Limits};
 use super::{remote, unexpected, AgentClient, AgentError};
 use crate::frame::{Frame, FrameKind};
 use crate::msg::{Command, Request, Response};
@@ -24,6 +37,15 @@ use crate::msg::{Command, Request, Response};
 pub const STDIN_WINDOW: u64 = 1024 * 1024;
 /// Size of one stdin data frame.
 pub const STDIN_CHUNK: usize = 64 * 1024;
+/// Command output (stdout and stderr together) the agent may have in flight
+/// per command, when the connection negotiated output flow control.
+pub const OUTPUT_WINDOW: u64 = 1024 * 1024;
+/// The handle acknowledges consumed output at least every this many bytes.
+pub const OUTPUT_ACK_EVERY: u64 = OUTPUT_WINDOW / 4;
+/// Most output (stdout and stderr together) [`AgentClient::exec_collect`]
+/// collects before it kills the command and fails with
+/// [`AgentError::OutputLimit`].
+pub const COLLECT_LIMIT: u64 = 16 * 1024 * 1024;
 
 /// Stdin of a command.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -130,7 +152,11 @@ impl AgentClient {
     /// Starts a command. Spawn failures arrive as the first event
     /// (`Err(Remote{SpawnFailed|NotFound|...})`).
     pub async fn exec(&self, req: ExecRequest) -> Result<ExecHandle, AgentError> {
-        let call = self.inner.shared.open()?;
+        let window = self.output_window();
+        let call = self.inner.shared.open_with(Limits {
+            window,
+            kill_on_abort: true,
+        })?;
         let wire = Request::Exec {
             command: req.command,
             env: req.env,
@@ -142,32 +168,51 @@ impl AgentClient {
                 .map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX)),
         };
         self.send_req(call.id, &wire).await?;
+        let feed = match req.stdin {
+            Stdin::Bytes(data) => Some(Bytes::from(data)),
+            _ => None,
+        };
         let mut h = ExecHandle {
             client: self.clone(),
             call,
-            pending: VecDeque::new(),
             stdin_sent: 0,
             stdin_acked: 0,
+            feed,
             finished: false,
+            windowed: window.is_some(),
+            consumed: 0,
+            acked_out: 0,
         };
-        if let Stdin::Bytes(data) = req.stdin {
-            match h.write_stdin(&data).await {
-                Ok(()) => h.close_stdin().await?,
-                // The command ended without reading all of it: like a broken pipe.
-                Err(AgentError::Io(e)) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
-                Err(e) => return Err(e),
-            }
-        }
+        h.feed_stdin().await?;
         Ok(h)
     }
 
-    /// Runs a command to the end and collects its output.
+    /// Runs a command to the end and collects its output, at most
+    /// [`COLLECT_LIMIT`] bytes of it.
     pub async fn exec_collect(&self, req: ExecRequest) -> Result<ExecOutput, AgentError> {
+        self.exec_collect_max(req, COLLECT_LIMIT).await
+    }
+
+    /// Runs a command to the end and collects its output; more than `limit`
+    /// bytes (stdout and stderr together) kill the command and fail with
+    /// [`AgentError::OutputLimit`].
+    pub async fn exec_collect_max(
+        &self,
+        req: ExecRequest,
+        limit: u64,
+    ) -> Result<ExecOutput, AgentError> {
         let mut h = self.exec(req).await?;
         let mut stdout = Vec::new();
         let mut stderr = Vec::new();
         while let Some(ev) = h.next_event().await {
-            match ev? {
+            let ev = ev?;
+            if let ExecEvent::Stdout(b) | ExecEvent::Stderr(b) = &ev {
+                if (stdout.len() + stderr.len() + b.len()) as u64 > limit {
+                    let _ = h.signal(9).await;
+                    return Err(AgentError::OutputLimit { limit });
+                }
+            }
+            match ev {
                 ExecEvent::Started { .. } => {}
                 ExecEvent::Stdout(b) => stdout.extend_from_slice(&b),
                 ExecEvent::Stderr(b) => stderr.extend_from_slice(&b),
@@ -188,11 +233,17 @@ impl AgentClient {
 pub struct ExecHandle {
     client: AgentClient,
     call: Call,
-    /// Frames read while waiting for a stdin ack, not yet returned as events.
-    pending: VecDeque<Incoming>,
     stdin_sent: u64,
     stdin_acked: u64,
+    /// `Stdin::Bytes` not sent yet (fed while events are read).
+    feed: Option<Bytes>,
     finished: bool,
+    /// The agent windows this command's output.
+    windowed: bool,
+    /// Output bytes returned to the caller.
+    consumed: u64,
+    /// Output bytes acknowledged to the agent.
+    acked_out: u64,
 }
 
 impl std::fmt::Debug for ExecHandle {
@@ -211,21 +262,33 @@ impl ExecHandle {
             if self.finished {
                 return None;
             }
-            let inc = match self.pending.pop_front() {
-                Some(i) => i,
-                None => match self.call.recv().await {
-                    Ok(i) => i,
-                    Err(e) => {
+            let step = async {
+                self.feed_stdin().await?;
+                self.call.recv().await
+            };
+            let inc = match step.await {
+                Ok(i) => i,
+                Err(e) => {
+                    self.finished = true;
+                    return Some(Err(e));
+                }
+            };
+            match inc {
+                Incoming::Data(kind @ (FrameKind::Stdout | FrameKind::Stderr), b) => {
+                    if let Err(e) = self.consumed(b.len()).await {
                         self.finished = true;
                         return Some(Err(e));
                     }
-                },
-            };
-            match inc {
-                Incoming::Data(FrameKind::Stdout, b) => return Some(Ok(ExecEvent::Stdout(b))),
-                Incoming::Data(FrameKind::Stderr, b) => return Some(Ok(ExecEvent::Stderr(b))),
+                    return Some(Ok(if kind == FrameKind::Stdout {
+                        ExecEvent::Stdout(b)
+                    } else {
+                        ExecEvent::Stderr(b)
+                    }));
+                }
                 Incoming::Data(..) => {}
-                Incoming::Msg(Response::Ack { bytes }) => self.stdin_acked = bytes,
+                Incoming::Msg(Response::Ack { bytes }) => {
+                    self.stdin_acked = self.stdin_acked.max(bytes)
+                }
                 Incoming::Msg(Response::Started { pid }) => {
                     return Some(Ok(ExecEvent::Started { pid }))
                 }
@@ -253,42 +316,79 @@ impl ExecHandle {
         }
     }
 
-    /// Whether the exit (or a terminal error) was seen, buffered or consumed.
-    fn ended(&self) -> bool {
-        self.finished
-            || self.pending.iter().any(|i| {
-                matches!(
-                    i,
-                    Incoming::Msg(Response::Exit { .. }) | Incoming::Msg(Response::Error { .. })
-                )
-            })
+    /// The caller took `n` more output bytes: acknowledge them when due.
+    async fn consumed(&mut self, n: usize) -> Result<(), AgentError> {
+        if !self.windowed {
+            return Ok(());
+        }
+        self.consumed += n as u64;
+        if self.consumed - self.acked_out >= OUTPUT_ACK_EVERY {
+            // Recorded before sending: the agent may use the credit at once.
+            self.call.grant(self.consumed);
+            self.acked_out = self.consumed;
+            let ack = Request::OutputAck {
+                bytes: self.consumed,
+            };
+            self.client.send_req(self.call.id, &ack).await?;
+        }
+        Ok(())
     }
 
-    /// Writes to the command's stdin (requires `Stdin::Stream` or `Bytes`).
+    /// Sends as much of the `Stdin::Bytes` input as the stdin window allows
+    /// (never waits for an ack); closes stdin after the last byte.
+    async fn feed_stdin(&mut self) -> Result<(), AgentError> {
+        let Some(mut data) = self.feed.take() else {
+            return Ok(());
+        };
+        if self.ended() {
+            return Ok(()); // like a broken pipe: the rest is not wanted
+        }
+        while !data.is_empty() && self.stdin_sent - self.stdin_acked < STDIN_WINDOW {
+            let chunk = data.split_to(data.len().min(STDIN_CHUNK));
+            self.send_stdin(chunk).await?;
+        }
+        if data.is_empty() {
+            self.close_stdin().await
+        } else {
+            self.feed = Some(data);
+            Ok(())
+        }
+    }
+
+    async fn send_stdin(&mut self, chunk: Bytes) -> Result<(), AgentError> {
+        self.stdin_sent += chunk.len() as u64;
+        self.client
+            .send_frame(Frame::data(FrameKind::Stdin, self.call.id, chunk))
+            .await
+    }
+
+    /// Whether the exit (or a terminal error) was seen, queued or consumed.
+    fn ended(&self) -> bool {
+        self.finished || self.call.has_msg(is_terminal)
+    }
+
+    /// Writes to the command's stdin (requires `Stdin::Stream`).
     /// Waits when the agent has not consumed the previous bytes yet; fails with
-    /// a `BrokenPipe` I/O error once the command has ended.
+    /// a `BrokenPipe` I/O error once the command has ended. Output that
+    /// arrives meanwhile stays queued for [`ExecHandle::next_event`]; with a
+    /// windowed agent a command that writes more than [`OUTPUT_WINDOW`]
+    /// before reading the rest of its input waits for the caller to read.
     pub async fn write_stdin(&mut self, data: &[u8]) -> Result<(), AgentError> {
         for chunk in data.chunks(STDIN_CHUNK) {
             while self.stdin_sent - self.stdin_acked >= STDIN_WINDOW {
                 if self.ended() {
                     return Err(broken_pipe());
                 }
-                match self.call.recv().await? {
-                    Incoming::Msg(Response::Ack { bytes }) => self.stdin_acked = bytes,
-                    other => self.pending.push_back(other),
+                let ack = |r: &Response| matches!(r, Response::Ack { .. });
+                match self.call.take_msg(ack, is_terminal).await? {
+                    Some(Response::Ack { bytes }) => self.stdin_acked = self.stdin_acked.max(bytes),
+                    _ => return Err(broken_pipe()),
                 }
             }
             if self.ended() {
                 return Err(broken_pipe());
             }
-            self.stdin_sent += chunk.len() as u64;
-            self.client
-                .send_frame(Frame::data(
-                    FrameKind::Stdin,
-                    self.call.id,
-                    Bytes::copy_from_slice(chunk),
-                ))
-                .await?;
+            self.send_stdin(Bytes::copy_from_slice(chunk)).await?;
         }
         Ok(())
     }
@@ -306,6 +406,24 @@ impl ExecHandle {
             .send_req(self.call.id, &Request::Signal { signal: sig })
             .await
     }
+}
+
+impl Drop for ExecHandle {
+    fn drop(&mut self) {
+        // Nobody reads the rest: the command runs on, its output is dropped
+        // in the guest instead of waiting for credit forever.
+        if self.windowed && !self.ended() {
+            send_detached(
+                &self.client.inner.out,
+                self.call.id,
+                &Request::OutputDiscard {},
+            );
+        }
+    }
+}
+
+fn is_terminal(r: &Response) -> bool {
+    matches!(r, Response::Exit { .. } | Response::Error { .. })
 }
 
 fn broken_pipe() -> AgentError {

@@ -13,15 +13,16 @@
 //! - Download: `read_file {path}` → `file_start {size}`, FileData frames,
 //!   `done {bytes}`; the client answers each chunk with a cumulative
 //!   `read_ack {bytes}` and the agent keeps at most [`WRITE_WINDOW`] bytes
-//!   unacknowledged.
+//!   unacknowledged before it sends its next chunk. A download the agent
+//!   sends beyond that (plus one chunk) fails with
+//!   [`AgentError::FlowControl`]; the connection stays up.
 //! - Paths are absolute and free of NUL bytes (the agent checks).
 
 use bytes::{Bytes, BytesMut};
 use futures::Stream;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::mpsc;
 
-use super::demux::{Call, Incoming};
+use super::demux::{Call, Incoming, Limits};
 use super::{remote, unexpected, AgentClient, AgentError};
 use crate::frame::{Frame, FrameKind, MAX_FILE_CHUNK};
 use crate::msg::{DirEntry, FileStat, Request, Response};
@@ -57,12 +58,7 @@ impl AgentClient {
         let mut eof = false;
         while !eof {
             // Pick up early errors and acks without blocking.
-            loop {
-                let inc = match call.rx.try_recv() {
-                    Ok(i) => i,
-                    Err(mpsc::error::TryRecvError::Empty) => break,
-                    Err(mpsc::error::TryRecvError::Disconnected) => return Err(AgentError::Closed),
-                };
+            while let Some(inc) = call.try_recv()? {
                 handle_write_reply(inc, &mut acked)?;
             }
             if sent - acked >= WRITE_WINDOW {
@@ -96,7 +92,12 @@ impl AgentClient {
 
     /// Opens `path` in the guest for streaming download.
     pub async fn read_file(&self, path: &str) -> Result<FileDownload, AgentError> {
-        let mut call = self.inner.shared.open()?;
+        // Every agent keeps a download within WRITE_WINDOW before it sends
+        // its next chunk, so one chunk may pass it.
+        let mut call = self.inner.shared.open_with(Limits {
+            window: Some(WRITE_WINDOW + MAX_FILE_CHUNK as u64),
+            kill_on_abort: false,
+        })?;
         self.send_req(
             call.id,
             &Request::ReadFile {
@@ -211,6 +212,8 @@ impl FileDownload {
                 }
                 Ok(Incoming::Data(FrameKind::FileData, b)) => {
                     self.consumed += b.len() as u64;
+                    // Recorded before sending: the agent may use the credit at once.
+                    self.call.grant(self.consumed);
                     let ack = Request::ReadAck {
                         bytes: self.consumed,
                     };

@@ -36,8 +36,10 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use self::demux::Shared;
+pub use self::demux::{CALL_BUFFER_CAP, CONNECTION_BUFFER_CAP, ITEM_OVERHEAD};
 pub use self::exec::{
-    ExecEvent, ExecHandle, ExecOutput, ExecRequest, ExitStatus, Stdin, STDIN_CHUNK, STDIN_WINDOW,
+    ExecEvent, ExecHandle, ExecOutput, ExecRequest, ExitStatus, Stdin, COLLECT_LIMIT,
+    OUTPUT_ACK_EVERY, OUTPUT_WINDOW, STDIN_CHUNK, STDIN_WINDOW,
 };
 pub use self::files::{FileDownload, WRITE_WINDOW};
 pub use self::tunnel::{TunnelHandler, EGRESS_CONNECT_TIMEOUT};
@@ -74,6 +76,19 @@ pub enum AgentError {
         /// Agent's version.
         agent: u32,
     },
+    /// The agent broke flow control on this request (sent beyond its
+    /// window, or more than the client buffers for a request it does not
+    /// window): the request was aborted and its command killed; the
+    /// connection and the other requests go on.
+    #[error("agent broke flow control: {0}")]
+    FlowControl(String),
+    /// A collecting call's output passed its byte limit; the command was
+    /// killed.
+    #[error("command output exceeds the limit of {limit} bytes")]
+    OutputLimit {
+        /// The limit, stdout and stderr together.
+        limit: u64,
+    },
     /// The agent ran the request and reports a failure.
     #[error("agent: {kind}: {message}")]
     Remote {
@@ -100,6 +115,9 @@ struct Inner {
     info: AgentInfo,
     reader: JoinHandle<()>,
     egress_listen: OnceLock<SocketAddr>,
+    /// The command-output window the agent agreed to (unset: an older agent
+    /// without output flow control).
+    output_window: OnceLock<u64>,
 }
 
 impl Drop for Inner {
@@ -152,12 +170,17 @@ impl AgentClient {
     /// address is taken) is logged and the client is returned without it:
     /// [`AgentClient::egress_listen`] is then `None` and the guest has no
     /// egress at all.
+    ///
+    /// Every connection also turns on command-output flow control
+    /// ([`OUTPUT_WINDOW`], see [`AgentClient::output_window`]); an older
+    /// agent without it is served with bounded buffers only.
     pub async fn connect_unix_with(
         path: &Path,
         timeout: Duration,
         egress: Option<TunnelHandler>,
     ) -> Result<AgentClient, AgentError> {
         let client = Self::connect_unix_inner(path, timeout, egress).await?;
+        client.negotiate_output_window(timeout).await;
         if egress.is_some() {
             match tokio::time::timeout(timeout, client.enable_egress()).await {
                 Ok(Ok(addr)) => {
@@ -172,6 +195,50 @@ impl AgentClient {
             }
         }
         Ok(client)
+    }
+
+    /// Connects like [`AgentClient::connect_unix`] but leaves command output
+    /// without flow control, as a host older than the output window does
+    /// (for compatibility tests).
+    pub async fn connect_unix_unwindowed(
+        path: &Path,
+        timeout: Duration,
+    ) -> Result<AgentClient, AgentError> {
+        Self::connect_unix_inner(path, timeout, None).await
+    }
+
+    async fn negotiate_output_window(&self, timeout: Duration) {
+        match tokio::time::timeout(timeout, self.enable_output_window(OUTPUT_WINDOW)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::info!(
+                error = %e,
+                "agent has no output flow control (an older agent); output buffering is capped per request and connection"
+            ),
+            Err(_) => tracing::warn!(
+                "agent did not answer output_window; running without output flow control"
+            ),
+        }
+    }
+
+    /// Asks the agent to window command output at `bytes` for this session
+    /// (the client does it on connect). An older agent answers
+    /// `invalid_argument`; commands then run without a window.
+    pub async fn enable_output_window(&self, bytes: u64) -> Result<(), AgentError> {
+        self.expect_ok(&Request::OutputWindow { bytes }).await?;
+        let _ = self.inner.output_window.set(bytes);
+        Ok(())
+    }
+
+    /// The command-output window of this connection; `None` with an older
+    /// agent (then only [`CALL_BUFFER_CAP`] and [`CONNECTION_BUFFER_CAP`]
+    /// bound what the client buffers).
+    pub fn output_window(&self) -> Option<u64> {
+        self.inner.output_window.get().copied()
+    }
+
+    /// Bytes of guest output this connection holds that no caller has read yet.
+    pub fn buffered_bytes(&self) -> usize {
+        self.inner.shared.buffered()
     }
 
     async fn connect_unix_inner(
@@ -290,6 +357,7 @@ impl AgentClient {
                 info,
                 reader: conn.reader,
                 egress_listen: OnceLock::new(),
+                output_window: OnceLock::new(),
             }),
         }
     }
