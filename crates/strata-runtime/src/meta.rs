@@ -87,6 +87,33 @@ pub fn layout_hash(spec: &VmSpec) -> String {
     hex::encode(&h.finalize()[..12])
 }
 
+/// QEMU's upstream version from a `qemu-system-* --version` first line:
+/// `"QEMU emulator version 7.2.22 (Debian 1:7.2+dfsg-7+deb12u18)"` →
+/// `(7, 2, 22)`. The distribution's package string in parentheses is not
+/// part of it.
+pub fn qemu_upstream_version(line: &str) -> Option<(u32, u32, u32)> {
+    let rest = line.split("version").nth(1)?.trim_start();
+    let word = rest.split(|c: char| c.is_whitespace() || c == '(').next()?;
+    let mut parts = word.split('.').map(|p| p.parse::<u32>().ok());
+    let major = parts.next()??;
+    let minor = parts.next()??;
+    let patch = parts.next().flatten().unwrap_or(0);
+    Some((major, minor, patch))
+}
+
+/// Whether a state written under QEMU `taken` restores under QEMU `host`.
+/// Judged on the upstream release series (major.minor): a stable or
+/// distribution security update (7.2.21 → 7.2.22, Debian revision +deb12u17
+/// → +deb12u18) keeps every snapshot restorable; another series does not
+/// (the `microvm` machine has no versioned machine types that would carry
+/// device state across series). Unparsable strings must match exactly.
+pub fn same_qemu_series(taken: &str, host: &str) -> bool {
+    match (qemu_upstream_version(taken), qemu_upstream_version(host)) {
+        (Some((a, b, _)), Some((c, d, _))) => (a, b) == (c, d),
+        _ => taken == host,
+    }
+}
+
 /// Why a state subvolume cannot be restored here.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
@@ -129,9 +156,9 @@ impl StateMeta {
                 self.format_version
             )));
         }
-        if self.qemu_version != qemu_version {
+        if !same_qemu_series(&self.qemu_version, qemu_version) {
             return Err(Incompatible(format!(
-                "taken under {:?}, this host runs {:?}",
+                "taken under {:?}, this host runs {:?} (device state moves only within one QEMU release series)",
                 self.qemu_version, qemu_version
             )));
         }
@@ -248,6 +275,39 @@ pub(crate) mod tests {
         std::fs::remove_file(d.path().join(files::DEVICE_STATE)).unwrap();
         let e = m.check_restorable(d.path(), "QEMU 7.2", "tcg").unwrap_err();
         assert!(e.0.contains("device.state is missing"), "{e}");
+    }
+
+    #[test]
+    fn qemu_compatibility_is_the_upstream_series_not_the_package_string() {
+        let host = "QEMU emulator version 7.2.22 (Debian 1:7.2+dfsg-7+deb12u18+b3)";
+        assert_eq!(qemu_upstream_version(host), Some((7, 2, 22)));
+        assert_eq!(qemu_upstream_version("QEMU emulator version 8.0.0"), Some((8, 0, 0)));
+        assert_eq!(qemu_upstream_version("QEMU emulator version 9.1"), Some((9, 1, 0)));
+        assert_eq!(qemu_upstream_version("QEMU 7.2"), None, "no \"version\" word");
+        for other_revision in [
+            "QEMU emulator version 7.2.21 (Debian 1:7.2+dfsg-7+deb12u17)",
+            "QEMU emulator version 7.2.22 (Debian 1:7.2+dfsg-7+deb12u18)",
+            "QEMU emulator version 7.2.23",
+        ] {
+            assert!(same_qemu_series(other_revision, host), "{other_revision}");
+        }
+        assert!(!same_qemu_series("QEMU emulator version 8.0.4 (Debian 1:8.0)", host));
+        assert!(!same_qemu_series("QEMU emulator version 7.1.0", host));
+        assert!(same_qemu_series("odd", "odd") && !same_qemu_series("odd", host));
+        let d = populated();
+        let m = StateMeta {
+            qemu_version: "QEMU emulator version 7.2.19 (Debian 1:7.2+dfsg-7+deb12u12)".into(),
+            ..meta()
+        };
+        m.check_restorable(d.path(), host, "tcg")
+            .expect("a security update of QEMU keeps the snapshot restorable");
+        let e = StateMeta {
+            qemu_version: "QEMU emulator version 8.2.2".into(),
+            ..meta()
+        }
+        .check_restorable(d.path(), host, "tcg")
+        .unwrap_err();
+        assert!(e.0.contains("release series"), "{e}");
     }
 
     #[test]

@@ -399,3 +399,46 @@ fn full_pool_refuses_snapshots_and_forks_and_the_sandbox_runs_on() {
         f.rt.delete(&a).await.expect("delete");
     });
 }
+
+/// A QEMU security update must not strand history: a snapshot whose
+/// metadata names another Debian revision (and stable patch) of the same
+/// upstream QEMU series restores; one from another series is refused as
+/// unusable, with the reason, and the sandbox is left as it was.
+#[test]
+fn a_qemu_security_update_keeps_snapshots_restorable() {
+    let _pool = shared_pool();
+    let f = fixture();
+    tokio_rt().block_on(async {
+        let a = new_sandbox(f).await;
+        sh(&f.rt, &a, "echo before-update > /root/u; sync").await;
+        let snap = SnapshotId::generate();
+        f.rt.snapshot(&a, &snap).await.expect("snapshot");
+        sh(&f.rt, &a, "echo after > /root/u; sync").await;
+        let dir = f.rt.pool().snapshots_dir().join(snap.as_str());
+        let rewrite = |qemu: &str| {
+            f.rt.pool().set_readonly(&dir, false).expect("writable");
+            let path = dir.join("meta.json");
+            let mut meta: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(&path).expect("meta")).expect("json");
+            meta["qemu_version"] = qemu.into();
+            std::fs::write(&path, serde_json::to_vec_pretty(&meta).expect("json")).expect("write");
+            f.rt.pool().set_readonly(&dir, true).expect("read-only again");
+        };
+        rewrite("QEMU emulator version 8.2.2 (Debian 1:8.2.2+ds-0ubuntu1)");
+        match f.rt.rewind(&a, &snap, None).await {
+            Err(RuntimeError::SnapshotUnusable { reason, .. }) => {
+                assert!(reason.contains("release series"), "{reason}")
+            }
+            other => panic!("another QEMU series must be refused: {other:?}"),
+        }
+        let (_, v) = sh(&f.rt, &a, "cat /root/u").await;
+        assert_eq!(v, "after", "a refused rewind changes nothing");
+        rewrite("QEMU emulator version 7.2.0 (Debian 1:7.2+dfsg-7+deb12u1)");
+        f.rt.rewind(&a, &snap, None)
+            .await
+            .expect("the same series under another package revision restores");
+        let (_, v) = sh(&f.rt, &a, "cat /root/u").await;
+        assert_eq!(v, "before-update");
+        f.rt.delete(&a).await.expect("delete");
+    });
+}

@@ -30,21 +30,44 @@ pub fn cmdline(pid: u32) -> String {
         .unwrap_or_default()
 }
 
-/// `(vm dir name, pid)` of the QEMUs listed in `<run_dir>/*/qemu.pid` that
-/// are alive and really ours (their command line names `run_dir`).
+/// `(vm dir name, pid)` of the live QEMUs of `run_dir`: those listed in
+/// `<run_dir>/*/qemu.pid` whose command line names `run_dir`, and any other
+/// process whose command line names a `<run_dir>/<vm>/qmp.sock` (a QEMU
+/// whose pid file was never written, or whose directory is gone). The
+/// process table is read here directly, not through strata's own lookup,
+/// so a test can judge it.
 pub fn qemu_pids(run_dir: &Path) -> Vec<(String, u32)> {
-    let Ok(rd) = std::fs::read_dir(run_dir) else {
-        return Vec::new();
-    };
     let ours = run_dir.to_string_lossy().into_owned();
-    rd.flatten()
+    let mut found: Vec<(String, u32)> = std::fs::read_dir(run_dir)
+        .into_iter()
+        .flatten()
+        .flatten()
         .filter_map(|e| {
             let text = std::fs::read_to_string(e.path().join("qemu.pid")).ok()?;
             let pid = text.trim().parse::<u32>().ok()?;
             (alive(pid) && cmdline(pid).contains(&ours))
                 .then(|| (e.file_name().to_string_lossy().into_owned(), pid))
         })
-        .collect()
+        .collect();
+    let prefix = format!("{ours}/");
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        if !alive(pid) || found.iter().any(|(_, p)| *p == pid) {
+            continue;
+        }
+        let line = cmdline(pid);
+        let name = line.split([' ', ',', '=']).find_map(|w| {
+            w.strip_prefix(&prefix)?
+                .strip_suffix("/qmp.sock")
+                .filter(|n| !n.contains('/'))
+        });
+        if let Some(name) = name {
+            found.push((name.to_owned(), pid));
+        }
+    }
+    found
 }
 
 /// `kill -9 pid`.

@@ -60,6 +60,48 @@ pub(crate) fn proc_cmdline(pid: u32) -> std::io::Result<String> {
         .join(" "))
 }
 
+/// Every live QEMU whose QMP socket lies in a directory directly under
+/// `root` (a runtime's run dir), as `(that directory, pid)`, found by its
+/// command line (`-chardev socket,id=qmp,path=<root>/<name>/qmp.sock,…`)
+/// rather than by a pid file: a process killed between QEMU's spawn and the
+/// pid file's write, or a directory whose pid file is gone, still names its
+/// VM. Zombies (empty command line) do not count.
+pub fn qemus_under(root: &Path) -> Vec<(PathBuf, u32)> {
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut found = Vec::new();
+    for e in rd.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(raw) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
+        if let Some(dir) = qmp_run_dir(&raw, root) {
+            found.push((dir, pid));
+        }
+    }
+    found
+}
+
+/// The run dir named by a QEMU command line's QMP socket, if it lies
+/// directly under `root`.
+fn qmp_run_dir(cmdline: &[u8], root: &Path) -> Option<PathBuf> {
+    const KEY: &str = "id=qmp,path=";
+    cmdline.split(|&b| b == 0).find_map(|arg| {
+        let arg = std::str::from_utf8(arg).ok()?;
+        let at = arg.find(KEY)? + KEY.len();
+        let path = arg[at..].split(',').next()?;
+        let sock = Path::new(path);
+        if sock.file_name()? != "qmp.sock" {
+            return None;
+        }
+        let dir = sock.parent()?;
+        (dir.parent()? == root).then(|| dir.to_path_buf())
+    })
+}
+
 /// Reads at most the last `n` bytes of `path` (lossy UTF-8; empty if missing).
 pub fn tail_file(path: &Path, n: usize) -> String {
     let Ok(mut f) = std::fs::File::open(path) else {
@@ -310,5 +352,44 @@ Rss:                2048 kB
             let khz = host_tsc_khz().unwrap();
             assert!(khz > 100_000, "{khz}");
         }
+    }
+}
+
+#[cfg(test)]
+mod scan_tests {
+    use super::*;
+
+    #[test]
+    fn the_qmp_argument_names_the_run_dir() {
+        let root = Path::new("/run/strata");
+        let line = b"qemu-system-x86_64\0-name\0sb-1\0-chardev\0socket,id=qmp,path=/run/strata/sb-1/qmp.sock,server=on,wait=off\0";
+        assert_eq!(
+            qmp_run_dir(line, root).as_deref(),
+            Some(Path::new("/run/strata/sb-1"))
+        );
+        let other = b"qemu\0-chardev\0socket,id=qmp,path=/elsewhere/sb-1/qmp.sock,server=on\0";
+        assert_eq!(qmp_run_dir(other, root), None, "another runtime's VM");
+        let deeper = b"qemu\0-chardev\0socket,id=qmp,path=/run/strata/a/b/qmp.sock\0";
+        assert_eq!(qmp_run_dir(deeper, root), None);
+        assert_eq!(qmp_run_dir(b"cat\0/run/strata/sb-1/qmp.sock\0", root), None);
+    }
+
+    #[test]
+    fn a_scan_finds_a_process_by_its_command_line() {
+        let root = std::env::temp_dir().join(format!("strata-scan-{}", std::process::id()));
+        let arg = format!("socket,id=qmp,path={}/sb-x/qmp.sock,server=on", root.display());
+        // The shell itself waits (on its stdin): no grandchild to outlive the test.
+        let mut child = std::process::Command::new("sh")
+            .args(["-c", "read x", &arg])
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn sh");
+        let found = qemus_under(&root);
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(
+            found.contains(&(root.join("sb-x"), child.id())),
+            "{found:?}"
+        );
     }
 }

@@ -218,7 +218,8 @@ pub struct Config {
     pub max_json_body_bytes: usize,
     /// Largest file upload, in bytes.
     pub max_upload_bytes: u64,
-    /// Recovery kills VMs and removes subvolumes that no record owns.
+    /// Recovery removes subvolumes that no record owns (VMs no record owns
+    /// are ended whatever this says).
     pub clean_orphans: bool,
     /// A sandbox whose VM died is restored from its latest snapshot.
     pub auto_recover: bool,

@@ -170,8 +170,23 @@ pub trait Engine: Send + Sync + 'static {
     /// Subvolumes in the pool.
     async fn subvolumes(&self) -> EngineResult<Subvolumes>;
 
+    /// Ends every VM process of this host that belongs to no sandbox (a
+    /// template build's builder VM a restart interrupted) and returns their
+    /// names. Recovery calls it at start; engines without such processes
+    /// keep the default.
+    async fn end_strays(&self) -> EngineResult<Vec<String>> {
+        Ok(Vec::new())
+    }
+
     /// Takes over a VM that survived a daemon restart (reconnects QMP and agent).
     async fn adopt(&self, id: &SandboxId) -> EngineResult<VmInfo>;
+
+    /// Whether a running sandbox's agent answers within `within` (recovery
+    /// checks every VM it adopted and continued). Engines without an agent
+    /// channel keep the default.
+    async fn probe_agent(&self, _id: &SandboxId, _within: std::time::Duration) -> EngineResult<()> {
+        Ok(())
+    }
 
     /// VMs that died unexpectedly. Called once, at start.
     fn exit_events(&self) -> tokio::sync::mpsc::UnboundedReceiver<VmDied>;

@@ -10,9 +10,11 @@
 //!    VM runs) or rolled back otherwise (the previous state stands); a
 //!    sandbox whose VM is gone is marked failed and restored from its latest
 //!    ready snapshot (or stays failed, with the reason);
-//! 3. orphans — VMs and subvolumes no record owns — are reported and, with
-//!    `clean_orphans`, removed; ready snapshots whose subvolume vanished are
-//!    recorded as deleted.
+//! 3. orphans — VMs and subvolumes no record owns — are reported; the VMs
+//!    (found by their command line, pid file or not, template builders
+//!    included) are always ended, the subvolumes removed with
+//!    `clean_orphans`; ready snapshots whose subvolume vanished are recorded
+//!    as deleted.
 //!
 //! If the engine cannot list VMs or subvolumes, reconciliation is skipped
 //! (reported) rather than taking "nothing found" for "everything died".
@@ -29,6 +31,10 @@ use crate::service::VmNow;
 use crate::service::{Service, ServiceResult};
 use crate::store::{SnapshotStatus, TemplateStatus};
 
+/// How long an adopted, running VM's agent has to answer before recovery
+/// restores the sandbox from its last snapshot instead.
+const AGENT_PROBE: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// What recovery found and did.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct RecoveryReport {
@@ -42,8 +48,11 @@ pub struct RecoveryReport {
     pub restored: Vec<SandboxId>,
     /// Sandboxes left failed, with the reason.
     pub failed: Vec<(SandboxId, String)>,
-    /// VMs without a record: `(id, pid)`.
+    /// VMs without a record, ended: `(id, pid)`.
     pub orphan_vms: Vec<(SandboxId, u32)>,
+    /// VM processes of the run dir that belong to no sandbox (a template
+    /// build's builder), ended: their run-dir names.
+    pub stray_vms: Vec<String>,
     /// Subvolumes without a record.
     pub orphan_subvolumes: Vec<String>,
     /// Ready snapshots whose subvolume is gone.
@@ -193,6 +202,42 @@ pub async fn reconcile(svc: &Arc<Service>) -> ServiceResult<RecoveryReport> {
                         if let Err(e) = fix {
                             warn!(sandbox = %id, error = %e.message(), "adopted VM does not match its record");
                         }
+                        // A running guest must answer: one whose agent stays
+                        // silent (e.g. a VM stopped mid-snapshot and continued)
+                        // is restored from its last snapshot, with the reason.
+                        let silent = match next {
+                            SandboxState::Running => {
+                                engine.probe_agent(&id, AGENT_PROBE).await.err()
+                            }
+                            _ => None,
+                        };
+                        if let Some(e) = silent {
+                            let why = format!(
+                                "agent did not answer after the restart ({}); restored from the last snapshot",
+                                e.message()
+                            );
+                            warn!(sandbox = %id, error = %e.message(), "adopted VM's agent is silent; restoring");
+                            let _ = engine.delete(&id).await;
+                            svc.recovered(
+                                &mut rec,
+                                pending.unwrap_or(Op::Fail),
+                                SandboxState::Failed,
+                                None,
+                                Some(why.clone()),
+                                why,
+                            )
+                            .await?;
+                            if let Some(op) = pending {
+                                report.pending_ops.push((
+                                    id.clone(),
+                                    op.to_string(),
+                                    "rolled back".into(),
+                                ));
+                            }
+                            to_restore.push(id.clone());
+                            svc.reschedule(&rec);
+                            continue;
+                        }
                         let detail = match pending {
                             Some(op) => {
                                 report.pending_ops.push((
@@ -275,16 +320,21 @@ pub async fn reconcile(svc: &Arc<Service>) -> ServiceResult<RecoveryReport> {
         }
     }
 
-    // 3. Orphans.
+    // 3. Orphans. A VM no record owns is always ended: nothing acknowledged
+    // lives in it, and it holds CPU and memory outside admission's
+    // accounting. `clean_orphans` decides about subvolumes (kept, it off,
+    // for inspection).
     let clean = svc.config().clean_orphans;
     for (id, vm) in &live {
         if !known.contains(id) {
-            warn!(sandbox = %id, pid = vm.pid, clean, "orphaned VM");
+            warn!(sandbox = %id, pid = vm.pid, "ending an orphaned VM");
             report.orphan_vms.push((id.clone(), vm.pid));
-            if clean {
-                let _ = engine.delete(id).await;
-            }
+            let _ = engine.delete(id).await;
         }
+    }
+    match engine.end_strays().await {
+        Ok(names) => report.stray_vms = names,
+        Err(e) => warn!(error = %e.message(), "cannot end stray VMs"),
     }
     for id in &subs.sandboxes {
         if !known.contains(id) && !live.contains_key(id) {

@@ -208,6 +208,87 @@ fn kill9_during_snapshot_and_during_fork_loses_nothing_acknowledged() {
             }
         }
         assert!(hit, "never killed the daemon in the middle of a fork");
+
+        // ---- VMs a pid file does not name. A daemon killed between QEMU's
+        // spawn and the pid file's write leaves a VM only its command line
+        // names; one of a sandbox whose record is gone, or of a template
+        // build, belongs to nobody. After the restart: the first is adopted
+        // (same process, not a second VM beside it), the others are ended.
+        let b = d
+            .ok("POST", &format!("/v1/sandboxes/{a}/fork"), Some(json!({})), 201)
+            .await;
+        let b = b["id"].as_str().expect("id").to_owned();
+        let pid_b = pid_of(&sandbox(&d, &b).await);
+        let gone = d.create(json!({})).await;
+        d.ok("DELETE", &format!("/v1/sandboxes/{gone}"), None, 200).await;
+        d.kill9();
+        std::fs::remove_file(d.run_dir.join(&b).join("qemu.pid")).expect("pid file of b");
+        // Stand-ins for unowned QEMUs: processes whose command line names a
+        // QMP socket in the run dir, as QEMU's does.
+        let fake = |name: &str| {
+            let arg = format!(
+                "socket,id=qmp,path={}/{name}/qmp.sock,server=on,wait=off",
+                d.run_dir.display()
+            );
+            std::process::Command::new("python3")
+                .args(["-c", "import time; time.sleep(600)", &arg])
+                .spawn()
+                .expect("python3")
+        };
+        let mut unowned = [fake(&gone), fake("build-tpl-interrupted")];
+        let listed = qemu_pids(&d.run_dir);
+        for child in &unowned {
+            assert!(
+                listed.iter().any(|(_, p)| *p == child.id()),
+                "the judge sees the stand-in: {listed:?}"
+            );
+        }
+        d.restart();
+        let v = sandbox(&d, &b).await;
+        assert_eq!(v["state"], "running", "{v}");
+        assert_eq!(pid_of(&v), pid_b, "adopted without its pid file: {v}");
+        responsive(&d, &b, "/root/f").await;
+        for child in &mut unowned {
+            let pid = child.id();
+            assert!(
+                strata_testkit::teardown::wait_gone(pid, Duration::from_secs(10)),
+                "recovery left the unowned process {pid} running"
+            );
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        no_stray_vms(&d).await;
+
+        // ---- A guest whose agent went silent before the daemon died: the
+        // restarted daemon does not adopt a sandbox that will answer its
+        // next call with agent_timeout; it restores the last snapshot and
+        // says why.
+        d.ok("POST", &format!("/v1/sandboxes/{b}/snapshots"), None, 201)
+            .await;
+        let e = d
+            .sh(
+                &b,
+                "echo after-snapshot > /root/g; (sleep 1; kill -STOP $(pgrep -x strata-agent | grep -vx 1)) >/dev/null 2>&1 &",
+            )
+            .await;
+        assert_eq!(e.code, Some(0), "{:?}", e.error);
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        d.kill9();
+        d.restart();
+        let v = sandbox(&d, &b).await;
+        assert_eq!(v["state"], "running", "{v}");
+        assert_ne!(pid_of(&v), pid_b, "restored into a new VM: {v}");
+        responsive(&d, &b, "/root/f").await;
+        let g = d.sh(&b, "cat /root/g 2>/dev/null || echo none").await;
+        assert_eq!(g.out(), "none", "state after the last snapshot is gone");
+        let ev = d
+            .ok("GET", &format!("/v1/sandboxes/{b}/events"), None, 200)
+            .await;
+        assert!(
+            ev.to_string().contains("agent did not answer after the restart"),
+            "the reason is recorded: {ev}"
+        );
+        no_stray_vms(&d).await;
         // The daemon still forks after recovery.
         let f = d
             .ok(

@@ -18,25 +18,64 @@ use strata_vmm::{VmSpec, VmmDriver};
 
 use super::{ms, Result, Runtime, StateRef};
 use crate::api::{LiveVm, Subvolumes, VmInfo};
-use crate::error::{vmm_err, RuntimeError};
+use crate::error::{agent_err, vmm_err, RuntimeError};
 
 /// How long [`Runtime::unstick`] may take to connect to a VM's QMP socket.
 const UNSTICK_QMP_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Runtime {
-    /// QEMU processes found under the run dir (alive and really that sandbox's
-    /// QEMU), by sandbox id.
+    /// QEMU processes of this run dir (alive and really that sandbox's QEMU),
+    /// by sandbox id: found by their command line, so a VM whose pid file
+    /// was never written (its starter killed right after the spawn) or whose
+    /// run dir was removed under it counts too.
     pub fn find_vms(&self) -> Vec<(SandboxId, u32)> {
-        let Ok(rd) = std::fs::read_dir(&self.cfg.run_dir) else {
-            return Vec::new();
-        };
-        rd.flatten()
-            .filter_map(|e| {
-                let id = e.file_name().to_string_lossy().parse::<SandboxId>().ok()?;
-                let pid = strata_vmm::qemu_in_run_dir(&e.path())?;
-                Some((id, pid))
-            })
+        self.qemus()
+            .into_iter()
+            .filter_map(|(name, pid)| Some((name.parse::<SandboxId>().ok()?, pid)))
             .collect()
+    }
+
+    /// QEMU processes of this run dir whose directory names no sandbox (a
+    /// template build's builder VM, or anything else started there): never
+    /// acknowledged state, so a restarted daemon ends them.
+    pub fn stray_vms(&self) -> Vec<(String, u32)> {
+        self.qemus()
+            .into_iter()
+            .filter(|(name, _)| name.parse::<SandboxId>().is_err())
+            .collect()
+    }
+
+    /// Every QEMU of this run dir, by directory name, one per name (a pid
+    /// file's process first, then the process table).
+    fn qemus(&self) -> Vec<(String, u32)> {
+        let mut by_name: std::collections::BTreeMap<String, u32> = Default::default();
+        for (dir, pid) in strata_vmm::qemus_under(&self.cfg.run_dir) {
+            let Some(name) = dir.file_name().map(|n| n.to_string_lossy().into_owned()) else {
+                continue;
+            };
+            let pid = strata_vmm::qemu_in_run_dir(&dir).unwrap_or(pid);
+            by_name.entry(name).or_insert(pid);
+        }
+        by_name.into_iter().collect()
+    }
+
+    /// SIGKILLs a QEMU found by [`Runtime::stray_vms`] and waits (≤ 5 s) for
+    /// it to go; removes its run dir.
+    pub async fn end_stray(&self, name: &str) {
+        let dir = self.run_dir(name);
+        if let Some(pid) = strata_vmm::qemu_in_run_dir(&dir) {
+            tracing::warn!(name, pid, "ending a QEMU no record owns");
+            // SAFETY: kill(2) on a QEMU whose command line names a directory
+            // of this runtime's run dir: one this runtime's daemon started.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            for _ in 0..100 {
+                if strata_vmm::qemu_in_run_dir(&dir).is_none() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     /// Names of the subvolumes under `sandboxes/`, `snapshots/` and `templates/`.
@@ -114,6 +153,29 @@ impl Runtime {
             size: meta.size,
             ready_ms: ms(t0),
         })
+    }
+
+    /// Whether a live sandbox's agent answers (a handshake if the channel is
+    /// new, then a ping) within `within`. Recovery asks it of every VM it
+    /// adopted: a guest whose agent stays silent is restored from its last
+    /// snapshot instead of answering its next call with `agent_timeout`.
+    pub async fn probe_agent(&self, id: &SandboxId, within: Duration) -> Result<()> {
+        let probe = async {
+            let agent = self.agent(id).await?;
+            agent
+                .ping()
+                .await
+                .map(|_| ())
+                .map_err(|e| agent_err(id.as_str(), e, within))
+        };
+        tokio::time::timeout(within, probe)
+            .await
+            .unwrap_or_else(|_| {
+                Err(RuntimeError::AgentTimeout {
+                    id: id.to_string(),
+                    timeout_ms: within.as_millis() as u64,
+                })
+            })
     }
 
     /// Makes a surviving, not yet adopted VM's vCPUs run.

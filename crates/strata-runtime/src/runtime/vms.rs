@@ -210,15 +210,13 @@ impl Runtime {
         // VMs not (yet) in the table: a template build's cold boot, a restore
         // still waiting for its agent. Each runs from its own directory under
         // this runtime's run dir, which names them.
-        let stray = std::fs::read_dir(&self.cfg.run_dir)
+        let stray = strata_vmm::qemus_under(&self.cfg.run_dir)
             .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|e| strata_vmm::qemu_in_run_dir(&e.path()));
+            .map(|(_, pid)| pid);
         let mut extra = 0;
         for pid in stray {
-            // SAFETY: kill(2) on a QEMU whose pid file and command line name a
-            // directory of this runtime's run dir: one this runtime started.
+            // SAFETY: kill(2) on a QEMU whose command line names a directory
+            // of this runtime's run dir: one this runtime started.
             unsafe { libc::kill(pid as i32, libc::SIGKILL) };
             extra += 1;
         }

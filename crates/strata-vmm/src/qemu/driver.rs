@@ -205,12 +205,15 @@ impl QemuDriver {
             run_dir: spec.run_dir.clone(),
             reason,
         };
-        let pid_text = std::fs::read_to_string(spec.pid_file())
-            .map_err(|e| fail(format!("cannot read {:?}: {e}", spec.pid_file())))?;
-        let pid: u32 = pid_text
-            .trim()
-            .parse()
-            .map_err(|_| fail(format!("pid file holds {:?}", pid_text.trim())))?;
+        // The pid file, or the process whose command line names this run
+        // dir (a pid file the previous process never wrote).
+        let Some(pid) = qemu_in_run_dir(&spec.run_dir) else {
+            // The VM died while nobody watched it: its cgroup is empty, drop it.
+            if let Some(cg) = confine::recorded(spec) {
+                let _ = cg.remove().await;
+            }
+            return Err(fail(format!("no live QEMU for {:?}", spec.run_dir)));
+        };
         let pidfd = match pidfd_open(pid) {
             Ok(fd) => fd,
             Err(e) => {
@@ -352,16 +355,24 @@ fn live_qemu_in(spec: &VmSpec) -> Option<u32> {
 /// The pid of the QEMU whose run dir is `run_dir`, if it still runs: read from
 /// `qemu.pid` and confirmed by its command line naming `<run_dir>/qmp.sock`
 /// (a reused pid or a zombie, whose command line is empty, does not count).
+/// Without a usable pid file (a process killed between the spawn and the
+/// file's write) the process table is searched for the QEMU whose command
+/// line names this run dir's QMP socket.
 pub fn qemu_in_run_dir(run_dir: &Path) -> Option<u32> {
-    let pid: u32 = std::fs::read_to_string(run_dir.join("qemu.pid"))
-        .ok()?
-        .trim()
-        .parse()
-        .ok()?;
-    let cmdline = proc_cmdline(pid).ok()?;
-    cmdline
-        .contains(run_dir.join("qmp.sock").to_string_lossy().as_ref())
-        .then_some(pid)
+    let by_file = std::fs::read_to_string(run_dir.join("qemu.pid"))
+        .ok()
+        .and_then(|t| t.trim().parse::<u32>().ok())
+        .filter(|&pid| {
+            proc_cmdline(pid).is_ok_and(|c| {
+                c.contains(run_dir.join("qmp.sock").to_string_lossy().as_ref())
+            })
+        });
+    by_file.or_else(|| {
+        let root = run_dir.parent()?;
+        crate::process::qemus_under(root)
+            .into_iter()
+            .find_map(|(dir, pid)| (dir == run_dir).then_some(pid))
+    })
 }
 
 fn write_pid_file(spec: &VmSpec, pid: u32) -> Result<(), VmmError> {

@@ -232,6 +232,19 @@ impl Engine for RuntimeEngine {
         Ok(self.rt.subvolumes())
     }
 
+    async fn probe_agent(&self, id: &SandboxId, within: std::time::Duration) -> EngineResult<()> {
+        self.rt.probe_agent(id, within).await
+    }
+
+    async fn end_strays(&self) -> EngineResult<Vec<String>> {
+        let mut ended = Vec::new();
+        for (name, _) in self.rt.stray_vms() {
+            self.rt.end_stray(&name).await;
+            ended.push(name);
+        }
+        Ok(ended)
+    }
+
     async fn adopt(&self, id: &SandboxId) -> EngineResult<VmInfo> {
         // The runtime's adopt continues a VM a restart found stopped (QMP
         // stays below the runtime).
