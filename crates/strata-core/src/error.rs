@@ -37,6 +37,10 @@ pub enum ErrorCode {
     AgentError,
     /// The storage pool is full.
     PoolFull,
+    /// A quota of the caller's tenant (or of the sandbox) would be exceeded:
+    /// sandboxes, vCPUs, memory or pool bytes (`[quotas]`). Not retried by
+    /// waiting; free something first. Host room stays `insufficient_capacity`.
+    QuotaExceeded,
     /// A snapshot is corrupt, missing parts, or incompatible with this host.
     SnapshotUnusable,
     /// The VM failed or died.
@@ -51,7 +55,7 @@ impl ErrorCode {
         match self {
             ErrorCode::InvalidRequest | ErrorCode::InvalidSize => 400,
             ErrorCode::Unauthorized => 401,
-            ErrorCode::Forbidden | ErrorCode::PolicyDenied => 403,
+            ErrorCode::Forbidden | ErrorCode::PolicyDenied | ErrorCode::QuotaExceeded => 403,
             ErrorCode::NotFound => 404,
             ErrorCode::InvalidState | ErrorCode::Conflict => 409,
             ErrorCode::PayloadTooLarge => 413,
@@ -81,5 +85,7 @@ mod tests {
     fn codes_serialize_snake_case() {
         assert_eq!(ErrorCode::NotFound.as_str(), "not_found");
         assert_eq!(ErrorCode::InvalidState.http_status(), 409);
+        assert_eq!(ErrorCode::QuotaExceeded.as_str(), "quota_exceeded");
+        assert_eq!(ErrorCode::QuotaExceeded.http_status(), 403);
     }
 }

@@ -91,7 +91,9 @@ pub fn service_err(e: ServiceError) -> ConnectError {
             Code::FailedPrecondition
         }
         ServiceError::Conflict(_) => Code::Aborted,
-        ServiceError::InsufficientCapacity(_) => Code::ResourceExhausted,
+        ServiceError::InsufficientCapacity(_) | ServiceError::QuotaExceeded(_) => {
+            Code::ResourceExhausted
+        }
         ServiceError::Engine(
             RuntimeError::SandboxNotFound(id) | RuntimeError::NotRunning { id },
         ) => return ConnectError::new(Code::Unavailable, not_running(id)),

@@ -43,6 +43,11 @@ pub const QGROUP_STATUS_FLAG_INCONSISTENT: u64 = 1 << 2;
 pub const QUOTA_CTL_ENABLE: u64 = 1;
 /// `BTRFS_QUOTA_CTL_DISABLE`.
 pub const QUOTA_CTL_DISABLE: u64 = 2;
+/// `BTRFS_QUOTA_CTL_ENABLE_SIMPLE_QUOTA` (Linux 6.7): simple quotas, each extent
+/// charged to the subvolume that first wrote it, for as long as it exists.
+pub const QUOTA_CTL_ENABLE_SIMPLE_QUOTA: u64 = 4;
+/// `BTRFS_QGROUP_STATUS_FLAG_SIMPLE_MODE`: the quota tree is in simple mode.
+pub const QGROUP_STATUS_FLAG_SIMPLE_MODE: u64 = 1 << 3;
 
 /// `struct btrfs_ioctl_vol_args`.
 #[repr(C)]

@@ -31,10 +31,10 @@ pub mod testing;
 
 pub use error::{Result, StorageError};
 pub use pool::{
-    unmount_image, Pool, PoolConfig, PoolOptions, PoolUsage, UsageMethod, LAYOUT, MIN_IMAGE_SIZE,
-    MOUNT_OPTIONS,
+    unmount_image, Pool, PoolConfig, PoolOptions, PoolUsage, ReserveStatus, UsageMethod, LAYOUT,
+    MIN_IMAGE_SIZE, MOUNT_OPTIONS, RESERVE_FILE,
 };
 pub use usage::{
-    extent_usage, file_extent_map, qgroup_usage, rewritten_bytes, FileExtent, QuotaStatus,
-    SubvolUsage,
+    enable_simple_quotas, extent_usage, file_extent_map, kernel_has_simple_quotas, qgroup_usage,
+    rewritten_bytes, written_bytes, FileExtent, QuotaStatus, SubvolUsage,
 };

@@ -98,6 +98,24 @@ pub struct Pool {
     root: PathBuf,
     image: Option<ImageMount>,
     trash: Trash,
+    reserve: Mutex<Option<Reserve>>,
+}
+
+/// Name of the space reserve file in the pool root (see [`Pool::keep_reserve`]).
+pub const RESERVE_FILE: &str = ".reserve";
+
+/// How often the reserve watcher looks at the pool's free space.
+const RESERVE_POLL: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// What the space reserve is doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReserveStatus {
+    /// Size of the reserve.
+    pub bytes: u64,
+    /// Free space (reserve excluded) below which it is released.
+    pub low_water_bytes: u64,
+    /// True while it is released (the pool ran low; running guests write into it).
+    pub released: bool,
 }
 
 impl Pool {
@@ -148,7 +166,12 @@ impl Pool {
             usage::set_quotas(&root, true)?;
         }
         let trash = Trash::start(root.join("trash"));
-        let pool = Pool { root, image, trash };
+        let pool = Pool {
+            root,
+            image,
+            trash,
+            reserve: Mutex::new(None),
+        };
         if let PoolConfig::Image { size_bytes, .. } = config {
             if *size_bytes > pool.image_size()? {
                 pool.grow(*size_bytes)?;
@@ -263,8 +286,22 @@ impl Pool {
         self.trash.wait_idle();
     }
 
-    /// Pool-wide space.
+    /// Pool-wide space. `free_bytes` never counts the space reserve: while it
+    /// is held the file system does not either, and while it is released (the
+    /// pool ran low, see [`Pool::keep_reserve`]) its size is taken off, so
+    /// what strata itself writes (snapshots, new sandboxes) stays refused and
+    /// the released room is left to the guests already running.
     pub fn usage(&self) -> Result<PoolUsage> {
+        let mut u = self.raw_usage()?;
+        if let Some(r) = self.reserve_status() {
+            if r.released {
+                u.free_bytes = u.free_bytes.saturating_sub(r.bytes);
+            }
+        }
+        Ok(u)
+    }
+
+    fn raw_usage(&self) -> Result<PoolUsage> {
         let c = subvol::cpath(&self.root)?;
         let mut st = MaybeUninit::<libc::statvfs>::zeroed();
         // SAFETY: `c` is NUL-terminated; `st` is writable memory of statvfs's size.
@@ -319,6 +356,96 @@ impl Pool {
     /// Turns btrfs quota groups on (waiting for the initial rescan) or off.
     pub fn set_quotas(&self, enable: bool) -> Result<()> {
         usage::set_quotas(&self.root, enable)
+    }
+
+    /// Turns btrfs simple quotas on (Linux 6.7+; see
+    /// [`usage::enable_simple_quotas`]). No limit is ever set.
+    pub fn enable_simple_quotas(&self) -> Result<()> {
+        usage::enable_simple_quotas(&self.root)
+    }
+
+    /// Bytes of subvolume `path` written since it shared its data with
+    /// `base` (a snapshot against the one it descends from; `None`: all of
+    /// its allocated bytes). See [`usage::written_bytes`].
+    pub fn written_since(&self, path: impl AsRef<Path>, base: Option<&Path>) -> Result<u64> {
+        let p = self.inside(path.as_ref())?;
+        let b = match base {
+            Some(b) => Some(self.inside(b)?),
+            None => None,
+        };
+        usage::written_bytes(&p, b.as_deref())
+    }
+
+    /// Keeps a space reserve: a file `<root>/.reserve` of `bytes`, allocated
+    /// with `fallocate` (no data written). A watcher thread looks at the free
+    /// space every 200 ms: below `low_water_bytes` it deletes the file, so the
+    /// guests already running keep writing when the pool is nearly full
+    /// (one warning in the log); once free space is back above
+    /// `bytes + 2 × low_water_bytes` it allocates the file again (one info
+    /// line). [`Pool::usage`] never counts the reserve as free. `bytes = 0`
+    /// stops keeping one (the file is removed). Calling it again replaces the
+    /// previous setting.
+    pub fn keep_reserve(&self, bytes: u64, low_water_bytes: u64) -> Result<()> {
+        let mut g = self.reserve.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(mut old) = g.take() {
+            old.stop();
+        }
+        let path = self.root.join(RESERVE_FILE);
+        if bytes == 0 {
+            return match std::fs::remove_file(&path) {
+                Ok(()) => Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+                Err(e) => Err(StorageError::io("remove reserve", &path, e)),
+            };
+        }
+        let state = Arc::new(ReserveState {
+            path,
+            root: self.root.clone(),
+            bytes,
+            low_water: low_water_bytes,
+            released: std::sync::atomic::AtomicBool::new(false),
+            stop: (Mutex::new(false), Condvar::new()),
+        });
+        match state.allocate() {
+            Ok(()) => {
+                tracing::info!(bytes, path = %state.path.display(), "storage pool space reserve held")
+            }
+            Err(e) if e.is_no_space() => {
+                state.released.store(true, Ordering::SeqCst);
+                tracing::warn!(bytes, "storage pool has no room for its space reserve; it is allocated once space is back");
+            }
+            Err(e) => return Err(e),
+        }
+        let s2 = state.clone();
+        let worker = std::thread::Builder::new()
+            .name("strata-reserve".into())
+            .spawn(move || s2.watch())
+            .map_err(|e| StorageError::io("start reserve watcher", &self.root, e))?;
+        *g = Some(Reserve {
+            state,
+            worker: Some(worker),
+        });
+        Ok(())
+    }
+
+    /// The reserve's state, if one is kept.
+    pub fn reserve_status(&self) -> Option<ReserveStatus> {
+        let g = self.reserve.lock().unwrap_or_else(|p| p.into_inner());
+        g.as_ref().map(|r| r.state.status())
+    }
+
+    /// Runs one step of the reserve watcher now (release when low, re-allocate
+    /// when space is back) and returns the reserve's state.
+    pub fn check_reserve(&self) -> Result<Option<ReserveStatus>> {
+        let state = {
+            let g = self.reserve.lock().unwrap_or_else(|p| p.into_inner());
+            match g.as_ref() {
+                Some(r) => r.state.clone(),
+                None => return Ok(None),
+            }
+        };
+        state.step()?;
+        Ok(Some(state.status()))
     }
 
     /// Whether quota groups are on.
@@ -395,6 +522,14 @@ impl Pool {
     /// Stops the trash thread (after it has emptied the trash) and, in image mode,
     /// unmounts the pool and detaches its loop device. The image file stays.
     pub fn unmount(mut self) -> Result<()> {
+        if let Some(mut r) = self
+            .reserve
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            r.stop();
+        }
         self.trash.stop();
         let Some(img) = self.image.take() else {
             return Ok(());
@@ -621,6 +756,145 @@ fn detach_loops(image: &Path) {
         if let Ok(f) = File::open(&dev) {
             // SAFETY: LOOP_CLR_FD takes no argument; `f` is a loop device backed by our image.
             let _ = unsafe { ioctl::ioctl_val(f.as_fd(), ioctl::LOOP_CLR_FD, 0) };
+        }
+    }
+}
+
+/// The space reserve and its watcher thread.
+#[derive(Debug)]
+struct Reserve {
+    state: Arc<ReserveState>,
+    worker: Option<JoinHandle<()>>,
+}
+
+impl Reserve {
+    fn stop(&mut self) {
+        {
+            let (m, cv) = &self.state.stop;
+            *m.lock().unwrap_or_else(|p| p.into_inner()) = true;
+            cv.notify_all();
+        }
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+impl Drop for Reserve {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+#[derive(Debug)]
+struct ReserveState {
+    path: PathBuf,
+    root: PathBuf,
+    bytes: u64,
+    low_water: u64,
+    released: std::sync::atomic::AtomicBool,
+    stop: (Mutex<bool>, Condvar),
+}
+
+impl ReserveState {
+    fn status(&self) -> ReserveStatus {
+        ReserveStatus {
+            bytes: self.bytes,
+            low_water_bytes: self.low_water,
+            released: self.released.load(Ordering::SeqCst),
+        }
+    }
+
+    /// Creates the file and allocates its blocks (kept if it already has them).
+    fn allocate(&self) -> Result<()> {
+        let f = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&self.path)
+            .map_err(|e| StorageError::io("create reserve", &self.path, e))?;
+        let len = i64::try_from(self.bytes).map_err(|_| StorageError::InvalidArgument {
+            what: format!("reserve of {} bytes", self.bytes),
+            reason: "too large".into(),
+        })?;
+        // SAFETY: `f` is an open, writable file; mode 0 allocates blocks (and
+        // extends the size) without writing data.
+        if unsafe { libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(&f), 0, 0, len) } != 0 {
+            let e = io::Error::last_os_error();
+            drop(f);
+            let _ = std::fs::remove_file(&self.path);
+            return Err(StorageError::io("fallocate reserve", &self.path, e));
+        }
+        f.sync_all()
+            .map_err(|e| StorageError::io("sync reserve", &self.path, e))
+    }
+
+    fn free_bytes(&self) -> Result<u64> {
+        let c = subvol::cpath(&self.root)?;
+        let mut st = MaybeUninit::<libc::statvfs>::zeroed();
+        // SAFETY: `c` is NUL-terminated; `st` is writable memory of statvfs's size.
+        if unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) } != 0 {
+            return Err(StorageError::io(
+                "statvfs",
+                &self.root,
+                io::Error::last_os_error(),
+            ));
+        }
+        // SAFETY: statvfs returned 0 and filled the struct.
+        let st = unsafe { st.assume_init() };
+        Ok(st.f_bavail * st.f_frsize)
+    }
+
+    /// Releases the reserve when free space is low, takes it back when there
+    /// is room again (with a margin, so it does not flap).
+    fn step(&self) -> Result<()> {
+        let free = self.free_bytes()?;
+        let released = self.released.load(Ordering::SeqCst);
+        if !released && free < self.low_water {
+            match std::fs::remove_file(&self.path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(StorageError::io("release reserve", &self.path, e)),
+            }
+            self.released.store(true, Ordering::SeqCst);
+            tracing::warn!(
+                free_bytes = free,
+                reserve_bytes = self.bytes,
+                "storage pool nearly full: released the space reserve so running guests keep writing; snapshots and new sandboxes are refused until space is back"
+            );
+        } else if released && free >= self.bytes.saturating_add(self.low_water.saturating_mul(2)) {
+            match self.allocate() {
+                Ok(()) => {
+                    self.released.store(false, Ordering::SeqCst);
+                    tracing::info!(
+                        free_bytes = free,
+                        reserve_bytes = self.bytes,
+                        "storage pool has room again: space reserve re-allocated"
+                    );
+                }
+                Err(e) if e.is_no_space() => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    fn watch(&self) {
+        let (m, cv) = &self.stop;
+        let mut stopped = m.lock().unwrap_or_else(|p| p.into_inner());
+        while !*stopped {
+            drop(stopped);
+            if let Err(e) = self.step() {
+                tracing::warn!(error = %e, "storage pool reserve check failed");
+            }
+            stopped = m.lock().unwrap_or_else(|p| p.into_inner());
+            if *stopped {
+                break;
+            }
+            stopped = cv
+                .wait_timeout(stopped, RESERVE_POLL)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|p| p.into_inner().0);
         }
     }
 }

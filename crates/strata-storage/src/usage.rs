@@ -193,6 +193,83 @@ pub fn rewritten_bytes(prev: &[FileExtent], cur: &[FileExtent]) -> u64 {
     total.saturating_sub(unchanged)
 }
 
+/// Bytes of the subvolume (or directory) at `path` that are not stored where
+/// `base` stores the same offsets of the same-named files: on a copy-on-write
+/// file system, what was written since the two shared their data (a snapshot
+/// against the snapshot it descends from). `base = None`, or a file `base` lacks:
+/// every allocated byte counts. Files in nested subvolumes are not counted.
+///
+/// This is the charge of a snapshot in its lineage (see `docs/snapshots.md`):
+/// an extent is counted by the first snapshot that holds it, never again by a
+/// later one that still shares it. Cost: one FIEMAP walk of each file of both
+/// trees (proportional to their extents); the result of two read-only
+/// snapshots never changes, so callers cache it.
+pub fn written_bytes(path: &Path, base: Option<&Path>) -> Result<u64> {
+    let root_dev = std::fs::symlink_metadata(path)
+        .map_err(|e| StorageError::io("stat", path, e))?
+        .dev();
+    let mut buf = Box::new(FiemapBuf {
+        hdr: ioctl::FiemapHeader::default(),
+        ext: [ioctl::FiemapExtent::default(); FIEMAP_BATCH],
+    });
+    let mut total = 0u64;
+    let mut stack = vec![std::path::PathBuf::new()];
+    while let Some(rel) = stack.pop() {
+        let dir = path.join(&rel);
+        let rd =
+            std::fs::read_dir(&dir).map_err(|e| StorageError::io("read directory", &dir, e))?;
+        for entry in rd {
+            let entry = entry.map_err(|e| StorageError::io("read directory", &dir, e))?;
+            let r = rel.join(entry.file_name());
+            let p = path.join(&r);
+            let md = match std::fs::symlink_metadata(&p) {
+                Ok(md) => md,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(StorageError::io("stat", &p, e)),
+            };
+            if md.dev() != root_dev {
+                continue; // a nested subvolume
+            }
+            if md.is_dir() {
+                stack.push(r);
+                continue;
+            }
+            if !md.is_file() || md.blocks() == 0 {
+                continue;
+            }
+            let cur = match extent_map_with(&p, &mut buf)? {
+                Some(m) => m,
+                None => continue,
+            };
+            let prev = match base.map(|b| b.join(&r)) {
+                Some(bp) if bp.is_file() => extent_map_with(&bp, &mut buf)?.unwrap_or_default(),
+                _ => Vec::new(),
+            };
+            total = total.saturating_add(rewritten_bytes(&prev, &cur));
+        }
+    }
+    Ok(total)
+}
+
+/// The extent map of `p` (`None`: it vanished meanwhile).
+fn extent_map_with(p: &Path, buf: &mut FiemapBuf) -> Result<Option<Vec<FileExtent>>> {
+    let f = match File::open(p) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(StorageError::io("open", p, e)),
+    };
+    let mut out = Vec::new();
+    walk_extents(&f, buf, |e| {
+        out.push(FileExtent {
+            logical: e.fe_logical,
+            physical: e.fe_physical,
+            length: e.fe_length,
+        })
+    })
+    .map_err(|e| StorageError::io("fiemap", p, e))?;
+    Ok(Some(out))
+}
+
 /// Quota status of a btrfs file system.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QuotaStatus {
@@ -202,6 +279,56 @@ pub enum QuotaStatus {
     Enabled,
     /// Quotas are on but the numbers need a rescan.
     Inconsistent,
+    /// Simple quotas (Linux 6.7+): every extent is charged to the subvolume
+    /// that first wrote it, for as long as any subvolume holds it. A
+    /// subvolume's exclusive number is then what it wrote, not what deleting
+    /// it would free.
+    Simple,
+}
+
+/// Turns btrfs *simple* quotas on for the file system holding `path`
+/// (`BTRFS_IOC_QUOTA_CTL` with `BTRFS_QUOTA_CTL_ENABLE_SIMPLE_QUOTA`; the
+/// btrfs-progs of older hosts cannot do this). Needs Linux 6.7 or later:
+/// older kernels answer `EINVAL`, reported as [`StorageError::Io`]. Extents
+/// written before enabling are charged to nobody. No rescan: simple quotas
+/// count from now on. strata never sets a qgroup *limit* on a live
+/// subvolume: a limit turns the guest's RAM-file writeback into I/O errors.
+pub fn enable_simple_quotas(path: &Path) -> Result<()> {
+    let f = subvol::open_dir(path)?;
+    let mut args = ioctl::QuotaCtlArgs {
+        cmd: ioctl::QUOTA_CTL_ENABLE_SIMPLE_QUOTA,
+        status: 0,
+    };
+    // SAFETY: BTRFS_IOC_QUOTA_CTL takes a `struct btrfs_ioctl_quota_ctl_args`.
+    unsafe { ioctl::ioctl_ptr(f.as_fd(), ioctl::BTRFS_IOC_QUOTA_CTL, &mut args) }
+        .map_err(|e| StorageError::io("enable simple quotas", path, e))?;
+    Ok(())
+}
+
+/// Whether this kernel has btrfs simple quotas (Linux 6.7 or later), from
+/// `uname`'s release.
+pub fn kernel_has_simple_quotas() -> bool {
+    // SAFETY: `uname` fills the zeroed struct it is given.
+    let mut u: libc::utsname = unsafe { std::mem::zeroed() };
+    // SAFETY: `u` is a valid, writable utsname.
+    if unsafe { libc::uname(&mut u) } != 0 {
+        return false;
+    }
+    let rel: String = u
+        .release
+        .iter()
+        .take_while(|c| **c != 0)
+        .map(|c| *c as u8 as char)
+        .collect();
+    release_has_simple_quotas(&rel)
+}
+
+fn release_has_simple_quotas(release: &str) -> bool {
+    let mut it = release
+        .split(|c: char| !c.is_ascii_digit())
+        .map(|n| n.parse::<u32>().unwrap_or(0));
+    let (major, minor) = (it.next().unwrap_or(0), it.next().unwrap_or(0));
+    (major, minor) >= (6, 7)
 }
 
 /// Turns btrfs quota groups on or off for the file system holding `path`.
@@ -257,6 +384,9 @@ pub fn quota_status(path: &Path) -> Result<QuotaStatus> {
         Some(item) => match le_u64(&item, 16) {
             Some(flags) if flags & ioctl::QGROUP_STATUS_FLAG_INCONSISTENT != 0 => {
                 Ok(QuotaStatus::Inconsistent)
+            }
+            Some(flags) if flags & ioctl::QGROUP_STATUS_FLAG_SIMPLE_MODE != 0 => {
+                Ok(QuotaStatus::Simple)
             }
             _ => Ok(QuotaStatus::Enabled),
         },
@@ -398,6 +528,16 @@ mod tests {
             Err(e) => panic!("{e}"),
         }
         assert!(file_extent_map(&dir.path().join("missing")).is_err());
+    }
+
+    #[test]
+    fn simple_quotas_from_linux_6_7() {
+        assert!(release_has_simple_quotas("6.18.44-fc-v1045"));
+        assert!(release_has_simple_quotas("6.7.0"));
+        assert!(release_has_simple_quotas("7.0"));
+        assert!(!release_has_simple_quotas("6.6.30-generic"));
+        assert!(!release_has_simple_quotas("5.15.0"));
+        assert!(!release_has_simple_quotas("garbage"));
     }
 
     #[test]

@@ -3,6 +3,7 @@
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
 use strata_storage::testing::TestPool;
@@ -517,4 +518,141 @@ fn unmount_image_waits_out_a_busy_mount_and_detaches_the_loop() {
     drop(held);
     strata_storage::unmount_image(&root, &image, std::time::Duration::from_secs(10))
         .expect("unmount once free");
+}
+
+/// Overwrites `mib` MiB at offset `at_mib` of an existing file and fsyncs.
+fn overwrite(path: &Path, at_mib: u64, mib: u64, seed: u64) {
+    let mut f = OpenOptions::new().write(true).open(path).expect("open");
+    f.seek(SeekFrom::Start(at_mib * MIB)).expect("seek");
+    let mut buf = vec![0u8; MIB as usize];
+    for i in 0..mib {
+        for (j, chunk) in buf.chunks_mut(8).enumerate() {
+            chunk.copy_from_slice(&(seed ^ (i * MIB + j as u64 * 8 + 7)).to_le_bytes());
+        }
+        f.write_all(&buf).expect("write");
+    }
+    f.sync_all().expect("fsync");
+}
+
+#[test]
+fn written_since_charges_a_snapshot_only_for_its_lineage_writes() {
+    let tp = TestPool::new(GIB).expect("pool");
+    // A "template": 48 MiB of disk.
+    let tpl = tp.create_subvolume("sandboxes/tpl").expect("tpl");
+    write_file(&tpl.join("disk.img"), 48);
+    let tpl_snap = tp.snapshot(&tpl, "templates/tpl", true).expect("template");
+    // A sandbox from it writes 16 MiB, snapshot s1; then 8 more, snapshot s2.
+    let sb = tp.snapshot(&tpl_snap, "sandboxes/a", false).expect("a");
+    overwrite(&sb.join("disk.img"), 0, 16, 1);
+    let s1 = tp.snapshot(&sb, "snapshots/a1", true).expect("s1");
+    overwrite(&sb.join("disk.img"), 20, 8, 2);
+    fs::write(sb.join("device.state"), vec![5u8; 3 * MIB as usize]).expect("state");
+    File::open(sb.join("device.state"))
+        .unwrap()
+        .sync_all()
+        .unwrap();
+    let s2 = tp.snapshot(&sb, "snapshots/a2", true).expect("s2");
+
+    let everything = tp.written_since(&tpl_snap, None).expect("all");
+    assert!(everything >= 48 * MIB, "{everything}");
+    let c1 = tp.written_since(&s1, Some(&tpl_snap)).expect("c1");
+    assert_eq!(c1, 16 * MIB, "first snapshot: what the sandbox wrote");
+    let c2 = tp.written_since(&s2, Some(&s1)).expect("c2");
+    assert_eq!(
+        c2,
+        8 * MIB + 3 * MIB,
+        "second: only what was written after s1"
+    );
+    // A fork of s2 (a writable snapshot of it) has written nothing yet.
+    let fork = tp.snapshot(&s2, "sandboxes/f", false).expect("fork");
+    let f1 = tp.snapshot(&fork, "snapshots/f1", true).expect("f1");
+    assert_eq!(tp.written_since(&f1, Some(&s2)).expect("fork"), 0);
+    // ... and is charged what it writes.
+    overwrite(&fork.join("disk.img"), 40, 4, 3);
+    let f2 = tp.snapshot(&fork, "snapshots/f2", true).expect("f2");
+    assert_eq!(tp.written_since(&f2, Some(&f1)).expect("fork"), 4 * MIB);
+    assert!(tp.written_since(&f2, Some(Path::new("/etc"))).is_err());
+}
+
+#[test]
+fn simple_quotas_enable_by_ioctl_where_the_kernel_has_them() {
+    let tp = TestPool::new(GIB).expect("pool");
+    if !strata_storage::kernel_has_simple_quotas() {
+        assert!(tp.enable_simple_quotas().is_err());
+        return;
+    }
+    tp.enable_simple_quotas().expect("enable simple quotas");
+    assert_eq!(tp.quota_status().expect("status"), QuotaStatus::Simple);
+    let a = tp.create_subvolume("sandboxes/a").expect("a");
+    write_file(&a.join("disk.img"), 32);
+    let s = tp.snapshot(&a, "snapshots/a1", true).expect("snap");
+    // A snapshot of `a` writes nothing: its extents stay charged to `a`.
+    let fork = tp.snapshot(&s, "sandboxes/f", false).expect("fork");
+    overwrite(&fork.join("disk.img"), 0, 4, 9);
+    let ua = tp
+        .subvolume_usage(&a, UsageMethod::Qgroups)
+        .expect("a usage");
+    let uf = tp
+        .subvolume_usage(&fork, UsageMethod::Qgroups)
+        .expect("f usage");
+    assert!(ua.exclusive_bytes >= 32 * MIB, "{ua:?}");
+    assert!(
+        uf.exclusive_bytes >= 4 * MIB && uf.exclusive_bytes < 8 * MIB,
+        "a fork owns what it wrote: {uf:?}"
+    );
+}
+
+#[test]
+fn reserve_is_released_when_the_pool_runs_low_and_others_keep_writing() {
+    let tp = TestPool::new(512 * MIB).expect("pool");
+    let before = tp.usage().expect("usage").free_bytes;
+    tp.keep_reserve(96 * MIB, 48 * MIB).expect("reserve");
+    let reserve = tp.root().join(strata_storage::RESERVE_FILE);
+    assert!(fs::metadata(&reserve).expect("reserve").blocks() * 512 >= 96 * MIB);
+    let held = tp.usage().expect("usage").free_bytes;
+    assert!(
+        held + 90 * MIB <= before,
+        "the reserve takes its room: {before} -> {held}"
+    );
+    // Sandbox a fills the pool until less than the low water mark is free.
+    let a = tp.create_subvolume("sandboxes/a").expect("a");
+    let b = tp.create_subvolume("sandboxes/b").expect("b");
+    let mut i = 0;
+    while tp.usage().expect("usage").free_bytes > 40 * MIB {
+        write_file(&a.join(format!("f{i}")), 8);
+        i += 1;
+        assert!(i < 200, "pool never filled");
+    }
+    let low = tp.usage().expect("usage").free_bytes;
+    assert!(low < 64 * MIB, "{low}");
+    // The watcher (200 ms) releases the reserve on its own.
+    let t0 = std::time::Instant::now();
+    while !tp.reserve_status().expect("kept").released {
+        assert!(t0.elapsed().as_secs() < 10, "reserve never released");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(!reserve.exists(), "the reserve file is gone");
+    // Strata's own writes still see the pool as low ...
+    assert!(tp.usage().expect("usage").free_bytes < 64 * MIB);
+    // ... while another sandbox's running writes (64 MiB, more than was free
+    // before the release) succeed.
+    write_file(&b.join("disk.img"), 64);
+    // Space comes back: the reserve is taken again.
+    for j in 0..i {
+        fs::remove_file(a.join(format!("f{j}"))).expect("rm");
+    }
+    fs::remove_file(b.join("disk.img")).expect("rm");
+    subvol::sync_fs(tp.root()).expect("sync");
+    let t0 = std::time::Instant::now();
+    loop {
+        subvol::sync_fs(tp.root()).expect("sync");
+        if !tp.check_reserve().expect("check").expect("kept").released {
+            break;
+        }
+        assert!(t0.elapsed().as_secs() < 20, "reserve never re-allocated");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert!(reserve.exists());
+    tp.keep_reserve(0, 0).expect("off");
+    assert!(!reserve.exists() && tp.reserve_status().is_none());
 }

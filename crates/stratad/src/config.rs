@@ -63,6 +63,99 @@ fn host_memory_mib() -> Option<u64> {
     Some(kib / 1024)
 }
 
+/// Limits of one tenant (`[quotas.tenant]`, `[quotas.tenants.<name>]`):
+/// unset fields are unlimited.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TenantLimits {
+    /// Sandboxes not deleted (hibernated ones count).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sandboxes: Option<u64>,
+    /// vCPUs of the tenant's sandboxes with a VM (or starting one).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vcpus: Option<u64>,
+    /// Memory (MiB) of the tenant's sandboxes with a VM (or starting one).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory_mib: Option<u64>,
+    /// Pool bytes charged to the tenant's snapshots (see `docs/snapshots.md`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pool_bytes: Option<u64>,
+}
+
+impl TenantLimits {
+    /// These limits with every field `over` sets replacing the one here.
+    pub fn overridden_by(self, over: &TenantLimits) -> TenantLimits {
+        TenantLimits {
+            sandboxes: over.sandboxes.or(self.sandboxes),
+            vcpus: over.vcpus.or(self.vcpus),
+            memory_mib: over.memory_mib.or(self.memory_mib),
+            pool_bytes: over.pool_bytes.or(self.pool_bytes),
+        }
+    }
+}
+
+/// Limits of every single sandbox (`[quotas.sandbox]`): unset fields are unlimited.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SandboxLimits {
+    /// vCPUs of one sandbox.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vcpus: Option<u64>,
+    /// Memory (MiB) of one sandbox.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory_mib: Option<u64>,
+    /// Pool bytes charged to one sandbox's snapshots.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pool_bytes: Option<u64>,
+}
+
+/// `[quotas]`: per-tenant and per-sandbox limits, enforced by strata (never
+/// by a kernel limit on a live subvolume), refused with `quota_exceeded`.
+/// Everything unset (the default) is unlimited.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct QuotaConfig {
+    /// Limits of every tenant without an override.
+    pub tenant: TenantLimits,
+    /// Per-tenant overrides: each field set replaces the default's.
+    pub tenants: BTreeMap<String, TenantLimits>,
+    /// Limits of each sandbox.
+    pub sandbox: SandboxLimits,
+    /// Bytes of the pool's space reserve (`<pool>/.reserve`, fallocated),
+    /// released when free space falls under `reserve_low_water_bytes` so
+    /// running guests keep writing (0: no reserve).
+    pub reserve_bytes: u64,
+    /// Free bytes under which the reserve is released (0: 1/4 of the reserve).
+    pub reserve_low_water_bytes: u64,
+}
+
+impl QuotaConfig {
+    /// The limits of `tenant`: the default with its override applied.
+    pub fn for_tenant(&self, tenant: &str) -> TenantLimits {
+        match self.tenants.get(tenant) {
+            Some(o) => self.tenant.overridden_by(o),
+            None => self.tenant,
+        }
+    }
+
+    /// True when some pool-bytes limit is set (charges are then computed on
+    /// the snapshot path).
+    pub fn limits_pool_bytes(&self) -> bool {
+        self.tenant.pool_bytes.is_some()
+            || self.sandbox.pool_bytes.is_some()
+            || self.tenants.values().any(|t| t.pool_bytes.is_some())
+    }
+
+    /// The low-water mark of the reserve.
+    pub fn reserve_low_water(&self) -> u64 {
+        if self.reserve_low_water_bytes == 0 {
+            self.reserve_bytes / 4
+        } else {
+            self.reserve_low_water_bytes
+        }
+    }
+}
+
 /// `[security]` of the daemon configuration.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -229,6 +322,8 @@ pub struct Config {
     pub security: SecurityConfig,
     /// The E2B-compatible front door (served by the `stratad` binary).
     pub e2b: E2bSettings,
+    /// Per-tenant and per-sandbox quotas, the pool's space reserve.
+    pub quotas: QuotaConfig,
 }
 
 impl Default for Config {
@@ -260,6 +355,7 @@ impl Default for Config {
             db_readers: 4,
             security: SecurityConfig::default(),
             e2b: E2bSettings::default(),
+            quotas: QuotaConfig::default(),
         }
     }
 }
@@ -414,6 +510,26 @@ mod tests {
     fn security_config_keeps_its_old_path() {
         let c: crate::security::SecurityConfig = SecurityConfig::default();
         assert!(c.auth);
+    }
+
+    #[test]
+    fn quotas_default_unlimited_and_override_per_tenant() {
+        let c = Config::default();
+        assert_eq!(c.quotas.for_tenant("acme"), TenantLimits::default());
+        assert!(!c.quotas.limits_pool_bytes());
+        let c: Config = toml::from_str(
+            "[quotas.tenant]\nsandboxes = 10\nvcpus = 8\n\
+             [quotas.tenants.acme]\nvcpus = 32\npool_bytes = 1048576\n\
+             [quotas.sandbox]\nmemory_mib = 4096\n",
+        )
+        .unwrap();
+        let acme = c.quotas.for_tenant("acme");
+        assert_eq!((acme.sandboxes, acme.vcpus), (Some(10), Some(32)));
+        assert_eq!(acme.pool_bytes, Some(1 << 20));
+        assert_eq!(c.quotas.for_tenant("other").vcpus, Some(8));
+        assert_eq!(c.quotas.sandbox.memory_mib, Some(4096));
+        assert!(c.quotas.limits_pool_bytes());
+        assert!(toml::from_str::<Config>("[quotas.tenant]\ncpus = 1\n").is_err());
     }
 
     #[test]

@@ -125,6 +125,10 @@ pub async fn open_engine(cfg: &Config) -> Result<Arc<RuntimeEngine>, DaemonError
         "opening the sandbox runtime"
     );
     let rt: Arc<Runtime> = Runtime::open(rc).await.map_err(DaemonError::Runtime)?;
+    // `[quotas] reserve_bytes`: a fallocated reserve released when the pool runs low.
+    rt.pool()
+        .keep_reserve(cfg.quotas.reserve_bytes, cfg.quotas.reserve_low_water())
+        .map_err(|e| DaemonError::Runtime(strata_runtime::RuntimeError::Storage(e)))?;
     Ok(Arc::new(RuntimeEngine::new(rt)))
 }
 

@@ -123,6 +123,15 @@ pub trait Engine: Send + Sync + 'static {
     /// Exclusive and referenced bytes of a snapshot.
     async fn snapshot_usage(&self, snap: &SnapshotId) -> EngineResult<SpaceUsage>;
 
+    /// Bytes `snap` holds that `base` (the snapshot or template it descends
+    /// from; `None`: nothing) does not: its charge for pool-bytes quotas
+    /// (`service::admission`). Read-only snapshots never change, so the
+    /// daemon caches the answer. Engines without a pool answer nothing held.
+    async fn snapshot_charge(&self, snap: &SnapshotId, base: Option<&Source>) -> EngineResult<u64> {
+        let _ = (snap, base);
+        Ok(0)
+    }
+
     /// Runs a command in the guest; output streams as it comes. Its stdin
     /// is `Null` or `Bytes` ([`Stdin::Stream`] has no writer here).
     async fn exec(&self, id: &SandboxId, req: ExecRequest) -> EngineResult<ExecStream>;

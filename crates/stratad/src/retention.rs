@@ -15,7 +15,10 @@
 //! - `manual` and `pre_rewind` snapshots (a user asked for them, or they
 //!   are the undo of a rewind), and `template` ones;
 //! - the newest snapshot of the sandbox, whatever its kind and age: it is
-//!   the restore point for crash recovery and hibernation.
+//!   the restore point for crash recovery and hibernation. The daemon also
+//!   names it by id ([`RetentionPolicy::to_delete_keeping`], the snapshot
+//!   the store wakes from), so a hibernated sandbox's wake snapshot is kept
+//!   even when two snapshots share its timestamp.
 
 use std::time::Duration;
 
@@ -128,6 +131,20 @@ impl RetentionPolicy {
     /// The longest age anything rolling is kept: `--ago` beyond it cannot succeed.
     pub fn horizon(&self) -> Duration {
         self.tiers.last().map(|t| t.within).unwrap_or_default()
+    }
+
+    /// Like [`RetentionPolicy::to_delete`], never choosing an id in `keep`
+    /// (the daemon passes the sandbox's restore point: a hibernated
+    /// sandbox's wake snapshot can never be deleted).
+    pub fn to_delete_keeping<Id: Clone + PartialEq>(
+        &self,
+        snaps: &[Point<Id>],
+        now: DateTime<Utc>,
+        keep: &[Id],
+    ) -> Vec<Id> {
+        let mut out = self.to_delete(snaps, now);
+        out.retain(|id| !keep.contains(id));
+        out
     }
 
     /// Which of one sandbox's snapshots to delete at `now`.
@@ -290,6 +307,35 @@ mod tests {
         ];
         // 3 is too old; 4 is too old as well but the newest: the restore point.
         assert_eq!(p.to_delete(&snaps, now), vec![3]);
+    }
+
+    #[test]
+    fn kept_ids_survive_even_when_timestamps_tie() {
+        let p = RetentionPolicy::parse("1m:0").unwrap();
+        // Two hibernate snapshots at the same instant, a day old: retention
+        // spares one of them as the newest; the one named in `keep` (the wake
+        // snapshot as the store picks it) must be the survivor.
+        let at = t0();
+        let snaps = vec![
+            Point {
+                id: 1,
+                at,
+                kind: SnapshotKind::Hibernate,
+            },
+            Point {
+                id: 2,
+                at,
+                kind: SnapshotKind::Hibernate,
+            },
+        ];
+        let now = at + CDuration::days(1);
+        assert_eq!(
+            p.to_delete(&snaps, now),
+            vec![2],
+            "plain retention spares the first"
+        );
+        assert_eq!(p.to_delete_keeping(&snaps, now, &[2]), Vec::<i64>::new());
+        assert!(!p.to_delete_keeping(&snaps, now, &[1]).contains(&1));
     }
 
     #[test]

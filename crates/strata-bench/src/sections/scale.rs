@@ -562,6 +562,7 @@ impl Actions for SimVms {
             pause_ms: Some(0.0),
             exclusive_bytes: None,
             referenced_bytes: None,
+            charge_bytes: None,
         };
         let store = self.store.clone();
         let _ = tokio::task::spawn_blocking(move || store.put_snapshot(&rec)).await;

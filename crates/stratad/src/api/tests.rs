@@ -27,6 +27,12 @@ struct Double {
     slow_rewind: tokio::sync::Notify,
     hold_rewind: AtomicBool,
     snaps: std::sync::Mutex<Vec<SnapshotId>>,
+    /// Quotas: bytes the next snapshot of a sandbox holds that its base does not.
+    written: std::sync::Mutex<std::collections::HashMap<SandboxId, u64>>,
+    /// Quotas: each snapshot's bytes, and the bases it was charged against.
+    held: std::sync::Mutex<std::collections::HashMap<SnapshotId, u64>>,
+    charged: std::sync::Mutex<Vec<(SnapshotId, Option<Source>)>>,
+    deleted_snaps: std::sync::Mutex<Vec<SnapshotId>>,
 }
 
 fn snap_info(id: &SnapshotId) -> SnapshotInfo {
@@ -63,8 +69,10 @@ impl Engine for Double {
     ) -> EngineResult<SnapshotInfo> {
         Ok(snap_info(snap))
     }
-    async fn snapshot(&self, _: &SandboxId, snap: &SnapshotId) -> EngineResult<SnapshotInfo> {
+    async fn snapshot(&self, id: &SandboxId, snap: &SnapshotId) -> EngineResult<SnapshotInfo> {
         self.snaps.lock().unwrap().push(snap.clone());
+        let w = self.written.lock().unwrap().remove(id).unwrap_or(0);
+        self.held.lock().unwrap().insert(snap.clone(), w);
         Ok(snap_info(snap))
     }
     async fn fork_live(
@@ -111,8 +119,16 @@ impl Engine for Double {
     async fn delete(&self, _: &SandboxId) -> EngineResult<()> {
         Ok(())
     }
-    async fn delete_snapshot(&self, _: &SnapshotId) -> EngineResult<()> {
+    async fn delete_snapshot(&self, snap: &SnapshotId) -> EngineResult<()> {
+        self.deleted_snaps.lock().unwrap().push(snap.clone());
         Ok(())
+    }
+    async fn snapshot_charge(&self, snap: &SnapshotId, base: Option<&Source>) -> EngineResult<u64> {
+        self.charged
+            .lock()
+            .unwrap()
+            .push((snap.clone(), base.cloned()));
+        Ok(self.held.lock().unwrap().get(snap).copied().unwrap_or(0))
     }
     async fn snapshot_usage(&self, _: &SnapshotId) -> EngineResult<SpaceUsage> {
         Ok(SpaceUsage {
@@ -859,4 +875,5 @@ async fn recovery_restores_a_sandbox_whose_vm_died() {
 }
 
 mod matrix;
+mod quotas;
 mod security;

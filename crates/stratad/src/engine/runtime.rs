@@ -140,6 +140,25 @@ impl Engine for RuntimeEngine {
         self.rt.snapshot_usage(snap).await
     }
 
+    async fn snapshot_charge(&self, snap: &SnapshotId, base: Option<&Source>) -> EngineResult<u64> {
+        let pool = self.rt.pool();
+        let dir = pool.snapshots_dir().join(snap.as_str());
+        if !dir.exists() {
+            return Err(RuntimeError::SnapshotNotFound(snap.to_string()));
+        }
+        let base = match base {
+            Some(Source::Snapshot(b)) => Some(pool.snapshots_dir().join(b.as_str())),
+            Some(Source::Template(t)) => Some(pool.templates_dir().join(t.as_str())),
+            None => None,
+        }
+        .filter(|b| b.exists());
+        let rt = self.rt.clone();
+        tokio::task::spawn_blocking(move || rt.pool().written_since(&dir, base.as_deref()))
+            .await
+            .map_err(|e| RuntimeError::Other(format!("charge task: {e}")))?
+            .map_err(RuntimeError::Storage)
+    }
+
     async fn exec(&self, id: &SandboxId, req: ExecRequest) -> EngineResult<ExecStream> {
         let (agent, err) = self.agent(id).await?;
         let handle = agent.exec(req).await.map_err(&err)?;

@@ -16,6 +16,31 @@
 //! Refusals are `insufficient_capacity` (a code never renamed) and name
 //! what is short. Later work (warm pools, placement by use, density)
 //! extends this module.
+//!
+//! Quotas (`[quotas]` of the configuration; everything unset is unlimited)
+//! are decided here too, before the host's room, and refused with
+//! `quota_exceeded` (403) with nothing changed:
+//! - per sandbox: vCPUs and memory of a new sandbox;
+//! - per tenant: sandboxes not deleted (a new one, hibernated or not), and
+//!   the vCPUs and memory of its sandboxes with a VM — counted like the
+//!   host's reservations, so every operation that starts a VM (create, fork,
+//!   wake, rewind, recovery) is checked under the same placement lock;
+//! - pool bytes, per tenant and per sandbox: the charge of their ready
+//!   snapshots ([`Service::pool_charge`]). A manual snapshot over it is
+//!   refused, a rolling one skipped with the reason in the journal, a fork
+//!   refused while the tenant is over (see `service::snapshots`). strata
+//!   never puts a kernel limit on a live subvolume: a qgroup limit would turn
+//!   the guest's RAM-file writeback into I/O errors.
+//!
+//! **The charge.** A snapshot is charged the bytes it holds that the one it
+//! descends from does not (`Engine::snapshot_charge`, an extent walk:
+//! `strata_storage::written_bytes`): its sandbox's previous ready snapshot,
+//! else the snapshot the sandbox was forked from, else its template. So an
+//! extent is charged once, to the first snapshot of the lineage that holds
+//! it: a fork pays for what it wrote, the template's extents are the
+//! platform's. Snapshots never change, so a charge is computed once per base
+//! and cached in the store (`snapshot_charges`); deleting a snapshot moves
+//! its successor to a new base, which is computed again when next needed.
 
 use super::prelude::*;
 
@@ -59,17 +84,277 @@ impl Drop for Transient {
     }
 }
 
+/// What a tenant's ready snapshots are charged (see the module documentation).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct PoolCharge {
+    /// The tenant's total.
+    pub tenant: u64,
+    /// Per sandbox.
+    pub by_sandbox: HashMap<SandboxId, u64>,
+}
+
+/// The id a charge row records for its base.
+fn base_key(base: Option<&Source>) -> String {
+    match base {
+        Some(Source::Snapshot(s)) => s.to_string(),
+        Some(Source::Template(t)) => t.to_string(),
+        None => String::new(),
+    }
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.1} MiB", b as f64 / f64::from(1u32 << 20))
+}
+
 impl Service {
-    /// Admits an operation that starts a VM of `size`: `Ok` with the
-    /// placement lock, under which the caller records its pending write;
-    /// `insufficient_capacity` when the host lacks the room.
+    /// Admits an operation on `rec` that starts a VM (a new sandbox's first,
+    /// a wake, a rewind without a VM, a recovery): `Ok` with the placement
+    /// lock, under which the caller records its pending write;
+    /// `quota_exceeded` when a quota of its tenant or of sandboxes would be
+    /// exceeded, `insufficient_capacity` when the host lacks the room.
     pub(crate) async fn admit(
         &self,
-        size: SandboxSize,
+        rec: &SandboxRecord,
     ) -> ServiceResult<tokio::sync::MutexGuard<'_, ()>> {
         let g = self.placement.lock().await;
-        self.check_capacity(size).await?;
+        self.check_quota(rec, true).await?;
+        self.check_capacity(rec.size).await?;
         Ok(g)
+    }
+
+    /// Admits a new sandbox that starts no VM (created hibernated): the
+    /// tenant's sandbox count, under the placement lock.
+    pub(crate) async fn admit_without_vm(
+        &self,
+        rec: &SandboxRecord,
+    ) -> ServiceResult<tokio::sync::MutexGuard<'_, ()>> {
+        let g = self.placement.lock().await;
+        self.check_quota(rec, false).await?;
+        Ok(g)
+    }
+
+    /// The `[quotas]` checks of [`Service::admit`]. `rec` is new (not yet
+    /// stored: a create or fork) or an existing sandbox without a VM that is
+    /// about to start one.
+    async fn check_quota(&self, rec: &SandboxRecord, starts_vm: bool) -> ServiceResult<()> {
+        let q = &self.config.quotas;
+        let is_new = rec.pending_op == Some(Op::Created);
+        let (vcpus, mem) = (u64::from(rec.size.vcpus), u64::from(rec.size.memory_mib));
+        if is_new {
+            if let Some(max) = q.sandbox.vcpus.filter(|m| vcpus > *m) {
+                return Err(ServiceError::QuotaExceeded(format!(
+                    "a sandbox may have at most {max} vCPUs; asked for {vcpus}"
+                )));
+            }
+            if let Some(max) = q.sandbox.memory_mib.filter(|m| mem > *m) {
+                return Err(ServiceError::QuotaExceeded(format!(
+                    "a sandbox may have at most {max} MiB of memory; asked for {mem}"
+                )));
+            }
+        }
+        let limits = q.for_tenant(&rec.tenant);
+        let t = rec.tenant.clone();
+        if limits.sandboxes.is_some() || limits.vcpus.is_some() || limits.memory_mib.is_some() {
+            let t2 = t.clone();
+            let used = self.db(move |s| s.tenant_usage(&t2)).await?;
+            if let Some(max) = limits.sandboxes.filter(|m| is_new && used.sandboxes >= *m) {
+                return Err(ServiceError::QuotaExceeded(format!(
+                    "tenant {t} has {} of its {max} sandboxes; delete one first",
+                    used.sandboxes
+                )));
+            }
+            if starts_vm {
+                if let Some(max) = limits.vcpus.filter(|m| used.vcpus + vcpus > *m) {
+                    return Err(ServiceError::QuotaExceeded(format!(
+                        "tenant {t} runs {} of its {max} vCPUs; asked for {vcpus} more (hibernate or delete a sandbox first)",
+                        used.vcpus
+                    )));
+                }
+                if let Some(max) = limits.memory_mib.filter(|m| used.memory_mib + mem > *m) {
+                    return Err(ServiceError::QuotaExceeded(format!(
+                        "tenant {t} runs {} of its {max} MiB of memory; asked for {mem} more (hibernate or delete a sandbox first)",
+                        used.memory_mib
+                    )));
+                }
+            }
+        }
+        // A fork pins its source's state (a live fork snapshots it): not
+        // while the tenant is over its pool-bytes quota.
+        if is_new && rec.source_snapshot.is_some() && limits.pool_bytes.is_some() {
+            self.check_pool_quota(rec, 0, true).await?;
+        }
+        Ok(())
+    }
+
+    /// The snapshot `snap` of `sandbox` descends from: the sandbox's ready
+    /// snapshot before it (`prev`), else the snapshot it was forked from
+    /// (while that is ready), else its template.
+    async fn charge_base(
+        &self,
+        sandbox: Option<&SandboxRecord>,
+        prev: Option<&SnapshotId>,
+    ) -> ServiceResult<Option<Source>> {
+        if let Some(p) = prev {
+            return Ok(Some(Source::Snapshot(p.clone())));
+        }
+        let Some(sb) = sandbox else {
+            return Ok(None);
+        };
+        if let Some(src) = sb.source_snapshot.clone() {
+            let s2 = src.clone();
+            let ready = self
+                .db(move |s| s.get_snapshot(&s2))
+                .await?
+                .is_some_and(|r| r.status == SnapshotStatus::Ready);
+            if ready {
+                return Ok(Some(Source::Snapshot(src)));
+            }
+        }
+        Ok(sb.template.clone().map(Source::Template))
+    }
+
+    /// Computes (and caches) the charge of `snap` against `base`.
+    async fn compute_charge(
+        &self,
+        snap: &SnapshotRecord,
+        base: Option<&Source>,
+    ) -> ServiceResult<u64> {
+        let bytes = self.engine.snapshot_charge(&snap.id, base).await?;
+        let c = SnapshotCharge {
+            snapshot_id: snap.id.clone(),
+            tenant: snap.tenant.clone(),
+            sandbox_id: snap.sandbox_id.clone(),
+            base: base_key(base),
+            bytes,
+            computed_at: self.now(),
+        };
+        self.db(move |s| s.put_charge(&c)).await?;
+        Ok(bytes)
+    }
+
+    /// What the ready snapshots of `tenant` are charged, in total and per
+    /// sandbox. Cached charges whose base is still the right one are used as
+    /// they are; the others are computed (an extent walk each) and cached.
+    pub(crate) async fn pool_charge(&self, tenant: &str) -> ServiceResult<PoolCharge> {
+        let t = tenant.to_owned();
+        let (snaps, cached) = self
+            .db(move |s| Ok((s.tenant_ready_snapshots(&t)?, s.snapshot_charges(&t)?)))
+            .await?;
+        let cached: HashMap<SnapshotId, SnapshotCharge> = cached
+            .into_iter()
+            .map(|c| (c.snapshot_id.clone(), c))
+            .collect();
+        let mut out = PoolCharge::default();
+        let mut prev: Option<&SnapshotRecord> = None;
+        let mut sandbox: Option<SandboxRecord> = None;
+        for snap in &snaps {
+            if prev.is_some_and(|p| p.sandbox_id != snap.sandbox_id) {
+                prev = None;
+            }
+            if sandbox.as_ref().map(|r| &r.id) != Some(&snap.sandbox_id) {
+                let id = snap.sandbox_id.clone();
+                sandbox = self.db(move |s| s.get_sandbox(&id)).await?;
+            }
+            let base = self
+                .charge_base(sandbox.as_ref(), prev.map(|p| &p.id))
+                .await?;
+            let bytes = match cached.get(&snap.id) {
+                Some(c) if c.base == base_key(base.as_ref()) => c.bytes,
+                _ => match self.compute_charge(snap, base.as_ref()).await {
+                    Ok(b) => b,
+                    // Gone from the pool meanwhile (being deleted): nothing held.
+                    Err(ServiceError::Engine(RuntimeError::SnapshotNotFound(_))) => 0,
+                    Err(e) => return Err(e),
+                },
+            };
+            out.tenant = out.tenant.saturating_add(bytes);
+            *out.by_sandbox.entry(snap.sandbox_id.clone()).or_default() += bytes;
+            prev = Some(snap);
+        }
+        Ok(out)
+    }
+
+    /// Charges the ready snapshot `snap` (unless its charge is cached
+    /// against the right base): against the ready snapshot of its sandbox
+    /// before it, else its fork source, else its template.
+    pub(crate) async fn charge_ready_snapshot(&self, snap: &SnapshotRecord) -> ServiceResult<u64> {
+        let (sb, at) = (snap.sandbox_id.clone(), snap.created_at);
+        let id = snap.id.clone();
+        let (rec, prev) = self
+            .db(move |s| {
+                let prev = s
+                    .list_snapshots(&sb, false)?
+                    .into_iter()
+                    .filter(|p| p.status == SnapshotStatus::Ready && p.id != id)
+                    .rfind(|p| p.created_at <= at);
+                Ok((s.get_sandbox(&sb)?, prev))
+            })
+            .await?;
+        let base = self
+            .charge_base(rec.as_ref(), prev.as_ref().map(|p| &p.id))
+            .await?;
+        self.compute_charge(snap, base.as_ref()).await
+    }
+
+    /// Charges a new (not yet ready) snapshot `snap` of `rec` against the
+    /// sandbox's latest ready one (or its fork source, or template).
+    pub(crate) async fn charge_new_snapshot(
+        &self,
+        rec: &SandboxRecord,
+        snap: &SnapshotRecord,
+    ) -> ServiceResult<u64> {
+        let id = rec.id.clone();
+        let prev = self.db(move |s| s.latest_ready_snapshot(&id)).await?;
+        let base = self
+            .charge_base(Some(rec), prev.as_ref().map(|p| &p.id))
+            .await?;
+        self.compute_charge(snap, base.as_ref()).await
+    }
+
+    /// Checks the pool-bytes quotas of `rec`'s tenant and of `rec` with
+    /// `extra` more bytes charged: `at_limit` refuses when the charge already
+    /// reaches a limit (no room left), otherwise only when it goes over.
+    pub(crate) async fn check_pool_quota(
+        &self,
+        rec: &SandboxRecord,
+        extra: u64,
+        at_limit: bool,
+    ) -> ServiceResult<()> {
+        let q = &self.config.quotas;
+        let tenant_max = q.for_tenant(&rec.tenant).pool_bytes;
+        let sandbox_max = q.sandbox.pool_bytes;
+        if tenant_max.is_none() && sandbox_max.is_none() {
+            return Ok(());
+        }
+        let charge = self.pool_charge(&rec.tenant).await?;
+        let over = |held: u64, max: u64| {
+            let total = held.saturating_add(extra);
+            if at_limit {
+                total >= max
+            } else {
+                total > max
+            }
+        };
+        if let Some(max) = tenant_max.filter(|m| over(charge.tenant, *m)) {
+            return Err(ServiceError::QuotaExceeded(format!(
+                "tenant {} holds {} of pool space in snapshots{}, its quota is {}; delete snapshots or sandboxes first",
+                rec.tenant,
+                mib(charge.tenant),
+                if extra > 0 { format!(" and this one would add {}", mib(extra)) } else { String::new() },
+                mib(max)
+            )));
+        }
+        let mine = charge.by_sandbox.get(&rec.id).copied().unwrap_or(0);
+        if let Some(max) = sandbox_max.filter(|m| over(mine, *m)) {
+            return Err(ServiceError::QuotaExceeded(format!(
+                "sandbox {} holds {} of pool space in snapshots{}, the quota of a sandbox is {}; delete some of its snapshots first",
+                rec.id,
+                mib(mine),
+                if extra > 0 { format!(" and this one would add {}", mib(extra)) } else { String::new() },
+                mib(max)
+            )));
+        }
+        Ok(())
     }
 
     /// Checks that `size` more fits next to every reservation.

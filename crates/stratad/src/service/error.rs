@@ -14,6 +14,9 @@ pub enum ServiceError {
     /// Not enough room on this host.
     #[error("{0}")]
     InsufficientCapacity(String),
+    /// A `[quotas]` limit of the tenant or the sandbox would be exceeded.
+    #[error("{0}")]
+    QuotaExceeded(String),
     /// No such resource.
     #[error("{kind} {id} not found")]
     NotFound {
@@ -60,6 +63,7 @@ impl ServiceError {
             ServiceError::InvalidRequest(_) => ErrorCode::InvalidRequest,
             ServiceError::InvalidSize(_) => ErrorCode::InvalidSize,
             ServiceError::InsufficientCapacity(_) => ErrorCode::InsufficientCapacity,
+            ServiceError::QuotaExceeded(_) => ErrorCode::QuotaExceeded,
             ServiceError::NotFound { .. } => ErrorCode::NotFound,
             ServiceError::InvalidState(_) | ServiceError::InvalidStateOther(_) => {
                 ErrorCode::InvalidState

@@ -39,7 +39,7 @@ impl Service {
         let span = tracing::info_span!("fork", sandbox = %rec.id, source = %src);
         async move {
             {
-                let _room = self.admit(size).await?;
+                let _room = self.admit(&rec).await?;
                 let detail = format!("fork of {src} via {}", snap.id);
                 self.begin_create(&mut rec, Some(&snap), Some(detail))
                     .await?;

@@ -153,7 +153,7 @@ impl Service {
         // Room first when the operation starts a VM (a wake): the pending
         // write is the reservation, made under the placement lock.
         let room = if admission::starts_vm(rec.state, op) {
-            Some(self.admit(rec.size).await?)
+            Some(self.admit(&rec).await?)
         } else {
             None
         };

@@ -62,6 +62,7 @@ impl Service {
             {
                 // Recorded first, both pending: a crash before the end is
                 // rolled back by recovery (sandbox deleted, snapshot removed).
+                let _count = self.admit_without_vm(&rec).await?;
                 self.begin_create(
                     &mut rec,
                     Some(&snap),
@@ -115,7 +116,7 @@ impl Service {
         let span = tracing::info_span!("create", sandbox = %rec.id);
         async move {
             {
-                let _room = self.admit(rec.size).await?;
+                let _room = self.admit(&rec).await?;
                 self.begin_create(&mut rec, None, None).await?;
             }
             let started = Instant::now();

@@ -26,7 +26,7 @@ impl Service {
                 "sandbox {id} has no snapshot to restore from"
             )));
         };
-        let room = self.admit(rec.size).await?;
+        let room = self.admit(&rec).await?;
         self.begin(&mut rec, Op::Recover, next, &[], Some(snap.id.to_string()))
             .await?;
         drop(room);

@@ -67,7 +67,7 @@ impl Service {
             )
         });
         let room = if super::admission::starts_vm(rec.state, Op::Rewind) {
-            Some(self.admit(rec.size).await?)
+            Some(self.admit(&rec).await?)
         } else {
             None
         };

@@ -1,4 +1,16 @@
-//! Manual and rolling snapshots, their records, retention (GC).
+//! Manual and rolling snapshots, their records, retention (GC), and the
+//! pool-bytes quotas on them (see `service::admission` for the charge):
+//! - a manual snapshot is refused with `quota_exceeded` before anything is
+//!   written when its tenant (or sandbox) already holds its quota, and
+//!   removed again (never listed) when the bytes it would add go over;
+//! - a rolling snapshot of a sandbox at its quota is skipped; the first skip
+//!   in a row is journaled (`snapshot`, `failed`, "rolling snapshot skipped:
+//!   …" in `GET /v1/sandboxes/{id}/events`), later ones only counted in the
+//!   metrics, so an over-quota sandbox does not grow the journal each tick;
+//! - hibernation and pre-rewind snapshots are never refused (they keep the
+//!   sandbox's state), only charged;
+//! - a hibernated sandbox's wake snapshot (its latest ready one) is never
+//!   deleted: not by retention, and a user's delete is `invalid_state`.
 
 use super::prelude::*;
 
@@ -21,6 +33,7 @@ impl Service {
             pause_ms: None,
             exclusive_bytes: None,
             referenced_bytes: None,
+            charge_bytes: None,
         }
     }
 
@@ -46,6 +59,17 @@ impl Service {
     pub(super) fn spawn_usage(self: &Arc<Self>, snap: SnapshotId) {
         let this = self.clone();
         tokio::spawn(async move {
+            if this.config.quotas.limits_pool_bytes() {
+                // Charge it now, so the next quota check finds it cached.
+                let id = snap.clone();
+                if let Ok(Some(r)) = this.db(move |s| s.get_snapshot(&id)).await {
+                    if r.status == SnapshotStatus::Ready && r.charge_bytes.is_none() {
+                        if let Err(e) = this.charge_ready_snapshot(&r).await {
+                            warn!(snapshot = %snap, error = %e.message(), "charging a snapshot failed");
+                        }
+                    }
+                }
+            }
             if let Ok(u) = this.engine.snapshot_usage(&snap).await {
                 let id = snap.clone();
                 let _ = this
@@ -97,6 +121,16 @@ impl Service {
     ) -> ServiceResult<SnapshotRecord> {
         let rec = self.record(id).await?;
         rec.state.apply(Op::Snapshot)?;
+        let quota = self.config.quotas.limits_pool_bytes()
+            && matches!(kind, SnapshotKind::Manual | SnapshotKind::Rolling);
+        if quota {
+            if let Err(e) = self.check_pool_quota(&rec, 0, true).await {
+                if kind == SnapshotKind::Rolling {
+                    self.record_rolling_skip(&rec, &e).await;
+                }
+                return Err(e);
+            }
+        }
         let mut snap = self.new_snapshot(&rec, kind, label);
         {
             let s = snap.clone();
@@ -111,12 +145,39 @@ impl Service {
             self.db(move |st| st.commit(&[], &[&s], Some(&ev))).await?;
         }
         let started = Instant::now();
-        let result = self.engine.snapshot(id, &snap.id).await;
+        let mut result = self.engine.snapshot(id, &snap.id).await;
+        let mut refused = None;
+        if quota && kind == SnapshotKind::Manual && result.is_ok() {
+            // What it adds, against what the tenant holds without it.
+            let verdict = match self.charge_new_snapshot(&rec, &snap).await {
+                Ok(extra) => {
+                    snap.charge_bytes = Some(extra);
+                    self.check_pool_quota(&rec, extra, false).await
+                }
+                Err(e) => Err(e),
+            };
+            if let Err(e) = verdict {
+                if let Err(d) = self.engine.delete_snapshot(&snap.id).await {
+                    warn!(snapshot = %snap.id, error = %d.message(), "removing a refused snapshot failed; recovery will retry");
+                }
+                result = Err(RuntimeError::Other(e.message()));
+                refused = Some(e);
+            }
+        }
         let (phase, detail) = match &result {
             Ok(info) => {
                 self.observe_snapshot(started, info);
                 Self::ready(&mut snap, info);
                 (EventPhase::Done, snap.id.to_string())
+            }
+            Err(_) if refused.is_some() => {
+                let why = refused.as_ref().map(|e| e.message()).unwrap_or_default();
+                Self::dropped(&mut snap, format!("quota_exceeded: {why}"));
+                self.metrics.count("snapshot_quota_refused");
+                (
+                    EventPhase::Failed,
+                    format!("{}: quota_exceeded: {why}", snap.id),
+                )
             }
             Err(e) => {
                 Self::dropped(&mut snap, format!("snapshot failed: {}", e.message()));
@@ -134,6 +195,9 @@ impl Service {
             self.now(),
         );
         self.db(move |st| st.commit(&[], &[&s], Some(&ev))).await?;
+        if let Some(e) = refused {
+            return Err(e);
+        }
         match result {
             Ok(_) => {
                 self.spawn_usage(snap.id.clone());
@@ -141,6 +205,57 @@ impl Service {
             }
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// Journals why a rolling snapshot was skipped, once per run of skips
+    /// (the journal is append-only: one entry per tick would grow it for
+    /// as long as the sandbox stays over its quota).
+    async fn record_rolling_skip(&self, rec: &SandboxRecord, why: &ServiceError) {
+        self.metrics.count("snapshot_quota_skipped");
+        let detail = format!(
+            "rolling snapshot skipped: {}: {}",
+            why.code().as_str(),
+            why.message()
+        );
+        let id = rec.id.clone();
+        let last = self.db(move |s| s.events(&id, 1)).await.unwrap_or_default();
+        let again = last.last().is_some_and(|e| {
+            e.op == Op::Snapshot
+                && e.phase == EventPhase::Failed
+                && e.detail
+                    .as_deref()
+                    .is_some_and(|d| d.starts_with("rolling snapshot skipped"))
+        });
+        warn!(sandbox = %rec.id, reason = %detail, "rolling snapshot skipped");
+        if again {
+            return;
+        }
+        let ev = Event::new(
+            rec,
+            Op::Snapshot,
+            Some(rec.state),
+            EventPhase::Failed,
+            Some(detail),
+            self.now(),
+        );
+        if let Err(e) = self.db(move |st| st.commit(&[], &[], Some(&ev))).await {
+            warn!(sandbox = %rec.id, error = %e.message(), "journaling a skipped rolling snapshot failed");
+        }
+    }
+
+    /// The snapshot a hibernated sandbox wakes from (its latest ready one),
+    /// if `sandbox` is hibernated.
+    async fn wake_snapshot(&self, sandbox: &SandboxId) -> ServiceResult<Option<SnapshotId>> {
+        let id = sandbox.clone();
+        self.db(move |s| {
+            Ok(match s.get_sandbox(&id)? {
+                Some(r) if r.state == SandboxState::Hibernated => {
+                    s.latest_ready_snapshot(&id)?.map(|x| x.id)
+                }
+                _ => None,
+            })
+        })
+        .await
     }
 
     /// A sandbox's snapshots, oldest first.
@@ -189,6 +304,12 @@ impl Service {
                 "snapshot {id} is being taken"
             )));
         }
+        if self.wake_snapshot(&snap.sandbox_id).await?.as_ref() == Some(id) {
+            return Err(ServiceError::InvalidStateOther(format!(
+                "snapshot {id} is what hibernated sandbox {} wakes from; wake or delete the sandbox first",
+                snap.sandbox_id
+            )));
+        }
         Self::dropped(&mut snap, "deleted by user".into());
         let s = snap.clone();
         self.db(move |st| st.put_snapshot(&s)).await?;
@@ -211,7 +332,20 @@ impl Service {
                 kind: s.kind,
             })
             .collect();
-        let doomed = self.config.retention.to_delete(&points, self.now());
+        // The restore point (and a hibernated sandbox's wake snapshot) is
+        // the newest ready snapshot as the store orders them; kept whatever
+        // retention would say (also when two share a timestamp).
+        let id3 = id.clone();
+        let keep: Vec<SnapshotId> = self
+            .db(move |s| s.latest_ready_snapshot(&id3))
+            .await?
+            .map(|s| s.id)
+            .into_iter()
+            .collect();
+        let doomed = self
+            .config
+            .retention
+            .to_delete_keeping(&points, self.now(), &keep);
         if doomed.is_empty() {
             return Ok(0);
         }

@@ -175,6 +175,11 @@ pub struct SnapshotRecord {
     pub exclusive_bytes: Option<u64>,
     /// Bytes it references.
     pub referenced_bytes: Option<u64>,
+    /// Pool bytes it is charged for quotas: what it holds that the snapshot
+    /// it descends from does not (`None`: not computed yet). Read from the
+    /// store's charge cache; writing a record never changes it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub charge_bytes: Option<u64>,
 }
 
 /// Template build status.
@@ -400,6 +405,38 @@ pub struct StoreCounts {
     pub templates_ready: u64,
 }
 
+/// What one snapshot is charged in its lineage: the bytes it holds that the
+/// snapshot it descends from (`base`) does not. A snapshot never changes, so
+/// its charge is computed once per base and cached here; a new base (the one
+/// before was deleted) means a new computation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotCharge {
+    /// The snapshot.
+    pub snapshot_id: SnapshotId,
+    /// Its tenant.
+    pub tenant: String,
+    /// Its sandbox.
+    pub sandbox_id: SandboxId,
+    /// What it was compared with: a snapshot id, a template id, or empty
+    /// (nothing: every byte it holds).
+    pub base: String,
+    /// Bytes charged.
+    pub bytes: u64,
+    /// When it was computed.
+    pub computed_at: DateTime<Utc>,
+}
+
+/// What a tenant holds, for its quotas (`service::admission`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TenantUsage {
+    /// Sandboxes not deleted.
+    pub sandboxes: u64,
+    /// vCPUs of its sandboxes with (or starting) a VM.
+    pub vcpus: u64,
+    /// Memory (MiB) of its sandboxes with (or starting) a VM.
+    pub memory_mib: u64,
+}
+
 /// Durable records of one control plane. Implementations are shared between
 /// threads; each write is atomic and durable when it returns.
 pub trait Store: Send + Sync + 'static {
@@ -469,4 +506,14 @@ pub trait Store: Send + Sync + 'static {
     fn events(&self, sandbox: &SandboxId, limit: usize) -> StoreResult<Vec<Event>>;
     /// Counts for metrics and stats, of one tenant or (`None`) of all.
     fn counts(&self, tenant: Option<&str>) -> StoreResult<StoreCounts>;
+
+    /// What `tenant` holds: sandboxes not deleted; vCPUs and memory counted
+    /// as [`Store::reserved_capacity`] counts them.
+    fn tenant_usage(&self, tenant: &str) -> StoreResult<TenantUsage>;
+    /// The ready snapshots of `tenant`, by sandbox, oldest first.
+    fn tenant_ready_snapshots(&self, tenant: &str) -> StoreResult<Vec<SnapshotRecord>>;
+    /// The cached charges of `tenant`'s ready snapshots.
+    fn snapshot_charges(&self, tenant: &str) -> StoreResult<Vec<SnapshotCharge>>;
+    /// Records (or replaces) a snapshot's charge.
+    fn put_charge(&self, charge: &SnapshotCharge) -> StoreResult<()>;
 }

@@ -137,7 +137,7 @@ impl SqliteStore {
         let mut v = Self::query_snapshots(
             &conn,
             &format!(
-                "SELECT {SNAPSHOT_COLS} FROM snapshots WHERE sandbox_id = ?1 AND status = 'ready' \
+                "SELECT {SNAPSHOT_SELECT} FROM snapshots WHERE sandbox_id = ?1 AND status = 'ready' \
                  AND created_at <= ?2 ORDER BY created_at DESC, id DESC LIMIT 1"
             ),
             &[&sandbox.as_str(), &at_ms],
@@ -333,7 +333,7 @@ impl Store for SqliteStore {
         let conn = self.reader();
         let mut v = Self::query_snapshots(
             &conn,
-            &format!("SELECT {SNAPSHOT_COLS} FROM snapshots WHERE id = ?1"),
+            &format!("SELECT {SNAPSHOT_SELECT} FROM snapshots WHERE id = ?1"),
             &[&id.as_str()],
         )?;
         Ok(v.pop())
@@ -352,7 +352,7 @@ impl Store for SqliteStore {
         };
         Self::query_snapshots(
             &conn,
-            &format!("SELECT {SNAPSHOT_COLS} FROM snapshots WHERE sandbox_id = ?1{filter} ORDER BY created_at, id"),
+            &format!("SELECT {SNAPSHOT_SELECT} FROM snapshots WHERE sandbox_id = ?1{filter} ORDER BY created_at, id"),
             &[&sandbox.as_str()],
         )
     }
@@ -361,7 +361,7 @@ impl Store for SqliteStore {
         let conn = self.reader();
         Self::query_snapshots(
             &conn,
-            &format!("SELECT {SNAPSHOT_COLS} FROM snapshots WHERE status = 'pending'"),
+            &format!("SELECT {SNAPSHOT_SELECT} FROM snapshots WHERE status = 'pending'"),
             &[],
         )
     }
@@ -535,6 +535,68 @@ impl Store for SqliteStore {
             |r| r.get::<_, i64>(0),
         )? as u64;
         Ok(out)
+    }
+
+    fn tenant_usage(&self, tenant: &str) -> StoreResult<TenantUsage> {
+        let conn = self.reader();
+        let (n, v, m): (i64, i64, i64) = conn.query_row(
+            "SELECT count(*), \
+             coalesce(sum(CASE WHEN state IN ('creating', 'running', 'paused') \
+                 OR pending_op IN ('resume', 'rewind', 'recover') THEN vcpus ELSE 0 END), 0), \
+             coalesce(sum(CASE WHEN state IN ('creating', 'running', 'paused') \
+                 OR pending_op IN ('resume', 'rewind', 'recover') THEN memory_mib ELSE 0 END), 0) \
+             FROM sandboxes WHERE tenant_id = ?1 AND state != 'deleted'",
+            [tenant],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )?;
+        Ok(TenantUsage {
+            sandboxes: n.max(0) as u64,
+            vcpus: v.max(0) as u64,
+            memory_mib: m.max(0) as u64,
+        })
+    }
+
+    fn tenant_ready_snapshots(&self, tenant: &str) -> StoreResult<Vec<SnapshotRecord>> {
+        let conn = self.reader();
+        Self::query_snapshots(
+            &conn,
+            &format!(
+                "SELECT {SNAPSHOT_SELECT} FROM snapshots WHERE tenant_id = ?1 AND status = 'ready' \
+                 ORDER BY sandbox_id, created_at, id"
+            ),
+            &[&tenant],
+        )
+    }
+
+    fn snapshot_charges(&self, tenant: &str) -> StoreResult<Vec<SnapshotCharge>> {
+        let conn = self.reader();
+        Self::query(
+            &conn,
+            "SELECT c.snapshot_id, c.tenant_id, c.sandbox_id, c.base, c.bytes, c.computed_at \
+             FROM snapshot_charges c JOIN snapshots s ON s.id = c.snapshot_id \
+             WHERE c.tenant_id = ?1 AND s.status = 'ready'",
+            &[&tenant],
+            charge_row,
+            charge_record,
+        )
+    }
+
+    fn put_charge(&self, c: &SnapshotCharge) -> StoreResult<()> {
+        let conn = self.writer();
+        conn.execute(
+            "REPLACE INTO snapshot_charges \
+             (snapshot_id, tenant_id, sandbox_id, base, bytes, computed_at) \
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            params![
+                c.snapshot_id.as_str(),
+                c.tenant,
+                c.sandbox_id.as_str(),
+                c.base,
+                c.bytes.min(i64::MAX as u64) as i64,
+                ms(c.computed_at)
+            ],
+        )?;
+        Ok(())
     }
 }
 

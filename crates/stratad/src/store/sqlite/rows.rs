@@ -157,6 +157,12 @@ pub(super) const SNAPSHOT_COLS: &str =
     "id, tenant_id, sandbox_id, kind, label, status, status_reason, \
     created_at, pause_ms, exclusive_bytes, referenced_bytes";
 
+/// What a snapshot query selects: the columns, then its cached charge.
+pub(super) const SNAPSHOT_SELECT: &str =
+    "id, tenant_id, sandbox_id, kind, label, status, status_reason, \
+    created_at, pause_ms, exclusive_bytes, referenced_bytes, \
+    (SELECT c.bytes FROM snapshot_charges c WHERE c.snapshot_id = snapshots.id)";
+
 type SnapshotRow = (
     String,
     String,
@@ -169,14 +175,16 @@ type SnapshotRow = (
     Option<f64>,
     Option<i64>,
     Option<i64>,
+    Option<i64>,
 );
 
 pub(super) fn snapshot_row(r: &Row<'_>) -> rusqlite::Result<SnapshotRow> {
-    Ok(columns!(r; 0 1 2 3 4 5 6 7 8 9 10))
+    Ok(columns!(r; 0 1 2 3 4 5 6 7 8 9 10 11))
 }
 
 pub(super) fn snapshot_record(row: SnapshotRow) -> StoreResult<SnapshotRecord> {
-    let (id, tenant, sandbox, kind, label, status, reason, created, pause, excl, refd) = row;
+    let (id, tenant, sandbox, kind, label, status, reason, created, pause, excl, refd, charge) =
+        row;
     let t = "snapshots";
     Ok(SnapshotRecord {
         id: id.parse().map_err(|e| corrupt(t, &id, format!("{e}")))?,
@@ -194,6 +202,28 @@ pub(super) fn snapshot_record(row: SnapshotRow) -> StoreResult<SnapshotRecord> {
         pause_ms: pause,
         exclusive_bytes: excl.map(|v| v.max(0) as u64),
         referenced_bytes: refd.map(|v| v.max(0) as u64),
+        charge_bytes: charge.map(|v| v.max(0) as u64),
+    })
+}
+
+type ChargeRow = (String, String, String, String, i64, i64);
+
+pub(super) fn charge_row(r: &Row<'_>) -> rusqlite::Result<ChargeRow> {
+    Ok(columns!(r; 0 1 2 3 4 5))
+}
+
+pub(super) fn charge_record(row: ChargeRow) -> StoreResult<SnapshotCharge> {
+    let (id, tenant, sandbox, base, bytes, at) = row;
+    let t = "snapshot_charges";
+    Ok(SnapshotCharge {
+        snapshot_id: id.parse().map_err(|e| corrupt(t, &id, format!("{e}")))?,
+        tenant,
+        sandbox_id: sandbox
+            .parse()
+            .map_err(|e| corrupt(t, &id, format!("{e}")))?,
+        base,
+        bytes: bytes.max(0) as u64,
+        computed_at: from_ms(at),
     })
 }
 

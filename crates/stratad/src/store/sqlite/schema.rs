@@ -2,7 +2,7 @@
 //! (`PRAGMA user_version` counts them). Never edit a shipped migration: add one.
 
 /// Newest schema version this build knows.
-pub const SCHEMA_VERSION: i64 = 5;
+pub const SCHEMA_VERSION: i64 = 6;
 
 pub(super) const MIGRATIONS: &[&str] = &[
     // 1: initial schema.
@@ -111,5 +111,19 @@ pub(super) const MIGRATIONS: &[&str] = &[
     // 5: every sandbox update is a compare-and-set on its version.
     r#"
     ALTER TABLE sandboxes ADD COLUMN version INTEGER NOT NULL DEFAULT 0;
+    "#,
+    // 6: pool-bytes quotas: each snapshot's charge in its lineage (what it
+    // holds that its base does not), computed once per base and cached.
+    r#"
+    CREATE TABLE snapshot_charges (
+        snapshot_id TEXT PRIMARY KEY,
+        tenant_id TEXT NOT NULL,
+        sandbox_id TEXT NOT NULL,
+        base TEXT NOT NULL,
+        bytes INTEGER NOT NULL,
+        computed_at INTEGER NOT NULL
+    ) WITHOUT ROWID;
+    CREATE INDEX snapshot_charges_by_tenant ON snapshot_charges (tenant_id, sandbox_id);
+    CREATE INDEX snapshots_by_tenant_status ON snapshots (tenant_id, status, sandbox_id, created_at);
     "#,
 ];

@@ -46,6 +46,7 @@ fn snap(i: i64, sb: &SandboxId, secs: i64, status: SnapshotStatus) -> SnapshotRe
         pause_ms: Some(15.0),
         exclusive_bytes: Some(4096),
         referenced_bytes: Some(1 << 20),
+        charge_bytes: None,
     }
 }
 
@@ -452,5 +453,71 @@ fn a_schema_3_database_opens_with_platform_templates_and_versions() {
         s.get_sandbox(&a.id).unwrap().unwrap().state,
         SandboxState::Paused,
         "the refused write changed nothing"
+    );
+}
+
+#[test]
+fn tenant_usage_and_snapshot_charges() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(&dir);
+    let mut run = sandbox(1, SandboxState::Running);
+    run.tenant = "a".into();
+    let mut hib = sandbox(2, SandboxState::Hibernated);
+    hib.tenant = "a".into();
+    let mut waking = sandbox(3, SandboxState::Hibernated);
+    waking.tenant = "a".into();
+    waking.pending_op = Some(Op::Resume);
+    let mut gone = sandbox(4, SandboxState::Deleted);
+    gone.tenant = "a".into();
+    let other = sandbox(5, SandboxState::Running);
+    for r in [&run, &hib, &waking, &gone, &other] {
+        s.insert_sandbox(r, &created(r)).unwrap();
+    }
+    let u = s.tenant_usage("a").unwrap();
+    // Deleted ones do not count; hibernated ones count as sandboxes, and
+    // their vCPUs only while a wake is pending.
+    assert_eq!(u.sandboxes, 3);
+    assert_eq!(u.vcpus, 2 * u64::from(SandboxSize::default().vcpus));
+    assert_eq!(s.tenant_usage("nobody").unwrap(), TenantUsage::default());
+
+    let mut s1 = snap(1, &run.id, 10, SnapshotStatus::Ready);
+    s1.tenant = "a".into();
+    let mut s2 = snap(2, &run.id, 20, SnapshotStatus::Ready);
+    s2.tenant = "a".into();
+    let mut s3 = snap(3, &run.id, 30, SnapshotStatus::Deleted);
+    s3.tenant = "a".into();
+    for r in [&s1, &s2, &s3] {
+        s.put_snapshot(r).unwrap();
+    }
+    let ready = s.tenant_ready_snapshots("a").unwrap();
+    assert_eq!(
+        ready.iter().map(|r| r.id.clone()).collect::<Vec<_>>(),
+        vec![s1.id.clone(), s2.id.clone()]
+    );
+    for (r, base, bytes) in [(&s1, "tpl-base", 7u64), (&s3, "snap-x", 9)] {
+        s.put_charge(&SnapshotCharge {
+            snapshot_id: r.id.clone(),
+            tenant: "a".into(),
+            sandbox_id: r.sandbox_id.clone(),
+            base: base.into(),
+            bytes,
+            computed_at: t0(),
+        })
+        .unwrap();
+    }
+    // Only ready snapshots' charges; the record shows its charge.
+    let c = s.snapshot_charges("a").unwrap();
+    assert_eq!(c.len(), 1);
+    assert_eq!((c[0].base.as_str(), c[0].bytes), ("tpl-base", 7));
+    assert_eq!(
+        s.get_snapshot(&s1.id).unwrap().unwrap().charge_bytes,
+        Some(7)
+    );
+    assert_eq!(s.get_snapshot(&s2.id).unwrap().unwrap().charge_bytes, None);
+    // Writing the snapshot record again keeps its charge.
+    s.put_snapshot(&s1).unwrap();
+    assert_eq!(
+        s.get_snapshot(&s1.id).unwrap().unwrap().charge_bytes,
+        Some(7)
     );
 }
