@@ -40,14 +40,28 @@ pub fn e2b_door(cfg: &Config) -> anyhow::Result<Option<Mount>> {
         }
         return Ok(None);
     }
+    let api_keys = strata_e2b::auth::ApiKey::parse_all(&s.api_keys)
+        .context("[e2b] api_keys / --e2b-api-key (KEY, KEY=TENANT or KEY=TENANT:ACTOR)")?;
     let secret_path = s.token_secret_path(&cfg.data_dir);
     let door = strata_e2b::E2bConfig {
-        api_keys: s.api_keys.clone(),
+        api_keys,
         token_secret: token_secret(&secret_path)?,
         home_dir: s.home_dir.clone(),
         client_id: s.client_id.clone(),
         default_timeout_s: s.default_timeout.as_secs(),
+        max_request_bytes: usize::try_from(s.max_request_bytes).unwrap_or(usize::MAX),
+        rate_limit_per_second: s.rate_limit_per_second,
+        rate_limit_burst: s.rate_limit_burst,
+        auth_failures_per_minute: s.auth_failures_per_minute,
     };
+    for k in &door.api_keys {
+        tracing::info!(
+            key = k.id(),
+            tenant = k.tenant(),
+            actor = k.actor(),
+            "E2B API key"
+        );
+    }
     tracing::info!(secret = %secret_path.display(), keys = door.api_keys.len(), "E2B door on");
     Ok(Some(Box::new(move |svc, sec| {
         let auth = sec.as_ref().is_some_and(|s| s.config().auth);
@@ -118,5 +132,13 @@ mod tests {
         cfg.e2b.enabled = true;
         assert!(e2b_door(&cfg).unwrap().is_some());
         assert!(d.path().join("e2b.secret").is_file());
+        // Keys with tenants; a bad entry stops the daemon.
+        cfg.e2b.api_keys = vec!["bare".into(), "k=acme:ci-bot".into()];
+        assert!(e2b_door(&cfg).unwrap().is_some());
+        for bad in ["k=Acme", "=acme", "k=acme:a b"] {
+            cfg.e2b.api_keys = vec![bad.into()];
+            let e = e2b_door(&cfg).err().expect(bad);
+            assert!(format!("{e:#}").contains("api_keys"), "{bad}: {e:#}");
+        }
     }
 }

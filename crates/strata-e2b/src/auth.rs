@@ -1,22 +1,275 @@
 //! Authentication: `X-API-KEY` on the control plane (a configured E2B key
-//! or a strata API token), the per-sandbox `X-Access-Token` on envd
-//! (HMAC-SHA256 of the sandbox id under a secret).
+//! ([`ApiKey`]) or a strata API token), the per-sandbox `X-Access-Token` on
+//! envd (HMAC-SHA256 of the sandbox id under a secret). Both are checked by
+//! middleware ([`require_api_key`], [`require_access_token`]) before any
+//! extractor reads the request's body, with the door's rate limits: a
+//! token bucket per configured key, per sandbox on envd, and per source
+//! address for failed authentications ([`FailureLimiter`]).
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use axum::extract::{Request, State};
+use axum::extract::{ConnectInfo, Request, State};
 use axum::http::Method;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use rand::RngCore;
 use sha2::{Digest, Sha256};
 
+use strata_core::SandboxId;
 use stratad::caller::Caller;
 use stratad::security::auth::{Role, TOKEN_PREFIX};
+use stratad::store::DEFAULT_TENANT;
 
+use crate::connect::{Code, ConnectError};
 use crate::error::E2bError;
-use crate::policy::{api_key_caller, may_write};
+use crate::policy::{api_key_caller, may_write, API_KEY_ACTOR};
 use crate::E2b;
+
+/// Prefix of [`ApiKey::id`]: `e2b-key-` and 12 hex digits of the key's
+/// SHA-256 (names the key in logs, audit and rate limits, never reveals it).
+pub const KEY_ID_PREFIX: &str = "e2b-key-";
+
+/// A configured E2B API key and who it acts as.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ApiKey {
+    key: String,
+    tenant: String,
+    /// `None`: a bare key (the old form), actor and token `e2b-api-key`.
+    actor: Option<String>,
+    id: String,
+}
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ApiKey")
+            .field("id", &self.id)
+            .field("tenant", &self.tenant)
+            .field("actor", &self.actor())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why a `--e2b-api-key` / `[e2b] api_keys` entry is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeySpecError {
+    /// Nothing before `=`, or an empty entry.
+    #[error("an E2B API key entry has an empty key")]
+    EmptyKey,
+    /// The tenant is not 1-63 of `[a-z0-9-_]`.
+    #[error("E2B API key {id}: tenant {tenant:?} is not 1-63 of [a-z0-9-_]")]
+    Tenant {
+        /// The key's id.
+        id: String,
+        /// What was given.
+        tenant: String,
+    },
+    /// The same key is configured twice.
+    #[error("E2B API key {0} is configured twice")]
+    Duplicate(String),
+    /// The actor is not 1-128 of `[A-Za-z0-9-_.@:]`.
+    #[error("E2B API key {id}: actor {actor:?} is not 1-128 of [A-Za-z0-9-_.@:]")]
+    Actor {
+        /// The key's id.
+        id: String,
+        /// What was given.
+        actor: String,
+    },
+}
+
+fn valid_tenant(t: &str) -> bool {
+    !t.is_empty()
+        && t.len() <= 63
+        && t.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
+fn valid_actor(a: &str) -> bool {
+    !a.is_empty()
+        && a.len() <= 128
+        && a.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.@:".contains(&b))
+}
+
+impl ApiKey {
+    /// A bare key: a developer of tenant `default` with actor and token
+    /// `e2b-api-key` (what every key was before keys had tenants).
+    pub fn bare(key: impl Into<String>) -> ApiKey {
+        let key = key.into();
+        ApiKey {
+            id: key_id(&key),
+            key,
+            tenant: DEFAULT_TENANT.to_owned(),
+            actor: None,
+        }
+    }
+
+    /// `KEY`, `KEY=TENANT` or `KEY=TENANT:ACTOR`. The key ends at the last
+    /// `=`; a spec whose last `=` ends it (base64 padding) is a bare key.
+    /// Without an actor the key acts as its [`ApiKey::id`]. A key with a
+    /// tenant is a developer of that tenant.
+    pub fn parse(spec: &str) -> Result<ApiKey, KeySpecError> {
+        let spec = spec.trim();
+        let (key, who) = match spec.rsplit_once('=') {
+            Some((k, w)) if !w.is_empty() => (k, Some(w)),
+            _ => (spec, None),
+        };
+        if key.is_empty() {
+            return Err(KeySpecError::EmptyKey);
+        }
+        let mut k = ApiKey::bare(key);
+        let Some(who) = who else {
+            return Ok(k);
+        };
+        let (tenant, actor) = match who.split_once(':') {
+            Some((t, a)) => (t, a.to_owned()),
+            None => (who, k.id.clone()),
+        };
+        if !valid_tenant(tenant) {
+            return Err(KeySpecError::Tenant {
+                id: k.id,
+                tenant: tenant.to_owned(),
+            });
+        }
+        if !valid_actor(&actor) {
+            return Err(KeySpecError::Actor { id: k.id, actor });
+        }
+        k.tenant = tenant.to_owned();
+        k.actor = Some(actor);
+        Ok(k)
+    }
+
+    /// Parses every entry ([`ApiKey::parse`]); the same key twice is
+    /// refused (which tenant it acts for would be ambiguous).
+    pub fn parse_all<S: AsRef<str>>(specs: &[S]) -> Result<Vec<ApiKey>, KeySpecError> {
+        let mut out: Vec<ApiKey> = Vec::with_capacity(specs.len());
+        for s in specs {
+            let k = ApiKey::parse(s.as_ref())?;
+            if out.iter().any(|o| o.id == k.id) {
+                return Err(KeySpecError::Duplicate(k.id));
+            }
+            out.push(k);
+        }
+        Ok(out)
+    }
+
+    /// `e2b-key-` and 12 hex digits of the key's SHA-256.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The tenant the key acts for.
+    pub fn tenant(&self) -> &str {
+        &self.tenant
+    }
+
+    /// The actor recorded for its calls (audit, approvals).
+    pub fn actor(&self) -> &str {
+        self.actor.as_deref().unwrap_or(API_KEY_ACTOR)
+    }
+
+    /// Whether `given` is this key (constant time).
+    pub fn matches(&self, given: &str) -> bool {
+        constant_time_eq(self.key.as_bytes(), given.as_bytes())
+    }
+
+    /// The caller the key acts as: a developer of its tenant, its actor,
+    /// its id as the credential (a bare key: [`api_key_caller`]).
+    pub fn caller(&self) -> Caller {
+        match &self.actor {
+            None => api_key_caller(),
+            Some(actor) => Caller::Api {
+                tenant: self.tenant.clone(),
+                actor: actor.clone(),
+                role: Role::Developer,
+                token: self.id.clone(),
+                name: None,
+            },
+        }
+    }
+}
+
+/// [`ApiKey::id`] of `key`.
+pub fn key_id(key: &str) -> String {
+    let h = Sha256::digest(key.as_bytes());
+    format!("{KEY_ID_PREFIX}{}", &hex::encode(h)[..12])
+}
+
+/// Failed authentications per source address: each failure takes one
+/// token of the address's bucket (`per_minute` at once, refilled at
+/// `per_minute` a minute); while the bucket is empty every request from the
+/// address is refused before its credentials are looked at, so guessing
+/// keys or access tokens runs at the refill rate at most.
+#[derive(Debug)]
+pub struct FailureLimiter {
+    per_second: f64,
+    burst: f64,
+    buckets: Mutex<HashMap<IpAddr, (f64, Instant)>>,
+}
+
+/// Addresses tracked before idle (full) buckets are dropped.
+const MAX_TRACKED: usize = 100_000;
+
+impl FailureLimiter {
+    /// `per_minute` failures at once and per minute; `0`: no limit.
+    pub fn per_minute(per_minute: u32) -> Self {
+        FailureLimiter {
+            per_second: f64::from(per_minute) / 60.0,
+            burst: f64::from(per_minute),
+            buckets: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn level(&self, b: (f64, Instant), now: Instant) -> f64 {
+        (b.0 + now.saturating_duration_since(b.1).as_secs_f64() * self.per_second).min(self.burst)
+    }
+
+    /// `Some(wait)` while `addr` is refused (its bucket is empty).
+    pub fn blocked(&self, addr: IpAddr, now: Instant) -> Option<Duration> {
+        if self.per_second <= 0.0 {
+            return None;
+        }
+        let g = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
+        let level = self.level(*g.get(&addr)?, now);
+        (level < 1.0).then(|| Duration::from_secs_f64((1.0 - level) / self.per_second))
+    }
+
+    /// Records a failed authentication from `addr`.
+    pub fn failed(&self, addr: IpAddr, now: Instant) {
+        if self.per_second <= 0.0 {
+            return;
+        }
+        let mut g = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
+        if g.len() >= MAX_TRACKED {
+            let burst = self.burst;
+            g.retain(|_, b| self.level(*b, now) < burst);
+        }
+        let b = g.entry(addr).or_insert((self.burst, now));
+        *b = ((self.level(*b, now) - 1.0).max(0.0), now);
+    }
+}
+
+/// The source address of a request, when the server was started with
+/// connect info (`into_make_service_with_connect_info::<SocketAddr>()`, as
+/// stratad does); without it there is no per-address limit.
+fn source(req: &Request) -> Option<IpAddr> {
+    req.extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0.ip())
+}
+
+fn retry_secs(wait: Duration) -> f64 {
+    wait.as_secs_f64().ceil().max(1.0)
+}
+
+fn too_many_failures(wait: Duration) -> String {
+    format!(
+        "too many failed authentications from this address; retry in {}s",
+        retry_secs(wait)
+    )
+}
 
 /// 32 random bytes.
 pub fn random_secret() -> Vec<u8> {
@@ -57,15 +310,23 @@ pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Why an `X-API-KEY` was refused, or who it is.
+/// Why an `X-API-KEY` was refused, or who it is. A configured key takes a
+/// token of its bucket (429 when empty), a strata token one of the
+/// security subsystem's (as on `/v1`).
 pub async fn caller_of(st: &E2b, given: &str) -> Result<Caller, E2bError> {
-    if st
-        .cfg
-        .api_keys
-        .iter()
-        .any(|k| constant_time_eq(k.as_bytes(), given.as_bytes()))
-    {
-        return Ok(api_key_caller());
+    if let Some(k) = st.cfg.api_keys.iter().find(|k| k.matches(given)) {
+        if let Err(wait) = st.key_limiter.check(k.id()) {
+            return Err(E2bError::new(
+                429,
+                format!(
+                    "rate limit of {} requests/s for E2B API key {} exceeded; retry in {}s",
+                    st.cfg.rate_limit_per_second,
+                    k.id(),
+                    retry_secs(wait)
+                ),
+            ));
+        }
+        return Ok(k.caller());
     }
     let strata_auth = st.sec.as_ref().filter(|s| s.config().auth);
     if let Some(sec) = strata_auth {
@@ -82,7 +343,7 @@ pub async fn caller_of(st: &E2b, given: &str) -> Result<Caller, E2bError> {
                     format!(
                         "rate limit of {} requests/s for this token exceeded; retry in {}s",
                         sec.config().rate_limit_per_second,
-                        wait.as_secs_f64().ceil().max(1.0)
+                        retry_secs(wait)
                     ),
                 ));
             }
@@ -103,11 +364,17 @@ pub async fn caller_of(st: &E2b, given: &str) -> Result<Caller, E2bError> {
 }
 
 /// Middleware of the control plane: `X-API-KEY` → [`Caller`] (a configured
-/// key, or a strata API token: its tenant and role) or 401; read-only roles
-/// (viewer, approver) may only `GET`, a metrics token nothing. The caller
-/// goes into the request's extensions: every handler passes it to the
-/// service commands, which decide tenancy (and gate tool calls) from it.
+/// key: its tenant and actor, or a strata API token: its tenant and role)
+/// or 401; read-only roles (viewer, approver) may only `GET`, a metrics
+/// token nothing. The caller goes into the request's extensions: every
+/// handler passes it to the service commands, which decide tenancy (and
+/// gate tool calls) from it. Runs before any extractor reads the body; an
+/// address over its failed-authentication budget answers 429.
 pub async fn require_api_key(State(st): State<Arc<E2b>>, mut req: Request, next: Next) -> Response {
+    let addr = source(&req);
+    if let Some(wait) = addr.and_then(|a| st.failures.blocked(a, Instant::now())) {
+        return E2bError::new(429, too_many_failures(wait)).into_response();
+    }
     let given = req
         .headers()
         .get("x-api-key")
@@ -117,7 +384,14 @@ pub async fn require_api_key(State(st): State<Arc<E2b>>, mut req: Request, next:
         .to_owned();
     let caller = match caller_of(&st, &given).await {
         Ok(c) => c,
-        Err(e) => return e.into_response(),
+        Err(e) => {
+            if e.status == 401 {
+                if let Some(a) = addr {
+                    st.failures.failed(a, Instant::now());
+                }
+            }
+            return e.into_response();
+        }
     };
     let role = caller.role().map_or("none", Role::as_str);
     if caller.role() == Some(Role::Metrics) {
@@ -135,6 +409,74 @@ pub async fn require_api_key(State(st): State<Arc<E2b>>, mut req: Request, next:
     next.run(req).await
 }
 
+/// The error shape of a group of envd routes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shape {
+    /// Unary Connect: the code's HTTP status, `{"code":"…","message":"…"}`.
+    Unary,
+    /// Server-streaming Connect: an error trailer.
+    Stream,
+    /// `/files`: `{"code": <status>, "message": "…"}`.
+    Files,
+}
+
+impl Shape {
+    /// `e` as this group answers it.
+    pub fn refuse(self, e: ConnectError) -> Response {
+        match self {
+            Shape::Unary => e.into_response(),
+            Shape::Stream => crate::connect::stream_error(e),
+            Shape::Files => crate::envd::files::files_err(e),
+        }
+    }
+}
+
+/// The sandbox of an envd request whose access token was checked, put into
+/// the request's extensions by [`require_access_token`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EnvdSandbox(pub SandboxId);
+
+/// Middleware of envd: `E2b-Sandbox-Id` and `X-Access-Token` checked before
+/// any extractor reads the body (an anonymous request with a 1 GiB
+/// `Content-Length` is answered at once, its body never read), then the
+/// sandbox's token bucket (429); the sandbox goes into the request's
+/// extensions as [`EnvdSandbox`]. A failed check counts against the source
+/// address ([`FailureLimiter`]).
+pub async fn require_access_token(
+    State((st, shape)): State<(Arc<E2b>, Shape)>,
+    mut req: Request,
+    next: Next,
+) -> Response {
+    let addr = source(&req);
+    if let Some(wait) = addr.and_then(|a| st.failures.blocked(a, Instant::now())) {
+        return shape.refuse(ConnectError::new(
+            Code::ResourceExhausted,
+            too_many_failures(wait),
+        ));
+    }
+    let id = match st.envd_sandbox(req.headers()) {
+        Ok(id) => id,
+        Err(e) => {
+            if let Some(a) = addr {
+                st.failures.failed(a, Instant::now());
+            }
+            return shape.refuse(e);
+        }
+    };
+    if let Err(wait) = st.envd_limiter.check(id.as_str()) {
+        return shape.refuse(ConnectError::new(
+            Code::ResourceExhausted,
+            format!(
+                "rate limit of {} envd requests/s for sandbox {id} exceeded; retry in {}s",
+                st.cfg.rate_limit_per_second,
+                retry_secs(wait)
+            ),
+        ));
+    }
+    req.extensions_mut().insert(EnvdSandbox(id));
+    next.run(req).await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -146,6 +488,69 @@ mod tests {
             hex::encode(mac),
             "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
         );
+    }
+
+    #[test]
+    fn key_specs() {
+        let bare = ApiKey::parse("e2b_abc").unwrap();
+        assert_eq!((bare.tenant(), bare.actor()), ("default", API_KEY_ACTOR));
+        assert_eq!(bare.caller(), api_key_caller());
+        assert!(bare.matches("e2b_abc") && !bare.matches("e2b_ab"));
+        // Base64 padding stays part of a bare key.
+        let pad = ApiKey::parse("YWJjZA==").unwrap();
+        assert!(pad.matches("YWJjZA==") && pad.tenant() == "default");
+        let k = ApiKey::parse("sekrit=acme:ci-bot").unwrap();
+        assert!(k.matches("sekrit") && !k.matches("sekrit=acme:ci-bot"));
+        let c = k.caller();
+        assert_eq!((c.tenant(), c.actor()), (Some("acme"), "ci-bot".to_owned()));
+        assert_eq!(c.role(), Some(Role::Developer));
+        let k2 = ApiKey::parse("other=acme").unwrap();
+        assert_eq!(k2.actor(), k2.id());
+        assert!(k2.id().starts_with(KEY_ID_PREFIX) && k2.id().len() == KEY_ID_PREFIX.len() + 12);
+        assert_ne!(k.id(), k2.id());
+        assert!(!format!("{k:?}").contains("sekrit"), "Debug shows the key");
+        assert_eq!(ApiKey::parse("=acme"), Err(KeySpecError::EmptyKey));
+        assert!(matches!(
+            ApiKey::parse("k=Acme"),
+            Err(KeySpecError::Tenant { .. })
+        ));
+        assert!(matches!(
+            ApiKey::parse("k=acme:"),
+            Err(KeySpecError::Actor { .. })
+        ));
+        assert!(matches!(
+            ApiKey::parse("k=acme:a b"),
+            Err(KeySpecError::Actor { .. })
+        ));
+        assert!(matches!(
+            ApiKey::parse_all(&["k=acme", "k=beta"]),
+            Err(KeySpecError::Duplicate(_))
+        ));
+        assert_eq!(ApiKey::parse_all(&["a", "b=beta"]).unwrap().len(), 2);
+    }
+
+    #[test]
+    fn failures_block_an_address_until_its_bucket_refills() {
+        let f = FailureLimiter::per_minute(3);
+        let (a, b): (IpAddr, IpAddr) = ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
+        let t0 = Instant::now();
+        assert_eq!(f.blocked(a, t0), None);
+        for _ in 0..3 {
+            assert_eq!(f.blocked(a, t0), None);
+            f.failed(a, t0);
+        }
+        let wait = f.blocked(a, t0).unwrap();
+        assert!(
+            wait > Duration::from_secs(19) && wait <= Duration::from_secs(20),
+            "{wait:?}"
+        );
+        assert_eq!(f.blocked(b, t0), None, "per address");
+        assert_eq!(f.blocked(a, t0 + Duration::from_secs(21)), None);
+        let off = FailureLimiter::per_minute(0);
+        for _ in 0..10 {
+            off.failed(a, t0);
+        }
+        assert_eq!(off.blocked(a, t0), None);
     }
 
     #[test]

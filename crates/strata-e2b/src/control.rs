@@ -17,7 +17,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use axum::extract::{FromRequestParts, Path, RawQuery, State};
+use axum::extract::{FromRequest, FromRequestParts, Path, RawQuery, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
@@ -31,9 +31,9 @@ use stratad::service::{CreateSandbox, SandboxSpec, ServiceError};
 use stratad::store::{SandboxFilter, SandboxRecord};
 
 pub use crate::error::E2bError;
-use crate::error::E2bResult;
+use crate::error::{too_large_message, E2bResult};
 use crate::policy::{gate_opts, may_write};
-use crate::{E2b, ENVD_VERSION};
+use crate::{BodyError, E2b, ENVD_VERSION};
 
 fn rfc3339(t: DateTime<Utc>) -> String {
     t.to_rfc3339_opts(SecondsFormat::Millis, true)
@@ -71,6 +71,24 @@ fn check_timeout(t: u64) -> E2bResult<u64> {
         ));
     }
     Ok(t)
+}
+
+/// A JSON request body of at most [`crate::E2bConfig::max_request_bytes`]
+/// (read after the API key was checked); a longer one answers `413`.
+#[derive(Debug, Clone)]
+pub struct JsonBody(pub Bytes);
+
+#[axum::async_trait]
+impl FromRequest<Arc<E2b>> for JsonBody {
+    type Rejection = E2bError;
+
+    async fn from_request(req: Request, st: &Arc<E2b>) -> Result<Self, E2bError> {
+        match crate::capped_body(req, st.cfg.max_request_bytes).await {
+            Ok(b) => Ok(JsonBody(b)),
+            Err(BodyError::TooLarge(n)) => Err(E2bError::new(413, too_large_message(n))),
+            Err(BodyError::Read(m)) => Err(E2bError::new(400, m)),
+        }
+    }
 }
 
 fn parse_body<T: serde::de::DeserializeOwned + Default>(body: &Bytes) -> E2bResult<T> {
@@ -223,7 +241,7 @@ impl<S: Send + Sync> FromRequestParts<S> for SandboxPath {
 pub async fn create(
     State(st): State<Arc<E2b>>,
     Extension(caller): Extension<Caller>,
-    body: Bytes,
+    JsonBody(body): JsonBody,
 ) -> E2bResult<Response> {
     let req: NewSandbox = parse_body(&body)?;
     let template = st.resolve_template(&caller, &req.template_id).await;
@@ -303,7 +321,7 @@ pub async fn set_timeout(
     State(st): State<Arc<E2b>>,
     Extension(caller): Extension<Caller>,
     SandboxPath(id): SandboxPath,
-    body: Bytes,
+    JsonBody(body): JsonBody,
 ) -> E2bResult<StatusCode> {
     let req: TimeoutBody = parse_body(&body)?;
     let rec = st.record(&caller, &id).await?;
@@ -401,7 +419,7 @@ pub async fn connect(
     State(st): State<Arc<E2b>>,
     Extension(caller): Extension<Caller>,
     SandboxPath(id): SandboxPath,
-    body: Bytes,
+    JsonBody(body): JsonBody,
 ) -> E2bResult<Response> {
     let (resumed, rec) = wake(&st, &caller, &id, &body).await?;
     let status = if resumed {
@@ -417,7 +435,7 @@ pub async fn resume(
     State(st): State<Arc<E2b>>,
     Extension(caller): Extension<Caller>,
     SandboxPath(id): SandboxPath,
-    body: Bytes,
+    JsonBody(body): JsonBody,
 ) -> E2bResult<Response> {
     let rec = st.record(&caller, &id).await?;
     if !matches!(rec.state, SandboxState::Hibernated | SandboxState::Paused) {

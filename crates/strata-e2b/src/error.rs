@@ -58,6 +58,20 @@ impl IntoResponse for E2bError {
 /// A result of the control plane.
 pub type E2bResult<T> = Result<T, E2bError>;
 
+/// `413` for a Connect request body over `limit` bytes: Connect's JSON
+/// error (`resource_exhausted`) with the status of the refusal.
+pub fn connect_too_large(limit: usize) -> Response {
+    let e = ConnectError::new(Code::ResourceExhausted, too_large_message(limit));
+    let mut r = e.into_response();
+    *r.status_mut() = StatusCode::PAYLOAD_TOO_LARGE;
+    r
+}
+
+/// The message of a body over `limit` bytes.
+pub fn too_large_message(limit: impl std::fmt::Display) -> String {
+    format!("request body larger than {limit} bytes")
+}
+
 /// The message E2B's proxy uses for a sandbox that is not running; the SDK
 /// turns it into `SandboxNotRunningException`.
 pub(crate) fn not_running(id: &str) -> String {

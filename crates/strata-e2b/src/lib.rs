@@ -17,8 +17,9 @@
 //! token bindings), [`error`] (the door's errors and the mapping of the
 //! service's, so the modules that raise them import none of each other).
 //!
-//! Security: `X-API-KEY` is a configured E2B key (tenant `default`,
-//! developer) or a strata API token (its tenant and role): that
+//! Security: `X-API-KEY` is a configured E2B key ([`auth::ApiKey`]: its
+//! own tenant and actor, or for a bare key a developer of tenant `default`)
+//! or a strata API token (its tenant and role): that
 //! [`stratad::caller::Caller`] is passed to every service command, which
 //! decides tenancy (another tenant's id answers like an unknown one) and
 //! gates tool calls (lifecycle, exec, file reads and writes) through
@@ -26,6 +27,13 @@
 //! the caller the sandbox's access token was handed to (stored in stratad's
 //! security store); guest file operations and the door's helper commands
 //! run under the service's [`stratad::service::Grant`] of the decided call.
+//!
+//! Bounds: credentials are checked by middleware before any body is read
+//! (an anonymous request is answered without reading its body); Connect and
+//! JSON bodies are capped at [`E2bConfig::max_request_bytes`], uploads are
+//! streamed to the guest under the service's `max_upload_bytes` (`413`);
+//! token buckets per configured key, per sandbox (envd) and per source
+//! address for failed authentication answer `429`.
 
 pub mod auth;
 pub mod connect;
@@ -39,9 +47,14 @@ pub mod proto;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
+use axum::extract::Request;
+use axum::http::{header, HeaderMap};
 use axum::routing::{delete, get, post};
 use axum::Router;
+use bytes::{Bytes, BytesMut};
+use futures::StreamExt;
 use strata_core::SandboxId;
+use stratad::security::ratelimit::RateLimiter;
 use stratad::security::Security;
 use stratad::service::Service;
 
@@ -53,10 +66,11 @@ pub const ENVD_VERSION: &str = "0.5.7";
 /// Settings of the E2B front door.
 #[derive(Debug, Clone)]
 pub struct E2bConfig {
-    /// Accepted `X-API-KEY` values besides strata API tokens (a key of this
-    /// list acts as a developer of tenant `default`). Empty, and the daemon
-    /// has no authentication: the control plane is open (local development).
-    pub api_keys: Vec<String>,
+    /// Accepted `X-API-KEY` values besides strata API tokens, each with the
+    /// tenant and actor it acts as ([`auth::ApiKey::parse`]). Empty, and the
+    /// daemon has no authentication: the control plane is open (local
+    /// development).
+    pub api_keys: Vec<auth::ApiKey>,
     /// Secret the per-sandbox envd access tokens are derived from (HMAC of
     /// the sandbox id): the same secret gives the same tokens after a restart.
     pub token_secret: Vec<u8>,
@@ -66,7 +80,23 @@ pub struct E2bConfig {
     pub client_id: String,
     /// Sandbox timeout when the create request gives none, in seconds.
     pub default_timeout_s: u64,
+    /// Largest Connect or JSON request body (every route but `POST /files`),
+    /// in bytes; larger answers `413`.
+    pub max_request_bytes: usize,
+    /// Token bucket of each configured key (control plane) and of each
+    /// sandbox (envd calls): requests per second sustained; `0` turns the
+    /// limits off.
+    pub rate_limit_per_second: f64,
+    /// Requests at once of those buckets.
+    pub rate_limit_burst: u32,
+    /// Failed authentications (bad `X-API-KEY` or `X-Access-Token`) a source
+    /// address may make per minute (as many at once); past that every
+    /// request from it answers `429` until its bucket refills. `0`: no limit.
+    pub auth_failures_per_minute: u32,
 }
+
+/// Default of [`E2bConfig::max_request_bytes`]: 16 MiB.
+pub const DEFAULT_MAX_REQUEST_BYTES: usize = 16 << 20;
 
 impl Default for E2bConfig {
     fn default() -> Self {
@@ -76,6 +106,10 @@ impl Default for E2bConfig {
             home_dir: "/root".into(),
             client_id: "strata".into(),
             default_timeout_s: 300,
+            max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
+            rate_limit_per_second: 100.0,
+            rate_limit_burst: 200,
+            auth_failures_per_minute: 60,
         }
     }
 }
@@ -95,6 +129,12 @@ pub struct E2b {
     envs: Mutex<HashMap<SandboxId, BTreeMap<String, String>>>,
     /// Polling directory watchers by id (in memory).
     watchers: Mutex<HashMap<String, envd::Watcher>>,
+    /// Token buckets of the configured keys, by [`auth::ApiKey::id`].
+    key_limiter: RateLimiter,
+    /// Token buckets of envd calls, by sandbox.
+    envd_limiter: RateLimiter,
+    /// Failed authentications by source address.
+    failures: auth::FailureLimiter,
 }
 
 impl E2b {
@@ -103,10 +143,13 @@ impl E2b {
         Arc::new(E2b {
             svc,
             sec,
-            cfg,
             procs: Arc::new(procs::Registry::default()),
             envs: Mutex::new(HashMap::new()),
             watchers: Mutex::new(HashMap::new()),
+            key_limiter: RateLimiter::new(cfg.rate_limit_per_second, cfg.rate_limit_burst),
+            envd_limiter: RateLimiter::new(cfg.rate_limit_per_second, cfg.rate_limit_burst),
+            failures: auth::FailureLimiter::per_minute(cfg.auth_failures_per_minute),
+            cfg,
         })
     }
 
@@ -140,6 +183,42 @@ impl E2b {
     }
 }
 
+/// Why a capped request body was not read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum BodyError {
+    /// Longer than the cap (in bytes), by `Content-Length` or as it came.
+    TooLarge(usize),
+    /// The client's body failed (connection closed, bad chunking).
+    Read(String),
+}
+
+/// `Content-Length` of a request, when it gives a valid one.
+pub(crate) fn content_length(headers: &HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// Reads a whole request body of at most `limit` bytes: a `Content-Length`
+/// over it is refused before anything is read, a body that grows past it
+/// (chunked) as soon as it does; never more than `limit` bytes are held.
+pub(crate) async fn capped_body(req: Request, limit: usize) -> Result<Bytes, BodyError> {
+    if content_length(req.headers()).is_some_and(|n| n > limit as u64) {
+        return Err(BodyError::TooLarge(limit));
+    }
+    let mut stream = req.into_body().into_data_stream();
+    let mut buf = BytesMut::new();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| BodyError::Read(format!("reading the request body: {e}")))?;
+        if buf.len() + chunk.len() > limit {
+            return Err(BodyError::TooLarge(limit));
+        }
+        buf.extend_from_slice(&chunk);
+    }
+    Ok(buf.freeze())
+}
+
 /// The E2B API (control plane and envd) over `svc`, with `sec` (stratad's
 /// security subsystem: `app.security().cloned()`) for strata tokens,
 /// tenancy, policy and audit. Has no fallback, so it merges into stratad's
@@ -165,11 +244,13 @@ pub fn router(svc: Arc<Service>, sec: Option<Arc<Security>>, cfg: E2bConfig) -> 
         ));
     let p = "/process.Process";
     let f = "/filesystem.Filesystem";
-    let envd = Router::new()
-        .route("/health", get(envd::health))
-        .route("/files", get(envd::download).post(envd::upload))
-        .route(&format!("{p}/Start"), post(envd::start))
-        .route(&format!("{p}/Connect"), post(envd::connect))
+    // Each group checks `E2b-Sandbox-Id` / `X-Access-Token` (and the rate
+    // limits) in a route layer, before any extractor reads the body, and
+    // refuses in the group's error shape.
+    let checked = |shape| {
+        axum::middleware::from_fn_with_state((state.clone(), shape), auth::require_access_token)
+    };
+    let unary = Router::new()
         .route(&format!("{p}/List"), post(envd::list))
         .route(&format!("{p}/SendInput"), post(envd::send_input))
         .route(&format!("{p}/SendSignal"), post(envd::send_signal))
@@ -185,6 +266,19 @@ pub fn router(svc: Arc<Service>, sec: Option<Arc<Security>>, cfg: E2bConfig) -> 
             post(envd::get_watcher_events),
         )
         .route(&format!("{f}/RemoveWatcher"), post(envd::remove_watcher))
-        .layer(axum::extract::DefaultBodyLimit::max(1 << 30));
+        .route_layer(checked(auth::Shape::Unary));
+    let streams = Router::new()
+        .route(&format!("{p}/Start"), post(envd::start))
+        .route(&format!("{p}/Connect"), post(envd::connect))
+        .route_layer(checked(auth::Shape::Stream));
+    let files = Router::new()
+        .route("/files", get(envd::download).post(envd::upload))
+        .route_layer(checked(auth::Shape::Files));
+    // `/health` reads no body and answers a bad token as an unknown sandbox.
+    let envd = Router::new()
+        .route("/health", get(envd::health))
+        .merge(unary)
+        .merge(streams)
+        .merge(files);
     control.merge(envd).with_state(state)
 }

@@ -18,14 +18,15 @@ pub use crate::error::refusal_code;
 use crate::error::service_err;
 use crate::E2b;
 
-/// Actor and token id of a configured E2B API key.
+/// Actor and token id of a bare configured E2B API key (one without a
+/// tenant: `KEY` rather than `KEY=TENANT[:ACTOR]`).
 pub const API_KEY_ACTOR: &str = "e2b-api-key";
 /// Actor and token id of envd calls whose token has no stored binding (it
 /// was handed out before bindings were stored).
 pub const ENVD_ACTOR: &str = "e2b-envd";
 
-/// The caller with a configured E2B API key (or on an open control plane):
-/// a developer of tenant `default`.
+/// The caller with a bare configured E2B API key (or on an open control
+/// plane): a developer of tenant `default`.
 pub fn api_key_caller() -> Caller {
     Caller::Api {
         tenant: DEFAULT_TENANT.to_owned(),
@@ -78,6 +79,17 @@ impl E2b {
                 .map_err(sec_err)?
                 .map_err(sec_err)?;
             if let Some(c) = bound {
+                // A configured key's binding holds while the key is configured.
+                if let Caller::Api { token, .. } = &c {
+                    let key_gone = token.starts_with(crate::auth::KEY_ID_PREFIX)
+                        && !self.cfg.api_keys.iter().any(|k| k.id() == token);
+                    if key_gone {
+                        return Err(ConnectError::new(
+                            Code::Unauthenticated,
+                            "the E2B API key this sandbox's access token was handed to is no longer configured",
+                        ));
+                    }
+                }
                 // The binding outlives the request that made it: the
                 // credential it names must still hold (not revoked, not
                 // expired), as on the control plane.

@@ -22,6 +22,10 @@ RUN_DIR="${RUN_DIR:-/tmp/se2b-run}"
 VENV="${VENV:-/tmp/strata-e2b-venv}"
 TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
 API_KEY="e2b_strata_test_key"
+# A second key with its own tenant and actor, and a small upload limit (the
+# bounds tests read both from the environment).
+TENANT_KEY="e2b_strata_acme_key"
+MAX_UPLOAD=8388608
 URL="http://127.0.0.1:$PORT"
 
 log() { echo "run-python: $*" >&2; }
@@ -62,8 +66,10 @@ cleanup() {
 trap cleanup EXIT
 
 log "starting stratad --e2b on $URL (log: $SCRATCH/daemon.log)"
-RUST_LOG="${RUST_LOG:-info}" "$BIN" --listen "127.0.0.1:$PORT" --data-dir "$SCRATCH" \
-  --run-dir "$RUN_DIR" --accel "${ACCEL:-tcg}" --pool-size-gib 16 --e2b --e2b-api-key "$API_KEY" \
+printf 'max_upload_bytes = %s\n' "$MAX_UPLOAD" >"$SCRATCH/stratad.toml"
+RUST_LOG="${RUST_LOG:-info}" "$BIN" --config "$SCRATCH/stratad.toml" --listen "127.0.0.1:$PORT" --data-dir "$SCRATCH" \
+  --run-dir "$RUN_DIR" --accel "${ACCEL:-tcg}" --pool-size-gib 16 --e2b \
+  --e2b-api-key "$API_KEY" --e2b-api-key "$TENANT_KEY=acme:sdk-bot" \
   ${IMAGE_DIR:+--image-dir "$IMAGE_DIR"} >"$SCRATCH/daemon.log" 2>&1 &
 DAEMON_PID=$!
 
@@ -84,6 +90,7 @@ done
 case "$st" in *ready*) log "template ready after ${i}s" ;; *) tail -50 "$SCRATCH/daemon.log"; log "no ready template after ${i}s"; exit 1 ;; esac
 
 export E2B_API_URL="$URL" E2B_SANDBOX_URL="$URL" E2B_API_KEY="$API_KEY" E2B_DEBUG=false
+export E2B_TENANT_KEY="$TENANT_KEY" STRATA_MAX_UPLOAD_BYTES="$MAX_UPLOAD"
 STRATA_TOKEN="$(cat "$SCRATCH/admin.token" 2>/dev/null || true)"; export STRATA_TOKEN
 unset E2B_DOMAIN E2B_ACCESS_TOKEN || true
 status=0

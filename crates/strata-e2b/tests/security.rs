@@ -30,8 +30,13 @@ struct Server {
 /// A fresh E2B door (empty memory: a daemon restart) over `app`, on its
 /// own listener; returns its URL.
 async fn door(app: &App) -> String {
+    door_keys(app, &[KEY]).await
+}
+
+/// [`door`] with these `--e2b-api-key` entries.
+async fn door_keys(app: &App, keys: &[&str]) -> String {
     let e2b = strata_e2b::E2bConfig {
-        api_keys: vec![KEY.into()],
+        api_keys: strata_e2b::auth::ApiKey::parse_all(keys).unwrap(),
         token_secret: SECRET.to_vec(),
         ..Default::default()
     };
@@ -604,6 +609,52 @@ async fn envd_tokens_are_bound_to_who_they_were_handed_to() {
         masked(&v, unknown.as_str())["message"],
         "The sandbox ID was not found"
     );
+}
+
+#[tokio::test]
+async fn a_removed_keys_envd_tokens_stop_working() {
+    let s = server().await;
+    let key = "e2b_acme_key_0123456789";
+    let spec = format!("{key}=acme:ci-bot");
+    let with = door_keys(&s.app, &[KEY, &spec]).await;
+    let id = s.sandbox("acme").await;
+    // Handed out by get_info to the key (its tenant's sandbox).
+    let r = s
+        .http
+        .get(format!("{with}/sandboxes/{id}"))
+        .header("X-API-KEY", key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let token = r.json::<Value>().await.unwrap()["envdAccessToken"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let path = "/filesystem.Filesystem/Stat";
+    let body = json!({"path": "/etc"});
+    let (st, v) = s.envd(&with, id.as_str(), &token, path, body.clone()).await;
+    assert!(st != 401 && st != 403, "{st} {v}");
+    let admin = s.token("admin", Some("acme")).await;
+    let audit = s.audit_as(&admin, &id).await;
+    assert_eq!(audit.len(), 1, "{audit:?}");
+    assert_eq!(audit[0]["actor"], "ci-bot");
+    // The daemon restarts without that key: the token it was handed stops.
+    let without = door_keys(&s.app, &[KEY]).await;
+    let (st, v) = s.envd(&without, id.as_str(), &token, path, body).await;
+    assert_eq!(
+        (st, v["code"].as_str()),
+        (401, Some("unauthenticated")),
+        "{v}"
+    );
+    assert!(
+        v["message"]
+            .as_str()
+            .unwrap()
+            .contains("no longer configured"),
+        "{v}"
+    );
+    assert_eq!(s.audit_as(&admin, &id).await.len(), 1);
 }
 
 #[tokio::test]

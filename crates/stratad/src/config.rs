@@ -210,8 +210,11 @@ impl Default for SecurityConfig {
 pub struct E2bSettings {
     /// Serve the E2B control plane and envd next to `/v1`.
     pub enabled: bool,
-    /// Accepted `X-API-KEY` values besides strata API tokens (each acts as a
-    /// developer of tenant `default`). Flags: `--e2b-api-key`, env
+    /// Accepted `X-API-KEY` values besides strata API tokens, each
+    /// `KEY=TENANT[:ACTOR]` (a developer of that tenant, audited as ACTOR,
+    /// by default `e2b-key-<12 hex of the key's SHA-256>`) or a bare `KEY`
+    /// (a developer of tenant `default`, actor `e2b-api-key`, as before).
+    /// Each key has its own token bucket. Flags: `--e2b-api-key`, env
     /// `STRATA_E2B_API_KEYS`. Empty with `[security] auth = false`: the
     /// control plane is open to anyone who can reach the listener.
     pub api_keys: Vec<String>,
@@ -227,6 +230,19 @@ pub struct E2bSettings {
     /// Sandbox timeout when a create request gives none.
     #[serde(with = "serde_human")]
     pub default_timeout: Duration,
+    /// Largest Connect / JSON request body in bytes (every E2B route but
+    /// `POST /files`, which streams under `max_upload_bytes`); larger
+    /// answers `413`.
+    pub max_request_bytes: u64,
+    /// Requests per second sustained of each configured key (control plane)
+    /// and of each sandbox (envd calls); `0` turns these limits off.
+    pub rate_limit_per_second: f64,
+    /// Requests at once of those token buckets.
+    pub rate_limit_burst: u32,
+    /// Failed authentications a source address may make per minute (as
+    /// many at once); past that the address gets `429` until its bucket
+    /// refills. `0`: no limit.
+    pub auth_failures_per_minute: u32,
 }
 
 impl Default for E2bSettings {
@@ -238,6 +254,10 @@ impl Default for E2bSettings {
             home_dir: "/root".into(),
             client_id: "strata".into(),
             default_timeout: Duration::from_secs(300),
+            max_request_bytes: 16 << 20,
+            rate_limit_per_second: 100.0,
+            rate_limit_burst: 200,
+            auth_failures_per_minute: 60,
         }
     }
 }
@@ -439,6 +459,16 @@ impl Config {
                 self.e2b.home_dir
             )));
         }
+        if !(1024..=1 << 30).contains(&self.e2b.max_request_bytes) {
+            return Err(ConfigError::Invalid(
+                "e2b.max_request_bytes must be between 1024 and 1073741824".into(),
+            ));
+        }
+        if !self.e2b.rate_limit_per_second.is_finite() || self.e2b.rate_limit_per_second < 0.0 {
+            return Err(ConfigError::Invalid(
+                "e2b.rate_limit_per_second must be a number >= 0".into(),
+            ));
+        }
         if self.e2b.default_timeout < Duration::from_secs(1) {
             return Err(ConfigError::Invalid(
                 "e2b.default_timeout must be at least 1s".into(),
@@ -504,6 +534,19 @@ mod tests {
         assert!(toml::from_str::<Config>("[e2b]\nenable = true\n").is_err());
         let c: Config = toml::from_str("[e2b]\nhome_dir = \"root\"\n").unwrap();
         assert!(c.validate().is_err());
+        let c: Config = toml::from_str(
+            "[e2b]\napi_keys = [\"k=acme:ci\"]\nmax_request_bytes = 65536\nrate_limit_per_second = 0.0\n",
+        )
+        .unwrap();
+        assert_eq!(
+            (c.e2b.max_request_bytes, c.e2b.auth_failures_per_minute),
+            (65536, 60)
+        );
+        c.validate().unwrap();
+        for bad in ["max_request_bytes = 100", "rate_limit_per_second = -1.0"] {
+            let c: Config = toml::from_str(&format!("[e2b]\n{bad}\n")).unwrap();
+            assert!(c.validate().is_err(), "{bad}");
+        }
     }
 
     #[test]

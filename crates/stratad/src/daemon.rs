@@ -216,6 +216,8 @@ pub async fn run_with(
             let router = app
                 .router()
                 .merge(mount(app.service().clone(), app.security().cloned()));
+            // Connect info: the E2B door limits failed logins per address.
+            let router = router.into_make_service_with_connect_info::<std::net::SocketAddr>();
             let r = axum::serve(listener, router)
                 .with_graceful_shutdown(shutdown)
                 .await;

@@ -1,26 +1,31 @@
 //! `/files`: `GET /files?path=` (download) and `POST /files?path=`
-//! (multipart, field `file`, or octet-stream) with errors as
+//! (multipart, field `file`, or octet-stream; streamed, at most the
+//! service's `max_upload_bytes`) with errors as
 //! `{"code": <http status>, "message": "…"}`.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::extract::{RawQuery, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::extract::{RawQuery, Request, State};
+use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::{Extension, Json};
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 use serde_json::json;
 use strata_core::SandboxId;
-use stratad::engine::{FileKind, RuntimeError};
+use stratad::engine::{ByteStream, FileKind, RuntimeError};
 
 use super::{parent, read, write};
+use crate::auth::EnvdSandbox;
 use crate::connect::{Code, ConnectError};
 use crate::error::service_err;
 use crate::E2b;
 
-fn files_err(e: ConnectError) -> Response {
+/// A Connect error in `/files`'s shape (`unavailable` as 502, as E2B's
+/// proxy answers for a sandbox that is not running).
+pub(crate) fn files_err(e: ConnectError) -> Response {
     let status = match e.code {
         Code::Unavailable => StatusCode::BAD_GATEWAY,
         c => c.http_status(),
@@ -41,13 +46,9 @@ fn query_path(st: &E2b, raw: Option<&str>) -> Option<String> {
 /// `GET /files?path=` → the file's bytes (404 when missing).
 pub async fn download(
     State(st): State<Arc<E2b>>,
-    headers: HeaderMap,
+    Extension(EnvdSandbox(id)): Extension<EnvdSandbox>,
     RawQuery(raw): RawQuery,
 ) -> Response {
-    let id = match st.envd_sandbox(&headers) {
-        Ok(id) => id,
-        Err(e) => return files_err(e),
-    };
     let Some(path) = query_path(&st, raw.as_deref()) else {
         return files_err(ConnectError::new(Code::InvalidArgument, "missing path"));
     };
@@ -79,85 +80,94 @@ pub async fn download(
     }
 }
 
-/// One part of a `multipart/form-data` body.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Part {
-    /// Form field name.
-    pub name: String,
-    /// File name, when given.
-    pub filename: Option<String>,
-    /// Content.
-    pub data: Bytes,
+/// Bytes a multipart body may carry besides its files' contents
+/// (boundaries, part headers, other fields): the whole body may be
+/// `max_upload_bytes` plus this.
+pub const MULTIPART_OVERHEAD: u64 = 1 << 20;
+
+/// The upload's byte budget (the service's `max_upload_bytes`, over every
+/// file of a request): counted as the bytes stream to the guest; past it
+/// the stream fails, so the guest never renames its temporary file into
+/// place, and [`Budget::exceeded`] says the failure was the limit.
+#[derive(Debug, Clone)]
+struct Budget {
+    limit: u64,
+    seen: Arc<AtomicU64>,
+    exceeded: Arc<AtomicBool>,
 }
 
-fn find(hay: &[u8], needle: &[u8], from: usize) -> Option<usize> {
-    if needle.is_empty() || hay.len() < needle.len() {
-        return None;
-    }
-    (from..=hay.len() - needle.len()).find(|&i| &hay[i..i + needle.len()] == needle)
-}
-
-fn disposition_param(line: &str, key: &str) -> Option<String> {
-    for item in line.split(';').skip(1) {
-        let item = item.trim();
-        if let Some(v) = item
-            .strip_prefix(key)
-            .and_then(|r| r.trim_start().strip_prefix('='))
-        {
-            let v = v.trim();
-            let v = v
-                .strip_prefix('"')
-                .and_then(|s| s.strip_suffix('"'))
-                .unwrap_or(v);
-            return Some(v.replace("\\\"", "\"").replace("%22", "\""));
+impl Budget {
+    fn new(limit: u64) -> Self {
+        Budget {
+            limit,
+            seen: Arc::new(AtomicU64::new(0)),
+            exceeded: Arc::new(AtomicBool::new(false)),
         }
     }
-    None
-}
 
-/// Parses a complete `multipart/form-data` body.
-pub fn parse_multipart(body: &Bytes, boundary: &str) -> Result<Vec<Part>, String> {
-    let delim = format!("--{boundary}");
-    let d = delim.as_bytes();
-    let mut pos = find(body, d, 0).ok_or("no multipart boundary in the body")? + d.len();
-    let mut parts = Vec::new();
-    loop {
-        if body.get(pos..pos + 2) == Some(b"--") {
-            return Ok(parts);
-        }
-        if body.get(pos..pos + 2) == Some(b"\r\n") {
-            pos += 2;
-        }
-        let hend = find(body, b"\r\n\r\n", pos).ok_or("truncated part headers")?;
-        let head = String::from_utf8_lossy(&body[pos..hend]).into_owned();
-        let start = hend + 4;
-        let next_delim = format!("\r\n{delim}");
-        let end = find(body, next_delim.as_bytes(), start).ok_or("unterminated part")?;
-        let mut name = String::new();
-        let mut filename = None;
-        for line in head.split("\r\n") {
-            if line
-                .to_ascii_lowercase()
-                .starts_with("content-disposition:")
-            {
-                name = disposition_param(line, "name").unwrap_or_default();
-                filename = disposition_param(line, "filename");
+    fn exceeded(&self) -> bool {
+        self.exceeded.load(Ordering::Relaxed)
+    }
+
+    /// `body` counted against the budget; `too_large` tells which of its
+    /// errors are a size limit of the parser.
+    fn meter<S, E>(&self, body: S, too_large: fn(&E) -> bool) -> ByteStream
+    where
+        S: futures::Stream<Item = Result<Bytes, E>> + Send + 'static,
+        E: std::fmt::Display + 'static,
+    {
+        let b = self.clone();
+        body.map(move |chunk| {
+            let chunk = chunk.map_err(|e| {
+                if too_large(&e) {
+                    b.exceeded.store(true, Ordering::Relaxed);
+                }
+                RuntimeError::Other(format!("reading the upload: {e}"))
+            })?;
+            let n = chunk.len() as u64;
+            let total = b.seen.fetch_add(n, Ordering::Relaxed).saturating_add(n);
+            if total > b.limit {
+                b.exceeded.store(true, Ordering::Relaxed);
+                return Err(RuntimeError::Other(format!(
+                    "upload larger than {} bytes",
+                    b.limit
+                )));
             }
-        }
-        parts.push(Part {
-            name,
-            filename,
-            data: body.slice(start..end),
-        });
-        pos = end + next_delim.len();
+            Ok(chunk)
+        })
+        .boxed()
     }
+
+    /// The refusal of an upload over the budget.
+    fn refusal(&self) -> Response {
+        upload_too_large(self.limit)
+    }
+}
+
+fn upload_too_large(limit: u64) -> Response {
+    (
+        StatusCode::PAYLOAD_TOO_LARGE,
+        Json(json!({"code": 413, "message": format!("upload larger than {limit} bytes")})),
+    )
+        .into_response()
+}
+
+fn multer_too_large(e: &multer::Error) -> bool {
+    matches!(
+        e,
+        multer::Error::StreamSizeExceeded { .. } | multer::Error::FieldSizeExceeded { .. }
+    )
+}
+
+fn never(_: &axum::Error) -> bool {
+    false
 }
 
 async fn write_one(
     st: &Arc<E2b>,
     id: &SandboxId,
     path: &str,
-    body: stratad::engine::ByteStream,
+    body: ByteStream,
 ) -> Result<serde_json::Value, ConnectError> {
     let g = st.envd_grant(id, write(path)).await?;
     if let Some(dir) = parent(path) {
@@ -173,18 +183,23 @@ async fn write_one(
     Ok(json!({"name": name, "type": "file", "path": path}))
 }
 
-/// `POST /files?path=`: multipart (field `file`) or octet-stream → `[WriteInfo]`.
+/// `POST /files?path=`: multipart (field `file`) or octet-stream →
+/// `[WriteInfo]`. Both forms stream to the guest (nothing is buffered
+/// whole) under the service's `max_upload_bytes`: a `Content-Length` over
+/// it is refused before anything is read, a body that grows past it is cut
+/// off; either answers `413` and never creates or changes the destination
+/// (the guest writes a temporary file and renames it at the end; a cut-off
+/// upload's temporary file stays until the agent session ends, as the agent
+/// protocol has no upload abort yet). With `?path=`, the first
+/// `file` part is written there, later parts to their own file names.
 pub async fn upload(
     State(st): State<Arc<E2b>>,
-    headers: HeaderMap,
+    Extension(EnvdSandbox(id)): Extension<EnvdSandbox>,
     RawQuery(raw): RawQuery,
-    body: Body,
+    req: Request,
 ) -> Response {
-    let id = match st.envd_sandbox(&headers) {
-        Ok(id) => id,
-        Err(e) => return files_err(e),
-    };
-    let path = query_path(&st, raw.as_deref());
+    let mut path = query_path(&st, raw.as_deref());
+    let headers = req.headers();
     let ctype = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -200,36 +215,71 @@ pub async fn upload(
             "compressed uploads are not supported",
         ));
     }
-    if let Some(b) = ctype.strip_prefix("multipart/form-data") {
-        let Some(boundary) = disposition_param(b, "boundary") else {
-            return files_err(ConnectError::new(
-                Code::InvalidArgument,
-                "multipart body without boundary",
-            ));
-        };
-        let bytes = match axum::body::to_bytes(body, usize::MAX).await {
+    let limit = st.svc.config().max_upload_bytes;
+    let declared = crate::content_length(headers);
+    let budget = Budget::new(limit);
+    if ctype.starts_with("multipart/form-data") {
+        let boundary = match multer::parse_boundary(&ctype) {
             Ok(b) => b,
-            Err(e) => return files_err(ConnectError::new(Code::InvalidArgument, e.to_string())),
+            Err(_) => {
+                return files_err(ConnectError::new(
+                    Code::InvalidArgument,
+                    "multipart body without boundary",
+                ))
+            }
         };
-        let parts = match parse_multipart(&bytes, &boundary) {
-            Ok(p) => p,
-            Err(e) => return files_err(ConnectError::new(Code::InvalidArgument, e)),
-        };
-        let files: Vec<Part> = parts.into_iter().filter(|p| p.name == "file").collect();
+        let whole = limit.saturating_add(MULTIPART_OVERHEAD);
+        if declared.is_some_and(|n| n > whole) {
+            return budget.refusal();
+        }
+        let constraints =
+            multer::Constraints::new().size_limit(multer::SizeLimit::new().whole_stream(whole));
+        let mut form = multer::Multipart::with_constraints(
+            req.into_body().into_data_stream(),
+            boundary,
+            constraints,
+        );
         let mut out = Vec::new();
-        for p in &files {
-            let target = match (&path, &p.filename) {
-                (Some(q), _) if files.len() == 1 => q.clone(),
-                (_, Some(f)) => st.guest_path(f),
-                (Some(q), None) => q.clone(),
+        loop {
+            let mut field = match form.next_field().await {
+                Ok(Some(f)) => f,
+                Ok(None) => break,
+                Err(e) if multer_too_large(&e) => return budget.refusal(),
+                Err(e) => {
+                    return files_err(ConnectError::new(
+                        Code::InvalidArgument,
+                        format!("multipart body: {e}"),
+                    ))
+                }
+            };
+            if field.name() != Some("file") {
+                // Not a file: skipped (bounded by the whole-body limit).
+                loop {
+                    match field.chunk().await {
+                        Ok(Some(_)) => {}
+                        Ok(None) => break,
+                        Err(e) if multer_too_large(&e) => return budget.refusal(),
+                        Err(e) => {
+                            return files_err(ConnectError::new(
+                                Code::InvalidArgument,
+                                format!("multipart body: {e}"),
+                            ))
+                        }
+                    }
+                }
+                continue;
+            }
+            let target = match (path.take(), field.file_name()) {
+                (Some(q), _) => q,
+                (None, Some(f)) => st.guest_path(f),
                 (None, None) => {
                     return files_err(ConnectError::new(Code::InvalidArgument, "missing path"))
                 }
             };
-            let data = p.data.clone();
-            let stream = futures::stream::iter([Ok::<_, RuntimeError>(data)]).boxed();
+            let stream = budget.meter(field, multer_too_large);
             match write_one(&st, &id, &target, stream).await {
                 Ok(v) => out.push(v),
+                Err(_) if budget.exceeded() => return budget.refusal(),
                 Err(e) => return files_err(e),
             }
         }
@@ -238,36 +288,13 @@ pub async fn upload(
     let Some(path) = path else {
         return files_err(ConnectError::new(Code::InvalidArgument, "missing path"));
     };
-    let stream = body
-        .into_data_stream()
-        .map_err(|e| RuntimeError::Other(format!("upload body: {e}")))
-        .boxed();
+    if declared.is_some_and(|n| n > limit) {
+        return budget.refusal();
+    }
+    let stream = budget.meter(req.into_body().into_data_stream(), never);
     match write_one(&st, &id, &path, stream).await {
         Ok(v) => Json(vec![v]).into_response(),
+        Err(_) if budget.exceeded() => budget.refusal(),
         Err(e) => files_err(e),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn multipart_as_httpx_sends_it() {
-        let body = Bytes::from_static(
-            b"--abc\r\nContent-Disposition: form-data; name=\"file\"; filename=\"/root/a.txt\"\r\nContent-Type: application/octet-stream\r\n\r\nhello\r\nworld\r\n--abc\r\nContent-Disposition: form-data; name=\"other\"\r\n\r\nx\r\n--abc--\r\n",
-        );
-        let parts = parse_multipart(&body, "abc").unwrap();
-        assert_eq!(parts.len(), 2);
-        assert_eq!(parts[0].name, "file");
-        assert_eq!(parts[0].filename.as_deref(), Some("/root/a.txt"));
-        assert_eq!(&parts[0].data[..], b"hello\r\nworld");
-        assert_eq!(parts[1].name, "other");
-        assert_eq!(&parts[1].data[..], b"x");
-        assert!(parse_multipart(&Bytes::from_static(b"--abc\r\nx"), "abc").is_err());
-        assert_eq!(
-            disposition_param("multipart/form-data; boundary=xyz", "boundary").as_deref(),
-            Some("xyz")
-        );
     }
 }

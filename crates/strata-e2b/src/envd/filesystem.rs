@@ -6,16 +6,16 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::http::HeaderMap;
 use axum::response::Response;
-use bytes::Bytes;
+use axum::Extension;
 use serde_json::json;
 use strata_core::SandboxId;
 use strata_policy::CallKind;
 use stratad::engine::{FileKind, GuestErrorKind, RuntimeError};
 use stratad::service::{Grant, ServiceError};
 
-use super::{entry, join, read, write};
+use super::{entry, join, read, write, CappedBody};
+use crate::auth::EnvdSandbox;
 use crate::connect::{Code, ConnectError};
 use crate::error::service_err;
 use crate::procs;
@@ -43,8 +43,12 @@ impl E2b {
 }
 
 /// `filesystem.Filesystem/Stat`.
-pub async fn stat(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
-    unary!(st, headers, body, proto::PathRequest, |id, r| async {
+pub async fn stat(
+    State(st): State<Arc<E2b>>,
+    sbx: Extension<EnvdSandbox>,
+    body: CappedBody,
+) -> Response {
+    unary!(sbx, body, proto::PathRequest, |id, r| async {
         let (path, g) = st.path_grant(&id, &r.path, read).await?;
         let e = stat_entry(&st, &g, &path).await?;
         Ok::<_, ConnectError>(json!({ "entry": e }))
@@ -52,8 +56,12 @@ pub async fn stat(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -
 }
 
 /// `filesystem.Filesystem/ListDir` (`depth` levels, 1 by default).
-pub async fn list_dir(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
-    unary!(st, headers, body, proto::ListDirRequest, |id, r| async {
+pub async fn list_dir(
+    State(st): State<Arc<E2b>>,
+    sbx: Extension<EnvdSandbox>,
+    body: CappedBody,
+) -> Response {
+    unary!(sbx, body, proto::ListDirRequest, |id, r| async {
         let root = st.guest_path(&r.path);
         let g = st.envd_grant(&id, read(&root)).await?;
         let depth = r.depth.max(1);
@@ -91,8 +99,12 @@ pub async fn list_dir(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Byte
 }
 
 /// `filesystem.Filesystem/MakeDir` (parents too; `already_exists` if it does).
-pub async fn make_dir(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
-    unary!(st, headers, body, proto::PathRequest, |id, r| async {
+pub async fn make_dir(
+    State(st): State<Arc<E2b>>,
+    sbx: Extension<EnvdSandbox>,
+    body: CappedBody,
+) -> Response {
+    unary!(sbx, body, proto::PathRequest, |id, r| async {
         let (path, g) = st.path_grant(&id, &r.path, write).await?;
         match st.svc.stat(&g, &path).await {
             Ok(_) => {
@@ -114,8 +126,12 @@ pub async fn make_dir(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Byte
 }
 
 /// `filesystem.Filesystem/Move` (a `mv` in the guest).
-pub async fn move_entry(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
-    unary!(st, headers, body, proto::MoveRequest, |id, r| async {
+pub async fn move_entry(
+    State(st): State<Arc<E2b>>,
+    sbx: Extension<EnvdSandbox>,
+    body: CappedBody,
+) -> Response {
+    unary!(sbx, body, proto::MoveRequest, |id, r| async {
         let (src, dst) = (st.guest_path(&r.source), st.guest_path(&r.destination));
         stratad::service::validate_guest_path(&src).map_err(service_err)?;
         stratad::service::validate_guest_path(&dst).map_err(service_err)?;
@@ -144,8 +160,12 @@ pub async fn move_entry(State(st): State<Arc<E2b>>, headers: HeaderMap, body: By
 }
 
 /// `filesystem.Filesystem/Remove` (recursive).
-pub async fn remove(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
-    unary!(st, headers, body, proto::PathRequest, |id, r| async {
+pub async fn remove(
+    State(st): State<Arc<E2b>>,
+    sbx: Extension<EnvdSandbox>,
+    body: CappedBody,
+) -> Response {
+    unary!(sbx, body, proto::PathRequest, |id, r| async {
         let (path, g) = st.path_grant(&id, &r.path, write).await?;
         st.svc.remove(&g, &path, true).await.map_err(service_err)?;
         Ok::<_, ConnectError>(json!({}))
@@ -232,8 +252,12 @@ pub fn diff_listings(
 }
 
 /// `filesystem.Filesystem/CreateWatcher`: remembers the directory's listing.
-pub async fn create_watcher(State(st): State<Arc<E2b>>, h: HeaderMap, b: Bytes) -> Response {
-    unary!(st, h, b, serde_json::Value, |id, r| async {
+pub async fn create_watcher(
+    State(st): State<Arc<E2b>>,
+    sbx: Extension<EnvdSandbox>,
+    body: CappedBody,
+) -> Response {
+    unary!(sbx, body, serde_json::Value, |id, r| async {
         let path = st.guest_path(r.get("path").and_then(|v| v.as_str()).unwrap_or(""));
         let recursive = r
             .get("recursive")
@@ -302,8 +326,12 @@ fn watcher_gone(wid: &str) -> ConnectError {
 }
 
 /// `filesystem.Filesystem/GetWatcherEvents`: lists again and reports the difference.
-pub async fn get_watcher_events(State(st): State<Arc<E2b>>, h: HeaderMap, b: Bytes) -> Response {
-    unary!(st, h, b, serde_json::Value, |id, r| async {
+pub async fn get_watcher_events(
+    State(st): State<Arc<E2b>>,
+    sbx: Extension<EnvdSandbox>,
+    body: CappedBody,
+) -> Response {
+    unary!(sbx, body, serde_json::Value, |id, r| async {
         let (wid, grant, root, recursive) = st.watcher_call(&id, &r, false).await?;
         // Polling a watcher decided at its creation never wakes the sandbox.
         st.svc
@@ -329,8 +357,12 @@ pub async fn get_watcher_events(State(st): State<Arc<E2b>>, h: HeaderMap, b: Byt
 }
 
 /// `filesystem.Filesystem/RemoveWatcher`.
-pub async fn remove_watcher(State(st): State<Arc<E2b>>, h: HeaderMap, b: Bytes) -> Response {
-    unary!(st, h, b, serde_json::Value, |id, r| async {
+pub async fn remove_watcher(
+    State(st): State<Arc<E2b>>,
+    sbx: Extension<EnvdSandbox>,
+    body: CappedBody,
+) -> Response {
+    unary!(sbx, body, serde_json::Value, |id, r| async {
         st.watcher_call(&id, &r, true).await?;
         Ok::<_, ConnectError>(json!({}))
     })

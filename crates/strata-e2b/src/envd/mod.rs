@@ -10,10 +10,11 @@
 
 use std::sync::Arc;
 
-use axum::extract::State;
+use axum::extract::{FromRequest, Request, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use bytes::Bytes;
 use chrono::{DateTime, SecondsFormat, Utc};
 use serde_json::json;
 use strata_core::{SandboxId, SandboxState};
@@ -21,19 +22,21 @@ use strata_policy::CallKind;
 use stratad::engine::{DirEntry, FileKind};
 
 use crate::connect::{Code, ConnectError};
-use crate::error::not_running;
 pub use crate::error::service_err;
+use crate::error::{connect_too_large, not_running};
 use crate::proto::{self, EntryInfo, FileType};
-use crate::E2b;
+use crate::{BodyError, E2b};
 
-/// A unary Connect handler: the sandbox of the call (token checked), the
-/// request decoded as `$req`, then `$fut` (a `Result<impl Serialize,
-/// ConnectError>`) answered as a Connect unary response or error.
+/// A unary Connect handler: the sandbox of the call (an
+/// `Extension<EnvdSandbox>`: its token was checked by the route layer), the
+/// request (a [`CappedBody`]) decoded as `$req`, then `$fut` (a
+/// `Result<impl Serialize, ConnectError>`) answered as a Connect unary
+/// response or error.
 macro_rules! unary {
-    ($st:expr, $headers:expr, $body:expr, $req:ty, |$id:ident, $r:ident| $fut:expr) => {{
+    ($sbx:expr, $body:expr, $req:ty, |$id:ident, $r:ident| $fut:expr) => {{
+        let axum::Extension($crate::auth::EnvdSandbox($id)) = $sbx;
         let run = async {
-            let $id = $st.envd_sandbox(&$headers)?;
-            let $r: $req = $crate::connect::unary_request(&$body)?;
+            let $r: $req = $crate::connect::unary_request(&$body.0)?;
             $fut.await
         };
         match run.await {
@@ -47,7 +50,7 @@ pub mod files;
 pub mod filesystem;
 pub mod process;
 
-pub use files::{download, parse_multipart, upload, Part};
+pub use files::{download, upload, MULTIPART_OVERHEAD};
 pub use filesystem::{
     create_watcher, diff_listings, get_watcher_events, list_dir, make_dir, move_entry, remove,
     remove_watcher, stat, Watcher,
@@ -61,9 +64,31 @@ pub const ACCESS_TOKEN_HEADER: &str = "x-access-token";
 /// Header with the keepalive interval the client wants, in seconds.
 pub const KEEPALIVE_HEADER: &str = "keepalive-ping-interval";
 
+/// A Connect (or JSON) request body of at most
+/// [`crate::E2bConfig::max_request_bytes`], read after the route layer
+/// checked the caller; a longer one answers `413` (a Connect error
+/// `resource_exhausted`) without being read further.
+#[derive(Debug, Clone)]
+pub struct CappedBody(pub Bytes);
+
+#[axum::async_trait]
+impl FromRequest<Arc<E2b>> for CappedBody {
+    type Rejection = Response;
+
+    async fn from_request(req: Request, st: &Arc<E2b>) -> Result<Self, Response> {
+        match crate::capped_body(req, st.cfg.max_request_bytes).await {
+            Ok(b) => Ok(CappedBody(b)),
+            Err(BodyError::TooLarge(n)) => Err(connect_too_large(n)),
+            Err(BodyError::Read(m)) => {
+                Err(ConnectError::new(Code::InvalidArgument, m).into_response())
+            }
+        }
+    }
+}
+
 impl E2b {
     /// The sandbox of an envd request, after checking its access token.
-    fn envd_sandbox(&self, headers: &HeaderMap) -> Result<SandboxId, ConnectError> {
+    pub(crate) fn envd_sandbox(&self, headers: &HeaderMap) -> Result<SandboxId, ConnectError> {
         let raw = headers
             .get(SANDBOX_ID_HEADER)
             .and_then(|v| v.to_str().ok())

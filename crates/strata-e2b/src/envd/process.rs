@@ -10,6 +10,7 @@ use std::time::Duration;
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::Response;
+use axum::Extension;
 use bytes::Bytes;
 use futures::{Stream, StreamExt};
 use serde_json::json;
@@ -18,7 +19,8 @@ use strata_policy::CallKind;
 use stratad::service::Grant;
 use tokio::sync::mpsc;
 
-use super::KEEPALIVE_HEADER;
+use super::{CappedBody, KEEPALIVE_HEADER};
+use crate::auth::EnvdSandbox;
 use crate::connect::{self, Code, ConnectError};
 use crate::error::service_err;
 use crate::procs::{self, Proc};
@@ -122,9 +124,13 @@ fn detached_frames(
 }
 
 /// `process.Process/Start` (server stream).
-pub async fn start(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
+pub async fn start(
+    State(st): State<Arc<E2b>>,
+    headers: HeaderMap,
+    Extension(EnvdSandbox(id)): Extension<EnvdSandbox>,
+    CappedBody(body): CappedBody,
+) -> Response {
     let run = async {
-        let id = st.envd_sandbox(&headers)?;
         let req: proto::StartRequest = connect::stream_request(&body)?;
         if req.pty.is_some() {
             return Err(ConnectError::new(
@@ -199,10 +205,14 @@ fn select(
 }
 
 /// `process.Process/Connect` (server stream): attach to a running process.
-pub async fn connect(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
+pub async fn connect(
+    State(st): State<Arc<E2b>>,
+    headers: HeaderMap,
+    Extension(EnvdSandbox(id)): Extension<EnvdSandbox>,
+    CappedBody(body): CappedBody,
+) -> Response {
     let keepalive = keepalive_interval(&headers);
     let run = async {
-        let id = st.envd_sandbox(&headers)?;
         let req: proto::SelectRequest = connect::stream_request(&body)?;
         // The sandbox first: a gone one answers `not running` before any
         // table of the door is consulted.
@@ -245,8 +255,12 @@ pub async fn connect(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes
 }
 
 /// `process.Process/List`: the processes started through envd that still run.
-pub async fn list(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
-    unary!(st, headers, body, serde_json::Value, |id, _r| async {
+pub async fn list(
+    State(st): State<Arc<E2b>>,
+    sbx: Extension<EnvdSandbox>,
+    body: CappedBody,
+) -> Response {
+    unary!(sbx, body, serde_json::Value, |id, _r| async {
         let g = st.envd_access(&id).await?;
         let all = st.procs.all(&id);
         let detached: Vec<u32> = all
@@ -277,8 +291,12 @@ fn require(found: Option<Arc<Proc>>) -> Result<Arc<Proc>, ConnectError> {
 }
 
 /// `process.Process/SendInput`.
-pub async fn send_input(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
-    unary!(st, headers, body, proto::SendInputRequest, |id, r| async {
+pub async fn send_input(
+    State(st): State<Arc<E2b>>,
+    sbx: Extension<EnvdSandbox>,
+    body: CappedBody,
+) -> Response {
+    unary!(sbx, body, proto::SendInputRequest, |id, r| async {
         let g = st.envd_access(&id).await?;
         let p = require(select(&st, &id, &r.process)?)?;
         if r.input.pty.is_some() {
@@ -302,8 +320,12 @@ pub async fn send_input(State(st): State<Arc<E2b>>, headers: HeaderMap, body: By
 }
 
 /// `process.Process/SendSignal` (to the process group).
-pub async fn send_signal(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
-    unary!(st, headers, body, proto::SendSignalRequest, |id, r| async {
+pub async fn send_signal(
+    State(st): State<Arc<E2b>>,
+    sbx: Extension<EnvdSandbox>,
+    body: CappedBody,
+) -> Response {
+    unary!(sbx, body, proto::SendSignalRequest, |id, r| async {
         let g = st.envd_access(&id).await?;
         let p = require(select(&st, &id, &r.process)?)?;
         let sig = r
@@ -315,8 +337,12 @@ pub async fn send_signal(State(st): State<Arc<E2b>>, headers: HeaderMap, body: B
 }
 
 /// `process.Process/CloseStdin`.
-pub async fn close_stdin(State(st): State<Arc<E2b>>, headers: HeaderMap, body: Bytes) -> Response {
-    unary!(st, headers, body, proto::SelectRequest, |id, r| async {
+pub async fn close_stdin(
+    State(st): State<Arc<E2b>>,
+    sbx: Extension<EnvdSandbox>,
+    body: CappedBody,
+) -> Response {
+    unary!(sbx, body, proto::SelectRequest, |id, r| async {
         let g = st.envd_access(&id).await?;
         let p = require(select(&st, &id, &r.process)?)?;
         if !p.stdin {

@@ -539,8 +539,21 @@ pub struct Door {
     pub dir: tempfile::TempDir,
 }
 
-/// A fresh daemon with the door on its own listener.
+/// A fresh daemon with the door on its own listener (the door's rate
+/// limits off: the matrix sends many refused requests from one address).
 pub async fn door() -> Door {
+    door_with(|_, e2b| {
+        e2b.rate_limit_per_second = 0.0;
+        e2b.auth_failures_per_minute = 0;
+    })
+    .await
+}
+
+/// A fresh daemon whose configuration and door settings `tweak` changes
+/// (the door starts with the configured key [`KEY`], the secret [`SECRET`]
+/// and its default limits), served with connect info (the source address,
+/// as stratad serves it).
+pub async fn door_with(tweak: impl FnOnce(&mut Config, &mut strata_e2b::E2bConfig)) -> Door {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = Config {
         data_dir: dir.path().to_owned(),
@@ -552,6 +565,12 @@ pub async fn door() -> Door {
     cfg.security.auth = true;
     cfg.security.rate_limit_per_second = 0.0;
     cfg.security.approval_timeout = std::time::Duration::from_millis(50);
+    let mut e2b = strata_e2b::E2bConfig {
+        api_keys: vec![strata_e2b::auth::ApiKey::bare(KEY)],
+        token_secret: SECRET.to_vec(),
+        ..Default::default()
+    };
+    tweak(&mut cfg, &mut e2b);
     let store = Arc::new(SqliteStore::open(&cfg.db_path(), 2).unwrap());
     store
         .put_template(&TemplateRecord {
@@ -572,11 +591,6 @@ pub async fn door() -> Door {
         .unwrap()
         .trim()
         .to_owned();
-    let e2b = strata_e2b::E2bConfig {
-        api_keys: vec![KEY.into()],
-        token_secret: SECRET.to_vec(),
-        ..Default::default()
-    };
     let router = app.router().merge(strata_e2b::router(
         app.service().clone(),
         app.security().cloned(),
@@ -584,7 +598,8 @@ pub async fn door() -> Door {
     ));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, router).await });
+    let service = router.into_make_service_with_connect_info::<std::net::SocketAddr>();
+    tokio::spawn(async move { axum::serve(listener, service).await });
     Door {
         url,
         admin,
