@@ -1,6 +1,8 @@
 //! Guest egress: a TCP listener (default `127.0.0.1:3128`) whose accepted
-//! connections become tunnels over the agent channel; the host connects each
-//! one to its egress proxy.
+//! connections become tunnels over the agent channel; the host hands each
+//! one to its egress proxy (in-process, or a TCP target in tests), or refuses
+//! it (`tunnel_close {error}`: caps, rate), and the guest connection is then
+//! closed while the session goes on.
 //!
 //! The listener is bound on the first `egress_enable` and stays bound for the
 //! agent's life (it survives host disconnects and snapshot restores). Egress
@@ -167,7 +169,9 @@ impl Egress {
                 match tokio::time::timeout(OPEN_TIMEOUT, opened_rx).await {
                     Ok(Ok(Ok(()))) => {}
                     Ok(Ok(Err(why))) => {
-                        tracing::info!(id, %peer, %why, "host refused egress tunnel");
+                        // Debug only: a guest opening connections in a loop must not
+                        // flood the console log.
+                        tracing::debug!(id, %peer, %why, "host refused egress tunnel");
                         slot.release();
                         return;
                     }
@@ -181,6 +185,7 @@ impl Egress {
                     }
                 }
                 tracing::debug!(id, %peer, "egress tunnel open");
+                let _ = sock.set_nodelay(true);
                 match run_tunnel(sock, ends, out).await {
                     TunnelEnd::Done { sent, received } => {
                         tracing::debug!(id, sent, received, "egress tunnel finished")

@@ -1,6 +1,9 @@
 //! Egress proxy overhead per request vs a direct request: p50/p95/p99.
-//! Both paths open a fresh TCP connection per request (as the proxy does
-//! upstream), to a local hyper server on 127.0.0.1.
+//! Every path opens a fresh connection per request (as the proxy does
+//! upstream), to a local hyper server on 127.0.0.1: direct; through the
+//! proxy on a loopback TCP listener (`tcp`, how the daemon reached it
+//! before); through a stream handed to it in-process (`in-proc`, how the
+//! daemon serves a guest tunnel now).
 //!
 //! `cargo run --release -p strata-policy --example proxy_bench`
 
@@ -11,7 +14,9 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty, Full};
 use hyper_util::rt::TokioIo;
-use strata_policy::proxy::{EgressProxy, ProxyConfig, SharedPolicy, StaticResolver};
+use strata_policy::proxy::{
+    Egress, EgressProxy, HostTunnels, ProxyConfig, SharedPolicy, StaticResolver, TunnelLimits,
+};
 use strata_policy::{Policy, PolicySet};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -20,6 +25,21 @@ async fn get(addr: SocketAddr, uri: &str, host: &str) -> Duration {
     let s = TcpStream::connect(addr)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
+    request(s, uri, host).await;
+    t.elapsed()
+}
+
+async fn get_in_process(egress: &Arc<Egress>, uri: &str, host: &str) -> Duration {
+    let t = Instant::now();
+    let s = egress.open_stream().unwrap_or_else(|e| panic!("{e}"));
+    request(s, uri, host).await;
+    t.elapsed()
+}
+
+async fn request<S>(s: S, uri: &str, host: &str)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+{
     let (mut tx, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s))
         .await
         .unwrap_or_else(|e| panic!("{e}"));
@@ -31,7 +51,6 @@ async fn get(addr: SocketAddr, uri: &str, host: &str) -> Duration {
     let resp = tx.send_request(req).await.unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(resp.status(), 200);
     let _ = resp.into_body().collect().await;
-    t.elapsed()
 }
 
 fn report(name: &str, mut v: Vec<Duration>) {
@@ -90,6 +109,10 @@ async fn main() {
         .into_iter()
         .collect(),
     ));
+    cfg.host = HostTunnels::new(TunnelLimits {
+        rate: 0.0,
+        ..TunnelLimits::default()
+    });
     let proxy = EgressProxy::bind("127.0.0.1:0".parse().unwrap_or_else(|e| panic!("{e}")), cfg)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
@@ -97,17 +120,22 @@ async fn main() {
     let url = format!("http://{host}/services/data");
     let n = 2000;
     let (mut direct, mut proxied) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    let mut in_proc = Vec::with_capacity(n);
+    let egress = proxy.egress().clone();
     for i in 0..n + 200 {
-        // interleave A/B so both see the same machine load
+        // interleave A/B/C so all see the same machine load
         let d = get(up, "/services/data", &host).await;
         let p = get(proxy.local_addr(), &url, &host).await;
+        let q = get_in_process(&egress, &url, &host).await;
         if i >= 200 {
             direct.push(d);
             proxied.push(p);
+            in_proc.push(q);
         }
     }
     report("direct", direct.clone());
-    report("proxy", proxied.clone());
+    report("tcp", proxied.clone());
+    report("in-proc", in_proc.clone());
     let mut over: Vec<Duration> = proxied
         .iter()
         .zip(&direct)

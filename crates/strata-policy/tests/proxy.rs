@@ -12,7 +12,9 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use strata_policy::approval::ApprovalQueue;
 use strata_policy::audit::{self, AuditLog, Outcome};
-use strata_policy::proxy::{EgressProxy, ProxyConfig, SharedPolicy, StaticResolver};
+use strata_policy::proxy::{
+    EgressProxy, HostTunnels, ProxyConfig, Refused, SharedPolicy, StaticResolver, TunnelLimits,
+};
 use strata_policy::sni::fake_client_hello;
 use strata_policy::{Policy, PolicySet};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -142,6 +144,11 @@ connector = ["slack", "tunnel"]
 }
 
 async fn env(approval_timeout: Duration) -> Env {
+    env_on(approval_timeout, HostTunnels::new(TunnelLimits::default())).await
+}
+
+/// [`env`], its proxy counting on `host`'s caps.
+async fn env_on(approval_timeout: Duration, host: Arc<HostTunnels>) -> Env {
     let (up, hits) = upstream().await;
     let echo_addr = echo().await;
     let policy = Arc::new(SharedPolicy::new(policy_set(
@@ -169,6 +176,7 @@ async fn env(approval_timeout: Duration) -> Env {
     cfg.resolver = Arc::new(resolver);
     cfg.approvals = Some(approvals.clone());
     cfg.approval_timeout = approval_timeout;
+    cfg.host = host;
     cfg.audit = Some(Arc::new(
         AuditLog::open(&audit_path).unwrap_or_else(|e| panic!("{e}")),
     ));
@@ -554,4 +562,117 @@ async fn wait_pending(e: &Env) -> strata_policy::approval::ApprovalRequest {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     panic!("no pending approval appeared");
+}
+
+/// Reads what the proxy sends on an in-process stream until it closes.
+async fn read_all(s: &mut tokio::io::DuplexStream) -> String {
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut out)).await;
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+async fn until(what: &str, f: impl Fn() -> bool) {
+    let t = std::time::Instant::now();
+    while !f() {
+        assert!(t.elapsed() < Duration::from_secs(5), "timed out: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_stream_handed_in_process_is_served_like_a_connection() {
+    let e = env(Duration::from_secs(5)).await;
+    let p = e.port;
+    let egress = e.proxy.egress().clone();
+    let mut s = egress.open_stream().unwrap_or_else(|e| panic!("{e}"));
+    s.write_all(
+        format!("GET http://api.salesforce.test:{p}/x HTTP/1.1\r\nHost: api.salesforce.test:{p}\r\n\r\n")
+            .as_bytes(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let got = read_all(&mut s).await;
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    assert_eq!(e.hits.load(Ordering::SeqCst), 1);
+    // A guest talking TLS without CONNECT is closed (sniff stage), unserved.
+    let mut s = egress.open_stream().unwrap_or_else(|e| panic!("{e}"));
+    s.write_all(&fake_client_hello(Some("api.salesforce.test")))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(read_all(&mut s).await, "");
+    until("streams given back", || egress.stats().open == 0).await;
+    assert_eq!(egress.stats().admitted, 2);
+}
+
+#[tokio::test]
+async fn caps_refuse_streams_per_sandbox_and_per_host_counting_upstream_sockets() {
+    let host = HostTunnels::new(TunnelLimits {
+        per_sandbox: 3,
+        host: 5,
+        rate: 0.0,
+        burst: 1,
+    });
+    let (a, b) = (
+        env_on(Duration::from_secs(5), host.clone()).await,
+        env_on(Duration::from_secs(5), host.clone()).await,
+    );
+    let (ea, eb) = (a.proxy.egress().clone(), b.proxy.egress().clone());
+    let mut held_a: Vec<_> = (0..3)
+        .map(|_| ea.open_stream().unwrap_or_else(|e| panic!("{e}")))
+        .collect();
+    assert_eq!(ea.open_stream().unwrap_err(), Refused::SandboxCap(3));
+    let mut held_b: Vec<_> = (0..2)
+        .map(|_| eb.open_stream().unwrap_or_else(|e| panic!("{e}")))
+        .collect();
+    assert_eq!(eb.open_stream().unwrap_err(), Refused::HostCap(5));
+    assert_eq!(host.units(), 5);
+    // The host is full: a CONNECT gets no upstream socket.
+    let ep = a.echo_port;
+    let connect = format!("CONNECT tunnel.test:{ep} HTTP/1.1\r\nHost: tunnel.test:{ep}\r\n\r\n");
+    let s = &mut held_a[0];
+    s.write_all(connect.as_bytes()).await.unwrap_or_else(|e| panic!("{e}"));
+    let got = read_all(s).await;
+    assert!(got.starts_with("HTTP/1.1 503"), "{got}");
+    assert!(got.contains("egress_busy"), "{got}");
+    // A closed stream gives its unit back; an open tunnel holds two.
+    drop(held_a.remove(0));
+    drop(held_b.pop());
+    until("units given back", || host.units() == 3).await;
+    let s = &mut held_a[0];
+    s.write_all(connect.as_bytes()).await.unwrap_or_else(|e| panic!("{e}"));
+    let mut buf = [0u8; 256];
+    let n = s.read(&mut buf).await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(buf[..n].starts_with(b"HTTP/1.1 200"), "{:?}", &buf[..n]);
+    s.write_all(b"ping").await.unwrap_or_else(|e| panic!("{e}"));
+    let n = s.read(&mut buf).await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(&buf[..n], b"ping");
+    assert_eq!(host.units(), 4, "2 streams of a, 1 of b, 1 upstream socket");
+    assert_eq!(ea.stats().upstream, 1);
+    assert!(ea.stats().refused_host_cap >= 1);
+    drop(held_a);
+    drop(held_b);
+    until("everything given back", || host.units() == 0).await;
+    assert_eq!(ea.stats().upstream, 0);
+}
+
+#[tokio::test]
+async fn opens_beyond_the_bucket_are_refused_until_it_refills() {
+    let host = HostTunnels::new(TunnelLimits {
+        per_sandbox: 100,
+        host: 100,
+        rate: 10.0,
+        burst: 5,
+    });
+    let e = env_on(Duration::from_secs(5), host).await;
+    let egress = e.proxy.egress().clone();
+    for _ in 0..5 {
+        drop(egress.open_stream().unwrap_or_else(|e| panic!("{e}")));
+    }
+    assert_eq!(
+        egress.open_stream().unwrap_err(),
+        Refused::Rate { rate: 10, burst: 5 }
+    );
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    drop(egress.open_stream().unwrap_or_else(|e| panic!("{e}")));
+    assert_eq!(egress.stats().refused_rate, 1);
 }

@@ -1,7 +1,9 @@
 //! Egress tunnels: byte streams the agent opens (one per guest TCP
 //! connection to its egress listener) and the host connects to its egress
-//! target. Both ends run the same pump, [`run_tunnel`], between a TCP socket
-//! and the agent channel.
+//! target. Both ends run the same pump, [`run_tunnel`], between a byte
+//! stream (the guest's TCP socket in the agent; on the host whatever the
+//! [`crate::TunnelHandler`] gives, e.g. an in-process duplex to the egress
+//! proxy) and the agent channel.
 //!
 //! Flow control is a credit window per direction: a side never has more than
 //! [`TUNNEL_WINDOW`] bytes sent and not yet acknowledged; the receiver
@@ -16,8 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
@@ -190,10 +191,14 @@ enum Stop {
 }
 
 /// Pumps bytes between `sock` and the peer until both directions reached
-/// end-of-file, the stream is aborted, or its handle is dropped.
-pub async fn run_tunnel<O: TunnelOut>(sock: TcpStream, ends: TunnelEnds, out: O) -> TunnelEnd {
-    let _ = sock.set_nodelay(true);
-    let (mut rd, mut wr) = sock.into_split();
+/// end-of-file, the stream is aborted, or its handle is dropped. A TCP
+/// socket should have `TCP_NODELAY` set by the caller.
+pub async fn run_tunnel<S, O>(sock: S, ends: TunnelEnds, out: O) -> TunnelEnd
+where
+    S: AsyncRead + AsyncWrite + Send,
+    O: TunnelOut,
+{
+    let (mut rd, mut wr) = tokio::io::split(sock);
     let TunnelEnds {
         mut acks,
         mut inbound,

@@ -178,7 +178,8 @@ pub struct SecurityConfig {
     pub rate_limit_per_second: f64,
     /// Requests a token may make at once before the sustained rate applies.
     pub rate_limit_burst: u32,
-    /// Address the per-sandbox egress proxies listen on (port chosen per sandbox).
+    /// No longer used: each sandbox's egress proxy is served in-process on
+    /// its tunnels, with no listener (accepted so old files still load).
     pub egress_bind: IpAddr,
     /// Host names the egress proxy resolves to fixed addresses instead of
     /// DNS (pinning connector hosts; tests point them at loopback). The
@@ -344,6 +345,47 @@ pub struct Config {
     pub e2b: E2bSettings,
     /// Per-tenant and per-sandbox quotas, the pool's space reserve.
     pub quotas: QuotaConfig,
+    /// Caps on guest egress connections (tunnels).
+    pub egress: EgressConfig,
+}
+
+/// `[egress]`: caps on what a guest can open through its egress proxy
+/// (`docs/hardening.md`). An open past a cap is refused with
+/// `tunnel_close {error}`: that guest connection is closed, the agent
+/// session goes on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EgressConfig {
+    /// Egress connections one sandbox may have open at once.
+    pub max_tunnels_per_sandbox: usize,
+    /// Egress connections plus their upstream sockets all sandboxes together
+    /// may hold. The daemon lowers it to its `RLIMIT_NOFILE` (raised to the
+    /// hard limit at start) minus `fd_reserve`.
+    pub max_tunnels_host: usize,
+    /// Descriptors kept for everything else (the API listener and its
+    /// connections, SQLite, the audit log, QEMU's sockets).
+    pub fd_reserve: usize,
+    /// Sustained egress connection opens per second per sandbox (0: no limit).
+    pub open_rate_per_second: f64,
+    /// Opens a sandbox may make at once before the sustained rate applies.
+    pub open_burst: u32,
+    /// A guest connection that sends no complete request head within this
+    /// long is closed (and gives its place under the caps back).
+    #[serde(with = "serde_human")]
+    pub head_timeout: Duration,
+}
+
+impl Default for EgressConfig {
+    fn default() -> Self {
+        EgressConfig {
+            max_tunnels_per_sandbox: 128,
+            max_tunnels_host: 4096,
+            fd_reserve: 256,
+            open_rate_per_second: 100.0,
+            open_burst: 200,
+            head_timeout: Duration::from_secs(30),
+        }
+    }
 }
 
 impl Default for Config {
@@ -376,6 +418,7 @@ impl Default for Config {
             security: SecurityConfig::default(),
             e2b: E2bSettings::default(),
             quotas: QuotaConfig::default(),
+            egress: EgressConfig::default(),
         }
     }
 }

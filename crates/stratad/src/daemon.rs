@@ -61,6 +61,49 @@ pub enum DaemonError {
     Serve(#[source] std::io::Error),
 }
 
+/// Raises this process's `RLIMIT_NOFILE` soft limit to its hard limit
+/// (the systemd default soft limit is 1024, far below what many sandboxes'
+/// egress connections, VMs and API clients need). Returns `(soft, hard)` in
+/// force afterwards.
+pub fn raise_nofile() -> std::io::Result<(u64, u64)> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one `rlimit` into the valid, exclusively
+    // borrowed `lim`; no other memory is touched.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if lim.rlim_cur < lim.rlim_max {
+        let want = libc::rlimit {
+            rlim_cur: lim.rlim_max,
+            rlim_max: lim.rlim_max,
+        };
+        // SAFETY: setrlimit only reads the valid `want`; raising the soft
+        // limit up to the hard limit needs no privilege.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &want) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        lim = want;
+    }
+    Ok((lim.rlim_cur, lim.rlim_max))
+}
+
+/// This process's `RLIMIT_NOFILE` soft limit (`None`: unlimited or unknown).
+pub fn nofile_limit() -> Option<u64> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one `rlimit` into the valid, exclusively
+    // borrowed `lim`.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return None;
+    }
+    (lim.rlim_cur != libc::RLIM_INFINITY).then_some(lim.rlim_cur)
+}
+
 /// The newest guest image (by manifest modification time) in an image cache
 /// laid out as `strata image build` leaves it: `<cache>/<hash>/manifest.json`.
 pub fn newest_image(cache: &Path) -> Option<PathBuf> {
@@ -158,6 +201,16 @@ pub async fn run_with(
     mount: Option<Mount>,
 ) -> Result<(), DaemonError> {
     let listen = config.listen;
+    // Before anything opens descriptors; the egress caps are derived from it.
+    match raise_nofile() {
+        Ok((soft, hard)) => tracing::info!(
+            soft,
+            hard,
+            reserve = config.egress.fd_reserve,
+            "RLIMIT_NOFILE raised to the hard limit"
+        ),
+        Err(e) => tracing::warn!(error = %e, "cannot raise RLIMIT_NOFILE"),
+    }
     if config.e2b.enabled && mount.is_none() {
         tracing::warn!(
             "[e2b] enabled = true, but nothing mounts the E2B door here: it is served by the `stratad` binary"
@@ -166,7 +219,8 @@ pub async fn run_with(
     let engine = open_engine(&config).await?;
     let app = App::open(config, engine.clone()).map_err(DaemonError::Store)?;
     // Egress: each sandbox's guest traffic to 127.0.0.1:3128 is tunnelled over
-    // its agent channel to that sandbox's policy proxy on the host.
+    // its agent channel to that sandbox's policy proxy, served in-process on
+    // the tunnel's stream (no listener), under the `[egress]` caps.
     if let Some(sec) = app.security() {
         let sec = sec.clone();
         let svc = app.service().clone();
@@ -179,8 +233,8 @@ pub async fn run_with(
                     sandbox: rec.id,
                     tenant: rec.tenant,
                 };
-                match sec.egress_proxy(&guest).await {
-                    Ok(addr) => Some(addr),
+                match sec.tunnel_handler(&guest) {
+                    Ok(h) => Some(h),
                     Err(e) => {
                         tracing::warn!(sandbox = %id, error = %e, "egress proxy unavailable; egress stays closed");
                         None
@@ -233,6 +287,15 @@ pub async fn run_with(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nofile_is_raised_to_the_hard_limit() {
+        let (soft, hard) = raise_nofile().unwrap();
+        assert_eq!(soft, hard);
+        if hard != libc::RLIM_INFINITY {
+            assert_eq!(nofile_limit(), Some(soft));
+        }
+    }
 
     #[test]
     fn newest_image_picks_the_latest_manifest() {

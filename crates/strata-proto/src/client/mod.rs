@@ -42,7 +42,9 @@ pub use self::exec::{
     OUTPUT_ACK_EVERY, OUTPUT_WINDOW, STDIN_CHUNK, STDIN_WINDOW,
 };
 pub use self::files::{FileDownload, WRITE_WINDOW};
-pub use self::tunnel::{TunnelHandler, EGRESS_CONNECT_TIMEOUT};
+pub use self::tunnel::{
+    OpenFuture, TunnelHandler, TunnelIo, TunnelService, TunnelStream, EGRESS_CONNECT_TIMEOUT,
+};
 use crate::frame::{Decoded, Frame, FrameDecoder, FrameError, FrameKind, SYNC_MAGIC};
 use crate::msg::{AgentInfo, RemoteErrorKind, Request, Response, RestoreSync};
 use crate::PROTOCOL_VERSION;
@@ -164,7 +166,7 @@ impl AgentClient {
 
     /// Like [`AgentClient::connect_unix`]; with `egress`, the client also
     /// enables egress in the guest (the agent's listener forwards guest
-    /// connections as tunnels, served by connecting to `egress.target`).
+    /// connections as tunnels, served by `egress`'s service).
     ///
     /// An agent that cannot enable egress (an older agent, or its listen
     /// address is taken) is logged and the client is returned without it:
@@ -179,9 +181,10 @@ impl AgentClient {
         timeout: Duration,
         egress: Option<TunnelHandler>,
     ) -> Result<AgentClient, AgentError> {
+        let enable = egress.is_some();
         let client = Self::connect_unix_inner(path, timeout, egress).await?;
         client.negotiate_output_window(timeout).await;
-        if egress.is_some() {
+        if enable {
             match tokio::time::timeout(timeout, client.enable_egress()).await {
                 Ok(Ok(addr)) => {
                     tracing::debug!(listen = %addr, "guest egress enabled");
@@ -260,7 +263,7 @@ impl AgentClient {
                 }
                 Ok(Ok(s)) => s,
             };
-            match Self::handshake(stream, deadline, timeout, egress).await? {
+            match Self::handshake(stream, deadline, timeout, egress.clone()).await? {
                 Some(client) => return Ok(client),
                 None => tokio::time::sleep(Duration::from_millis(50)).await,
             }
@@ -348,7 +351,7 @@ impl AgentClient {
         egress: Option<TunnelHandler>,
     ) -> AgentClient {
         let tunnels: demux::TunnelRouter =
-            Box::new(move |shared, out, f| tunnel::route(egress, shared, out, f));
+            Box::new(move |shared, out, f| tunnel::route(&egress, shared, out, f));
         let conn = demux::spawn(stream, dec, tunnels);
         AgentClient {
             inner: Arc::new(Inner {

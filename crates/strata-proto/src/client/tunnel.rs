@@ -7,20 +7,28 @@
 //!   with its listener's address. The client does it after every handshake
 //!   when given a [`TunnelHandler`].
 //! - The agent announces a tunnel with `tunnel_open` on an id with
-//!   [`TUNNEL_ID_BIT`](crate::tunnel::TUNNEL_ID_BIT) set. The client connects
-//!   to [`TunnelHandler::target`] within its `connect_timeout` and answers
-//!   `tunnel_ok`, or `tunnel_close {error}` when it has no handler or the
-//!   target refuses; then both ends run [`run_tunnel`] (credit windows per
-//!   direction, half-close with `tunnel_eof`).
+//!   [`TUNNEL_ID_BIT`](crate::tunnel::TUNNEL_ID_BIT) set. The client asks its
+//!   [`TunnelService`] for a byte stream ([`TunnelService::open`], within the
+//!   handler's `open_timeout`) and answers `tunnel_ok`, or
+//!   `tunnel_close {error}` when it has no handler or the service refuses
+//!   (caps, rate, an unreachable target); then both ends run [`run_tunnel`]
+//!   (credit windows per direction, half-close with `tunnel_eof`). A refused
+//!   tunnel closes that guest connection only; the agent session goes on.
+//! - The daemon's service is its egress proxy, served in-process on the
+//!   stream (no listener); [`TunnelHandler::tcp`] connects to a TCP address
+//!   instead (tests, tools).
 //! - An agent that breaks the tunnel rules has that tunnel closed, not the
 //!   connection. Frames for a finished tunnel are ignored. When the agent
-//!   connection goes away every tunnel's target connection is closed.
+//!   connection goes away every tunnel's stream is closed.
 
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
@@ -30,26 +38,79 @@ use crate::frame::{Frame, FrameError, FrameKind};
 use crate::msg::{Request, Response};
 use crate::tunnel::{run_tunnel, tunnel_pair, Delivered, TunnelEnd, TunnelMsg, TunnelOut};
 
-/// Default time the host gives the egress target to accept a tunnel's connection.
+/// Default time the host gives a tunnel's stream to open (the egress
+/// target to accept a connection).
 pub const EGRESS_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// How the client serves the tunnels the agent opens (guest egress): each
-/// becomes a TCP connection to `target` (the daemon's egress proxy).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// A byte stream one tunnel is pumped into.
+pub trait TunnelIo: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
+
+impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> TunnelIo for T {}
+
+/// The stream of one accepted tunnel.
+pub type TunnelStream = Box<dyn TunnelIo>;
+
+/// What [`TunnelService::open`] returns: the stream, or why the tunnel is
+/// refused (sent to the agent in `tunnel_close {error}`).
+pub type OpenFuture = Pin<Box<dyn Future<Output = Result<TunnelStream, String>> + Send>>;
+
+/// Serves the tunnels the agent opens: one call per `tunnel_open`.
+pub trait TunnelService: Send + Sync + 'static {
+    /// A stream for a new tunnel from guest address `peer`, or a refusal.
+    fn open(&self, peer: &str) -> OpenFuture;
+    /// What the tunnels go to, for logs.
+    fn describe(&self) -> String;
+}
+
+/// How the client serves the tunnels the agent opens (guest egress).
+#[derive(Clone)]
 pub struct TunnelHandler {
-    /// Where every tunnel is connected to.
-    pub target: SocketAddr,
-    /// How long a connect to `target` may take before the tunnel is refused.
-    pub connect_timeout: Duration,
+    service: Arc<dyn TunnelService>,
+    /// How long [`TunnelService::open`] may take before the tunnel is refused.
+    pub open_timeout: Duration,
+}
+
+impl std::fmt::Debug for TunnelHandler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TunnelHandler")
+            .field("service", &self.service.describe())
+            .field("open_timeout", &self.open_timeout)
+            .finish()
+    }
+}
+
+/// [`TunnelHandler::tcp`]'s service.
+struct TcpTarget(SocketAddr);
+
+impl TunnelService for TcpTarget {
+    fn open(&self, _peer: &str) -> OpenFuture {
+        let target = self.0;
+        Box::pin(async move {
+            let s = TcpStream::connect(target)
+                .await
+                .map_err(|e| format!("egress target: {e}"))?;
+            let _ = s.set_nodelay(true);
+            Ok(Box::new(s) as TunnelStream)
+        })
+    }
+    fn describe(&self) -> String {
+        format!("tcp:{}", self.0)
+    }
 }
 
 impl TunnelHandler {
-    /// Tunnels go to the TCP address `target`.
-    pub fn tcp(target: SocketAddr) -> Self {
+    /// Tunnels are served by `service`.
+    pub fn new(service: Arc<dyn TunnelService>) -> Self {
         Self {
-            target,
-            connect_timeout: EGRESS_CONNECT_TIMEOUT,
+            service,
+            open_timeout: EGRESS_CONNECT_TIMEOUT,
         }
+    }
+
+    /// Each tunnel becomes a TCP connection to `target` (tests, tools; the
+    /// daemon serves its proxy in-process instead).
+    pub fn tcp(target: SocketAddr) -> Self {
+        Self::new(Arc::new(TcpTarget(target)))
     }
 }
 
@@ -126,7 +187,7 @@ fn send_tunnel_close(out: &mpsc::Sender<Bytes>, id: u32, error: String) {
 /// Routes one frame of an agent-opened tunnel, serving new tunnels with
 /// `egress` (`None`: refused); `false` if the connection must close.
 pub(super) fn route(
-    egress: Option<TunnelHandler>,
+    egress: &Option<TunnelHandler>,
     shared: &Arc<Shared>,
     out: &mpsc::Sender<Bytes>,
     f: Frame,
@@ -136,7 +197,7 @@ pub(super) fn route(
         FrameKind::Tunnel => TunnelMsg::Data(f.payload),
         FrameKind::Control => match f.parse::<Response>() {
             Ok(Response::TunnelOpen { peer }) => {
-                open_tunnel(egress, shared.clone(), out.clone(), id, peer);
+                open_tunnel(egress.clone(), shared.clone(), out.clone(), id, peer);
                 return true;
             }
             Ok(Response::TunnelAck { bytes }) => TunnelMsg::Ack(bytes),
@@ -174,7 +235,7 @@ pub(super) fn route(
     true
 }
 
-/// Serves a tunnel the agent opened: connect to the egress target, then pump.
+/// Serves a tunnel the agent opened: open a stream with the service, then pump.
 fn open_tunnel(
     egress: Option<TunnelHandler>,
     shared: Arc<Shared>,
@@ -189,21 +250,17 @@ fn open_tunnel(
     };
     tokio::spawn(async move {
         let o = HostTunnelOut { id, out };
-        let sock = match tokio::time::timeout(
-            handler.connect_timeout,
-            TcpStream::connect(handler.target),
-        )
-        .await
+        let sock = match tokio::time::timeout(handler.open_timeout, handler.service.open(&peer))
+            .await
         {
             Ok(Ok(s)) => s,
             Ok(Err(e)) => {
-                tracing::warn!(id, target = %handler.target, error = %e, "egress target refused a tunnel");
-                o.send(TunnelMsg::Close(Some(format!("egress target: {e}"))))
-                    .await;
+                tracing::debug!(id, %peer, target = %handler.service.describe(), error = %e, "egress tunnel refused");
+                o.send(TunnelMsg::Close(Some(e))).await;
                 return;
             }
             Err(_) => {
-                tracing::warn!(id, target = %handler.target, "egress target did not accept in time");
+                tracing::warn!(id, target = %handler.service.describe(), "egress target did not accept in time");
                 o.send(TunnelMsg::Close(Some("egress target timed out".into())))
                     .await;
                 return;
@@ -224,7 +281,7 @@ fn open_tunnel(
             shared.tunnels().remove(&id);
             return;
         }
-        tracing::debug!(id, %peer, target = %handler.target, "tunnel open");
+        tracing::debug!(id, %peer, "tunnel open");
         match run_tunnel(sock, ends, o).await {
             TunnelEnd::Done { sent, received } => {
                 tracing::debug!(id, sent, received, "tunnel finished")

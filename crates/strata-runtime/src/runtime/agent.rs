@@ -22,15 +22,15 @@ use super::vms::Live;
 use super::{ms, Result, Runtime};
 use crate::error::agent_err;
 
-/// Finds the egress target (the host's policy proxy) of one sandbox; `None`
-/// leaves its egress closed. Called whenever the host (re)connects to a
-/// sandbox's agent, e.g. after every restore.
+/// Finds how one sandbox's tunnels are served (the daemon: its policy proxy,
+/// in-process); `None` leaves its egress closed. Called whenever the host
+/// (re)connects to a sandbox's agent, e.g. after every restore.
 pub type EgressResolver = Arc<
     dyn Fn(
             SandboxId,
-        ) -> std::pin::Pin<
-            Box<dyn std::future::Future<Output = Option<std::net::SocketAddr>> + Send>,
-        > + Send
+        )
+            -> std::pin::Pin<Box<dyn std::future::Future<Output = Option<TunnelHandler>> + Send>>
+        + Send
         + Sync,
 >;
 
@@ -69,18 +69,18 @@ impl Runtime {
         let t = self.agent_timeout();
         // With an egress target, the client enables egress in this agent
         // session (again after every reconnect, e.g. after a restore) and
-        // serves the guest's tunnels by connecting to the target.
+        // serves the guest's tunnels with the handler (a TCP target when
+        // only `RuntimeConfig::egress_proxy` is set).
         let resolver = self
             .egress
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
-        let target = match resolver {
+        let egress = match resolver {
             Some(r) => r(id.clone()).await,
             None => None,
         }
-        .or(self.cfg.egress_proxy);
-        let egress = target.map(TunnelHandler::tcp);
+        .or_else(|| self.cfg.egress_proxy.map(TunnelHandler::tcp));
         let client = AgentClient::connect_unix_with(&live.vm.agent_socket(), t, egress)
             .await
             .map_err(|e| agent_err(id.as_str(), e, t))?;

@@ -497,15 +497,15 @@ async fn egress(State(ctx): State<Ctx>, c: Call) -> ApiResult<impl IntoResponse>
         sandbox: rec.id.clone(),
         tenant: rec.tenant.clone(),
     };
-    let addr = ctx
+    let proxy = ctx
         .sec
         .egress_proxy(&guest)
-        .await
         .map_err(|e| ApiError::new(ErrorCode::Internal, format!("egress proxy: {e}")))?;
     Ok(Json(json!({
         "sandbox": rec.id,
-        "proxy": addr.to_string(),
+        "proxy": "in-process",
         "guest_proxy": format!("http://{GUEST_PROXY}"),
+        "tunnels": proxy.stats(),
     })))
 }
 

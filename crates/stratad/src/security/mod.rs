@@ -18,7 +18,6 @@ pub mod ratelimit;
 pub mod store;
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -27,8 +26,10 @@ use serde::Serialize;
 use strata_policy::approval::ApprovalQueue;
 use strata_policy::audit::{self, AuditDecision, AuditLog, Outcome};
 use strata_policy::proxy::{
-    EgressProxy, PolicySource, ProxyConfig, Resolver, StaticResolver, SystemResolver,
+    Egress, HostTunnels, PolicySource, ProxyConfig, Resolver, StaticResolver, SystemResolver,
+    TunnelLimits,
 };
+use strata_proto::client::{OpenFuture, TunnelHandler, TunnelService, TunnelStream};
 use strata_policy::{Decision, Policy, PolicySet, ToolCall};
 
 use crate::config::Config;
@@ -255,7 +256,9 @@ pub struct Security {
     audit_lock: Mutex<()>,
     limiter: RateLimiter,
     resolver: Mutex<Arc<dyn Resolver>>,
-    proxies: tokio::sync::Mutex<HashMap<String, EgressProxy>>,
+    proxies: Mutex<HashMap<String, Arc<Egress>>>,
+    tunnels: Arc<HostTunnels>,
+    egress_head_timeout: std::time::Duration,
 }
 
 impl std::fmt::Debug for Security {
@@ -317,9 +320,19 @@ impl Security {
             audit: Arc::new(audit),
             audit_lock: Mutex::new(()),
             resolver: Mutex::new(resolver),
-            proxies: tokio::sync::Mutex::new(HashMap::new()),
+            proxies: Mutex::new(HashMap::new()),
+            tunnels: HostTunnels::new(tunnel_limits(&config.egress)),
+            egress_head_timeout: config.egress.head_timeout,
             cfg,
         };
+        let l = sec.tunnels.limits();
+        tracing::info!(
+            per_sandbox = l.per_sandbox,
+            host = l.host,
+            rate = l.rate,
+            burst = l.burst,
+            "egress tunnel caps"
+        );
         if sec.cfg.auth {
             sec.bootstrap()?;
         }
@@ -526,14 +539,10 @@ impl Security {
         *self.resolver.lock().unwrap_or_else(|p| p.into_inner()) = r;
     }
 
-    /// The egress proxy of a sandbox (started on first use, on the port it
-    /// had before when that port is free, so a VM adopted after a daemon
-    /// restart keeps its forwarding). The runtime tunnels the guest's
-    /// `127.0.0.1:3128` to this address over the agent channel.
-    pub async fn egress_proxy(
-        self: &Arc<Self>,
-        guest: &crate::caller::Caller,
-    ) -> std::io::Result<SocketAddr> {
+    /// The egress proxy of a sandbox (made on first use): served
+    /// in-process on the streams its guest's tunnels carry, with no
+    /// listener. Its caps share the host's counters.
+    pub fn egress_proxy(&self, guest: &crate::caller::Caller) -> std::io::Result<Arc<Egress>> {
         let crate::caller::Caller::Guest { sandbox, tenant } = guest else {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidInput,
@@ -541,9 +550,9 @@ impl Security {
             ));
         };
         let (tenant, sandbox) = (tenant.as_str(), sandbox.as_str());
-        let mut g = self.proxies.lock().await;
+        let mut g = self.proxies.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(p) = g.get(sandbox) {
-            return Ok(p.local_addr());
+            return Ok(p.clone());
         }
         let policies = self.policies.clone();
         let (t, s) = (tenant.to_owned(), sandbox.to_owned());
@@ -558,46 +567,78 @@ impl Security {
         pc.approvals = Some(self.approvals.clone());
         pc.approval_timeout = self.cfg.approval_timeout;
         pc.audit = Some(self.audit.clone());
-        let previous = self.store.egress_port(sandbox).ok().flatten();
-        let proxy = match previous {
-            Some(port) => {
-                match EgressProxy::bind(SocketAddr::new(self.cfg.egress_bind, port), clone_pc(&pc))
-                    .await
-                {
-                    Ok(p) => p,
-                    Err(_) => {
-                        EgressProxy::bind(SocketAddr::new(self.cfg.egress_bind, 0), pc).await?
-                    }
-                }
-            }
-            None => EgressProxy::bind(SocketAddr::new(self.cfg.egress_bind, 0), pc).await?,
-        };
-        let addr = proxy.local_addr();
-        if let Err(e) = self.store.set_egress_port(tenant, sandbox, addr.port()) {
-            tracing::warn!(sandbox, error = %e, "recording the egress port failed");
-        }
-        tracing::info!(sandbox, %addr, "egress proxy listening");
-        g.insert(sandbox.to_owned(), proxy);
-        Ok(addr)
+        pc.host = self.tunnels.clone();
+        pc.head_timeout = self.egress_head_timeout;
+        let proxy = Egress::new(pc);
+        tracing::info!(sandbox, "egress proxy ready (in-process)");
+        g.insert(sandbox.to_owned(), proxy.clone());
+        Ok(proxy)
     }
 
-    /// Stops a sandbox's egress proxy (on delete).
+    /// What the runtime serves a sandbox's tunnels with: each becomes a
+    /// stream into the sandbox's proxy, or is refused under the caps.
+    pub fn tunnel_handler(&self, guest: &crate::caller::Caller) -> std::io::Result<TunnelHandler> {
+        Ok(TunnelHandler::new(Arc::new(SandboxTunnels(
+            self.egress_proxy(guest)?,
+        ))))
+    }
+
+    /// Stops a sandbox's egress proxy (on delete): no new streams; the
+    /// streams it serves end with their tunnels.
     pub async fn stop_egress_proxy(&self, sandbox: &str) {
-        self.proxies.lock().await.remove(sandbox);
+        self.proxies
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(sandbox);
     }
 }
 
-fn clone_pc(pc: &ProxyConfig) -> ProxyConfig {
-    ProxyConfig {
-        tenant: pc.tenant.clone(),
-        sandbox: pc.sandbox.clone(),
-        actor: pc.actor.clone(),
-        policy: pc.policy.clone(),
-        resolver: pc.resolver.clone(),
-        approvals: pc.approvals.clone(),
-        approval_timeout: pc.approval_timeout,
-        audit: pc.audit.clone(),
-        connect_timeout: pc.connect_timeout,
+/// The caps `[egress]` asks for, the host's lowered to what the process's
+/// descriptor limit leaves after the reserve.
+pub fn tunnel_limits(c: &crate::config::EgressConfig) -> TunnelLimits {
+    let mut host = c.max_tunnels_host;
+    if let Some(nofile) = crate::daemon::nofile_limit() {
+        let room = usize::try_from(nofile)
+            .unwrap_or(usize::MAX)
+            .saturating_sub(c.fd_reserve);
+        if room < host {
+            tracing::warn!(
+                nofile,
+                reserve = c.fd_reserve,
+                configured = host,
+                effective = room.max(1),
+                "RLIMIT_NOFILE leaves less room than max_tunnels_host; lowering it"
+            );
+            host = room;
+        }
+    }
+    TunnelLimits {
+        per_sandbox: c.max_tunnels_per_sandbox.max(1),
+        host: host.max(1),
+        rate: c.open_rate_per_second.max(0.0),
+        burst: c.open_burst.max(1),
+    }
+}
+
+/// A sandbox's proxy as the agent client's tunnel service.
+struct SandboxTunnels(Arc<Egress>);
+
+impl TunnelService for SandboxTunnels {
+    fn open(&self, peer: &str) -> OpenFuture {
+        let r = self.0.open_stream().map_err(|why| {
+            // Debug: a guest decides how often this happens; the counts
+            // are in `GET /v1/sandboxes/{id}/egress`.
+            tracing::debug!(sandbox = ?self.0.config().sandbox, %peer, %why, "egress tunnel refused");
+            why.to_string()
+        });
+        Box::pin(async move { r.map(|s| Box::new(s) as TunnelStream) })
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "egress proxy of {}",
+            self.0.config().sandbox.as_deref().unwrap_or("-")
+        )
     }
 }
 

@@ -764,8 +764,15 @@ async fn upstream() -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
     (addr, task)
 }
 
-async fn through_proxy(proxy: &str, method: &str, url: &str, host: &str) -> String {
-    let mut s = tokio::net::TcpStream::connect(proxy).await.unwrap();
+/// One request into the sandbox's proxy the way a guest tunnel reaches it:
+/// a stream handed to it in-process (there is no listener to connect to).
+async fn through_proxy(
+    proxy: &Arc<strata_policy::proxy::Egress>,
+    method: &str,
+    url: &str,
+    host: &str,
+) -> String {
+    let mut s = proxy.open_stream().unwrap();
     s.write_all(
         format!("{method} {url} HTTP/1.1\r\nHost: {host}\r\ncontent-length: 0\r\n\r\n").as_bytes(),
     )
@@ -803,8 +810,13 @@ async fn egress_proxy_applies_the_tenant_policy_per_request() {
     .await;
     assert_eq!(s, StatusCode::OK, "{v}");
     assert_eq!(v["guest_proxy"], "http://127.0.0.1:3128");
-    let proxy = v["proxy"].as_str().unwrap().to_owned();
-    assert!(proxy.starts_with("127.0.0.1:"));
+    assert_eq!(v["proxy"], "in-process", "{v}");
+    assert_eq!(v["tunnels"]["limit"], 128, "{v}");
+    let guest = crate::caller::Caller::Guest {
+        sandbox: id.parse().unwrap(),
+        tenant: "acme".into(),
+    };
+    let proxy = h.app.security().unwrap().egress_proxy(&guest).unwrap();
     let url = format!("http://api.crm.test:{}/records", up.port());
     let host = format!("api.crm.test:{}", up.port());
     let got = through_proxy(&proxy, "GET", &url, &host).await;
@@ -826,7 +838,7 @@ async fn egress_proxy_applies_the_tenant_policy_per_request() {
         "",
     )
     .await;
-    assert_eq!(v["proxy"], proxy.as_str());
+    assert_eq!(v["tunnels"]["admitted"], 4, "{v}");
     let (_, v, _) = req(&h, "GET", "/v1/audit", Some(&admin), "").await;
     let text = v.as_str().unwrap();
     assert!(text.contains("\"kind\":\"egress\""), "{text}");

@@ -1,0 +1,144 @@
+//! Stage 3, HTTP policy: the tool call an egress request is (tenant,
+//! sandbox, actor, connector, host, port, method, path), evaluated against
+//! the policy in force; connectors and ports checked first; `approve`
+//! decisions held on the approval queue; every decision in the audit log.
+//! Plain requests get method-level policy, `CONNECT` host-level policy.
+
+use super::http::{denied, Body};
+use super::ProxyConfig;
+use crate::approval::Outcome as ApprovalOutcome;
+use crate::audit::{AuditDecision, Outcome};
+use crate::call::{CallKind, ToolCall};
+use crate::policy::{Decision, Effect};
+use hyper::Response;
+
+/// One egress call under evaluation: the tool call and its destination.
+pub(super) struct Checked {
+    pub(super) call: ToolCall,
+    pub(super) host: String,
+    pub(super) port: u16,
+}
+
+/// What the policy stage decided.
+pub(super) enum Verdict {
+    /// Go on to the upstream.
+    Go,
+    /// Answer the guest with this refusal.
+    Refuse(Response<Body>),
+}
+
+impl Checked {
+    /// The call of `cfg`'s sandbox to `host:port`.
+    pub(super) fn new(
+        cfg: &ProxyConfig,
+        host: String,
+        port: u16,
+        method: &str,
+        path: String,
+        scheme: &str,
+    ) -> Self {
+        let call = ToolCall {
+            tenant: cfg.tenant.clone(),
+            sandbox: cfg.sandbox.clone(),
+            actor: cfg.actor.clone(),
+            kind: CallKind::Egress {
+                connector: None,
+                host: host.clone(),
+                port,
+                method: method.to_string(),
+                path,
+                scheme: scheme.into(),
+            },
+        };
+        Checked { call, host, port }
+    }
+}
+
+fn record(
+    cfg: &ProxyConfig,
+    call: &ToolCall,
+    d: &Decision,
+    outcome: Outcome,
+    approval: Option<String>,
+    by: Option<String>,
+) {
+    if let Some(a) = &cfg.audit {
+        if let Err(e) = a.append(call, AuditDecision::from_decision(d, outcome, approval), by) {
+            tracing::error!(error = %e, "audit append failed");
+        }
+    }
+}
+
+/// Policy, connector and approval checks shared by plain requests and tunnels.
+pub(super) async fn decide(cfg: &ProxyConfig, c: &mut Checked) -> Verdict {
+    let policy = cfg.policy.current();
+    let Some(conn) = policy.connector_for_host(&c.host) else {
+        let d = Decision {
+            effect: Effect::Deny,
+            layer: None,
+            rule_id: "unlisted-host".into(),
+            rule_index: None,
+            hard: true,
+            reason: format!(
+                "`{}` belongs to no connector; egress is closed by default",
+                c.host
+            ),
+        };
+        record(cfg, &c.call, &d, Outcome::Denied, None, None);
+        return Verdict::Refuse(denied(&d, None));
+    };
+    if let CallKind::Egress { connector, .. } = &mut c.call.kind {
+        *connector = Some(conn.name.clone());
+    }
+    if !conn.ports.contains(&c.port) {
+        let d = Decision {
+            effect: Effect::Deny,
+            layer: None,
+            rule_id: "connector-port".into(),
+            rule_index: None,
+            hard: true,
+            reason: format!("port {} is not open for connector `{}`", c.port, conn.name),
+        };
+        record(cfg, &c.call, &d, Outcome::Denied, None, None);
+        return Verdict::Refuse(denied(&d, None));
+    }
+    let d = policy.evaluate(&c.call);
+    match d.effect {
+        Effect::Allow => {
+            record(cfg, &c.call, &d, Outcome::Allowed, None, None);
+            Verdict::Go
+        }
+        Effect::Deny => {
+            record(cfg, &c.call, &d, Outcome::Denied, None, None);
+            Verdict::Refuse(denied(&d, None))
+        }
+        Effect::Approve => {
+            let Some(q) = &cfg.approvals else {
+                record(cfg, &c.call, &d, Outcome::Denied, None, None);
+                return Verdict::Refuse(denied(&d, None));
+            };
+            let req = match q.request(&c.call, &d) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::error!(error = %e, "approval request failed");
+                    record(cfg, &c.call, &d, Outcome::Denied, None, None);
+                    return Verdict::Refuse(denied(&d, None));
+                }
+            };
+            record(cfg, &c.call, &d, Outcome::Held, Some(req.id.clone()), None);
+            let out = q.wait(&cfg.tenant, &req.id, cfg.approval_timeout).await;
+            let (outcome, by) = match &out {
+                Ok(ApprovalOutcome::Approved { by, .. }) => (Outcome::Approved, Some(by.clone())),
+                Ok(ApprovalOutcome::Denied { by, .. }) => (Outcome::Rejected, Some(by.clone())),
+                Ok(ApprovalOutcome::TimedOut) | Err(_) => (Outcome::TimedOut, None),
+            };
+            record(cfg, &c.call, &d, outcome, Some(req.id.clone()), by);
+            if outcome == Outcome::Approved {
+                Verdict::Go
+            } else {
+                Verdict::Refuse(denied(&d, Some(&req.id)))
+            }
+        }
+    }
+}
+

@@ -1,0 +1,374 @@
+//! Stage 3, HTTP: the guest's stream served as an HTTP/1.1 proxy by
+//! hyper, each request checked by the policy stage ([`super::decide`]) and
+//! sent on by the upstream stage ([`super::upstream`]).
+//!
+//! Built on hyper 1.x rather than a hand-rolled parser: hyper (over
+//! `httparse`) already refuses obsolete line folding, bad chunk framing,
+//! differing duplicate `Content-Length`s and malformed request lines, and it
+//! re-serialises every forwarded request, so bytes the guest sends are never
+//! relayed verbatim to an upstream. hyper is lenient where RFC 9112 allows it
+//! (it collapses identical duplicate `Content-Length`s and lets
+//! `Transfer-Encoding` override `Content-Length`), so the proxy also checks
+//! each request head on the raw bytes with `httparse` before hyper normalises
+//! it ([`super::sniff::HeadCheck`]), and refuses any duplicate
+//! `Content-Length` or `Transfer-Encoding`, both together, a
+//! `Transfer-Encoding` other than `chunked`, duplicate `Host`, a `Host` that
+//! disagrees with the absolute URL, and userinfo in the URL. Client
+//! connections carry one request each (no keep-alive) and every forwarded
+//! request uses a fresh upstream connection, so there is no connection on
+//! which a desync could carry over to a next request.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{combinators::BoxBody, BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::header::{self, HeaderMap, HeaderValue};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+
+use super::decide::{decide, Checked, Verdict};
+use super::sniff::{self, HeadCheck, Hello, MAX_HEAD};
+use super::tunnel::Tunnel;
+use super::upstream::{self, Upstream, UpstreamError};
+use super::ProxyConfig;
+use crate::policy::{looks_like_ip, Decision};
+
+/// Default [`ProxyConfig::head_timeout`].
+pub const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Serves one admitted stream as an HTTP proxy connection (one request).
+pub(super) async fn serve<S>(cfg: Arc<ProxyConfig>, tunnel: Tunnel, stream: S)
+where
+    S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+{
+    let tunnel = Arc::new(tunnel);
+    let head_timeout = cfg.head_timeout;
+    let (io, verdict) = HeadCheck::new(stream);
+    let svc = hyper::service::service_fn(move |req| {
+        let raw = *verdict.lock().unwrap_or_else(|e| e.into_inner());
+        handle(cfg.clone(), tunnel.clone(), raw, req)
+    });
+    let r = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .keep_alive(false)
+        .header_read_timeout(head_timeout)
+        .max_buf_size(MAX_HEAD)
+        .serve_connection(TokioIo::new(io), svc)
+        .with_upgrades()
+        .await;
+    if let Err(e) = r {
+        tracing::debug!(error = %e, "egress proxy connection");
+    }
+}
+
+/// Body of the proxy's answers.
+pub(super) type Body = BoxBody<Bytes, hyper::Error>;
+
+fn full(b: impl Into<Bytes>) -> Body {
+    Full::new(b.into()).map_err(|never| match never {}).boxed()
+}
+
+fn refuse(status: StatusCode, error: &str, detail: serde_json::Value) -> Response<Body> {
+    let mut body = serde_json::json!({ "error": error });
+    if let (Some(b), serde_json::Value::Object(d)) = (body.as_object_mut(), detail) {
+        b.extend(d);
+    }
+    let mut r = Response::new(full(body.to_string()));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    r.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    r
+}
+
+fn bad(msg: &str) -> Response<Body> {
+    refuse(
+        StatusCode::BAD_REQUEST,
+        "bad_request",
+        serde_json::json!({ "reason": msg }),
+    )
+}
+
+pub(super) fn denied(d: &Decision, approval_id: Option<&str>) -> Response<Body> {
+    refuse(
+        StatusCode::FORBIDDEN,
+        "policy_denied",
+        serde_json::json!({
+            "rule": d.rule_id,
+            "layer": d.layer.map(|l| l.as_str()),
+            "reason": d.reason,
+            "approval_id": approval_id,
+        }),
+    )
+}
+
+/// Request-framing checks that hyper does not make.
+fn smuggling_check(h: &HeaderMap) -> Result<(), &'static str> {
+    let cl: Vec<_> = h.get_all(header::CONTENT_LENGTH).iter().collect();
+    if cl.len() > 1 {
+        return Err("more than one Content-Length");
+    }
+    if let Some(v) = cl.first() {
+        if v.is_empty() || !v.as_bytes().iter().all(u8::is_ascii_digit) {
+            return Err("Content-Length is not a number");
+        }
+    }
+    let te: Vec<_> = h.get_all(header::TRANSFER_ENCODING).iter().collect();
+    if !te.is_empty() {
+        if !cl.is_empty() {
+            return Err("Transfer-Encoding together with Content-Length");
+        }
+        if te.len() > 1 || !te[0].as_bytes().eq_ignore_ascii_case(b"chunked") {
+            return Err("Transfer-Encoding other than a single `chunked`");
+        }
+    }
+    if h.get_all(header::HOST).iter().count() > 1 {
+        return Err("more than one Host");
+    }
+    Ok(())
+}
+
+/// Split and check an authority (`host[:port]`), lower-casing the host.
+fn parse_authority(a: &str, default_port: Option<u16>) -> Result<(String, u16), &'static str> {
+    if a.contains('@') {
+        return Err("userinfo in the request target");
+    }
+    if a.starts_with('[') {
+        return Err("IP literal");
+    }
+    let (host, port) = match a.rsplit_once(':') {
+        Some((h, p)) => (h, p.parse::<u16>().map_err(|_| "bad port")?),
+        None => (a, default_port.ok_or("port required")?),
+    };
+    if port == 0 {
+        return Err("bad port");
+    }
+    let host = host.trim_end_matches('.').to_ascii_lowercase();
+    if looks_like_ip(&host) {
+        return Err("IP literal");
+    }
+    if !crate::policy::is_host_name(&host) {
+        return Err("not a host name");
+    }
+    Ok((host, port))
+}
+
+/// Connects the upstream of an allowed call, or the answer to give instead.
+async fn upstream_for(
+    cfg: &ProxyConfig,
+    tunnel: &Tunnel,
+    c: &Checked,
+) -> Result<Upstream, Response<Body>> {
+    upstream::connect(&*cfg.resolver, cfg.connect_timeout, tunnel, &c.host, c.port)
+        .await
+        .map_err(|e| match e {
+            UpstreamError::Busy(why) => refuse(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "egress_busy",
+                serde_json::json!({ "reason": why.to_string() }),
+            ),
+            UpstreamError::Unreachable(why) => refuse(
+                StatusCode::BAD_GATEWAY,
+                "upstream_unreachable",
+                serde_json::json!({ "reason": why }),
+            ),
+        })
+}
+
+const HOP_BY_HOP: [&str; 9] = [
+    "connection",
+    "proxy-connection",
+    "keep-alive",
+    "proxy-authorization",
+    "proxy-authenticate",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+fn strip_hop_by_hop(h: &mut HeaderMap) {
+    let named: Vec<String> = h
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(',').map(|s| s.trim().to_ascii_lowercase()))
+        .filter(|s| !s.is_empty())
+        .collect();
+    for n in HOP_BY_HOP.iter().map(|s| s.to_string()).chain(named) {
+        h.remove(n.as_str());
+    }
+}
+
+async fn handle(
+    cfg: Arc<ProxyConfig>,
+    tunnel: Arc<Tunnel>,
+    raw: Option<Result<(), &'static str>>,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, Infallible> {
+    // hyper has parsed the whole head, so the sniffer has seen it.
+    match raw {
+        Some(Ok(())) => {}
+        Some(Err(why)) => return Ok(bad(why)),
+        None => return Ok(bad("request head not seen")),
+    }
+    if let Err(why) = smuggling_check(req.headers()) {
+        return Ok(bad(why));
+    }
+    if req.method() == Method::CONNECT {
+        return Ok(connect_tunnel(cfg, tunnel, req).await);
+    }
+    Ok(forward(cfg, tunnel, req).await)
+}
+
+async fn forward(cfg: Arc<ProxyConfig>, tunnel: Arc<Tunnel>, req: Request<Incoming>) -> Response<Body> {
+    let uri = req.uri().clone();
+    match uri.scheme_str() {
+        Some("http") => {}
+        Some(_) => return bad("only http:// in absolute form; use CONNECT for https"),
+        None => return bad("a proxy request needs an absolute-form URL"),
+    }
+    let Some(authority) = uri.authority() else {
+        return bad("absolute-form URL without a host");
+    };
+    let (host, port) = match parse_authority(authority.as_str(), Some(80)) {
+        Ok(hp) => hp,
+        Err("IP literal") => {
+            return refuse(StatusCode::FORBIDDEN, "ip_literal", serde_json::json!({}))
+        }
+        Err(why) => return bad(why),
+    };
+    let Some(host_hdr) = req
+        .headers()
+        .get(header::HOST)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return bad("missing Host header");
+    };
+    match parse_authority(host_hdr, Some(80)) {
+        Ok(hp) if hp == (host.clone(), port) => {}
+        _ => return bad("Host header disagrees with the request URL"),
+    }
+    let path = uri.path().to_string();
+    let mut c = Checked::new(&cfg, host, port, req.method().as_str(), path, "http");
+    if let Verdict::Refuse(r) = decide(&cfg, &mut c).await {
+        return r;
+    }
+
+    let up = match upstream_for(&cfg, &tunnel, &c).await {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    let slot = up.slot;
+    let (mut sender, conn) = match hyper::client::conn::http1::handshake(TokioIo::new(up.sock)).await
+    {
+        Ok(x) => x,
+        Err(e) => {
+            return refuse(
+                StatusCode::BAD_GATEWAY,
+                "upstream_error",
+                serde_json::json!({ "reason": e.to_string() }),
+            )
+        }
+    };
+    // The upstream socket (and its host unit) lives as long as this task.
+    tokio::spawn(async move {
+        let _ = conn.await;
+        drop(slot);
+    });
+    let (mut parts, body) = req.into_parts();
+    let pq = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str())
+        .unwrap_or("/")
+        .to_string();
+    parts.uri = match pq.parse() {
+        Ok(u) => u,
+        Err(_) => return bad("bad path"),
+    };
+    strip_hop_by_hop(&mut parts.headers);
+    let out = Request::from_parts(parts, body);
+    match sender.send_request(out).await {
+        Ok(resp) => {
+            let (mut parts, body) = resp.into_parts();
+            strip_hop_by_hop(&mut parts.headers);
+            Response::from_parts(parts, body.boxed())
+        }
+        Err(e) => refuse(
+            StatusCode::BAD_GATEWAY,
+            "upstream_error",
+            serde_json::json!({ "reason": e.to_string() }),
+        ),
+    }
+}
+
+async fn connect_tunnel(
+    cfg: Arc<ProxyConfig>,
+    tunnel: Arc<Tunnel>,
+    mut req: Request<Incoming>,
+) -> Response<Body> {
+    let Some(authority) = req.uri().authority().map(|a| a.as_str().to_string()) else {
+        return bad("CONNECT needs host:port");
+    };
+    let (host, port) = match parse_authority(&authority, None) {
+        Ok(hp) => hp,
+        Err("IP literal") => {
+            return refuse(StatusCode::FORBIDDEN, "ip_literal", serde_json::json!({}))
+        }
+        Err(why) => return bad(why),
+    };
+    if let Some(h) = req
+        .headers()
+        .get(header::HOST)
+        .and_then(|v| v.to_str().ok())
+    {
+        if parse_authority(h, Some(port)).ok() != Some((host.clone(), port)) {
+            return bad("Host header disagrees with the CONNECT target");
+        }
+    }
+    let mut c = Checked::new(&cfg, host, port, "CONNECT", String::new(), "https");
+    if let Verdict::Refuse(r) = decide(&cfg, &mut c).await {
+        return r;
+    }
+    let mut up = match upstream_for(&cfg, &tunnel, &c).await {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    let on_upgrade = hyper::upgrade::on(&mut req);
+    let host = c.host;
+    let head_timeout = cfg.head_timeout;
+    tokio::spawn(async move {
+        // The guest's stream stays admitted while the tunnel runs.
+        let _tunnel = tunnel;
+        let upgraded = match on_upgrade.await {
+            Ok(u) => u,
+            Err(e) => {
+                tracing::debug!(error = %e, "CONNECT upgrade");
+                return;
+            }
+        };
+        let mut client = TokioIo::new(upgraded);
+        // No fronting to another name on a shared IP.
+        let first = match sniff::client_hello(&mut client, &host, head_timeout).await {
+            Hello::Pass(first) => first,
+            Hello::Mismatch(sni) => {
+                tracing::warn!(%host, %sni, "tunnel closed: SNI does not match CONNECT host");
+                return;
+            }
+            Hello::Closed => return,
+        };
+        if up.sock.write_all(&first).await.is_err() {
+            return;
+        }
+        upstream::splice(&mut client, up).await;
+    });
+    Response::new(full(Bytes::new()))
+}
