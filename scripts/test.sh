@@ -18,6 +18,11 @@ cargo build --release -p strata-agent -p strata-cli
 echo "== guest image (cached by recipe hash under /var/cache/strata/images)" >&2
 "${CARGO_TARGET_DIR:-target}/release/strata" image build
 
+echo "== previous release's guest agent (cached under /var/cache/strata/compat)" >&2
+# Built once per release from the commit in tests/compat/PREVIOUS_RELEASE; the
+# compatibility test (crates/strata-runtime/tests/compat.rs) boots it.
+bash scripts/previous-release.sh >/dev/null
+
 echo "== tests" >&2
 # Integration tests boot real guests under TCG; on 2 cores run test binaries one at a time.
 cargo test --workspace --no-fail-fast "$@" -- --test-threads=2

@@ -47,12 +47,22 @@ impl TestRuntime {
     /// An 8 GiB pool, a run dir `/tmp/<prefix>…`, accel TCG, `tweak` applied to
     /// the configuration, and a template of `size` (one cold boot).
     pub fn start(prefix: &str, size: SandboxSize, tweak: impl FnOnce(&mut RuntimeConfig)) -> Self {
+        Self::start_with_image(prefix, size, &strata_testkit::test_image().dir, tweak)
+    }
+
+    /// Like [`TestRuntime::start`], with the guest image in `image_dir`
+    /// (e.g. one built around another release's agent).
+    pub fn start_with_image(
+        prefix: &str,
+        size: SandboxSize,
+        image_dir: &std::path::Path,
+        tweak: impl FnOnce(&mut RuntimeConfig),
+    ) -> Self {
         static ATEXIT: std::sync::Once = std::sync::Once::new();
         ATEXIT.call_once(|| {
             // SAFETY: registers a plain extern "C" fn without captures.
             unsafe { libc::atexit(teardown_all) };
         });
-        let image = strata_testkit::test_image();
         let pool = TestPool::new(8 << 30).expect("test pool");
         let run = tempfile::Builder::new()
             .prefix(prefix)
@@ -63,7 +73,7 @@ impl TestRuntime {
             ..RuntimeConfig::new(
                 PoolSetting::Path(pool.root().to_path_buf()),
                 run.path().to_path_buf(),
-                image.dir.clone(),
+                image_dir.to_path_buf(),
             )
         };
         tweak(&mut cfg);
