@@ -630,7 +630,9 @@ async fn caps_refuse_streams_per_sandbox_and_per_host_counting_upstream_sockets(
     let ep = a.echo_port;
     let connect = format!("CONNECT tunnel.test:{ep} HTTP/1.1\r\nHost: tunnel.test:{ep}\r\n\r\n");
     let s = &mut held_a[0];
-    s.write_all(connect.as_bytes()).await.unwrap_or_else(|e| panic!("{e}"));
+    s.write_all(connect.as_bytes())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     let got = read_all(s).await;
     assert!(got.starts_with("HTTP/1.1 503"), "{got}");
     assert!(got.contains("egress_busy"), "{got}");
@@ -639,7 +641,9 @@ async fn caps_refuse_streams_per_sandbox_and_per_host_counting_upstream_sockets(
     drop(held_b.pop());
     until("units given back", || host.units() == 3).await;
     let s = &mut held_a[0];
-    s.write_all(connect.as_bytes()).await.unwrap_or_else(|e| panic!("{e}"));
+    s.write_all(connect.as_bytes())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     let mut buf = [0u8; 256];
     let n = s.read(&mut buf).await.unwrap_or_else(|e| panic!("{e}"));
     assert!(buf[..n].starts_with(b"HTTP/1.1 200"), "{:?}", &buf[..n]);

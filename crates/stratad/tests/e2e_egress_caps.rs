@@ -159,11 +159,17 @@ async fn a_guest_cannot_exhaust_the_daemon_through_egress() {
 
     // Egress works (the agent enabled it on connect) and opened no listener.
     let e = d
-        .sh(&sb, "curl -s -o /dev/null -w '%{http_code}' http://unlisted.test/")
+        .sh(
+            &sb,
+            "curl -s -o /dev/null -w '%{http_code}' http://unlisted.test/",
+        )
         .await;
     assert_eq!(e.out(), "403", "{:?}", String::from_utf8_lossy(&e.stderr));
     let after = listening(pid);
-    assert_eq!(after, before, "a listener appeared for the sandbox's egress proxy");
+    assert_eq!(
+        after, before,
+        "a listener appeared for the sandbox's egress proxy"
+    );
 
     // 2,000 held connections.
     let base = fd_count(pid);
@@ -200,7 +206,10 @@ async fn a_guest_cannot_exhaust_the_daemon_through_egress() {
             if !e.out().is_empty() {
                 break;
             }
-            assert!(t.elapsed() < Duration::from_secs(120), "the guest never held");
+            assert!(
+                t.elapsed() < Duration::from_secs(120),
+                "the guest never held"
+            );
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
         let held = stats(&d, &sb).await;
@@ -232,7 +241,10 @@ async fn a_guest_cannot_exhaust_the_daemon_through_egress() {
         health_failures.load(Ordering::SeqCst)
     );
     assert!(out.contains(&format!("kept {CAP}\n")), "{out}");
-    assert!(out.contains("answer HTTP/1.1 403"), "a kept connection is a live proxy: {out}");
+    assert!(
+        out.contains("answer HTTP/1.1 403"),
+        "a kept connection is a live proxy: {out}"
+    );
     assert_eq!(held["open"], CAP, "{held}");
     assert_eq!(held["refused_sandbox_cap"], 2000 - CAP, "{held}");
     assert!(
@@ -240,7 +252,11 @@ async fn a_guest_cannot_exhaust_the_daemon_through_egress() {
         "daemon descriptors grew with the guest's connections: {base} -> {max_fd}"
     );
     assert!(health_checks.load(Ordering::SeqCst) > 5);
-    assert_eq!(health_failures.load(Ordering::SeqCst), 0, "/healthz failed under load");
+    assert_eq!(
+        health_failures.load(Ordering::SeqCst),
+        0,
+        "/healthz failed under load"
+    );
 
     // Everything is given back once the guest's connections close.
     let t = Instant::now();
@@ -275,8 +291,8 @@ async fn a_guest_cannot_exhaust_the_daemon_through_egress() {
         ok <= BURST as f64 + RATE * secs + 2.0,
         "more opens than the bucket allows: {out}"
     );
-    let rate_refusals = after["refused_rate"].as_u64().unwrap_or(0)
-        - before["refused_rate"].as_u64().unwrap_or(0);
+    let rate_refusals =
+        after["refused_rate"].as_u64().unwrap_or(0) - before["refused_rate"].as_u64().unwrap_or(0);
     assert_eq!(rate_refusals as f64, refused, "{before} -> {after}");
     assert!(healthz(&d).await);
     d.shutdown();

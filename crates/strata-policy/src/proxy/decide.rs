@@ -141,4 +141,3 @@ pub(super) async fn decide(cfg: &ProxyConfig, c: &mut Checked) -> Verdict {
         }
     }
 }
-

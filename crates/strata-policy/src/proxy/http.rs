@@ -228,7 +228,11 @@ async fn handle(
     Ok(forward(cfg, tunnel, req).await)
 }
 
-async fn forward(cfg: Arc<ProxyConfig>, tunnel: Arc<Tunnel>, req: Request<Incoming>) -> Response<Body> {
+async fn forward(
+    cfg: Arc<ProxyConfig>,
+    tunnel: Arc<Tunnel>,
+    req: Request<Incoming>,
+) -> Response<Body> {
     let uri = req.uri().clone();
     match uri.scheme_str() {
         Some("http") => {}
@@ -267,17 +271,17 @@ async fn forward(cfg: Arc<ProxyConfig>, tunnel: Arc<Tunnel>, req: Request<Incomi
         Err(r) => return r,
     };
     let slot = up.slot;
-    let (mut sender, conn) = match hyper::client::conn::http1::handshake(TokioIo::new(up.sock)).await
-    {
-        Ok(x) => x,
-        Err(e) => {
-            return refuse(
-                StatusCode::BAD_GATEWAY,
-                "upstream_error",
-                serde_json::json!({ "reason": e.to_string() }),
-            )
-        }
-    };
+    let (mut sender, conn) =
+        match hyper::client::conn::http1::handshake(TokioIo::new(up.sock)).await {
+            Ok(x) => x,
+            Err(e) => {
+                return refuse(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_error",
+                    serde_json::json!({ "reason": e.to_string() }),
+                )
+            }
+        };
     // The upstream socket (and its host unit) lives as long as this task.
     tokio::spawn(async move {
         let _ = conn.await;

@@ -45,7 +45,6 @@ pub use upstream::{ResolveFuture, Resolver, StaticResolver, SystemResolver};
 /// Bytes buffered per direction between a tunnel's pump and the proxy.
 pub const STREAM_BUFFER: usize = 64 * 1024;
 
-
 /// Gives the proxy the policy in force; called once per request, so the
 /// daemon can swap policies live.
 pub trait PolicySource: Send + Sync {

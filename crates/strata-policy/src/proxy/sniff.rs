@@ -276,7 +276,9 @@ mod tests {
     #[tokio::test]
     async fn http_is_rewound_and_tls_is_recognised() {
         let (mut a, b) = tokio::io::duplex(1024);
-        a.write_all(b"GET http://x.test/ HTTP/1.1\r\n\r\n").await.unwrap();
+        a.write_all(b"GET http://x.test/ HTTP/1.1\r\n\r\n")
+            .await
+            .unwrap();
         let Sniffed::Http(mut r) = sniff(b, Duration::from_secs(1)).await else {
             panic!("not http")
         };
@@ -312,7 +314,9 @@ mod tests {
     #[tokio::test]
     async fn connect_sni_must_name_the_host() {
         let (mut a, mut b) = tokio::io::duplex(1 << 16);
-        a.write_all(&fake_client_hello(Some("other.test"))).await.unwrap();
+        a.write_all(&fake_client_hello(Some("other.test")))
+            .await
+            .unwrap();
         assert_eq!(
             client_hello(&mut b, "api.test", Duration::from_secs(1)).await,
             Hello::Mismatch("other.test".into())

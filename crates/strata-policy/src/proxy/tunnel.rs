@@ -313,7 +313,10 @@ mod tests {
     #[test]
     fn host_cap_counts_upstream_sockets_across_sandboxes() {
         let host = HostTunnels::new(limits(10, 3, 0.0, 0));
-        let (a, b) = (SandboxTunnels::new(host.clone()), SandboxTunnels::new(host.clone()));
+        let (a, b) = (
+            SandboxTunnels::new(host.clone()),
+            SandboxTunnels::new(host.clone()),
+        );
         let t1 = a.admit().unwrap();
         let up = t1.upstream().unwrap();
         let _t2 = b.admit().unwrap();
@@ -334,7 +337,10 @@ mod tests {
         for _ in 0..5 {
             drop(s.admit().unwrap());
         }
-        assert!(matches!(s.admit(), Err(Refused::Rate { rate: 20, burst: 5 })));
+        assert!(matches!(
+            s.admit(),
+            Err(Refused::Rate { rate: 20, burst: 5 })
+        ));
         std::thread::sleep(std::time::Duration::from_millis(120));
         drop(s.admit().unwrap());
         assert_eq!(s.stats().refused_rate, 1);

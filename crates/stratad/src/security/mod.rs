@@ -29,8 +29,8 @@ use strata_policy::proxy::{
     Egress, HostTunnels, PolicySource, ProxyConfig, Resolver, StaticResolver, SystemResolver,
     TunnelLimits,
 };
-use strata_proto::client::{OpenFuture, TunnelHandler, TunnelService, TunnelStream};
 use strata_policy::{Decision, Policy, PolicySet, ToolCall};
+use strata_proto::client::{OpenFuture, TunnelHandler, TunnelService, TunnelStream};
 
 use crate::config::Config;
 pub use crate::config::SecurityConfig;
