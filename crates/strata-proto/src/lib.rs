@@ -9,7 +9,7 @@ pub mod tunnel;
 
 pub use client::{
     AgentClient, AgentError, ExecEvent, ExecHandle, ExecOutput, ExecRequest, ExitStatus,
-    FileDownload, Stdin, TunnelHandler,
+    FileDownload, Liveness, Stdin, TunnelHandler,
 };
 pub use frame::{decode_frame, Decoded, Frame, FrameDecoder, FrameError, FrameKind};
 pub use msg::{

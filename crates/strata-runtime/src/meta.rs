@@ -281,9 +281,19 @@ pub(crate) mod tests {
     fn qemu_compatibility_is_the_upstream_series_not_the_package_string() {
         let host = "QEMU emulator version 7.2.22 (Debian 1:7.2+dfsg-7+deb12u18+b3)";
         assert_eq!(qemu_upstream_version(host), Some((7, 2, 22)));
-        assert_eq!(qemu_upstream_version("QEMU emulator version 8.0.0"), Some((8, 0, 0)));
-        assert_eq!(qemu_upstream_version("QEMU emulator version 9.1"), Some((9, 1, 0)));
-        assert_eq!(qemu_upstream_version("QEMU 7.2"), None, "no \"version\" word");
+        assert_eq!(
+            qemu_upstream_version("QEMU emulator version 8.0.0"),
+            Some((8, 0, 0))
+        );
+        assert_eq!(
+            qemu_upstream_version("QEMU emulator version 9.1"),
+            Some((9, 1, 0))
+        );
+        assert_eq!(
+            qemu_upstream_version("QEMU 7.2"),
+            None,
+            "no \"version\" word"
+        );
         for other_revision in [
             "QEMU emulator version 7.2.21 (Debian 1:7.2+dfsg-7+deb12u17)",
             "QEMU emulator version 7.2.22 (Debian 1:7.2+dfsg-7+deb12u18)",
@@ -291,7 +301,10 @@ pub(crate) mod tests {
         ] {
             assert!(same_qemu_series(other_revision, host), "{other_revision}");
         }
-        assert!(!same_qemu_series("QEMU emulator version 8.0.4 (Debian 1:8.0)", host));
+        assert!(!same_qemu_series(
+            "QEMU emulator version 8.0.4 (Debian 1:8.0)",
+            host
+        ));
         assert!(!same_qemu_series("QEMU emulator version 7.1.0", host));
         assert!(same_qemu_series("odd", "odd") && !same_qemu_series("odd", host));
         let d = populated();

@@ -422,7 +422,9 @@ fn a_qemu_security_update_keeps_snapshots_restorable() {
                 serde_json::from_slice(&std::fs::read(&path).expect("meta")).expect("json");
             meta["qemu_version"] = qemu.into();
             std::fs::write(&path, serde_json::to_vec_pretty(&meta).expect("json")).expect("write");
-            f.rt.pool().set_readonly(&dir, true).expect("read-only again");
+            f.rt.pool()
+                .set_readonly(&dir, true)
+                .expect("read-only again");
         };
         rewrite("QEMU emulator version 8.2.2 (Debian 1:8.2.2+ds-0ubuntu1)");
         match f.rt.rewind(&a, &snap, None).await {
@@ -439,6 +441,66 @@ fn a_qemu_security_update_keeps_snapshots_restorable() {
             .expect("the same series under another package revision restores");
         let (_, v) = sh(&f.rt, &a, "cat /root/u").await;
         assert_eq!(v, "before-update");
+        f.rt.delete(&a).await.expect("delete");
+    });
+}
+
+/// No call waits forever on a guest whose agent stopped answering: the
+/// connection's liveness ping finds the silence within ~5 s, the call in
+/// flight fails, and the next call reconnects once the agent answers again.
+/// A VM paused by its owner is not taken for a silent one.
+#[test]
+fn a_silent_agent_is_found_in_seconds_and_the_next_call_reconnects() {
+    let _pool = shared_pool();
+    let f = fixture();
+    tokio_rt().block_on(async {
+        let a = new_sandbox(f).await;
+        let agent = f.rt.agent(&a).await.expect("agent");
+        // Paused for longer than the silence limit: the connection stays.
+        f.rt.pause(&a).await.expect("pause");
+        tokio::time::sleep(Duration::from_secs(7)).await;
+        f.rt.resume(&a).await.expect("resume");
+        assert!(!agent.is_closed(), "a paused guest is not a silent agent");
+        assert_eq!(sh(&f.rt, &a, "echo still").await.1, "still");
+
+        // A command in flight, then the agent stops (init, PID 1, ignores
+        // SIGSTOP; the agent it forked does not) and continues 10 s later.
+        let mut h = agent
+            .exec(ExecRequest::shell("sleep 120"))
+            .await
+            .expect("exec");
+        let (code, _) = sh(
+            &f.rt,
+            &a,
+            "p=$(pgrep -x strata-agent | grep -vx 1 | tr '\\n' ' '); (sleep 1; kill -STOP $p; sleep 9; kill -CONT $p) >/dev/null 2>&1 &",
+        )
+        .await;
+        assert_eq!(code, 0);
+        let t0 = std::time::Instant::now();
+        let failed = tokio::time::timeout(Duration::from_secs(30), async {
+            loop {
+                match h.next_event().await {
+                    None => return false,
+                    Some(Err(_)) => return true,
+                    Some(Ok(_)) => {}
+                }
+            }
+        })
+        .await
+        .expect("the call in flight waited on a silent agent");
+        let waited = t0.elapsed();
+        assert!(failed, "the call in flight fails");
+        assert!(
+            waited < Duration::from_secs(9),
+            "silence found ~5 s after the stop (1 s in), not later: {waited:?}"
+        );
+        assert!(agent.is_closed());
+        tokio::time::sleep(Duration::from_secs(10).saturating_sub(t0.elapsed())).await;
+        assert_eq!(
+            sh(&f.rt, &a, "echo back").await.1,
+            "back",
+            "the next call reconnects"
+        );
         f.rt.delete(&a).await.expect("delete");
     });
 }

@@ -33,14 +33,16 @@
 //! [`AgentClient`]: super::AgentClient
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 use tokio::sync::{mpsc, Notify};
 use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 
 use super::AgentError;
 use crate::frame::{Decoded, Frame, FrameDecoder, FrameKind};
@@ -240,6 +242,14 @@ pub(super) struct Shared {
     next_id: AtomicU32,
     /// Bytes held by all call queues.
     buffered: AtomicUsize,
+    /// Cancelled when the connection closes: the reader and writer tasks
+    /// end, so the socket itself closes (a QEMU chardev takes one client;
+    /// a reconnect needs the old one gone).
+    stop: CancellationToken,
+    /// When the connection started; `last_rx_ms` counts from it.
+    born: Instant,
+    /// Milliseconds after `born` at which the agent last sent a byte.
+    last_rx_ms: AtomicU64,
 }
 
 impl Shared {
@@ -258,6 +268,19 @@ impl Shared {
         self.closed.load(Ordering::SeqCst)
     }
 
+    /// Records that the agent just sent something (or that silence so far
+    /// does not count, e.g. after the guest was paused).
+    pub(super) fn touch(&self) {
+        let ms = u64::try_from(self.born.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_rx_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// How long the agent has sent nothing.
+    fn quiet_for(&self) -> Duration {
+        let last = Duration::from_millis(self.last_rx_ms.load(Ordering::Relaxed));
+        self.born.elapsed().saturating_sub(last)
+    }
+
     /// Bytes the calls of this connection hold unread.
     pub(super) fn buffered(&self) -> usize {
         self.buffered.load(Ordering::SeqCst)
@@ -266,6 +289,7 @@ impl Shared {
     /// Marks the connection gone: in-flight calls fail, tunnels stop.
     pub(super) fn close(&self) {
         self.closed.store(true, Ordering::SeqCst);
+        self.stop.cancel();
         let routes = std::mem::take(&mut *self.routes());
         routes.values().for_each(|q| q.close());
         // Dropping the handles stops their pumps (sockets closed).
@@ -447,9 +471,43 @@ pub(super) struct Connection {
     pub(super) reader: JoinHandle<()>,
 }
 
+/// How a connection notices an agent that stopped answering: when the
+/// agent has sent nothing for `interval`, the client pings it; when it has
+/// sent nothing for `silent_after`, the connection is closed (every call in
+/// flight fails with [`AgentError::Closed`], [`super::AgentClient::is_closed`]
+/// turns true and the owner reconnects). A guest whose vCPUs are stopped
+/// cannot answer: while `active` reads `false` (the owner paused the VM)
+/// silence does not count.
+#[derive(Debug, Clone)]
+pub struct Liveness {
+    /// Quiet time after which the client sends a ping.
+    pub interval: Duration,
+    /// Quiet time after which the agent counts as gone.
+    pub silent_after: Duration,
+    /// Whether the guest can answer now (its vCPUs run); `None`: always.
+    pub active: Option<Arc<AtomicBool>>,
+}
+
+impl Liveness {
+    /// Ping after 1 s of quiet, give up after 5 s.
+    pub fn new(active: Option<Arc<AtomicBool>>) -> Self {
+        Self {
+            interval: Duration::from_secs(1),
+            silent_after: Duration::from_secs(5),
+            active,
+        }
+    }
+}
+
 /// Starts the reader and writer tasks on a connection whose handshake is
-/// done; `dec` holds what was read past the hello reply.
-pub(super) fn spawn(stream: UnixStream, dec: FrameDecoder, tunnels: TunnelRouter) -> Connection {
+/// done; `dec` holds what was read past the hello reply. With `liveness`,
+/// a watchdog closes the connection when the agent falls silent.
+pub(super) fn spawn(
+    stream: UnixStream,
+    dec: FrameDecoder,
+    tunnels: TunnelRouter,
+    liveness: Option<Liveness>,
+) -> Connection {
     let (rd, wr) = stream.into_split();
     let shared = Arc::new(Shared {
         routes: Mutex::new(HashMap::new()),
@@ -457,9 +515,15 @@ pub(super) fn spawn(stream: UnixStream, dec: FrameDecoder, tunnels: TunnelRouter
         closed: AtomicBool::new(false),
         next_id: AtomicU32::new(1),
         buffered: AtomicUsize::new(0),
+        stop: CancellationToken::new(),
+        born: Instant::now(),
+        last_rx_ms: AtomicU64::new(0),
     });
     let (out, out_rx) = mpsc::channel::<Bytes>(64);
     tokio::spawn(writer_task(wr, out_rx, shared.clone()));
+    if let Some(l) = liveness {
+        tokio::spawn(watchdog(Arc::downgrade(&shared), out.downgrade(), l));
+    }
     let reader = tokio::spawn(reader_task(rd, dec, shared.clone(), out.clone(), tunnels));
     Connection {
         shared,
@@ -473,14 +537,70 @@ async fn writer_task(
     mut rx: mpsc::Receiver<Bytes>,
     shared: Arc<Shared>,
 ) {
-    while let Some(b) = rx.recv().await {
-        if let Err(e) = wr.write_all(&b).await {
+    loop {
+        let b = tokio::select! {
+            b = rx.recv() => b,
+            () = shared.stop.cancelled() => return,
+        };
+        let Some(b) = b else { break };
+        let written = tokio::select! {
+            r = wr.write_all(&b) => r,
+            () = shared.stop.cancelled() => return,
+        };
+        if let Err(e) = written {
             tracing::debug!(error = %e, "agent connection write failed");
             shared.close();
             return;
         }
     }
     let _ = wr.shutdown().await;
+}
+
+/// Pings a quiet agent and closes the connection of a silent one (see
+/// [`Liveness`]). Holds the connection only weakly: it ends with it.
+async fn watchdog(shared: Weak<Shared>, out: mpsc::WeakSender<Bytes>, live: Liveness) {
+    let tick_every = (live.interval / 2).max(Duration::from_millis(50));
+    let mut tick = tokio::time::interval(tick_every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The ping in flight: its reply lands here and is dropped with it.
+    let mut probe: Option<Call> = None;
+    loop {
+        tick.tick().await;
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        if shared.is_closed() {
+            return;
+        }
+        let running = live
+            .active
+            .as_ref()
+            .is_none_or(|a| a.load(Ordering::SeqCst));
+        if !running {
+            // A stopped guest cannot answer; its silence starts on resume.
+            shared.touch();
+            probe = None;
+            continue;
+        }
+        let quiet = shared.quiet_for();
+        if quiet >= live.silent_after {
+            tracing::warn!(
+                quiet_ms = quiet.as_millis() as u64,
+                "agent sent nothing, not even a ping reply; closing the connection"
+            );
+            shared.close();
+            return;
+        }
+        if quiet >= live.interval && probe.is_none() {
+            let Some(out) = out.upgrade() else { return };
+            if let Ok(call) = shared.open() {
+                send_detached(&out, call.id, &Request::Ping {});
+                probe = Some(call);
+            }
+        } else if quiet < live.interval {
+            probe = None;
+        }
+    }
 }
 
 async fn reader_task(
@@ -507,9 +627,16 @@ async fn reader_task(
                 }
             }
         }
-        match rd.read(&mut buf).await {
+        let read = tokio::select! {
+            r = rd.read(&mut buf) => r,
+            () = shared.stop.cancelled() => break,
+        };
+        match read {
             Ok(0) => break,
-            Ok(n) => dec.extend(&buf[..n]),
+            Ok(n) => {
+                shared.touch();
+                dec.extend(&buf[..n]);
+            }
             Err(e) => {
                 tracing::debug!(error = %e, "agent connection read failed");
                 break;

@@ -36,7 +36,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use self::demux::Shared;
-pub use self::demux::{CALL_BUFFER_CAP, CONNECTION_BUFFER_CAP, ITEM_OVERHEAD};
+pub use self::demux::{Liveness, CALL_BUFFER_CAP, CONNECTION_BUFFER_CAP, ITEM_OVERHEAD};
 pub use self::exec::{
     ExecEvent, ExecHandle, ExecOutput, ExecRequest, ExitStatus, Stdin, COLLECT_LIMIT,
     OUTPUT_ACK_EVERY, OUTPUT_WINDOW, STDIN_CHUNK, STDIN_WINDOW,
@@ -181,8 +181,21 @@ impl AgentClient {
         timeout: Duration,
         egress: Option<TunnelHandler>,
     ) -> Result<AgentClient, AgentError> {
+        Self::connect_unix_watched(path, timeout, egress, None).await
+    }
+
+    /// Like [`AgentClient::connect_unix_with`]; with `liveness`, the
+    /// connection pings a quiet agent and closes itself when the agent stays
+    /// silent (see [`Liveness`]): calls in flight fail instead of waiting
+    /// forever, and the owner reconnects.
+    pub async fn connect_unix_watched(
+        path: &Path,
+        timeout: Duration,
+        egress: Option<TunnelHandler>,
+        liveness: Option<Liveness>,
+    ) -> Result<AgentClient, AgentError> {
         let enable = egress.is_some();
-        let client = Self::connect_unix_inner(path, timeout, egress).await?;
+        let client = Self::connect_unix_inner(path, timeout, egress, liveness).await?;
         client.negotiate_output_window(timeout).await;
         if enable {
             match tokio::time::timeout(timeout, client.enable_egress()).await {
@@ -207,7 +220,7 @@ impl AgentClient {
         path: &Path,
         timeout: Duration,
     ) -> Result<AgentClient, AgentError> {
-        Self::connect_unix_inner(path, timeout, None).await
+        Self::connect_unix_inner(path, timeout, None, None).await
     }
 
     async fn negotiate_output_window(&self, timeout: Duration) {
@@ -248,6 +261,7 @@ impl AgentClient {
         path: &Path,
         timeout: Duration,
         egress: Option<TunnelHandler>,
+        liveness: Option<Liveness>,
     ) -> Result<AgentClient, AgentError> {
         let deadline = Instant::now() + timeout;
         loop {
@@ -263,7 +277,9 @@ impl AgentClient {
                 }
                 Ok(Ok(s)) => s,
             };
-            match Self::handshake(stream, deadline, timeout, egress.clone()).await? {
+            match Self::handshake(stream, deadline, timeout, egress.clone(), liveness.clone())
+                .await?
+            {
                 Some(client) => return Ok(client),
                 None => tokio::time::sleep(Duration::from_millis(50)).await,
             }
@@ -276,6 +292,7 @@ impl AgentClient {
         deadline: Instant,
         timeout: Duration,
         egress: Option<TunnelHandler>,
+        liveness: Option<Liveness>,
     ) -> Result<Option<AgentClient>, AgentError> {
         let nonce: u64 = rand::random();
         let mut hello = BytesMut::new();
@@ -322,7 +339,7 @@ impl AgentClient {
                     }
                     match f.parse::<Response>() {
                         Ok(Response::HelloOk { nonce: n, info }) if n == nonce => {
-                            return Ok(Some(Self::start(stream, dec, info, egress)));
+                            return Ok(Some(Self::start(stream, dec, info, egress, liveness)));
                         }
                         Ok(Response::VersionMismatch {
                             nonce: n,
@@ -349,10 +366,11 @@ impl AgentClient {
         dec: FrameDecoder,
         info: AgentInfo,
         egress: Option<TunnelHandler>,
+        liveness: Option<Liveness>,
     ) -> AgentClient {
         let tunnels: demux::TunnelRouter =
             Box::new(move |shared, out, f| tunnel::route(&egress, shared, out, f));
-        let conn = demux::spawn(stream, dec, tunnels);
+        let conn = demux::spawn(stream, dec, tunnels, liveness);
         AgentClient {
             inner: Arc::new(Inner {
                 shared: conn.shared,

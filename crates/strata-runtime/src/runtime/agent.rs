@@ -16,7 +16,7 @@ use std::time::Instant;
 use rand::RngCore;
 use strata_core::SandboxId;
 use strata_proto::msg::RestoreSync;
-use strata_proto::{AgentClient, TunnelHandler};
+use strata_proto::{AgentClient, Liveness, TunnelHandler};
 
 use super::vms::Live;
 use super::{ms, Result, Runtime};
@@ -81,9 +81,13 @@ impl Runtime {
             None => None,
         }
         .or_else(|| self.cfg.egress_proxy.map(TunnelHandler::tcp));
-        let client = AgentClient::connect_unix_with(&live.vm.agent_socket(), t, egress)
-            .await
-            .map_err(|e| agent_err(id.as_str(), e, t))?;
+        // A guest that stops answering is noticed within 5 s: the connection
+        // closes, calls in flight fail, and the next use reconnects here.
+        let liveness = Liveness::new(Some(live.running.clone()));
+        let client =
+            AgentClient::connect_unix_watched(&live.vm.agent_socket(), t, egress, Some(liveness))
+                .await
+                .map_err(|e| agent_err(id.as_str(), e, t))?;
         *slot = Some(client.clone());
         Ok(client)
     }

@@ -73,7 +73,7 @@ impl Runtime {
             .running;
         let t0 = Instant::now();
         if was_running {
-            live.vm.pause().await.map_err(|e| vmm_err(id.as_str(), e))?;
+            live.pause_vm().await.map_err(|e| vmm_err(id.as_str(), e))?;
         }
         let result = async {
             let bytes = self.save_state(id.as_str(), &live, &dir).await?;
@@ -90,7 +90,7 @@ impl Runtime {
         }
         .await;
         if was_running {
-            if let Err(e) = live.vm.resume().await {
+            if let Err(e) = live.resume_vm().await {
                 tracing::error!(sandbox = %id, error = %e, "resume after snapshot failed");
                 if result.is_ok() {
                     return Err(vmm_err(id.as_str(), e));
@@ -124,11 +124,11 @@ impl Runtime {
     pub async fn hibernate(&self, id: &SandboxId, snap: &SnapshotId) -> Result<SnapshotInfo> {
         let _g = self.op_lock(id.as_str()).await;
         let live = self.live(id)?;
-        live.vm.pause().await.map_err(|e| vmm_err(id.as_str(), e))?;
+        live.pause_vm().await.map_err(|e| vmm_err(id.as_str(), e))?;
         let info = match self.snapshot_locked(id, snap).await {
             Ok(i) => i,
             Err(e) => {
-                let _ = live.vm.resume().await;
+                let _ = live.resume_vm().await;
                 return Err(e);
             }
         };

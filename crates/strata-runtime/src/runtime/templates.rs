@@ -181,7 +181,7 @@ impl Runtime {
                 .await;
             drop(agent);
             progress("snapshotting the booted guest");
-            live.vm.pause().await.map_err(|e| vmm_err(&b.id, e))?;
+            live.pause_vm().await.map_err(|e| vmm_err(&b.id, e))?;
             self.save_state(&b.id, &live, &b.work).await?;
             let pool = self.pool.clone();
             let w = b.work.clone();

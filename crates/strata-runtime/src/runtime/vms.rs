@@ -38,15 +38,34 @@ pub(super) struct Live {
     pub(super) size: SandboxSize,
     /// Set before the runtime itself stops the VM, so the watcher stays quiet.
     pub(super) stopping: AtomicBool,
+    /// Whether the vCPUs run: the agent connection's liveness watchdog
+    /// counts silence only while they do ([`Live::pause_vm`]).
+    pub(super) running: Arc<AtomicBool>,
 }
 
 impl Live {
+    /// Stops the vCPUs; the agent's silence stops counting first.
+    pub(super) async fn pause_vm(&self) -> std::result::Result<(), strata_vmm::VmmError> {
+        self.running.store(false, Ordering::SeqCst);
+        self.vm.pause().await
+    }
+
+    /// Continues the vCPUs; the agent's silence counts again once they run.
+    pub(super) async fn resume_vm(&self) -> std::result::Result<(), strata_vmm::VmmError> {
+        let r = self.vm.resume().await;
+        if r.is_ok() {
+            self.running.store(true, Ordering::SeqCst);
+        }
+        r
+    }
+
     /// A started VM, its agent not connected yet.
     pub(super) fn new(vm: Box<dyn Vm>, size: SandboxSize) -> Live {
         Live {
             vm,
             agent: tokio::sync::Mutex::new(None),
             size,
+            running: Arc::new(AtomicBool::new(true)),
             stopping: AtomicBool::new(false),
         }
     }
@@ -147,13 +166,13 @@ impl Runtime {
     /// Stops the vCPUs (RAM kept). Idempotent.
     pub async fn pause(&self, id: &SandboxId) -> Result<()> {
         let live = self.live(id)?;
-        live.vm.pause().await.map_err(|e| vmm_err(id.as_str(), e))
+        live.pause_vm().await.map_err(|e| vmm_err(id.as_str(), e))
     }
 
     /// Continues the vCPUs. Idempotent.
     pub async fn resume(&self, id: &SandboxId) -> Result<()> {
         let live = self.live(id)?;
-        live.vm.resume().await.map_err(|e| vmm_err(id.as_str(), e))
+        live.resume_vm().await.map_err(|e| vmm_err(id.as_str(), e))
     }
 
     /// Ends the VM (if any) and removes the sandbox's subvolume. Idempotent.
