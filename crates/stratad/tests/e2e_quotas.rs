@@ -88,10 +88,18 @@ async fn listed(api: &Api, id: &str) -> usize {
 #[test]
 fn over_quota_snapshot_is_refused_while_another_tenants_succeed_and_forks_pay_their_writes() {
     let d = Daemon::start(
-        "[quotas.tenants.a]\npool_bytes = 50331648\n[quotas.tenants.b]\npool_bytes = 4294967296\n",
+        "[quotas]\nreserve_bytes = 268435456\n\
+         [quotas.tenants.a]\npool_bytes = 50331648\n[quotas.tenants.b]\npool_bytes = 4294967296\n",
     );
     strata_testkit::tokio_rt().block_on(async {
         d.wait_template().await;
+        // The daemon keeps the pool's space reserve (allocated, no data).
+        let reserve = d.root.join("data/pool").join(strata_storage::RESERVE_FILE);
+        let md = std::fs::metadata(&reserve).expect("the pool reserve exists");
+        assert!(
+            std::os::unix::fs::MetadataExt::blocks(&md) * 512 >= 256 * MIB,
+            "{md:?}"
+        );
         let a = tenant(&d, "a").await;
         let b = tenant(&d, "b").await;
         let sa = create(&a).await;
