@@ -377,7 +377,10 @@ mod scan_tests {
     #[test]
     fn a_scan_finds_a_process_by_its_command_line() {
         let root = std::env::temp_dir().join(format!("strata-scan-{}", std::process::id()));
-        let arg = format!("socket,id=qmp,path={}/sb-x/qmp.sock,server=on", root.display());
+        let arg = format!(
+            "socket,id=qmp,path={}/sb-x/qmp.sock,server=on",
+            root.display()
+        );
         // The shell itself waits (on its stdin): no grandchild to outlive the test.
         let mut child = std::process::Command::new("sh")
             .args(["-c", "read x", &arg])

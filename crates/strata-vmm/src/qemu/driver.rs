@@ -363,9 +363,8 @@ pub fn qemu_in_run_dir(run_dir: &Path) -> Option<u32> {
         .ok()
         .and_then(|t| t.trim().parse::<u32>().ok())
         .filter(|&pid| {
-            proc_cmdline(pid).is_ok_and(|c| {
-                c.contains(run_dir.join("qmp.sock").to_string_lossy().as_ref())
-            })
+            proc_cmdline(pid)
+                .is_ok_and(|c| c.contains(run_dir.join("qmp.sock").to_string_lossy().as_ref()))
         });
     by_file.or_else(|| {
         let root = run_dir.parent()?;
