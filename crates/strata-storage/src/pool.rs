@@ -302,18 +302,7 @@ impl Pool {
     }
 
     fn raw_usage(&self) -> Result<PoolUsage> {
-        let c = subvol::cpath(&self.root)?;
-        let mut st = MaybeUninit::<libc::statvfs>::zeroed();
-        // SAFETY: `c` is NUL-terminated; `st` is writable memory of statvfs's size.
-        if unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) } != 0 {
-            return Err(StorageError::io(
-                "statvfs",
-                &self.root,
-                io::Error::last_os_error(),
-            ));
-        }
-        // SAFETY: statvfs returned 0 and filled the struct.
-        let st = unsafe { st.assume_init() };
+        let st = statvfs(&self.root)?;
         let f = st.f_frsize;
         let (image_size_bytes, image_allocated_bytes) = match &self.image {
             Some(i) => {
@@ -830,18 +819,7 @@ impl ReserveState {
     }
 
     fn free_bytes(&self) -> Result<u64> {
-        let c = subvol::cpath(&self.root)?;
-        let mut st = MaybeUninit::<libc::statvfs>::zeroed();
-        // SAFETY: `c` is NUL-terminated; `st` is writable memory of statvfs's size.
-        if unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) } != 0 {
-            return Err(StorageError::io(
-                "statvfs",
-                &self.root,
-                io::Error::last_os_error(),
-            ));
-        }
-        // SAFETY: statvfs returned 0 and filled the struct.
-        let st = unsafe { st.assume_init() };
+        let st = statvfs(&self.root)?;
         Ok(st.f_bavail * st.f_frsize)
     }
 
@@ -1021,6 +999,22 @@ fn remove_children(path: &Path) -> Result<()> {
         remove_any(&e.path())?;
     }
     Ok(())
+}
+
+/// `statvfs(2)` of the file system holding `path`.
+fn statvfs(path: &Path) -> Result<libc::statvfs> {
+    let c = subvol::cpath(path)?;
+    let mut st = MaybeUninit::<libc::statvfs>::zeroed();
+    // SAFETY: `c` is NUL-terminated; `st` is writable memory of statvfs's size.
+    if unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) } != 0 {
+        return Err(StorageError::io(
+            "statvfs",
+            path,
+            io::Error::last_os_error(),
+        ));
+    }
+    // SAFETY: statvfs returned 0 and filled the struct.
+    Ok(unsafe { st.assume_init() })
 }
 
 #[cfg(test)]

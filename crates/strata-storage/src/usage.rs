@@ -49,21 +49,42 @@ struct FiemapBuf {
 /// Files in nested subvolumes are not counted. Pages still dirty in memory (not yet
 /// written back) are not counted; a read-only snapshot has none.
 pub fn extent_usage(path: &Path) -> Result<SubvolUsage> {
+    let mut usage = SubvolUsage::default();
+    let mut buf = fiemap_buf();
+    each_data_file(path, |_, p| {
+        let f = match File::open(p) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(StorageError::io("open", p, e)),
+        };
+        file_extents(&f, &mut buf, &mut usage).map_err(|e| StorageError::io("fiemap", p, e))
+    })?;
+    Ok(usage)
+}
+
+fn fiemap_buf() -> Box<FiemapBuf> {
+    Box::new(FiemapBuf {
+        hdr: ioctl::FiemapHeader::default(),
+        ext: [ioctl::FiemapExtent::default(); FIEMAP_BATCH],
+    })
+}
+
+/// Calls `each(relative path, path)` for every regular file with allocated
+/// blocks under `path`, skipping nested subvolumes and files that vanish
+/// during the walk.
+fn each_data_file(path: &Path, mut each: impl FnMut(&Path, &Path) -> Result<()>) -> Result<()> {
     let root_dev = std::fs::symlink_metadata(path)
         .map_err(|e| StorageError::io("stat", path, e))?
         .dev();
-    let mut usage = SubvolUsage::default();
-    let mut buf = Box::new(FiemapBuf {
-        hdr: ioctl::FiemapHeader::default(),
-        ext: [ioctl::FiemapExtent::default(); FIEMAP_BATCH],
-    });
-    let mut stack = vec![path.to_path_buf()];
-    while let Some(dir) = stack.pop() {
+    let mut stack = vec![std::path::PathBuf::new()];
+    while let Some(rel) = stack.pop() {
+        let dir = path.join(&rel);
         let rd =
             std::fs::read_dir(&dir).map_err(|e| StorageError::io("read directory", &dir, e))?;
         for entry in rd {
             let entry = entry.map_err(|e| StorageError::io("read directory", &dir, e))?;
-            let p = entry.path();
+            let r = rel.join(entry.file_name());
+            let p = path.join(&r);
             let md = match std::fs::symlink_metadata(&p) {
                 Ok(md) => md,
                 Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
@@ -73,19 +94,13 @@ pub fn extent_usage(path: &Path) -> Result<SubvolUsage> {
                 continue; // a nested subvolume
             }
             if md.is_dir() {
-                stack.push(p);
+                stack.push(r);
             } else if md.is_file() && md.blocks() > 0 {
-                let f = match File::open(&p) {
-                    Ok(f) => f,
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-                    Err(e) => return Err(StorageError::io("open", &p, e)),
-                };
-                file_extents(&f, &mut buf, &mut usage)
-                    .map_err(|e| StorageError::io("fiemap", &p, e))?;
+                each(&r, &p)?;
             }
         }
     }
-    Ok(usage)
+    Ok(())
 }
 
 fn file_extents(f: &File, buf: &mut FiemapBuf, usage: &mut SubvolUsage) -> io::Result<()> {
@@ -205,49 +220,19 @@ pub fn rewritten_bytes(prev: &[FileExtent], cur: &[FileExtent]) -> u64 {
 /// trees (proportional to their extents); the result of two read-only
 /// snapshots never changes, so callers cache it.
 pub fn written_bytes(path: &Path, base: Option<&Path>) -> Result<u64> {
-    let root_dev = std::fs::symlink_metadata(path)
-        .map_err(|e| StorageError::io("stat", path, e))?
-        .dev();
-    let mut buf = Box::new(FiemapBuf {
-        hdr: ioctl::FiemapHeader::default(),
-        ext: [ioctl::FiemapExtent::default(); FIEMAP_BATCH],
-    });
+    let mut buf = fiemap_buf();
     let mut total = 0u64;
-    let mut stack = vec![std::path::PathBuf::new()];
-    while let Some(rel) = stack.pop() {
-        let dir = path.join(&rel);
-        let rd =
-            std::fs::read_dir(&dir).map_err(|e| StorageError::io("read directory", &dir, e))?;
-        for entry in rd {
-            let entry = entry.map_err(|e| StorageError::io("read directory", &dir, e))?;
-            let r = rel.join(entry.file_name());
-            let p = path.join(&r);
-            let md = match std::fs::symlink_metadata(&p) {
-                Ok(md) => md,
-                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-                Err(e) => return Err(StorageError::io("stat", &p, e)),
-            };
-            if md.dev() != root_dev {
-                continue; // a nested subvolume
-            }
-            if md.is_dir() {
-                stack.push(r);
-                continue;
-            }
-            if !md.is_file() || md.blocks() == 0 {
-                continue;
-            }
-            let cur = match extent_map_with(&p, &mut buf)? {
-                Some(m) => m,
-                None => continue,
-            };
-            let prev = match base.map(|b| b.join(&r)) {
-                Some(bp) if bp.is_file() => extent_map_with(&bp, &mut buf)?.unwrap_or_default(),
-                _ => Vec::new(),
-            };
-            total = total.saturating_add(rewritten_bytes(&prev, &cur));
-        }
-    }
+    each_data_file(path, |r, p| {
+        let Some(cur) = extent_map_with(p, &mut buf)? else {
+            return Ok(());
+        };
+        let prev = match base.map(|b| b.join(r)) {
+            Some(bp) if bp.is_file() => extent_map_with(&bp, &mut buf)?.unwrap_or_default(),
+            _ => Vec::new(),
+        };
+        total = total.saturating_add(rewritten_bytes(&prev, &cur));
+        Ok(())
+    })?;
     Ok(total)
 }
 
