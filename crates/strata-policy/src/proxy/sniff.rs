@@ -21,6 +21,30 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 
 use crate::sni::client_hello_sni;
 
+/// Writes of a read-side wrapper go straight to its `inner` stream.
+macro_rules! write_through {
+    ($t:ident) => {
+        impl<S: AsyncWrite + Unpin> AsyncWrite for $t<S> {
+            fn poll_write(
+                mut self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+                buf: &[u8],
+            ) -> Poll<io::Result<usize>> {
+                Pin::new(&mut self.inner).poll_write(cx, buf)
+            }
+            fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+                Pin::new(&mut self.inner).poll_flush(cx)
+            }
+            fn poll_shutdown(
+                mut self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+            ) -> Poll<io::Result<()>> {
+                Pin::new(&mut self.inner).poll_shutdown(cx)
+            }
+        }
+    };
+}
+
 /// Largest ClientHello read before deciding.
 const MAX_HELLO: usize = 16 * 1024;
 /// Largest request head.
@@ -139,21 +163,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for Rewind<S> {
     }
 }
 
-impl<S: AsyncWrite + Unpin> AsyncWrite for Rewind<S> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-}
+write_through!(Rewind);
 
 /// Raw-head checks, made on the bytes before hyper normalises them (hyper
 /// silently collapses identical duplicate `Content-Length`s and drops
@@ -251,21 +261,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for HeadCheck<S> {
     }
 }
 
-impl<S: AsyncWrite + Unpin> AsyncWrite for HeadCheck<S> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-}
+write_through!(HeadCheck);
 
 #[cfg(test)]
 mod tests {
