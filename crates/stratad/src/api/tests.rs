@@ -240,20 +240,7 @@ fn harness() -> Harness {
     cfg.capacity.memory_mib = 8192;
     // Authentication and policy have their own tests (tests/security.rs).
     cfg.security.auth = false;
-    let store = Arc::new(SqliteStore::open(&cfg.db_path(), 2).unwrap());
-    store
-        .put_template(&TemplateRecord {
-            id: "tpl-base".parse().unwrap(),
-            tenant: crate::caller::PLATFORM_SCOPE.into(),
-            name: None,
-            size: SandboxSize::default(),
-            status: TemplateStatus::Ready,
-            status_reason: None,
-            accel: Some("tcg".into()),
-            created_at: Utc::now(),
-            updated_at: Utc::now(),
-        })
-        .unwrap();
+    let store = store_with_base_template(&cfg);
     let engine = Arc::new(Double::default());
     let app = App::new(cfg, store, engine.clone(), Arc::new(SystemClock));
     Harness {
@@ -877,3 +864,22 @@ async fn recovery_restores_a_sandbox_whose_vm_died() {
 mod matrix;
 mod quotas;
 mod security;
+
+/// A store at `cfg`'s database path holding the platform template `tpl-base`.
+pub(super) fn store_with_base_template(cfg: &Config) -> Arc<SqliteStore> {
+    let store = Arc::new(SqliteStore::open(&cfg.db_path(), 2).unwrap());
+    store
+        .put_template(&TemplateRecord {
+            id: "tpl-base".parse().unwrap(),
+            tenant: crate::caller::PLATFORM_SCOPE.into(),
+            name: None,
+            size: SandboxSize::default(),
+            status: TemplateStatus::Ready,
+            status_reason: None,
+            accel: Some("tcg".into()),
+            created_at: Utc::now(),
+            updated_at: Utc::now(),
+        })
+        .unwrap();
+    store
+}

@@ -30,20 +30,7 @@ pub(super) fn sec_harness(tune: impl FnOnce(&mut Config)) -> Sec {
     cfg.capacity.memory_mib = 1 << 20;
     cfg.security.rate_limit_per_second = 0.0;
     tune(&mut cfg);
-    let store = Arc::new(SqliteStore::open(&cfg.db_path(), 2).unwrap());
-    store
-        .put_template(&TemplateRecord {
-            id: "tpl-base".parse().unwrap(),
-            tenant: crate::caller::PLATFORM_SCOPE.into(),
-            name: None,
-            size: SandboxSize::default(),
-            status: TemplateStatus::Ready,
-            status_reason: None,
-            accel: Some("tcg".into()),
-            created_at: Utc::now(),
-            updated_at: Utc::now(),
-        })
-        .unwrap();
+    let store = super::store_with_base_template(&cfg);
     let app = App::new(
         cfg,
         store,
