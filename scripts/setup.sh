@@ -9,11 +9,12 @@ set -euo pipefail
 # signatures: only a recommendation of debootstrap), busybox-static, kmod
 # (depmod), e2fsprogs (mkfs.ext4), xz-utils, zstd, cpio. Pools: btrfs-progs,
 # mount (losetup, mount) and util-linux. Building: gcc with libc6-dev (only a
-# recommendation of gcc; cargo links with cc), pkg-config. Scripts and the
+# recommendation of gcc; cargo links with cc), pkg-config; g++ for libFuzzer
+# (scripts/fuzz.sh: libfuzzer-sys compiles it). Scripts and the
 # E2B SDK tests: curl, ca-certificates, python3, python3-venv, iproute2.
 need_pkgs=(qemu-system-x86 btrfs-progs debootstrap debian-archive-keyring busybox-static e2fsprogs
            cpio zstd kmod xz-utils mount util-linux iproute2 ca-certificates curl python3
-           python3-venv gcc libc6-dev pkg-config)
+           python3-venv gcc g++ libc6-dev pkg-config)
 missing=()
 for p in "${need_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -29,3 +29,6 @@ cargo test --workspace --no-fail-fast "$@" -- --test-threads=2
 
 echo "== E2B SDK compatibility: the unmodified e2b package from PyPI against stratad --e2b" >&2
 bash crates/strata-e2b/tests/run-python.sh
+
+echo "== fuzz: ${STRATA_FUZZ_SECONDS:-60} s per target (docs/fuzzing.md)" >&2
+bash scripts/fuzz.sh "${STRATA_FUZZ_SECONDS:-60}"
