@@ -124,8 +124,9 @@ pub struct E2b {
     sec: Option<Arc<Security>>,
     cfg: E2bConfig,
     procs: Arc<procs::Registry>,
-    /// `envVars` given at create, applied to every command of the sandbox.
-    /// Kept in memory: lost when the daemon restarts.
+    /// `envVars` given at create (and inherited by forks), applied to every
+    /// command of the sandbox: a cache of what the service keeps with the
+    /// sandbox ([`Service::set_sandbox_env`]), loaded at start.
     envs: Mutex<HashMap<SandboxId, BTreeMap<String, String>>>,
     /// Polling directory watchers by id (in memory).
     watchers: Mutex<HashMap<String, envd::Watcher>>,
@@ -140,17 +141,37 @@ pub struct E2b {
 impl E2b {
     /// The state over a service.
     pub fn new(svc: Arc<Service>, sec: Option<Arc<Security>>, cfg: E2bConfig) -> Arc<Self> {
+        let envs = load_envs(&svc);
         Arc::new(E2b {
             svc,
             sec,
             procs: Arc::new(procs::Registry::default()),
-            envs: Mutex::new(HashMap::new()),
+            envs: Mutex::new(envs),
             watchers: Mutex::new(HashMap::new()),
             key_limiter: RateLimiter::new(cfg.rate_limit_per_second, cfg.rate_limit_burst),
             envd_limiter: RateLimiter::new(cfg.rate_limit_per_second, cfg.rate_limit_burst),
             failures: auth::FailureLimiter::per_minute(cfg.auth_failures_per_minute),
             cfg,
         })
+    }
+
+    /// Keeps `envs` with sandbox `id` (the service's store and the cache).
+    async fn keep_envs(
+        &self,
+        caller: &stratad::caller::Caller,
+        id: &SandboxId,
+        envs: BTreeMap<String, String>,
+    ) {
+        if envs.is_empty() {
+            return;
+        }
+        if let Err(e) = self.svc.set_sandbox_env(caller, id, envs.clone()).await {
+            tracing::warn!(sandbox = %id, error = %e, "storing envVars failed: kept in memory only");
+        }
+        self.envs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id.clone(), envs);
     }
 
     /// The envd access token of a sandbox.
@@ -179,6 +200,18 @@ impl E2b {
                 self.cfg.home_dir.trim_end_matches('/'),
                 p.trim_start_matches("./")
             )
+        }
+    }
+}
+
+/// The environments the service keeps with its sandboxes; none (with a
+/// warning) when the store fails.
+fn load_envs(svc: &Service) -> HashMap<SandboxId, BTreeMap<String, String>> {
+    match svc.stored_envs() {
+        Ok(v) => v.into_iter().collect(),
+        Err(e) => {
+            tracing::warn!(error = %e, "reading the sandboxes' envVars failed");
+            HashMap::new()
         }
     }
 }
@@ -238,6 +271,16 @@ pub fn router(svc: Arc<Service>, sec: Option<Arc<Security>>, cfg: E2bConfig) -> 
         .route("/sandboxes/:id/timeout", post(control::set_timeout))
         .route("/sandboxes/:id/refreshes", post(control::refresh))
         .route("/sandboxes/:id/pause", post(control::pause))
+        .route("/sandboxes/:id/fork", post(control::fork::fork))
+        .route(
+            "/sandboxes/:id/snapshots",
+            post(control::snapshots::create_snapshot),
+        )
+        .route("/snapshots", get(control::snapshots::list_snapshots))
+        .route(
+            "/templates/:id",
+            delete(control::snapshots::delete_snapshot),
+        )
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             auth::require_api_key,

@@ -13,12 +13,24 @@
 //!   `connect` on a hibernated or paused sandbox wakes it (201).
 //! - states: creating/running → `running`; paused/hibernated → `paused`;
 //!   failed sandboxes are not listed.
+//! - `fork` ([`fork`]) → strata forks of the live sandbox; snapshots
+//!   ([`snapshots`]) → strata manual snapshots, their name the label;
+//!   `templateID` naming one of the caller's snapshots (id or name) → a
+//!   fork of that snapshot.
+//!
+//! Each route group has its own file; `crate::router` registers them.
+
+pub mod fork;
+pub mod list;
+pub mod snapshots;
+
+pub use list::{list_v1, list_v2};
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use axum::extract::{FromRequest, FromRequestParts, Path, RawQuery, Request, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::extract::{FromRequest, FromRequestParts, Path, Request, State};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use bytes::Bytes;
@@ -28,7 +40,7 @@ use serde_json::{json, Value};
 use strata_core::{SandboxId, SandboxState, TemplateId};
 use stratad::caller::Caller;
 use stratad::service::{CreateSandbox, SandboxSpec, ServiceError};
-use stratad::store::{SandboxFilter, SandboxRecord};
+use stratad::store::SandboxRecord;
 
 pub use crate::error::E2bError;
 use crate::error::{too_large_message, E2bResult};
@@ -257,18 +269,31 @@ pub async fn create(
             ..SandboxSpec::default()
         },
     };
-    let rec = st.svc.create(&caller, cmd, &gate_opts()).await?;
+    // A template of that id wins; else a snapshot of that id or name.
+    let snap = match cmd.template {
+        Some(_) => None,
+        None => st.resolve_snapshot(&caller, &req.template_id).await?,
+    };
+    let rec = match snap {
+        Some(snap) => st
+            .svc
+            .fork_snapshot(&caller, &snap.id, cmd.spec, &gate_opts())
+            .await
+            .map_err(|e| match e {
+                ServiceError::NotFound { .. } => {
+                    E2bError::new(404, format!("snapshot {} not found", req.template_id))
+                }
+                e => e.into(),
+            })?,
+        None => st.svc.create(&caller, cmd, &gate_opts()).await?,
+    };
     if let Err(e) = st.bind_envd(&rec.id, &caller).await {
         // The sandbox exists: answer it. Its envd calls act as a developer
         // `e2b-envd` of its tenant until a get_info or connect binds again.
         tracing::warn!(sandbox = %rec.id, error = %e, "binding the envd token failed");
     }
-    if let Some(envs) = req.env_vars.filter(|e| !e.is_empty()) {
-        st.envs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(rec.id.clone(), envs);
-    }
+    st.keep_envs(&caller, &rec.id, req.env_vars.unwrap_or_default())
+        .await;
     Ok((StatusCode::CREATED, Json(st.sandbox_json(&rec))).into_response())
 }
 
@@ -396,12 +421,23 @@ async fn wake(
     } else {
         rec
     };
+    // A running sandbox's timeout is only ever extended by connect: a
+    // shorter one than what is left changes nothing (E2B's semantics).
+    let extends = |t: u64| {
+        resumed
+            || i64::try_from(t)
+                .ok()
+                .and_then(chrono::TimeDelta::try_seconds)
+                .and_then(|d| Utc::now().checked_add_signed(d))
+                .is_none_or(|end| end > st.end_at(&rec))
+    };
     let rec = match timeout {
-        Some(t) => st
+        Some(t) if extends(t) => st
             .svc
             .set_idle_timeout(caller, &rec.id, t)
             .await
             .map_err(sandbox_err(id))?,
+        Some(_) => rec,
         None => {
             st.svc
                 .refresh(caller, &rec.id)
@@ -445,147 +481,9 @@ pub async fn resume(
     Ok((StatusCode::CREATED, Json(st.sandbox_json(&rec))).into_response())
 }
 
-/// Query of the list endpoints.
-#[derive(Debug, Default, PartialEq, Eq)]
-struct ListQuery {
-    metadata: BTreeMap<String, String>,
-    states: Vec<SandboxState>,
-    limit: usize,
-    next_token: Option<String>,
-}
-
-fn percent_decode(s: &str) -> String {
-    form_urlencoded::parse(format!("x={s}").as_bytes())
-        .next()
-        .map(|(_, v)| v.into_owned())
-        .unwrap_or_default()
-}
-
-/// Parses `metadata` (`k=v&k2=v2`, keys and values URL-quoted once more by
-/// the SDK), `state` (comma-separated or repeated), `limit`, `nextToken`.
-fn parse_list_query(raw: Option<&str>, default_states: &[&str]) -> E2bResult<ListQuery> {
-    let mut q = ListQuery {
-        limit: 100,
-        ..ListQuery::default()
-    };
-    let mut states: Vec<String> = Vec::new();
-    for (k, v) in form_urlencoded::parse(raw.unwrap_or("").as_bytes()) {
-        match k.as_ref() {
-            "metadata" => {
-                for (mk, mv) in form_urlencoded::parse(v.as_bytes()) {
-                    q.metadata.insert(percent_decode(&mk), percent_decode(&mv));
-                }
-            }
-            "state" => states.extend(v.split(',').map(|s| s.trim().to_owned())),
-            "limit" => {
-                q.limit = v
-                    .parse::<usize>()
-                    .map_err(|_| E2bError::new(400, format!("invalid limit {v:?}")))?
-                    .clamp(1, 1000)
-            }
-            "nextToken" => q.next_token = Some(v.into_owned()).filter(|s| !s.is_empty()),
-            _ => {}
-        }
-    }
-    if states.iter().all(|s| s.is_empty()) {
-        states = default_states.iter().map(|s| (*s).to_owned()).collect();
-    }
-    for s in states.iter().filter(|s| !s.is_empty()) {
-        match s.as_str() {
-            "running" => q
-                .states
-                .extend([SandboxState::Creating, SandboxState::Running]),
-            "paused" => q
-                .states
-                .extend([SandboxState::Paused, SandboxState::Hibernated]),
-            other => return Err(E2bError::new(400, format!("invalid state {other:?}"))),
-        }
-    }
-    Ok(q)
-}
-
-async fn list(
-    st: Arc<E2b>,
-    caller: &Caller,
-    raw: Option<String>,
-    default_states: &[&str],
-) -> E2bResult<Response> {
-    let q = parse_list_query(raw.as_deref(), default_states)?;
-    let page = st
-        .svc
-        .list_sandboxes(
-            caller,
-            SandboxFilter {
-                // The service lists the caller's tenant whatever this says.
-                tenant: caller.owner().to_owned(),
-                states: q.states,
-                labels: q.metadata,
-                limit: q.limit,
-                cursor: q.next_token,
-            },
-        )
-        .await?;
-    let items: Vec<Value> = page.items.iter().map(|r| st.listed_json(r)).collect();
-    let mut headers = HeaderMap::new();
-    if let Some(c) = page.next_cursor {
-        if let Ok(v) = HeaderValue::from_str(&c) {
-            headers.insert("x-next-token", v);
-        }
-    }
-    Ok((StatusCode::OK, headers, Json(items)).into_response())
-}
-
-/// `GET /v2/sandboxes` (running and paused by default).
-pub async fn list_v2(
-    State(st): State<Arc<E2b>>,
-    Extension(caller): Extension<Caller>,
-    RawQuery(raw): RawQuery,
-) -> E2bResult<Response> {
-    list(st, &caller, raw, &["running", "paused"]).await
-}
-
-/// `GET /sandboxes` (the v1 listing: running sandboxes).
-pub async fn list_v1(
-    State(st): State<Arc<E2b>>,
-    Extension(caller): Extension<Caller>,
-    RawQuery(raw): RawQuery,
-) -> E2bResult<Response> {
-    list(st, &caller, raw, &["running"]).await
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn list_query_as_the_sdk_sends_it() {
-        // SDK: urlencode({quote(k): quote(v)}) then the query encoding.
-        let raw =
-            "metadata=suite%3De2b%26who%3Da%2520b&state=running%2Cpaused&limit=5&nextToken=abc";
-        let q = parse_list_query(Some(raw), &["running"]).unwrap();
-        assert_eq!(q.metadata["suite"], "e2b");
-        assert_eq!(q.metadata["who"], "a b");
-        assert_eq!(q.limit, 5);
-        assert_eq!(q.next_token.as_deref(), Some("abc"));
-        assert_eq!(
-            q.states,
-            [
-                SandboxState::Creating,
-                SandboxState::Running,
-                SandboxState::Paused,
-                SandboxState::Hibernated
-            ]
-        );
-    }
-
-    #[test]
-    fn list_query_defaults_and_errors() {
-        let q = parse_list_query(None, &["running"]).unwrap();
-        assert_eq!(q.states, [SandboxState::Creating, SandboxState::Running]);
-        assert_eq!(q.limit, 100);
-        assert!(parse_list_query(Some("state=gone"), &[]).is_err());
-        assert!(parse_list_query(Some("limit=x"), &[]).is_err());
-    }
 
     #[test]
     fn error_shape() {

@@ -700,6 +700,21 @@ impl Door {
         self.send(rq, false).await
     }
 
+    /// The `x-next-token` header of a control-plane `GET` with `key`.
+    pub async fn next_token(&self, path: &str, key: &str) -> Option<String> {
+        let r = self
+            .http
+            .get(format!("{}{path}", self.url))
+            .header("X-API-KEY", key)
+            .send()
+            .await
+            .unwrap();
+        r.headers()
+            .get("x-next-token")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    }
+
     /// A `/v1` request as the platform admin.
     pub async fn v1(&self, method: &str, path: &str, body: Value) -> Value {
         let r = self

@@ -525,3 +525,158 @@ async fn control_plane_create_and_list_every_caller() {
     }
     c.finish("create and list");
 }
+
+/// Routes of fork and snapshots (issue 13), tested by
+/// [`control_plane_fork_and_snapshots`] rather than the id matrix (their
+/// answers are not a `Sandbox`).
+pub(crate) const FORK_SNAPSHOT_ROUTES: [(&str, &str); 4] = [
+    ("POST", "/sandboxes/:id/fork"),
+    ("POST", "/sandboxes/:id/snapshots"),
+    ("GET", "/snapshots"),
+    ("DELETE", "/templates/:id"),
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn control_plane_fork_and_snapshots() {
+    let d = door().await;
+    let (beta, _) = d.token("developer", BETA).await;
+    let (viewer, _) = d.token("viewer", DEFAULT).await;
+    let src = d.create(KEY).await;
+    let ids = |v: &Value| -> Vec<String> {
+        v.as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|x| x["sandbox"]["sandboxID"].as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+
+    // count forks, each a sandbox of the caller's with its envd token.
+    let fork = format!("/sandboxes/{src}/fork");
+    let a = d
+        .control("POST", &fork, Some(KEY), r#"{"count":2,"timeout":60}"#)
+        .await;
+    assert_eq!(a.status, 201, "{}", a.text());
+    let forks = ids(&a.json());
+    assert_eq!(forks.len(), 2, "{}", a.text());
+    assert!(!forks.contains(&src) && forks[0] != forks[1]);
+    for f in &forks {
+        let body = &a.json()[if *f == forks[0] { 0 } else { 1 }]["sandbox"];
+        assert_eq!(body["envdAccessToken"], envd_token(f).as_str());
+        let g = d
+            .control("GET", &format!("/sandboxes/{f}"), Some(KEY), "")
+            .await;
+        assert_eq!(g.status, 200, "{}", g.text());
+        assert_eq!(g.json()["state"], "running");
+    }
+    // Bad counts, another tenant, a viewer, no key: refused, nothing made.
+    for (key, body, want) in [
+        (Some(KEY), r#"{"count":0}"#, 400),
+        (Some(KEY), r#"{"count":17}"#, 400),
+        (Some(beta.as_str()), "", 404),
+        (Some(viewer.as_str()), "", 403),
+        (None, "", 401),
+    ] {
+        let ops0 = d.engine.ops();
+        let r = d.control("POST", &fork, key, body).await;
+        assert_eq!(r.status, want, "{key:?} {body}: {}", r.text());
+        assert_eq!(d.engine.ops(), ops0, "{key:?} {body}: engine ran");
+    }
+    let r = d
+        .control("POST", &format!("/sandboxes/{UNKNOWN}/fork"), Some(KEY), "")
+        .await;
+    assert_eq!(r.status, 404, "{}", r.text());
+
+    // A named snapshot: listed by name, sandbox id and id, forked by create.
+    let r = d
+        .control(
+            "POST",
+            &format!("/sandboxes/{src}/snapshots"),
+            Some(KEY),
+            r#"{"name":"snap-one"}"#,
+        )
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let snap = r.json()["snapshotID"].as_str().unwrap().to_owned();
+    assert_eq!(r.json()["names"], json!(["snap-one"]));
+    for q in [
+        "name=snap-one",
+        &format!("name={snap}"),
+        &format!("sandboxID={src}"),
+    ] {
+        let l = d
+            .control("GET", &format!("/snapshots?{q}"), Some(KEY), "")
+            .await;
+        assert_eq!(l.status, 200, "{q}: {}", l.text());
+        assert_eq!(
+            l.json(),
+            json!([{"snapshotID": snap, "names": ["snap-one"]}]),
+            "{q}"
+        );
+    }
+    let l = d
+        .control("GET", "/snapshots?name=other", Some(KEY), "")
+        .await;
+    assert_eq!(l.json(), json!([]));
+    // Another tenant sees none of it.
+    let l = d.control("GET", "/snapshots", Some(&beta), "").await;
+    assert_eq!(l.json(), json!([]), "{}", l.text());
+    let r = d
+        .control("DELETE", &format!("/templates/{snap}"), Some(&beta), "")
+        .await;
+    assert_eq!(r.status, 404, "{}", r.text());
+    // Pages of one, with the token of the next page.
+    let r = d
+        .control(
+            "POST",
+            &format!("/sandboxes/{src}/snapshots"),
+            Some(KEY),
+            "",
+        )
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let second = r.json()["snapshotID"].as_str().unwrap().to_owned();
+    let p1 = d.control("GET", "/snapshots?limit=1", Some(KEY), "").await;
+    assert_eq!(p1.json()[0]["snapshotID"], snap.as_str(), "{}", p1.text());
+    let next = d.next_token("/snapshots?limit=1", KEY).await;
+    let next = next.expect("x-next-token on the first page");
+    let p2 = d
+        .control(
+            "GET",
+            &format!("/snapshots?limit=1&nextToken={next}"),
+            Some(KEY),
+            "",
+        )
+        .await;
+    assert_eq!(
+        p2.json(),
+        json!([{"snapshotID": second, "names": []}]),
+        "{}",
+        p2.text()
+    );
+    for name in ["snap-one", snap.as_str()] {
+        let c = d
+            .control(
+                "POST",
+                "/v2/sandboxes",
+                Some(KEY),
+                &format!(r#"{{"templateID":"{name}"}}"#),
+            )
+            .await;
+        assert_eq!(c.status, 201, "{}", c.text());
+        let id = c.json()["sandboxID"].as_str().unwrap().to_owned();
+        let v = d
+            .v1("GET", &format!("/v1/sandboxes/{id}"), Value::Null)
+            .await;
+        assert_eq!(v["source_snapshot"], snap.as_str(), "{v}");
+    }
+    let r = d
+        .control("DELETE", &format!("/templates/{snap}"), Some(KEY), "")
+        .await;
+    assert_eq!(r.status, 204, "{}", r.text());
+    let r = d
+        .control("DELETE", &format!("/templates/{snap}"), Some(KEY), "")
+        .await;
+    assert_eq!(r.status, 404, "{}", r.text());
+}

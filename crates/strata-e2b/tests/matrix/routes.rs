@@ -2,7 +2,7 @@
 
 use std::collections::BTreeSet;
 
-use crate::control::{ID_ROUTES, LIST_CREATE};
+use crate::control::{FORK_SNAPSHOT_ROUTES, ID_ROUTES, LIST_CREATE};
 use crate::envd::ENVD_ROUTES;
 
 /// `(METHOD, path)` of every route `strata_e2b::router` serves, read from
@@ -45,6 +45,9 @@ fn the_tables_cover_every_route_of_the_door() {
         tested.insert((r.method.into(), r.path.into()));
     }
     for (m, p, _, _) in LIST_CREATE {
+        tested.insert((m.into(), p.into()));
+    }
+    for (m, p) in FORK_SNAPSHOT_ROUTES {
         tested.insert((m.into(), p.into()));
     }
     for r in &ENVD_ROUTES {

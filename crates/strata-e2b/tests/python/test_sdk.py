@@ -385,3 +385,109 @@ def test_a_tenant_key_acts_for_its_tenant_and_actor():
         assert actors == {"sdk-bot"}, actors
     finally:
         s.kill()
+
+
+# ------------------------------------------ fork, snapshots, list, connect (issue 13)
+
+
+def _e2b_post(path, body):
+    import httpx
+
+    return httpx.post(os.environ["E2B_API_URL"] + path, json=body,
+                      headers={"X-API-KEY": os.environ["E2B_API_KEY"]}, timeout=120)
+
+
+def test_fork_count_copies_files_env_and_metadata():
+    s = Sandbox.create(metadata={"suite": SUITE, "role": "fork-src"}, envs={"FORK_ENV": "inherited"}, timeout=600)
+    forks = []
+    try:
+        s.files.write("/tmp/fork_state.txt", "before fork")
+        forks = s.fork(count=2, timeout=300)
+        assert len(forks) == 2 and all(isinstance(f, Sandbox) for f in forks), forks
+        ids = {f.sandbox_id for f in forks}
+        assert len(ids) == 2 and s.sandbox_id not in ids
+        for f in forks:
+            assert f.files.read("/tmp/fork_state.txt") == "before fork"
+            assert f.commands.run("echo $FORK_ENV").stdout == "inherited\n"
+            assert f.get_info().metadata.get("role") == "fork-src"
+        forks[0].files.write("/tmp/fork_state.txt", "changed in fork")
+        assert s.files.read("/tmp/fork_state.txt") == "before fork"
+        assert s.is_running()
+        # A strata fork: strata's own API shows it, made from a snapshot of the source.
+        r = _strata("GET", f"/v1/sandboxes/{forks[0].sandbox_id}")
+        assert r.status_code == 200 and r.json().get("source_snapshot"), r.text
+        # Bad counts are refused before anything is made.
+        for bad in (0, 17):
+            r = _e2b_post(f"/sandboxes/{s.sandbox_id}/fork", {"count": bad})
+            assert r.status_code == 400, r.text
+    finally:
+        for f in forks:
+            f.kill()
+        s.kill()
+    with pytest.raises(NotFoundException):
+        Sandbox.fork(s.sandbox_id)
+
+
+def test_snapshot_named_listed_created_from_and_deleted(sbx):
+    name = f"e2b-snap-{time.time_ns()}"
+    sbx.files.write("/tmp/snap_state.txt", "in snapshot")
+    snap = sbx.create_snapshot(name=name)
+    try:
+        assert name in snap.names
+        # A strata snapshot, its name the label.
+        r = _strata("GET", f"/v1/snapshots/{snap.snapshot_id}")
+        assert r.status_code == 200 and r.json()["label"] == name, r.text
+        assert [x.snapshot_id for x in Sandbox.list_snapshots(name=name).next_items()] == [snap.snapshot_id]
+        assert Sandbox.list_snapshots(name=name + "-none").next_items() == []
+        # Pages of one: every snapshot of the sandbox once, ours among them.
+        pages = Sandbox.list_snapshots(sandbox_id=sbx.sandbox_id, limit=1)
+        seen = []
+        while pages.has_next:
+            items = pages.next_items()
+            assert len(items) <= 1
+            seen += [x.snapshot_id for x in items]
+        assert snap.snapshot_id in seen and len(seen) == len(set(seen))
+        sbx.files.write("/tmp/snap_state.txt", "after snapshot")
+        for ref in (snap.snapshot_id, name):
+            n = Sandbox.create(ref, timeout=300)
+            try:
+                assert n.files.read("/tmp/snap_state.txt") == "in snapshot"
+            finally:
+                n.kill()
+    finally:
+        deleted = Sandbox.delete_snapshot(snap.snapshot_id)
+    assert deleted is True
+    assert Sandbox.delete_snapshot(snap.snapshot_id) is False
+
+
+def test_list_order_started_after_template_and_pages():
+    from e2b import SandboxQuery
+
+    tag = f"order-{time.time_ns()}"
+    a = Sandbox.create(metadata={"suite": SUITE, "role": tag}, timeout=300)
+    b = Sandbox.create(metadata={"suite": SUITE, "role": tag}, timeout=300)
+    try:
+        q = SandboxQuery(metadata={"role": tag})
+
+        def ids(**kw):
+            return [x.sandbox_id for x in Sandbox.list(**kw).next_items()]
+
+        assert ids(query=q) == [b.sandbox_id, a.sandbox_id]  # newest first
+        assert ids(query=q, order="asc") == [a.sandbox_id, b.sandbox_id]
+        p = Sandbox.list(query=q, limit=1)
+        assert [x.sandbox_id for x in p.next_items()] == [b.sandbox_id] and p.has_next
+        assert [x.sandbox_id for x in p.next_items()] == [a.sandbox_id] and not p.has_next
+        ib = b.get_info()
+        assert ids(query=SandboxQuery(metadata={"role": tag}, started_after=ib.started_at)) == [b.sandbox_id]
+        assert ids(query=SandboxQuery(metadata={"role": tag}, template=ib.template_id)) == [b.sandbox_id, a.sandbox_id]
+        assert ids(query=SandboxQuery(metadata={"role": tag}, template="tpl-none")) == []
+    finally:
+        a.kill()
+        b.kill()
+
+
+def test_connect_does_not_shorten_a_running_timeout(sbx):
+    before = sbx.get_info().end_at
+    Sandbox.connect(sbx.sandbox_id, timeout=10)
+    assert sbx.get_info().end_at >= before
+    assert sbx.is_running()

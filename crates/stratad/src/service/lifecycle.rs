@@ -343,6 +343,28 @@ impl Service {
         Ok(rec)
     }
 
+    /// Keeps `env` (environment variables for the sandbox's commands, e.g.
+    /// the E2B door's `envVars`) with one of the caller's sandboxes; empty:
+    /// none. They survive a daemon restart, go when the sandbox is deleted,
+    /// and no API returns them. Stored as JSON (no key store to encrypt
+    /// with; the database file is mode 0600).
+    pub async fn set_sandbox_env(
+        &self,
+        caller: &Caller,
+        id: &SandboxId,
+        env: BTreeMap<String, String>,
+    ) -> ServiceResult<()> {
+        self.get_sandbox(caller, id).await?;
+        let id = id.clone();
+        self.db(move |s| s.put_sandbox_env(&id, &env)).await
+    }
+
+    /// The environment kept with every sandbox not deleted, read at once
+    /// (blocking: for a front door's start, before it serves).
+    pub fn stored_envs(&self) -> ServiceResult<Vec<(SandboxId, BTreeMap<String, String>)>> {
+        Ok(self.store.sandbox_envs()?)
+    }
+
     /// Records activity on one of the caller's sandboxes (postpones idle
     /// hibernation).
     pub async fn refresh(&self, caller: &Caller, id: &SandboxId) -> ServiceResult<()> {

@@ -269,6 +269,16 @@ impl Service {
         self.db(move |s| s.list_snapshots(&id, false)).await
     }
 
+    /// The ready snapshots of the caller's tenant (every sandbox's, deleted
+    /// sandboxes' included), oldest first.
+    pub async fn tenant_snapshots(&self, caller: &Caller) -> ServiceResult<Vec<SnapshotRecord>> {
+        let tenant = caller.owner().to_owned();
+        let mut v = self.db(move |s| s.tenant_ready_snapshots(&tenant)).await?;
+        v.retain(|r| caller.sees(&r.tenant));
+        v.sort_by(|a, b| (a.created_at, a.id.as_str()).cmp(&(b.created_at, b.id.as_str())));
+        Ok(v)
+    }
+
     /// One snapshot the caller may see that is not deleted (another
     /// tenant's answers like an unknown id).
     pub async fn get_snapshot(

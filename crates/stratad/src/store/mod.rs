@@ -456,6 +456,11 @@ pub trait Store: Send + Sync + 'static {
     fn reserved_capacity(&self) -> StoreResult<(u64, u64)>;
     /// Every sandbox not deleted (recovery, scheduler start).
     fn live_sandboxes(&self) -> StoreResult<Vec<SandboxRecord>>;
+    /// Replaces the environment variables kept with sandbox `id` (empty:
+    /// none). Deleting the sandbox deletes them.
+    fn put_sandbox_env(&self, id: &SandboxId, env: &BTreeMap<String, String>) -> StoreResult<()>;
+    /// The environment variables kept with every sandbox not deleted.
+    fn sandbox_envs(&self) -> StoreResult<Vec<(SandboxId, BTreeMap<String, String>)>>;
 
     /// Inserts or replaces a snapshot record.
     fn put_snapshot(&self, rec: &SnapshotRecord) -> StoreResult<()>;

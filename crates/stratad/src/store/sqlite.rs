@@ -45,6 +45,21 @@ impl std::fmt::Debug for SqliteStore {
     }
 }
 
+/// Creates `path` mode 0600 if missing, else sets its mode to 0600 (a
+/// missing WAL or shared-memory file is created empty, which SQLite accepts).
+fn restrict_mode(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    if path.as_os_str().is_empty() || path == Path::new(":memory:") {
+        return Ok(());
+    }
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .open(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+}
+
 impl SqliteStore {
     /// One row by id, decoded (`None`: no such row).
     fn by_id<R, T>(
@@ -67,6 +82,10 @@ impl SqliteStore {
             path: path.display().to_string(),
             source,
         };
+        // It holds secrets (sandbox environments, token bindings): owner only.
+        if let Err(e) = restrict_mode(path) {
+            tracing::warn!(path = %path.display(), error = %e, "could not make the database mode 0600");
+        }
         let mut writer = Connection::open(path).map_err(open_err)?;
         writer.busy_timeout(std::time::Duration::from_secs(5))?;
         let mode: String = writer.query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))?;
@@ -75,6 +94,12 @@ impl SqliteStore {
         }
         writer.execute_batch("PRAGMA synchronous=FULL; PRAGMA foreign_keys=ON;")?;
         Self::migrate(&mut writer)?;
+        // The WAL and shared-memory files exist now: owner only too.
+        for ext in ["-wal", "-shm"] {
+            let mut p = path.as_os_str().to_owned();
+            p.push(ext);
+            let _ = restrict_mode(Path::new(&p));
+        }
         let mut pool = Vec::new();
         for _ in 0..readers.max(1) {
             let c = Connection::open_with_flags(
@@ -302,6 +327,46 @@ impl Store for SqliteStore {
             &format!("SELECT {SANDBOX_COLS} FROM sandboxes WHERE state != 'deleted' ORDER BY created_at, id"),
             &[],
         )
+    }
+
+    fn put_sandbox_env(&self, id: &SandboxId, env: &BTreeMap<String, String>) -> StoreResult<()> {
+        let w = self.writer();
+        if env.is_empty() {
+            w.execute(
+                "DELETE FROM sandbox_env WHERE sandbox_id = ?1",
+                [id.as_str()],
+            )?;
+            return Ok(());
+        }
+        let json = serde_json::to_string(env)
+            .map_err(|e| corrupt("sandbox_env", id.as_str(), e.to_string()))?;
+        // Only for a sandbox not deleted (a delete racing this keeps none).
+        w.execute(
+            "INSERT OR REPLACE INTO sandbox_env (sandbox_id, env, updated_at) \
+             SELECT ?1, ?2, ?3 FROM sandboxes WHERE id = ?1 AND state != 'deleted'",
+            params![id.as_str(), json, ms(Utc::now())],
+        )?;
+        Ok(())
+    }
+
+    fn sandbox_envs(&self) -> StoreResult<Vec<(SandboxId, BTreeMap<String, String>)>> {
+        let conn = self.reader();
+        let mut stmt = conn.prepare_cached(
+            "SELECT e.sandbox_id, e.env FROM sandbox_env e JOIN sandboxes s ON s.id = e.sandbox_id \
+             WHERE s.state != 'deleted' ORDER BY e.sandbox_id",
+        )?;
+        let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?;
+        let mut out = Vec::new();
+        for row in rows {
+            let (id, env) = row?;
+            let sid: SandboxId = id
+                .parse()
+                .map_err(|e| corrupt("sandbox_env", &id, format!("{e}")))?;
+            let env = serde_json::from_str(&env)
+                .map_err(|e| corrupt("sandbox_env", &id, e.to_string()))?;
+            out.push((sid, env));
+        }
+        Ok(out)
     }
 
     fn put_snapshot(&self, rec: &SnapshotRecord) -> StoreResult<()> {

@@ -339,6 +339,12 @@ pub(super) fn write_sandbox(tx: &Connection, rec: &SandboxRecord, insert: bool) 
         "DELETE FROM sandbox_labels WHERE sandbox_id = ?1",
         params![rec.id.as_str()],
     )?;
+    if rec.state == SandboxState::Deleted {
+        tx.execute(
+            "DELETE FROM sandbox_env WHERE sandbox_id = ?1",
+            params![rec.id.as_str()],
+        )?;
+    }
     if rec.state != SandboxState::Deleted {
         let mut stmt = tx.prepare_cached(
             "INSERT INTO sandbox_labels (sandbox_id, key, value, tenant_id, created_at) \

@@ -2,7 +2,7 @@
 //! (`PRAGMA user_version` counts them). Never edit a shipped migration: add one.
 
 /// Newest schema version this build knows.
-pub const SCHEMA_VERSION: i64 = 6;
+pub const SCHEMA_VERSION: i64 = 7;
 
 pub(super) const MIGRATIONS: &[&str] = &[
     // 1: initial schema.
@@ -125,5 +125,16 @@ pub(super) const MIGRATIONS: &[&str] = &[
     ) WITHOUT ROWID;
     CREATE INDEX snapshot_charges_by_tenant ON snapshot_charges (tenant_id, sandbox_id);
     CREATE INDEX snapshots_by_tenant_status ON snapshots (tenant_id, status, sandbox_id, created_at);
+    "#,
+    // 7: environment variables given at create (the E2B door's `envVars`),
+    // kept with the sandbox and inherited by its forks; the row goes when
+    // the sandbox is deleted. Plain JSON: the daemon has no key store to
+    // encrypt with; the database file is mode 0600.
+    r#"
+    CREATE TABLE sandbox_env (
+        sandbox_id TEXT PRIMARY KEY,
+        env TEXT NOT NULL,
+        updated_at INTEGER NOT NULL
+    ) WITHOUT ROWID;
     "#,
 ];

@@ -521,3 +521,58 @@ fn tenant_usage_and_snapshot_charges() {
         Some(7)
     );
 }
+
+#[test]
+fn sandbox_env_survives_reopen_and_goes_with_the_sandbox() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = sandbox(1, SandboxState::Running);
+    let b = sandbox(2, SandboxState::Running);
+    let env = BTreeMap::from([("API_KEY".to_string(), "s3cret".to_string())]);
+    {
+        let s = open(&dir);
+        s.insert_sandbox(&a, &created(&a)).unwrap();
+        s.insert_sandbox(&b, &created(&b)).unwrap();
+        s.put_sandbox_env(&a.id, &env).unwrap();
+        s.put_sandbox_env(&b.id, &env).unwrap();
+        // An unknown sandbox keeps nothing.
+        let ghost: SandboxId = "sb-ghost".parse().unwrap();
+        s.put_sandbox_env(&ghost, &env).unwrap();
+    }
+    // A restart (a new store on the same file) reads them back.
+    let s = open(&dir);
+    assert_eq!(
+        s.sandbox_envs().unwrap(),
+        vec![(a.id.clone(), env.clone()), (b.id.clone(), env.clone())]
+    );
+    // Emptying drops the row; deleting the sandbox drops its row too.
+    s.put_sandbox_env(&a.id, &BTreeMap::new()).unwrap();
+    let mut gone = s.get_sandbox(&b.id).unwrap().unwrap();
+    gone.state = SandboxState::Deleted;
+    gone.deleted_at = Some(t0());
+    s.update_sandbox(&gone, None).unwrap();
+    assert!(s.sandbox_envs().unwrap().is_empty());
+    let n: i64 = s
+        .reader()
+        .query_row("SELECT count(*) FROM sandbox_env", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(n, 0);
+}
+
+#[test]
+fn the_database_is_owner_only() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("strata.db");
+    // An existing database made with a loose mode is tightened at open.
+    std::fs::write(&path, b"").unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let _s = SqliteStore::open(&path, 1).unwrap();
+    for p in [
+        path.clone(),
+        dir.path().join("strata.db-wal"),
+        dir.path().join("strata.db-shm"),
+    ] {
+        let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "{}", p.display());
+    }
+}
