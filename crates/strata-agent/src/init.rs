@@ -1,5 +1,5 @@
-//! `--init`: PID 1 duties in the guest. Mounts the API file systems, sets the
-//! hostname, brings up `lo` (and eth0 if `ip` exists), then forks the real
+//! `--init`: PID 1 duties in the guest. Mounts the API file systems
+//! (including `/dev/shm`), raises the open-file limit, sets the hostname, brings up `lo` (and eth0 if `ip` exists), then forks the real
 //! agent and reaps orphans forever, restarting the agent if it dies.
 
 use std::ffi::CString;
@@ -55,6 +55,31 @@ fn set_hostname_from_file() {
     // SAFETY: pointer/length describe h's bytes.
     if unsafe { libc::sethostname(h.as_ptr().cast(), h.len()) } < 0 {
         tracing::warn!(error = %std::io::Error::last_os_error(), "sethostname failed");
+    }
+}
+
+/// Open-file limit every process inherits from PID 1 (the kernel's
+/// default soft limit, 1024, is too small for build tools and servers).
+pub const NOFILE_LIMIT: u64 = 65536;
+
+/// Raises RLIMIT_NOFILE to [`NOFILE_LIMIT`] (soft and hard; the hard limit
+/// only upwards, so a smaller `fs.nr_open` leaves it as it is).
+fn raise_nofile() {
+    let mut cur = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: cur is a valid out-pointer for getrlimit.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut cur) } < 0 {
+        return;
+    }
+    let want = libc::rlimit {
+        rlim_cur: NOFILE_LIMIT.max(cur.rlim_cur),
+        rlim_max: NOFILE_LIMIT.max(cur.rlim_max),
+    };
+    // SAFETY: want is a valid rlimit for setrlimit.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &want) } < 0 {
+        tracing::warn!(error = %std::io::Error::last_os_error(), "cannot raise RLIMIT_NOFILE");
     }
 }
 
@@ -146,6 +171,15 @@ pub fn setup() {
         libc::MS_NOSUID | libc::MS_NODEV,
         "mode=1777",
     );
+    // POSIX shared memory (Python's `multiprocessing` needs it).
+    mount(
+        "tmpfs",
+        "/dev/shm",
+        "tmpfs",
+        libc::MS_NOSUID | libc::MS_NODEV,
+        "mode=1777",
+    );
+    raise_nofile();
     set_hostname_from_file();
     loopback_up();
     network();

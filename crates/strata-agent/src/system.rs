@@ -15,7 +15,7 @@ pub trait System: Send + Sync {
     fn add_entropy(&self, data: &[u8]) -> io::Result<()>;
     /// Sets CLOCK_REALTIME.
     fn set_time(&self, unix_time_ns: u64) -> io::Result<()>;
-    /// Sets the kernel hostname and `/etc/hostname`.
+    /// Sets the kernel hostname, `/etc/hostname` and the `127.0.1.1` line of `/etc/hosts`.
     fn set_hostname(&self, name: &str) -> io::Result<()>;
     /// Writes `/etc/machine-id`.
     fn set_machine_id(&self, id: &str) -> io::Result<()>;
@@ -78,12 +78,49 @@ impl System for RealSystem {
         if unsafe { libc::sethostname(name.as_ptr().cast(), name.len()) } < 0 {
             return Err(io::Error::last_os_error());
         }
-        write_atomic("/etc/hostname", format!("{name}\n").as_bytes())
+        write_atomic("/etc/hostname", format!("{name}\n").as_bytes())?;
+        // `/etc/hosts` names the sandbox (`127.0.1.1 <name>`), so tools
+        // that resolve their own host name find it.
+        let hosts = std::fs::read_to_string("/etc/hosts").unwrap_or_default();
+        write_atomic("/etc/hosts", hosts_with_name(&hosts, name).as_bytes())
     }
 
     fn set_machine_id(&self, id: &str) -> io::Result<()> {
         write_atomic("/etc/machine-id", format!("{id}\n").as_bytes())
     }
+}
+
+/// `hosts` with its `127.0.1.1` line naming `name` (replaced, or added
+/// after the `localhost` line when there is none); other lines kept.
+pub fn hosts_with_name(hosts: &str, name: &str) -> String {
+    let line = format!("127.0.1.1\t{name}");
+    let mut out = Vec::new();
+    let mut done = false;
+    for l in hosts.lines() {
+        if l.split_whitespace().next() == Some("127.0.1.1") {
+            if !done {
+                out.push(line.clone());
+                done = true;
+            }
+            continue;
+        }
+        out.push(l.to_owned());
+    }
+    if !done {
+        let at = out
+            .iter()
+            .position(|l| l.split_whitespace().next() == Some("127.0.0.1"))
+            .map_or(0, |i| i + 1);
+        if out.is_empty() {
+            out.push("127.0.0.1\tlocalhost".to_owned());
+            out.push(line);
+        } else {
+            out.insert(at, line);
+        }
+    }
+    let mut s = out.join("\n");
+    s.push('\n');
+    s
 }
 
 fn write_atomic(path: &str, data: &[u8]) -> io::Result<()> {
@@ -170,6 +207,27 @@ pub fn restore_sync(sys: &dyn System, req: &RestoreSync) -> Result<(), Fail> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hosts_name_the_sandbox() {
+        let image = "127.0.0.1\tlocalhost\n127.0.1.1\tstrata\n::1\tlocalhost ip6-localhost\n";
+        assert_eq!(
+            hosts_with_name(image, "sbx-1"),
+            "127.0.0.1\tlocalhost\n127.0.1.1\tsbx-1\n::1\tlocalhost ip6-localhost\n"
+        );
+        // Without a 127.0.1.1 line: added after localhost.
+        assert_eq!(
+            hosts_with_name("127.0.0.1 localhost\n10.0.0.9 db\n", "a"),
+            "127.0.0.1 localhost\n127.0.1.1\ta\n10.0.0.9 db\n"
+        );
+        assert_eq!(
+            hosts_with_name("", "a"),
+            "127.0.0.1\tlocalhost\n127.0.1.1\ta\n"
+        );
+        // Idempotent.
+        let once = hosts_with_name(image, "b");
+        assert_eq!(hosts_with_name(&once, "b"), once);
+    }
 
     #[test]
     fn validation() {

@@ -330,7 +330,7 @@ pub async fn caller_of(st: &E2b, given: &str) -> Result<Caller, E2bError> {
     }
     let strata_auth = st.sec.as_ref().filter(|s| s.config().auth);
     if let Some(sec) = strata_auth {
-        if given.starts_with(TOKEN_PREFIX) {
+        if given.starts_with(TOKEN_PREFIX) || stratad::security::auth::is_token(given) {
             let sec2 = sec.clone();
             let header = format!("Bearer {given}");
             let p = tokio::task::spawn_blocking(move || sec2.authenticate(Some(&header)))

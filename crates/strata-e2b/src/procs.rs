@@ -309,7 +309,8 @@ pub type Started = (Arc<Proc>, mpsc::Receiver<ProcessEvent>);
 
 /// Starts a process under `g`, the exec grant of its argv: runs the
 /// wrapper, waits for its pid, registers it and spawns the pump that
-/// delivers its events.
+/// delivers its events. `user`: who the command runs as (`None`: root).
+#[allow(clippy::too_many_arguments)]
 pub async fn start(
     svc: &Arc<Service>,
     reg: &Arc<Registry>,
@@ -318,6 +319,7 @@ pub async fn start(
     env: std::collections::BTreeMap<String, String>,
     tag: Option<String>,
     stdin: bool,
+    user: Option<String>,
 ) -> Result<Started, ConnectError> {
     let id = g.sandbox();
     let argv = wrapper_argv(stdin, &config.cmd, &config.args);
@@ -327,6 +329,7 @@ pub async fn start(
             ExecRequest {
                 env,
                 cwd: config.cwd.clone(),
+                user,
                 ..ExecRequest::argv(argv)
             },
         )

@@ -8,11 +8,17 @@ use sha2::{Digest, Sha256};
 /// Version of the builder's output format. Bump it whenever a change to this
 /// crate changes the bytes of an image built from the same recipe (init script,
 /// files added to the root, mkfs options …), so stale cache entries are not reused.
-pub const RECIPE_VERSION: u32 = 1;
+///
+/// 2: E2B base-template conventions (`sudo`, `pip`, `python`, passwordless
+/// sudo for `user`).
+pub const RECIPE_VERSION: u32 = 2;
 
 /// Packages added to the minbase root file system by default.
 pub const DEFAULT_PACKAGES: &[&str] = &[
     "python3",
+    "python3-pip",
+    "python-is-python3",
+    "sudo",
     "ca-certificates",
     "curl",
     "git",

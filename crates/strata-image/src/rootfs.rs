@@ -153,7 +153,8 @@ pub const GUEST_USER: &str = "user";
 pub const GUEST_UID: u32 = 1000;
 
 /// Adds strata's files to a copy of the base tree: the agent, host name,
-/// hosts, resolver, the `user` account and an empty machine-id.
+/// hosts, resolver, the `user` account (with passwordless sudo) and an
+/// empty machine-id.
 pub(crate) fn customize(tree: &Path, agent: &[u8]) -> Result<(), ImageError> {
     let write = |rel: &str, data: &[u8], mode: u32| -> Result<(), ImageError> {
         let p = tree.join(rel);
@@ -178,6 +179,13 @@ pub(crate) fn customize(tree: &Path, agent: &[u8]) -> Result<(), ImageError> {
     write("etc/resolv.conf", b"nameserver 10.0.2.3\n", 0o644)?;
     write("etc/machine-id", b"", 0o444)?;
     add_user(tree)?;
+    // Passwordless sudo for the user, as in E2B's base template (sudo
+    // ignores files in sudoers.d that are not 0440 or are writable by others).
+    write(
+        "etc/sudoers.d/90-strata-user",
+        format!("{GUEST_USER} ALL=(ALL:ALL) NOPASSWD: ALL\n").as_bytes(),
+        0o440,
+    )?;
     Ok(())
 }
 
@@ -355,5 +363,11 @@ mod tests {
         );
         assert_eq!(fs::read(t.join("etc/machine-id")).unwrap(), b"");
         assert!(t.join("home/user/.bashrc").is_file());
+        let sudoers = t.join("etc/sudoers.d/90-strata-user");
+        assert_eq!(
+            fs::read_to_string(&sudoers).unwrap(),
+            "user ALL=(ALL:ALL) NOPASSWD: ALL\n"
+        );
+        assert_eq!(fs::metadata(&sudoers).unwrap().mode() & 0o777, 0o440);
     }
 }

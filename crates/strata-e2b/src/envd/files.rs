@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::{RawQuery, Request, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use bytes::Bytes;
@@ -17,7 +17,7 @@ use serde_json::json;
 use strata_core::SandboxId;
 use stratad::engine::{ByteStream, FileKind, RuntimeError};
 
-use super::{parent, read, write};
+use super::{ancestry, ensure_owned, envd_user, parent, read, write};
 use crate::auth::EnvdSandbox;
 use crate::connect::{Code, ConnectError};
 use crate::error::service_err;
@@ -37,19 +37,37 @@ pub(crate) fn files_err(e: ConnectError) -> Response {
         .into_response()
 }
 
-fn query_path(st: &E2b, raw: Option<&str>) -> Option<String> {
+/// The `path` query parameter (raw; resolved with [`E2b::user_path`]).
+fn query_param(raw: Option<&str>, name: &str) -> Option<String> {
     form_urlencoded::parse(raw.unwrap_or("").as_bytes())
-        .find(|(k, _)| k == "path")
-        .map(|(_, v)| st.guest_path(&v))
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.into_owned())
+}
+
+/// The user of a `/files` call (`username`, else the `Authorization`
+/// header, else `user`) and the call's `path` resolved for that user.
+fn query_user_path(
+    st: &E2b,
+    headers: &HeaderMap,
+    raw: Option<&str>,
+) -> Result<(String, Option<String>), ConnectError> {
+    let user = envd_user(headers, query_param(raw, "username").as_deref())?;
+    let path = query_param(raw, "path").map(|p| st.user_path(&user, &p));
+    Ok((user, path))
 }
 
 /// `GET /files?path=` → the file's bytes (404 when missing).
 pub async fn download(
     State(st): State<Arc<E2b>>,
+    headers: HeaderMap,
     Extension(EnvdSandbox(id)): Extension<EnvdSandbox>,
     RawQuery(raw): RawQuery,
 ) -> Response {
-    let Some(path) = query_path(&st, raw.as_deref()) else {
+    let path = match query_user_path(&st, &headers, raw.as_deref()) {
+        Ok((_, p)) => p,
+        Err(e) => return files_err(e),
+    };
+    let Some(path) = path else {
         return files_err(ConnectError::new(Code::InvalidArgument, "missing path"));
     };
     let g = match st.envd_grant(&id, read(&path)).await {
@@ -163,22 +181,33 @@ fn never(_: &axum::Error) -> bool {
     false
 }
 
+/// Writes one file as envd does: as root, missing parent directories made
+/// and given to `user` (EnsureDirs), then the file given to `user` (Chown).
 async fn write_one(
     st: &Arc<E2b>,
     id: &SandboxId,
+    user: &str,
     path: &str,
     body: ByteStream,
 ) -> Result<serde_json::Value, ConnectError> {
     let g = st.envd_grant(id, write(path)).await?;
-    if let Some(dir) = parent(path) {
-        if dir != "/" {
-            st.svc.mkdir(&g, dir, true).await.map_err(service_err)?;
+    let dirs = parent(path).map(ancestry).unwrap_or_default();
+    if !super::is_root(user) && !dirs.is_empty() {
+        // Only the missing ones are made (and owned): a stat first saves
+        // the helper command when the parent exists.
+        if st.svc.stat(&g, &dirs[dirs.len() - 1]).await.is_err() {
+            ensure_owned(st, &g, user, &dirs, None).await?;
         }
+    } else if let Some(dir) = parent(path).filter(|d| *d != "/") {
+        st.svc.mkdir(&g, dir, true).await.map_err(service_err)?;
     }
     st.svc
         .write_file(&g, path, 0o644, body)
         .await
         .map_err(service_err)?;
+    if !super::is_root(user) {
+        ensure_owned(st, &g, user, &[], Some(path)).await?;
+    }
     let name = path.rsplit('/').next().unwrap_or("").to_owned();
     Ok(json!({"name": name, "type": "file", "path": path}))
 }
@@ -198,8 +227,11 @@ pub async fn upload(
     RawQuery(raw): RawQuery,
     req: Request,
 ) -> Response {
-    let mut path = query_path(&st, raw.as_deref());
     let headers = req.headers();
+    let (user, mut path) = match query_user_path(&st, headers, raw.as_deref()) {
+        Ok(v) => v,
+        Err(e) => return files_err(e),
+    };
     let ctype = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -271,13 +303,13 @@ pub async fn upload(
             }
             let target = match (path.take(), field.file_name()) {
                 (Some(q), _) => q,
-                (None, Some(f)) => st.guest_path(f),
+                (None, Some(f)) => st.user_path(&user, f),
                 (None, None) => {
                     return files_err(ConnectError::new(Code::InvalidArgument, "missing path"))
                 }
             };
             let stream = budget.meter(field, multer_too_large);
-            match write_one(&st, &id, &target, stream).await {
+            match write_one(&st, &id, &user, &target, stream).await {
                 Ok(v) => out.push(v),
                 Err(_) if budget.exceeded() => return budget.refusal(),
                 Err(e) => return files_err(e),
@@ -292,7 +324,7 @@ pub async fn upload(
         return budget.refusal();
     }
     let stream = budget.meter(req.into_body().into_data_stream(), never);
-    match write_one(&st, &id, &path, stream).await {
+    match write_one(&st, &id, &user, &path, stream).await {
         Ok(v) => Json(vec![v]).into_response(),
         Err(_) if budget.exceeded() => budget.refusal(),
         Err(e) => files_err(e),

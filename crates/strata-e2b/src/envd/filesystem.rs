@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::extract::State;
+use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::Extension;
 use serde_json::json;
@@ -14,7 +15,7 @@ use strata_policy::CallKind;
 use stratad::engine::{FileKind, GuestErrorKind, RuntimeError};
 use stratad::service::{Grant, ServiceError};
 
-use super::{entry, join, read, write, CappedBody};
+use super::{ancestry, ensure_owned, entry, envd_user, join, read, write, CappedBody};
 use crate::auth::EnvdSandbox;
 use crate::connect::{Code, ConnectError};
 use crate::error::service_err;
@@ -33,10 +34,11 @@ impl E2b {
     async fn path_grant(
         &self,
         id: &SandboxId,
+        headers: &HeaderMap,
         asked: &str,
         kind: fn(&str) -> CallKind,
     ) -> Result<(String, Grant), ConnectError> {
-        let path = self.guest_path(asked);
+        let path = self.user_path(&envd_user(headers, None)?, asked);
         let g = self.envd_grant(id, kind(&path)).await?;
         Ok((path, g))
     }
@@ -45,11 +47,12 @@ impl E2b {
 /// `filesystem.Filesystem/Stat`.
 pub async fn stat(
     State(st): State<Arc<E2b>>,
+    headers: HeaderMap,
     sbx: Extension<EnvdSandbox>,
     body: CappedBody,
 ) -> Response {
     unary!(sbx, body, proto::PathRequest, |id, r| async {
-        let (path, g) = st.path_grant(&id, &r.path, read).await?;
+        let (path, g) = st.path_grant(&id, &headers, &r.path, read).await?;
         let e = stat_entry(&st, &g, &path).await?;
         Ok::<_, ConnectError>(json!({ "entry": e }))
     })
@@ -58,11 +61,12 @@ pub async fn stat(
 /// `filesystem.Filesystem/ListDir` (`depth` levels, 1 by default).
 pub async fn list_dir(
     State(st): State<Arc<E2b>>,
+    headers: HeaderMap,
     sbx: Extension<EnvdSandbox>,
     body: CappedBody,
 ) -> Response {
     unary!(sbx, body, proto::ListDirRequest, |id, r| async {
-        let root = st.guest_path(&r.path);
+        let root = st.user_path(&envd_user(&headers, None)?, &r.path);
         let g = st.envd_grant(&id, read(&root)).await?;
         let depth = r.depth.max(1);
         let top = st.svc.stat(&g, &root).await.map_err(service_err)?;
@@ -101,11 +105,12 @@ pub async fn list_dir(
 /// `filesystem.Filesystem/MakeDir` (parents too; `already_exists` if it does).
 pub async fn make_dir(
     State(st): State<Arc<E2b>>,
+    headers: HeaderMap,
     sbx: Extension<EnvdSandbox>,
     body: CappedBody,
 ) -> Response {
     unary!(sbx, body, proto::PathRequest, |id, r| async {
-        let (path, g) = st.path_grant(&id, &r.path, write).await?;
+        let (path, g) = st.path_grant(&id, &headers, &r.path, write).await?;
         match st.svc.stat(&g, &path).await {
             Ok(_) => {
                 return Err(ConnectError::new(
@@ -119,7 +124,9 @@ pub async fn make_dir(
             })) => {}
             Err(e) => return Err(service_err(e)),
         }
-        st.svc.mkdir(&g, &path, true).await.map_err(service_err)?;
+        // envd's EnsureDirs: as root, each directory made given to the user.
+        let user = envd_user(&headers, None)?;
+        ensure_owned(&st, &g, &user, &ancestry(&path), None).await?;
         let e = stat_entry(&st, &g, &path).await?;
         Ok::<_, ConnectError>(json!({ "entry": e }))
     })
@@ -128,11 +135,16 @@ pub async fn make_dir(
 /// `filesystem.Filesystem/Move` (a `mv` in the guest).
 pub async fn move_entry(
     State(st): State<Arc<E2b>>,
+    headers: HeaderMap,
     sbx: Extension<EnvdSandbox>,
     body: CappedBody,
 ) -> Response {
     unary!(sbx, body, proto::MoveRequest, |id, r| async {
-        let (src, dst) = (st.guest_path(&r.source), st.guest_path(&r.destination));
+        let user = envd_user(&headers, None)?;
+        let (src, dst) = (
+            st.user_path(&user, &r.source),
+            st.user_path(&user, &r.destination),
+        );
         stratad::service::validate_guest_path(&src).map_err(service_err)?;
         stratad::service::validate_guest_path(&dst).map_err(service_err)?;
         // Both ends are writes: the gate decides each, the `mv` helper
@@ -162,11 +174,12 @@ pub async fn move_entry(
 /// `filesystem.Filesystem/Remove` (recursive).
 pub async fn remove(
     State(st): State<Arc<E2b>>,
+    headers: HeaderMap,
     sbx: Extension<EnvdSandbox>,
     body: CappedBody,
 ) -> Response {
     unary!(sbx, body, proto::PathRequest, |id, r| async {
-        let (path, g) = st.path_grant(&id, &r.path, write).await?;
+        let (path, g) = st.path_grant(&id, &headers, &r.path, write).await?;
         st.svc.remove(&g, &path, true).await.map_err(service_err)?;
         Ok::<_, ConnectError>(json!({}))
     })
@@ -254,11 +267,15 @@ pub fn diff_listings(
 /// `filesystem.Filesystem/CreateWatcher`: remembers the directory's listing.
 pub async fn create_watcher(
     State(st): State<Arc<E2b>>,
+    headers: HeaderMap,
     sbx: Extension<EnvdSandbox>,
     body: CappedBody,
 ) -> Response {
     unary!(sbx, body, serde_json::Value, |id, r| async {
-        let path = st.guest_path(r.get("path").and_then(|v| v.as_str()).unwrap_or(""));
+        let path = st.user_path(
+            &envd_user(&headers, None)?,
+            r.get("path").and_then(|v| v.as_str()).unwrap_or(""),
+        );
         let recursive = r
             .get("recursive")
             .and_then(|v| v.as_bool())

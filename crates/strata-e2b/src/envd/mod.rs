@@ -64,6 +64,136 @@ pub const ACCESS_TOKEN_HEADER: &str = "x-access-token";
 /// Header with the keepalive interval the client wants, in seconds.
 pub const KEEPALIVE_HEADER: &str = "keepalive-ping-interval";
 
+/// The user an envd call acts for when it names none (envd's default, the
+/// user of E2B's base template and of strata's image).
+pub const DEFAULT_USER: &str = "user";
+
+/// The user an envd call acts for: `username` (the `/files` query), else
+/// the user of `Authorization: Basic base64(<user>:)` (how E2B's SDKs name
+/// it), else [`DEFAULT_USER`]. A name that is not a plain login name or
+/// uid (`[A-Za-z0-9_][A-Za-z0-9_.-]*`, at most 32 bytes) is refused.
+pub(crate) fn envd_user(headers: &HeaderMap, query: Option<&str>) -> Result<String, ConnectError> {
+    use base64::Engine as _;
+    let from_header = || -> Option<String> {
+        let v = headers
+            .get(axum::http::header::AUTHORIZATION)?
+            .to_str()
+            .ok()?;
+        let (scheme, rest) = v.split_once(' ')?;
+        if !scheme.eq_ignore_ascii_case("basic") {
+            return None;
+        }
+        let raw = base64::engine::general_purpose::STANDARD
+            .decode(rest.trim())
+            .ok()?;
+        let text = String::from_utf8(raw).ok()?;
+        let user = text.split(':').next().unwrap_or("");
+        (!user.is_empty()).then(|| user.to_owned())
+    };
+    let user = match query.filter(|q| !q.is_empty()) {
+        Some(q) => q.to_owned(),
+        None => from_header().unwrap_or_else(|| DEFAULT_USER.to_owned()),
+    };
+    let ok = user.len() <= 32
+        && user
+            .bytes()
+            .next()
+            .is_some_and(|b| b.is_ascii_alphanumeric() || b == b'_')
+        && user
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
+    if !ok {
+        return Err(ConnectError::new(
+            Code::InvalidArgument,
+            format!("invalid user name {user:?}"),
+        ));
+    }
+    Ok(user)
+}
+
+/// Whether `user` is root (whose files need no chown).
+pub(crate) fn is_root(user: &str) -> bool {
+    user == "root" || user == "0"
+}
+
+/// The home directory of a named user as the base image lays it out
+/// (`/root`, `/home/<name>`); `None` for a numeric uid.
+pub(crate) fn user_home(user: &str) -> Option<String> {
+    if is_root(user) {
+        Some("/root".into())
+    } else if user.bytes().all(|b| b.is_ascii_digit()) {
+        None
+    } else {
+        Some(format!("/home/{user}"))
+    }
+}
+
+/// envd's `EnsureDirs` + `Chown`: makes the missing directories of `dirs`
+/// (outermost first) and gives each one it made, then `file` if given, to
+/// `user` (and its primary group), acting as root. One helper command in
+/// the guest, under the grant of the call it serves. For root (or a
+/// sandbox without that user) nothing changes hands.
+pub(crate) async fn ensure_owned(
+    st: &E2b,
+    g: &stratad::service::Grant,
+    user: &str,
+    dirs: &[String],
+    file: Option<&str>,
+) -> Result<(), ConnectError> {
+    if is_root(user) {
+        for d in dirs {
+            st.svc.mkdir(g, d, true).await.map_err(service_err)?;
+        }
+        return Ok(());
+    }
+    // $0 = user, $1 = the file or "", the rest: directories outermost first.
+    // A user the guest does not know (an image without it) owns nothing.
+    let script = r#"u=$0; f=$1; shift
+id -u -- "$u" >/dev/null 2>&1 || u=
+for d do
+  [ -d "$d" ] && continue
+  mkdir -- "$d" || exit 1
+  [ -z "$u" ] || chown -- "$u:" "$d" 2>/dev/null || chown -- "$u" "$d" || exit 1
+done
+[ -z "$u" ] || [ -z "$f" ] || chown -- "$u:" "$f" 2>/dev/null || chown -- "$u" "$f""#;
+    let mut argv = vec![
+        "/bin/sh".to_owned(),
+        "-c".to_owned(),
+        script.to_owned(),
+        user.to_owned(),
+        file.unwrap_or("").to_owned(),
+    ];
+    argv.extend(dirs.iter().cloned());
+    let (code, _, err) = crate::procs::run_helper(&st.svc, g, argv, None, 60).await?;
+    if code == Some(0) {
+        return Ok(());
+    }
+    // The typed error of what failed (a file in the way, no space …).
+    if let Some(last) = dirs.last() {
+        st.svc.mkdir(g, last, true).await.map_err(service_err)?;
+    }
+    Err(ConnectError::new(
+        Code::Unknown,
+        format!(
+            "cannot give {} to {user}: {}",
+            file.or(dirs.last().map(String::as_str)).unwrap_or(""),
+            String::from_utf8_lossy(&err).trim()
+        ),
+    ))
+}
+
+/// `path` and its ancestors below `/`, outermost first (`/a/b` → `/a`, `/a/b`).
+pub(crate) fn ancestry(path: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    for part in path.split('/').filter(|p| !p.is_empty()) {
+        cur.push('/');
+        cur.push_str(part);
+        out.push(cur.clone());
+    }
+    out
+}
+
 /// A Connect (or JSON) request body of at most
 /// [`crate::E2bConfig::max_request_bytes`], read after the route layer
 /// checked the caller; a longer one answers `413` (a Connect error
@@ -87,6 +217,22 @@ impl FromRequest<Arc<E2b>> for CappedBody {
 }
 
 impl E2b {
+    /// The guest path of `p` for a call acting as `user`: absolute as it
+    /// is, relative against the user's home (envd's rule: `/home/<name>`;
+    /// root and a numeric uid use `[e2b] home_dir`, default `/root`).
+    pub(crate) fn user_path(&self, user: &str, p: &str) -> String {
+        match user_home(user).filter(|_| !is_root(user)) {
+            Some(home) if !p.starts_with('/') => {
+                if p.is_empty() || p == "." {
+                    home
+                } else {
+                    format!("{home}/{}", p.trim_start_matches("./"))
+                }
+            }
+            _ => self.guest_path(p),
+        }
+    }
+
     /// The sandbox of an envd request, after checking its access token.
     pub(crate) fn envd_sandbox(&self, headers: &HeaderMap) -> Result<SandboxId, ConnectError> {
         let raw = headers
@@ -199,6 +345,32 @@ pub async fn health(State(st): State<Arc<E2b>>, headers: HeaderMap) -> Response 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_user_of_a_call() {
+        use base64::Engine as _;
+        let basic = |u: &str| {
+            let mut h = HeaderMap::new();
+            let v = base64::engine::general_purpose::STANDARD.encode(format!("{u}:"));
+            h.insert("authorization", format!("Basic {v}").parse().unwrap());
+            h
+        };
+        let none = HeaderMap::new();
+        assert_eq!(envd_user(&none, None).unwrap(), "user");
+        assert_eq!(envd_user(&basic("root"), None).unwrap(), "root");
+        assert_eq!(envd_user(&basic("root"), Some("alice")).unwrap(), "alice");
+        assert_eq!(envd_user(&none, Some("")).unwrap(), "user");
+        assert_eq!(envd_user(&basic("1000"), None).unwrap(), "1000");
+        for bad in ["-rf", "a b", "a;b", "x/y", &"a".repeat(33)] {
+            assert!(envd_user(&basic(bad), None).is_err(), "{bad}");
+            assert!(envd_user(&none, Some(bad)).is_err(), "{bad}");
+        }
+        assert_eq!(user_home("user").as_deref(), Some("/home/user"));
+        assert_eq!(user_home("root").as_deref(), Some("/root"));
+        assert_eq!(user_home("1000"), None);
+        assert_eq!(ancestry("/a/b/c"), ["/a", "/a/b", "/a/b/c"]);
+        assert_eq!(ancestry("/"), Vec::<String>::new());
+    }
 
     #[test]
     fn paths() {

@@ -151,8 +151,20 @@ pub async fn start(
             .collect();
         let mut env: BTreeMap<String, String> = st.sandbox_envs(&id);
         env.extend(req.process.envs.clone());
+        // Commands run as the requested user (default `user`), in its home
+        // unless a cwd is given (envd's rule).
+        let user = super::envd_user(&headers, None)?;
         let mut config = req.process;
-        config.cwd = config.cwd.map(|c| st.guest_path(&c));
+        config.cwd = match config.cwd.take() {
+            Some(c) => Some(st.user_path(&user, &c)),
+            None => super::user_home(&user).map(|h| {
+                if super::is_root(&user) {
+                    st.guest_path("")
+                } else {
+                    h
+                }
+            }),
+        };
         // What the wrapper runs with besides the argv: checked as the
         // service's exec checks it (the wrapper runs as a helper).
         if let Some(cwd) = &config.cwd {
@@ -179,6 +191,7 @@ pub async fn start(
             env,
             req.tag,
             req.stdin.unwrap_or(false),
+            Some(user),
         )
         .await
     };

@@ -99,9 +99,36 @@ pub fn new_token() -> (String, String) {
     )
 }
 
-/// SHA-256 of a secret, hex (what the database keeps).
+/// Prefix of the E2B-format spelling of a token (`e2b_` + the same 64 hex
+/// digits): what E2B's SDKs expect an API key to look like.
+pub const E2B_KEY_PREFIX: &str = "e2b_";
+
+/// The E2B-format spelling of a strata token secret (`strata_<hex>` →
+/// `e2b_<hex>`): the same credential, accepted wherever the token is.
+pub fn e2b_key(secret: &str) -> String {
+    match secret.strip_prefix(TOKEN_PREFIX) {
+        Some(hex) => format!("{E2B_KEY_PREFIX}{hex}"),
+        None => secret.to_owned(),
+    }
+}
+
+/// Whether `t` is a token in either spelling: `strata_` or `e2b_`
+/// followed by 64 hex digits.
+pub fn is_token(t: &str) -> bool {
+    [TOKEN_PREFIX, E2B_KEY_PREFIX].iter().any(|p| {
+        t.strip_prefix(p)
+            .is_some_and(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+    })
+}
+
+/// SHA-256 of a secret, hex (what the database keeps). The E2B spelling
+/// of a token hashes as its `strata_` spelling.
 pub fn hash_secret(secret: &str) -> String {
-    hex::encode(Sha256::digest(secret.as_bytes()))
+    let canonical = match secret.strip_prefix(E2B_KEY_PREFIX) {
+        Some(hex) => format!("{TOKEN_PREFIX}{hex}"),
+        None => secret.to_owned(),
+    };
+    hex::encode(Sha256::digest(canonical.as_bytes()))
 }
 
 /// The secret of an `Authorization: Bearer <secret>` header value, if well formed.
@@ -111,12 +138,7 @@ pub fn bearer(value: &str) -> Option<&str> {
         return None;
     }
     let t = rest.trim();
-    let ok = t.len() == TOKEN_PREFIX.len() + 64
-        && t.starts_with(TOKEN_PREFIX)
-        && t[TOKEN_PREFIX.len()..]
-            .bytes()
-            .all(|b| b.is_ascii_hexdigit());
-    ok.then_some(t)
+    is_token(t).then_some(t)
 }
 
 /// Whether `role` may call `(method, matched route)`: what the route table
@@ -138,6 +160,12 @@ mod tests {
         assert_eq!(bearer(&format!("Bearer {s}")), Some(s.as_str()));
         assert_eq!(hash_secret(&s), hash_secret(&s));
         assert_eq!(hash_secret(&s).len(), 64);
+        // The E2B spelling is the same credential.
+        let e = e2b_key(&s);
+        assert!(e.starts_with("e2b_") && e.len() == 68, "{e}");
+        assert_eq!(bearer(&format!("Bearer {e}")), Some(e.as_str()));
+        assert_eq!(hash_secret(&e), hash_secret(&s));
+        assert!(!is_token("e2b_strata_test_key"));
         for bad in [
             "",
             "Bearer",

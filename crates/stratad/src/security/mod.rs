@@ -104,6 +104,9 @@ pub struct IssuedToken {
     pub record: TokenRecord,
     /// The secret: `Authorization: Bearer <token>`. Not stored; not shown again.
     pub token: String,
+    /// The same secret in E2B's key format (`e2b_` + hex), for the E2B
+    /// door's `X-API-KEY` (E2B's SDKs check a key's prefix).
+    pub e2b_key: String,
 }
 
 /// What a new token is.
@@ -431,6 +434,7 @@ impl Security {
                 revoked_at: None,
                 hash: auth::hash_secret(&secret),
             },
+            e2b_key: auth::e2b_key(&secret),
             token: secret,
         }
     }
