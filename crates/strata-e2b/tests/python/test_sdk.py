@@ -387,6 +387,88 @@ def test_a_tenant_key_acts_for_its_tenant_and_actor():
         s.kill()
 
 
+# ------------------------------------------- E2B's base-template conventions
+
+
+def test_commands_run_as_user_by_default(sbx):
+    """envd's rule: commands run as `user` in its home unless told otherwise."""
+    r = sbx.commands.run("id -un; id -u; pwd; echo $HOME")
+    assert r.stdout == "user\n1000\n/home/user\n/home/user\n", r.stdout
+    r = sbx.commands.run("id -un; pwd", user="root")
+    assert r.stdout == "root\n/root\n", r.stdout
+    with pytest.raises(Exception):
+        sbx.commands.run("true", user="-rf")
+
+
+def test_files_act_as_root_and_give_new_paths_to_the_user(sbx):
+    """As envd's EnsureDirs + Chown: a client creates /workspace (under /,
+    which only root may write) and the user owns what was made."""
+    sbx.files.make_dir("/workspace-e2b")
+    sbx.files.write("/workspace-e2b/sub/dir/a.txt", "mine")
+    r = sbx.commands.run(
+        "stat -c '%U:%G %n' /workspace-e2b /workspace-e2b/sub /workspace-e2b/sub/dir "
+        "/workspace-e2b/sub/dir/a.txt; touch /workspace-e2b/by-user && echo ok"
+    )
+    assert r.stdout.splitlines() == [
+        "user:user /workspace-e2b",
+        "user:user /workspace-e2b/sub",
+        "user:user /workspace-e2b/sub/dir",
+        "user:user /workspace-e2b/sub/dir/a.txt",
+        "ok",
+    ], r.stdout
+    # Existing directories keep their owner; root's calls make root's files.
+    assert sbx.commands.run("stat -c %U /tmp").stdout == "root\n"
+    sbx.files.write("/tmp/e2b-root-owned.txt", "x", user="root")
+    assert sbx.commands.run("stat -c %U /tmp/e2b-root-owned.txt").stdout == "root\n"
+
+
+def test_relative_paths_are_in_the_users_home(sbx):
+    sbx.files.write("rel-e2b.txt", "relative")
+    assert sbx.commands.run("cat /home/user/rel-e2b.txt").stdout == "relative"
+    assert sbx.files.read("rel-e2b.txt") == "relative"
+
+
+def test_strata_token_in_e2b_key_format(sbx):
+    """`e2b_` + the hex of a strata token is the same credential (E2B's SDKs
+    check a key's prefix); the token's issue answer carries it."""
+    body = {"role": "developer", "name": "e2b-test-keyformat"}
+    r = _strata("POST", "/v1/tokens", json=body)
+    assert r.status_code in (200, 201), r.text
+    tok = r.json()
+    key = tok["e2b_key"]
+    assert key == "e2b_" + tok["token"][len("strata_"):], tok
+    assert Sandbox.get_info(sbx.sandbox_id, api_key=key).sandbox_id == sbx.sandbox_id
+    with pytest.raises(AuthenticationException):
+        Sandbox.list(api_key="e2b_" + "0" * 64).next_items()
+
+
+@pytest.mark.skipif(os.environ.get("STRATA_OLD_IMAGE") == "1", reason="image before recipe 2")
+def test_base_template_tools_and_limits(sbx):
+    """sudo without a password, python and pip, /dev/shm, /etc/hosts naming
+    the sandbox, a UTF-8 locale, a usable open-file limit, multiprocessing."""
+    r = sbx.commands.run(
+        "sudo -n id -un; python --version; pip --version >/dev/null && echo pip; "
+        "awk '$2==\"/dev/shm\"{print $3}' /proc/mounts; "
+        "grep -w \"$(hostname)\" /etc/hosts | awk '{print $1}'; echo $LANG; ulimit -n"
+    )
+    lines = r.stdout.splitlines()
+    assert lines[0] == "root", r.stdout
+    assert lines[1].startswith("Python 3"), r.stdout
+    assert lines[2] == "pip", r.stdout
+    assert lines[3] == "tmpfs", r.stdout
+    assert lines[4] == "127.0.1.1", r.stdout
+    assert lines[5] == "C.UTF-8", r.stdout
+    assert int(lines[6]) >= 65536, r.stdout
+    code = (
+        "import multiprocessing as m\n"
+        "def sq(x): return x * x\n"
+        "if __name__ == '__main__':\n"
+        "    with m.Pool(2) as p: print(sum(p.map(sq, range(10))))\n"
+    )
+    sbx.files.write("/tmp/mp_e2b.py", code)
+    assert sbx.commands.run("python /tmp/mp_e2b.py", timeout=120).stdout == "285\n"
+
+
 # ------------------------------------------ fork, snapshots, list, connect (issue 13)
 
 
