@@ -165,12 +165,15 @@ done
     ];
     argv.extend(dirs.iter().cloned());
     let (code, _, err) = crate::procs::run_helper(&st.svc, g, argv, None, 60).await?;
-    if code == Some(0) {
-        return Ok(());
-    }
-    // The typed error of what failed (a file in the way, no space …).
+    // The innermost directory through the typed call as well: a no-op when
+    // the helper made it, the typed error of what failed when it could not
+    // (a file in the way, no space …), and the directory on an engine that
+    // runs no shell.
     if let Some(last) = dirs.last() {
         st.svc.mkdir(g, last, true).await.map_err(service_err)?;
+    }
+    if code == Some(0) {
+        return Ok(());
     }
     Err(ConnectError::new(
         Code::Unknown,
