@@ -387,7 +387,17 @@ mod scan_tests {
             .stdin(std::process::Stdio::piped())
             .spawn()
             .expect("spawn sh");
-        let found = qemus_under(&root);
+        // Until the child has exec'd, its command line is still ours: look
+        // again for a while.
+        let want = (root.join("sb-x"), child.id());
+        let mut found = qemus_under(&root);
+        for _ in 0..100 {
+            if found.contains(&want) {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            found = qemus_under(&root);
+        }
         let _ = child.kill();
         let _ = child.wait();
         assert!(
