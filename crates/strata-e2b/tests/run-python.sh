@@ -33,6 +33,16 @@ log() { echo "run-python: $*" >&2; }
 (cd "$ROOT" && cargo build -p strata-daemon --bin stratad)
 BIN="$TARGET/debug/stratad"
 
+# The image of this tree's agent (cached by recipe hash), named explicitly:
+# the daemon's default is the newest image of the cache, which may be another
+# test's (the previous release's agent, a fixture image).
+if [ -z "${IMAGE_DIR:-}" ]; then
+  (cd "$ROOT" && cargo build --release -p strata-agent -p strata-cli)
+  IMAGE_DIR="$(cd "$ROOT" && "$TARGET/release/strata" image build --json \
+    | python3 -c 'import json, sys; print(json.load(sys.stdin)["dir"])')"
+  log "image: $IMAGE_DIR"
+fi
+
 if [ ! -x "$VENV/bin/pytest" ] || ! "$VENV/bin/python" -c 'import e2b, sys; sys.exit(0 if __import__("importlib.metadata").metadata.version("e2b") == "2.63.0" else 1)' 2>/dev/null; then
   log "creating virtualenv $VENV (e2b==2.63.0, pytest)"
   python3 -m venv "$VENV"
