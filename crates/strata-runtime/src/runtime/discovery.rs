@@ -53,8 +53,15 @@ impl Runtime {
             let Some(name) = dir.file_name().map(|n| n.to_string_lossy().into_owned()) else {
                 continue;
             };
-            let pid = strata_vmm::qemu_in_run_dir(&dir).unwrap_or(pid);
-            by_name.entry(name).or_insert(pid);
+            // The scan already checked the command line; a second process
+            // naming the same directory loses to the one its pid file names.
+            let recorded = std::fs::read_to_string(dir.join("qemu.pid"))
+                .ok()
+                .and_then(|t| t.trim().parse::<u32>().ok());
+            let slot = by_name.entry(name).or_insert(pid);
+            if recorded == Some(pid) {
+                *slot = pid;
+            }
         }
         by_name.into_iter().collect()
     }
@@ -63,18 +70,7 @@ impl Runtime {
     /// it to go; removes its run dir.
     pub async fn end_stray(&self, name: &str) {
         let dir = self.run_dir(name);
-        if let Some(pid) = strata_vmm::qemu_in_run_dir(&dir) {
-            tracing::warn!(name, pid, "ending a QEMU no record owns");
-            // SAFETY: kill(2) on a QEMU whose command line names a directory
-            // of this runtime's run dir: one this runtime's daemon started.
-            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-            for _ in 0..100 {
-                if strata_vmm::qemu_in_run_dir(&dir).is_none() {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
+        super::vms::kill_qemu_of(&dir, "ending a QEMU no record owns").await;
         let _ = std::fs::remove_dir_all(dir);
     }
 

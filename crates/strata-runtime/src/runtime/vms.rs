@@ -148,19 +148,11 @@ impl Runtime {
             let _ = live.vm.kill().await;
             return;
         }
-        let run_dir = self.run_dir(id.as_str());
-        let Some(pid) = strata_vmm::qemu_in_run_dir(&run_dir) else {
-            return;
-        };
-        tracing::warn!(sandbox = %id, pid, "killing a VM that was never adopted");
-        // SAFETY: kill(2) on the pid of this sandbox's QEMU, confirmed by its command line.
-        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-        for _ in 0..100 {
-            if strata_vmm::qemu_in_run_dir(&run_dir).is_none() {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        kill_qemu_of(
+            &self.run_dir(id.as_str()),
+            "killing a VM that was never adopted",
+        )
+        .await;
     }
 
     /// Stops the vCPUs (RAM kept). Idempotent.
@@ -250,5 +242,23 @@ impl Runtime {
             live.stopping.store(true, Ordering::SeqCst);
         }
         vms.clear();
+    }
+}
+
+/// SIGKILLs the QEMU of `run_dir` (found by its pid file or its command
+/// line), if one runs, and waits up to 5 s for it to go.
+pub(super) async fn kill_qemu_of(run_dir: &std::path::Path, why: &str) {
+    let Some(pid) = strata_vmm::qemu_in_run_dir(run_dir) else {
+        return;
+    };
+    tracing::warn!(run_dir = %run_dir.display(), pid, "{why}");
+    // SAFETY: kill(2) on a QEMU whose command line names `run_dir`, a
+    // directory of this runtime's run dir: one this runtime's daemon started.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    for _ in 0..100 {
+        if strata_vmm::qemu_in_run_dir(run_dir).is_none() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
