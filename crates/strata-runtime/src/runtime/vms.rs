@@ -176,6 +176,9 @@ impl Runtime {
     }
 
     /// Runs a raw QMP command on a sandbox's VM (benchmarks and diagnostics).
+    /// A raw `stop` / `cont` counts as [`Runtime::pause`] / [`Runtime::resume`]
+    /// for the agent's liveness watchdog: a guest stopped this way is not
+    /// taken for a silent one.
     pub async fn qmp(
         &self,
         id: &SandboxId,
@@ -183,10 +186,18 @@ impl Runtime {
         arguments: Option<serde_json::Value>,
     ) -> Result<serde_json::Value> {
         let live = self.live(id)?;
-        live.vm
+        if command == "stop" {
+            live.running.store(false, Ordering::SeqCst);
+        }
+        let r = live
+            .vm
             .qmp(command, arguments)
             .await
-            .map_err(|e| vmm_err(id.as_str(), e))
+            .map_err(|e| vmm_err(id.as_str(), e));
+        if command == "cont" && r.is_ok() {
+            live.running.store(true, Ordering::SeqCst);
+        }
+        r
     }
 
     /// Resident memory of a sandbox's QEMU beyond its guest RAM, in bytes.

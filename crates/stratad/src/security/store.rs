@@ -10,7 +10,7 @@ use std::path::Path;
 use std::sync::Mutex;
 
 use chrono::{DateTime, Utc};
-use rusqlite::{params, Connection, OptionalExtension, Row};
+use rusqlite::{params, Connection, OptionalExtension, Row, TransactionBehavior};
 use serde::{Deserialize, Serialize};
 use strata_policy::approval::{ApprovalRequest, ApprovalStatus, ApprovalStore, StoreError};
 
@@ -199,7 +199,7 @@ impl SecurityStore {
     /// Records a new token (and its tenant, if new).
     pub fn insert_token(&self, t: &TokenRecord) -> SecResult<()> {
         let mut c = self.conn();
-        let tx = c.transaction()?;
+        let tx = c.transaction_with_behavior(TransactionBehavior::Immediate)?;
         tx.execute(
             "INSERT OR IGNORE INTO tenants (id, created_at) VALUES (?1, ?2)",
             params![t.tenant, ms(t.created_at)],

@@ -18,7 +18,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use chrono::{DateTime, Utc};
-use rusqlite::{params, Connection, OpenFlags, OptionalExtension, Row};
+use rusqlite::{
+    params, Connection, OpenFlags, OptionalExtension, Row, Transaction, TransactionBehavior,
+};
 use strata_core::{SandboxId, SandboxState, SnapshotId, TemplateId};
 
 use super::*;
@@ -126,7 +128,7 @@ impl SqliteStore {
             });
         }
         for (i, sql) in MIGRATIONS.iter().enumerate().skip(version.max(0) as usize) {
-            let tx = conn.transaction()?;
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
             tx.execute_batch(sql)?;
             tx.execute_batch(&format!("PRAGMA user_version = {}", i + 1))?;
             tx.commit()?;
@@ -210,10 +212,19 @@ where
         .collect()
 }
 
+/// A write transaction that takes SQLite's write lock when it begins. The
+/// security store writes the same file from its own connection; a deferred
+/// transaction that read first (the sandbox compare-and-set) could then not
+/// be promoted to a writer (`SQLITE_BUSY_SNAPSHOT`, which the busy timeout
+/// does not retry). Begun `IMMEDIATE`, it waits its turn instead.
+fn write_tx(conn: &mut Connection) -> rusqlite::Result<Transaction<'_>> {
+    conn.transaction_with_behavior(TransactionBehavior::Immediate)
+}
+
 impl Store for SqliteStore {
     fn insert_sandbox(&self, rec: &SandboxRecord, event: &Event) -> StoreResult<()> {
         let mut w = self.writer();
-        let tx = w.transaction()?;
+        let tx = write_tx(&mut w)?;
         write_sandbox(&tx, rec, true)?;
         write_event(&tx, event)?;
         tx.commit()?;
@@ -380,7 +391,7 @@ impl Store for SqliteStore {
         event: Option<&Event>,
     ) -> StoreResult<()> {
         let mut w = self.writer();
-        let tx = w.transaction()?;
+        let tx = write_tx(&mut w)?;
         for s in sandboxes {
             write_sandbox(&tx, s, false)?;
         }

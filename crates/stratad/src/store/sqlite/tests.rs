@@ -576,3 +576,34 @@ fn the_database_is_owner_only() {
         assert_eq!(mode, 0o600, "{}", p.display());
     }
 }
+
+/// The security store writes the same database from its own connection
+/// (audit head, tokens, bindings). A sandbox update reads its version first;
+/// begun deferred, that transaction could not be promoted to a writer after
+/// the other connection committed (`SQLITE_BUSY_SNAPSHOT`, a 500 under load).
+#[test]
+fn updates_and_security_writes_interleave_without_busy_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(&dir);
+    let sec = crate::security::store::SecurityStore::open(&dir.path().join("strata.db")).unwrap();
+    let rec = sandbox(1, SandboxState::Running);
+    s.insert_sandbox(&rec, &created(&rec)).unwrap();
+    let n = 400;
+    std::thread::scope(|scope| {
+        let writer = scope.spawn(|| {
+            for i in 0..n {
+                sec.set_audit_head(i, &format!("h{i}")).unwrap();
+            }
+        });
+        for i in 0..n {
+            let mut cur = s.get_sandbox(&rec.id).unwrap().unwrap();
+            cur.labels.insert("i".into(), i.to_string());
+            s.update_sandbox(&cur, None)
+                .unwrap_or_else(|e| panic!("update {i}: {e}"));
+        }
+        writer.join().unwrap();
+    });
+    let got = s.get_sandbox(&rec.id).unwrap().unwrap();
+    assert_eq!(got.version, n);
+    assert_eq!(sec.audit_head().unwrap().map(|(q, _)| q), Some(n - 1));
+}
