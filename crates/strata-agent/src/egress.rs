@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use strata_proto::frame::FrameKind;
 use strata_proto::tunnel::{
-    run_tunnel, tunnel_pair, TunnelEnd, TunnelMsg, TunnelOut, TUNNEL_ID_BIT,
+    run_tunnel, tunnel_pair, TunnelEnd, TunnelMsg, TunnelOut, PORT_ID_BIT, TUNNEL_ID_BIT,
 };
 use strata_proto::Response;
 use tokio::net::TcpListener;
@@ -130,7 +130,9 @@ impl Egress {
                     continue;
                 }
                 let id = loop {
-                    let id = TUNNEL_ID_BIT | self.next_id.fetch_add(1, Ordering::Relaxed);
+                    // The port bit stays clear: port tunnel ids are the host's.
+                    let n = self.next_id.fetch_add(1, Ordering::Relaxed) & !PORT_ID_BIT;
+                    let id = TUNNEL_ID_BIT | n;
                     if !t.contains_key(&id) {
                         break id;
                     }

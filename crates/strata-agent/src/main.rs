@@ -6,6 +6,7 @@ mod exec;
 mod files;
 mod init;
 mod outbox;
+mod ports;
 mod requests;
 mod session;
 mod system;

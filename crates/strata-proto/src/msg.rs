@@ -132,6 +132,16 @@ pub enum Request {
         #[serde(default)]
         error: Option<String>,
     },
+    /// Opens a port tunnel (host-initiated, on a host-chosen id with
+    /// [`crate::tunnel::TUNNEL_ID_BIT`] and [`crate::tunnel::PORT_ID_BIT`]
+    /// set): the agent connects to `127.0.0.1:<port>` in the guest and
+    /// answers [`Response::PortConnected`], then both ends pump the tunnel as
+    /// egress tunnels do; or it answers `error` (`not_found`: nothing
+    /// listens). An older agent answers `invalid_argument`: no port tunnels.
+    PortConnect {
+        /// Guest TCP port on the loopback address (> 0).
+        port: u16,
+    },
 }
 
 /// Agent → host control messages.
@@ -226,6 +236,9 @@ pub enum Response {
         #[serde(default)]
         error: Option<String>,
     },
+    /// Answer to [`Request::PortConnect`]: the guest port accepted the
+    /// connection; tunnel data may flow both ways.
+    PortConnected {},
     /// Request failed; last message for its id. Id 0: protocol error, the
     /// agent dropped out of sync and the host must reconnect.
     Error {
@@ -438,6 +451,15 @@ mod tests {
             serde_json::from_str::<Response>(&s).unwrap(),
             Response::TunnelEof {}
         );
+    }
+
+    #[test]
+    fn port_connect_json_shape() {
+        let s = serde_json::to_string(&Request::PortConnect { port: 8000 }).unwrap();
+        assert_eq!(s, r#"{"op":"port_connect","port":8000}"#);
+        let r: Response = serde_json::from_str(r#"{"op":"port_connected"}"#).unwrap();
+        assert_eq!(r, Response::PortConnected {});
+        assert!(serde_json::from_str::<Request>(r#"{"op":"port_connect","port":70000}"#).is_err());
     }
 
     #[test]

@@ -31,9 +31,19 @@ pub const TUNNEL_ACK_EVERY: u64 = TUNNEL_WINDOW / 4;
 /// Bit set in every tunnel id (agent-chosen), clear in every host request id.
 pub const TUNNEL_ID_BIT: u32 = 0x8000_0000;
 
+/// Bit set (with [`TUNNEL_ID_BIT`]) in the id of every port tunnel: those
+/// are host-chosen ([`crate::msg::Request::PortConnect`]); the agent keeps it
+/// clear in the egress tunnels it opens.
+pub const PORT_ID_BIT: u32 = 0x4000_0000;
+
 /// Whether `id` names a tunnel (as opposed to a host request).
 pub fn is_tunnel_id(id: u32) -> bool {
     id & TUNNEL_ID_BIT != 0
+}
+
+/// Whether `id` names a host-opened port tunnel.
+pub fn is_port_id(id: u32) -> bool {
+    id & (TUNNEL_ID_BIT | PORT_ID_BIT) == TUNNEL_ID_BIT | PORT_ID_BIT
 }
 
 /// One tunnel message, in either direction.
@@ -288,6 +298,9 @@ mod tests {
     fn ids() {
         assert!(is_tunnel_id(TUNNEL_ID_BIT | 5));
         assert!(!is_tunnel_id(5));
+        assert!(is_port_id(TUNNEL_ID_BIT | PORT_ID_BIT | 5));
+        assert!(!is_port_id(TUNNEL_ID_BIT | 5));
+        assert!(!is_port_id(PORT_ID_BIT | 5));
     }
 
     #[test]

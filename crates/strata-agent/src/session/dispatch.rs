@@ -214,6 +214,9 @@ impl Session {
                     }
                 }
             }
+            Request::PortConnect { port } => {
+                crate::ports::connect(&self.table, &self.transport.epoch, out, epoch, id, port)
+            }
             Request::TunnelAck { bytes } => self.tunnel_msg(id, TunnelMsg::Ack(bytes)).await,
             Request::TunnelEof {} => self.tunnel_msg(id, TunnelMsg::Eof).await,
             Request::TunnelClose { error } => self.tunnel_msg(id, TunnelMsg::Close(error)).await,

@@ -16,11 +16,12 @@
 //! The rooms: this file holds the connection, the handshake and the
 //! one-reply requests; `demux` the reader/writer tasks and the id table;
 //! `exec` commands; `files` uploads, downloads and file operations;
-//! `tunnel` guest egress.
+//! `tunnel` guest egress; `ports` connections to guest ports.
 
 mod demux;
 mod exec;
 mod files;
+mod ports;
 mod tunnel;
 
 use std::net::SocketAddr;
@@ -42,6 +43,10 @@ pub use self::exec::{
     OUTPUT_ACK_EVERY, OUTPUT_WINDOW, STDIN_CHUNK, STDIN_WINDOW,
 };
 pub use self::files::{FileDownload, WRITE_WINDOW};
+pub use self::ports::{
+    PortCounters, PortError, PortStream, PORT_CONNECT_TIMEOUT, PORT_STREAM_BUFFER,
+    PORT_TUNNELS_MAX,
+};
 pub use self::tunnel::{
     OpenFuture, TunnelHandler, TunnelIo, TunnelService, TunnelStream, EGRESS_CONNECT_TIMEOUT,
 };
@@ -120,6 +125,8 @@ struct Inner {
     /// The command-output window the agent agreed to (unset: an older agent
     /// without output flow control).
     output_window: OnceLock<u64>,
+    /// Port tunnels (host-opened).
+    ports: Arc<ports::Ports>,
 }
 
 impl Drop for Inner {
@@ -368,8 +375,15 @@ impl AgentClient {
         egress: Option<TunnelHandler>,
         liveness: Option<Liveness>,
     ) -> AgentClient {
-        let tunnels: demux::TunnelRouter =
-            Box::new(move |shared, out, f| tunnel::route(&egress, shared, out, f));
+        let port_tunnels = Arc::new(ports::Ports::default());
+        let pt = port_tunnels.clone();
+        let tunnels: demux::TunnelRouter = Box::new(move |shared, out, f| {
+            if crate::tunnel::is_port_id(f.id) {
+                ports::route(&pt, shared, out, f)
+            } else {
+                tunnel::route(&egress, shared, out, f)
+            }
+        });
         let conn = demux::spawn(stream, dec, tunnels, liveness);
         AgentClient {
             inner: Arc::new(Inner {
@@ -379,6 +393,7 @@ impl AgentClient {
                 reader: conn.reader,
                 egress_listen: OnceLock::new(),
                 output_window: OnceLock::new(),
+                ports: port_tunnels,
             }),
         }
     }

@@ -146,13 +146,13 @@ impl AgentClient {
 }
 
 /// Sends a tunnel's messages to the agent.
-struct HostTunnelOut {
-    id: u32,
-    out: mpsc::Sender<Bytes>,
+pub(super) struct HostTunnelOut {
+    pub(super) id: u32,
+    pub(super) out: mpsc::Sender<Bytes>,
 }
 
 impl HostTunnelOut {
-    async fn send_frame(&self, f: Result<Frame, FrameError>) -> bool {
+    pub(super) async fn send_frame(&self, f: Result<Frame, FrameError>) -> bool {
         match f.and_then(|f| f.encode()) {
             Ok(b) => self.out.send(b).await.is_ok(),
             Err(e) => {
