@@ -7,9 +7,17 @@
 //! credit used up it stops reading, so the command blocks on its next write.
 //! When the host discards the output, or the session ends, the task keeps
 //! reading and drops what it reads, so the command runs on.
+//!
+//! Pseudo-terminals (`exec` with `pty`): the agent opens a PTY pair, the
+//! command gets the slave as stdin, stdout and stderr and as its controlling
+//! terminal (`setsid` + `TIOCSCTTY`), the agent keeps the master: what it
+//! reads from it goes out as stdout under the same output window, `Stdin`
+//! frames are written to it, `resize` sets its window size. The line
+//! discipline turns `^C` into `SIGINT` for the foreground process group.
 
 use std::collections::BTreeMap;
 use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::process::Stdio;
@@ -19,8 +27,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use strata_proto::frame::FrameKind;
-use strata_proto::{Command, RemoteErrorKind, Response};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use strata_proto::{Command, PtySize, RemoteErrorKind, Response};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::unix::pipe;
 use tokio::process::Child;
 use tokio::sync::{mpsc, watch};
 
@@ -40,6 +49,9 @@ const GRACE_TICK: Duration = Duration::from_millis(50);
 /// Hosts commands reach directly even with egress on.
 const NO_PROXY: &str = "localhost,127.0.0.1";
 
+/// `TERM` of a command on a PTY unless its request names one.
+const DEFAULT_TERM: &str = "xterm-256color";
+
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 /// What to run (parsed from the request).
@@ -58,10 +70,77 @@ pub struct Spec {
     pub timeout: Option<Duration>,
     /// Egress proxy URL for the `*_proxy` variables (egress enabled).
     pub proxy: Option<String>,
+    /// Run on a new PTY of this size.
+    pub pty: Option<PtySize>,
 }
 
-/// Spawns the process (in its own session / process group).
-pub fn spawn(spec: &Spec) -> Result<Child, Fail> {
+/// A started command: the child and, for a PTY command, the master side of
+/// its terminal (the agent's only copy; the child has the slave).
+pub struct Spawned {
+    /// The process.
+    pub child: Child,
+    /// PTY master, if it runs on a PTY.
+    pub pty: Option<Arc<OwnedFd>>,
+}
+
+/// Sets the window size of the PTY whose master is `master`; the kernel
+/// sends `SIGWINCH` to its foreground process group.
+pub fn resize(master: &OwnedFd, size: PtySize) -> io::Result<()> {
+    let ws = libc::winsize {
+        ws_row: size.rows,
+        ws_col: size.cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: TIOCSWINSZ reads one `winsize` from the valid pointer; the fd
+    // is owned and open.
+    if unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCSWINSZ, &ws) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Opens a PTY pair of window `size`: `(master, slave)`, both close-on-exec,
+/// the master non-blocking. `owner`: uid and gid the slave is given (the
+/// command's user, as `login` does).
+fn open_pty(size: PtySize, owner: Option<(u32, u32)>) -> io::Result<(OwnedFd, OwnedFd)> {
+    let flags = libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC | libc::O_NONBLOCK;
+    // SAFETY: plain syscall; a non-negative result is a new fd we own.
+    let m = unsafe { libc::posix_openpt(flags) };
+    if m < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `m` is a fresh fd nobody else owns.
+    let master = unsafe { OwnedFd::from_raw_fd(m) };
+    // SAFETY: plain syscalls on the owned master fd.
+    if unsafe { libc::grantpt(m) } < 0 || unsafe { libc::unlockpt(m) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut name = [0u8; 128];
+    // SAFETY: ptsname_r writes at most `name.len()` bytes, NUL-terminated.
+    let r = unsafe { libc::ptsname_r(m, name.as_mut_ptr().cast(), name.len()) };
+    if r != 0 {
+        return Err(io::Error::from_raw_os_error(r));
+    }
+    let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
+    let path = std::str::from_utf8(&name[..end]).map_err(io::Error::other)?;
+    use std::os::unix::fs::OpenOptionsExt;
+    let slave: OwnedFd = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NOCTTY)
+        .open(path)?
+        .into();
+    if let Some((uid, gid)) = owner {
+        std::os::unix::fs::fchown(&slave, Some(uid), Some(gid))?;
+    }
+    resize(&master, size)?;
+    Ok((master, slave))
+}
+
+/// Spawns the process (in its own session / process group; on a PTY, that
+/// session's controlling terminal is the PTY).
+pub fn spawn(spec: &Spec) -> Result<Spawned, Fail> {
     let (prog, args): (String, Vec<String>) = match &spec.command {
         Command::Argv(v) => {
             let Some((p, rest)) = v.split_first() else {
@@ -106,19 +185,43 @@ pub fn spawn(spec: &Spec) -> Result<Child, Fail> {
             Err(e) => return Err(Fail::io(&e, &format!("cwd {cwd}"))),
         }
     }
+    let pty = match spec.pty {
+        None => None,
+        Some(size) => {
+            let owner = user.as_ref().map(|u| (u.uid, u.gid));
+            Some(open_pty(size, owner).map_err(|e| Fail::io(&e, "cannot open a pty"))?)
+        }
+    };
     let mut cmd = tokio::process::Command::new(&prog);
     cmd.args(&args)
         .env_clear()
         .env("PATH", DEFAULT_PATH)
         .env("LANG", "C.UTF-8")
-        .stdin(if spec.stdin {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
         .kill_on_drop(false);
+    let ctty = match &pty {
+        Some((_, slave)) => {
+            let dup = |f: &OwnedFd| {
+                f.try_clone()
+                    .map(Stdio::from)
+                    .map_err(|e| Fail::io(&e, "cannot duplicate the pty"))
+            };
+            cmd.stdin(dup(slave)?)
+                .stdout(dup(slave)?)
+                .stderr(dup(slave)?)
+                .env("TERM", DEFAULT_TERM);
+            true
+        }
+        None => {
+            cmd.stdin(if spec.stdin {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+            false
+        }
+    };
     match &user {
         Some(u) => {
             cmd.env("HOME", &u.home)
@@ -139,11 +242,16 @@ pub fn spawn(spec: &Spec) -> Result<Child, Fail> {
     cmd.current_dir(spec.cwd.as_deref().unwrap_or("/"));
     let ids = user.map(|u| (u.uid, u.gid, u.groups));
     // SAFETY: the closure runs between fork and exec and only makes
-    // async-signal-safe system calls (setsid, setgroups, setgid, setuid) on
-    // data prepared before the fork.
+    // async-signal-safe system calls (setsid, ioctl, setgroups, setgid,
+    // setuid) on data prepared before the fork.
     unsafe {
         cmd.pre_exec(move || {
             if libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The PTY slave is fd 0 already (stdio is set up before this
+            // runs): make it the new session's controlling terminal.
+            if ctty && libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
                 return Err(std::io::Error::last_os_error());
             }
             if let Some((uid, gid, groups)) = &ids {
@@ -157,13 +265,20 @@ pub fn spawn(spec: &Spec) -> Result<Child, Fail> {
             Ok(())
         });
     }
-    cmd.spawn().map_err(|e| {
+    let child = cmd.spawn().map_err(|e| {
         let kind = match e.kind() {
             std::io::ErrorKind::NotFound => RemoteErrorKind::NotFound,
             std::io::ErrorKind::PermissionDenied => RemoteErrorKind::PermissionDenied,
             _ => RemoteErrorKind::SpawnFailed,
         };
         Fail::new(kind, format!("cannot start {prog:?}: {e}"))
+    })?;
+    // The agent's copies of the slave go with `cmd` and `pty`'s second half:
+    // once the command's side closes, reading the master ends.
+    drop(cmd);
+    Ok(Spawned {
+        child,
+        pty: pty.map(|(master, _slave)| Arc::new(master)),
     })
 }
 
@@ -258,8 +373,8 @@ async fn pump_output<O, E>(
     }
 }
 
-async fn stdin_pump(
-    mut w: tokio::process::ChildStdin,
+async fn stdin_pump<W: AsyncWrite + Unpin>(
+    mut w: W,
     mut rx: mpsc::UnboundedReceiver<Bytes>,
     id: u32,
     out: Outbox,
@@ -277,28 +392,63 @@ async fn stdin_pump(
     let _ = w.shutdown().await;
 }
 
+/// The reading and the writing end of a PTY master (non-blocking dups).
+fn pty_ends(master: &OwnedFd) -> io::Result<(pipe::Receiver, pipe::Sender)> {
+    let r = pipe::Receiver::from_owned_fd_unchecked(master.try_clone()?)?;
+    let w = pipe::Sender::from_owned_fd_unchecked(master.try_clone()?)?;
+    Ok((r, w))
+}
+
 /// Drives a started child to the end and sends `Exit`.
 pub async fn run(
-    mut child: Child,
+    spawned: Spawned,
     timeout: Option<Duration>,
     stdin_rx: Option<mpsc::UnboundedReceiver<Bytes>>,
     window: Option<Window>,
     slot: Slot,
 ) {
+    let Spawned { mut child, pty } = spawned;
     let (id, out) = (slot.id, &slot.out);
     let pgid = child.id().map(|p| p as i32).unwrap_or(0);
     let waiting = Arc::new(AtomicBool::new(false));
-    let mut output = tokio::spawn(pump_output(
-        child.stdout.take(),
-        child.stderr.take(),
-        id,
-        out.clone(),
-        window,
-        waiting.clone(),
-    ));
-    if let (Some(w), Some(rx)) = (child.stdin.take(), stdin_rx) {
-        tokio::spawn(stdin_pump(w, rx, id, out.clone()));
-    }
+    let ends = match pty.as_deref().map(pty_ends) {
+        Some(Ok(e)) => Some(e),
+        Some(Err(e)) => {
+            tracing::warn!(id, error = %e, "pty: cannot register the master");
+            kill_group(pgid, libc::SIGKILL);
+            None
+        }
+        None => None,
+    };
+    drop(pty);
+    let mut output = match ends {
+        Some((r, w)) => {
+            if let Some(rx) = stdin_rx {
+                tokio::spawn(stdin_pump(w, rx, id, out.clone()));
+            }
+            tokio::spawn(pump_output(
+                Some(r),
+                None::<tokio::process::ChildStderr>,
+                id,
+                out.clone(),
+                window,
+                waiting.clone(),
+            ))
+        }
+        None => {
+            if let (Some(w), Some(rx)) = (child.stdin.take(), stdin_rx) {
+                tokio::spawn(stdin_pump(w, rx, id, out.clone()));
+            }
+            tokio::spawn(pump_output(
+                child.stdout.take(),
+                child.stderr.take(),
+                id,
+                out.clone(),
+                window,
+                waiting.clone(),
+            ))
+        }
+    };
     let mut timed_out = false;
     let status = match timeout {
         None => child.wait().await,

@@ -24,6 +24,7 @@
 //! can all use it.
 
 use std::collections::HashMap;
+use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
@@ -63,6 +64,8 @@ pub enum Entry {
         pgid: i32,
         /// The host's output credit, when the session windows output.
         output: Option<watch::Sender<OutputCredit>>,
+        /// Master side of its pseudo-terminal, if it runs on one.
+        pty: Option<Arc<OwnedFd>>,
     },
     /// An upload.
     Upload {

@@ -8,12 +8,12 @@ pub mod msg;
 pub mod tunnel;
 
 pub use client::{
-    AgentClient, AgentError, ExecEvent, ExecHandle, ExecOutput, ExecRequest, ExitStatus,
+    AgentClient, AgentError, ExecEvent, ExecHandle, ExecInput, ExecOutput, ExecRequest, ExitStatus,
     FileDownload, Liveness, Stdin, TunnelHandler,
 };
 pub use frame::{decode_frame, Decoded, Frame, FrameDecoder, FrameError, FrameKind};
 pub use msg::{
-    AgentInfo, Command, DirEntry, FileKind, FileStat, RemoteErrorKind, Request, Response,
+    AgentInfo, Command, DirEntry, FileKind, FileStat, PtySize, RemoteErrorKind, Request, Response,
     RestoreSync,
 };
 

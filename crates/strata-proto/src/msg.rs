@@ -36,6 +36,22 @@ pub enum Request {
         /// Kill the process group after this many milliseconds.
         #[serde(default)]
         timeout_ms: Option<u64>,
+        /// Run on a new pseudo-terminal of this size: stdin, stdout and
+        /// stderr are its slave (the command's controlling terminal), output
+        /// comes as `Stdout` frames, `Stdin` frames go to the terminal.
+        /// Absent: pipes, and the message is byte-for-byte what it was
+        /// before PTYs (an older agent rejects the field: no PTY support).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pty: Option<PtySize>,
+    },
+    /// Sets the window size of the command's pseudo-terminal (on the exec's
+    /// id; the foreground process group gets `SIGWINCH`). No reply; ignored
+    /// for a command without a PTY.
+    Resize {
+        /// Columns.
+        cols: u16,
+        /// Rows.
+        rows: u16,
     },
     /// Closes the command's stdin.
     StdinClose {},
@@ -259,6 +275,16 @@ pub enum Command {
     Shell(String),
 }
 
+/// Window size of a pseudo-terminal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PtySize {
+    /// Columns.
+    pub cols: u16,
+    /// Rows.
+    pub rows: u16,
+}
+
 /// Agent facts returned by the handshake and by ping.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AgentInfo {
@@ -417,6 +443,7 @@ mod tests {
             user: None,
             stdin: false,
             timeout_ms: Some(5),
+            pty: None,
         };
         let s = serde_json::to_string(&r).unwrap();
         assert!(s.contains(r#""op":"exec""#), "{s}");
@@ -424,6 +451,36 @@ mod tests {
         assert_eq!(serde_json::from_str::<Request>(&s).unwrap(), r);
         let s = serde_json::to_string(&Request::Ping {}).unwrap();
         assert_eq!(s, r#"{"op":"ping"}"#);
+    }
+
+    #[test]
+    fn pty_is_absent_unless_asked_for() {
+        let mut r = Request::Exec {
+            command: Command::Shell("tty".into()),
+            env: BTreeMap::new(),
+            cwd: None,
+            user: None,
+            stdin: true,
+            timeout_ms: None,
+            pty: None,
+        };
+        // What an agent without PTYs has always accepted.
+        assert_eq!(
+            serde_json::to_string(&r).unwrap(),
+            r#"{"op":"exec","command":{"shell":"tty"},"env":{},"cwd":null,"user":null,"stdin":true,"timeout_ms":null}"#
+        );
+        if let Request::Exec { pty, .. } = &mut r {
+            *pty = Some(PtySize { cols: 80, rows: 24 });
+        }
+        let s = serde_json::to_string(&r).unwrap();
+        assert!(s.contains(r#""pty":{"cols":80,"rows":24}"#), "{s}");
+        assert_eq!(serde_json::from_str::<Request>(&s).unwrap(), r);
+        let s = serde_json::to_string(&Request::Resize {
+            cols: 100,
+            rows: 30,
+        })
+        .unwrap();
+        assert_eq!(s, r#"{"op":"resize","cols":100,"rows":30}"#);
     }
 
     #[test]

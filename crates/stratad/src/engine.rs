@@ -33,7 +33,10 @@ use strata_core::{SandboxId, SandboxSize, SnapshotId, TemplateId};
 pub mod runtime;
 pub mod unavailable;
 
-pub use strata_proto::{Command, DirEntry, ExecEvent, ExecRequest, ExitStatus, FileKind, Stdin};
+pub use strata_proto::{
+    AgentError, Command, DirEntry, ExecEvent, ExecInput, ExecRequest, ExitStatus, FileKind,
+    PtySize, Stdin,
+};
 pub use strata_runtime::{
     GuestErrorKind, LiveVm, RuntimeError, SnapshotInfo, Source, SpaceUsage, Subvolumes,
     TemplateBuilt, VmDied, VmInfo,
@@ -42,6 +45,10 @@ pub use strata_runtime::{
 /// A command's events as the agent sends them: `Started` (from the
 /// runtime; a double may leave it out), output, and [`ExecEvent::Exit`] last.
 pub type ExecStream = BoxStream<'static, Result<ExecEvent, RuntimeError>>;
+
+/// Where a running command's input goes ([`Engine::exec_interactive`]);
+/// dropping it closes the command's stdin.
+pub type ExecInputs = tokio::sync::mpsc::Sender<ExecInput>;
 
 /// A stream of file bytes.
 pub type ByteStream = BoxStream<'static, Result<Bytes, RuntimeError>>;
@@ -135,6 +142,20 @@ pub trait Engine: Send + Sync + 'static {
     /// Runs a command in the guest; output streams as it comes. Its stdin
     /// is `Null` or `Bytes` ([`Stdin::Stream`] has no writer here).
     async fn exec(&self, id: &SandboxId, req: ExecRequest) -> EngineResult<ExecStream>;
+
+    /// Runs a command the caller keeps talking to: stdin bytes, PTY window
+    /// sizes ([`ExecRequest::pty`]), signals go into the returned sender.
+    /// Engines without it refuse (`Unavailable`).
+    async fn exec_interactive(
+        &self,
+        id: &SandboxId,
+        req: ExecRequest,
+    ) -> EngineResult<(ExecStream, ExecInputs)> {
+        let _ = (id, req);
+        Err(RuntimeError::Unavailable(
+            "this engine does not run interactive commands".into(),
+        ))
+    }
 
     /// Streams a guest file's content.
     async fn read_file(&self, id: &SandboxId, path: &str) -> EngineResult<ByteStream>;

@@ -54,6 +54,7 @@ impl Session {
                 user,
                 stdin,
                 timeout_ms,
+                pty,
             } => {
                 let spec = Spec {
                     command,
@@ -63,13 +64,14 @@ impl Session {
                     stdin,
                     timeout: timeout_ms.map(Duration::from_millis),
                     proxy: self.egress.proxy_url(epoch),
+                    pty,
                 };
-                let child = match exec::spawn(&spec) {
+                let spawned = match exec::spawn(&spec) {
                     Ok(c) => c,
                     Err(f) => return out.error(id, f).await,
                 };
-                let pid = child.id().unwrap_or(0);
-                let (stdin_tx, stdin_rx) = if stdin {
+                let pid = spawned.child.id().unwrap_or(0);
+                let (stdin_tx, stdin_rx) = if stdin || pty.is_some() {
                     let (tx, rx) = mpsc::unbounded_channel();
                     (Some(tx), Some(rx))
                 } else {
@@ -86,11 +88,12 @@ impl Session {
                     stdin: stdin_tx,
                     pgid: pid as i32,
                     output: credit,
+                    pty: spawned.pty.clone(),
                 };
                 let slot = Slot::insert(&self.table, id, epoch, out, entry);
                 tracing::debug!(id, pid, "started");
                 slot.out.msg(id, &Response::Started { pid }).await;
-                tokio::spawn(exec::run(child, spec.timeout, stdin_rx, window, slot));
+                tokio::spawn(exec::run(spawned, spec.timeout, stdin_rx, window, slot));
             }
             Request::OutputWindow { bytes } => {
                 if bytes == 0 {
@@ -128,6 +131,17 @@ impl Session {
                 )) = lock(&self.table).get(&id)
                 {
                     c.send_modify(|c| c.discard = true);
+                }
+            }
+            Request::Resize { cols, rows } => {
+                let master = match lock(&self.table).get(&id) {
+                    Some((_, Entry::Exec { pty: Some(m), .. })) => Some(m.clone()),
+                    _ => None,
+                };
+                if let Some(m) = master {
+                    if let Err(e) = exec::resize(&m, strata_proto::PtySize { cols, rows }) {
+                        tracing::debug!(id, error = %e, "pty resize failed");
+                    }
                 }
             }
             Request::StdinClose {} => {

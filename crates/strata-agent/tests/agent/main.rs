@@ -6,6 +6,7 @@
 mod exec;
 mod files;
 mod flow;
+mod pty;
 mod session;
 mod support;
 mod wire;

@@ -22,13 +22,22 @@ impl Agent {
     }
 
     pub(crate) fn start_with(extra: &[&str]) -> Self {
+        Self::start_binary(
+            std::path::Path::new(env!("CARGO_BIN_EXE_strata-agent")),
+            extra,
+        )
+    }
+
+    /// Like [`Agent::start_with`], with another agent binary (e.g. an older
+    /// release's).
+    pub(crate) fn start_binary(bin: &std::path::Path, extra: &[&str]) -> Self {
         let dir = tempfile::Builder::new()
             .prefix("strata-agent-test-")
             .tempdir_in("/tmp")
             .unwrap();
         let sock = dir.path().join("agent.sock");
         let log = std::fs::File::create(dir.path().join("agent.log")).unwrap();
-        let child = std::process::Command::new(env!("CARGO_BIN_EXE_strata-agent"))
+        let child = std::process::Command::new(bin)
             .arg("--listen-unix")
             .arg(&sock)
             .arg("--dry-system")

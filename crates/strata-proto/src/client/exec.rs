@@ -22,16 +22,26 @@
 //! instead ([`super::CALL_BUFFER_CAP`]). `Stdin::Bytes` is fed while the
 //! caller reads events, so a command that writes before it has read all its
 //! input cannot deadlock against its own output window.
+//!
+//! A command may run on a pseudo-terminal ([`ExecRequest::pty`]): its output
+//! then arrives as `Stdout` only (the terminal merges the streams), stdin is
+//! always a stream (written to the terminal, so `^C` interrupts it),
+//! [`ExecHandle::resize`] changes its window size. An agent older than PTYs
+//! rejects such an exec; the handle reports [`AgentError::Unsupported`].
+//! [`ExecHandle::interactive`] turns a handle into an event stream plus an
+//! input channel ([`ExecInput`]) for callers that drive it from elsewhere.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::stream::BoxStream;
+use tokio::sync::mpsc;
 
 use super::demux::{send_detached, Call, Incoming, Limits};
 use super::{remote, unexpected, AgentClient, AgentError};
 use crate::frame::{Frame, FrameKind};
-use crate::msg::{Command, Request, Response};
+use crate::msg::{Command, PtySize, RemoteErrorKind, Request, Response};
 
 /// Unacknowledged stdin bytes the client may have in flight.
 pub const STDIN_WINDOW: u64 = 1024 * 1024;
@@ -74,6 +84,9 @@ pub struct ExecRequest {
     pub stdin: Stdin,
     /// Kill the whole process group after this long.
     pub timeout: Option<Duration>,
+    /// Run on a pseudo-terminal of this size (stdin becomes a stream
+    /// whatever [`ExecRequest::stdin`] says; `Bytes` are fed first).
+    pub pty: Option<PtySize>,
 }
 
 impl ExecRequest {
@@ -99,6 +112,7 @@ impl ExecRequest {
             user: None,
             stdin: Stdin::Null,
             timeout: None,
+            pty: None,
         }
     }
 }
@@ -166,6 +180,7 @@ impl AgentClient {
             timeout_ms: req
                 .timeout
                 .map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX)),
+            pty: req.pty,
         };
         self.send_req(call.id, &wire).await?;
         let feed = match req.stdin {
@@ -182,6 +197,8 @@ impl AgentClient {
             windowed: window.is_some(),
             consumed: 0,
             acked_out: 0,
+            pty: req.pty.is_some(),
+            started: false,
         };
         h.feed_stdin().await?;
         Ok(h)
@@ -244,7 +261,30 @@ pub struct ExecHandle {
     consumed: u64,
     /// Output bytes acknowledged to the agent.
     acked_out: u64,
+    /// The command was asked to run on a PTY.
+    pty: bool,
+    /// `started` was seen.
+    started: bool,
 }
+
+/// Input to a running command driven through [`ExecHandle::interactive`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExecInput {
+    /// Bytes for its stdin (its terminal, on a PTY).
+    Stdin(Bytes),
+    /// End of its stdin.
+    CloseStdin,
+    /// New window size of its PTY (ignored without one).
+    Resize(PtySize),
+    /// A signal for its process group.
+    Signal(i32),
+}
+
+/// Queue depth of an interactive command's input channel.
+pub const INPUT_QUEUE: usize = 64;
+
+/// Events of an interactive command ([`ExecHandle::interactive`]).
+pub type EventStream = BoxStream<'static, Result<ExecEvent, AgentError>>;
 
 impl std::fmt::Debug for ExecHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -262,11 +302,27 @@ impl ExecHandle {
             if self.finished {
                 return None;
             }
-            let step = async {
-                self.feed_stdin().await?;
-                self.call.recv().await
-            };
-            let inc = match step.await {
+            let inc = self.recv_incoming().await;
+            if let Some(ev) = self.handle(inc).await {
+                return Some(ev);
+            }
+        }
+    }
+
+    /// The next frame of the command (feeding `Stdin::Bytes` meanwhile).
+    /// Cancel-safe once the feed is sent.
+    async fn recv_incoming(&mut self) -> Result<Incoming, AgentError> {
+        self.feed_stdin().await?;
+        self.call.recv().await
+    }
+
+    /// What frame `inc` means for the caller (`None`: nothing to report).
+    async fn handle(
+        &mut self,
+        inc: Result<Incoming, AgentError>,
+    ) -> Option<Result<ExecEvent, AgentError>> {
+        {
+            let inc = match inc {
                 Ok(i) => i,
                 Err(e) => {
                     self.finished = true;
@@ -290,7 +346,8 @@ impl ExecHandle {
                     self.stdin_acked = self.stdin_acked.max(bytes)
                 }
                 Incoming::Msg(Response::Started { pid }) => {
-                    return Some(Ok(ExecEvent::Started { pid }))
+                    self.started = true;
+                    return Some(Ok(ExecEvent::Started { pid }));
                 }
                 Incoming::Msg(Response::Exit {
                     code,
@@ -306,6 +363,9 @@ impl ExecHandle {
                 }
                 Incoming::Msg(Response::Error { kind, message }) => {
                     self.finished = true;
+                    if self.pty && !self.started && rejects_pty(kind, &message) {
+                        return Some(Err(AgentError::Unsupported { feature: "PTYs" }));
+                    }
                     return Some(Err(remote(kind, message)));
                 }
                 Incoming::Msg(r) => {
@@ -313,6 +373,80 @@ impl ExecHandle {
                     return Some(Err(unexpected(&r)));
                 }
             }
+        }
+        None
+    }
+
+    /// Whether the command runs on a PTY (it was asked to).
+    pub fn is_pty(&self) -> bool {
+        self.pty
+    }
+
+    /// Sets the window size of the command's PTY; a no-op for a command
+    /// without one (an agent older than PTYs never sees the request).
+    pub async fn resize(&mut self, size: PtySize) -> Result<(), AgentError> {
+        if !self.pty || self.ended() {
+            return Ok(());
+        }
+        let r = Request::Resize {
+            cols: size.cols,
+            rows: size.rows,
+        };
+        self.client.send_req(self.call.id, &r).await
+    }
+
+    /// Drives the command from a task: its events come from the stream
+    /// (ending after `Exit` or an error), its input goes into the sender
+    /// ([`INPUT_QUEUE`] deep). Stdin input needs `Stdin::Stream` or a PTY;
+    /// dropping the sender closes stdin, dropping the stream discards the
+    /// rest of the output (the command runs on unless signalled).
+    pub fn interactive(self) -> (EventStream, mpsc::Sender<ExecInput>) {
+        let (tx, rx) = mpsc::channel(INPUT_QUEUE);
+        let stream = futures::stream::unfold((self, Some(rx)), |(mut h, mut rx)| async move {
+            loop {
+                if h.finished {
+                    return None;
+                }
+                let input = async {
+                    match rx.as_mut() {
+                        Some(r) => r.recv().await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    // Both arms are cancel-safe; the work is done in the bodies.
+                    inc = h.recv_incoming() => {
+                        if let Some(ev) = h.handle(inc).await {
+                            return Some((ev, (h, rx)));
+                        }
+                    }
+                    i = input => {
+                        let r = match i {
+                            Some(i) => h.apply(i).await,
+                            None => {
+                                rx = None;
+                                h.close_stdin().await
+                            }
+                        };
+                        if let Err(e) = r {
+                            if !matches!(&e, AgentError::Io(io) if io.kind() == std::io::ErrorKind::BrokenPipe) {
+                                h.finished = true;
+                                return Some((Err(e), (h, rx)));
+                            }
+                        }
+                    }
+                }
+            }
+        });
+        (Box::pin(stream), tx)
+    }
+
+    async fn apply(&mut self, i: ExecInput) -> Result<(), AgentError> {
+        match i {
+            ExecInput::Stdin(b) => self.write_stdin(&b).await,
+            ExecInput::CloseStdin => self.close_stdin().await,
+            ExecInput::Resize(s) => self.resize(s).await,
+            ExecInput::Signal(s) => self.signal(s).await,
         }
     }
 
@@ -420,6 +554,14 @@ impl Drop for ExecHandle {
             );
         }
     }
+}
+
+/// Whether an agent's answer to a PTY exec says it does not know PTYs: an
+/// agent older than them cannot parse an `exec` with the `pty` field and
+/// fails the request as a bad request (`invalid control message`); a
+/// newer one parses every `exec` this client sends.
+fn rejects_pty(kind: RemoteErrorKind, message: &str) -> bool {
+    kind == RemoteErrorKind::InvalidArgument && message.starts_with("bad request")
 }
 
 fn is_terminal(r: &Response) -> bool {

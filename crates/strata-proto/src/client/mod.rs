@@ -39,8 +39,8 @@ use tokio::time::Instant;
 use self::demux::Shared;
 pub use self::demux::{Liveness, CALL_BUFFER_CAP, CONNECTION_BUFFER_CAP, ITEM_OVERHEAD};
 pub use self::exec::{
-    ExecEvent, ExecHandle, ExecOutput, ExecRequest, ExitStatus, Stdin, COLLECT_LIMIT,
-    OUTPUT_ACK_EVERY, OUTPUT_WINDOW, STDIN_CHUNK, STDIN_WINDOW,
+    EventStream, ExecEvent, ExecHandle, ExecInput, ExecOutput, ExecRequest, ExitStatus, Stdin,
+    COLLECT_LIMIT, INPUT_QUEUE, OUTPUT_ACK_EVERY, OUTPUT_WINDOW, STDIN_CHUNK, STDIN_WINDOW,
 };
 pub use self::files::{FileDownload, WRITE_WINDOW};
 pub use self::ports::{
@@ -89,6 +89,13 @@ pub enum AgentError {
     /// connection and the other requests go on.
     #[error("agent broke flow control: {0}")]
     FlowControl(String),
+    /// The sandbox's agent predates a feature this request needs (an image
+    /// built before it): nothing ran.
+    #[error("this sandbox's agent does not support {feature}")]
+    Unsupported {
+        /// What it lacks, e.g. `PTYs`.
+        feature: &'static str,
+    },
     /// A collecting call's output passed its byte limit; the command was
     /// killed.
     #[error("command output exceeds the limit of {limit} bytes")]

@@ -250,6 +250,7 @@ pub(super) async fn exec(c: Call, Body(b): Body<ExecBody>) -> ApiResult<impl Int
         user: None,
         stdin,
         timeout: b.timeout_s.map(std::time::Duration::from_secs),
+        pty: None,
     };
     let stream = c.svc.exec(&c.caller, &id, req, &opts).await?;
     let body = stream.filter_map(move |ev| {

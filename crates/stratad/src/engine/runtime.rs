@@ -168,6 +168,16 @@ impl Engine for RuntimeEngine {
         Ok(events.map_err(err).boxed())
     }
 
+    async fn exec_interactive(
+        &self,
+        id: &SandboxId,
+        req: ExecRequest,
+    ) -> EngineResult<(ExecStream, ExecInputs)> {
+        let (agent, err) = self.agent(id).await?;
+        let (events, input) = agent.exec(req).await.map_err(&err)?.interactive();
+        Ok((events.map_err(err).boxed(), input))
+    }
+
     async fn read_file(&self, id: &SandboxId, path: &str) -> EngineResult<ByteStream> {
         let (agent, err) = self.agent(id).await?;
         let download = agent.read_file(path).await.map_err(&err)?;

@@ -73,6 +73,33 @@ impl Grant {
     }
 }
 
+/// Largest PTY side (columns or rows) a caller may ask for.
+pub const MAX_PTY_SIDE: u16 = 4096;
+
+/// An interactive command: as [`validate_exec`], a stdin stream allowed, a
+/// PTY size within 1..=[`MAX_PTY_SIDE`].
+fn validate_interactive(req: &ExecRequest) -> ServiceResult<()> {
+    let mut head = req.clone();
+    head.stdin = Stdin::Null;
+    validate_exec(&head)?;
+    validate_pty(req)
+}
+
+/// A PTY size, if any, within 1..=[`MAX_PTY_SIDE`] on both sides.
+pub fn validate_pty(req: &ExecRequest) -> ServiceResult<()> {
+    match req.pty {
+        Some(p)
+            if !(1..=MAX_PTY_SIDE).contains(&p.cols) || !(1..=MAX_PTY_SIDE).contains(&p.rows) =>
+        {
+            Err(ServiceError::InvalidRequest(format!(
+                "pty: cols and rows must be 1..={MAX_PTY_SIDE} (got {}x{})",
+                p.cols, p.rows
+            )))
+        }
+        _ => Ok(()),
+    }
+}
+
 impl Service {
     /// Runs a command; the stream ends with the exit event.
     pub async fn exec(
@@ -84,9 +111,51 @@ impl Service {
     ) -> ServiceResult<ExecStream> {
         self.get_sandbox(caller, id).await?;
         validate_exec(&req)?;
+        validate_pty(&req)?;
         self.authorize(caller, Some(id), exec_call(&req), opts)
             .await?;
         self.exec_granted(id, req).await
+    }
+
+    /// Runs a command the caller keeps talking to (stdin stream, PTY
+    /// resizes, signals: [`crate::engine::Engine::exec_interactive`]); the
+    /// same tool call as [`Service::exec`], gated the same way.
+    pub async fn exec_interactive(
+        self: &Arc<Self>,
+        caller: &Caller,
+        id: &SandboxId,
+        req: ExecRequest,
+        opts: &GateOptions,
+    ) -> ServiceResult<(ExecStream, crate::engine::ExecInputs)> {
+        self.get_sandbox(caller, id).await?;
+        validate_interactive(&req)?;
+        self.authorize(caller, Some(id), exec_call(&req), opts)
+            .await?;
+        self.interactive_granted(id, req).await
+    }
+
+    /// [`Service::exec_interactive`] for a front door's process under a
+    /// grant the gate made for its argv (the E2B door's PTY processes).
+    pub async fn exec_helper_interactive(
+        self: &Arc<Self>,
+        g: &Grant,
+        req: ExecRequest,
+    ) -> ServiceResult<(ExecStream, crate::engine::ExecInputs)> {
+        validate_interactive(&req)?;
+        if g.kind.is_none() {
+            self.require_running(g).await?;
+        }
+        self.interactive_granted(&g.sandbox, req).await
+    }
+
+    async fn interactive_granted(
+        self: &Arc<Self>,
+        id: &SandboxId,
+        req: ExecRequest,
+    ) -> ServiceResult<(ExecStream, crate::engine::ExecInputs)> {
+        let rec = self.ensure_awake(id).await?;
+        rec.state.apply(Op::Exec)?;
+        Ok(self.engine.exec_interactive(id, req).await?)
     }
 
     pub(super) async fn exec_granted(

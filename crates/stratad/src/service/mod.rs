@@ -41,7 +41,7 @@ pub use admission::MAX_CONCURRENT_TEMPLATE_BUILDS;
 pub use background::ScheduledActions;
 pub use commands::*;
 pub use error::*;
-pub use guest::{Grant, GuestOp};
+pub use guest::{Grant, GuestOp, MAX_PTY_SIDE};
 pub(crate) use journal::VmNow;
 pub(crate) use oplock::*;
 
