@@ -76,6 +76,30 @@ pub struct Sandbox {
     pub pid: Option<u32>,
     /// Accelerator.
     pub accel: Option<String>,
+    /// What its idle timeout does and whether use wakes it (`GET` only).
+    pub lifecycle: Option<Lifecycle>,
+}
+
+/// A sandbox's lifecycle policy.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct Lifecycle {
+    /// `hibernate` or `delete`.
+    pub on_timeout: String,
+    /// Whether use wakes it from hibernation.
+    pub auto_resume: bool,
+}
+
+impl Lifecycle {
+    /// `hibernate, wakes on use` / `delete, wakes on resume only`.
+    pub fn describe(&self) -> String {
+        let wake = if self.auto_resume {
+            "wakes on use"
+        } else {
+            "wakes on resume only"
+        };
+        format!("{}, {wake}", self.on_timeout)
+    }
 }
 
 /// A snapshot record.

@@ -33,6 +33,13 @@ pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
             ("created", when(s.created_at)),
             ("last activity", when(s.last_activity_at)),
             ("idle timeout", secs(s.idle_timeout_s)),
+            (
+                "on timeout",
+                s.lifecycle
+                    .as_ref()
+                    .map(|l| l.describe())
+                    .unwrap_or_else(|| "-".into()),
+            ),
             ("snapshot every", secs(s.snapshot_interval_s)),
             ("accel", opt(&s.accel)),
             (

@@ -6,9 +6,10 @@
 //!   template (the newest ready one).
 //! - `metadata` ↔ strata labels (so `strata ls --label` sees them).
 //! - `timeout` → the sandbox's idle timeout: after `timeout` seconds
-//!   without activity strata *hibernates* it (memory kept), whether or not
-//!   `autoPause` was asked; it is never deleted behind the user's back.
-//!   `endAt` = last activity + idle timeout.
+//!   without activity strata *hibernates* it (memory kept), or deletes it
+//!   when the create asked `autoPause: false` (`on_timeout: "kill"`); an
+//!   omitted `autoPause` hibernates. `autoResume` decides whether envd calls
+//!   wake it ([`lifecycle`]). `endAt` = last activity + idle timeout.
 //! - `pause` → hibernate (snapshot with memory, VM process ends);
 //!   `connect` on a hibernated or paused sandbox wakes it (201).
 //! - states: creating/running → `running`; paused/hibernated → `paused`;
@@ -21,6 +22,7 @@
 //! Each route group has its own file; `crate::router` registers them.
 
 pub mod fork;
+pub mod lifecycle;
 pub mod list;
 pub mod snapshots;
 
@@ -118,6 +120,7 @@ struct NewSandbox {
     template_id: String,
     timeout: Option<u64>,
     auto_pause: Option<bool>,
+    auto_resume: Option<lifecycle::AutoResume>,
     metadata: Option<BTreeMap<String, String>>,
     env_vars: Option<BTreeMap<String, String>>,
 }
@@ -196,6 +199,8 @@ impl E2b {
             self.bind(&rec.id, caller).await?;
             v["envdAccessToken"] = json!(self.envd_token(rec.id.as_str()));
         }
+        let policy = self.svc.lifecycle_policy(caller, &rec.id).await?;
+        v["lifecycle"] = lifecycle::to_json(policy);
         v["domain"] = Value::Null;
         Ok(v)
     }
@@ -258,14 +263,13 @@ pub async fn create(
     let req: NewSandbox = parse_body(&body)?;
     let template = st.resolve_template(&caller, &req.template_id).await;
     let timeout = check_timeout(req.timeout.unwrap_or(st.cfg.default_timeout_s))?.max(1);
-    if req.auto_pause == Some(false) {
-        tracing::debug!("autoPause=false: strata hibernates on timeout anyway, it never deletes");
-    }
+    let policy = lifecycle::asked(req.auto_pause, req.auto_resume)?;
     let cmd = CreateSandbox {
         template,
         spec: SandboxSpec {
             labels: req.metadata.unwrap_or_default(),
             idle_timeout: Some(format!("{timeout}s")),
+            lifecycle: policy,
             ..SandboxSpec::default()
         },
     };

@@ -92,7 +92,12 @@ pub(super) async fn list(c: Call) -> ApiResult<impl IntoResponse> {
 pub(super) async fn get(c: Call) -> ApiResult<impl IntoResponse> {
     c.no_query()?;
     let id: SandboxId = c.id()?;
-    Ok(Json(c.svc.get_sandbox(&c.caller, &id).await?))
+    let rec = c.svc.get_sandbox(&c.caller, &id).await?;
+    // The record and, beside it, its lifecycle policy (kept in its own table).
+    let policy = c.svc.lifecycle_policy(&c.caller, &id).await?;
+    let mut v = serde_json::to_value(&rec).unwrap_or_default();
+    v["lifecycle"] = serde_json::to_value(policy).unwrap_or_default();
+    Ok(Json(v))
 }
 
 pub(super) async fn delete(c: Call) -> ApiResult<impl IntoResponse> {

@@ -42,9 +42,10 @@ impl Actions for ScheduledActions {
             let Ok(g) = svc.acquire(&id, Op::Hibernate, Who::Background).await else {
                 return;
             };
-            match svc.hibernate_locked(&id, g).await {
-                Ok(_) => info!("hibernated after idle timeout"),
-                Err(e) => warn!(error = %e.message(), "idle hibernation failed"),
+            // Hibernate, or delete as the sandbox's lifecycle policy says.
+            match svc.idle_timeout_reached(&id, g).await {
+                Ok(done) => info!(done, "idle timeout reached"),
+                Err(e) => warn!(error = %e.message(), "idle timeout action failed"),
             }
         }
         .instrument(span)

@@ -41,6 +41,10 @@ pub struct SandboxSpec {
     /// Rolling snapshot interval, e.g. `"60s"`; `"0s"` turns them off.
     #[serde(default)]
     pub snapshot_interval: Option<String>,
+    /// What the idle timeout does and whether use wakes it (default:
+    /// hibernate, wake on use; a fork: its source's).
+    #[serde(default)]
+    pub lifecycle: Option<LifecyclePolicy>,
 }
 
 /// `POST /v1/sandboxes`.

@@ -33,6 +33,7 @@ impl Service {
         size.validate()?;
         check_source_size(&format!("sandbox {src}"), src_rec.size, size)?;
         let mut rec = self.new_record(caller.owner(), &spec, size)?;
+        let asked = spec.lifecycle;
         rec.template = src_rec.template.clone();
         let mut snap = self.new_snapshot(&src_rec, SnapshotKind::Fork, None);
         rec.source_snapshot = Some(snap.id.clone());
@@ -60,6 +61,7 @@ impl Service {
                     )
                     .await?;
                     self.spawn_usage(snap.id.clone());
+                    self.keep_lifecycle(&rec, asked, Some(src)).await;
                     Ok(rec)
                 }
                 Err(e) => {
@@ -115,7 +117,11 @@ impl Service {
         let mut rec = self.new_record(caller.owner(), &spec, size)?;
         rec.template = src.and_then(|r| r.template);
         rec.source_snapshot = Some(snap.clone());
-        self.spawn_new(rec, Source::Snapshot(snap.clone()), step::RESTORE)
-            .await
+        let rec = self
+            .spawn_new(rec, Source::Snapshot(snap.clone()), step::RESTORE)
+            .await?;
+        self.keep_lifecycle(&rec, spec.lifecycle, Some(&s.sandbox_id))
+            .await;
+        Ok(rec)
     }
 }

@@ -1,4 +1,6 @@
-//! Create, delete, pause, resume (wake), hibernate; sandbox settings.
+//! Create, delete, pause, resume (wake), hibernate; sandbox settings; the
+//! lifecycle policy: what the idle timeout does (hibernate or delete) and
+//! whether use wakes a hibernated sandbox ([`LifecyclePolicy`]).
 
 use super::prelude::*;
 
@@ -13,8 +15,11 @@ impl Service {
         opts: &GateOptions,
     ) -> ServiceResult<SandboxRecord> {
         let (tpl, rec) = self.admit_create(caller, &cmd, opts).await?;
-        self.spawn_new(rec, Source::Template(tpl.id), step::SPAWN)
-            .await
+        let rec = self
+            .spawn_new(rec, Source::Template(tpl.id), step::SPAWN)
+            .await?;
+        self.keep_lifecycle(&rec, cmd.spec.lifecycle, None).await;
+        Ok(rec)
     }
 
     /// The checks every create makes, in order: the size, the template is
@@ -88,6 +93,7 @@ impl Service {
                     )
                     .await?;
                     self.spawn_usage(snap.id.clone());
+                    self.keep_lifecycle(&rec, cmd.spec.lifecycle, None).await;
                     info!(snapshot = %snap.id, "sandbox created hibernated");
                     Ok(rec)
                 }
@@ -149,8 +155,23 @@ impl Service {
         .await
     }
 
-    /// Makes sure a sandbox runs, waking it from hibernation (wake-on-access).
+    /// Makes sure a sandbox runs for a guest call (exec, files): wakes it
+    /// from hibernation when its policy lets use wake it (`auto_resume`);
+    /// else answers [`RuntimeError::NotRunning`] and leaves it asleep.
     pub(super) async fn ensure_awake(
+        self: &Arc<Self>,
+        id: &SandboxId,
+    ) -> ServiceResult<SandboxRecord> {
+        let rec = self.record(id).await?;
+        if rec.state == SandboxState::Hibernated && !self.may_auto_resume(id).await? {
+            return Err(RuntimeError::NotRunning { id: id.to_string() }.into());
+        }
+        self.ensure_awake_explicit(id).await
+    }
+
+    /// Makes sure a sandbox runs, waking it from hibernation whatever its
+    /// policy (a command that names the sandbox itself: a manual snapshot).
+    pub(super) async fn ensure_awake_explicit(
         self: &Arc<Self>,
         id: &SandboxId,
     ) -> ServiceResult<SandboxRecord> {
@@ -162,6 +183,88 @@ impl Service {
         Ok(rec)
     }
 
+    /// Keeps the lifecycle policy of the new sandbox `rec`: the one asked,
+    /// else its source's (`from`: a fork's source sandbox), else none (the
+    /// default). A failed write is logged: the sandbox then has the
+    /// default, which keeps it (hibernates) and wakes on use.
+    pub(super) async fn keep_lifecycle(
+        &self,
+        rec: &SandboxRecord,
+        asked: Option<LifecyclePolicy>,
+        from: Option<&SandboxId>,
+    ) {
+        let policy = match (asked, from) {
+            (Some(p), _) => Some(p),
+            (None, Some(src)) => match self.stored_lifecycle(src).await {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    warn!(sandbox = %rec.id, source = %src, error = %e.message(), "reading the source's lifecycle policy failed");
+                    None
+                }
+            },
+            (None, None) => None,
+        };
+        let Some(policy) = policy.filter(|p| *p != LifecyclePolicy::default()) else {
+            return;
+        };
+        let id = rec.id.clone();
+        if let Err(e) = self
+            .db(move |s| s.put_sandbox_lifecycle(&id, &policy))
+            .await
+        {
+            warn!(sandbox = %rec.id, error = %e.message(), "keeping the lifecycle policy failed");
+        }
+    }
+
+    /// The lifecycle policy kept with sandbox `id` (the default when none).
+    pub(super) async fn stored_lifecycle(&self, id: &SandboxId) -> ServiceResult<LifecyclePolicy> {
+        let id = id.clone();
+        Ok(self
+            .db(move |s| s.sandbox_lifecycle(&id))
+            .await?
+            .unwrap_or_default())
+    }
+
+    /// The lifecycle policy of one of the caller's sandboxes.
+    pub async fn lifecycle_policy(
+        &self,
+        caller: &Caller,
+        id: &SandboxId,
+    ) -> ServiceResult<LifecyclePolicy> {
+        self.get_sandbox(caller, id).await?;
+        self.stored_lifecycle(id).await
+    }
+
+    /// Whether traffic to sandbox `id` (an envd call, a guest port's
+    /// connection) may wake it from hibernation: its policy's
+    /// `auto_resume`. A front door that wakes a sandbox itself asks this
+    /// first; exec and file calls ask it in the service.
+    pub async fn may_auto_resume(&self, id: &SandboxId) -> ServiceResult<bool> {
+        Ok(self.stored_lifecycle(id).await?.auto_resume)
+    }
+
+    /// Sandbox `id`'s idle timeout came (the scheduler, holding its
+    /// operation lock): hibernate it, or delete it when its policy says
+    /// `on_timeout: delete` (journaled as a delete, the reason in the
+    /// event's detail). Returns what was done.
+    pub(super) async fn idle_timeout_reached(
+        self: &Arc<Self>,
+        id: &SandboxId,
+        g: OpGuard,
+    ) -> ServiceResult<&'static str> {
+        match self.stored_lifecycle(id).await?.on_timeout {
+            OnTimeout::Hibernate => self.hibernate_locked(id, g).await.map(|_| "hibernated"),
+            OnTimeout::Delete => self
+                .delete_locked(
+                    id,
+                    g,
+                    Some("idle timeout, on_timeout=delete (system)".into()),
+                )
+                .await
+                .map(|_| "deleted"),
+        }
+    }
+
     /// Deletes a sandbox and its snapshots.
     pub async fn delete(
         self: &Arc<Self>,
@@ -171,10 +274,22 @@ impl Service {
     ) -> ServiceResult<SandboxRecord> {
         self.authorize_on(caller, id, lifecycle("delete"), opts)
             .await?;
-        let _g = self.acquire(id, Op::Delete, Who::User).await?;
+        let g = self.acquire(id, Op::Delete, Who::User).await?;
+        self.delete_locked(id, g, None).await
+    }
+
+    /// Deletes a sandbox under its operation lock; `detail` goes into the
+    /// journal (why the daemon deleted it).
+    pub(super) async fn delete_locked(
+        self: &Arc<Self>,
+        id: &SandboxId,
+        _g: OpGuard,
+        detail: Option<String>,
+    ) -> ServiceResult<SandboxRecord> {
         let mut rec = self.record(id).await?;
         let next = rec.state.apply(Op::Delete)?;
-        self.begin(&mut rec, Op::Delete, next, &[], None).await?;
+        self.begin(&mut rec, Op::Delete, next, &[], detail.clone())
+            .await?;
         if let Err(e) = self.engine.delete(id).await {
             self.failed(&mut rec, Op::Delete, &e.message(), &[]).await;
             return Err(e.into());
@@ -185,7 +300,7 @@ impl Service {
             Self::dropped(s, "sandbox deleted".into());
         }
         let refs: Vec<&SnapshotRecord> = snaps.iter().collect();
-        self.done(&mut rec, Op::Delete, next, None, &refs, None)
+        self.done(&mut rec, Op::Delete, next, None, &refs, detail)
             .await?;
         self.sched.remove(id);
         self.slots

@@ -106,7 +106,7 @@ impl Service {
         }
         self.authorize(caller, Some(id), CallKind::Snapshot, opts)
             .await?;
-        self.ensure_awake(id).await?;
+        self.ensure_awake_explicit(id).await?;
         let g = self.acquire(id, Op::Snapshot, Who::User).await?;
         self.snapshot_locked(id, SnapshotKind::Manual, cmd.label, g)
             .await

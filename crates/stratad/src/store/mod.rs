@@ -28,6 +28,56 @@ pub use sqlite::SqliteStore;
 /// The tenant every resource belongs to until tenants exist.
 pub const DEFAULT_TENANT: &str = "default";
 
+/// What a sandbox does at its idle timeout, and whether guest traffic wakes
+/// it from hibernation (kept beside the record, table `sandbox_lifecycle`,
+/// schema 8; inherited by forks). The default is the daemon's historical
+/// behaviour: hibernate, and wake on any use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LifecyclePolicy {
+    /// What the idle timeout does.
+    #[serde(default)]
+    pub on_timeout: OnTimeout,
+    /// Whether an exec, a file call or port traffic wakes the sandbox from
+    /// hibernation; `false`: only an explicit resume (E2B `connect`) does.
+    #[serde(default = "auto_resume_default")]
+    pub auto_resume: bool,
+}
+
+fn auto_resume_default() -> bool {
+    true
+}
+
+impl Default for LifecyclePolicy {
+    fn default() -> Self {
+        LifecyclePolicy {
+            on_timeout: OnTimeout::Hibernate,
+            auto_resume: true,
+        }
+    }
+}
+
+/// What a sandbox's idle timeout does.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnTimeout {
+    /// Hibernate (memory kept; the sandbox wakes later).
+    #[default]
+    Hibernate,
+    /// Delete the sandbox and its snapshots (E2B `on_timeout: kill`).
+    Delete,
+}
+
+impl OnTimeout {
+    /// The stored name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnTimeout::Hibernate => "hibernate",
+            OnTimeout::Delete => "delete",
+        }
+    }
+}
+
 /// A sandbox as recorded.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SandboxRecord {
@@ -461,6 +511,11 @@ pub trait Store: Send + Sync + 'static {
     fn put_sandbox_env(&self, id: &SandboxId, env: &BTreeMap<String, String>) -> StoreResult<()>;
     /// The environment variables kept with every sandbox not deleted.
     fn sandbox_envs(&self) -> StoreResult<Vec<(SandboxId, BTreeMap<String, String>)>>;
+    /// Keeps sandbox `id`'s lifecycle policy (only for a sandbox not
+    /// deleted; deleting the sandbox deletes it).
+    fn put_sandbox_lifecycle(&self, id: &SandboxId, policy: &LifecyclePolicy) -> StoreResult<()>;
+    /// Sandbox `id`'s lifecycle policy; `None`: the default.
+    fn sandbox_lifecycle(&self, id: &SandboxId) -> StoreResult<Option<LifecyclePolicy>>;
 
     /// Inserts or replaces a snapshot record.
     fn put_snapshot(&self, rec: &SnapshotRecord) -> StoreResult<()>;

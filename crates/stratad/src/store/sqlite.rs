@@ -380,6 +380,50 @@ impl Store for SqliteStore {
         Ok(out)
     }
 
+    fn put_sandbox_lifecycle(&self, id: &SandboxId, policy: &LifecyclePolicy) -> StoreResult<()> {
+        // Only for a sandbox not deleted (a delete racing this keeps none).
+        self.writer().execute(
+            "INSERT OR REPLACE INTO sandbox_lifecycle (sandbox_id, on_timeout, auto_resume, updated_at) \
+             SELECT ?1, ?2, ?3, ?4 FROM sandboxes WHERE id = ?1 AND state != 'deleted'",
+            params![
+                id.as_str(),
+                policy.on_timeout.as_str(),
+                policy.auto_resume,
+                ms(Utc::now())
+            ],
+        )?;
+        Ok(())
+    }
+
+    fn sandbox_lifecycle(&self, id: &SandboxId) -> StoreResult<Option<LifecyclePolicy>> {
+        let conn = self.reader();
+        let row: Option<(String, bool)> = conn
+            .query_row(
+                "SELECT on_timeout, auto_resume FROM sandbox_lifecycle WHERE sandbox_id = ?1",
+                [id.as_str()],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()?;
+        let Some((on, auto_resume)) = row else {
+            return Ok(None);
+        };
+        let on_timeout = match on.as_str() {
+            "hibernate" => OnTimeout::Hibernate,
+            "delete" => OnTimeout::Delete,
+            other => {
+                return Err(corrupt(
+                    "sandbox_lifecycle",
+                    id.as_str(),
+                    format!("on_timeout {other:?}"),
+                ))
+            }
+        };
+        Ok(Some(LifecyclePolicy {
+            on_timeout,
+            auto_resume,
+        }))
+    }
+
     fn put_snapshot(&self, rec: &SnapshotRecord) -> StoreResult<()> {
         self.commit(&[], &[rec], None)
     }

@@ -2,7 +2,7 @@
 //! (`PRAGMA user_version` counts them). Never edit a shipped migration: add one.
 
 /// Newest schema version this build knows.
-pub const SCHEMA_VERSION: i64 = 7;
+pub const SCHEMA_VERSION: i64 = 8;
 
 pub(super) const MIGRATIONS: &[&str] = &[
     // 1: initial schema.
@@ -134,6 +134,18 @@ pub(super) const MIGRATIONS: &[&str] = &[
     CREATE TABLE sandbox_env (
         sandbox_id TEXT PRIMARY KEY,
         env TEXT NOT NULL,
+        updated_at INTEGER NOT NULL
+    ) WITHOUT ROWID;
+    "#,
+    // 8: a sandbox's lifecycle policy (what its idle timeout does, whether
+    // guest traffic wakes it), kept with it and inherited by its forks; no
+    // row = the default (hibernate, wake on use). The row goes when the
+    // sandbox is deleted.
+    r#"
+    CREATE TABLE sandbox_lifecycle (
+        sandbox_id TEXT PRIMARY KEY,
+        on_timeout TEXT NOT NULL,
+        auto_resume INTEGER NOT NULL,
         updated_at INTEGER NOT NULL
     ) WITHOUT ROWID;
     "#,

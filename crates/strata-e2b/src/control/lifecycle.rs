@@ -1,0 +1,100 @@
+//! E2B's sandbox lifecycle (`Sandbox.create(lifecycle=…)`) on strata's
+//! per-sandbox [`LifecyclePolicy`].
+//!
+//! The SDKs resolve `lifecycle` into create-body fields: `autoPause`
+//! (`on_timeout` `"pause"` → `true`, `"kill"` → `false`, omitted when the
+//! caller chose nothing) and `autoResume: {"enabled": bool}`. Mapping:
+//! - `autoPause: false` → `on_timeout: delete`: at its timeout the daemon
+//!   deletes the sandbox (a delete in its journal, the reason in the
+//!   event's detail);
+//! - `autoPause: true` or omitted → `on_timeout: hibernate` (an omitted
+//!   one keeps strata's default: E2B's hosted API kills, strata keeps the
+//!   sandbox);
+//! - `autoResume.enabled: false` → a hibernated sandbox does not wake on an
+//!   envd call (it answers as E2B's proxy does for a sandbox that is not
+//!   running: `unavailable` / 502 "… was not found"); only `connect` or
+//!   `resume` wakes it. Enabled → any envd call wakes it; omitted → as
+//!   enabled, except with `autoPause: false` (E2B allows `autoResume` only
+//!   with a pausing timeout).
+//!
+//! `GET /sandboxes/{id}` reports it as `lifecycle: {onTimeout, autoResume}`;
+//! forks inherit it from their source.
+
+use serde::Deserialize;
+use serde_json::{json, Value};
+use stratad::store::{LifecyclePolicy, OnTimeout};
+
+use crate::error::{E2bError, E2bResult};
+
+/// `SandboxAutoResumeConfig`.
+#[derive(Debug, Default, Clone, Copy, Deserialize)]
+#[serde(default)]
+pub(super) struct AutoResume {
+    enabled: bool,
+}
+
+/// The policy a create body asks for: `None` when it names neither field
+/// (the default, or a fork's source's).
+pub(super) fn asked(
+    auto_pause: Option<bool>,
+    auto_resume: Option<AutoResume>,
+) -> E2bResult<Option<LifecyclePolicy>> {
+    if auto_pause.is_none() && auto_resume.is_none() {
+        return Ok(None);
+    }
+    let on_timeout = match auto_pause {
+        Some(false) => OnTimeout::Delete,
+        _ => OnTimeout::Hibernate,
+    };
+    let auto_resume = auto_resume.map(|a| a.enabled);
+    if on_timeout == OnTimeout::Delete && auto_resume == Some(true) {
+        return Err(E2bError::new(
+            400,
+            "autoResume can only be enabled when autoPause is true (on_timeout \"pause\")",
+        ));
+    }
+    // Unset: wake on use when the timeout pauses (strata's default); a
+    // `kill` sandbox paused by hand wakes only by connect (as E2B's).
+    Ok(Some(LifecyclePolicy {
+        on_timeout,
+        auto_resume: auto_resume.unwrap_or(on_timeout == OnTimeout::Hibernate),
+    }))
+}
+
+/// `SandboxLifecycle` of a sandbox detail.
+pub(super) fn to_json(p: LifecyclePolicy) -> Value {
+    json!({
+        "onTimeout": match p.on_timeout {
+            OnTimeout::Hibernate => "pause",
+            OnTimeout::Delete => "kill",
+        },
+        "autoResume": p.auto_resume,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn create_fields_map_onto_the_policy() {
+        assert_eq!(asked(None, None).unwrap(), None);
+        let on = |p: Option<bool>, r: Option<bool>| {
+            asked(p, r.map(|enabled| AutoResume { enabled }))
+                .unwrap()
+                .unwrap()
+        };
+        assert_eq!(on(Some(false), None).on_timeout, OnTimeout::Delete);
+        assert!(!on(Some(false), None).auto_resume);
+        assert_eq!(on(Some(true), None), LifecyclePolicy::default());
+        assert!(!on(Some(true), Some(false)).auto_resume);
+        assert!(!on(None, Some(false)).auto_resume);
+        assert_eq!(on(None, Some(false)).on_timeout, OnTimeout::Hibernate);
+        let bad = asked(Some(false), Some(AutoResume { enabled: true })).unwrap_err();
+        assert_eq!(bad.status, 400);
+        assert_eq!(
+            to_json(on(Some(false), Some(false))),
+            json!({"onTimeout": "kill", "autoResume": false})
+        );
+    }
+}
