@@ -12,9 +12,11 @@ set -euo pipefail
 # recommendation of gcc; cargo links with cc), pkg-config; g++ for libFuzzer
 # (scripts/fuzz.sh: libfuzzer-sys compiles it). Scripts and the
 # E2B SDK tests: curl, ca-certificates, python3, python3-venv, iproute2.
+# libnss-myhostname: glibc resolves *.localhost to loopback (the E2B door's
+# get_host(port) names, docs/ports.md), for Python and Node as curl does.
 need_pkgs=(qemu-system-x86 btrfs-progs debootstrap debian-archive-keyring busybox-static e2fsprogs
            cpio zstd kmod xz-utils mount util-linux iproute2 ca-certificates curl python3
-           python3-venv gcc g++ libc6-dev pkg-config)
+           python3-venv gcc g++ libc6-dev pkg-config libnss-myhostname)
 missing=()
 for p in "${need_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -28,6 +30,17 @@ if [ "${#missing[@]}" -gt 0 ] || [ "$qemu_utils_ok" = 0 ]; then
   apt-get update -q
   apt-get install -y -q --no-install-recommends --allow-downgrades "${missing[@]}" \
     qemu-utils/bookworm qemu-block-extra/bookworm
+fi
+
+# `myhostname` on the hosts line (after `files`): <port>-<id>.localhost
+# resolves to 127.0.0.1. Revert: remove the word from /etc/nsswitch.conf.
+if ! grep -Eq '^hosts:.*\bmyhostname\b' /etc/nsswitch.conf 2>/dev/null; then
+  echo "setup: adding myhostname to the hosts line of /etc/nsswitch.conf" >&2
+  if grep -Eq '^hosts:.*\bfiles\b' /etc/nsswitch.conf; then
+    sed -i -E '/^hosts:/ s/\bfiles\b/files myhostname/' /etc/nsswitch.conf
+  else
+    sed -i -E '/^hosts:/ s/$/ myhostname/' /etc/nsswitch.conf
+  fi
 fi
 
 modprobe loop 2>/dev/null || true

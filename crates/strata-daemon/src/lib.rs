@@ -53,6 +53,13 @@ pub fn e2b_door(cfg: &Config) -> anyhow::Result<Option<Mount>> {
         rate_limit_per_second: s.rate_limit_per_second,
         rate_limit_burst: s.rate_limit_burst,
         auth_failures_per_minute: s.auth_failures_per_minute,
+        // get_host(port) = <port>-<id>.localhost:<port> reaches this listener.
+        domain: Some(
+            s.domain
+                .clone()
+                .unwrap_or_else(|| format!("localhost:{}", cfg.listen.port())),
+        ),
+        public_ports: s.public_ports,
     };
     for k in &door.api_keys {
         tracing::info!(
@@ -63,14 +70,14 @@ pub fn e2b_door(cfg: &Config) -> anyhow::Result<Option<Mount>> {
         );
     }
     tracing::info!(secret = %secret_path.display(), keys = door.api_keys.len(), "E2B door on");
-    Ok(Some(Box::new(move |svc, sec| {
+    Ok(Some(Box::new(move |svc, sec, api| {
         let auth = sec.as_ref().is_some_and(|s| s.config().auth);
         if door.api_keys.is_empty() && !auth {
             tracing::warn!(
                 "no E2B API key and no strata authentication: the E2B control plane accepts any key"
             );
         }
-        strata_e2b::router(svc, sec, door)
+        strata_e2b::router_with_api(api, svc, sec, door)
     })))
 }
 

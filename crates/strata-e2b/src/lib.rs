@@ -41,6 +41,7 @@ pub mod control;
 pub mod envd;
 pub mod error;
 pub mod policy;
+pub mod ports;
 pub mod procs;
 pub mod proto;
 
@@ -93,6 +94,12 @@ pub struct E2bConfig {
     /// address may make per minute (as many at once); past that every
     /// request from it answers `429` until its bucket refills. `0`: no limit.
     pub auth_failures_per_minute: u32,
+    /// The `domain` answered at create/connect (`get_host(port)` =
+    /// `<port>-<id>.<domain>`; the daemon sets `localhost:<its port>` unless
+    /// configured); `None`: answered as `null`.
+    pub domain: Option<String>,
+    /// Guest ports answer requests without a credential ([`ports`]).
+    pub public_ports: bool,
 }
 
 /// Default of [`E2bConfig::max_request_bytes`]: 16 MiB.
@@ -110,6 +117,8 @@ impl Default for E2bConfig {
             rate_limit_per_second: 100.0,
             rate_limit_burst: 200,
             auth_failures_per_minute: 60,
+            domain: None,
+            public_ports: true,
         }
     }
 }
@@ -257,7 +266,25 @@ pub(crate) async fn capped_body(req: Request, limit: usize) -> Result<Bytes, Bod
 /// tenancy, policy and audit. Has no fallback, so it merges into stratad's
 /// router (`app.router().merge(strata_e2b::router(…))`).
 pub fn router(svc: Arc<Service>, sec: Option<Arc<Security>>, cfg: E2bConfig) -> Router {
+    routes(E2b::new(svc, sec, cfg))
+}
+
+/// The router to serve: `api` (stratad's) with the E2B API merged, and in
+/// front of every route the door's guest-port routing ([`ports::dispatch`]:
+/// a `Host` of `<port>-<id>.<domain>`, or `E2b-Sandbox-Port` other than
+/// envd's, goes to that guest port whatever its path).
+pub fn router_with_api(
+    api: Router,
+    svc: Arc<Service>,
+    sec: Option<Arc<Security>>,
+    cfg: E2bConfig,
+) -> Router {
     let state = E2b::new(svc, sec, cfg);
+    api.merge(routes(state.clone()))
+        .layer(axum::middleware::from_fn_with_state(state, ports::dispatch))
+}
+
+fn routes(state: Arc<E2b>) -> Router {
     let control = Router::new()
         .route("/sandboxes", post(control::create).get(control::list_v1))
         .route("/v2/sandboxes", post(control::create).get(control::list_v2))

@@ -66,6 +66,25 @@ pub enum CallKind {
         /// The operation name.
         op: String,
     },
+    /// A connection from outside to a TCP port of the sandbox (over the
+    /// agent channel). Decided when it opens; audited once, when it closes,
+    /// with its byte counts.
+    Port {
+        /// Guest TCP port.
+        port: u16,
+        /// Bytes carried, once the connection closed (absent while deciding).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        bytes: Option<PortBytes>,
+    },
+}
+
+/// Bytes one port connection carried ([`CallKind::Port`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PortBytes {
+    /// From the outside client to the guest port.
+    pub to_guest: u64,
+    /// From the guest port to the outside client.
+    pub from_guest: u64,
 }
 
 /// Kinds of tool call, as named in policy files.
@@ -88,11 +107,13 @@ pub enum KindName {
     Rewind,
     /// [`CallKind::Lifecycle`]
     Lifecycle,
+    /// [`CallKind::Port`]
+    Port,
 }
 
 impl KindName {
     /// Every kind, in a fixed order (index = [`KindName::index`]).
-    pub const ALL: [KindName; 8] = [
+    pub const ALL: [KindName; 9] = [
         KindName::Exec,
         KindName::FileRead,
         KindName::FileWrite,
@@ -101,6 +122,7 @@ impl KindName {
         KindName::Fork,
         KindName::Rewind,
         KindName::Lifecycle,
+        KindName::Port,
     ];
 
     /// Stable small index of this kind.
@@ -119,6 +141,7 @@ impl KindName {
             KindName::Fork => "fork",
             KindName::Rewind => "rewind",
             KindName::Lifecycle => "lifecycle",
+            KindName::Port => "port",
         }
     }
 }
@@ -141,6 +164,7 @@ impl CallKind {
             CallKind::Fork => KindName::Fork,
             CallKind::Rewind => KindName::Rewind,
             CallKind::Lifecycle { .. } => KindName::Lifecycle,
+            CallKind::Port { .. } => KindName::Port,
         }
     }
 }

@@ -23,4 +23,6 @@ mod runtime;
 pub use api::*;
 pub use error::{GuestErrorKind, RuntimeError};
 pub use meta::{StateMeta, SNAPSHOT_FORMAT_VERSION};
+pub use runtime::PortOpenError;
+pub use strata_proto::client::{PortCounters, PortError, PortStream};
 pub use runtime::{load_image, qemu_version, EgressResolver, Runtime, TemplateBuilt, VmDied};

@@ -244,6 +244,17 @@ pub struct E2bSettings {
     /// many at once); past that the address gets `429` until its bucket
     /// refills. `0`: no limit.
     pub auth_failures_per_minute: u32,
+    /// The `domain` of the create/connect answers: the SDKs' `get_host(port)`
+    /// is `<port>-<sandbox id>.<domain>`, routed by the `Host` header (a
+    /// real wildcard domain, e.g. `sandboxes.example.com`). Unset:
+    /// `localhost:<the port of listen>` (docs/ports.md).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub domain: Option<String>,
+    /// Guest ports are reachable without a credential, by anyone who knows
+    /// the sandbox id (E2B's `allow_public_traffic` default). `false`: a
+    /// port request needs `e2b-traffic-access-token`, `X-Access-Token` or
+    /// `X-API-KEY`.
+    pub public_ports: bool,
 }
 
 impl Default for E2bSettings {
@@ -259,6 +270,8 @@ impl Default for E2bSettings {
             rate_limit_per_second: 100.0,
             rate_limit_burst: 200,
             auth_failures_per_minute: 60,
+            domain: None,
+            public_ports: true,
         }
     }
 }

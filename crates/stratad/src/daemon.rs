@@ -189,8 +189,15 @@ pub async fn run(
 /// Extra routes served next to the API (e.g. the E2B front door), built from
 /// the daemon's service and its security subsystem (tokens, policy,
 /// approvals, audit; `None` when it failed to open) once they are open.
+/// Given the API's router, it returns the router to serve: the API's with
+/// its own routes merged (and any layer that must see every request, e.g.
+/// the E2B door's routing of guest-port traffic by `Host`).
 pub type Mount = Box<
-    dyn FnOnce(Arc<crate::service::Service>, Option<Arc<crate::security::Security>>) -> axum::Router
+    dyn FnOnce(
+            Arc<crate::service::Service>,
+            Option<Arc<crate::security::Security>>,
+            axum::Router,
+        ) -> axum::Router
         + Send,
 >;
 
@@ -267,9 +274,7 @@ pub async fn run_with(
     let result = match mount {
         None => crate::serve(&app, listener, shutdown).await,
         Some(mount) => {
-            let router = app
-                .router()
-                .merge(mount(app.service().clone(), app.security().cloned()));
+            let router = mount(app.service().clone(), app.security().cloned(), app.router());
             // Connect info: the E2B door limits failed logins per address.
             let router = router.into_make_service_with_connect_info::<std::net::SocketAddr>();
             let r = axum::serve(listener, router)

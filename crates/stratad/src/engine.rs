@@ -33,6 +33,7 @@ use strata_core::{SandboxId, SandboxSize, SnapshotId, TemplateId};
 pub mod runtime;
 pub mod unavailable;
 
+pub use strata_runtime::{PortCounters, PortError, PortOpenError, PortStream};
 pub use strata_proto::{
     AgentError, Command, DirEntry, ExecEvent, ExecInput, ExecRequest, ExitStatus, FileKind,
     PtySize, Stdin,
@@ -216,6 +217,14 @@ pub trait Engine: Send + Sync + 'static {
     /// channel keep the default.
     async fn probe_agent(&self, _id: &SandboxId, _within: std::time::Duration) -> EngineResult<()> {
         Ok(())
+    }
+
+    /// Opens a byte stream to `127.0.0.1:<port>` inside the running
+    /// sandbox `id`, over its agent channel. Engines without one refuse
+    /// ([`PortError::Unsupported`]).
+    async fn connect_port(&self, id: &SandboxId, port: u16) -> Result<PortStream, PortOpenError> {
+        let _ = (id, port);
+        Err(PortOpenError::Port(PortError::Unsupported))
     }
 
     /// VMs that died unexpectedly. Called once, at start.

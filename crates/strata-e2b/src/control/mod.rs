@@ -169,7 +169,8 @@ impl E2b {
             "clientID": self.cfg.client_id,
             "envdVersion": ENVD_VERSION,
             "envdAccessToken": self.envd_token(rec.id.as_str()),
-            "domain": Value::Null,
+            "trafficAccessToken": crate::ports::traffic_token(&self.cfg.token_secret, rec.id.as_str()),
+            "domain": self.cfg.domain,
         })
     }
 
@@ -201,7 +202,7 @@ impl E2b {
         }
         let policy = self.svc.lifecycle_policy(caller, &rec.id).await?;
         v["lifecycle"] = lifecycle::to_json(policy);
-        v["domain"] = Value::Null;
+        v["domain"] = json!(self.cfg.domain);
         Ok(v)
     }
 

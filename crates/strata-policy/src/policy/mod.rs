@@ -405,7 +405,9 @@ impl PolicySet {
                 })
             }
             CallKind::Lifecycle { op } => Prepared::Op(op),
-            CallKind::Snapshot | CallKind::Fork | CallKind::Rewind => Prepared::None,
+            CallKind::Snapshot | CallKind::Fork | CallKind::Rewind | CallKind::Port { .. } => {
+                Prepared::None
+            }
         })
     }
 

@@ -39,6 +39,7 @@ use crate::meta::{files, StateMeta};
 
 mod agent;
 mod discovery;
+mod ports;
 mod rewind;
 mod snapshot;
 mod start;
@@ -46,6 +47,7 @@ mod templates;
 mod vms;
 
 pub use agent::EgressResolver;
+pub use ports::PortOpenError;
 pub use templates::TemplateBuilt;
 pub use vms::VmDied;
 

@@ -280,6 +280,10 @@ impl Engine for RuntimeEngine {
         self.rt.adopt(id).await
     }
 
+    async fn connect_port(&self, id: &SandboxId, port: u16) -> Result<PortStream, PortOpenError> {
+        self.rt.connect_port(id, port).await
+    }
+
     fn exit_events(&self) -> tokio::sync::mpsc::UnboundedReceiver<VmDied> {
         // The runtime hands its receiver out once; later callers get a
         // stream that is empty and ends.

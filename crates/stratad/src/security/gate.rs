@@ -22,6 +22,24 @@ use super::Security;
 pub trait ToolGate: Send + Sync + std::fmt::Debug {
     /// `Ok` when the call may run now; every decision is audited first.
     async fn check(&self, call: ToolCall, opts: GateOptions) -> Result<(), GateRefusal>;
+
+    /// Decides a call that is audited once, when it ends ([`ToolGate::close`]:
+    /// a port connection, with its byte counts): a refusal is audited at
+    /// once; `Ok(Some(decision))` is to be handed to `close`. The default
+    /// audits at once, like [`ToolGate::check`] (`Ok(None)`: nothing later).
+    async fn open(
+        &self,
+        call: ToolCall,
+        opts: GateOptions,
+    ) -> Result<Option<Decision>, GateRefusal> {
+        self.check(call, opts).await.map(|()| None)
+    }
+
+    /// Appends the one audit entry of a call [`ToolGate::open`] allowed.
+    async fn close(&self, call: ToolCall, decision: Decision) -> Result<(), String> {
+        let _ = (call, decision);
+        Ok(())
+    }
 }
 
 /// The daemon's gate: [`Security::gate`].
@@ -32,6 +50,29 @@ pub struct SecurityGate(pub Arc<Security>);
 impl ToolGate for SecurityGate {
     async fn check(&self, call: ToolCall, opts: GateOptions) -> Result<(), GateRefusal> {
         self.0.gate(call, opts).await
+    }
+
+    async fn open(
+        &self,
+        call: ToolCall,
+        opts: GateOptions,
+    ) -> Result<Option<Decision>, GateRefusal> {
+        let d = self.0.evaluate(&call);
+        if d.effect == Effect::Allow {
+            // Audited when it closes.
+            return Ok(Some(d));
+        }
+        // Denied or held: decided (and audited) as any call.
+        self.0.gate(call, opts).await.map(|()| Some(d))
+    }
+
+    async fn close(&self, call: ToolCall, decision: Decision) -> Result<(), String> {
+        let sec = self.0.clone();
+        tokio::task::spawn_blocking(move || {
+            sec.record(&call, &decision, Outcome::Allowed, None, None)
+        })
+        .await
+        .map_err(|e| format!("audit: {e}"))?
     }
 }
 

@@ -31,6 +31,7 @@ mod guest;
 mod journal;
 mod lifecycle;
 mod oplock;
+mod ports;
 mod prelude;
 mod recovery;
 mod rewind;
@@ -42,6 +43,7 @@ pub use background::ScheduledActions;
 pub use commands::*;
 pub use error::*;
 pub use guest::{Grant, GuestOp, MAX_PTY_SIDE};
+pub use ports::{is_port_closed, PortConn};
 pub(crate) use journal::VmNow;
 pub(crate) use oplock::*;
 

@@ -1,0 +1,457 @@
+//! Guest ports through the door: the two ways the E2B SDKs address a
+//! sandbox port, reverse-proxied to `127.0.0.1:<port>` in the guest over
+//! the agent channel ([`Service::open_port`]: tenancy, wake, policy, one
+//! audit entry per connection).
+//!
+//! - `Host: <port>-<sandbox id>.<domain>` (what `get_host(port)` gives;
+//!   `domain` is the create/connect answer's, [`E2b::domain`]), any path.
+//! - `E2b-Sandbox-Id` + `E2b-Sandbox-Port` other than envd's 49983 (how the
+//!   SDKs send everything to `E2B_SANDBOX_URL`), any path.
+//!
+//! Port 49983 (by either) is envd: the request goes on to the envd routes.
+//! Every other request is not a port request and goes on unchanged.
+//!
+//! Credentials (checked before the body is read): `e2b-traffic-access-token`
+//! (the create answer's `trafficAccessToken`) or `X-Access-Token` (the envd
+//! token) of that sandbox act as the caller the sandbox's envd token was
+//! handed to; `X-API-KEY` acts as its key's caller (another tenant's sandbox
+//! answers like an unknown one). Without any, the request is served as the
+//! sandbox's envd caller when [`crate::E2bConfig::public_ports`] (E2B's
+//! `allow_public_traffic` default), else refused `401`. A wrong token is
+//! `401` and counts against the source address. The credential headers are
+//! not forwarded to the guest.
+//!
+//! Each proxied HTTP request is one port connection (HTTP/1.1 to the guest,
+//! no pooling), streamed both ways: request and response bodies are never
+//! buffered whole (SSE and chunked answers flow as the guest writes them).
+//! `Upgrade` requests (WebSocket) get the guest's `101` and then a raw byte
+//! pipe between the client's and the guest's connection. Answers the door
+//! makes itself: `502` when nothing listens on the guest port (E2B's "port
+//! is not open"), `404` for an unknown sandbox, the service's codes else,
+//! as `{"code": <status>, "message": …, "sandboxId": …, "port": …}`.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use hyper_util::rt::TokioIo;
+use serde_json::json;
+use strata_core::SandboxId;
+use stratad::caller::Caller;
+use stratad::service::{is_port_closed, ServiceError};
+
+use crate::policy::gate_opts;
+use crate::E2b;
+
+/// envd's port: requests for it are served by the door's envd routes.
+pub const ENVD_PORT: u16 = 49983;
+/// The SDKs' header naming the sandbox.
+pub const SANDBOX_ID_HEADER: &str = "e2b-sandbox-id";
+/// The SDKs' header naming the sandbox port.
+pub const SANDBOX_PORT_HEADER: &str = "e2b-sandbox-port";
+/// The traffic token header of non-public sandboxes.
+pub const TRAFFIC_TOKEN_HEADER: &str = "e2b-traffic-access-token";
+
+/// Headers that are the door's (credentials, routing) and stay here.
+const DOOR_HEADERS: [&str; 5] = [
+    "x-api-key",
+    "x-access-token",
+    TRAFFIC_TOKEN_HEADER,
+    SANDBOX_ID_HEADER,
+    SANDBOX_PORT_HEADER,
+];
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1), not forwarded either way
+/// (`Connection` and `Upgrade` are set again for an upgrade).
+const HOP_HEADERS: [&str; 8] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+];
+
+/// The port traffic token of sandbox `id` (distinct from its envd token).
+pub fn traffic_token(secret: &[u8], id: &str) -> String {
+    hex::encode(crate::auth::hmac_sha256(
+        secret,
+        format!("traffic:{id}").as_bytes(),
+    ))
+}
+
+/// Where a port request goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    /// The sandbox, as the request spelled it.
+    pub sandbox: String,
+    /// The guest port.
+    pub port: u16,
+}
+
+/// `<port>-<id>` of a `Host` (the first label, any port suffix removed):
+/// `None` when it does not have that form, or the rest is not `domain`
+/// (when one is configured).
+pub fn host_target(host: &str, domain: Option<&str>) -> Option<Target> {
+    let (label, rest) = host.split_once('.')?;
+    if let Some(d) = domain {
+        let d = d.trim_end_matches('.');
+        if !rest.trim_end_matches('.').eq_ignore_ascii_case(d) {
+            return None;
+        }
+    }
+    let (port, id) = label.split_once('-')?;
+    if port.is_empty() || !port.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let port: u16 = port.parse().ok()?;
+    id.parse::<SandboxId>().ok()?;
+    Some(Target {
+        sandbox: id.to_owned(),
+        port,
+    })
+}
+
+fn header_str<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    h.get(name).and_then(|v| v.to_str().ok()).map(str::trim)
+}
+
+/// The port request `headers` make, if any: `Err` for a malformed one.
+fn target(st: &E2b, headers: &HeaderMap) -> Option<Result<Target, Response>> {
+    if let Some(host) = header_str(headers, header::HOST.as_str()) {
+        if let Some(t) = host_target(host, st.cfg.domain.as_deref()) {
+            return (t.port != ENVD_PORT).then_some(Ok(t));
+        }
+    }
+    let port = header_str(headers, SANDBOX_PORT_HEADER)?;
+    let Ok(port) = port.parse::<u16>() else {
+        return Some(Err(refuse(
+            400,
+            format!("{SANDBOX_PORT_HEADER} {port:?} is not a port"),
+            None,
+        )));
+    };
+    if port == ENVD_PORT {
+        return None;
+    }
+    let Some(id) = header_str(headers, SANDBOX_ID_HEADER) else {
+        return Some(Err(refuse(
+            400,
+            format!("{SANDBOX_PORT_HEADER} without {SANDBOX_ID_HEADER}"),
+            None,
+        )));
+    };
+    Some(Ok(Target {
+        sandbox: id.to_owned(),
+        port,
+    }))
+}
+
+fn refuse(status: u16, message: String, t: Option<&Target>) -> Response {
+    let code = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut body = json!({"code": status, "message": message});
+    if let Some(t) = t {
+        body["sandboxId"] = json!(t.sandbox);
+        body["port"] = json!(t.port);
+    }
+    (code, Json(body)).into_response()
+}
+
+/// Middleware in front of every route: port requests are proxied, the rest
+/// goes on (see the module docs).
+pub async fn dispatch(State(st): State<Arc<E2b>>, req: Request, next: Next) -> Response {
+    match target(&st, req.headers()) {
+        None => next.run(req).await,
+        Some(Err(r)) => r,
+        Some(Ok(t)) => proxy(st, t, req).await,
+    }
+}
+
+/// The caller a port request acts as (module docs), or the refusal.
+async fn port_caller(
+    st: &E2b,
+    id: &SandboxId,
+    t: &Target,
+    h: &HeaderMap,
+) -> Result<Caller, Response> {
+    let secret = &st.cfg.token_secret;
+    let token = header_str(h, TRAFFIC_TOKEN_HEADER)
+        .map(|v| (v, traffic_token(secret, id.as_str())))
+        .or_else(|| {
+            header_str(h, "x-access-token")
+                .map(|v| (v, crate::auth::envd_token(secret, id.as_str())))
+        });
+    if let Some((given, want)) = token {
+        if !crate::auth::constant_time_eq(given.as_bytes(), want.as_bytes()) {
+            return Err(refuse(
+                401,
+                "invalid traffic access token for this sandbox".into(),
+                Some(t),
+            ));
+        }
+        return st.envd_caller(id).await.map_err(|e| caller_refusal(e, t));
+    }
+    if let Some(key) = header_str(h, "x-api-key").filter(|k| !k.is_empty()) {
+        return crate::auth::caller_of(st, key)
+            .await
+            .map_err(|e| refuse(e.status, e.message.clone(), Some(t)));
+    }
+    if !st.cfg.public_ports {
+        return Err(refuse(
+            401,
+            format!("sandbox ports need {TRAFFIC_TOKEN_HEADER} (or X-Access-Token / X-API-KEY)"),
+            Some(t),
+        ));
+    }
+    st.envd_caller(id).await.map_err(|e| caller_refusal(e, t))
+}
+
+fn service_refusal(e: &ServiceError, t: &Target) -> Response {
+    if is_port_closed(e) {
+        return refuse(
+            502,
+            format!(
+                "the sandbox {} is running but nothing listens on port {}: {}",
+                t.sandbox,
+                t.port,
+                e.message()
+            ),
+            Some(t),
+        );
+    }
+    refuse(e.code().http_status(), e.message(), Some(t))
+}
+
+fn source_of(req: &Request) -> Option<std::net::IpAddr> {
+    req.extensions()
+        .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+        .map(|c| c.0.ip())
+}
+
+/// An envd-caller failure as a port refusal: an unknown sandbox `404`.
+fn caller_refusal(e: crate::connect::ConnectError, t: &Target) -> Response {
+    let status = match e.code {
+        crate::connect::Code::NotFound | crate::connect::Code::Unavailable => 404,
+        crate::connect::Code::Unauthenticated => 401,
+        crate::connect::Code::PermissionDenied => 403,
+        _ => 500,
+    };
+    refuse(status, e.message, Some(t))
+}
+
+async fn proxy(st: Arc<E2b>, t: Target, mut req: Request) -> Response {
+    if let Some(wait) = source_of(&req).and_then(|a| st.failures.blocked(a, Instant::now())) {
+        return refuse(
+            429,
+            format!(
+                "too many failed authentications from this address; retry in {}s",
+                wait.as_secs().max(1)
+            ),
+            Some(&t),
+        );
+    }
+    let Ok(id) = t.sandbox.parse::<SandboxId>() else {
+        return refuse(404, format!("sandbox {} not found", t.sandbox), Some(&t));
+    };
+    let addr = source_of(&req);
+    let caller = match port_caller(&st, &id, &t, req.headers()).await {
+        Ok(c) => c,
+        Err(r) => {
+            if r.status() == StatusCode::UNAUTHORIZED {
+                if let Some(a) = addr {
+                    st.failures.failed(a, Instant::now());
+                }
+            }
+            return r;
+        }
+    };
+    let conn = match st.svc.open_port(&caller, &id, t.port, &gate_opts()).await {
+        Ok(c) => c,
+        Err(e) => return service_refusal(&e, &t),
+    };
+    let (mut sender, connection) =
+        match hyper::client::conn::http1::handshake(TokioIo::new(conn)).await {
+            Ok(x) => x,
+            Err(e) => return refuse(502, format!("guest port {}: {e}", t.port), Some(&t)),
+        };
+    tokio::spawn(async move {
+        if let Err(e) = connection.with_upgrades().await {
+            tracing::debug!(error = %e, "guest port connection ended with an error");
+        }
+    });
+    let upgrade = is_upgrade(req.headers());
+    let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
+    let out = match guest_request(req, upgrade) {
+        Ok(r) => r,
+        Err(m) => return refuse(400, m, Some(&t)),
+    };
+    let mut resp = match sender.send_request(out).await {
+        Ok(r) => r,
+        Err(e) => {
+            return refuse(
+                502,
+                format!("guest port {} gave no HTTP answer: {e}", t.port),
+                Some(&t),
+            )
+        }
+    };
+    if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+        if let Some(client_upgrade) = client_upgrade {
+            let guest_upgrade = hyper::upgrade::on(&mut resp);
+            tokio::spawn(async move {
+                let (c, g) = match tokio::try_join!(client_upgrade, guest_upgrade) {
+                    Ok(x) => x,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "upgrade through the port proxy failed");
+                        return;
+                    }
+                };
+                let (mut c, mut g) = (TokioIo::new(c), TokioIo::new(g));
+                if let Err(e) = tokio::io::copy_bidirectional(&mut c, &mut g).await {
+                    tracing::debug!(error = %e, "upgraded port connection ended");
+                }
+            });
+            let (mut parts, _) = resp.into_parts();
+            let proto = parts_upgrade(&parts.headers);
+            strip(&mut parts.headers, true);
+            set_upgrade(&mut parts.headers, &proto);
+            return Response::from_parts(parts, Body::empty());
+        }
+    }
+    let (mut parts, body) = resp.into_parts();
+    strip(&mut parts.headers, false);
+    Response::from_parts(parts, Body::new(body))
+}
+
+fn parts_upgrade(h: &HeaderMap) -> Option<HeaderValue> {
+    h.get(header::UPGRADE).cloned()
+}
+
+fn set_upgrade(h: &mut HeaderMap, proto: &Option<HeaderValue>) {
+    if let Some(p) = proto {
+        h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        h.insert(header::UPGRADE, p.clone());
+    }
+}
+
+fn is_upgrade(h: &HeaderMap) -> bool {
+    h.contains_key(header::UPGRADE)
+        && h.get_all(header::CONNECTION).iter().any(|v| {
+            v.to_str().is_ok_and(|s| {
+                s.split(',')
+                    .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
+            })
+        })
+}
+
+/// Removes hop-by-hop headers (and those `Connection` names); with
+/// `keep_upgrade`, `Upgrade` stays for the caller to set again.
+fn strip(h: &mut HeaderMap, keep_upgrade: bool) {
+    let named: Vec<HeaderName> = h
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|s| s.split(','))
+        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+        .collect();
+    for n in named {
+        if !(keep_upgrade && n == header::UPGRADE) {
+            h.remove(n);
+        }
+    }
+    for n in HOP_HEADERS {
+        h.remove(n);
+    }
+    if !keep_upgrade {
+        h.remove(header::UPGRADE);
+    }
+}
+
+/// The request as the guest gets it: origin-form URI, the client's headers
+/// without the door's and hop-by-hop ones, the body streamed.
+fn guest_request(req: Request, upgrade: bool) -> Result<Request, String> {
+    let (mut parts, body) = req.into_parts();
+    let pq = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str().to_owned())
+        .unwrap_or_else(|| "/".into());
+    parts.uri = pq.parse().map_err(|e| format!("request target: {e}"))?;
+    let proto = parts_upgrade(&parts.headers);
+    strip(&mut parts.headers, upgrade);
+    for n in DOOR_HEADERS {
+        parts.headers.remove(n);
+    }
+    if upgrade {
+        set_upgrade(&mut parts.headers, &proto);
+    }
+    if !parts.headers.contains_key(header::HOST) {
+        parts
+            .headers
+            .insert(header::HOST, HeaderValue::from_static("localhost"));
+    }
+    parts.version = axum::http::Version::HTTP_11;
+    Ok(Request::from_parts(parts, body))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hosts_of_get_host_are_recognised() {
+        let t = host_target("8000-sb-0123456789abcdef.localhost:47983", None);
+        assert_eq!(
+            t,
+            Some(Target {
+                sandbox: "sb-0123456789abcdef".into(),
+                port: 8000
+            })
+        );
+        for not in [
+            "localhost:47983",
+            "127.0.0.1:47983",
+            "abc-sb-1.localhost",
+            "8000-notanid.localhost",
+            "99999-sb-0123456789abcdef.localhost",
+            "8000-sb-0123456789abcdef",
+        ] {
+            assert_eq!(host_target(not, None), None, "{not}");
+        }
+        let d = Some("sandboxes.example.com");
+        assert!(host_target("80-sb-0123456789abcdef.sandboxes.example.com", d).is_some());
+        assert!(host_target("80-sb-0123456789abcdef.other.example.com", d).is_none());
+    }
+
+    #[test]
+    fn hop_headers_go_and_upgrade_is_kept_only_when_asked() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, x-drop"),
+        );
+        h.insert("x-drop", HeaderValue::from_static("1"));
+        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        h.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        h.insert("x-keep", HeaderValue::from_static("1"));
+        let mut a = h.clone();
+        strip(&mut a, false);
+        assert!(a.get("x-keep").is_some());
+        for gone in ["connection", "x-drop", "upgrade", "transfer-encoding"] {
+            assert!(a.get(gone).is_none(), "{gone}");
+        }
+        let mut b = h;
+        strip(&mut b, true);
+        assert!(b.get(header::UPGRADE).is_some());
+    }
+}
