@@ -25,4 +25,6 @@ pub use error::{GuestErrorKind, RuntimeError};
 pub use meta::{StateMeta, SNAPSHOT_FORMAT_VERSION};
 pub use runtime::PortOpenError;
 pub use strata_proto::client::{PortCounters, PortError, PortStream};
-pub use runtime::{load_image, qemu_version, EgressResolver, Runtime, TemplateBuilt, VmDied};
+pub use runtime::{
+    load_image, qemu_version, CpuSource, EgressResolver, Runtime, TemplateBuilt, VmDied, VmUsage,
+};

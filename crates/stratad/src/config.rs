@@ -360,6 +360,35 @@ pub struct Config {
     pub quotas: QuotaConfig,
     /// Caps on guest egress connections (tunnels).
     pub egress: EgressConfig,
+    /// The per-sandbox usage sampler (`docs/metrics.md`).
+    pub metrics: MetricsConfig,
+}
+
+/// `[metrics]`: the per-sandbox usage sampler (CPU, memory, disk over time;
+/// `GET /v1/sandboxes/{id}/metrics`, `docs/metrics.md`). Its memory is
+/// bounded: at most `max_sandboxes` series of at most
+/// `service::sampler::MAX_POINTS` points each.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// Time between two samples of every running sandbox (`0s`: no sampler).
+    #[serde(with = "serde_human")]
+    pub interval: Duration,
+    /// How far back a sandbox's series reaches.
+    #[serde(with = "serde_human")]
+    pub window: Duration,
+    /// Series kept at once (the least recently sampled goes first).
+    pub max_sandboxes: usize,
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        MetricsConfig {
+            interval: Duration::from_secs(5),
+            window: Duration::from_secs(3600),
+            max_sandboxes: 1024,
+        }
+    }
 }
 
 /// `[egress]`: caps on what a guest can open through its egress proxy
@@ -432,6 +461,7 @@ impl Default for Config {
             e2b: E2bSettings::default(),
             quotas: QuotaConfig::default(),
             egress: EgressConfig::default(),
+            metrics: MetricsConfig::default(),
         }
     }
 }
@@ -528,6 +558,24 @@ impl Config {
         if self.e2b.default_timeout < Duration::from_secs(1) {
             return Err(ConfigError::Invalid(
                 "e2b.default_timeout must be at least 1s".into(),
+            ));
+        }
+        let m = &self.metrics;
+        if !m.interval.is_zero()
+            && (m.interval < Duration::from_secs(1) || m.interval > Duration::from_secs(3600))
+        {
+            return Err(ConfigError::Invalid(
+                "metrics.interval must be 0s (off) or between 1s and 1h".into(),
+            ));
+        }
+        if m.window < m.interval || m.window > Duration::from_secs(7 * 86400) {
+            return Err(ConfigError::Invalid(
+                "metrics.window must be at least metrics.interval and at most 7d".into(),
+            ));
+        }
+        if !(1..=65536).contains(&m.max_sandboxes) {
+            return Err(ConfigError::Invalid(
+                "metrics.max_sandboxes must be between 1 and 65536".into(),
             ));
         }
         if self.max_json_body_bytes < 1024 {
@@ -629,6 +677,19 @@ mod tests {
         assert_eq!(c.quotas.sandbox.memory_mib, Some(4096));
         assert!(c.quotas.limits_pool_bytes());
         assert!(toml::from_str::<Config>("[quotas.tenant]\ncpus = 1\n").is_err());
+    }
+
+    #[test]
+    fn metrics_section() {
+        let c: Config = toml::from_str("[metrics]\ninterval = \"1s\"\nwindow = \"10m\"\n").unwrap();
+        assert_eq!(c.metrics.interval, Duration::from_secs(1));
+        assert_eq!(c.metrics.max_sandboxes, 1024);
+        c.validate().unwrap();
+        for bad in ["interval = \"2h\"", "window = \"1s\"", "max_sandboxes = 0"] {
+            let c: Config = toml::from_str(&format!("[metrics]\n{bad}\n")).unwrap();
+            assert!(c.validate().is_err(), "{bad}");
+        }
+        assert!(toml::from_str::<Config>("[metrics]\nintervall = \"1s\"\n").is_err());
     }
 
     #[test]

@@ -39,8 +39,8 @@ pub use strata_proto::{
     PtySize, Stdin,
 };
 pub use strata_runtime::{
-    GuestErrorKind, LiveVm, RuntimeError, SnapshotInfo, Source, SpaceUsage, Subvolumes,
-    TemplateBuilt, VmDied, VmInfo,
+    CpuSource, GuestErrorKind, LiveVm, RuntimeError, SnapshotInfo, Source, SpaceUsage, Subvolumes,
+    TemplateBuilt, VmDied, VmInfo, VmUsage,
 };
 
 /// A command's events as the agent sends them: `Started` (from the
@@ -217,6 +217,15 @@ pub trait Engine: Send + Sync + 'static {
     /// channel keep the default.
     async fn probe_agent(&self, _id: &SandboxId, _within: std::time::Duration) -> EngineResult<()> {
         Ok(())
+    }
+
+    /// What every live VM of this host uses now (cumulative CPU time,
+    /// resident guest RAM, disk allocation): the counters the daemon's
+    /// sampler (`service::sampler`) turns into per-sandbox series. Cheap
+    /// (a few `/proc` and `stat` reads per VM); engines without VMs answer
+    /// nothing.
+    async fn usage(&self) -> EngineResult<Vec<VmUsage>> {
+        Ok(Vec::new())
     }
 
     /// Opens a byte stream to `127.0.0.1:<port>` inside the running

@@ -128,6 +128,8 @@ impl App {
             }
             watcher.abort();
         });
+        // The per-sandbox usage sampler (`[metrics]`), stopped with the rest.
+        self.service.spawn_sampler(self.shutdown.subscribe());
         let cfg = self.service.config();
         let driver = scheduler::DriverConfig {
             max_concurrent: cfg.max_concurrent_tasks,

@@ -100,7 +100,8 @@ pub enum Command {
     /// Build, list or delete templates.
     #[command(subcommand)]
     Template(template::TemplateCmd),
-    /// Latency percentiles of the daemon's operations.
+    /// Latency percentiles of the daemon's operations; with ID, that
+    /// sandbox's CPU, memory and disk use over time.
     Stats(stats::Args),
     /// The approval queue: calls held by policy until a human answers.
     #[command(subcommand)]

@@ -1,18 +1,110 @@
-//! `strata stats`: latency percentiles of the daemon (`GET /v1/stats`).
+//! `strata stats`: latency percentiles of the daemon (`GET /v1/stats`);
+//! `strata stats ID`: one sandbox's usage, its latest sample and a short
+//! history (`GET /v1/sandboxes/{id}/metrics`).
+
+use serde::Deserialize;
 
 use super::Ctx;
 use crate::human;
 use crate::views::{view, Stats, Summary};
 
-/// `strata stats`
+/// `strata stats [ID]`
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// A sandbox: show its CPU, memory and disk use instead of the daemon's latencies.
+    pub id: Option<String>,
+    /// Samples of history to show with ID.
+    #[arg(long, default_value_t = 12)]
+    pub last: usize,
+}
 
 /// Runs `strata stats`.
-pub async fn run(ctx: &Ctx, _a: Args) -> anyhow::Result<i32> {
+pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
+    if let Some(id) = &a.id {
+        let v = ctx
+            .client()?
+            .get(&["v1", "sandboxes", id, "metrics"], &[])
+            .await?;
+        ctx.emit(&v, || Ok(render_usage(&view(&v)?, a.last)))?;
+        return Ok(0);
+    }
     let v = ctx.client()?.get(&["v1", "stats"], &[]).await?;
     ctx.emit(&v, || Ok(render(&view(&v)?)))?;
     Ok(0)
+}
+
+/// One sample of `GET /v1/sandboxes/{id}/metrics`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct UsageSample {
+    /// When.
+    pub at: chrono::DateTime<chrono::Utc>,
+    /// CPU in percent of the sandbox's vCPUs.
+    pub cpu_pct: f64,
+    /// vCPUs.
+    pub cpu_count: u32,
+    /// Guest RAM resident on the host.
+    pub mem_used_bytes: u64,
+    /// Guest RAM.
+    pub mem_total_bytes: u64,
+    /// QEMU's resident set.
+    #[serde(default)]
+    pub host_rss_bytes: u64,
+    /// Root disk allocated.
+    pub disk_used_bytes: u64,
+    /// Root disk size.
+    pub disk_total_bytes: u64,
+}
+
+/// `GET /v1/sandboxes/{id}/metrics`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Usage {
+    /// The sandbox.
+    pub sandbox: String,
+    /// Seconds between samples.
+    pub interval_s: u64,
+    /// Samples, oldest first.
+    pub samples: Vec<UsageSample>,
+}
+
+/// The human report of one sandbox's usage: the latest sample, then the
+/// last `last` samples, newest last.
+pub fn render_usage(u: &Usage, last: usize) -> String {
+    let Some(s) = u.samples.last() else {
+        return format!(
+            "{}: no samples yet (the daemon samples every {}s; a sandbox needs two samples, and a running VM)\n",
+            u.sandbox, u.interval_s
+        );
+    };
+    let mut out = format!(
+        "{}: cpu {:.1}% of {} vCPU{}, memory {} / {}, disk {} / {} (QEMU resident {}), at {}\n\n",
+        u.sandbox,
+        s.cpu_pct,
+        s.cpu_count,
+        if s.cpu_count == 1 { "" } else { "s" },
+        human::bytes(s.mem_used_bytes),
+        human::bytes(s.mem_total_bytes),
+        human::bytes(s.disk_used_bytes),
+        human::bytes(s.disk_total_bytes),
+        human::bytes(s.host_rss_bytes),
+        human::local_time(s.at),
+    );
+    let from = u.samples.len().saturating_sub(last.max(1));
+    let rows: Vec<Vec<String>> = u.samples[from..]
+        .iter()
+        .map(|s| {
+            vec![
+                human::local_time(s.at),
+                format!("{:.1}", s.cpu_pct),
+                human::bytes(s.mem_used_bytes),
+                human::bytes(s.disk_used_bytes),
+            ]
+        })
+        .collect();
+    out.push_str(&human::table(
+        &["TIME", ">CPU %", ">MEMORY", ">DISK"],
+        &rows,
+    ));
+    out
 }
 
 fn rows(m: &std::collections::BTreeMap<String, Summary>) -> Vec<Vec<String>> {
@@ -65,6 +157,27 @@ pub fn render(s: &Stats) -> String {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn renders_a_sandbox_usage() {
+        let sample = |cpu: f64, at: &str| {
+            json!({"at": at, "cpu_pct": cpu, "cpu_count": 1, "mem_used_bytes": 104857600u64,
+                   "mem_total_bytes": 268435456u64, "host_rss_bytes": 1, "disk_used_bytes": 1073741824u64,
+                   "disk_total_bytes": 2147483648u64, "running": true})
+        };
+        let u: Usage = view(&json!({"sandbox": "sb-1", "interval_s": 5, "window_s": 3600,
+            "samples": [sample(3.0, "2026-12-01T10:00:00Z"), sample(97.5, "2026-12-01T10:00:05Z")]}))
+        .unwrap();
+        let r = render_usage(&u, 1);
+        assert!(r.starts_with("sb-1: cpu 97.5% of 1 vCPU, memory "), "{r}");
+        assert!(
+            r.contains("97.5") && !r.contains(" 3.0"),
+            "only the last sample: {r}"
+        );
+        let empty: Usage =
+            view(&json!({"sandbox": "sb-1", "interval_s": 5, "samples": []})).unwrap();
+        assert!(render_usage(&empty, 12).contains("no samples yet"));
+    }
 
     #[test]
     fn renders_both_tables() {

@@ -24,6 +24,7 @@
 pub mod fork;
 pub mod lifecycle;
 pub mod list;
+pub mod metrics;
 pub mod snapshots;
 
 pub use list::{list_v1, list_v2};

@@ -44,11 +44,13 @@ mod rewind;
 mod snapshot;
 mod start;
 mod templates;
+mod usage;
 mod vms;
 
 pub use agent::EgressResolver;
 pub use ports::PortOpenError;
 pub use templates::TemplateBuilt;
+pub use usage::{CpuSource, VmUsage};
 pub use vms::VmDied;
 
 use vms::Live;

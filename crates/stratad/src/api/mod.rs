@@ -29,6 +29,7 @@ use crate::security::gate::GateOptions;
 use crate::service::{Service, ServiceError};
 
 mod files;
+mod metrics;
 pub mod routes;
 mod sandboxes;
 pub mod security;
@@ -484,6 +485,7 @@ fn service_route(r: &Route) -> Option<axum::routing::MethodRouter<Arc<Service>>>
         Fork => on(m, sandboxes::fork),
         Rewind => on(m, sandboxes::rewind),
         Events => on(m, sandboxes::events),
+        SandboxMetrics => on(m, metrics::sandbox_metrics),
         TakeSnapshot => on(m, sandboxes::take_snapshot),
         ListSnapshots => on(m, sandboxes::list_snapshots),
         ReadFile => on(m, files::download),

@@ -284,6 +284,13 @@ impl Engine for RuntimeEngine {
         self.rt.connect_port(id, port).await
     }
 
+    async fn usage(&self) -> EngineResult<Vec<VmUsage>> {
+        let rt = self.rt.clone();
+        tokio::task::spawn_blocking(move || rt.usage())
+            .await
+            .map_err(|e| RuntimeError::Other(format!("usage task: {e}")))
+    }
+
     fn exit_events(&self) -> tokio::sync::mpsc::UnboundedReceiver<VmDied> {
         // The runtime hands its receiver out once; later callers get a
         // stream that is empty and ends.

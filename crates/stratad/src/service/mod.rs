@@ -35,6 +35,7 @@ mod ports;
 mod prelude;
 mod recovery;
 mod rewind;
+mod sampler;
 mod snapshots;
 mod templates;
 
@@ -43,6 +44,7 @@ pub use background::ScheduledActions;
 pub use commands::*;
 pub use error::*;
 pub use guest::{Grant, GuestOp, MAX_PTY_SIDE};
+pub use sampler::{Sample, Sampler, SandboxMetrics, MAX_POINTS, SAMPLE_STEP};
 pub use ports::{is_port_closed, PortConn};
 pub(crate) use journal::VmNow;
 pub(crate) use oplock::*;
@@ -66,6 +68,7 @@ pub struct Service {
     progress: Mutex<HashMap<TemplateId, BuildProgress>>,
     flushed: Mutex<HashMap<SandboxId, DateTime<Utc>>>,
     gate: Arc<dyn ToolGate>,
+    sampler: sampler::Sampler,
 }
 
 impl std::fmt::Debug for Service {
@@ -86,6 +89,7 @@ impl Service {
     ) -> Arc<Self> {
         Arc::new(Service {
             gate,
+            sampler: sampler::Sampler::new(&config.metrics),
             store,
             engine,
             sched: SchedulerHandle::new(),

@@ -1,0 +1,87 @@
+"""Lifecycle with the unmodified SDK on real guests: `Sandbox.create(
+lifecycle=...)` (`on_timeout` pause or kill, `auto_resume`), as `get_info()`
+reports it, and what the timeout and a paused sandbox's envd calls do."""
+
+import os
+import time
+
+import pytest
+from e2b import NotFoundException, Sandbox, SandboxException
+
+SUITE = os.environ.get("STRATA_E2B_SUITE", "strata-e2b-tests")
+
+
+def wait_until(what, within_s=120):
+    end = time.time() + within_s
+    while True:
+        got = what()
+        if got:
+            return got
+        assert time.time() < end, f"not within {within_s}s"
+        time.sleep(1)
+
+
+def gone(sandbox_id):
+    try:
+        Sandbox.get_info(sandbox_id)
+        return False
+    except NotFoundException:
+        return True
+
+
+def state(sandbox_id):
+    return Sandbox.get_info(sandbox_id).state.value
+
+
+def test_kill_on_timeout_deletes_the_sandbox():
+    s = Sandbox.create(
+        metadata={"suite": SUITE, "role": "lc-kill"},
+        timeout=5,
+        lifecycle={"on_timeout": "kill"},
+    )
+    try:
+        info = s.get_info()
+        assert info.lifecycle == {"on_timeout": "kill", "auto_resume": False}
+        assert s.commands.run("echo up").stdout == "up\n"
+        wait_until(lambda: gone(s.sandbox_id))
+        assert Sandbox.kill(s.sandbox_id) is False
+    finally:
+        s.kill()
+
+
+def test_pause_on_timeout_then_any_envd_call_wakes_it():
+    s = Sandbox.create(
+        metadata={"suite": SUITE, "role": "lc-pause"},
+        timeout=5,
+        lifecycle={"on_timeout": "pause", "auto_resume": True},
+    )
+    try:
+        assert s.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": True}
+        s.files.write("/tmp/kept.txt", "kept")
+        wait_until(lambda: state(s.sandbox_id) == "paused")
+        # auto_resume: the command wakes it, the file is still there.
+        assert s.commands.run("cat /tmp/kept.txt").stdout == "kept"
+        assert state(s.sandbox_id) == "running"
+    finally:
+        s.kill()
+
+
+def test_auto_resume_false_stays_paused_until_connect():
+    s = Sandbox.create(
+        metadata={"suite": SUITE, "role": "lc-noresume"},
+        timeout=600,
+        lifecycle={"on_timeout": "pause", "auto_resume": False},
+    )
+    try:
+        assert s.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": False}
+        s.files.write("/tmp/kept.txt", "kept")
+        assert s.pause() is True
+        with pytest.raises(SandboxException) as e:
+            s.commands.run("true")
+        assert "not found" in str(e.value) or "not running" in str(e.value), e.value
+        assert state(s.sandbox_id) == "paused"
+        s2 = Sandbox.connect(s.sandbox_id)
+        assert state(s.sandbox_id) == "running"
+        assert s2.files.read("/tmp/kept.txt") == "kept"
+    finally:
+        s.kill()

@@ -1,0 +1,467 @@
+//! The per-sandbox usage sampler: the daemon's one reader of what each
+//! sandbox uses. Every `[metrics] interval` it asks the engine for the
+//! counters of every live VM ([`Engine::usage`]: CPU time from the VM's
+//! cgroup or `/proc`, resident guest RAM, the root disk's allocation) and
+//! folds them into one bounded series per sandbox: CPU as a percentage of
+//! the sandbox's vCPUs over the last interval, memory and disk as levels.
+//!
+//! Bounds (nothing a guest does grows them): at most
+//! [`MetricsConfig::max_sandboxes`] series (the least recently sampled is
+//! dropped for a new one), each of at most `window / interval` points and
+//! never more than [`MAX_POINTS`]; points older than the window go at every
+//! round. A series is dropped within one interval of its sandbox's deletion
+//! (a sandbox without a live VM is looked up once); a hibernated sandbox
+//! keeps its history until it ages out of the window.
+//!
+//! Readers: `GET /v1/sandboxes/{id}/metrics` ([`Service::sandbox_metrics`],
+//! tenancy through the caller like every lookup), the E2B door's metrics
+//! routes, `strata stats <id>`; and [`Sampler::peak_cpu_pct`] for
+//! admission by use (issue 19), which extends this module rather than
+//! sampling again.
+
+use std::collections::VecDeque;
+
+use tokio::sync::watch;
+
+use super::prelude::*;
+use crate::config::MetricsConfig;
+use crate::engine::VmUsage;
+
+/// Most points one series holds, whatever the configuration says.
+pub const MAX_POINTS: usize = 4096;
+
+/// Step name of one sampling round in the daemon's latency figures
+/// (`/v1/stats` `steps`, `/metrics`): the sampler's own cost.
+pub const SAMPLE_STEP: &str = "metrics_sample";
+
+/// What one sandbox used over one interval, at its end.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Sample {
+    /// When it was taken.
+    pub at: DateTime<Utc>,
+    /// CPU used over the interval before `at`, in percent of all the
+    /// sandbox's vCPUs (100 = every vCPU busy; QEMU's own threads count).
+    pub cpu_pct: f64,
+    /// vCPUs of the sandbox.
+    pub cpu_count: u32,
+    /// Guest RAM resident on the host (pages the guest has touched), bytes.
+    pub mem_used_bytes: u64,
+    /// Guest RAM size, bytes.
+    pub mem_total_bytes: u64,
+    /// QEMU's whole resident set (guest RAM plus its own), bytes.
+    pub host_rss_bytes: u64,
+    /// Bytes allocated to the sandbox's root disk in the pool.
+    pub disk_used_bytes: u64,
+    /// Size of the root disk, bytes.
+    pub disk_total_bytes: u64,
+    /// Whether the vCPUs ran at `at` (false: paused).
+    pub running: bool,
+}
+
+/// The previous counters of a series (CPU is a rate between two rounds).
+#[derive(Debug, Clone, Copy)]
+struct Prev {
+    pid: u32,
+    cpu_usec: u64,
+    at: Instant,
+}
+
+#[derive(Debug, Default)]
+struct Series {
+    points: VecDeque<Sample>,
+    prev: Option<Prev>,
+    /// When it was last seen live (for eviction at the cap).
+    seen: Option<DateTime<Utc>>,
+    /// Not live, looked up and still a sandbox: kept until it ages out.
+    kept: bool,
+}
+
+/// The series of every sampled sandbox. See the module documentation.
+#[derive(Debug)]
+pub struct Sampler {
+    series: Mutex<HashMap<SandboxId, Series>>,
+    interval: Duration,
+    window: Duration,
+    points: usize,
+    max_sandboxes: usize,
+}
+
+impl Sampler {
+    /// An empty sampler for `cfg`.
+    pub fn new(cfg: &MetricsConfig) -> Self {
+        let per = cfg.interval.as_millis().max(1);
+        let points = (cfg.window.as_millis() / per).clamp(1, MAX_POINTS as u128) as usize;
+        Sampler {
+            series: Mutex::new(HashMap::new()),
+            interval: cfg.interval,
+            window: cfg.window,
+            points,
+            max_sandboxes: cfg.max_sandboxes.max(1),
+        }
+    }
+
+    /// Time between two rounds.
+    pub fn interval(&self) -> Duration {
+        self.interval
+    }
+
+    /// How far back a series reaches.
+    pub fn window(&self) -> Duration {
+        self.window
+    }
+
+    /// Most points a series holds.
+    pub fn capacity(&self) -> usize {
+        self.points
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<SandboxId, Series>> {
+        self.series.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Folds one round of counters, read at `at` (wall clock, for the
+    /// series) and `mono` (for the CPU rate), into the series. The first
+    /// round of a VM process only sets its CPU baseline. Returns the
+    /// sandboxes with a series but no live VM that have not been looked up
+    /// yet: the caller drops the deleted ones ([`Sampler::forget`]) and
+    /// keeps the others ([`Sampler::keep`]).
+    pub fn record(&self, at: DateTime<Utc>, mono: Instant, usages: &[VmUsage]) -> Vec<SandboxId> {
+        let mut all = self.lock();
+        let oldest =
+            at - chrono::TimeDelta::from_std(self.window).unwrap_or(chrono::TimeDelta::MAX);
+        for u in usages {
+            if !all.contains_key(&u.id) && all.len() >= self.max_sandboxes {
+                // At the cap: the series seen longest ago makes room.
+                let victim = all
+                    .iter()
+                    .min_by_key(|(_, s)| s.seen)
+                    .map(|(k, _)| k.clone());
+                if let Some(v) = victim {
+                    all.remove(&v);
+                }
+            }
+            let s = all.entry(u.id.clone()).or_default();
+            s.seen = Some(at);
+            s.kept = false;
+            let rate = match s.prev {
+                Some(p) if p.pid == u.pid && u.cpu_usec >= p.cpu_usec => {
+                    let dt = mono.saturating_duration_since(p.at).as_micros() as f64;
+                    (dt > 0.0).then(|| {
+                        let used = (u.cpu_usec - p.cpu_usec) as f64;
+                        (used * 100.0 / (dt * f64::from(u.vcpus.max(1)))).clamp(0.0, 100.0)
+                    })
+                }
+                _ => None,
+            };
+            s.prev = Some(Prev {
+                pid: u.pid,
+                cpu_usec: u.cpu_usec,
+                at: mono,
+            });
+            if let Some(cpu_pct) = rate {
+                if s.points.len() >= self.points {
+                    s.points.pop_front();
+                }
+                s.points.push_back(Sample {
+                    at,
+                    cpu_pct: (cpu_pct * 100.0).round() / 100.0,
+                    cpu_count: u.vcpus,
+                    mem_used_bytes: u.mem_used_bytes,
+                    mem_total_bytes: u.mem_total_bytes,
+                    host_rss_bytes: u.host_rss_bytes,
+                    disk_used_bytes: u.disk_used_bytes,
+                    disk_total_bytes: u.disk_total_bytes,
+                    running: u.running,
+                });
+            }
+        }
+        let live: std::collections::HashSet<&SandboxId> = usages.iter().map(|u| &u.id).collect();
+        let mut unseen = Vec::new();
+        all.retain(|id, s| {
+            while s.points.front().is_some_and(|p| p.at < oldest) {
+                s.points.pop_front();
+            }
+            if live.contains(id) {
+                return true;
+            }
+            // Not live: its counters restart with its next VM.
+            s.prev = None;
+            if s.kept {
+                // Kept while something of its window is left.
+                return !s.points.is_empty() && s.seen.is_some_and(|t| t >= oldest);
+            }
+            unseen.push(id.clone());
+            true
+        });
+        unseen
+    }
+
+    /// Drops a sandbox's series (it was deleted).
+    pub fn forget(&self, id: &SandboxId) {
+        self.lock().remove(id);
+    }
+
+    /// Keeps the series of a sandbox without a live VM (hibernated, failed)
+    /// until it ages out of the window, without looking it up again.
+    pub fn keep(&self, id: &SandboxId) {
+        if let Some(s) = self.lock().get_mut(id) {
+            s.kept = true;
+        }
+    }
+
+    /// The points of `id` taken in `[start, end]` (either bound open), oldest first.
+    pub fn series(
+        &self,
+        id: &SandboxId,
+        start: Option<DateTime<Utc>>,
+        end: Option<DateTime<Utc>>,
+    ) -> Vec<Sample> {
+        self.lock()
+            .get(id)
+            .map(|s| {
+                s.points
+                    .iter()
+                    .filter(|p| start.is_none_or(|t| p.at >= t) && end.is_none_or(|t| p.at <= t))
+                    .copied()
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// The newest point of `id`.
+    pub fn latest(&self, id: &SandboxId) -> Option<Sample> {
+        self.lock().get(id).and_then(|s| s.points.back().copied())
+    }
+
+    /// The highest CPU percentage of `id` in points taken at or after `since`.
+    pub fn peak_cpu_pct(&self, id: &SandboxId, since: DateTime<Utc>) -> Option<f64> {
+        self.lock().get(id).and_then(|s| {
+            s.points
+                .iter()
+                .filter(|p| p.at >= since)
+                .map(|p| p.cpu_pct)
+                .reduce(f64::max)
+        })
+    }
+
+    /// Series held.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Whether no series is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Points held over all series.
+    pub fn total_points(&self) -> usize {
+        self.lock().values().map(|s| s.points.len()).sum()
+    }
+}
+
+/// `GET /v1/sandboxes/{id}/metrics`: one sandbox's series.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SandboxMetrics {
+    /// The sandbox.
+    pub sandbox: SandboxId,
+    /// Seconds between two samples.
+    pub interval_s: u64,
+    /// Seconds of history kept.
+    pub window_s: u64,
+    /// The samples in the asked range, oldest first.
+    pub samples: Vec<Sample>,
+}
+
+impl Service {
+    /// The sampler (its series, for the front doors and admission).
+    pub fn sampler(&self) -> &Sampler {
+        &self.sampler
+    }
+
+    /// The usage series of a sandbox the caller may see, limited to
+    /// `[start, end]`. Another tenant's sandbox answers like an unknown one;
+    /// `start` after `end` is `invalid_request`. A sandbox that has not
+    /// been sampled twice yet has no samples.
+    pub async fn sandbox_metrics(
+        &self,
+        caller: &Caller,
+        id: &SandboxId,
+        start: Option<DateTime<Utc>>,
+        end: Option<DateTime<Utc>>,
+    ) -> ServiceResult<SandboxMetrics> {
+        if let (Some(s), Some(e)) = (start, end) {
+            if s > e {
+                return Err(ServiceError::InvalidRequest(
+                    "start must not be after end".into(),
+                ));
+            }
+        }
+        let rec = self.get_sandbox(caller, id).await?;
+        Ok(SandboxMetrics {
+            samples: self.sampler.series(&rec.id, start, end),
+            sandbox: rec.id,
+            interval_s: self.sampler.interval().as_secs(),
+            window_s: self.sampler.window().as_secs(),
+        })
+    }
+
+    /// One sampling round: the engine's counters of every live VM folded
+    /// into the series; series of deleted sandboxes dropped.
+    pub async fn sample_usage(&self) {
+        let started = Instant::now();
+        let usages = match self.engine.usage().await {
+            Ok(u) => u,
+            Err(e) => {
+                warn!(error = %e, "reading VM usage failed");
+                return;
+            }
+        };
+        let unseen = self.sampler.record(self.now(), Instant::now(), &usages);
+        for id in unseen {
+            match self.record(&id).await {
+                Ok(_) => self.sampler.keep(&id),
+                Err(ServiceError::NotFound { .. }) => self.sampler.forget(&id),
+                // The store did not answer: ask again next round.
+                Err(_) => {}
+            }
+        }
+        self.metrics.observe_step(SAMPLE_STEP, started.elapsed());
+    }
+
+    /// Runs [`Service::sample_usage`] every `[metrics] interval` until
+    /// `stop` turns true (`None`: the sampler is off, `interval = "0s"`).
+    pub fn spawn_sampler(
+        self: &Arc<Self>,
+        mut stop: watch::Receiver<bool>,
+    ) -> Option<tokio::task::JoinHandle<()>> {
+        let every = self.sampler.interval();
+        if every.is_zero() {
+            return None;
+        }
+        let this = self.clone();
+        Some(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    r = stop.changed() => if r.is_err() { break },
+                }
+                if *stop.borrow() {
+                    break;
+                }
+                this.sample_usage().await;
+            }
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::CpuSource;
+
+    fn cfg(interval_s: u64, window_s: u64, max: usize) -> MetricsConfig {
+        MetricsConfig {
+            interval: Duration::from_secs(interval_s),
+            window: Duration::from_secs(window_s),
+            max_sandboxes: max,
+        }
+    }
+
+    fn usage(id: &SandboxId, pid: u32, cpu_usec: u64) -> VmUsage {
+        VmUsage {
+            id: id.clone(),
+            pid,
+            cpu_usec,
+            cpu_source: CpuSource::Proc,
+            vcpus: 2,
+            running: true,
+            mem_total_bytes: 512 << 20,
+            mem_used_bytes: 100 << 20,
+            host_rss_bytes: 200 << 20,
+            disk_used_bytes: 1 << 30,
+            disk_total_bytes: 2 << 30,
+        }
+    }
+
+    #[test]
+    fn cpu_is_a_rate_over_the_vcpus_and_restarts_with_the_process() {
+        let s = Sampler::new(&cfg(5, 3600, 16));
+        let id = SandboxId::generate();
+        let (t0, m0) = (Utc::now(), Instant::now());
+        let at = |i: i64| t0 + chrono::TimeDelta::seconds(5 * i);
+        let mono = |i: u64| m0 + Duration::from_secs(5 * i);
+        // First round: a baseline only.
+        s.record(at(0), mono(0), &[usage(&id, 10, 1_000_000)]);
+        assert!(s.series(&id, None, None).is_empty());
+        // 5 s later, 5 s of CPU on 2 vCPUs: 50 %.
+        s.record(at(1), mono(1), &[usage(&id, 10, 6_000_000)]);
+        let p = s.latest(&id).unwrap();
+        assert_eq!(p.cpu_pct, 50.0);
+        assert_eq!((p.cpu_count, p.mem_used_bytes), (2, 100 << 20));
+        // More than all vCPUs (QEMU's own threads) is capped at 100.
+        s.record(at(2), mono(2), &[usage(&id, 10, 20_000_000)]);
+        assert_eq!(s.latest(&id).unwrap().cpu_pct, 100.0);
+        // A new process (wake, restore): a baseline again, no bogus rate.
+        s.record(at(3), mono(3), &[usage(&id, 11, 10)]);
+        assert_eq!(s.series(&id, None, None).len(), 2);
+        s.record(at(4), mono(4), &[usage(&id, 11, 10)]);
+        assert_eq!(s.latest(&id).unwrap().cpu_pct, 0.0);
+        assert_eq!(s.peak_cpu_pct(&id, at(0)), Some(100.0));
+        assert_eq!(s.peak_cpu_pct(&id, at(3)), Some(0.0));
+        // Range filters, both ends inclusive.
+        assert_eq!(s.series(&id, Some(at(2)), Some(at(2))).len(), 1);
+        assert_eq!(s.series(&id, Some(at(3)), None).len(), 1);
+    }
+
+    #[test]
+    fn the_ring_is_bounded_in_points_age_and_sandboxes() {
+        // 60 s window at 5 s: 12 points.
+        let s = Sampler::new(&cfg(5, 60, 3));
+        assert_eq!(s.capacity(), 12);
+        let ids: Vec<SandboxId> = (0..10).map(|_| SandboxId::generate()).collect();
+        let (t0, m0) = (Utc::now(), Instant::now());
+        for i in 0..1000u64 {
+            let at = t0 + chrono::TimeDelta::seconds(5 * i as i64);
+            let u: Vec<VmUsage> = ids[..2].iter().map(|id| usage(id, 1, i * 1000)).collect();
+            s.record(at, m0 + Duration::from_secs(5 * i), &u);
+        }
+        assert_eq!(s.series(&ids[0], None, None).len(), 12);
+        assert!(s.total_points() <= 2 * 12);
+        // More sandboxes than the cap: the least recently seen make room.
+        let t = t0 + chrono::TimeDelta::seconds(5 * 1000);
+        let u: Vec<VmUsage> = ids.iter().map(|id| usage(id, 1, 0)).collect();
+        s.record(t, m0 + Duration::from_secs(5000), &u);
+        assert!(s.len() <= 3, "{}", s.len());
+        // The configured window never exceeds MAX_POINTS.
+        assert_eq!(Sampler::new(&cfg(1, 7 * 86400, 1)).capacity(), MAX_POINTS);
+    }
+
+    #[test]
+    fn a_series_without_a_vm_is_looked_up_once_then_kept_or_dropped() {
+        let s = Sampler::new(&cfg(5, 60, 16));
+        let (a, b) = (SandboxId::generate(), SandboxId::generate());
+        let (t0, m0) = (Utc::now(), Instant::now());
+        let at = |i: i64| t0 + chrono::TimeDelta::seconds(5 * i);
+        let mono = |i: u64| m0 + Duration::from_secs(5 * i);
+        for i in 0..3 {
+            s.record(at(i as i64), mono(i), &[usage(&a, 1, 0), usage(&b, 2, 0)]);
+        }
+        // Both VMs gone: both are asked about once.
+        let mut unseen = s.record(at(3), mono(3), &[]);
+        unseen.sort();
+        let mut both = vec![a.clone(), b.clone()];
+        both.sort();
+        assert_eq!(unseen, both);
+        s.forget(&a); // deleted
+        s.keep(&b); // hibernated
+        assert!(s.record(at(4), mono(4), &[]).is_empty());
+        assert!(s.series(&a, None, None).is_empty());
+        assert_eq!(s.series(&b, None, None).len(), 2);
+        // b ages out of the 60 s window.
+        s.record(at(20), mono(20), &[]);
+        assert_eq!(s.len(), 0);
+    }
+}
