@@ -292,6 +292,11 @@ fn routes(state: Arc<E2b>) -> Router {
             "/sandboxes/:id",
             get(control::get).merge(delete(control::kill)),
         )
+        .route("/sandboxes/metrics", get(control::metrics::list_metrics))
+        .route(
+            "/sandboxes/:id/metrics",
+            get(control::metrics::sandbox_metrics),
+        )
         .route("/sandboxes/:id/connect", post(control::connect))
         .route("/v2/sandboxes/:id/connect", post(control::connect))
         .route("/sandboxes/:id/resume", post(control::resume))
@@ -324,7 +329,6 @@ fn routes(state: Arc<E2b>) -> Router {
         .route(&format!("{p}/List"), post(envd::list))
         .route(&format!("{p}/SendInput"), post(envd::send_input))
         .route(&format!("{p}/SendSignal"), post(envd::send_signal))
-        .route(&format!("{p}/Update"), post(envd::update))
         .route(&format!("{p}/CloseStdin"), post(envd::close_stdin))
         .route(&format!("{f}/Stat"), post(envd::stat))
         .route(&format!("{f}/ListDir"), post(envd::list_dir))

@@ -53,7 +53,7 @@ const fn route(
 
 const T300: &str = r#"{"timeout":300}"#;
 
-pub(crate) const ID_ROUTES: [Route; 11] = [
+pub(crate) const ID_ROUTES: [Route; 10] = [
     route("GET", "/sandboxes/:id", State::Running, None, "", 200),
     route(
         "DELETE",
@@ -117,14 +117,6 @@ pub(crate) const ID_ROUTES: [Route; 11] = [
         State::Running,
         None,
         "",
-        204,
-    ),
-    route(
-        "PUT",
-        "/sandboxes/:id/network",
-        State::Running,
-        None,
-        "{}",
         204,
     ),
     route(
