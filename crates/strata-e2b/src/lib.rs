@@ -329,6 +329,7 @@ fn routes(state: Arc<E2b>) -> Router {
         .route(&format!("{p}/List"), post(envd::list))
         .route(&format!("{p}/SendInput"), post(envd::send_input))
         .route(&format!("{p}/SendSignal"), post(envd::send_signal))
+        .route(&format!("{p}/Update"), post(envd::update))
         .route(&format!("{p}/CloseStdin"), post(envd::close_stdin))
         .route(&format!("{f}/Stat"), post(envd::stat))
         .route(&format!("{f}/ListDir"), post(envd::list_dir))

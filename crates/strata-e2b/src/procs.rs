@@ -19,6 +19,12 @@
 //!   out to the attached clients, so a process outlives the request that
 //!   started it.
 //!
+//! A PTY process (`Start` with `pty`) needs no wrapper: it runs as an
+//! interactive exec on a pseudo-terminal ([`start_pty`]); its pid is the
+//! agent's `started` pid, its terminal output goes out as `pty` data, and
+//! its input (`SendInput` with `pty` bytes) and window size (`Update`) go
+//! down the exec's input channel, without an exec round trip each.
+//!
 //! Limits (a service-level process API would lift them): output is only
 //! delivered live (no replay to a late `Connect`); when the sandbox
 //! hibernates the exec stream ends, so a process that keeps running in the
@@ -34,7 +40,10 @@ use std::time::Duration;
 use futures::StreamExt;
 use strata_core::SandboxId;
 use stratad::caller::Caller;
-use stratad::engine::{ExecEvent, ExecRequest, ExecStream, Stdin};
+use stratad::engine::{
+    AgentError, ExecEvent, ExecInput, ExecInputs, ExecRequest, ExecStream, PtySize, RuntimeError,
+    Stdin,
+};
 use stratad::service::{Grant, Service};
 use tokio::sync::mpsc;
 
@@ -115,6 +124,8 @@ pub struct Proc {
     pub config: ProcessConfig,
     /// Whether it reads stdin from a FIFO.
     pub stdin: bool,
+    /// A PTY process's input channel (terminal bytes, resizes).
+    pub pty: Option<ExecInputs>,
     state: Mutex<ProcState>,
 }
 
@@ -151,6 +162,31 @@ impl Proc {
         let mut s = self.lock();
         s.attached = false;
         s.subscribers.clear();
+    }
+
+    /// Sends `input` to a PTY process: waits at most [`PTY_INPUT_WAIT`] for
+    /// room (a process that does not read its terminal holds up its input).
+    pub async fn pty_input(&self, input: ExecInput) -> Result<(), ConnectError> {
+        let Some(tx) = &self.pty else {
+            return Err(ConnectError::new(
+                Code::FailedPrecondition,
+                format!("process {} is not a PTY", self.pid),
+            ));
+        };
+        match tx.send_timeout(input, PTY_INPUT_WAIT).await {
+            Ok(()) => Ok(()),
+            Err(mpsc::error::SendTimeoutError::Timeout(_)) => Err(ConnectError::new(
+                Code::DeadlineExceeded,
+                format!("the PTY of process {} is not taking input", self.pid),
+            )),
+            Err(mpsc::error::SendTimeoutError::Closed(_)) => Err(ConnectError::new(
+                Code::FailedPrecondition,
+                format!(
+                    "the PTY of process {} is gone (it ended, or the sandbox was paused)",
+                    self.pid
+                ),
+            )),
+        }
     }
 
     /// The `ProcessInfo` of `List`.
@@ -382,6 +418,7 @@ pub async fn start(
         tag,
         config,
         stdin,
+        pty: None,
         state: Mutex::new(ProcState {
             subscribers: Vec::new(),
             attached: true,
@@ -425,6 +462,9 @@ async fn pump(
     loop {
         match stream.next().await {
             Some(Ok(ExecEvent::Started { .. })) => {}
+            Some(Ok(ExecEvent::Stdout(b))) if proc.pty.is_some() => {
+                proc.publish(ProcessEvent::Pty(b.to_vec())).await
+            }
             Some(Ok(ExecEvent::Stdout(b))) => proc.publish(ProcessEvent::Stdout(b.to_vec())).await,
             Some(Ok(ExecEvent::Stderr(b))) => proc.publish(ProcessEvent::Stderr(b.to_vec())).await,
             Some(Ok(ExecEvent::Exit(s))) => {
@@ -538,6 +578,112 @@ pub async fn close_stdin(svc: &Arc<Service>, g: &Grant, pid: u32) -> Result<(), 
     }
 }
 
+/// Longest a PTY's input waits for room in its queue.
+pub const PTY_INPUT_WAIT: Duration = Duration::from_secs(10);
+
+/// A PTY size from envd's message: both sides 1..=`MAX_PTY_SIDE`.
+pub fn pty_size(p: Option<&crate::proto::Pty>) -> Result<PtySize, ConnectError> {
+    let max = u32::from(stratad::service::MAX_PTY_SIDE);
+    match p.and_then(|p| p.size) {
+        Some(s) if (1..=max).contains(&s.cols) && (1..=max).contains(&s.rows) => Ok(PtySize {
+            cols: s.cols as u16,
+            rows: s.rows as u16,
+        }),
+        Some(s) => Err(ConnectError::new(
+            Code::InvalidArgument,
+            format!(
+                "pty.size: cols and rows must be 1..={max} (got {}x{})",
+                s.cols, s.rows
+            ),
+        )),
+        None => Err(ConnectError::new(
+            Code::InvalidArgument,
+            "pty.size is missing",
+        )),
+    }
+}
+
+/// Starts a PTY process under `g`, the exec grant of its argv: an
+/// interactive exec on a terminal of `size`; registers it and spawns its
+/// pump. `user`: who it runs as (`None`: root).
+#[allow(clippy::too_many_arguments)]
+pub async fn start_pty(
+    svc: &Arc<Service>,
+    reg: &Arc<Registry>,
+    g: &Grant,
+    config: ProcessConfig,
+    env: std::collections::BTreeMap<String, String>,
+    tag: Option<String>,
+    size: PtySize,
+    user: Option<String>,
+) -> Result<Started, ConnectError> {
+    let id = g.sandbox();
+    let argv: Vec<String> = std::iter::once(config.cmd.clone())
+        .chain(config.args.iter().cloned())
+        .collect();
+    let (mut stream, input) = svc
+        .exec_helper_interactive(
+            g,
+            ExecRequest {
+                env,
+                cwd: config.cwd.clone(),
+                user,
+                stdin: Stdin::Stream,
+                pty: Some(size),
+                ..ExecRequest::argv(argv)
+            },
+        )
+        .await
+        .map_err(service_err)?;
+    let mut first = Vec::new();
+    let pid = loop {
+        match stream.next().await {
+            Some(Ok(ExecEvent::Started { pid })) => break pid,
+            Some(Ok(ExecEvent::Stdout(b) | ExecEvent::Stderr(b))) => {
+                first.push(ProcessEvent::Pty(b.to_vec()))
+            }
+            Some(Ok(ExecEvent::Exit(_))) | None => {
+                return Err(ConnectError::new(
+                    Code::Unavailable,
+                    "the exec stream ended before the PTY process started",
+                ))
+            }
+            Some(Err(
+                e @ RuntimeError::Agent {
+                    source: AgentError::Unsupported { .. },
+                    ..
+                },
+            )) => return Err(ConnectError::new(Code::Unimplemented, e.message())),
+            Some(Err(e)) => return Err(service_err(e.into())),
+        }
+    };
+    let proc = Arc::new(Proc {
+        pid,
+        tag,
+        config,
+        stdin: false,
+        pty: Some(input),
+        state: Mutex::new(ProcState {
+            subscribers: Vec::new(),
+            attached: true,
+        }),
+    });
+    let rx = proc
+        .subscribe()
+        .ok_or_else(|| ConnectError::new(Code::Internal, "process detached before it started"))?;
+    reg.insert(id, proc.clone());
+    tokio::spawn(pump(
+        svc.clone(),
+        reg.clone(),
+        g.caller().clone(),
+        id.clone(),
+        proc.clone(),
+        stream,
+        first,
+    ));
+    Ok((proc, rx))
+}
+
 /// How often a detached process is polled by `Connect`.
 pub const DETACHED_POLL: Duration = Duration::from_secs(2);
 
@@ -610,6 +756,7 @@ mod tests {
             tag: None,
             config: ProcessConfig::default(),
             stdin: false,
+            pty: None,
             state: Mutex::new(ProcState {
                 subscribers: Vec::new(),
                 attached: true,

@@ -55,12 +55,40 @@ pub struct ProcessConfig {
 pub struct StartRequest {
     /// What to run.
     pub process: ProcessConfig,
-    /// A PTY (not supported).
-    pub pty: Option<serde_json::Value>,
+    /// Run on a pseudo-terminal.
+    pub pty: Option<Pty>,
     /// Caller's tag.
     pub tag: Option<String>,
     /// Keep stdin open for `SendInput`.
     pub stdin: Option<bool>,
+}
+
+/// `process.PTY`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct Pty {
+    /// Its window size.
+    pub size: Option<PtySize>,
+}
+
+/// `process.PTY.Size`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct PtySize {
+    /// Columns.
+    pub cols: u32,
+    /// Rows.
+    pub rows: u32,
+}
+
+/// `process.UpdateRequest`: a PTY's new size.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct UpdateRequest {
+    /// Which process.
+    pub process: ProcessSelector,
+    /// The PTY's new settings.
+    pub pty: Option<Pty>,
 }
 
 /// `process.ProcessSelector` (a oneof: `pid` or `tag`).
@@ -185,6 +213,8 @@ pub enum ProcessEvent {
     Stdout(Vec<u8>),
     /// Bytes on stderr.
     Stderr(Vec<u8>),
+    /// Bytes of a PTY process's terminal.
+    Pty(Vec<u8>),
     /// The process ended.
     End {
         /// Exit code (`-1` when killed by a signal or unknown).
@@ -210,6 +240,7 @@ impl ProcessEvent {
             ProcessEvent::Start { pid } => json!({ "start": { "pid": pid } }),
             ProcessEvent::Stdout(b) => json!({ "data": { "stdout": b64(b) } }),
             ProcessEvent::Stderr(b) => json!({ "data": { "stderr": b64(b) } }),
+            ProcessEvent::Pty(b) => json!({ "data": { "pty": b64(b) } }),
             ProcessEvent::End {
                 exit_code,
                 exited,

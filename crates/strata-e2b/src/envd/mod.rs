@@ -55,7 +55,7 @@ pub use filesystem::{
     create_watcher, diff_listings, get_watcher_events, list_dir, make_dir, move_entry, remove,
     remove_watcher, stat, Watcher,
 };
-pub use process::{close_stdin, connect, list, send_input, send_signal, start};
+pub use process::{close_stdin, connect, list, send_input, send_signal, start, update};
 
 /// Header naming the sandbox.
 pub const SANDBOX_ID_HEADER: &str = "e2b-sandbox-id";

@@ -1,7 +1,9 @@
 //! `process.Process/*`: start a command (server stream of its events with
 //! keepalives), reconnect to it, list, send input and signals, close stdin.
 //! The processes themselves are [`crate::procs`]'s handles over strata's
-//! one-shot exec.
+//! one-shot exec; a PTY process (`pty` in `Start`) is an interactive exec on
+//! a pseudo-terminal, its input is `SendInput` with `pty` bytes, its window
+//! size `Update`.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -16,6 +18,7 @@ use futures::{Stream, StreamExt};
 use serde_json::json;
 use strata_core::SandboxId;
 use strata_policy::CallKind;
+use stratad::engine::ExecInput;
 use stratad::service::Grant;
 use tokio::sync::mpsc;
 
@@ -132,12 +135,10 @@ pub async fn start(
 ) -> Response {
     let run = async {
         let req: proto::StartRequest = connect::stream_request(&body)?;
-        if req.pty.is_some() {
-            return Err(ConnectError::new(
-                Code::Unimplemented,
-                "PTY processes are not supported by strata",
-            ));
-        }
+        let pty = match &req.pty {
+            Some(p) => Some(procs::pty_size(Some(p))?),
+            None => None,
+        };
         if req.process.cmd.is_empty() {
             return Err(ConnectError::new(
                 Code::InvalidArgument,
@@ -183,6 +184,10 @@ pub async fn start(
             .envd_grant(&id, CallKind::Exec { argv, shell: None })
             .await?;
         let reg = st.procs.clone();
+        if let Some(size) = pty {
+            return procs::start_pty(&st.svc, &reg, &g, config, env, req.tag, size, Some(user))
+                .await;
+        }
         procs::start(
             &st.svc,
             &reg,
@@ -312,11 +317,18 @@ pub async fn send_input(
     unary!(sbx, body, proto::SendInputRequest, |id, r| async {
         let g = st.envd_access(&id).await?;
         let p = require(select(&st, &id, &r.process)?)?;
-        if r.input.pty.is_some() {
-            return Err(ConnectError::new(
-                Code::Unimplemented,
-                "PTY input is not supported",
-            ));
+        if p.pty.is_some() || r.input.pty.is_some() {
+            // envd: `pty` bytes go to a PTY process's terminal only.
+            let Some(data) = r.input.pty else {
+                return Err(ConnectError::new(
+                    Code::FailedPrecondition,
+                    format!("process {} is a PTY: send its input as pty", p.pid),
+                ));
+            };
+            if !data.is_empty() {
+                p.pty_input(ExecInput::Stdin(Bytes::from(data))).await?;
+            }
+            return Ok(json!({}));
         }
         if !p.stdin {
             return Err(ConnectError::new(
@@ -327,6 +339,23 @@ pub async fn send_input(
         let data = r.input.stdin.unwrap_or_default();
         if !data.is_empty() {
             procs::send_input(&st.svc, &g, p.pid, data).await?;
+        }
+        Ok::<_, ConnectError>(json!({}))
+    })
+}
+
+/// `process.Process/Update`: a PTY process's new window size.
+pub async fn update(
+    State(st): State<Arc<E2b>>,
+    sbx: Extension<EnvdSandbox>,
+    body: CappedBody,
+) -> Response {
+    unary!(sbx, body, proto::UpdateRequest, |id, r| async {
+        let _g = st.envd_access(&id).await?;
+        let p = require(select(&st, &id, &r.process)?)?;
+        if let Some(pty) = &r.pty {
+            let size = procs::pty_size(Some(pty))?;
+            p.pty_input(ExecInput::Resize(size)).await?;
         }
         Ok::<_, ConnectError>(json!({}))
     })
