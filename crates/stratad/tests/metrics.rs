@@ -67,6 +67,22 @@ fn field(s: &Value, k: &str) -> u64 {
     s[k].as_u64().unwrap_or_else(|| panic!("{k} in {s}"))
 }
 
+/// CPU time this thread spends in `f`.
+fn thread_cpu(f: impl FnOnce()) -> Duration {
+    let now = || {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: clock_gettime writes one timespec into the valid `ts`.
+        unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+        Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+    };
+    let t = now();
+    f();
+    now() - t
+}
+
 #[test]
 fn busy_guest_shows_cpu_writes_show_memory_or_disk_and_other_tenants_see_nothing() {
     let d = Daemon::start("[metrics]\ninterval = \"1s\"\nwindow = \"10m\"\n");
@@ -98,6 +114,33 @@ fn busy_guest_shows_cpu_writes_show_memory_or_disk_and_other_tenants_see_nothing
         assert_eq!(field(last, "disk_total_bytes"), 2 << 30);
         assert!(field(last, "disk_used_bytes") > 0, "{last}");
         assert!(field(last, "host_rss_bytes") >= field(last, "mem_used_bytes"));
+
+        // What the sampler's reads cost (printed, not asserted): the same
+        // files, timed by this thread's CPU clock.
+        let pid: u32 = std::fs::read_to_string(d.run_dir.join(&id).join("qemu.pid"))
+            .expect("qemu.pid")
+            .trim()
+            .parse()
+            .expect("pid");
+        let disk = d.root.join("data/pool/sandboxes").join(&id).join("disk.img");
+        let cheap = thread_cpu(|| {
+            for _ in 0..1000 {
+                let _ = std::fs::read_to_string(format!("/proc/{pid}/status"));
+                let _ = std::fs::read_to_string(format!("/proc/{pid}/stat"));
+                let _ = std::fs::metadata(&disk);
+            }
+        }) / 1000;
+        let smaps = thread_cpu(|| {
+            for _ in 0..20 {
+                let _ = std::fs::read_to_string(format!("/proc/{pid}/smaps"));
+            }
+        }) / 20;
+        eprintln!(
+            "sampler CPU per sandbox per round: {:?} (+ smaps walk {:?} every 60 rounds = {:?} average)",
+            cheap,
+            smaps,
+            cheap + smaps / 60
+        );
 
         // Busy: a 15 s busy loop; CPU > 50 % within a few samples.
         let busy_from = chrono::Utc::now();
