@@ -24,7 +24,7 @@ pub use api::*;
 pub use error::{GuestErrorKind, RuntimeError};
 pub use meta::{StateMeta, SNAPSHOT_FORMAT_VERSION};
 pub use runtime::PortOpenError;
-pub use strata_proto::client::{PortCounters, PortError, PortStream};
 pub use runtime::{
     load_image, qemu_version, CpuSource, EgressResolver, Runtime, TemplateBuilt, VmDied, VmUsage,
 };
+pub use strata_proto::client::{PortCounters, PortError, PortStream};

@@ -44,8 +44,7 @@ pub use self::exec::{
 };
 pub use self::files::{FileDownload, WRITE_WINDOW};
 pub use self::ports::{
-    PortCounters, PortError, PortStream, PORT_CONNECT_TIMEOUT, PORT_STREAM_BUFFER,
-    PORT_TUNNELS_MAX,
+    PortCounters, PortError, PortStream, PORT_CONNECT_TIMEOUT, PORT_STREAM_BUFFER, PORT_TUNNELS_MAX,
 };
 pub use self::tunnel::{
     OpenFuture, TunnelHandler, TunnelIo, TunnelService, TunnelStream, EGRESS_CONNECT_TIMEOUT,
