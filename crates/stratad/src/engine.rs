@@ -33,7 +33,6 @@ use strata_core::{SandboxId, SandboxSize, SnapshotId, TemplateId};
 pub mod runtime;
 pub mod unavailable;
 
-pub use strata_runtime::{PortCounters, PortError, PortOpenError, PortStream};
 pub use strata_proto::{
     AgentError, Command, DirEntry, ExecEvent, ExecInput, ExecRequest, ExitStatus, FileKind,
     PtySize, Stdin,
@@ -42,6 +41,7 @@ pub use strata_runtime::{
     CpuSource, GuestErrorKind, LiveVm, RuntimeError, SnapshotInfo, Source, SpaceUsage, Subvolumes,
     TemplateBuilt, VmDied, VmInfo, VmUsage,
 };
+pub use strata_runtime::{PortCounters, PortError, PortOpenError, PortStream};
 
 /// A command's events as the agent sends them: `Started` (from the
 /// runtime; a double may leave it out), output, and [`ExecEvent::Exit`] last.

@@ -280,15 +280,15 @@ impl Engine for RuntimeEngine {
         self.rt.adopt(id).await
     }
 
-    async fn connect_port(&self, id: &SandboxId, port: u16) -> Result<PortStream, PortOpenError> {
-        self.rt.connect_port(id, port).await
-    }
-
     async fn usage(&self) -> EngineResult<Vec<VmUsage>> {
         let rt = self.rt.clone();
         tokio::task::spawn_blocking(move || rt.usage())
             .await
             .map_err(|e| RuntimeError::Other(format!("usage task: {e}")))
+    }
+
+    async fn connect_port(&self, id: &SandboxId, port: u16) -> Result<PortStream, PortOpenError> {
+        self.rt.connect_port(id, port).await
     }
 
     fn exit_events(&self) -> tokio::sync::mpsc::UnboundedReceiver<VmDied> {

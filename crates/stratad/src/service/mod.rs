@@ -44,10 +44,10 @@ pub use background::ScheduledActions;
 pub use commands::*;
 pub use error::*;
 pub use guest::{Grant, GuestOp, MAX_PTY_SIDE};
-pub use sampler::{Sample, Sampler, SandboxMetrics, MAX_POINTS, SAMPLE_STEP};
-pub use ports::{is_port_closed, PortConn};
 pub(crate) use journal::VmNow;
 pub(crate) use oplock::*;
+pub use ports::{is_port_closed, PortConn};
+pub use sampler::{Sample, Sampler, SandboxMetrics, MAX_POINTS, SAMPLE_STEP};
 
 use self::prelude::*;
 
