@@ -440,7 +440,38 @@ async fn guest_ports_through_the_e2b_door() {
         .any(|e| e["call"]["kind"]["bytes"]["to_guest"].as_u64().unwrap_or(0) >= 20);
     assert!(upgraded, "the upgraded connection's bytes are audited");
 
-    // 8. Hibernated: the next port request wakes it.
+    // 8. The policy decides each connection (kind `port`).
+    let put_policy = |text: &'static str| {
+        d.api
+            .req(reqwest::Method::PUT, &format!("/v1/sandboxes/{id}/policy"))
+            .header("content-type", "application/toml")
+            .body(text)
+            .send()
+    };
+    let r = put_policy("[[rule]]\nid = \"no-ports\"\neffect = \"deny\"\nkind = \"port\"\n")
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200, "{}", r.text().await.unwrap());
+    let r = http
+        .get(format!("{}/hello.txt", d.url))
+        .header("Host", &host)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 403);
+    assert!(r.text().await.unwrap().contains("no-ports"));
+    let denied = audit_port_entries(&d, &id)
+        .await
+        .into_iter()
+        .filter(|e| e["decision"]["outcome"] == "denied")
+        .count();
+    assert_eq!(denied, 1, "the refusal is audited once");
+    let r = put_policy("[[rule]]\nid = \"ports-ok\"\neffect = \"allow\"\nkind = \"port\"\n")
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+
+    // 9. Hibernated: the next port request wakes it.
     let (s, v) = d
         .v1(
             reqwest::Method::POST,
