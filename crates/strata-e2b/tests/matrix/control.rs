@@ -53,8 +53,16 @@ const fn route(
 
 const T300: &str = r#"{"timeout":300}"#;
 
-pub(crate) const ID_ROUTES: [Route; 10] = [
+pub(crate) const ID_ROUTES: [Route; 11] = [
     route("GET", "/sandboxes/:id", State::Running, None, "", 200),
+    route(
+        "GET",
+        "/sandboxes/:id/metrics",
+        State::Running,
+        None,
+        "",
+        200,
+    ),
     route(
         "DELETE",
         "/sandboxes/:id",
@@ -131,11 +139,13 @@ pub(crate) const ID_ROUTES: [Route; 10] = [
 
 /// The control-plane routes without an id: (method, path, status of an
 /// allowed call, whether it is a tool call).
-pub(crate) const LIST_CREATE: [(&str, &str, u16, bool); 4] = [
+pub(crate) const LIST_CREATE: [(&str, &str, u16, bool); 5] = [
     ("POST", "/sandboxes", 201, true),
     ("POST", "/v2/sandboxes", 201, true),
     ("GET", "/sandboxes", 200, false),
     ("GET", "/v2/sandboxes", 200, false),
+    // Without `sandbox_ids` (the matrix sends none): 400.
+    ("GET", "/sandboxes/metrics", 400, false),
 ];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -293,6 +303,10 @@ async fn control_plane_every_route_every_caller_every_spelling_of_the_id() {
                         match r.ok {
                             204 => c.check(a.body.is_empty(), || {
                                 format!("{ctx}: 204 with a body {}", a.text())
+                            }),
+                            // The metrics series, not the sandbox.
+                            _ if r.path.ends_with("/metrics") => c.check(body.is_array(), || {
+                                format!("{ctx}: not a metrics list: {body}")
                             }),
                             _ => {
                                 c.check(body["sandboxID"] == real.as_str(), || {
@@ -501,6 +515,9 @@ async fn control_plane_create_and_list_every_caller() {
                     .entry(caller.tenant)
                     .or_default()
                     .push((id, State::Running));
+            } else if path == "/sandboxes/metrics" {
+                // No ids asked: a 400, nothing audited.
+                c.check(audited.is_empty(), || format!("{ctx}: audited {audited:?}"));
             } else {
                 c.check(audited.is_empty(), || format!("{ctx}: audited {audited:?}"));
                 let listed: BTreeSet<String> = v
