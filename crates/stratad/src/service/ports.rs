@@ -77,7 +77,10 @@ fn audit_closed(gate: Arc<dyn ToolGate>, mut call: ToolCall, d: Decision, bytes:
 
 impl Drop for PortConn {
     fn drop(&mut self) {
-        self.svc.touch(&self.sandbox);
+        // Outside a runtime (its shutdown) there is nothing to record to.
+        if tokio::runtime::Handle::try_current().is_ok() {
+            self.svc.touch(&self.sandbox);
+        }
         if let Some((call, d)) = self.audit.take() {
             let c = self.stream.counters();
             let bytes = PortBytes {
