@@ -53,7 +53,7 @@ const fn route(
 
 const T300: &str = r#"{"timeout":300}"#;
 
-pub(crate) const ID_ROUTES: [Route; 11] = [
+pub(crate) const ID_ROUTES: [Route; 12] = [
     route("GET", "/sandboxes/:id", State::Running, None, "", 200),
     route(
         "GET",
@@ -125,6 +125,14 @@ pub(crate) const ID_ROUTES: [Route; 11] = [
         State::Running,
         None,
         "",
+        204,
+    ),
+    route(
+        "PUT",
+        "/sandboxes/:id/network",
+        State::Running,
+        None,
+        "{}",
         204,
     ),
     route(
