@@ -50,7 +50,7 @@ use std::sync::{Arc, Mutex};
 
 use axum::extract::Request;
 use axum::http::{header, HeaderMap};
-use axum::routing::{delete, get, post};
+use axum::routing::{delete, get, post, put};
 use axum::Router;
 use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
@@ -304,6 +304,7 @@ fn routes(state: Arc<E2b>) -> Router {
         .route("/sandboxes/:id/refreshes", post(control::refresh))
         .route("/sandboxes/:id/pause", post(control::pause))
         .route("/sandboxes/:id/fork", post(control::fork::fork))
+        .route("/sandboxes/:id/network", put(control::network::update))
         .route(
             "/sandboxes/:id/snapshots",
             post(control::snapshots::create_snapshot),

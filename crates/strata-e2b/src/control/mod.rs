@@ -24,6 +24,7 @@
 pub mod fork;
 pub mod lifecycle;
 pub mod list;
+pub mod network;
 pub mod metrics;
 pub mod snapshots;
 
@@ -122,6 +123,8 @@ struct NewSandbox {
     timeout: Option<u64>,
     auto_pause: Option<bool>,
     auto_resume: Option<lifecycle::AutoResume>,
+    allow_internet_access: Option<bool>,
+    network: Option<network::NetworkBody>,
     metadata: Option<BTreeMap<String, String>>,
     env_vars: Option<BTreeMap<String, String>>,
 }
@@ -266,6 +269,7 @@ pub async fn create(
     let template = st.resolve_template(&caller, &req.template_id).await;
     let timeout = check_timeout(req.timeout.unwrap_or(st.cfg.default_timeout_s))?.max(1);
     let policy = lifecycle::asked(req.auto_pause, req.auto_resume)?;
+    let egress = network::asked(req.allow_internet_access, req.network.as_ref())?;
     let cmd = CreateSandbox {
         template,
         spec: SandboxSpec {
@@ -300,6 +304,15 @@ pub async fn create(
     }
     st.keep_envs(&caller, &rec.id, req.env_vars.unwrap_or_default())
         .await;
+    if let Some(e) = &egress {
+        // Before the sandbox is handed out: its first request already meets
+        // the layer. A layer that cannot be written leaves no half-made
+        // sandbox behind.
+        if let Err(err) = st.put_egress(&caller, &rec.id, &rec.tenant, e).await {
+            let _ = st.svc.delete(&caller, &rec.id, &gate_opts()).await;
+            return Err(err);
+        }
+    }
     Ok((StatusCode::CREATED, Json(st.sandbox_json(&rec))).into_response())
 }
 
