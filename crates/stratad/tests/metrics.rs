@@ -16,7 +16,7 @@ use strata_testkit::Api;
 
 const MIB: u64 = 1 << 20;
 
-async fn tenant(d: &Daemon, name: &str) -> Api {
+async fn tenant(d: &Daemon, name: &str) -> (Api, String) {
     let v = d
         .ok(
             "POST",
@@ -25,7 +25,8 @@ async fn tenant(d: &Daemon, name: &str) -> Api {
             201,
         )
         .await;
-    Api::new(d.url.clone()).bearer(v["token"].as_str().expect("token"))
+    let token = v["token"].as_str().expect("token").to_owned();
+    (Api::new(d.url.clone()).bearer(&token), token)
 }
 
 async fn metrics(api: &Api, id: &str, query: &str) -> (u16, Value) {
@@ -88,8 +89,8 @@ fn busy_guest_shows_cpu_writes_show_memory_or_disk_and_other_tenants_see_nothing
     let d = Daemon::start("[metrics]\ninterval = \"1s\"\nwindow = \"10m\"\n");
     strata_testkit::tokio_rt().block_on(async {
         d.wait_template().await;
-        let a = tenant(&d, "a").await;
-        let b = tenant(&d, "b").await;
+        let (a, a_token) = tenant(&d, "a").await;
+        let (b, _) = tenant(&d, "b").await;
         let (s, v) = a
             .json(reqwest::Method::POST, "/v1/sandboxes", Some(json!({})))
             .await
@@ -239,6 +240,20 @@ fn busy_guest_shows_cpu_writes_show_memory_or_disk_and_other_tenants_see_nothing
         let step = &stats["steps"][stratad::service::SAMPLE_STEP];
         eprintln!("sampler round (1 sandbox): {step}");
         assert!(step["count"].as_u64().unwrap_or(0) >= 10, "{stats}");
+
+        // `strata stats ID`: the latest sample and a short history.
+        let out = strata_testkit::run_strata(
+            &strata_testkit::strata_bin(),
+            &d.url,
+            Some(&a_token),
+            &["stats", &id, "--last", "3"],
+        );
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{text}");
+        assert!(text.starts_with(&format!("{id}: cpu ")), "{text}");
+        assert!(text.contains("of 1 vCPU, memory "), "{text}");
+        // Three history rows (local times), under the header.
+        assert_eq!(text.lines().filter(|l| l.starts_with("20")).count(), 3, "{text}");
 
         // Deleted: gone, for its owner too.
         let (s, v) = a
