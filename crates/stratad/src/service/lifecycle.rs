@@ -303,6 +303,7 @@ impl Service {
         self.done(&mut rec, Op::Delete, next, None, &refs, detail)
             .await?;
         self.sched.remove(id);
+        self.sampler.forget(id);
         self.slots
             .lock()
             .unwrap_or_else(|p| p.into_inner())

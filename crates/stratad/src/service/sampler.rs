@@ -9,9 +9,10 @@
 //! [`MetricsConfig::max_sandboxes`] series (the least recently sampled is
 //! dropped for a new one), each of at most `window / interval` points and
 //! never more than [`MAX_POINTS`]; points older than the window go at every
-//! round. A series is dropped within one interval of its sandbox's deletion
-//! (a sandbox without a live VM is looked up once); a hibernated sandbox
-//! keeps its history until it ages out of the window.
+//! round. A series is dropped when its sandbox is deleted (`delete_locked`
+//! forgets it; as a fallback, a series whose VM is gone is looked up in the
+//! store once and dropped if its sandbox is); a hibernated sandbox keeps its
+//! history until it ages out of the window.
 //!
 //! Readers: `GET /v1/sandboxes/{id}/metrics` ([`Service::sandbox_metrics`],
 //! tenancy through the caller like every lookup), the E2B door's metrics
