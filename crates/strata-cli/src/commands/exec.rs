@@ -1,6 +1,12 @@
 //! `strata exec ID -- CMD…`: run a command in a sandbox. Output is streamed
 //! as the daemon sends it (NDJSON lines `{"stdout"|"stderr": base64}`, then
 //! `{"exit":{"code","signal"}}`); the process exits with the command's code.
+//!
+//! `-t`: the command runs on a pseudo-terminal sized like ours, our
+//! terminal in raw mode, keystrokes and window changes streamed in the same
+//! request ([`tty`]).
+
+mod tty;
 
 use base64::Engine as _;
 use reqwest::Method;
@@ -24,6 +30,10 @@ pub struct Args {
     /// Do not pass stdin to the command (it is passed when not a terminal).
     #[arg(short = 'n', long)]
     pub no_stdin: bool,
+    /// Interactive: run the command on a pseudo-terminal, this terminal in
+    /// raw mode (keys, ^C and window size go to the command).
+    #[arg(short = 't', long, conflicts_with = "no_stdin")]
+    pub tty: bool,
     /// The command and its arguments.
     #[arg(last = true, required = true, value_name = "CMD")]
     pub cmd: Vec<String>,
@@ -143,6 +153,9 @@ impl LineSplitter {
 
 /// Runs `strata exec`.
 pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
+    if a.tty {
+        return tty::run(ctx, a).await;
+    }
     let stdin = read_stdin(a.no_stdin).filter(|b| !b.is_empty());
     let client = ctx.client()?;
     let b = body(&a, stdin.as_deref())?;
@@ -183,11 +196,7 @@ pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
         }
         .into());
     };
-    let status = match (code, signal) {
-        (Some(c), _) => c,
-        (None, Some(s)) => 128 + s,
-        (None, None) => 1,
-    };
+    let status = exit_status(code, signal);
     if ctx.json {
         println!(
             "{}",
@@ -199,6 +208,15 @@ pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
         );
     }
     Ok(status)
+}
+
+/// Our exit code for the command's end: its code, or 128 + its signal.
+fn exit_status(code: Option<i32>, signal: Option<i32>) -> i32 {
+    match (code, signal) {
+        (Some(c), _) => c,
+        (None, Some(s)) => 128 + s,
+        (None, None) => 1,
+    }
 }
 
 fn write_flush(w: &mut dyn std::io::Write, b: &[u8]) {
@@ -263,6 +281,7 @@ mod tests {
             },
             timeout: Some("1500ms".into()),
             no_stdin: false,
+            tty: false,
             cmd: vec!["cat".into()],
         };
         let b = body(&a, Some(b"hi")).unwrap();

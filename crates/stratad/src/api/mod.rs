@@ -29,6 +29,7 @@ use crate::security::gate::GateOptions;
 use crate::service::{Service, ServiceError};
 
 mod files;
+mod interactive;
 mod metrics;
 pub mod routes;
 mod sandboxes;

@@ -229,6 +229,32 @@ pub(super) struct ExecBody {
     stdin: Option<String>,
     #[serde(default)]
     timeout_s: Option<u64>,
+    /// Run on a pseudo-terminal of this size (docs/pty.md).
+    #[serde(default)]
+    tty: Option<crate::engine::PtySize>,
+}
+
+impl ExecBody {
+    /// The command the body asks for.
+    pub(super) fn into_request(self) -> ApiResult<ExecRequest> {
+        let b64 = base64::engine::general_purpose::STANDARD;
+        let stdin = match self.stdin {
+            Some(s) => Stdin::Bytes(
+                b64.decode(s.as_bytes())
+                    .map_err(|e| invalid(format!("stdin: not base64: {e}")))?,
+            ),
+            None => Stdin::Null,
+        };
+        Ok(ExecRequest {
+            command: Command::Argv(self.cmd),
+            env: self.env,
+            cwd: self.cwd,
+            user: None,
+            stdin,
+            timeout: self.timeout_s.map(std::time::Duration::from_secs),
+            pty: self.tty,
+        })
+    }
 }
 
 fn line(v: serde_json::Value) -> Result<bytes::Bytes, std::convert::Infallible> {
@@ -237,27 +263,9 @@ fn line(v: serde_json::Value) -> Result<bytes::Bytes, std::convert::Infallible> 
     Ok(bytes::Bytes::from(s))
 }
 
-pub(super) async fn exec(c: Call, Body(b): Body<ExecBody>) -> ApiResult<impl IntoResponse> {
-    let id: SandboxId = c.id()?;
-    let opts = c.gate()?;
+/// A command's events as the NDJSON response body of exec.
+pub(super) fn ndjson_events(stream: crate::engine::ExecStream) -> axum::body::Body {
     let b64 = base64::engine::general_purpose::STANDARD;
-    let stdin = match b.stdin {
-        Some(s) => Stdin::Bytes(
-            b64.decode(s.as_bytes())
-                .map_err(|e| invalid(format!("stdin: not base64: {e}")))?,
-        ),
-        None => Stdin::Null,
-    };
-    let req = ExecRequest {
-        command: Command::Argv(b.cmd),
-        env: b.env,
-        cwd: b.cwd,
-        user: None,
-        stdin,
-        timeout: b.timeout_s.map(std::time::Duration::from_secs),
-        pty: None,
-    };
-    let stream = c.svc.exec(&c.caller, &id, req, &opts).await?;
     let body = stream.filter_map(move |ev| {
         futures::future::ready(match ev {
             Ok(ExecEvent::Started { .. }) => None,
@@ -269,5 +277,25 @@ pub(super) async fn exec(c: Call, Body(b): Body<ExecBody>) -> ApiResult<impl Int
             Err(e) => Some(line(ApiError::new(e.code(), e.message()).body())),
         })
     });
-    Ok((ndjson_headers(), axum::body::Body::from_stream(body)))
+    axum::body::Body::from_stream(body)
+}
+
+/// `POST /v1/sandboxes/{id}/exec`: a JSON body runs a command with its
+/// stdin given; an NDJSON body (`Content-Type: application/x-ndjson`) is an
+/// interactive exec whose input streams in the same request
+/// ([`super::interactive`]).
+pub(super) async fn exec(
+    c: Call,
+    req: axum::extract::Request,
+) -> ApiResult<axum::response::Response> {
+    if super::interactive::is_ndjson(req.headers()) {
+        return super::interactive::exec(c, req.into_body()).await;
+    }
+    let Body(b) =
+        <Body<ExecBody> as axum::extract::FromRequest<()>>::from_request(req, &()).await?;
+    let id: SandboxId = c.id()?;
+    let opts = c.gate()?;
+    let req = b.into_request()?;
+    let stream = c.svc.exec(&c.caller, &id, req, &opts).await?;
+    Ok((ndjson_headers(), ndjson_events(stream)).into_response())
 }
