@@ -216,7 +216,7 @@ async fn egress_follows_the_e2b_network_settings() {
     // allowInternetAccess=false: refused.
     let off = create(
         &d,
-        json!({"templateID": "base", "allowInternetAccess": false}),
+        json!({"templateID": "base", "allow_internet_access": false}),
     )
     .await;
     let r = fetch(&d, &off, "upstream.test").await;
@@ -263,7 +263,7 @@ async fn egress_follows_the_e2b_network_settings() {
                 .await
         }
     };
-    let r = put(open.clone(), r#"{"allowInternetAccess": false}"#).await;
+    let r = put(open.clone(), r#"{"allow_internet_access": false}"#).await;
     assert_eq!(r.status, 204, "{}", r.text());
     let r = fetch(&d, &open, "upstream.test").await;
     assert!(

@@ -123,6 +123,8 @@ struct NewSandbox {
     timeout: Option<u64>,
     auto_pause: Option<bool>,
     auto_resume: Option<lifecycle::AutoResume>,
+    /// The SDKs send it snake_case (`allow_internet_access`).
+    #[serde(alias = "allow_internet_access")]
     allow_internet_access: Option<bool>,
     network: Option<network::NetworkBody>,
     metadata: Option<BTreeMap<String, String>>,

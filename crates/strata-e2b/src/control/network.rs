@@ -46,7 +46,8 @@ pub const MAX_NETWORK_ENTRIES: usize = 256;
 pub(super) struct NetworkBody {
     allow_out: Option<Vec<String>>,
     deny_out: Option<Vec<String>>,
-    /// Only in the update body.
+    /// Only in the update body; the SDKs send it snake_case.
+    #[serde(alias = "allow_internet_access")]
     allow_internet_access: Option<bool>,
 }
 
