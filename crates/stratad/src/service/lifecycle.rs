@@ -166,7 +166,7 @@ impl Service {
         if rec.state == SandboxState::Hibernated && !self.may_auto_resume(id).await? {
             return Err(RuntimeError::NotRunning { id: id.to_string() }.into());
         }
-        self.ensure_awake_explicit(id).await
+        self.wake_if_hibernated(rec).await
     }
 
     /// Makes sure a sandbox runs, waking it from hibernation whatever its
@@ -176,9 +176,16 @@ impl Service {
         id: &SandboxId,
     ) -> ServiceResult<SandboxRecord> {
         let rec = self.record(id).await?;
-        self.touch(id);
+        self.wake_if_hibernated(rec).await
+    }
+
+    async fn wake_if_hibernated(
+        self: &Arc<Self>,
+        rec: SandboxRecord,
+    ) -> ServiceResult<SandboxRecord> {
+        self.touch(&rec.id);
         if rec.state == SandboxState::Hibernated {
-            return self.resume_ungated(id).await;
+            return self.resume_ungated(&rec.id).await;
         }
         Ok(rec)
     }
