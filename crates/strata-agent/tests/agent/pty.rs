@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use bytes::Bytes;
 use futures::StreamExt;
 use strata_proto::client::EventStream;
 use strata_proto::{AgentError, ExecEvent, ExecHandle, ExecInput, ExecRequest, PtySize, Stdin};
@@ -189,4 +190,56 @@ async fn an_agent_older_than_ptys_answers_unsupported_and_keeps_working() {
     // The connection and plain commands go on.
     let out = c.exec_collect(sh("echo still")).await.unwrap();
     assert_eq!(out.stdout, b"still\n");
+}
+
+#[tokio::test]
+async fn a_large_paste_into_an_echoing_pty_does_not_deadlock() {
+    // `head` copies the terminal's input to its output: the command's
+    // output grows with its input, past both windows (1 MiB each).
+    const N: usize = 3_000_000;
+    let agent = Agent::start();
+    let c = agent.client().await;
+    let h = c
+        .exec(on_pty(
+            &format!("stty raw -echo; echo go; exec head -c {N}"),
+            80,
+            24,
+        ))
+        .await
+        .unwrap();
+    let (mut events, input) = h.interactive();
+    let mut seen = String::new();
+    read_until(&mut events, &mut seen, "go").await;
+    let feeder = tokio::spawn(async move {
+        let chunk = Bytes::from(vec![b'x'; 64 * 1024]);
+        let mut sent = 0;
+        while sent < N {
+            let n = chunk.len().min(N - sent);
+            if input
+                .send(ExecInput::Stdin(chunk.slice(..n)))
+                .await
+                .is_err()
+            {
+                break;
+            }
+            sent += n;
+        }
+        input
+    });
+    let mut got = seen.len().saturating_sub(seen.find("go").unwrap() + 4);
+    let end = tokio::time::timeout(Duration::from_secs(60), async {
+        while let Some(ev) = events.next().await {
+            match ev.unwrap() {
+                ExecEvent::Stdout(b) => got += b.len(),
+                ExecEvent::Exit(s) => return s,
+                _ => {}
+            }
+        }
+        panic!("no exit");
+    })
+    .await
+    .unwrap_or_else(|_| panic!("stalled after {got} of {N} bytes"));
+    assert!(end.success(), "{end:?}");
+    assert!(got >= N, "{got} of {N} bytes came back");
+    drop(feeder.await.unwrap());
 }

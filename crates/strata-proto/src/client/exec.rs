@@ -286,6 +286,47 @@ pub const INPUT_QUEUE: usize = 64;
 /// Events of an interactive command ([`ExecHandle::interactive`]).
 pub type EventStream = BoxStream<'static, Result<ExecEvent, AgentError>>;
 
+/// What [`ExecHandle::interactive`] keeps between events.
+struct Interactive {
+    h: ExecHandle,
+    rx: Option<mpsc::Receiver<ExecInput>>,
+    /// Stdin taken from the channel, not sent yet.
+    pending: std::collections::VecDeque<Bytes>,
+    pending_bytes: u64,
+    /// Close stdin once `pending` is sent.
+    close: bool,
+}
+
+impl Interactive {
+    /// Sends pending stdin as far as the stdin window allows (never waits
+    /// for an ack), then the close if one is due.
+    async fn flush(&mut self) -> Result<(), AgentError> {
+        if self.h.ended() {
+            self.pending.clear();
+            self.pending_bytes = 0;
+            return Ok(());
+        }
+        while let Some(front) = self.pending.front_mut() {
+            let room = STDIN_WINDOW.saturating_sub(self.h.stdin_sent - self.h.stdin_acked);
+            if room == 0 {
+                break;
+            }
+            let n = front.len().min(STDIN_CHUNK).min(room as usize);
+            let chunk = front.split_to(n);
+            if front.is_empty() {
+                self.pending.pop_front();
+            }
+            self.pending_bytes -= n as u64;
+            self.h.send_stdin(chunk).await?;
+        }
+        if self.close && self.pending.is_empty() {
+            self.close = false;
+            self.h.close_stdin().await?;
+        }
+        Ok(())
+    }
+}
+
 impl std::fmt::Debug for ExecHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ExecHandle")
@@ -400,54 +441,69 @@ impl ExecHandle {
     /// ([`INPUT_QUEUE`] deep). Stdin input needs `Stdin::Stream` or a PTY;
     /// dropping the sender closes stdin, dropping the stream discards the
     /// rest of the output (the command runs on unless signalled).
+    ///
+    /// Stdin is sent as the stdin window allows while events keep being
+    /// read (a command that echoes a large paste cannot deadlock its own
+    /// output against its input); at most [`STDIN_WINDOW`] bytes wait here
+    /// before the sender is held up.
     pub fn interactive(self) -> (EventStream, mpsc::Sender<ExecInput>) {
         let (tx, rx) = mpsc::channel(INPUT_QUEUE);
-        let stream = futures::stream::unfold((self, Some(rx)), |(mut h, mut rx)| async move {
+        let state = Interactive {
+            h: self,
+            rx: Some(rx),
+            pending: std::collections::VecDeque::new(),
+            pending_bytes: 0,
+            close: false,
+        };
+        let stream = futures::stream::unfold(state, |mut st| async move {
             loop {
-                if h.finished {
+                if st.h.finished {
                     return None;
                 }
+                if let Err(e) = st.flush().await {
+                    st.h.finished = true;
+                    return Some((Err(e), st));
+                }
+                let room = st.pending_bytes < STDIN_WINDOW;
                 let input = async {
-                    match rx.as_mut() {
-                        Some(r) => r.recv().await,
-                        None => std::future::pending().await,
+                    match st.rx.as_mut() {
+                        Some(r) if room => r.recv().await,
+                        _ => std::future::pending().await,
                     }
                 };
                 tokio::select! {
                     // Both arms are cancel-safe; the work is done in the bodies.
-                    inc = h.recv_incoming() => {
-                        if let Some(ev) = h.handle(inc).await {
-                            return Some((ev, (h, rx)));
+                    inc = st.h.recv_incoming() => {
+                        if let Some(ev) = st.h.handle(inc).await {
+                            return Some((ev, st));
                         }
                     }
                     i = input => {
                         let r = match i {
-                            Some(i) => h.apply(i).await,
-                            None => {
-                                rx = None;
-                                h.close_stdin().await
+                            Some(ExecInput::Stdin(b)) => {
+                                if !b.is_empty() {
+                                    st.pending_bytes += b.len() as u64;
+                                    st.pending.push_back(b);
+                                }
+                                Ok(())
                             }
+                            Some(ExecInput::CloseStdin) | None => {
+                                st.rx = None;
+                                st.close = true;
+                                Ok(())
+                            }
+                            Some(ExecInput::Resize(s)) => st.h.resize(s).await,
+                            Some(ExecInput::Signal(s)) => st.h.signal(s).await,
                         };
                         if let Err(e) = r {
-                            if !matches!(&e, AgentError::Io(io) if io.kind() == std::io::ErrorKind::BrokenPipe) {
-                                h.finished = true;
-                                return Some((Err(e), (h, rx)));
-                            }
+                            st.h.finished = true;
+                            return Some((Err(e), st));
                         }
                     }
                 }
             }
         });
         (Box::pin(stream), tx)
-    }
-
-    async fn apply(&mut self, i: ExecInput) -> Result<(), AgentError> {
-        match i {
-            ExecInput::Stdin(b) => self.write_stdin(&b).await,
-            ExecInput::CloseStdin => self.close_stdin().await,
-            ExecInput::Resize(s) => self.resize(s).await,
-            ExecInput::Signal(s) => self.signal(s).await,
-        }
     }
 
     /// The caller took `n` more output bytes: acknowledge them when due.
