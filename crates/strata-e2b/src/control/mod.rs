@@ -24,8 +24,8 @@
 pub mod fork;
 pub mod lifecycle;
 pub mod list;
-pub mod network;
 pub mod metrics;
+pub mod network;
 pub mod snapshots;
 
 pub use list::{list_v1, list_v2};
