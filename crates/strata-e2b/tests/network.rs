@@ -225,6 +225,35 @@ async fn egress_follows_the_e2b_network_settings() {
         "{r:?}"
     );
 
+    // A fork runs on its parent's memory: it is kept from what the parent
+    // is kept from, from its first instruction (the layer is copied before
+    // the fork starts), and a fork of an open sandbox stays open.
+    let r = d
+        .control("POST", &format!("/sandboxes/{off}/fork"), Some(KEY), "{}")
+        .await;
+    assert_eq!(r.status, 201, "fork: {}", r.text());
+    let child = r.json()[0]["sandbox"]["sandboxID"]
+        .as_str()
+        .expect("fork id")
+        .to_owned();
+    let r = fetch(&d, &child, "upstream.test").await;
+    assert!(
+        r.as_ref().is_err_and(|h| h.starts_with("HTTP/1.1 403")),
+        "a fork of a sandbox without internet access got out: {r:?}"
+    );
+    let r = d
+        .control("POST", &format!("/sandboxes/{open}/fork"), Some(KEY), "{}")
+        .await;
+    assert_eq!(r.status, 201, "fork: {}", r.text());
+    let open_child = r.json()[0]["sandbox"]["sandboxID"]
+        .as_str()
+        .expect("fork id")
+        .to_owned();
+    assert_eq!(
+        fetch(&d, &open_child, "upstream.test").await.as_deref(),
+        Ok("upstream /probe")
+    );
+
     // Deny everything, allow one domain: the allowed one is reached (E2B:
     // allowed entries take precedence), the other is refused.
     let some = create(

@@ -40,6 +40,13 @@ pub trait ToolGate: Send + Sync + std::fmt::Debug {
         let _ = (call, decision);
         Ok(())
     }
+
+    /// Gives fork `to` of tenant `tenant` the sandbox policy layer of `from`
+    /// before the fork runs (a gate without layers has nothing to copy).
+    async fn inherit_layer(&self, tenant: &str, from: &str, to: &str) -> Result<(), String> {
+        let _ = (tenant, from, to);
+        Ok(())
+    }
 }
 
 /// The daemon's gate: [`Security::gate`].
@@ -50,6 +57,18 @@ pub struct SecurityGate(pub Arc<Security>);
 impl ToolGate for SecurityGate {
     async fn check(&self, call: ToolCall, opts: GateOptions) -> Result<(), GateRefusal> {
         self.0.gate(call, opts).await
+    }
+
+    async fn inherit_layer(&self, tenant: &str, from: &str, to: &str) -> Result<(), String> {
+        let (sec, t, f, to) = (
+            self.0.clone(),
+            tenant.to_owned(),
+            from.to_owned(),
+            to.to_owned(),
+        );
+        tokio::task::spawn_blocking(move || sec.policies().inherit_sandbox(&t, &f, &to))
+            .await
+            .map_err(|e| format!("copying the policy layer: {e}"))?
     }
 
     async fn open(

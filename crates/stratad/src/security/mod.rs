@@ -229,6 +229,21 @@ impl Policies {
         Ok(())
     }
 
+    /// Gives sandbox `to` (a fork) the policy layer `from` has, if any:
+    /// a fork runs on its parent's memory, so whatever the parent was kept
+    /// from (an E2B sandbox without internet access, a `/v1` sandbox
+    /// policy) the fork is kept from too, from its first instruction.
+    pub fn inherit_sandbox(&self, tenant: &str, from: &str, to: &str) -> Result<(), String> {
+        let text = self
+            .store
+            .sandbox_policy(from)
+            .map_err(|e| format!("reading the policy of {from}: {e}"))?;
+        match text {
+            Some(text) => self.put_sandbox(tenant, to, &text, &format!("fork of {from}")),
+            None => Ok(()),
+        }
+    }
+
     /// Checks and stores a sandbox policy; on error the old one stays.
     pub fn put_sandbox(
         &self,

@@ -33,6 +33,7 @@ impl Service {
         size.validate()?;
         check_source_size(&format!("sandbox {src}"), src_rec.size, size)?;
         let mut rec = self.new_record(caller.owner(), &spec, size)?;
+        self.inherit_layer(&rec, src).await?;
         let asked = spec.lifecycle;
         rec.template = src_rec.template.clone();
         let mut snap = self.new_snapshot(&src_rec, SnapshotKind::Fork, None);
@@ -115,6 +116,7 @@ impl Service {
             check_source_size(&format!("snapshot {snap}"), base, size)?;
         }
         let mut rec = self.new_record(caller.owner(), &spec, size)?;
+        self.inherit_layer(&rec, &s.sandbox_id).await?;
         rec.template = src.and_then(|r| r.template);
         rec.source_snapshot = Some(snap.clone());
         let rec = self
@@ -123,5 +125,18 @@ impl Service {
         self.keep_lifecycle(&rec, spec.lifecycle, Some(&s.sandbox_id))
             .await;
         Ok(rec)
+    }
+
+    /// The fork `rec` gets the policy layer of sandbox `src` before it runs;
+    /// a layer that cannot be copied stops the fork (fail closed).
+    async fn inherit_layer(&self, rec: &SandboxRecord, src: &SandboxId) -> ServiceResult<()> {
+        self.gate
+            .inherit_layer(&rec.tenant, src.as_str(), rec.id.as_str())
+            .await
+            .map_err(|why| {
+                ServiceError::Gate(GateRefusal::Internal(format!(
+                    "fork of {src}: its policy layer: {why}"
+                )))
+            })
     }
 }
