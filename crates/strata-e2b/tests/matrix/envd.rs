@@ -36,7 +36,7 @@ const fn er(
     }
 }
 
-pub(crate) const ENVD_ROUTES: [EnvdRoute; 17] = [
+pub(crate) const ENVD_ROUTES: [EnvdRoute; 18] = [
     er("GET", "/health", Proto::Health, 0, ""),
     er("GET", "/files", Proto::Files, 1, "file_read"),
     er("POST", "/files", Proto::Files, 1, "file_write"),
@@ -102,6 +102,8 @@ pub(crate) const ENVD_ROUTES: [EnvdRoute; 17] = [
         0,
         "",
     ),
+    // Last: the tests below pick routes above by index.
+    er("POST", "/process.Process/Update", Proto::Unary, 0, ""),
 ];
 
 /// Things of a sandbox the envd requests name.
@@ -135,7 +137,7 @@ fn envd_request(
                 "Start" => {
                     json!({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "echo hi"], "envs": {}}})
                 }
-                "Connect" | "CloseStdin" => json!({ "process": sel }),
+                "Connect" | "CloseStdin" | "Update" => json!({ "process": sel }),
                 "List" => json!({}),
                 "SendInput" => json!({"process": sel, "input": {"stdin": "aGk="}}),
                 "SendSignal" => json!({"process": sel, "signal": "SIGNAL_SIGTERM"}),
@@ -223,7 +225,9 @@ pub(crate) fn envd_ok(r: &EnvdRoute, a: &Raw, h: &Handles, n: usize) -> Result<(
             p.iter()
                 .any(|p| p["pid"] == h.pid && p["tag"] == h.tag.as_str())
         }),
-        "SendInput" | "SendSignal" | "CloseStdin" | "Remove" | "RemoveWatcher" => v == json!({}),
+        "SendInput" | "SendSignal" | "CloseStdin" | "Update" | "Remove" | "RemoveWatcher" => {
+            v == json!({})
+        }
         "Stat" => v["entry"]["path"] == "/etc/hostname" && v["entry"]["type"] == "FILE_TYPE_FILE",
         "ListDir" => v["entries"].is_array(),
         "MakeDir" => v["entry"]["path"] == format!("/tmp/new-{n}").as_str(),
