@@ -53,12 +53,12 @@ pub fn e2b_door(cfg: &Config) -> anyhow::Result<Option<Mount>> {
         rate_limit_per_second: s.rate_limit_per_second,
         rate_limit_burst: s.rate_limit_burst,
         auth_failures_per_minute: s.auth_failures_per_minute,
-        // get_host(port) = <port>-<id>.localhost:<port> reaches this listener.
-        domain: Some(
-            s.domain
-                .clone()
-                .unwrap_or_else(|| format!("localhost:{}", cfg.listen.port())),
-        ),
+        // get_host(port) = <port>-<id>.localhost:<port> reaches this listener
+        // (the TLS one when [e2b] tls_listen is set: the SDKs use https).
+        domain: Some(s.domain.clone().unwrap_or_else(|| {
+            let port = s.tls_listen.map_or(cfg.listen.port(), |a| a.port());
+            format!("localhost:{port}")
+        })),
         public_ports: s.public_ports,
     };
     for k in &door.api_keys {

@@ -98,12 +98,20 @@ pub struct Target {
 
 /// `<port>-<id>` of a `Host` (the first label, any port suffix removed):
 /// `None` when it does not have that form, or the rest is not `domain`
-/// (when one is configured).
+/// (when one is configured; compared without `:port`, so one domain serves
+/// the plain and the TLS listener).
 pub fn host_target(host: &str, domain: Option<&str>) -> Option<Target> {
     let (label, rest) = host.split_once('.')?;
     if let Some(d) = domain {
-        let d = d.trim_end_matches('.');
-        if !rest.trim_end_matches('.').eq_ignore_ascii_case(d) {
+        let bare = |s: &str| -> String {
+            let s = s.trim_end_matches('.');
+            let s = match s.rsplit_once(':') {
+                Some((h, p)) if p.bytes().all(|b| b.is_ascii_digit()) => h,
+                _ => s,
+            };
+            s.trim_end_matches('.').to_ascii_lowercase()
+        };
+        if bare(rest) != bare(d) {
             return None;
         }
     }
@@ -428,6 +436,11 @@ mod tests {
         let d = Some("sandboxes.example.com");
         assert!(host_target("80-sb-0123456789abcdef.sandboxes.example.com", d).is_some());
         assert!(host_target("80-sb-0123456789abcdef.other.example.com", d).is_none());
+        // One domain for the plain and the TLS listener: ports are not compared.
+        let d = Some("localhost:47983");
+        assert!(host_target("80-sb-0123456789abcdef.localhost:47984", d).is_some());
+        assert!(host_target("80-sb-0123456789abcdef.localhost", d).is_some());
+        assert!(host_target("80-sb-0123456789abcdef.example.com:47983", d).is_none());
     }
 
     #[test]

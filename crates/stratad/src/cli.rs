@@ -81,6 +81,11 @@ pub struct Args {
     /// (config: `[e2b] token_secret_file`).
     #[arg(long, help_heading = "E2B front door")]
     pub e2b_token_secret_file: Option<PathBuf>,
+    /// Also serve routed hosts (and every route) over TLS on this address,
+    /// certificates from the daemon's local CA (`strata ca`) (config:
+    /// `[e2b] tls_listen`).
+    #[arg(long, help_heading = "E2B front door")]
+    pub e2b_tls_listen: Option<std::net::SocketAddr>,
     /// Print the built-in configuration and exit.
     #[arg(long)]
     pub print_default_config: bool,
@@ -145,6 +150,9 @@ pub fn config(args: &Args) -> anyhow::Result<Config> {
     }
     if let Some(v) = &args.e2b_token_secret_file {
         cfg.e2b.token_secret_file = Some(v.clone());
+    }
+    if let Some(v) = args.e2b_tls_listen {
+        cfg.e2b.tls_listen = Some(v);
     }
     cfg.validate()?;
     Ok(cfg)

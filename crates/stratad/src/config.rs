@@ -255,6 +255,13 @@ pub struct E2bSettings {
     /// port request needs `e2b-traffic-access-token`, `X-Access-Token` or
     /// `X-API-KEY`.
     pub public_ports: bool,
+    /// Also serve the daemon's routes (routed hosts `<port>-<id>.<domain>`
+    /// among them) over TLS on this address, with certificates from a local
+    /// CA the daemon keeps (`<data_dir>/ca/ca.pem`, `strata ca`). With
+    /// `domain` unset the answers' default becomes `localhost:<this port>`.
+    /// Unset (default): no TLS listener. Flag: `--e2b-tls-listen`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_listen: Option<std::net::SocketAddr>,
 }
 
 impl Default for E2bSettings {
@@ -272,6 +279,7 @@ impl Default for E2bSettings {
             auth_failures_per_minute: 60,
             domain: None,
             public_ports: true,
+            tls_listen: None,
         }
     }
 }

@@ -59,6 +59,10 @@ pub enum DaemonError {
     /// Serving failed.
     #[error("serving the API failed")]
     Serve(#[source] std::io::Error),
+    /// The local CA or the TLS listener (`[e2b] tls_listen`) could not be
+    /// set up.
+    #[error("TLS for routed hosts")]
+    Tls(#[source] crate::tls::TlsError),
 }
 
 /// Raises this process's `RLIMIT_NOFILE` soft limit to its hard limit
@@ -208,6 +212,10 @@ pub async fn run_with(
     mount: Option<Mount>,
 ) -> Result<(), DaemonError> {
     let listen = config.listen;
+    let config_tls = config
+        .e2b
+        .tls_listen
+        .map(|a| (a, config.data_dir.clone(), config.e2b.domain.clone()));
     // Before anything opens descriptors; the egress caps are derived from it.
     match raise_nofile() {
         Ok((soft, hard)) => tracing::info!(
@@ -271,15 +279,39 @@ pub async fn run_with(
             source,
         })?;
     tracing::info!(%listen, "stratad listening");
+    let tls = match (config_tls, &mount) {
+        (Some((addr, data_dir, domain)), Some(_)) => {
+            let ca = crate::tls::LocalCa::open(&data_dir).map_err(DaemonError::Tls)?;
+            let domains: Vec<String> = domain.into_iter().collect();
+            let resolver = Arc::new(crate::tls::LeafResolver::new(Arc::new(ca), &domains));
+            let cfg = crate::tls::server_config(resolver).map_err(DaemonError::Tls)?;
+            let l = TcpListener::bind(addr)
+                .await
+                .map_err(|source| DaemonError::Bind { addr, source })?;
+            tracing::info!(listen = %addr, ca = %crate::tls::ca_pem_path(&data_dir).display(), "TLS listening");
+            Some((l, cfg))
+        }
+        (Some(_), None) => {
+            tracing::warn!("[e2b] tls_listen is set, but the E2B door is off: no TLS listener");
+            None
+        }
+        _ => None,
+    };
     let result = match mount {
         None => crate::serve(&app, listener, shutdown).await,
         Some(mount) => {
             let router = mount(app.service().clone(), app.security().cloned(), app.router());
+            // `[e2b] tls_listen`: the same routes over TLS, leaves from the local CA.
+            let tls_task =
+                tls.map(|(l, cfg)| tokio::spawn(crate::tls::serve(l, cfg, router.clone())));
             // Connect info: the E2B door limits failed logins per address.
             let router = router.into_make_service_with_connect_info::<std::net::SocketAddr>();
             let r = axum::serve(listener, router)
                 .with_graceful_shutdown(shutdown)
                 .await;
+            if let Some(t) = tls_task {
+                t.abort();
+            }
             app.stop();
             r
         }

@@ -24,6 +24,7 @@ pub mod scheduler;
 pub mod security;
 pub mod service;
 pub mod store;
+pub mod tls;
 
 use std::sync::Arc;
 

@@ -11,6 +11,7 @@ use crate::api::{ApiClient, ApiError, Gate, DEFAULT_URL};
 use crate::human::{duration_arg, parse_duration};
 
 pub mod approvals;
+pub mod ca;
 pub mod create;
 pub mod dev;
 pub mod exec;
@@ -114,6 +115,9 @@ pub enum Command {
     Token(token::TokenCmd),
     /// Who the token is: tenant, role, token id.
     Whoami,
+    /// The daemon's local CA certificate (PEM), which signs its TLS
+    /// listener's certificates (`[e2b] tls_listen`).
+    Ca,
     /// Run the daemon (execs the `stratad` binary).
     Serve(serve::Args),
 }
@@ -228,6 +232,7 @@ pub async fn run(ctx: &Ctx, cmd: Command) -> anyhow::Result<i32> {
         Command::Policy(c) => policy::run(ctx, c).await,
         Command::Token(c) => token::run(ctx, c).await,
         Command::Whoami => whoami::run(ctx).await,
+        Command::Ca => ca::run(ctx).await,
         Command::Serve(a) => serve::run(ctx, a).await,
     }
 }

@@ -474,6 +474,7 @@ fn service_route(r: &Route) -> Option<axum::routing::MethodRouter<Arc<Service>>>
         Healthz => on(m, system::healthz),
         Metrics => on(m, system::metrics),
         OpenApi => on(m, system::openapi),
+        Ca => on(m, system::ca),
         Stats => on(m, system::stats),
         CreateSandbox => on(m, sandboxes::create),
         ListSandboxes => on(m, sandboxes::list),

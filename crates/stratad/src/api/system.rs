@@ -1,4 +1,4 @@
-//! `/healthz`, `/metrics`, `/v1/stats`, `/v1/openapi.json`.
+//! `/healthz`, `/metrics`, `/v1/stats`, `/v1/openapi.json`, `/v1/ca`.
 
 use std::sync::Arc;
 
@@ -45,4 +45,22 @@ pub(super) async fn stats(
 
 pub(super) async fn openapi() -> impl IntoResponse {
     ([(header::CONTENT_TYPE, "application/json")], OPENAPI_JSON)
+}
+
+/// The certificate of the local CA that signs the TLS listener's leaves
+/// (`[e2b] tls_listen`), PEM; `404 not_found` while TLS is off.
+pub(super) async fn ca(State(svc): State<Arc<Service>>) -> ApiResult<impl IntoResponse> {
+    let cfg = svc.config();
+    let path = crate::tls::ca_pem_path(&cfg.data_dir);
+    let pem = match cfg.e2b.tls_listen {
+        Some(_) => tokio::fs::read_to_string(&path).await.ok(),
+        None => None,
+    };
+    let pem = pem.ok_or_else(|| {
+        super::ApiError::new(
+            strata_core::ErrorCode::NotFound,
+            "no local CA: TLS for routed hosts is off ([e2b] tls_listen, --e2b-tls-listen)",
+        )
+    })?;
+    Ok(([(header::CONTENT_TYPE, "application/x-pem-file")], pem))
 }

@@ -691,3 +691,32 @@ async fn stats_are_the_tenants_and_metrics_need_a_metrics_token() {
     let (s, _, _) = req(&h, "GET", "/healthz", None, "").await;
     assert_eq!(s, StatusCode::OK);
 }
+
+#[tokio::test]
+async fn the_ca_route_needs_a_token_and_answers_only_with_tls_on() {
+    // TLS off: every role gets 404 not_found, no token 401.
+    let h = sec_harness(|_| {});
+    for role in ROLES {
+        let t = token(&h, "acme", role).await;
+        let (s, v, _) = req(&h, "GET", "/v1/ca", Some(&t), "").await;
+        assert_eq!(s, StatusCode::NOT_FOUND, "{role}: {v}");
+        assert_eq!(err_code(&v), "not_found", "{role}: {v}");
+    }
+    let (s, _, _) = req(&h, "GET", "/v1/ca", None, "").await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    // TLS on: the CA the daemon keeps, to every role.
+    let h = sec_harness(|c| {
+        c.e2b.tls_listen = Some("127.0.0.1:1".parse().unwrap());
+        crate::tls::LocalCa::open(&c.data_dir).unwrap();
+    });
+    let want = std::fs::read_to_string(crate::tls::ca_pem_path(h.dir.path())).unwrap();
+    for role in ROLES {
+        let t = token(&h, "acme", role).await;
+        let (s, v, hd) = req(&h, "GET", "/v1/ca", Some(&t), "").await;
+        assert_eq!(s, StatusCode::OK, "{role}: {v}");
+        assert_eq!(v, Value::String(want.clone()), "{role}");
+        assert_eq!(hd["content-type"], "application/x-pem-file");
+    }
+    let (s, _, _) = req(&h, "GET", "/v1/ca", None, "").await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+}

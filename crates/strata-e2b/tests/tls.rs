@@ -1,0 +1,326 @@
+//! TLS for routed hosts, end to end: a real `stratad` with the E2B door and
+//! `--e2b-tls-listen`, a real TCG guest running `python3 -m http.server`:
+//!
+//! - the create answer's `domain` is `localhost:<TLS port>`;
+//! - `https://8001-<id>.localhost:<TLS port>/` answers the guest's
+//!   directory listing to a client that trusts only the daemon's CA
+//!   (`GET /v1/ca`); a client without it fails certificate verification;
+//! - an SNI outside the domain (`…example.org`) fails the handshake;
+//! - the plain listener still routes the same host;
+//! - after a daemon restart the CA is the same.
+//!
+//! Cleanup: the daemon and its QEMUs are killed by pid, the pool unmounted
+//! (`strata_testkit::teardown`).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap is a failed test
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use strata_testkit::teardown::{remove_daemon_root, sigkill, wait_gone};
+use strata_testkit::Api;
+
+const KEY: &str = "e2b_tls_default_key";
+
+struct Daemon {
+    root: PathBuf,
+    port: u16,
+    tls_port: u16,
+    url: String,
+    child: Child,
+    api: Api,
+    keep_root: bool,
+}
+
+fn wait_listen(port: u16, root: &std::path::Path) {
+    let t = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "stratad did not listen on {port}: {}",
+            std::fs::read_to_string(root.join("stratad.log")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+impl Daemon {
+    /// A daemon on `root` (new when `None`), TLS on a second port.
+    fn start(root: Option<PathBuf>) -> Daemon {
+        let image = strata_testkit::test_image();
+        let root = root.unwrap_or_else(|| {
+            tempfile::Builder::new()
+                .prefix("st-")
+                .tempdir_in("/tmp")
+                .unwrap()
+                .keep()
+        });
+        let port = strata_testkit::free_port();
+        let mut tls_port = strata_testkit::free_port();
+        while tls_port == port {
+            tls_port = strata_testkit::free_port();
+        }
+        let config = root.join("config.toml");
+        let text = format!(
+            r#"listen = "127.0.0.1:{port}"
+data_dir = "{data}"
+run_dir = "{run}"
+image_dir = "{img}"
+accel = "tcg"
+pool_size_gib = 6
+snapshot_interval = "0s"
+idle_timeout = "0s"
+agent_timeout = "60s"
+
+[e2b]
+enabled = true
+api_keys = ["{KEY}"]
+rate_limit_per_second = 0.0
+auth_failures_per_minute = 0
+
+[default_size]
+vcpus = 1
+memory_mib = 256
+disk_gib = 2
+"#,
+            data = root.join("data").display(),
+            run = root.join("run").display(),
+            img = image.dir.display(),
+        );
+        std::fs::write(&config, text).unwrap();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(root.join("stratad.log"))
+            .unwrap();
+        let child = Command::new(strata_testkit::stratad_bin())
+            .arg("--config")
+            .arg(&config)
+            .arg("--e2b-tls-listen")
+            .arg(format!("127.0.0.1:{tls_port}"))
+            .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        wait_listen(port, &root);
+        wait_listen(tls_port, &root);
+        let url = format!("http://127.0.0.1:{port}");
+        let api = Api::with_client(
+            url.clone(),
+            reqwest::Client::builder()
+                .timeout(Duration::from_secs(180))
+                .build()
+                .unwrap(),
+        )
+        .token_file(root.join("data/admin.token"));
+        Daemon {
+            root,
+            port,
+            tls_port,
+            url,
+            child,
+            api,
+            keep_root: false,
+        }
+    }
+
+    fn logs(&self) -> String {
+        std::fs::read_to_string(self.root.join("stratad.log")).unwrap_or_default()
+    }
+
+    /// Kills the daemon (its VMs live on) and hands back its root.
+    fn kill_keep_root(mut self) -> PathBuf {
+        self.keep_root = true;
+        self.root.clone()
+    }
+
+    async fn wait_template(&self) {
+        let t = Instant::now();
+        loop {
+            let r = self
+                .api
+                .req(reqwest::Method::GET, "/v1/templates/tpl-default")
+                .send()
+                .await
+                .unwrap();
+            let s = r.status().as_u16();
+            let v: Value = r.json().await.unwrap_or(Value::Null);
+            if s == 200 && v["status"] == "ready" {
+                return;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(300),
+                "default template: {s} {v}\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
+    async fn ca(&self) -> String {
+        let r = self
+            .api
+            .req(reqwest::Method::GET, "/v1/ca")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+        r.text().await.unwrap()
+    }
+
+    fn tls_addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.tls_port))
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let pid = self.child.id();
+        sigkill(pid);
+        wait_gone(pid, Duration::from_secs(10));
+        let _ = self.child.wait();
+        if !self.keep_root {
+            remove_daemon_root(&self.root);
+        }
+    }
+}
+
+/// A rustls client that trusts `ca` only (none: no root at all), `name`
+/// resolved to the daemon's TLS port.
+fn client(ca: Option<&str>, name: &str, addr: SocketAddr) -> reqwest::Client {
+    let mut b = reqwest::Client::builder()
+        .use_rustls_tls()
+        .tls_built_in_root_certs(false)
+        .resolve(name, addr)
+        .timeout(Duration::from_secs(60));
+    if let Some(pem) = ca {
+        b = b.add_root_certificate(reqwest::Certificate::from_pem(pem.as_bytes()).unwrap());
+    }
+    b.build().unwrap()
+}
+
+/// GETs `url` until the guest server answers (it may still be starting).
+async fn get_listing(c: &reqwest::Client, url: &str) -> (u16, String) {
+    let t = Instant::now();
+    loop {
+        let r = c.get(url).send().await.unwrap();
+        let s = r.status().as_u16();
+        let body = r.text().await.unwrap_or_default();
+        if s != 502 || t.elapsed() > Duration::from_secs(60) {
+            return (s, body);
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routed_hosts_over_tls_with_the_daemons_ca() {
+    let d = Daemon::start(None);
+    d.wait_template().await;
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()
+        .unwrap();
+    let r = http
+        .post(format!("{}/sandboxes", d.url))
+        .header("X-API-KEY", KEY)
+        .json(&json!({"templateID": "base", "timeout": 900}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 201);
+    let created: Value = r.json().await.unwrap();
+    let id = created["sandboxID"].as_str().unwrap().to_owned();
+    // get_host(port) lands on the TLS listener.
+    assert_eq!(
+        created["domain"],
+        format!("localhost:{}", d.tls_port),
+        "{created}"
+    );
+    let e = d
+        .api
+        .exec(
+            &id,
+            json!({"cmd": ["sh", "-c", "mkdir -p /srv && echo hi > /srv/tls-hello.txt && \
+                cd /srv && (setsid python3 -m http.server 8001 --bind 127.0.0.1 >/tmp/h.log 2>&1 &)"]}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(e.code, Some(0), "{:?}", e);
+
+    // The CA: served by /v1/ca, kept on disk with the key 0600.
+    let ca = d.ca().await;
+    assert!(ca.starts_with("-----BEGIN CERTIFICATE-----"), "{ca}");
+    let on_disk = std::fs::read_to_string(d.root.join("data/ca/ca.pem")).unwrap();
+    assert_eq!(ca, on_disk);
+    use std::os::unix::fs::PermissionsExt as _;
+    let mode = std::fs::metadata(d.root.join("data/ca/ca.key"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+
+    // Trusting only the daemon's CA: the guest's directory listing.
+    let name = format!("8001-{id}.localhost");
+    let url = format!("https://{name}:{}/", d.tls_port);
+    let trusting = client(Some(&ca), &name, d.tls_addr());
+    let (s, body) = get_listing(&trusting, &url).await;
+    assert_eq!(s, 200, "{body}\n{}", d.logs());
+    assert!(body.contains("tls-hello.txt"), "{body}");
+
+    // Without the CA: certificate verification fails.
+    let e = client(None, &name, d.tls_addr())
+        .get(&url)
+        .send()
+        .await
+        .expect_err("a client that does not trust the CA must fail");
+    let text = chain(&e);
+    assert!(
+        text.to_lowercase().contains("certificate"),
+        "not a verification error: {text}"
+    );
+
+    // An SNI outside the domain: no certificate, the handshake fails.
+    let foreign = format!("8001-{id}.example.org");
+    let e = client(Some(&ca), &foreign, d.tls_addr())
+        .get(format!("https://{foreign}:{}/", d.tls_port))
+        .send()
+        .await
+        .expect_err("a foreign SNI must fail the handshake");
+    let text = chain(&e);
+    assert!(
+        text.contains("AccessDenied") || text.contains("HandshakeFailure"),
+        "not a handshake failure: {text}"
+    );
+
+    // The plain listener routes the same host (the domain's port is not compared).
+    let r = http
+        .get(format!("{}/", d.url))
+        .header("Host", format!("8001-{id}.localhost:{}", d.port))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert!(r.text().await.unwrap().contains("tls-hello.txt"));
+
+    // A restart keeps the CA: the same PEM.
+    let root = d.kill_keep_root();
+    let d = Daemon::start(Some(root));
+    assert_eq!(d.ca().await, ca, "the CA changed across a restart");
+}

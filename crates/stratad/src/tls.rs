@@ -1,0 +1,379 @@
+//! TLS for routed hosts (`[e2b] tls_listen`): a local certificate authority
+//! the daemon keeps under its data directory, leaf certificates issued on
+//! demand per SNI name, and the daemon's router served over TLS.
+//!
+//! The CA is created once (`<data_dir>/ca/ca.pem`, mode 0644, and
+//! `ca.key`, 0600) and reused after restarts; `GET /v1/ca` and `strata ca`
+//! print it. A handshake whose SNI is not under an allowed domain (the
+//! configured `[e2b] domain`'s host, and `localhost`) gets no certificate:
+//! the handshake fails. See docs/ports.md.
+
+use std::collections::HashMap;
+use std::io::Write as _;
+use std::net::SocketAddr;
+use std::os::unix::fs::OpenOptionsExt as _;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, IsCa, KeyPair, KeyUsagePurpose,
+};
+use rustls::server::{ClientHello, ResolvesServerCert};
+use rustls::sign::CertifiedKey;
+use tokio::net::TcpListener;
+
+/// At most this many leaf certificates are kept; past it the oldest goes.
+pub const LEAF_CACHE_MAX: usize = 1024;
+/// Validity of a leaf certificate.
+pub const LEAF_VALIDITY: Duration = Duration::from_secs(7 * 24 * 3600);
+/// A cached leaf is issued again after this long (well inside its validity).
+const LEAF_REISSUE: Duration = Duration::from_secs(24 * 3600);
+/// A TLS handshake must finish within this.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why the CA or the TLS listener could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// Reading or writing the CA files failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Generating, loading or signing a certificate failed.
+    #[error("certificate: {0}")]
+    Cert(#[from] rcgen::Error),
+    /// rustls refused the configuration or a key.
+    #[error("tls: {0}")]
+    Rustls(#[from] rustls::Error),
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TlsError + '_ {
+    move |source| TlsError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// The daemon's local certificate authority.
+pub struct LocalCa {
+    pem: String,
+    key: KeyPair,
+    cert: rcgen::Certificate,
+}
+
+impl std::fmt::Debug for LocalCa {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalCa").finish_non_exhaustive()
+    }
+}
+
+/// `<data_dir>/ca`: where the CA lives.
+pub fn ca_dir(data_dir: &Path) -> PathBuf {
+    data_dir.join("ca")
+}
+
+/// The CA certificate file, `<data_dir>/ca/ca.pem`.
+pub fn ca_pem_path(data_dir: &Path) -> PathBuf {
+    ca_dir(data_dir).join("ca.pem")
+}
+
+/// The CA's parameters, derived from its key alone (so the issuer of
+/// leaves signed after a restart is the certificate on disk).
+fn ca_params(key: &KeyPair) -> Result<CertificateParams, TlsError> {
+    let mut p = CertificateParams::new(Vec::<String>::new())?;
+    let fp = &hex::encode(sha2_digest(&key.public_key_der()))[..12];
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::OrganizationName, "strata");
+    dn.push(DnType::CommonName, format!("strata local CA {fp}"));
+    p.distinguished_name = dn;
+    p.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    p.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    p.not_before = rcgen::date_time_ymd(2024, 1, 1);
+    p.not_after = rcgen::date_time_ymd(2124, 1, 1);
+    Ok(p)
+}
+
+fn sha2_digest(b: &[u8]) -> Vec<u8> {
+    use sha2::Digest as _;
+    sha2::Sha256::digest(b).to_vec()
+}
+
+impl LocalCa {
+    /// Loads the CA under `data_dir`, creating it on first use.
+    pub fn open(data_dir: &Path) -> Result<LocalCa, TlsError> {
+        let dir = ca_dir(data_dir);
+        let pem_path = dir.join("ca.pem");
+        let key_path = dir.join("ca.key");
+        if key_path.exists() {
+            let key_pem = std::fs::read_to_string(&key_path).map_err(io_err(&key_path))?;
+            let pem = std::fs::read_to_string(&pem_path).map_err(io_err(&pem_path))?;
+            let key = KeyPair::from_pem(&key_pem)?;
+            let cert = ca_params(&key)?.self_signed(&key)?;
+            return Ok(LocalCa { pem, key, cert });
+        }
+        std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
+        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
+        let cert = ca_params(&key)?.self_signed(&key)?;
+        let pem = cert.pem();
+        // The certificate first: a crash between the two leaves no key
+        // without its certificate (a key alone is regenerated next start).
+        write_new(&pem_path, pem.as_bytes(), 0o644)?;
+        let tmp = dir.join("ca.key.tmp");
+        let _ = std::fs::remove_file(&tmp);
+        write_new(&tmp, key.serialize_pem().as_bytes(), 0o600)?;
+        std::fs::rename(&tmp, &key_path).map_err(io_err(&key_path))?;
+        Ok(LocalCa { pem, key, cert })
+    }
+
+    /// The CA certificate, PEM.
+    pub fn pem(&self) -> &str {
+        &self.pem
+    }
+
+    /// A leaf certificate for `name` signed by the CA.
+    fn issue(&self, name: &str) -> Result<CertifiedKey, TlsError> {
+        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
+        let mut p = CertificateParams::new(vec![name.to_owned()])?;
+        p.distinguished_name = DistinguishedName::new();
+        p.distinguished_name.push(DnType::CommonName, name);
+        p.is_ca = IsCa::ExplicitNoCa;
+        p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        p.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
+        let now = time_now();
+        p.not_before = now - time::Duration::hours(1);
+        p.not_after = now + LEAF_VALIDITY;
+        let cert = p.signed_by(&key, &self.cert, &self.key)?;
+        let der = rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into());
+        let signer = rustls::crypto::ring::sign::any_supported_type(&der)?;
+        Ok(CertifiedKey::new(vec![cert.der().clone()], signer))
+    }
+}
+
+fn time_now() -> time::OffsetDateTime {
+    time::OffsetDateTime::now_utc()
+}
+
+fn write_new(path: &Path, bytes: &[u8], mode: u32) -> Result<(), TlsError> {
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(mode)
+        .open(path)
+        .map_err(io_err(path))?;
+    f.write_all(bytes).map_err(io_err(path))?;
+    f.sync_all().map_err(io_err(path))
+}
+
+/// Issues (and caches) a leaf per SNI name under the allowed domains; any
+/// other name (or none) gets no certificate, so the handshake fails.
+#[derive(Debug)]
+pub struct LeafResolver {
+    ca: Arc<LocalCa>,
+    domains: Vec<String>,
+    cache: Mutex<HashMap<String, (Instant, Arc<CertifiedKey>)>>,
+}
+
+impl LeafResolver {
+    /// Leaves for names equal to, or under, one of `domains` (hosts; any
+    /// `:port` is dropped; `localhost` is always allowed).
+    pub fn new(ca: Arc<LocalCa>, domains: &[String]) -> LeafResolver {
+        let mut ds: Vec<String> = domains
+            .iter()
+            .map(|d| domain_host(d))
+            .filter(|d| !d.is_empty())
+            .collect();
+        ds.push("localhost".into());
+        ds.sort();
+        ds.dedup();
+        LeafResolver {
+            ca,
+            domains: ds,
+            cache: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Whether a leaf may be issued for `name`.
+    pub fn allows(&self, name: &str) -> bool {
+        let name = name.trim_end_matches('.').to_ascii_lowercase();
+        self.domains.iter().any(|d| {
+            name == *d
+                || name
+                    .strip_suffix(d.as_str())
+                    .is_some_and(|head| head.len() > 1 && head.ends_with('.'))
+        })
+    }
+
+    /// The leaf for `name` (cached), `None` when it is not allowed.
+    pub fn leaf(&self, name: &str) -> Option<Arc<CertifiedKey>> {
+        if !self.allows(name) {
+            return None;
+        }
+        let name = name.trim_end_matches('.').to_ascii_lowercase();
+        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((at, k)) = cache.get(&name) {
+            if at.elapsed() < LEAF_REISSUE {
+                return Some(k.clone());
+            }
+        }
+        let leaf = match self.ca.issue(&name) {
+            Ok(k) => Arc::new(k),
+            Err(e) => {
+                tracing::warn!(name = %name, error = %e, "cannot issue a TLS certificate");
+                return None;
+            }
+        };
+        if cache.len() >= LEAF_CACHE_MAX && !cache.contains_key(&name) {
+            if let Some(oldest) = cache
+                .iter()
+                .min_by_key(|(_, (at, _))| *at)
+                .map(|(n, _)| n.clone())
+            {
+                cache.remove(&oldest);
+            }
+        }
+        cache.insert(name, (Instant::now(), leaf.clone()));
+        Some(leaf)
+    }
+
+    /// Leaves cached now.
+    pub fn cached(&self) -> usize {
+        self.cache.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+}
+
+/// The host part of a domain (`localhost:47983` → `localhost`).
+fn domain_host(d: &str) -> String {
+    let d = d.trim().trim_end_matches('.');
+    let host = match d.rsplit_once(':') {
+        Some((h, p)) if p.bytes().all(|b| b.is_ascii_digit()) => h,
+        _ => d,
+    };
+    host.to_ascii_lowercase()
+}
+
+impl ResolvesServerCert for LeafResolver {
+    fn resolve(&self, hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        self.leaf(hello.server_name()?)
+    }
+}
+
+/// The rustls server configuration: HTTP/1.1, leaves from `resolver`.
+pub fn server_config(resolver: Arc<LeafResolver>) -> Result<rustls::ServerConfig, TlsError> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut cfg = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_no_client_auth()
+        .with_cert_resolver(resolver);
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(cfg)
+}
+
+/// Serves `router` over TLS on `listener` until the task is dropped: each
+/// connection gets its peer address as `ConnectInfo` (as the plain
+/// listener's requests do), HTTP/1.1 with upgrades (WebSocket).
+pub async fn serve(listener: TcpListener, cfg: rustls::ServerConfig, router: axum::Router) {
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cfg));
+    loop {
+        let (tcp, peer) = match listener.accept().await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "TLS listener: accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let acceptor = acceptor.clone();
+        let router = router.clone();
+        tokio::spawn(async move {
+            let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => {
+                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                    return;
+                }
+                Err(_) => return,
+            };
+            let svc = hyper::service::service_fn(
+                move |mut req: hyper::Request<hyper::body::Incoming>| {
+                    req.extensions_mut()
+                        .insert(axum::extract::ConnectInfo::<SocketAddr>(peer));
+                    tower::ServiceExt::oneshot(router.clone(), req)
+                },
+            );
+            let io = hyper_util::rt::TokioIo::new(tls);
+            if let Err(e) = hyper::server::conn::http1::Builder::new()
+                .serve_connection(io, svc)
+                .with_upgrades()
+                .await
+            {
+                tracing::debug!(%peer, error = %e, "TLS connection ended with an error");
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt as _;
+
+    use super::*;
+
+    #[test]
+    fn the_ca_is_created_once_and_kept() {
+        let d = tempfile::tempdir().unwrap();
+        let ca = LocalCa::open(d.path()).unwrap();
+        let pem = ca.pem().to_owned();
+        assert!(pem.starts_with("-----BEGIN CERTIFICATE-----"));
+        let mode = |p: &str| {
+            std::fs::metadata(d.path().join("ca").join(p))
+                .unwrap()
+                .permissions()
+                .mode()
+                & 0o777
+        };
+        assert_eq!(mode("ca.key"), 0o600);
+        assert_eq!(mode("ca.pem"), 0o644);
+        assert_eq!(LocalCa::open(d.path()).unwrap().pem(), pem);
+    }
+
+    #[test]
+    fn leaves_only_under_the_allowed_domains_and_bounded() {
+        let d = tempfile::tempdir().unwrap();
+        let ca = Arc::new(LocalCa::open(d.path()).unwrap());
+        let r = LeafResolver::new(ca, &["sandboxes.example.com:443".into()]);
+        for ok in [
+            "8001-sb-1.localhost",
+            "localhost",
+            "80-x.sandboxes.example.com",
+            "X.SANDBOXES.example.com.",
+        ] {
+            assert!(r.allows(ok), "{ok}");
+        }
+        for bad in [
+            "example.org",
+            "evil-localhost",
+            "notsandboxes.example.com",
+            "x.example.com",
+            ".localhost",
+        ] {
+            assert!(r.leaf(bad).is_none(), "{bad}");
+        }
+        let a = r.leaf("8001-a.localhost").unwrap();
+        let b = r.leaf("8001-a.localhost").unwrap();
+        assert!(Arc::ptr_eq(&a, &b));
+        for i in 0..(LEAF_CACHE_MAX + 5) {
+            assert!(r.leaf(&format!("{i}-x.localhost")).is_some());
+        }
+        assert_eq!(r.cached(), LEAF_CACHE_MAX);
+    }
+}
