@@ -151,6 +151,29 @@ impl LineSplitter {
     }
 }
 
+/// Reads an exec's NDJSON answer `resp` line by line (a line split across
+/// chunks is joined, a last line without a newline counted) and hands each
+/// decoded line to `f`.
+pub(super) async fn pump_lines(
+    client: &crate::api::ApiClient,
+    resp: reqwest::Response,
+    mut f: impl FnMut(Line) -> Result<(), ApiError>,
+) -> Result<(), ApiError> {
+    let mut splitter = LineSplitter::default();
+    client
+        .for_each_chunk(resp, |chunk| {
+            for line in splitter.push(chunk) {
+                f(decode_line(&line)?)?;
+            }
+            Ok(())
+        })
+        .await?;
+    if let Some(last) = splitter.finish() {
+        f(decode_line(&last)?)?;
+    }
+    Ok(())
+}
+
 /// Runs `strata exec`.
 pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
     if a.tty {
@@ -166,10 +189,9 @@ pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
 
     let (mut out, mut err) = (Vec::new(), Vec::new());
     let mut exit: Option<(Option<i32>, Option<i32>)> = None;
-    let mut splitter = LineSplitter::default();
     let json = ctx.json;
-    let mut handle = |line: &[u8]| -> Result<(), ApiError> {
-        match decode_line(line)? {
+    pump_lines(&client, resp, |line| {
+        match line {
             Line::Stdout(d) if json => out.extend_from_slice(&d),
             Line::Stderr(d) if json => err.extend_from_slice(&d),
             Line::Stdout(d) => write_flush(&mut std::io::stdout().lock(), &d),
@@ -177,18 +199,8 @@ pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
             Line::Exit { code, signal } => exit = Some((code, signal)),
         }
         Ok(())
-    };
-    client
-        .for_each_chunk(resp, |chunk| {
-            for line in splitter.push(chunk) {
-                handle(&line)?;
-            }
-            Ok(())
-        })
-        .await?;
-    if let Some(last) = splitter.finish() {
-        handle(&last)?;
-    }
+    })
+    .await?;
     let Some((code, signal)) = exit else {
         return Err(ApiError::Protocol {
             url: client.base().to_string(),

@@ -16,7 +16,7 @@ use reqwest::Method;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use super::{body, decode_line, exit_status, write_flush, Args, Line, LineSplitter};
+use super::{body, exit_status, pump_lines, write_flush, Args, Line};
 use crate::api::ApiError;
 use crate::commands::{CliError, Ctx};
 
@@ -138,26 +138,15 @@ pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
 
     let resp = client.send(rb).await?;
     let mut exit: Option<(Option<i32>, Option<i32>)> = None;
-    let mut splitter = LineSplitter::default();
-    let mut handle = |line: &[u8]| -> Result<(), ApiError> {
-        match decode_line(line)? {
+    pump_lines(&client, resp, |line| {
+        match line {
             Line::Stdout(d) => write_flush(&mut std::io::stdout().lock(), &d),
             Line::Stderr(d) => write_flush(&mut std::io::stderr().lock(), &d),
             Line::Exit { code, signal } => exit = Some((code, signal)),
         }
         Ok(())
-    };
-    client
-        .for_each_chunk(resp, |chunk| {
-            for line in splitter.push(chunk) {
-                handle(&line)?;
-            }
-            Ok(())
-        })
-        .await?;
-    if let Some(last) = splitter.finish() {
-        handle(&last)?;
-    }
+    })
+    .await?;
     drop(raw);
     let _ = std::io::stdout().flush();
     let Some((code, signal)) = exit else {
