@@ -17,157 +17,20 @@
 //! killed by pid, the pool unmounted (`strata_testkit::teardown`).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap is a failed test
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use strata_testkit::teardown::{remove_daemon_root, sigkill, wait_gone};
-use strata_testkit::Api;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+mod guest_door;
+use guest_door::GuestDoor as Daemon;
 
 const KEY: &str = "e2b_ports_default_key";
 const ACME_KEY: &str = "e2b_ports_acme_key";
 
-struct Daemon {
-    root: PathBuf,
-    port: u16,
-    url: String,
-    child: Child,
-    api: Api,
-}
-
-impl Daemon {
-    fn start() -> Daemon {
-        let image = strata_testkit::test_image();
-        let root = tempfile::Builder::new()
-            .prefix("sp-")
-            .tempdir_in("/tmp")
-            .unwrap()
-            .keep();
-        let port = strata_testkit::free_port();
-        let config = root.join("config.toml");
-        let text = format!(
-            r#"listen = "127.0.0.1:{port}"
-data_dir = "{data}"
-run_dir = "{run}"
-image_dir = "{img}"
-accel = "tcg"
-pool_size_gib = 6
-snapshot_interval = "0s"
-idle_timeout = "0s"
-agent_timeout = "60s"
-
-[e2b]
-enabled = true
-api_keys = ["{KEY}", "{ACME_KEY}=acme:bot"]
-rate_limit_per_second = 0.0
-auth_failures_per_minute = 0
-
-[default_size]
-vcpus = 1
-memory_mib = 256
-disk_gib = 2
-"#,
-            data = root.join("data").display(),
-            run = root.join("run").display(),
-            img = image.dir.display(),
-        );
-        std::fs::write(&config, text).unwrap();
-        let log = std::fs::File::create(root.join("stratad.log")).unwrap();
-        let child = Command::new(strata_testkit::stratad_bin())
-            .arg("--config")
-            .arg(&config)
-            .env("RUST_LOG", "info")
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        let url = format!("http://127.0.0.1:{port}");
-        let t = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                t.elapsed() < Duration::from_secs(60),
-                "stratad did not listen"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let api = Api::with_client(
-            url.clone(),
-            reqwest::Client::builder()
-                .timeout(Duration::from_secs(180))
-                .build()
-                .unwrap(),
-        )
-        .token_file(root.join("data/admin.token"));
-        Daemon {
-            root,
-            port,
-            url,
-            child,
-            api,
-        }
-    }
-
-    fn logs(&self) -> String {
-        std::fs::read_to_string(self.root.join("stratad.log")).unwrap_or_default()
-    }
-
-    async fn v1(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
-        let mut rq = self.api.req(method, path);
-        if let Some(b) = body {
-            rq = rq.json(&b);
-        }
-        let r = rq.send().await.unwrap();
-        let s = r.status().as_u16();
-        (s, r.json().await.unwrap_or(Value::Null))
-    }
-
-    async fn wait_template(&self) {
-        let t = Instant::now();
-        loop {
-            let (s, v) = self
-                .v1(reqwest::Method::GET, "/v1/templates/tpl-default", None)
-                .await;
-            if s == 200 && v["status"] == "ready" {
-                return;
-            }
-            assert!(
-                t.elapsed() < Duration::from_secs(300),
-                "default template: {s} {v}\n{}",
-                self.logs()
-            );
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-    }
-
-    async fn sh(&self, id: &str, script: &str) -> String {
-        let e = self
-            .api
-            .exec(id, json!({"cmd": ["sh", "-c", script]}))
-            .await
-            .unwrap();
-        e.out()
-    }
-
-    async fn state(&self, id: &str) -> String {
-        let (_, v) = self
-            .v1(reqwest::Method::GET, &format!("/v1/sandboxes/{id}"), None)
-            .await;
-        v["state"].as_str().unwrap_or_default().to_owned()
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let pid = self.child.id();
-        sigkill(pid);
-        wait_gone(pid, Duration::from_secs(10));
-        let _ = self.child.wait();
-        remove_daemon_root(&self.root);
-    }
+/// The door of these tests: keys of two tenants, no TLS.
+fn start() -> Daemon {
+    Daemon::start("sp-", None, &[KEY, "e2b_ports_acme_key=acme:bot"], false)
 }
 
 /// A guest server on 8001: `/stream` writes 4 chunks 700 ms apart;
@@ -223,7 +86,7 @@ async fn audit_port_entries(d: &Daemon, id: &str) -> Vec<Value> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guest_ports_through_the_e2b_door() {
-    let d = Daemon::start();
+    let d = start();
     d.wait_template().await;
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(120))

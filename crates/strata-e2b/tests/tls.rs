@@ -15,179 +15,39 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use strata_testkit::teardown::{remove_daemon_root, sigkill, wait_gone};
-use strata_testkit::Api;
+
+mod guest_door;
+use guest_door::GuestDoor as Daemon;
 
 const KEY: &str = "e2b_tls_default_key";
 
-struct Daemon {
-    root: PathBuf,
-    port: u16,
-    tls_port: u16,
-    url: String,
-    child: Child,
-    api: Api,
-    keep_root: bool,
+/// The door of these tests, on `root` (new when `None`), TLS on a second port.
+fn start(root: Option<PathBuf>) -> Daemon {
+    Daemon::start("st-", root, &[KEY], true)
 }
 
-fn wait_listen(port: u16, root: &std::path::Path) {
-    let t = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            t.elapsed() < Duration::from_secs(60),
-            "stratad did not listen on {port}: {}",
-            std::fs::read_to_string(root.join("stratad.log")).unwrap_or_default()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+/// `GET /v1/ca`: the daemon's CA certificate (PEM).
+async fn fetch_ca(d: &Daemon) -> String {
+    let r = d
+        .api
+        .req(reqwest::Method::GET, "/v1/ca")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    r.text().await.unwrap()
 }
 
-impl Daemon {
-    /// A daemon on `root` (new when `None`), TLS on a second port.
-    fn start(root: Option<PathBuf>) -> Daemon {
-        let image = strata_testkit::test_image();
-        let root = root.unwrap_or_else(|| {
-            tempfile::Builder::new()
-                .prefix("st-")
-                .tempdir_in("/tmp")
-                .unwrap()
-                .keep()
-        });
-        let port = strata_testkit::free_port();
-        let mut tls_port = strata_testkit::free_port();
-        while tls_port == port {
-            tls_port = strata_testkit::free_port();
-        }
-        let config = root.join("config.toml");
-        let text = format!(
-            r#"listen = "127.0.0.1:{port}"
-data_dir = "{data}"
-run_dir = "{run}"
-image_dir = "{img}"
-accel = "tcg"
-pool_size_gib = 6
-snapshot_interval = "0s"
-idle_timeout = "0s"
-agent_timeout = "60s"
-
-[e2b]
-enabled = true
-api_keys = ["{KEY}"]
-rate_limit_per_second = 0.0
-auth_failures_per_minute = 0
-
-[default_size]
-vcpus = 1
-memory_mib = 256
-disk_gib = 2
-"#,
-            data = root.join("data").display(),
-            run = root.join("run").display(),
-            img = image.dir.display(),
-        );
-        std::fs::write(&config, text).unwrap();
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(root.join("stratad.log"))
-            .unwrap();
-        let child = Command::new(strata_testkit::stratad_bin())
-            .arg("--config")
-            .arg(&config)
-            .arg("--e2b-tls-listen")
-            .arg(format!("127.0.0.1:{tls_port}"))
-            .env("RUST_LOG", "info")
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        wait_listen(port, &root);
-        wait_listen(tls_port, &root);
-        let url = format!("http://127.0.0.1:{port}");
-        let api = Api::with_client(
-            url.clone(),
-            reqwest::Client::builder()
-                .timeout(Duration::from_secs(180))
-                .build()
-                .unwrap(),
-        )
-        .token_file(root.join("data/admin.token"));
-        Daemon {
-            root,
-            port,
-            tls_port,
-            url,
-            child,
-            api,
-            keep_root: false,
-        }
-    }
-
-    fn logs(&self) -> String {
-        std::fs::read_to_string(self.root.join("stratad.log")).unwrap_or_default()
-    }
-
-    /// Kills the daemon (its VMs live on) and hands back its root.
-    fn kill_keep_root(mut self) -> PathBuf {
-        self.keep_root = true;
-        self.root.clone()
-    }
-
-    async fn wait_template(&self) {
-        let t = Instant::now();
-        loop {
-            let r = self
-                .api
-                .req(reqwest::Method::GET, "/v1/templates/tpl-default")
-                .send()
-                .await
-                .unwrap();
-            let s = r.status().as_u16();
-            let v: Value = r.json().await.unwrap_or(Value::Null);
-            if s == 200 && v["status"] == "ready" {
-                return;
-            }
-            assert!(
-                t.elapsed() < Duration::from_secs(300),
-                "default template: {s} {v}\n{}",
-                self.logs()
-            );
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-    }
-
-    async fn ca(&self) -> String {
-        let r = self
-            .api
-            .req(reqwest::Method::GET, "/v1/ca")
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status().as_u16(), 200);
-        r.text().await.unwrap()
-    }
-
-    fn tls_addr(&self) -> SocketAddr {
-        SocketAddr::from(([127, 0, 0, 1], self.tls_port))
-    }
+/// The daemon's TLS listener.
+fn tls_addr(d: &Daemon) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], tls_port(d)))
 }
 
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let pid = self.child.id();
-        sigkill(pid);
-        wait_gone(pid, Duration::from_secs(10));
-        let _ = self.child.wait();
-        if !self.keep_root {
-            remove_daemon_root(&self.root);
-        }
-    }
+fn tls_port(d: &Daemon) -> u16 {
+    d.tls_port.expect("started with TLS")
 }
 
 /// A rustls client that trusts `ca` only (none: no root at all), `name`
@@ -231,7 +91,7 @@ fn chain(e: &dyn std::error::Error) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routed_hosts_over_tls_with_the_daemons_ca() {
-    let d = Daemon::start(None);
+    let d = start(None);
     d.wait_template().await;
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(120))
@@ -250,7 +110,7 @@ async fn routed_hosts_over_tls_with_the_daemons_ca() {
     // get_host(port) lands on the TLS listener.
     assert_eq!(
         created["domain"],
-        format!("localhost:{}", d.tls_port),
+        format!("localhost:{}", tls_port(&d)),
         "{created}"
     );
     let e = d
@@ -265,7 +125,7 @@ async fn routed_hosts_over_tls_with_the_daemons_ca() {
     assert_eq!(e.code, Some(0), "{:?}", e);
 
     // The CA: served by /v1/ca, kept on disk with the key 0600.
-    let ca = d.ca().await;
+    let ca = fetch_ca(&d).await;
     assert!(ca.starts_with("-----BEGIN CERTIFICATE-----"), "{ca}");
     let on_disk = std::fs::read_to_string(d.root.join("data/ca/ca.pem")).unwrap();
     assert_eq!(ca, on_disk);
@@ -278,14 +138,14 @@ async fn routed_hosts_over_tls_with_the_daemons_ca() {
 
     // Trusting only the daemon's CA: the guest's directory listing.
     let name = format!("8001-{id}.localhost");
-    let url = format!("https://{name}:{}/", d.tls_port);
-    let trusting = client(Some(&ca), &name, d.tls_addr());
+    let url = format!("https://{name}:{}/", tls_port(&d));
+    let trusting = client(Some(&ca), &name, tls_addr(&d));
     let (s, body) = get_listing(&trusting, &url).await;
     assert_eq!(s, 200, "{body}\n{}", d.logs());
     assert!(body.contains("tls-hello.txt"), "{body}");
 
     // Without the CA: certificate verification fails.
-    let e = client(None, &name, d.tls_addr())
+    let e = client(None, &name, tls_addr(&d))
         .get(&url)
         .send()
         .await
@@ -298,8 +158,8 @@ async fn routed_hosts_over_tls_with_the_daemons_ca() {
 
     // An SNI outside the domain: no certificate, the handshake fails.
     let foreign = format!("8001-{id}.example.org");
-    let e = client(Some(&ca), &foreign, d.tls_addr())
-        .get(format!("https://{foreign}:{}/", d.tls_port))
+    let e = client(Some(&ca), &foreign, tls_addr(&d))
+        .get(format!("https://{foreign}:{}/", tls_port(&d)))
         .send()
         .await
         .expect_err("a foreign SNI must fail the handshake");
@@ -321,6 +181,6 @@ async fn routed_hosts_over_tls_with_the_daemons_ca() {
 
     // A restart keeps the CA: the same PEM.
     let root = d.kill_keep_root();
-    let d = Daemon::start(Some(root));
-    assert_eq!(d.ca().await, ca, "the CA changed across a restart");
+    let d = start(Some(root));
+    assert_eq!(fetch_ca(&d).await, ca, "the CA changed across a restart");
 }
