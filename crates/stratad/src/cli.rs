@@ -32,6 +32,10 @@ pub struct Args {
     /// Directory for per-VM sockets and pid files (short: unix socket paths).
     #[arg(long)]
     pub run_dir: Option<PathBuf>,
+    /// Key store directory (master key; keep it outside the data dir)
+    /// [default: /etc/strata/keys].
+    #[arg(long)]
+    pub key_dir: Option<PathBuf>,
     /// Guest image directory [default: newest in the image cache].
     #[arg(long)]
     pub image_dir: Option<PathBuf>,
@@ -102,6 +106,9 @@ pub fn config(args: &Args) -> anyhow::Result<Config> {
     }
     if let Some(v) = &args.data_dir {
         cfg.data_dir = v.clone();
+    }
+    if let Some(v) = &args.key_dir {
+        cfg.key_dir = v.clone();
     }
     if let Some(v) = args.accel {
         cfg.accel = v;

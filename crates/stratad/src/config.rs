@@ -313,6 +313,11 @@ pub struct Config {
     /// Per-VM sockets, pid files and console logs. Short on purpose: unix
     /// socket paths inside it must stay under 108 bytes.
     pub run_dir: PathBuf,
+    /// The key store (`security::keys`): a directory outside the data dir
+    /// (mode 0700) holding the deployment's master key (`master.key`,
+    /// 0600), created on first use. A copy of the data dir without it
+    /// reveals no sealed value (a sandbox's stored environment variables).
+    pub key_dir: PathBuf,
     /// Guest image directory (`strata image build` prints it); unset: the
     /// newest image in the image cache (`$STRATA_IMAGE_CACHE` or
     /// `/var/cache/strata/images`).
@@ -447,6 +452,7 @@ impl Default for Config {
             pool_size_gib: 64,
             pool_path: None,
             run_dir: PathBuf::from("/run/strata"),
+            key_dir: PathBuf::from("/etc/strata/keys"),
             image_dir: None,
             qemu_binary: PathBuf::from("qemu-system-x86_64"),
             agent_timeout: Duration::from_secs(60),

@@ -14,6 +14,7 @@
 
 pub mod auth;
 pub mod gate;
+pub mod keys;
 pub mod ratelimit;
 pub mod store;
 

@@ -46,6 +46,10 @@ pub enum ServiceError {
     /// The tool-call gate refused (denied, held for approval, or failed closed).
     #[error("{}", gate_message(.0))]
     Gate(GateRefusal),
+    /// The key store could not be opened or a value not sealed (fails
+    /// closed: nothing is stored unsealed).
+    #[error("key store: {0}")]
+    Keys(String),
 }
 
 pub(crate) fn gate_message(r: &GateRefusal) -> String {
@@ -73,6 +77,7 @@ impl ServiceError {
             ServiceError::Store(StoreError::BadCursor) => ErrorCode::InvalidRequest,
             ServiceError::Store(_) => ErrorCode::Internal,
             ServiceError::Forbidden(_) => ErrorCode::Forbidden,
+            ServiceError::Keys(_) => ErrorCode::Internal,
             ServiceError::Gate(GateRefusal::Invalid(_)) => ErrorCode::InvalidRequest,
             ServiceError::Gate(GateRefusal::Internal(_)) => ErrorCode::Internal,
             ServiceError::Gate(GateRefusal::Denied { .. } | GateRefusal::Pending(_)) => {

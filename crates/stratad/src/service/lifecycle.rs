@@ -469,8 +469,9 @@ impl Service {
     /// Keeps `env` (environment variables for the sandbox's commands, e.g.
     /// the E2B door's `envVars`) with one of the caller's sandboxes; empty:
     /// none. They survive a daemon restart, go when the sandbox is deleted,
-    /// and no API returns them. Stored as JSON (no key store to encrypt
-    /// with; the database file is mode 0600).
+    /// and no API returns them. Stored sealed by the key store
+    /// (`security::keys`, bound to the sandbox id); without a usable key
+    /// store nothing is stored (`ServiceError::Keys`).
     pub async fn set_sandbox_env(
         &self,
         caller: &Caller,
@@ -478,14 +479,82 @@ impl Service {
         env: BTreeMap<String, String>,
     ) -> ServiceResult<()> {
         self.get_sandbox(caller, id).await?;
+        let sealed = if env.is_empty() {
+            None
+        } else {
+            Some(self.seal_env(id, &env)?)
+        };
         let id = id.clone();
-        self.db(move |s| s.put_sandbox_env(&id, &env)).await
+        self.db(move |s| s.put_sandbox_env(&id, sealed.as_deref()))
+            .await
     }
 
     /// The environment kept with every sandbox not deleted, read at once
-    /// (blocking: for a front door's start, before it serves).
+    /// (blocking: for a front door's start, before it serves). A row from
+    /// before sealing (plain JSON, store schema 7) is sealed in place; a
+    /// row that does not open (changed, moved to another sandbox, another
+    /// deployment's key) is left out with an error in the log.
     pub fn stored_envs(&self) -> ServiceResult<Vec<(SandboxId, BTreeMap<String, String>)>> {
-        Ok(self.store.sandbox_envs()?)
+        let mut out = Vec::new();
+        for (id, stored) in self.store.sandbox_envs()? {
+            if !crate::security::keys::is_sealed(&stored) {
+                let env: BTreeMap<String, String> = match serde_json::from_str(&stored) {
+                    Ok(env) => env,
+                    Err(e) => {
+                        tracing::error!(sandbox = %id, error = %e, "stored environment is not JSON: left out");
+                        continue;
+                    }
+                };
+                let sealed = self.seal_env(&id, &env)?;
+                self.store.put_sandbox_env(&id, Some(&sealed))?;
+                out.push((id, env));
+                continue;
+            }
+            let opened = self
+                .env_sealer()
+                .and_then(|s| {
+                    s.open(id.as_str(), &stored)
+                        .map_err(|e| ServiceError::Keys(e.to_string()))
+                })
+                .and_then(|plain| {
+                    serde_json::from_slice(&plain)
+                        .map_err(|e| ServiceError::Keys(format!("sealed environment: {e}")))
+                });
+            match opened {
+                Ok(env) => out.push((id, env)),
+                Err(e) => {
+                    tracing::error!(sandbox = %id, error = %e, "stored environment does not open: left out")
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn seal_env(&self, id: &SandboxId, env: &BTreeMap<String, String>) -> ServiceResult<String> {
+        let json =
+            serde_json::to_vec(env).map_err(|e| ServiceError::Keys(format!("environment: {e}")))?;
+        self.env_sealer()?
+            .seal(id.as_str(), &json)
+            .map_err(|e| ServiceError::Keys(e.to_string()))
+    }
+
+    fn env_sealer(&self) -> ServiceResult<crate::security::keys::Sealer> {
+        use crate::security::keys::{KeyStore, Purpose};
+        let store = self
+            .keys
+            .get_or_init(|| {
+                KeyStore::open(&self.config.key_dir)
+                    .map(Arc::new)
+                    .map_err(|e| {
+                        tracing::error!(error = %e, "key store unavailable");
+                        e.to_string()
+                    })
+            })
+            .as_ref()
+            .map_err(|e| ServiceError::Keys(e.clone()))?;
+        store
+            .sealer(Purpose::SandboxEnv)
+            .map_err(|e| ServiceError::Keys(e.to_string()))
     }
 
     /// Records activity on one of the caller's sandboxes (postpones idle

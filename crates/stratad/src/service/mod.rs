@@ -69,6 +69,9 @@ pub struct Service {
     flushed: Mutex<HashMap<SandboxId, DateTime<Utc>>>,
     gate: Arc<dyn ToolGate>,
     sampler: sampler::Sampler,
+    /// The key store (`config.key_dir`), opened on first use: a daemon
+    /// that never seals anything never touches the key dir.
+    keys: std::sync::OnceLock<Result<Arc<crate::security::keys::KeyStore>, String>>,
 }
 
 impl std::fmt::Debug for Service {
@@ -88,6 +91,7 @@ impl Service {
         gate: Arc<dyn ToolGate>,
     ) -> Arc<Self> {
         Arc::new(Service {
+            keys: std::sync::OnceLock::new(),
             gate,
             sampler: sampler::Sampler::new(&config.metrics),
             store,

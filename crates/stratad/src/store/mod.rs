@@ -506,11 +506,13 @@ pub trait Store: Send + Sync + 'static {
     fn reserved_capacity(&self) -> StoreResult<(u64, u64)>;
     /// Every sandbox not deleted (recovery, scheduler start).
     fn live_sandboxes(&self) -> StoreResult<Vec<SandboxRecord>>;
-    /// Replaces the environment variables kept with sandbox `id` (empty:
-    /// none). Deleting the sandbox deletes them.
-    fn put_sandbox_env(&self, id: &SandboxId, env: &BTreeMap<String, String>) -> StoreResult<()>;
-    /// The environment variables kept with every sandbox not deleted.
-    fn sandbox_envs(&self) -> StoreResult<Vec<(SandboxId, BTreeMap<String, String>)>>;
+    /// Replaces the environment variables kept with sandbox `id`, as the
+    /// service sealed them (opaque here; `None`: none). Deleting the
+    /// sandbox deletes them.
+    fn put_sandbox_env(&self, id: &SandboxId, sealed: Option<&str>) -> StoreResult<()>;
+    /// The stored (sealed) environment of every sandbox not deleted; rows
+    /// from before sealing hold plain JSON.
+    fn sandbox_envs(&self) -> StoreResult<Vec<(SandboxId, String)>>;
     /// Keeps sandbox `id`'s lifecycle policy (only for a sandbox not
     /// deleted; deleting the sandbox deletes it).
     fn put_sandbox_lifecycle(&self, id: &SandboxId, policy: &LifecyclePolicy) -> StoreResult<()>;

@@ -340,27 +340,25 @@ impl Store for SqliteStore {
         )
     }
 
-    fn put_sandbox_env(&self, id: &SandboxId, env: &BTreeMap<String, String>) -> StoreResult<()> {
+    fn put_sandbox_env(&self, id: &SandboxId, sealed: Option<&str>) -> StoreResult<()> {
         let w = self.writer();
-        if env.is_empty() {
+        let Some(sealed) = sealed else {
             w.execute(
                 "DELETE FROM sandbox_env WHERE sandbox_id = ?1",
                 [id.as_str()],
             )?;
             return Ok(());
-        }
-        let json = serde_json::to_string(env)
-            .map_err(|e| corrupt("sandbox_env", id.as_str(), e.to_string()))?;
+        };
         // Only for a sandbox not deleted (a delete racing this keeps none).
         w.execute(
             "INSERT OR REPLACE INTO sandbox_env (sandbox_id, env, updated_at) \
              SELECT ?1, ?2, ?3 FROM sandboxes WHERE id = ?1 AND state != 'deleted'",
-            params![id.as_str(), json, ms(Utc::now())],
+            params![id.as_str(), sealed, ms(Utc::now())],
         )?;
         Ok(())
     }
 
-    fn sandbox_envs(&self) -> StoreResult<Vec<(SandboxId, BTreeMap<String, String>)>> {
+    fn sandbox_envs(&self) -> StoreResult<Vec<(SandboxId, String)>> {
         let conn = self.reader();
         let mut stmt = conn.prepare_cached(
             "SELECT e.sandbox_id, e.env FROM sandbox_env e JOIN sandboxes s ON s.id = e.sandbox_id \
@@ -373,8 +371,6 @@ impl Store for SqliteStore {
             let sid: SandboxId = id
                 .parse()
                 .map_err(|e| corrupt("sandbox_env", &id, format!("{e}")))?;
-            let env = serde_json::from_str(&env)
-                .map_err(|e| corrupt("sandbox_env", &id, e.to_string()))?;
             out.push((sid, env));
         }
         Ok(out)

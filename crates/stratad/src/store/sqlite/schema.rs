@@ -128,8 +128,9 @@ pub(super) const MIGRATIONS: &[&str] = &[
     "#,
     // 7: environment variables given at create (the E2B door's `envVars`),
     // kept with the sandbox and inherited by its forks; the row goes when
-    // the sandbox is deleted. Plain JSON: the daemon has no key store to
-    // encrypt with; the database file is mode 0600.
+    // the sandbox is deleted. Written as plain JSON until the key store
+    // came; now sealed (`sealed:v1:…`, security::keys), and the service
+    // seals a plain row it reads.
     r#"
     CREATE TABLE sandbox_env (
         sandbox_id TEXT PRIMARY KEY,

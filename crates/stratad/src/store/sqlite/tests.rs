@@ -527,16 +527,17 @@ fn sandbox_env_survives_reopen_and_goes_with_the_sandbox() {
     let dir = tempfile::tempdir().unwrap();
     let a = sandbox(1, SandboxState::Running);
     let b = sandbox(2, SandboxState::Running);
-    let env = BTreeMap::from([("API_KEY".to_string(), "s3cret".to_string())]);
+    // The store keeps what the service sealed, opaque.
+    let env = "sealed:v1:AAAA".to_string();
     {
         let s = open(&dir);
         s.insert_sandbox(&a, &created(&a)).unwrap();
         s.insert_sandbox(&b, &created(&b)).unwrap();
-        s.put_sandbox_env(&a.id, &env).unwrap();
-        s.put_sandbox_env(&b.id, &env).unwrap();
+        s.put_sandbox_env(&a.id, Some(&env)).unwrap();
+        s.put_sandbox_env(&b.id, Some(&env)).unwrap();
         // An unknown sandbox keeps nothing.
         let ghost: SandboxId = "sb-ghost".parse().unwrap();
-        s.put_sandbox_env(&ghost, &env).unwrap();
+        s.put_sandbox_env(&ghost, Some(&env)).unwrap();
     }
     // A restart (a new store on the same file) reads them back.
     let s = open(&dir);
@@ -545,7 +546,7 @@ fn sandbox_env_survives_reopen_and_goes_with_the_sandbox() {
         vec![(a.id.clone(), env.clone()), (b.id.clone(), env.clone())]
     );
     // Emptying drops the row; deleting the sandbox drops its row too.
-    s.put_sandbox_env(&a.id, &BTreeMap::new()).unwrap();
+    s.put_sandbox_env(&a.id, None).unwrap();
     let mut gone = s.get_sandbox(&b.id).unwrap().unwrap();
     gone.state = SandboxState::Deleted;
     gone.deleted_at = Some(t0());
