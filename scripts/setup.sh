@@ -11,7 +11,8 @@ set -euo pipefail
 # mount (losetup, mount) and util-linux. Building: gcc with libc6-dev (only a
 # recommendation of gcc; cargo links with cc), pkg-config; g++ for libFuzzer
 # (scripts/fuzz.sh: libfuzzer-sys compiles it). Scripts and the
-# E2B SDK tests: curl, ca-certificates, python3, python3-venv, iproute2.
+# E2B SDK tests: curl, ca-certificates, python3, python3-venv, iproute2,
+# nodejs and npm (below).
 # libnss-myhostname: glibc resolves *.localhost to loopback (the E2B door's
 # get_host(port) names, docs/ports.md), for Python and Node as curl does.
 need_pkgs=(qemu-system-x86 btrfs-progs debootstrap debian-archive-keyring busybox-static e2fsprogs
@@ -21,6 +22,11 @@ missing=()
 for p in "${need_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# The e2b JS SDK tests (crates/strata-e2b/tests/js): node and npm, checked as
+# commands (a Node from elsewhere, e.g. NodeSource's nodejs with its own npm,
+# is kept). run-js.sh adds a newer Node from npm when this one is too old.
+command -v node >/dev/null || missing+=(nodejs)
+command -v npm >/dev/null || missing+=(npm)
 # qemu-img must match QEMU 7.2 from bookworm (a backported qemu-utils conflicts with qemu-system-x86 7.2).
 qemu_utils_ok=0
 if dpkg-query -W -f='${Version}' qemu-utils 2>/dev/null | grep -q '^1:7\.2'; then qemu_utils_ok=1; fi

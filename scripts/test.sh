@@ -30,5 +30,8 @@ cargo test --workspace --no-fail-fast "$@" -- --test-threads=2
 echo "== E2B SDK compatibility: the unmodified e2b package from PyPI against stratad --e2b" >&2
 bash crates/strata-e2b/tests/run-python.sh
 
+echo "== E2B JS SDK: the unmodified e2b package from npm, node --test (crates/strata-e2b/tests/js)" >&2
+bash crates/strata-e2b/tests/js/run-js.sh
+
 echo "== fuzz: ${STRATA_FUZZ_SECONDS:-60} s per target (docs/fuzzing.md)" >&2
 bash scripts/fuzz.sh "${STRATA_FUZZ_SECONDS:-60}"

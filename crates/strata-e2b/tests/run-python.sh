@@ -11,7 +11,9 @@
 #
 # Env: PORT (default 47983), SCRATCH (/tmp/strata-e2b-py), RUN_DIR
 # (/tmp/se2b-run, short: unix socket paths), VENV (/tmp/strata-e2b-venv),
-# CARGO_TARGET_DIR (where the binary is built), KEEP=1 keeps the data dir.
+# CARGO_TARGET_DIR (where the binary is built), KEEP=1 keeps the data dir,
+# STRATA_E2B_RUNNER: a command run (with the args) in place of pytest, no venv
+# made — js/run-js.sh runs the JS SDK suite so.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -43,7 +45,7 @@ if [ -z "${IMAGE_DIR:-}" ]; then
   log "image: $IMAGE_DIR"
 fi
 
-if [ ! -x "$VENV/bin/pytest" ] || ! "$VENV/bin/python" -c 'import e2b, sys; sys.exit(0 if __import__("importlib.metadata").metadata.version("e2b") == "2.63.0" else 1)' 2>/dev/null; then
+if [ -z "${STRATA_E2B_RUNNER:-}" ] && { [ ! -x "$VENV/bin/pytest" ] || ! "$VENV/bin/python" -c 'import e2b, sys; sys.exit(0 if __import__("importlib.metadata").metadata.version("e2b") == "2.63.0" else 1)' 2>/dev/null; }; then
   log "creating virtualenv $VENV (e2b==2.63.0, pytest)"
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q "e2b==2.63.0" pytest
@@ -104,7 +106,11 @@ export E2B_TENANT_KEY="$TENANT_KEY" STRATA_MAX_UPLOAD_BYTES="$MAX_UPLOAD"
 STRATA_TOKEN="$(cat "$SCRATCH/admin.token" 2>/dev/null || true)"; export STRATA_TOKEN
 unset E2B_DOMAIN E2B_ACCESS_TOKEN || true
 status=0
-(cd "$HERE/python" && "$VENV/bin/pytest" -v -p no:cacheprovider "$@") || status=$?
+if [ -n "${STRATA_E2B_RUNNER:-}" ]; then
+  $STRATA_E2B_RUNNER "$@" || status=$?
+else
+  (cd "$HERE/python" && "$VENV/bin/pytest" -v -p no:cacheprovider "$@") || status=$?
+fi
 if [ -n "${BENCH:-}" ]; then
   log "bench: $BENCH x (Sandbox.create + commands.run('true'))"
   (cd "$HERE/python" && "$VENV/bin/python" bench.py "$BENCH") || status=$?
