@@ -7,7 +7,9 @@ use std::path::{Path, PathBuf};
 use bytes::Bytes;
 use strata_proto::client::WRITE_WINDOW;
 use strata_proto::frame::{FrameKind, MAX_FILE_CHUNK};
-use strata_proto::{DirEntry, FileKind, FileStat, RemoteErrorKind, Response};
+use strata_proto::{
+    DirEntry, EntryExt, FileKind, FileStat, RemoteErrorKind, Response, MAX_XATTR_BYTES,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, watch};
 
@@ -54,6 +56,7 @@ pub fn stat(p: &str) -> Result<Option<FileStat>, Fail> {
             mtime: m.mtime(),
             uid: m.uid(),
             gid: m.gid(),
+            ext: Some(ext_of(&path, &m, &mut Names::default())),
         })),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(Fail::io(&e, p)),
@@ -64,6 +67,7 @@ pub fn stat(p: &str) -> Result<Option<FileStat>, Fail> {
 pub fn list_dir(p: &str) -> Result<Vec<DirEntry>, Fail> {
     let path = check_path(p)?;
     let rd = std::fs::read_dir(&path).map_err(|e| Fail::io(&e, p))?;
+    let mut names = Names::default();
     let mut out = Vec::new();
     for entry in rd {
         let entry = entry.map_err(|e| Fail::io(&e, p))?;
@@ -76,10 +80,205 @@ pub fn list_dir(p: &str) -> Result<Vec<DirEntry>, Fail> {
             size: m.len(),
             mode: m.mode() & 0o7777,
             mtime: m.mtime(),
+            ext: Some(ext_of(&entry.path(), &m, &mut names)),
         });
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(out)
+}
+
+/// uid → login and gid → group names of the guest, read once per call from
+/// `/etc/passwd` and `/etc/group` (a missing or unreadable file: no names).
+#[derive(Default)]
+struct Names {
+    users: Option<std::collections::HashMap<u32, String>>,
+    groups: Option<std::collections::HashMap<u32, String>>,
+}
+
+/// `name:x:id:…` lines of a passwd/group file: id → name.
+fn id_names(text: &str) -> std::collections::HashMap<u32, String> {
+    let mut out = std::collections::HashMap::new();
+    for line in text.lines() {
+        let mut f = line.split(':');
+        let (Some(name), Some(_), Some(id)) = (f.next(), f.next(), f.next()) else {
+            continue;
+        };
+        if let Ok(id) = id.parse::<u32>() {
+            out.entry(id).or_insert_with(|| name.to_owned());
+        }
+    }
+    out
+}
+
+impl Names {
+    fn user(&mut self, uid: u32) -> Option<String> {
+        self.users
+            .get_or_insert_with(|| {
+                id_names(&std::fs::read_to_string("/etc/passwd").unwrap_or_default())
+            })
+            .get(&uid)
+            .cloned()
+    }
+
+    fn group(&mut self, gid: u32) -> Option<String> {
+        self.groups
+            .get_or_insert_with(|| {
+                id_names(&std::fs::read_to_string("/etc/group").unwrap_or_default())
+            })
+            .get(&gid)
+            .cloned()
+    }
+}
+
+/// Owner names, link target (all links followed) and `user.` attributes of
+/// the entry at `path` whose lstat is `m`.
+fn ext_of(path: &Path, m: &std::fs::Metadata, names: &mut Names) -> EntryExt {
+    let mut ext = EntryExt {
+        uid: m.uid(),
+        gid: m.gid(),
+        owner: names.user(m.uid()),
+        group: names.group(m.gid()),
+        ..EntryExt::default()
+    };
+    if m.file_type().is_symlink() {
+        match std::fs::canonicalize(path) {
+            Ok(t) => {
+                if let Ok(tm) = std::fs::metadata(&t) {
+                    ext.target_kind = Some(kind_of(tm.file_type()));
+                    ext.target_mode = Some(tm.mode() & 0o7777);
+                }
+                ext.symlink_target = Some(t.to_string_lossy().into_owned());
+            }
+            Err(_) => ext.symlink_target = Some(path.to_string_lossy().into_owned()),
+        }
+    }
+    ext.xattrs = user_xattrs(path);
+    ext
+}
+
+fn c_path(path: &Path) -> Option<std::ffi::CString> {
+    use std::os::unix::ffi::OsStrExt;
+    std::ffi::CString::new(path.as_os_str().as_bytes()).ok()
+}
+
+/// The `user.` attributes of `path` (not following a symlink) with UTF-8
+/// names and values, at most [`MAX_XATTR_BYTES`] of them together (the
+/// rest, in name order, left out). Errors (no xattr support …): none.
+pub fn user_xattrs(path: &Path) -> std::collections::BTreeMap<String, String> {
+    let mut out = std::collections::BTreeMap::new();
+    let Some(cp) = c_path(path) else {
+        return out;
+    };
+    let mut list = vec![0u8; 4096];
+    let n = loop {
+        // SAFETY: `cp` is a NUL-terminated path; `list` is writable for
+        // `list.len()` bytes and the kernel writes at most that many.
+        let n = unsafe { libc::llistxattr(cp.as_ptr(), list.as_mut_ptr().cast(), list.len()) };
+        if n >= 0 {
+            break n as usize;
+        }
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::ERANGE) && list.len() < (1 << 16) {
+            list.resize(list.len() * 4, 0);
+            continue;
+        }
+        return out;
+    };
+    let mut names: Vec<&[u8]> = list[..n]
+        .split(|b| *b == 0)
+        .filter(|x| x.starts_with(b"user."))
+        .collect();
+    names.sort();
+    let mut total = 0usize;
+    let mut value = vec![0u8; MAX_XATTR_BYTES];
+    for name in names {
+        let Ok(cname) = std::ffi::CString::new(name) else {
+            continue;
+        };
+        // SAFETY: both strings are NUL-terminated; `value` is writable for
+        // `value.len()` bytes and the kernel writes at most that many.
+        let len = unsafe {
+            libc::lgetxattr(
+                cp.as_ptr(),
+                cname.as_ptr(),
+                value.as_mut_ptr().cast(),
+                value.len(),
+            )
+        };
+        if len < 0 {
+            continue; // removed meanwhile, or larger than the whole budget
+        }
+        let (Ok(k), Ok(v)) = (
+            std::str::from_utf8(name),
+            std::str::from_utf8(&value[..len as usize]),
+        ) else {
+            continue;
+        };
+        total += k.len() + v.len();
+        if total > MAX_XATTR_BYTES {
+            break;
+        }
+        out.insert(k.to_owned(), v.to_owned());
+    }
+    out
+}
+
+/// [`strata_proto::Request::SetXattrs`]: the attributes of `p` named
+/// `prefix…` become exactly `set`.
+pub fn set_xattrs(
+    p: &str,
+    prefix: &str,
+    set: &std::collections::BTreeMap<String, String>,
+) -> Result<(), Fail> {
+    let path = check_path(p)?;
+    let bad = |m: String| Fail::new(RemoteErrorKind::InvalidArgument, m);
+    if !prefix.starts_with("user.") {
+        return Err(bad(format!(
+            "attribute prefix {prefix:?} is not under user."
+        )));
+    }
+    let size: usize = set.iter().map(|(k, v)| k.len() + v.len()).sum();
+    if size > MAX_XATTR_BYTES {
+        return Err(bad(format!(
+            "attributes of {size} bytes (at most {MAX_XATTR_BYTES})"
+        )));
+    }
+    for k in set.keys() {
+        if !k.starts_with(prefix) || k.len() == prefix.len() || k.len() > 255 || k.contains('\0') {
+            return Err(bad(format!(
+                "attribute name {k:?} is not a name under {prefix}"
+            )));
+        }
+    }
+    let cp = c_path(&path).ok_or_else(|| bad("path contains a NUL byte".into()))?;
+    std::fs::symlink_metadata(&path).map_err(|e| Fail::io(&e, p))?;
+    for old in user_xattrs(&path).keys() {
+        if old.starts_with(prefix) && !set.contains_key(old) {
+            let Ok(cname) = std::ffi::CString::new(old.as_bytes()) else {
+                continue;
+            };
+            // SAFETY: both strings are NUL-terminated.
+            let r = unsafe { libc::lremovexattr(cp.as_ptr(), cname.as_ptr()) };
+            if r != 0 {
+                let e = std::io::Error::last_os_error();
+                if e.raw_os_error() != Some(libc::ENODATA) {
+                    return Err(Fail::io(&e, p));
+                }
+            }
+        }
+    }
+    for (k, v) in set {
+        let cname = std::ffi::CString::new(k.as_bytes())
+            .map_err(|_| bad(format!("attribute name {k:?} contains a NUL byte")))?;
+        // SAFETY: `cp` and `cname` are NUL-terminated; `v` is readable for
+        // `v.len()` bytes.
+        let r =
+            unsafe { libc::lsetxattr(cp.as_ptr(), cname.as_ptr(), v.as_ptr().cast(), v.len(), 0) };
+        if r != 0 {
+            return Err(Fail::io(&std::io::Error::last_os_error(), p));
+        }
+    }
+    Ok(())
 }
 
 /// `mkdir -p`.
@@ -264,4 +463,77 @@ pub async fn download(file: std::fs::File, size: u64, mut acks: watch::Receiver<
             .await;
     }
     slot.release();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    fn map(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    #[test]
+    fn passwd_lines_name_ids() {
+        let m = id_names("root:x:0:0:root:/root:/bin/sh\nuser:x:1000:1000::/home/user:/bin/sh\nbad\nx:x:nope:1\ndup:x:0:0::/:/bin/sh\n");
+        assert_eq!(m.get(&0).map(String::as_str), Some("root"));
+        assert_eq!(m.get(&1000).map(String::as_str), Some("user"));
+        assert_eq!(m.len(), 2);
+    }
+
+    #[test]
+    fn set_xattrs_replaces_its_namespace_and_stat_reports_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("f");
+        std::fs::write(&f, b"x").unwrap();
+        let p = f.to_str().unwrap();
+        set_xattrs(
+            p,
+            "user.e2b.",
+            &map(&[("user.e2b.a", "1"), ("user.e2b.b", "2")]),
+        )
+        .unwrap();
+        set_xattrs(p, "user.other.", &map(&[("user.other.keep", "k")])).unwrap();
+        // Replacing the namespace drops what is not named again, keeps others.
+        set_xattrs(p, "user.e2b.", &map(&[("user.e2b.b", "3")])).unwrap();
+        let ext = stat(p).unwrap().unwrap().ext.unwrap();
+        assert_eq!(
+            ext.xattrs,
+            map(&[("user.e2b.b", "3"), ("user.other.keep", "k")])
+        );
+        assert_eq!(ext.uid, std::fs::metadata(&f).unwrap().uid());
+        assert!(ext.symlink_target.is_none());
+        // Outside the namespace or `user.`, too big: refused, nothing changes.
+        assert!(set_xattrs(p, "user.e2b.", &map(&[("user.x", "1")])).is_err());
+        assert!(set_xattrs(p, "trusted.", &map(&[("trusted.x", "1")])).is_err());
+        let big = "v".repeat(MAX_XATTR_BYTES);
+        assert!(set_xattrs(p, "user.e2b.", &map(&[("user.e2b.k", &big)])).is_err());
+        assert_eq!(user_xattrs(&f), ext.xattrs);
+    }
+
+    #[test]
+    fn a_symlink_reports_what_it_resolves_to() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = std::fs::canonicalize(dir.path()).unwrap();
+        std::fs::create_dir(real.join("sub")).unwrap();
+        std::os::unix::fs::symlink("sub", real.join("l")).unwrap();
+        std::os::unix::fs::symlink("nowhere", real.join("dangling")).unwrap();
+        let listed = list_dir(real.to_str().unwrap()).unwrap();
+        let l = listed.iter().find(|e| e.name == "l").unwrap();
+        assert_eq!(l.kind, FileKind::Symlink);
+        let ext = l.ext.as_ref().unwrap();
+        assert_eq!(ext.symlink_target.as_deref(), real.join("sub").to_str());
+        assert_eq!(ext.target_kind, Some(FileKind::Dir));
+        let d = listed.iter().find(|e| e.name == "dangling").unwrap();
+        let ext = d.ext.as_ref().unwrap();
+        assert_eq!(
+            ext.symlink_target.as_deref(),
+            real.join("dangling").to_str()
+        );
+        assert_eq!(ext.target_kind, None);
+    }
 }

@@ -60,9 +60,10 @@ use stratad::security::Security;
 use stratad::service::Service;
 
 /// The envd version advertised to the SDK. The SDK gates features on it:
-/// 0.4.0 (default user), 0.5.2 (`CloseStdin`), 0.5.7 (octet-stream upload).
-/// 0.6.2 (file metadata) and 0.6.3 (watch entries) are not implemented.
-pub const ENVD_VERSION: &str = "0.5.7";
+/// 0.4.0 (default user), 0.5.2 (`CloseStdin`), 0.5.7 (octet-stream upload),
+/// 0.6.2 (file metadata), 0.6.3 (watch events with entries), 0.6.4
+/// (`allow_network_mounts`, accepted: the watcher polls).
+pub const ENVD_VERSION: &str = "0.6.4";
 
 /// Settings of the E2B front door.
 #[derive(Debug, Clone)]

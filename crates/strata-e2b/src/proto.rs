@@ -319,6 +319,12 @@ pub struct EntryInfo {
     pub group: String,
     /// RFC 3339 modification time.
     pub modified_time: String,
+    /// For a symlink: what it resolves to (absent otherwise).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub symlink_target: Option<String>,
+    /// The `user.e2b.*` extended attributes, prefix stripped (envd 0.6.2).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub metadata: BTreeMap<String, String>,
 }
 
 /// `ls -l`-style permission string of `mode` for `kind`.
@@ -452,6 +458,8 @@ mod tests {
             owner: "root".into(),
             group: "root".into(),
             modified_time: "2024-01-01T00:00:00Z".into(),
+            symlink_target: None,
+            metadata: BTreeMap::new(),
         };
         let v = serde_json::to_value(&e).unwrap();
         assert_eq!(v["type"], "FILE_TYPE_FILE");

@@ -13,8 +13,8 @@ pub use client::{
 };
 pub use frame::{decode_frame, Decoded, Frame, FrameDecoder, FrameError, FrameKind};
 pub use msg::{
-    AgentInfo, Command, DirEntry, FileKind, FileStat, PtySize, RemoteErrorKind, Request, Response,
-    RestoreSync,
+    AgentInfo, Command, DirEntry, EntryExt, FileKind, FileStat, PtySize, RemoteErrorKind, Request,
+    Response, RestoreSync, MAX_XATTR_BYTES,
 };
 
 /// Version of the wire protocol; host and agent must agree.

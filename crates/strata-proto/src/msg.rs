@@ -106,6 +106,20 @@ pub enum Request {
         #[serde(default)]
         recursive: bool,
     },
+    /// Replaces the `user.` extended attributes of `path` whose names
+    /// start with `prefix` by `set` (names are full, e.g. `user.e2b.tag`;
+    /// each must start with `prefix`, and `prefix` with `user.`): answered
+    /// with [`Response::Ok`]. Symlinks are not followed. An older agent
+    /// answers `invalid_argument` (the op is unknown to it).
+    SetXattrs {
+        /// Absolute path.
+        path: String,
+        /// The namespace replaced, e.g. `user.e2b.`.
+        prefix: String,
+        /// Attributes to set (name → value).
+        #[serde(default)]
+        set: BTreeMap<String, String>,
+    },
     /// Post-restore fork-safety fixups.
     RestoreSync(RestoreSync),
     /// Turns egress on for this session: the agent listens for guest
@@ -346,7 +360,44 @@ pub struct DirEntry {
     pub mode: u32,
     /// Modification time, seconds since the Unix epoch.
     pub mtime: i64,
+    /// Owner, link target and `user.` attributes (agents since envd 0.6
+    /// emulation; absent from older agents).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ext: Option<EntryExt>,
 }
+
+/// What newer agents add to a [`DirEntry`] / [`FileStat`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EntryExt {
+    /// Owner uid.
+    pub uid: u32,
+    /// Owner gid.
+    pub gid: u32,
+    /// Owner's login name (from the guest's `/etc/passwd`), if known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+    /// Group name (from the guest's `/etc/group`), if known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
+    /// For a symlink: the path it resolves to (absolute, all links
+    /// followed; the link's own path when it cannot be resolved).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub symlink_target: Option<String>,
+    /// For a symlink: the type of what it resolves to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_kind: Option<FileKind>,
+    /// For a symlink: the permission bits of what it resolves to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_mode: Option<u32>,
+    /// The entry's `user.` extended attributes with UTF-8 names and values
+    /// (at most [`MAX_XATTR_BYTES`] of names and values together).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub xattrs: BTreeMap<String, String>,
+}
+
+/// Most bytes of `user.` attribute names and values an agent reports per
+/// entry (and accepts in one [`Request::SetXattrs`]).
+pub const MAX_XATTR_BYTES: usize = 8192;
 
 /// Metadata of one path (lstat).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -363,6 +414,9 @@ pub struct FileStat {
     pub uid: u32,
     /// Owner gid.
     pub gid: u32,
+    /// Owner names, link target and `user.` attributes (newer agents).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ext: Option<EntryExt>,
 }
 
 /// Category of an error reported by the agent.

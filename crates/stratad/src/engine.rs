@@ -184,6 +184,22 @@ pub trait Engine: Send + Sync + 'static {
     /// Removes a guest file or directory (a non-empty one only when `recursive`).
     async fn remove(&self, id: &SandboxId, path: &str, recursive: bool) -> EngineResult<()>;
 
+    /// Replaces the `user.` extended attributes of a guest path named
+    /// `prefix…` by `set` (full names). Engines without it refuse
+    /// (`Unavailable`).
+    async fn set_xattrs(
+        &self,
+        id: &SandboxId,
+        path: &str,
+        prefix: &str,
+        set: std::collections::BTreeMap<String, String>,
+    ) -> EngineResult<()> {
+        let _ = (id, path, prefix, set);
+        Err(RuntimeError::Unavailable(
+            "this engine does not set extended attributes".into(),
+        ))
+    }
+
     /// Boots the image once, waits for the agent, snapshots it as template `tpl`.
     async fn build_template(
         &self,

@@ -202,6 +202,9 @@ impl Session {
             Request::Remove { path, recursive } => blocking_reply(out, id, move || {
                 files::remove(&path, recursive).map(|()| Response::Ok)
             }),
+            Request::SetXattrs { path, prefix, set } => blocking_reply(out, id, move || {
+                files::set_xattrs(&path, &prefix, &set).map(|()| Response::Ok)
+            }),
             Request::EgressEnable {} => {
                 let ctx = egress::Ctx {
                     out: self.transport.out.clone(),

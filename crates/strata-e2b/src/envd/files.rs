@@ -1,8 +1,12 @@
 //! `/files`: `GET /files?path=` (download) and `POST /files?path=`
 //! (multipart, field `file`, or octet-stream; streamed, at most the
 //! service's `max_upload_bytes`) with errors as
-//! `{"code": <http status>, "message": "…"}`.
+//! `{"code": <http status>, "message": "…"}`. Both take gzip as envd 0.6
+//! does ([`encoding`]: `Content-Encoding: gzip` uploads, `Accept-Encoding:
+//! gzip` downloads); uploads carry metadata in `X-Metadata-*` headers
+//! ([`metadata`]), stored as `user.e2b.*` attributes.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -17,7 +21,8 @@ use serde_json::json;
 use strata_core::SandboxId;
 use stratad::engine::{ByteStream, FileKind, RuntimeError};
 
-use super::{ancestry, ensure_owned, envd_user, parent, read, write};
+use super::encoding::{self, DecodeError};
+use super::{ancestry, ensure_owned, envd_user, metadata, parent, read, write};
 use crate::auth::EnvdSandbox;
 use crate::connect::{Code, ConnectError};
 use crate::error::service_err;
@@ -70,6 +75,19 @@ pub async fn download(
     let Some(path) = path else {
         return files_err(ConnectError::new(Code::InvalidArgument, "missing path"));
     };
+    let accept = headers
+        .get(header::ACCEPT_ENCODING)
+        .and_then(|v| v.to_str().ok());
+    let gzip = match encoding::accept_gzip(accept) {
+        Ok(z) => z,
+        Err(m) => {
+            return (
+                StatusCode::NOT_ACCEPTABLE,
+                Json(json!({"code": 406, "message": m})),
+            )
+                .into_response()
+        }
+    };
     let g = match st.envd_grant(&id, read(&path)).await {
         Ok(g) => g,
         Err(e) => return files_err(e),
@@ -86,17 +104,59 @@ pub async fn download(
     }
     match st.svc.read_file(&g, &path).await {
         Ok(stream) => {
-            let body = Body::from_stream(stream.map_err(std::io::Error::other));
+            let stream = stream.map_err(std::io::Error::other);
+            if gzip {
+                let body = Body::from_stream(encoding::gzip(stream));
+                return (
+                    StatusCode::OK,
+                    [
+                        (header::CONTENT_TYPE, "application/octet-stream"),
+                        (header::CONTENT_ENCODING, encoding::GZIP),
+                        (header::VARY, "Accept-Encoding"),
+                    ],
+                    body,
+                )
+                    .into_response();
+            }
             (
                 StatusCode::OK,
                 [(header::CONTENT_TYPE, "application/octet-stream")],
-                body,
+                Body::from_stream(stream),
             )
                 .into_response()
         }
         Err(e) => files_err(service_err(e)),
     }
 }
+
+/// Why a request body stream failed.
+#[derive(Debug)]
+enum BodyErr {
+    /// Reading it from the client.
+    Read(axum::Error),
+    /// Its gzip data.
+    Gzip(String),
+}
+
+impl From<axum::Error> for BodyErr {
+    fn from(e: axum::Error) -> Self {
+        BodyErr::Read(e)
+    }
+}
+
+impl std::fmt::Display for BodyErr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BodyErr::Read(e) => e.fmt(f),
+            BodyErr::Gzip(e) => write!(f, "error decompressing request body: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for BodyErr {}
+
+/// A request body as it streams in (decoded).
+type BodyStream = futures::stream::BoxStream<'static, Result<Bytes, BodyErr>>;
 
 /// Bytes a multipart body may carry besides its files' contents
 /// (boundaries, part headers, other fields): the whole body may be
@@ -112,6 +172,8 @@ struct Budget {
     limit: u64,
     seen: Arc<AtomicU64>,
     exceeded: Arc<AtomicBool>,
+    /// The body's gzip data was bad (a `400`, not the limit).
+    bad_gzip: Arc<AtomicBool>,
 }
 
 impl Budget {
@@ -120,7 +182,43 @@ impl Budget {
             limit,
             seen: Arc::new(AtomicU64::new(0)),
             exceeded: Arc::new(AtomicBool::new(false)),
+            bad_gzip: Arc::new(AtomicBool::new(false)),
         }
+    }
+
+    /// `body` gunzipped when `gzip`, a decoding error noted for
+    /// [`Budget::bad_gzip_refusal`]; the decoded bytes are what the budget
+    /// counts.
+    fn decode<S, E>(&self, body: S, gzip: bool) -> BodyStream
+    where
+        S: futures::Stream<Item = Result<Bytes, E>> + Send + Unpin + 'static,
+        E: Into<BodyErr> + Send + 'static,
+    {
+        let body = body.map(|r| r.map_err(Into::into));
+        if !gzip {
+            return body.boxed();
+        }
+        let flag = self.bad_gzip.clone();
+        encoding::gunzip(body)
+            .map(move |r| match r {
+                Ok(b) => Ok(b),
+                Err(DecodeError::Source(e)) => Err(e),
+                Err(DecodeError::Gzip(e)) => {
+                    flag.store(true, Ordering::Relaxed);
+                    Err(BodyErr::Gzip(e.to_string()))
+                }
+            })
+            .boxed()
+    }
+
+    /// The answer when the body failed as gzip data, if it did.
+    fn bad_gzip_refusal(&self) -> Option<Response> {
+        self.bad_gzip.load(Ordering::Relaxed).then(|| {
+            files_err(ConnectError::new(
+                Code::InvalidArgument,
+                "error decompressing request body: invalid gzip data",
+            ))
+        })
     }
 
     fn exceeded(&self) -> bool {
@@ -177,25 +275,49 @@ fn multer_too_large(e: &multer::Error) -> bool {
     )
 }
 
-fn never(_: &axum::Error) -> bool {
+fn never(_: &BodyErr) -> bool {
     false
 }
 
 /// Writes one file as envd does: as root, missing parent directories made
 /// and given to `user` (EnsureDirs), then the file given to `user` (Chown).
+/// Metadata needs an agent that reports extended attributes: `dir`'s stat
+/// (an existing directory) says whether this sandbox's does.
+fn metadata_supported(dir: &stratad::engine::DirEntry) -> Result<(), ConnectError> {
+    if dir.ext.is_some() {
+        return Ok(());
+    }
+    Err(ConnectError::new(
+        Code::InvalidArgument,
+        "file metadata needs a newer sandbox image: this sandbox's agent does not support extended attributes",
+    ))
+}
+
 async fn write_one(
     st: &Arc<E2b>,
     id: &SandboxId,
     user: &str,
     path: &str,
+    meta: &BTreeMap<String, String>,
     body: ByteStream,
 ) -> Result<serde_json::Value, ConnectError> {
     let g = st.envd_grant(id, write(path)).await?;
     let dirs = parent(path).map(ancestry).unwrap_or_default();
+    let parent_dir = match dirs.last() {
+        Some(d) => st.svc.stat(&g, d).await.ok(),
+        None => st.svc.stat(&g, "/").await.ok(),
+    };
+    if !meta.is_empty() {
+        // Checked before anything is written: refused, nothing changes.
+        match &parent_dir {
+            Some(d) => metadata_supported(d)?,
+            None => metadata_supported(&st.svc.stat(&g, "/").await.map_err(service_err)?)?,
+        }
+    }
     if !super::is_root(user) && !dirs.is_empty() {
-        // Only the missing ones are made (and owned): a stat first saves
+        // Only the missing ones are made (and owned): the stat above saves
         // the helper command when the parent exists.
-        if st.svc.stat(&g, &dirs[dirs.len() - 1]).await.is_err() {
+        if parent_dir.is_none() {
             ensure_owned(st, &g, user, &dirs, None).await?;
         }
     } else if let Some(dir) = parent(path).filter(|d| *d != "/") {
@@ -208,8 +330,25 @@ async fn write_one(
     if !super::is_root(user) {
         ensure_owned(st, &g, user, &[], Some(path)).await?;
     }
+    // The upload is a new inode (written beside and renamed into place):
+    // an overwritten file's old metadata went with the old one.
+    if !meta.is_empty() {
+        st.svc
+            .set_xattrs(
+                &g,
+                path,
+                super::METADATA_XATTR_PREFIX,
+                metadata::to_xattrs(meta),
+            )
+            .await
+            .map_err(service_err)?;
+    }
     let name = path.rsplit('/').next().unwrap_or("").to_owned();
-    Ok(json!({"name": name, "type": "file", "path": path}))
+    let mut v = json!({"name": name, "type": "file", "path": path});
+    if !meta.is_empty() {
+        v["metadata"] = json!(meta);
+    }
+    Ok(v)
 }
 
 /// `POST /files?path=`: multipart (field `file`) or octet-stream →
@@ -237,16 +376,18 @@ pub async fn upload(
         .and_then(|v| v.to_str().ok())
         .unwrap_or("")
         .to_owned();
-    if headers
-        .get(header::CONTENT_ENCODING)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v != "identity")
-    {
-        return files_err(ConnectError::new(
-            Code::Unimplemented,
-            "compressed uploads are not supported",
-        ));
-    }
+    let gzip = match encoding::content_is_gzip(
+        headers
+            .get(header::CONTENT_ENCODING)
+            .and_then(|v| v.to_str().ok()),
+    ) {
+        Ok(z) => z,
+        Err(m) => return files_err(ConnectError::new(Code::InvalidArgument, m)),
+    };
+    let meta = match metadata::from_headers(headers) {
+        Ok(m) => m,
+        Err(m) => return files_err(ConnectError::new(Code::InvalidArgument, m)),
+    };
     let limit = st.svc.config().max_upload_bytes;
     let declared = crate::content_length(headers);
     let budget = Budget::new(limit);
@@ -261,13 +402,15 @@ pub async fn upload(
             }
         };
         let whole = limit.saturating_add(MULTIPART_OVERHEAD);
-        if declared.is_some_and(|n| n > whole) {
+        // A gzip body's length says nothing of what it decodes to: the
+        // decoded stream is what the limits count.
+        if !gzip && declared.is_some_and(|n| n > whole) {
             return budget.refusal();
         }
         let constraints =
             multer::Constraints::new().size_limit(multer::SizeLimit::new().whole_stream(whole));
         let mut form = multer::Multipart::with_constraints(
-            req.into_body().into_data_stream(),
+            budget.decode(req.into_body().into_data_stream(), gzip),
             boundary,
             constraints,
         );
@@ -278,10 +421,12 @@ pub async fn upload(
                 Ok(None) => break,
                 Err(e) if multer_too_large(&e) => return budget.refusal(),
                 Err(e) => {
-                    return files_err(ConnectError::new(
-                        Code::InvalidArgument,
-                        format!("multipart body: {e}"),
-                    ))
+                    return budget.bad_gzip_refusal().unwrap_or_else(|| {
+                        files_err(ConnectError::new(
+                            Code::InvalidArgument,
+                            format!("multipart body: {e}"),
+                        ))
+                    })
                 }
             };
             if field.name() != Some("file") {
@@ -309,10 +454,10 @@ pub async fn upload(
                 }
             };
             let stream = budget.meter(field, multer_too_large);
-            match write_one(&st, &id, &user, &target, stream).await {
+            match write_one(&st, &id, &user, &target, &meta, stream).await {
                 Ok(v) => out.push(v),
                 Err(_) if budget.exceeded() => return budget.refusal(),
-                Err(e) => return files_err(e),
+                Err(e) => return budget.bad_gzip_refusal().unwrap_or_else(|| files_err(e)),
             }
         }
         return Json(out).into_response();
@@ -320,13 +465,14 @@ pub async fn upload(
     let Some(path) = path else {
         return files_err(ConnectError::new(Code::InvalidArgument, "missing path"));
     };
-    if declared.is_some_and(|n| n > limit) {
+    if !gzip && declared.is_some_and(|n| n > limit) {
         return budget.refusal();
     }
-    let stream = budget.meter(req.into_body().into_data_stream(), never);
-    match write_one(&st, &id, &user, &path, stream).await {
+    let body = budget.decode(req.into_body().into_data_stream(), gzip);
+    let stream = budget.meter(body, never);
+    match write_one(&st, &id, &user, &path, &meta, stream).await {
         Ok(v) => Json(vec![v]).into_response(),
         Err(_) if budget.exceeded() => budget.refusal(),
-        Err(e) => files_err(e),
+        Err(e) => budget.bad_gzip_refusal().unwrap_or_else(|| files_err(e)),
     }
 }

@@ -12,7 +12,7 @@ use axum::Extension;
 use serde_json::json;
 use strata_core::SandboxId;
 use strata_policy::CallKind;
-use stratad::engine::{FileKind, GuestErrorKind, RuntimeError};
+use stratad::engine::{DirEntry, FileKind, GuestErrorKind, RuntimeError};
 use stratad::service::{Grant, ServiceError};
 
 use super::{ancestry, ensure_owned, entry, envd_user, join, read, write, CappedBody};
@@ -76,27 +76,38 @@ pub async fn list_dir(
                 format!("path {root} is not a directory"),
             ));
         }
+        // envd walks the tree depth first in name order (`filepath.WalkDir`):
+        // a directory's entries come right after it.
         let mut entries = Vec::new();
-        let mut level = vec![root];
-        for _ in 0..depth {
-            let mut next = Vec::new();
-            for dir in level {
-                let items = st.svc.list_dir(&g, &dir).await.map_err(service_err)?;
-                for s in items {
-                    let p = join(&dir, &s.name);
-                    if s.kind == FileKind::Dir {
-                        next.push(p.clone());
-                    }
-                    entries.push(entry(&p, &s));
-                    if entries.len() > 100_000 {
-                        return Err(ConnectError::new(
-                            Code::ResourceExhausted,
-                            "more than 100000 entries",
-                        ));
-                    }
-                }
+        let first = st.svc.list_dir(&g, &root).await.map_err(service_err)?;
+        let mut stack: Vec<(String, u32, std::vec::IntoIter<DirEntry>)> =
+            vec![(root, 1, first.into_iter())];
+        while let Some((dir, level, items)) = stack.last_mut() {
+            let Some(s) = items.next() else {
+                stack.pop();
+                continue;
+            };
+            let (dir, level) = (dir.clone(), *level);
+            let p = join(&dir, &s.name);
+            entries.push(entry(&p, &s));
+            if entries.len() > 100_000 {
+                return Err(ConnectError::new(
+                    Code::ResourceExhausted,
+                    "more than 100000 entries",
+                ));
             }
-            level = next;
+            if s.kind == FileKind::Dir && level < depth {
+                let items = match st.svc.list_dir(&g, &p).await {
+                    Ok(v) => v,
+                    // Removed between two listings.
+                    Err(ServiceError::Engine(RuntimeError::Guest {
+                        kind: GuestErrorKind::NotFound,
+                        ..
+                    })) => continue,
+                    Err(e) => return Err(service_err(e)),
+                };
+                stack.push((p, level + 1, items.into_iter()));
+            }
         }
         Ok::<_, ConnectError>(json!({ "entries": entries }))
     })
@@ -171,7 +182,7 @@ pub async fn move_entry(
     })
 }
 
-/// `filesystem.Filesystem/Remove` (recursive).
+/// `filesystem.Filesystem/Remove` (recursive; a missing path is no error, as in envd).
 pub async fn remove(
     State(st): State<Arc<E2b>>,
     headers: HeaderMap,
@@ -180,7 +191,15 @@ pub async fn remove(
 ) -> Response {
     unary!(sbx, body, proto::PathRequest, |id, r| async {
         let (path, g) = st.path_grant(&id, &headers, &r.path, write).await?;
-        st.svc.remove(&g, &path, true).await.map_err(service_err)?;
+        match st.svc.remove(&g, &path, true).await {
+            // envd's `os.RemoveAll`: a path that is not there is removed.
+            Ok(())
+            | Err(ServiceError::Engine(RuntimeError::Guest {
+                kind: GuestErrorKind::NotFound,
+                ..
+            })) => {}
+            Err(e) => return Err(service_err(e)),
+        }
         Ok::<_, ConnectError>(json!({}))
     })
 }
@@ -197,18 +216,30 @@ pub struct Watcher {
     pub(crate) grant: Grant,
     root: String,
     recursive: bool,
+    /// Events carry the entry's info (envd 0.6.3 `include_entry`).
+    include_entry: bool,
     seen: BTreeMap<String, Seen>,
 }
 
 /// Most entries a watcher tracks.
 const WATCH_MAX_ENTRIES: usize = 20_000;
 
+/// What a watcher remembers of a listing.
+fn seen_of(listing: &BTreeMap<String, DirEntry>) -> BTreeMap<String, Seen> {
+    listing
+        .iter()
+        .map(|(k, s)| (k.clone(), (s.kind, s.size, s.mtime)))
+        .collect()
+}
+
+/// The entries under `root` (one level, or all with `recursive`) by path
+/// relative to it.
 async fn snapshot_dir(
     st: &Arc<E2b>,
     g: &Grant,
     root: &str,
     recursive: bool,
-) -> Result<BTreeMap<String, Seen>, ConnectError> {
+) -> Result<BTreeMap<String, DirEntry>, ConnectError> {
     let mut out = BTreeMap::new();
     let mut level = vec![root.to_owned()];
     while let Some(dir) = level.pop() {
@@ -229,7 +260,7 @@ async fn snapshot_dir(
             let rel = p[root.trim_end_matches('/').len()..]
                 .trim_start_matches('/')
                 .to_owned();
-            out.insert(rel, (s.kind, s.size, s.mtime));
+            out.insert(rel, s);
             if out.len() > WATCH_MAX_ENTRIES {
                 return Err(ConnectError::new(
                     Code::ResourceExhausted,
@@ -249,7 +280,14 @@ pub fn diff_listings(
     let mut ev = Vec::new();
     for (k, v) in new {
         match old.get(k) {
-            None => ev.push((k.clone(), "EVENT_TYPE_CREATE")),
+            None => {
+                ev.push((k.clone(), "EVENT_TYPE_CREATE"));
+                // Created with content: it was also written to (what
+                // inotify reports for a file created and written).
+                if v.0 == FileKind::File && v.1 > 0 {
+                    ev.push((k.clone(), "EVENT_TYPE_WRITE"));
+                }
+            }
             Some(o) if o.0 != FileKind::Dir && (o.1 != v.1 || o.2 != v.2) => {
                 ev.push((k.clone(), "EVENT_TYPE_WRITE"))
             }
@@ -280,6 +318,12 @@ pub async fn create_watcher(
             .get("recursive")
             .and_then(|v| v.as_bool())
             .unwrap_or(false);
+        let include_entry = r
+            .get("includeEntry")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false);
+        // `allowNetworkMounts` (envd 0.6.4) is accepted: the poller watches
+        // any directory the agent can list, network mount or not.
         let g = st.envd_grant(&id, read(&path)).await?;
         let top = st.svc.stat(&g, &path).await.map_err(service_err)?;
         if top.kind != FileKind::Dir {
@@ -288,7 +332,7 @@ pub async fn create_watcher(
                 format!("path {path} is not a directory"),
             ));
         }
-        let seen = snapshot_dir(&st, &g, &path, recursive).await?;
+        let seen = seen_of(&snapshot_dir(&st, &g, &path, recursive).await?);
         let wid = format!("w-{}", hex::encode(&crate::auth::random_secret()[..8]));
         st.watchers
             .lock()
@@ -299,6 +343,7 @@ pub async fn create_watcher(
                     grant: g,
                     root: path,
                     recursive,
+                    include_entry,
                     seen,
                 },
             );
@@ -323,18 +368,23 @@ impl E2b {
         id: &SandboxId,
         r: &serde_json::Value,
         remove: bool,
-    ) -> Result<(String, Grant, String, bool), ConnectError> {
+    ) -> Result<(String, Grant, String, bool, bool), ConnectError> {
         self.envd_access(id).await?;
         let wid = watcher_id(r);
         let mut g = self.watchers.lock().unwrap_or_else(|p| p.into_inner());
-        let (grant, root, recursive) = match g.get(&wid) {
-            Some(w) if w.grant.sandbox() == id => (w.grant.clone(), w.root.clone(), w.recursive),
+        let (grant, root, recursive, include_entry) = match g.get(&wid) {
+            Some(w) if w.grant.sandbox() == id => (
+                w.grant.clone(),
+                w.root.clone(),
+                w.recursive,
+                w.include_entry,
+            ),
             _ => return Err(watcher_gone(&wid)),
         };
         if remove {
             g.remove(&wid);
         }
-        Ok((wid, grant, root, recursive))
+        Ok((wid, grant, root, recursive, include_entry))
     }
 }
 
@@ -349,13 +399,14 @@ pub async fn get_watcher_events(
     body: CappedBody,
 ) -> Response {
     unary!(sbx, body, serde_json::Value, |id, r| async {
-        let (wid, grant, root, recursive) = st.watcher_call(&id, &r, false).await?;
+        let (wid, grant, root, recursive, include_entry) = st.watcher_call(&id, &r, false).await?;
         // Polling a watcher decided at its creation never wakes the sandbox.
         st.svc
             .require_running(&grant)
             .await
             .map_err(crate::error::service_err)?;
-        let new = snapshot_dir(&st, &grant, &root, recursive).await?;
+        let listing = snapshot_dir(&st, &grant, &root, recursive).await?;
+        let new = seen_of(&listing);
         let events = {
             let mut g = st.watchers.lock().unwrap_or_else(|p| p.into_inner());
             let Some(w) = g.get_mut(&wid) else {
@@ -367,7 +418,14 @@ pub async fn get_watcher_events(
         };
         let events: Vec<serde_json::Value> = events
             .into_iter()
-            .map(|(name, ty)| json!({ "name": name, "type": ty }))
+            .map(|(name, ty)| {
+                let mut e = json!({ "name": name, "type": ty });
+                // Best effort, as envd: the entry of a path still there.
+                if let Some(s) = listing.get(&name).filter(|_| include_entry) {
+                    e["entry"] = json!(entry(&join(&root, &name), s));
+                }
+                e
+            })
             .collect();
         Ok::<_, ConnectError>(json!({ "events": events }))
     })
@@ -400,11 +458,14 @@ mod tests {
         b.insert("x".to_owned(), (FileKind::File, 2, 11));
         b.insert("d".to_owned(), (FileKind::Dir, 4096, 12));
         b.insert("new".to_owned(), (FileKind::File, 0, 12));
+        b.insert("full".to_owned(), (FileKind::File, 3, 12));
         let mut ev = diff_listings(&a, &b);
         ev.sort();
         assert_eq!(
             ev,
             [
+                ("full".to_owned(), "EVENT_TYPE_CREATE"),
+                ("full".to_owned(), "EVENT_TYPE_WRITE"),
                 ("gone".to_owned(), "EVENT_TYPE_REMOVE"),
                 ("new".to_owned(), "EVENT_TYPE_CREATE"),
                 ("x".to_owned(), "EVENT_TYPE_WRITE"),

@@ -46,8 +46,10 @@ macro_rules! unary {
     }};
 }
 
+pub mod encoding;
 pub mod files;
 pub mod filesystem;
+pub mod metadata;
 pub mod process;
 
 pub use files::{download, upload, MULTIPART_OVERHEAD};
@@ -277,29 +279,64 @@ fn rfc3339_secs(t: i64) -> String {
         .to_rfc3339_opts(SecondsFormat::Secs, true)
 }
 
-fn entry(path: &str, s: &DirEntry) -> EntryInfo {
-    let kind = match s.kind {
+/// The xattr namespace of envd's file metadata (`user.e2b.<key>`).
+pub const METADATA_XATTR_PREFIX: &str = "user.e2b.";
+
+fn kind_of(k: FileKind) -> FileType {
+    match k {
         FileKind::File => FileType::File,
         FileKind::Dir => FileType::Directory,
         FileKind::Symlink => FileType::Symlink,
         FileKind::Other => FileType::Unspecified,
-    };
+    }
+}
+
+/// envd's entry info of the entry at `path`: a symlink has the type and
+/// permission bits of what it resolves to, its `lstat` size and
+/// permission string (`L…`) and `symlinkTarget`; owner and group are
+/// names (the numeric id when the guest has no name for it); `metadata`
+/// is the `user.e2b.*` attributes, prefix stripped. An agent too old to
+/// report owners answers empty owner/group and no target or metadata.
+fn entry(path: &str, s: &DirEntry) -> EntryInfo {
     let name = path
         .trim_end_matches('/')
         .rsplit('/')
         .next()
         .unwrap_or("")
         .to_owned();
+    let own = kind_of(s.kind);
+    let mut permissions = proto::permissions(own, s.mode);
+    let (mut kind, mut mode) = (own, s.mode);
+    let (mut owner, mut group, mut symlink_target) = (String::new(), String::new(), None);
+    let mut metadata = std::collections::BTreeMap::new();
+    if let Some(x) = &s.ext {
+        owner = x.owner.clone().unwrap_or_else(|| x.uid.to_string());
+        group = x.group.clone().unwrap_or_else(|| x.gid.to_string());
+        if s.kind == FileKind::Symlink {
+            permissions.replace_range(..1, "L");
+            symlink_target = x.symlink_target.clone();
+            kind = x.target_kind.map(kind_of).unwrap_or(FileType::Unspecified);
+            mode = x.target_mode.unwrap_or(0);
+        }
+        for (k, v) in &x.xattrs {
+            if let Some(key) = k.strip_prefix(METADATA_XATTR_PREFIX) {
+                metadata.insert(key.to_owned(), v.clone());
+            }
+        }
+    }
     EntryInfo {
         name,
         kind,
         path: path.to_owned(),
         size: s.size.to_string(),
-        mode: s.mode & 0o7777,
-        permissions: proto::permissions(kind, s.mode),
-        owner: String::new(),
-        group: String::new(),
+        // envd's `FileMode.Perm()`: the rwx bits only.
+        mode: mode & 0o777,
+        permissions,
+        owner,
+        group,
         modified_time: rfc3339_secs(s.mtime),
+        symlink_target,
+        metadata,
     }
 }
 
@@ -386,6 +423,7 @@ mod tests {
             size: 4096,
             mode: 0o40755,
             mtime: 0,
+            ext: None,
         };
         let e = entry("/a/b", &s);
         assert_eq!(e.name, "b");

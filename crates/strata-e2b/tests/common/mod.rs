@@ -142,6 +142,7 @@ impl Double {
                 0o100644
             },
             mtime: 0,
+            ext: None,
         })
     }
 }

@@ -153,6 +153,33 @@ impl AgentClient {
         .await
     }
 
+    /// Replaces the attributes of `path` named `prefix…` by `set` (see
+    /// [`Request::SetXattrs`]); an agent that predates the op answers
+    /// [`AgentError::Unsupported`].
+    pub async fn set_xattrs(
+        &self,
+        path: &str,
+        prefix: &str,
+        set: std::collections::BTreeMap<String, String>,
+    ) -> Result<(), AgentError> {
+        let req = Request::SetXattrs {
+            path: path.to_owned(),
+            prefix: prefix.to_owned(),
+            set,
+        };
+        match self.call(&req).await {
+            Ok(Response::Ok) => Ok(()),
+            Ok(r) => Err(unexpected(&r)),
+            Err(AgentError::Remote {
+                kind: crate::msg::RemoteErrorKind::InvalidArgument,
+                message,
+            }) if message.starts_with("bad request:") => Err(AgentError::Unsupported {
+                feature: "extended attributes",
+            }),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Removes a file, symlink or (empty, or with `recursive` any) directory.
     pub async fn remove(&self, path: &str, recursive: bool) -> Result<(), AgentError> {
         self.expect_ok(&Request::Remove {

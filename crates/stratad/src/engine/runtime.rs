@@ -213,6 +213,7 @@ impl Engine for RuntimeEngine {
                 size: s.size,
                 mode: s.mode,
                 mtime: s.mtime,
+                ext: s.ext,
             }),
             None => Err(guest_not_found(id, path.to_owned())),
         }
@@ -238,6 +239,17 @@ impl Engine for RuntimeEngine {
     async fn remove(&self, id: &SandboxId, path: &str, recursive: bool) -> EngineResult<()> {
         let (agent, err) = self.agent(id).await?;
         agent.remove(path, recursive).await.map_err(err)
+    }
+
+    async fn set_xattrs(
+        &self,
+        id: &SandboxId,
+        path: &str,
+        prefix: &str,
+        set: std::collections::BTreeMap<String, String>,
+    ) -> EngineResult<()> {
+        let (agent, err) = self.agent(id).await?;
+        agent.set_xattrs(path, prefix, set).await.map_err(err)
     }
 
     async fn build_template(

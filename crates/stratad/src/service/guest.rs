@@ -315,6 +315,19 @@ impl Service {
         Ok(self.engine.remove(&id, path, recursive).await?)
     }
 
+    /// Replaces a guest path's `user.` attributes named `prefix…` by `set`
+    /// (gated as a write of the path).
+    pub async fn set_xattrs(
+        self: &Arc<Self>,
+        g: &Grant,
+        path: &str,
+        prefix: &str,
+        set: std::collections::BTreeMap<String, String>,
+    ) -> ServiceResult<()> {
+        let id = self.guest_ready(g, GuestOp::Write, path).await?;
+        Ok(self.engine.set_xattrs(&id, path, prefix, set).await?)
+    }
+
     /// The journal of one of the caller's sandboxes.
     pub async fn events(
         &self,
