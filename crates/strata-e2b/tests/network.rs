@@ -117,14 +117,22 @@ impl Drop for Upstream {
     }
 }
 
+/// One namespace at a time: the tests of this file share its names and
+/// addresses (derived from the pid).
+static NETNS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// A door whose platform policy declares connector `web` (`upstream.test`,
-/// `other.test`, both pinned to the upstream) and allows by default.
+/// `other.test`, both pinned to the upstream), connector `lab` for the
+/// upstream's private range (`10.77.0.0/16`: the operator opens it) and
+/// `internet` for every public address (`0.0.0.0/0`), and allows by default.
 async fn door(u: &Upstream) -> Door {
     let dir = tempfile::tempdir().unwrap().keep();
     let policy = dir.join("platform.toml");
     std::fs::write(
         &policy,
-        "default = \"allow\"\n[[connector]]\nname = \"web\"\nhosts = [\"upstream.test\", \"other.test\"]\n",
+        "default = \"allow\"\n[[connector]]\nname = \"web\"\nhosts = [\"upstream.test\", \"other.test\"]\n\
+         [[connector]]\nname = \"lab\"\ncidrs = [\"10.77.0.0/16\"]\n\
+         [[connector]]\nname = \"internet\"\ncidrs = [\"0.0.0.0/0\", \"::/0\"]\n",
     )
     .unwrap();
     let ip: std::net::IpAddr = u.ip.parse().unwrap();
@@ -173,7 +181,10 @@ async fn fetch(d: &Door, id: &str, host: &str) -> Result<String, String> {
         .unwrap();
     let head = read_head(&mut s).await;
     if !head.starts_with("HTTP/1.1 200") {
-        return Err(head);
+        // The refusal's JSON body follows (the proxy closes after it).
+        let mut body = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut body)).await;
+        return Err(head + &String::from_utf8_lossy(&body));
     }
     s.write_all(
         format!("GET /probe HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").as_bytes(),
@@ -187,6 +198,49 @@ async fn fetch(d: &Door, id: &str, host: &str) -> Result<String, String> {
         .unwrap();
     let text = String::from_utf8_lossy(&out).into_owned();
     Ok(text.split("\r\n\r\n").nth(1).unwrap_or("").to_owned())
+}
+
+/// What sandbox `id`'s guest gets for a plain `GET http://<host>/probe`
+/// through its egress proxy (no tunnel): `Ok(body)` or `Err(answer)`.
+async fn fetch_plain(d: &Door, id: &str, host: &str) -> Result<String, String> {
+    let rec = d
+        .app
+        .service()
+        .get_sandbox(
+            &Caller::system(stratad::caller::SystemReason::Embedder),
+            &id.parse().unwrap(),
+        )
+        .await
+        .unwrap();
+    let guest = Caller::Guest {
+        sandbox: rec.id.clone(),
+        tenant: rec.tenant.clone(),
+    };
+    let proxy = d.app.security().unwrap().egress_proxy(&guest).unwrap();
+    let mut s = proxy.open_stream().unwrap();
+    s.write_all(
+        format!("GET http://{host}/probe HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n")
+            .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut out))
+        .await
+        .expect("proxy answer")
+        .unwrap();
+    let text = String::from_utf8_lossy(&out).into_owned();
+    if !(text.starts_with("HTTP/1.1 200") || text.starts_with("HTTP/1.0 200")) {
+        return Err(text);
+    }
+    Ok(text.split("\r\n\r\n").nth(1).unwrap_or("").to_owned())
+}
+
+/// `r` is the proxy's 403 with machine-readable `rule`.
+fn refused_by(r: &Result<String, String>, rule: &str) -> bool {
+    r.as_ref().is_err_and(|h| {
+        h.starts_with("HTTP/1.1 403") && h.contains(&format!("\"rule\":\"{rule}\""))
+    })
 }
 
 async fn read_head(s: &mut tokio::io::DuplexStream) -> String {
@@ -203,6 +257,7 @@ async fn read_head(s: &mut tokio::io::DuplexStream) -> String {
 
 #[tokio::test]
 async fn egress_follows_the_e2b_network_settings() {
+    let _ns = NETNS.lock().await;
     let Some(u) = Upstream::start() else { return };
     let d = door(&u).await;
 
@@ -320,7 +375,8 @@ async fn egress_follows_the_e2b_network_settings() {
 
     // Bad input: 400, nothing changes (the sandbox stays open).
     for body in [
-        r#"{"allowOut": ["10.0.0.0/8"]}"#,
+        r#"{"allowOut": ["10.0.0.0/33"]}"#,
+        r#"{"denyOut": ["127.1"]}"#,
         r#"{"denyOut": ["upstream.test"]}"#,
         r#"{"allowOut": ["not a host"]}"#,
     ] {
@@ -341,7 +397,7 @@ async fn egress_follows_the_e2b_network_settings() {
             "POST",
             "/v2/sandboxes",
             Some(KEY),
-            r#"{"templateID":"base","network":{"allowOut":["1.2.3.4"]}}"#,
+            r#"{"templateID":"base","network":{"allowOut":["1.2.3.4/40"]}}"#,
         )
         .await;
     assert_eq!(r.status, 400, "{}", r.text());
@@ -356,5 +412,120 @@ async fn egress_follows_the_e2b_network_settings() {
     // An unknown sandbox: 404.
     let r = put("sb-doesnotexist".into(), "{}").await;
     assert_eq!(r.status, 404, "{}", r.text());
+    drop(u);
+}
+
+/// `allowOut` / `denyOut` IPs and CIDRs on IP-literal destinations: a CIDR
+/// allow reaches the upstream by its address (tunnel and plain HTTP), a CIDR
+/// deny refuses it, allowed entries win over denied ones, and no rule opens
+/// loopback, the metadata address or the host's own address.
+#[tokio::test]
+async fn cidr_entries_decide_ip_literal_egress() {
+    let _ns = NETNS.lock().await;
+    let Some(u) = Upstream::start() else { return };
+    let d = door(&u).await;
+    let ip = u.ip.clone();
+    let net24 = format!("{}.0/24", ip.rsplit_once('.').unwrap().0);
+    let host_side = format!("{}.1", ip.rsplit_once('.').unwrap().0);
+
+    // No settings: the operator's `lab` range holds the address.
+    let open = create(&d, json!({"templateID": "base"})).await;
+    assert_eq!(
+        fetch(&d, &open, &ip).await.as_deref(),
+        Ok("upstream /probe"),
+        "CONNECT to an IP literal in an operator range"
+    );
+    assert_eq!(
+        fetch_plain(&d, &open, &ip).await.as_deref(),
+        Ok("upstream /probe"),
+        "plain HTTP to an IP literal in an operator range"
+    );
+
+    // Deny everything, allow the upstream's /24: the address is reached,
+    // names are not.
+    let only = create(
+        &d,
+        json!({"templateID": "base",
+               "network": {"allowOut": [net24], "denyOut": ["0.0.0.0/0"]}}),
+    )
+    .await;
+    assert_eq!(
+        fetch(&d, &only, &ip).await.as_deref(),
+        Ok("upstream /probe")
+    );
+    assert_eq!(
+        fetch_plain(&d, &only, &ip).await.as_deref(),
+        Ok("upstream /probe")
+    );
+    let r = fetch(&d, &only, "upstream.test").await;
+    assert!(refused_by(&r, "e2b-deny-out"), "{r:?}");
+
+    // A CIDR deny refuses the address (tunnel and plain), nothing else.
+    let deny = create(
+        &d,
+        json!({"templateID": "base", "network": {"denyOut": [net24]}}),
+    )
+    .await;
+    let r = fetch(&d, &deny, &ip).await;
+    assert!(refused_by(&r, "e2b-deny-out-ip"), "{r:?}");
+    let r = fetch_plain(&d, &deny, &ip).await;
+    assert!(refused_by(&r, "e2b-deny-out-ip"), "{r:?}");
+    // CIDR rules match address literals; a name is decided by name.
+    assert_eq!(
+        fetch(&d, &deny, "upstream.test").await.as_deref(),
+        Ok("upstream /probe")
+    );
+
+    // Allowed wins over denied (E2B): the /32 in a denied /24.
+    let both = create(
+        &d,
+        json!({"templateID": "base",
+               "network": {"allowOut": [ip.clone()], "denyOut": [net24]}}),
+    )
+    .await;
+    assert_eq!(
+        fetch(&d, &both, &ip).await.as_deref(),
+        Ok("upstream /probe")
+    );
+
+    // PUT network switches a running sandbox to the deny and back.
+    let r = d
+        .control(
+            "PUT",
+            &format!("/sandboxes/{open}/network"),
+            Some(KEY),
+            &json!({"denyOut": [ip.clone()]}).to_string(),
+        )
+        .await;
+    assert_eq!(r.status, 204, "{}", r.text());
+    let r = fetch(&d, &open, &ip).await;
+    assert!(refused_by(&r, "e2b-deny-out-ip"), "{r:?}");
+
+    // No user rule opens loopback, link-local (the metadata address), a
+    // private address the operator did not open, or the host's own address
+    // (the veth's host side, inside the operator's private range).
+    let greedy = create(
+        &d,
+        json!({"templateID": "base",
+               "network": {"allowOut": ["127.0.0.1", "169.254.169.254", "192.168.0.0/16",
+                                        host_side.clone(), "::1"],
+                           "denyOut": ["0.0.0.0/0"]}}),
+    )
+    .await;
+    for dest in [
+        "127.0.0.1",
+        "169.254.169.254",
+        "192.168.1.1",
+        &host_side,
+        "[::1]",
+    ] {
+        let r = fetch(&d, &greedy, dest).await;
+        assert!(refused_by(&r, "address-guard"), "{dest}: {r:?}");
+        let r = fetch_plain(&d, &greedy, dest).await;
+        assert!(refused_by(&r, "address-guard"), "plain {dest}: {r:?}");
+    }
+    // Numeric forms other than the canonical address stay refused.
+    let r = fetch(&d, &open, "2130706433").await;
+    assert!(r.as_ref().is_err_and(|h| h.contains("ip_literal")), "{r:?}");
     drop(u);
 }

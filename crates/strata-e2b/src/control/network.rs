@@ -3,23 +3,31 @@
 //! egress policy layer (`Policies::put_sandbox`, the layer `PUT
 //! /v1/sandboxes/{id}/policy` writes: the door's settings replace it).
 //!
-//! strata's egress goes through its policy proxy, which decides by host
-//! name: a host belongs to a connector the platform or tenant declared, or
-//! it is refused (and IP literals are refused). On that model:
+//! strata's egress goes through its policy proxy: a host name belongs to a
+//! connector the platform or tenant declared (`hosts`), an IP literal to a
+//! connector range (`cidrs`), or it is refused. On that model:
 //! - `allowOut` domains (`example.com`, `*.example.com`) → a soft `allow`
 //!   egress rule for those hosts (still only hosts of a declared connector;
 //!   hard platform/tenant rules still win);
+//! - `allowOut` IPs and CIDRs → a soft `allow` rule on those address ranges
+//!   (`cidr`), for IP-literal destinations inside a connector's range; the
+//!   proxy's address guard stays above it (never loopback, link-local, the
+//!   metadata address or the host's own; private ones only where the
+//!   operator's range is private);
 //! - `allowInternetAccess: false`, or `denyOut` naming `0.0.0.0/0` (E2B:
 //!   the same thing) → a soft `deny` of all other egress, after the allow
 //!   rule (E2B: allowed entries take precedence over denied ones, so
 //!   "deny all, allow these" reads as it does on E2B);
 //! - other `denyOut` entries must be IPs or CIDRs (E2B refuses domains
-//!   there); IP-literal egress is already refused, so they need no rule;
-//! - `allowOut` IPs or CIDRs → `400`: the proxy has no IP destinations yet.
+//!   there) → a soft `deny` rule on those ranges, after the allow rules.
+//!
+//! CIDR rules match the address a destination is given as (an IP literal),
+//! not the addresses a host name resolves to: a name is decided by name.
 //!
 //! Nothing given → no layer is written (the tenant's policy decides). What
 //! never gets egress whatever these say: tools that ignore the proxy
-//! variables, UDP, raw DNS (docs: crates/strata-e2b/README.md).
+//! variables, UDP, raw DNS, loopback/link-local/the host's own addresses
+//! (docs: crates/strata-e2b/README.md).
 
 use std::sync::Arc;
 
@@ -34,6 +42,7 @@ use super::{parse_body, JsonBody, SandboxPath};
 use crate::error::{E2bError, E2bResult};
 use crate::policy::may_write;
 use crate::E2b;
+use strata_policy::policy::IpNet;
 
 /// Most `allowOut` / `denyOut` entries one request may give.
 pub const MAX_NETWORK_ENTRIES: usize = 256;
@@ -55,12 +64,18 @@ pub(super) struct NetworkBody {
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub(super) struct Egress {
     allow_hosts: Vec<String>,
+    allow_nets: Vec<IpNet>,
+    deny_nets: Vec<IpNet>,
     deny_rest: bool,
 }
 
 fn is_ip_or_cidr(s: &str) -> bool {
     let ip = s.split_once('/').map_or(s, |(ip, _)| ip);
     ip.parse::<std::net::IpAddr>().is_ok() || strata_policy::policy::looks_like_ip(ip)
+}
+
+fn ip_net(field: &str, s: &str) -> E2bResult<IpNet> {
+    IpNet::parse(s).map_err(|e| E2bError::new(400, format!("{field} {s:?}: {e}")))
 }
 
 fn is_all(s: &str) -> bool {
@@ -86,18 +101,17 @@ pub(super) fn asked(
         ));
     }
     let mut e = Egress {
-        allow_hosts: Vec::new(),
         deny_rest: allow_internet == Some(false),
+        ..Egress::default()
     };
     for a in allow_out {
         let h = a.trim().trim_end_matches('.').to_ascii_lowercase();
         if is_ip_or_cidr(&h) {
-            return Err(E2bError::new(
-                400,
-                format!(
-                    "allowOut {a:?}: IP and CIDR destinations are not supported (strata's egress proxy decides by host name)"
-                ),
-            ));
+            let n = ip_net("allowOut", &h)?;
+            if !e.allow_nets.contains(&n) {
+                e.allow_nets.push(n);
+            }
+            continue;
         }
         let name = h.strip_prefix("*.").unwrap_or(&h);
         if !strata_policy::policy::is_host_name(name) {
@@ -117,6 +131,11 @@ pub(super) fn asked(
         }
         if is_all(d) {
             e.deny_rest = true;
+            continue;
+        }
+        let n = ip_net("denyOut", d)?;
+        if !e.deny_nets.contains(&n) {
+            e.deny_nets.push(n);
         }
     }
     Ok(Some(e))
@@ -132,6 +151,24 @@ pub(super) fn layer(e: &Egress) -> String {
         t.push_str(&format!(
             "\n[[rule]]\nid = \"e2b-allow-out\"\neffect = \"allow\"\nkind = \"egress\"\nhost = [{}]\n",
             hosts.join(", ")
+        ));
+    }
+    let list = |nets: &[IpNet]| {
+        nets.iter()
+            .map(|n| format!("\"{n}\""))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if !e.allow_nets.is_empty() {
+        t.push_str(&format!(
+            "\n[[rule]]\nid = \"e2b-allow-out-ip\"\neffect = \"allow\"\nkind = \"egress\"\ncidr = [{}]\n",
+            list(&e.allow_nets)
+        ));
+    }
+    if !e.deny_nets.is_empty() {
+        t.push_str(&format!(
+            "\n[[rule]]\nid = \"e2b-deny-out-ip\"\neffect = \"deny\"\nkind = \"egress\"\ncidr = [{}]\nreason = \"the sandbox's denyOut names this address\"\n",
+            list(&e.deny_nets)
         ));
     }
     if e.deny_rest {
@@ -209,7 +246,7 @@ mod tests {
     /// layer of `e` (the real policy engine).
     fn effect(e: &Egress, host: &str) -> Effect {
         let platform = Policy::parse(
-            "default = \"allow\"\n[[connector]]\nname = \"web\"\nhosts = [\"a.test\", \"*.b.test\", \"c.test\"]\n",
+            "default = \"allow\"\n[[connector]]\nname = \"web\"\nhosts = [\"a.test\", \"*.b.test\", \"c.test\"]\ncidrs = [\"0.0.0.0/0\"]\n",
         )
         .unwrap();
         let sandbox = Policy::parse(&layer(e)).unwrap();
@@ -252,18 +289,36 @@ mod tests {
         // Only allowOut (internet on): nothing is taken away.
         let open = asked(None, Some(&body(&["a.test"], &[]))).unwrap().unwrap();
         assert_eq!(effect(&open, "c.test"), Effect::Allow);
-        // A CIDR deny other than everything adds no rule (IP literals are refused anyway).
-        let cidr = asked(None, Some(&body(&[], &["10.0.0.0/8"])))
+        // A CIDR deny denies the address literals in it, not names.
+        let cidr = asked(None, Some(&body(&[], &["8.8.0.0/16"])))
             .unwrap()
             .unwrap();
         assert_eq!(effect(&cidr, "c.test"), Effect::Allow);
+        assert_eq!(effect(&cidr, "8.8.8.8"), Effect::Deny);
+        assert_eq!(effect(&cidr, "9.9.9.9"), Effect::Allow);
+        // Allowed addresses win over a denied range and over deny-all.
+        let ips = asked(
+            None,
+            Some(&body(
+                &["8.8.8.8", "1.1.1.0/24"],
+                &["8.8.0.0/16", "0.0.0.0/0"],
+            )),
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(effect(&ips, "8.8.8.8"), Effect::Allow);
+        assert_eq!(effect(&ips, "1.1.1.1"), Effect::Allow);
+        assert_eq!(effect(&ips, "8.8.4.4"), Effect::Deny);
+        assert_eq!(effect(&ips, "9.9.9.9"), Effect::Deny);
+        assert_eq!(effect(&ips, "a.test"), Effect::Deny);
     }
 
     #[test]
     fn bad_entries_are_refused() {
         for (allow, deny) in [
-            (&["10.0.0.0/8"][..], &[][..]),
-            (&["1.2.3.4"][..], &[][..]),
+            (&["10.0.0.0/33"][..], &[][..]),
+            (&["127.1"][..], &[][..]),
+            (&[][..], &["1.2.3.4/-1"][..]),
             (&["not a host"][..], &[][..]),
             (&[][..], &["example.com"][..]),
         ] {

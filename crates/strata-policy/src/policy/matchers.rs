@@ -1,5 +1,7 @@
 //! Precompiled matchers used by rules and connectors.
 
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
 use globset::{GlobBuilder, GlobSet, GlobSetBuilder};
 
 /// A host name pattern: an exact name (`api.slack.com`) or a suffix wildcard
@@ -46,6 +48,108 @@ impl HostPattern {
     /// Is this an exact pattern?
     pub fn is_exact(&self) -> bool {
         matches!(self, HostPattern::Exact(_))
+    }
+}
+
+/// An IP network in CIDR notation (`203.0.113.0/24`, `2001:db8::/32`; a
+/// bare address is a `/32` or `/128`). The address is stored with its host
+/// bits cleared; IPv4-mapped IPv6 (`::ffff:a.b.c.d`) is read as IPv4.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct IpNet {
+    addr: IpAddr,
+    prefix: u8,
+}
+
+impl IpNet {
+    /// Parse `a.b.c.d[/n]` or `x:y::z[/n]`. Only canonical dotted quads are
+    /// IPv4 (`127.1`, `0x7f.0.0.1` and leading zeros are refused).
+    pub fn parse(s: &str) -> Result<IpNet, String> {
+        let s = s.trim();
+        let (a, p) = match s.split_once('/') {
+            Some((a, p)) => (a, Some(p)),
+            None => (s, None),
+        };
+        let a = a
+            .strip_prefix('[')
+            .and_then(|x| x.strip_suffix(']'))
+            .unwrap_or(a);
+        let addr: IpAddr = a
+            .parse()
+            .map_err(|_| format!("`{s}` is not an IP address or CIDR block"))?;
+        let addr = canonical_ip(addr);
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let prefix = match p {
+            None => max,
+            Some(p) => match p.parse::<u8>() {
+                Ok(n) if n <= max && !p.starts_with('+') => n,
+                _ => return Err(format!("`{s}`: the prefix length must be 0-{max}")),
+            },
+        };
+        Ok(IpNet {
+            addr: mask(addr, prefix),
+            prefix,
+        })
+    }
+
+    /// The network address (host bits cleared).
+    pub fn addr(&self) -> IpAddr {
+        self.addr
+    }
+
+    /// The prefix length.
+    pub fn prefix(&self) -> u8 {
+        self.prefix
+    }
+
+    /// Does this network contain `ip` (IPv4-mapped IPv6 read as IPv4)?
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        let ip = canonical_ip(ip);
+        ip.is_ipv4() == self.addr.is_ipv4() && mask(ip, self.prefix) == self.addr
+    }
+
+    /// Does this network lie entirely inside `other`?
+    pub fn within(&self, other: &IpNet) -> bool {
+        self.prefix >= other.prefix && other.contains(self.addr)
+    }
+}
+
+impl std::fmt::Display for IpNet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
+}
+
+/// `ip` with IPv4-mapped IPv6 (`::ffff:a.b.c.d`) read as IPv4.
+pub fn canonical_ip(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6
+            .to_ipv4_mapped()
+            .map(IpAddr::V4)
+            .unwrap_or(IpAddr::V6(v6)),
+        v4 => v4,
+    }
+}
+
+fn mask(ip: IpAddr, prefix: u8) -> IpAddr {
+    match ip {
+        IpAddr::V4(v4) => {
+            let bits = u32::from(v4);
+            let m = if prefix == 0 {
+                0
+            } else {
+                u32::MAX << (32 - u32::from(prefix))
+            };
+            IpAddr::V4(Ipv4Addr::from(bits & m))
+        }
+        IpAddr::V6(v6) => {
+            let bits = u128::from(v6);
+            let m = if prefix == 0 {
+                0
+            } else {
+                u128::MAX << (128 - u32::from(prefix))
+            };
+            IpAddr::V6(Ipv6Addr::from(bits & m))
+        }
     }
 }
 
@@ -331,6 +435,37 @@ mod tests {
             "0x7f",
         ] {
             assert!(HostPattern::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn ip_nets() {
+        let n = IpNet::parse("10.77.3.9/16").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(n.to_string(), "10.77.0.0/16");
+        assert!(n.contains("10.77.200.1".parse().unwrap_or_else(|e| panic!("{e}"))));
+        assert!(n.contains("::ffff:10.77.0.1".parse().unwrap_or_else(|e| panic!("{e}"))));
+        assert!(!n.contains("10.78.0.1".parse().unwrap_or_else(|e| panic!("{e}"))));
+        assert!(!n.contains("::1".parse().unwrap_or_else(|e| panic!("{e}"))));
+        let one = IpNet::parse("1.2.3.4").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(one.to_string(), "1.2.3.4/32");
+        let all = IpNet::parse("0.0.0.0/0").unwrap_or_else(|e| panic!("{e}"));
+        assert!(all.contains("255.1.2.3".parse().unwrap_or_else(|e| panic!("{e}"))));
+        assert!(n.within(&IpNet::parse("10.0.0.0/8").unwrap_or_else(|e| panic!("{e}"))));
+        assert!(!all.within(&IpNet::parse("10.0.0.0/8").unwrap_or_else(|e| panic!("{e}"))));
+        let v6 = IpNet::parse("[2001:db8::1]/32").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(v6.to_string(), "2001:db8::/32");
+        for bad in [
+            "10.0.0.0/33",
+            "::/129",
+            "127.1",
+            "0x7f.0.0.1",
+            "010.0.0.1",
+            "a.b",
+            "1.2.3.4/",
+            "1.2.3.4/+8",
+            "",
+        ] {
+            assert!(IpNet::parse(bad).is_err(), "{bad}");
         }
     }
 

@@ -14,6 +14,7 @@
 mod matchers;
 mod parse;
 
+use std::net::IpAddr;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -22,8 +23,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::call::{CallKind, KindName, ToolCall};
 use crate::path::normalize;
+pub use matchers::{canonical_ip, is_host_name, looks_like_ip, split_script, HostPattern, IpNet};
 use matchers::{exec_views, ArgsMatcher, ExecView};
-pub use matchers::{is_host_name, looks_like_ip, split_script, HostPattern};
 pub use parse::{ParseError, DEFAULT_WRITE_METHODS};
 
 const KIND_COUNT: usize = KindName::ALL.len();
@@ -92,6 +93,14 @@ pub struct Connector {
     pub name: String,
     /// Host patterns (`login.salesforce.com`, `*.my.salesforce.com`).
     pub hosts: Vec<HostPattern>,
+    /// IP networks whose address literals (`CONNECT 203.0.113.7:443`)
+    /// belong to this connector. A range inside private space (`10.0.0.0/8`
+    /// and smaller, RFC 1918, CGNAT, unique-local, documentation) opens
+    /// those private addresses; any other range (`0.0.0.0/0`) covers only
+    /// its public addresses. Loopback, link-local (the metadata address
+    /// `169.254.169.254` too), multicast and the host's own addresses are
+    /// never reachable (the proxy's guard, `docs/policy.md`).
+    pub cidrs: Vec<IpNet>,
     /// Upper-case HTTP methods that count as writes.
     pub write_methods: Vec<String>,
     /// Ports egress may use (default 80 and 443).
@@ -129,6 +138,7 @@ pub struct Rule {
     connector: Option<Vec<String>>,
     method: Option<Vec<String>>,
     host: Option<Vec<HostPattern>>,
+    cidr: Option<Vec<IpNet>>,
     http_path: Option<GlobSet>,
     access: Option<Access>,
     op: Option<Vec<String>>,
@@ -260,6 +270,7 @@ impl std::fmt::Debug for PolicySet {
 struct EgressView<'a> {
     connector: Option<&'a Connector>,
     host: String,
+    ip: Option<IpAddr>,
     method: String,
     path: String,
     write: bool,
@@ -339,6 +350,22 @@ impl PolicySet {
         })
     }
 
+    /// The connector an IP address literal belongs to, with the range that
+    /// holds it: the most specific range of any connector (platform before
+    /// tenant on a tie). Says nothing about the address guard.
+    pub fn connector_for_ip(&self, ip: IpAddr) -> Option<(&Connector, IpNet)> {
+        let ip = canonical_ip(ip);
+        let mut best: Option<(&Connector, IpNet)> = None;
+        for (_, c) in &self.connectors {
+            for n in c.cidrs.iter().filter(|n| n.contains(ip)) {
+                if best.is_none_or(|(_, b)| n.prefix() > b.prefix()) {
+                    best = Some((c, *n));
+                }
+            }
+        }
+        best
+    }
+
     /// The connector a host belongs to: an exact host pattern beats a
     /// wildcard; otherwise the first declared (platform before tenant).
     pub fn connector_for_host(&self, host: &str) -> Option<&Connector> {
@@ -385,7 +412,11 @@ impl PolicySet {
             } => {
                 let host = host.trim_end_matches('.').to_ascii_lowercase();
                 let method = method.to_ascii_uppercase();
-                let connector = self.connector_for_host(&host);
+                let ip = parse_ip_literal(&host);
+                let connector = match ip {
+                    Some(ip) => self.connector_for_ip(ip).map(|(c, _)| c),
+                    None => self.connector_for_host(&host),
+                };
                 let write = match connector {
                     Some(c) => c.is_write(&method),
                     None => method == "CONNECT" || DEFAULT_WRITE_METHODS.contains(&method.as_str()),
@@ -399,6 +430,7 @@ impl PolicySet {
                 Prepared::Egress(EgressView {
                     connector,
                     host,
+                    ip,
                     method,
                     path,
                     write,
@@ -562,6 +594,17 @@ impl PolicySet {
     }
 }
 
+/// The address an egress call's host names, when it is a canonical IP
+/// literal (`203.0.113.7`, `2001:db8::1`, `[2001:db8::1]`; IPv4-mapped IPv6
+/// read as IPv4). Names, and forms like `127.1`, are not.
+pub fn parse_ip_literal(host: &str) -> Option<IpAddr> {
+    let h = host
+        .strip_prefix('[')
+        .and_then(|x| x.strip_suffix(']'))
+        .unwrap_or(host);
+    h.parse::<IpAddr>().ok().map(canonical_ip)
+}
+
 fn decision_of(layer: Layer, r: &Rule, hard: bool) -> Decision {
     Decision {
         effect: r.effect,
@@ -670,6 +713,11 @@ impl Rule {
                 }
                 if let Some(h) = &self.host {
                     if !h.iter().any(|h| h.matches(&e.host)) {
+                        return false;
+                    }
+                }
+                if let Some(nets) = &self.cidr {
+                    if !e.ip.is_some_and(|ip| nets.iter().any(|n| n.contains(ip))) {
                         return false;
                     }
                 }

@@ -6,7 +6,7 @@ use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::Deserialize;
 use toml::Spanned;
 
-use super::matchers::{glob_set, one_glob, ArgsMatcher, GlobMode, HostPattern};
+use super::matchers::{glob_set, one_glob, ArgsMatcher, GlobMode, HostPattern, IpNet};
 use super::{Access, Connector, Effect, Policy, Rule, KIND_COUNT};
 use crate::call::KindName;
 
@@ -91,7 +91,10 @@ struct PolicyFile {
 #[serde(deny_unknown_fields)]
 struct ConnectorFile {
     name: Spanned<String>,
-    hosts: Spanned<StrList>,
+    #[serde(default)]
+    hosts: Option<Spanned<StrList>>,
+    #[serde(default)]
+    cidrs: Field,
     #[serde(default)]
     write_methods: Field,
     #[serde(default)]
@@ -128,6 +131,8 @@ struct RuleFile {
     method: Field,
     #[serde(default)]
     host: Field,
+    #[serde(default)]
+    cidr: Field,
     #[serde(default)]
     http_path: Field,
     #[serde(default)]
@@ -193,6 +198,13 @@ fn hosts(text: &str, f: &Spanned<StrList>, name: &str) -> Result<Vec<HostPattern
         .collect()
 }
 
+fn nets(text: &str, f: &Spanned<StrList>, name: &str) -> Result<Vec<IpNet>, ParseError> {
+    nonempty(text, f, name)?
+        .iter()
+        .map(|n| IpNet::parse(n).map_err(|e| err_at(text, f.span(), format!("`{name}`: {e}"))))
+        .collect()
+}
+
 /// Parse and compile one policy layer from TOML text.
 pub fn parse(text: &str) -> Result<Policy, ParseError> {
     let file: PolicyFile = toml::from_str(text).map_err(|e| {
@@ -247,9 +259,23 @@ pub fn parse(text: &str) -> Result<Policy, ParseError> {
         if ports.is_empty() || ports.contains(&0) {
             return Err(err_at(text, span, "`ports` must list ports 1-65535"));
         }
+        if c.hosts.is_none() && c.cidrs.is_none() {
+            return Err(err_at(
+                text,
+                c.name.span(),
+                format!("connector `{name}` needs `hosts` or `cidrs`"),
+            ));
+        }
         connectors.push(Connector {
             name,
-            hosts: hosts(text, &c.hosts, "hosts")?,
+            hosts: match &c.hosts {
+                Some(h) => hosts(text, h, "hosts")?,
+                None => Vec::new(),
+            },
+            cidrs: match &c.cidrs {
+                Some(n) => nets(text, n, "cidrs")?,
+                None => Vec::new(),
+            },
             write_methods,
             ports,
             read_only: c.read_only,
@@ -293,6 +319,7 @@ pub fn parse(text: &str) -> Result<Policy, ParseError> {
             r.connector.is_some()
                 || r.method.is_some()
                 || r.host.is_some()
+                || r.cidr.is_some()
                 || r.http_path.is_some()
                 || r.access.is_some(),
             EGRESS,
@@ -374,6 +401,10 @@ pub fn parse(text: &str) -> Result<Policy, ParseError> {
             None => None,
             Some(f) => Some(hosts(text, f, "host")?),
         };
+        let cidr = match &r.cidr {
+            None => None,
+            Some(f) => Some(nets(text, f, "cidr")?),
+        };
         let op = match &r.op {
             None => None,
             Some(f) => Some(nonempty(text, f, "op")?),
@@ -393,6 +424,7 @@ pub fn parse(text: &str) -> Result<Policy, ParseError> {
             connector,
             method: upper_list(text, &r.method, "method")?,
             host,
+            cidr,
             http_path: globs(text, &r.http_path, "http_path", GlobMode::Path)?,
             access: r.access,
             op,

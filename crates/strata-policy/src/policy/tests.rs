@@ -574,3 +574,96 @@ fn random_input_never_panics_the_parser() {
         }
     }
 }
+
+#[test]
+fn cidr_rules_and_connector_ranges() {
+    let platform = Policy::parse(
+        r#"
+default = "allow"
+[[connector]]
+name = "lab"
+cidrs = ["10.77.0.0/16", "2001:db8::/32"]
+[[connector]]
+name = "internet"
+cidrs = ["0.0.0.0/0"]
+hosts = ["example.com"]
+[[rule]]
+id = "no-lab-admin"
+effect = "deny"
+cidr = "10.77.9.0/24"
+"#,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let sandbox = Policy::parse(
+        r#"
+[[rule]]
+id = "allow-one"
+effect = "allow"
+cidr = ["10.77.1.2", "10.77.9.9"]
+[[rule]]
+id = "deny-lab"
+effect = "deny"
+cidr = "10.77.0.0/16"
+[[rule]]
+id = "deny-v6"
+effect = "deny"
+kind = "egress"
+cidr = "2001:db8::/48"
+"#,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let s = PolicySet::new(Some(Arc::new(platform)), None, Some(Arc::new(sandbox)))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let ip = |t: &str| t.parse::<IpAddr>().unwrap_or_else(|e| panic!("{e}"));
+    // The most specific range wins: 10.77/16 is `lab`, not `internet`.
+    let (c, n) = s
+        .connector_for_ip(ip("10.77.5.5"))
+        .unwrap_or_else(|| panic!("no connector"));
+    assert_eq!(
+        (c.name.as_str(), n.to_string().as_str()),
+        ("lab", "10.77.0.0/16")
+    );
+    assert_eq!(
+        s.connector_for_ip(ip("::ffff:10.77.5.5"))
+            .map(|(c, _)| c.name.as_str()),
+        Some("lab")
+    );
+    assert_eq!(
+        s.connector_for_ip(ip("8.8.8.8"))
+            .map(|(c, _)| c.name.as_str()),
+        Some("internet")
+    );
+    assert!(s.connector_for_ip(ip("::1")).is_none());
+    let e = |h: &str| s.evaluate(&call(egress(h, "CONNECT", ""))).effect;
+    let rule = |h: &str| s.evaluate(&call(egress(h, "CONNECT", ""))).rule_id;
+    // First matching sandbox rule: the allowed address, then the denied range.
+    assert_eq!(e("10.77.1.2"), A);
+    assert_eq!(rule("10.77.3.3"), "deny-lab");
+    assert_eq!(e("[::ffff:10.77.1.2]"), A);
+    // A hard platform deny beats the sandbox's allow.
+    assert_eq!(
+        (e("10.77.9.9"), rule("10.77.9.9").as_str()),
+        (D, "no-lab-admin")
+    );
+    // CIDR rules match address literals only, never names.
+    assert_eq!(e("example.com"), A);
+    assert_eq!(e("8.8.8.8"), A);
+    assert_eq!(e("2001:db8::1"), D);
+    assert_eq!(e("2001:db8:1::1"), A);
+    // Bad ranges and rules are refused with a position.
+    for (text, line) in [
+        ("[[rule]]\neffect = \"deny\"\ncidr = \"10.0.0.0/33\"\n", 3),
+        ("[[rule]]\neffect = \"deny\"\ncidr = []\n", 3),
+        (
+            "[[rule]]\neffect = \"deny\"\ncidr = \"10.0.0.0/8\"\npath = \"/a\"\n",
+            1,
+        ),
+        ("[[connector]]\nname = \"x\"\ncidrs = [\"127.1\"]\n", 3),
+        ("[[connector]]\nname = \"x\"\n", 2),
+    ] {
+        match Policy::parse(text) {
+            Ok(_) => panic!("accepted {text:?}"),
+            Err(err) => assert_eq!(err.line, line, "{text:?}: {err}"),
+        }
+    }
+}

@@ -4,13 +4,14 @@
 //! decisions held on the approval queue; every decision in the audit log.
 //! Plain requests get method-level policy, `CONNECT` host-level policy.
 
-use super::http::{denied, Body};
+use super::http::{denied, refuse, Body};
+use super::upstream::address_guard;
 use super::ProxyConfig;
 use crate::approval::Outcome as ApprovalOutcome;
 use crate::audit::{AuditDecision, Outcome};
 use crate::call::{CallKind, ToolCall};
-use crate::policy::{Decision, Effect};
-use hyper::Response;
+use crate::policy::{parse_ip_literal, Decision, Effect};
+use hyper::{Response, StatusCode};
 
 /// One egress call under evaluation: the tool call and its destination.
 pub(super) struct Checked {
@@ -72,20 +73,62 @@ fn record(
 /// Policy, connector and approval checks shared by plain requests and tunnels.
 pub(super) async fn decide(cfg: &ProxyConfig, c: &mut Checked) -> Verdict {
     let policy = cfg.policy.current();
-    let Some(conn) = policy.connector_for_host(&c.host) else {
-        let d = Decision {
-            effect: Effect::Deny,
-            layer: None,
-            rule_id: "unlisted-host".into(),
-            rule_index: None,
-            hard: true,
-            reason: format!(
-                "`{}` belongs to no connector; egress is closed by default",
-                c.host
-            ),
-        };
-        record(cfg, &c.call, &d, Outcome::Denied, None, None);
-        return Verdict::Refuse(denied(&d, None));
+    let conn = match parse_ip_literal(&c.host) {
+        // An address literal: a connector's range must hold it, and the
+        // guard (never loopback, link-local, multicast or the host's own
+        // addresses; private ones only from a range inside private space)
+        // decides before any rule can allow it.
+        Some(ip) => {
+            let Some((conn, range)) = policy.connector_for_ip(ip) else {
+                let d = Decision {
+                    effect: Effect::Deny,
+                    layer: None,
+                    rule_id: "unlisted-address".into(),
+                    rule_index: None,
+                    hard: true,
+                    reason: format!(
+                        "`{ip}` is in no connector's `cidrs`; IP literals are refused by default"
+                    ),
+                };
+                record(cfg, &c.call, &d, Outcome::Denied, None, None);
+                return Verdict::Refuse(refuse(
+                    StatusCode::FORBIDDEN,
+                    "ip_literal",
+                    serde_json::json!({ "rule": d.rule_id, "reason": d.reason }),
+                ));
+            };
+            if let Err(why) = address_guard(ip, &range) {
+                let d = Decision {
+                    effect: Effect::Deny,
+                    layer: None,
+                    rule_id: "address-guard".into(),
+                    rule_index: None,
+                    hard: true,
+                    reason: why,
+                };
+                record(cfg, &c.call, &d, Outcome::Denied, None, None);
+                return Verdict::Refuse(denied(&d, None));
+            }
+            conn
+        }
+        None => match policy.connector_for_host(&c.host) {
+            Some(conn) => conn,
+            None => {
+                let d = Decision {
+                    effect: Effect::Deny,
+                    layer: None,
+                    rule_id: "unlisted-host".into(),
+                    rule_index: None,
+                    hard: true,
+                    reason: format!(
+                        "`{}` belongs to no connector; egress is closed by default",
+                        c.host
+                    ),
+                };
+                record(cfg, &c.call, &d, Outcome::Denied, None, None);
+                return Verdict::Refuse(denied(&d, None));
+            }
+        },
     };
     if let CallKind::Egress { connector, .. } = &mut c.call.kind {
         *connector = Some(conn.name.clone());

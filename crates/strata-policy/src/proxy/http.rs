@@ -35,7 +35,7 @@ use super::sniff::{self, HeadCheck, Hello, MAX_HEAD};
 use super::tunnel::Tunnel;
 use super::upstream::{self, Upstream, UpstreamError};
 use super::ProxyConfig;
-use crate::policy::{looks_like_ip, Decision};
+use crate::policy::{looks_like_ip, parse_ip_literal, Decision};
 
 /// Default [`ProxyConfig::head_timeout`].
 pub const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
@@ -72,7 +72,7 @@ fn full(b: impl Into<Bytes>) -> Body {
     Full::new(b.into()).map_err(|never| match never {}).boxed()
 }
 
-fn refuse(status: StatusCode, error: &str, detail: serde_json::Value) -> Response<Body> {
+pub(super) fn refuse(status: StatusCode, error: &str, detail: serde_json::Value) -> Response<Body> {
     let mut body = serde_json::json!({ "error": error });
     if let (Some(b), serde_json::Value::Object(d)) = (body.as_object_mut(), detail) {
         b.extend(d);
@@ -135,13 +135,27 @@ fn smuggling_check(h: &HeaderMap) -> Result<(), &'static str> {
     Ok(())
 }
 
-/// Split and check an authority (`host[:port]`), lower-casing the host.
+/// Split and check an authority (`host[:port]`), lower-casing the host. A
+/// canonical IP literal (`203.0.113.7`, `[2001:db8::1]`) comes back as the
+/// address's text (IPv6 without brackets, IPv4-mapped IPv6 as IPv4), for
+/// the policy stage's address rules; other numeric forms (`127.1`,
+/// `0x7f.0.0.1`, `2130706433`) are refused as `IP literal`.
 fn parse_authority(a: &str, default_port: Option<u16>) -> Result<(String, u16), &'static str> {
     if a.contains('@') {
         return Err("userinfo in the request target");
     }
-    if a.starts_with('[') {
-        return Err("IP literal");
+    if let Some(rest) = a.strip_prefix('[') {
+        let (inner, after) = rest.split_once(']').ok_or("bad IPv6 literal")?;
+        let ip = parse_ip_literal(inner).ok_or("bad IPv6 literal")?;
+        let port = match after.strip_prefix(':') {
+            Some(p) => p.parse::<u16>().map_err(|_| "bad port")?,
+            None if after.is_empty() => default_port.ok_or("port required")?,
+            None => return Err("bad IPv6 literal"),
+        };
+        if port == 0 {
+            return Err("bad port");
+        }
+        return Ok((ip.to_string(), port));
     }
     let (host, port) = match a.rsplit_once(':') {
         Some((h, p)) => (h, p.parse::<u16>().map_err(|_| "bad port")?),
@@ -152,7 +166,11 @@ fn parse_authority(a: &str, default_port: Option<u16>) -> Result<(String, u16), 
     }
     let host = host.trim_end_matches('.').to_ascii_lowercase();
     if looks_like_ip(&host) {
-        return Err("IP literal");
+        // Only the canonical dotted quad names an address.
+        return match parse_ip_literal(&host) {
+            Some(ip) if ip.to_string() == host => Ok((host, port)),
+            _ => Err("IP literal"),
+        };
     }
     if !crate::policy::is_host_name(&host) {
         return Err("not a host name");

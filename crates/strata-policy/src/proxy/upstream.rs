@@ -11,6 +11,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
 use super::tunnel::{Tunnel, UpstreamSlot};
+use crate::policy::{canonical_ip, parse_ip_literal, IpNet};
 
 /// Future returned by [`Resolver::resolve`].
 pub type ResolveFuture<'a> = Pin<Box<dyn Future<Output = io::Result<Vec<SocketAddr>>> + Send + 'a>>;
@@ -53,6 +54,84 @@ pub(super) fn is_public(ip: IpAddr) -> bool {
                 || (s[0] & 0xffc0) == 0xfe80)
         }
     }
+}
+
+/// Non-public blocks a connector may open by naming a range inside one of
+/// them (RFC 1918, CGNAT, the documentation nets, unique-local IPv6).
+const PRIVATE_BLOCKS: [&str; 8] = [
+    "10.0.0.0/8",
+    "172.16.0.0/12",
+    "192.168.0.0/16",
+    "100.64.0.0/10",
+    "192.0.2.0/24",
+    "198.51.100.0/24",
+    "203.0.113.0/24",
+    "fc00::/7",
+];
+
+/// Addresses no rule opens: loopback, link-local (the cloud metadata
+/// address `169.254.169.254` among them), "this network", unspecified,
+/// multicast, broadcast and reserved (`240.0.0.0/4`), IPv6 site-local.
+fn never_reachable(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => {
+            let o = v4.octets();
+            v4.is_loopback()
+                || v4.is_link_local()
+                || v4.is_unspecified()
+                || v4.is_multicast()
+                || v4.is_broadcast()
+                || o[0] == 0
+                || o[0] >= 240
+        }
+        IpAddr::V6(v6) => {
+            let s = v6.segments();
+            v6.is_loopback()
+                || v6.is_unspecified()
+                || v6.is_multicast()
+                || (s[0] & 0xffc0) == 0xfe80
+                || (s[0] & 0xffc0) == 0xfec0
+        }
+    }
+}
+
+/// Is `ip` one of this host's own addresses? Binding a socket to it
+/// succeeds only then (with `ip_nonlocal_bind` set it always succeeds, and
+/// every address counts as the host's: closed, not open).
+fn is_own_address(ip: IpAddr) -> bool {
+    std::net::UdpSocket::bind(SocketAddr::new(ip, 0)).is_ok()
+}
+
+/// The guard on an IP-literal destination, authoritative over every rule:
+/// `range` is the connector range that holds `ip`. Loopback, link-local,
+/// multicast, reserved and the host's own addresses are never reached; a
+/// non-public address only when `range` itself lies inside private space
+/// (an operator who wrote `10.77.0.0/16` meant it; `0.0.0.0/0` means the
+/// public internet).
+pub fn address_guard(ip: IpAddr, range: &IpNet) -> Result<(), String> {
+    let ip = canonical_ip(ip);
+    if never_reachable(ip) {
+        return Err(format!(
+            "`{ip}` is a loopback, link-local, multicast or reserved address; no rule opens it"
+        ));
+    }
+    if is_own_address(ip) {
+        return Err(format!(
+            "`{ip}` is one of the host's own addresses; no rule opens it"
+        ));
+    }
+    if !is_public(ip) {
+        let explicit = PRIVATE_BLOCKS
+            .iter()
+            .filter_map(|b| IpNet::parse(b).ok())
+            .any(|b| range.within(&b));
+        if !explicit {
+            return Err(format!(
+                "`{ip}` is a private address and connector range {range} is not a private range; only a range inside private space (e.g. 10.0.0.0/8) opens private addresses"
+            ));
+        }
+    }
+    Ok(())
 }
 
 impl Resolver for SystemResolver {
@@ -112,10 +191,15 @@ pub(super) async fn connect(
     port: u16,
 ) -> Result<Upstream, UpstreamError> {
     let slot = tunnel.upstream()?;
-    let addrs = resolver
-        .resolve(host, port)
-        .await
-        .map_err(|e| UpstreamError::Unreachable(format!("resolving {host}: {e}")))?;
+    // An address literal was decided (and guarded) as that address: it is
+    // connected to as is, never resolved.
+    let addrs = match parse_ip_literal(host) {
+        Some(ip) => vec![SocketAddr::new(ip, port)],
+        None => resolver
+            .resolve(host, port)
+            .await
+            .map_err(|e| UpstreamError::Unreachable(format!("resolving {host}: {e}")))?,
+    };
     let mut last = String::from("no address");
     for a in addrs {
         match tokio::time::timeout(timeout, TcpStream::connect(a)).await {
@@ -141,4 +225,66 @@ where
     let Upstream { mut sock, slot } = upstream;
     let _ = tokio::io::copy_bidirectional(client, &mut sock).await;
     drop(slot);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn net(s: &str) -> IpNet {
+        IpNet::parse(s).unwrap_or_else(|e| panic!("{e}"))
+    }
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn the_guard_keeps_inside_addresses_closed() {
+        let all = net("0.0.0.0/0");
+        let all6 = net("::/0");
+        // Public addresses under any range.
+        assert_eq!(address_guard(ip("93.184.216.34"), &all), Ok(()));
+        assert_eq!(address_guard(ip("2606:4700::1111"), &all6), Ok(()));
+        // Never, whatever the range says.
+        for (a, r) in [
+            ("127.0.0.1", "127.0.0.0/8"),
+            ("169.254.169.254", "169.254.169.254/32"),
+            ("169.254.169.254", "0.0.0.0/0"),
+            ("0.0.0.0", "0.0.0.0/0"),
+            ("224.0.0.1", "224.0.0.0/4"),
+            ("255.255.255.255", "0.0.0.0/0"),
+            ("::1", "::/0"),
+            ("fe80::1", "fe80::/10"),
+            ("::ffff:127.0.0.1", "::/0"),
+        ] {
+            assert!(address_guard(ip(a), &net(r)).is_err(), "{a} under {r}");
+        }
+        // Private: only from a range inside private space.
+        assert!(address_guard(ip("10.1.2.3"), &all).is_err());
+        assert!(address_guard(ip("192.168.1.1"), &net("192.0.0.0/8")).is_err());
+        assert!(address_guard(ip("100.64.0.9"), &all).is_err());
+        assert!(address_guard(ip("fd00::9"), &all6).is_err());
+        assert_eq!(
+            address_guard(ip("10.200.1.2"), &net("10.200.0.0/16")),
+            Ok(())
+        );
+        assert_eq!(address_guard(ip("fd00::9"), &net("fd00::/8")), Ok(()));
+        // The host's own addresses: loopback aside, whatever this host has.
+        let own: Vec<IpAddr> = std::fs::read_to_string("/proc/net/fib_trie")
+            .unwrap_or_default()
+            .lines()
+            .collect::<Vec<_>>()
+            .windows(2)
+            .filter(|w| w[1].contains("/32 host LOCAL"))
+            .filter_map(|w| w[0].trim().trim_start_matches("|-- ").parse().ok())
+            .filter(|a: &IpAddr| !a.is_loopback())
+            .collect();
+        for a in own {
+            assert!(
+                address_guard(a, &net("0.0.0.0/0")).is_err()
+                    && address_guard(a, &IpNet::parse(&format!("{a}/32")).unwrap_or(all)).is_err(),
+                "own address {a}"
+            );
+        }
+    }
 }
