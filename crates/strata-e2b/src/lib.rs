@@ -298,6 +298,11 @@ fn routes(state: Arc<E2b>) -> Router {
             "/sandboxes/:id/metrics",
             get(control::metrics::sandbox_metrics),
         )
+        .route("/sandboxes/:id/logs", get(control::logs::sandbox_logs_v1))
+        .route(
+            "/v2/sandboxes/:id/logs",
+            get(control::logs::sandbox_logs_v2),
+        )
         .route("/sandboxes/:id/connect", post(control::connect))
         .route("/v2/sandboxes/:id/connect", post(control::connect))
         .route("/sandboxes/:id/resume", post(control::resume))

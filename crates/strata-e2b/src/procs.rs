@@ -359,8 +359,10 @@ pub async fn start(
 ) -> Result<Started, ConnectError> {
     let id = g.sandbox();
     let argv = wrapper_argv(stdin, &config.cmd, &config.args);
+    let mut shown = vec![config.cmd.clone()];
+    shown.extend(config.args.iter().cloned());
     let mut stream = svc
-        .exec_helper(
+        .exec_helper_logged(
             g,
             ExecRequest {
                 env,
@@ -368,6 +370,7 @@ pub async fn start(
                 user,
                 ..ExecRequest::argv(argv)
             },
+            stratad::engine::Command::Argv(shown),
         )
         .await
         .map_err(service_err)?;

@@ -375,6 +375,8 @@ pub struct Config {
     pub egress: EgressConfig,
     /// The per-sandbox usage sampler (`docs/metrics.md`).
     pub metrics: MetricsConfig,
+    /// `[logs]`: process logs kept per sandbox.
+    pub logs: LogsConfig,
 }
 
 /// `[metrics]`: the per-sandbox usage sampler (CPU, memory, disk over time;
@@ -399,6 +401,26 @@ impl Default for MetricsConfig {
         MetricsConfig {
             interval: Duration::from_secs(5),
             window: Duration::from_secs(3600),
+            max_sandboxes: 1024,
+        }
+    }
+}
+
+/// `[logs]`: the process logs the daemon keeps of every sandbox's commands
+/// (`service::logs`), in memory, bounded.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogsConfig {
+    /// Bytes of entries kept per sandbox (the oldest go first; 0: no logs).
+    pub max_bytes_per_sandbox: usize,
+    /// Sandboxes with a log at once (the least recently written goes).
+    pub max_sandboxes: usize,
+}
+
+impl Default for LogsConfig {
+    fn default() -> Self {
+        LogsConfig {
+            max_bytes_per_sandbox: 256 * 1024,
             max_sandboxes: 1024,
         }
     }
@@ -476,6 +498,7 @@ impl Default for Config {
             quotas: QuotaConfig::default(),
             egress: EgressConfig::default(),
             metrics: MetricsConfig::default(),
+            logs: LogsConfig::default(),
         }
     }
 }

@@ -20,6 +20,7 @@ pub mod fork;
 pub mod hibernate;
 pub mod image;
 pub mod info;
+pub mod logs;
 pub mod ls;
 pub mod pause;
 pub mod policy;
@@ -104,6 +105,8 @@ pub enum Command {
     /// Latency percentiles of the daemon's operations; with ID, that
     /// sandbox's CPU, memory and disk use over time.
     Stats(stats::Args),
+    /// What a sandbox's commands printed (the daemon's process log); -f follows.
+    Logs(logs::Args),
     /// The approval queue: calls held by policy until a human answers.
     #[command(subcommand)]
     Approvals(approvals::ApprovalsCmd),
@@ -228,6 +231,7 @@ pub async fn run(ctx: &Ctx, cmd: Command) -> anyhow::Result<i32> {
         Command::Rewind(a) => rewind::run(ctx, a).await,
         Command::Template(c) => template::run(ctx, c).await,
         Command::Stats(a) => stats::run(ctx, a).await,
+        Command::Logs(a) => logs::run(ctx, a).await,
         Command::Approvals(c) => approvals::run(ctx, c).await,
         Command::Policy(c) => policy::run(ctx, c).await,
         Command::Token(c) => token::run(ctx, c).await,

@@ -24,6 +24,7 @@
 pub mod fork;
 pub mod lifecycle;
 pub mod list;
+pub mod logs;
 pub mod metrics;
 pub mod network;
 pub mod snapshots;

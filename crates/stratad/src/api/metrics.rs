@@ -1,6 +1,7 @@
 //! `GET /v1/sandboxes/{id}/metrics`: a sandbox's usage series from the
 //! daemon's sampler (`service::sampler`), optionally limited to
-//! `start`/`end` (RFC 3339 or Unix seconds, both inclusive).
+//! `start`/`end` (RFC 3339 or Unix seconds, both inclusive); and
+//! `GET /v1/sandboxes/{id}/logs`: its process log (`service::logs`).
 
 use axum::response::IntoResponse;
 use axum::Json;
@@ -33,6 +34,29 @@ pub(super) async fn sandbox_metrics(c: Call) -> ApiResult<impl IntoResponse> {
     let id: SandboxId = c.id()?;
     Ok(Json(
         c.svc.sandbox_metrics(&c.caller, &id, start, end).await?,
+    ))
+}
+
+/// `GET /v1/sandboxes/{id}/logs?after=&limit=`: a page of the sandbox's
+/// process log (`service::logs`), entries after cursor `after` (default 0:
+/// the oldest kept), at most `limit` (default 200, at most 1000).
+pub(super) async fn sandbox_logs(c: Call) -> ApiResult<impl IntoResponse> {
+    let p = c.params(&["after", "limit"], &[], false)?;
+    let num = |key: &str, default: u64| -> ApiResult<u64> {
+        p.one(key).map_or(Ok(default), |v| {
+            v.parse::<u64>().map_err(|_| {
+                ApiError::new(
+                    ErrorCode::InvalidRequest,
+                    format!("{key}: expected a non-negative integer"),
+                )
+            })
+        })
+    };
+    let after = num("after", 0)?;
+    let limit = usize::try_from(num("limit", 200)?).unwrap_or(usize::MAX);
+    let id: SandboxId = c.id()?;
+    Ok(Json(
+        c.svc.sandbox_logs(&c.caller, &id, after, limit).await?,
     ))
 }
 

@@ -488,6 +488,7 @@ fn service_route(r: &Route) -> Option<axum::routing::MethodRouter<Arc<Service>>>
         Rewind => on(m, sandboxes::rewind),
         Events => on(m, sandboxes::events),
         SandboxMetrics => on(m, metrics::sandbox_metrics),
+        SandboxLogs => on(m, metrics::sandbox_logs),
         TakeSnapshot => on(m, sandboxes::take_snapshot),
         ListSnapshots => on(m, sandboxes::list_snapshots),
         ReadFile => on(m, files::download),

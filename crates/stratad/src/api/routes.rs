@@ -28,6 +28,7 @@ pub enum Action {
     Rewind,
     Events,
     SandboxMetrics,
+    SandboxLogs,
     TakeSnapshot,
     ListSnapshots,
     ReadFile,
@@ -139,6 +140,8 @@ pub const ROUTES: &[Route] = &[
     tool("POST", "/v1/sandboxes/:id/rewind", Action::Rewind, DEV),
     r("GET", "/v1/sandboxes/:id/events", Action::Events, READ),
     r("GET", "/v1/sandboxes/:id/metrics", Action::SandboxMetrics, READ),
+    // What the guest's commands printed: guest data, like its files.
+    r("GET", "/v1/sandboxes/:id/logs", Action::SandboxLogs, DEV),
     tool("POST", "/v1/sandboxes/:id/snapshots", Action::TakeSnapshot, DEV),
     r("GET", "/v1/sandboxes/:id/snapshots", Action::ListSnapshots, READ),
     tool("GET", "/v1/sandboxes/:id/files", Action::ReadFile, DEV),

@@ -100,6 +100,20 @@ pub fn validate_pty(req: &ExecRequest) -> ServiceResult<()> {
     }
 }
 
+/// `stream`, each event also recorded in the sandbox's process log.
+fn logged(stream: ExecStream, tap: Option<super::LogTap>) -> ExecStream {
+    match tap {
+        None => stream,
+        Some(mut tap) => stream
+            .inspect(move |ev| {
+                if let Ok(ev) = ev {
+                    tap.record(ev);
+                }
+            })
+            .boxed(),
+    }
+}
+
 impl Service {
     /// Runs a command; the stream ends with the exit event.
     pub async fn exec(
@@ -114,7 +128,8 @@ impl Service {
         validate_pty(&req)?;
         self.authorize(caller, Some(id), exec_call(&req), opts)
             .await?;
-        self.exec_granted(id, req).await
+        let shown = req.command.clone();
+        self.exec_granted(id, req, Some((shown, false))).await
     }
 
     /// Runs a command the caller keeps talking to (stdin stream, PTY
@@ -155,26 +170,41 @@ impl Service {
     ) -> ServiceResult<(ExecStream, crate::engine::ExecInputs)> {
         let rec = self.ensure_awake(id).await?;
         rec.state.apply(Op::Exec)?;
-        Ok(self.engine.exec_interactive(id, req).await?)
+        let tap = self.logs.start(id, &req.command, req.pty.is_some());
+        let (stream, inputs) = self.engine.exec_interactive(id, req).await?;
+        Ok((logged(stream, tap), inputs))
     }
 
+    /// Runs `req`; `log_as`: the command its process log shows and whether
+    /// it runs in a wrapper that prints a marker line first (`None`: a
+    /// helper the log leaves out).
     pub(super) async fn exec_granted(
         self: &Arc<Self>,
         id: &SandboxId,
         req: ExecRequest,
+        log_as: Option<(Command, bool)>,
     ) -> ServiceResult<ExecStream> {
         let rec = self.ensure_awake(id).await?;
         rec.state.apply(Op::Exec)?;
         let started = Instant::now();
+        let tap = log_as.and_then(|(c, wrapped)| {
+            let tap = self.logs.start(id, &c, req.pty.is_some())?;
+            Some(if wrapped {
+                tap.skip_first_stdout_line()
+            } else {
+                tap
+            })
+        });
         let stream = self.engine.exec(id, req).await?;
         let metrics = self.metrics.clone();
-        Ok(stream
+        let stream = stream
             .inspect(move |ev| {
                 if let Ok(ExecEvent::Exit(_)) = ev {
                     metrics.observe_step(step::EXEC_ROUND_TRIP, started.elapsed());
                 }
             })
-            .boxed())
+            .boxed();
+        Ok(logged(stream, tap))
     }
 
     pub(super) async fn guest_ready(
@@ -252,7 +282,25 @@ impl Service {
             // (a signal, stdin) never wakes a hibernated sandbox by itself.
             self.require_running(g).await?;
         }
-        self.exec_granted(&g.sandbox, req).await
+        self.exec_granted(&g.sandbox, req, None).await
+    }
+
+    /// [`Service::exec_helper`] for a front door's process that runs the
+    /// user's command `shown` inside a wrapper (the E2B door's processes):
+    /// the process log shows `shown`, not the wrapper, and leaves out the
+    /// wrapper's first stdout line (its marker).
+    pub async fn exec_helper_logged(
+        self: &Arc<Self>,
+        g: &Grant,
+        req: ExecRequest,
+        shown: Command,
+    ) -> ServiceResult<ExecStream> {
+        validate_exec(&req)?;
+        if g.kind.is_none() {
+            self.require_running(g).await?;
+        }
+        self.exec_granted(&g.sandbox, req, Some((shown, true)))
+            .await
     }
 
     /// Streams a guest file.

@@ -311,6 +311,7 @@ impl Service {
             .await?;
         self.sched.remove(id);
         self.sampler.forget(id);
+        self.logs.forget(id);
         self.slots
             .lock()
             .unwrap_or_else(|p| p.into_inner())

@@ -35,6 +35,7 @@ mod ports;
 mod prelude;
 mod recovery;
 mod rewind;
+mod logs;
 mod sampler;
 mod snapshots;
 mod templates;
@@ -47,6 +48,7 @@ pub use guest::{Grant, GuestOp, MAX_PTY_SIDE};
 pub(crate) use journal::VmNow;
 pub(crate) use oplock::*;
 pub use ports::{is_port_closed, PortConn};
+pub use logs::{LogEntry, LogPage, LogStream, LogTap, ProcessLogs, MAX_LOG_PAGE};
 pub use sampler::{Sample, Sampler, SandboxMetrics, MAX_POINTS, SAMPLE_STEP};
 
 use self::prelude::*;
@@ -69,6 +71,8 @@ pub struct Service {
     flushed: Mutex<HashMap<SandboxId, DateTime<Utc>>>,
     gate: Arc<dyn ToolGate>,
     sampler: sampler::Sampler,
+    /// What every sandbox's commands printed (`[logs]`).
+    logs: Arc<logs::ProcessLogs>,
     /// The key store (`config.key_dir`), opened on first use: a daemon
     /// that never seals anything never touches the key dir.
     keys: std::sync::OnceLock<Result<Arc<crate::security::keys::KeyStore>, String>>,
@@ -94,6 +98,7 @@ impl Service {
             keys: std::sync::OnceLock::new(),
             gate,
             sampler: sampler::Sampler::new(&config.metrics),
+            logs: Arc::new(logs::ProcessLogs::new(&config.logs)),
             store,
             engine,
             sched: SchedulerHandle::new(),
