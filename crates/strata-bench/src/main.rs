@@ -18,7 +18,7 @@ use clap::Parser;
 use futures::FutureExt;
 use strata_bench::ctx::{teardown_all, Ctx};
 use strata_bench::report::{commit, Machine, Report, Section};
-use strata_bench::sections::{self, density, history, load, restore, scale, snapshot};
+use strata_bench::sections::{self, density, history, load, restore, scale, sdk, snapshot};
 use strata_core::Accel;
 use strata_vmm::VmmDriver;
 
@@ -32,7 +32,8 @@ struct Cli {
     /// Output folder of this run [default: results/<UTC date-time>].
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Sections to run, comma-separated: snapshot, restore, load, density, history, scale.
+    /// Sections to run, comma-separated: snapshot, restore, load, density, history, scale;
+    /// and sdk (E2B SDK beside /v1), run only when named here.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// CI smoke size: every count at its minimum (completes, figures not meaningful).
@@ -59,6 +60,11 @@ struct Cli {
     history: history::Args,
     #[command(flatten, next_help_heading = "6. Control plane at scale")]
     scale: scale::Args,
+    #[command(
+        flatten,
+        next_help_heading = "7. E2B SDK beside strata's API (only with --only sdk)"
+    )]
+    sdk: sdk::Args,
 }
 
 fn title(key: &str) -> &'static str {
@@ -69,6 +75,7 @@ fn title(key: &str) -> &'static str {
         "density" => "4. Density",
         "history" => "5. A week of history, compressed",
         "scale" => "6. Control plane at scale",
+        "sdk" => "7. E2B SDK beside strata's API: create → first command, fork",
         _ => "unknown section",
     }
 }
@@ -102,6 +109,7 @@ async fn run_section(key: &str, ctx: &Ctx, cli: &Cli) -> Section {
                 "density" => density::run(ctx, &cli.density, &mut sec).await,
                 "history" => history::run(ctx, &cli.history, &mut sec).await,
                 "scale" => scale::run(ctx, &cli.scale, &mut sec).await,
+                "sdk" => sdk::run(ctx, &cli.sdk, &mut sec).await,
                 other => Err(anyhow!("unknown section {other:?}")),
             }
         };
@@ -139,15 +147,17 @@ fn main() -> Result<()> {
         sections::ALL.iter().map(|s| s.to_string()).collect()
     } else {
         for k in &cli.only {
-            if !sections::ALL.contains(&k.as_str()) {
+            if !sections::ALL.contains(&k.as_str()) && !sections::OPT_IN.contains(&k.as_str()) {
                 bail!(
-                    "unknown section {k:?}: expected one of {}",
-                    sections::ALL.join(", ")
+                    "unknown section {k:?}: expected one of {}, {}",
+                    sections::ALL.join(", "),
+                    sections::OPT_IN.join(", ")
                 );
             }
         }
         sections::ALL
             .iter()
+            .chain(sections::OPT_IN)
             .filter(|s| cli.only.iter().any(|k| k == *s))
             .map(|s| s.to_string())
             .collect()
@@ -159,6 +169,7 @@ fn main() -> Result<()> {
         cli.density.smoke();
         cli.history.smoke();
         cli.scale.smoke();
+        cli.sdk.smoke();
     }
     let requested: Accel = cli.accel.parse().map_err(|e: String| anyhow!(e))?;
     let image = image_dir(&cli)?;

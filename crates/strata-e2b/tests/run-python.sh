@@ -112,7 +112,7 @@ else
   (cd "$HERE/python" && "$VENV/bin/pytest" -v -p no:cacheprovider "$@") || status=$?
 fi
 if [ -n "${BENCH:-}" ]; then
-  log "bench: $BENCH x (Sandbox.create + commands.run('true'))"
+  log "bench: $BENCH x (Sandbox.create + commands.run('true'), fork(count=4)); beside /v1: strata-bench --only sdk"
   (cd "$HERE/python" && "$VENV/bin/python" bench.py "$BENCH") || status=$?
 fi
 exit $status

@@ -10,7 +10,12 @@ pub mod history;
 pub mod load;
 pub mod restore;
 pub mod scale;
+pub mod sdk;
 pub mod snapshot;
 
 /// Section keys in report order.
 pub const ALL: &[&str] = &["snapshot", "restore", "load", "density", "history", "scale"];
+
+/// Sections run only when `--only` names them (not in the default nor the
+/// smoke run): `sdk` needs the `e2b` package from PyPI.
+pub const OPT_IN: &[&str] = &["sdk"];

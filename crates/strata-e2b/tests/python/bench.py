@@ -1,55 +1,100 @@
-"""`Sandbox.create()` + first `commands.run("true")` through the e2b SDK,
-p50/p99, next to the same through strata's own HTTP API (create, exec
-`true`, delete: the calls `strata create` / `strata exec` make)."""
+"""The e2b SDK side of strata-bench's `sdk` section: `Sandbox.create()` +
+first `commands.run("true")`, and `sandbox.fork(count=N)`, through the
+unmodified SDK against the daemon E2B_API_URL names. strata's own /v1 side
+of the same operations is measured by strata-bench itself, on the same
+daemon, and printed beside these (`strata-bench --only sdk`).
 
-import os
+    python bench.py N [--forks 4] [--warmup 1] [--json]
+
+`--json` prints the samples (milliseconds) as one JSON object on stdout;
+otherwise p50/p95/p99 lines (run-python.sh's BENCH=N). Every sandbox made is
+killed; a fork that fails, or a command that does not exit 0, fails the run.
+"""
+
+import argparse
+import json
+import math
 import sys
 import time
 
-import httpx
 from e2b import Sandbox
 
-n = int(sys.argv[1]) if len(sys.argv) > 1 else 10
-create_ms, first_ms, total_ms = [], [], []
-for i in range(n):
+META = {"suite": "strata-e2b-bench"}
+
+
+def ms(t0, t1):
+    return (t1 - t0) * 1000.0
+
+
+def create_and_run():
     t0 = time.perf_counter()
-    s = Sandbox.create(metadata={"suite": "strata-e2b-bench"})
+    s = Sandbox.create(metadata=META, timeout=600)
+    try:
+        t1 = time.perf_counter()
+        r = s.commands.run("true")
+        t2 = time.perf_counter()
+        if r.exit_code != 0:
+            sys.exit(f"commands.run('true') exited {r.exit_code}")
+    finally:
+        s.kill()
+    return ms(t0, t1), ms(t1, t2)
+
+
+def fork(parent, count):
+    t0 = time.perf_counter()
+    forks = parent.fork(count=count, timeout=600)
     t1 = time.perf_counter()
-    s.commands.run("true")
-    t2 = time.perf_counter()
-    s.kill()
-    create_ms.append((t1 - t0) * 1000)
-    first_ms.append((t2 - t1) * 1000)
-    total_ms.append((t2 - t0) * 1000)
+    bad = [f for f in forks if not isinstance(f, Sandbox)]
+    for f in forks:
+        if isinstance(f, Sandbox):
+            f.kill()
+    if bad or len(forks) != count:
+        sys.exit(f"fork(count={count}) gave {len(forks)} results, failed: {bad}")
+    return ms(t0, t1)
 
 
 def pct(v, p):
+    """Nearest rank, as strata-bench's stats.rs."""
     v = sorted(v)
-    k = max(0, min(len(v) - 1, int(round(p / 100 * len(v) + 0.5)) - 1))
-    return v[k]
+    return v[min(len(v), max(1, math.ceil(p / 100 * len(v)))) - 1]
 
 
-base = os.environ["E2B_API_URL"]
-s_create, s_first, s_total = [], [], []
-with httpx.Client(base_url=base, timeout=300, headers={"Authorization": f"Bearer {os.environ.get('STRATA_TOKEN', '')}"}) as c:
-    for i in range(n):
-        t0 = time.perf_counter()
-        r = c.post("/v1/sandboxes", json={"labels": {"suite": "strata-e2b-bench"}})
-        r.raise_for_status()
-        sid = r.json()["id"]
-        t1 = time.perf_counter()
-        r = c.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": ["true"]})
-        r.raise_for_status()
-        assert '"exit"' in r.text, r.text
-        t2 = time.perf_counter()
-        c.delete(f"/v1/sandboxes/{sid}").raise_for_status()
-        s_create.append((t1 - t0) * 1000)
-        s_first.append((t2 - t1) * 1000)
-        s_total.append((t2 - t0) * 1000)
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("n", type=int, nargs="?", default=10)
+    ap.add_argument("--forks", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
 
-for label, rows in [
-    ("e2b SDK", [("create", create_ms), ("first run", first_ms), ("create+run", total_ms)]),
-    ("strata API", [("create", s_create), ("first exec", s_first), ("create+exec", s_total)]),
-]:
-    for name, v in rows:
-        print(f"{label:>10} {name:>11}: n={len(v)} p50={pct(v, 50):.0f} ms p99={pct(v, 99):.0f} ms min={min(v):.0f} max={max(v):.0f}")
+    create, first, total = [], [], []
+    for i in range(a.warmup + a.n):
+        c, f = create_and_run()
+        if i >= a.warmup:
+            create.append(c)
+            first.append(f)
+            total.append(c + f)
+
+    forked = []
+    parent = Sandbox.create(metadata=META, timeout=600)
+    try:
+        for i in range(a.warmup + a.n):
+            d = fork(parent, a.forks)
+            if i >= a.warmup:
+                forked.append(d)
+    finally:
+        parent.kill()
+
+    if a.json:
+        print(json.dumps({"create_ms": create, "first_run_ms": first, "create_run_ms": total,
+                          "fork_ms": forked, "forks": a.forks}))
+        return
+    for name, v in [("create", create), ("first run", first), ("create+run", total),
+                    (f"fork(count={a.forks})", forked)]:
+        print(f"e2b SDK {name:>14}: n={len(v)} p50={pct(v, 50):.0f} ms p95={pct(v, 95):.0f} ms "
+              f"p99={pct(v, 99):.0f} ms max={max(v):.0f} ms")
+    print("strata's /v1 beside it: strata-bench --only sdk", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
