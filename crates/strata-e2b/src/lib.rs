@@ -152,7 +152,7 @@ impl E2b {
     /// The state over a service.
     pub fn new(svc: Arc<Service>, sec: Option<Arc<Security>>, cfg: E2bConfig) -> Arc<Self> {
         let envs = load_envs(&svc);
-        Arc::new(E2b {
+        let st = Arc::new(E2b {
             svc,
             sec,
             procs: Arc::new(procs::Registry::default()),
@@ -162,7 +162,15 @@ impl E2b {
             envd_limiter: RateLimiter::new(cfg.rate_limit_per_second, cfg.rate_limit_burst),
             failures: auth::FailureLimiter::per_minute(cfg.auth_failures_per_minute),
             cfg,
-        })
+        });
+        // Whoever deletes a sandbox (a user, its timeout), the door forgets it.
+        let weak = Arc::downgrade(&st);
+        st.svc.on_deleted(Arc::new(move |id| {
+            if let Some(st) = weak.upgrade() {
+                st.forget_sandbox(id);
+            }
+        }));
+        st
     }
 
     /// Keeps `envs` with sandbox `id` (the service's store and the cache).

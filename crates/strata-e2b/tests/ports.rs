@@ -354,3 +354,213 @@ async fn guest_ports_through_the_e2b_door() {
     assert_eq!(r.text().await.unwrap(), "hello from the guest\n");
     assert_eq!(d.state(&id).await, "running");
 }
+
+/// After a daemon restart (its VMs live on and are adopted), a guest port
+/// answers over the routed host at once, with and without the traffic token
+/// the create answer gave (the token is the same after the restart), also
+/// when the daemon died with a port connection mid-upload and another
+/// mid-download.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routed_hosts_answer_after_a_daemon_restart() {
+    let d = start();
+    d.wait_template().await;
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let r = http
+        .post(format!("{}/sandboxes", d.url))
+        .header("X-API-KEY", KEY)
+        .json(&json!({"templateID": "base", "timeout": 600}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 201);
+    let created: Value = r.json().await.unwrap();
+    let id = created["sandboxID"].as_str().unwrap().to_owned();
+    let traffic = created["trafficAccessToken"].as_str().unwrap().to_owned();
+    d.sh(
+        &id,
+        "mkdir -p /srv && echo 'before and after' > /srv/r.txt && \
+         cd /srv && (setsid python3 -m http.server 8000 --bind 127.0.0.1 >/tmp/h.log 2>&1 &)",
+    )
+    .await;
+    let get = |url: String, host: String, token: Option<String>| {
+        let mut rq = http.get(url).header("Host", host);
+        if let Some(t) = token {
+            rq = rq.header("e2b-traffic-access-token", t);
+        }
+        rq.send()
+    };
+    let t = Instant::now();
+    loop {
+        let r = get(
+            format!("{}/r.txt", d.url),
+            format!("8000-{id}.localhost:{}", d.port),
+            None,
+        )
+        .await
+        .unwrap();
+        if r.status().as_u16() == 200 {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "guest server never up"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+
+    // A connection is mid-request when the daemon dies (an upload under
+    // way: the guest holds the tunnel open waiting for the rest).
+    let mut held = tokio::net::TcpStream::connect(("127.0.0.1", d.port))
+        .await
+        .unwrap();
+    held.write_all(
+        format!(
+            "POST /r.txt HTTP/1.1\r\nHost: 8000-{id}.localhost\r\n\
+             Content-Length: 100000\r\n\r\npartial"
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    // And one mid-download: the guest streams 64 MiB nobody reads, so the
+    // tunnel's window and the agent channel are full when the daemon dies.
+    d.sh(&id, "head -c 67108864 /dev/zero > /srv/big").await;
+    let mut stalled = tokio::net::TcpStream::connect(("127.0.0.1", d.port))
+        .await
+        .unwrap();
+    stalled
+        .write_all(format!("GET /big HTTP/1.1\r\nHost: 8000-{id}.localhost\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut first = [0u8; 12];
+    tokio::time::timeout(Duration::from_secs(60), stalled.read_exact(&mut first))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        &first,
+        b"HTTP/1.1 200",
+        "{}",
+        String::from_utf8_lossy(&first)
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let root = d.kill_keep_root();
+    drop((held, stalled));
+    let d = Daemon::start("sp-", Some(root), &[KEY], false);
+    let t0 = Instant::now();
+    for token in [None, Some(traffic.clone())] {
+        let r = get(
+            format!("{}/r.txt", d.url),
+            format!("8000-{id}.localhost:{}", d.port),
+            token.clone(),
+        )
+        .await;
+        let r = match r {
+            Ok(r) => r,
+            Err(e) => panic!(
+                "no answer after the restart ({:?}, token {}): {e}\n{}",
+                t0.elapsed(),
+                token.is_some(),
+                d.logs()
+            ),
+        };
+        let s = r.status().as_u16();
+        let body = r.text().await.unwrap();
+        assert_eq!(
+            (s, body.as_str()),
+            (200, "before and after\n"),
+            "after the restart (token {})\n{}",
+            token.is_some(),
+            d.logs()
+        );
+    }
+    // envd on the same sandbox answers too (the agent was re-adopted).
+    assert_eq!(d.state(&id).await, "running");
+}
+
+/// A port request that wakes a hibernated sandbox whose server was still
+/// starting when it went to sleep (E2B's `test_auto_resume_wakes_on_http_request`
+/// race) waits a short while for the server instead of answering `502`; a
+/// port nothing will listen on still answers `502` after that window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waking_request_waits_for_the_guest_server() {
+    let d = start();
+    d.wait_template().await;
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let (s, v) = d
+        .v1(
+            reqwest::Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"template": "tpl-default"})),
+        )
+        .await;
+    assert!(s < 300, "create: {s} {v}");
+    let id = v["id"].as_str().unwrap().to_owned();
+    // The server listens 3 s (guest time) from now; the sandbox sleeps at once.
+    d.sh(
+        &id,
+        "mkdir -p /srv && echo late > /srv/late.txt && cd /srv && \
+         (setsid sh -c 'sleep 3; exec python3 -m http.server 8002 --bind 127.0.0.1' >/tmp/l.log 2>&1 &)",
+    )
+    .await;
+    let hibernate = || async {
+        let (s, v) = d
+            .v1(
+                reqwest::Method::POST,
+                &format!("/v1/sandboxes/{id}/hibernate"),
+                Some(json!({})),
+            )
+            .await;
+        assert!(s < 300, "hibernate: {s} {v}");
+        assert_eq!(d.state(&id).await, "hibernated");
+    };
+    hibernate().await;
+    let t0 = Instant::now();
+    let r = http
+        .get(format!("{}/late.txt", d.url))
+        .header("Host", format!("8002-{id}.localhost:{}", d.port))
+        .send()
+        .await
+        .unwrap();
+    let s = r.status().as_u16();
+    let body = r.text().await.unwrap();
+    assert_eq!(
+        (s, body.as_str()),
+        (200, "late\n"),
+        "the waking request ({:?})",
+        t0.elapsed()
+    );
+    eprintln!("wake + late server: {:?}", t0.elapsed());
+
+    // Nothing ever listens on 8999: after the window, 502.
+    hibernate().await;
+    let t0 = Instant::now();
+    let r = http
+        .get(format!("{}/", d.url))
+        .header("Host", format!("8999-{id}.localhost:{}", d.port))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 502);
+    let waited = t0.elapsed();
+    assert!(
+        waited < Duration::from_secs(30),
+        "a closed port after a wake answers within the window: {waited:?}"
+    );
+    // Running and closed: 502 at once, no window.
+    let t0 = Instant::now();
+    let r = http
+        .get(format!("{}/", d.url))
+        .header("Host", format!("8999-{id}.localhost:{}", d.port))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 502);
+    assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+}

@@ -7,7 +7,8 @@
 //!   (`GET /v1/ca`); a client without it fails certificate verification;
 //! - an SNI outside the domain (`…example.org`) fails the handshake;
 //! - the plain listener still routes the same host;
-//! - after a daemon restart the CA is the same.
+//! - after a daemon restart the CA is the same and the guest's port
+//!   answers over TLS at once.
 //!
 //! Cleanup: the daemon and its QEMUs are killed by pid, the pool unmounted
 //! (`strata_testkit::teardown`).
@@ -183,4 +184,29 @@ async fn routed_hosts_over_tls_with_the_daemons_ca() {
     let root = d.kill_keep_root();
     let d = start(Some(root));
     assert_eq!(fetch_ca(&d).await, ca, "the CA changed across a restart");
+
+    // The restarted daemon adopted the guest: its port answers over TLS at
+    // once (no 502 retries here), to a client trusting the same CA.
+    let url = format!("https://{name}:{}/tls-hello.txt", tls_port(&d));
+    let t0 = Instant::now();
+    let r = client(Some(&ca), &name, tls_addr(&d))
+        .get(&url)
+        .send()
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "no TLS answer after the restart: {}\n{}",
+                chain(&e),
+                d.logs()
+            )
+        });
+    let s = r.status().as_u16();
+    let body = r.text().await.unwrap_or_default();
+    assert_eq!(
+        (s, body.as_str()),
+        (200, "hi\n"),
+        "after {:?}\n{}",
+        t0.elapsed(),
+        d.logs()
+    );
 }

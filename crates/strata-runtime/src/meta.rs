@@ -15,8 +15,17 @@ use sha2::{Digest, Sha256};
 use strata_core::SandboxSize;
 use strata_vmm::{NetSpec, VmSpec};
 
-/// Version of the snapshot directory format this build writes and reads.
+/// Version of the snapshot directory format this build writes for states
+/// with memory (every template and snapshot but a disk-only one).
 pub const SNAPSHOT_FORMAT_VERSION: u32 = 1;
+
+/// Format of a disk-only state ([`StateMeta::disk_only`]: no `mem`, no
+/// `device.state`; it cold-boots). A strata that reads only version 1
+/// refuses it with a reason instead of failing on the missing files.
+pub const DISK_ONLY_FORMAT_VERSION: u32 = 2;
+
+/// Newest format this build reads.
+pub const NEWEST_FORMAT_VERSION: u32 = DISK_ONLY_FORMAT_VERSION;
 
 /// File names inside a state subvolume.
 pub mod files {
@@ -73,6 +82,13 @@ pub struct StateMeta {
     /// this size (the disk grows to it). Cleared in the sandbox once started.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub first_start: Option<SandboxSize>,
+    /// A disk-only state (a hibernation without memory): the guest's file
+    /// systems were synced and frozen, then the VM stopped; no RAM and no
+    /// device state are kept. A start from it cold-boots the guest from its
+    /// disk (kernel and initrd of the state). Written with
+    /// [`DISK_ONLY_FORMAT_VERSION`].
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub disk_only: bool,
     /// When this file was written.
     pub written_at: DateTime<Utc>,
 }
@@ -150,11 +166,22 @@ impl StateMeta {
         qemu_version: &str,
         accel: &str,
     ) -> Result<(), Incompatible> {
-        if self.format_version > SNAPSHOT_FORMAT_VERSION || self.format_version == 0 {
+        if self.format_version > NEWEST_FORMAT_VERSION || self.format_version == 0 {
             return Err(Incompatible(format!(
-                "snapshot format {} is not supported by this strata (reads 1..={SNAPSHOT_FORMAT_VERSION})",
+                "snapshot format {} is not supported by this strata (reads 1..={NEWEST_FORMAT_VERSION})",
                 self.format_version
             )));
+        }
+        if self.disk_only {
+            // A cold boot: no device state to match, only the files it boots.
+            for name in [files::DISK, files::KERNEL, files::INITRD] {
+                match std::fs::metadata(dir.join(name)) {
+                    Ok(m) if m.len() > 0 => {}
+                    Ok(_) => return Err(Incompatible(format!("{name} is empty"))),
+                    Err(_) => return Err(Incompatible(format!("{name} is missing"))),
+                }
+            }
+            return Ok(());
         }
         if !same_qemu_series(&self.qemu_version, qemu_version) {
             return Err(Incompatible(format!(
@@ -222,8 +249,37 @@ pub(crate) mod tests {
             template: None,
             hostname: None,
             first_start: None,
+            disk_only: false,
             written_at: Utc::now(),
         }
+    }
+
+    #[test]
+    fn a_disk_only_state_needs_no_memory_and_older_readers_refuse_it() {
+        let d = tempfile::tempdir().unwrap();
+        for f in [files::DISK, files::KERNEL, files::INITRD] {
+            std::fs::write(d.path().join(f), b"x").unwrap();
+        }
+        let m = StateMeta {
+            format_version: DISK_ONLY_FORMAT_VERSION,
+            disk_only: true,
+            ..meta()
+        };
+        m.check_restorable(d.path(), "QEMU 7.2", "tcg").unwrap();
+        // The same files as a memory state: mem and device.state missing.
+        let e = StateMeta {
+            disk_only: false,
+            ..m.clone()
+        }
+        .check_restorable(d.path(), "QEMU 7.2", "tcg")
+        .unwrap_err();
+        assert!(e.0.contains("missing"), "{e}");
+        // A memory state's meta.json does not name the field at all.
+        let text = serde_json::to_string(&meta()).unwrap();
+        assert!(!text.contains("disk_only"), "{text}");
+        let text = serde_json::to_string(&m).unwrap();
+        assert!(text.contains("\"disk_only\":true"), "{text}");
+        assert!(serde_json::from_str::<StateMeta>(&text).unwrap().disk_only);
     }
 
     /// A directory holding every file a restore of [`meta`] needs.

@@ -119,7 +119,23 @@ pub trait Engine: Send + Sync + 'static {
     /// Snapshots (as `snap`) and ends the VM process.
     async fn hibernate(&self, id: &SandboxId, snap: &SnapshotId) -> EngineResult<SnapshotInfo>;
 
-    /// Restarts a hibernated sandbox from its hibernation snapshot `snap`.
+    /// Hibernates without memory: the guest's file systems synced and
+    /// frozen, `snap` taken of the disk alone, the VM ended. A
+    /// [`Engine::wake`] from `snap` cold-boots the guest from its disk.
+    /// Engines that cannot answer `invalid_state`.
+    async fn hibernate_disk(
+        &self,
+        id: &SandboxId,
+        snap: &SnapshotId,
+    ) -> EngineResult<SnapshotInfo> {
+        let _ = snap;
+        Err(RuntimeError::Invalid(format!(
+            "sandbox {id}: this engine cannot hibernate without memory"
+        )))
+    }
+
+    /// Restarts a hibernated sandbox from its hibernation snapshot `snap`
+    /// (a disk-only one cold-boots).
     async fn wake(&self, id: &SandboxId, snap: &SnapshotId) -> EngineResult<VmInfo>;
 
     /// Ends the VM (if any) and removes the sandbox's subvolume. Idempotent.

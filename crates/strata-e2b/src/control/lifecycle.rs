@@ -25,6 +25,29 @@ use serde_json::{json, Value};
 use stratad::store::{LifecyclePolicy, OnTimeout};
 
 use crate::error::{E2bError, E2bResult};
+use crate::E2b;
+
+impl E2b {
+    /// Drops everything the door keeps in memory for sandbox `id` (its
+    /// processes, watchers, `envVars` cache) and its envd token binding:
+    /// called by the service after every delete of it, a user's or its
+    /// timeout's ([`stratad::service::Service::on_deleted`]).
+    pub(crate) fn forget_sandbox(self: &std::sync::Arc<Self>, id: &strata_core::SandboxId) {
+        self.procs.forget_sandbox(id);
+        self.watchers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|_, w| w.grant.sandbox() != id);
+        self.envs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id);
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let (st, id) = (self.clone(), id.clone());
+            rt.spawn(async move { st.unbind_envd(&id).await });
+        }
+    }
+}
 
 /// `SandboxAutoResumeConfig`.
 #[derive(Debug, Default, Clone, Copy, Deserialize)]

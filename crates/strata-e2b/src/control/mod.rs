@@ -345,21 +345,11 @@ pub async fn kill(
     SandboxPath(id): SandboxPath,
 ) -> E2bResult<StatusCode> {
     let sid = parse_sandbox_id(&id)?;
-    let rec = st
-        .svc
+    // The door's memory of it goes with the delete (`E2b::forget_sandbox`).
+    st.svc
         .delete(&caller, &sid, &gate_opts())
         .await
         .map_err(sandbox_err(&id))?;
-    st.procs.forget_sandbox(&rec.id);
-    st.watchers
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .retain(|_, w| w.grant.sandbox() != &rec.id);
-    st.envs
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .remove(&rec.id);
-    st.unbind_envd(&rec.id).await;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -396,12 +386,29 @@ pub async fn refresh(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// `POST /sandboxes/{id}/pause` → 204: hibernate with memory (409 if paused).
+/// `SandboxPauseRequest`: `memory: false` is `pause(keep_memory=False)`.
+#[derive(Debug, Deserialize)]
+#[serde(default)]
+struct PauseBody {
+    memory: bool,
+}
+
+impl Default for PauseBody {
+    fn default() -> Self {
+        PauseBody { memory: true }
+    }
+}
+
+/// `POST /sandboxes/{id}/pause` → 204 (409 if paused): hibernate with
+/// memory, or of the disk alone with `{"memory": false}` (the resume
+/// cold-boots it: same id and envd token, a new boot).
 pub async fn pause(
     State(st): State<Arc<E2b>>,
     Extension(caller): Extension<Caller>,
     SandboxPath(id): SandboxPath,
+    JsonBody(body): JsonBody,
 ) -> E2bResult<StatusCode> {
+    let req: PauseBody = parse_body(&body)?;
     let rec = st.record(&caller, &id).await?;
     if rec.state == SandboxState::Hibernated {
         return Err(E2bError::new(
@@ -410,10 +417,15 @@ pub async fn pause(
         ));
     }
     st.svc
-        .hibernate(&caller, &rec.id, &gate_opts())
+        .hibernate_with(&caller, &rec.id, &gate_opts(), req.memory)
         .await
         .map_err(sandbox_err(&id))?;
-    st.procs.detach_sandbox(&rec.id);
+    if req.memory {
+        st.procs.detach_sandbox(&rec.id);
+    } else {
+        // No memory kept: its processes end with the VM.
+        st.procs.forget_sandbox(&rec.id);
+    }
     Ok(StatusCode::NO_CONTENT)
 }
 

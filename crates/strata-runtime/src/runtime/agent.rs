@@ -43,6 +43,10 @@ pub(super) enum Identity {
     /// A new sandbox (create, fork, first start of one created hibernated):
     /// its id as hostname and a random machine-id.
     New,
+    /// The same sandbox cold-booted from its disk (a disk-only state): its
+    /// hostname set again (the boot gave the image's); the machine-id is on
+    /// its disk.
+    Reboot,
 }
 
 impl Runtime {
@@ -111,6 +115,7 @@ impl Runtime {
                 (Some(id.to_string()), Some(hex::encode(mid)))
             }
             Identity::Keep => (None, None),
+            Identity::Reboot => (Some(id.to_string()), None),
         };
         let unix_time_ns = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

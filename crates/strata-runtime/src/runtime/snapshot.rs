@@ -137,6 +137,103 @@ impl Runtime {
         Ok(info)
     }
 
+    /// Hibernates without memory (E2B's `pause(keep_memory=False)`): the
+    /// guest's file systems are synced and the root frozen (`fsfreeze`, else
+    /// a `sync` alone), the vCPUs stopped, `snap` taken as a disk-only state
+    /// (no `mem`, no `device.state`; [`StateMeta::disk_only`]) and the VM
+    /// ended. A wake from `snap` cold-boots the guest from its disk. On
+    /// failure before the VM ends, the guest is thawed and runs on.
+    pub async fn hibernate_disk(&self, id: &SandboxId, snap: &SnapshotId) -> Result<SnapshotInfo> {
+        let _g = self.op_lock(id.as_str()).await;
+        let live = self.live(id)?;
+        let dir = self.sandbox_dir(id);
+        let dst = self.snapshot_dir(snap);
+        if dst.exists() {
+            return Err(RuntimeError::Invalid(format!(
+                "snapshot {snap} already exists"
+            )));
+        }
+        self.check_free_space()?;
+        let t0 = Instant::now();
+        let agent = self.agent_of(id, &live).await?;
+        // Frozen: every dirty page is on the disk and the journal is clean;
+        // nothing writes to it until the VM ends (or the thaw below).
+        let frozen = agent
+            .exec_collect(strata_proto::ExecRequest::shell(
+                "sync; if command -v fsfreeze >/dev/null; then fsfreeze -f / && echo frozen; fi",
+            ))
+            .await
+            .map_err(|e| crate::error::agent_err(id.as_str(), e, self.agent_timeout()))?;
+        let frozen =
+            frozen.status.success() && String::from_utf8_lossy(&frozen.stdout).contains("frozen");
+        let thaw = || async {
+            if frozen {
+                let _ = agent
+                    .exec_collect(strata_proto::ExecRequest::argv(["fsfreeze", "-u", "/"]))
+                    .await;
+            }
+        };
+        if let Err(e) = live.pause_vm().await {
+            thaw().await;
+            return Err(vmm_err(id.as_str(), e));
+        }
+        let meta = match StateMeta::read(&dir) {
+            Ok(m) => m,
+            Err(e) => {
+                let _ = live.resume_vm().await;
+                thaw().await;
+                return Err(RuntimeError::Other(format!("sandbox {id}: {e}")));
+            }
+        };
+        let disk_meta = StateMeta {
+            format_version: crate::meta::DISK_ONLY_FORMAT_VERSION,
+            disk_only: true,
+            first_start: None,
+            written_at: Utc::now(),
+            ..meta
+        };
+        let pool = self.pool.clone();
+        let (src, d) = (dir.clone(), dst.clone());
+        let taken = blocking(move || {
+            pool.snapshot(&src, &d, false).map_err(storage_err)?;
+            let made = (|| {
+                for f in [files::MEM, files::DEVICE_STATE] {
+                    match std::fs::remove_file(d.join(f)) {
+                        Ok(()) => {}
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                        Err(e) => return Err(io_err("remove memory from a disk-only state", e)),
+                    }
+                }
+                disk_meta
+                    .write(&d)
+                    .map_err(|e| io_err("write meta.json", e))?;
+                pool.set_readonly(&d, true).map_err(storage_err)
+            })();
+            if let Err(e) = made {
+                let _ = pool.trash(&d);
+                return Err(e);
+            }
+            Ok(())
+        })
+        .await;
+        if let Err(e) = taken {
+            let _ = live.resume_vm().await;
+            thaw().await;
+            return Err(e);
+        }
+        drop(agent);
+        self.stop_vm(id).await;
+        let _ = std::fs::remove_dir_all(self.run_dir(id.as_str()));
+        let pause_ms = ms(t0);
+        tracing::info!(sandbox = %id, snapshot = %snap, pause_ms, frozen, "hibernated without memory");
+        Ok(SnapshotInfo {
+            id: snap.clone(),
+            pause_ms,
+            device_state_bytes: 0,
+            created_at: Utc::now(),
+        })
+    }
+
     /// Removes a snapshot. Idempotent.
     pub async fn delete_snapshot(&self, snap: &SnapshotId) -> Result<()> {
         self.trash_if_exists(self.snapshot_dir(snap)).await

@@ -2,8 +2,10 @@
 //! that rewind, restore and wake share ([`Runtime::start_from`]).
 //!
 //! Contract:
-//! - Never a cold boot: `sandboxes/<id>` becomes a writable btrfs snapshot
-//!   of a template or snapshot, QEMU restores its device state, and the
+//! - No cold boot but from a disk-only state (a hibernation without
+//!   memory, [`StateMeta::disk_only`]): `sandboxes/<id>` becomes a writable
+//!   btrfs snapshot of a template or snapshot, QEMU restores its device
+//!   state (a disk-only state boots its kernel on a fresh `mem`), and the
 //!   agent gets fresh entropy and the clock (a new sandbox also a new
 //!   identity) before the sandbox counts as started.
 //! - vCPUs and memory are the source's; the disk may grow
@@ -103,9 +105,13 @@ impl Runtime {
         // its identity now, and the size it was created with.
         let identity = if mode == Start::New || meta.first_start.is_some() {
             Identity::New
+        } else if meta.disk_only {
+            Identity::Reboot
         } else {
             Identity::Keep
         };
+        // A disk-only state cold-boots (no device state to restore).
+        let cold = meta.disk_only;
         let want = wanted_size(&meta, &src_name, size.or(meta.first_start))?;
         if self.live(id).is_ok() {
             return Err(RuntimeError::Invalid(format!(
@@ -138,6 +144,11 @@ impl Runtime {
             written_at: Utc::now(),
             ..meta.clone()
         };
+        if cold {
+            // Running, it is a memory state again (RAM in `mem`).
+            new_meta.disk_only = false;
+            new_meta.format_version = crate::meta::SNAPSHOT_FORMAT_VERSION;
+        }
         if identity == Identity::New {
             new_meta.hostname = Some(id.to_string());
         }
@@ -146,7 +157,15 @@ impl Runtime {
                 .write(&dir)
                 .map_err(|e| io_err("write meta.json", e))?;
             let mut spec = self.spec_for(id.as_str(), &dir, &meta, accel);
-            spec.incoming = Some(dir.join(files::DEVICE_STATE));
+            if cold {
+                let mem = std::fs::File::create(dir.join(files::MEM))
+                    .map_err(|e| io_err("create mem", e))?;
+                mem.set_len(meta.size.memory_bytes())
+                    .map_err(|e| io_err("size mem", e))?;
+                spec.start_paused = false;
+            } else {
+                spec.incoming = Some(dir.join(files::DEVICE_STATE));
+            }
             let _ = std::fs::remove_dir_all(&spec.run_dir);
             let t_vm = Instant::now();
             let vm = self
@@ -169,7 +188,7 @@ impl Runtime {
             if want.disk_gib > meta.size.disk_gib {
                 self.grow_disk(id, &live, want.disk_bytes()).await?;
             }
-            tracing::info!(sandbox = %id, from = %src_name, clone_ms, restore_ms, agent_ms, "sandbox started");
+            tracing::info!(sandbox = %id, from = %src_name, clone_ms, restore_ms, agent_ms, cold, "sandbox started");
             Ok::<u32, RuntimeError>(live.vm.pid())
         }
         .await;

@@ -146,6 +146,7 @@ impl Runtime {
             template: Some(b.tpl.to_string()),
             hostname: Some("strata".into()),
             first_start: None,
+            disk_only: false,
             written_at: Utc::now(),
         };
         let mut spec = self.spec_for(&b.id, &b.work, &meta, b.accel);

@@ -118,10 +118,32 @@ pub(super) async fn resume(c: Call) -> ApiResult<impl IntoResponse> {
     Ok(Json(c.svc.resume(&c.caller, &id, &opts).await?))
 }
 
-pub(super) async fn hibernate(c: Call) -> ApiResult<impl IntoResponse> {
+/// `POST /v1/sandboxes/{id}/hibernate` body: `memory: false` keeps the
+/// disk alone (the wake cold-boots). Empty: with memory.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct HibernateBody {
+    #[serde(default = "yes")]
+    memory: bool,
+}
+
+impl Default for HibernateBody {
+    fn default() -> Self {
+        HibernateBody { memory: true }
+    }
+}
+
+pub(super) async fn hibernate(
+    c: Call,
+    Body(body): Body<HibernateBody>,
+) -> ApiResult<impl IntoResponse> {
     let id: SandboxId = c.id()?;
     let opts = c.gate()?;
-    Ok(Json(c.svc.hibernate(&c.caller, &id, &opts).await?))
+    Ok(Json(
+        c.svc
+            .hibernate_with(&c.caller, &id, &opts, body.memory)
+            .await?,
+    ))
 }
 
 pub(super) async fn fork(c: Call, Body(spec): Body<SandboxSpec>) -> ApiResult<impl IntoResponse> {

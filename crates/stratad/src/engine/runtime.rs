@@ -121,6 +121,14 @@ impl Engine for RuntimeEngine {
         self.rt.hibernate(id, snap).await
     }
 
+    async fn hibernate_disk(
+        &self,
+        id: &SandboxId,
+        snap: &SnapshotId,
+    ) -> EngineResult<SnapshotInfo> {
+        self.rt.hibernate_disk(id, snap).await
+    }
+
     async fn wake(&self, id: &SandboxId, snap: &SnapshotId) -> EngineResult<VmInfo> {
         self.rt.wake(id, snap).await
     }

@@ -260,7 +260,10 @@ impl Service {
         g: OpGuard,
     ) -> ServiceResult<&'static str> {
         match self.stored_lifecycle(id).await?.on_timeout {
-            OnTimeout::Hibernate => self.hibernate_locked(id, g).await.map(|_| "hibernated"),
+            OnTimeout::Hibernate => self
+                .hibernate_locked(id, g, true)
+                .await
+                .map(|_| "hibernated"),
             OnTimeout::Delete => self
                 .delete_locked(
                     id,
@@ -312,6 +315,7 @@ impl Service {
         self.sched.remove(id);
         self.sampler.forget(id);
         self.logs.forget(id);
+        self.forget_deleted(id);
         self.slots
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -390,16 +394,30 @@ impl Service {
         id: &SandboxId,
         opts: &GateOptions,
     ) -> ServiceResult<SandboxRecord> {
+        self.hibernate_with(caller, id, opts, true).await
+    }
+
+    /// Hibernates a sandbox with its memory (as [`Service::hibernate`]) or,
+    /// `memory: false`, of its disk alone (file systems synced and frozen
+    /// first; the wake cold-boots it: same id, same envd token, a new boot).
+    pub async fn hibernate_with(
+        self: &Arc<Self>,
+        caller: &Caller,
+        id: &SandboxId,
+        opts: &GateOptions,
+        memory: bool,
+    ) -> ServiceResult<SandboxRecord> {
         self.authorize_on(caller, id, lifecycle("hibernate"), opts)
             .await?;
         let g = self.acquire(id, Op::Hibernate, Who::User).await?;
-        self.hibernate_locked(id, g).await
+        self.hibernate_locked(id, g, memory).await
     }
 
     pub(super) async fn hibernate_locked(
         self: &Arc<Self>,
         id: &SandboxId,
         _g: OpGuard,
+        memory: bool,
     ) -> ServiceResult<SandboxRecord> {
         let mut rec = self.record(id).await?;
         let next = rec.state.apply(Op::Hibernate)?;
@@ -414,7 +432,12 @@ impl Service {
         )
         .await?;
         let started = Instant::now();
-        match self.engine.hibernate(id, &snap.id).await {
+        let taken = if memory {
+            self.engine.hibernate(id, &snap.id).await
+        } else {
+            self.engine.hibernate_disk(id, &snap.id).await
+        };
+        match taken {
             Ok(info) => {
                 self.metrics
                     .observe_step(step::HIBERNATE, started.elapsed());

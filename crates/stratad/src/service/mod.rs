@@ -76,7 +76,13 @@ pub struct Service {
     /// The key store (`config.key_dir`), opened on first use: a daemon
     /// that never seals anything never touches the key dir.
     keys: std::sync::OnceLock<Result<Arc<crate::security::keys::KeyStore>, String>>,
+    /// Called with the id of every sandbox deleted (by a user or its
+    /// timeout): front doors drop what they keep per sandbox.
+    deleted_hooks: Mutex<Vec<DeletedHook>>,
 }
+
+/// A callback of [`Service::on_deleted`].
+pub type DeletedHook = Arc<dyn Fn(&SandboxId) + Send + Sync>;
 
 impl std::fmt::Debug for Service {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -96,6 +102,7 @@ impl Service {
     ) -> Arc<Self> {
         Arc::new(Service {
             keys: std::sync::OnceLock::new(),
+            deleted_hooks: Mutex::new(Vec::new()),
             gate,
             sampler: sampler::Sampler::new(&config.metrics),
             logs: Arc::new(logs::ProcessLogs::new(&config.logs)),
@@ -111,6 +118,32 @@ impl Service {
             progress: Mutex::new(HashMap::new()),
             flushed: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// Registers `hook`, called (synchronously, keep it short) after every
+    /// sandbox delete with its id, whoever deleted it.
+    pub fn on_deleted(&self, hook: DeletedHook) {
+        self.deleted_hooks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(hook);
+    }
+
+    /// Runs the [`Service::on_deleted`] hooks for `id`, and drops the
+    /// service's own per-sandbox memory of it.
+    pub(super) fn forget_deleted(&self, id: &SandboxId) {
+        self.flushed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id);
+        let hooks = self
+            .deleted_hooks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        for h in hooks {
+            h(id);
+        }
     }
 
     /// The scheduler's handle.

@@ -5,7 +5,9 @@
 //! like an unknown one), the port is valid, the tool-call gate decides
 //! `port {port}` (a refusal is audited at once), the sandbox is woken (a
 //! hibernated or paused one, when its lifecycle allows auto-resume), then
-//! the engine opens the tunnel. An allowed connection is audited once, when
+//! the engine opens the tunnel (a connection that woke the sandbox retries
+//! a refused port for up to [`WAKE_CONNECT_GRACE`]: its server may still be
+//! starting). An allowed connection is audited once, when
 //! it ends, with the bytes it carried each way (a connection the guest
 //! refused: with zero bytes). Traffic counts as activity of the sandbox.
 
@@ -21,6 +23,11 @@ use crate::engine::{PortCounters, PortError, PortOpenError, PortStream};
 
 /// How often a busy connection refreshes its sandbox's activity.
 const TOUCH_EVERY: Duration = Duration::from_secs(1);
+
+/// How long a connection that woke its sandbox retries a guest port that
+/// refuses it (the woken guest's server may not listen yet), with backoff
+/// from 100 ms to 1 s; past it (or without a wake) a refusal is final.
+pub const WAKE_CONNECT_GRACE: Duration = Duration::from_secs(8);
 
 /// An open connection to a guest port ([`Service::open_port`]). Its audit
 /// entry is written when it is dropped.
@@ -221,15 +228,29 @@ impl Service {
     }
 
     async fn port_stream(self: &Arc<Self>, id: &SandboxId, port: u16) -> ServiceResult<PortStream> {
+        let before = self.record(id).await?.state;
         let mut rec = self.ensure_awake(id).await?;
         if rec.state == SandboxState::Paused && self.may_auto_resume(id).await? {
             rec = self.resume_ungated(id).await?;
         }
         rec.state.apply(Op::Exec)?;
         self.touch(id);
-        self.engine
-            .connect_port(id, port)
-            .await
-            .map_err(|e| port_err(id, e))
+        // This request woke the sandbox: a server in the guest may still be
+        // starting (it was stopped mid-start), so a refused connect is tried
+        // again for a short while before it counts as nothing listening.
+        let woke = before != SandboxState::Running && rec.state == SandboxState::Running;
+        let deadline = Instant::now() + WAKE_CONNECT_GRACE;
+        let mut wait = Duration::from_millis(100);
+        loop {
+            match self.engine.connect_port(id, port).await {
+                Err(PortOpenError::Port(PortError::Refused { .. }))
+                    if woke && Instant::now() + wait < deadline =>
+                {
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(Duration::from_secs(1));
+                }
+                r => return r.map_err(|e| port_err(id, e)),
+            }
+        }
     }
 }
