@@ -364,7 +364,10 @@ fn routes(state: Arc<E2b>) -> Router {
         .route_layer(checked(auth::Shape::Stream));
     let files = Router::new()
         .route("/files", get(envd::download).post(envd::upload))
-        .route_layer(checked(auth::Shape::Files));
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            envd::signed::files_access,
+        ));
     // `/health` reads no body and answers a bad token as an unknown sandbox.
     let envd = Router::new()
         .route("/health", get(envd::health))

@@ -51,6 +51,7 @@ pub mod files;
 pub mod filesystem;
 pub mod metadata;
 pub mod process;
+pub mod signed;
 
 pub use files::{download, upload, MULTIPART_OVERHEAD};
 pub use filesystem::{

@@ -190,3 +190,38 @@ def test_watch_recursive_with_entries(sbx):
     sbx.files.write(f"{d}/g.txt", "x")
     assert all(e.entry is None for e in h.get_new_events())
     h.stop()
+
+
+def test_signed_urls_download_and_upload_without_headers(sbx):
+    import urllib.error
+    import urllib.request
+
+    d = _dir()
+    sbx.files.write(f"{d}/s.txt", "signed content")
+    # No E2b-Sandbox-Id, no X-Access-Token: the signature names the sandbox.
+    with urllib.request.urlopen(sbx.download_url(f"{d}/s.txt", "user")) as r:
+        assert r.status == 200 and r.read() == b"signed content"
+    with urllib.request.urlopen(sbx.download_url(f"{d}/s.txt", "user", 120)) as r:
+        assert r.read() == b"signed content"
+    for url, message in (
+        (sbx.download_url(f"{d}/s.txt", "user", use_signature_expiration=-120),
+         "signature is already expired"),
+        (sbx.download_url(f"{d}/s.txt", "user").replace("signature=v1_", "signature=v1_x"),
+         "invalid signature"),
+        # Signed for another path.
+        (sbx.download_url(f"{d}/s.txt", "user").replace("s.txt", "t.txt", 1), "invalid signature"),
+    ):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(url)
+        assert e.value.code == 401
+        assert __import__("json").loads(e.value.read()) == {"code": 401, "message": message}
+    # An upload URL writes (as its user); a download URL does not.
+    up = sbx.upload_url(f"{d}/up.txt", "user")
+    r = httpx.post(up, files={"file": ("up.txt", b"uploaded")}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert sbx.files.read(f"{d}/up.txt") == "uploaded"
+    assert sbx.files.get_info(f"{d}/up.txt").owner == "user"
+    r = httpx.post(sbx.download_url(f"{d}/other.txt", "user"),
+                   files={"file": ("x", b"x")}, timeout=60)
+    assert r.status_code == 401
+    assert not sbx.files.exists(f"{d}/other.txt")
