@@ -91,6 +91,8 @@ impl Drop for Door {
 
 impl Door {
     async fn start(ctx: &Ctx, memory_mib: u64) -> Result<Door> {
+        // Built (when stale) before anything is made that would need removing.
+        let bin = strata_testkit::stratad_bin();
         let root = tempfile::Builder::new()
             .prefix("sbsdk")
             .tempdir_in("/tmp")
@@ -129,18 +131,27 @@ disk_gib = 2
             accel = ctx.accel,
             qemu = ctx.qemu.display(),
         );
-        std::fs::write(&config, text).context("daemon config")?;
-        let log = std::fs::File::create(root.join("stratad.log")).context("daemon log")?;
-        let child = Command::new(strata_testkit::stratad_bin())
-            .arg("--config")
-            .arg(&config)
-            .env("RUST_LOG", "info")
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().context("daemon log")?)
-            .stderr(log)
-            .spawn()
-            .context("start stratad")?;
+        let spawn = || -> Result<Child> {
+            std::fs::write(&config, text).context("daemon config")?;
+            let log = std::fs::File::create(root.join("stratad.log")).context("daemon log")?;
+            Command::new(&bin)
+                .arg("--config")
+                .arg(&config)
+                .env("RUST_LOG", "info")
+                .env("NO_COLOR", "1")
+                .stdin(Stdio::null())
+                .stdout(log.try_clone().context("daemon log")?)
+                .stderr(log)
+                .spawn()
+                .context("start stratad")
+        };
+        let child = match spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&root);
+                return Err(e);
+            }
+        };
         let url = format!("http://127.0.0.1:{port}");
         let api = Api::with_client(
             url.clone(),
