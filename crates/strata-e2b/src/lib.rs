@@ -44,6 +44,7 @@ pub mod policy;
 pub mod ports;
 pub mod procs;
 pub mod proto;
+pub mod public;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -138,6 +139,9 @@ pub struct E2b {
     /// command of the sandbox: a cache of what the service keeps with the
     /// sandbox ([`Service::set_sandbox_env`]), loaded at start.
     envs: Mutex<HashMap<SandboxId, BTreeMap<String, String>>>,
+    /// Per-sandbox port settings (`public`): a cache of what the service
+    /// keeps, loaded at start.
+    port_settings: Mutex<HashMap<SandboxId, public::PortSettings>>,
     /// Polling directory watchers by id (in memory).
     watchers: Mutex<HashMap<String, envd::Watcher>>,
     /// Token buckets of the configured keys, by [`auth::ApiKey::id`].
@@ -152,11 +156,13 @@ impl E2b {
     /// The state over a service.
     pub fn new(svc: Arc<Service>, sec: Option<Arc<Security>>, cfg: E2bConfig) -> Arc<Self> {
         let envs = load_envs(&svc);
+        let ports = public::load(&svc);
         let st = Arc::new(E2b {
             svc,
             sec,
             procs: Arc::new(procs::Registry::default()),
             envs: Mutex::new(envs),
+            port_settings: Mutex::new(ports),
             watchers: Mutex::new(HashMap::new()),
             key_limiter: RateLimiter::new(cfg.rate_limit_per_second, cfg.rate_limit_burst),
             envd_limiter: RateLimiter::new(cfg.rate_limit_per_second, cfg.rate_limit_burst),

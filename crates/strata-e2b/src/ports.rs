@@ -211,9 +211,11 @@ async fn port_caller(
             .await
             .map_err(|e| refuse(e.status, e.message.clone(), Some(t)));
     }
-    if !st.cfg.public_ports {
+    if !st.port_settings(id).public.unwrap_or(st.cfg.public_ports) {
+        // Not public (the sandbox's allowPublicTraffic, else the door's
+        // public_ports): E2B answers 403 without a credential.
         return Err(refuse(
-            401,
+            403,
             format!("sandbox ports need {TRAFFIC_TOKEN_HEADER} (or X-Access-Token / X-API-KEY)"),
             Some(t),
         ));
@@ -280,6 +282,12 @@ async fn proxy(st: Arc<E2b>, t: Target, mut req: Request) -> Response {
             return r;
         }
     };
+    if let Some(host) = st.port_settings(&id).host_for(t.port) {
+        // maskRequestHost: checked at create, so always a valid value.
+        if let Ok(v) = axum::http::HeaderValue::from_str(&host) {
+            req.headers_mut().insert(axum::http::header::HOST, v);
+        }
+    }
     let conn = match st.svc.open_port(&caller, &id, t.port, &gate_opts()).await {
         Ok(c) => c,
         Err(e) => return service_refusal(&e, &t),

@@ -59,6 +59,7 @@ pub async fn fork(
         return Err(super::not_found(&id));
     }
     let envs = st.sandbox_envs(&src.id);
+    let ports = st.port_settings(&src.id);
     let mut out: Vec<Value> = Vec::new();
     for i in 0..count {
         let spec = SandboxSpec {
@@ -76,6 +77,12 @@ pub async fn fork(
                     tracing::warn!(sandbox = %rec.id, error = %e, "binding the envd token failed");
                 }
                 st.keep_envs(&caller, &rec.id, envs.clone()).await;
+                if let Err(e) = st.keep_port_settings(&caller, &rec.id, ports.clone()).await {
+                    // A fork of a private sandbox is never served public.
+                    let _ = st.svc.delete(&caller, &rec.id, &gate_opts()).await;
+                    out.push(json!({ "error": { "code": e.status, "message": e.message } }));
+                    continue;
+                }
                 out.push(json!({ "sandbox": st.sandbox_json(&rec) }));
             }
             Err(e) if i == 0 => return Err(sandbox_err(&id)(e)),

@@ -42,6 +42,7 @@ impl E2b {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(id);
+        self.forget_port_settings(id);
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             let (st, id) = (self.clone(), id.clone());
             rt.spawn(async move { st.unbind_envd(&id).await });

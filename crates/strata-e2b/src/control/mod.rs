@@ -273,6 +273,10 @@ pub async fn create(
     let timeout = check_timeout(req.timeout.unwrap_or(st.cfg.default_timeout_s))?.max(1);
     let policy = lifecycle::asked(req.auto_pause, req.auto_resume)?;
     let egress = network::asked(req.allow_internet_access, req.network.as_ref())?;
+    let ports = match &req.network {
+        Some(n) => n.port_settings()?,
+        None => crate::public::PortSettings::default(),
+    };
     let cmd = CreateSandbox {
         template,
         spec: SandboxSpec {
@@ -315,6 +319,11 @@ pub async fn create(
             let _ = st.svc.delete(&caller, &rec.id, &gate_opts()).await;
             return Err(err);
         }
+    }
+    // Likewise: a sandbox asked to be private is never served public.
+    if let Err(err) = st.keep_port_settings(&caller, &rec.id, ports).await {
+        let _ = st.svc.delete(&caller, &rec.id, &gate_opts()).await;
+        return Err(err);
     }
     Ok((StatusCode::CREATED, Json(st.sandbox_json(&rec))).into_response())
 }

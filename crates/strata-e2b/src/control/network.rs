@@ -48,8 +48,9 @@ use strata_policy::policy::IpNet;
 pub const MAX_NETWORK_ENTRIES: usize = 256;
 
 /// `SandboxNetworkConfig` / `SandboxNetworkUpdateConfig` (the fields strata
-/// maps; `rules`, `dnsServers`, `egressProxy`, `allowPublicTraffic`,
-/// `maskRequestHost`, `httpsPorts` are ignored).
+/// maps; `rules`, `dnsServers`, `egressProxy`, `httpsPorts` are ignored;
+/// `allowPublicTraffic` and `maskRequestHost` are the door's port settings,
+/// [`crate::public`], taken at create).
 #[derive(Debug, Default, Clone, Deserialize)]
 #[serde(rename_all = "camelCase", default)]
 pub(super) struct NetworkBody {
@@ -58,6 +59,18 @@ pub(super) struct NetworkBody {
     /// Only in the update body; the SDKs send it snake_case.
     #[serde(alias = "allow_internet_access")]
     allow_internet_access: Option<bool>,
+    allow_public_traffic: Option<bool>,
+    mask_request_host: Option<String>,
+}
+
+impl NetworkBody {
+    /// The port settings a create body asks for.
+    pub(super) fn port_settings(&self) -> E2bResult<crate::public::PortSettings> {
+        crate::public::PortSettings::asked(
+            self.allow_public_traffic,
+            self.mask_request_host.as_deref(),
+        )
+    }
 }
 
 /// The egress a sandbox's settings ask for.

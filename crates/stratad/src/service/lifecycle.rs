@@ -554,6 +554,50 @@ impl Service {
         Ok(out)
     }
 
+    /// Keeps a front door's setting `key` (≤ 64 bytes) with one of the
+    /// caller's sandboxes (`None`: removes it): JSON of at most 4 KiB, kept
+    /// until the sandbox is deleted, read back at the door's start with
+    /// [`Service::stored_settings`]. Not returned by any API of its own.
+    pub async fn set_sandbox_setting(
+        &self,
+        caller: &Caller,
+        id: &SandboxId,
+        key: &str,
+        value: Option<&serde_json::Value>,
+    ) -> ServiceResult<()> {
+        self.get_sandbox(caller, id).await?;
+        if key.is_empty() || key.len() > 64 {
+            return Err(ServiceError::InvalidRequest(
+                "setting key: 1 to 64 bytes".into(),
+            ));
+        }
+        let text = value.map(|v| v.to_string());
+        if text.as_ref().is_some_and(|t| t.len() > 4096) {
+            return Err(ServiceError::InvalidRequest(
+                "setting value: at most 4096 bytes of JSON".into(),
+            ));
+        }
+        let (id, key) = (id.clone(), key.to_owned());
+        self.db(move |s| s.put_sandbox_setting(&id, &key, text.as_deref()))
+            .await
+    }
+
+    /// Setting `key` of every sandbox not deleted that has one (blocking:
+    /// for a front door's start); a value that is not JSON is left out with
+    /// an error in the log.
+    pub fn stored_settings(&self, key: &str) -> ServiceResult<Vec<(SandboxId, serde_json::Value)>> {
+        let mut out = Vec::new();
+        for (id, text) in self.store.sandbox_settings(key)? {
+            match serde_json::from_str(&text) {
+                Ok(v) => out.push((id, v)),
+                Err(e) => {
+                    tracing::error!(sandbox = %id, key, error = %e, "stored setting is not JSON: left out")
+                }
+            }
+        }
+        Ok(out)
+    }
+
     fn seal_env(&self, id: &SandboxId, env: &BTreeMap<String, String>) -> ServiceResult<String> {
         let json =
             serde_json::to_vec(env).map_err(|e| ServiceError::Keys(format!("environment: {e}")))?;

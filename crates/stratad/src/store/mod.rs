@@ -518,6 +518,17 @@ pub trait Store: Send + Sync + 'static {
     fn put_sandbox_lifecycle(&self, id: &SandboxId, policy: &LifecyclePolicy) -> StoreResult<()>;
     /// Sandbox `id`'s lifecycle policy; `None`: the default.
     fn sandbox_lifecycle(&self, id: &SandboxId) -> StoreResult<Option<LifecyclePolicy>>;
+    /// Replaces a front door's setting `key` of sandbox `id` (JSON text;
+    /// `None`: removes it). Only for a sandbox not deleted; deleting the
+    /// sandbox deletes its settings.
+    fn put_sandbox_setting(
+        &self,
+        id: &SandboxId,
+        key: &str,
+        value: Option<&str>,
+    ) -> StoreResult<()>;
+    /// Setting `key` of every sandbox not deleted that has it.
+    fn sandbox_settings(&self, key: &str) -> StoreResult<Vec<(SandboxId, String)>>;
 
     /// Inserts or replaces a snapshot record.
     fn put_snapshot(&self, rec: &SnapshotRecord) -> StoreResult<()>;

@@ -376,6 +376,49 @@ impl Store for SqliteStore {
         Ok(out)
     }
 
+    fn put_sandbox_setting(
+        &self,
+        id: &SandboxId,
+        key: &str,
+        value: Option<&str>,
+    ) -> StoreResult<()> {
+        let w = self.writer();
+        let Some(value) = value else {
+            w.execute(
+                "DELETE FROM sandbox_settings WHERE sandbox_id = ?1 AND key = ?2",
+                params![id.as_str(), key],
+            )?;
+            return Ok(());
+        };
+        // Only for a sandbox not deleted (a delete racing this keeps none).
+        w.execute(
+            "INSERT OR REPLACE INTO sandbox_settings (sandbox_id, key, value, updated_at) \
+             SELECT ?1, ?2, ?3, ?4 FROM sandboxes WHERE id = ?1 AND state != 'deleted'",
+            params![id.as_str(), key, value, ms(Utc::now())],
+        )?;
+        Ok(())
+    }
+
+    fn sandbox_settings(&self, key: &str) -> StoreResult<Vec<(SandboxId, String)>> {
+        let conn = self.reader();
+        let mut stmt = conn.prepare_cached(
+            "SELECT e.sandbox_id, e.value FROM sandbox_settings e JOIN sandboxes s ON s.id = e.sandbox_id \
+             WHERE e.key = ?1 AND s.state != 'deleted' ORDER BY e.sandbox_id",
+        )?;
+        let rows = stmt.query_map([key], |r| {
+            Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?))
+        })?;
+        let mut out = Vec::new();
+        for row in rows {
+            let (id, value) = row?;
+            let sid: SandboxId = id
+                .parse()
+                .map_err(|e| corrupt("sandbox_settings", &id, format!("{e}")))?;
+            out.push((sid, value));
+        }
+        Ok(out)
+    }
+
     fn put_sandbox_lifecycle(&self, id: &SandboxId, policy: &LifecyclePolicy) -> StoreResult<()> {
         // Only for a sandbox not deleted (a delete racing this keeps none).
         self.writer().execute(

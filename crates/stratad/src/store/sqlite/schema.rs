@@ -2,7 +2,7 @@
 //! (`PRAGMA user_version` counts them). Never edit a shipped migration: add one.
 
 /// Newest schema version this build knows.
-pub const SCHEMA_VERSION: i64 = 8;
+pub const SCHEMA_VERSION: i64 = 9;
 
 pub(super) const MIGRATIONS: &[&str] = &[
     // 1: initial schema.
@@ -149,5 +149,19 @@ pub(super) const MIGRATIONS: &[&str] = &[
         auto_resume INTEGER NOT NULL,
         updated_at INTEGER NOT NULL
     ) WITHOUT ROWID;
+    "#,
+    // 9: a front door's per-sandbox settings by key (JSON; the E2B door's
+    // port settings: public traffic, the Host a guest port sees), kept with
+    // the sandbox and copied to its forks by the door; the rows go when the
+    // sandbox is deleted.
+    r#"
+    CREATE TABLE sandbox_settings (
+        sandbox_id TEXT NOT NULL,
+        key TEXT NOT NULL,
+        value TEXT NOT NULL,
+        updated_at INTEGER NOT NULL,
+        PRIMARY KEY (sandbox_id, key)
+    ) WITHOUT ROWID;
+    CREATE INDEX sandbox_settings_by_key ON sandbox_settings (key, sandbox_id);
     "#,
 ];

@@ -608,3 +608,46 @@ fn updates_and_security_writes_interleave_without_busy_errors() {
     assert_eq!(got.version, n);
     assert_eq!(sec.audit_head().unwrap().map(|(q, _)| q), Some(n - 1));
 }
+
+#[test]
+fn sandbox_settings_are_per_key_survive_reopen_and_go_with_the_sandbox() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = sandbox(1, SandboxState::Running);
+    let b = sandbox(2, SandboxState::Running);
+    {
+        let s = open(&dir);
+        s.insert_sandbox(&a, &created(&a)).unwrap();
+        s.insert_sandbox(&b, &created(&b)).unwrap();
+        s.put_sandbox_setting(&a.id, "e2b.ports", Some(r#"{"public":false}"#))
+            .unwrap();
+        s.put_sandbox_setting(&a.id, "other", Some("1")).unwrap();
+        s.put_sandbox_setting(&b.id, "e2b.ports", Some(r#"{"public":true}"#))
+            .unwrap();
+        // Replaced, not added.
+        s.put_sandbox_setting(&b.id, "e2b.ports", Some(r#"{"mask":"h"}"#))
+            .unwrap();
+        let ghost: SandboxId = "sb-ghost".parse().unwrap();
+        s.put_sandbox_setting(&ghost, "e2b.ports", Some("{}"))
+            .unwrap();
+    }
+    let s = open(&dir);
+    assert_eq!(
+        s.sandbox_settings("e2b.ports").unwrap(),
+        vec![
+            (a.id.clone(), r#"{"public":false}"#.to_string()),
+            (b.id.clone(), r#"{"mask":"h"}"#.to_string())
+        ]
+    );
+    s.put_sandbox_setting(&b.id, "e2b.ports", None).unwrap();
+    let mut gone = s.get_sandbox(&a.id).unwrap().unwrap();
+    gone.state = SandboxState::Deleted;
+    gone.deleted_at = Some(t0());
+    s.update_sandbox(&gone, None).unwrap();
+    assert!(s.sandbox_settings("e2b.ports").unwrap().is_empty());
+    assert!(s.sandbox_settings("other").unwrap().is_empty());
+    let n: i64 = s
+        .reader()
+        .query_row("SELECT count(*) FROM sandbox_settings", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(n, 0);
+}
