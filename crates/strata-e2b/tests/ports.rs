@@ -440,11 +440,10 @@ async fn routed_hosts_answer_after_a_daemon_restart() {
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(
-        &first,
-        b"HTTP/1.1 200",
-        "{}",
-        String::from_utf8_lossy(&first)
+    let head = String::from_utf8_lossy(&first);
+    assert!(
+        head.starts_with("HTTP/1.") && head.ends_with(" 200"),
+        "{head}"
     );
     tokio::time::sleep(Duration::from_secs(2)).await;
     let root = d.kill_keep_root();
@@ -502,11 +501,11 @@ async fn a_waking_request_waits_for_the_guest_server() {
         .await;
     assert!(s < 300, "create: {s} {v}");
     let id = v["id"].as_str().unwrap().to_owned();
-    // The server listens 3 s (guest time) from now; the sandbox sleeps at once.
+    // The server listens 2 s (guest time) from now; the sandbox sleeps at once.
     d.sh(
         &id,
         "mkdir -p /srv && echo late > /srv/late.txt && cd /srv && \
-         (setsid sh -c 'sleep 3; exec python3 -m http.server 8002 --bind 127.0.0.1' >/tmp/l.log 2>&1 &)",
+         (setsid sh -c 'sleep 2; exec python3 -m http.server 8002 --bind 127.0.0.1' >/tmp/l.log 2>&1 &)",
     )
     .await;
     let hibernate = || async {

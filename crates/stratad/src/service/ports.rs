@@ -27,7 +27,7 @@ const TOUCH_EVERY: Duration = Duration::from_secs(1);
 /// How long a connection that woke its sandbox retries a guest port that
 /// refuses it (the woken guest's server may not listen yet), with backoff
 /// from 100 ms to 1 s; past it (or without a wake) a refusal is final.
-pub const WAKE_CONNECT_GRACE: Duration = Duration::from_secs(8);
+pub const WAKE_CONNECT_GRACE: Duration = Duration::from_secs(10);
 
 /// An open connection to a guest port ([`Service::open_port`]). Its audit
 /// entry is written when it is dropped.
