@@ -23,6 +23,24 @@ use crate::procs;
 use crate::proto::{self, EntryInfo};
 use crate::E2b;
 
+/// Most bytes of extended attributes one listing or watcher poll keeps
+/// (a guest may give every file 8 KiB of them): past it, entries come
+/// without their attributes (no `metadata`).
+const XATTR_BUDGET: usize = 16 << 20;
+
+/// Charges `s`'s attributes to `left`; once it is spent they are dropped.
+fn charge_xattrs(left: &mut usize, s: &mut DirEntry) {
+    if let Some(x) = s.ext.as_mut() {
+        let n: usize = x.xattrs.iter().map(|(k, v)| k.len() + v.len()).sum();
+        if n > *left {
+            x.xattrs.clear();
+            *left = 0;
+        } else {
+            *left -= n;
+        }
+    }
+}
+
 async fn stat_entry(st: &Arc<E2b>, g: &Grant, path: &str) -> Result<EntryInfo, ConnectError> {
     let s = st.svc.stat(g, path).await.map_err(service_err)?;
     Ok(entry(path, &s))
@@ -79,14 +97,16 @@ pub async fn list_dir(
         // envd walks the tree depth first in name order (`filepath.WalkDir`):
         // a directory's entries come right after it.
         let mut entries = Vec::new();
+        let mut budget = XATTR_BUDGET;
         let first = st.svc.list_dir(&g, &root).await.map_err(service_err)?;
         let mut stack: Vec<(String, u32, std::vec::IntoIter<DirEntry>)> =
             vec![(root, 1, first.into_iter())];
         while let Some((dir, level, items)) = stack.last_mut() {
-            let Some(s) = items.next() else {
+            let Some(mut s) = items.next() else {
                 stack.pop();
                 continue;
             };
+            charge_xattrs(&mut budget, &mut s);
             let (dir, level) = (dir.clone(), *level);
             let p = join(&dir, &s.name);
             entries.push(entry(&p, &s));
@@ -241,6 +261,7 @@ async fn snapshot_dir(
     recursive: bool,
 ) -> Result<BTreeMap<String, DirEntry>, ConnectError> {
     let mut out = BTreeMap::new();
+    let mut budget = XATTR_BUDGET;
     let mut level = vec![root.to_owned()];
     while let Some(dir) = level.pop() {
         let items = match st.svc.list_dir(g, &dir).await {
@@ -252,7 +273,8 @@ async fn snapshot_dir(
             })) if dir != root => continue,
             Err(e) => return Err(service_err(e)),
         };
-        for s in items {
+        for mut s in items {
+            charge_xattrs(&mut budget, &mut s);
             let p = join(&dir, &s.name);
             if recursive && s.kind == FileKind::Dir {
                 level.push(p.clone());
@@ -446,6 +468,26 @@ pub async fn remove_watcher(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn xattrs_past_the_budget_are_dropped() {
+        let e = |n: usize| -> DirEntry {
+            serde_json::from_value(json!({
+                "name": "f", "kind": "file", "size": 1, "mode": 0o644, "mtime": 0,
+                "ext": {"uid": 0, "gid": 0, "xattrs": {"user.e2b.k": "v".repeat(n)}},
+            }))
+            .unwrap()
+        };
+        let mut left = 100;
+        let (mut a, mut b, mut c) = (e(50), e(60), e(10));
+        charge_xattrs(&mut left, &mut a);
+        charge_xattrs(&mut left, &mut b);
+        charge_xattrs(&mut left, &mut c);
+        assert_eq!(a.ext.unwrap().xattrs.len(), 1);
+        assert!(b.ext.unwrap().xattrs.is_empty());
+        assert!(c.ext.unwrap().xattrs.is_empty(), "nothing after the budget");
+        assert_eq!(left, 0);
+    }
 
     #[test]
     fn watcher_diff() {
