@@ -21,7 +21,9 @@
 //! `401` and counts against the source address. The credential headers are
 //! not forwarded to the guest.
 //!
-//! Each proxied HTTP request is one port connection (HTTP/1.1 to the guest,
+//! The proxying itself is the daemon's ([`stratad::api::ports::forward`],
+//! shared with `/v1/sandboxes/{id}/ports/{port}`). Each proxied HTTP
+//! request is one port connection (HTTP/1.1 to the guest,
 //! no pooling), streamed both ways: request and response bodies are never
 //! buffered whole (SSE and chunked answers flow as the guest writes them).
 //! `Upgrade` requests (WebSocket) get the guest's `101` and then a raw byte
@@ -33,15 +35,14 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use hyper_util::rt::TokioIo;
 use serde_json::json;
 use strata_core::SandboxId;
+use stratad::api::ports::{forward, Forward, PortProxyError};
 use stratad::caller::Caller;
 use stratad::service::{is_port_closed, ServiceError};
 
@@ -64,19 +65,6 @@ const DOOR_HEADERS: [&str; 5] = [
     TRAFFIC_TOKEN_HEADER,
     SANDBOX_ID_HEADER,
     SANDBOX_PORT_HEADER,
-];
-
-/// Hop-by-hop headers (RFC 9110 §7.6.1), not forwarded either way
-/// (`Connection` and `Upgrade` are set again for an upgrade).
-const HOP_HEADERS: [&str; 8] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
 ];
 
 /// The port traffic token of sandbox `id` (distinct from its envd token).
@@ -288,133 +276,16 @@ async fn proxy(st: Arc<E2b>, t: Target, mut req: Request) -> Response {
             req.headers_mut().insert(axum::http::header::HOST, v);
         }
     }
-    let conn = match st.svc.open_port(&caller, &id, t.port, &gate_opts()).await {
-        Ok(c) => c,
-        Err(e) => return service_refusal(&e, &t),
+    let how = Forward {
+        drop_headers: &DOOR_HEADERS,
+        target: None,
     };
-    let (mut sender, connection) =
-        match hyper::client::conn::http1::handshake(TokioIo::new(conn)).await {
-            Ok(x) => x,
-            Err(e) => return refuse(502, format!("guest port {}: {e}", t.port), Some(&t)),
-        };
-    tokio::spawn(async move {
-        if let Err(e) = connection.with_upgrades().await {
-            tracing::debug!(error = %e, "guest port connection ended with an error");
-        }
-    });
-    let upgrade = is_upgrade(req.headers());
-    let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
-    let out = match guest_request(req, upgrade) {
+    match forward(&st.svc, &caller, &id, t.port, &gate_opts(), req, how).await {
         Ok(r) => r,
-        Err(m) => return refuse(400, m, Some(&t)),
-    };
-    let mut resp = match sender.send_request(out).await {
-        Ok(r) => r,
-        Err(e) => {
-            return refuse(
-                502,
-                format!("guest port {} gave no HTTP answer: {e}", t.port),
-                Some(&t),
-            )
-        }
-    };
-    if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
-        if let Some(client_upgrade) = client_upgrade {
-            let guest_upgrade = hyper::upgrade::on(&mut resp);
-            tokio::spawn(async move {
-                let (c, g) = match tokio::try_join!(client_upgrade, guest_upgrade) {
-                    Ok(x) => x,
-                    Err(e) => {
-                        tracing::debug!(error = %e, "upgrade through the port proxy failed");
-                        return;
-                    }
-                };
-                let (mut c, mut g) = (TokioIo::new(c), TokioIo::new(g));
-                if let Err(e) = tokio::io::copy_bidirectional(&mut c, &mut g).await {
-                    tracing::debug!(error = %e, "upgraded port connection ended");
-                }
-            });
-            let (mut parts, _) = resp.into_parts();
-            let proto = parts_upgrade(&parts.headers);
-            strip(&mut parts.headers, true);
-            set_upgrade(&mut parts.headers, &proto);
-            return Response::from_parts(parts, Body::empty());
-        }
+        Err(PortProxyError::Open(e)) => service_refusal(&e, &t),
+        Err(PortProxyError::Guest(m)) => refuse(502, m, Some(&t)),
+        Err(PortProxyError::BadRequest(m)) => refuse(400, m, Some(&t)),
     }
-    let (mut parts, body) = resp.into_parts();
-    strip(&mut parts.headers, false);
-    Response::from_parts(parts, Body::new(body))
-}
-
-fn parts_upgrade(h: &HeaderMap) -> Option<HeaderValue> {
-    h.get(header::UPGRADE).cloned()
-}
-
-fn set_upgrade(h: &mut HeaderMap, proto: &Option<HeaderValue>) {
-    if let Some(p) = proto {
-        h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
-        h.insert(header::UPGRADE, p.clone());
-    }
-}
-
-fn is_upgrade(h: &HeaderMap) -> bool {
-    h.contains_key(header::UPGRADE)
-        && h.get_all(header::CONNECTION).iter().any(|v| {
-            v.to_str().is_ok_and(|s| {
-                s.split(',')
-                    .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
-            })
-        })
-}
-
-/// Removes hop-by-hop headers (and those `Connection` names); with
-/// `keep_upgrade`, `Upgrade` stays for the caller to set again.
-fn strip(h: &mut HeaderMap, keep_upgrade: bool) {
-    let named: Vec<HeaderName> = h
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|s| s.split(','))
-        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
-        .collect();
-    for n in named {
-        if !(keep_upgrade && n == header::UPGRADE) {
-            h.remove(n);
-        }
-    }
-    for n in HOP_HEADERS {
-        h.remove(n);
-    }
-    if !keep_upgrade {
-        h.remove(header::UPGRADE);
-    }
-}
-
-/// The request as the guest gets it: origin-form URI, the client's headers
-/// without the door's and hop-by-hop ones, the body streamed.
-fn guest_request(req: Request, upgrade: bool) -> Result<Request, String> {
-    let (mut parts, body) = req.into_parts();
-    let pq = parts
-        .uri
-        .path_and_query()
-        .map(|p| p.as_str().to_owned())
-        .unwrap_or_else(|| "/".into());
-    parts.uri = pq.parse().map_err(|e| format!("request target: {e}"))?;
-    let proto = parts_upgrade(&parts.headers);
-    strip(&mut parts.headers, upgrade);
-    for n in DOOR_HEADERS {
-        parts.headers.remove(n);
-    }
-    if upgrade {
-        set_upgrade(&mut parts.headers, &proto);
-    }
-    if !parts.headers.contains_key(header::HOST) {
-        parts
-            .headers
-            .insert(header::HOST, HeaderValue::from_static("localhost"));
-    }
-    parts.version = axum::http::Version::HTTP_11;
-    Ok(Request::from_parts(parts, body))
 }
 
 #[cfg(test)]
@@ -449,30 +320,5 @@ mod tests {
         assert!(host_target("80-sb-0123456789abcdef.localhost:47984", d).is_some());
         assert!(host_target("80-sb-0123456789abcdef.localhost", d).is_some());
         assert!(host_target("80-sb-0123456789abcdef.example.com:47983", d).is_none());
-    }
-
-    #[test]
-    fn hop_headers_go_and_upgrade_is_kept_only_when_asked() {
-        let mut h = HeaderMap::new();
-        h.insert(
-            header::CONNECTION,
-            HeaderValue::from_static("keep-alive, x-drop"),
-        );
-        h.insert("x-drop", HeaderValue::from_static("1"));
-        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
-        h.insert(
-            header::TRANSFER_ENCODING,
-            HeaderValue::from_static("chunked"),
-        );
-        h.insert("x-keep", HeaderValue::from_static("1"));
-        let mut a = h.clone();
-        strip(&mut a, false);
-        assert!(a.get("x-keep").is_some());
-        for gone in ["connection", "x-drop", "upgrade", "transfer-encoding"] {
-            assert!(a.get(gone).is_none(), "{gone}");
-        }
-        let mut b = h;
-        strip(&mut b, true);
-        assert!(b.get(header::UPGRADE).is_some());
     }
 }

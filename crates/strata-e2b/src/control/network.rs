@@ -252,6 +252,7 @@ mod tests {
             allow_out: Some(allow.iter().map(|s| s.to_string()).collect()),
             deny_out: Some(deny.iter().map(|s| s.to_string()).collect()),
             allow_internet_access: None,
+            ..NetworkBody::default()
         }
     }
 

@@ -31,6 +31,7 @@ use crate::service::{Service, ServiceError};
 mod files;
 mod interactive;
 mod metrics;
+pub mod ports;
 pub mod routes;
 mod sandboxes;
 pub mod security;
@@ -489,6 +490,7 @@ fn service_route(r: &Route) -> Option<axum::routing::MethodRouter<Arc<Service>>>
         Events => on(m, sandboxes::events),
         SandboxMetrics => on(m, metrics::sandbox_metrics),
         SandboxLogs => on(m, metrics::sandbox_logs),
+        Port => on(m, ports::proxy),
         TakeSnapshot => on(m, sandboxes::take_snapshot),
         ListSnapshots => on(m, sandboxes::list_snapshots),
         ReadFile => on(m, files::download),

@@ -29,6 +29,7 @@ pub enum Action {
     Events,
     SandboxMetrics,
     SandboxLogs,
+    Port,
     TakeSnapshot,
     ListSnapshots,
     ReadFile,
@@ -142,6 +143,16 @@ pub const ROUTES: &[Route] = &[
     r("GET", "/v1/sandboxes/:id/metrics", Action::SandboxMetrics, READ),
     // What the guest's commands printed: guest data, like its files.
     r("GET", "/v1/sandboxes/:id/logs", Action::SandboxLogs, DEV),
+    // A guest port, reverse-proxied (any of these methods; the rest of the
+    // path and the query are the guest's).
+    tool("GET", "/v1/sandboxes/:id/ports/:port", Action::Port, DEV),
+    tool("POST", "/v1/sandboxes/:id/ports/:port", Action::Port, DEV),
+    tool("PUT", "/v1/sandboxes/:id/ports/:port", Action::Port, DEV),
+    tool("DELETE", "/v1/sandboxes/:id/ports/:port", Action::Port, DEV),
+    tool("GET", "/v1/sandboxes/:id/ports/:port/*rest", Action::Port, DEV),
+    tool("POST", "/v1/sandboxes/:id/ports/:port/*rest", Action::Port, DEV),
+    tool("PUT", "/v1/sandboxes/:id/ports/:port/*rest", Action::Port, DEV),
+    tool("DELETE", "/v1/sandboxes/:id/ports/:port/*rest", Action::Port, DEV),
     tool("POST", "/v1/sandboxes/:id/snapshots", Action::TakeSnapshot, DEV),
     r("GET", "/v1/sandboxes/:id/snapshots", Action::ListSnapshots, READ),
     tool("GET", "/v1/sandboxes/:id/files", Action::ReadFile, DEV),
@@ -214,7 +225,12 @@ mod tests {
                 r.method,
                 r.path
             );
-            assert!(actions.insert(r.action), "{:?} twice", r.action);
+            // A proxied guest port is one action over several methods.
+            assert!(
+                actions.insert(r.action) || r.action == Action::Port,
+                "{:?} twice",
+                r.action
+            );
         }
     }
 

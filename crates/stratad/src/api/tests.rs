@@ -787,7 +787,10 @@ async fn every_route_is_documented_and_served() {
     let doc: Value = serde_json::from_str(super::OPENAPI_JSON).unwrap();
     let h = harness();
     for &crate::api::Route { method, path, .. } in super::ROUTES {
-        let oa_path = path.replace(":id", "{id}");
+        let oa_path = path
+            .replace(":id", "{id}")
+            .replace(":port", "{port}")
+            .replace("*rest", "{rest}");
         let op = &doc["paths"][&oa_path][method.to_lowercase()];
         assert!(op.is_object(), "{method} {path} missing from openapi.json");
         // The route exists: whatever it answers, it is not the fallback.

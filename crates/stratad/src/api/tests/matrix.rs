@@ -296,7 +296,12 @@ async fn every_route_every_role_every_spelling_of_the_id() {
             let tok = &acme.toks[role_name];
             let mut own_status: Option<StatusCode> = None;
             let unknown_answer = {
-                let uri = format!("{}{q}", path.replace(":id", unknown(k)));
+                let uri = format!(
+                    "{}{q}",
+                    path.replace(":id", unknown(k))
+                        .replace(":port", "8000")
+                        .replace("*rest", "x")
+                );
                 send(&h, method, &uri, tok, &body).await
             };
             for v in VARIANTS {
@@ -337,7 +342,12 @@ async fn every_route_every_role_every_spelling_of_the_id() {
                     }
                     (None, _) => ("%FF%FE".to_owned(), "%FF%FE".to_owned()),
                 };
-                let uri = format!("{}{q}", path.replace(":id", &spelled));
+                let uri = format!(
+                    "{}{q}",
+                    path.replace(":id", &spelled)
+                        .replace(":port", "8000")
+                        .replace("*rest", "x")
+                );
                 let a = send(&h, method, &uri, tok, &body).await;
                 let head = method == "HEAD";
                 if !allowed(method, path, role) {
@@ -356,7 +366,14 @@ async fn every_route_every_role_every_spelling_of_the_id() {
                             None => own_status = Some(a.status),
                             Some(s) => assert_eq!(a.status, s, "{ctx}: {}", a.body),
                         }
-                        if audited(method, path) {
+                        let port = crate::api::routes::find(method, path)
+                            .is_some_and(|r| r.action == Action::Port);
+                        if port {
+                            // A port connection is audited when it closes,
+                            // from a task of its own (stratad/tests/ports_v1.rs):
+                            // let it land before the next case reads the log.
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                        } else if audited(method, path) {
                             assert_eq!(a.audited.len(), 1, "{ctx}: {:?}", a.audited);
                             let entry = &a.audited[0];
                             let want = format!("token:{}", acme.ids[role_name]);
