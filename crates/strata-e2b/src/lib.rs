@@ -367,6 +367,7 @@ fn routes(state: Arc<E2b>) -> Router {
     let streams = Router::new()
         .route(&format!("{p}/Start"), post(envd::start))
         .route(&format!("{p}/Connect"), post(envd::connect))
+        .route(&format!("{f}/WatchDir"), post(envd::watch_dir))
         .route_layer(checked(auth::Shape::Stream));
     let files = Router::new()
         .route("/files", get(envd::download).post(envd::upload))

@@ -9,6 +9,7 @@ use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::Extension;
+use futures::StreamExt;
 use serde_json::json;
 use strata_core::SandboxId;
 use strata_policy::CallKind;
@@ -244,6 +245,26 @@ pub struct Watcher {
 /// Most entries a watcher tracks.
 const WATCH_MAX_ENTRIES: usize = 20_000;
 
+/// Whether `name` is the agent's temporary file of an upload in progress
+/// (`.<name>.strata-upload-<pid>-<id>`, renamed into place at its end):
+/// not a file of the user's, so watchers leave it out (envd, writing in
+/// place, has none).
+fn is_upload_temp(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix('.') else {
+        return false;
+    };
+    let Some((_, tail)) = rest.rsplit_once(".strata-upload-") else {
+        return false;
+    };
+    let mut parts = tail.split('-');
+    matches!(
+        (parts.next(), parts.next(), parts.next()),
+        (Some(a), Some(b), None)
+            if !a.is_empty() && !b.is_empty()
+                && a.bytes().chain(b.bytes()).all(|c| c.is_ascii_digit())
+    )
+}
+
 /// What a watcher remembers of a listing.
 fn seen_of(listing: &BTreeMap<String, DirEntry>) -> BTreeMap<String, Seen> {
     listing
@@ -274,6 +295,9 @@ async fn snapshot_dir(
             Err(e) => return Err(service_err(e)),
         };
         for mut s in items {
+            if is_upload_temp(&s.name) {
+                continue;
+            }
             charge_xattrs(&mut budget, &mut s);
             let p = join(&dir, &s.name);
             if recursive && s.kind == FileKind::Dir {
@@ -438,19 +462,132 @@ pub async fn get_watcher_events(
             w.seen = new;
             ev
         };
-        let events: Vec<serde_json::Value> = events
-            .into_iter()
-            .map(|(name, ty)| {
-                let mut e = json!({ "name": name, "type": ty });
-                // Best effort, as envd: the entry of a path still there.
-                if let Some(s) = listing.get(&name).filter(|_| include_entry) {
-                    e["entry"] = json!(entry(&join(&root, &name), s));
-                }
-                e
-            })
-            .collect();
+        let events = event_json(events, &listing, &root, include_entry);
         Ok::<_, ConnectError>(json!({ "events": events }))
     })
+}
+
+/// Events as envd's `FilesystemEvent`s; with `include_entry` the entry of
+/// each path still there (best effort, as envd).
+fn event_json(
+    events: Vec<(String, &'static str)>,
+    listing: &BTreeMap<String, DirEntry>,
+    root: &str,
+    include_entry: bool,
+) -> Vec<serde_json::Value> {
+    events
+        .into_iter()
+        .map(|(name, ty)| {
+            let mut e = json!({ "name": name, "type": ty });
+            if let Some(s) = listing.get(&name).filter(|_| include_entry) {
+                e["entry"] = json!(entry(&join(root, &name), s));
+            }
+            e
+        })
+        .collect()
+}
+
+/// How often a `WatchDir` stream lists its directory again.
+const WATCH_STREAM_POLL: std::time::Duration = std::time::Duration::from_millis(300);
+/// How often a `WatchDir` stream sends a keepalive when nothing happens.
+const WATCH_STREAM_KEEPALIVE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// `filesystem.Filesystem/WatchDir` (server stream; what the async SDK
+/// uses): a `start` message once the directory is listed, then a
+/// `filesystem` message per event found by listing again every
+/// [`WATCH_STREAM_POLL`], a `keepalive` every [`WATCH_STREAM_KEEPALIVE`].
+/// It polls under the read grant decided at its start, never wakes the
+/// sandbox (a sandbox that stops running ends it with an error), and
+/// ends when the client goes away.
+pub async fn watch_dir(
+    State(st): State<Arc<E2b>>,
+    headers: HeaderMap,
+    Extension(EnvdSandbox(id)): Extension<EnvdSandbox>,
+    body: CappedBody,
+) -> Response {
+    let setup = async {
+        let r: serde_json::Value = crate::connect::stream_request(&body.0)?;
+        let flag = |k: &str| r.get(k).and_then(|v| v.as_bool()).unwrap_or(false);
+        let (recursive, include_entry) = (flag("recursive"), flag("includeEntry"));
+        let path = st.user_path(
+            &envd_user(&headers, None)?,
+            r.get("path").and_then(|v| v.as_str()).unwrap_or(""),
+        );
+        let g = st.envd_grant(&id, read(&path)).await?;
+        let top = st.svc.stat(&g, &path).await.map_err(service_err)?;
+        if top.kind != FileKind::Dir {
+            return Err(ConnectError::new(
+                Code::InvalidArgument,
+                format!("path {path} is not a directory"),
+            ));
+        }
+        let seen = seen_of(&snapshot_dir(&st, &g, &path, recursive).await?);
+        Ok::<_, ConnectError>((g, path, recursive, include_entry, seen))
+    };
+    let (g, root, recursive, include_entry, seen) = match setup.await {
+        Ok(v) => v,
+        Err(e) => return crate::connect::stream_error(e),
+    };
+    let start = crate::connect::message_frame(&json!({ "start": {} }));
+    struct Poll {
+        st: Arc<E2b>,
+        g: Grant,
+        root: String,
+        recursive: bool,
+        include_entry: bool,
+        seen: BTreeMap<String, Seen>,
+        queue: std::collections::VecDeque<bytes::Bytes>,
+        quiet_since: tokio::time::Instant,
+        done: bool,
+    }
+    let poll = Poll {
+        st,
+        g,
+        root,
+        recursive,
+        include_entry,
+        seen,
+        queue: Default::default(),
+        quiet_since: tokio::time::Instant::now(),
+        done: false,
+    };
+    let events = futures::stream::unfold(poll, |mut p| async move {
+        loop {
+            if let Some(f) = p.queue.pop_front() {
+                return Some((f, p));
+            }
+            if p.done {
+                return None;
+            }
+            tokio::time::sleep(WATCH_STREAM_POLL).await;
+            let listed = match p.st.svc.require_running(&p.g).await {
+                Ok(()) => snapshot_dir(&p.st, &p.g, &p.root, p.recursive).await,
+                Err(e) => Err(service_err(e)),
+            };
+            let listing = match listed {
+                Ok(l) => l,
+                Err(e) => {
+                    p.queue.push_back(e.end_frame());
+                    p.done = true;
+                    continue;
+                }
+            };
+            let new = seen_of(&listing);
+            let ev = diff_listings(&p.seen, &new);
+            p.seen = new;
+            for e in event_json(ev, &listing, &p.root, p.include_entry) {
+                p.queue
+                    .push_back(crate::connect::message_frame(&json!({ "filesystem": e })));
+                p.quiet_since = tokio::time::Instant::now();
+            }
+            if p.quiet_since.elapsed() >= WATCH_STREAM_KEEPALIVE {
+                p.queue
+                    .push_back(crate::connect::message_frame(&json!({ "keepalive": {} })));
+                p.quiet_since = tokio::time::Instant::now();
+            }
+        }
+    });
+    crate::connect::stream_response(futures::stream::once(async move { start }).chain(events))
 }
 
 /// `filesystem.Filesystem/RemoveWatcher`.
@@ -487,6 +624,15 @@ mod tests {
         assert!(b.ext.unwrap().xattrs.is_empty());
         assert!(c.ext.unwrap().xattrs.is_empty(), "nothing after the budget");
         assert_eq!(left, 0);
+    }
+
+    #[test]
+    fn upload_temporaries_are_recognised() {
+        assert!(is_upload_temp(".f.txt.strata-upload-116-166"));
+        assert!(!is_upload_temp("f.txt.strata-upload-116-166"));
+        assert!(!is_upload_temp(".f.txt.strata-upload-116"));
+        assert!(!is_upload_temp(".f.txt.strata-upload-1a-2"));
+        assert!(!is_upload_temp(".hidden"));
     }
 
     #[test]

@@ -56,7 +56,7 @@ pub mod signed;
 pub use files::{download, upload, MULTIPART_OVERHEAD};
 pub use filesystem::{
     create_watcher, diff_listings, get_watcher_events, list_dir, make_dir, move_entry, remove,
-    remove_watcher, stat, Watcher,
+    remove_watcher, stat, watch_dir, Watcher,
 };
 pub use process::{close_stdin, connect, list, send_input, send_signal, start, update};
 

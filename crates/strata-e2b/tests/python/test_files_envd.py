@@ -225,3 +225,34 @@ def test_signed_urls_download_and_upload_without_headers(sbx):
                    files={"file": ("x", b"x")}, timeout=60)
     assert r.status_code == 401
     assert not sbx.files.exists(f"{d}/other.txt")
+
+
+def test_async_watch_dir_streams_events_with_entries(sbx):
+    """The async SDK watches over the server-streaming WatchDir."""
+    import asyncio
+
+    from e2b import AsyncSandbox
+
+    d = _dir()
+    sbx.files.make_dir(f"{d}/n")
+
+    async def run():
+        a = await AsyncSandbox.connect(sbx.sandbox_id)
+        got, seen = [], asyncio.Event()
+
+        def on_event(e):
+            got.append(e)
+            if e.name == "n/f.txt" and e.type == FilesystemEventType.WRITE:
+                seen.set()
+
+        h = await a.files.watch_dir(d, on_event=on_event, recursive=True, include_entry=True)
+        await a.files.write(f"{d}/n/f.txt", "hello")
+        await asyncio.wait_for(seen.wait(), 30)
+        await h.stop()
+        return got
+
+    got = asyncio.run(run())
+    names = [(e.name, e.type) for e in got]
+    assert ("n/f.txt", FilesystemEventType.CREATE) in names
+    w = next(e for e in got if e.type == FilesystemEventType.WRITE)
+    assert w.entry is not None and w.entry.path == f"{d}/n/f.txt" and w.entry.size == 5
