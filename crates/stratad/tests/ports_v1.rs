@@ -1,0 +1,104 @@
+//! Guest ports through `/v1` end to end: a real `stratad`, a real TCG
+//! guest running `python3 -m http.server`. `GET
+//! /v1/sandboxes/{id}/ports/{port}/<path>?<query>` reaches the guest's server
+//! with the guest path and query; nothing listening is `502`; another
+//! tenant's sandbox answers `404` like an unknown one; a viewer may not
+//! open a port (`403`).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::Daemon;
+use serde_json::{json, Value};
+use strata_testkit::Api;
+
+async fn token(d: &Daemon, tenant: &str, role: &str) -> Api {
+    let v = d
+        .ok(
+            "POST",
+            "/v1/tokens",
+            Some(json!({ "role": role, "tenant": tenant, "name": format!("{tenant}-{role}") })),
+            201,
+        )
+        .await;
+    Api::new(d.url.clone()).bearer(v["token"].as_str().expect("token"))
+}
+
+async fn get(api: &Api, path: &str) -> (u16, Vec<u8>) {
+    api.raw(reqwest::Method::GET, path, Vec::new())
+        .await
+        .expect("request")
+}
+
+#[test]
+fn a_guest_server_is_reached_through_v1_and_only_by_its_tenant() {
+    let d = Daemon::start("");
+    strata_testkit::tokio_rt().block_on(async {
+        d.wait_template().await;
+        let a = token(&d, "a", "developer").await;
+        let viewer = token(&d, "a", "viewer").await;
+        let b = token(&d, "b", "developer").await;
+        let (s, v) = a
+            .json(reqwest::Method::POST, "/v1/sandboxes", Some(json!({})))
+            .await
+            .expect("create");
+        assert_eq!(s, 201, "{v}");
+        let id = v["id"].as_str().expect("id").to_owned();
+        let (s, v): (u16, Value) = a
+            .json(
+                reqwest::Method::POST,
+                &format!("/v1/sandboxes/{id}/exec"),
+                Some(json!({"cmd": ["sh", "-c",
+                    "mkdir -p /srv/d && echo hello-v1 > /srv/d/hello.txt && cd /srv && \
+                     (setsid python3 -m http.server 8000 --bind 127.0.0.1 >/tmp/h.log 2>&1 &)"]})),
+            )
+            .await
+            .expect("exec");
+        assert_eq!(s, 200, "{v}");
+
+        // The server comes up; the guest gets the path and query after the prefix.
+        let url = format!("/v1/sandboxes/{id}/ports/8000/d/hello.txt?x=1");
+        let t = Instant::now();
+        let (s, body) = loop {
+            let (s, body) = get(&a, &url).await;
+            if s == 200 || t.elapsed() > Duration::from_secs(60) {
+                break (s, body);
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        };
+        assert_eq!(
+            (s, String::from_utf8_lossy(&body).as_ref()),
+            (200, "hello-v1\n")
+        );
+        // The port's root: the server's directory listing.
+        let (s, body) = get(&a, &format!("/v1/sandboxes/{id}/ports/8000")).await;
+        assert_eq!(s, 200);
+        assert!(String::from_utf8_lossy(&body).contains("d/"), "listing");
+
+        // Nothing listening: 502.
+        let (s, body) = get(&a, &format!("/v1/sandboxes/{id}/ports/8999")).await;
+        assert_eq!(s, 502, "{}", String::from_utf8_lossy(&body));
+        // Not a port: 400.
+        let (s, _) = get(&a, &format!("/v1/sandboxes/{id}/ports/0")).await;
+        assert_eq!(s, 400);
+
+        // Another tenant: exactly an unknown sandbox's answer.
+        let (s, foreign) = get(&b, &url).await;
+        let (s2, unknown) = get(
+            &b,
+            "/v1/sandboxes/sb-0000000000000000zzzz/ports/8000/d/hello.txt?x=1",
+        )
+        .await;
+        assert_eq!(s, 404, "{}", String::from_utf8_lossy(&foreign));
+        // The same answer as an unknown id's (each names the id it was given).
+        let text = |b: &[u8], id: &str| String::from_utf8_lossy(b).replace(id, "ID");
+        assert_eq!(
+            (s, text(&foreign, &id)),
+            (s2, text(&unknown, "sb-0000000000000000zzzz"))
+        );
+        // A viewer reads records but opens no port.
+        let (s, _) = get(&viewer, &url).await;
+        assert_eq!(s, 403);
+    });
+}
