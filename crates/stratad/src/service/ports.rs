@@ -228,6 +228,12 @@ impl Service {
     }
 
     async fn port_stream(self: &Arc<Self>, id: &SandboxId, port: u16) -> ServiceResult<PortStream> {
+        // A background operation under way (its timeout's hibernate) is
+        // waited for (≤ 30 s), so the state read next is the one it left:
+        // traffic arriving mid-hibernate wakes the sandbox instead of
+        // meeting a VM that is going away. A user's operation is not waited
+        // for (the connection goes on as before).
+        drop(self.acquire(id, Op::Exec, Who::User).await);
         let before = self.record(id).await?.state;
         let mut rec = self.ensure_awake(id).await?;
         if rec.state == SandboxState::Paused && self.may_auto_resume(id).await? {
@@ -247,6 +253,9 @@ impl Service {
                     if woke && Instant::now() + wait < deadline =>
                 {
                     tokio::time::sleep(wait).await;
+                    // Waiting is activity: a short idle timeout must not
+                    // put the sandbox back to sleep under the retries.
+                    self.touch(id);
                     wait = (wait * 2).min(Duration::from_secs(1));
                 }
                 r => return r.map_err(|e| port_err(id, e)),
