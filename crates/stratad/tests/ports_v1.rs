@@ -3,7 +3,8 @@
 //! /v1/sandboxes/{id}/ports/{port}/<path>?<query>` reaches the guest's server
 //! with the guest path and query; nothing listening is `502`; another
 //! tenant's sandbox answers `404` like an unknown one; a viewer may not
-//! open a port (`403`).
+//! open a port (`403`). `strata port` prints the URL (fetched here as
+//! printed) and, given the E2B domain, the routed host.
 
 mod common;
 
@@ -14,6 +15,10 @@ use serde_json::{json, Value};
 use strata_testkit::Api;
 
 async fn token(d: &Daemon, tenant: &str, role: &str) -> Api {
+    token_text(d, tenant, role).await.0
+}
+
+async fn token_text(d: &Daemon, tenant: &str, role: &str) -> (Api, String) {
     let v = d
         .ok(
             "POST",
@@ -22,7 +27,8 @@ async fn token(d: &Daemon, tenant: &str, role: &str) -> Api {
             201,
         )
         .await;
-    Api::new(d.url.clone()).bearer(v["token"].as_str().expect("token"))
+    let t = v["token"].as_str().expect("token").to_owned();
+    (Api::new(d.url.clone()).bearer(&t), t)
 }
 
 async fn get(api: &Api, path: &str) -> (u16, Vec<u8>) {
@@ -36,9 +42,9 @@ fn a_guest_server_is_reached_through_v1_and_only_by_its_tenant() {
     let d = Daemon::start("");
     strata_testkit::tokio_rt().block_on(async {
         d.wait_template().await;
-        let a = token(&d, "a", "developer").await;
+        let (a, a_token) = token_text(&d, "a", "developer").await;
         let viewer = token(&d, "a", "viewer").await;
-        let b = token(&d, "b", "developer").await;
+        let (b, b_token) = token_text(&d, "b", "developer").await;
         let (s, v) = a
             .json(reqwest::Method::POST, "/v1/sandboxes", Some(json!({})))
             .await
@@ -100,5 +106,43 @@ fn a_guest_server_is_reached_through_v1_and_only_by_its_tenant() {
         // A viewer reads records but opens no port.
         let (s, _) = get(&viewer, &url).await;
         assert_eq!(s, 403);
+
+        // `strata port`: the /v1 URL (fetched as printed) and the routed host.
+        let bin = strata_testkit::strata_bin();
+        let out = strata_testkit::run_strata(
+            &bin,
+            &d.url,
+            Some(&a_token),
+            &[
+                "--json",
+                "port",
+                &id,
+                "8000",
+                "--e2b-domain",
+                "localhost:4711",
+            ],
+        );
+        assert!(out.status.success(), "strata port");
+        let v: Value = serde_json::from_slice(&out.stdout).expect("json");
+        let printed = v["url"].as_str().expect("url").to_owned();
+        assert_eq!(printed, format!("{}/v1/sandboxes/{id}/ports/8000", d.url));
+        assert_eq!(
+            v["e2b_url"].as_str(),
+            Some(format!("http://8000-{id}.localhost:4711").as_str())
+        );
+        let path = printed.trim_start_matches(&d.url).to_owned();
+        let (s, body) = get(&a, &format!("{path}/d/hello.txt")).await;
+        assert_eq!((s, body.as_slice()), (200, b"hello-v1\n".as_slice()));
+        let out = strata_testkit::run_strata(&bin, &d.url, Some(&a_token), &["port", &id, "8000"]);
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            printed,
+            "human output: the URL alone without a domain"
+        );
+        // Another tenant's id, and port 0: errors.
+        let out = strata_testkit::run_strata(&bin, &d.url, Some(&b_token), &["port", &id, "8000"]);
+        assert!(!out.status.success(), "another tenant's sandbox");
+        let out = strata_testkit::run_strata(&bin, &d.url, Some(&a_token), &["port", &id, "0"]);
+        assert!(!out.status.success(), "port 0");
     });
 }

@@ -24,6 +24,7 @@ pub mod logs;
 pub mod ls;
 pub mod pause;
 pub mod policy;
+pub mod port;
 pub mod resume;
 pub mod rewind;
 pub mod rm;
@@ -121,6 +122,9 @@ pub enum Command {
     /// The daemon's local CA certificate (PEM), which signs its TLS
     /// listener's certificates (`[e2b] tls_listen`).
     Ca,
+    /// The URL(s) of a guest port: the /v1 route and, with --e2b-domain,
+    /// the E2B routed host.
+    Port(port::Args),
     /// Run the daemon (execs the `stratad` binary).
     Serve(serve::Args),
 }
@@ -237,6 +241,7 @@ pub async fn run(ctx: &Ctx, cmd: Command) -> anyhow::Result<i32> {
         Command::Token(c) => token::run(ctx, c).await,
         Command::Whoami => whoami::run(ctx).await,
         Command::Ca => ca::run(ctx).await,
+        Command::Port(a) => port::run(ctx, a).await,
         Command::Serve(a) => serve::run(ctx, a).await,
     }
 }
