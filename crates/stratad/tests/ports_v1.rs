@@ -139,6 +139,14 @@ fn a_guest_server_is_reached_through_v1_and_only_by_its_tenant() {
             printed,
             "human output: the URL alone without a domain"
         );
+        // `strata info` names where ports are reached.
+        let out = strata_testkit::run_strata(&bin, &d.url, Some(&a_token), &["info", &id]);
+        let info = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            info.lines().any(|l| l.starts_with("ports")
+                && l.ends_with(&format!("{}/v1/sandboxes/{id}/ports/<PORT>", d.url))),
+            "{info}"
+        );
         // Another tenant's id, and port 0: errors.
         let out = strata_testkit::run_strata(&bin, &d.url, Some(&b_token), &["port", &id, "8000"]);
         assert!(!out.status.success(), "another tenant's sandbox");

@@ -9,7 +9,8 @@ use crate::views::{labels, view, Sandbox};
 
 /// Runs `strata info`.
 pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
-    let v = ctx.client()?.get(&["v1", "sandboxes", &a.id], &[]).await?;
+    let c = ctx.client()?;
+    let v = c.get(&["v1", "sandboxes", &a.id], &[]).await?;
     ctx.emit(&v, || {
         let s: Sandbox = view(&v)?;
         let now = Utc::now();
@@ -47,6 +48,9 @@ pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
                 s.pid.map(|p| p.to_string()).unwrap_or_else(|| "-".into()),
             ),
         ];
+        // Where a guest server on 127.0.0.1:<PORT> is reached (`strata port`).
+        let ports = c.url(&["v1", "sandboxes", &s.id, "ports"], &[]);
+        rows.push(("ports", format!("{ports}/<PORT>")));
         if let Some(r) = &s.state_reason {
             rows.insert(2, ("reason", r.clone()));
         }
