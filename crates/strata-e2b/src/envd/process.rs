@@ -40,39 +40,58 @@ fn keepalive_interval(headers: &HeaderMap) -> Duration {
     Duration::from_secs(s)
 }
 
+/// Why a process stream ended without an `end`: the sandbox was deleted
+/// (killed, or its timeout ended it), or it was paused.
+async fn ended_because(st: &E2b, id: &SandboxId) -> &'static str {
+    let gone = match st.envd_caller(id).await {
+        // Gone, or being deleted (the VM ends before the record does).
+        Ok(caller) => match st.svc.get_sandbox(&caller, id).await {
+            Ok(rec) => rec.pending_op == Some(strata_core::Op::Delete),
+            Err(_) => true,
+        },
+        Err(_) => true,
+    };
+    if gone {
+        "the process's output stream ended: the sandbox was killed or reached its end of life"
+    } else {
+        "the process's output stream ended (the sandbox was paused); reconnect with commands.connect"
+    }
+}
+
 /// The frames of a process stream: `start`, then the events with keepalives,
 /// then the trailer. A channel that closes without an `end` (the sandbox
-/// was paused) ends with a `canceled` error.
+/// was paused or killed) ends with a `canceled` error saying which.
 fn event_frames(
+    st: Arc<E2b>,
+    id: SandboxId,
     pid: u32,
     rx: mpsc::Receiver<ProcessEvent>,
     keepalive: Duration,
 ) -> impl Stream<Item = Bytes> + Send + 'static {
     let first = connect::message_frame(&ProcessEvent::Start { pid }.to_response_json());
     let tick = tokio::time::interval_at(tokio::time::Instant::now() + keepalive, keepalive);
-    let rest = futures::stream::unfold(Some((rx, tick)), |state| async move {
-        let (mut rx, mut tick) = state?;
-        tokio::select! {
-            ev = rx.recv() => match ev {
-                Some(ev @ ProcessEvent::End { .. }) => {
-                    let mut b = connect::message_frame(&ev.to_response_json()).to_vec();
-                    b.extend_from_slice(&connect::end_ok_frame());
-                    Some((Bytes::from(b), None))
-                }
-                Some(ev) => Some((connect::message_frame(&ev.to_response_json()), Some((rx, tick)))),
-                None => Some((
-                    ConnectError::new(
-                        Code::Canceled,
-                        "the process's output stream ended (the sandbox was paused); reconnect with commands.connect",
-                    )
-                    .end_frame(),
-                    None,
+    let rest = futures::stream::unfold(Some((rx, tick)), move |state| {
+        let (st, id) = (st.clone(), id.clone());
+        async move {
+            let (mut rx, mut tick) = state?;
+            tokio::select! {
+                ev = rx.recv() => match ev {
+                    Some(ev @ ProcessEvent::End { .. }) => {
+                        let mut b = connect::message_frame(&ev.to_response_json()).to_vec();
+                        b.extend_from_slice(&connect::end_ok_frame());
+                        Some((Bytes::from(b), None))
+                    }
+                    Some(ev) => Some((connect::message_frame(&ev.to_response_json()), Some((rx, tick)))),
+                    None => Some((
+                        ConnectError::new(Code::Canceled, ended_because(&st, &id).await).end_frame(),
+                        None,
+                    )),
+                },
+                _ = tick.tick() => Some((
+                    connect::message_frame(&ProcessEvent::KeepAlive.to_response_json()),
+                    Some((rx, tick)),
                 )),
-            },
-            _ = tick.tick() => Some((
-                connect::message_frame(&ProcessEvent::KeepAlive.to_response_json()),
-                Some((rx, tick)),
-            )),
+            }
         }
     });
     futures::stream::iter([first]).chain(rest)
@@ -201,9 +220,13 @@ pub async fn start(
         .await
     };
     match run.await {
-        Ok((proc, rx)) => {
-            connect::stream_response(event_frames(proc.pid, rx, keepalive_interval(&headers)))
-        }
+        Ok((proc, rx)) => connect::stream_response(event_frames(
+            st.clone(),
+            id.clone(),
+            proc.pid,
+            rx,
+            keepalive_interval(&headers),
+        )),
         Err(e) => connect::stream_error(e),
     }
 }
@@ -238,7 +261,13 @@ pub async fn connect(
         let found = select(&st, &id, &req.process)?;
         if let Some(p) = &found {
             if let Some(rx) = p.subscribe() {
-                return Ok(connect::stream_response(event_frames(p.pid, rx, keepalive)));
+                return Ok(connect::stream_response(event_frames(
+                    st.clone(),
+                    id.clone(),
+                    p.pid,
+                    rx,
+                    keepalive,
+                )));
             }
         }
         let pid = found

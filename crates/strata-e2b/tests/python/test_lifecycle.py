@@ -118,9 +118,10 @@ def test_allow_internet_access_false_and_update_network():
         # Omitted fields are cleared: back to the tenant's policy.
         s.update_network({})
         assert egress_effect(s.sandbox_id, "other.example") == "allow"
-        # IP/CIDR allow rules are refused (the proxy decides by host name).
+        # A domain in denyOut is refused (E2B takes IPs and CIDRs there) and
+        # changes nothing.
         with pytest.raises(SandboxException):
-            s.update_network({"allow_out": ["10.0.0.0/8"]})
+            s.update_network({"deny_out": ["example.com"]})
         assert egress_effect(s.sandbox_id, "other.example") == "allow"
     finally:
         s.kill()
