@@ -70,6 +70,15 @@ class S(socketserver.ThreadingMixIn, http.server.HTTPServer):
 S(("127.0.0.1", 8001), H).serve_forever()
 "#;
 
+/// Imports, says it is ready, sleeps 3 s, then serves `/srv` on 8002.
+const LATE_SERVER: &str = r#"
+import http.server, os, time
+open("/tmp/late.ready", "w").close()
+time.sleep(3)
+os.chdir("/srv")
+http.server.ThreadingHTTPServer(("127.0.0.1", 8002), http.server.SimpleHTTPRequestHandler).serve_forever()
+"#;
+
 async fn audit_port_entries(d: &Daemon, id: &str) -> Vec<Value> {
     let r = d
         .api
@@ -501,13 +510,23 @@ async fn a_waking_request_waits_for_the_guest_server() {
         .await;
     assert!(s < 300, "create: {s} {v}");
     let id = v["id"].as_str().unwrap().to_owned();
-    // The server listens 2 s (guest time) from now; the sandbox sleeps at once.
+    // A server that is started (imports done, `/tmp/late.ready`) but binds
+    // only 3 s (guest time) later; the sandbox sleeps as soon as it is ready.
     d.sh(
         &id,
-        "mkdir -p /srv && echo late > /srv/late.txt && cd /srv && \
-         (setsid sh -c 'sleep 2; exec python3 -m http.server 8002 --bind 127.0.0.1' >/tmp/l.log 2>&1 &)",
+        &format!(
+            "mkdir -p /srv && echo late > /srv/late.txt && cat > /tmp/late.py <<'EOF'\n{LATE_SERVER}\nEOF\n\
+             (setsid python3 /tmp/late.py >/tmp/l.log 2>&1 &)"
+        ),
     )
     .await;
+    let ready = d
+        .sh(
+            &id,
+            "for i in $(seq 1 300); do [ -e /tmp/late.ready ] && echo ready && exit 0; sleep 0.1; done; echo no",
+        )
+        .await;
+    assert_eq!(ready.trim(), "ready", "the late server did not start");
     let hibernate = || async {
         let (s, v) = d
             .v1(
