@@ -61,13 +61,21 @@ pub(super) struct AutoResume {
 /// (the default, or a fork's source's).
 pub(super) fn asked(
     auto_pause: Option<bool>,
+    auto_pause_memory: Option<bool>,
     auto_resume: Option<AutoResume>,
 ) -> E2bResult<Option<LifecyclePolicy>> {
-    if auto_pause.is_none() && auto_resume.is_none() {
+    if auto_pause.is_none() && auto_resume.is_none() && auto_pause_memory.is_none() {
         return Ok(None);
     }
-    let on_timeout = match auto_pause {
-        Some(false) => OnTimeout::Delete,
+    let on_timeout = match (auto_pause, auto_pause_memory) {
+        (Some(false), Some(_)) => {
+            return Err(E2bError::new(
+                400,
+                "autoPauseMemory is only allowed when autoPause is true (on_timeout \"pause\")",
+            ))
+        }
+        (Some(false), None) => OnTimeout::Delete,
+        (_, Some(false)) => OnTimeout::HibernateDisk,
         _ => OnTimeout::Hibernate,
     };
     let auto_resume = auto_resume.map(|a| a.enabled);
@@ -77,8 +85,15 @@ pub(super) fn asked(
             "autoResume can only be enabled when autoPause is true (on_timeout \"pause\")",
         ));
     }
-    // Unset: wake on use when the timeout pauses (strata's default); a
-    // `kill` sandbox paused by hand wakes only by connect (as E2B's).
+    if on_timeout == OnTimeout::HibernateDisk && auto_resume == Some(true) {
+        return Err(E2bError::new(
+            400,
+            "autoResume cannot be enabled with autoPauseMemory false: a filesystem-only pause is resumed by connect",
+        ));
+    }
+    // Unset: wake on use when the timeout pauses with memory (strata's
+    // default); a `kill` sandbox paused by hand, and a filesystem-only
+    // pause, wake only by connect (as E2B's).
     Ok(Some(LifecyclePolicy {
         on_timeout,
         auto_resume: auto_resume.unwrap_or(on_timeout == OnTimeout::Hibernate),
@@ -89,7 +104,7 @@ pub(super) fn asked(
 pub(super) fn to_json(p: LifecyclePolicy) -> Value {
     json!({
         "onTimeout": match p.on_timeout {
-            OnTimeout::Hibernate => "pause",
+            OnTimeout::Hibernate | OnTimeout::HibernateDisk => "pause",
             OnTimeout::Delete => "kill",
         },
         "autoResume": p.auto_resume,
@@ -102,9 +117,9 @@ mod tests {
 
     #[test]
     fn create_fields_map_onto_the_policy() {
-        assert_eq!(asked(None, None).unwrap(), None);
+        assert_eq!(asked(None, None, None).unwrap(), None);
         let on = |p: Option<bool>, r: Option<bool>| {
-            asked(p, r.map(|enabled| AutoResume { enabled }))
+            asked(p, None, r.map(|enabled| AutoResume { enabled }))
                 .unwrap()
                 .unwrap()
         };
@@ -114,8 +129,27 @@ mod tests {
         assert!(!on(Some(true), Some(false)).auto_resume);
         assert!(!on(None, Some(false)).auto_resume);
         assert_eq!(on(None, Some(false)).on_timeout, OnTimeout::Hibernate);
-        let bad = asked(Some(false), Some(AutoResume { enabled: true })).unwrap_err();
+        let bad = asked(Some(false), None, Some(AutoResume { enabled: true })).unwrap_err();
         assert_eq!(bad.status, 400);
+        // keep_memory: false → a disk-only pause, woken only by connect.
+        let disk = asked(Some(true), Some(false), None).unwrap().unwrap();
+        assert_eq!(disk.on_timeout, OnTimeout::HibernateDisk);
+        assert!(!disk.auto_resume);
+        assert_eq!(to_json(disk)["onTimeout"], "pause");
+        assert_eq!(
+            asked(Some(true), Some(true), None)
+                .unwrap()
+                .unwrap()
+                .on_timeout,
+            OnTimeout::Hibernate
+        );
+        for (p, m, r) in [
+            (Some(false), Some(false), None),
+            (Some(true), Some(false), Some(true)),
+        ] {
+            let e = asked(p, m, r.map(|enabled| AutoResume { enabled })).unwrap_err();
+            assert_eq!(e.status, 400);
+        }
         assert_eq!(
             to_json(on(Some(false), Some(false))),
             json!({"onTimeout": "kill", "autoResume": false})

@@ -123,6 +123,8 @@ struct NewSandbox {
     template_id: String,
     timeout: Option<u64>,
     auto_pause: Option<bool>,
+    /// `false`: the timeout's pause keeps no memory (`keep_memory`).
+    auto_pause_memory: Option<bool>,
     auto_resume: Option<lifecycle::AutoResume>,
     /// The SDKs send it snake_case (`allow_internet_access`).
     #[serde(alias = "allow_internet_access")]
@@ -271,7 +273,7 @@ pub async fn create(
     let req: NewSandbox = parse_body(&body)?;
     let template = st.resolve_template(&caller, &req.template_id).await;
     let timeout = check_timeout(req.timeout.unwrap_or(st.cfg.default_timeout_s))?.max(1);
-    let policy = lifecycle::asked(req.auto_pause, req.auto_resume)?;
+    let policy = lifecycle::asked(req.auto_pause, req.auto_pause_memory, req.auto_resume)?;
     let egress = network::asked(req.allow_internet_access, req.network.as_ref())?;
     let ports = match &req.network {
         Some(n) => n.port_settings()?,

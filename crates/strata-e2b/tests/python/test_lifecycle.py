@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from e2b import NotFoundException, Sandbox, SandboxException
+from e2b import NotFoundException, Sandbox, SandboxException, SandboxState
 
 SUITE = os.environ.get("STRATA_E2B_SUITE", "strata-e2b-tests")
 
@@ -125,3 +125,27 @@ def test_allow_internet_access_false_and_update_network():
         assert egress_effect(s.sandbox_id, "other.example") == "allow"
     finally:
         s.kill()
+
+
+def test_timeout_pause_without_memory_cold_boots_on_connect():
+    # on_timeout pause with keep_memory False: the timeout's pause keeps the
+    # disk only; traffic does not wake it; connect cold-boots it.
+    s = Sandbox.create(
+        metadata={"suite": SUITE, "role": "fs-only-timeout"},
+        timeout=3,
+        lifecycle={"on_timeout": {"action": "pause", "keep_memory": False}},
+    )
+    try:
+        s.files.write("/home/user/fs-only.txt", "kept")
+        boot = s.files.read("/proc/sys/kernel/random/boot_id").strip()
+        deadline = time.time() + 60
+        while s.get_info().state != SandboxState.PAUSED:
+            assert time.time() < deadline, "not paused by its timeout"
+            time.sleep(1)
+        assert s.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": False}
+        resumed = s.connect()
+        assert resumed.files.read("/home/user/fs-only.txt").strip() == "kept"
+        assert resumed.files.read("/proc/sys/kernel/random/boot_id").strip() != boot
+    finally:
+        s.kill()
+

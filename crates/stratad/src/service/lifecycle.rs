@@ -264,6 +264,10 @@ impl Service {
                 .hibernate_locked(id, g, true)
                 .await
                 .map(|_| "hibernated"),
+            OnTimeout::HibernateDisk => self
+                .hibernate_locked(id, g, false)
+                .await
+                .map(|_| "hibernated (disk only)"),
             OnTimeout::Delete => self
                 .delete_locked(
                     id,

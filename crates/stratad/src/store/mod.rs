@@ -66,6 +66,10 @@ pub enum OnTimeout {
     Hibernate,
     /// Delete the sandbox and its snapshots (E2B `on_timeout: kill`).
     Delete,
+    /// Hibernate without memory (E2B `on_timeout: {action: pause,
+    /// keep_memory: false}`): file systems synced and frozen, a disk-only
+    /// snapshot, the VM ended; the wake cold-boots from the disk.
+    HibernateDisk,
 }
 
 impl OnTimeout {
@@ -74,6 +78,7 @@ impl OnTimeout {
         match self {
             OnTimeout::Hibernate => "hibernate",
             OnTimeout::Delete => "delete",
+            OnTimeout::HibernateDisk => "hibernate_disk",
         }
     }
 }

@@ -449,6 +449,7 @@ impl Store for SqliteStore {
         let on_timeout = match on.as_str() {
             "hibernate" => OnTimeout::Hibernate,
             "delete" => OnTimeout::Delete,
+            "hibernate_disk" => OnTimeout::HibernateDisk,
             other => {
                 return Err(corrupt(
                     "sandbox_lifecycle",
