@@ -242,10 +242,20 @@ pub fn spawn(spec: &Spec) -> Result<Spawned, Fail> {
     cmd.current_dir(spec.cwd.as_deref().unwrap_or("/"));
     let ids = user.map(|u| (u.uid, u.gid, u.groups));
     // SAFETY: the closure runs between fork and exec and only makes
-    // async-signal-safe system calls (setsid, ioctl, setgroups, setgid,
-    // setuid) on data prepared before the fork.
+    // async-signal-safe system calls (signal, setsid, ioctl, setgroups,
+    // setgid, setuid) on data prepared before the fork.
     unsafe {
         cmd.pre_exec(move || {
+            // Default dispositions whatever the agent inherited: a process
+            // started as a shell's background job ignores SIGINT and
+            // SIGQUIT, and ignored signals survive exec, so ^C on a PTY or
+            // a signal sent through the API would do nothing. (std resets
+            // the signal mask and SIGPIPE itself.)
+            for sig in 1..32 {
+                if sig != libc::SIGKILL && sig != libc::SIGSTOP {
+                    libc::signal(sig, libc::SIG_DFL);
+                }
+            }
             if libc::setsid() < 0 {
                 return Err(std::io::Error::last_os_error());
             }

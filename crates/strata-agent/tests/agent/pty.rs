@@ -152,6 +152,24 @@ async fn ctrl_c_on_the_pty_interrupts_the_foreground() {
     assert_eq!(s.signal, Some(libc::SIGINT), "{s:?}");
 }
 
+#[tokio::test]
+async fn ctrl_c_works_even_when_the_agent_was_started_ignoring_it() {
+    // A shell's background job ignores SIGINT/SIGQUIT, nohup SIGHUP; the
+    // agent's commands must not inherit that (they did: ^C did nothing).
+    let agent = Agent::start_ignoring(&[libc::SIGINT, libc::SIGQUIT, libc::SIGHUP]);
+    let c = agent.client().await;
+    let mut h = c
+        .exec(on_pty("echo sleeping; exec sleep 1000", 80, 24))
+        .await
+        .unwrap();
+    let mut seen = String::new();
+    until(&mut h, &mut seen, "sleeping").await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    h.write_stdin(b"\x03").await.unwrap();
+    let s = exit_of(&mut h).await;
+    assert_eq!(s.signal, Some(libc::SIGINT), "{s:?}");
+}
+
 /// The previous release's agent (built by `scripts/previous-release.sh`
 /// into the compat cache), if it is there.
 fn previous_agent() -> Option<std::path::PathBuf> {

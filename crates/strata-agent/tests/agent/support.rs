@@ -31,23 +31,50 @@ impl Agent {
     /// Like [`Agent::start_with`], with another agent binary (e.g. an older
     /// release's).
     pub(crate) fn start_binary(bin: &std::path::Path, extra: &[&str]) -> Self {
+        Self::spawn(bin, extra, &[])
+    }
+
+    /// This tree's agent started with `ignored` signals set to SIG_IGN, as
+    /// a shell's background job (SIGINT, SIGQUIT) or `nohup` (SIGHUP)
+    /// starts it: what it runs must still get default dispositions.
+    pub(crate) fn start_ignoring(ignored: &'static [i32]) -> Self {
+        Self::spawn(
+            std::path::Path::new(env!("CARGO_BIN_EXE_strata-agent")),
+            &[],
+            ignored,
+        )
+    }
+
+    fn spawn(bin: &std::path::Path, extra: &[&str], ignored: &'static [i32]) -> Self {
+        use std::os::unix::process::CommandExt;
         let dir = tempfile::Builder::new()
             .prefix("strata-agent-test-")
             .tempdir_in("/tmp")
             .unwrap();
         let sock = dir.path().join("agent.sock");
         let log = std::fs::File::create(dir.path().join("agent.log")).unwrap();
-        let child = std::process::Command::new(bin)
-            .arg("--listen-unix")
+        let mut cmd = std::process::Command::new(bin);
+        cmd.arg("--listen-unix")
             .arg(&sock)
             .arg("--dry-system")
             .args(extra)
             .env("STRATA_AGENT_LOG", "debug")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .unwrap();
+            .stderr(log);
+        if !ignored.is_empty() {
+            // SAFETY: between fork and exec, only signal(2), which is
+            // async-signal-safe, on a static list.
+            unsafe {
+                cmd.pre_exec(move || {
+                    for &sig in ignored {
+                        libc::signal(sig, libc::SIG_IGN);
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let child = cmd.spawn().unwrap();
         Self { child, dir, sock }
     }
 
