@@ -53,11 +53,20 @@ const fn route(
 
 const T300: &str = r#"{"timeout":300}"#;
 
-pub(crate) const ID_ROUTES: [Route; 12] = [
+pub(crate) const ID_ROUTES: [Route; 14] = [
     route("GET", "/sandboxes/:id", State::Running, None, "", 200),
     route(
         "GET",
         "/sandboxes/:id/metrics",
+        State::Running,
+        None,
+        "",
+        200,
+    ),
+    route("GET", "/sandboxes/:id/logs", State::Running, None, "", 200),
+    route(
+        "GET",
+        "/v2/sandboxes/:id/logs",
         State::Running,
         None,
         "",
@@ -316,6 +325,11 @@ async fn control_plane_every_route_every_caller_every_spelling_of_the_id() {
                             _ if r.path.ends_with("/metrics") => c.check(body.is_array(), || {
                                 format!("{ctx}: not a metrics list: {body}")
                             }),
+                            // The process log, not the sandbox.
+                            _ if r.path.ends_with("/logs") => c
+                                .check(body["logs"].is_array(), || {
+                                    format!("{ctx}: not a log page: {body}")
+                                }),
                             _ => {
                                 c.check(body["sandboxID"] == real.as_str(), || {
                                     format!("{ctx}: not the sandbox: {body}")

@@ -36,7 +36,7 @@ const fn er(
     }
 }
 
-pub(crate) const ENVD_ROUTES: [EnvdRoute; 18] = [
+pub(crate) const ENVD_ROUTES: [EnvdRoute; 19] = [
     er("GET", "/health", Proto::Health, 0, ""),
     er("GET", "/files", Proto::Files, 1, "file_read"),
     er("POST", "/files", Proto::Files, 1, "file_write"),
@@ -104,6 +104,13 @@ pub(crate) const ENVD_ROUTES: [EnvdRoute; 18] = [
     ),
     // Last: the tests below pick routes above by index.
     er("POST", "/process.Process/Update", Proto::Unary, 0, ""),
+    er(
+        "POST",
+        "/filesystem.Filesystem/WatchDir",
+        Proto::Stream,
+        1,
+        "file_read",
+    ),
 ];
 
 /// Things of a sandbox the envd requests name.
@@ -146,7 +153,7 @@ fn envd_request(
                 "MakeDir" => json!({ "path": format!("/tmp/new-{n}") }),
                 "Move" => json!({"source": "/tmp/a.txt", "destination": "/tmp/b.txt"}),
                 "Remove" => json!({"path": "/tmp/x.txt"}),
-                "CreateWatcher" => json!({"path": "/tmp"}),
+                "CreateWatcher" | "WatchDir" => json!({"path": "/tmp"}),
                 "GetWatcherEvents" | "RemoveWatcher" => json!({ "watcherId": h.watcher }),
                 other => panic!("no request for {other}"),
             };
@@ -184,9 +191,9 @@ pub(crate) async fn envd_send(
     h: &Handles,
     n: usize,
 ) -> Raw {
-    // `Connect` to a live process streams for ever: its first envelope says
-    // enough.
-    let first_only = r.path.ends_with("/Connect");
+    // `Connect` to a live process and `WatchDir` stream for ever: their
+    // first envelope says enough.
+    let first_only = r.path.ends_with("/Connect") || r.path.ends_with("/WatchDir");
     d.send(envd_request(d, r, id, token, h, n), first_only)
         .await
 }
@@ -233,6 +240,10 @@ pub(crate) fn envd_ok(r: &EnvdRoute, a: &Raw, h: &Handles, n: usize) -> Result<(
         "MakeDir" => v["entry"]["path"] == format!("/tmp/new-{n}").as_str(),
         "Move" => v["entry"]["path"] == "/tmp/b.txt",
         "CreateWatcher" => v["watcherId"].as_str().is_some_and(|w| !w.is_empty()),
+        "WatchDir" => {
+            let f = frames(&a.body);
+            !f.is_empty() && f[0].0 == 0 && f[0].1 == json!({"start": {}})
+        }
         "GetWatcherEvents" => v["events"].is_array(),
         other => panic!("no answer for {other}"),
     };
