@@ -276,13 +276,7 @@ impl Service {
         g: &Grant,
         req: ExecRequest,
     ) -> ServiceResult<ExecStream> {
-        validate_exec(&req)?;
-        if g.kind.is_none() {
-            // No tool call was decided: a helper serving one decided earlier
-            // (a signal, stdin) never wakes a hibernated sandbox by itself.
-            self.require_running(g).await?;
-        }
-        self.exec_granted(&g.sandbox, req, None).await
+        self.helper_granted(g, req, None).await
     }
 
     /// [`Service::exec_helper`] for a front door's process that runs the
@@ -295,12 +289,22 @@ impl Service {
         req: ExecRequest,
         shown: Command,
     ) -> ServiceResult<ExecStream> {
+        self.helper_granted(g, req, Some((shown, true))).await
+    }
+
+    async fn helper_granted(
+        self: &Arc<Self>,
+        g: &Grant,
+        req: ExecRequest,
+        log_as: Option<(Command, bool)>,
+    ) -> ServiceResult<ExecStream> {
         validate_exec(&req)?;
         if g.kind.is_none() {
+            // No tool call was decided: a helper serving one decided earlier
+            // (a signal, stdin) never wakes a hibernated sandbox by itself.
             self.require_running(g).await?;
         }
-        self.exec_granted(&g.sandbox, req, Some((shown, true)))
-            .await
+        self.exec_granted(&g.sandbox, req, log_as).await
     }
 
     /// Streams a guest file.

@@ -155,6 +155,31 @@ impl SqliteStore {
             .unwrap_or_else(|p| p.into_inner())
     }
 
+    /// `(sandbox id, text)` rows of a per-sandbox table (`sql` selects the
+    /// id and the value of sandboxes not deleted); an id that does not
+    /// parse is a corrupt row of `table`.
+    fn live_sandbox_values<P: rusqlite::Params>(
+        &self,
+        table: &'static str,
+        sql: &str,
+        params: P,
+    ) -> StoreResult<Vec<(SandboxId, String)>> {
+        let conn = self.reader();
+        let mut stmt = conn.prepare_cached(sql)?;
+        let rows = stmt.query_map(params, |r| {
+            Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?))
+        })?;
+        let mut out = Vec::new();
+        for row in rows {
+            let (id, value) = row?;
+            let sid: SandboxId = id
+                .parse()
+                .map_err(|e| corrupt(table, &id, format!("{e}")))?;
+            out.push((sid, value));
+        }
+        Ok(out)
+    }
+
     fn ready_snapshot_at_ms(
         &self,
         sandbox: &SandboxId,
@@ -359,21 +384,12 @@ impl Store for SqliteStore {
     }
 
     fn sandbox_envs(&self) -> StoreResult<Vec<(SandboxId, String)>> {
-        let conn = self.reader();
-        let mut stmt = conn.prepare_cached(
+        self.live_sandbox_values(
+            "sandbox_env",
             "SELECT e.sandbox_id, e.env FROM sandbox_env e JOIN sandboxes s ON s.id = e.sandbox_id \
              WHERE s.state != 'deleted' ORDER BY e.sandbox_id",
-        )?;
-        let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?;
-        let mut out = Vec::new();
-        for row in rows {
-            let (id, env) = row?;
-            let sid: SandboxId = id
-                .parse()
-                .map_err(|e| corrupt("sandbox_env", &id, format!("{e}")))?;
-            out.push((sid, env));
-        }
-        Ok(out)
+            [],
+        )
     }
 
     fn put_sandbox_setting(
@@ -400,23 +416,12 @@ impl Store for SqliteStore {
     }
 
     fn sandbox_settings(&self, key: &str) -> StoreResult<Vec<(SandboxId, String)>> {
-        let conn = self.reader();
-        let mut stmt = conn.prepare_cached(
+        self.live_sandbox_values(
+            "sandbox_settings",
             "SELECT e.sandbox_id, e.value FROM sandbox_settings e JOIN sandboxes s ON s.id = e.sandbox_id \
              WHERE e.key = ?1 AND s.state != 'deleted' ORDER BY e.sandbox_id",
-        )?;
-        let rows = stmt.query_map([key], |r| {
-            Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?))
-        })?;
-        let mut out = Vec::new();
-        for row in rows {
-            let (id, value) = row?;
-            let sid: SandboxId = id
-                .parse()
-                .map_err(|e| corrupt("sandbox_settings", &id, format!("{e}")))?;
-            out.push((sid, value));
-        }
-        Ok(out)
+            [key],
+        )
     }
 
     fn put_sandbox_lifecycle(&self, id: &SandboxId, policy: &LifecyclePolicy) -> StoreResult<()> {
