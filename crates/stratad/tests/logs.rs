@@ -13,19 +13,6 @@ use common::Daemon;
 use serde_json::{json, Value};
 use strata_testkit::Api;
 
-async fn token(d: &Daemon, tenant: &str, role: &str) -> (Api, String) {
-    let v = d
-        .ok(
-            "POST",
-            "/v1/tokens",
-            Some(json!({ "role": role, "tenant": tenant, "name": format!("{tenant}-{role}") })),
-            201,
-        )
-        .await;
-    let t = v["token"].as_str().expect("token").to_owned();
-    (Api::new(d.url.clone()).bearer(&t), t)
-}
-
 async fn logs(api: &Api, id: &str, query: &str) -> (u16, Value) {
     api.json(
         reqwest::Method::GET,
@@ -56,9 +43,9 @@ fn commands_output_is_logged_bounded_paged_and_tenant_scoped() {
     let d = Daemon::start(&format!("[logs]\nmax_bytes_per_sandbox = {cap}\n"));
     strata_testkit::tokio_rt().block_on(async {
         d.wait_template().await;
-        let (a, a_token) = token(&d, "a", "developer").await;
-        let (viewer, _) = token(&d, "a", "viewer").await;
-        let (b, _) = token(&d, "b", "developer").await;
+        let (a, a_token) = d.tenant_token("a", "developer").await;
+        let (viewer, _) = d.tenant_token("a", "viewer").await;
+        let (b, _) = d.tenant_token("b", "developer").await;
         let (s, v) = a
             .json(reqwest::Method::POST, "/v1/sandboxes", Some(json!({})))
             .await

@@ -16,19 +16,6 @@ use strata_testkit::Api;
 
 const MIB: u64 = 1 << 20;
 
-async fn tenant(d: &Daemon, name: &str) -> (Api, String) {
-    let v = d
-        .ok(
-            "POST",
-            "/v1/tokens",
-            Some(json!({ "role": "developer", "tenant": name, "name": name })),
-            201,
-        )
-        .await;
-    let token = v["token"].as_str().expect("token").to_owned();
-    (Api::new(d.url.clone()).bearer(&token), token)
-}
-
 async fn metrics(api: &Api, id: &str, query: &str) -> (u16, Value) {
     api.json(
         reqwest::Method::GET,
@@ -89,8 +76,8 @@ fn busy_guest_shows_cpu_writes_show_memory_or_disk_and_other_tenants_see_nothing
     let d = Daemon::start("[metrics]\ninterval = \"1s\"\nwindow = \"10m\"\n");
     strata_testkit::tokio_rt().block_on(async {
         d.wait_template().await;
-        let (a, a_token) = tenant(&d, "a").await;
-        let (b, _) = tenant(&d, "b").await;
+        let (a, a_token) = d.tenant_token("a", "developer").await;
+        let (b, _) = d.tenant_token("b", "developer").await;
         let (s, v) = a
             .json(reqwest::Method::POST, "/v1/sandboxes", Some(json!({})))
             .await

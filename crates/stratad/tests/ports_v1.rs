@@ -14,23 +14,6 @@ use common::Daemon;
 use serde_json::{json, Value};
 use strata_testkit::Api;
 
-async fn token(d: &Daemon, tenant: &str, role: &str) -> Api {
-    token_text(d, tenant, role).await.0
-}
-
-async fn token_text(d: &Daemon, tenant: &str, role: &str) -> (Api, String) {
-    let v = d
-        .ok(
-            "POST",
-            "/v1/tokens",
-            Some(json!({ "role": role, "tenant": tenant, "name": format!("{tenant}-{role}") })),
-            201,
-        )
-        .await;
-    let t = v["token"].as_str().expect("token").to_owned();
-    (Api::new(d.url.clone()).bearer(&t), t)
-}
-
 async fn get(api: &Api, path: &str) -> (u16, Vec<u8>) {
     api.raw(reqwest::Method::GET, path, Vec::new())
         .await
@@ -42,9 +25,9 @@ fn a_guest_server_is_reached_through_v1_and_only_by_its_tenant() {
     let d = Daemon::start("");
     strata_testkit::tokio_rt().block_on(async {
         d.wait_template().await;
-        let (a, a_token) = token_text(&d, "a", "developer").await;
-        let viewer = token(&d, "a", "viewer").await;
-        let (b, b_token) = token_text(&d, "b", "developer").await;
+        let (a, a_token) = d.tenant_token("a", "developer").await;
+        let viewer = d.tenant_token("a", "viewer").await.0;
+        let (b, b_token) = d.tenant_token("b", "developer").await;
         let (s, v) = a
             .json(reqwest::Method::POST, "/v1/sandboxes", Some(json!({})))
             .await

@@ -251,6 +251,21 @@ disk_gib = 2
             .unwrap_or_else(|e| panic!("{}", error_chain(&e)))
     }
 
+    /// A new token of `role` in `tenant` (made with the admin token): a
+    /// client holding it, and the token itself.
+    pub async fn tenant_token(&self, tenant: &str, role: &str) -> (Api, String) {
+        let v = self
+            .ok(
+                "POST",
+                "/v1/tokens",
+                Some(json!({ "role": role, "tenant": tenant, "name": format!("{tenant}-{role}") })),
+                201,
+            )
+            .await;
+        let t = v["token"].as_str().expect("token").to_owned();
+        (Api::new(self.url.clone()).bearer(&t), t)
+    }
+
     /// Asserts `status` and returns the body.
     pub async fn ok(&self, method: &str, path: &str, body: Option<Value>, want: u16) -> Value {
         let (s, v) = self.call(method, path, body).await;
