@@ -358,6 +358,12 @@ pub struct Config {
     pub max_json_body_bytes: usize,
     /// Largest file upload, in bytes.
     pub max_upload_bytes: u64,
+    /// How long a connection to a running sandbox's port retries a guest
+    /// port that refuses it (a server the agent just started may not listen
+    /// yet), with backoff from 50 ms to 500 ms; `0s`: a refusal is final at
+    /// once. A connection that woke its sandbox retries for at least 10 s.
+    #[serde(with = "serde_human")]
+    pub port_connect_grace: Duration,
     /// Recovery removes subvolumes that no record owns (VMs no record owns
     /// are ended whatever this says).
     pub clean_orphans: bool,
@@ -490,6 +496,7 @@ impl Default for Config {
             capacity: Capacity::default(),
             max_json_body_bytes: 1024 * 1024,
             max_upload_bytes: 1024 * 1024 * 1024,
+            port_connect_grace: Duration::from_secs(3),
             clean_orphans: true,
             auto_recover: true,
             db_readers: 4,

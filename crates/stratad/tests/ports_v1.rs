@@ -1,7 +1,8 @@
 //! Guest ports through `/v1` end to end: a real `stratad`, a real TCG
 //! guest running `python3 -m http.server`. `GET
 //! /v1/sandboxes/{id}/ports/{port}/<path>?<query>` reaches the guest's server
-//! with the guest path and query; nothing listening is `502`; another
+//! with the guest path and query; nothing listening is `502` (after the
+//! connect grace, which lets a server starting in the background be reached); another
 //! tenant's sandbox answers `404` like an unknown one; a viewer may not
 //! open a port (`403`). `strata port` prints the URL (fetched here as
 //! printed) and, given the E2B domain, the routed host.
@@ -65,9 +66,29 @@ fn a_guest_server_is_reached_through_v1_and_only_by_its_tenant() {
         assert_eq!(s, 200);
         assert!(String::from_utf8_lossy(&body).contains("d/"), "listing");
 
-        // Nothing listening: 502.
+        // Nothing listening: 502, after the connect grace (3 s by default).
+        let t = Instant::now();
         let (s, body) = get(&a, &format!("/v1/sandboxes/{id}/ports/8999")).await;
         assert_eq!(s, 502, "{}", String::from_utf8_lossy(&body));
+        assert!(t.elapsed() >= Duration::from_millis(2500), "{:?}", t.elapsed());
+        // A server started in the background just before the request (here:
+        // listening 0.5 s after it, plus Python's start) is reached, not refused: the first
+        // request after `commands.run(..., background=True)` works.
+        let (s, v): (u16, Value) = a
+            .json(
+                reqwest::Method::POST,
+                &format!("/v1/sandboxes/{id}/exec"),
+                Some(json!({"cmd": ["sh", "-c",
+                    "cd /srv && (setsid sh -c 'sleep 0.5; exec python3 -m http.server 8001 --bind 127.0.0.1' >/tmp/h2.log 2>&1 &)"]})),
+            )
+            .await
+            .expect("exec");
+        assert_eq!(s, 200, "{v}");
+        let (s, body) = get(&a, &format!("/v1/sandboxes/{id}/ports/8001/d/hello.txt")).await;
+        assert_eq!(
+            (s, String::from_utf8_lossy(&body).as_ref()),
+            (200, "hello-v1\n")
+        );
         // Not a port: 400.
         let (s, _) = get(&a, &format!("/v1/sandboxes/{id}/ports/0")).await;
         assert_eq!(s, 400);

@@ -5,9 +5,9 @@
 //! like an unknown one), the port is valid, the tool-call gate decides
 //! `port {port}` (a refusal is audited at once), the sandbox is woken (a
 //! hibernated or paused one, when its lifecycle allows auto-resume), then
-//! the engine opens the tunnel (a connection that woke the sandbox retries
-//! a refused port for up to [`WAKE_CONNECT_GRACE`]: its server may still be
-//! starting). An allowed connection is audited once, when
+//! the engine opens the tunnel (a refused guest port is retried for up to
+//! `port_connect_grace`, 3 s by default, or [`WAKE_CONNECT_GRACE`] for a
+//! connection that woke the sandbox: its server may still be starting). An allowed connection is audited once, when
 //! it ends, with the bytes it carried each way (a connection the guest
 //! refused: with zero bytes). Traffic counts as activity of the sandbox.
 
@@ -244,19 +244,33 @@ impl Service {
         // This request woke the sandbox: a server in the guest may still be
         // starting (it was stopped mid-start), so a refused connect is tried
         // again for a short while before it counts as nothing listening.
+        // A running one gets `port_connect_grace`: a client often asks
+        // right after starting its server in the background.
         let woke = before != SandboxState::Running && rec.state == SandboxState::Running;
-        let deadline = Instant::now() + WAKE_CONNECT_GRACE;
-        let mut wait = Duration::from_millis(100);
+        let (grace, mut wait, max_wait) = if woke {
+            (
+                WAKE_CONNECT_GRACE.max(self.config.port_connect_grace),
+                Duration::from_millis(100),
+                Duration::from_secs(1),
+            )
+        } else {
+            (
+                self.config.port_connect_grace,
+                Duration::from_millis(50),
+                Duration::from_millis(500),
+            )
+        };
+        let deadline = Instant::now() + grace;
         loop {
             match self.engine.connect_port(id, port).await {
                 Err(PortOpenError::Port(PortError::Refused { .. }))
-                    if woke && Instant::now() + wait < deadline =>
+                    if Instant::now() + wait < deadline =>
                 {
                     tokio::time::sleep(wait).await;
                     // Waiting is activity: a short idle timeout must not
                     // put the sandbox back to sleep under the retries.
                     self.touch(id);
-                    wait = (wait * 2).min(Duration::from_secs(1));
+                    wait = (wait * 2).min(max_wait);
                 }
                 r => return r.map_err(|e| port_err(id, e)),
             }
