@@ -12,6 +12,7 @@ mod session;
 mod system;
 mod transport;
 mod user;
+mod watch;
 
 use std::path::PathBuf;
 use std::sync::Arc;

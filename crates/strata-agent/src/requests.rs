@@ -77,6 +77,11 @@ pub enum Entry {
         /// Host's consumed-bytes counter.
         acks: watch::Sender<u64>,
     },
+    /// A directory watch (`watch.rs`); dropping the row ends it.
+    Watch {
+        /// Its polls: the longest wait for an event, in milliseconds.
+        polls: mpsc::Sender<u64>,
+    },
     /// An egress tunnel (agent-chosen id).
     Tunnel {
         /// Where the host's tunnel messages go; dropping it stops the tunnel.

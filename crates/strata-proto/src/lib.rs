@@ -8,13 +8,14 @@ pub mod msg;
 pub mod tunnel;
 
 pub use client::{
-    AgentClient, AgentError, ExecEvent, ExecHandle, ExecInput, ExecOutput, ExecRequest, ExitStatus,
-    FileDownload, Liveness, Stdin, TunnelHandler,
+    AgentClient, AgentError, DirWatch, ExecEvent, ExecHandle, ExecInput, ExecOutput, ExecRequest,
+    ExitStatus, FileDownload, Liveness, Stdin, TunnelHandler, WatchBatch,
 };
 pub use frame::{decode_frame, Decoded, Frame, FrameDecoder, FrameError, FrameKind};
 pub use msg::{
     AgentInfo, Command, DirEntry, EntryExt, FileKind, FileStat, PtySize, RemoteErrorKind, Request,
-    Response, RestoreSync, MAX_XATTR_BYTES,
+    Response, RestoreSync, WatchEvent, WatchKind, MAX_WATCH_BATCH, MAX_WATCH_WAIT_MS,
+    MAX_XATTR_BYTES,
 };
 
 /// Version of the wire protocol; host and agent must agree.

@@ -172,6 +172,30 @@ pub enum Request {
         /// Guest TCP port on the loopback address (> 0).
         port: u16,
     },
+    /// Starts watching directory `path` with inotify (and, with
+    /// `recursive`, every directory below it, new ones as they appear):
+    /// answered with [`Response::WatchStarted`]; the watch lives on this id
+    /// until [`Request::WatchStop`] or the session ends. An older agent
+    /// answers `invalid_argument` (`bad request: …`, the op is unknown).
+    Watch {
+        /// Absolute path of a directory.
+        path: String,
+        /// Watch the whole tree below `path`.
+        #[serde(default)]
+        recursive: bool,
+    },
+    /// On a watch's id: the events buffered since the last poll, answered
+    /// with [`Response::WatchEvents`]. With `wait_ms` and nothing buffered
+    /// the agent answers when the first event comes or after that long (at
+    /// most [`MAX_WATCH_WAIT_MS`]). The agent reads the kernel's queue first,
+    /// so a poll sent after a file operation returned sees its events.
+    WatchPoll {
+        /// Longest wait for a first event, in milliseconds (0: none).
+        #[serde(default)]
+        wait_ms: u64,
+    },
+    /// Ends the watch on this id (its inotify instance is closed). No reply.
+    WatchStop {},
 }
 
 /// Agent → host control messages.
@@ -269,6 +293,20 @@ pub enum Response {
     /// Answer to [`Request::PortConnect`]: the guest port accepted the
     /// connection; tunnel data may flow both ways.
     PortConnected {},
+    /// Answer to [`Request::Watch`]: the directory is watched.
+    WatchStarted {
+        /// Directories watched (1 without recursion).
+        dirs: u32,
+    },
+    /// Answer to [`Request::WatchPoll`]: events in the order the kernel
+    /// reported them, oldest first, at most [`MAX_WATCH_BATCH`].
+    WatchEvents {
+        /// The events.
+        events: Vec<WatchEvent>,
+        /// More are buffered: poll again.
+        #[serde(default)]
+        more: bool,
+    },
     /// Request failed; last message for its id. Id 0: protocol error, the
     /// agent dropped out of sync and the host must reconnect.
     Error {
@@ -297,6 +335,46 @@ pub struct PtySize {
     pub cols: u16,
     /// Rows.
     pub rows: u16,
+}
+
+/// Longest `wait_ms` a [`Request::WatchPoll`] may ask for.
+pub const MAX_WATCH_WAIT_MS: u64 = 30_000;
+/// Most events one [`Response::WatchEvents`] carries.
+pub const MAX_WATCH_BATCH: usize = 512;
+
+/// What happened to a watched path, as fsnotify (and so envd) names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WatchKind {
+    /// Created or moved in (`IN_CREATE`, `IN_MOVED_TO`).
+    Create,
+    /// Written (`IN_MODIFY`).
+    Write,
+    /// Removed (`IN_DELETE`; `IN_DELETE_SELF` of the watched directory).
+    Remove,
+    /// Moved away (`IN_MOVED_FROM`).
+    Rename,
+    /// Metadata changed: mode, owner, times (`IN_ATTRIB`).
+    Chmod,
+    /// Events were lost here (the agent's buffer or the kernel's queue
+    /// was full); `name` is empty.
+    Overflow,
+    /// A kind this host does not know (a newer agent).
+    #[serde(other)]
+    Other,
+}
+
+/// One event of a watch.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WatchEvent {
+    /// Path relative to the watched directory (`sub/file`; empty for the
+    /// directory itself), lossy UTF-8.
+    pub name: String,
+    /// What happened.
+    pub kind: WatchKind,
+    /// The path is a directory (`IN_ISDIR`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub dir: bool,
 }
 
 /// Agent facts returned by the handshake and by ping.
@@ -581,6 +659,42 @@ mod tests {
         assert_eq!(s, r#"{"op":"output_ack","bytes":3}"#);
         let r: Request = serde_json::from_str(r#"{"op":"output_discard"}"#).unwrap();
         assert_eq!(r, Request::OutputDiscard {});
+    }
+
+    #[test]
+    fn watch_messages_json_shape() {
+        let s = serde_json::to_string(&Request::Watch {
+            path: "/d".into(),
+            recursive: true,
+        })
+        .unwrap();
+        assert_eq!(s, r#"{"op":"watch","path":"/d","recursive":true}"#);
+        let r: Request = serde_json::from_str(r#"{"op":"watch_poll"}"#).unwrap();
+        assert_eq!(r, Request::WatchPoll { wait_ms: 0 });
+        let s = serde_json::to_string(&Request::WatchStop {}).unwrap();
+        assert_eq!(s, r#"{"op":"watch_stop"}"#);
+        let r: Response = serde_json::from_str(
+            r#"{"op":"watch_events","events":[{"name":"a","kind":"create","dir":true},{"name":"b","kind":"brand_new"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            r,
+            Response::WatchEvents {
+                events: vec![
+                    WatchEvent {
+                        name: "a".into(),
+                        kind: WatchKind::Create,
+                        dir: true
+                    },
+                    WatchEvent {
+                        name: "b".into(),
+                        kind: WatchKind::Other,
+                        dir: false
+                    },
+                ],
+                more: false,
+            }
+        );
     }
 
     #[test]

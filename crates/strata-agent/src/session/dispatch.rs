@@ -5,7 +5,8 @@
 //! that row. One-reply requests (list, stat, mkdir, remove, restore_sync)
 //! run on the blocking pool and answer once. Tunnel messages of the host
 //! (`tunnel_ok`, `tunnel_ack`, `tunnel_eof`, `tunnel_close`) go to their
-//! tunnel's row. A request that would open a row under id 0 or an id in use
+//! tunnel's row; `watch` opens a directory watch's row (`watch.rs`), whose
+//! polls and stop go to it. A request that would open a row under id 0 or an id in use
 //! fails with `invalid_argument`.
 
 use std::time::Duration;
@@ -233,6 +234,37 @@ impl Session {
             }
             Request::PortConnect { port } => {
                 crate::ports::connect(&self.table, &self.transport.epoch, out, epoch, id, port)
+            }
+            Request::Watch { path, recursive } => {
+                let (table, current) = (self.table.clone(), self.transport.epoch.clone());
+                tokio::spawn(crate::watch::start(
+                    table, current, epoch, out, id, path, recursive,
+                ));
+            }
+            Request::WatchPoll { wait_ms } => {
+                let polls = match lock(&self.table).get(&id) {
+                    Some((_, Entry::Watch { polls })) => Some(polls.clone()),
+                    _ => None,
+                };
+                match polls {
+                    // More polls in flight than the queue holds: the host
+                    // broke the one-at-a-time rule; the extra one is dropped.
+                    Some(p) => {
+                        if p.try_send(wait_ms).is_err() {
+                            tracing::debug!(id, "watch poll dropped: too many in flight");
+                        }
+                    }
+                    None => {
+                        let f = Fail::new(RemoteErrorKind::NotFound, "no watch on this id");
+                        out.error(id, f).await
+                    }
+                }
+            }
+            Request::WatchStop {} => {
+                let mut t = lock(&self.table);
+                if matches!(t.get(&id), Some((_, Entry::Watch { .. }))) {
+                    t.remove(&id);
+                }
             }
             Request::TunnelAck { bytes } => self.tunnel_msg(id, TunnelMsg::Ack(bytes)).await,
             Request::TunnelEof {} => self.tunnel_msg(id, TunnelMsg::Eof).await,

@@ -16,13 +16,15 @@
 //! The rooms: this file holds the connection, the handshake and the
 //! one-reply requests; `demux` the reader/writer tasks and the id table;
 //! `exec` commands; `files` uploads, downloads and file operations;
-//! `tunnel` guest egress; `ports` connections to guest ports.
+//! `tunnel` guest egress; `ports` connections to guest ports; `watch`
+//! directory watches.
 
 mod demux;
 mod exec;
 mod files;
 mod ports;
 mod tunnel;
+mod watch;
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -49,6 +51,7 @@ pub use self::ports::{
 pub use self::tunnel::{
     OpenFuture, TunnelHandler, TunnelIo, TunnelService, TunnelStream, EGRESS_CONNECT_TIMEOUT,
 };
+pub use self::watch::{DirWatch, WatchBatch, WATCH_POLL_GRACE, WATCH_START_TIMEOUT};
 use crate::frame::{Decoded, Frame, FrameDecoder, FrameError, FrameKind, SYNC_MAGIC};
 use crate::msg::{AgentInfo, RemoteErrorKind, Request, Response, RestoreSync};
 use crate::PROTOCOL_VERSION;
