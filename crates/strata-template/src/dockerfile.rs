@@ -493,3 +493,264 @@ pub(crate) fn parse(s: &str) -> Result<(Recipe, Vec<usize>), RecipeError> {
         lines,
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::{Copy, Ready, Recipe, Start, Step, DEFAULT_READY_TIMEOUT_SECS};
+
+    const DF: &str = r#"# syntax=docker/dockerfile:1
+# a comment
+ARG PYVER=3.11
+from e2bdev/base AS build
+LABEL org.example=1
+run apt-get update \
+    # a comment inside a continuation
+    && apt-get install -y jq
+
+ENV APP_HOME=/srv/app GREETING="hello world" PATH=/opt/tool/bin:$PATH
+ENV LEGACY some value with spaces
+WORKDIR $APP_HOME
+COPY --chown=user:user requirements.txt ./src/ /srv/app/
+COPY ["site", "/var/www"]
+USER user
+RUN ["python3", "-c", "print('it''s')"]
+EXPOSE 8000
+RUN echo "py $PYVER"
+HEALTHCHECK --interval=5s CMD curl -f http://localhost:8000/ || exit 1
+CMD ["python3", "-m", "http.server", "8000"]
+"#;
+
+    #[test]
+    fn the_subset_parses_into_the_expected_recipe() {
+        let r = Recipe::from_dockerfile(DF).expect("parses");
+        assert_eq!(r.base, "e2bdev/base");
+        let env = |pairs: &[(&str, &str)]| {
+            Step::Env(
+                pairs
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            )
+        };
+        let copy = |src: &str, dest: &str, owner: &str| {
+            Step::Copy(Copy {
+                src: src.into(),
+                dest: dest.into(),
+                sha256: None,
+                owner: Some(owner.into()),
+                mode: None,
+            })
+        };
+        let want = vec![
+            Step::Run("apt-get update     && apt-get install -y jq".into()),
+            env(&[
+                ("APP_HOME", "/srv/app"),
+                ("GREETING", "hello world"),
+                (
+                    "PATH",
+                    "/opt/tool/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                ),
+            ]),
+            env(&[("LEGACY", "some value with spaces")]),
+            Step::Workdir("/srv/app".into()),
+            copy("requirements.txt", "/srv/app/", "user:user"),
+            copy("src/", "/srv/app/", "user:user"),
+            copy("site", "/var/www", "root"),
+            Step::User("user".into()),
+            Step::Run("'python3' '-c' 'print('\\''it'\\'''\\''s'\\'')'".into()),
+            Step::Run("echo \"py $PYVER\"".into()),
+        ];
+        assert_eq!(r.steps, want);
+        assert_eq!(
+            r.start,
+            Some(Start {
+                cmd: "'python3' '-m' 'http.server' '8000'".into()
+            })
+        );
+        assert_eq!(
+            r.ready,
+            Some(Ready::Command {
+                cmd: "curl -f http://localhost:8000/ || exit 1".into(),
+                timeout_secs: DEFAULT_READY_TIMEOUT_SECS
+            })
+        );
+    }
+
+    /// ARG before FROM parametrises FROM only; ARG after it is an ENV (no
+    /// --build-args), so RUN sees it.
+    #[test]
+    fn args() {
+        let r = Recipe::from_dockerfile("ARG B=base\nFROM $B\nARG V=1 W\nRUN echo $V\n")
+            .expect("parses");
+        assert_eq!(r.base, "base");
+        assert_eq!(
+            r.steps[0],
+            Step::Env([("V".to_string(), "1".to_string())].into())
+        );
+    }
+
+    #[test]
+    fn variable_forms() {
+        let r = Recipe::from_dockerfile(
+            "FROM base\nENV A=1\nENV B=${A}x C=${UNSET:-d} D=${A:+set} E='$A' F=\"$A\" G=\\$A H=$A$A\n",
+        )
+        .expect("parses");
+        let Step::Env(m) = &r.steps[1] else {
+            panic!("not env")
+        };
+        let got: Vec<(&str, &str)> = m.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        assert_eq!(
+            got,
+            [
+                ("B", "1x"),
+                ("C", "d"),
+                ("D", "set"),
+                ("E", "$A"),
+                ("F", "1"),
+                ("G", "$A"),
+                ("H", "11")
+            ]
+        );
+        let e = Recipe::from_dockerfile("FROM base\nENV A=${B?err}\n").expect_err("bad subst");
+        assert_eq!((e.code(), e.line()), ("invalid_recipe", Some(2)));
+    }
+
+    #[test]
+    fn refusals_name_the_line_and_instruction() {
+        for (text, line, instr, code) in [
+            (
+                "FROM base\nRUN true\nADD x.tar /x\n",
+                3,
+                "ADD",
+                "unsupported_instruction",
+            ),
+            (
+                "FROM base\n\n# c\nENTRYPOINT [\"x\"]\n",
+                4,
+                "ENTRYPOINT",
+                "unsupported_instruction",
+            ),
+            (
+                "FROM base\nVOLUME /data\n",
+                2,
+                "VOLUME",
+                "unsupported_instruction",
+            ),
+            (
+                "FROM base\nSHELL [\"bash\"]\n",
+                2,
+                "SHELL",
+                "unsupported_instruction",
+            ),
+            (
+                "FROM base\nFROM other\n",
+                2,
+                "FROM",
+                "unsupported_instruction",
+            ),
+            (
+                "FROM --platform=linux/amd64 base\n",
+                1,
+                "FROM",
+                "unsupported_instruction",
+            ),
+            (
+                "FROM base\nRUN --mount=type=cache,target=/x true\n",
+                2,
+                "RUN",
+                "unsupported_instruction",
+            ),
+            (
+                "FROM base\nRUN cat <<EOF > /x\nhi\nEOF\n",
+                2,
+                "RUN",
+                "unsupported_instruction",
+            ),
+            (
+                "FROM base\nCOPY --from=build /a /b\n",
+                2,
+                "COPY --from",
+                "unsupported_instruction",
+            ),
+            (
+                "FROM base\nCOPY *.py /app/\n",
+                2,
+                "COPY",
+                "unsupported_instruction",
+            ),
+            (
+                "FROM base\nUSER user:staff\n",
+                2,
+                "USER",
+                "unsupported_instruction",
+            ),
+            (
+                "# escape=`\nFROM base\n",
+                1,
+                "# escape",
+                "unsupported_instruction",
+            ),
+        ] {
+            let e = Recipe::from_dockerfile(text).expect_err(text);
+            assert_eq!(e.code(), code, "{text}: {e}");
+            assert_eq!(e.line(), Some(line), "{text}: {e}");
+            match &e {
+                crate::RecipeError::Unsupported { instruction, .. } => {
+                    assert_eq!(instruction, instr)
+                }
+                e => panic!("{e:?}"),
+            }
+            assert!(
+                e.to_string().starts_with(&format!("line {line}: {instr} ")),
+                "{e}"
+            );
+        }
+        for (text, line) in [
+            ("RUN true\nFROM base\n", 1),
+            ("", 1),
+            ("FROM base\nCOPY onlyone\n", 2),
+            ("FROM base\nCOPY a b /notadir\n", 2),
+            ("FROM base\nENV A\n", 2),
+            ("FROM base\nRUN\n", 2),
+            ("FROM base\nENV A=\"open\n", 2),
+            ("FROM base\nHEALTHCHECK curl x\n", 2),
+            ("FROM base\nCOPY --chmod=abc a /b\n", 2),
+        ] {
+            let e = Recipe::from_dockerfile(text).expect_err(text);
+            assert_eq!(
+                (e.code(), e.line()),
+                ("invalid_recipe", Some(line)),
+                "{text:?}: {e}"
+            );
+        }
+    }
+
+    /// Errors found by validate() on the parsed recipe name the Dockerfile line.
+    #[test]
+    fn validation_errors_name_the_dockerfile_line() {
+        let e =
+            Recipe::from_dockerfile("FROM base\nRUN true\n\nUSER Root\n").expect_err("bad user");
+        assert_eq!(
+            (e.code(), e.line(), e.step()),
+            ("invalid_recipe", Some(4), Some(1))
+        );
+        assert!(e.to_string().starts_with("line 4 (step 2): "), "{e}");
+        let e = Recipe::from_dockerfile("FROM base\nCOPY ../secret /x\n").expect_err("escape");
+        assert_eq!(e.line(), Some(2));
+        let e = Recipe::from_dockerfile("FROM base\nENV 1A=x\n").expect_err("key");
+        assert_eq!(e.line(), Some(2));
+    }
+
+    #[test]
+    fn healthcheck_none_and_empty_cmd_and_last_wins() {
+        let r = Recipe::from_dockerfile(
+            "FROM base\nHEALTHCHECK CMD true\nHEALTHCHECK NONE\nCMD a\nCMD [\"b\"]\n",
+        )
+        .expect("parses");
+        assert_eq!(r.ready, None);
+        assert_eq!(r.start, Some(Start { cmd: "'b'".into() }));
+        assert!(r.steps.is_empty());
+        let r = Recipe::from_dockerfile("FROM base\nCMD []\n").expect("parses");
+        assert_eq!(r.start, None);
+    }
+}

@@ -35,7 +35,7 @@ mod validate;
 
 pub use error::{Location, RecipeError};
 pub use pack::{copy_install_script, pack, pack_all};
-pub use plan::{Action, ExecPlan, Plan, PlannedStep, BASE_USER, BASE_WORKDIR};
+pub use plan::{Action, BuildState, ExecPlan, Plan, PlannedStep, BASE_USER, BASE_WORKDIR};
 
 /// The base a recipe builds on when it names none.
 pub const DEFAULT_BASE: &str = "default";

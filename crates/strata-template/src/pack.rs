@@ -309,31 +309,443 @@ pub fn pack_all(
 /// The guest-side installer of a `copy` ([`crate::Action::Copy`]): a script
 /// for `sh -c`, run as root, that unpacks the archive at `archive` (already
 /// uploaded and its sha256 checked) into a fresh temporary directory, gives
-/// every entry `owner` (and `mode`, if set), then copies it into place with
-/// `cp -a` (merging into an existing directory) and removes the temporary
-/// files. A directory archive's contents go under `dest`; a file archive's
-/// one file is written at `dest`, or into it when `dest` ends with `/`.
-/// Needs `tar`, `cp`, `chown`, `chmod`, `mktemp` (coreutils, in every base).
+/// every entry `owner` (and `mode`, if set), puts it in place with `cp -a`
+/// and removes the temporary files.
+///
+/// A directory archive's contents go under `dest`: into it if it exists
+/// (its own owner and mode unchanged, existing files overwritten, others
+/// kept), or as a new directory with the archived root's mode. A file
+/// archive's one file is written at `dest`, or into it when `dest` ends with
+/// `/`. Missing parent directories are created (root-owned, like Docker).
+/// Needs `tar`, `cp`, `chown`, `chmod`, `find`, `mktemp` (in every Debian).
 pub fn copy_install_script(archive: &str, dest: &str, owner: &str, mode: Option<u32>) -> String {
     let a = quote(archive);
-    let d = quote(dest);
-    let into = dest.ends_with('/');
+    let trimmed = dest.trim_end_matches('/');
+    let d = quote(if trimmed.is_empty() { "/" } else { trimmed });
     let chmod = match mode {
-        Some(m) => format!("chmod -R {m:o} \"$t\"/. && "),
+        Some(m) => format!("chmod -R {m:o} \"$t\"; "),
         None => String::new(),
     };
-    let file_dest = if into {
-        format!("mkdir -p -- {d} && cp -a -- \"$t/$n\" {d}")
+    let file = if dest.ends_with('/') {
+        format!("mkdir -p -- {d}; cp -a -- \"$t/$n\" {d}/")
     } else {
-        format!("mkdir -p -- \"$(dirname -- {d})\" && cp -a -- \"$t/$n\" {d}")
+        format!("mkdir -p -- \"$(dirname -- {d})\"; cp -a -- \"$t/$n\" {d}")
     };
     format!(
         "set -e; t=$(mktemp -d /tmp/strata-copy.XXXXXX); trap 'rm -rf \"$t\"' EXIT; \
 first=$(tar --quoting-style=literal -tf {a} | head -n 1); \
 tar -xpf {a} -C \"$t\" --no-same-owner; \
-chown -hR -- {o} \"$t\"/. && {chmod}\
-if [ \"$first\" = ./ ]; then mkdir -p -- {d} && cp -a -- \"$t\"/. {d}; \
-else n=$first; {file_dest}; fi",
+chown -hR -- {o} \"$t\"; {chmod}\
+if [ \"$first\" = ./ ]; then \
+if [ -d {d} ]; then find \"$t\" -mindepth 1 -maxdepth 1 -exec cp -a -- {{}} {d}/ \\;; \
+else mkdir -p -- \"$(dirname -- {d})\"; cp -a -- \"$t\" {d}; fi; \
+else n=$first; {file}; fi",
         o = quote(owner),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+    use std::process::Command;
+
+    const MAX: u64 = 16 * 1024 * 1024;
+
+    fn write(p: &Path, data: &[u8], mode: u32) {
+        fs::create_dir_all(p.parent().expect("has a parent")).expect("mkdir");
+        fs::write(p, data).expect("write");
+        fs::set_permissions(p, fs::Permissions::from_mode(mode)).expect("chmod");
+    }
+
+    /// A context with a tree: files of several modes, a nested directory, a
+    /// symlink, a long name.
+    fn tree(root: &Path) {
+        write(&root.join("site/index.html"), b"<h1>hi</h1>\n", 0o644);
+        write(&root.join("site/run.sh"), b"#!/bin/sh\necho run\n", 0o755);
+        write(&root.join("site/b/c/deep.txt"), b"deep", 0o600);
+        write(&root.join("site/a.txt"), b"a", 0o640);
+        let long = "l".repeat(150);
+        write(&root.join("site/b").join(&long), b"long name", 0o644);
+        symlink("index.html", root.join("site/link")).expect("symlink");
+        symlink("/etc/passwd", root.join("site/abs-link")).expect("symlink");
+        write(&root.join("req.txt"), b"requests==2.32.3\n", 0o644);
+    }
+
+    /// (path, type, mode, mtime, uid, gid, link target) of every entry.
+    type Entry = (String, tar::EntryType, u32, u64, u64, u64, Option<String>);
+
+    fn entries(data: &[u8]) -> Vec<Entry> {
+        let mut a = tar::Archive::new(data);
+        a.entries()
+            .expect("entries")
+            .map(|e| {
+                let e = e.expect("entry");
+                let h = e.header();
+                (
+                    e.path().expect("path").display().to_string(),
+                    h.entry_type(),
+                    h.mode().expect("mode"),
+                    h.mtime().expect("mtime"),
+                    h.uid().expect("uid"),
+                    h.gid().expect("gid"),
+                    e.link_name()
+                        .expect("link")
+                        .map(|l| l.display().to_string()),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn directory_archive_is_sorted_normalised_and_keeps_modes_and_symlinks() {
+        let ctx = tempfile::tempdir().expect("tmp");
+        tree(ctx.path());
+        let (data, hash) = pack(ctx.path(), "site", MAX).expect("packs");
+        assert_eq!(hash, sha256_hex(&data));
+        let e = entries(&data);
+        let names: Vec<&str> = e.iter().map(|e| e.0.as_str()).collect();
+        let long = format!("b/{}", "l".repeat(150));
+        assert_eq!(
+            names,
+            [
+                "./",
+                "a.txt",
+                "abs-link",
+                "b/",
+                "b/c/",
+                "b/c/deep.txt",
+                long.as_str(),
+                "index.html",
+                "link",
+                "run.sh"
+            ]
+        );
+        for (name, _, _, mtime, uid, gid, _) in &e {
+            assert_eq!((*mtime, *uid, *gid), (0, 0, 0), "{name}");
+        }
+        let mode = |n: &str| e.iter().find(|x| x.0 == n).map(|x| x.2 & 0o7777);
+        assert_eq!(mode("run.sh"), Some(0o755));
+        assert_eq!(mode("b/c/deep.txt"), Some(0o600));
+        assert_eq!(mode("a.txt"), Some(0o640));
+        let link = e.iter().find(|x| x.0 == "link").expect("link");
+        assert_eq!(
+            (link.1, link.6.as_deref()),
+            (tar::EntryType::Symlink, Some("index.html"))
+        );
+        let abs = e.iter().find(|x| x.0 == "abs-link").expect("abs-link");
+        assert_eq!(
+            abs.6.as_deref(),
+            Some("/etc/passwd"),
+            "kept as a link, not followed"
+        );
+        // GNU tar reads it the same way.
+        let dir = tempfile::tempdir().expect("tmp");
+        let a = dir.path().join("a.tar");
+        fs::write(&a, &data).expect("write");
+        let out = Command::new("tar")
+            .arg("-tvf")
+            .arg(&a)
+            .output()
+            .expect("tar");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let listing = String::from_utf8_lossy(&out.stdout);
+        assert!(listing.contains("link -> index.html"), "{listing}");
+    }
+
+    /// Same tree ⇒ same bytes, whatever the mtimes, owners and creation
+    /// order; a changed byte or mode ⇒ another hash.
+    #[test]
+    fn same_tree_same_hash() {
+        let a = tempfile::tempdir().expect("tmp");
+        let b = tempfile::tempdir().expect("tmp");
+        tree(a.path());
+        // b: created in another order, with other mtimes.
+        write(&b.path().join("site/a.txt"), b"a", 0o640);
+        let long = "l".repeat(150);
+        write(&b.path().join("site/b").join(&long), b"long name", 0o644);
+        write(&b.path().join("site/b/c/deep.txt"), b"deep", 0o600);
+        symlink("/etc/passwd", b.path().join("site/abs-link")).expect("symlink");
+        symlink("index.html", b.path().join("site/link")).expect("symlink");
+        write(
+            &b.path().join("site/run.sh"),
+            b"#!/bin/sh\necho run\n",
+            0o755,
+        );
+        write(&b.path().join("site/index.html"), b"<h1>hi</h1>\n", 0o644);
+        let touch = Command::new("touch")
+            .args(["-d", "2001-02-03"])
+            .arg(b.path().join("site/index.html"))
+            .status()
+            .expect("touch");
+        assert!(touch.success());
+        let (_, ha) = pack(a.path(), "site", MAX).expect("packs");
+        let (_, hb) = pack(b.path(), "site/", MAX).expect("packs");
+        assert_eq!(ha, hb);
+        assert_eq!(pack(a.path(), "site", MAX).expect("again").1, ha);
+        fs::set_permissions(
+            b.path().join("site/a.txt"),
+            fs::Permissions::from_mode(0o644),
+        )
+        .expect("chmod");
+        assert_ne!(
+            pack(b.path(), "site", MAX).expect("packs").1,
+            ha,
+            "mode is hashed"
+        );
+        fs::set_permissions(
+            b.path().join("site/a.txt"),
+            fs::Permissions::from_mode(0o640),
+        )
+        .expect("chmod");
+        fs::write(b.path().join("site/b/c/deep.txt"), b"deeP").expect("write");
+        assert_ne!(
+            pack(b.path(), "site", MAX).expect("packs").1,
+            ha,
+            "content is hashed"
+        );
+    }
+
+    #[test]
+    fn file_archive_is_one_entry_named_by_the_source() {
+        let ctx = tempfile::tempdir().expect("tmp");
+        tree(ctx.path());
+        symlink("req.txt", ctx.path().join("req-link")).expect("symlink");
+        let (data, _) = pack(ctx.path(), "req.txt", MAX).expect("packs");
+        let e = entries(&data);
+        assert_eq!(e.len(), 1);
+        assert_eq!(
+            (e[0].0.as_str(), e[0].1, e[0].2),
+            ("req.txt", tar::EntryType::Regular, 0o644)
+        );
+        // A symlink inside the context is resolved; the entry keeps the source's name.
+        let (data, _) = pack(ctx.path(), "req-link", MAX).expect("packs");
+        assert_eq!(entries(&data)[0].0, "req-link");
+        assert_eq!(entries(&data)[0].1, tar::EntryType::Regular);
+    }
+
+    #[test]
+    fn escapes_special_files_and_missing_sources_are_refused() {
+        let outer = tempfile::tempdir().expect("tmp");
+        let ctx = outer.path().join("ctx");
+        tree(&ctx);
+        write(&outer.path().join("secret"), b"s", 0o600);
+        symlink("../secret", ctx.join("out-link")).expect("symlink");
+        symlink(outer.path(), ctx.join("out-dir")).expect("symlink");
+        for src in [
+            "../secret",
+            "/etc/passwd",
+            "out-link",
+            "out-dir",
+            "out-dir/secret",
+            "site/../../secret",
+            "nope",
+            "",
+        ] {
+            let e = pack(&ctx, src, MAX).expect_err(src);
+            assert_eq!(e.code(), "copy_source_invalid", "{src}: {e}");
+        }
+        let fifo = ctx.join("site/fifo");
+        let st = Command::new("mkfifo").arg(&fifo).status().expect("mkfifo");
+        assert!(st.success());
+        let e = pack(&ctx, "site", MAX).expect_err("fifo");
+        assert_eq!(e.code(), "copy_source_invalid");
+        assert!(e.to_string().contains("fifo"), "{e}");
+        fs::remove_file(&fifo).expect("rm");
+        write(&ctx.join("site/new\nline"), b"x", 0o644);
+        assert_eq!(
+            pack(&ctx, "site", MAX).expect_err("newline").code(),
+            "copy_source_invalid"
+        );
+    }
+
+    #[test]
+    fn the_byte_limit_holds_before_reading_everything() {
+        let ctx = tempfile::tempdir().expect("tmp");
+        write(&ctx.path().join("d/small"), b"x", 0o644);
+        // Sparse: 1 GiB that would take a while to read; refused up front.
+        let big = fs::File::create(ctx.path().join("d/big")).expect("create");
+        big.set_len(1 << 30).expect("truncate");
+        let e = pack(ctx.path(), "d", 64 * 1024).expect_err("too large");
+        assert_eq!((e.code(), e.status()), ("copy_too_large", 413));
+        let e = pack(ctx.path(), "d/big", 64 * 1024).expect_err("too large");
+        assert_eq!(e.code(), "copy_too_large");
+        let (data, _) = pack(ctx.path(), "d/small", 2048).expect("fits");
+        assert_eq!(data.len(), 2048);
+        assert!(pack(ctx.path(), "d/small", 2047).is_err());
+    }
+
+    #[test]
+    fn pack_all_fills_hashes_and_dedups_blobs() {
+        let ctx = tempfile::tempdir().expect("tmp");
+        tree(ctx.path());
+        let mut r = Recipe::from_toml(
+            "[[step]]\ncopy = { src = \"site\", dest = \"/www\" }\n[[step]]\nrun = \"true\"\n\
+             [[step]]\ncopy = { src = \"req.txt\", dest = \"/app/\" }\n[[step]]\ncopy = { src = \"site/\", dest = \"/www2\" }\n",
+        )
+        .expect("parses");
+        assert_eq!(r.plan("b").expect_err("unpacked").code(), "copy_not_packed");
+        let blobs = pack_all(&mut r, ctx.path(), MAX).expect("packs");
+        assert_eq!(blobs.len(), 2, "site and site/ pack the same");
+        for (h, data) in &blobs {
+            assert_eq!(&sha256_hex(data), h);
+        }
+        let p = r.plan("b").expect("plans now");
+        let hashes: Vec<&str> = p
+            .steps
+            .iter()
+            .filter_map(|s| match &s.action {
+                crate::Action::Copy { sha256, .. } => Some(sha256.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(hashes.len(), 3);
+        assert!(hashes.iter().all(|h| blobs.contains_key(*h)));
+        assert_eq!(hashes[0], hashes[2]);
+        // The budget is for all blobs together.
+        let one = blobs.values().map(Vec::len).max().expect("blobs") as u64;
+        let mut r2 = r.clone();
+        let e = pack_all(&mut r2, ctx.path(), one).expect_err("budget");
+        assert_eq!(e.code(), "copy_too_large");
+    }
+
+    fn install(data: &[u8], dest: &str, owner: &str, mode: Option<u32>) {
+        let dir = tempfile::tempdir().expect("tmp");
+        let a = dir.path().join("blob.tar");
+        fs::write(&a, data).expect("write");
+        let script = copy_install_script(&a.display().to_string(), dest, owner, mode);
+        let out = Command::new("sh")
+            .arg("-c")
+            .arg(&script)
+            .output()
+            .expect("sh");
+        assert!(
+            out.status.success(),
+            "{script}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    fn uid_of(name: &str) -> u32 {
+        let out = Command::new("id").args(["-u", name]).output().expect("id");
+        String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .parse()
+            .expect("uid")
+    }
+
+    /// The guest-side installer, run for real with sh, tar and cp: a
+    /// directory's contents merge into dest, files land at dest or into
+    /// dest/, owners and modes applied, symlinks stay symlinks.
+    #[test]
+    fn install_script_puts_files_where_docker_would() {
+        use std::os::unix::fs::MetadataExt;
+        let ctx = tempfile::tempdir().expect("tmp");
+        tree(ctx.path());
+        let out = tempfile::tempdir().expect("tmp");
+        let root = out.path();
+        let me =
+            String::from_utf8_lossy(&Command::new("id").arg("-un").output().expect("id").stdout)
+                .trim()
+                .to_string();
+        // As root, give the files away (and check it happened); else to oneself.
+        let owner = if me == "root" { "nobody" } else { me.as_str() };
+        let want_uid = uid_of(owner);
+
+        // A directory into an existing directory with a file already there.
+        let m = |p: &Path| fs::symlink_metadata(p).expect("stat");
+        write(&root.join("www/keep.txt"), b"keep", 0o644);
+        fs::set_permissions(root.join("www"), fs::Permissions::from_mode(0o711)).expect("chmod");
+        let (dir_tar, _) = pack(ctx.path(), "site", MAX).expect("packs");
+        let www = root.join("www");
+        let before = m(&www);
+        install(&dir_tar, &www.display().to_string(), owner, None);
+        let after = m(&www);
+        assert_eq!(
+            (after.uid(), after.mode()),
+            (before.uid(), before.mode()),
+            "an existing dest keeps its owner and mode"
+        );
+        assert_eq!(
+            fs::read(www.join("index.html")).expect("copied"),
+            b"<h1>hi</h1>\n"
+        );
+        assert_eq!(fs::read(www.join("b/c/deep.txt")).expect("copied"), b"deep");
+        assert_eq!(fs::read(www.join("keep.txt")).expect("kept"), b"keep");
+        assert_eq!(m(&www.join("run.sh")).mode() & 0o7777, 0o755);
+        assert_eq!(m(&www.join("b/c/deep.txt")).mode() & 0o7777, 0o600);
+        assert_eq!(m(&www.join("b/c/deep.txt")).uid(), want_uid);
+        assert_eq!(m(&www.join("b")).uid(), want_uid);
+        assert_eq!(
+            fs::read_link(www.join("link"))
+                .expect("link")
+                .display()
+                .to_string(),
+            "index.html"
+        );
+        assert_eq!(
+            m(&www.join("link")).uid(),
+            want_uid,
+            "the link itself (chown -h)"
+        );
+        assert_eq!(
+            fs::read_link(www.join("abs-link"))
+                .expect("link")
+                .display()
+                .to_string(),
+            "/etc/passwd"
+        );
+
+        // A directory to a new nested dest, with a mode.
+        let fresh = root.join("new/nested");
+        install(
+            &dir_tar,
+            &format!("{}/", fresh.display()),
+            owner,
+            Some(0o750),
+        );
+        assert_eq!(m(&fresh).mode() & 0o7777, 0o750);
+        assert_eq!(m(&fresh).uid(), want_uid, "a new dest is the owner's");
+        let plain = root.join("plain");
+        install(&dir_tar, &plain.display().to_string(), owner, None);
+        let site_mode = m(&ctx.path().join("site")).mode() & 0o7777;
+        assert_eq!(
+            m(&plain).mode() & 0o7777,
+            site_mode,
+            "a new dest gets the source directory's mode"
+        );
+        assert_eq!(m(&fresh.join("index.html")).mode() & 0o7777, 0o750);
+        assert_eq!(m(&fresh.join("b/c")).mode() & 0o7777, 0o750);
+
+        // A file at a path, and into a directory.
+        let (file_tar, _) = pack(ctx.path(), "req.txt", MAX).expect("packs");
+        let at = root.join("etc/app/requirements.txt");
+        install(&file_tar, &at.display().to_string(), owner, None);
+        assert_eq!(fs::read(&at).expect("file"), b"requests==2.32.3\n");
+        assert_eq!(m(&at).uid(), want_uid);
+        let into = root.join("opt/app");
+        install(
+            &file_tar,
+            &format!("{}/", into.display()),
+            owner,
+            Some(0o600),
+        );
+        assert_eq!(
+            fs::read(into.join("req.txt")).expect("file"),
+            b"requests==2.32.3\n"
+        );
+        assert_eq!(m(&into.join("req.txt")).mode() & 0o7777, 0o600);
+        // A name that needs quoting.
+        write(&ctx.path().join("we'ird $(name).txt"), b"w", 0o644);
+        let (t, _) = pack(ctx.path(), "we'ird $(name).txt", MAX).expect("packs");
+        install(&t, &format!("{}/", into.display()), owner, None);
+        assert_eq!(
+            fs::read(into.join("we'ird $(name).txt")).expect("file"),
+            b"w"
+        );
+    }
 }

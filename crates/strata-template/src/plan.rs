@@ -31,12 +31,29 @@ pub struct Plan {
     /// [`Ready::probe_shell`] as an exec in the final state (user, cwd,
     /// environment): run it until it exits 0 or the ready timeout ends.
     pub ready_probe: Option<ExecPlan>,
+    /// The user, working directory and environment after the last step:
+    /// what the start command runs with, and what a daemon may keep as the
+    /// template's defaults for commands in its sandboxes (E2B persists the
+    /// last user and workdir that way).
+    pub final_state: BuildState,
     /// `h_base`: the chain's start, from the base identity alone.
     pub base_hash: String,
     /// Hash of everything, start and ready included: the template's cache
     /// key (it chains one more record after the last step, so it differs
     /// from every step hash even without start or ready).
     pub final_hash: String,
+}
+
+/// The build state a step runs in: starts as [`BASE_USER`] in
+/// [`BASE_WORKDIR`] with no recipe environment.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct BuildState {
+    /// User name.
+    pub user: String,
+    /// Absolute working directory.
+    pub cwd: String,
+    /// Environment variables set by the recipe.
+    pub env: BTreeMap<String, String>,
 }
 
 /// One step as the builder runs it.
@@ -333,11 +350,13 @@ pub(crate) fn plan(r: &Recipe, base_identity: &str) -> Result<Plan, RecipeError>
             ready: &ready,
         }),
     );
+    let final_state = BuildState { user, cwd, env };
     Ok(Plan {
         steps,
         start,
         ready,
         ready_probe,
+        final_state,
         base_hash: base,
         final_hash,
     })

@@ -464,6 +464,14 @@ fn plan_folds_user_cwd_and_env_docker_style() {
     );
     assert_eq!(start.shell, "python3 -m http.server 8000");
     assert_eq!(start.env, run.env);
+    assert_eq!(
+        p.final_state,
+        BuildState {
+            user: "user".into(),
+            cwd: "/srv/app".into(),
+            env: run.env.clone()
+        }
+    );
     let probe = p.ready_probe.as_ref().expect("probe");
     assert!(probe.shell.contains("sport = :8000"), "{}", probe.shell);
     let d: Vec<&str> = p.steps.iter().map(|s| s.describe.as_str()).collect();
@@ -655,4 +663,161 @@ fn file_text_dispatch() {
         assert_eq!(r.steps, vec![Step::Run("true".into())], "{name}");
     }
     assert!(Recipe::from_file_text("x.toml", df).is_err());
+}
+
+/// Runs a planned command under a real `sh` with `pip`/`npm`/`apt-get`/`rm`
+/// replaced (first on PATH) by scripts that print their arguments one per
+/// line: each package is exactly one argument, nothing in it reaches the
+/// shell.
+fn argv_under_sh(shell: &str) -> Vec<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let bin = tempfile::tempdir().expect("tmp");
+    for name in ["pip", "npm", "apt-get", "rm"] {
+        let p = bin.path().join(name);
+        let body = if name == "rm" {
+            "#!/bin/sh\n".to_string()
+        } else {
+            format!("#!/bin/sh\nprintf '%s\\n' {name} \"$@\"\n")
+        };
+        std::fs::write(&p, body).expect("write");
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    }
+    let path = format!(
+        "{}:{}",
+        bin.path().display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let out = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(shell)
+        .env("PATH", path)
+        .output()
+        .expect("sh");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(String::from)
+        .collect()
+}
+
+#[test]
+fn package_steps_pass_each_package_as_one_argument() {
+    let pkgs: Vec<String> = ["uvicorn[standard]>=0.30,<1", "a>b", "numpy==1.*", "x<y"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let r = Recipe {
+        steps: vec![
+            Step::Pip(pkgs.clone()),
+            Step::Npm(vec!["@scope/pkg@^1.2".into()]),
+            Step::Apt(vec!["libssl3=3.0.15-1~deb12u1".into()]),
+        ],
+        ..run_steps(0)
+    };
+    let dir = tempfile::tempdir().expect("tmp");
+    let p = r.plan("b").expect("plans");
+    let run = |i: usize| {
+        let e = exec(&p.steps[i].action);
+        assert_eq!(e.user, "root");
+        // Run in a scratch cwd so a mis-quoted `>` would leave a file there.
+        argv_under_sh(&format!(
+            "cd {} && {}",
+            crate::shell::quote(&dir.path().display().to_string()),
+            e.shell
+        ))
+    };
+    let pip = run(0);
+    assert_eq!(
+        pip[..4],
+        [
+            "pip",
+            "install",
+            "--no-cache-dir",
+            "--break-system-packages"
+        ]
+    );
+    assert_eq!(pip[pip.len() - 4..], pkgs[..]);
+    let npm = run(1);
+    assert_eq!(
+        npm,
+        [
+            "npm",
+            "install",
+            "-g",
+            "--no-audit",
+            "--no-fund",
+            "@scope/pkg@^1.2"
+        ]
+    );
+    let apt = run(2);
+    assert_eq!(apt[..2], ["apt-get", "update"]);
+    assert_eq!(
+        apt[2..],
+        [
+            "apt-get",
+            "install",
+            "-y",
+            "--no-install-recommends",
+            "libssl3=3.0.15-1~deb12u1"
+        ]
+    );
+    assert_eq!(
+        std::fs::read_dir(dir.path()).expect("ls").count(),
+        0,
+        "no redirection happened"
+    );
+}
+
+/// The workdir command, run for real as root: creates the directory and
+/// gives a new one to the current user; an existing one keeps its owner.
+#[test]
+fn workdir_command_creates_and_hands_over_the_directory() {
+    use std::os::unix::fs::MetadataExt;
+    let me = std::process::Command::new("id")
+        .arg("-u")
+        .output()
+        .expect("id");
+    if String::from_utf8_lossy(&me.stdout).trim() != "0" {
+        eprintln!("skipped: needs root to chown");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tmp");
+    let new = dir.path().join("a/b");
+    let r = Recipe {
+        steps: vec![
+            Step::User("nobody".into()),
+            Step::Workdir(new.display().to_string()),
+            Step::Workdir(dir.path().display().to_string()),
+        ],
+        ..run_steps(0)
+    };
+    let p = r.plan("b").expect("plans");
+    for s in &p.steps[1..] {
+        let e = exec(&s.action);
+        assert_eq!(e.user, "root");
+        let st = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(&e.shell)
+            .status()
+            .expect("sh");
+        assert!(st.success(), "{}", e.shell);
+    }
+    let nobody = std::process::Command::new("id")
+        .args(["-u", "nobody"])
+        .output()
+        .expect("id");
+    let nobody: u32 = String::from_utf8_lossy(&nobody.stdout)
+        .trim()
+        .parse()
+        .expect("uid");
+    assert_eq!(std::fs::metadata(&new).expect("created").uid(), nobody);
+    assert_eq!(
+        std::fs::metadata(dir.path()).expect("exists").uid(),
+        0,
+        "existing dir untouched"
+    );
 }
