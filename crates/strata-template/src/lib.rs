@@ -296,6 +296,7 @@ impl Recipe {
     /// Parses a TOML recipe and validates it.
     pub fn from_toml(s: &str) -> Result<Recipe, RecipeError> {
         validate::check_text_size(s)?;
+        let s = strip_bom(s);
         let r: Recipe = toml::from_str(s).map_err(|e| RecipeError::Invalid {
             at: Location {
                 step: None,
@@ -310,6 +311,7 @@ impl Recipe {
     /// Parses a JSON recipe and validates it.
     pub fn from_json(s: &str) -> Result<Recipe, RecipeError> {
         validate::check_text_size(s)?;
+        let s = strip_bom(s);
         let r: Recipe = serde_json::from_str(s).map_err(|e| RecipeError::Invalid {
             at: Location {
                 step: None,
@@ -325,6 +327,7 @@ impl Recipe {
     /// the result; errors name the Dockerfile line.
     pub fn from_dockerfile(s: &str) -> Result<Recipe, RecipeError> {
         validate::check_text_size(s)?;
+        let s = strip_bom(s);
         let (r, lines) = dockerfile::parse(s)?;
         r.validate()
             .map_err(|e| e.at_line(|i| lines.get(i).copied()))?;
@@ -351,10 +354,10 @@ impl Recipe {
         {
             return Recipe::from_dockerfile(s);
         }
-        if s.trim_start().starts_with('{') {
+        if strip_bom(s).trim_start().starts_with('{') {
             return Recipe::from_json(s);
         }
-        if dockerfile::looks_like_dockerfile(s) {
+        if dockerfile::looks_like_dockerfile(strip_bom(s)) {
             return Recipe::from_dockerfile(s);
         }
         Recipe::from_toml(s)
@@ -383,6 +386,12 @@ impl Recipe {
         // A Recipe is strings, maps and integers: serialising cannot fail.
         serde_json::to_string(self).unwrap_or_default()
     }
+}
+
+/// The text without a leading UTF-8 byte-order mark (editors on some
+/// systems write one).
+fn strip_bom(s: &str) -> &str {
+    s.strip_prefix('\u{feff}').unwrap_or(s)
 }
 
 /// 1-based line of a byte offset.

@@ -821,3 +821,70 @@ fn workdir_command_creates_and_hands_over_the_directory() {
         "existing dir untouched"
     );
 }
+
+#[test]
+fn a_byte_order_mark_is_skipped() {
+    let r = Recipe::from_file_text("recipe", "\u{feff}FROM base\nRUN true\n").expect("dockerfile");
+    assert_eq!(r.base, "base");
+    assert!(Recipe::from_json("\u{feff}{\"steps\": []}").is_ok());
+    assert!(Recipe::from_toml("\u{feff}base = \"x\"\n").is_ok());
+}
+
+/// The same recipe as TOML and as a Dockerfile plans to the same steps and
+/// hashes (no copy: a Dockerfile COPY's owner defaults to root, TOML's to
+/// the current user).
+#[test]
+fn toml_and_dockerfile_spellings_plan_the_same() {
+    let toml = r#"
+base = "e2bdev/base"
+[[step]]
+run = "apt-get update"
+[[step]]
+env = { A = "1", B = "two words" }
+[[step]]
+workdir = "/app"
+[[step]]
+user = "user"
+[[step]]
+run = "echo $A > a.txt"
+[start]
+cmd = "python3 -m http.server 8000"
+[ready]
+cmd = "curl -f http://127.0.0.1:8000/"
+"#;
+    let df = "FROM e2bdev/base\nRUN apt-get update\nENV A=1 B=\"two words\"\nWORKDIR /app\nUSER user\n\
+              RUN echo $A > a.txt\nHEALTHCHECK CMD curl -f http://127.0.0.1:8000/\nCMD python3 -m http.server 8000\n";
+    let a = Recipe::from_toml(toml).expect("toml");
+    let b = Recipe::from_dockerfile(df).expect("dockerfile");
+    assert_eq!(a, b);
+    assert_eq!(a.plan("x").expect("plans"), b.plan("x").expect("plans"));
+}
+
+/// Hostile text never panics a parser: every truncation of the examples,
+/// and each of a set of awkward characters inserted at every position,
+/// either parses or is a typed error.
+#[test]
+fn mangled_text_is_an_error_not_a_panic() {
+    const DF: &str = "ARG B=base\nFROM ${B:-x} AS y\nENV A=\"q\\\"\" C='s' D=$A${A}${A:+z}\nCOPY --chown=u:g [\"a\", \"b/\"]\n\
+                      RUN x \\\n  # c\n  y\nHEALTHCHECK --retries=3 CMD [\"t\"]\nCMD [\"s\"]\n";
+    let json = recipe().to_json();
+    let odd = [
+        '\\', '"', '\'', '$', '{', '}', '[', ']', '\n', '\0', '=', '#', 'é', '\u{feff}', ' ',
+    ];
+    for text in [DF, TOML, json.as_str()] {
+        let cuts = text.char_indices().map(|(i, _)| i);
+        for i in cuts.chain([text.len()]) {
+            let head = &text[..i];
+            let _ = Recipe::from_file_text("recipe", head);
+            let _ = Recipe::from_dockerfile(head);
+            for c in odd {
+                let mut s = head.to_string();
+                s.push(c);
+                s.push_str(&text[i..]);
+                let _ = Recipe::from_dockerfile(&s);
+                let _ = Recipe::from_toml(&s);
+                let _ = Recipe::from_json(&s);
+            }
+        }
+    }
+}
