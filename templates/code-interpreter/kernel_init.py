@@ -1,0 +1,72 @@
+# Run by every Python kernel the strata code-interpreter server starts
+# (`--IPKernelApp.exec_files`), before the kernel reports ready: in a template
+# snapshot the kernel is already warm with these imports loaded.
+#
+# It binds no name in the user's namespace (everything lives inside
+# `_strata_kernel_init`, deleted at the end), so a user's first cell sees the
+# same empty namespace as E2B's interpreter.
+
+
+def _strata_kernel_init():
+    import importlib
+    import json
+    import os
+    import sys
+    import types
+
+    # Per-execution environment variables: the server sets them before a
+    # cell and restores the previous values after it, through these two
+    # functions, in silent executions (no execution count, no output).
+    helpers = types.ModuleType("_strata_interp")
+    helpers._saved = []
+
+    def set_env(encoded):
+        env = json.loads(encoded)
+        helpers._saved.append({k: os.environ.get(k) for k in env})
+        os.environ.update(env)
+
+    def restore_env():
+        if not helpers._saved:
+            return
+        for key, value in helpers._saved.pop().items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+    helpers.set_env = set_env
+    helpers.restore_env = restore_env
+    sys.modules["_strata_interp"] = helpers
+
+    ip = get_ipython()  # noqa: F821 (provided by IPython)
+
+    # As E2B's interpreter: a plain dict or list as a cell's value also
+    # carries an application/json representation (result.json).
+    from IPython.core.formatters import JSONFormatter
+
+    class _JSONFormatter(JSONFormatter):
+        def __call__(self, obj):
+            if isinstance(obj, (dict, list)):
+                try:
+                    return json.loads(json.dumps(obj, allow_nan=False))
+                except (TypeError, ValueError):
+                    pass
+            return super().__call__(obj)
+
+    ip.display_formatter.formatters["application/json"] = _JSONFormatter(
+        parent=ip.display_formatter
+    )
+
+    # Warm imports, kept out of the user's namespace (a user still writes
+    # `import numpy as np`; it is then instant). matplotlib draws through the
+    # inline backend ipykernel selects (MPLBACKEND), so a figure left open at
+    # the end of a cell is sent as an image/png result.
+    for name in ("numpy", "matplotlib", "matplotlib.pyplot"):
+        try:
+            importlib.import_module(name)
+        except Exception:  # not installed, or broken: the user finds out on import
+            pass
+
+
+_strata_kernel_init()
+del _strata_kernel_init
