@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import os
+import pwd
 import queue
 import select
 import signal
@@ -828,6 +829,15 @@ def main(argv=None):
     p.add_argument("--log-level", default=os.environ.get("STRATA_INTERP_LOG", "INFO"))
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+
+    # Kernels (IPython, matplotlib's cache) write under HOME: make it this
+    # user's own when the start command left another user's (or none).
+    home = os.environ.get("HOME")
+    if not home or not os.path.isdir(home) or not os.access(home, os.W_OK):
+        try:
+            os.environ["HOME"] = pwd.getpwuid(os.getuid()).pw_dir
+        except KeyError:
+            pass
 
     ctx = zmq.Context.instance()
     ctx.setsockopt(zmq.MAXMSGSIZE, MAX_ZMQ_MSG_BYTES)

@@ -2,9 +2,11 @@
 SDK (Sandbox.run_code, create/list/restart/remove_code_context): what a user
 of the SDK checks."""
 
+import asyncio
 import base64
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from e2b import NotFoundException, SandboxException, TimeoutException
@@ -223,3 +225,66 @@ def test_sandbox_env_file_reaches_a_warm_kernel(start_server, monkeypatch, tmp_p
     envs.write_text('{"SANDBOX_LEVEL": 7}')
     assert sandbox.run_code(code).text == "fork-two"
     assert "sandbox env file" in srv.logs()
+
+
+def test_contexts_run_in_parallel_and_one_context_in_turn(sandbox):
+    a = sandbox.create_code_context()
+    b = sandbox.create_code_context()
+    try:
+        code = "import time; t0 = time.time(); time.sleep(2); (t0, time.time())"
+        with ThreadPoolExecutor(4) as pool:
+            t0 = time.monotonic()
+            runs = [pool.submit(sandbox.run_code, code, context=c) for c in (a, b)]
+            spans = [eval(r.result().text) for r in runs]
+            parallel = time.monotonic() - t0
+        assert parallel < 3.8, parallel  # two kernels at once, not 4 s in a row
+        with ThreadPoolExecutor(4) as pool:
+            runs = [pool.submit(sandbox.run_code, code, context=a) for _ in range(2)]
+            spans = sorted(eval(r.result().text) for r in runs)
+        # One context runs one execution at a time: the second starts after the first ends.
+        assert spans[1][0] >= spans[0][1] - 0.05, spans
+    finally:
+        sandbox.remove_code_context(a)
+        sandbox.remove_code_context(b)
+
+
+def test_a_queued_execution_whose_client_left_does_not_run(sandbox):
+    ctx = sandbox.create_code_context()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(sandbox.run_code, "import time; time.sleep(4); 'first'", context=ctx, timeout=30)
+            time.sleep(0.5)
+            with pytest.raises(TimeoutException):
+                sandbox.run_code("queued_ran = True", context=ctx, timeout=1)
+            assert first.result().text == "first"
+        assert sandbox.run_code("'queued_ran' in globals()", context=ctx).text == "False"
+    finally:
+        sandbox.remove_code_context(ctx)
+
+
+def test_the_async_sdk_speaks_the_same_protocol(server, monkeypatch):
+    from e2b import ConnectionConfig
+    from e2b_code_interpreter import AsyncSandbox
+    from packaging.version import Version
+
+    monkeypatch.setenv("E2B_SANDBOX_URL", server.url)
+    monkeypatch.setenv("E2B_API_KEY", "e2b_unused")
+
+    async def scenario():
+        sbx = AsyncSandbox(
+            sandbox_id="strata-local",
+            sandbox_domain=None,
+            envd_version=Version("0.5.0"),
+            envd_access_token=None,
+            traffic_access_token=None,
+            connection_config=ConnectionConfig(),
+        )
+        ctx = await sbx.create_code_context()
+        out = []
+        await sbx.run_code("async_x = 20", context=ctx)
+        got = await sbx.run_code("print('async'); async_x * 2", context=ctx, on_stdout=out.append)
+        await sbx.remove_code_context(ctx)
+        return got, out
+
+    got, out = asyncio.run(scenario())
+    assert got.text == "40" and [m.line for m in out] == ["async\n"]
