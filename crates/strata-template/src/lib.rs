@@ -178,6 +178,23 @@ pub enum Ready {
     },
 }
 
+impl Step {
+    /// The step's kind as written in a recipe: `run`, `copy`, `env`,
+    /// `workdir`, `user`, `apt`, `pip`, `npm`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Step::Run(_) => "run",
+            Step::Copy(_) => "copy",
+            Step::Env(_) => "env",
+            Step::Workdir(_) => "workdir",
+            Step::User(_) => "user",
+            Step::Apt(_) => "apt",
+            Step::Pip(_) => "pip",
+            Step::Npm(_) => "npm",
+        }
+    }
+}
+
 impl Ready {
     /// How long the check may take, seconds.
     pub fn timeout_secs(&self) -> u64 {

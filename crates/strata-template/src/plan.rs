@@ -44,6 +44,20 @@ pub struct Plan {
     pub final_hash: String,
 }
 
+impl Plan {
+    /// Where a rebuild resumes: given which step snapshots exist (by
+    /// [`PlannedStep::hash`]), the number of leading steps already done —
+    /// the index after the last step with a snapshot, since a step's hash
+    /// covers every step before it. `0`: build from the base; `steps.len()`:
+    /// only start/ready are left.
+    pub fn resume_at(&self, has_snapshot: impl Fn(&str) -> bool) -> usize {
+        self.steps
+            .iter()
+            .rposition(|s| has_snapshot(&s.hash))
+            .map_or(0, |i| i + 1)
+    }
+}
+
 /// The build state a step runs in: starts as [`BASE_USER`] in
 /// [`BASE_WORKDIR`] with no recipe environment.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -178,20 +192,81 @@ fn chain(prev: &str, record: &[u8]) -> String {
 }
 
 /// The canonical record of a planned step: its action and the state after
-/// it, as compact JSON (struct fields in declaration order, maps sorted).
-/// The copy's `src` is not in it: only the content hash and where it goes.
+/// it, as compact JSON (struct fields in declaration order). The
+/// environment appears as its digest ([`env_digest`]), so a large
+/// environment is hashed once per `env` step, not once per step. The copy's
+/// `src` is not in it: only the content hash and where it goes.
 #[derive(Serialize)]
 struct StepRecord<'a> {
-    action: &'a Action,
+    action: ActionRecord<'a>,
     user: &'a str,
     cwd: &'a str,
-    env: &'a BTreeMap<String, String>,
+    env: &'a str,
+}
+
+/// [`Action`] with the environment as its digest.
+#[derive(Serialize)]
+#[serde(rename_all = "snake_case")]
+enum ActionRecord<'a> {
+    Exec(ExecRecord<'a>),
+    Copy {
+        sha256: &'a str,
+        dest: &'a str,
+        owner: &'a str,
+        mode: Option<u32>,
+    },
+    None,
+}
+
+/// [`ExecPlan`] with the environment as its digest.
+#[derive(Serialize)]
+struct ExecRecord<'a> {
+    shell: &'a str,
+    user: &'a str,
+    cwd: &'a str,
+    env: &'a str,
+}
+
+impl<'a> ExecRecord<'a> {
+    fn new(e: &'a ExecPlan, env_digest: &'a str) -> Self {
+        ExecRecord {
+            shell: &e.shell,
+            user: &e.user,
+            cwd: &e.cwd,
+            env: env_digest,
+        }
+    }
+}
+
+impl<'a> ActionRecord<'a> {
+    fn new(a: &'a Action, env_digest: &'a str) -> Self {
+        match a {
+            Action::Exec(e) => ActionRecord::Exec(ExecRecord::new(e, env_digest)),
+            Action::Copy {
+                sha256,
+                dest,
+                owner,
+                mode,
+            } => ActionRecord::Copy {
+                sha256,
+                dest,
+                owner,
+                mode: *mode,
+            },
+            Action::None => ActionRecord::None,
+        }
+    }
 }
 
 #[derive(Serialize)]
 struct FinalRecord<'a> {
-    start: &'a Option<ExecPlan>,
+    start: Option<ExecRecord<'a>>,
     ready: &'a Option<Ready>,
+}
+
+/// `sha256(JSON of the environment)`, hex: `{}` for none, keys sorted.
+fn env_digest(env: &BTreeMap<String, String>) -> String {
+    hex(&Sha256::digest(to_json(env)))
 }
 
 fn to_json<T: Serialize>(v: &T) -> Vec<u8> {
@@ -257,6 +332,7 @@ pub(crate) fn plan(r: &Recipe, base_identity: &str) -> Result<Plan, RecipeError>
     let mut env: BTreeMap<String, String> = BTreeMap::new();
     let base = base_hash(base_identity);
     let mut prev = base.clone();
+    let mut digest = env_digest(&env);
     let mut steps = Vec::with_capacity(n);
     for (i, s) in r.steps.iter().enumerate() {
         let exec = |shell: String, user: &str, cwd: &str, env: &BTreeMap<String, String>| {
@@ -319,11 +395,16 @@ pub(crate) fn plan(r: &Recipe, base_identity: &str) -> Result<Plan, RecipeError>
                 short(&format!("npm install -g {}", p.join(" ")), 72),
             ),
         };
+        if matches!(s, Step::Env(_)) {
+            digest = env_digest(&env);
+        }
+        // Every exec runs with the current environment.
+        debug_assert!(!matches!(&action, Action::Exec(e) if e.env != env));
         let record = StepRecord {
-            action: &action,
+            action: ActionRecord::new(&action, &digest),
             user: &user,
             cwd: &cwd,
-            env: &env,
+            env: &digest,
         };
         let hash = chain(&prev, &to_json(&record));
         prev.clone_from(&hash);
@@ -346,7 +427,7 @@ pub(crate) fn plan(r: &Recipe, base_identity: &str) -> Result<Plan, RecipeError>
     let final_hash = chain(
         &prev,
         &to_json(&FinalRecord {
-            start: &start,
+            start: start.as_ref().map(|e| ExecRecord::new(e, &digest)),
             ready: &ready,
         }),
     );

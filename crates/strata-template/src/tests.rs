@@ -552,11 +552,15 @@ fn chain_hash_follows_the_documented_formula() {
     let p = r.plan("base-id").expect("plans");
     let h0 = hexs(&Sha256::digest(b"strata-recipe/1\0base-id"));
     assert_eq!(p.base_hash, h0);
-    let record = br#"{"action":{"exec":{"shell":"echo hi","user":"root","cwd":"/","env":{}}},"user":"root","cwd":"/","env":{}}"#;
+    // The environment goes in as sha256 of its JSON: here `{}`.
+    let env = hexs(&Sha256::digest(b"{}"));
+    let record = format!(
+        r#"{{"action":{{"exec":{{"shell":"echo hi","user":"root","cwd":"/","env":"{env}"}}}},"user":"root","cwd":"/","env":"{env}"}}"#
+    );
     let mut h = Sha256::new();
     h.update(h0.as_bytes());
     h.update(b"\n");
-    h.update(record);
+    h.update(record.as_bytes());
     assert_eq!(p.steps[0].hash, hexs(&h.finalize()));
     let mut h = Sha256::new();
     h.update(p.steps[0].hash.as_bytes());
@@ -578,7 +582,7 @@ fn same_recipe_same_hashes_in_every_run() {
     // machines. If this changes, the planned form changed: bump HASH_DOMAIN.
     assert_eq!(
         a.final_hash,
-        "3f81fca9be1f7f6e5c32a62c887b7982cccc92cab6ca9e4eb54a38c9ea10c1f1"
+        "9346919e94a46348ea5e1e80a9efb4d0566e6483f47a478d5c5cce2046e76e31"
     );
 }
 
@@ -887,4 +891,37 @@ fn mangled_text_is_an_error_not_a_panic() {
             }
         }
     }
+}
+
+#[test]
+fn a_rebuild_resumes_after_the_last_unchanged_step() {
+    let old = recipe().plan("b").expect("plans");
+    let cached: std::collections::BTreeSet<String> = hashes(&old).into_iter().collect();
+    let has = |h: &str| cached.contains(h);
+    assert_eq!(
+        old.resume_at(has),
+        7,
+        "nothing changed: only start/ready left"
+    );
+    let mut r = recipe();
+    r.steps[6] = Step::Run("echo changed".into());
+    assert_eq!(
+        r.plan("b").expect("plans").resume_at(has),
+        6,
+        "the last step changed"
+    );
+    let mut r = recipe();
+    r.steps[2] = Step::Env([("X".to_string(), "1".to_string())].into());
+    assert_eq!(r.plan("b").expect("plans").resume_at(has), 2);
+    assert_eq!(
+        recipe().plan("b2").expect("plans").resume_at(has),
+        0,
+        "new base"
+    );
+    // The kinds, as written.
+    let kinds: Vec<&str> = recipe().steps.iter().map(Step::kind).collect();
+    assert_eq!(
+        kinds,
+        ["apt", "pip", "env", "user", "workdir", "copy", "run"]
+    );
 }
