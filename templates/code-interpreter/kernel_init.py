@@ -57,6 +57,24 @@ def _strata_kernel_init():
         parent=ip.display_formatter
     )
 
+    # As E2B's interpreter: a PIL image saved to a file is also sent as a
+    # result (`image.show()` already is: Pillow's own IPythonViewer).
+    try:
+        from IPython.display import display
+        from PIL import Image
+
+        saving = Image.Image.save
+
+        def save(self, fp, format=None, **params):
+            saving(self, fp, format, **params)
+            if isinstance(fp, (str, os.PathLike)):
+                display(self)
+
+        save.__doc__ = saving.__doc__
+        Image.Image.save = save
+    except Exception:  # Pillow missing: nothing to hook
+        pass
+
     # Warm imports, kept out of the user's namespace (a user still writes
     # `import numpy as np`; it is then instant). matplotlib draws through the
     # inline backend ipykernel selects (MPLBACKEND), so a figure left open at

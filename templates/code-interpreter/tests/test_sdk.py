@@ -288,3 +288,24 @@ def test_the_async_sdk_speaks_the_same_protocol(server, monkeypatch):
 
     got, out = asyncio.run(scenario())
     assert got.text == "40" and [m.line for m in out] == ["async\n"]
+
+
+PIL_IMAGE = (
+    "import numpy as np\nfrom PIL import Image\n"
+    "image = Image.fromarray((np.arange(16 * 16 * 3) % 256).astype('uint8').reshape(16, 16, 3))\n"
+)
+
+
+@pytest.mark.parametrize(
+    "last",
+    ["image.show()\nprint('shown')", "image", "image.save('pil-saved.png')\nprint('saved')"],
+    ids=["show", "value", "save"],
+)
+def test_a_pil_image_shown_returned_or_saved_is_a_png_result(sandbox, server, last):
+    execution = sandbox.run_code(PIL_IMAGE + last)
+    assert execution.error is None
+    pngs = [r for r in execution.results if r.png]
+    assert len(pngs) == 1, execution
+    assert base64.b64decode(pngs[0].png)[:4] == b"\x89PNG"
+    if "save" in last:
+        assert (server.cwd / "pil-saved.png").read_bytes()[:4] == b"\x89PNG"
