@@ -1,5 +1,5 @@
 //! The Dockerfile subset: `FROM`, `RUN`, `COPY`, `ENV`, `ARG`, `WORKDIR`,
-//! `USER`, `CMD` (→ start), `HEALTHCHECK CMD` (→ ready); `EXPOSE`, `LABEL`
+//! `USER`, `CMD`/`ENTRYPOINT` (→ start), `HEALTHCHECK CMD` (→ ready); `EXPOSE`, `LABEL`
 //! and `MAINTAINER` are accepted and have no effect; anything else is
 //! refused naming its line.
 
@@ -256,6 +256,46 @@ fn command_of(args: &str) -> String {
     }
 }
 
+/// A `CMD`/`ENTRYPOINT` argument: exec form (words) or shell form.
+enum Form {
+    Exec(Vec<String>),
+    Shell(String),
+}
+
+impl Form {
+    fn of(args: &str) -> Form {
+        match exec_form(args) {
+            Some(words) => Form::Exec(words),
+            None => Form::Shell(args.to_string()),
+        }
+    }
+}
+
+/// The start command from the last `ENTRYPOINT` and `CMD`, as Docker
+/// combines them: an exec-form entrypoint takes the `CMD` as its arguments
+/// (a shell-form `CMD` as `/bin/sh -c cmd`); a shell-form entrypoint
+/// ignores `CMD`; without an entrypoint the `CMD` is the command. Empty:
+/// no start command.
+fn start_command(entrypoint: Option<Form>, cmd: Option<Form>) -> Option<String> {
+    let words = match (entrypoint, cmd) {
+        (Some(Form::Shell(e)), _) => return Some(e).filter(|e| !e.trim().is_empty()),
+        (Some(Form::Exec(mut e)), c) => {
+            match c {
+                Some(Form::Exec(c)) => e.extend(c),
+                Some(Form::Shell(c)) if !c.trim().is_empty() => {
+                    e.extend(["/bin/sh".to_string(), "-c".to_string(), c])
+                }
+                _ => {}
+            }
+            e
+        }
+        (None, Some(Form::Exec(c))) => c,
+        (None, Some(Form::Shell(c))) => return Some(c).filter(|c| !c.trim().is_empty()),
+        (None, None) => return None,
+    };
+    Some(shell::join(&words)).filter(|_| !words.is_empty())
+}
+
 /// Leading `--flag[=value]` words of an instruction, and the rest.
 fn flags(args: &str) -> (Vec<&str>, &str) {
     let mut rest = args.trim_start();
@@ -304,7 +344,8 @@ pub(crate) fn parse(s: &str) -> Result<(Recipe, Vec<usize>), RecipeError> {
     let mut base: Option<String> = None;
     let mut steps = Vec::new();
     let mut lines = Vec::new();
-    let mut start: Option<Start> = None;
+    let mut cmd: Option<Form> = None;
+    let mut entrypoint: Option<Form> = None;
     let mut ready: Option<Ready> = None;
     let mut push = |steps: &mut Vec<Step>, step: Step, line: usize| {
         steps.push(step);
@@ -443,10 +484,8 @@ pub(crate) fn parse(s: &str) -> Result<(Recipe, Vec<usize>), RecipeError> {
                 }
                 push(&mut steps, Step::User(u), line);
             }
-            "CMD" => {
-                let cmd = command_of(args);
-                start = if cmd.trim().is_empty() { None } else { Some(Start { cmd }) };
-            }
+            "CMD" => cmd = Some(Form::of(args)),
+            "ENTRYPOINT" => entrypoint = Some(Form::of(args)),
             "HEALTHCHECK" => {
                 let (f, rest) = flags(args);
                 for f in f {
@@ -472,17 +511,17 @@ pub(crate) fn parse(s: &str) -> Result<(Recipe, Vec<usize>), RecipeError> {
             }
             "EXPOSE" | "LABEL" | "MAINTAINER" => {}
             "ADD" => return Err(unsupported(line, "ADD", "use COPY (ADD's URLs and archive unpacking are not supported)")),
-            "ENTRYPOINT" => return Err(unsupported(line, "ENTRYPOINT", "use CMD for the start command")),
             other => {
                 return Err(unsupported(
                     line,
                     other,
-                    "supported: FROM, RUN, COPY, ENV, ARG, WORKDIR, USER, CMD, HEALTHCHECK; ignored: EXPOSE, LABEL, MAINTAINER",
+                    "supported: FROM, RUN, COPY, ENV, ARG, WORKDIR, USER, CMD, ENTRYPOINT, HEALTHCHECK; ignored: EXPOSE, LABEL, MAINTAINER",
                 ))
             }
         }
     }
     let base = base.ok_or_else(|| invalid(1, "no FROM instruction"))?;
+    let start = start_command(entrypoint, cmd).map(|cmd| Start { cmd });
     Ok((
         Recipe {
             base,
@@ -625,9 +664,9 @@ CMD ["python3", "-m", "http.server", "8000"]
                 "unsupported_instruction",
             ),
             (
-                "FROM base\n\n# c\nENTRYPOINT [\"x\"]\n",
+                "FROM base\n\n# c\nONBUILD RUN x\n",
                 4,
-                "ENTRYPOINT",
+                "ONBUILD",
                 "unsupported_instruction",
             ),
             (
@@ -739,6 +778,48 @@ CMD ["python3", "-m", "http.server", "8000"]
         assert_eq!(e.line(), Some(2));
         let e = Recipe::from_dockerfile("FROM base\nENV 1A=x\n").expect_err("key");
         assert_eq!(e.line(), Some(2));
+    }
+
+    /// ENTRYPOINT and CMD combine as in Docker.
+    #[test]
+    fn entrypoint_and_cmd() {
+        let start = |df: &str| {
+            Recipe::from_dockerfile(&format!("FROM base\n{df}"))
+                .expect("parses")
+                .start
+                .map(|s| s.cmd)
+        };
+        assert_eq!(
+            start("ENTRYPOINT [\"python3\", \"-m\"]\nCMD [\"http.server\"]\n").as_deref(),
+            Some("'python3' '-m' 'http.server'")
+        );
+        assert_eq!(
+            start("CMD [\"http.server\"]\nENTRYPOINT [\"python3\", \"-m\"]\n").as_deref(),
+            Some("'python3' '-m' 'http.server'")
+        );
+        assert_eq!(
+            start("ENTRYPOINT [\"env\"]\nCMD echo $HOME\n").as_deref(),
+            Some("'env' '/bin/sh' '-c' 'echo $HOME'")
+        );
+        assert_eq!(
+            start("ENTRYPOINT exec server --port 80\nCMD [\"ignored\"]\n").as_deref(),
+            Some("exec server --port 80")
+        );
+        assert_eq!(
+            start("ENTRYPOINT [\"server\"]\n").as_deref(),
+            Some("'server'")
+        );
+        assert_eq!(start("ENTRYPOINT []\nCMD []\n"), None);
+        assert_eq!(start("RUN true\n"), None);
+        // The combined command runs under a real sh as the words it names.
+        let cmd = start("ENTRYPOINT [\"printf\", \"%s|\"]\nCMD [\"a b\", \"it's\", \"$x\"]\n")
+            .expect("start");
+        let out = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(&cmd)
+            .output()
+            .expect("sh");
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "a b|it's|$x|");
     }
 
     #[test]
