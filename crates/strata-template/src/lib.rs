@@ -27,6 +27,7 @@ use serde::{Deserialize, Serialize};
 
 mod dockerfile;
 mod error;
+mod ignore;
 pub mod limits;
 mod pack;
 mod plan;

@@ -22,6 +22,7 @@ use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
+use crate::ignore::Ignore;
 use crate::shell::quote;
 use crate::{Recipe, RecipeError, Step};
 
@@ -44,6 +45,7 @@ fn header_bytes(name_len: usize) -> u64 {
 struct Packer<'a> {
     src: &'a str,
     max: u64,
+    ignore: Ignore,
     tar: tar::Builder<Vec<u8>>,
 }
 
@@ -151,11 +153,21 @@ impl Packer<'_> {
             .map_err(|e| self.io(path, e))
     }
 
-    /// Depth first, each directory's children sorted by name bytes.
-    fn add_subtree(&mut self, (dir, rel): (PathBuf, PathBuf)) -> Result<(), RecipeError> {
-        // An explicit stack of directory iterators (sorted child lists), so
-        // deep trees do not recurse on the Rust stack.
-        let mut stack: Vec<(PathBuf, PathBuf, std::vec::IntoIter<std::ffi::OsString>)> = Vec::new();
+    /// Depth first, each directory's children sorted by name bytes;
+    /// entries `.dockerignore` excludes are left out. `ctx_rel` is the
+    /// directory's path relative to the context (what patterns match).
+    fn add_subtree(&mut self, dir: PathBuf, ctx_rel: &str) -> Result<(), RecipeError> {
+        /// A directory being walked: its path, its name in the archive, its
+        /// context-relative path, its sorted children, and its own entry if
+        /// not written yet (an excluded directory is written only when a
+        /// re-included entry below it is).
+        struct Frame {
+            dir: PathBuf,
+            name: PathBuf,
+            ctx_rel: String,
+            children: std::vec::IntoIter<std::ffi::OsString>,
+            pending: Option<fs::Metadata>,
+        }
         let list =
             |me: &Self, d: &Path| -> Result<std::vec::IntoIter<std::ffi::OsString>, RecipeError> {
                 let mut v: Vec<_> = fs::read_dir(d)
@@ -166,23 +178,58 @@ impl Packer<'_> {
                 v.sort_by(|a, b| a.as_bytes().cmp(b.as_bytes()));
                 Ok(v.into_iter())
             };
-        let it = list(self, &dir)?;
-        stack.push((dir, rel, it));
-        while let Some((dir, rel, it)) = stack.last_mut() {
-            let Some(c) = it.next() else {
+        let children = list(self, &dir)?;
+        let mut stack = vec![Frame {
+            dir,
+            name: PathBuf::new(),
+            ctx_rel: ctx_rel.to_string(),
+            children,
+            pending: None,
+        }];
+        let descend_excluded = self.ignore.has_negations();
+        while let Some(top) = stack.last_mut() {
+            let Some(c) = top.children.next() else {
                 stack.pop();
                 continue;
             };
-            let path = dir.join(&c);
-            let name = rel.join(&c);
+            let path = top.dir.join(&c);
+            let name = top.name.join(&c);
+            let rel = if top.ctx_rel.is_empty() {
+                c.to_string_lossy().into_owned()
+            } else {
+                format!("{}/{}", top.ctx_rel, c.to_string_lossy())
+            };
             let meta = fs::symlink_metadata(&path).map_err(|e| self.io(&path, e))?;
             let ft = meta.file_type();
+            let excluded = self.ignore.excluded(&rel);
+            if excluded && !(ft.is_dir() && descend_excluded) {
+                continue;
+            }
+            if !excluded {
+                // The directories above it that were held back go first.
+                for f in stack.iter_mut() {
+                    if let Some(m) = f.pending.take() {
+                        self.add_dir_entry(&f.dir, &f.name, &m)?;
+                    }
+                }
+            }
             if ft.is_symlink() {
                 self.add_symlink(&path, &name)?;
             } else if ft.is_dir() {
-                self.add_dir_entry(&path, &name, &meta)?;
-                let it = list(self, &path)?;
-                stack.push((path, name, it));
+                let pending = if excluded {
+                    Some(meta)
+                } else {
+                    self.add_dir_entry(&path, &name, &meta)?;
+                    None
+                };
+                let children = list(self, &path)?;
+                stack.push(Frame {
+                    dir: path,
+                    name,
+                    ctx_rel: rel,
+                    children,
+                    pending,
+                });
             } else if ft.is_file() {
                 self.add_file(&path, &name, &meta)?;
             } else {
@@ -245,16 +292,34 @@ pub fn pack(
             ctx.display()
         )));
     }
+    let ignore = Ignore::load(&ctx, src)?;
+    // The source's path relative to the context, `/`-separated: what
+    // `.dockerignore` patterns match.
+    let src_rel = real
+        .strip_prefix(&ctx)
+        .map(|r| {
+            r.components()
+                .map(|c| c.as_os_str().to_string_lossy().into_owned())
+                .collect::<Vec<_>>()
+                .join("/")
+        })
+        .unwrap_or_default();
     let mut p = Packer {
         src,
         max: max_bytes,
+        ignore,
         tar: tar::Builder::new(Vec::new()),
     };
     let meta = fs::metadata(&real).map_err(|e| p.io(&real, e))?;
     if meta.is_dir() {
         p.add_dir_entry(&real, Path::new("./"), &meta)?;
-        p.add_subtree((real.clone(), PathBuf::new()))?;
+        p.add_subtree(real.clone(), &src_rel)?;
     } else if meta.is_file() {
+        if p.ignore.excluded(&src_rel) {
+            return Err(bad(format!(
+                "{src_rel} is excluded by the context's .dockerignore"
+            )));
+        }
         let name = Path::new(src)
             .file_name()
             .ok_or_else(|| bad("has no file name".to_string()))?
@@ -577,6 +642,57 @@ mod tests {
         let (data, _) = pack(ctx.path(), "d/small", 2048).expect("fits");
         assert_eq!(data.len(), 2048);
         assert!(pack(ctx.path(), "d/small", 2047).is_err());
+    }
+
+    /// A `.dockerignore` in the context leaves entries out (a re-included
+    /// file brings its excluded parents along), refuses an excluded file
+    /// source, and an excluded directory is not even read.
+    #[test]
+    fn dockerignore_is_honoured() {
+        let ctx = tempfile::tempdir().expect("tmp");
+        tree(ctx.path());
+        write(&ctx.path().join("site/x.log"), b"log", 0o644);
+        let (plain, _) = pack(ctx.path(), "site", MAX).expect("packs");
+        fs::write(
+            ctx.path().join(".dockerignore"),
+            "# build junk\n**/*.log\nsite/b\n!site/b/c/deep.txt\n",
+        )
+        .expect("write");
+        let (data, _) = pack(ctx.path(), "site", MAX).expect("packs");
+        let names: Vec<String> = entries(&data).into_iter().map(|e| e.0).collect();
+        assert_eq!(
+            names,
+            [
+                "./",
+                "a.txt",
+                "abs-link",
+                "b/",
+                "b/c/",
+                "b/c/deep.txt",
+                "index.html",
+                "link",
+                "run.sh"
+            ]
+        );
+        assert_ne!(data, plain);
+        let e = pack(ctx.path(), "site/x.log", MAX).expect_err("excluded");
+        assert_eq!(e.code(), "copy_source_invalid");
+        assert!(e.to_string().contains(".dockerignore"), "{e}");
+        // Without a `!`, an excluded directory is skipped unread: a FIFO in
+        // it (which pack refuses) does not matter.
+        fs::write(ctx.path().join(".dockerignore"), "site/b\n").expect("write");
+        let st = Command::new("mkfifo")
+            .arg(ctx.path().join("site/b/fifo"))
+            .status()
+            .expect("mkfifo");
+        assert!(st.success());
+        let (data, _) = pack(ctx.path(), "site", MAX).expect("packs");
+        assert!(entries(&data).iter().all(|e| !e.0.starts_with("b/")));
+        fs::remove_file(ctx.path().join(".dockerignore")).expect("rm");
+        assert_eq!(
+            pack(ctx.path(), "site", MAX).expect_err("fifo").code(),
+            "copy_source_invalid"
+        );
     }
 
     #[test]
