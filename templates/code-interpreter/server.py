@@ -179,8 +179,9 @@ def too_large_notice(obj, size):
 class Context:
     """One kernel, one namespace: what the SDK calls a code context."""
 
-    def __init__(self, server, ctx_id, language, cwd):
+    def __init__(self, server, ctx_id, language, cwd, warm=False):
         self.server = server
+        self.warm = warm  # pre-import numpy/matplotlib (the default context: warm in the snapshot)
         self.id = ctx_id
         self.language = language
         self.cwd = cwd
@@ -210,6 +211,9 @@ class Context:
         env = dict(os.environ)
         env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
         env.pop("STRATA_INTERP_CWD", None)
+        env.pop("STRATA_INTERP_WARM", None)
+        if self.warm:
+            env["STRATA_INTERP_WARM"] = "1"  # read (and removed) by kernel_init.py
         km.start_kernel(
             cwd=self.cwd,
             env=env,
@@ -536,7 +540,7 @@ class Interpreter:
             self.startup_error = str(err)
             log.exception("default context failed to start")
 
-    def create(self, language, cwd):
+    def create(self, language, cwd, warm=False):
         check_language(language)
         if not isinstance(cwd, str) or not cwd or "\0" in cwd or len(cwd) > 4096:
             raise ApiError(400, "invalid_request", "cwd must be a non-empty path")
@@ -548,7 +552,7 @@ class Interpreter:
             if len(self.contexts) + self.pending >= self.max_contexts:
                 raise ApiError(429, "too_many_contexts", f"at most {self.max_contexts} contexts: remove one first")
             self.pending += 1
-        ctx = Context(self, str(uuid.uuid4()), language, cwd)
+        ctx = Context(self, str(uuid.uuid4()), language, cwd, warm)
         try:
             ctx.start()
         except Exception as err:
@@ -568,7 +572,7 @@ class Interpreter:
             with self.lock:
                 ctx = self.contexts.get(ctx_id) if ctx_id else None
             if ctx is None:
-                ctx = self.create(language, self.default_cwd)
+                ctx = self.create(language, self.default_cwd, warm=True)
                 self.defaults[language] = ctx.id
             return ctx
 

@@ -309,3 +309,16 @@ def test_a_pil_image_shown_returned_or_saved_is_a_png_result(sandbox, server, la
     assert base64.b64decode(pngs[0].png)[:4] == b"\x89PNG"
     if "save" in last:
         assert (server.cwd / "pil-saved.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_default_context_is_warm_and_its_namespace_empty(start_server, monkeypatch):
+    sandbox = make_sandbox(start_server().url, monkeypatch)  # a server no other test has used
+    probe = "import sys, os\n(sorted(m for m in ('numpy', 'matplotlib.pyplot') if m in sys.modules), 'np' in globals(), 'plt' in globals(), 'STRATA_INTERP_WARM' in os.environ)"
+    # The default context (the one a template snapshot holds) has numpy and
+    # pyplot imported already, without binding a name the user did not write.
+    assert sandbox.run_code(probe).text == "(['matplotlib.pyplot', 'numpy'], False, False, False)"
+    ctx = sandbox.create_code_context()
+    try:
+        assert sandbox.run_code(probe, context=ctx).text == "([], False, False, False)"
+    finally:
+        sandbox.remove_code_context(ctx)
