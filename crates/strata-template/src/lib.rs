@@ -35,7 +35,7 @@ pub mod shell;
 mod validate;
 
 pub use error::{Location, RecipeError};
-pub use pack::{copy_install_script, pack, pack_all};
+pub use pack::{copy_install_script, dir_mode, pack, pack_all};
 pub use plan::{Action, BuildState, ExecPlan, Plan, PlannedStep, BASE_USER, BASE_WORKDIR};
 
 /// The base a recipe builds on when it names none.
@@ -126,8 +126,9 @@ pub struct Copy {
     /// Dockerfile `COPY` without `--chown` sets `root`, as Docker does).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<String>,
-    /// Permission bits (e.g. TOML `0o755`, JSON `493` or `"0755"`) applied
-    /// to every copied file and directory; default: kept from the source.
+    /// Permission bits (e.g. TOML `0o755`, JSON `493` or `"0755"`) for
+    /// every copied file; directories get them plus `x` wherever they grant
+    /// read ([`dir_mode`]); default: kept from the source.
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",

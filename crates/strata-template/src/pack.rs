@@ -371,11 +371,19 @@ pub fn pack_all(
     Ok(blobs)
 }
 
+/// The mode a `copy` with `mode` gives directories: `mode` plus search
+/// (`x`) wherever it grants read, so `0o644` files sit in `0o755`
+/// directories and `0o600` files in `0o700` ones.
+pub fn dir_mode(mode: u32) -> u32 {
+    mode | ((mode & 0o444) >> 2)
+}
+
 /// The guest-side installer of a `copy` ([`crate::Action::Copy`]): a script
 /// for `sh -c`, run as root, that unpacks the archive at `archive` (already
 /// uploaded and its sha256 checked) into a fresh temporary directory, gives
-/// every entry `owner` (and `mode`, if set), puts it in place with `cp -a`
-/// and removes the temporary files.
+/// every entry `owner` (and `mode` to files, [`dir_mode`] of it to
+/// directories, if set; symlinks keep theirs), puts it in place with
+/// `cp -a` and removes the temporary files.
 ///
 /// A directory archive's contents go under `dest`: into it if it exists
 /// (its own owner and mode unchanged, existing files overwritten, others
@@ -388,7 +396,10 @@ pub fn copy_install_script(archive: &str, dest: &str, owner: &str, mode: Option<
     let trimmed = dest.trim_end_matches('/');
     let d = quote(if trimmed.is_empty() { "/" } else { trimmed });
     let chmod = match mode {
-        Some(m) => format!("chmod -R {m:o} \"$t\"; "),
+        Some(m) => format!(
+            "find \"$t\" -type f -exec chmod {m:o} {{}} +; find \"$t\" -type d -exec chmod {:o} {{}} +; ",
+            dir_mode(m)
+        ),
         None => String::new(),
     };
     let file = if dest.ends_with('/') {
@@ -826,6 +837,20 @@ mod tests {
         );
         assert_eq!(m(&fresh).mode() & 0o7777, 0o750);
         assert_eq!(m(&fresh).uid(), want_uid, "a new dest is the owner's");
+        let files_644 = root.join("m644");
+        install(
+            &dir_tar,
+            &files_644.display().to_string(),
+            owner,
+            Some(0o644),
+        );
+        assert_eq!(m(&files_644.join("run.sh")).mode() & 0o7777, 0o644);
+        assert_eq!(
+            m(&files_644.join("b/c")).mode() & 0o7777,
+            0o755,
+            "directories stay searchable"
+        );
+        assert_eq!(m(&files_644).mode() & 0o7777, 0o755);
         let plain = root.join("plain");
         install(&dir_tar, &plain.display().to_string(), owner, None);
         let site_mode = m(&ctx.path().join("site")).mode() & 0o7777;

@@ -101,7 +101,8 @@ pub enum Action {
         dest: String,
         /// `user[:group]` the copied files get.
         owner: String,
-        /// Permission bits for every copied entry, or keep the archive's.
+        /// Permission bits for every copied file ([`crate::dir_mode`] of
+        /// them for directories), or keep the archive's.
         mode: Option<u32>,
     },
     /// Nothing to run: `env` and `user` only change the state of later
