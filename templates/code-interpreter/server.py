@@ -65,6 +65,7 @@ KEEPALIVE_SECS = 5.0  # a keepalive line after this much silence (detects a clos
 REPLY_GRACE_SECS = 3.0  # after the kernel's reply, how long to wait for its idle status
 INTERRUPT_REPEAT_SECS = 5.0  # an abandoned execution is interrupted again at this interval
 KEEP_ALIVE_IDLE_SECS = 640  # an idle keep-alive connection is closed after this long
+STREAM_WRITE_SECS = 120  # a stream write the client does not take in this long: the client is gone
 
 # Languages with a kernel here. E2B's names for the others are recognised
 # so the refusal says what is missing.
@@ -326,6 +327,11 @@ class Context:
     def execute(self, code, env_vars, stream):
         """Run `code`, sending each output to `stream` as it comes. exec_lock held."""
         gen = self.generation
+        if not self.km.is_alive():
+            # Died between executions (e.g. the OOM killer): as Jupyter's
+            # auto-restart, the code runs in a fresh kernel (its state is gone).
+            log.warning("kernel of context %s is dead: restarting it", self.id)
+            self._restart_kernel()
         self._apply_sandbox_envs()
         if env_vars:
             if not self._silent(f"__import__('_strata_interp').set_env({json.dumps(json.dumps(env_vars))})"):
@@ -762,6 +768,7 @@ class Handler(BaseHTTPRequestHandler):
         self._cors()
         self.end_headers()
         stream = Stream(self)
+        self.connection.settimeout(STREAM_WRITE_SECS)
         # Wait our turn (one execution per context), watching the client.
         while not ctx.exec_lock.acquire(timeout=0.5):
             stream.tick()
@@ -781,6 +788,8 @@ class Handler(BaseHTTPRequestHandler):
         stream.finish()
         if stream.gone:
             self.close_connection = True
+        else:
+            self.connection.settimeout(self.timeout)
 
 
 class Server(ThreadingHTTPServer):

@@ -3,6 +3,8 @@ e2b_code_interpreter.models.parse_output where it is a stream), refusals of
 bad input, and the bounds."""
 
 import json
+import os
+import signal
 import time
 
 import httpx
@@ -132,3 +134,18 @@ def test_cors_preflight_is_answered(server):
     res = httpx.options(server.url + "/execute")
     assert res.status_code == 204
     assert res.headers["access-control-allow-origin"] == "*"
+
+
+def test_a_kernel_killed_between_executions_is_restarted_and_runs_the_code(sandbox):
+    ctx = sandbox.create_code_context()
+    try:
+        pid = int(sandbox.run_code("import os; os.getpid()", context=ctx).text)
+        sandbox.run_code("lost_state = 1", context=ctx)
+        os.kill(pid, signal.SIGKILL)  # as the OOM killer would
+        time.sleep(0.5)
+        ran = sandbox.run_code("import os; (os.getpid(), 'lost_state' in globals())", context=ctx, timeout=60)
+        assert ran.error is None, ran.error
+        new_pid, kept = eval(ran.text)
+        assert new_pid != pid and kept is False
+    finally:
+        sandbox.remove_code_context(ctx)
