@@ -20,6 +20,37 @@
 //! daemon's.
 //!
 //! The format is described in `docs/templates.md` ("Recipe format").
+//!
+//! ```
+//! use strata_template::{Action, Recipe};
+//!
+//! let recipe = Recipe::from_file_text(
+//!     "strata.toml",
+//!     r#"
+//!     [[step]]
+//!     pip = ["requests==2.32.3"]
+//!     [[step]]
+//!     user = "user"
+//!     [[step]]
+//!     workdir = "/home/user/site"
+//!     [[step]]
+//!     run = "echo hello > index.html"
+//!     [start]
+//!     cmd = "python3 -m http.server 8000"
+//!     [ready]
+//!     port = 8000
+//!     "#,
+//! )?;
+//! let plan = recipe.plan("base-template-id@build-stamp")?;
+//! assert_eq!(plan.steps[3].describe, "4/4 echo hello > index.html");
+//! let Action::Exec(run) = &plan.steps[3].action else { unreachable!() };
+//! assert_eq!((run.user.as_str(), run.cwd.as_str()), ("user", "/home/user/site"));
+//! let Action::Exec(pip) = &plan.steps[0].action else { unreachable!() };
+//! assert_eq!(pip.user, "root");
+//! // Keys: each step's snapshot, and the finished template.
+//! assert_ne!(plan.steps[3].hash, plan.final_hash);
+//! # Ok::<(), strata_template::RecipeError>(())
+//! ```
 
 use std::collections::BTreeMap;
 
