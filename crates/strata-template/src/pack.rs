@@ -11,7 +11,8 @@
 //! Every header is GNU, with mtime 0, uid/gid 0, no user/group names and the
 //! source's permission bits (`& 0o7777`); symlinks below a directory source
 //! are stored as symlinks (their targets are not followed); sockets, FIFOs
-//! and devices are refused. Same tree ⇒ same bytes ⇒ same sha256.
+//! and devices are refused; entries the context's `.dockerignore` excludes
+//! are left out (see `ignore.rs`). Same tree ⇒ same bytes ⇒ same sha256.
 
 use std::collections::BTreeMap;
 use std::fs;
