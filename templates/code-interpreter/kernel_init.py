@@ -57,6 +57,32 @@ def _strata_kernel_init():
         parent=ip.display_formatter
     )
 
+    # As E2B's interpreter: a matplotlib figure also carries its data as
+    # `e2b/chart` (the SDK's result.chart), extracted by E2B's own e2b-charts
+    # package when it is installed. Nothing is imported for other objects.
+    from IPython.core.formatters import BaseFormatter
+    from traitlets import ObjectName, Unicode
+
+    class _ChartFormatter(BaseFormatter):
+        format_type = Unicode("e2b/chart")
+        print_method = ObjectName("_repr_e2b_chart_")
+        _return_type = (dict,)
+
+        def __call__(self, obj):
+            figure = getattr(sys.modules.get("matplotlib.figure"), "Figure", None)
+            if figure is None or not isinstance(obj, figure):
+                return super().__call__(obj)
+            try:
+                from e2b_charts import chart_figure_to_dict
+            except ImportError:
+                return None
+            try:
+                return chart_figure_to_dict(obj)
+            except Exception:  # a figure e2b-charts cannot read: no chart, the png stays
+                return None
+
+    ip.display_formatter.formatters["e2b/chart"] = _ChartFormatter(parent=ip.display_formatter)
+
     # As E2B's interpreter: a PIL image saved to a file is also sent as a
     # result (`image.show()` already is: Pillow's own IPythonViewer).
     try:

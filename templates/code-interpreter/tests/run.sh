@@ -57,6 +57,8 @@ if [ ! -f "$VENV/.installed" ]; then
   log "recipe pins installed in $(( $(date +%s) - start )) s"
   "$VENV/bin/pip" install -q "${TEST_PINS[@]}"
   touch "$VENV/.installed"
+  # Older venvs (other pins) are not used again.
+  find "$STRATA_INTERP_CACHE" -mindepth 1 -maxdepth 1 -name 'venv-*' ! -name "venv-$hash" -exec rm -rf {} +
 fi
 log "venv $VENV ($("$VENV/bin/python" --version))"
 

@@ -322,3 +322,29 @@ def test_the_default_context_is_warm_and_its_namespace_empty(start_server, monke
         assert sandbox.run_code(probe, context=ctx).text == "([], False, False, False)"
     finally:
         sandbox.remove_code_context(ctx)
+
+
+def test_a_matplotlib_figure_also_carries_its_chart_data(sandbox):
+    from e2b_code_interpreter.charts import BarChart, ChartType, LineChart
+
+    line = sandbox.run_code(
+        "import matplotlib.pyplot as plt\n"
+        "plt.figure()\nplt.plot([0, 1, 2], [0, 1, 4], label='squares')\n"
+        "plt.xlabel('x (s)')\nplt.ylabel('y (m)')\nplt.title('growth')\nplt.legend()\nplt.show()"
+    )
+    assert line.error is None
+    result = line.results[0]
+    assert result.png and isinstance(result.chart, LineChart)
+    chart = result.chart
+    assert chart.type == ChartType.LINE and chart.title == "growth"
+    assert chart.x_label == "x (s)" and chart.x_unit == "s" and chart.y_unit == "m"
+    assert [e.label for e in chart.elements] == ["squares"]
+    assert [tuple(p) for p in chart.elements[0].points] == [(0, 0), (1, 1), (2, 4)]
+    bars = sandbox.run_code(
+        "import matplotlib.pyplot as plt\nplt.figure()\nplt.bar(['a', 'b'], [3, 5])\nplt.title('bars')\nplt.show()"
+    )
+    chart = bars.results[0].chart
+    assert isinstance(chart, BarChart) and chart.title == "bars"
+    assert [(e.label, e.value) for e in chart.elements] == [("a", 3), ("b", 5)]
+    # Not a figure: no chart.
+    assert sandbox.run_code("[1, 2]").results[0].chart is None
