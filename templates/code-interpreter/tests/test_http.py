@@ -5,6 +5,8 @@ bad input, and the bounds."""
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -149,3 +151,42 @@ def test_a_kernel_killed_between_executions_is_restarted_and_runs_the_code(sandb
         assert new_pid != pid and kept is False
     finally:
         sandbox.remove_code_context(ctx)
+
+
+def test_health_is_not_ok_before_the_default_kernel_is_warm(tmp_path):
+    # The template's ready check is GET /health: it must not pass while the
+    # default kernel is still starting, or the snapshot would hold a cold one.
+    from conftest import SERVER, _free_port
+
+    port = _free_port()
+    (tmp_path / "home").mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, str(SERVER), "--host", "127.0.0.1", "--port", str(port), "--cwd", str(tmp_path / "home"),
+         "--env-file", str(tmp_path / "envs.json")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        statuses = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                res = httpx.get(url + "/health", timeout=2)
+            except httpx.TransportError:
+                time.sleep(0.02)
+                continue
+            statuses.append((res.status_code, res.json()))
+            if res.status_code == 200:
+                break
+            time.sleep(0.05)
+        assert statuses[0][0] == 503 and statuses[0][1]["code"] == "starting", statuses[:3]
+        assert statuses[-1] == (200, "OK")
+        # Once OK, the default context answers at once, with its imports loaded.
+        t0 = time.monotonic()
+        lines = [json.loads(l) for l in httpx.post(url + "/execute", json={"code": "import sys; 'numpy' in sys.modules"}).text.splitlines()]
+        assert time.monotonic() - t0 < 2
+        assert {"type": "result", "text": "True", "is_main_result": True} in lines
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
