@@ -656,6 +656,7 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             raise ApiError(413, "body_too_large", f"the body is over {MAX_BODY_BYTES >> 20} MiB")
         raw = self.rfile.read(length) if length else b""
+        self._consumed = True
         if not raw.strip():
             return {}
         try:
@@ -669,6 +670,7 @@ class Handler(BaseHTTPRequestHandler):
     def _route(self, method):
         path = unquote(urlsplit(self.path).path).rstrip("/") or "/"
         parts = path.strip("/").split("/")
+        self._consumed = False
         try:
             if path == "/health":
                 self._need(method, "GET")
@@ -694,6 +696,19 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(404, "not_found", f"no route {method} {path}")
         except ApiError as err:
             self._send_error(err)
+        except OSError:  # the client went away mid-answer
+            self.close_connection = True
+        except Exception:  # a bug: say so rather than drop the connection
+            log.exception("%s %s", method, path)
+            self.close_connection = True
+            try:
+                self._send_error(ApiError(500, "internal_error", "internal error (see the server's log)"))
+            except OSError:
+                pass
+        finally:
+            # A body left unread would be parsed as the next request.
+            if not self._consumed and (self.headers.get("Transfer-Encoding") or self.headers.get("Content-Length", "0") not in ("", "0")):
+                self.close_connection = True
 
     @staticmethod
     def _need(method, want):

@@ -5,6 +5,7 @@ bad input, and the bounds."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -190,3 +191,18 @@ def test_health_is_not_ok_before_the_default_kernel_is_warm(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def test_a_refused_request_with_an_unread_body_does_not_poison_the_connection(server):
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        body = b'GET /health HTTP/1.1\r\nHost: x\r\n\r\n'  # would be read as a second request
+        sock.sendall(b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        sock.settimeout(10)
+        data = b""
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    assert data.startswith(b"HTTP/1.1 405")
+    assert data.count(b"HTTP/1.1 ") == 1, data  # one answer, then the server closed
