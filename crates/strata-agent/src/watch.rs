@@ -15,10 +15,12 @@
 //! The agent's own uploads write beside the destination
 //! (`.<name>.strata-upload-<agent pid>-<id>`) and rename into place: the
 //! events of such a temporary file are the events of the file it becomes,
-//! so they are reported under the destination's name (its create and
-//! writes), and what only the temporary file sees (its mode set while
-//! private, the rename into place) is not reported. Other programs' files
-//! are reported as the kernel names them.
+//! so its create and writes are reported under the destination's name
+//! when it is renamed into place (complete, as an entry shows it); what
+//! only the temporary file sees (its mode set while private, the rename
+//! itself) is not reported, nor anything of an upload abandoned (its
+//! temporary removed). Other programs' files are reported as the kernel
+//! names them.
 //!
 //! Bounds (a hostile guest may create files as fast as it likes): at most
 //! [`MAX_WATCHES`] watches per session, [`MAX_WATCH_DIRS`] watched
@@ -57,6 +59,9 @@ pub const MAX_BUFFERED: usize = 4096;
 /// Bytes of names (JSON-escaped, estimated) one `watch_events` carries at
 /// most: far below the frame limit.
 const BATCH_BYTES: usize = 384 * 1024;
+/// Uploads in progress whose events one watch holds until they are renamed
+/// into place.
+pub const MAX_HELD_UPLOADS: usize = 256;
 /// Polls queued for one watch (the host has one in flight).
 pub const POLL_QUEUE: usize = 4;
 
@@ -90,9 +95,12 @@ struct Watch {
     /// Watched directories by descriptor: their path relative to `root`.
     dirs: HashMap<WatchDescriptor, String>,
     buf: VecDeque<WatchEvent>,
-    /// The cookie of the last upload temporary moved away (its rename
-    /// into place: the matching `IN_MOVED_TO` is not reported).
-    temp_cookie: Option<u32>,
+    /// Events of upload temporaries not yet renamed into place, by the
+    /// temporary's path (at most [`MAX_HELD_UPLOADS`], two events each).
+    uploads: HashMap<String, Vec<WatchKind>>,
+    /// The last upload temporary moved away (its rename into place): the
+    /// cookie of the matching `IN_MOVED_TO` and the events it releases.
+    temp_moved: Option<(u32, Option<Vec<WatchKind>>)>,
     /// The upload temporaries' marker of this agent process.
     temp_marker: String,
 }
@@ -127,7 +135,8 @@ impl Watch {
             root_wd,
             dirs: HashMap::from([(root_wd, String::new())]),
             buf: VecDeque::new(),
-            temp_cookie: None,
+            uploads: HashMap::new(),
+            temp_moved: None,
             temp_marker: format!(".strata-upload-{}-", std::process::id()),
         };
         if recursive && !w.add_below(&ino, String::new()) {
@@ -253,25 +262,22 @@ impl Watch {
         }
         let Some(name) = e.name else { return };
         let name = name.to_string_lossy().into_owned();
-        let name = match self.upload_dest(&name) {
-            Some(dest) => {
-                if m.contains(AddWatchFlags::IN_ATTRIB) {
-                    return; // its mode, set while it is private
+        if let Some(dest) = self.upload_dest(&name) {
+            let dest = join(&dir, dest);
+            return self.on_upload_temp(m, e.cookie, join(&dir, &name), dest);
+        }
+        if m.contains(AddWatchFlags::IN_MOVED_TO) {
+            if let Some((cookie, held)) = self.temp_moved.take() {
+                if cookie == e.cookie {
+                    // The upload's file appears: its events, under its name.
+                    let rel = join(&dir, &name);
+                    for kind in held.unwrap_or_default() {
+                        self.push(kind, rel.clone(), false);
+                    }
+                    return;
                 }
-                if m.contains(AddWatchFlags::IN_MOVED_FROM) {
-                    self.temp_cookie = Some(e.cookie);
-                    return; // the rename into place
-                }
-                dest.to_owned()
             }
-            None => {
-                if m.contains(AddWatchFlags::IN_MOVED_TO) && self.temp_cookie == Some(e.cookie) {
-                    self.temp_cookie = None;
-                    return; // the upload's file, created already
-                }
-                name
-            }
-        };
+        }
         let rel = join(&dir, &name);
         let kind = if m.intersects(AddWatchFlags::IN_CREATE | AddWatchFlags::IN_MOVED_TO) {
             WatchKind::Create
@@ -302,6 +308,36 @@ impl Watch {
                 WatchKind::Rename => self.forget_tree(ino, &rel),
                 _ => {}
             }
+        }
+    }
+
+    /// An event of one of this agent's upload temporaries (`temp`, which
+    /// becomes `dest`): its create and writes are held until it is renamed
+    /// into place and then reported under the destination's name (the file
+    /// is complete by then, as an entry shows it); an abandoned upload's
+    /// (removed) are dropped; its mode change while private is not
+    /// reported. Past [`MAX_HELD_UPLOADS`] they are reported at once.
+    fn on_upload_temp(&mut self, m: AddWatchFlags, cookie: u32, temp: String, dest: String) {
+        if m.contains(AddWatchFlags::IN_CREATE) {
+            if self.uploads.len() < MAX_HELD_UPLOADS {
+                self.uploads.insert(temp, vec![WatchKind::Create]);
+            } else {
+                self.push(WatchKind::Create, dest, false);
+            }
+        } else if m.contains(AddWatchFlags::IN_MODIFY) {
+            match self.uploads.get_mut(&temp) {
+                Some(held) => {
+                    if held.last() != Some(&WatchKind::Write) {
+                        held.push(WatchKind::Write);
+                    }
+                }
+                None => self.push(WatchKind::Write, dest, false),
+            }
+        } else if m.contains(AddWatchFlags::IN_MOVED_FROM) {
+            // The rename into place: the matching IN_MOVED_TO follows.
+            self.temp_moved = Some((cookie, self.uploads.remove(&temp)));
+        } else if m.contains(AddWatchFlags::IN_DELETE) && self.uploads.remove(&temp).is_none() {
+            self.push(WatchKind::Remove, dest, false);
         }
     }
 

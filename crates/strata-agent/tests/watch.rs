@@ -136,18 +136,25 @@ async fn a_file_written_through_the_files_op_gives_create_write_chmod() {
     );
     assert!(got[5].dir && !got[0].dir);
 
-    // A long poll answers at the first event.
+    // A long poll answers at the first event; an upload's events come once
+    // it is in place (an entry made for them shows the whole file).
     let c2 = c.clone();
     let g = format!("{dir}/late");
     tokio::spawn(async move {
         tokio::time::sleep(Duration::from_millis(300)).await;
-        c2.write_file(&g, None, &b"x"[..]).await.unwrap();
+        c2.write_file(&g, None, &[7u8; 3 << 20][..]).await.unwrap();
     });
     let t = std::time::Instant::now();
     let b = w.poll(Duration::from_secs(20)).await.unwrap();
     assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
-    assert_eq!(b.events[0].kind, WatchKind::Create);
-    assert_eq!(b.events[0].name, "late");
+    assert_eq!(
+        std::fs::metadata(format!("{dir}/late")).unwrap().len(),
+        3 << 20
+    );
+    assert_eq!(
+        kinds(&b.events),
+        [ev(WatchKind::Create, "late"), ev(WatchKind::Write, "late")]
+    );
 }
 
 /// Recursive: a file in an existing nested directory is named relative to

@@ -33,10 +33,12 @@ use strata_core::{SandboxId, SandboxSize, SnapshotId, TemplateId};
 pub mod runtime;
 pub mod unavailable;
 
+pub use strata_proto::client::{DirWatch, WatchBatch};
 pub use strata_proto::{
     AgentError, Command, DirEntry, ExecEvent, ExecInput, ExecRequest, ExitStatus, FileKind,
     PtySize, Stdin,
 };
+pub use strata_proto::{WatchEvent, WatchKind};
 pub use strata_runtime::{
     CpuSource, GuestErrorKind, LiveVm, RuntimeError, SnapshotInfo, Source, SpaceUsage, Subvolumes,
     TemplateBuilt, VmDied, VmInfo, VmUsage,
@@ -266,6 +268,24 @@ pub trait Engine: Send + Sync + 'static {
     async fn connect_port(&self, id: &SandboxId, port: u16) -> Result<PortStream, PortOpenError> {
         let _ = (id, port);
         Err(PortOpenError::Port(PortError::Unsupported))
+    }
+
+    /// Starts an inotify watch of guest directory `path` of the running
+    /// sandbox `id` (with `recursive`, of the tree below it), polled through
+    /// the returned [`DirWatch`]; dropping it ends the watch. Engines
+    /// without it refuse (`Unavailable`), and so does an agent older than
+    /// watches (`Agent` with [`AgentError::Unsupported`]): callers fall
+    /// back to listing.
+    async fn watch_dir(
+        &self,
+        id: &SandboxId,
+        path: &str,
+        recursive: bool,
+    ) -> EngineResult<DirWatch> {
+        let _ = (id, path, recursive);
+        Err(RuntimeError::Unavailable(
+            "this engine does not watch directories".into(),
+        ))
     }
 
     /// VMs that died unexpectedly. Called once, at start.

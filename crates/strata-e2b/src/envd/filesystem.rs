@@ -1,6 +1,8 @@
 //! `filesystem.Filesystem/*`: stat, list, make, move and remove guest
-//! paths, and polling directory watchers (a listing kept per watcher and
-//! diffed at each `GetWatcherEvents`).
+//! paths, and directory watchers: inotify in the guest (the agent's `watch`
+//! op, events as envd's fsnotify reports them) when the sandbox's agent has
+//! it, else a poller (a listing kept per watcher and diffed at each
+//! `GetWatcherEvents`) for sandboxes of older images.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -13,7 +15,10 @@ use futures::StreamExt;
 use serde_json::json;
 use strata_core::SandboxId;
 use strata_policy::CallKind;
-use stratad::engine::{DirEntry, FileKind, GuestErrorKind, RuntimeError};
+use stratad::engine::{
+    AgentError, DirEntry, DirWatch, FileKind, GuestErrorKind, RuntimeError, WatchEvent, WatchKind,
+};
+use stratad::service::watch::watch_unsupported;
 use stratad::service::{Grant, ServiceError};
 
 use super::{ancestry, ensure_owned, entry, envd_user, join, read, write, CappedBody};
@@ -230,8 +235,9 @@ pub async fn remove(
 /// What a watcher remembers of one entry: kind, size, mtime.
 type Seen = (FileKind, u64, i64);
 
-/// A polling watcher: the listing at the last poll, diffed at the next.
-/// It polls under the read grant of its root, decided at its creation.
+/// A watcher: an inotify watch in the guest (`live`), or, with an agent
+/// older than watches, the listing at the last poll, diffed at the next.
+/// It reads under the read grant of its root, decided at its creation.
 #[derive(Debug)]
 pub struct Watcher {
     pub(crate) grant: Grant,
@@ -239,7 +245,125 @@ pub struct Watcher {
     recursive: bool,
     /// Events carry the entry's info (envd 0.6.3 `include_entry`).
     include_entry: bool,
+    /// The poller's last listing (empty for a live watcher).
     seen: BTreeMap<String, Seen>,
+    /// The guest's inotify watch; the agent holds its events until polled.
+    live: Option<Arc<tokio::sync::Mutex<DirWatch>>>,
+}
+
+/// Most events one `GetWatcherEvents` answer carries from a live watcher
+/// (the agent holds at most 4096 and an overflow marker between polls).
+const LIVE_EVENTS_MAX: usize = 8192;
+/// How long one poll of a `WatchDir` stream waits in the guest for an event.
+const LIVE_STREAM_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Starts the guest's inotify watch of `root`; `None` when this sandbox's
+/// agent (or the engine) has none: the caller polls instead.
+async fn start_live(
+    st: &Arc<E2b>,
+    g: &Grant,
+    root: &str,
+    recursive: bool,
+) -> Result<Option<DirWatch>, ConnectError> {
+    match st.svc.watch_dir(g, root, recursive).await {
+        Ok(w) => Ok(Some(w)),
+        Err(e) if watch_unsupported(&e) => Ok(None),
+        // The agent's caps (watches per sandbox, directories per watch).
+        Err(ServiceError::Engine(RuntimeError::Guest {
+            kind: GuestErrorKind::Other,
+            message,
+            ..
+        })) if message.starts_with("too many") || message.starts_with("more than") => Err(
+            ConnectError::new(Code::ResourceExhausted, format!("watch {root}: {message}")),
+        ),
+        Err(e) => Err(service_err(e)),
+    }
+}
+
+impl E2b {
+    /// Forgets the watchers of sandbox `id` whose guest watch is over (its
+    /// agent connection went away: a pause, a restart), so the door keeps
+    /// no more of them than the agent's cap per connection.
+    fn prune_watchers(&self, id: &SandboxId) {
+        self.watchers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|_, w| {
+                w.grant.sandbox() != id
+                    || !w
+                        .live
+                        .as_ref()
+                        .is_some_and(|l| l.try_lock().is_ok_and(|l| l.is_closed()))
+            });
+    }
+}
+
+/// envd's name of an event kind (`None`: not an event envd reports).
+fn live_type(k: WatchKind) -> Option<&'static str> {
+    Some(match k {
+        WatchKind::Create => "EVENT_TYPE_CREATE",
+        WatchKind::Write => "EVENT_TYPE_WRITE",
+        WatchKind::Remove => "EVENT_TYPE_REMOVE",
+        WatchKind::Rename => "EVENT_TYPE_RENAME",
+        WatchKind::Chmod => "EVENT_TYPE_CHMOD",
+        WatchKind::Overflow | WatchKind::Other => return None,
+    })
+}
+
+fn lost_events(what: &str) -> ConnectError {
+    ConnectError::new(
+        Code::ResourceExhausted,
+        format!(
+            "{what} lost events: more changed in the guest than it holds between reads (4096); watch again"
+        ),
+    )
+}
+
+/// A failed poll of a live watch: the sandbox paused or stopped (its agent
+/// connection went away, which ends every watch), or the agent failed.
+fn live_err(what: &str, e: AgentError) -> ConnectError {
+    match e {
+        AgentError::Closed => ConnectError::new(
+            Code::NotFound,
+            format!("{what} ended: the sandbox was paused, stopped or restarted"),
+        ),
+        AgentError::Timeout => ConnectError::new(
+            Code::DeadlineExceeded,
+            format!("{what}: the guest did not answer"),
+        ),
+        e => ConnectError::new(Code::Unknown, format!("{what}: {e}")),
+    }
+}
+
+/// Live events as envd's `FilesystemEvent`s; with `include_entry` the entry
+/// of each path still there (best effort, as envd: one stat per name).
+async fn live_json(
+    st: &Arc<E2b>,
+    g: &Grant,
+    root: &str,
+    include_entry: bool,
+    events: Vec<WatchEvent>,
+) -> Vec<serde_json::Value> {
+    let mut entries: BTreeMap<String, Option<EntryInfo>> = BTreeMap::new();
+    let mut out = Vec::with_capacity(events.len());
+    for e in events {
+        let Some(ty) = live_type(e.kind) else {
+            continue;
+        };
+        let mut v = json!({ "name": e.name, "type": ty });
+        if include_entry && e.kind != WatchKind::Remove && e.kind != WatchKind::Rename {
+            let path = join(root, &e.name);
+            if !entries.contains_key(&e.name) {
+                let info = st.svc.stat(g, &path).await.ok().map(|s| entry(&path, &s));
+                entries.insert(e.name.clone(), info);
+            }
+            if let Some(Some(info)) = entries.get(&e.name) {
+                v["entry"] = json!(info);
+            }
+        }
+        out.push(v);
+    }
+    out
 }
 
 /// Most entries a watcher tracks.
@@ -378,7 +502,13 @@ pub async fn create_watcher(
                 format!("path {path} is not a directory"),
             ));
         }
-        let seen = seen_of(&snapshot_dir(&st, &g, &path, recursive).await?);
+        st.prune_watchers(&id);
+        let live = start_live(&st, &g, &path, recursive).await?;
+        let seen = match live {
+            Some(_) => BTreeMap::new(),
+            None => seen_of(&snapshot_dir(&st, &g, &path, recursive).await?),
+        };
+        let live = live.map(|w| Arc::new(tokio::sync::Mutex::new(w)));
         let wid = format!("w-{}", hex::encode(&crate::auth::random_secret()[..8]));
         st.watchers
             .lock()
@@ -391,6 +521,7 @@ pub async fn create_watcher(
                     recursive,
                     include_entry,
                     seen,
+                    live,
                 },
             );
         Ok::<_, ConnectError>(json!({ "watcherId": wid }))
@@ -414,25 +545,46 @@ impl E2b {
         id: &SandboxId,
         r: &serde_json::Value,
         remove: bool,
-    ) -> Result<(String, Grant, String, bool, bool), ConnectError> {
+    ) -> Result<WatcherCall, ConnectError> {
         self.envd_access(id).await?;
         let wid = watcher_id(r);
         let mut g = self.watchers.lock().unwrap_or_else(|p| p.into_inner());
-        let (grant, root, recursive, include_entry) = match g.get(&wid) {
-            Some(w) if w.grant.sandbox() == id => (
-                w.grant.clone(),
-                w.root.clone(),
-                w.recursive,
-                w.include_entry,
-            ),
+        let call = match g.get(&wid) {
+            Some(w) if w.grant.sandbox() == id => WatcherCall {
+                wid: wid.clone(),
+                grant: w.grant.clone(),
+                root: w.root.clone(),
+                recursive: w.recursive,
+                include_entry: w.include_entry,
+                live: w.live.clone(),
+            },
             _ => return Err(watcher_gone(&wid)),
         };
         if remove {
             g.remove(&wid);
         }
-        Ok((wid, grant, root, recursive, include_entry))
+        Ok(call)
+    }
+
+    fn forget_watcher(&self, wid: &str) {
+        self.watchers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(wid);
     }
 }
+
+/// What a watcher call needs of its watcher.
+struct WatcherCall {
+    wid: String,
+    grant: Grant,
+    root: String,
+    recursive: bool,
+    include_entry: bool,
+    live: Option<Arc<tokio::sync::Mutex<DirWatch>>>,
+}
+
+impl E2b {}
 
 fn watcher_gone(wid: &str) -> ConnectError {
     ConnectError::new(Code::NotFound, format!("watcher {wid} not found"))
@@ -445,12 +597,46 @@ pub async fn get_watcher_events(
     body: CappedBody,
 ) -> Response {
     unary!(sbx, body, serde_json::Value, |id, r| async {
-        let (wid, grant, root, recursive, include_entry) = st.watcher_call(&id, &r, false).await?;
+        let WatcherCall {
+            wid,
+            grant,
+            root,
+            recursive,
+            include_entry,
+            live,
+        } = st.watcher_call(&id, &r, false).await?;
         // Polling a watcher decided at its creation never wakes the sandbox.
         st.svc
             .require_running(&grant)
             .await
             .map_err(crate::error::service_err)?;
+        if let Some(live) = live {
+            let what = format!("watcher {wid}");
+            let mut events = Vec::new();
+            {
+                let mut w = live.lock().await;
+                loop {
+                    match w.poll(std::time::Duration::ZERO).await {
+                        Ok(b) => {
+                            events.extend(b.events);
+                            if !b.more || events.len() >= LIVE_EVENTS_MAX {
+                                break;
+                            }
+                        }
+                        Err(e) => {
+                            st.forget_watcher(&wid);
+                            return Err(live_err(&what, e));
+                        }
+                    }
+                }
+            }
+            if events.iter().any(|e| e.kind == WatchKind::Overflow) {
+                st.forget_watcher(&wid);
+                return Err(lost_events(&what));
+            }
+            let events = live_json(&st, &grant, &root, include_entry, events).await;
+            return Ok(json!({ "events": events }));
+        }
         let listing = snapshot_dir(&st, &grant, &root, recursive).await?;
         let new = seen_of(&listing);
         let events = {
@@ -521,14 +707,21 @@ pub async fn watch_dir(
                 format!("path {path} is not a directory"),
             ));
         }
-        let seen = seen_of(&snapshot_dir(&st, &g, &path, recursive).await?);
-        Ok::<_, ConnectError>((g, path, recursive, include_entry, seen))
+        let live = start_live(&st, &g, &path, recursive).await?;
+        let seen = match live {
+            Some(_) => BTreeMap::new(),
+            None => seen_of(&snapshot_dir(&st, &g, &path, recursive).await?),
+        };
+        Ok::<_, ConnectError>((g, path, recursive, include_entry, seen, live))
     };
-    let (g, root, recursive, include_entry, seen) = match setup.await {
+    let (g, root, recursive, include_entry, seen, live) = match setup.await {
         Ok(v) => v,
         Err(e) => return crate::connect::stream_error(e),
     };
     let start = crate::connect::message_frame(&json!({ "start": {} }));
+    if let Some(w) = live {
+        return live_stream(st, g, root, include_entry, w, start);
+    }
     struct Poll {
         st: Arc<E2b>,
         g: Grant,
@@ -579,6 +772,85 @@ pub async fn watch_dir(
                 p.queue
                     .push_back(crate::connect::message_frame(&json!({ "filesystem": e })));
                 p.quiet_since = tokio::time::Instant::now();
+            }
+            if p.quiet_since.elapsed() >= WATCH_STREAM_KEEPALIVE {
+                p.queue
+                    .push_back(crate::connect::message_frame(&json!({ "keepalive": {} })));
+                p.quiet_since = tokio::time::Instant::now();
+            }
+        }
+    });
+    crate::connect::stream_response(futures::stream::once(async move { start }).chain(events))
+}
+
+/// `WatchDir` over the guest's inotify watch: each poll waits in the guest
+/// up to [`LIVE_STREAM_WAIT`] for an event (so the stream holds at most one
+/// answer of the agent), a `keepalive` every [`WATCH_STREAM_KEEPALIVE`] of
+/// quiet; a sandbox that stops running, lost events or a failed poll end it
+/// with an error. Dropping the stream (the client went away) ends the watch.
+fn live_stream(
+    st: Arc<E2b>,
+    g: Grant,
+    root: String,
+    include_entry: bool,
+    w: DirWatch,
+    start: bytes::Bytes,
+) -> Response {
+    struct Live {
+        st: Arc<E2b>,
+        g: Grant,
+        root: String,
+        include_entry: bool,
+        w: DirWatch,
+        queue: std::collections::VecDeque<bytes::Bytes>,
+        quiet_since: tokio::time::Instant,
+        done: bool,
+    }
+    let state = Live {
+        st,
+        g,
+        root,
+        include_entry,
+        w,
+        queue: Default::default(),
+        quiet_since: tokio::time::Instant::now(),
+        done: false,
+    };
+    let events = futures::stream::unfold(state, |mut p| async move {
+        loop {
+            if let Some(f) = p.queue.pop_front() {
+                return Some((f, p));
+            }
+            if p.done {
+                return None;
+            }
+            let polled = match p.st.svc.require_running(&p.g).await {
+                Ok(()) => {
+                    p.w.poll(LIVE_STREAM_WAIT)
+                        .await
+                        .map_err(|e| live_err("watch", e))
+                }
+                Err(e) => Err(service_err(e)),
+            };
+            let batch = match polled {
+                Ok(b) if b.events.iter().any(|e| e.kind == WatchKind::Overflow) => {
+                    Err(lost_events("watch"))
+                }
+                other => other,
+            };
+            match batch {
+                Ok(b) => {
+                    for e in live_json(&p.st, &p.g, &p.root, p.include_entry, b.events).await {
+                        p.queue
+                            .push_back(crate::connect::message_frame(&json!({ "filesystem": e })));
+                        p.quiet_since = tokio::time::Instant::now();
+                    }
+                }
+                Err(e) => {
+                    p.queue.push_back(e.end_frame());
+                    p.done = true;
+                    continue;
+                }
             }
             if p.quiet_since.elapsed() >= WATCH_STREAM_KEEPALIVE {
                 p.queue

@@ -68,6 +68,12 @@ impl DirWatch {
         self.dirs
     }
 
+    /// Whether the watch is over: its connection is gone (the sandbox
+    /// paused, stopped, its agent restarted) or a poll failed.
+    pub fn is_closed(&self) -> bool {
+        self.broken || self.client.is_closed()
+    }
+
     /// The events the agent buffered since the last poll. With `wait` and
     /// none buffered, the agent answers at the first event or after `wait`
     /// (capped at [`MAX_WATCH_WAIT_MS`]). The agent drains the kernel's

@@ -311,6 +311,16 @@ impl Engine for RuntimeEngine {
         self.rt.connect_port(id, port).await
     }
 
+    async fn watch_dir(
+        &self,
+        id: &SandboxId,
+        path: &str,
+        recursive: bool,
+    ) -> EngineResult<DirWatch> {
+        let (agent, err) = self.agent(id).await?;
+        agent.watch_dir(path, recursive).await.map_err(err)
+    }
+
     fn exit_events(&self) -> tokio::sync::mpsc::UnboundedReceiver<VmDied> {
         // The runtime hands its receiver out once; later callers get a
         // stream that is empty and ends.

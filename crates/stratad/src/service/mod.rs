@@ -39,6 +39,7 @@ mod rewind;
 mod sampler;
 mod snapshots;
 mod templates;
+pub mod watch;
 
 pub use admission::MAX_CONCURRENT_TEMPLATE_BUILDS;
 pub use background::ScheduledActions;
