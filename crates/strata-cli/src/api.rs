@@ -417,6 +417,25 @@ impl ApiClient {
             .await
     }
 
+    /// `PUT` bytes as a tool call (a template build's `copy` archive).
+    pub async fn put_bytes_call(&self, segments: &[&str], body: Vec<u8>) -> ApiResult<Value> {
+        self.json_call(
+            self.at(Method::PUT, segments, &[])
+                .header(reqwest::header::CONTENT_TYPE, "application/x-tar")
+                .body(body),
+        )
+        .await
+    }
+
+    /// Whether `GET segments` answers 2xx (`false` on 404).
+    pub async fn exists(&self, segments: &[&str]) -> ApiResult<bool> {
+        match self.get(segments, &[]).await {
+            Ok(_) => Ok(true),
+            Err(e) if e.status() == Some(404) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
     /// `PUT` a text body (policies are TOML).
     pub async fn put_text(&self, segments: &[&str], body: String) -> ApiResult<Value> {
         self.json(

@@ -45,6 +45,11 @@ pub enum ErrorCode {
     SnapshotUnusable,
     /// The VM failed or died.
     VmFailed,
+    /// A template recipe (or Dockerfile) is malformed, over a limit, or
+    /// names something the build cannot use (an unsupported base image, a
+    /// `copy` whose files were not uploaded); the message names the step
+    /// or line.
+    InvalidRecipe,
     /// Anything else; a bug or an environment problem.
     Internal,
 }
@@ -53,7 +58,7 @@ impl ErrorCode {
     /// The HTTP status this code maps to.
     pub fn http_status(&self) -> u16 {
         match self {
-            ErrorCode::InvalidRequest | ErrorCode::InvalidSize => 400,
+            ErrorCode::InvalidRequest | ErrorCode::InvalidSize | ErrorCode::InvalidRecipe => 400,
             ErrorCode::Unauthorized => 401,
             ErrorCode::Forbidden | ErrorCode::PolicyDenied | ErrorCode::QuotaExceeded => 403,
             ErrorCode::NotFound => 404,

@@ -89,6 +89,12 @@ pub struct StateMeta {
     /// [`DISK_ONLY_FORMAT_VERSION`].
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub disk_only: bool,
+    /// The recipe hash of a template built from a recipe (`strata-template`'s
+    /// plan hash, the template's content identity): a recipe naming this
+    /// template as its base chains on it. Inherited by every state made from
+    /// the template; none for image-booted templates.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recipe: Option<String>,
     /// When this file was written.
     pub written_at: DateTime<Utc>,
 }
@@ -250,6 +256,7 @@ pub(crate) mod tests {
             hostname: None,
             first_start: None,
             disk_only: false,
+            recipe: None,
             written_at: Utc::now(),
         }
     }

@@ -185,6 +185,13 @@ pub struct SecurityConfig {
     /// DNS (pinning connector hosts; tests point them at loopback). The
     /// system resolver refuses private and loopback answers.
     pub egress_static_hosts: BTreeMap<String, IpAddr>,
+    /// Non-public ranges (CIDRs) a DNS answer for an allowed host may fall
+    /// in: the system resolver refuses private, CGNAT and documentation
+    /// answers unless they are inside one of these (a network whose DNS
+    /// sends registries to an internal mirror or a TLS-inspecting gateway).
+    /// Loopback, link-local, multicast and reserved answers stay refused.
+    #[serde(default)]
+    pub egress_resolved_ranges: Vec<String>,
 }
 
 impl Default for SecurityConfig {
@@ -198,6 +205,7 @@ impl Default for SecurityConfig {
             rate_limit_burst: 100,
             egress_bind: IpAddr::from([127, 0, 0, 1]),
             egress_static_hosts: BTreeMap::new(),
+            egress_resolved_ranges: Vec::new(),
         }
     }
 }
@@ -383,6 +391,8 @@ pub struct Config {
     pub metrics: MetricsConfig,
     /// `[logs]`: process logs kept per sandbox.
     pub logs: LogsConfig,
+    /// `[templates]`: recipe builds (docs/templates.md).
+    pub templates: TemplatesConfig,
 }
 
 /// `[metrics]`: the per-sandbox usage sampler (CPU, memory, disk over time;
@@ -428,6 +438,43 @@ impl Default for LogsConfig {
         LogsConfig {
             max_bytes_per_sandbox: 256 * 1024,
             max_sandboxes: 1024,
+        }
+    }
+}
+
+/// `[templates]`: recipe builds (`service::build`, docs/templates.md).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TemplatesConfig {
+    /// Hosts a builder sandbox may reach through its egress proxy (its
+    /// policy layer allows these and denies the rest): the package
+    /// registries of `apt`, `pip` and `npm` steps.
+    pub build_egress: Vec<String>,
+    /// Cached step states kept per owner (the most recently made).
+    pub step_cache_per_owner: usize,
+    /// How long one step may run before it is killed (the build fails).
+    #[serde(with = "serde_human")]
+    pub step_timeout: Duration,
+    /// Bytes of a build's log kept (`GET /v1/templates/{id}/logs`).
+    pub log_max_bytes: u64,
+}
+
+impl Default for TemplatesConfig {
+    fn default() -> Self {
+        TemplatesConfig {
+            build_egress: [
+                "deb.debian.org",
+                "security.debian.org",
+                "pypi.org",
+                "files.pythonhosted.org",
+                "registry.npmjs.org",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
+            step_cache_per_owner: 32,
+            step_timeout: Duration::from_secs(30 * 60),
+            log_max_bytes: 4 * 1024 * 1024,
         }
     }
 }
@@ -506,6 +553,7 @@ impl Default for Config {
             egress: EgressConfig::default(),
             metrics: MetricsConfig::default(),
             logs: LogsConfig::default(),
+            templates: TemplatesConfig::default(),
         }
     }
 }

@@ -229,6 +229,28 @@ pub trait Engine: Send + Sync + 'static {
     /// Removes a template's subvolume. Idempotent.
     async fn delete_template(&self, tpl: &TemplateId) -> EngineResult<()>;
 
+    /// Publishes snapshot `snap` of a (builder) sandbox as template `tpl`,
+    /// carrying `recipe` (its recipe hash); the snapshot stays. Engines
+    /// without recipe builds refuse.
+    async fn template_from_snapshot(
+        &self,
+        snap: &SnapshotId,
+        tpl: &TemplateId,
+        recipe: Option<String>,
+    ) -> EngineResult<()> {
+        let _ = (snap, tpl, recipe);
+        Err(RuntimeError::Invalid(
+            "this engine does not build templates from recipes".into(),
+        ))
+    }
+
+    /// What a template's content is, as a string a recipe's step hashes
+    /// chain on: its recipe hash, or the image, accelerator, layout and size
+    /// it was booted with. The default: its id.
+    async fn template_identity(&self, tpl: &TemplateId) -> EngineResult<String> {
+        Ok(tpl.to_string())
+    }
+
     /// VM processes of this host (adopted or not).
     async fn live_vms(&self) -> EngineResult<Vec<LiveVm>>;
 

@@ -13,7 +13,8 @@ use crate::views::{items, view, Template};
 /// `strata template ...`
 #[derive(Debug, Subcommand)]
 pub enum TemplateCmd {
-    /// Build a template (boot the image, snapshot it); shows progress.
+    /// Build a template: boot the image and snapshot it, or (`-f`) run a
+    /// recipe's steps on a base template; shows progress and the build log.
     Build(BuildArgs),
     /// List templates.
     Ls,
@@ -41,7 +42,24 @@ pub struct BuildArgs {
     /// Give up waiting after this many seconds.
     #[arg(long, default_value_t = 900)]
     pub timeout: u64,
+    /// A recipe: `*.toml`, `*.json`, or a Dockerfile (FROM, RUN, COPY, ENV,
+    /// WORKDIR, USER, CMD = start, HEALTHCHECK CMD = ready). `copy`
+    /// sources are read relative to the recipe's directory (or `--context`)
+    /// and uploaded by hash.
+    #[arg(short = 'f', long = "file")]
+    pub file: Option<std::path::PathBuf>,
+    /// Directory `copy` sources are relative to [default: the recipe's].
+    #[arg(long, requires = "file")]
+    pub context: Option<std::path::PathBuf>,
+    /// PEM file of CAs the builder's guest trusts (and the template keeps),
+    /// e.g. `/etc/ssl/certs/ca-certificates.crt` where registry TLS is
+    /// re-signed by a local CA.
+    #[arg(long, requires = "file")]
+    pub ca_bundle: Option<std::path::PathBuf>,
 }
+
+/// Largest `copy` archive the CLI packs.
+const MAX_COPY_BYTES: u64 = 1 << 30;
 
 /// Runs a template command.
 pub async fn run(ctx: &Ctx, cmd: TemplateCmd) -> anyhow::Result<i32> {
@@ -61,6 +79,45 @@ async fn build(ctx: &Ctx, a: BuildArgs) -> anyhow::Result<i32> {
     if let Some(i) = &a.id {
         body["id"] = i.clone().into();
     }
+    let recipe_build = a.file.is_some();
+    if let Some(file) = &a.file {
+        let text = std::fs::read_to_string(file)
+            .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", file.display()))?;
+        let name = file
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let mut recipe = strata_template::Recipe::from_file_text(&name, &text)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+        let context = a.context.clone().unwrap_or_else(|| {
+            file.parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .map(|p| p.to_path_buf())
+                .unwrap_or_else(|| ".".into())
+        });
+        let blobs = strata_template::pack_all(&mut recipe, &context, MAX_COPY_BYTES)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+        for (sha, bytes) in blobs {
+            if client.exists(&["v1", "template-files", &sha]).await? {
+                continue;
+            }
+            if !ctx.json {
+                eprintln!(
+                    "strata: uploading copy archive {sha} ({} bytes)",
+                    bytes.len()
+                );
+            }
+            client
+                .put_bytes_call(&["v1", "template-files", &sha], bytes)
+                .await?;
+        }
+        body["recipe"] = serde_json::to_value(&recipe)?;
+        if let Some(ca) = &a.ca_bundle {
+            let pem = std::fs::read_to_string(ca)
+                .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", ca.display()))?;
+            body["ca_bundle"] = pem.into();
+        }
+    }
     let started = Instant::now();
     let mut v = client.post_call(&["v1", "templates"], &body).await?;
     let mut t: Template = view(&v)?;
@@ -68,6 +125,7 @@ async fn build(ctx: &Ctx, a: BuildArgs) -> anyhow::Result<i32> {
         eprintln!("strata: building template {}", t.id);
     }
     let mut last_progress = None;
+    let mut log_offset = 0u64;
     while !ctx.no_wait && t.status == "building" {
         if started.elapsed() > Duration::from_secs(a.timeout) {
             anyhow::bail!(
@@ -90,9 +148,22 @@ async fn build(ctx: &Ctx, a: BuildArgs) -> anyhow::Result<i32> {
             }
             last_progress = t.progress.clone();
         }
+        if recipe_build && !ctx.json {
+            log_offset = print_log(&client, &t.id, log_offset).await?;
+        }
         tokio::time::sleep(Duration::from_millis(500)).await;
         v = client.get(&["v1", "templates", &t.id], &[]).await?;
         t = view(&v)?;
+    }
+    if recipe_build && !ctx.json && !ctx.no_wait {
+        // The rest of the log (the last step's output, the failure).
+        loop {
+            let next = print_log(&client, &t.id, log_offset).await?;
+            if next == log_offset {
+                break;
+            }
+            log_offset = next;
+        }
     }
     if t.status == "failed" {
         return Err(CliError::OperationFailed(format!(
@@ -115,6 +186,24 @@ async fn build(ctx: &Ctx, a: BuildArgs) -> anyhow::Result<i32> {
         ))
     })?;
     Ok(0)
+}
+
+/// Prints the build log of `id` from `offset` to stderr; returns the next offset.
+async fn print_log(client: &crate::api::ApiClient, id: &str, offset: u64) -> anyhow::Result<u64> {
+    let off = offset.to_string();
+    let v = match client
+        .get(&["v1", "templates", id, "logs"], &[("offset", &off)])
+        .await
+    {
+        Ok(v) => v,
+        // An older daemon has no build logs.
+        Err(e) if e.status() == Some(404) => return Ok(offset),
+        Err(e) => return Err(e.into()),
+    };
+    if let Some(d) = v["data"].as_str().filter(|d| !d.is_empty()) {
+        eprint!("{d}");
+    }
+    Ok(v["offset"].as_u64().unwrap_or(offset))
 }
 
 async fn ls(ctx: &Ctx) -> anyhow::Result<i32> {

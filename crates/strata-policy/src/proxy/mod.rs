@@ -40,7 +40,7 @@ use crate::policy::PolicySet;
 
 pub use sniff::Sniffed;
 pub use tunnel::{HostTunnels, Refused, Tunnel, TunnelLimits, TunnelStats};
-pub use upstream::{ResolveFuture, Resolver, StaticResolver, SystemResolver};
+pub use upstream::{RangeResolver, ResolveFuture, Resolver, StaticResolver, SystemResolver};
 
 /// Bytes buffered per direction between a tunnel's pump and the proxy.
 pub const STREAM_BUFFER: usize = 64 * 1024;

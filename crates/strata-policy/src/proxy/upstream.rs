@@ -149,6 +149,39 @@ impl Resolver for SystemResolver {
     }
 }
 
+/// The system resolver that also accepts answers inside operator-named
+/// ranges (`[security] egress_resolved_ranges`): a network whose DNS sends
+/// allowed registries to a private or documentation address (an internal
+/// mirror, a TLS-inspecting gateway). Loopback, link-local, multicast and
+/// reserved answers stay refused whatever the ranges say.
+#[derive(Debug, Default, Clone)]
+pub struct RangeResolver {
+    /// Non-public ranges an answer may fall in.
+    pub ranges: Vec<IpNet>,
+}
+
+impl Resolver for RangeResolver {
+    fn resolve<'a>(&'a self, host: &'a str, port: u16) -> ResolveFuture<'a> {
+        Box::pin(async move {
+            let addrs: Vec<SocketAddr> = tokio::net::lookup_host((host, port))
+                .await?
+                .filter(|a| {
+                    let ip = canonical_ip(a.ip());
+                    is_public(ip)
+                        || (!never_reachable(ip) && self.ranges.iter().any(|r| r.contains(ip)))
+                })
+                .collect();
+            if addrs.is_empty() {
+                return Err(io::Error::new(
+                    io::ErrorKind::NotFound,
+                    "no public address (nor one in egress_resolved_ranges)",
+                ));
+            }
+            Ok(addrs)
+        })
+    }
+}
+
 /// A fixed host → IP table (tests, or pinning connector hosts).
 #[derive(Debug, Default, Clone)]
 pub struct StaticResolver(pub std::collections::HashMap<String, IpAddr>);

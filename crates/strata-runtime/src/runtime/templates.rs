@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use chrono::Utc;
-use strata_core::{SandboxId, SandboxSize, TemplateId};
+use strata_core::{SandboxId, SandboxSize, SnapshotId, TemplateId};
 use strata_image::BuiltImage;
 use strata_proto::ExecRequest;
 use strata_vmm::{ResolvedAccel, VmmDriver};
@@ -147,6 +147,7 @@ impl Runtime {
             hostname: Some("strata".into()),
             first_start: None,
             disk_only: false,
+            recipe: None,
             written_at: Utc::now(),
         };
         let mut spec = self.spec_for(&b.id, &b.work, &meta, b.accel);
@@ -199,6 +200,68 @@ impl Runtime {
         let _ = live.vm.kill().await;
         let _ = std::fs::remove_dir_all(self.run_dir(&b.id));
         outcome
+    }
+
+    /// Publishes snapshot `snap` (of a builder sandbox, taken while its
+    /// guest ran the recipe's steps) as template `tpl`: its RAM, disk and
+    /// device state become a read-only `templates/<tpl>` whose `meta.json`
+    /// names the template, no sandbox, and `recipe` (the recipe hash). The
+    /// snapshot stays (the caller deletes it). Like a cold build, the
+    /// template exists whole or not at all: the meta is rewritten in a
+    /// scratch subvolume, which is then snapshotted read-only.
+    pub async fn template_from_snapshot(
+        &self,
+        snap: &SnapshotId,
+        tpl: &TemplateId,
+        recipe: Option<String>,
+    ) -> Result<()> {
+        let _g = self.op_lock(tpl.as_str()).await;
+        let src = self.snapshot_dir(snap);
+        let dst = self.template_dir(tpl);
+        if !src.exists() {
+            return Err(RuntimeError::SnapshotNotFound(snap.to_string()));
+        }
+        if dst.exists() {
+            return Err(RuntimeError::Invalid(format!(
+                "template {tpl} already exists"
+            )));
+        }
+        self.check_free_space()?;
+        let scratch = self
+            .pool
+            .sandboxes_dir()
+            .join(format!("pub-{}", tpl.as_str()));
+        let pool = self.pool.clone();
+        let tpl_name = tpl.to_string();
+        let snap_name = snap.to_string();
+        blocking(move || {
+            if pool.is_subvolume(&scratch).unwrap_or(false) {
+                pool.delete_subvolume(&scratch).map_err(storage_err)?;
+            }
+            pool.snapshot(&src, &scratch, false).map_err(storage_err)?;
+            let published = (|| {
+                let meta =
+                    StateMeta::read(&scratch).map_err(|e| RuntimeError::SnapshotUnusable {
+                        id: snap_name.clone(),
+                        reason: e.0,
+                    })?;
+                let meta = StateMeta {
+                    sandbox: None,
+                    template: Some(tpl_name),
+                    recipe,
+                    written_at: Utc::now(),
+                    ..meta
+                };
+                meta.write(&scratch)
+                    .map_err(|e| io_err("write meta.json", e))?;
+                pool.snapshot(&scratch, &dst, true)
+                    .map_err(storage_err)
+                    .map(|_| ())
+            })();
+            let _ = pool.trash(&scratch);
+            published
+        })
+        .await
     }
 
     /// Removes a template. Idempotent.

@@ -506,6 +506,9 @@ fn service_route(r: &Route) -> Option<axum::routing::MethodRouter<Arc<Service>>>
         ListTemplates => on(m, templates::list),
         GetTemplate => on(m, templates::get),
         DeleteTemplate => on(m, templates::delete),
+        TemplateLogs => on(m, templates::logs),
+        PutTemplateFile => on(m, templates::put_file),
+        GetTemplateFile => on(m, templates::get_file),
         _ => return None,
     })
 }

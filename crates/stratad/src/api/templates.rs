@@ -1,12 +1,17 @@
-//! Templates: build (asynchronous, `202`), list, get (with progress), delete.
+//! Templates: build (asynchronous, `202`; from the image or a recipe),
+//! list, get (with progress), the build log, delete; the `copy` archives a
+//! recipe build unpacks (`PUT|GET /v1/template-files/{sha256}`).
 
-use axum::http::StatusCode;
+use axum::extract::Request;
+use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::Json;
+use futures::StreamExt;
 use serde_json::json;
-use strata_core::TemplateId;
+use strata_core::{ErrorCode, TemplateId};
 
-use super::{ApiResult, Body, Call};
+use super::{ApiError, ApiResult, Body, Call};
+use crate::engine::RuntimeError;
 use crate::service::BuildTemplate;
 
 pub(super) async fn build(c: Call, Body(cmd): Body<BuildTemplate>) -> ApiResult<impl IntoResponse> {
@@ -34,4 +39,77 @@ pub(super) async fn delete(c: Call) -> ApiResult<impl IntoResponse> {
     let id: TemplateId = c.id()?;
     let opts = c.gate()?;
     Ok(Json(c.svc.delete_template(&c.caller, &id, &opts).await?))
+}
+
+/// `GET /v1/templates/{id}/logs?offset=N`: the build log from byte `N`
+/// (at most 256 KiB a call): `{"data", "offset" (ask from here next),
+/// "done" (the build is over and the log read to its end)}`.
+pub(super) async fn logs(c: Call) -> ApiResult<impl IntoResponse> {
+    let p = c.params(&["offset"], &[], false)?;
+    let offset = match p.one("offset") {
+        None => 0,
+        Some(v) => v.parse::<u64>().map_err(|_| {
+            ApiError::new(
+                ErrorCode::InvalidRequest,
+                format!("offset {v:?}: a byte offset (0 or more)"),
+            )
+        })?,
+    };
+    let id: TemplateId = c.id()?;
+    let (data, next, done) = c.svc.template_log(&c.caller, &id, offset).await?;
+    Ok(Json(json!({
+        "data": String::from_utf8_lossy(&data),
+        "offset": next,
+        "done": done,
+    })))
+}
+
+/// `PUT /v1/template-files/{sha256}`: stores a recipe's `copy` archive for
+/// the caller's tenant (`201 {"sha256", "bytes"}`); its content must hash
+/// to the name (`400`), at most `max_upload_bytes` (`413`).
+pub(super) async fn put_file(c: Call, req: Request) -> ApiResult<impl IntoResponse> {
+    let opts = c.gate()?;
+    let limit = c.svc.config().max_upload_bytes;
+    if let Some(len) = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        if len > limit {
+            return Err(ApiError::new(
+                ErrorCode::PayloadTooLarge,
+                format!("a template file may be at most {limit} bytes"),
+            ));
+        }
+    }
+    let svc = c.svc.clone();
+    let (caller, sha, _) = c.into_parts();
+    let body = req
+        .into_body()
+        .into_data_stream()
+        .map(|chunk| chunk.map_err(|e| RuntimeError::Other(format!("reading upload: {e}"))))
+        .boxed();
+    let n = svc.put_template_file(&caller, &sha, body, &opts).await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({ "sha256": sha, "bytes": n })),
+    ))
+}
+
+/// `GET|HEAD /v1/template-files/{sha256}`: `200` when the caller's tenant
+/// uploaded it, `404` otherwise.
+pub(super) async fn get_file(c: Call) -> ApiResult<impl IntoResponse> {
+    c.no_query()?;
+    let svc = c.svc.clone();
+    let (caller, sha, _) = c.into_parts();
+    if svc.has_template_file(&caller, &sha).await? {
+        Ok(Json(json!({ "sha256": sha })))
+    } else {
+        Err(crate::service::ServiceError::NotFound {
+            kind: "template file",
+            id: sha,
+        }
+        .into())
+    }
 }

@@ -868,6 +868,7 @@ mod keys;
 mod matrix;
 mod quotas;
 mod security;
+mod template_files;
 
 /// A store at `cfg`'s database path holding the platform template `tpl-base`.
 pub(super) fn store_with_base_template(cfg: &Config) -> Arc<SqliteStore> {

@@ -273,6 +273,31 @@ impl Engine for RuntimeEngine {
         self.rt.delete_template(tpl).await
     }
 
+    async fn template_from_snapshot(
+        &self,
+        snap: &SnapshotId,
+        tpl: &TemplateId,
+        recipe: Option<String>,
+    ) -> EngineResult<()> {
+        self.rt.template_from_snapshot(snap, tpl, recipe).await
+    }
+
+    async fn template_identity(&self, tpl: &TemplateId) -> EngineResult<String> {
+        let m = self.rt.template_meta(tpl)?;
+        Ok(match m.recipe {
+            Some(r) => format!("recipe:{r}"),
+            None => format!(
+                "image:{}/{}/{}/{}x{}x{}",
+                m.image_hash,
+                m.accel,
+                m.machine_layout,
+                m.size.vcpus,
+                m.size.memory_mib,
+                m.size.disk_gib
+            ),
+        })
+    }
+
     async fn live_vms(&self) -> EngineResult<Vec<LiveVm>> {
         Ok(self.rt.live_vms())
     }

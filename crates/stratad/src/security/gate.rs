@@ -47,6 +47,24 @@ pub trait ToolGate: Send + Sync + std::fmt::Debug {
         let _ = (tenant, from, to);
         Ok(())
     }
+
+    /// Makes `sandbox` a template builder whose egress reaches `hosts`
+    /// and nothing else (`Policies::make_builder`); a gate without layers
+    /// keeps nothing.
+    async fn make_builder(
+        &self,
+        tenant: &str,
+        sandbox: &str,
+        hosts: &[String],
+    ) -> Result<(), String> {
+        let _ = (tenant, sandbox, hosts);
+        Ok(())
+    }
+
+    /// `sandbox`'s build is over.
+    fn end_builder(&self, sandbox: &str) {
+        let _ = sandbox;
+    }
 }
 
 /// The daemon's gate: [`Security::gate`].
@@ -69,6 +87,30 @@ impl ToolGate for SecurityGate {
         tokio::task::spawn_blocking(move || sec.policies().inherit_sandbox(&t, &f, &to))
             .await
             .map_err(|e| format!("copying the policy layer: {e}"))?
+    }
+
+    async fn make_builder(
+        &self,
+        tenant: &str,
+        sandbox: &str,
+        hosts: &[String],
+    ) -> Result<(), String> {
+        let (sec, t, s, hosts) = (
+            self.0.clone(),
+            tenant.to_owned(),
+            sandbox.to_owned(),
+            hosts.to_vec(),
+        );
+        tokio::task::spawn_blocking(move || {
+            sec.policies()
+                .make_builder(&t, &s, &hosts, "strata:template-build")
+        })
+        .await
+        .map_err(|e| format!("writing the builder's policy: {e}"))?
+    }
+
+    fn end_builder(&self, sandbox: &str) {
+        self.0.policies().end_builder(sandbox);
     }
 
     async fn open(

@@ -131,6 +131,14 @@ pub const INVALID_POLICY_RULE: &str = "invalid-policy";
 /// Parsed policies, cached by tenant and sandbox.
 pub struct Policies {
     platform: Option<Arc<Policy>>,
+    /// The platform policy's text (a builder's platform layer is it plus
+    /// the build connector).
+    platform_text: String,
+    /// Template builders (sandbox id → their platform layer: the platform
+    /// policy with the [`BUILD_CONNECTOR`] of the build's hosts). Only these
+    /// sandboxes know the connector, so no other sandbox can reach the
+    /// registries whatever the defaults say.
+    builders: Mutex<HashMap<String, Arc<Policy>>>,
     store: Arc<SecurityStore>,
     tenants: Mutex<HashMap<String, Option<Arc<Policy>>>>,
     sandboxes: Mutex<HashMap<String, Option<Arc<Policy>>>>,
@@ -193,6 +201,65 @@ impl Policies {
         Self::cached(&self.sandboxes, sandbox, |s| self.store.sandbox_policy(s))
     }
 
+    /// The platform layer of calls on `sandbox` (a builder's has the build
+    /// connector).
+    fn platform_for(&self, sandbox: Option<&str>) -> Option<Arc<Policy>> {
+        if let Some(s) = sandbox {
+            if let Some(p) = Self::lock(&self.builders).get(s) {
+                return Some(p.clone());
+            }
+        }
+        self.platform.clone()
+    }
+
+    /// Makes `sandbox` a template builder: its platform layer gets the
+    /// connector [`BUILD_CONNECTOR`] of `hosts` (ports 80 and 443), its own
+    /// layer allows that connector and denies every other egress (soft: a
+    /// tenant's hard rules still decide first).
+    pub fn make_builder(
+        &self,
+        tenant: &str,
+        sandbox: &str,
+        hosts: &[String],
+        by: &str,
+    ) -> Result<(), String> {
+        let list = hosts
+            .iter()
+            .map(|h| toml::Value::String(h.clone()).to_string())
+            .collect::<Vec<_>>()
+            .join(", ");
+        let mut text = self.platform_text.clone();
+        if !hosts.is_empty() {
+            text.push_str(&format!(
+                "\n[[connector]]\nname = \"{BUILD_CONNECTOR}\"\nhosts = [{list}]\nports = [80, 443]\n"
+            ));
+        }
+        let platform =
+            Arc::new(Policy::parse(&text).map_err(|e| format!("the build connector: {e}"))?);
+        Self::lock(&self.builders).insert(sandbox.to_owned(), platform);
+        let mut layer = String::from(
+            "# Written by a template build: the package registries ([templates] build_egress), nothing else.\n",
+        );
+        if !hosts.is_empty() {
+            layer.push_str(&format!(
+                "\n[[rule]]\nid = \"build-egress\"\neffect = \"allow\"\nkind = \"egress\"\nconnector = \"{BUILD_CONNECTOR}\"\n"
+            ));
+        }
+        layer.push_str(
+            "\n[[rule]]\nid = \"build-egress-rest\"\neffect = \"deny\"\nkind = \"egress\"\nreason = \"a template build reaches the package registries only\"\n",
+        );
+        let r = self.put_sandbox(tenant, sandbox, &layer, by);
+        if r.is_err() {
+            Self::lock(&self.builders).remove(sandbox);
+        }
+        r
+    }
+
+    /// `sandbox` is no builder any more (its build ended).
+    pub fn end_builder(&self, sandbox: &str) {
+        Self::lock(&self.builders).remove(sandbox);
+    }
+
     /// The composed policy for a call of `tenant` on `sandbox`. Layers that
     /// no longer compose (a tenant policy dropped a connector a sandbox rule
     /// names) give a deny-everything set: fail closed.
@@ -207,7 +274,9 @@ impl Policies {
             ))
         })();
         let composed = match layers {
-            Ok((t, s)) => PolicySet::new(self.platform.clone(), t, s).map_err(|e| e.to_string()),
+            Ok((t, s)) => {
+                PolicySet::new(self.platform_for(sandbox), t, s).map_err(|e| e.to_string())
+            }
             Err(e) => Err(e.to_string()),
         };
         match composed {
@@ -255,7 +324,8 @@ impl Policies {
     ) -> Result<(), String> {
         let p = Arc::new(Policy::parse(text).map_err(|e| e.to_string())?);
         let t = self.tenant(tenant).map_err(|e| e.to_string())?;
-        PolicySet::new(self.platform.clone(), t, Some(p.clone())).map_err(|e| e.to_string())?;
+        PolicySet::new(self.platform_for(Some(sandbox)), t, Some(p.clone()))
+            .map_err(|e| e.to_string())?;
         self.store
             .put_sandbox_policy(tenant, sandbox, text, by)
             .map_err(|e| format!("storing policy: {e}"))?;
@@ -288,6 +358,10 @@ impl std::fmt::Debug for Security {
     }
 }
 
+/// The connector a template builder's egress goes through (its platform
+/// layer only: `Policies::make_builder`).
+pub const BUILD_CONNECTOR: &str = "strata-build-registries";
+
 /// The built-in platform policy when no file is configured.
 pub const DEFAULT_PLATFORM_POLICY: &str = "default = \"allow\"\n";
 
@@ -304,6 +378,11 @@ impl Security {
             None => Policy::parse(DEFAULT_PLATFORM_POLICY)
                 .map_err(strata_policy::policy::LoadError::Parse)?,
         };
+        let platform_text = match &cfg.platform_policy {
+            // Loaded just above; a builder's layer parses it again.
+            Some(p) => std::fs::read_to_string(p).unwrap_or_default(),
+            None => DEFAULT_PLATFORM_POLICY.to_owned(),
+        };
         let deny = Policy::parse(&deny_all_toml("the stored policy layers do not compose"))
             .map_err(strata_policy::policy::LoadError::Parse)?;
         let fallback = PolicySet::new(Some(Arc::new(deny)), None, None)
@@ -314,21 +393,34 @@ impl Security {
             audit::verify_head(&audit_path, seq, &hash)?;
         }
         let approvals = ApprovalQueue::with_store(store.clone())?;
-        let resolver: Arc<dyn Resolver> = if cfg.egress_static_hosts.is_empty() {
-            Arc::new(SystemResolver)
-        } else {
+        let ranges = cfg
+            .egress_resolved_ranges
+            .iter()
+            .map(|r| {
+                strata_policy::policy::IpNet::parse(r).map_err(|e| {
+                    SecurityError::Compose(format!("egress_resolved_ranges {r:?}: {e}"))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let resolver: Arc<dyn Resolver> = if !cfg.egress_static_hosts.is_empty() {
             Arc::new(StaticResolver(
                 cfg.egress_static_hosts
                     .iter()
                     .map(|(k, v)| (k.to_ascii_lowercase(), *v))
                     .collect(),
             ))
+        } else if !ranges.is_empty() {
+            Arc::new(strata_policy::proxy::RangeResolver { ranges })
+        } else {
+            Arc::new(SystemResolver)
         };
         let sec = Security {
             limiter: RateLimiter::new(cfg.rate_limit_per_second, cfg.rate_limit_burst),
             data_dir: config.data_dir.clone(),
             policies: Arc::new(Policies {
                 platform: Some(Arc::new(platform)),
+                platform_text,
+                builders: Mutex::new(HashMap::new()),
                 store: store.clone(),
                 tenants: Mutex::new(HashMap::new()),
                 sandboxes: Mutex::new(HashMap::new()),

@@ -81,7 +81,7 @@ pub struct TakeSnapshot {
 }
 
 /// `POST /v1/templates`.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BuildTemplate {
     /// Id to use (default: generated).
@@ -90,9 +90,20 @@ pub struct BuildTemplate {
     /// Human name.
     #[serde(default)]
     pub name: Option<String>,
-    /// Size of the template guest.
+    /// Size of the template guest (with a recipe: the base's vCPUs and
+    /// memory; the disk may be larger).
     #[serde(default)]
     pub size: SizeSpec,
+    /// Build from this recipe (a base template and steps) instead of
+    /// booting the image (`service::build`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recipe: Option<strata_template::Recipe>,
+    /// PEM certificates the builder's guest trusts (appended to its system
+    /// bundle `/etc/ssl/certs/ca-certificates.crt` before the first step,
+    /// and kept in the template; `NODE_EXTRA_CA_CERTS` names them during
+    /// the build): for hosts whose registry TLS is re-signed by a local CA.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_bundle: Option<String>,
 }
 
 /// Progress of a template build (kept in memory).

@@ -50,6 +50,10 @@ pub enum ServiceError {
     /// closed: nothing is stored unsealed).
     #[error("key store: {0}")]
     Keys(String),
+    /// A recipe the build cannot run (`invalid_recipe`; over a size limit:
+    /// `payload_too_large`).
+    #[error(transparent)]
+    Recipe(#[from] strata_template::RecipeError),
 }
 
 pub(crate) fn gate_message(r: &GateRefusal) -> String {
@@ -78,6 +82,11 @@ impl ServiceError {
             ServiceError::Store(_) => ErrorCode::Internal,
             ServiceError::Forbidden(_) => ErrorCode::Forbidden,
             ServiceError::Keys(_) => ErrorCode::Internal,
+            ServiceError::Recipe(e) => match e.status() {
+                413 => ErrorCode::PayloadTooLarge,
+                500 => ErrorCode::Internal,
+                _ => ErrorCode::InvalidRecipe,
+            },
             ServiceError::Gate(GateRefusal::Invalid(_)) => ErrorCode::InvalidRequest,
             ServiceError::Gate(GateRefusal::Internal(_)) => ErrorCode::Internal,
             ServiceError::Gate(GateRefusal::Denied { .. } | GateRefusal::Pending(_)) => {

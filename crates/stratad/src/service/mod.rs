@@ -23,6 +23,7 @@
 
 mod access;
 mod admission;
+pub mod build;
 mod background;
 mod commands;
 mod error;

@@ -97,6 +97,7 @@ impl Service {
                     id: Some(id),
                     name: Some("default".into()),
                     size: SizeSpec::default(),
+                    ..BuildTemplate::default()
                 },
                 &GateOptions::default(),
             )
@@ -111,7 +112,7 @@ impl Service {
         cmd: BuildTemplate,
         opts: &GateOptions,
     ) -> ServiceResult<TemplateView> {
-        let size = cmd.size.over(self.config.default_size);
+        let mut size = cmd.size.over(self.config.default_size);
         size.validate()?;
         if !caller.is_system()
             && cmd
@@ -125,6 +126,28 @@ impl Service {
         }
         self.authorize(caller, None, lifecycle("build_template"), opts)
             .await?;
+        // A recipe is checked whole before anything is recorded: its base,
+        // its plan, its uploaded files (`service::build`). Its template has
+        // the base's vCPUs and memory (a fork keeps them).
+        let job = match &cmd.recipe {
+            Some(r) => {
+                let job = self.check_recipe(caller, r, cmd.ca_bundle.clone()).await?;
+                let asked = cmd.size.over(job.base.size);
+                check_source_size(
+                    &format!("base template {}", job.base.id),
+                    job.base.size,
+                    asked,
+                )?;
+                size = asked;
+                Some(job)
+            }
+            None if cmd.ca_bundle.is_some() => {
+                return Err(ServiceError::InvalidRequest(
+                    "ca_bundle is for recipe builds (give a recipe)".into(),
+                ))
+            }
+            None => None,
+        };
         let id = cmd.id.unwrap_or_else(TemplateId::generate);
         let id2 = id.clone();
         if let Some(t) = self.db(move |s| s.get_template(&id2)).await? {
@@ -143,8 +166,12 @@ impl Service {
                 )));
             }
         }
-        // Room for the builder VM, held until the build ends.
-        let builder = self.admit_build(size).await?;
+        // Room for the builder VM, held until the build ends (a recipe's
+        // builder is a sandbox: its create is admitted as any).
+        let builder = match job {
+            None => Some(self.admit_build(size).await?),
+            Some(_) => None,
+        };
         let now = self.now();
         let rec = TemplateRecord {
             id: id.clone(),
@@ -170,6 +197,7 @@ impl Service {
                 },
             );
         let this = self.clone();
+        let owner_caller = caller.clone();
         let mut rec2 = rec.clone();
         tokio::spawn(
             async move {
@@ -187,12 +215,25 @@ impl Service {
                         );
                     }
                 });
-                let result = this.engine.build_template(&rec2.id, rec2.size, sink).await;
+                let result = match job {
+                    Some(job) => {
+                        let accel = job.base.accel.clone();
+                        this.run_recipe(&owner_caller, &rec2, job)
+                            .await
+                            .map(|ms| (accel.unwrap_or_default(), ms))
+                    }
+                    None => this
+                        .engine
+                        .build_template(&rec2.id, rec2.size, sink)
+                        .await
+                        .map(|info| (info.accel, info.build_ms))
+                        .map_err(ServiceError::from),
+                };
                 match result {
-                    Ok(info) => {
+                    Ok((accel, build_ms)) => {
                         rec2.status = TemplateStatus::Ready;
-                        rec2.accel = Some(info.accel);
-                        info!(build_ms = info.build_ms, "template ready");
+                        rec2.accel = Some(accel);
+                        info!(build_ms, "template ready");
                     }
                     Err(e) => {
                         warn!(error = %e.message(), "template build failed");
@@ -240,7 +281,10 @@ impl Service {
                 }
             })
             .await?;
-        Ok(v.into_iter().map(|r| self.template_view(r)).collect())
+        Ok(v.into_iter()
+            .filter(|r| r.status != TemplateStatus::Step)
+            .map(|r| self.template_view(r))
+            .collect())
     }
 
     /// One template the caller may use (another tenant's answers like an
@@ -251,7 +295,9 @@ impl Service {
         id: &TemplateId,
     ) -> ServiceResult<TemplateView> {
         match self.template_record(id).await {
-            Ok(r) if caller.sees_template(&r.tenant) => Ok(self.template_view(r)),
+            Ok(r) if caller.sees_template(&r.tenant) && r.status != TemplateStatus::Step => {
+                Ok(self.template_view(r))
+            }
             Ok(_) => Err(not_found("template", id)),
             Err(e) => Err(e),
         }

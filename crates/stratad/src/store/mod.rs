@@ -249,6 +249,11 @@ pub enum TemplateStatus {
     Failed,
     /// Deleted.
     Deleted,
+    /// The cached state after one step of a recipe build (its owner's next
+    /// build of a recipe with the same steps so far resumes from it). Not
+    /// listed and not usable as a template: the service answers for it
+    /// like an unknown id.
+    Step,
 }
 
 impl TemplateStatus {
@@ -259,6 +264,7 @@ impl TemplateStatus {
             TemplateStatus::Ready => "ready",
             TemplateStatus::Failed => "failed",
             TemplateStatus::Deleted => "deleted",
+            TemplateStatus::Step => "step",
         }
     }
 
@@ -269,6 +275,7 @@ impl TemplateStatus {
             "ready" => Some(TemplateStatus::Ready),
             "failed" => Some(TemplateStatus::Failed),
             "deleted" => Some(TemplateStatus::Deleted),
+            "step" => Some(TemplateStatus::Step),
             _ => None,
         }
     }

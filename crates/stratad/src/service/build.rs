@@ -1,0 +1,863 @@
+//! Recipe builds: a template made from a base template and steps
+//! (`strata-template`'s [`Recipe`]), in a builder sandbox, with a cache of
+//! every step's state.
+//!
+//! How a build runs ([`Service::build_template`] with a recipe):
+//! 1. **At the request** ([`Service::check_recipe`]): the base is a
+//!    template the caller may use (or an alias of the default one); the
+//!    recipe is planned on the base's identity (limits, user/cwd/env state,
+//!    chain hashes); every `copy` archive was uploaded by the caller's tenant
+//!    (`PUT /v1/template-files/{sha256}`); a CA bundle is PEM. Anything
+//!    wrong is a `400 invalid_recipe` (or `404` for the base) and nothing
+//!    is created.
+//! 2. **In the background**: the deepest step whose state the owner has
+//!    cached (a template record of status `step`, id derived from the owner
+//!    and the step's chain hash) is the starting point; a builder sandbox
+//!    (label `strata.build=<template>`) forks from it. Only a builder's
+//!    policy knows the connector `strata-build-registries` (the hosts of
+//!    `[templates] build_egress`, ports 80/443, in its platform layer); its
+//!    sandbox layer allows that connector and denies every other egress
+//!    (the platform's and tenant's hard rules still decide first). No other
+//!    sandbox can reach the registries through this.
+//! 3. Each remaining step runs through [`Service::exec`] as the template's
+//!    owner (so the tool-call policy gates and audits it like any exec): a
+//!    command as the step's user, in its cwd, with its env; a `copy` as a
+//!    root script that unpacks the uploaded archive. Output goes to the
+//!    build log (`GET /v1/templates/{id}/logs`, bounded); a non-zero exit
+//!    fails the build with the log's tail, and no template is created.
+//!    After each step that ran something the builder's state (RAM, disk,
+//!    devices) is cached as a `step` template.
+//! 4. The start command is left running (`setsid`, output in
+//!    `/tmp/strata-start.log` in the guest), the ready check polled until
+//!    it passes; the builder's state is published as the template, carrying
+//!    its recipe hash (a recipe naming it as base chains on that), and the
+//!    builder is deleted. Every fork of the template begins with the start
+//!    process running.
+//!
+//! What it does not do: it does not isolate a build from the owner's own
+//! sandboxes any more than any sandbox is isolated; cached steps are per
+//! owner (a tenant never resumes from another's), and a cached step is
+//! reused on the hash of what the recipe says, not on what a command
+//! fetched (as Docker's layer cache: `pip install x` is cached whatever
+//! version the registry serves tomorrow).
+
+use std::path::PathBuf;
+
+use sha2::{Digest, Sha256};
+use strata_template::{Action, ExecPlan, Plan, Recipe};
+
+use super::prelude::*;
+
+/// Label a builder sandbox carries: the template it builds.
+pub const BUILD_LABEL: &str = "strata.build";
+
+/// Where a builder's start command writes its output, in the guest.
+pub const START_LOG: &str = "/tmp/strata-start.log";
+
+/// Where a CA bundle given to a build goes in the guest (and stays: the
+/// template trusts it; it is also appended to the system bundle).
+pub const BUILD_CA_PATH: &str = "/usr/local/share/ca-certificates/strata-build-ca.crt";
+
+/// Largest CA bundle a build accepts, in bytes.
+const MAX_CA_BUNDLE: usize = 1 << 20;
+
+/// Base names that mean the platform's default template (E2B's names too).
+const DEFAULT_ALIASES: &[&str] = &["default", "base", "e2bdev/base", "e2bdev/base:latest"];
+
+/// What a build request carries besides the recipe's plan.
+#[derive(Debug, Clone)]
+pub(super) struct RecipeJob {
+    pub base: TemplateRecord,
+    pub plan: Plan,
+    pub ca_bundle: Option<String>,
+}
+
+/// The build log of one template: a file of at most `cap` bytes, and the
+/// last bytes written (for a failure's reason).
+struct BuildLog {
+    file: Option<tokio::fs::File>,
+    written: u64,
+    cap: u64,
+    tail: std::collections::VecDeque<u8>,
+}
+
+/// Bytes of output a failed step's reason quotes.
+const TAIL_BYTES: usize = 2048;
+
+impl BuildLog {
+    async fn create(path: PathBuf, cap: u64) -> Self {
+        if let Some(dir) = path.parent() {
+            let _ = tokio::fs::create_dir_all(dir).await;
+        }
+        let file = tokio::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .truncate(true)
+            .open(&path)
+            .await
+            .map_err(|e| warn!(path = %path.display(), error = %e, "cannot write the build log"))
+            .ok();
+        BuildLog {
+            file,
+            written: 0,
+            cap,
+            tail: std::collections::VecDeque::with_capacity(TAIL_BYTES),
+        }
+    }
+
+    async fn write(&mut self, b: &[u8]) {
+        use tokio::io::AsyncWriteExt;
+        for &c in b
+            .iter()
+            .rev()
+            .take(TAIL_BYTES)
+            .collect::<Vec<_>>()
+            .iter()
+            .rev()
+        {
+            if self.tail.len() == TAIL_BYTES {
+                self.tail.pop_front();
+            }
+            self.tail.push_back(*c);
+        }
+        let Some(f) = self.file.as_mut() else { return };
+        if self.written >= self.cap {
+            return;
+        }
+        let room = (self.cap - self.written) as usize;
+        let (part, cut) = if b.len() > room {
+            (&b[..room], true)
+        } else {
+            (b, false)
+        };
+        let _ = f.write_all(part).await;
+        self.written += part.len() as u64;
+        if cut {
+            let _ = f.write_all(b"\n[strata: build log truncated]\n").await;
+            self.written = self.cap;
+        }
+        let _ = f.flush().await;
+    }
+
+    async fn line(&mut self, s: &str) {
+        self.write(format!("{s}\n").as_bytes()).await;
+    }
+
+    fn tail(&self) -> String {
+        let v: Vec<u8> = self.tail.iter().copied().collect();
+        String::from_utf8_lossy(&v).trim_end().to_owned()
+    }
+}
+
+/// Is `s` a lowercase hex sha256?
+pub(crate) fn is_sha256(s: &str) -> bool {
+    s.len() == 64 && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
+impl Service {
+    /// Directory of the `copy` archives tenant `owner` uploaded.
+    fn template_files_dir(&self, owner: &str) -> PathBuf {
+        let h = hex::encode(Sha256::digest(owner.as_bytes()));
+        self.config.data_dir.join("template-files").join(&h[..32])
+    }
+
+    /// The build log of template `id`.
+    pub(super) fn build_log_path(&self, id: &TemplateId) -> PathBuf {
+        self.config
+            .data_dir
+            .join("build-logs")
+            .join(format!("{id}.log"))
+    }
+
+    /// `PUT /v1/template-files/{sha256}`: stores a `copy` archive for the
+    /// caller's tenant, checking that its content has that sha256 (else
+    /// `400`, nothing kept) and is at most `max_upload_bytes` (`413`).
+    /// Returns the bytes stored. Idempotent.
+    pub async fn put_template_file(
+        &self,
+        caller: &Caller,
+        sha256: &str,
+        mut body: ByteStream,
+        opts: &GateOptions,
+    ) -> ServiceResult<u64> {
+        if !is_sha256(sha256) {
+            return Err(ServiceError::InvalidRequest(format!(
+                "{sha256:?} is not a lowercase hex sha256"
+            )));
+        }
+        self.authorize(caller, None, lifecycle("build_template"), opts)
+            .await?;
+        let dir = self.template_files_dir(caller.owner());
+        tokio::fs::create_dir_all(&dir).await.map_err(|e| {
+            ServiceError::Engine(RuntimeError::Other(format!("template files: {e}")))
+        })?;
+        let path = dir.join(sha256);
+        if tokio::fs::metadata(&path).await.is_ok() {
+            // Already here: drain nothing, keep what was checked.
+            return Ok(tokio::fs::metadata(&path)
+                .await
+                .map(|m| m.len())
+                .unwrap_or(0));
+        }
+        let tmp = dir.join(format!(".{sha256}.{}", rand::random::<u64>()));
+        let io = |e: std::io::Error| {
+            ServiceError::Engine(RuntimeError::Other(format!("template files: {e}")))
+        };
+        let result = async {
+            use tokio::io::AsyncWriteExt;
+            let mut f = tokio::fs::File::create(&tmp).await.map_err(io)?;
+            let mut h = Sha256::new();
+            let mut n = 0u64;
+            while let Some(chunk) = body.next().await {
+                let chunk = chunk?;
+                n += chunk.len() as u64;
+                if n > self.config.max_upload_bytes {
+                    return Err(ServiceError::InvalidRequest(format!(
+                        "a template file may be at most {} bytes (max_upload_bytes)",
+                        self.config.max_upload_bytes
+                    )));
+                }
+                h.update(&chunk);
+                f.write_all(&chunk).await.map_err(io)?;
+            }
+            f.sync_all().await.map_err(io)?;
+            let got = hex::encode(h.finalize());
+            if got != sha256 {
+                return Err(ServiceError::InvalidRequest(format!(
+                    "the uploaded content's sha256 is {got}, not {sha256}"
+                )));
+            }
+            tokio::fs::rename(&tmp, &path).await.map_err(io)?;
+            Ok(n)
+        }
+        .await;
+        if result.is_err() {
+            let _ = tokio::fs::remove_file(&tmp).await;
+        }
+        result
+    }
+
+    /// `HEAD /v1/template-files/{sha256}`: whether the caller's tenant
+    /// uploaded that archive.
+    pub async fn has_template_file(&self, caller: &Caller, sha256: &str) -> ServiceResult<bool> {
+        if !is_sha256(sha256) {
+            return Err(ServiceError::InvalidRequest(format!(
+                "{sha256:?} is not a lowercase hex sha256"
+            )));
+        }
+        let _ = caller.owner();
+        Ok(
+            tokio::fs::metadata(self.template_files_dir(caller.owner()).join(sha256))
+                .await
+                .is_ok(),
+        )
+    }
+
+    /// `GET /v1/templates/{id}/logs?offset=N`: the build log from byte
+    /// `offset` (at most 256 KiB), the offset to ask next, and whether the
+    /// build is over (the log will not grow).
+    pub async fn template_log(
+        &self,
+        caller: &Caller,
+        id: &TemplateId,
+        offset: u64,
+    ) -> ServiceResult<(Vec<u8>, u64, bool)> {
+        use tokio::io::{AsyncReadExt, AsyncSeekExt};
+        let v = self.get_template(caller, id).await?;
+        let done = v.record.status != TemplateStatus::Building;
+        let path = self.build_log_path(id);
+        let Ok(mut f) = tokio::fs::File::open(&path).await else {
+            return Ok((Vec::new(), offset, done));
+        };
+        let len = f.metadata().await.map(|m| m.len()).unwrap_or(0);
+        if offset >= len {
+            return Ok((Vec::new(), offset, done));
+        }
+        let io = |e: std::io::Error| {
+            ServiceError::Engine(RuntimeError::Other(format!("build log: {e}")))
+        };
+        f.seek(std::io::SeekFrom::Start(offset)).await.map_err(io)?;
+        let want = (len - offset).min(256 * 1024) as usize;
+        let mut buf = vec![0u8; want];
+        f.read_exact(&mut buf).await.map_err(io)?;
+        let next = offset + want as u64;
+        Ok((buf, next, done && next >= len))
+    }
+
+    /// The base a recipe names: a template id, a name of one of the
+    /// caller's (or the platform's) ready templates, or an alias of the
+    /// default template (`default`, `base`, `e2bdev/base`). A container
+    /// image reference is refused with the list of what is supported.
+    pub(super) async fn recipe_base(
+        &self,
+        caller: &Caller,
+        base: &str,
+    ) -> ServiceResult<TemplateRecord> {
+        if let Ok(id) = base.parse::<TemplateId>() {
+            return Ok(self.get_template(caller, &id).await?.record);
+        }
+        let all = self.list_templates(caller).await?;
+        let ready = |name: &str| {
+            all.iter()
+                .rev()
+                .find(|t| {
+                    t.record.status == TemplateStatus::Ready
+                        && t.record.name.as_deref() == Some(name)
+                })
+                .map(|t| t.record.clone())
+        };
+        if DEFAULT_ALIASES.contains(&base) {
+            return match ready("default") {
+                Some(t) => Ok(t),
+                None => self.resolve_template(caller, None).await,
+            };
+        }
+        let alias = match base {
+            "e2bdev/code-interpreter" | "e2bdev/code-interpreter:latest" => "code-interpreter",
+            other => other,
+        };
+        if let Some(t) = ready(alias) {
+            return Ok(t);
+        }
+        Err(ServiceError::Recipe(strata_template::RecipeError::Invalid {
+            at: strata_template::Location::default(),
+            message: format!(
+                "base {base:?} is not a template you can use: give a template id or name, or one of {} (other container images are not supported)",
+                DEFAULT_ALIASES
+                    .iter()
+                    .chain(["e2bdev/code-interpreter"].iter())
+                    .map(|a| format!("{a:?}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        }))
+    }
+
+    /// Everything a recipe build checks before it is accepted (module docs,
+    /// step 1).
+    pub(super) async fn check_recipe(
+        &self,
+        caller: &Caller,
+        recipe: &Recipe,
+        ca_bundle: Option<String>,
+    ) -> ServiceResult<RecipeJob> {
+        recipe.validate()?;
+        if let Some(ca) = &ca_bundle {
+            if ca.len() > MAX_CA_BUNDLE
+                || !ca.contains("-----BEGIN CERTIFICATE-----")
+                || ca.contains('\0')
+            {
+                return Err(ServiceError::InvalidRequest(format!(
+                    "ca_bundle: PEM certificates (-----BEGIN CERTIFICATE-----), at most {MAX_CA_BUNDLE} bytes"
+                )));
+            }
+        }
+        let base = self.recipe_base(caller, &recipe.base).await?;
+        if base.status != TemplateStatus::Ready {
+            return Err(ServiceError::InvalidStateOther(format!(
+                "base template {} is {}",
+                base.id,
+                base.status.as_str()
+            )));
+        }
+        let mut identity = self.engine.template_identity(&base.id).await?;
+        if let Some(ca) = &ca_bundle {
+            identity.push_str(&format!(
+                "+ca:{}",
+                hex::encode(Sha256::digest(ca.as_bytes()))
+            ));
+        }
+        let plan = recipe.plan(&identity)?;
+        let dir = self.template_files_dir(caller.owner());
+        for s in &plan.steps {
+            if let Action::Copy { sha256, .. } = &s.action {
+                if tokio::fs::metadata(dir.join(sha256)).await.is_err() {
+                    return Err(ServiceError::Recipe(strata_template::RecipeError::Invalid {
+                        at: strata_template::Location {
+                            step: Some(s.index),
+                            line: None,
+                        },
+                        message: format!(
+                            "copy archive {sha256} was not uploaded: PUT /v1/template-files/{sha256} first (`strata template build` does)"
+                        ),
+                    }));
+                }
+            }
+        }
+        Ok(RecipeJob {
+            base,
+            plan,
+            ca_bundle,
+        })
+    }
+
+    /// The id of the cached state of step `hash` of `owner`'s builds.
+    fn step_template_id(owner: &str, hash: &str) -> ServiceResult<TemplateId> {
+        let mut h = Sha256::new();
+        h.update(owner.as_bytes());
+        h.update([0u8]);
+        h.update(hash.as_bytes());
+        let hx = hex::encode(h.finalize());
+        format!("tpl-s{}", &hx[..40])
+            .parse()
+            .map_err(|e: strata_core::id::IdError| ServiceError::InvalidRequest(e.to_string()))
+    }
+
+    /// A cached step of `owner`, if one is recorded.
+    async fn cached_step(&self, owner: &str, hash: &str) -> ServiceResult<Option<TemplateRecord>> {
+        let id = Self::step_template_id(owner, hash)?;
+        let rec = self.db(move |s| s.get_template(&id)).await?;
+        Ok(rec.filter(|r| r.status == TemplateStatus::Step && r.tenant == owner))
+    }
+
+    /// Runs a recipe build to the end (module docs, steps 2–4). On success
+    /// the template `tpl` exists in the engine; the caller records it.
+    pub(super) async fn run_recipe(
+        self: &Arc<Self>,
+        caller: &Caller,
+        tpl: &TemplateRecord,
+        job: RecipeJob,
+    ) -> ServiceResult<f64> {
+        let t0 = Instant::now();
+        let mut log = BuildLog::create(
+            self.build_log_path(&tpl.id),
+            self.config.templates.log_max_bytes,
+        )
+        .await;
+        let owner = caller.owner().to_owned();
+        let plan = &job.plan;
+        let n = plan.steps.len();
+        // The final state (start running, ready) is cached too: the same
+        // recipe again publishes at once.
+        let mut from = Source::Template(job.base.id.clone());
+        let mut first = 0;
+        let mut resumed_final = false;
+        if let Some(rec) = self.cached_step(&owner, &plan.final_hash).await? {
+            from = Source::Template(rec.id.clone());
+            first = n;
+            resumed_final = true;
+        } else {
+            for s in plan.steps.iter().rev() {
+                if let Some(rec) = self.cached_step(&owner, &s.hash).await? {
+                    from = Source::Template(rec.id.clone());
+                    first = s.index + 1;
+                    break;
+                }
+            }
+        }
+        let from_name = match &from {
+            Source::Template(t) => t.to_string(),
+            Source::Snapshot(s) => s.to_string(),
+        };
+        log.line(&format!(
+            "strata: building {} from {} ({} step(s); {} cached)",
+            tpl.id, job.base.id, n, first
+        ))
+        .await;
+        self.set_progress(&tpl.id, "starting the builder sandbox", Some(0.0));
+        // The builder: a sandbox of the owner, labelled, that never idles
+        // out during a build but goes if a restart strands it.
+        let mut labels = BTreeMap::new();
+        labels.insert(BUILD_LABEL.to_owned(), tpl.id.to_string());
+        let spec = SandboxSpec {
+            labels,
+            idle_timeout: Some("6h".into()),
+            snapshot_interval: Some("0s".into()),
+            ..SandboxSpec::default()
+        };
+        let mut rec = self.new_record(&owner, &spec, tpl.size)?;
+        rec.template = Some(job.base.id.clone());
+        let builder = rec.id.clone();
+        self.gate
+            .make_builder(
+                &owner,
+                builder.as_str(),
+                &self.config.templates.build_egress,
+            )
+            .await
+            .map_err(|m| ServiceError::InvalidStateOther(format!("build egress policy: {m}")))?;
+        let rec = match self.spawn_new(rec, from, step::SPAWN).await {
+            Ok(r) => r,
+            Err(e) => {
+                self.gate.end_builder(builder.as_str());
+                return Err(e);
+            }
+        };
+        self.keep_lifecycle(
+            &rec,
+            Some(LifecyclePolicy {
+                on_timeout: OnTimeout::Delete,
+                ..LifecyclePolicy::default()
+            }),
+            None,
+        )
+        .await;
+        log.line(&format!(
+            "strata: builder {builder} forked from {from_name}"
+        ))
+        .await;
+        let outcome = self
+            .run_steps(caller, tpl, &job, &builder, first, resumed_final, &mut log)
+            .await;
+        self.gate.end_builder(builder.as_str());
+        let system = Caller::system(crate::caller::SystemReason::Platform);
+        if let Err(e) = self
+            .delete(&system, &builder, &GateOptions::default())
+            .await
+        {
+            warn!(sandbox = %builder, error = %e.message(), "removing the builder failed");
+        }
+        match &outcome {
+            Ok(()) => {
+                log.line(&format!(
+                    "strata: template {} ready in {:.1} s",
+                    tpl.id,
+                    t0.elapsed().as_secs_f64()
+                ))
+                .await
+            }
+            Err(e) => {
+                log.line(&format!("strata: build failed: {}", e.message()))
+                    .await
+            }
+        }
+        self.evict_steps(&owner).await;
+        outcome.map(|()| t0.elapsed().as_secs_f64() * 1000.0)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn run_steps(
+        self: &Arc<Self>,
+        caller: &Caller,
+        tpl: &TemplateRecord,
+        job: &RecipeJob,
+        builder: &SandboxId,
+        first: usize,
+        resumed_final: bool,
+        log: &mut BuildLog,
+    ) -> ServiceResult<()> {
+        let plan = &job.plan;
+        let n = plan.steps.len();
+        let owner = caller.owner().to_owned();
+        let mut extra_env = BTreeMap::new();
+        if let Some(ca) = &job.ca_bundle {
+            extra_env.insert("NODE_EXTRA_CA_CERTS".to_owned(), BUILD_CA_PATH.to_owned());
+            if first == 0 && !resumed_final {
+                self.set_progress(&tpl.id, "installing the build's CA bundle", Some(0.0));
+                log.line("strata: installing the CA bundle given to the build")
+                    .await;
+                let bytes = bytes::Bytes::from(ca.clone().into_bytes());
+                let body: ByteStream = futures::stream::iter([Ok(bytes)]).boxed();
+                self.engine
+                    .write_file(builder, BUILD_CA_PATH, 0o644, body)
+                    .await?;
+                // Appended to the system bundle (what curl, pip, git and
+                // Python's ssl read), not rehashed: `update-ca-certificates`
+                // takes minutes under TCG on a whole bundle.
+                let root = ExecPlan {
+                    shell: format!("cat {BUILD_CA_PATH} >> /etc/ssl/certs/ca-certificates.crt"),
+                    user: "root".into(),
+                    cwd: "/".into(),
+                    env: BTreeMap::new(),
+                };
+                self.run_exec(caller, builder, &root, &BTreeMap::new(), log, "CA bundle")
+                    .await?;
+            }
+        }
+        if !resumed_final {
+            for s in plan.steps.iter().skip(first) {
+                let what = format!("step {}", s.describe);
+                self.set_progress(&tpl.id, &what, Some(s.index as f32 / (n as f32 + 1.0)));
+                log.line(&format!("strata: {what}")).await;
+                let t = Instant::now();
+                match &s.action {
+                    Action::None => continue,
+                    Action::Exec(e) => {
+                        self.run_exec(caller, builder, e, &extra_env, log, &what)
+                            .await?
+                    }
+                    Action::Copy {
+                        sha256,
+                        dest,
+                        owner: who,
+                        mode,
+                    } => {
+                        let archive = format!("/tmp/strata-copy-{sha256}.tar");
+                        let path = self.template_files_dir(&owner).join(sha256);
+                        let f = tokio::fs::File::open(&path).await.map_err(|e| {
+                            ServiceError::Engine(RuntimeError::Other(format!(
+                                "copy archive {sha256}: {e}"
+                            )))
+                        })?;
+                        let body: ByteStream =
+                            tokio_util::io::ReaderStream::with_capacity(f, 256 * 1024)
+                                .map(|r| {
+                                    r.map_err(|e| RuntimeError::Other(format!("copy archive: {e}")))
+                                })
+                                .boxed();
+                        self.engine
+                            .write_file(builder, &archive, 0o600, body)
+                            .await?;
+                        let script = format!(
+                            "{}; rm -f {}",
+                            strata_template::copy_install_script(&archive, dest, who, *mode),
+                            strata_template::shell::quote(&archive)
+                        );
+                        let root = ExecPlan {
+                            shell: script,
+                            user: "root".into(),
+                            cwd: "/".into(),
+                            env: BTreeMap::new(),
+                        };
+                        self.run_exec(caller, builder, &root, &BTreeMap::new(), log, &what)
+                            .await?;
+                    }
+                }
+                log.line(&format!(
+                    "strata: {what}: done in {:.1} s",
+                    t.elapsed().as_secs_f64()
+                ))
+                .await;
+                self.cache_step(&owner, builder, &s.hash, tpl, &what, log)
+                    .await;
+            }
+            if let Some(start) = &plan.start {
+                self.set_progress(&tpl.id, "starting the start command", None);
+                log.line(&format!("strata: start: {}", start.shell)).await;
+                let bg = ExecPlan {
+                    shell: format!(
+                        "setsid sh -c {} </dev/null >{START_LOG} 2>&1 &",
+                        strata_template::shell::quote(&start.shell)
+                    ),
+                    ..start.clone()
+                };
+                self.run_exec(caller, builder, &bg, &extra_env, log, "start")
+                    .await?;
+            }
+            if let (Some(ready), Some(probe)) = (&plan.ready, &plan.ready_probe) {
+                let secs = ready.timeout_secs();
+                self.set_progress(
+                    &tpl.id,
+                    &format!("waiting for ready ({secs} s at most)"),
+                    None,
+                );
+                log.line(&format!("strata: ready check: {}", probe.shell))
+                    .await;
+                let deadline = Instant::now() + Duration::from_secs(secs);
+                loop {
+                    if self.probe(builder, probe, &extra_env).await? {
+                        break;
+                    }
+                    if Instant::now() >= deadline {
+                        let start_log = self.start_log_tail(builder).await;
+                        log.line(&format!("strata: start command output:\n{start_log}"))
+                            .await;
+                        return Err(ServiceError::InvalidStateOther(format!(
+                            "the ready check did not pass within {secs} s; start command output: {start_log}"
+                        )));
+                    }
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                }
+                log.line("strata: ready").await;
+            }
+            if plan.start.is_some() || plan.ready.is_some() {
+                self.cache_step(&owner, builder, &plan.final_hash, tpl, "ready", log)
+                    .await;
+            }
+        }
+        self.set_progress(
+            &tpl.id,
+            "snapshotting the ready guest as the template",
+            None,
+        );
+        let snap = SnapshotId::generate();
+        self.engine.snapshot(builder, &snap).await?;
+        let published = self
+            .engine
+            .template_from_snapshot(&snap, &tpl.id, Some(plan.final_hash.clone()))
+            .await;
+        let _ = self.engine.delete_snapshot(&snap).await;
+        published?;
+        Ok(())
+    }
+
+    /// Runs one command of a build through [`Service::exec`] (gated and
+    /// audited as the owner's), its output into the log; a non-zero exit is
+    /// the build's failure, quoting the output's tail.
+    async fn run_exec(
+        self: &Arc<Self>,
+        caller: &Caller,
+        builder: &SandboxId,
+        e: &ExecPlan,
+        extra_env: &BTreeMap<String, String>,
+        log: &mut BuildLog,
+        what: &str,
+    ) -> ServiceResult<()> {
+        let mut req = ExecRequest::shell(e.shell.clone());
+        req.user = Some(e.user.clone());
+        req.cwd = Some(e.cwd.clone());
+        req.env = e.env.clone();
+        for (k, v) in extra_env {
+            req.env.entry(k.clone()).or_insert_with(|| v.clone());
+        }
+        req.timeout = Some(self.config.templates.step_timeout);
+        let mut stream = self
+            .exec(caller, builder, req, &GateOptions::default())
+            .await?;
+        while let Some(ev) = stream.next().await {
+            match ev? {
+                ExecEvent::Stdout(b) | ExecEvent::Stderr(b) => log.write(&b).await,
+                ExecEvent::Started { .. } => {}
+                ExecEvent::Exit(st) => {
+                    if st.success() {
+                        return Ok(());
+                    }
+                    let how = if st.timed_out {
+                        format!("timed out after {:?}", self.config.templates.step_timeout)
+                    } else if let Some(c) = st.code {
+                        format!("exited {c}")
+                    } else {
+                        format!("was killed by signal {}", st.signal.unwrap_or(0))
+                    };
+                    return Err(ServiceError::InvalidStateOther(format!(
+                        "{what} {how}; output ends: {}",
+                        log.tail()
+                    )));
+                }
+            }
+        }
+        Err(ServiceError::InvalidStateOther(format!(
+            "{what}: the command's stream ended without an exit status"
+        )))
+    }
+
+    /// Runs a ready probe once: whether it exited 0.
+    async fn probe(
+        self: &Arc<Self>,
+        builder: &SandboxId,
+        e: &ExecPlan,
+        extra_env: &BTreeMap<String, String>,
+    ) -> ServiceResult<bool> {
+        let mut req = ExecRequest::shell(e.shell.clone());
+        req.user = Some(e.user.clone());
+        req.cwd = Some(e.cwd.clone());
+        req.env = e.env.clone();
+        req.env.extend(extra_env.clone());
+        req.timeout = Some(Duration::from_secs(10));
+        let mut stream = self.engine.exec(builder, req).await?;
+        while let Some(ev) = stream.next().await {
+            if let ExecEvent::Exit(st) = ev? {
+                return Ok(st.success());
+            }
+        }
+        Ok(false)
+    }
+
+    async fn start_log_tail(&self, builder: &SandboxId) -> String {
+        let req = ExecRequest::shell(format!("tail -c 2000 {START_LOG} 2>/dev/null"));
+        let Ok(mut stream) = self.engine.exec(builder, req).await else {
+            return String::new();
+        };
+        let mut out = Vec::new();
+        while let Some(Ok(ev)) = stream.next().await {
+            if let ExecEvent::Stdout(b) = ev {
+                out.extend_from_slice(&b);
+            }
+        }
+        String::from_utf8_lossy(&out).trim_end().to_owned()
+    }
+
+    /// Caches the builder's state after a step as `owner`'s `step`
+    /// template of `hash` (already cached: nothing). A failure only costs
+    /// the cache entry.
+    async fn cache_step(
+        self: &Arc<Self>,
+        owner: &str,
+        builder: &SandboxId,
+        hash: &str,
+        tpl: &TemplateRecord,
+        what: &str,
+        log: &mut BuildLog,
+    ) {
+        let id = match Self::step_template_id(owner, hash) {
+            Ok(i) => i,
+            Err(_) => return,
+        };
+        if let Ok(Some(_)) = self.cached_step(owner, hash).await {
+            return;
+        }
+        let t = Instant::now();
+        let snap = SnapshotId::generate();
+        let r = async {
+            self.engine.snapshot(builder, &snap).await?;
+            let published = self.engine.template_from_snapshot(&snap, &id, None).await;
+            let _ = self.engine.delete_snapshot(&snap).await;
+            published?;
+            let now = self.now();
+            let rec = TemplateRecord {
+                id: id.clone(),
+                tenant: owner.to_owned(),
+                name: Some(format!("{}: {what}", tpl.id)),
+                size: tpl.size,
+                status: TemplateStatus::Step,
+                status_reason: None,
+                accel: None,
+                created_at: now,
+                updated_at: now,
+            };
+            self.db(move |s| s.put_template(&rec)).await?;
+            Ok::<(), ServiceError>(())
+        }
+        .await;
+        match r {
+            Ok(()) => {
+                log.line(&format!(
+                    "strata: cached as {id} ({:.0} ms)",
+                    t.elapsed().as_secs_f64() * 1000.0
+                ))
+                .await
+            }
+            Err(e) => {
+                let _ = self.engine.delete_template(&id).await;
+                warn!(error = %e.message(), "caching a build step failed");
+            }
+        }
+    }
+
+    /// Keeps at most `[templates] step_cache_per_owner` cached steps of
+    /// `owner`, the newest.
+    async fn evict_steps(&self, owner: &str) {
+        let keep = self.config.templates.step_cache_per_owner;
+        let o = owner.to_owned();
+        let Ok(all) = self.db(move |s| s.list_templates(&o)).await else {
+            return;
+        };
+        let mut steps: Vec<TemplateRecord> = all
+            .into_iter()
+            .filter(|t| t.status == TemplateStatus::Step)
+            .collect();
+        if steps.len() <= keep {
+            return;
+        }
+        steps.sort_by_key(|t| std::cmp::Reverse(t.updated_at));
+        for mut t in steps.into_iter().skip(keep) {
+            let _ = self.engine.delete_template(&t.id).await;
+            t.status = TemplateStatus::Deleted;
+            t.updated_at = self.now();
+            let _ = self.db(move |s| s.put_template(&t)).await;
+        }
+    }
+
+    pub(super) fn set_progress(&self, id: &TemplateId, step: &str, fraction: Option<f32>) {
+        self.progress
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(
+                id.clone(),
+                BuildProgress {
+                    step: step.to_owned(),
+                    fraction,
+                },
+            );
+    }
+}
