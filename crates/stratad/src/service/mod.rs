@@ -23,8 +23,8 @@
 
 mod access;
 mod admission;
-pub mod build;
 mod background;
+pub mod build;
 mod commands;
 mod error;
 mod fork;

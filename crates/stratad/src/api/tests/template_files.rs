@@ -19,7 +19,10 @@ async fn template_files_are_per_tenant_and_content_checked() {
 
     // Not uploaded yet: 404 for everyone.
     let (s, v, _) = req(&h, "GET", &path, Some(&acme), "").await;
-    assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::NOT_FOUND, Some("not_found")));
+    assert_eq!(
+        (s, v["error"]["code"].as_str()),
+        (StatusCode::NOT_FOUND, Some("not_found"))
+    );
 
     // Content that does not hash to the name: 400, nothing kept.
     let (s, v, _) = req(&h, "PUT", &path, Some(&acme), b"other bytes".to_vec()).await;
@@ -28,9 +31,23 @@ async fn template_files_are_per_tenant_and_content_checked() {
     assert_eq!(s, StatusCode::NOT_FOUND);
     // Not a sha256: 400.
     for bad in ["abc", "NOT-A-SHA", &"A".repeat(64)] {
-        let (s, v, _) = req(&h, "PUT", &format!("/v1/template-files/{bad}"), Some(&acme), body.clone()).await;
+        let (s, v, _) = req(
+            &h,
+            "PUT",
+            &format!("/v1/template-files/{bad}"),
+            Some(&acme),
+            body.clone(),
+        )
+        .await;
         assert_eq!(s, StatusCode::BAD_REQUEST, "{bad}: {v}");
-        let (s, _, _) = req(&h, "GET", &format!("/v1/template-files/{bad}"), Some(&acme), "").await;
+        let (s, _, _) = req(
+            &h,
+            "GET",
+            &format!("/v1/template-files/{bad}"),
+            Some(&acme),
+            "",
+        )
+        .await;
         assert_eq!(s, StatusCode::BAD_REQUEST, "{bad}");
     }
     // A viewer uploads nothing and reads nothing.
@@ -43,7 +60,9 @@ async fn template_files_are_per_tenant_and_content_checked() {
     assert_eq!(v["bytes"], body.len());
     let audit = std::fs::read_to_string(h.dir.path().join("audit.jsonl")).unwrap();
     assert!(
-        audit.lines().any(|l| l.contains("build_template") && l.contains("\"acme\"")),
+        audit
+            .lines()
+            .any(|l| l.contains("build_template") && l.contains("\"acme\"")),
         "{audit}"
     );
     let (s, _, _) = req(&h, "GET", &path, Some(&acme), "").await;
@@ -55,7 +74,14 @@ async fn template_files_are_per_tenant_and_content_checked() {
     let (s, v, _) = req(&h, "GET", &path, Some(&beta), "").await;
     assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
     let other = hex::encode(Sha256::digest(b"never uploaded"));
-    let (_, unknown, _) = req(&h, "GET", &format!("/v1/template-files/{other}"), Some(&beta), "").await;
+    let (_, unknown, _) = req(
+        &h,
+        "GET",
+        &format!("/v1/template-files/{other}"),
+        Some(&beta),
+        "",
+    )
+    .await;
     assert_eq!(
         v.to_string().replace(&sha, "X"),
         unknown.to_string().replace(&other, "X")
