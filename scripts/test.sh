@@ -23,6 +23,10 @@ echo "== previous release's guest agent (cached under /var/cache/strata/compat)"
 # compatibility test (crates/strata-runtime/tests/compat.rs) boots it.
 bash scripts/previous-release.sh >/dev/null
 
+# Templates built from recipes by the tests (the code interpreter's among
+# them) are cached by recipe hash here and shared by every test daemon.
+export STRATA_TEMPLATE_CACHE="${STRATA_TEMPLATE_CACHE:-/var/cache/strata/templates}"
+
 echo "== tests" >&2
 # Integration tests boot real guests under TCG; on 2 cores run test binaries one at a time.
 cargo test --workspace --no-fail-fast "$@" -- --test-threads=2

@@ -457,6 +457,16 @@ pub struct TemplatesConfig {
     pub step_timeout: Duration,
     /// Bytes of a build's log kept (`GET /v1/templates/{id}/logs`).
     pub log_max_bytes: u64,
+    /// A host-level cache of built templates by recipe hash (and owner),
+    /// shared by every daemon of the host: a build whose recipe is there
+    /// imports it instead of running (CI does not rebuild). Unset: the
+    /// environment's `STRATA_TEMPLATE_CACHE`, else none. It holds guest
+    /// RAM and disks in the clear, outside the data dir: give it the same
+    /// protection (the daemon makes it 0700).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_dir: Option<PathBuf>,
+    /// Entries the host-level cache keeps (the least recently used go).
+    pub cache_max_entries: usize,
 }
 
 impl Default for TemplatesConfig {
@@ -475,6 +485,10 @@ impl Default for TemplatesConfig {
             step_cache_per_owner: 32,
             step_timeout: Duration::from_secs(30 * 60),
             log_max_bytes: 4 * 1024 * 1024,
+            cache_dir: std::env::var_os("STRATA_TEMPLATE_CACHE")
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from),
+            cache_max_entries: 16,
         }
     }
 }

@@ -244,6 +244,24 @@ pub trait Engine: Send + Sync + 'static {
         ))
     }
 
+    /// Copies template `tpl` into the new directory `dest` (a host-level
+    /// cache entry by recipe hash). Engines without files refuse.
+    async fn export_template(&self, tpl: &TemplateId, dest: &std::path::Path) -> EngineResult<()> {
+        let _ = (tpl, dest);
+        Err(RuntimeError::Invalid(
+            "this engine does not export templates".into(),
+        ))
+    }
+
+    /// Makes template `tpl` from a directory [`Engine::export_template`]
+    /// wrote, checked restorable on this host first.
+    async fn import_template(&self, src: &std::path::Path, tpl: &TemplateId) -> EngineResult<()> {
+        let _ = (src, tpl);
+        Err(RuntimeError::Invalid(
+            "this engine does not import templates".into(),
+        ))
+    }
+
     /// What a template's content is, as a string a recipe's step hashes
     /// chain on: its recipe hash, or the image, accelerator, layout and size
     /// it was booted with. The default: its id.

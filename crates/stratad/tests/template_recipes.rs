@@ -114,8 +114,13 @@ fn registry_ranges() -> String {
 
 #[test]
 fn a_recipe_builds_a_warm_template_rebuilds_from_cache_and_fails_cleanly() {
-    let d = Daemon::start(&registry_ranges());
     let dir = tempfile::tempdir().expect("dir");
+    let cache = dir.path().join("template-cache");
+    let d = Daemon::start(&format!(
+        "{}[templates]\ncache_dir = \"{}\"\n",
+        registry_ranges(),
+        cache.display()
+    ));
     std::fs::create_dir_all(dir.path().join("site")).expect("site");
     std::fs::write(dir.path().join("site/hello.txt"), "hello from the recipe\n").expect("file");
     std::fs::write(dir.path().join("web.toml"), recipe("echo v1 > version.txt")).expect("recipe");
@@ -187,6 +192,21 @@ fn a_recipe_builds_a_warm_template_rebuilds_from_cache_and_fails_cleanly() {
         let id = d.create(json!({"template": "tpl-web2"})).await;
         let e = d.sh(&id, "cat /home/user/site/version.txt").await;
         assert_eq!(e.out(), "v2");
+        d.ok("DELETE", &format!("/v1/sandboxes/{id}"), None, 200).await;
+
+        // The host-level cache (by recipe hash): the same recipe under
+        // another id is imported, not built, and works the same.
+        assert!(log.contains("copied to the host's template cache"), "{log}");
+        let (ok, log, again) = build(&d, dir.path(), "web.toml", "tpl-web3");
+        assert!(ok, "cached build failed:\n{log}");
+        assert!(log.contains("imported from the host's template cache"), "{log}");
+        assert!(!log.contains("step 1/5"), "{log}");
+        eprintln!("identical recipe from the host cache: {again:.1} s");
+        let id = d.create(json!({"template": "tpl-web3"})).await;
+        let e = d
+            .sh(&id, "curl -sS --max-time 5 http://127.0.0.1:8000/hello.txt; cat /home/user/site/version.txt")
+            .await;
+        assert_eq!(e.out(), "hello from the recipe\nv1");
         d.ok("DELETE", &format!("/v1/sandboxes/{id}"), None, 200).await;
 
         // 3. A failing step.

@@ -264,6 +264,101 @@ impl Runtime {
         .await
     }
 
+    /// Copies template `tpl`'s files (sparse) into the new directory
+    /// `dest` (written as `dest.tmp-*` and renamed, so `dest` is whole or
+    /// absent): a host-level cache entry another daemon can import.
+    pub async fn export_template(&self, tpl: &TemplateId, dest: &Path) -> Result<()> {
+        let src = self.template_dir(tpl);
+        if !src.exists() {
+            return Err(RuntimeError::SnapshotNotFound(tpl.to_string()));
+        }
+        let dest = dest.to_path_buf();
+        blocking(move || {
+            if dest.exists() {
+                return Ok(());
+            }
+            let parent = dest
+                .parent()
+                .ok_or_else(|| RuntimeError::Invalid("cache entry has no parent".into()))?;
+            std::fs::create_dir_all(parent).map_err(|e| io_err("create template cache", e))?;
+            let tmp = parent.join(format!(
+                ".{}.tmp-{}",
+                dest.file_name()
+                    .map(|n| n.to_string_lossy())
+                    .unwrap_or_default(),
+                std::process::id()
+            ));
+            let _ = std::fs::remove_dir_all(&tmp);
+            std::fs::create_dir(&tmp).map_err(|e| io_err("create template cache entry", e))?;
+            let copied = copy_state_files(&src, &tmp);
+            match copied.and_then(|()| {
+                std::fs::rename(&tmp, &dest).map_err(|e| io_err("publish cache entry", e))
+            }) {
+                Ok(()) => Ok(()),
+                Err(e) => {
+                    let _ = std::fs::remove_dir_all(&tmp);
+                    Err(e)
+                }
+            }
+        })
+        .await
+    }
+
+    /// Makes template `tpl` from a directory [`Runtime::export_template`]
+    /// wrote (any daemon's): checked restorable on this host (QEMU series,
+    /// accelerator, every file present) before it is published read-only,
+    /// with its meta naming `tpl` and no sandbox.
+    pub async fn import_template(&self, src: &Path, tpl: &TemplateId) -> Result<StateMeta> {
+        let _g = self.op_lock(tpl.as_str()).await;
+        let dst = self.template_dir(tpl);
+        if dst.exists() {
+            return Err(RuntimeError::Invalid(format!(
+                "template {tpl} already exists"
+            )));
+        }
+        self.check_free_space()?;
+        let accel = self.accel().await?;
+        let scratch = self
+            .pool
+            .sandboxes_dir()
+            .join(format!("imp-{}", tpl.as_str()));
+        let pool = self.pool.clone();
+        let (src, tpl_name, qemu) = (
+            src.to_path_buf(),
+            tpl.to_string(),
+            self.qemu_version.clone(),
+        );
+        blocking(move || {
+            if pool.is_subvolume(&scratch).unwrap_or(false) {
+                pool.delete_subvolume(&scratch).map_err(storage_err)?;
+            }
+            pool.create_subvolume(&scratch).map_err(storage_err)?;
+            let done = (|| {
+                copy_state_files(&src, &scratch)?;
+                let bad = |e: crate::meta::Incompatible| RuntimeError::SnapshotUnusable {
+                    id: tpl_name.clone(),
+                    reason: format!("cached template: {}", e.0),
+                };
+                let meta = StateMeta::read(&scratch).map_err(bad)?;
+                meta.check_restorable(&scratch, &qemu, accel.qemu_name())
+                    .map_err(bad)?;
+                let meta = StateMeta {
+                    sandbox: None,
+                    template: Some(tpl_name.clone()),
+                    written_at: Utc::now(),
+                    ..meta
+                };
+                meta.write(&scratch)
+                    .map_err(|e| io_err("write meta.json", e))?;
+                pool.snapshot(&scratch, &dst, true).map_err(storage_err)?;
+                Ok::<StateMeta, RuntimeError>(meta)
+            })();
+            let _ = pool.trash(&scratch);
+            done
+        })
+        .await
+    }
+
     /// Removes a template. Idempotent.
     pub async fn delete_template(&self, tpl: &TemplateId) -> Result<()> {
         self.trash_if_exists(self.template_dir(tpl)).await
@@ -273,6 +368,22 @@ impl Runtime {
     pub fn template_meta(&self, tpl: &TemplateId) -> Result<StateMeta> {
         self.open_state(StateRef::Template(tpl)).map(|s| s.meta)
     }
+}
+
+/// Copies every regular file of a state directory (kernel, initrd, RAM,
+/// disk, device state, meta) into `dst`, keeping holes.
+fn copy_state_files(src: &Path, dst: &Path) -> Result<()> {
+    let entries = std::fs::read_dir(src).map_err(|e| io_err("read state dir", e))?;
+    for e in entries {
+        let e = e.map_err(|e| io_err("read state dir", e))?;
+        let ft = e.file_type().map_err(|e| io_err("stat state file", e))?;
+        if !ft.is_file() {
+            continue;
+        }
+        copy_sparse(&e.path(), &dst.join(e.file_name()))
+            .map_err(|e| io_err("copy state file", e))?;
+    }
+    Ok(())
 }
 
 /// Copies a file keeping holes (reflink where the file systems allow).

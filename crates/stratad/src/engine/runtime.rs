@@ -282,6 +282,14 @@ impl Engine for RuntimeEngine {
         self.rt.template_from_snapshot(snap, tpl, recipe).await
     }
 
+    async fn export_template(&self, tpl: &TemplateId, dest: &std::path::Path) -> EngineResult<()> {
+        self.rt.export_template(tpl, dest).await
+    }
+
+    async fn import_template(&self, src: &std::path::Path, tpl: &TemplateId) -> EngineResult<()> {
+        self.rt.import_template(src, tpl).await.map(|_| ())
+    }
+
     async fn template_identity(&self, tpl: &TemplateId) -> EngineResult<String> {
         let m = self.rt.template_meta(tpl)?;
         Ok(match m.recipe {

@@ -427,6 +427,34 @@ impl Service {
         let owner = caller.owner().to_owned();
         let plan = &job.plan;
         let n = plan.steps.len();
+        // The host's cache of built templates (other daemons' builds too).
+        let cached = self.host_cache_entry(&owner, &plan.final_hash);
+        if let Some(entry) = cached.as_ref().filter(|e| e.is_dir()) {
+            self.set_progress(&tpl.id, "importing from the host's template cache", None);
+            match self.engine.import_template(entry, &tpl.id).await {
+                Ok(()) => {
+                    // Touch: the least recently used entries go first.
+                    let _ = std::fs::File::open(entry.join("meta.json"))
+                        .and_then(|f| f.set_modified(std::time::SystemTime::now()));
+                    log.line(&format!(
+                        "strata: {} imported from the host's template cache ({}) in {:.1} s",
+                        tpl.id,
+                        entry.display(),
+                        t0.elapsed().as_secs_f64()
+                    ))
+                    .await;
+                    return Ok(t0.elapsed().as_secs_f64() * 1000.0);
+                }
+                Err(e) => {
+                    log.line(&format!(
+                        "strata: the host's cached copy is unusable here ({}); building",
+                        e.message()
+                    ))
+                    .await;
+                    let _ = self.engine.delete_template(&tpl.id).await;
+                }
+            }
+        }
         // The final state (start running, ready) is cached too: the same
         // recipe again publishes at once.
         let mut from = Source::Template(job.base.id.clone());
@@ -522,6 +550,9 @@ impl Service {
             }
         }
         self.evict_steps(&owner).await;
+        if let (Ok(()), Some(entry)) = (&outcome, cached) {
+            self.export_to_host_cache(&tpl.id, &entry, &mut log).await;
+        }
         outcome.map(|()| t0.elapsed().as_secs_f64() * 1000.0)
     }
 
@@ -824,6 +855,52 @@ impl Service {
         }
     }
 
+    /// The host-level cache entry of `owner`'s recipe `final_hash`, when a
+    /// cache is configured.
+    fn host_cache_entry(&self, owner: &str, final_hash: &str) -> Option<PathBuf> {
+        let dir = self.config.templates.cache_dir.as_ref()?;
+        let mut h = Sha256::new();
+        h.update(b"strata-template-cache/1\0");
+        h.update(owner.as_bytes());
+        h.update([0u8]);
+        h.update(final_hash.as_bytes());
+        Some(dir.join(&hex::encode(h.finalize())[..40]))
+    }
+
+    /// Copies a freshly built template into the host's cache (best effort)
+    /// and keeps the cache within `cache_max_entries`.
+    async fn export_to_host_cache(
+        &self,
+        tpl: &TemplateId,
+        entry: &std::path::Path,
+        log: &mut BuildLog,
+    ) {
+        let Some(dir) = self.config.templates.cache_dir.clone() else {
+            return;
+        };
+        if let Err(e) = std::fs::create_dir_all(&dir).and_then(|()| {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
+        }) {
+            warn!(dir = %dir.display(), error = %e, "template cache unusable");
+            return;
+        }
+        let t = Instant::now();
+        match self.engine.export_template(tpl, entry).await {
+            Ok(()) => {
+                log.line(&format!(
+                    "strata: copied to the host's template cache ({}) in {:.1} s",
+                    entry.display(),
+                    t.elapsed().as_secs_f64()
+                ))
+                .await
+            }
+            Err(e) => warn!(error = %e.message(), "copying the template to the host cache failed"),
+        }
+        let keep = self.config.templates.cache_max_entries;
+        let _ = tokio::task::spawn_blocking(move || evict_host_cache(&dir, keep)).await;
+    }
+
     /// Keeps at most `[templates] step_cache_per_owner` cached steps of
     /// `owner`, the newest.
     async fn evict_steps(&self, owner: &str) {
@@ -859,5 +936,31 @@ impl Service {
                     fraction,
                 },
             );
+    }
+}
+
+/// Removes the least recently used entries of the host's template cache
+/// beyond `keep` (an entry's `meta.json` mtime is its last use).
+fn evict_host_cache(dir: &std::path::Path, keep: usize) {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let mut entries: Vec<(std::time::SystemTime, PathBuf)> = rd
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+        .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
+        .map(|e| {
+            let used = std::fs::metadata(e.path().join("meta.json"))
+                .and_then(|m| m.modified())
+                .unwrap_or(std::time::UNIX_EPOCH);
+            (used, e.path())
+        })
+        .collect();
+    if entries.len() <= keep {
+        return;
+    }
+    entries.sort_by_key(|e| std::cmp::Reverse(e.0));
+    for (_, p) in entries.into_iter().skip(keep) {
+        let _ = std::fs::remove_dir_all(p);
     }
 }
