@@ -18,7 +18,7 @@ use clap::Parser;
 use futures::FutureExt;
 use strata_bench::ctx::{teardown_all, Ctx};
 use strata_bench::report::{commit, Machine, Report, Section};
-use strata_bench::sections::{self, density, history, load, restore, scale, sdk, snapshot};
+use strata_bench::sections::{self, density, history, load, recipe, restore, scale, sdk, snapshot};
 use strata_core::Accel;
 use strata_vmm::VmmDriver;
 
@@ -33,7 +33,7 @@ struct Cli {
     #[arg(long)]
     out: Option<PathBuf>,
     /// Sections to run, comma-separated: snapshot, restore, load, density, history, scale;
-    /// and sdk (E2B SDK beside /v1), run only when named here.
+    /// and sdk (E2B SDK beside /v1), recipe (template builds), run only when named here.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// CI smoke size: every count at its minimum (completes, figures not meaningful).
@@ -65,6 +65,11 @@ struct Cli {
         next_help_heading = "7. E2B SDK beside strata's API (only with --only sdk)"
     )]
     sdk: sdk::Args,
+    #[command(
+        flatten,
+        next_help_heading = "8. Template builds from recipes (only with --only recipe)"
+    )]
+    recipe: recipe::Args,
 }
 
 fn title(key: &str) -> &'static str {
@@ -76,6 +81,7 @@ fn title(key: &str) -> &'static str {
         "history" => "5. A week of history, compressed",
         "scale" => "6. Control plane at scale",
         "sdk" => "7. E2B SDK beside strata's API: create → first command, fork",
+        "recipe" => "8. Template builds from recipes: full, rebuild, host cache",
         _ => "unknown section",
     }
 }
@@ -110,6 +116,7 @@ async fn run_section(key: &str, ctx: &Ctx, cli: &Cli) -> Section {
                 "history" => history::run(ctx, &cli.history, &mut sec).await,
                 "scale" => scale::run(ctx, &cli.scale, &mut sec).await,
                 "sdk" => sdk::run(ctx, &cli.sdk, &mut sec).await,
+                "recipe" => recipe::run(ctx, &cli.recipe, &mut sec).await,
                 other => Err(anyhow!("unknown section {other:?}")),
             }
         };
@@ -170,6 +177,7 @@ fn main() -> Result<()> {
         cli.history.smoke();
         cli.scale.smoke();
         cli.sdk.smoke();
+        cli.recipe.smoke();
     }
     let requested: Accel = cli.accel.parse().map_err(|e: String| anyhow!(e))?;
     let image = image_dir(&cli)?;

@@ -28,6 +28,7 @@ mod cli;
 pub mod fixtures;
 pub mod http;
 mod image;
+pub mod registry;
 pub mod teardown;
 
 use std::path::{Path, PathBuf};

@@ -24,7 +24,7 @@ use std::time::Instant;
 use common::Daemon;
 use serde_json::{json, Value};
 
-const CA: &str = "/etc/ssl/certs/ca-certificates.crt";
+const CA: &str = strata_testkit::registry::HOST_CA_BUNDLE;
 
 fn recipe(last: &str) -> String {
     format!(
@@ -81,44 +81,15 @@ fn build(d: &Daemon, dir: &std::path::Path, file: &str, id: &str) -> (bool, Stri
     (out.status.success(), stderr, secs)
 }
 
-/// The daemon configuration an operator of this host writes: where the
-/// registries' names resolve to a non-public address (here: a
-/// TLS-inspecting gateway in a documentation range), that address is named
-/// in `egress_resolved_ranges`, or the egress proxy refuses it.
-fn registry_ranges() -> String {
-    use std::net::ToSocketAddrs;
-    let mut ranges = Vec::new();
-    for host in ["pypi.org", "files.pythonhosted.org"] {
-        for a in (host, 443).to_socket_addrs().into_iter().flatten() {
-            let ip = a.ip();
-            let public = match ip {
-                std::net::IpAddr::V4(v4) => {
-                    let o = v4.octets();
-                    !(v4.is_private()
-                        || v4.is_documentation()
-                        || (o[0] == 100 && (64..128).contains(&o[1])))
-                }
-                std::net::IpAddr::V6(_) => true,
-            };
-            let r = format!("\"{ip}/32\"");
-            if !public && !ranges.contains(&r) {
-                ranges.push(r);
-            }
-        }
-    }
-    format!(
-        "[security]\negress_resolved_ranges = [{}]\n",
-        ranges.join(", ")
-    )
-}
-
 #[test]
 fn a_recipe_builds_a_warm_template_rebuilds_from_cache_and_fails_cleanly() {
     let dir = tempfile::tempdir().expect("dir");
     let cache = dir.path().join("template-cache");
+    // Where the registries' names resolve to a non-public gateway (this
+    // host), the operator names it (strata_testkit::registry).
     let d = Daemon::start(&format!(
-        "{}[templates]\ncache_dir = \"{}\"\n",
-        registry_ranges(),
+        "[security]\negress_resolved_ranges = {}\n[templates]\ncache_dir = \"{}\"\n",
+        strata_testkit::registry::registry_ranges_toml(),
         cache.display()
     ));
     std::fs::create_dir_all(dir.path().join("site")).expect("site");

@@ -8,6 +8,7 @@
 pub mod density;
 pub mod history;
 pub mod load;
+pub mod recipe;
 pub mod restore;
 pub mod scale;
 pub mod sdk;
@@ -17,5 +18,6 @@ pub mod snapshot;
 pub const ALL: &[&str] = &["snapshot", "restore", "load", "density", "history", "scale"];
 
 /// Sections run only when `--only` names them (not in the default nor the
-/// smoke run): `sdk` needs the `e2b` package from PyPI.
-pub const OPT_IN: &[&str] = &["sdk"];
+/// smoke run): `sdk` needs the `e2b` package from PyPI, `recipe` the
+/// package registries.
+pub const OPT_IN: &[&str] = &["sdk", "recipe"];

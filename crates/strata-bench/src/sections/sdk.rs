@@ -69,10 +69,10 @@ impl Args {
 }
 
 /// The daemon process; killed, its VMs killed and its pool unmounted on drop.
-struct Door {
-    root: PathBuf,
-    url: String,
-    api: Api,
+pub(crate) struct Door {
+    pub(crate) root: PathBuf,
+    pub(crate) url: String,
+    pub(crate) api: Api,
     child: Child,
 }
 
@@ -91,6 +91,17 @@ impl Drop for Door {
 
 impl Door {
     async fn start(ctx: &Ctx, memory_mib: u64) -> Result<Door> {
+        Self::start_with(ctx, memory_mib, "", "").await
+    }
+
+    /// [`Door::start`] with lines added to its `[security]` table and
+    /// tables appended at the end of its configuration.
+    pub(crate) async fn start_with(
+        ctx: &Ctx,
+        memory_mib: u64,
+        security: &str,
+        tail: &str,
+    ) -> Result<Door> {
         // Built (when stale) before anything is made that would need removing.
         let bin = strata_testkit::stratad_bin();
         let root = tempfile::Builder::new()
@@ -113,6 +124,7 @@ idle_timeout = "0s"
 
 [security]
 rate_limit_per_second = 0.0
+{security}
 
 [e2b]
 enabled = true
@@ -124,6 +136,8 @@ auth_failures_per_minute = 0
 vcpus = 1
 memory_mib = {memory_mib}
 disk_gib = 2
+
+{tail}
 "#,
             data = root.join("data").display(),
             run = root.join("run").display(),
@@ -192,7 +206,7 @@ disk_gib = 2
         Ok(door)
     }
 
-    fn log_tail(&self) -> String {
+    pub(crate) fn log_tail(&self) -> String {
         let log = std::fs::read_to_string(self.root.join("stratad.log")).unwrap_or_default();
         let lines: Vec<&str> = log.lines().collect();
         lines[lines.len().saturating_sub(20)..].join("\n")
