@@ -60,6 +60,7 @@ pub fn e2b_door(cfg: &Config) -> anyhow::Result<Option<Mount>> {
             format!("localhost:{port}")
         })),
         public_ports: s.public_ports,
+        template_ca_bundle: s.template_ca_bundle.clone(),
     };
     for k in &door.api_keys {
         tracing::info!(

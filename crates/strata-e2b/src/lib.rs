@@ -102,6 +102,10 @@ pub struct E2bConfig {
     pub domain: Option<String>,
     /// Guest ports answer requests without a credential ([`ports`]).
     pub public_ports: bool,
+    /// PEM CA bundle given to the template builds of this door
+    /// ([`control::templates`]; `[e2b] template_ca_bundle`): for hosts whose
+    /// registry TLS is re-signed by a local CA. `None`: none.
+    pub template_ca_bundle: Option<std::path::PathBuf>,
 }
 
 /// Default of [`E2bConfig::max_request_bytes`]: 16 MiB.
@@ -121,6 +125,7 @@ impl Default for E2bConfig {
             auth_failures_per_minute: 60,
             domain: None,
             public_ports: true,
+            template_ca_bundle: None,
         }
     }
 }
@@ -150,6 +155,8 @@ pub struct E2b {
     envd_limiter: RateLimiter,
     /// Failed authentications by source address.
     failures: auth::FailureLimiter,
+    /// Template build requests, uploads and tags ([`control::templates`]).
+    templates: control::templates::TemplateState,
 }
 
 impl E2b {
@@ -167,6 +174,7 @@ impl E2b {
             key_limiter: RateLimiter::new(cfg.rate_limit_per_second, cfg.rate_limit_burst),
             envd_limiter: RateLimiter::new(cfg.rate_limit_per_second, cfg.rate_limit_burst),
             failures: auth::FailureLimiter::per_minute(cfg.auth_failures_per_minute),
+            templates: control::templates::TemplateState::default(),
             cfg,
         });
         // Whoever deletes a sandbox (a user, its timeout), the door forgets it.
@@ -330,10 +338,26 @@ fn routes(state: Arc<E2b>) -> Router {
             post(control::snapshots::create_snapshot),
         )
         .route("/snapshots", get(control::snapshots::list_snapshots))
+        .route("/templates/:id", delete(control::templates::delete))
+        .route("/v3/templates", post(control::templates::request_build))
         .route(
-            "/templates/:id",
-            delete(control::snapshots::delete_snapshot),
+            "/templates/:id/files/:hash",
+            get(control::templates::file_upload_link),
         )
+        .route(
+            "/v2/templates/:id/builds/:build",
+            post(control::templates::start_build),
+        )
+        .route(
+            "/templates/:id/builds/:build/status",
+            get(control::templates::build_status),
+        )
+        .route("/templates/aliases/:id", get(control::templates::alias))
+        .route(
+            "/templates/tags",
+            post(control::templates::assign_tags).delete(control::templates::remove_tags),
+        )
+        .route("/templates/:id/tags", get(control::templates::list_tags))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             auth::require_api_key,
@@ -369,6 +393,11 @@ fn routes(state: Arc<E2b>) -> Router {
         .route(&format!("{p}/Connect"), post(envd::connect))
         .route(&format!("{f}/WatchDir"), post(envd::watch_dir))
         .route_layer(checked(auth::Shape::Stream));
+    // A build's upload link is its own credential (as a presigned URL is).
+    let uploads = Router::new().route(
+        "/e2b-template-uploads/:token",
+        put(control::templates::upload),
+    );
     let files = Router::new()
         .route("/files", get(envd::download).post(envd::upload))
         .route_layer(axum::middleware::from_fn_with_state(
@@ -381,5 +410,5 @@ fn routes(state: Arc<E2b>) -> Router {
         .merge(unary)
         .merge(streams)
         .merge(files);
-    control.merge(envd).with_state(state)
+    control.merge(uploads).merge(envd).with_state(state)
 }

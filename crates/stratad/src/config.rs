@@ -270,6 +270,12 @@ pub struct E2bSettings {
     /// Unset (default): no TLS listener. Flag: `--e2b-tls-listen`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tls_listen: Option<std::net::SocketAddr>,
+    /// PEM CA bundle (at most 1 MiB) the door's E2B template builds
+    /// (`Template().build()`) give their builder, as `strata template build
+    /// --ca-bundle` does: for hosts whose registry TLS is re-signed by a
+    /// local CA (docs/templates.md). Unset: none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub template_ca_bundle: Option<PathBuf>,
 }
 
 impl Default for E2bSettings {
@@ -288,6 +294,7 @@ impl Default for E2bSettings {
             domain: None,
             public_ports: true,
             tls_listen: None,
+            template_ca_bundle: None,
         }
     }
 }

@@ -28,6 +28,7 @@ pub mod logs;
 pub mod metrics;
 pub mod network;
 pub mod snapshots;
+pub mod templates;
 
 pub use list::{list_v1, list_v2};
 

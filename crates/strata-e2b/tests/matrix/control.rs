@@ -719,3 +719,282 @@ async fn control_plane_fork_and_snapshots() {
         .await;
     assert_eq!(r.status, 404, "{}", r.text());
 }
+
+/// The template build routes (E2B's `Template()…build()`; the door's
+/// `control::templates`).
+pub(crate) const TEMPLATE_ROUTES: [(&str, &str); 9] = [
+    ("POST", "/v3/templates"),
+    ("GET", "/templates/:id/files/:hash"),
+    ("POST", "/v2/templates/:id/builds/:build"),
+    ("GET", "/templates/:id/builds/:build/status"),
+    ("GET", "/templates/aliases/:id"),
+    ("POST", "/templates/tags"),
+    ("DELETE", "/templates/tags"),
+    ("GET", "/templates/:id/tags"),
+    ("PUT", "/e2b-template-uploads/:token"),
+];
+
+/// Edge cases of the template build routes: bad names and hashes answer
+/// 400, unknown builds 404, another tenant's build request, upload link,
+/// status, alias and tags answer exactly like unknown ones, an upload link
+/// works once, a refused image or a COPY without its upload starts nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn template_build_routes_edge_cases() {
+    let d = door().await;
+    let (beta, _) = d.token("developer", BETA).await;
+    let beta = beta.as_str();
+    let hash = "ab".repeat(32);
+
+    let r = d
+        .control(
+            "POST",
+            "/v3/templates",
+            Some(KEY),
+            r#"{"name":"edge:v1","tags":["edge:two"],"cpuCount":1,"memoryMB":1024}"#,
+        )
+        .await;
+    assert_eq!(r.status, 202, "{}", r.text());
+    let v = r.json();
+    let tid = v["templateID"].as_str().unwrap().to_owned();
+    let bid = v["buildID"].as_str().unwrap().to_owned();
+    assert_eq!(bid.len(), 36, "{v}");
+    assert_eq!(v["tags"], json!(["v1", "two"]), "{v}");
+    assert_eq!(v["aliases"], json!(["edge"]), "{v}");
+    for bad in [
+        r#"{"name":":x"}"#,
+        r#"{"name":"x:"}"#,
+        r#"{"name":"a b"}"#,
+        "{}",
+        r#"{"name":"n","tags":[":t"]}"#,
+    ] {
+        let r = d.control("POST", "/v3/templates", Some(KEY), bad).await;
+        assert_eq!(r.status, 400, "{bad}: {}", r.text());
+        assert_eq!(r.json()["code"], 400, "{bad}: {}", r.text());
+    }
+    let r = d
+        .control("POST", "/v3/templates", None, r#"{"name":"n"}"#)
+        .await;
+    assert_eq!(r.status, 401, "{}", r.text());
+
+    // Bad hashes: 400 before anything else.
+    for bad in ["xyz", &"AB".repeat(32), &"a".repeat(63)] {
+        let r = d
+            .control(
+                "GET",
+                &format!("/templates/{tid}/files/{bad}"),
+                Some(KEY),
+                "",
+            )
+            .await;
+        assert_eq!(r.status, 400, "{bad}: {}", r.text());
+    }
+    // Another tenant's build request answers like an unknown template.
+    let unknown = "tpl-unknownxyz";
+    let same = |path: &str| path.replace(&tid, unknown);
+    for path in [
+        format!("/templates/{tid}/files/{hash}"),
+        format!("/templates/{tid}/builds/{bid}/status"),
+    ] {
+        let u = d.control("GET", &same(&path), Some(KEY), "").await;
+        let b = d.control("GET", &path, Some(beta), "").await;
+        assert_eq!(u.status, 404, "{path}: {}", u.text());
+        assert_eq!(b.status, 404, "{path}: {}", b.text());
+        assert_eq!(b.text(), u.text().replace(unknown, &tid), "{path}");
+    }
+    let start = format!("/v2/templates/{tid}/builds/{bid}");
+    let body = r#"{"fromTemplate":"tpl-base","steps":[]}"#;
+    let u = d.control("POST", &same(&start), Some(KEY), body).await;
+    let b = d.control("POST", &start, Some(beta), body).await;
+    assert_eq!(b.status, 404, "{}", b.text());
+    assert_eq!(b.text(), u.text().replace(unknown, &tid));
+    // An unknown build of the own template.
+    let other = "00000000-0000-4000-8000-000000000000";
+    let r = d
+        .control(
+            "GET",
+            &format!("/templates/{tid}/builds/{other}/status"),
+            Some(KEY),
+            "",
+        )
+        .await;
+    assert_eq!(r.status, 404, "{}", r.text());
+    let r = d
+        .control(
+            "POST",
+            &format!("/v2/templates/{tid}/builds/{other}"),
+            Some(KEY),
+            body,
+        )
+        .await;
+    assert_eq!(r.status, 404, "{}", r.text());
+
+    // Before its build starts: waiting.
+    let status = format!("/templates/{tid}/builds/{bid}/status?logsOffset=0");
+    let r = d.control("GET", &status, Some(KEY), "").await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["status"], "waiting", "{}", r.text());
+
+    // The upload link: works once, for its owner's files.
+    let r = d
+        .control(
+            "GET",
+            &format!("/templates/{tid}/files/{hash}"),
+            Some(KEY),
+            "",
+        )
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert_eq!(r.json()["present"], false, "{}", r.text());
+    let url = r.json()["url"].as_str().unwrap().to_owned();
+    assert!(url.contains("/e2b-template-uploads/"), "{url}");
+    let put = |url: String| {
+        let http = reqwest::Client::new();
+        async move {
+            http.put(url)
+                .body("a tar.gz would be here")
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    };
+    assert_eq!(put(url.clone()).await, 200);
+    assert_eq!(put(url.clone()).await, 404, "a used link");
+    assert_eq!(
+        put(url.replace("/e2b-template-uploads/", "/e2b-template-uploads/0")).await,
+        404
+    );
+    let r = d
+        .control(
+            "GET",
+            &format!("/templates/{tid}/files/{hash}"),
+            Some(KEY),
+            "",
+        )
+        .await;
+    assert_eq!(r.json(), json!({"present": true}), "{}", r.text());
+
+    // Refused before anything is built: an image strata does not have, a
+    // COPY whose files were not uploaded, an unknown step.
+    for (bad, want) in [
+        (r#"{"fromImage":"ubuntu:22.04","steps":[]}"#, "e2bdev/base"),
+        (
+            r#"{"fromImage":"e2bdev/base","steps":[{"type":"COPY","args":["a","b","",""],"filesHash":"cdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcd"}]}"#,
+            "not uploaded",
+        ),
+        (
+            r#"{"fromImage":"e2bdev/base","steps":[{"type":"ADD","args":[]}]}"#,
+            "ADD",
+        ),
+    ] {
+        let r = d.control("POST", &start, Some(KEY), bad).await;
+        assert_eq!(r.status, 400, "{bad}: {}", r.text());
+        assert!(
+            r.json()["message"].as_str().unwrap().contains(want),
+            "{bad}: {}",
+            r.text()
+        );
+        let s = d.control("GET", &status, Some(KEY), "").await;
+        assert_eq!(s.json()["status"], "waiting", "{bad}: {}", s.text());
+    }
+
+    // Started: the template exists for its owner only.
+    let steps = format!(
+        r#"{{"fromTemplate":"tpl-base","steps":[{{"type":"COPY","args":["f","f","",""],"filesHash":"{hash}"}},{{"type":"RUN","args":["true"]}}]}}"#
+    );
+    let r = d.control("POST", &start, Some(KEY), &steps).await;
+    assert_eq!(r.status, 202, "{}", r.text());
+    let r = d.control("POST", &start, Some(KEY), &steps).await;
+    assert_eq!(r.status, 404, "a build starts once: {}", r.text());
+    let s = d.control("GET", &status, Some(KEY), "").await;
+    assert_eq!(s.status, 200, "{}", s.text());
+    assert_ne!(s.json()["status"], "waiting", "{}", s.text());
+    let u = d.control("GET", &same(&status), Some(KEY), "").await;
+    let b = d.control("GET", &status, Some(beta), "").await;
+    assert_eq!(b.status, 404, "{}", b.text());
+    assert_eq!(b.text(), u.text().replace(unknown, &tid));
+    let r = d
+        .control("GET", "/templates/aliases/edge", Some(KEY), "")
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["templateID"], tid.as_str());
+    let r = d
+        .control("GET", "/templates/aliases/edge", Some(beta), "")
+        .await;
+    assert_eq!(r.status, 404, "{}", r.text());
+
+    // Tags: the owner's only; bad tags 400.
+    let r = d
+        .control(
+            "POST",
+            "/templates/tags",
+            Some(KEY),
+            r#"{"target":"edge:v1","tags":["prod","edge:stable"]}"#,
+        )
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert_eq!(
+        r.json(),
+        json!({"buildID": bid, "tags": ["prod", "stable"]})
+    );
+    for bad in [
+        r#"{"target":"edge:v1","tags":[":x"]}"#,
+        r#"{"target":"edge:v1","tags":["edge:"]}"#,
+    ] {
+        let r = d.control("POST", "/templates/tags", Some(KEY), bad).await;
+        assert_eq!(r.status, 400, "{bad}: {}", r.text());
+    }
+    let r = d
+        .control(
+            "POST",
+            "/templates/tags",
+            Some(beta),
+            r#"{"target":"edge:v1","tags":["prod"]}"#,
+        )
+        .await;
+    assert_eq!(r.status, 404, "{}", r.text());
+    let r = d
+        .control("GET", "/templates/edge/tags", Some(KEY), "")
+        .await;
+    let tags: BTreeSet<String> = r
+        .json()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["tag"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        tags,
+        ["prod", "stable", "two", "v1"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect()
+    );
+    let r = d
+        .control("GET", "/templates/edge/tags", Some(beta), "")
+        .await;
+    assert_ne!(r.status, 200, "{}", r.text());
+    let r = d
+        .control(
+            "DELETE",
+            "/templates/tags",
+            Some(beta),
+            r#"{"name":"edge","tags":["prod"]}"#,
+        )
+        .await;
+    assert_eq!(r.status, 404, "{}", r.text());
+    let r = d
+        .control(
+            "DELETE",
+            "/templates/tags",
+            Some(KEY),
+            r#"{"name":"edge","tags":["prod"]}"#,
+        )
+        .await;
+    assert_eq!(r.status, 204, "{}", r.text());
+    let r = d
+        .control("GET", "/templates/edge/tags", Some(KEY), "")
+        .await;
+    assert_eq!(r.json().as_array().unwrap().len(), 3, "{}", r.text());
+}

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeSet;
 
-use crate::control::{FORK_SNAPSHOT_ROUTES, ID_ROUTES, LIST_CREATE};
+use crate::control::{FORK_SNAPSHOT_ROUTES, ID_ROUTES, LIST_CREATE, TEMPLATE_ROUTES};
 use crate::envd::ENVD_ROUTES;
 
 /// `(METHOD, path)` of every route `strata_e2b::router` serves, read from
@@ -48,6 +48,9 @@ fn the_tables_cover_every_route_of_the_door() {
         tested.insert((m.into(), p.into()));
     }
     for (m, p) in FORK_SNAPSHOT_ROUTES {
+        tested.insert((m.into(), p.into()));
+    }
+    for (m, p) in TEMPLATE_ROUTES {
         tested.insert((m.into(), p.into()));
     }
     for r in &ENVD_ROUTES {
