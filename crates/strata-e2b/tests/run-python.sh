@@ -79,6 +79,11 @@ trap cleanup EXIT
 
 log "starting stratad --e2b on $URL (log: $SCRATCH/daemon.log)"
 printf 'max_upload_bytes = %s\n' "$MAX_UPLOAD" >"$SCRATCH/stratad.toml"
+# test_templates.py builds through the E2B door: its builds trust the host's
+# CA bundle (where registry TLS is re-signed by a local CA).
+if [ -r /etc/ssl/certs/ca-certificates.crt ]; then
+  printf '[e2b]\ntemplate_ca_bundle = "/etc/ssl/certs/ca-certificates.crt"\n' >>"$SCRATCH/stratad.toml"
+fi
 RUST_LOG="${RUST_LOG:-info}" "$BIN" --config "$SCRATCH/stratad.toml" --listen "127.0.0.1:$PORT" --data-dir "$SCRATCH" \
   --run-dir "$RUN_DIR" --accel "${ACCEL:-tcg}" --pool-size-gib 16 --e2b \
   --e2b-api-key "$API_KEY" --e2b-api-key "$TENANT_KEY=acme:sdk-bot" \

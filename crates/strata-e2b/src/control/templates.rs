@@ -78,6 +78,12 @@ pub const LOG_ENTRIES_PER_CALL: usize = 100;
 pub const TAGS_PER_NAME: usize = 64;
 /// Names with tags kept per owner.
 pub const NAMES_PER_OWNER: usize = 1024;
+/// Uploads spooled at once (each at most `max_upload_bytes` on disk);
+/// more answer `429`.
+pub const UPLOADS_AT_ONCE: usize = 8;
+/// Files hashes remembered (all owners); past that the map starts over and
+/// the SDK uploads again.
+pub const FILES_REMEMBERED: usize = 65536;
 /// Largest CA bundle read from `[e2b] template_ca_bundle`.
 const MAX_CA_BUNDLE: u64 = 1 << 20;
 
@@ -106,8 +112,10 @@ struct Tag {
 }
 
 /// The door's template-build state (in memory).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct TemplateState {
+    /// Uploads being spooled.
+    uploading: tokio::sync::Semaphore,
     /// By template id.
     pending: Mutex<HashMap<String, Pending>>,
     /// Template ids of pending requests per owner, oldest first.
@@ -118,6 +126,19 @@ pub struct TemplateState {
     tags: Mutex<HashMap<(String, String), BTreeMap<String, Tag>>>,
     /// Log cursor per template: (lines seen, byte offset after them).
     cursors: Mutex<HashMap<TemplateId, (usize, u64)>>,
+}
+
+impl Default for TemplateState {
+    fn default() -> Self {
+        TemplateState {
+            uploading: tokio::sync::Semaphore::new(UPLOADS_AT_ONCE),
+            pending: Mutex::default(),
+            order: Mutex::default(),
+            files: Mutex::default(),
+            tags: Mutex::default(),
+            cursors: Mutex::default(),
+        }
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -392,6 +413,12 @@ pub async fn upload(
     Path(token): Path<String>,
     req: Request,
 ) -> E2bResult<Response> {
+    let Ok(_slot) = st.templates.uploading.try_acquire() else {
+        return Err(E2bError::new(
+            429,
+            format!("at most {UPLOADS_AT_ONCE} template uploads at once; retry"),
+        ));
+    };
     let found = {
         let mut pending = lock(&st.templates.pending);
         pending.values_mut().find_map(|p| {
@@ -413,7 +440,13 @@ pub async fn upload(
     let result = store_upload(&st, &caller, &path, req, limit).await;
     let _ = tokio::fs::remove_file(&path).await;
     let sha = result?;
-    lock(&st.templates.files).insert((caller.owner().to_owned(), hash), sha);
+    {
+        let mut files = lock(&st.templates.files);
+        if files.len() >= FILES_REMEMBERED {
+            files.clear();
+        }
+        files.insert((caller.owner().to_owned(), hash), sha);
+    }
     Ok(StatusCode::OK.into_response())
 }
 
