@@ -28,6 +28,7 @@ pub mod port;
 pub mod resume;
 pub mod rewind;
 pub mod rm;
+pub mod run_code;
 pub mod serve;
 pub mod snapshot;
 pub mod snapshots;
@@ -83,6 +84,8 @@ pub enum Command {
     Rm(rm::Args),
     /// Run a command in a sandbox, streaming its output.
     Exec(exec::Args),
+    /// Run code in a code-interpreter sandbox's kernel; results after the output.
+    RunCode(run_code::Args),
     /// Move files in and out of a sandbox.
     #[command(subcommand)]
     Files(files::FilesCmd),
@@ -225,6 +228,7 @@ pub async fn run(ctx: &Ctx, cmd: Command) -> anyhow::Result<i32> {
         Command::Info(a) => info::run(ctx, a).await,
         Command::Rm(a) => rm::run(ctx, a).await,
         Command::Exec(a) => exec::run(ctx, a).await,
+        Command::RunCode(a) => run_code::run(ctx, a).await,
         Command::Files(c) => files::run(ctx, c).await,
         Command::Pause(a) => pause::run(ctx, a).await,
         Command::Resume(a) => resume::run(ctx, a).await,

@@ -1,9 +1,13 @@
 //! The E2B control plane (`E2B_API_URL`) over strata's service.
 //!
 //! Mapping:
-//! - `templateID`: a strata template id when one exists by that id;
-//!   anything else (`base`, aliases strata does not know) → the default
-//!   template (the newest ready one).
+//! - `templateID`: a strata template id when one exists by that id; else
+//!   one of the caller's snapshots (below); else a template *name*: the
+//!   newest ready template of that name the caller may use (its own before
+//!   the platform's), with the aliases `code-interpreter-v1` and
+//!   `code-interpreter` → the template named `code-interpreter` (what
+//!   `e2b_code_interpreter`'s `Sandbox.create()` asks for); `base` and
+//!   anything else → the default template (the newest ready one).
 //! - `metadata` ↔ strata labels (so `strata ls --label` sees them).
 //! - `timeout` → the sandbox's idle timeout: after `timeout` seconds
 //!   without activity strata *hibernates* it (memory kept), or deletes it
@@ -46,7 +50,7 @@ use serde_json::{json, Value};
 use strata_core::{SandboxId, SandboxState, TemplateId};
 use stratad::caller::Caller;
 use stratad::service::{CreateSandbox, SandboxSpec, ServiceError};
-use stratad::store::SandboxRecord;
+use stratad::store::{SandboxRecord, TemplateRecord, TemplateStatus};
 
 pub use crate::error::E2bError;
 use crate::error::{too_large_message, E2bResult};
@@ -244,6 +248,43 @@ impl E2b {
             .ok()
             .map(|t| t.record.id)
     }
+
+    /// A template the caller may use by *name* ([`template_name`] maps
+    /// E2B's aliases): the newest ready one of that name, the caller's own
+    /// before the platform's; `None` (the default template) when there is
+    /// none, for `base`, and for an empty name.
+    async fn template_by_name(&self, caller: &Caller, asked: &str) -> Option<TemplateId> {
+        let name = template_name(asked)?;
+        let all = self.svc.list_templates(caller).await.ok()?;
+        pick_by_name(all.iter().map(|t| &t.record), name, caller.owner())
+    }
+}
+
+/// The template name an E2B `templateID` asks for: E2B's code-interpreter
+/// aliases name strata's `code-interpreter` template; `base` (and an empty
+/// id) name none, i.e. the default template.
+fn template_name(asked: &str) -> Option<&str> {
+    match asked {
+        "" | "base" => None,
+        "code-interpreter-v1" | "code-interpreter" => Some("code-interpreter"),
+        other => Some(other),
+    }
+}
+
+/// Of `templates`, the newest ready one named `name`, one owned by `owner`
+/// before the platform's (a tenant's own template shadows the platform's
+/// of the same name).
+fn pick_by_name<'a>(
+    templates: impl Iterator<Item = &'a TemplateRecord>,
+    name: &str,
+    owner: &str,
+) -> Option<TemplateId> {
+    templates
+        .filter(|t| t.status == TemplateStatus::Ready && t.name.as_deref() == Some(name))
+        .max_by(|a, b| {
+            (a.tenant == owner, a.created_at, &a.id).cmp(&(b.tenant == owner, b.created_at, &b.id))
+        })
+        .map(|t| t.id.clone())
 }
 
 /// The `:id` of a control-plane path as the router decoded it; one that does
@@ -280,7 +321,7 @@ pub async fn create(
         Some(n) => n.port_settings()?,
         None => crate::public::PortSettings::default(),
     };
-    let cmd = CreateSandbox {
+    let mut cmd = CreateSandbox {
         template,
         spec: SandboxSpec {
             labels: req.metadata.unwrap_or_default(),
@@ -289,11 +330,15 @@ pub async fn create(
             ..SandboxSpec::default()
         },
     };
-    // A template of that id wins; else a snapshot of that id or name.
+    // A template of that id wins; else a snapshot of that id or name; else
+    // a template of that name (or alias); else the default template.
     let snap = match cmd.template {
         Some(_) => None,
         None => st.resolve_snapshot(&caller, &req.template_id).await?,
     };
+    if cmd.template.is_none() && snap.is_none() {
+        cmd.template = st.template_by_name(&caller, &req.template_id).await;
+    }
     let rec = match snap {
         Some(snap) => st
             .svc
@@ -530,6 +575,73 @@ pub async fn resume(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn tpl(
+        id: &str,
+        tenant: &str,
+        name: &str,
+        status: TemplateStatus,
+        secs: i64,
+    ) -> TemplateRecord {
+        let at = DateTime::from_timestamp(1_700_000_000 + secs, 0).expect("time");
+        TemplateRecord {
+            id: id.parse().expect("id"),
+            tenant: tenant.to_owned(),
+            name: Some(name.to_owned()),
+            size: Default::default(),
+            status,
+            status_reason: None,
+            accel: None,
+            created_at: at,
+            updated_at: at,
+        }
+    }
+
+    #[test]
+    fn template_names_and_aliases() {
+        assert_eq!(
+            template_name("code-interpreter-v1"),
+            Some("code-interpreter")
+        );
+        assert_eq!(template_name("code-interpreter"), Some("code-interpreter"));
+        assert_eq!(template_name("base"), None);
+        assert_eq!(template_name(""), None);
+        assert_eq!(template_name("my-env"), Some("my-env"));
+    }
+
+    #[test]
+    fn a_name_picks_the_newest_ready_template_the_callers_first() {
+        use TemplateStatus::*;
+        let all = [
+            tpl("tpl-old", "@platform", "code-interpreter", Ready, 1),
+            tpl("tpl-new", "@platform", "code-interpreter", Ready, 2),
+            tpl("tpl-building", "@platform", "code-interpreter", Building, 3),
+            tpl("tpl-failed", "@platform", "code-interpreter", Failed, 4),
+            tpl("tpl-other", "@platform", "web", Ready, 5),
+        ];
+        let pick = |n: &str, owner: &str| pick_by_name(all.iter(), n, owner);
+        assert_eq!(
+            pick("code-interpreter", "acme").map(|t| t.to_string()),
+            Some("tpl-new".into())
+        );
+        assert_eq!(
+            pick("web", "acme").map(|t| t.to_string()),
+            Some("tpl-other".into())
+        );
+        assert_eq!(pick("nope", "acme"), None);
+        // The caller's own template of that name shadows the platform's,
+        // even an older one.
+        let mut mine = all.to_vec();
+        mine.push(tpl("tpl-mine", "acme", "code-interpreter", Ready, 0));
+        assert_eq!(
+            pick_by_name(mine.iter(), "code-interpreter", "acme").map(|t| t.to_string()),
+            Some("tpl-mine".into())
+        );
+        assert_eq!(
+            pick_by_name(mine.iter(), "code-interpreter", "other").map(|t| t.to_string()),
+            Some("tpl-new".into())
+        );
+    }
 
     #[test]
     fn error_shape() {

@@ -28,6 +28,7 @@ use tracing::Instrument;
 use crate::security::gate::GateOptions;
 use crate::service::{Service, ServiceError};
 
+mod code;
 mod files;
 mod interactive;
 mod metrics;
@@ -482,6 +483,7 @@ fn service_route(r: &Route) -> Option<axum::routing::MethodRouter<Arc<Service>>>
         GetSandbox => on(m, sandboxes::get),
         DeleteSandbox => on(m, sandboxes::delete),
         Exec => on(m, sandboxes::exec),
+        RunCode => on(m, code::run_code),
         Pause => on(m, sandboxes::pause),
         Resume => on(m, sandboxes::resume),
         Hibernate => on(m, sandboxes::hibernate),

@@ -21,6 +21,7 @@ pub enum Action {
     GetSandbox,
     DeleteSandbox,
     Exec,
+    RunCode,
     Pause,
     Resume,
     Hibernate,
@@ -137,6 +138,8 @@ pub const ROUTES: &[Route] = &[
     r("GET", "/v1/sandboxes/:id", Action::GetSandbox, READ),
     tool("DELETE", "/v1/sandboxes/:id", Action::DeleteSandbox, DEV),
     tool("POST", "/v1/sandboxes/:id/exec", Action::Exec, DEV),
+    // Code in the sandbox's code interpreter (guest port 49999, gated as that port).
+    tool("POST", "/v1/sandboxes/:id/code", Action::RunCode, DEV),
     tool("POST", "/v1/sandboxes/:id/pause", Action::Pause, DEV),
     tool("POST", "/v1/sandboxes/:id/resume", Action::Resume, DEV),
     tool("POST", "/v1/sandboxes/:id/hibernate", Action::Hibernate, DEV),

@@ -116,6 +116,7 @@ fn shape(method: &str, path: &str) -> (&'static str, String) {
     };
     let body = match (method, path) {
         ("POST", "/v1/sandboxes/:id/exec") => r#"{"cmd":["true"]}"#.to_owned(),
+        ("POST", "/v1/sandboxes/:id/code") => r#"{"code":"1+1"}"#.to_owned(),
         ("POST", "/v1/sandboxes/:id/rewind") => r#"{"ago":"0s"}"#.to_owned(),
         ("PUT", "/v1/sandboxes/:id/files") => "data".to_owned(),
         ("PUT", "/v1/sandboxes/:id/policy") => "default = \"allow\"\n".to_owned(),
@@ -374,7 +375,7 @@ async fn every_route_every_role_every_spelling_of_the_id() {
                             Some(s) => assert_eq!(a.status, s, "{ctx}: {}", a.body),
                         }
                         let port = crate::api::routes::find(method, path)
-                            .is_some_and(|r| r.action == Action::Port);
+                            .is_some_and(|r| matches!(r.action, Action::Port | Action::RunCode));
                         if port {
                             // A port connection is audited when it closes,
                             // from a task of its own (stratad/tests/ports_v1.rs):
