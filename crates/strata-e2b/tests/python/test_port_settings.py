@@ -22,6 +22,7 @@ class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         b = self.headers.get('Host', '').encode()
         self.send_response(200)
+        self.send_header('X-Names', ','.join(self.headers.keys()))
         self.send_header('Content-Length', str(len(b)))
         self.end_headers()
         self.wfile.write(b)
@@ -77,6 +78,10 @@ def test_the_guest_sees_the_masked_host(private):
     r = _get(url, {"e2b-traffic-access-token": private.traffic_access_token})
     assert r.status_code == 200
     assert r.text == f"custom-host.example.com:{PORT}"
+    # Header names reach the guest in their canonical case, as E2B's proxy
+    # sends them (a server that reads `Host:` literally finds it).
+    names = r.headers["x-names"].split(",")
+    assert "Host" in names and "User-Agent" in names, names
 
 
 def test_the_shared_sandbox_stays_public(sbx):

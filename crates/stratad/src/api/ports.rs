@@ -75,7 +75,11 @@ pub async fn forward(
         .open_port(caller, id, port, opts)
         .await
         .map_err(PortProxyError::Open)?;
-    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(conn))
+    // Title-case header names, as E2B's proxy (Go) sends them: a guest
+    // server that reads `Host:` byte for byte finds it.
+    let (mut sender, connection) = hyper::client::conn::http1::Builder::new()
+        .title_case_headers(true)
+        .handshake(TokioIo::new(conn))
         .await
         .map_err(|e| PortProxyError::Guest(format!("guest port {port}: {e}")))?;
     tokio::spawn(async move {
