@@ -680,8 +680,11 @@ fn recipe_of(b: &StartBody, files: &HashMap<String, String>) -> E2bResult<Value>
                 if user != "root" {
                     steps.push(json!({"user": "root"}));
                 }
+                // The first line is what the build log shows of the step.
                 steps.push(json!({"run": format!(
-                    "sh -c {} copy {} {} {} {} {}",
+                    ": COPY {} {}\nsh -c {} copy {} {} {} {} {}",
+                    q(arg(0)),
+                    q(arg(1)),
                     q(COPY_INSTALLER),
                     q(&stage),
                     q(arg(0)),
