@@ -56,26 +56,26 @@ timeout_secs = 120
     )
 }
 
+/// `strata template build -f <dir>/<file> --id <id>` (with the host's CA
+/// bundle): whether it succeeded, its stderr (progress and the build log),
+/// seconds.
 fn build(d: &Daemon, dir: &std::path::Path, file: &str, id: &str) -> (bool, String, f64) {
     let bin = strata_testkit::strata_bin();
     let t = Instant::now();
-    let out = strata_testkit::run_strata(
-        &bin,
-        &d.url,
-        d.token().as_deref(),
-        &[
-            "template",
-            "build",
-            "-f",
-            dir.join(file).to_str().expect("path"),
-            "--ca-bundle",
-            CA,
-            "--id",
-            id,
-            "--timeout",
-            "1200",
-        ],
-    );
+    let path = dir.join(file);
+    let args = [
+        "template",
+        "build",
+        "-f",
+        path.to_str().expect("path"),
+        "--ca-bundle",
+        CA,
+        "--id",
+        id,
+        "--timeout",
+        "1200",
+    ];
+    let out = strata_testkit::run_strata(&bin, &d.url, d.token().as_deref(), &args);
     let secs = t.elapsed().as_secs_f64();
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     (out.status.success(), stderr, secs)
@@ -181,22 +181,8 @@ fn a_recipe_builds_a_warm_template_rebuilds_from_cache_and_fails_cleanly() {
         d.ok("DELETE", &format!("/v1/sandboxes/{id}"), None, 200).await;
 
         // 3. A failing step.
-        let bin = strata_testkit::strata_bin();
-        let out = strata_testkit::run_strata(
-            &bin,
-            &d.url,
-            d.token().as_deref(),
-            &[
-                "template",
-                "build",
-                "-f",
-                dir.path().join("bad.toml").to_str().expect("path"),
-                "--id",
-                "tpl-bad",
-            ],
-        );
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{stderr}");
+        let (ok, stderr, _) = build(&d, dir.path(), "bad.toml", "tpl-bad");
+        assert!(!ok, "{stderr}");
         assert!(stderr.contains("the-step-broke"), "the step's output:\n{stderr}");
         assert!(stderr.contains("exited 3"), "{stderr}");
         let t = d.ok("GET", "/v1/templates/tpl-bad", None, 200).await;

@@ -110,15 +110,8 @@ pub(super) async fn upload(c: Call, req: Request) -> ApiResult<impl IntoResponse
             format!("upload larger than {limit} bytes"),
         )
     };
-    if let Some(len) = req
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok())
-    {
-        if len > limit {
-            return Err(too_large());
-        }
+    if super::declares_more_than(req.headers(), limit) {
+        return Err(too_large());
     }
     let g = grant(&c, &q, q.write()).await?;
     // Counted as it streams: a chunked body over the limit is cut off.

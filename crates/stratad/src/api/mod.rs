@@ -533,6 +533,17 @@ pub fn router(svc: Arc<Service>) -> Router {
         .with_state(svc)
 }
 
+/// Whether a request declares a body (`Content-Length`) larger than
+/// `limit`: refused before anything is read (a chunked body is counted as
+/// it streams by the handler).
+pub(crate) fn declares_more_than(headers: &axum::http::HeaderMap, limit: u64) -> bool {
+    headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .is_some_and(|len| len > limit)
+}
+
 /// `Content-Type` of exec responses.
 pub const NDJSON: &str = "application/x-ndjson";
 

@@ -3,7 +3,7 @@
 //! recipe build unpacks (`PUT|GET /v1/template-files/{sha256}`).
 
 use axum::extract::Request;
-use axum::http::{header, StatusCode};
+use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::Json;
 use futures::StreamExt;
@@ -70,18 +70,11 @@ pub(super) async fn logs(c: Call) -> ApiResult<impl IntoResponse> {
 pub(super) async fn put_file(c: Call, req: Request) -> ApiResult<impl IntoResponse> {
     let opts = c.gate()?;
     let limit = c.svc.config().max_upload_bytes;
-    if let Some(len) = req
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok())
-    {
-        if len > limit {
-            return Err(ApiError::new(
-                ErrorCode::PayloadTooLarge,
-                format!("a template file may be at most {limit} bytes"),
-            ));
-        }
+    if super::declares_more_than(req.headers(), limit) {
+        return Err(ApiError::new(
+            ErrorCode::PayloadTooLarge,
+            format!("a template file may be at most {limit} bytes"),
+        ));
     }
     let svc = c.svc.clone();
     let (caller, sha, _) = c.into_parts();

@@ -848,10 +848,11 @@ impl Service {
                 ))
                 .await
             }
-            Err(e) => {
-                let _ = self.engine.delete_template(&id).await;
-                warn!(error = %e.message(), "caching a build step failed");
-            }
+            // Publishing is whole or nothing, and a step another build of
+            // the same recipe published first ("already exists") is theirs:
+            // nothing to remove (a record that failed to land leaves a
+            // subvolume recovery removes as an orphan).
+            Err(e) => warn!(error = %e.message(), "caching a build step failed"),
         }
     }
 

@@ -186,16 +186,7 @@ impl Service {
         };
         let r = rec.clone();
         self.db(move |s| s.put_template(&r)).await?;
-        self.progress
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(
-                id.clone(),
-                BuildProgress {
-                    step: "starting".into(),
-                    fraction: None,
-                },
-            );
+        self.set_progress(&id, "starting", None);
         let this = self.clone();
         let owner_caller = caller.clone();
         let mut rec2 = rec.clone();
@@ -206,13 +197,7 @@ impl Service {
                 let tid = rec2.id.clone();
                 let sink: crate::engine::ProgressSink = Arc::new(move |step: &str| {
                     if let Some(s) = weak.upgrade() {
-                        s.progress.lock().unwrap_or_else(|p| p.into_inner()).insert(
-                            tid.clone(),
-                            BuildProgress {
-                                step: step.to_owned(),
-                                fraction: None,
-                            },
-                        );
+                        s.set_progress(&tid, step, None);
                     }
                 });
                 let result = match job {
