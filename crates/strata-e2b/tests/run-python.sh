@@ -45,10 +45,10 @@ if [ -z "${IMAGE_DIR:-}" ]; then
   log "image: $IMAGE_DIR"
 fi
 
-if [ -z "${STRATA_E2B_RUNNER:-}" ] && { [ ! -x "$VENV/bin/pytest" ] || ! "$VENV/bin/python" -c 'import e2b, sys; sys.exit(0 if __import__("importlib.metadata").metadata.version("e2b") == "2.63.0" else 1)' 2>/dev/null; }; then
-  log "creating virtualenv $VENV (e2b==2.63.0, pytest)"
+if [ -z "${STRATA_E2B_RUNNER:-}" ] && { [ ! -x "$VENV/bin/pytest" ] || ! "$VENV/bin/python" -c 'import sys; from importlib.metadata import version as v; sys.exit(0 if v("e2b") == "2.63.0" and v("e2b-code-interpreter") == "2.11.5" else 1)' 2>/dev/null; }; then
+  log "creating virtualenv $VENV (e2b==2.63.0, e2b-code-interpreter==2.11.5, pytest)"
   python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q "e2b==2.63.0" pytest
+  "$VENV/bin/pip" install -q "e2b==2.63.0" "e2b-code-interpreter==2.11.5" pytest
 fi
 
 mkdir -p "$SCRATCH" "$RUN_DIR"
@@ -79,11 +79,32 @@ trap cleanup EXIT
 
 log "starting stratad --e2b on $URL (log: $SCRATCH/daemon.log)"
 printf 'max_upload_bytes = %s\n' "$MAX_UPLOAD" >"$SCRATCH/stratad.toml"
+# test_code_interpreter.py builds the code-interpreter template from its
+# recipe (pip through the builder's egress proxy). Where the registries'
+# names resolve to non-public addresses (this host: a TLS-inspecting gateway
+# in a documentation range), the operator names them, or the proxy refuses.
+RANGES="$(python3 -c '
+import ipaddress, socket
+out = []
+for h in ("pypi.org", "files.pythonhosted.org"):
+    try:
+        addrs = {a[4][0] for a in socket.getaddrinfo(h, 443, socket.AF_INET)}
+    except OSError:
+        addrs = set()
+    for a in sorted(addrs):
+        ip = ipaddress.ip_address(a)
+        if not ip.is_global and f"\"{a}/32\"" not in out:
+            out.append(f"\"{a}/32\"")
+print(", ".join(out))')"
+if [ -n "$RANGES" ]; then
+  printf '[security]\negress_resolved_ranges = [%s]\n' "$RANGES" >>"$SCRATCH/stratad.toml"
+fi
 # test_templates.py builds through the E2B door: its builds trust the host's
 # CA bundle (where registry TLS is re-signed by a local CA).
 if [ -r /etc/ssl/certs/ca-certificates.crt ]; then
   printf '[e2b]\ntemplate_ca_bundle = "/etc/ssl/certs/ca-certificates.crt"\n' >>"$SCRATCH/stratad.toml"
 fi
+export STRATA_BIN="${STRATA_BIN:-$TARGET/release/strata}"
 RUST_LOG="${RUST_LOG:-info}" "$BIN" --config "$SCRATCH/stratad.toml" --listen "127.0.0.1:$PORT" --data-dir "$SCRATCH" \
   --run-dir "$RUN_DIR" --accel "${ACCEL:-tcg}" --pool-size-gib 16 --e2b \
   --e2b-api-key "$API_KEY" --e2b-api-key "$TENANT_KEY=acme:sdk-bot" \
