@@ -232,6 +232,57 @@ where
     r
 }
 
+/// Longest `Connect-Timeout-Ms` honoured (a day).
+const MAX_CONNECT_TIMEOUT_MS: u64 = 24 * 3600 * 1000;
+
+/// The deadline a Connect client asked for (`Connect-Timeout-Ms`, the
+/// protocol's header; the SDKs send a command's `timeout` as it), if any.
+pub fn connect_timeout(headers: &axum::http::HeaderMap) -> Option<std::time::Duration> {
+    headers
+        .get("connect-timeout-ms")?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .filter(|&ms| ms > 0)
+        .map(|ms| std::time::Duration::from_millis(ms.min(MAX_CONNECT_TIMEOUT_MS)))
+}
+
+/// `frames` until `deadline` (from now) passes: then the stream ends with a
+/// `deadline_exceeded` error trailer, as a Connect server ends a call past
+/// its deadline (the process it followed keeps running; only the call
+/// ends). Without a deadline, `frames` as they are.
+pub fn until_deadline<S>(
+    frames: S,
+    deadline: Option<std::time::Duration>,
+) -> futures::stream::BoxStream<'static, Bytes>
+where
+    S: futures::Stream<Item = Bytes> + Send + 'static,
+{
+    use futures::StreamExt;
+    let Some(d) = deadline else {
+        return frames.boxed();
+    };
+    let fired = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let f2 = fired.clone();
+    let timer = async move {
+        tokio::time::sleep(d).await;
+        f2.store(true, std::sync::atomic::Ordering::SeqCst);
+    };
+    let tail = futures::stream::once(async move {
+        fired.load(std::sync::atomic::Ordering::SeqCst).then(|| {
+            ConnectError::new(
+                Code::DeadlineExceeded,
+                format!("the call's deadline of {} ms passed", d.as_millis()),
+            )
+            .end_frame()
+        })
+    })
+    .filter_map(futures::future::ready);
+    frames.take_until(Box::pin(timer)).chain(tail).boxed()
+}
+
 /// A streaming response that is only an error trailer.
 pub fn stream_error(err: ConnectError) -> Response {
     stream_response(futures::stream::iter([err.end_frame()]))
@@ -284,6 +335,35 @@ mod tests {
             u32::from_be_bytes([f[1], f[2], f[3], f[4]]) as usize,
             f.len() - 5
         );
+    }
+
+    #[tokio::test]
+    async fn a_stream_past_its_deadline_ends_with_deadline_exceeded() {
+        use futures::StreamExt;
+        let mut h = axum::http::HeaderMap::new();
+        h.insert("connect-timeout-ms", HeaderValue::from_static("50"));
+        let d = connect_timeout(&h);
+        assert_eq!(d, Some(std::time::Duration::from_millis(50)));
+        // A stream that never ends by itself: one frame, then silence.
+        let frames =
+            futures::stream::iter([Bytes::from_static(b"a")]).chain(futures::stream::pending());
+        let t = std::time::Instant::now();
+        let got: Vec<Bytes> = until_deadline(frames, d).collect().await;
+        assert!(t.elapsed() >= std::time::Duration::from_millis(50));
+        assert_eq!(got.len(), 2, "{got:?}");
+        let (flags, payload) = decode_envelopes(&got[1]).unwrap().remove(0);
+        assert_eq!(flags & 0x02, 0x02, "an end-of-stream envelope");
+        let v: serde_json::Value = serde_json::from_slice(&payload).unwrap();
+        assert_eq!(v["error"]["code"], "deadline_exceeded", "{v}");
+        // A stream that ends first is untouched; bad headers are no deadline.
+        let ended: Vec<Bytes> = until_deadline(futures::stream::iter([end_ok_frame()]), d)
+            .collect()
+            .await;
+        assert_eq!(ended, vec![end_ok_frame()]);
+        for bad in ["0", "-5", "x", ""] {
+            h.insert("connect-timeout-ms", HeaderValue::from_str(bad).unwrap());
+            assert_eq!(connect_timeout(&h), None, "{bad:?}");
+        }
     }
 
     #[test]

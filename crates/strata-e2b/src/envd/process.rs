@@ -220,12 +220,15 @@ pub async fn start(
         .await
     };
     match run.await {
-        Ok((proc, rx)) => connect::stream_response(event_frames(
-            st.clone(),
-            id.clone(),
-            proc.pid,
-            rx,
-            keepalive_interval(&headers),
+        Ok((proc, rx)) => connect::stream_response(connect::until_deadline(
+            event_frames(
+                st.clone(),
+                id.clone(),
+                proc.pid,
+                rx,
+                keepalive_interval(&headers),
+            ),
+            connect::connect_timeout(&headers),
         )),
         Err(e) => connect::stream_error(e),
     }
@@ -253,6 +256,7 @@ pub async fn connect(
     CappedBody(body): CappedBody,
 ) -> Response {
     let keepalive = keepalive_interval(&headers);
+    let deadline = connect::connect_timeout(&headers);
     let run = async {
         let req: proto::SelectRequest = connect::stream_request(&body)?;
         // The sandbox first: a gone one answers `not running` before any
@@ -261,12 +265,9 @@ pub async fn connect(
         let found = select(&st, &id, &req.process)?;
         if let Some(p) = &found {
             if let Some(rx) = p.subscribe() {
-                return Ok(connect::stream_response(event_frames(
-                    st.clone(),
-                    id.clone(),
-                    p.pid,
-                    rx,
-                    keepalive,
+                return Ok(connect::stream_response(connect::until_deadline(
+                    event_frames(st.clone(), id.clone(), p.pid, rx, keepalive),
+                    deadline,
                 )));
             }
         }
@@ -288,11 +289,9 @@ pub async fn connect(
                 format!("process with pid {pid} not found"),
             ));
         }
-        Ok(connect::stream_response(detached_frames(
-            st.clone(),
-            g,
-            pid,
-            keepalive,
+        Ok(connect::stream_response(connect::until_deadline(
+            detached_frames(st.clone(), g, pid, keepalive),
+            deadline,
         )))
     };
     match run.await {
