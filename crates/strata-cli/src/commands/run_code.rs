@@ -213,10 +213,14 @@ pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
     if let Some(e) = &run.error {
         let s = |k: &str| e[k].as_str().unwrap_or_default().to_owned();
         let tb = s("traceback");
+        let last = format!("{}: {}", s("name"), s("value"));
         if !tb.is_empty() {
             eprintln!("{}", tb.trim_end());
         }
-        eprintln!("{}: {}", s("name"), s("value"));
+        // IPython's traceback ends with that line already.
+        if !tb.trim_end().ends_with(&last) {
+            eprintln!("{last}");
+        }
     }
     Ok(i32::from(failed))
 }
