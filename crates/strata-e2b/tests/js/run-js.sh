@@ -57,4 +57,4 @@ log "e2b $("$NODE" -p 'require(process.argv[1] + "/node_modules/e2b/package.json
 export NODE_PATH="$DEPS/node_modules"
 export STRATA_E2B_RUNNER="$NODE --test --test-reporter=spec"
 export PORT="${PORT:-47984}" SCRATCH="${SCRATCH:-/tmp/strata-e2b-js}" RUN_DIR="${RUN_DIR:-/tmp/se2b-js}"
-exec bash "$HERE/../run-python.sh" "$@" "$HERE/sdk.test.js"
+exec bash "$HERE/../run-python.sh" "$@" "$HERE/sdk.test.js" "$HERE/code_interpreter.test.js"
