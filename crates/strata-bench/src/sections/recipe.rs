@@ -31,20 +31,25 @@ use crate::stats::{fmt_ms, Samples};
 #[group(id = "recipe-args")]
 pub struct Args {
     /// Full builds (nothing cached).
-    #[arg(long = "recipe-full", default_value_t = 3)]
+    #[arg(id = "recipe-full", long = "recipe-full", default_value_t = 3)]
     pub full: usize,
     /// Rebuilds after changing the last step, and imports from the host cache.
-    #[arg(long = "recipe-n", default_value_t = 5)]
+    #[arg(id = "recipe-n", long = "recipe-n", default_value_t = 5)]
     pub n: usize,
     /// Packages of the recipe's pip step.
     #[arg(
+        id = "recipe-pip",
         long = "recipe-pip",
         value_delimiter = ',',
         default_value = "requests==2.32.3,rich==13.9.4,tomli-w==1.0.0"
     )]
     pub pip: Vec<String>,
     /// Guest memory of the base template, MiB.
-    #[arg(long = "recipe-memory-mib", default_value_t = 256)]
+    #[arg(
+        id = "recipe-memory-mib",
+        long = "recipe-memory-mib",
+        default_value_t = 256
+    )]
     pub memory_mib: u64,
 }
 

@@ -27,6 +27,15 @@ RECIPE = Path(os.environ.get("STRATA_INTERP_RECIPE", ROOT / "templates/code-inte
 SUITE = os.environ.get("STRATA_E2B_SUITE", "strata-e2b-tests")
 CA = os.environ.get("STRATA_CA_BUNDLE", "/etc/ssl/certs/ca-certificates.crt")
 
+# Opt-in (STRATA_TEST_INTERP=1): a cold build of the template takes about
+# 25 minutes under TCG (pip of numpy/matplotlib and the kernel's first
+# start), over CI's per-issue budget; the host's template cache
+# (STRATA_TEMPLATE_CACHE) makes later runs import it in seconds.
+pytestmark = pytest.mark.skipif(
+    os.environ.get("STRATA_TEST_INTERP") != "1",
+    reason="code-interpreter end-to-end tests are opt-in: STRATA_TEST_INTERP=1 (cold template build ~25 min under TCG)",
+)
+
 
 def _strata(method, path, **kw):
     headers = {"Authorization": f"Bearer {os.environ['STRATA_TOKEN']}"}

@@ -214,8 +214,9 @@ impl Policies {
 
     /// Makes `sandbox` a template builder: its platform layer gets the
     /// connector [`BUILD_CONNECTOR`] of `hosts` (ports 80 and 443), its own
-    /// layer allows that connector and denies every other egress (soft: a
-    /// tenant's hard rules still decide first).
+    /// layer allows those hosts and denies every other egress (soft: a
+    /// tenant's hard rules still decide first). The layer names hosts, not
+    /// the connector, so it still composes when the sandbox is no builder.
     pub fn make_builder(
         &self,
         tenant: &str,
@@ -241,8 +242,11 @@ impl Policies {
             "# Written by a template build: the package registries ([templates] build_egress), nothing else.\n",
         );
         if !hosts.is_empty() {
+            // By host, not by connector name: the layer must still compose
+            // once the sandbox is no builder (after a restart), or every
+            // call on it (its delete too) would meet the deny-all fallback.
             layer.push_str(&format!(
-                "\n[[rule]]\nid = \"build-egress\"\neffect = \"allow\"\nkind = \"egress\"\nconnector = \"{BUILD_CONNECTOR}\"\n"
+                "\n[[rule]]\nid = \"build-egress\"\neffect = \"allow\"\nkind = \"egress\"\nhost = [{list}]\n"
             ));
         }
         layer.push_str(
@@ -758,3 +762,72 @@ impl TunnelService for SandboxTunnels {
 /// tunnels every connection over the agent channel to the sandbox's proxy
 /// on the host; commands run through the agent get it as `http_proxy`.
 pub const GUEST_PROXY: &str = "127.0.0.1:3128";
+
+#[cfg(test)]
+mod builder_tests {
+    use strata_policy::{CallKind, Effect, ToolCall};
+
+    use super::*;
+
+    fn call(sandbox: &str, kind: CallKind) -> ToolCall {
+        ToolCall {
+            tenant: "acme".into(),
+            sandbox: Some(sandbox.into()),
+            actor: format!("sandbox:{sandbox}"),
+            kind,
+        }
+    }
+
+    fn egress(host: &str) -> CallKind {
+        CallKind::Egress {
+            connector: None,
+            host: host.into(),
+            port: 443,
+            method: "CONNECT".into(),
+            path: String::new(),
+            scheme: "https".into(),
+        }
+    }
+
+    /// A builder knows the registries' connector and reaches only them; no
+    /// other sandbox knows it; once its build is over (or the daemon
+    /// restarted) its layer still composes, so it can be deleted.
+    #[test]
+    fn only_a_builder_reaches_the_registries_and_its_layer_outlives_the_build() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = Config {
+            data_dir: dir.path().to_owned(),
+            ..Config::default()
+        };
+        // The store migrates the database the security tables live in.
+        let _store = crate::store::SqliteStore::open(&cfg.db_path(), 1).unwrap();
+        let sec = Security::open(&cfg).unwrap();
+        let p = sec.policies();
+        p.make_builder("acme", "sb-builder", &["pypi.org".into()], "test")
+            .unwrap();
+        let set = p.set("acme", Some("sb-builder"));
+        assert!(set.connector_for_host("pypi.org").is_some());
+        assert_eq!(
+            set.evaluate(&call("sb-builder", egress("pypi.org"))).effect,
+            Effect::Allow
+        );
+        // Another sandbox of the tenant: no such connector.
+        assert!(p
+            .set("acme", Some("sb-other"))
+            .connector_for_host("pypi.org")
+            .is_none());
+        // The build ends: no connector, and the layer still composes (a
+        // delete is decided by the normal policy, not the deny-all fallback).
+        p.end_builder("sb-builder");
+        let set = p.set("acme", Some("sb-builder"));
+        assert!(set.connector_for_host("pypi.org").is_none());
+        let d = set.evaluate(&call(
+            "sb-builder",
+            CallKind::Lifecycle {
+                op: "delete".into(),
+            },
+        ));
+        assert_eq!(d.effect, Effect::Allow, "{d:?}");
+        assert_ne!(d.rule_id, INVALID_POLICY_RULE);
+    }
+}

@@ -884,6 +884,11 @@ impl Service {
             std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
         }) {
             warn!(dir = %dir.display(), error = %e, "template cache unusable");
+            log.line(&format!(
+                "strata: the host's template cache {} is unusable: {e}",
+                dir.display()
+            ))
+            .await;
             return;
         }
         let t = Instant::now();
@@ -896,7 +901,14 @@ impl Service {
                 ))
                 .await
             }
-            Err(e) => warn!(error = %e.message(), "copying the template to the host cache failed"),
+            Err(e) => {
+                warn!(error = %e.message(), "copying the template to the host cache failed");
+                log.line(&format!(
+                    "strata: copying to the host's template cache failed: {}",
+                    e.message()
+                ))
+                .await
+            }
         }
         let keep = self.config.templates.cache_max_entries;
         let _ = tokio::task::spawn_blocking(move || evict_host_cache(&dir, keep)).await;
