@@ -77,9 +77,7 @@ impl Runtime {
         let pool = self.pool.clone();
         let w = work.clone();
         blocking(move || {
-            if pool.is_subvolume(&w).unwrap_or(false) {
-                pool.delete_subvolume(&w).map_err(storage_err)?;
-            }
+            clear_scratch(&pool, &w)?;
             pool.create_subvolume(&w).map_err(storage_err).map(|_| ())
         })
         .await?;
@@ -235,9 +233,7 @@ impl Runtime {
         let tpl_name = tpl.to_string();
         let snap_name = snap.to_string();
         blocking(move || {
-            if pool.is_subvolume(&scratch).unwrap_or(false) {
-                pool.delete_subvolume(&scratch).map_err(storage_err)?;
-            }
+            clear_scratch(&pool, &scratch)?;
             pool.snapshot(&src, &scratch, false).map_err(storage_err)?;
             let published = (|| {
                 let meta =
@@ -245,18 +241,8 @@ impl Runtime {
                         id: snap_name.clone(),
                         reason: e.0,
                     })?;
-                let meta = StateMeta {
-                    sandbox: None,
-                    template: Some(tpl_name),
-                    recipe,
-                    written_at: Utc::now(),
-                    ..meta
-                };
-                meta.write(&scratch)
-                    .map_err(|e| io_err("write meta.json", e))?;
-                pool.snapshot(&scratch, &dst, true)
-                    .map_err(storage_err)
-                    .map(|_| ())
+                let meta = StateMeta { recipe, ..meta };
+                publish_scratch(&pool, &scratch, &dst, meta, tpl_name).map(|_| ())
             })();
             let _ = pool.trash(&scratch);
             published
@@ -329,9 +315,7 @@ impl Runtime {
             self.qemu_version.clone(),
         );
         blocking(move || {
-            if pool.is_subvolume(&scratch).unwrap_or(false) {
-                pool.delete_subvolume(&scratch).map_err(storage_err)?;
-            }
+            clear_scratch(&pool, &scratch)?;
             pool.create_subvolume(&scratch).map_err(storage_err)?;
             let done = (|| {
                 copy_state_files(&src, &scratch)?;
@@ -342,16 +326,7 @@ impl Runtime {
                 let meta = StateMeta::read(&scratch).map_err(bad)?;
                 meta.check_restorable(&scratch, &qemu, accel.qemu_name())
                     .map_err(bad)?;
-                let meta = StateMeta {
-                    sandbox: None,
-                    template: Some(tpl_name.clone()),
-                    written_at: Utc::now(),
-                    ..meta
-                };
-                meta.write(&scratch)
-                    .map_err(|e| io_err("write meta.json", e))?;
-                pool.snapshot(&scratch, &dst, true).map_err(storage_err)?;
-                Ok::<StateMeta, RuntimeError>(meta)
+                publish_scratch(&pool, &scratch, &dst, meta, tpl_name.clone())
             })();
             let _ = pool.trash(&scratch);
             done
@@ -368,6 +343,36 @@ impl Runtime {
     pub fn template_meta(&self, tpl: &TemplateId) -> Result<StateMeta> {
         self.open_state(StateRef::Template(tpl)).map(|s| s.meta)
     }
+}
+
+/// Removes a scratch subvolume an interrupted operation left at `path`.
+fn clear_scratch(pool: &strata_storage::Pool, path: &Path) -> Result<()> {
+    if pool.is_subvolume(path).unwrap_or(false) {
+        pool.delete_subvolume(path).map_err(storage_err)?;
+    }
+    Ok(())
+}
+
+/// Makes the state in `scratch` template `tpl` at `dst`: its `meta.json`
+/// rewritten to name the template and no sandbox, then one read-only
+/// snapshot (the template exists whole or not at all). Returns the meta.
+fn publish_scratch(
+    pool: &strata_storage::Pool,
+    scratch: &Path,
+    dst: &Path,
+    meta: StateMeta,
+    tpl: String,
+) -> Result<StateMeta> {
+    let meta = StateMeta {
+        sandbox: None,
+        template: Some(tpl),
+        written_at: Utc::now(),
+        ..meta
+    };
+    meta.write(scratch)
+        .map_err(|e| io_err("write meta.json", e))?;
+    pool.snapshot(scratch, dst, true).map_err(storage_err)?;
+    Ok(meta)
 }
 
 /// Copies every regular file of a state directory (kernel, initrd, RAM,

@@ -154,6 +154,32 @@ pub(crate) fn is_sha256(s: &str) -> bool {
     s.len() == 64 && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
+/// [`is_sha256`], as the template-file routes refuse a name (`400`).
+fn check_sha256(s: &str) -> ServiceResult<()> {
+    if is_sha256(s) {
+        Ok(())
+    } else {
+        Err(ServiceError::InvalidRequest(format!(
+            "{s:?} is not a lowercase hex sha256"
+        )))
+    }
+}
+
+/// The request of one build command: `sh -c` as the plan's user, in its
+/// cwd, with its env; `extra` (the build's own, e.g. the CA for npm) where
+/// the recipe set nothing of that name.
+fn exec_request(e: &ExecPlan, extra: &BTreeMap<String, String>, timeout: Duration) -> ExecRequest {
+    let mut req = ExecRequest::shell(e.shell.clone());
+    req.user = Some(e.user.clone());
+    req.cwd = Some(e.cwd.clone());
+    req.env = e.env.clone();
+    for (k, v) in extra {
+        req.env.entry(k.clone()).or_insert_with(|| v.clone());
+    }
+    req.timeout = Some(timeout);
+    req
+}
+
 impl Service {
     /// Directory of the `copy` archives tenant `owner` uploaded.
     fn template_files_dir(&self, owner: &str) -> PathBuf {
@@ -180,29 +206,20 @@ impl Service {
         mut body: ByteStream,
         opts: &GateOptions,
     ) -> ServiceResult<u64> {
-        if !is_sha256(sha256) {
-            return Err(ServiceError::InvalidRequest(format!(
-                "{sha256:?} is not a lowercase hex sha256"
-            )));
-        }
+        check_sha256(sha256)?;
         self.authorize(caller, None, lifecycle("build_template"), opts)
             .await?;
-        let dir = self.template_files_dir(caller.owner());
-        tokio::fs::create_dir_all(&dir).await.map_err(|e| {
-            ServiceError::Engine(RuntimeError::Other(format!("template files: {e}")))
-        })?;
-        let path = dir.join(sha256);
-        if tokio::fs::metadata(&path).await.is_ok() {
-            // Already here: drain nothing, keep what was checked.
-            return Ok(tokio::fs::metadata(&path)
-                .await
-                .map(|m| m.len())
-                .unwrap_or(0));
-        }
-        let tmp = dir.join(format!(".{sha256}.{}", rand::random::<u64>()));
         let io = |e: std::io::Error| {
             ServiceError::Engine(RuntimeError::Other(format!("template files: {e}")))
         };
+        let dir = self.template_files_dir(caller.owner());
+        tokio::fs::create_dir_all(&dir).await.map_err(io)?;
+        let path = dir.join(sha256);
+        if let Ok(m) = tokio::fs::metadata(&path).await {
+            // Already here: drain nothing, keep what was checked.
+            return Ok(m.len());
+        }
+        let tmp = dir.join(format!(".{sha256}.{}", rand::random::<u64>()));
         let result = async {
             use tokio::io::AsyncWriteExt;
             let mut f = tokio::fs::File::create(&tmp).await.map_err(io)?;
@@ -240,12 +257,7 @@ impl Service {
     /// `HEAD /v1/template-files/{sha256}`: whether the caller's tenant
     /// uploaded that archive.
     pub async fn has_template_file(&self, caller: &Caller, sha256: &str) -> ServiceResult<bool> {
-        if !is_sha256(sha256) {
-            return Err(ServiceError::InvalidRequest(format!(
-                "{sha256:?} is not a lowercase hex sha256"
-            )));
-        }
-        let _ = caller.owner();
+        check_sha256(sha256)?;
         Ok(
             tokio::fs::metadata(self.template_files_dir(caller.owner()).join(sha256))
                 .await
@@ -724,14 +736,7 @@ impl Service {
         log: &mut BuildLog,
         what: &str,
     ) -> ServiceResult<()> {
-        let mut req = ExecRequest::shell(e.shell.clone());
-        req.user = Some(e.user.clone());
-        req.cwd = Some(e.cwd.clone());
-        req.env = e.env.clone();
-        for (k, v) in extra_env {
-            req.env.entry(k.clone()).or_insert_with(|| v.clone());
-        }
-        req.timeout = Some(self.config.templates.step_timeout);
+        let req = exec_request(e, extra_env, self.config.templates.step_timeout);
         let mut stream = self
             .exec(caller, builder, req, &GateOptions::default())
             .await?;
@@ -769,12 +774,7 @@ impl Service {
         e: &ExecPlan,
         extra_env: &BTreeMap<String, String>,
     ) -> ServiceResult<bool> {
-        let mut req = ExecRequest::shell(e.shell.clone());
-        req.user = Some(e.user.clone());
-        req.cwd = Some(e.cwd.clone());
-        req.env = e.env.clone();
-        req.env.extend(extra_env.clone());
-        req.timeout = Some(Duration::from_secs(10));
+        let req = exec_request(e, extra_env, Duration::from_secs(10));
         let mut stream = self.engine.exec(builder, req).await?;
         while let Some(ev) = stream.next().await {
             if let ExecEvent::Exit(st) = ev? {
