@@ -31,7 +31,7 @@
 //! polls. An event identical to the one queued just before it (same kind
 //! and name, not yet delivered) is merged into it, as the kernel does.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -62,6 +62,10 @@ const BATCH_BYTES: usize = 384 * 1024;
 /// Uploads in progress whose events one watch holds until they are renamed
 /// into place.
 pub const MAX_HELD_UPLOADS: usize = 256;
+/// Entries a recursive watch reported by scanning a new directory that it
+/// remembers, so that the kernel's own create of one of them (made between
+/// the directory's watch and the scan) is not reported twice.
+const MAX_SCANNED: usize = 1024;
 /// Polls queued for one watch (the host has one in flight).
 pub const POLL_QUEUE: usize = 4;
 
@@ -103,6 +107,10 @@ struct Watch {
     temp_moved: Option<(u32, Option<Vec<WatchKind>>)>,
     /// The upload temporaries' marker of this agent process.
     temp_marker: String,
+    /// Entries reported by a scan of a new directory (see [`MAX_SCANNED`]),
+    /// oldest first.
+    scanned: VecDeque<String>,
+    scanned_set: HashSet<String>,
 }
 
 fn join(dir: &str, name: &str) -> String {
@@ -138,8 +146,10 @@ impl Watch {
             uploads: HashMap::new(),
             temp_moved: None,
             temp_marker: format!(".strata-upload-{}-", std::process::id()),
+            scanned: VecDeque::new(),
+            scanned_set: HashSet::new(),
         };
-        if recursive && !w.add_below(&ino, String::new()) {
+        if recursive && !w.add_below(&ino, String::new(), false) {
             return Err(Fail::new(
                 RemoteErrorKind::Other,
                 format!("more than {MAX_WATCH_DIRS} directories to watch under {path}"),
@@ -149,8 +159,11 @@ impl Watch {
     }
 
     /// Watches every directory below `rel` (already watched); `false` when
-    /// [`MAX_WATCH_DIRS`] stopped it.
-    fn add_below(&mut self, ino: &Inotify, rel: String) -> bool {
+    /// [`MAX_WATCH_DIRS`] stopped it. With `report` (`rel` is a directory
+    /// just made) what is found in it is reported as created: it was made
+    /// before its directory was watched (`mkdir -p a/b`, an archive
+    /// unpacked), so the kernel gave no event for it.
+    fn add_below(&mut self, ino: &Inotify, rel: String, report: bool) -> bool {
         let mut todo = vec![rel];
         while let Some(d) = todo.pop() {
             let Ok(rd) = std::fs::read_dir(self.root.join(&d)) else {
@@ -158,10 +171,16 @@ impl Watch {
             };
             for ent in rd.flatten() {
                 // Symlinks are not followed: the tree is what is below root.
-                if !ent.file_type().is_ok_and(|t| t.is_dir()) {
+                let is_dir = ent.file_type().is_ok_and(|t| t.is_dir());
+                let name = ent.file_name().to_string_lossy().into_owned();
+                let sub = join(&d, &name);
+                if report && self.upload_dest(&name).is_none() {
+                    self.push(WatchKind::Create, sub.clone(), is_dir);
+                    self.remember_scanned(sub.clone());
+                }
+                if !is_dir {
                     continue;
                 }
-                let sub = join(&d, &ent.file_name().to_string_lossy());
                 match self.add_dir(ino, &sub) {
                     Some(true) => todo.push(sub),
                     Some(false) => {}
@@ -188,6 +207,28 @@ impl Watch {
             Err(Errno::ENOSPC) => None, // the kernel's max_user_watches
             Err(_) => Some(false),
         }
+    }
+
+    /// Remembers `rel` as reported by a scan (the oldest is forgotten past
+    /// [`MAX_SCANNED`]).
+    fn remember_scanned(&mut self, rel: String) {
+        if self.scanned.len() >= MAX_SCANNED {
+            if let Some(old) = self.scanned.pop_front() {
+                self.scanned_set.remove(&old);
+            }
+        }
+        if self.scanned_set.insert(rel.clone()) {
+            self.scanned.push_back(rel);
+        }
+    }
+
+    /// Forgets `rel` as reported by a scan; `true` if it was.
+    fn forget_scanned(&mut self, rel: &str) -> bool {
+        if !self.scanned_set.remove(rel) {
+            return false;
+        }
+        self.scanned.retain(|s| s != rel);
+        true
     }
 
     /// Stops watching directory `rel` and everything below it (it moved away).
@@ -292,12 +333,22 @@ impl Watch {
         } else {
             return;
         };
+        if !self.scanned_set.is_empty() && self.forget_scanned(&rel) && kind == WatchKind::Create {
+            // Made between its directory's watch and the scan that
+            // reported it. (A remove or rename forgets it, so a later
+            // create of the same name is reported.)
+            return;
+        }
         self.push(kind, rel.clone(), is_dir);
         if self.recursive && is_dir {
             match kind {
                 WatchKind::Create => {
+                    // A directory made here may have entries already; one
+                    // moved in brings its tree (reported as the kernel
+                    // does: the directory alone).
+                    let made = m.contains(AddWatchFlags::IN_CREATE);
                     let added = match self.add_dir(ino, &rel) {
-                        Some(true) => self.add_below(ino, rel),
+                        Some(true) => self.add_below(ino, rel, made),
                         Some(false) => true,
                         None => false,
                     };
