@@ -199,6 +199,12 @@ impl BenchDaemon {
             snapshot_interval: Duration::ZERO,
             idle_timeout: Duration::ZERO,
             default_size: size,
+            // No warm guests unless a section asks (`tweak`): they change
+            // what a create measures.
+            pools: stratad::config::PoolsConfig {
+                default_template: 0,
+                ..Default::default()
+            },
             ..stratad::config::Config::default()
         };
         // A benchmark measures the daemon, not its per-token rate limiter (50/s

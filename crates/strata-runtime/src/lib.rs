@@ -26,5 +26,6 @@ pub use meta::{StateMeta, SNAPSHOT_FORMAT_VERSION};
 pub use runtime::PortOpenError;
 pub use runtime::{
     load_image, qemu_version, CpuSource, EgressResolver, Runtime, TemplateBuilt, VmDied, VmUsage,
+    WARM_CPU_WEIGHT,
 };
 pub use strata_proto::client::{PortCounters, PortError, PortStream};

@@ -26,6 +26,9 @@ use serde::{Deserialize, Serialize};
 /// Name of the parent cgroup of all VM cgroups.
 pub const CGROUP_PARENT: &str = "strata";
 
+/// The CPU weight a VM has unless told otherwise (cgroup v2's default).
+pub const DEFAULT_CPU_WEIGHT: u32 = 100;
+
 /// CFS period written for every VM, in microseconds.
 pub const CPU_PERIOD_US: u64 = 100_000;
 
@@ -336,6 +339,22 @@ impl VmCgroup {
                 ),
             ],
             _ => Vec::new(),
+        }
+    }
+
+    /// Sets the VM's CPU weight relative to its siblings (cgroup v2
+    /// `cpu.weight`, 1..=10000, default [`DEFAULT_CPU_WEIGHT`]; v1
+    /// `cpu.shares`, scaled so 100 is its default 1024). It only matters
+    /// when CPUs are contended; the `cpu.max` ceiling stays.
+    pub fn set_cpu_weight(&self, weight: u32) -> Result<(), CgroupError> {
+        let weight = weight.clamp(1, 10_000);
+        match (self.version, self.dirs.as_slice()) {
+            (2, [dir]) => write_file(&dir.join("cpu.weight"), &weight.to_string()),
+            (_, [cpu, _]) => {
+                let shares = (u64::from(weight) * 1024 / 100).max(2);
+                write_file(&cpu.join("cpu.shares"), &shares.to_string())
+            }
+            _ => Ok(()),
         }
     }
 

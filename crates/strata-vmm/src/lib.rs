@@ -168,6 +168,13 @@ pub trait Vm: Send + Sync + std::fmt::Debug {
     fn confinement(&self) -> Confinement {
         Confinement::asked(self.spec())
     }
+    /// Sets the VM's CPU weight among the VMs of this host
+    /// ([`cgroup::DEFAULT_CPU_WEIGHT`] is everyone's default): `false` when
+    /// it has no cgroup to set it in.
+    fn set_cpu_weight(&self, weight: u32) -> Result<bool, VmmError> {
+        let _ = weight;
+        Ok(false)
+    }
     /// Runs a raw QMP command (escape hatch for callers and benchmarks).
     async fn qmp(
         &self,

@@ -400,6 +400,48 @@ pub struct Config {
     pub logs: LogsConfig,
     /// `[templates]`: recipe builds (docs/templates.md).
     pub templates: TemplatesConfig,
+    /// `[pools]`: warm pools, sandboxes started ahead of creates
+    /// (docs/warm-pools.md).
+    pub pools: PoolsConfig,
+}
+
+/// `[pools]`: warm pools. A warm guest is a sandbox of a template at the
+/// template's size, restored ahead of time and paused (memory, no CPU); a
+/// create of that template and size claims one (resumed, given fresh
+/// entropy, the clock, its owner's egress) instead of restoring. Warm
+/// guests count against the host's capacity and are the first to go when
+/// a create, fork or wake needs the room.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PoolsConfig {
+    /// Warm guests of the default template (the one a create without a
+    /// template gets) at its size.
+    pub default_template: usize,
+    /// Warm pools of other templates.
+    pub templates: Vec<WarmPoolConfig>,
+    /// Most warm guests this host keeps, all pools together.
+    pub max_total: usize,
+}
+
+/// One `[[pools.templates]]` entry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WarmPoolConfig {
+    /// A template id, or the name of a platform template (the newest ready
+    /// one of that name).
+    pub template: String,
+    /// Warm guests kept.
+    pub count: usize,
+}
+
+impl Default for PoolsConfig {
+    fn default() -> Self {
+        PoolsConfig {
+            default_template: 1,
+            templates: Vec::new(),
+            max_total: 8,
+        }
+    }
 }
 
 /// `[metrics]`: the per-sandbox usage sampler (CPU, memory, disk over time;
@@ -575,6 +617,7 @@ impl Default for Config {
             metrics: MetricsConfig::default(),
             logs: LogsConfig::default(),
             templates: TemplatesConfig::default(),
+            pools: PoolsConfig::default(),
         }
     }
 }

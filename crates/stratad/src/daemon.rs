@@ -316,7 +316,9 @@ pub async fn run_with(
             r
         }
     };
-    // The VMs outlive the daemon; the next start adopts them.
+    // Warm guests are no one's: they end with the daemon. The VMs of
+    // sandboxes outlive it; the next start adopts them.
+    app.service().drain_warm().await;
     engine.runtime().detach_all();
     result.map_err(DaemonError::Serve)
 }

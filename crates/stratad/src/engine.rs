@@ -86,6 +86,31 @@ pub trait Engine: Send + Sync + 'static {
         size: SandboxSize,
     ) -> EngineResult<SnapshotInfo>;
 
+    /// Starts `id` from `source` as a warm-pool guest: as [`Engine::create`]
+    /// would, then paused, its egress unbound until [`Engine::claim`].
+    /// Engines without warm pools answer `invalid_state` (the daemon then
+    /// keeps no pool).
+    async fn prewarm(
+        &self,
+        id: &SandboxId,
+        source: &Source,
+        size: SandboxSize,
+    ) -> EngineResult<VmInfo> {
+        let _ = (source, size);
+        Err(RuntimeError::Invalid(format!(
+            "sandbox {id}: this engine keeps no warm guests"
+        )))
+    }
+
+    /// Hands warm guest `id` to the owner its record names now: vCPUs
+    /// continue, egress bound as that record's policy says, fresh entropy
+    /// and clock. On an error the guest is left (the daemon deletes it).
+    async fn claim(&self, id: &SandboxId) -> EngineResult<()> {
+        Err(RuntimeError::Invalid(format!(
+            "sandbox {id}: this engine keeps no warm guests"
+        )))
+    }
+
     /// Snapshots a running or paused sandbox; it stays in its state.
     async fn snapshot(&self, id: &SandboxId, snap: &SnapshotId) -> EngineResult<SnapshotInfo>;
 

@@ -131,6 +131,9 @@ impl App {
         });
         // The per-sandbox usage sampler (`[metrics]`), stopped with the rest.
         self.service.spawn_sampler(self.shutdown.subscribe());
+        // Warm pools (`[pools]`): filled in the background; their guests end
+        // with the daemon (`stop`), they are no one's sandboxes.
+        self.service.spawn_warm_filler(self.shutdown.subscribe());
         let cfg = self.service.config();
         let driver = scheduler::DriverConfig {
             max_concurrent: cfg.max_concurrent_tasks,

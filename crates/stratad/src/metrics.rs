@@ -30,6 +30,11 @@ pub mod step {
     pub const EXEC_ROUND_TRIP: &str = "exec_round_trip";
     /// Hibernation (snapshot + stop).
     pub const HIBERNATE: &str = "hibernate";
+    /// A create from a warm pool: quota, record, claim (resume, egress,
+    /// entropy and clock).
+    pub const CLAIM: &str = "warm_claim";
+    /// A warm guest's start (restore, agent sync, pause).
+    pub const PREWARM: &str = "warm_prewarm";
 }
 
 /// Summary of one latency histogram, in milliseconds.
@@ -152,6 +157,15 @@ impl Metrics {
                 metrics::gauge!("strata_sandboxes", "state" => st.as_str()).set(n as f64);
             }
             metrics::gauge!("strata_snapshots_ready").set(snapshots as f64);
+        });
+    }
+
+    /// Sets the gauge of warm guests ready in pool `pool`
+    /// (`strata_warm_pool_ready{pool="<template>/<vcpus>x<MiB>"}`).
+    pub fn set_warm(&self, pool: &str, ready: usize) {
+        let p = pool.to_owned();
+        metrics::with_local_recorder(&self.recorder, || {
+            metrics::gauge!("strata_warm_pool_ready", "pool" => p).set(ready as f64);
         });
     }
 

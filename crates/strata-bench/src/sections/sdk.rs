@@ -137,6 +137,9 @@ vcpus = 1
 memory_mib = {memory_mib}
 disk_gib = 2
 
+[pools]
+default_template = 0
+
 {tail}
 "#,
             data = root.join("data").display(),

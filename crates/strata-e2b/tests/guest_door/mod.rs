@@ -85,6 +85,9 @@ auth_failures_per_minute = 0
 vcpus = 1
 memory_mib = 256
 disk_gib = 2
+
+[pools]
+default_template = 0
 "#,
             data = root.join("data").display(),
             run = root.join("run").display(),

@@ -131,6 +131,9 @@ struct Inner {
     info: AgentInfo,
     reader: JoinHandle<()>,
     egress_listen: OnceLock<SocketAddr>,
+    /// How the agent's tunnels are served: given at connect, or bound once
+    /// later ([`AgentClient::bind_egress`]).
+    egress: Arc<OnceLock<TunnelHandler>>,
     /// The command-output window the agent agreed to (unset: an older agent
     /// without output flow control).
     output_window: OnceLock<u64>,
@@ -386,11 +389,16 @@ impl AgentClient {
     ) -> AgentClient {
         let port_tunnels = Arc::new(ports::Ports::default());
         let pt = port_tunnels.clone();
+        let handler = Arc::new(OnceLock::new());
+        if let Some(h) = egress {
+            let _ = handler.set(h);
+        }
+        let eg = handler.clone();
         let tunnels: demux::TunnelRouter = Box::new(move |shared, out, f| {
             if crate::tunnel::is_port_id(f.id) {
                 ports::route(&pt, shared, out, f)
             } else {
-                tunnel::route(&egress, shared, out, f)
+                tunnel::route(eg.get(), shared, out, f)
             }
         });
         let conn = demux::spawn(stream, dec, tunnels, liveness);
@@ -401,6 +409,7 @@ impl AgentClient {
                 info,
                 reader: conn.reader,
                 egress_listen: OnceLock::new(),
+                egress: handler,
                 output_window: OnceLock::new(),
                 ports: port_tunnels,
             }),

@@ -347,5 +347,5 @@ pub(super) fn route(
             return true;
         }
     }
-    super::tunnel::route(&None, shared, out, f)
+    super::tunnel::route(None, shared, out, f)
 }

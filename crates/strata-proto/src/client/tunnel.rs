@@ -134,6 +134,26 @@ impl AgentClient {
         }
     }
 
+    /// Serves this connection's tunnels with `handler` and enables egress
+    /// in the guest, for a connection made without one (a warm-pool guest
+    /// is connected before it has an owner, so before its egress policy is
+    /// known). Refused (`Protocol`) when a handler is bound already: a
+    /// guest's egress is never handed to someone else.
+    pub async fn bind_egress(&self, handler: TunnelHandler) -> Result<SocketAddr, AgentError> {
+        self.inner.egress.set(handler).map_err(|_| {
+            AgentError::Protocol(FrameError::Violation(
+                "this connection's egress is bound already".into(),
+            ))
+        })?;
+        self.enable_egress().await
+    }
+
+    /// Whether this connection's tunnels have a handler (given at connect or
+    /// bound since).
+    pub fn egress_bound(&self) -> bool {
+        self.inner.egress.get().is_some()
+    }
+
     /// The guest's egress listener, once egress is enabled on this connection.
     pub fn egress_listen(&self) -> Option<SocketAddr> {
         self.inner.egress_listen.get().copied()
@@ -187,7 +207,7 @@ fn send_tunnel_close(out: &mpsc::Sender<Bytes>, id: u32, error: String) {
 /// Routes one frame of an agent-opened tunnel, serving new tunnels with
 /// `egress` (`None`: refused); `false` if the connection must close.
 pub(super) fn route(
-    egress: &Option<TunnelHandler>,
+    egress: Option<&TunnelHandler>,
     shared: &Arc<Shared>,
     out: &mpsc::Sender<Bytes>,
     f: Frame,
@@ -197,7 +217,7 @@ pub(super) fn route(
         FrameKind::Tunnel => TunnelMsg::Data(f.payload),
         FrameKind::Control => match f.parse::<Response>() {
             Ok(Response::TunnelOpen { peer }) => {
-                open_tunnel(egress.clone(), shared.clone(), out.clone(), id, peer);
+                open_tunnel(egress.cloned(), shared.clone(), out.clone(), id, peer);
                 return true;
             }
             Ok(Response::TunnelAck { bytes }) => TunnelMsg::Ack(bytes),

@@ -75,16 +75,7 @@ impl Runtime {
         // session (again after every reconnect, e.g. after a restore) and
         // serves the guest's tunnels with the handler (a TCP target when
         // only `RuntimeConfig::egress_proxy` is set).
-        let resolver = self
-            .egress
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        let egress = match resolver {
-            Some(r) => r(id.clone()).await,
-            None => None,
-        }
-        .or_else(|| self.cfg.egress_proxy.map(TunnelHandler::tcp));
+        let egress = self.egress_target(id).await;
         // A guest that stops answering is noticed within 5 s: the connection
         // closes, calls in flight fail, and the next use reconnects here.
         let liveness = Liveness::new(Some(live.running.clone()));
@@ -94,6 +85,21 @@ impl Runtime {
                 .map_err(|e| agent_err(id.as_str(), e, t))?;
         *slot = Some(client.clone());
         Ok(client)
+    }
+
+    /// How sandbox `id`'s guest egress is served now: the resolver's
+    /// answer, else `RuntimeConfig::egress_proxy`, else none.
+    pub(super) async fn egress_target(&self, id: &SandboxId) -> Option<TunnelHandler> {
+        let resolver = self
+            .egress
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        match resolver {
+            Some(r) => r(id.clone()).await,
+            None => None,
+        }
+        .or_else(|| self.cfg.egress_proxy.map(TunnelHandler::tcp))
     }
 
     /// Fresh entropy, the host clock and (for a new identity) hostname + machine-id.

@@ -46,12 +46,14 @@ mod start;
 mod templates;
 mod usage;
 mod vms;
+mod warm;
 
 pub use agent::EgressResolver;
 pub use ports::PortOpenError;
 pub use templates::TemplateBuilt;
 pub use usage::{CpuSource, VmUsage};
 pub use vms::VmDied;
+pub use warm::WARM_CPU_WEIGHT;
 
 use vms::Live;
 

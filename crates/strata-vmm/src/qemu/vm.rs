@@ -34,6 +34,7 @@ pub struct QemuVm {
     exit_rx: watch::Receiver<Option<VmExit>>,
     tasks: Vec<JoinHandle<()>>,
     confinement: Confinement,
+    cgroup: Option<VmCgroup>,
 }
 
 impl std::fmt::Debug for QemuVm {
@@ -84,7 +85,7 @@ impl QemuVm {
             expected.clone(),
             exiter,
             exit_tx,
-            cgroup,
+            cgroup.clone(),
         )));
         Ok(QemuVm {
             spec,
@@ -95,6 +96,7 @@ impl QemuVm {
             exit_rx,
             tasks,
             confinement,
+            cgroup,
         })
     }
 
@@ -244,6 +246,19 @@ impl Vm for QemuVm {
 
     fn confinement(&self) -> Confinement {
         self.confinement.clone()
+    }
+
+    fn set_cpu_weight(&self, weight: u32) -> Result<bool, VmmError> {
+        let Some(cg) = self
+            .cgroup
+            .as_ref()
+            .filter(|_| self.confinement.limits_applied)
+        else {
+            return Ok(false);
+        };
+        cg.set_cpu_weight(weight)
+            .map(|()| true)
+            .map_err(VmmError::Cgroup)
     }
 
     async fn qmp(&self, command: &str, arguments: Option<Value>) -> Result<Value, VmmError> {

@@ -40,7 +40,25 @@ pub(super) async fn stats(
     let mut s = svc.metrics().stats_for(caller.tenant());
     s.sandboxes = counts.sandboxes_by_state;
     s.snapshots = counts.snapshots_ready;
-    Ok(Json(s))
+    // The warm pools are the host's (a tenant's template would show in
+    // them): the operator's view only.
+    let warm_pools = match (caller.tenant(), caller.role()) {
+        (None, _) | (_, Some(crate::security::auth::Role::Admin)) => Some(svc.warm_pool_stats()),
+        _ => None,
+    };
+    Ok(Json(StatsView {
+        stats: s,
+        warm_pools,
+    }))
+}
+
+/// `/v1/stats`: the metrics' view, with the warm pools for the operator.
+#[derive(serde::Serialize)]
+struct StatsView {
+    #[serde(flatten)]
+    stats: crate::metrics::Stats,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    warm_pools: Option<Vec<crate::service::WarmPoolStats>>,
 }
 
 pub(super) async fn openapi() -> impl IntoResponse {

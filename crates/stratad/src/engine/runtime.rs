@@ -82,6 +82,19 @@ impl Engine for RuntimeEngine {
             .await
     }
 
+    async fn prewarm(
+        &self,
+        id: &SandboxId,
+        source: &Source,
+        size: SandboxSize,
+    ) -> EngineResult<VmInfo> {
+        self.rt.prewarm(id, source, Some(size)).await
+    }
+
+    async fn claim(&self, id: &SandboxId) -> EngineResult<()> {
+        self.rt.claim(id).await
+    }
+
     async fn snapshot(&self, id: &SandboxId, snap: &SnapshotId) -> EngineResult<SnapshotInfo> {
         self.rt.snapshot(id, snap).await
     }

@@ -13,9 +13,16 @@
 //! [`Transient`] reservation held for the build, and at most
 //! [`MAX_CONCURRENT_TEMPLATE_BUILDS`] run at once.
 //!
+//! Warm guests (`service::warm`) are [`Transient`] reservations too, not
+//! counted as builds; when an admission finds the room short it ends warm
+//! guests, the oldest first, before it refuses
+//! ([`Service::check_capacity_or_evict`]): a sandbox someone asked for
+//! comes before one kept in case. The pool filler takes only room that is
+//! free ([`Service::admit_warm`]).
+//!
 //! Refusals are `insufficient_capacity` (a code never renamed) and name
-//! what is short. Later work (warm pools, placement by use, density)
-//! extends this module.
+//! what is short. Later work (placement by use, density) extends this
+//! module.
 //!
 //! Quotas (`[quotas]` of the configuration; everything unset is unlimited)
 //! are decided here too, before the host's room, and refused with
@@ -68,6 +75,9 @@ pub(crate) struct Transients {
 pub(crate) struct Transient {
     owner: Arc<Service>,
     size: SandboxSize,
+    /// A template build's (counted against
+    /// [`MAX_CONCURRENT_TEMPLATE_BUILDS`]); else a warm guest's.
+    build: bool,
 }
 
 impl Drop for Transient {
@@ -80,7 +90,9 @@ impl Drop for Transient {
             .unwrap_or_else(|p| p.into_inner());
         g.0 = g.0.saturating_sub(u64::from(self.size.vcpus));
         g.1 = g.1.saturating_sub(u64::from(self.size.memory_mib));
-        g.2 = g.2.saturating_sub(1);
+        if self.build {
+            g.2 = g.2.saturating_sub(1);
+        }
     }
 }
 
@@ -118,8 +130,53 @@ impl Service {
     ) -> ServiceResult<tokio::sync::MutexGuard<'_, ()>> {
         let g = self.placement.lock().await;
         self.check_quota(rec, true).await?;
-        self.check_capacity(rec.size).await?;
+        self.check_capacity_or_evict(rec.size).await?;
         Ok(g)
+    }
+
+    /// [`Service::check_capacity`], ending warm guests (the oldest first)
+    /// while the room is short and there are some: a sandbox someone asked
+    /// for comes before one kept in case. Called under the placement lock.
+    pub(crate) async fn check_capacity_or_evict(&self, size: SandboxSize) -> ServiceResult<()> {
+        loop {
+            match self.check_capacity(size).await {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    if !self.evict_one_warm() {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Reserves the room of a warm guest of `size`, if the host has it
+    /// without ending anything. Called by the pool filler.
+    pub(crate) async fn admit_warm(
+        self: &Arc<Self>,
+        size: SandboxSize,
+    ) -> ServiceResult<Transient> {
+        let _g = self.placement.lock().await;
+        self.check_capacity(size).await?;
+        Ok(self.reserve_transient(size, false))
+    }
+
+    fn reserve_transient(self: &Arc<Self>, size: SandboxSize, build: bool) -> Transient {
+        let mut u = self
+            .transients
+            .used
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        u.0 += u64::from(size.vcpus);
+        u.1 += u64::from(size.memory_mib);
+        if build {
+            u.2 += 1;
+        }
+        Transient {
+            owner: self.clone(),
+            size,
+            build,
+        }
     }
 
     /// Admits a new sandbox that starts no VM (created hibernated): the
@@ -136,7 +193,11 @@ impl Service {
     /// The `[quotas]` checks of [`Service::admit`]. `rec` is new (not yet
     /// stored: a create or fork) or an existing sandbox without a VM that is
     /// about to start one.
-    async fn check_quota(&self, rec: &SandboxRecord, starts_vm: bool) -> ServiceResult<()> {
+    pub(super) async fn check_quota(
+        &self,
+        rec: &SandboxRecord,
+        starts_vm: bool,
+    ) -> ServiceResult<()> {
         let q = &self.config.quotas;
         let is_new = rec.pending_op == Some(Op::Created);
         let (vcpus, mem) = (u64::from(rec.size.vcpus), u64::from(rec.size.memory_mib));
@@ -399,19 +460,8 @@ impl Service {
                 "{running} template builds are running (at most {MAX_CONCURRENT_TEMPLATE_BUILDS} at once); retry when one ends"
             )));
         }
-        self.check_capacity(size).await?;
-        let mut u = self
-            .transients
-            .used
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        u.0 += u64::from(size.vcpus);
-        u.1 += u64::from(size.memory_mib);
-        u.2 += 1;
-        Ok(Transient {
-            owner: self.clone(),
-            size,
-        })
+        self.check_capacity_or_evict(size).await?;
+        Ok(self.reserve_transient(size, true))
     }
 }
 

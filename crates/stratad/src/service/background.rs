@@ -79,6 +79,9 @@ impl Actions for ScheduledActions {
 impl Service {
     /// A VM died behind the daemon's back: mark failed, then restore.
     pub async fn handle_exit(self: &Arc<Self>, id: &SandboxId, reason: &str) {
+        if self.warm_died(id) {
+            return;
+        }
         let span = tracing::info_span!("vm_exit", sandbox = %id);
         async {
             let Ok(_g) = self.acquire(id, Op::Fail, Who::User).await else {

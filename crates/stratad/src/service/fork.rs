@@ -39,6 +39,7 @@ impl Service {
         let mut snap = self.new_snapshot(&src_rec, SnapshotKind::Fork, None);
         rec.source_snapshot = Some(snap.id.clone());
         let span = tracing::info_span!("fork", sandbox = %rec.id, source = %src);
+        let _busy = self.warm.busy();
         async move {
             {
                 let _room = self.admit(&rec).await?;

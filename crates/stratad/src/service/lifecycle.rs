@@ -7,7 +7,9 @@ use super::prelude::*;
 impl Service {
     /// Creates a sandbox from a template. vCPUs and memory are the template's
     /// (a snapshot restores with the RAM and CPUs it was taken with); the
-    /// disk may be larger than the template's (it grows).
+    /// disk may be larger than the template's (it grows). A create at the
+    /// template's size takes a warm guest when its pool has one
+    /// (`service::warm`).
     pub async fn create(
         self: &Arc<Self>,
         caller: &Caller,
@@ -15,9 +17,13 @@ impl Service {
         opts: &GateOptions,
     ) -> ServiceResult<SandboxRecord> {
         let (tpl, rec) = self.admit_create(caller, &cmd, opts).await?;
-        let rec = self
-            .spawn_new(rec, Source::Template(tpl.id), step::SPAWN)
-            .await?;
+        let rec = match self.create_from_warm(&tpl, &rec).await? {
+            Some(rec) => rec,
+            None => {
+                self.spawn_new(rec, Source::Template(tpl.id), step::SPAWN)
+                    .await?
+            }
+        };
         self.keep_lifecycle(&rec, cmd.spec.lifecycle, None).await;
         Ok(rec)
     }
@@ -120,6 +126,7 @@ impl Service {
         step_name: &str,
     ) -> ServiceResult<SandboxRecord> {
         let span = tracing::info_span!("create", sandbox = %rec.id);
+        let _busy = self.warm.busy();
         async move {
             {
                 let _room = self.admit(&rec).await?;

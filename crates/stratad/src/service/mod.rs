@@ -40,6 +40,7 @@ mod rewind;
 mod sampler;
 mod snapshots;
 mod templates;
+mod warm;
 pub mod watch;
 
 pub use admission::MAX_CONCURRENT_TEMPLATE_BUILDS;
@@ -52,6 +53,7 @@ pub use logs::{LogEntry, LogPage, LogStream, LogTap, ProcessLogs, MAX_LOG_PAGE};
 pub(crate) use oplock::*;
 pub use ports::{is_port_closed, PortConn};
 pub use sampler::{Sample, Sampler, SandboxMetrics, MAX_POINTS, SAMPLE_STEP};
+pub use warm::WarmPoolStats;
 
 use self::prelude::*;
 
@@ -69,6 +71,8 @@ pub struct Service {
     slots: Mutex<HashMap<SandboxId, Arc<OpSlot>>>,
     placement: tokio::sync::Mutex<()>,
     transients: admission::Transients,
+    /// Warm guests (`[pools]`).
+    warm: warm::WarmPools,
     progress: Mutex<HashMap<TemplateId, BuildProgress>>,
     flushed: Mutex<HashMap<SandboxId, DateTime<Utc>>>,
     gate: Arc<dyn ToolGate>,
@@ -117,6 +121,7 @@ impl Service {
             slots: Mutex::new(HashMap::new()),
             placement: tokio::sync::Mutex::new(()),
             transients: admission::Transients::default(),
+            warm: warm::WarmPools::default(),
             progress: Mutex::new(HashMap::new()),
             flushed: Mutex::new(HashMap::new()),
         })

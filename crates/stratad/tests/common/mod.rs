@@ -73,7 +73,8 @@ pub struct Daemon {
 impl Daemon {
     /// Starts a daemon with `extra` TOML appended to the test defaults
     /// (tcg, 256 MiB default size, a 6 GiB pool, no rolling snapshots, no
-    /// idle hibernation unless a sandbox asks).
+    /// idle hibernation unless a sandbox asks, no warm pools unless `extra`
+    /// has a `[pools]` table).
     pub fn start(extra: &str) -> Daemon {
         ATEXIT.call_once(|| {
             // SAFETY: registers a plain extern "C" fn without captures.
@@ -103,7 +104,14 @@ agent_timeout = "60s"
 vcpus = 1
 memory_mib = 256
 disk_gib = 2
-"#,
+{pools}"#,
+            // No warm guests unless a test asks (`[pools]` in `extra`): they
+            // would be VMs no sandbox owns.
+            pools = if extra.contains("[pools]") {
+                ""
+            } else {
+                "[pools]\ndefault_template = 0\n"
+            },
             data = root.join("data").display(),
             run = run_dir.display(),
             img = image.dir.display(),
@@ -207,6 +215,33 @@ disk_gib = 2
                 r.pid = None;
             }
         }
+    }
+
+    /// `SIGTERM` to the daemon, waited for (a graceful stop: it ends its
+    /// warm guests; sandboxes' VMs keep running).
+    pub fn stop(&self) {
+        if let Some(mut c) = self.child.lock().expect("child").take() {
+            // SAFETY: kill(2) on the pid of our own child, not yet reaped.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let t = Instant::now();
+            while !matches!(c.try_wait(), Ok(Some(_))) {
+                assert!(
+                    t.elapsed() < Duration::from_secs(60),
+                    "stratad did not stop on SIGTERM"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        for r in REGISTRY.lock().expect("registry").iter_mut() {
+            if r.root == self.root {
+                r.pid = None;
+            }
+        }
+    }
+
+    /// Starts the daemon again after [`Daemon::stop`] or [`Daemon::kill9`].
+    pub fn start_again(&self) {
+        self.spawn();
     }
 
     /// Starts the daemon again on the same directories.
