@@ -18,7 +18,9 @@ use clap::Parser;
 use futures::FutureExt;
 use strata_bench::ctx::{teardown_all, Ctx};
 use strata_bench::report::{commit, Machine, Report, Section};
-use strata_bench::sections::{self, density, history, load, recipe, restore, scale, sdk, snapshot};
+use strata_bench::sections::{
+    self, density, history, load, pool, recipe, restore, scale, sdk, snapshot,
+};
 use strata_core::Accel;
 use strata_vmm::VmmDriver;
 
@@ -33,7 +35,7 @@ struct Cli {
     #[arg(long)]
     out: Option<PathBuf>,
     /// Sections to run, comma-separated: snapshot, restore, load, density, history, scale;
-    /// and sdk (E2B SDK beside /v1), recipe (template builds), run only when named here.
+    /// and sdk (E2B SDK beside /v1), recipe (template builds), pool (warm pools), run only when named here.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// CI smoke size: every count at its minimum (completes, figures not meaningful).
@@ -70,6 +72,8 @@ struct Cli {
         next_help_heading = "8. Template builds from recipes (only with --only recipe)"
     )]
     recipe: recipe::Args,
+    #[command(flatten, next_help_heading = "9. Warm pools (only with --only pool)")]
+    pool: pool::Args,
 }
 
 fn title(key: &str) -> &'static str {
@@ -82,6 +86,7 @@ fn title(key: &str) -> &'static str {
         "scale" => "6. Control plane at scale",
         "sdk" => "7. E2B SDK beside strata's API: create → first command, fork",
         "recipe" => "8. Template builds from recipes: full, rebuild, host cache",
+        "pool" => "9. Warm pools: create from a pool vs without, sequential and 8 concurrent",
         _ => "unknown section",
     }
 }
@@ -117,6 +122,7 @@ async fn run_section(key: &str, ctx: &Ctx, cli: &Cli) -> Section {
                 "scale" => scale::run(ctx, &cli.scale, &mut sec).await,
                 "sdk" => sdk::run(ctx, &cli.sdk, &mut sec).await,
                 "recipe" => recipe::run(ctx, &cli.recipe, &mut sec).await,
+                "pool" => pool::run(ctx, &cli.pool, &mut sec).await,
                 other => Err(anyhow!("unknown section {other:?}")),
             }
         };
@@ -178,6 +184,7 @@ fn main() -> Result<()> {
         cli.scale.smoke();
         cli.sdk.smoke();
         cli.recipe.smoke();
+        cli.pool.smoke();
     }
     let requested: Accel = cli.accel.parse().map_err(|e: String| anyhow!(e))?;
     let image = image_dir(&cli)?;

@@ -48,6 +48,10 @@ pub struct Limits {
     /// anyway, log a warning and report `limits_applied = false`).
     #[serde(default)]
     pub required: bool,
+    /// CPU weight among the host's VMs ([`VmCgroup::set_cpu_weight`]);
+    /// unset: the default ([`DEFAULT_CPU_WEIGHT`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_weight: Option<u32>,
 }
 
 impl Limits {
@@ -58,6 +62,7 @@ impl Limits {
             cpu_millis: u64::from(vcpus) * 1000,
             memory_bytes: (memory_mib << 20).saturating_add(MEMORY_OVERHEAD_BYTES),
             required: false,
+            cpu_weight: None,
         }
     }
 
@@ -324,6 +329,28 @@ impl VmCgroup {
 
     /// The files to write and their contents, in order, to apply `limits`.
     pub fn limit_files(&self, limits: &Limits) -> Vec<(PathBuf, String)> {
+        let mut files = self.ceiling_files(limits);
+        if let Some(w) = limits.cpu_weight {
+            files.extend(self.weight_file(w));
+        }
+        files
+    }
+
+    /// The file and value that set CPU weight `weight` (see
+    /// [`VmCgroup::set_cpu_weight`]).
+    fn weight_file(&self, weight: u32) -> Option<(PathBuf, String)> {
+        let weight = weight.clamp(1, 10_000);
+        match (self.version, self.dirs.as_slice()) {
+            (2, [dir]) => Some((dir.join("cpu.weight"), weight.to_string())),
+            (_, [cpu, _]) => {
+                let shares = (u64::from(weight) * 1024 / 100).max(2);
+                Some((cpu.join("cpu.shares"), shares.to_string()))
+            }
+            _ => None,
+        }
+    }
+
+    fn ceiling_files(&self, limits: &Limits) -> Vec<(PathBuf, String)> {
         let quota = limits.cpu_quota_us();
         match (self.version, self.dirs.as_slice()) {
             (2, [dir]) => vec![
@@ -347,14 +374,9 @@ impl VmCgroup {
     /// `cpu.shares`, scaled so 100 is its default 1024). It only matters
     /// when CPUs are contended; the `cpu.max` ceiling stays.
     pub fn set_cpu_weight(&self, weight: u32) -> Result<(), CgroupError> {
-        let weight = weight.clamp(1, 10_000);
-        match (self.version, self.dirs.as_slice()) {
-            (2, [dir]) => write_file(&dir.join("cpu.weight"), &weight.to_string()),
-            (_, [cpu, _]) => {
-                let shares = (u64::from(weight) * 1024 / 100).max(2);
-                write_file(&cpu.join("cpu.shares"), &shares.to_string())
-            }
-            _ => Ok(()),
+        match self.weight_file(weight) {
+            Some((path, value)) => write_file(&path, &value),
+            None => Ok(()),
         }
     }
 
@@ -619,6 +641,17 @@ mod tests {
                 ),
             ]
         );
+        let weighted = Limits {
+            cpu_weight: Some(10),
+            ..Limits::for_guest(2, 256)
+        };
+        assert_eq!(
+            cg.limit_files(&weighted).last(),
+            Some(&(
+                PathBuf::from("/sys/fs/cgroup/cpu/strata/sb-1/cpu.shares"),
+                "102".to_string()
+            ))
+        );
     }
 
     #[test]
@@ -654,6 +687,19 @@ mod tests {
                     (1024u64 << 20).to_string()
                 ),
             ]
+        );
+        // A weight (a warm-pool guest's): cpu.weight under v2, cpu.shares
+        // scaled from v2's range under v1.
+        let weighted = Limits {
+            cpu_weight: Some(10),
+            ..Limits::for_guest(1, 512)
+        };
+        assert_eq!(
+            cg.limit_files(&weighted).last(),
+            Some(&(
+                PathBuf::from("/sys/fs/cgroup/strata/tpl_x_y/cpu.weight"),
+                "10".to_string()
+            ))
         );
         // systemd-style v1: cpu and cpuacct share a mount; a container's mount root.
         let v1 = "\

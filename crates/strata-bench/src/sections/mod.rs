@@ -8,6 +8,7 @@
 pub mod density;
 pub mod history;
 pub mod load;
+pub mod pool;
 pub mod recipe;
 pub mod restore;
 pub mod scale;
@@ -19,5 +20,5 @@ pub const ALL: &[&str] = &["snapshot", "restore", "load", "density", "history", 
 
 /// Sections run only when `--only` names them (not in the default nor the
 /// smoke run): `sdk` needs the `e2b` package from PyPI, `recipe` the
-/// package registries.
-pub const OPT_IN: &[&str] = &["sdk", "recipe"];
+/// package registries, `pool` runs two daemons for minutes.
+pub const OPT_IN: &[&str] = &["sdk", "recipe", "pool"];

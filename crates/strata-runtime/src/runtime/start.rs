@@ -39,6 +39,17 @@ pub(super) enum Start {
     /// the guest keeps its identity, unless this is the first start of a
     /// sandbox created hibernated.
     InPlace,
+    /// A new sandbox started ahead of its owner (a warm-pool guest): as
+    /// [`Start::New`], its cgroup at [`super::warm::WARM_CPU_WEIGHT`] from
+    /// the first instruction.
+    Warm,
+}
+
+impl Start {
+    /// A new sandbox (its subvolume made here, a new identity).
+    fn is_new(self) -> bool {
+        matches!(self, Start::New | Start::Warm)
+    }
 }
 
 impl Runtime {
@@ -103,7 +114,7 @@ impl Runtime {
         } = src;
         // A sandbox created hibernated starts for the first time here: it gets
         // its identity now, and the size it was created with.
-        let identity = if mode == Start::New || meta.first_start.is_some() {
+        let identity = if mode.is_new() || meta.first_start.is_some() {
             Identity::New
         } else if meta.disk_only {
             Identity::Reboot
@@ -157,6 +168,11 @@ impl Runtime {
                 .write(&dir)
                 .map_err(|e| io_err("write meta.json", e))?;
             let mut spec = self.spec_for(id.as_str(), &dir, &meta, accel);
+            if mode == Start::Warm {
+                if let Some(l) = spec.limits.as_mut() {
+                    l.cpu_weight = Some(super::warm::WARM_CPU_WEIGHT);
+                }
+            }
             if cold {
                 let mem = std::fs::File::create(dir.join(files::MEM))
                     .map_err(|e| io_err("create mem", e))?;
@@ -200,7 +216,7 @@ impl Runtime {
                 ready_ms: ms(t0),
             }),
             Err(e) => {
-                if mode == Start::New {
+                if mode.is_new() {
                     let pool = self.pool.clone();
                     let _ = blocking(move || pool.trash(&dir).map_err(storage_err)).await;
                 }

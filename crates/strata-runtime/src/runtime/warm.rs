@@ -4,9 +4,12 @@
 //! Contract:
 //! - A warm guest is started as [`Runtime::create`] starts one (a writable
 //!   snapshot of the source, QEMU restores, the agent gets entropy, the
-//!   clock and the identity of the id it was started under), then paused:
+//!   clock and the identity of the id it was started under), runs two
+//!   commands (`sh -c true`, `true`: the first command's one-time costs
+//!   are paid before anyone waits on them), then is paused:
 //!   it uses memory, no CPU. Until it is claimed its cgroup (where there is
-//!   one) has [`WARM_CPU_WEIGHT`], so the start yields to sandboxes in use.
+//!   one) has [`WARM_CPU_WEIGHT`] from its first instruction, so its start
+//!   yields to sandboxes in use.
 //! - Its agent connection has no egress bound (nobody owns it, so no policy
 //!   applies to it): [`Runtime::claim`] asks the egress resolver again, now
 //!   that the daemon has its record, and binds the connection to the
@@ -20,6 +23,7 @@
 use std::sync::Arc;
 
 use strata_core::{SandboxId, SandboxSize};
+use strata_proto::ExecRequest;
 use strata_vmm::cgroup::DEFAULT_CPU_WEIGHT;
 
 use super::agent::Identity;
@@ -43,10 +47,19 @@ impl Runtime {
         size: Option<SandboxSize>,
     ) -> Result<VmInfo> {
         let _g = self.op_lock(id.as_str()).await;
-        let vm = self.start_from(id, source.into(), size, Start::New).await?;
+        let vm = self
+            .start_from(id, source.into(), size, Start::Warm)
+            .await?;
         let live = self.live(id)?;
-        if let Err(e) = live.vm.set_cpu_weight(WARM_CPU_WEIGHT) {
-            tracing::debug!(sandbox = %id, error = %e, "cannot lower a warm guest's CPU weight");
+        // One command before the pause: what the first command after the
+        // claim would pay once (TCG translating the guest's exec path, the
+        // page cache of a shell) is paid here, by nobody.
+        if let Ok(agent) = self.agent_of(id, &live).await {
+            for req in [ExecRequest::shell("true"), ExecRequest::argv(["true"])] {
+                if let Err(e) = agent.exec_collect(req).await {
+                    tracing::debug!(sandbox = %id, error = %e, "a warm guest's first command failed");
+                }
+            }
         }
         if let Err(e) = live.pause_vm().await {
             drop(live);

@@ -33,6 +33,12 @@ struct Double {
     held: std::sync::Mutex<std::collections::HashMap<SnapshotId, u64>>,
     charged: std::sync::Mutex<Vec<(SnapshotId, Option<Source>)>>,
     deleted_snaps: std::sync::Mutex<Vec<SnapshotId>>,
+    /// Warm pools: guests started ahead, claimed, deleted; claims fail
+    /// while `fail_claim` is set.
+    prewarmed: std::sync::Mutex<Vec<SandboxId>>,
+    claimed: std::sync::Mutex<Vec<SandboxId>>,
+    deleted: std::sync::Mutex<Vec<SandboxId>>,
+    fail_claim: AtomicBool,
 }
 
 fn snap_info(id: &SnapshotId) -> SnapshotInfo {
@@ -116,7 +122,22 @@ impl Engine for Double {
     async fn wake(&self, _: &SandboxId, _: &SnapshotId) -> EngineResult<VmInfo> {
         Ok(self.vm(SandboxSize::default()))
     }
-    async fn delete(&self, _: &SandboxId) -> EngineResult<()> {
+    async fn delete(&self, id: &SandboxId) -> EngineResult<()> {
+        self.deleted.lock().unwrap().push(id.clone());
+        Ok(())
+    }
+    async fn prewarm(&self, id: &SandboxId, _: &Source, size: SandboxSize) -> EngineResult<VmInfo> {
+        self.prewarmed.lock().unwrap().push(id.clone());
+        Ok(self.vm(size))
+    }
+    async fn claim(&self, id: &SandboxId) -> EngineResult<()> {
+        if self.fail_claim.load(Ordering::Relaxed) {
+            return Err(RuntimeError::VmFailed {
+                id: id.to_string(),
+                reason: "the warm guest's QEMU is gone".into(),
+            });
+        }
+        self.claimed.lock().unwrap().push(id.clone());
         Ok(())
     }
     async fn delete_snapshot(&self, snap: &SnapshotId) -> EngineResult<()> {
@@ -869,6 +890,7 @@ mod matrix;
 mod quotas;
 mod security;
 mod template_files;
+mod warm;
 
 /// A store at `cfg`'s database path holding the platform template `tpl-base`.
 pub(super) fn store_with_base_template(cfg: &Config) -> Arc<SqliteStore> {

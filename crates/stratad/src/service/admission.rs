@@ -150,6 +150,12 @@ impl Service {
         }
     }
 
+    /// Whether the host has the room of `size` free now (nothing reserved).
+    pub(crate) async fn has_room(&self, size: SandboxSize) -> ServiceResult<()> {
+        let _g = self.placement.lock().await;
+        self.check_capacity(size).await
+    }
+
     /// Reserves the room of a warm guest of `size`, if the host has it
     /// without ending anything. Called by the pool filler.
     pub(crate) async fn admit_warm(

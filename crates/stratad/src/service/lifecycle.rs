@@ -16,6 +16,7 @@ impl Service {
         cmd: CreateSandbox,
         opts: &GateOptions,
     ) -> ServiceResult<SandboxRecord> {
+        let _busy = self.warm.busy();
         let (tpl, rec) = self.admit_create(caller, &cmd, opts).await?;
         let rec = match self.create_from_warm(&tpl, &rec).await? {
             Some(rec) => rec,

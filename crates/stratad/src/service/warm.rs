@@ -19,9 +19,12 @@
 //! so a pool never makes a create fail or wait for it.
 //!
 //! The filler ([`Service::spawn_warm_filler`]) tops the pools up one guest
-//! at a time, only while no create or fork is in flight (they come first
-//! on a small host), into room that is free, at a low CPU weight until
-//! claimed. Pools of templates no longer wanted (deleted, replaced by a
+//! at a time, only while no create or fork is in flight nor ended in the
+//! last second (they, and the new sandbox's first commands, come first on
+//! a small host), into room that is free, at a low CPU weight until
+//! claimed. A guest's room is reserved when it is up, not while it starts
+//! (a starting guest cannot be ended for a create): if creates took the
+//! room meanwhile, the new guest is ended at once. Pools of templates no longer wanted (deleted, replaced by a
 //! newer build of the same name, no longer configured) are emptied. A
 //! start that fails backs off (1 s doubling to 5 min) for that pool.
 //!
@@ -43,6 +46,9 @@ const MAX_BACKOFF: Duration = Duration::from_secs(300);
 const FILL_TICK: Duration = Duration::from_secs(2);
 /// How long the filler waits for creates in flight before it looks again.
 const YIELD: Duration = Duration::from_millis(100);
+/// How long after a create the filler starts nothing: the new sandbox's
+/// first commands come right after it and go first.
+const AFTER_CREATE: Duration = Duration::from_secs(1);
 
 /// A pool: a template at a size.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -92,6 +98,8 @@ pub(crate) struct WarmPools {
     wake: tokio::sync::Notify,
     /// Creates and forks in flight: the filler waits for them.
     busy: AtomicUsize,
+    /// When the last of them ended.
+    last_busy: Mutex<Option<Instant>>,
 }
 
 /// Counts a create or fork in flight while held ([`WarmPools::busy`]).
@@ -99,6 +107,7 @@ pub(crate) struct Busy<'a>(&'a WarmPools);
 
 impl Drop for Busy<'_> {
     fn drop(&mut self) {
+        *self.0.last_busy.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
         self.0.busy.fetch_sub(1, Ordering::SeqCst);
         self.0.wake.notify_one();
     }
@@ -120,6 +129,17 @@ pub struct WarmPoolStats {
 impl WarmPools {
     fn lock(&self) -> std::sync::MutexGuard<'_, Pools> {
         self.pools.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether a create or fork is in flight or ended less than
+    /// [`AFTER_CREATE`] ago.
+    fn yielding(&self) -> bool {
+        self.busy.load(Ordering::SeqCst) > 0
+            || self
+                .last_busy
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_some_and(|t| t.elapsed() < AFTER_CREATE)
     }
 
     /// Marks a create or fork in flight until the guard is dropped.
@@ -456,19 +476,29 @@ impl Service {
                 if waiting {
                     break;
                 }
-                if self.warm.busy.load(Ordering::SeqCst) > 0 {
-                    // Creates first: look again when they are done.
+                if self.warm.yielding() {
+                    // Creates first (and the new sandboxes' first
+                    // commands): look again when they are done.
                     tokio::time::sleep(YIELD).await;
                     continue;
                 }
-                let Ok(room) = self.admit_warm(t.key.size).await else {
+                // Free room now; it is reserved only once the guest is up:
+                // a create arriving meanwhile is not refused for a guest
+                // that is still starting (and cannot be ended yet).
+                if self.has_room(t.key.size).await.is_err() {
                     break; // no free room: nothing is ended for a pool
-                };
+                }
                 let id = SandboxId::generate();
                 let started = Instant::now();
                 let source = Source::Template(t.key.template.clone());
                 match self.engine.prewarm(&id, &source, t.key.size).await {
                     Ok(vm) => {
+                        let Ok(room) = self.admit_warm(t.key.size).await else {
+                            // Creates took the room meanwhile: they come first.
+                            self.metrics.count("warm_pool_fill_discarded");
+                            let _ = self.engine.delete(&id).await;
+                            break;
+                        };
                         self.metrics.observe_step(step::PREWARM, started.elapsed());
                         self.metrics.count("warm_pool_filled");
                         tracing::debug!(sandbox = %id, pool = %t.key, ms = started.elapsed().as_millis() as u64, "warm guest ready");
@@ -480,7 +510,6 @@ impl Service {
                             .push_back(Warm { id, vm, room });
                     }
                     Err(e) => {
-                        drop(room);
                         self.metrics.count("warm_pool_fill_failed");
                         let mut g = self.warm.lock();
                         let next = g

@@ -1,0 +1,323 @@
+//! Section `pool` (opt-in: `strata-bench --only pool`): creates from a warm
+//! pool beside creates without one, on two daemons in one run
+//! (docs/warm-pools.md).
+//!
+//! Daemon **warm** keeps `--pool-size` warm guests of its default template
+//! (`[pools] default_template`); daemon **cold** keeps none. Both run the
+//! same image, size and template recipe, side by side, their runs
+//! interleaved (drift of a shared machine hits both alike):
+//!
+//! - **sequential**: `POST /v1/sandboxes` → `201`, then the first `exec
+//!   true`, then a second `exec true` (the exec's own latency, on a sandbox
+//!   that is running), then delete. On the warm daemon each run waits until
+//!   the pool is full again first, so every measured create is a claim
+//!   (the hits are counted from `strata_events_total{kind="warm_pool_claim"}`
+//!   and reported); the cold daemon's creates restore the template.
+//! - **8 concurrent**: `--pool-rounds` rounds of 8 creates at once on each
+//!   daemon (the warm one then serves `--pool-size` of them from the pool
+//!   and restores the rest): every create's latency, then the 8 deleted.
+//!
+//! The bars: a create from the pool p99 ≤ 100 ms (n ≥ 100);
+//! create → first exec p99 ≤ the exec's own p99 + 50 ms; with the pool no
+//! create slower than without, sequential or 8 concurrent (ratios of p50
+//! and p99, cold / warm, in this run).
+
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context as _, Result};
+use reqwest::Method;
+use serde_json::json;
+use strata_core::SandboxSize;
+use strata_testkit::Api;
+
+use crate::ctx::{BenchDaemon, Ctx};
+use crate::report::{Section, Table};
+use crate::stats::{fmt_ms, Samples, Summary};
+
+/// Flags of the `pool` section.
+#[derive(Debug, Clone, clap::Args)]
+#[group(id = "pool-args")]
+pub struct Args {
+    /// Sequential creates on each daemon.
+    #[arg(id = "pool-n", long = "pool-n", default_value_t = 100)]
+    pub n: usize,
+    /// Rounds of 8 concurrent creates on each daemon.
+    #[arg(id = "pool-rounds", long = "pool-rounds", default_value_t = 5)]
+    pub rounds: usize,
+    /// Warm guests the warm daemon keeps.
+    #[arg(id = "pool-size", long = "pool-size", default_value_t = 2)]
+    pub size: usize,
+    /// Guest memory, MiB.
+    #[arg(
+        id = "pool-memory-mib",
+        long = "pool-memory-mib",
+        default_value_t = 256
+    )]
+    pub memory_mib: u32,
+}
+
+impl Args {
+    /// Shrinks the counts to the CI smoke size.
+    pub fn smoke(&mut self) {
+        self.n = self.n.min(3);
+        self.rounds = self.rounds.min(1);
+    }
+}
+
+/// `strata_events_total{kind}` of a daemon.
+async fn events(api: &Api, kind: &str) -> Result<u64> {
+    let (s, body) = api.raw(Method::GET, "/metrics", Vec::new()).await?;
+    if s != 200 {
+        bail!("GET /metrics: {s}");
+    }
+    let text = String::from_utf8_lossy(&body);
+    let key = format!("strata_events_total{{kind=\"{kind}\"}} ");
+    Ok(text
+        .lines()
+        .find_map(|l| l.strip_prefix(&key))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map_or(0, |v| v as u64))
+}
+
+/// Warm guests ready on a daemon.
+async fn warm_ready(api: &Api) -> Result<usize> {
+    let v = api.expect(Method::GET, "/v1/stats", None, 200).await?;
+    Ok(v["warm_pools"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|p| p["ready"].as_u64().unwrap_or(0) as usize)
+                .sum()
+        })
+        .unwrap_or(0))
+}
+
+async fn wait_full(api: &Api, want: usize) -> Result<()> {
+    let t = Instant::now();
+    while warm_ready(api).await? < want {
+        if t.elapsed() > Duration::from_secs(120) {
+            bail!("the warm pool did not refill to {want} in 120 s");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
+}
+
+/// One create: the call's ms and the id.
+async fn create(api: &Api) -> Result<(f64, String)> {
+    let t0 = Instant::now();
+    let v = api
+        .expect(Method::POST, "/v1/sandboxes", Some(json!({})), 201)
+        .await?;
+    let ms = t0.elapsed().as_secs_f64() * 1000.0;
+    let id = v["id"]
+        .as_str()
+        .ok_or_else(|| anyhow!("no id in {v}"))?
+        .to_owned();
+    Ok((ms, id))
+}
+
+async fn exec_true(api: &Api, id: &str) -> Result<()> {
+    let (code, _) = api.exec_output(id, &["true"]).await?;
+    if code != 0 {
+        bail!("exec true in {id}: exit {code}");
+    }
+    Ok(())
+}
+
+async fn delete(api: &Api, id: &str) -> Result<()> {
+    api.expect(Method::DELETE, &format!("/v1/sandboxes/{id}"), None, 200)
+        .await?;
+    Ok(())
+}
+
+/// Samples of one daemon.
+#[derive(Default)]
+struct Side {
+    create: Samples,
+    first_exec: Samples,
+    exec: Samples,
+    concurrent: Samples,
+}
+
+/// One sequential run: create, first exec, a second exec, delete.
+async fn sequential(api: &Api, side: &mut Side) -> Result<()> {
+    let t0 = Instant::now();
+    let (ms, id) = create(api).await?;
+    exec_true(api, &id).await?;
+    side.create.push(ms);
+    side.first_exec.push(t0.elapsed().as_secs_f64() * 1000.0);
+    let t1 = Instant::now();
+    exec_true(api, &id).await?;
+    side.exec.push(t1.elapsed().as_secs_f64() * 1000.0);
+    delete(api, &id).await
+}
+
+/// One round of 8 creates at once.
+async fn concurrent(api: &Api, side: &mut Side) -> Result<()> {
+    let all = futures::future::join_all((0..8).map(|_| create(api))).await;
+    let mut ids = Vec::new();
+    let mut first_err = None;
+    for r in all {
+        match r {
+            Ok((ms, id)) => {
+                side.concurrent.push(ms);
+                ids.push(id);
+            }
+            Err(e) => first_err = first_err.or(Some(e)),
+        }
+    }
+    for id in &ids {
+        delete(api, id).await?;
+    }
+    match first_err {
+        Some(e) => Err(e.context("a create of the 8")),
+        None => Ok(()),
+    }
+}
+
+/// Measures and fills `sec`.
+pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
+    let size = SandboxSize {
+        memory_mib: args.memory_mib,
+        ..SandboxSize::default()
+    };
+    let pool = args.size;
+    eprintln!("pool: starting the warm daemon ({pool} warm guests) and the cold one");
+    let warm = BenchDaemon::start(ctx, "strata-bench-pool-w-", 16, size, |c| {
+        c.pools.default_template = pool;
+    })
+    .await
+    .context("the warm daemon")?;
+    let cold = BenchDaemon::start(ctx, "strata-bench-pool-c-", 16, size, |_| {})
+        .await
+        .context("the cold daemon")?;
+    let (w, c) = (&warm.http, &cold.http);
+    wait_full(w, pool).await?;
+    let (mut ws, mut cs) = (Side::default(), Side::default());
+    let claims0 = events(w, "warm_pool_claim").await?;
+    for i in 0..args.n {
+        wait_full(w, pool).await?;
+        // Alternate which daemon goes first.
+        if i % 2 == 0 {
+            sequential(w, &mut ws).await.context("warm, sequential")?;
+            sequential(c, &mut cs).await.context("cold, sequential")?;
+        } else {
+            sequential(c, &mut cs).await.context("cold, sequential")?;
+            sequential(w, &mut ws).await.context("warm, sequential")?;
+        }
+        if (i + 1) % 25 == 0 {
+            eprintln!("pool: {} sequential runs", i + 1);
+        }
+    }
+    let hits = events(w, "warm_pool_claim").await? - claims0;
+    for r in 0..args.rounds {
+        wait_full(w, pool).await?;
+        if r % 2 == 0 {
+            concurrent(w, &mut ws).await.context("warm, 8 concurrent")?;
+            concurrent(c, &mut cs).await.context("cold, 8 concurrent")?;
+        } else {
+            concurrent(c, &mut cs).await.context("cold, 8 concurrent")?;
+            concurrent(w, &mut ws).await.context("warm, 8 concurrent")?;
+        }
+    }
+    let concurrent_hits = events(w, "warm_pool_claim").await? - claims0 - hits;
+    warm.stop();
+    cold.stop();
+
+    let s = |x: &Samples| x.summary();
+    let (wc, cc) = (s(&ws.create), s(&cs.create));
+    let (wf, cf) = (s(&ws.first_exec), s(&cs.first_exec));
+    let (we, ce) = (s(&ws.exec), s(&cs.exec));
+    let (w8, c8) = (s(&ws.concurrent), s(&cs.concurrent));
+    let ratio = |cold: &Summary, warm: &Summary| {
+        format!("{:.1}× / {:.1}×", cold.p50 / warm.p50, cold.p99 / warm.p99)
+    };
+    let mut t = Table::latency(
+        format!(
+            "Create from a warm pool ({pool} warm guests) vs without one, same image and size, interleaved in one run; ratio = without / with, p50 / p99; {} MiB, {}",
+            args.memory_mib, ctx.accel
+        ),
+        &["ratio"],
+    );
+    t.latency_row(
+        format!(
+            "create call, warm pool (n={}, {hits} claims)",
+            ws.create.len()
+        ),
+        &wc,
+        vec![ratio(&cc, &wc)],
+    );
+    t.latency_row(
+        format!("create call, no pool (n={})", cs.create.len()),
+        &cc,
+        vec!["1×".into()],
+    );
+    t.latency_row(
+        format!("create → first exec, warm pool (n={})", ws.first_exec.len()),
+        &wf,
+        vec![ratio(&cf, &wf)],
+    );
+    t.latency_row(
+        format!("create → first exec, no pool (n={})", cs.first_exec.len()),
+        &cf,
+        vec!["1×".into()],
+    );
+    t.latency_row(
+        format!(
+            "exec true on a running sandbox, warm daemon (n={})",
+            ws.exec.len()
+        ),
+        &we,
+        vec![String::new()],
+    );
+    t.latency_row(
+        format!(
+            "exec true on a running sandbox, cold daemon (n={})",
+            cs.exec.len()
+        ),
+        &ce,
+        vec![String::new()],
+    );
+    t.latency_row(
+        format!(
+            "8 concurrent creates, warm pool (n={}, {concurrent_hits} claims)",
+            ws.concurrent.len()
+        ),
+        &w8,
+        vec![ratio(&c8, &w8)],
+    );
+    t.latency_row(
+        format!("8 concurrent creates, no pool (n={})", cs.concurrent.len()),
+        &c8,
+        vec!["1×".into()],
+    );
+    sec.table(t);
+    sec.headline(format!(
+        "create from a warm pool: p50 {} p99 {} (bar ≤ 100 ms; {hits}/{} claims) vs without p50 {} p99 {}; create → first exec p99 {} vs the exec's own p99 {} (+{}; bar +50 ms); 8 concurrent p99 {} with vs {} without; {}",
+        fmt_ms(wc.p50),
+        fmt_ms(wc.p99),
+        ws.create.len(),
+        fmt_ms(cc.p50),
+        fmt_ms(cc.p99),
+        fmt_ms(wf.p99),
+        fmt_ms(we.p99),
+        fmt_ms(wf.p99 - we.p99),
+        fmt_ms(w8.p99),
+        fmt_ms(c8.p99),
+        ctx.accel
+    ));
+    sec.text(format!(
+        "Two in-process daemons on their own pools, one with `[pools] default_template = {pool}` and one without. A warm guest is restored ahead of time and paused; a create claims it (quota check, record, resume, egress bound to the owner's policy, fresh entropy and clock) instead of restoring the template. Before each sequential run the warm daemon's pool is waited full, so every sequential create on it is a claim; 8 concurrent creates get {pool} claims and {} restores. Guests: 1 vCPU, {} MiB, under {}.",
+        8 - pool.min(8),
+        args.memory_mib,
+        ctx.accel
+    ));
+    sec.data = json!({
+        "params": {"n": args.n, "rounds": args.rounds, "pool_size": pool, "memory_mib": args.memory_mib, "accel": ctx.accel.to_string()},
+        "claims_sequential": hits, "claims_concurrent": concurrent_hits,
+        "warm": {"create_ms": ws.create.0, "first_exec_ms": ws.first_exec.0, "exec_ms": ws.exec.0, "concurrent_ms": ws.concurrent.0},
+        "cold": {"create_ms": cs.create.0, "first_exec_ms": cs.first_exec.0, "exec_ms": cs.exec.0, "concurrent_ms": cs.concurrent.0},
+    });
+    Ok(())
+}
