@@ -229,7 +229,7 @@ impl Service {
                 let chunk = chunk?;
                 n += chunk.len() as u64;
                 if n > self.config.max_upload_bytes {
-                    return Err(ServiceError::InvalidRequest(format!(
+                    return Err(ServiceError::TooLarge(format!(
                         "a template file may be at most {} bytes (max_upload_bytes)",
                         self.config.max_upload_bytes
                     )));

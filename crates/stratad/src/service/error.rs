@@ -50,6 +50,10 @@ pub enum ServiceError {
     /// closed: nothing is stored unsealed).
     #[error("key store: {0}")]
     Keys(String),
+    /// A body over its size limit, found while it streamed in
+    /// (`payload_too_large`).
+    #[error("{0}")]
+    TooLarge(String),
     /// A recipe the build cannot run (`invalid_recipe`; over a size limit:
     /// `payload_too_large`).
     #[error(transparent)]
@@ -82,6 +86,7 @@ impl ServiceError {
             ServiceError::Store(_) => ErrorCode::Internal,
             ServiceError::Forbidden(_) => ErrorCode::Forbidden,
             ServiceError::Keys(_) => ErrorCode::Internal,
+            ServiceError::TooLarge(_) => ErrorCode::PayloadTooLarge,
             ServiceError::Recipe(e) => match e.status() {
                 413 => ErrorCode::PayloadTooLarge,
                 500 => ErrorCode::Internal,

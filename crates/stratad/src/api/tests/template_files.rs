@@ -87,3 +87,30 @@ async fn template_files_are_per_tenant_and_content_checked() {
         unknown.to_string().replace(&other, "X")
     );
 }
+
+/// A body over `max_upload_bytes` that declares no length (chunked) is
+/// found out as it streams: `413 payload_too_large`, nothing kept.
+#[tokio::test]
+async fn a_chunked_template_file_over_the_limit_is_413_and_leaves_nothing() {
+    let h = sec_harness(|c| c.max_upload_bytes = 16);
+    let acme = token(&h, "acme", "developer").await;
+    let body = vec![b'x'; 40];
+    let sha = hex::encode(Sha256::digest(&body));
+    let path = format!("/v1/template-files/{sha}");
+    let chunks: Vec<Result<bytes::Bytes, std::io::Error>> = body
+        .chunks(10)
+        .map(|c| Ok(bytes::Bytes::copy_from_slice(c)))
+        .collect();
+    let (s, v, _) = req(
+        &h,
+        "PUT",
+        &path,
+        Some(&acme),
+        AxBody::from_stream(futures::stream::iter(chunks)),
+    )
+    .await;
+    assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE, "{v}");
+    assert_eq!(v["error"]["code"], "payload_too_large", "{v}");
+    let (s, _, _) = req(&h, "GET", &path, Some(&acme), "").await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+}
