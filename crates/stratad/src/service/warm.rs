@@ -449,6 +449,9 @@ impl Service {
                 .filter(|k| !targets.iter().any(|t| &t.key == *k))
                 .cloned()
                 .collect();
+            for k in &keys {
+                self.metrics.set_warm(&k.to_string(), 0);
+            }
             keys.iter()
                 .filter_map(|k| g.ready.remove(k))
                 .flatten()
