@@ -199,6 +199,22 @@ pub struct Stats {
     pub sandboxes: BTreeMap<String, u64>,
     /// Ready snapshots.
     pub snapshots: u64,
+    /// Warm pools (an operator's token only; empty otherwise).
+    pub warm_pools: Vec<WarmPool>,
+}
+
+/// One warm pool of `/v1/stats`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct WarmPool {
+    /// Template id.
+    pub template: String,
+    /// vCPUs of its guests.
+    pub vcpus: u32,
+    /// Memory of its guests, MiB.
+    pub memory_mib: u32,
+    /// Guests ready to be claimed.
+    pub ready: u64,
 }
 
 /// `GET /v1/whoami`.

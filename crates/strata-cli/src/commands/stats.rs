@@ -140,6 +140,19 @@ pub fn render(s: &Stats) -> String {
         },
         s.snapshots
     ));
+    if !s.warm_pools.is_empty() {
+        let pools: Vec<String> = s
+            .warm_pools
+            .iter()
+            .map(|p| {
+                format!(
+                    "{} ({} vCPU, {} MiB): {} ready",
+                    p.template, p.vcpus, p.memory_mib, p.ready
+                )
+            })
+            .collect();
+        out.push_str(&format!("warm pools: {}\n\n", pools.join("; ")));
+    }
     for (title, m) in [("API OPERATION", &s.api), ("VM STEP", &s.steps)] {
         if m.is_empty() {
             out.push_str(&format!("{title}: no observations yet\n\n"));
@@ -190,6 +203,17 @@ mod tests {
         .unwrap();
         let r = render(&s);
         assert!(r.starts_with("sandboxes: 2 running; snapshots: 10"), "{r}");
+        assert!(!r.contains("warm pools"), "{r}");
+        let w: Stats = view(&json!({
+            "sandboxes": {}, "snapshots": 0,
+            "warm_pools": [{"template": "tpl-default", "vcpus": 1, "memory_mib": 256, "ready": 2}]
+        }))
+        .unwrap();
+        assert!(
+            render(&w).contains("warm pools: tpl-default (1 vCPU, 256 MiB): 2 ready"),
+            "{}",
+            render(&w)
+        );
         assert!(
             r.contains("POST /v1/sandboxes      3     210     376"),
             "{r}"
