@@ -211,6 +211,25 @@ impl Api {
         Ok((status, bytes.to_vec()))
     }
 
+    /// `strata_events_total{kind="<kind>"}` from the daemon's `/metrics`
+    /// (0 while it has counted none).
+    pub async fn events_total(&self, kind: &str) -> Result<u64, ApiError> {
+        let (status, body) = self.raw(Method::GET, "/metrics", Vec::new()).await?;
+        if status != 200 {
+            return Err(ApiError::Status {
+                what: "GET /metrics".into(),
+                status,
+                body: String::from_utf8_lossy(&body).into_owned(),
+            });
+        }
+        let key = format!("strata_events_total{{kind=\"{kind}\"}} ");
+        Ok(String::from_utf8_lossy(&body)
+            .lines()
+            .find_map(|l| l.strip_prefix(&key))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .map_or(0, |v| v as u64))
+    }
+
     /// `POST /v1/sandboxes/{id}/exec` with `body` (`{"cmd": [...], ...}`),
     /// the NDJSON answer read to its end as it streams, each line timed.
     /// A refused exec is an [`Exec`] with that status and the error body.

@@ -75,14 +75,7 @@ async fn wait_warm(d: &Daemon, want: u64, max: Duration) {
 
 /// `strata_events_total{kind}` from `/metrics`.
 async fn events(d: &Daemon, kind: &str) -> u64 {
-    let (s, body) = d.raw("GET", "/metrics", Vec::new()).await;
-    assert_eq!(s, 200);
-    let text = String::from_utf8_lossy(&body);
-    let key = format!("strata_events_total{{kind=\"{kind}\"}} ");
-    text.lines()
-        .find_map(|l| l.strip_prefix(&key))
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .map_or(0, |v| v as u64)
+    d.api.events_total(kind).await.expect("GET /metrics")
 }
 
 /// `sh -c script` in `id` as `api`'s caller.

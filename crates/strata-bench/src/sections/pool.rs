@@ -66,17 +66,7 @@ impl Args {
 
 /// `strata_events_total{kind}` of a daemon.
 async fn events(api: &Api, kind: &str) -> Result<u64> {
-    let (s, body) = api.raw(Method::GET, "/metrics", Vec::new()).await?;
-    if s != 200 {
-        bail!("GET /metrics: {s}");
-    }
-    let text = String::from_utf8_lossy(&body);
-    let key = format!("strata_events_total{{kind=\"{kind}\"}} ");
-    Ok(text
-        .lines()
-        .find_map(|l| l.strip_prefix(&key))
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .map_or(0, |v| v as u64))
+    Ok(api.events_total(kind).await?)
 }
 
 /// Warm guests ready on a daemon.

@@ -51,9 +51,10 @@ impl Runtime {
             .start_from(id, source.into(), size, Start::Warm)
             .await?;
         let live = self.live(id)?;
-        // One command before the pause: what the first command after the
-        // claim would pay once (TCG translating the guest's exec path, the
-        // page cache of a shell) is paid here, by nobody.
+        // Two commands (a shell's and a plain one) before the pause: what
+        // the first command after the claim would pay once (TCG translating
+        // the guest's exec path, the page cache of a shell) is paid here,
+        // by nobody.
         if let Ok(agent) = self.agent_of(id, &live).await {
             for req in [ExecRequest::shell("true"), ExecRequest::argv(["true"])] {
                 if let Err(e) = agent.exec_collect(req).await {

@@ -15,7 +15,7 @@
 //!
 //! Warm guests (`service::warm`) are [`Transient`] reservations too, not
 //! counted as builds; when an admission finds the room short it ends warm
-//! guests, the oldest first, before it refuses
+//! guests, the oldest of the fullest pool first, before it refuses
 //! ([`Service::check_capacity_or_evict`]): a sandbox someone asked for
 //! comes before one kept in case. The pool filler takes only room that is
 //! free ([`Service::admit_warm`]).
@@ -134,8 +134,8 @@ impl Service {
         Ok(g)
     }
 
-    /// [`Service::check_capacity`], ending warm guests (the oldest first)
-    /// while the room is short and there are some: a sandbox someone asked
+    /// [`Service::check_capacity`], ending warm guests (the oldest of the
+    /// fullest pool first) while the room is short and there are some: a sandbox someone asked
     /// for comes before one kept in case. Called under the placement lock.
     pub(crate) async fn check_capacity_or_evict(&self, size: SandboxSize) -> ServiceResult<()> {
         loop {

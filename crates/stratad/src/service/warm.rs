@@ -91,6 +91,18 @@ struct Pools {
     backoff: HashMap<WarmKey, (Instant, Duration)>,
 }
 
+impl Pools {
+    /// The oldest guest of pool `key` (an emptied pool is dropped).
+    fn pop(&mut self, key: &WarmKey) -> Option<Warm> {
+        let q = self.ready.get_mut(key)?;
+        let w = q.pop_front();
+        if q.is_empty() {
+            self.ready.remove(key);
+        }
+        w
+    }
+}
+
 /// The warm pools of one daemon.
 #[derive(Debug, Default)]
 pub(crate) struct WarmPools {
@@ -149,13 +161,7 @@ impl WarmPools {
     }
 
     fn take(&self, key: &WarmKey) -> Option<Warm> {
-        let mut g = self.lock();
-        let q = g.ready.get_mut(key)?;
-        let w = q.pop_front();
-        if q.is_empty() {
-            g.ready.remove(key);
-        }
-        w
+        self.lock().pop(key)
     }
 
     fn put_back(&self, key: WarmKey, w: Warm) {
@@ -290,12 +296,7 @@ impl Service {
             else {
                 return false;
             };
-            let q = g.ready.get_mut(&key);
-            let w = q.and_then(VecDeque::pop_front);
-            if g.ready.get(&key).is_some_and(VecDeque::is_empty) {
-                g.ready.remove(&key);
-            }
-            w
+            g.pop(&key)
         };
         match w {
             Some(w) => {
@@ -313,11 +314,7 @@ impl Service {
         let Warm { id, room, .. } = w;
         drop(room);
         let engine = self.engine.clone();
-        tokio::spawn(async move {
-            if let Err(e) = engine.delete(&id).await {
-                warn!(sandbox = %id, error = %e.message(), "ending a warm guest failed");
-            }
-        });
+        tokio::spawn(async move { delete_warm(engine.as_ref(), &id).await });
     }
 
     /// A VM that died: `true` if it was a warm guest (forgotten; nothing
@@ -346,9 +343,7 @@ impl Service {
         };
         for Warm { id, room, .. } in all {
             drop(room);
-            if let Err(e) = self.engine.delete(&id).await {
-                warn!(sandbox = %id, error = %e.message(), "ending a warm guest failed");
-            }
+            delete_warm(self.engine.as_ref(), &id).await;
         }
     }
 
@@ -356,10 +351,6 @@ impl Service {
     async fn warm_targets(&self) -> Vec<Target> {
         let cfg = &self.config.pools;
         let mut out: Vec<Target> = Vec::new();
-        let wanted = cfg.default_template > 0 || !cfg.templates.is_empty();
-        if !wanted {
-            return out;
-        }
         let Ok(platform) = self.db(|s| s.list_templates(PLATFORM_SCOPE)).await else {
             return out;
         };
@@ -531,17 +522,16 @@ impl Service {
     }
 
     fn publish_warm_gauges(&self, targets: &[Target]) {
-        let stats = self.warm.stats();
         for t in targets {
-            let n = stats
-                .iter()
-                .find(|s| {
-                    s.template == t.key.template
-                        && s.vcpus == t.key.size.vcpus
-                        && s.memory_mib == t.key.size.memory_mib
-                })
-                .map_or(0, |s| s.ready);
-            self.metrics.set_warm(&t.key.to_string(), n);
+            self.metrics
+                .set_warm(&t.key.to_string(), self.warm.len(&t.key));
         }
+    }
+}
+
+/// Ends warm guest `id` (its VM and subvolume); a failure is logged.
+async fn delete_warm(engine: &dyn Engine, id: &SandboxId) {
+    if let Err(e) = engine.delete(id).await {
+        warn!(sandbox = %id, error = %e.message(), "ending a warm guest failed");
     }
 }
