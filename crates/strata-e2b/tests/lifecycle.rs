@@ -85,6 +85,7 @@ fn put_template(store: &dyn Store, _dir: &Path) {
             accel: Some("tcg".into()),
             created_at: Utc::now(),
             updated_at: Utc::now(),
+            variant_of: None,
         })
         .unwrap();
 }

@@ -22,7 +22,7 @@ mod runtime;
 
 pub use api::*;
 pub use error::{GuestErrorKind, RuntimeError};
-pub use meta::{StateMeta, SNAPSHOT_FORMAT_VERSION};
+pub use meta::{GuestCommand, StartCommand, StateMeta, SNAPSHOT_FORMAT_VERSION};
 pub use runtime::PortOpenError;
 pub use runtime::{
     load_image, qemu_version, CpuSource, EgressResolver, Runtime, TemplateBuilt, VmDied, VmUsage,

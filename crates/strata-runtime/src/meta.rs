@@ -95,8 +95,46 @@ pub struct StateMeta {
     /// the template; none for image-booted templates.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub recipe: Option<String>,
+    /// What a template's guest had started when it was published (each
+    /// recipe's start command and ready check, the base's first): what a
+    /// cold boot of its disk at another size (a size variant) runs again.
+    /// `None` on image-booted templates (nothing to start) and on recipe
+    /// templates published before this was kept (no variant can be made of
+    /// those). Inherited like `recipe`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub starts: Option<Vec<StartCommand>>,
     /// When this file was written.
     pub written_at: DateTime<Utc>,
+}
+
+/// A command as a template build ran it in the guest: `sh -c shell` as
+/// `user` in `cwd`, with `env` added.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GuestCommand {
+    /// Passed to `sh -c`.
+    pub shell: String,
+    /// User name.
+    pub user: String,
+    /// Absolute working directory.
+    pub cwd: String,
+    /// Environment added.
+    #[serde(default)]
+    pub env: std::collections::BTreeMap<String, String>,
+}
+
+/// One recipe's start command (left running, in the background) and ready
+/// check (run until it exits 0, for at most `ready_timeout_secs`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StartCommand {
+    /// The command left running.
+    #[serde(default)]
+    pub start: Option<GuestCommand>,
+    /// The probe.
+    #[serde(default)]
+    pub ready: Option<GuestCommand>,
+    /// How long the probe may take to pass.
+    #[serde(default)]
+    pub ready_timeout_secs: u64,
 }
 
 /// Hash of the device layout of `spec` (what must match between a VM and a restore).
@@ -257,6 +295,7 @@ pub(crate) mod tests {
             first_start: None,
             disk_only: false,
             recipe: None,
+            starts: None,
             written_at: Utc::now(),
         }
     }

@@ -432,6 +432,13 @@ pub struct WarmPoolConfig {
     pub template: String,
     /// Warm guests kept.
     pub count: usize,
+    /// vCPUs of the pool's guests [default: the template's]; another size
+    /// than the template's is a pool of its size variant (built first).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vcpus: Option<u32>,
+    /// Memory of the pool's guests in MiB [default: the template's].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_mib: Option<u32>,
 }
 
 impl Default for PoolsConfig {
@@ -516,6 +523,11 @@ pub struct TemplatesConfig {
     pub cache_dir: Option<PathBuf>,
     /// Entries the host-level cache keeps (the least recently used go).
     pub cache_max_entries: usize,
+    /// How long a create with `"wait": true` waits for the size variant it
+    /// needs to be built (without `wait` it answers `202` with the build's
+    /// progress at once).
+    #[serde(with = "serde_human")]
+    pub variant_wait: Duration,
 }
 
 impl Default for TemplatesConfig {
@@ -538,6 +550,7 @@ impl Default for TemplatesConfig {
                 .filter(|v| !v.is_empty())
                 .map(PathBuf::from),
             cache_max_entries: 16,
+            variant_wait: Duration::from_secs(30 * 60),
         }
     }
 }

@@ -64,6 +64,17 @@ pub type EngineResult<T> = Result<T, RuntimeError>;
 
 /// The machines of one host, as the daemon drives them. Dyn-compatible:
 /// the daemon holds an `Arc<dyn Engine>`.
+/// A template's recipe hash and what its guest had started
+/// ([`Engine::template_starts`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TemplateStarts {
+    /// The recipe hash, for templates built from a recipe.
+    pub recipe: Option<String>,
+    /// Start commands and ready checks, base first; `None` on image-booted
+    /// templates and on recipe templates published before they were kept.
+    pub starts: Option<Vec<strata_runtime::StartCommand>>,
+}
+
 #[async_trait]
 pub trait Engine: Send + Sync + 'static {
     /// Starts a new sandbox VM from a template or a snapshot (never a cold boot).
@@ -255,15 +266,17 @@ pub trait Engine: Send + Sync + 'static {
     async fn delete_template(&self, tpl: &TemplateId) -> EngineResult<()>;
 
     /// Publishes snapshot `snap` of a (builder) sandbox as template `tpl`,
-    /// carrying `recipe` (its recipe hash); the snapshot stays. Engines
+    /// carrying `recipe` (its recipe hash) and `starts` (what its guest had
+    /// started, run again by a size variant); the snapshot stays. Engines
     /// without recipe builds refuse.
     async fn template_from_snapshot(
         &self,
         snap: &SnapshotId,
         tpl: &TemplateId,
         recipe: Option<String>,
+        starts: Option<Vec<strata_runtime::StartCommand>>,
     ) -> EngineResult<()> {
-        let _ = (snap, tpl, recipe);
+        let _ = (snap, tpl, recipe, starts);
         Err(RuntimeError::Invalid(
             "this engine does not build templates from recipes".into(),
         ))
@@ -292,6 +305,14 @@ pub trait Engine: Send + Sync + 'static {
     /// it was booted with. The default: its id.
     async fn template_identity(&self, tpl: &TemplateId) -> EngineResult<String> {
         Ok(tpl.to_string())
+    }
+
+    /// A template's recipe hash and what its guest had started when it was
+    /// published ([`strata_runtime::StateMeta::starts`]). The default: an
+    /// image-booted template (no recipe, nothing started).
+    async fn template_starts(&self, tpl: &TemplateId) -> EngineResult<TemplateStarts> {
+        let _ = tpl;
+        Ok(TemplateStarts::default())
     }
 
     /// VM processes of this host (adopted or not).

@@ -32,9 +32,49 @@ pub fn body(a: &Args) -> Value {
     b
 }
 
-/// Runs `strata create`.
+/// Runs `strata create`. A size the template has no variant of yet is
+/// answered `202 {"status": "building", "variant"}`: the variant's build is
+/// followed (its steps on stderr) and the create sent again once it is
+/// built (global `--no-wait`: the answer is printed instead).
 pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
-    super::post_for_sandbox(ctx, &["v1", "sandboxes"], &body(&a)).await
+    let client = ctx.client()?;
+    let body = body(&a);
+    loop {
+        let v = client.post_call(&["v1", "sandboxes"], &body).await?;
+        if v.get("status").and_then(Value::as_str) != Some("building") {
+            ctx.emit(&v, || super::sandbox_line(&v))?;
+            return Ok(0);
+        }
+        if ctx.no_wait {
+            ctx.emit(&v, || {
+                Ok(format!(
+                    "building {}: {}",
+                    v["variant"]["id"].as_str().unwrap_or("?"),
+                    v["message"].as_str().unwrap_or("")
+                ))
+            })?;
+            return Ok(0);
+        }
+        let id = v["variant"]["id"].as_str().unwrap_or_default().to_owned();
+        if id.is_empty() {
+            anyhow::bail!("the daemon answered 202 without the variant it builds: {v}");
+        }
+        let var = &v["variant"];
+        eprintln!(
+            "strata: building {id}, the {} vCPU / {} MiB variant of template {} (once: later creates of this size fork it)",
+            var["size"]["vcpus"],
+            var["size"]["memory_mib"],
+            var["variant_of"].as_str().unwrap_or("?")
+        );
+        let (_, t) = super::template::follow_build(ctx, &client, &id, 3600, true).await?;
+        if t.status == "failed" {
+            return Err(super::CliError::OperationFailed(format!(
+                "the size variant {id} failed to build: {}",
+                t.status_reason.as_deref().unwrap_or("no reason given")
+            ))
+            .into());
+        }
+    }
 }
 
 #[cfg(test)]

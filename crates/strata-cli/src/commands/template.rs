@@ -56,6 +56,30 @@ pub struct BuildArgs {
     /// re-signed by a local CA.
     #[arg(long, requires = "file")]
     pub ca_bundle: Option<std::path::PathBuf>,
+    /// Other sizes to build variants of once the template is ready, as
+    /// VCPUSxMEMORY_MIB, comma-separated (e.g. `2x1024,4x4096`): creates of
+    /// those sizes fork them from the first one.
+    #[arg(long, value_delimiter = ',', value_parser = size_pair)]
+    pub sizes: Vec<(u32, u32)>,
+}
+
+/// `2x1024` → (2 vCPUs, 1024 MiB).
+fn size_pair(s: &str) -> Result<(u32, u32), String> {
+    let (c, m) = s
+        .split_once(['x', 'X'])
+        .ok_or_else(|| format!("{s:?}: expected VCPUSxMEMORY_MIB, e.g. 2x1024"))?;
+    let c: u32 = c
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?}: vCPUs {c:?} is not a number"))?;
+    let m: u32 = m
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?}: memory {m:?} is not a number of MiB"))?;
+    if c == 0 || m == 0 {
+        return Err(format!("{s:?}: vCPUs and memory must be at least 1"));
+    }
+    Ok((c, m))
 }
 
 /// Largest `copy` archive the CLI packs.
@@ -118,53 +142,24 @@ async fn build(ctx: &Ctx, a: BuildArgs) -> anyhow::Result<i32> {
             body["ca_bundle"] = pem.into();
         }
     }
-    let started = Instant::now();
-    let mut v = client.post_call(&["v1", "templates"], &body).await?;
-    let mut t: Template = view(&v)?;
+    if !a.sizes.is_empty() {
+        body["sizes"] = a
+            .sizes
+            .iter()
+            .map(|(c, m)| json!({"vcpus": c, "memory_mib": m}))
+            .collect::<Vec<_>>()
+            .into();
+    }
+    let v = client.post_call(&["v1", "templates"], &body).await?;
+    let t: Template = view(&v)?;
     if !ctx.json {
         eprintln!("strata: building template {}", t.id);
     }
-    let mut last_progress = None;
-    let mut log_offset = 0u64;
-    while !ctx.no_wait && t.status == "building" {
-        if started.elapsed() > Duration::from_secs(a.timeout) {
-            anyhow::bail!(
-                "template {} still building after {} s (see `strata template ls`)",
-                t.id,
-                a.timeout
-            );
-        }
-        if !ctx.json && t.progress != last_progress {
-            if let Some(p) = &t.progress {
-                let pct = p
-                    .fraction
-                    .map(|f| format!(" {:>3.0}%", f * 100.0))
-                    .unwrap_or_default();
-                eprintln!(
-                    "[{:>6.1}s]{pct} {}",
-                    started.elapsed().as_secs_f64(),
-                    p.step
-                );
-            }
-            last_progress = t.progress.clone();
-        }
-        if recipe_build && !ctx.json {
-            log_offset = print_log(&client, &t.id, log_offset).await?;
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        v = client.get(&["v1", "templates", &t.id], &[]).await?;
-        t = view(&v)?;
-    }
-    if recipe_build && !ctx.json && !ctx.no_wait {
-        // The rest of the log (the last step's output, the failure).
-        loop {
-            let next = print_log(&client, &t.id, log_offset).await?;
-            if next == log_offset {
-                break;
-            }
-            log_offset = next;
-        }
-    }
+    let (v, t) = if ctx.no_wait {
+        (v, t)
+    } else {
+        follow_build(ctx, &client, &t.id, a.timeout, recipe_build).await?
+    };
     if t.status == "failed" {
         return Err(CliError::OperationFailed(format!(
             "template {} failed to build: {}",
@@ -185,7 +180,92 @@ async fn build(ctx: &Ctx, a: BuildArgs) -> anyhow::Result<i32> {
                 .unwrap_or_default()
         ))
     })?;
+    if !a.sizes.is_empty() && !ctx.no_wait {
+        // The variants the daemon started once the template was ready.
+        let list = client
+            .get(&["v1", "templates", &t.id, "variants"], &[])
+            .await?;
+        let variants: Vec<Template> = items(&list)?;
+        let mut failed = 0;
+        for var in variants {
+            if !ctx.json {
+                eprintln!("strata: size variant {} ({})", var.id, var.size.describe());
+            }
+            let (_, done) = follow_build(ctx, &client, &var.id, a.timeout, false).await?;
+            if !ctx.json {
+                println!("{}  {}  {}", done.id, done.status, done.size.describe());
+            }
+            if done.status == "failed" {
+                failed += 1;
+                eprintln!(
+                    "strata: variant {} failed: {}",
+                    done.id,
+                    done.status_reason.as_deref().unwrap_or("no reason given")
+                );
+            }
+        }
+        if failed > 0 {
+            return Ok(1);
+        }
+    }
     Ok(0)
+}
+
+/// Follows template (or variant) `id`'s build until it is no longer
+/// `building`, its steps (and, `with_log`, its log) on stderr; gives up
+/// after `timeout` seconds. Returns the last answer and its view.
+pub async fn follow_build(
+    ctx: &Ctx,
+    client: &crate::api::ApiClient,
+    id: &str,
+    timeout: u64,
+    with_log: bool,
+) -> anyhow::Result<(serde_json::Value, Template)> {
+    let started = Instant::now();
+    let mut v = client.get(&["v1", "templates", id], &[]).await?;
+    let mut t: Template = view(&v)?;
+    let mut last_progress = None;
+    let mut log_offset = 0u64;
+    while t.status == "building" {
+        if started.elapsed() > Duration::from_secs(timeout) {
+            anyhow::bail!(
+                "template {} still building after {} s (see `strata template ls`)",
+                t.id,
+                timeout
+            );
+        }
+        if !ctx.json && t.progress != last_progress {
+            if let Some(p) = &t.progress {
+                let pct = p
+                    .fraction
+                    .map(|f| format!(" {:>3.0}%", f * 100.0))
+                    .unwrap_or_default();
+                eprintln!(
+                    "[{:>6.1}s]{pct} {}",
+                    started.elapsed().as_secs_f64(),
+                    p.step
+                );
+            }
+            last_progress = t.progress.clone();
+        }
+        if with_log && !ctx.json {
+            log_offset = print_log(client, &t.id, log_offset).await?;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        v = client.get(&["v1", "templates", id], &[]).await?;
+        t = view(&v)?;
+    }
+    if with_log && !ctx.json {
+        // The rest of the log (the last step's output, the failure).
+        loop {
+            let next = print_log(client, &t.id, log_offset).await?;
+            if next == log_offset {
+                break;
+            }
+            log_offset = next;
+        }
+    }
+    Ok((v, t))
 }
 
 /// Prints the build log of `id` from `offset` to stderr; returns the next offset.

@@ -323,6 +323,7 @@ pub async fn create(
     };
     let mut cmd = CreateSandbox {
         template,
+        wait: false,
         spec: SandboxSpec {
             labels: req.metadata.unwrap_or_default(),
             idle_timeout: Some(format!("{timeout}s")),
@@ -594,6 +595,7 @@ mod tests {
             accel: None,
             created_at: at,
             updated_at: at,
+            variant_of: None,
         }
     }
 

@@ -584,6 +584,7 @@ pub async fn door_with(tweak: impl FnOnce(&mut Config, &mut strata_e2b::E2bConfi
             accel: Some("tcg".into()),
             created_at: Utc::now(),
             updated_at: Utc::now(),
+            variant_of: None,
         })
         .unwrap();
     let engine = Arc::new(Double::default());

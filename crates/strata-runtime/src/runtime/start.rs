@@ -124,6 +124,19 @@ impl Runtime {
         // A disk-only state cold-boots (no device state to restore).
         let cold = meta.disk_only;
         let want = wanted_size(&meta, &src_name, size.or(meta.first_start))?;
+        // A cold boot may change vCPUs and memory: the VM runs with the size
+        // wanted, and its metadata says so (layout included).
+        let boot_meta = if cold {
+            StateMeta {
+                size: SandboxSize {
+                    disk_gib: meta.size.disk_gib,
+                    ..want
+                },
+                ..meta.clone()
+            }
+        } else {
+            meta.clone()
+        };
         if self.live(id).is_ok() {
             return Err(RuntimeError::Invalid(format!(
                 "sandbox {id} already has a VM"
@@ -153,7 +166,7 @@ impl Runtime {
             sandbox: Some(id.to_string()),
             first_start: None,
             written_at: Utc::now(),
-            ..meta.clone()
+            ..boot_meta.clone()
         };
         if cold {
             // Running, it is a memory state again (RAM in `mem`).
@@ -164,10 +177,13 @@ impl Runtime {
             new_meta.hostname = Some(id.to_string());
         }
         let started = async {
+            let mut spec = self.spec_for(id.as_str(), &dir, &boot_meta, accel);
+            if cold {
+                new_meta.machine_layout = crate::meta::layout_hash(&spec);
+            }
             new_meta
                 .write(&dir)
                 .map_err(|e| io_err("write meta.json", e))?;
-            let mut spec = self.spec_for(id.as_str(), &dir, &meta, accel);
             if mode == Start::Warm {
                 if let Some(l) = spec.limits.as_mut() {
                     l.cpu_weight = Some(super::warm::WARM_CPU_WEIGHT);
@@ -176,7 +192,7 @@ impl Runtime {
             if cold {
                 let mem = std::fs::File::create(dir.join(files::MEM))
                     .map_err(|e| io_err("create mem", e))?;
-                mem.set_len(meta.size.memory_bytes())
+                mem.set_len(boot_meta.size.memory_bytes())
                     .map_err(|e| io_err("size mem", e))?;
                 spec.start_paused = false;
             } else {
@@ -316,7 +332,8 @@ impl Runtime {
 
 /// The size a sandbox made from state `meta` (named `src_name`) runs with:
 /// `asked` when given (same vCPUs and memory as the state, a disk at least as
-/// large), else the state's own.
+/// large), else the state's own. A disk-only state cold-boots, so it may
+/// run with any vCPUs and memory (its disk still only grows).
 fn wanted_size(
     meta: &StateMeta,
     src_name: &str,
@@ -327,7 +344,7 @@ fn wanted_size(
     };
     s.validate()
         .map_err(|e| RuntimeError::Invalid(e.to_string()))?;
-    if s.vcpus != meta.size.vcpus || s.memory_mib != meta.size.memory_mib {
+    if !meta.disk_only && (s.vcpus != meta.size.vcpus || s.memory_mib != meta.size.memory_mib) {
         return Err(RuntimeError::Invalid(format!(
             "{src_name} was taken with {} vCPU(s) and {} MiB; a sandbox made from it keeps them (asked {} vCPU(s), {} MiB)",
             meta.size.vcpus, meta.size.memory_mib, s.vcpus, s.memory_mib
@@ -376,5 +393,23 @@ mod tests {
             matches!(e, RuntimeError::Invalid(ref s) if s.contains("only grow")),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_disk_only_state_boots_at_any_cpus_and_memory_but_its_disk_only_grows() {
+        let mut m = meta();
+        m.disk_only = true;
+        let other = SandboxSize {
+            vcpus: m.size.vcpus + 1,
+            memory_mib: m.size.memory_mib * 2,
+            ..m.size
+        };
+        assert_eq!(wanted_size(&m, "snap", Some(other)).unwrap(), other);
+        m.size.disk_gib = 4;
+        let smaller = SandboxSize {
+            disk_gib: 3,
+            ..other
+        };
+        assert!(wanted_size(&m, "snap", Some(smaller)).is_err());
     }
 }

@@ -146,6 +146,7 @@ impl Runtime {
             first_start: None,
             disk_only: false,
             recipe: None,
+            starts: None,
             written_at: Utc::now(),
         };
         let mut spec = self.spec_for(&b.id, &b.work, &meta, b.accel);
@@ -203,7 +204,8 @@ impl Runtime {
     /// Publishes snapshot `snap` (of a builder sandbox, taken while its
     /// guest ran the recipe's steps) as template `tpl`: its RAM, disk and
     /// device state become a read-only `templates/<tpl>` whose `meta.json`
-    /// names the template, no sandbox, and `recipe` (the recipe hash). The
+    /// names the template, no sandbox, `recipe` (the recipe hash) and
+    /// `starts` (what its guest had started, for size variants). The
     /// snapshot stays (the caller deletes it). Like a cold build, the
     /// template exists whole or not at all: the meta is rewritten in a
     /// scratch subvolume, which is then snapshotted read-only.
@@ -212,6 +214,7 @@ impl Runtime {
         snap: &SnapshotId,
         tpl: &TemplateId,
         recipe: Option<String>,
+        starts: Option<Vec<crate::meta::StartCommand>>,
     ) -> Result<()> {
         let _g = self.op_lock(tpl.as_str()).await;
         let src = self.snapshot_dir(snap);
@@ -241,7 +244,11 @@ impl Runtime {
                         id: snap_name.clone(),
                         reason: e.0,
                     })?;
-                let meta = StateMeta { recipe, ..meta };
+                let meta = StateMeta {
+                    recipe,
+                    starts,
+                    ..meta
+                };
                 publish_scratch(&pool, &scratch, &dst, meta, tpl_name).map(|_| ())
             })();
             let _ = pool.trash(&scratch);

@@ -109,6 +109,18 @@ impl From<ServiceError> for ApiError {
                     }}),
                 ));
             }
+            ServiceError::VariantBuilding(v) => {
+                out.custom = Some((
+                    202,
+                    json!({
+                        "status": "building",
+                        "message": out.message,
+                        "poll": format!("/v1/templates/{}", v.record.id),
+                        "retry_after_s": 2,
+                        "variant": v,
+                    }),
+                ));
+            }
             ServiceError::Gate(GateRefusal::Pending(req)) => {
                 out.custom = Some((
                     202,
@@ -509,6 +521,8 @@ fn service_route(r: &Route) -> Option<axum::routing::MethodRouter<Arc<Service>>>
         GetTemplate => on(m, templates::get),
         DeleteTemplate => on(m, templates::delete),
         TemplateLogs => on(m, templates::logs),
+        BuildVariant => on(m, templates::build_variant),
+        ListVariants => on(m, templates::list_variants),
         PutTemplateFile => on(m, templates::put_file),
         GetTemplateFile => on(m, templates::get_file),
         _ => return None,

@@ -35,6 +35,33 @@ pub(super) async fn get(c: Call) -> ApiResult<impl IntoResponse> {
     Ok(Json(c.svc.get_template(&c.caller, &id).await?))
 }
 
+/// `POST /v1/templates/{id}/variants` `{"vcpus", "memory_mib"}`: builds
+/// the template's variant of that size ahead of the creates that will use
+/// it (`202` with its progress; `200` when it is built, or the template is
+/// of that size already).
+pub(super) async fn build_variant(
+    c: Call,
+    Body(size): Body<crate::service::SizeSpec>,
+) -> ApiResult<impl IntoResponse> {
+    let opts = c.gate()?;
+    let id: TemplateId = c.id()?;
+    let v = c.svc.build_variant(&c.caller, &id, size, &opts).await?;
+    let status = match v.record.status {
+        crate::store::TemplateStatus::Building => StatusCode::ACCEPTED,
+        _ => StatusCode::OK,
+    };
+    Ok((status, Json(v)))
+}
+
+/// `GET /v1/templates/{id}/variants`: the template's size variants.
+pub(super) async fn list_variants(c: Call) -> ApiResult<impl IntoResponse> {
+    c.no_query()?;
+    let id: TemplateId = c.id()?;
+    Ok(Json(
+        json!({ "items": c.svc.list_variants(&c.caller, &id).await? }),
+    ))
+}
+
 pub(super) async fn delete(c: Call) -> ApiResult<impl IntoResponse> {
     let id: TemplateId = c.id()?;
     let opts = c.gate()?;

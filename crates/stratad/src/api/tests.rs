@@ -332,6 +332,64 @@ async fn malformed_bodies_are_invalid_request() {
     );
 }
 
+/// Another vCPU count or memory than the template's is a size variant's
+/// build (`service::variants`): `202` with its progress, one build for
+/// concurrent creates; this engine cannot hibernate a disk, so the build
+/// fails, with its reason, leaving no sandbox; until a minute has passed a
+/// create answers that failure instead of building again.
+#[tokio::test]
+async fn a_create_at_another_size_answers_202_and_a_failed_variant_says_why() {
+    let h = harness();
+    let body = r#"{"template":"tpl-base","size":{"vcpus":2}}"#;
+    let (s, v) = call(&h, "POST", "/v1/sandboxes", body).await;
+    assert_eq!(s, StatusCode::ACCEPTED, "{v}");
+    assert_eq!(v["status"], "building", "{v}");
+    let vid = v["variant"]["id"].as_str().unwrap().to_owned();
+    assert!(vid.starts_with("tpl-v"), "{v}");
+    assert_eq!(v["variant"]["variant_of"], "tpl-base", "{v}");
+    assert_eq!(v["variant"]["size"]["vcpus"], 2, "{v}");
+    assert_eq!(v["poll"], format!("/v1/templates/{vid}"), "{v}");
+    let t = std::time::Instant::now();
+    let rec = loop {
+        let (s, r) = call(&h, "GET", &format!("/v1/templates/{vid}"), "").await;
+        assert_eq!(s, StatusCode::OK, "{r}");
+        if r["status"] != "building" {
+            break r;
+        }
+        assert!(t.elapsed() < std::time::Duration::from_secs(20), "{r}");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    assert_eq!(rec["status"], "failed", "{rec}");
+    assert!(
+        rec["status_reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("cannot hibernate without memory")),
+        "{rec}"
+    );
+    let (s, v) = call(&h, "POST", "/v1/sandboxes", body).await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("failed") && m.contains(&vid)),
+        "{v}"
+    );
+    let (_, list) = call(&h, "GET", "/v1/sandboxes", "").await;
+    assert_eq!(
+        list["items"].as_array().unwrap().len(),
+        0,
+        "builders left: {list}"
+    );
+    let (_, all) = call(&h, "GET", "/v1/templates", "").await;
+    assert!(
+        !all.to_string().contains(&vid),
+        "variants are not listed: {all}"
+    );
+    let (s, vs) = call(&h, "GET", "/v1/templates/tpl-base/variants", "").await;
+    assert_eq!(s, StatusCode::OK, "{vs}");
+    assert_eq!(vs["items"][0]["id"], vid.as_str(), "{vs}");
+}
+
 #[tokio::test]
 async fn sizes_are_validated_and_capacity_enforced() {
     let h = harness();
@@ -339,9 +397,6 @@ async fn sizes_are_validated_and_capacity_enforced() {
         (r#"{"size":{"vcpus":0}}"#, 400, "invalid_size"),
         (r#"{"size":{"memory_mib":1048576}}"#, 400, "invalid_size"),
         (r#"{"size":{"disk_gib":0}}"#, 400, "invalid_size"),
-        // The template fixes vCPUs and memory (a restore keeps them).
-        (r#"{"size":{"vcpus":2}}"#, 400, "invalid_request"),
-        (r#"{"size":{"memory_mib":1024}}"#, 400, "invalid_request"),
     ] {
         let (s, v) = call(&h, "POST", "/v1/sandboxes", body).await;
         assert_eq!(s.as_u16(), status, "{body}: {v}");
@@ -754,7 +809,6 @@ async fn create_with_start_false_is_hibernated_and_wakes_on_access() {
         r#"{"start":"no"}"#,
         r#"{"start":0}"#,
         r#"{"start":false,"colour":"red"}"#,
-        r#"{"start":false,"size":{"vcpus":2}}"#,
         r#"{"start":false,"template":"tpl-nope"}"#,
     ] {
         let (s, v) = call(&h, "POST", "/v1/sandboxes", body).await;
@@ -906,6 +960,7 @@ pub(super) fn store_with_base_template(cfg: &Config) -> Arc<SqliteStore> {
             accel: Some("tcg".into()),
             created_at: Utc::now(),
             updated_at: Utc::now(),
+            variant_of: None,
         })
         .unwrap();
     store

@@ -291,8 +291,19 @@ impl Engine for RuntimeEngine {
         snap: &SnapshotId,
         tpl: &TemplateId,
         recipe: Option<String>,
+        starts: Option<Vec<strata_runtime::StartCommand>>,
     ) -> EngineResult<()> {
-        self.rt.template_from_snapshot(snap, tpl, recipe).await
+        self.rt
+            .template_from_snapshot(snap, tpl, recipe, starts)
+            .await
+    }
+
+    async fn template_starts(&self, tpl: &TemplateId) -> EngineResult<TemplateStarts> {
+        let m = self.rt.template_meta(tpl)?;
+        Ok(TemplateStarts {
+            recipe: m.recipe,
+            starts: m.starts,
+        })
     }
 
     async fn export_template(&self, tpl: &TemplateId, dest: &std::path::Path) -> EngineResult<()> {

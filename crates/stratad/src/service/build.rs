@@ -70,11 +70,12 @@ pub(super) struct RecipeJob {
     pub base: TemplateRecord,
     pub plan: Plan,
     pub ca_bundle: Option<String>,
+    pub recipe: Recipe,
 }
 
 /// The build log of one template: a file of at most `cap` bytes, and the
 /// last bytes written (for a failure's reason).
-struct BuildLog {
+pub(super) struct BuildLog {
     file: Option<tokio::fs::File>,
     written: u64,
     cap: u64,
@@ -85,7 +86,7 @@ struct BuildLog {
 const TAIL_BYTES: usize = 2048;
 
 impl BuildLog {
-    async fn create(path: PathBuf, cap: u64) -> Self {
+    pub(super) async fn create(path: PathBuf, cap: u64) -> Self {
         if let Some(dir) = path.parent() {
             let _ = tokio::fs::create_dir_all(dir).await;
         }
@@ -139,13 +140,40 @@ impl BuildLog {
         let _ = f.flush().await;
     }
 
-    async fn line(&mut self, s: &str) {
+    pub(super) async fn line(&mut self, s: &str) {
         self.write(format!("{s}\n").as_bytes()).await;
     }
 
     fn tail(&self) -> String {
         let v: Vec<u8> = self.tail.iter().copied().collect();
         String::from_utf8_lossy(&v).trim_end().to_owned()
+    }
+}
+
+/// A recipe's start command and ready probe as a template keeps them.
+fn own_start(plan: &Plan) -> strata_runtime::StartCommand {
+    strata_runtime::StartCommand {
+        start: plan.start.as_ref().map(guest_command),
+        ready: plan.ready_probe.as_ref().map(guest_command),
+        ready_timeout_secs: plan.ready.as_ref().map(|r| r.timeout_secs()).unwrap_or(0),
+    }
+}
+
+fn guest_command(e: &ExecPlan) -> strata_runtime::GuestCommand {
+    strata_runtime::GuestCommand {
+        shell: e.shell.clone(),
+        user: e.user.clone(),
+        cwd: e.cwd.clone(),
+        env: e.env.clone(),
+    }
+}
+
+fn exec_plan(c: &strata_runtime::GuestCommand) -> ExecPlan {
+    ExecPlan {
+        shell: c.shell.clone(),
+        user: c.user.clone(),
+        cwd: c.cwd.clone(),
+        env: c.env.clone(),
     }
 }
 
@@ -372,14 +400,7 @@ impl Service {
                 base.status.as_str()
             )));
         }
-        let mut identity = self.engine.template_identity(&base.id).await?;
-        if let Some(ca) = &ca_bundle {
-            identity.push_str(&format!(
-                "+ca:{}",
-                hex::encode(Sha256::digest(ca.as_bytes()))
-            ));
-        }
-        let plan = recipe.plan(&identity)?;
+        let plan = self.plan_on(recipe, &base, ca_bundle.as_deref()).await?;
         let dir = self.template_files_dir(caller.owner());
         for s in &plan.steps {
             if let Action::Copy { sha256, .. } = &s.action {
@@ -400,7 +421,50 @@ impl Service {
             base,
             plan,
             ca_bundle,
+            recipe: recipe.clone(),
         })
+    }
+
+    /// `recipe` planned on `base`'s content identity (and the CA bundle's).
+    async fn plan_on(
+        &self,
+        recipe: &Recipe,
+        base: &TemplateRecord,
+        ca_bundle: Option<&str>,
+    ) -> ServiceResult<Plan> {
+        let mut identity = self.engine.template_identity(&base.id).await?;
+        if let Some(ca) = ca_bundle {
+            identity.push_str(&format!(
+                "+ca:{}",
+                hex::encode(Sha256::digest(ca.as_bytes()))
+            ));
+        }
+        Ok(recipe.plan(&identity)?)
+    }
+
+    /// A recipe build at another vCPU count or memory than its base's: its
+    /// base becomes the base's size variant (built first, waited for), and
+    /// the recipe is planned again on it.
+    pub(super) async fn rebase_on_variant(
+        self: &Arc<Self>,
+        mut job: RecipeJob,
+        size: SandboxSize,
+    ) -> ServiceResult<RecipeJob> {
+        if !super::variants::needs_variant(job.base.size, size) {
+            return Ok(job);
+        }
+        let v = match self.variant(&job.base, size).await? {
+            super::variants::Variant::Ready(v) => v,
+            super::variants::Variant::Building(v) => {
+                let deadline = Instant::now() + self.config.templates.variant_wait;
+                self.wait_variant(&v.record.id, deadline).await?
+            }
+        };
+        job.plan = self
+            .plan_on(&job.recipe, &v, job.ca_bundle.as_deref())
+            .await?;
+        job.base = v;
+        Ok(job)
     }
 
     /// The id of the cached state of step `hash` of `owner`'s builds.
@@ -664,45 +728,9 @@ impl Service {
                 self.cache_step(&owner, builder, &s.hash, tpl, &what, log)
                     .await;
             }
-            if let Some(start) = &plan.start {
-                self.set_progress(&tpl.id, "starting the start command", None);
-                log.line(&format!("strata: start: {}", start.shell)).await;
-                let bg = ExecPlan {
-                    shell: format!(
-                        "setsid sh -c {} </dev/null >{START_LOG} 2>&1 &",
-                        strata_template::shell::quote(&start.shell)
-                    ),
-                    ..start.clone()
-                };
-                self.run_exec(caller, builder, &bg, &extra_env, log, "start")
-                    .await?;
-            }
-            if let (Some(ready), Some(probe)) = (&plan.ready, &plan.ready_probe) {
-                let secs = ready.timeout_secs();
-                self.set_progress(
-                    &tpl.id,
-                    &format!("waiting for ready ({secs} s at most)"),
-                    None,
-                );
-                log.line(&format!("strata: ready check: {}", probe.shell))
-                    .await;
-                let deadline = Instant::now() + Duration::from_secs(secs);
-                loop {
-                    if self.probe(builder, probe, &extra_env).await? {
-                        break;
-                    }
-                    if Instant::now() >= deadline {
-                        let start_log = self.start_log_tail(builder).await;
-                        log.line(&format!("strata: start command output:\n{start_log}"))
-                            .await;
-                        return Err(ServiceError::InvalidStateOther(format!(
-                            "the ready check did not pass within {secs} s; start command output: {start_log}"
-                        )));
-                    }
-                    tokio::time::sleep(Duration::from_millis(300)).await;
-                }
-                log.line("strata: ready").await;
-            }
+            let own = own_start(plan);
+            self.run_start(caller, &tpl.id, builder, &own, &extra_env, log)
+                .await?;
             if plan.start.is_some() || plan.ready.is_some() {
                 self.cache_step(&owner, builder, &plan.final_hash, tpl, "ready", log)
                     .await;
@@ -713,21 +741,98 @@ impl Service {
             "snapshotting the ready guest as the template",
             None,
         );
+        // What the template's guest has started: its base's, then its own
+        // (a size variant boots its disk and runs them again).
+        let starts = self.starts_of(&job.base.id).await?.map(|mut v| {
+            let own = own_start(plan);
+            if own.start.is_some() || own.ready.is_some() {
+                v.push(own);
+            }
+            v
+        });
         let snap = SnapshotId::generate();
         self.engine.snapshot(builder, &snap).await?;
         let published = self
             .engine
-            .template_from_snapshot(&snap, &tpl.id, Some(plan.final_hash.clone()))
+            .template_from_snapshot(&snap, &tpl.id, Some(plan.final_hash.clone()), starts)
             .await;
         let _ = self.engine.delete_snapshot(&snap).await;
         published?;
         Ok(())
     }
 
+    /// What template `id`'s guest had started when it was published, base
+    /// first ([`crate::engine::TemplateStarts`]): nothing for an
+    /// image-booted template, `None` for a recipe template published before
+    /// they were kept.
+    pub(super) async fn starts_of(
+        &self,
+        id: &TemplateId,
+    ) -> ServiceResult<Option<Vec<strata_runtime::StartCommand>>> {
+        let t = self.engine.template_starts(id).await?;
+        Ok(match (t.recipe, t.starts) {
+            (_, Some(s)) => Some(s),
+            (None, None) => Some(Vec::new()),
+            (Some(_), None) => None,
+        })
+    }
+
+    /// Runs a start command (left running in the background, its output in
+    /// [`START_LOG`]) and polls its ready check until it passes or its
+    /// timeout ends (the build's failure, quoting the start's output).
+    pub(super) async fn run_start(
+        self: &Arc<Self>,
+        caller: &Caller,
+        tpl: &TemplateId,
+        builder: &SandboxId,
+        s: &strata_runtime::StartCommand,
+        extra_env: &BTreeMap<String, String>,
+        log: &mut BuildLog,
+    ) -> ServiceResult<()> {
+        if let Some(start) = &s.start {
+            let start = exec_plan(start);
+            self.set_progress(tpl, "starting the start command", None);
+            log.line(&format!("strata: start: {}", start.shell)).await;
+            let bg = ExecPlan {
+                shell: format!(
+                    "setsid sh -c {} </dev/null >{START_LOG} 2>&1 &",
+                    strata_template::shell::quote(&start.shell)
+                ),
+                ..start.clone()
+            };
+            self.run_exec(caller, builder, &bg, extra_env, log, "start")
+                .await?;
+        }
+        if let Some(probe) = &s.ready {
+            let probe = exec_plan(probe);
+            let secs = s.ready_timeout_secs;
+            self.set_progress(tpl, &format!("waiting for ready ({secs} s at most)"), None);
+            log.line(&format!("strata: ready check: {}", probe.shell))
+                .await;
+            let deadline = Instant::now() + Duration::from_secs(secs);
+            loop {
+                if self.probe(builder, &probe, extra_env).await? {
+                    break;
+                }
+                if Instant::now() >= deadline {
+                    let start_log = self.start_log_tail(builder).await;
+                    log.line(&format!("strata: start command output:\n{start_log}"))
+                        .await;
+                    return Err(ServiceError::InvalidStateOther(format!(
+                        "the ready check did not pass within {secs} s; start command output: {start_log}"
+                    )));
+                }
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+            log.line("strata: ready").await;
+        }
+        Ok(())
+    }
+
     /// Runs one command of a build through [`Service::exec`] (gated and
     /// audited as the owner's), its output into the log; a non-zero exit is
     /// the build's failure, quoting the output's tail.
-    async fn run_exec(
+    pub(super) async fn run_exec(
         self: &Arc<Self>,
         caller: &Caller,
         builder: &SandboxId,
@@ -821,7 +926,10 @@ impl Service {
         let snap = SnapshotId::generate();
         let r = async {
             self.engine.snapshot(builder, &snap).await?;
-            let published = self.engine.template_from_snapshot(&snap, &id, None).await;
+            let published = self
+                .engine
+                .template_from_snapshot(&snap, &id, None, None)
+                .await;
             let _ = self.engine.delete_snapshot(&snap).await;
             published?;
             let now = self.now();
@@ -835,6 +943,7 @@ impl Service {
                 accel: None,
                 created_at: now,
                 updated_at: now,
+                variant_of: None,
             };
             self.db(move |s| s.put_template(&rec)).await?;
             Ok::<(), ServiceError>(())

@@ -54,6 +54,11 @@ pub struct CreateSandbox {
     /// Template to start from (default: the newest ready template).
     #[serde(default)]
     pub template: Option<TemplateId>,
+    /// When the size asked needs a variant of the template not built yet
+    /// (`service::variants`): wait for it (up to `[templates]
+    /// variant_wait`) instead of answering `202` with its progress.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub wait: bool,
     /// Settings.
     #[serde(flatten)]
     pub spec: SandboxSpec,
@@ -104,6 +109,11 @@ pub struct BuildTemplate {
     /// the build): for hosts whose registry TLS is re-signed by a local CA.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ca_bundle: Option<String>,
+    /// Other sizes (vCPUs and memory) to build variants of once the
+    /// template is ready (`service::variants`): creates of those sizes are
+    /// forks from the start.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sizes: Vec<SizeSpec>,
 }
 
 /// Progress of a template build (kept in memory).

@@ -34,6 +34,11 @@ pub enum ServiceError {
     /// Another operation is in progress.
     #[error("{0}")]
     Conflict(String),
+    /// The create needs a size variant of its template that is being built
+    /// (`service::variants`): the API answers `202` with its progress; retry
+    /// (or create with `"wait": true`).
+    #[error("the {} vCPU / {} MiB variant of template {} is being built; retry, or create with \"wait\": true", .0.record.size.vcpus, .0.record.size.memory_mib, .0.record.variant_of.as_ref().map(|t| t.as_str()).unwrap_or("?"))]
+    VariantBuilding(Box<TemplateView>),
     /// The engine failed; [`RuntimeError::code`] is its API code.
     #[error(transparent)]
     Engine(#[from] RuntimeError),
@@ -81,6 +86,7 @@ impl ServiceError {
                 ErrorCode::InvalidState
             }
             ServiceError::Conflict(_) => ErrorCode::Conflict,
+            ServiceError::VariantBuilding(_) => ErrorCode::InvalidState,
             ServiceError::Engine(e) => e.code(),
             ServiceError::Store(StoreError::BadCursor) => ErrorCode::InvalidRequest,
             ServiceError::Store(_) => ErrorCode::Internal,

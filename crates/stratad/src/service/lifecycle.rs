@@ -34,7 +34,7 @@ impl Service {
     /// gate (`lifecycle create`), then the template is ready (waiting for a
     /// build in progress); then the new record, of the template's size.
     pub(super) async fn admit_create(
-        &self,
+        self: &Arc<Self>,
         caller: &Caller,
         cmd: &CreateSandbox,
         opts: &GateOptions,
@@ -46,9 +46,23 @@ impl Service {
         }
         self.authorize(caller, None, lifecycle("create"), opts)
             .await?;
-        let tpl = self.resolve_template(caller, cmd.template.as_ref()).await?;
+        let mut tpl = self.resolve_template(caller, cmd.template.as_ref()).await?;
         let size = cmd.spec.size.over(tpl.size);
         size.validate()?;
+        if variants::needs_variant(tpl.size, size) {
+            // Another vCPU count or memory: a fork of the template's
+            // variant of that size, built first if need be.
+            tpl = match self.variant(&tpl, size).await? {
+                variants::Variant::Ready(v) => v,
+                variants::Variant::Building(v) if cmd.wait => {
+                    let deadline = Instant::now() + self.config.templates.variant_wait;
+                    self.wait_variant(&v.record.id, deadline).await?
+                }
+                variants::Variant::Building(v) => {
+                    return Err(ServiceError::VariantBuilding(Box::new(v)))
+                }
+            };
+        }
         check_source_size(&format!("template {}", tpl.id), tpl.size, size)?;
         let mut rec = self.new_record(caller.owner(), &cmd.spec, size)?;
         rec.template = Some(tpl.id.clone());

@@ -40,6 +40,7 @@ mod rewind;
 mod sampler;
 mod snapshots;
 mod templates;
+mod variants;
 mod warm;
 pub mod watch;
 
@@ -74,6 +75,8 @@ pub struct Service {
     /// Warm guests (`[pools]`).
     warm: warm::WarmPools,
     progress: Mutex<HashMap<TemplateId, BuildProgress>>,
+    /// Size-variant builds (`variants`).
+    variants: variants::VariantBuilds,
     flushed: Mutex<HashMap<SandboxId, DateTime<Utc>>>,
     gate: Arc<dyn ToolGate>,
     sampler: sampler::Sampler,
@@ -123,6 +126,7 @@ impl Service {
             transients: admission::Transients::default(),
             warm: warm::WarmPools::default(),
             progress: Mutex::new(HashMap::new()),
+            variants: variants::VariantBuilds::default(),
             flushed: Mutex::new(HashMap::new()),
         })
     }

@@ -132,11 +132,18 @@ impl Service {
         let job = match &cmd.recipe {
             Some(r) => {
                 let job = self.check_recipe(caller, r, cmd.ca_bundle.clone()).await?;
+                // Another vCPU count or memory than the base's: built on
+                // the base's size variant (`service::variants`).
                 let asked = cmd.size.over(job.base.size);
+                asked.validate()?;
+                let at_base = SandboxSize {
+                    disk_gib: asked.disk_gib,
+                    ..job.base.size
+                };
                 check_source_size(
                     &format!("base template {}", job.base.id),
                     job.base.size,
-                    asked,
+                    at_base,
                 )?;
                 size = asked;
                 Some(job)
@@ -148,6 +155,20 @@ impl Service {
             }
             None => None,
         };
+        if cmd.sizes.len() > super::variants::MAX_VARIANTS_PER_TEMPLATE {
+            return Err(ServiceError::InvalidRequest(format!(
+                "sizes: at most {} variants",
+                super::variants::MAX_VARIANTS_PER_TEMPLATE
+            )));
+        }
+        let mut sizes = Vec::new();
+        for s in &cmd.sizes {
+            let v = s.over(size);
+            v.validate()?;
+            if super::variants::needs_variant(size, v) && !sizes.contains(&v) {
+                sizes.push(v);
+            }
+        }
         let id = cmd.id.unwrap_or_else(TemplateId::generate);
         let id2 = id.clone();
         if let Some(t) = self.db(move |s| s.get_template(&id2)).await? {
@@ -183,6 +204,7 @@ impl Service {
             accel: None,
             created_at: now,
             updated_at: now,
+            variant_of: None,
         };
         let r = rec.clone();
         self.db(move |s| s.put_template(&r)).await?;
@@ -201,12 +223,15 @@ impl Service {
                     }
                 });
                 let result = match job {
-                    Some(job) => {
-                        let accel = job.base.accel.clone();
-                        this.run_recipe(&owner_caller, &rec2, job)
-                            .await
-                            .map(|ms| (accel.unwrap_or_default(), ms))
-                    }
+                    Some(job) => match this.rebase_on_variant(job, rec2.size).await {
+                        Ok(job) => {
+                            let accel = job.base.accel.clone();
+                            this.run_recipe(&owner_caller, &rec2, job)
+                                .await
+                                .map(|ms| (accel.unwrap_or_default(), ms))
+                        }
+                        Err(e) => Err(e),
+                    },
                     None => this
                         .engine
                         .build_template(&rec2.id, rec2.size, sink)
@@ -234,6 +259,13 @@ impl Service {
                 let r = rec2.clone();
                 if let Err(e) = this.db(move |s| s.put_template(&r)).await {
                     warn!(error = %e.message(), "recording template failed");
+                } else if rec2.status == TemplateStatus::Ready {
+                    // `sizes`: its variants, built now (in the background).
+                    for s in sizes {
+                        if let Err(e) = this.variant(&rec2, s).await {
+                            warn!(error = %e.message(), vcpus = s.vcpus, memory_mib = s.memory_mib, "starting a size variant failed");
+                        }
+                    }
                 }
             }
             .instrument(tracing::info_span!("template", template = %id)),
@@ -267,7 +299,7 @@ impl Service {
             })
             .await?;
         Ok(v.into_iter()
-            .filter(|r| r.status != TemplateStatus::Step)
+            .filter(|r| r.status != TemplateStatus::Step && r.variant_of.is_none())
             .map(|r| self.template_view(r))
             .collect())
     }
@@ -317,6 +349,7 @@ impl Service {
         if let Err(e) = self.engine.delete_template(id).await {
             warn!(template = %id, error = %e.message(), "removing template failed; recovery will retry");
         }
+        self.delete_variants(id).await;
         Ok(v)
     }
 }

@@ -107,7 +107,7 @@ impl Pools {
 #[derive(Debug, Default)]
 pub(crate) struct WarmPools {
     pools: Mutex<Pools>,
-    wake: tokio::sync::Notify,
+    pub(super) wake: tokio::sync::Notify,
     /// Creates and forks in flight: the filler waits for them.
     busy: AtomicUsize,
     /// When the last of them ended.
@@ -348,7 +348,7 @@ impl Service {
     }
 
     /// The pools `[pools]` asks for now, by the templates that exist.
-    async fn warm_targets(&self) -> Vec<Target> {
+    async fn warm_targets(self: &Arc<Self>) -> Vec<Target> {
         let cfg = &self.config.pools;
         let mut out: Vec<Target> = Vec::new();
         let Ok(platform) = self.db(|s| s.list_templates(PLATFORM_SCOPE)).await else {
@@ -384,7 +384,24 @@ impl Service {
                     Err(_) => None,
                 },
             };
-            let Some(t) = found else { continue };
+            let Some(mut t) = found else { continue };
+            let size = SandboxSize {
+                vcpus: p.vcpus.unwrap_or(t.size.vcpus),
+                memory_mib: p.memory_mib.unwrap_or(t.size.memory_mib),
+                disk_gib: t.size.disk_gib,
+            };
+            if super::variants::needs_variant(t.size, size) {
+                // A pool of the template's size variant: once it is built
+                // (asking for it starts its build).
+                match self.variant(&t, size).await {
+                    Ok(super::variants::Variant::Ready(v)) => t = v,
+                    Ok(super::variants::Variant::Building(_)) => continue,
+                    Err(e) => {
+                        tracing::debug!(template = %t.id, error = %e.message(), "no size variant for a warm pool");
+                        continue;
+                    }
+                }
+            }
             let key = WarmKey {
                 template: t.id.clone(),
                 size: t.size,

@@ -302,6 +302,11 @@ pub struct TemplateRecord {
     pub created_at: DateTime<Utc>,
     /// Last change.
     pub updated_at: DateTime<Utc>,
+    /// The template this one is a size variant of (its disk booted at
+    /// another vCPU count and memory, `service::variants`): not listed, used
+    /// by creates of that size; deleted with its template.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub variant_of: Option<TemplateId>,
 }
 
 /// Phase of a journaled transition.

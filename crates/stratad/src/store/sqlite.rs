@@ -573,7 +573,7 @@ impl Store for SqliteStore {
 
     fn put_template(&self, rec: &TemplateRecord) -> StoreResult<()> {
         self.writer().execute(
-            &format!("REPLACE INTO templates ({TEMPLATE_COLS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11)"),
+            &format!("REPLACE INTO templates ({TEMPLATE_COLS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12)"),
             params![
                 rec.id.as_str(),
                 rec.tenant,
@@ -586,6 +586,7 @@ impl Store for SqliteStore {
                 rec.accel,
                 ms(rec.created_at),
                 ms(rec.updated_at),
+                rec.variant_of.as_ref().map(|v| v.as_str()),
             ],
         )?;
         Ok(())

@@ -228,7 +228,7 @@ pub(super) fn charge_record(row: ChargeRow) -> StoreResult<SnapshotCharge> {
 }
 
 pub(super) const TEMPLATE_COLS: &str = "id, tenant_id, name, vcpus, memory_mib, disk_gib, status, \
-    status_reason, accel, created_at, updated_at";
+    status_reason, accel, created_at, updated_at, variant_of";
 
 type TemplateRow = (
     String,
@@ -242,15 +242,28 @@ type TemplateRow = (
     Option<String>,
     i64,
     i64,
+    Option<String>,
 );
 
 pub(super) fn template_row(r: &Row<'_>) -> rusqlite::Result<TemplateRow> {
-    Ok(columns!(r; 0 1 2 3 4 5 6 7 8 9 10))
+    Ok(columns!(r; 0 1 2 3 4 5 6 7 8 9 10 11))
 }
 
 pub(super) fn template_record(row: TemplateRow) -> StoreResult<TemplateRecord> {
-    let (id, tenant, name, vcpus, memory_mib, disk_gib, status, reason, accel, created, updated) =
-        row;
+    let (
+        id,
+        tenant,
+        name,
+        vcpus,
+        memory_mib,
+        disk_gib,
+        status,
+        reason,
+        accel,
+        created,
+        updated,
+        variant_of,
+    ) = row;
     let t = "templates";
     Ok(TemplateRecord {
         id: id.parse().map_err(|e| corrupt(t, &id, format!("{e}")))?,
@@ -267,6 +280,12 @@ pub(super) fn template_record(row: TemplateRow) -> StoreResult<TemplateRecord> {
         accel,
         created_at: from_ms(created),
         updated_at: from_ms(updated),
+        variant_of: variant_of
+            .map(|v| {
+                v.parse()
+                    .map_err(|e| corrupt(t, &id, format!("variant_of: {e}")))
+            })
+            .transpose()?,
     })
 }
 

@@ -2,7 +2,7 @@
 //! (`PRAGMA user_version` counts them). Never edit a shipped migration: add one.
 
 /// Newest schema version this build knows.
-pub const SCHEMA_VERSION: i64 = 9;
+pub const SCHEMA_VERSION: i64 = 10;
 
 pub(super) const MIGRATIONS: &[&str] = &[
     // 1: initial schema.
@@ -163,5 +163,11 @@ pub(super) const MIGRATIONS: &[&str] = &[
         PRIMARY KEY (sandbox_id, key)
     ) WITHOUT ROWID;
     CREATE INDEX sandbox_settings_by_key ON sandbox_settings (key, sandbox_id);
+    "#,
+    // 10: size variants: a template made from another's disk booted at
+    // another vCPU count and memory names the template it varies.
+    r#"
+    ALTER TABLE templates ADD COLUMN variant_of TEXT;
+    CREATE INDEX templates_by_variant ON templates (variant_of);
     "#,
 ];

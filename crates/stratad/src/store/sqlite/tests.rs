@@ -307,6 +307,7 @@ fn templates_and_counts() {
         accel: Some("tcg".into()),
         created_at: t0(),
         updated_at: t0(),
+        variant_of: None,
     };
     s.put_template(&tpl).unwrap();
     assert_eq!(s.get_template(&tpl.id).unwrap().unwrap(), tpl);
