@@ -13,6 +13,8 @@
 //!    fork (no new build).
 //! 3. The default template with `"wait": true`; a recipe built at another
 //!    size than its base's builds on the base's variant (reused).
+//!    A `[pools]` entry of that size keeps a warm fork of the variant,
+//!    which the create claims.
 //! 4. Variants are not listed with the templates, are listed by
 //!    `GET /v1/templates/{id}/variants`, and go with their template; no
 //!    builder sandbox is left.
@@ -80,7 +82,15 @@ async fn wait_ready(d: &Daemon, id: &str, max: Duration) -> Value {
 fn templates_serve_any_size_through_variants() {
     let dir = tempfile::tempdir().expect("dir");
     std::fs::write(dir.path().join("web.toml"), WEB).expect("recipe");
-    let d = Daemon::start("[templates]\nvariant_wait = \"10m\"\n");
+    let d = Daemon::start(
+        r#"[templates]
+variant_wait = "10m"
+
+[pools]
+default_template = 0
+templates = [{ template = "tpl-web", count = 1, vcpus = 2, memory_mib = 768 }]
+"#,
+    );
     let bin = strata_testkit::strata_bin();
     strata_testkit::tokio_rt().block_on(async {
         d.wait_template().await;
@@ -125,6 +135,25 @@ fn templates_serve_any_size_through_variants() {
         let v768 = items[0]["id"].as_str().expect("id").to_owned();
         assert_eq!(events(&d, "template_variant_started").await, 1);
 
+        // The pool of that size fills with a fork of the variant; the
+        // create claims it.
+        let t = Instant::now();
+        loop {
+            let st = d.ok("GET", "/v1/stats", None, 200).await;
+            let ready: u64 = st["warm_pools"]
+                .as_array()
+                .map(|a| a.iter().map(|p| p["ready"].as_u64().unwrap_or(0)).sum())
+                .unwrap_or(0);
+            if ready == 1 {
+                break;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(120),
+                "the 2x768 pool did not fill: {st}\n{}",
+                d.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
         let t = Instant::now();
         let a = d
             .create(json!({"template": "tpl-web", "size": {"vcpus": 2, "memory_mib": 768}}))
@@ -132,6 +161,11 @@ fn templates_serve_any_size_through_variants() {
         eprintln!(
             "create of the variant's size: {} ms",
             t.elapsed().as_millis()
+        );
+        assert_eq!(
+            events(&d, "warm_pool_claim").await,
+            1,
+            "a warm guest of the variant"
         );
         let e = d
             .sh(

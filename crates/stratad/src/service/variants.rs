@@ -201,7 +201,14 @@ impl Service {
         tokio::spawn(
             async move {
                 let t0 = Instant::now();
-                let result = this.run_variant(&tpl, &done, starts).await;
+                let mut result = this.run_variant(&tpl, &done, starts).await;
+                if result.is_ok() && this.template_record(&tpl.id).await.is_err() {
+                    // Its template was deleted meanwhile: so is the variant.
+                    result = Err(ServiceError::InvalidStateOther(format!(
+                        "template {} was deleted during the build",
+                        tpl.id
+                    )));
+                }
                 match result {
                     Ok(accel) => {
                         done.status = TemplateStatus::Ready;
@@ -215,7 +222,11 @@ impl Service {
                     Err(e) => {
                         warn!(error = %e.message(), "size variant build failed");
                         this.metrics.count("template_variant_failed");
-                        done.status = TemplateStatus::Failed;
+                        done.status = if this.template_record(&tpl.id).await.is_err() {
+                            TemplateStatus::Deleted
+                        } else {
+                            TemplateStatus::Failed
+                        };
                         done.status_reason = Some(e.message());
                         let _ = this.engine.delete_template(&done.id).await;
                     }
@@ -374,6 +385,12 @@ impl Service {
             let first = self
                 .spawn_new(first, Source::Template(tpl.id.clone()), step::SPAWN)
                 .await?;
+            // A builder a restart strands goes when it idles out.
+            let stranded = Some(LifecyclePolicy {
+                on_timeout: OnTimeout::Delete,
+                ..LifecyclePolicy::default()
+            });
+            self.keep_lifecycle(&first, stranded.clone(), None).await;
             self.set_progress(&var.id, "syncing and freezing its disk", Some(0.2));
             let g = self
                 .acquire(&first.id, Op::Hibernate, Who::Background)
@@ -408,6 +425,7 @@ impl Service {
             let second = self
                 .spawn_new(second, Source::Snapshot(disk.id.clone()), step::SPAWN)
                 .await?;
+            self.keep_lifecycle(&second, stranded, None).await;
             log.line(&format!(
                 "strata: booted in {:.1} s",
                 t_boot.elapsed().as_secs_f64()
