@@ -8,8 +8,10 @@
 //!   strata template id (`templateID`) and a build id (a UUID derived from
 //!   it, so status calls need no state); nothing is built yet. The request
 //!   is held in memory ([`PENDING_PER_OWNER`] per owner, the oldest
-//!   dropped) until its build starts. `cpuCount`/`memoryMB` are accepted
-//!   and not applied: a recipe's template has its base's size.
+//!   dropped) until its build starts. `cpuCount`/`memoryMB` (the SDK sends
+//!   2 and 1024 unless told otherwise) are the template's size: a build at
+//!   another size than its base's builds on the base's size variant
+//!   (`stratad::service::variants`, made once per size).
 //! - `GET /templates/{templateID}/files/{hash}` → 201 `{present, url}`:
 //!   whether that COPY context (the SDK's files hash) was uploaded, else a
 //!   one-time upload URL on this door (`PUT /e2b-template-uploads/{token}`,
@@ -100,6 +102,9 @@ struct Pending {
     build_id: String,
     alias: String,
     tags: Vec<String>,
+    /// `cpuCount` and `memoryMB` as asked.
+    vcpus: Option<u32>,
+    memory_mib: Option<u32>,
     /// Upload tokens handed out: token → the SDK's files hash.
     uploads: HashMap<String, String>,
 }
@@ -229,6 +234,9 @@ struct RequestBody {
     name: Option<String>,
     alias: Option<String>,
     tags: Option<Vec<String>>,
+    cpu_count: Option<u32>,
+    #[serde(rename = "memoryMB")]
+    memory_mb: Option<u32>,
 }
 
 /// `POST /v3/templates` → 202 `TemplateRequestResponseV3`.
@@ -277,6 +285,8 @@ pub async fn request_build(
                 build_id: build_id.clone(),
                 alias: alias.clone(),
                 tags: tags.clone(),
+                vcpus: req.cpu_count,
+                memory_mib: req.memory_mb,
                 uploads: HashMap::new(),
             },
         );
@@ -783,6 +793,7 @@ pub async fn start_build(
         "name": p.alias,
         "recipe": recipe,
         "ca_bundle": ca_bundle,
+        "size": {"vcpus": p.vcpus, "memory_mib": p.memory_mib},
     }))
     .map_err(|e| E2bError::new(400, format!("invalid build: {e}")))?;
     st.svc.build_template(&caller, cmd, &gate_opts()).await?;

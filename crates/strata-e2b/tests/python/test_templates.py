@@ -1,7 +1,8 @@
 """E2B's template build API through the unmodified e2b SDK:
 `Template().from_base_image().pip_install(…).copy(…)…` built with
 `Template.build` (request, file upload by hash, steps, status and logs
-polled), then sandboxes created from it see the package and the files.
+polled), then sandboxes created from it see the package and the files and
+have the size the build asked for.
 Real builds (a builder guest, pip through the builder's egress proxy), real
 HTTP. Without the door's template routes every build fails at its first
 request (404)."""
@@ -71,6 +72,12 @@ def test_a_sandbox_of_the_template_sees_the_package_and_the_files(built):
             "user 755",
             "root 600",
         ], r.stdout
+        # cpu_count=1, memory_mb=1024 is the template's size (the default
+        # template is 512 MiB: the build ran on its 1 GiB size variant).
+        r = s.commands.run("nproc; awk '/^MemTotal:/ {print int($2/1024)}' /proc/meminfo")
+        cpus, mib = r.stdout.split()
+        assert int(cpus) == 1, r.stdout
+        assert 896 <= int(mib) <= 1024, r.stdout
     finally:
         s.kill()
 
