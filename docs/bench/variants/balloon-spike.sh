@@ -18,10 +18,15 @@ ROOT="$(cd "$(dirname "$0")/../../.." && pwd)"
 W="${W:-/tmp/strata-balloon-spike}"
 PORT="${PORT:-48911}"
 URL="http://127.0.0.1:$PORT"
-rm -rf "$W"; mkdir -p "$W/run" "$W/qmp"
+rm -rf "$W"; RUN="${RUN_DIR:-/tmp/sbs-run}"; rm -rf "$RUN"; mkdir -p "$RUN" "$W/qmp"
 chmod 755 "$W" "$W/qmp"
 
-IMG="$(ls -d /var/cache/strata/images/*/ | while read -r d; do [ -f "$d/manifest.json" ] && echo "$d"; done | head -1)"
+IMG="${IMAGE_DIR:-}"
+if [ -z "$IMG" ]; then
+  for d in /var/cache/strata/images/*/; do
+    if [ -f "$d/manifest.json" ]; then IMG="$d"; break; fi
+  done
+fi
 KVER="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["kernel_version"])' "$IMG/manifest.json")"
 ( cd "$W" && apt-get download "linux-image-$KVER" >/dev/null 2>&1 )
 dpkg-deb --fsys-tarfile "$W"/linux-image-*.deb | tar -x -C "$W" "./lib/modules/$KVER/kernel/drivers/virtio/virtio_balloon.ko"
@@ -31,6 +36,7 @@ cat > "$W/qemu" <<WRAP
 #!/bin/sh
 name=""; prev=""
 for a in "\$@"; do [ "\$prev" = "-name" ] && name="\$a"; prev="\$a"; done
+name="\${name#guest=}"; name="\${name%%,*}"
 exec qemu-system-x86_64 "\$@" -device virtio-balloon-device,free-page-reporting=on \
   -qmp "unix:$W/qmp/\$name.sock,server=on,wait=off"
 WRAP
@@ -45,19 +51,19 @@ disk_gib = 2
 default_template = 0
 CONF
 "$ROOT/target/debug/stratad" --config "$W/stratad.toml" --listen "127.0.0.1:$PORT" --data-dir "$W/data" \
-  --run-dir "$W/run" --accel tcg --pool-size-gib 16 --image-dir "$IMG" >"$W/daemon.log" 2>&1 &
+  --run-dir "$RUN" --accel tcg --pool-size-gib 16 --image-dir "$IMG" >"$W/daemon.log" 2>&1 &
 DPID=$!
 cleanup() {
   kill "$DPID" 2>/dev/null || true
   for _ in $(seq 1 50); do kill -0 "$DPID" 2>/dev/null || break; sleep 0.2; done
-  for f in "$W"/run/*/qemu.pid; do [ -f "$f" ] && kill -KILL "$(cat "$f")" 2>/dev/null || true; done
+  for f in "$RUN"/*/qemu.pid; do [ -f "$f" ] && kill -KILL "$(cat "$f")" 2>/dev/null || true; done
   sleep 0.5
   mountpoint -q "$W/data/pool" && umount "$W/data/pool" || true
   for dev in $(losetup -j "$W/data/pool.img" -O NAME -n 2>/dev/null); do losetup -d "$dev"; done
 }
 trap cleanup EXIT
 for _ in $(seq 1 120); do curl -fsS "$URL/healthz" >/dev/null 2>&1 && break; sleep 0.5; done
-export W URL N KO
+export W URL N KO RUN
 python3 - <<'PY'
 import base64, json, os, socket, statistics, time, urllib.request
 
@@ -101,7 +107,7 @@ class Qmp:
                 return m
 
 def qemu_pid(sid):
-    return int(open(f"{W}/run/{sid}/qemu.pid").read())
+    return int(open(f"{os.environ['RUN']}/{sid}/qemu.pid").read())
 
 def rss_mib(pid):
     for l in open(f"/proc/{pid}/status"):
@@ -122,7 +128,7 @@ load = ("python3 -c \"import ctypes,os; d=open('/tmp/virtio_balloon.ko','rb').re
 print("load module:", sh(base, load).strip())
 print("driver:", sh(base, "ls /sys/bus/virtio/drivers/ | tr '\\n' ' '").strip())
 snap = api("POST", f"/v1/sandboxes/{base}/snapshots", {})["id"]
-api("DELETE", f"/v1/sandboxes/{base}")
+api("POST", f"/v1/sandboxes/{base}/pause", {})  # kept: deleting it would delete its snapshots
 print(f"max-size state (2 vCPU, 2048 MiB, balloon driver loaded): snapshot {snap}")
 
 rows = []

@@ -390,6 +390,46 @@ async fn a_create_at_another_size_answers_202_and_a_failed_variant_says_why() {
     assert_eq!(vs["items"][0]["id"], vid.as_str(), "{vs}");
 }
 
+/// A template keeps at most 8 size variants: a ninth size deletes the
+/// oldest (here all failed: this engine cannot build them), so no caller
+/// holds a shared template's sizes for good.
+#[tokio::test]
+async fn a_ninth_size_variant_evicts_the_oldest() {
+    let h = harness();
+    let mut ids = Vec::new();
+    for i in 0..9u32 {
+        let body = format!(
+            r#"{{"template":"tpl-base","size":{{"memory_mib":{}}}}}"#,
+            600 + i * 8
+        );
+        let (s, v) = call(&h, "POST", "/v1/sandboxes", body).await;
+        assert_eq!(s, StatusCode::ACCEPTED, "{v}");
+        let vid = v["variant"]["id"].as_str().unwrap().to_owned();
+        let t = std::time::Instant::now();
+        loop {
+            let (_, r) = call(&h, "GET", &format!("/v1/templates/{vid}"), "").await;
+            if r["status"] != "building" {
+                break;
+            }
+            assert!(t.elapsed() < std::time::Duration::from_secs(20), "{r}");
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        ids.push(vid);
+    }
+    let (_, vs) = call(&h, "GET", "/v1/templates/tpl-base/variants", "").await;
+    let listed: Vec<&str> = vs["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(listed.len(), 8, "{vs}");
+    assert!(!listed.contains(&ids[0].as_str()), "the oldest went: {vs}");
+    assert!(listed.contains(&ids[8].as_str()), "{vs}");
+    let (s, _) = call(&h, "GET", &format!("/v1/templates/{}", ids[0]), "").await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+}
+
 #[tokio::test]
 async fn sizes_are_validated_and_capacity_enforced() {
     let h = harness();

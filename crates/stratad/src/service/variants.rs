@@ -26,7 +26,8 @@
 //! again) — it is a fresh boot of the same disk. A recipe template
 //! published before start commands were kept has no variants (rebuild it).
 //! Variant builds run two at a time per daemon; a template has at most
-//! [`MAX_VARIANTS_PER_TEMPLATE`]; deleting a template deletes its variants.
+//! [`MAX_VARIANTS_PER_TEMPLATE`] (a new size past that deletes the oldest
+//! built one); deleting a template deletes its variants.
 
 use sha2::{Digest, Sha256};
 
@@ -153,17 +154,30 @@ impl Service {
                 tpl.id
             )));
         };
-        let others = self
+        let mut others: Vec<TemplateRecord> = self
             .variants_of(&tpl.id)
             .await?
             .into_iter()
             .filter(|v| v.id != id)
-            .count();
-        if others >= MAX_VARIANTS_PER_TEMPLATE {
-            return Err(ServiceError::QuotaExceeded(format!(
-                "template {} has {others} size variants (at most {MAX_VARIANTS_PER_TEMPLATE}); delete one (DELETE /v1/templates/{{variant id}}, listed by GET /v1/templates/{}/variants)",
-                tpl.id, tpl.id
-            )));
+            .collect();
+        if others.len() >= MAX_VARIANTS_PER_TEMPLATE {
+            // Full: the oldest built (or failed) variant goes (sandboxes made
+            // from it are independent of it), so no caller can hold a
+            // shared template's sizes for good; all of them being built is
+            // a refusal.
+            others.retain(|v| v.status != TemplateStatus::Building);
+            let Some(oldest) = others
+                .into_iter()
+                .min_by_key(|v| (v.created_at, v.id.clone()))
+            else {
+                return Err(ServiceError::QuotaExceeded(format!(
+                    "template {} has {MAX_VARIANTS_PER_TEMPLATE} size variants being built; retry when one is done",
+                    tpl.id
+                )));
+            };
+            info!(template = %tpl.id, variant = %oldest.id, "evicting the oldest size variant");
+            self.metrics.count("template_variant_evicted");
+            self.end_variant(oldest).await;
         }
         if existing.is_some() {
             // A failed or deleted build may have left parts; start clean.
@@ -318,23 +332,41 @@ impl Service {
             .collect())
     }
 
+    /// `tpl`'s variant of `size` as recorded, without starting a build
+    /// (the warm-pool filler: a failed variant is not retried for a pool).
+    pub(super) async fn variant_record(
+        &self,
+        tpl: &TemplateRecord,
+        size: SandboxSize,
+    ) -> ServiceResult<Option<TemplateRecord>> {
+        let id = Self::variant_id(tpl, size)?;
+        Ok(self
+            .db(move |s| s.get_template(&id))
+            .await?
+            .filter(|r| r.status != TemplateStatus::Deleted))
+    }
+
     /// Deletes every variant of `tpl` (its template is being deleted).
     pub(super) async fn delete_variants(&self, tpl: &TemplateId) {
         let Ok(all) = self.variants_of(tpl).await else {
             return;
         };
-        for mut v in all {
+        for v in all {
             if v.status == TemplateStatus::Building {
-                // Its build ends on its own and records the outcome; the
-                // template it would publish has no parent any more and is
-                // removed by the next delete of the parent's id or recovery.
+                // Its build ends on its own: finding its template gone, it
+                // removes what it published and records the variant deleted.
                 continue;
             }
-            let _ = self.engine.delete_template(&v.id).await;
-            v.status = TemplateStatus::Deleted;
-            v.updated_at = self.now();
-            let _ = self.db(move |s| s.put_template(&v)).await;
+            self.end_variant(v).await;
         }
+    }
+
+    /// Removes a variant's state and records it deleted.
+    async fn end_variant(&self, mut v: TemplateRecord) {
+        let _ = self.engine.delete_template(&v.id).await;
+        v.status = TemplateStatus::Deleted;
+        v.updated_at = self.now();
+        let _ = self.db(move |s| s.put_template(&v)).await;
     }
 
     /// Builds variant `var` of `tpl` (module docs); returns the accelerator.
@@ -390,7 +422,7 @@ impl Service {
                 on_timeout: OnTimeout::Delete,
                 ..LifecyclePolicy::default()
             });
-            self.keep_lifecycle(&first, stranded.clone(), None).await;
+            self.keep_lifecycle(&first, stranded, None).await;
             self.set_progress(&var.id, "syncing and freezing its disk", Some(0.2));
             let g = self
                 .acquire(&first.id, Op::Hibernate, Who::Background)

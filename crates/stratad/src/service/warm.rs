@@ -391,15 +391,19 @@ impl Service {
                 disk_gib: t.size.disk_gib,
             };
             if super::variants::needs_variant(t.size, size) {
-                // A pool of the template's size variant: once it is built
-                // (asking for it starts its build).
-                match self.variant(&t, size).await {
-                    Ok(super::variants::Variant::Ready(v)) => t = v,
-                    Ok(super::variants::Variant::Building(_)) => continue,
-                    Err(e) => {
-                        tracing::debug!(template = %t.id, error = %e.message(), "no size variant for a warm pool");
+                // A pool of the template's size variant, once it is built:
+                // asked for, it starts its build; one that failed is not
+                // retried for a pool (a create of that size retries it).
+                match self.variant_record(&t, size).await {
+                    Ok(Some(v)) if v.status == TemplateStatus::Ready => t = v,
+                    Ok(Some(_)) => continue,
+                    Ok(None) => {
+                        if let Err(e) = self.variant(&t, size).await {
+                            warn!(template = %t.id, error = %e.message(), "no size variant for a warm pool");
+                        }
                         continue;
                     }
+                    Err(_) => continue,
                 }
             }
             let key = WarmKey {
