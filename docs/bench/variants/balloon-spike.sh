@@ -14,7 +14,7 @@
 # running; prints one line per fork and a summary.
 set -euo pipefail
 N="${1:-10}"
-ROOT="$(cd "$(dirname "$0")/../../.." && pwd)"
+ROOT="${ROOT:-$(cd "$(dirname "$0")/../../.." && pwd)}"
 W="${W:-/tmp/strata-balloon-spike}"
 PORT="${PORT:-48911}"
 URL="http://127.0.0.1:$PORT"
@@ -168,6 +168,23 @@ for i in range(N):
         print(f"hostile guest: {un.replace(chr(10), ' / ')}; balloon actual {actual/2**20:.0f} MiB; QEMU RSS {rss_mib(pid):.0f} MiB")
     api("DELETE", f"/v1/sandboxes/{sid}")
 
+# The chosen way, side by side in this run: the same template's 1 vCPU /
+# 512 MiB size variant (built once), then forks of it at that size.
+t0 = time.monotonic()
+r = api("POST", "/v1/sandboxes", {"size": {"vcpus": 1, "memory_mib": 512}, "wait": True})
+print(f"variant 1x512 built + first create: {(time.monotonic() - t0):.1f} s")
+api("DELETE", f"/v1/sandboxes/{r['id']}")
+vrows = []
+for i in range(N):
+    t0 = time.monotonic()
+    sid = api("POST", "/v1/sandboxes", {"size": {"vcpus": 1, "memory_mib": 512}})["id"]
+    fork_ms = (time.monotonic() - t0) * 1000
+    pid = qemu_pid(sid)
+    cpu = sh(sid, "nproc; awk '/^MemTotal:/ {print int($2/1024)}' /proc/meminfo").split()
+    vrows.append((fork_ms, rss_mib(pid), mem_alloc_mib(sid)))
+    print(f"variant fork {i}: create {fork_ms:.0f} ms (nproc {cpu[0]}, MemTotal {cpu[1]} MiB), QEMU RSS {vrows[-1][1]:.0f} MiB, mem file allocated {vrows[-1][2]:.0f} MiB")
+    api("DELETE", f"/v1/sandboxes/{sid}")
+
 def pct(v, p):
     v = sorted(v); return v[min(len(v) - 1, int(round(p / 100 * (len(v) - 1))))]
 for name, k in (("fork (2 vCPU, 2048 MiB)", 0), ("inflate to 512 MiB", 1), ("offline cpu1", 2)):
@@ -175,4 +192,8 @@ for name, k in (("fork (2 vCPU, 2048 MiB)", 0), ("inflate to 512 MiB", 1), ("off
     print(f"{name}: p50 {pct(v,50):.0f} ms, max of {len(v)} {max(v):.0f} ms")
 print(f"QEMU RSS after fork p50 {statistics.median(r[3] for r in rows):.0f} MiB, after inflate p50 {statistics.median(r[4] for r in rows):.0f} MiB")
 print(f"mem file allocated after fork p50 {statistics.median(r[5] for r in rows):.0f} MiB, after inflate p50 {statistics.median(r[6] for r in rows):.0f} MiB")
+v = [r[0] for r in vrows]
+print(f"variant create (fork, 1 vCPU, 512 MiB): p50 {pct(v,50):.0f} ms, max of {len(v)} {max(v):.0f} ms; QEMU RSS p50 {statistics.median(r[1] for r in vrows):.0f} MiB, mem file allocated p50 {statistics.median(r[2] for r in vrows):.0f} MiB")
+b = [r[0] + r[1] + r[2] for r in rows]
+print(f"per fork to a 1 vCPU / 512 MiB guest: balloon (fork + inflate + offline) p50 {pct(b,50)/1000:.1f} s vs variant fork p50 {pct(v,50)/1000:.2f} s ({pct(b,50)/pct(v,50):.0f}x)")
 PY
