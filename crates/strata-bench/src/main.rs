@@ -19,7 +19,7 @@ use futures::FutureExt;
 use strata_bench::ctx::{teardown_all, Ctx};
 use strata_bench::report::{commit, Machine, Report, Section};
 use strata_bench::sections::{
-    self, density, history, load, pool, recipe, restore, scale, sdk, snapshot,
+    self, density, history, interp, load, pool, recipe, restore, scale, sdk, snapshot,
 };
 use strata_core::Accel;
 use strata_vmm::VmmDriver;
@@ -35,7 +35,8 @@ struct Cli {
     #[arg(long)]
     out: Option<PathBuf>,
     /// Sections to run, comma-separated: snapshot, restore, load, density, history, scale;
-    /// and sdk (E2B SDK beside /v1), recipe (template builds), pool (warm pools), run only when named here.
+    /// and sdk (E2B SDK beside /v1), recipe (template builds), pool (warm pools), interp (code
+    /// interpreter: first run_code in a fork vs a cold kernel), run only when named here.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// CI smoke size: every count at its minimum (completes, figures not meaningful).
@@ -74,6 +75,11 @@ struct Cli {
     recipe: recipe::Args,
     #[command(flatten, next_help_heading = "9. Warm pools (only with --only pool)")]
     pool: pool::Args,
+    #[command(
+        flatten,
+        next_help_heading = "10. Code interpreter (only with --only interp)"
+    )]
+    interp: interp::Args,
 }
 
 fn title(key: &str) -> &'static str {
@@ -87,6 +93,7 @@ fn title(key: &str) -> &'static str {
         "sdk" => "7. E2B SDK beside strata's API: create → first command, fork",
         "recipe" => "8. Template builds from recipes: full, rebuild, host cache",
         "pool" => "9. Warm pools: create from a pool vs without, sequential and 8 concurrent",
+        "interp" => "10. Code interpreter: first run_code in a fork vs a cold kernel start",
         _ => "unknown section",
     }
 }
@@ -123,6 +130,7 @@ async fn run_section(key: &str, ctx: &Ctx, cli: &Cli) -> Section {
                 "sdk" => sdk::run(ctx, &cli.sdk, &mut sec).await,
                 "recipe" => recipe::run(ctx, &cli.recipe, &mut sec).await,
                 "pool" => pool::run(ctx, &cli.pool, &mut sec).await,
+                "interp" => interp::run(ctx, &cli.interp, &mut sec).await,
                 other => Err(anyhow!("unknown section {other:?}")),
             }
         };
@@ -185,6 +193,7 @@ fn main() -> Result<()> {
         cli.sdk.smoke();
         cli.recipe.smoke();
         cli.pool.smoke();
+        cli.interp.smoke();
     }
     let requested: Accel = cli.accel.parse().map_err(|e: String| anyhow!(e))?;
     let image = image_dir(&cli)?;

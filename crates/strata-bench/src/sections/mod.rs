@@ -7,6 +7,7 @@
 
 pub mod density;
 pub mod history;
+pub mod interp;
 pub mod load;
 pub mod pool;
 pub mod recipe;
@@ -20,5 +21,6 @@ pub const ALL: &[&str] = &["snapshot", "restore", "load", "density", "history", 
 
 /// Sections run only when `--only` names them (not in the default nor the
 /// smoke run): `sdk` needs the `e2b` package from PyPI, `recipe` the
-/// package registries, `pool` runs two daemons for minutes.
-pub const OPT_IN: &[&str] = &["sdk", "recipe", "pool"];
+/// package registries, `pool` runs two daemons for minutes, `interp` the
+/// code-interpreter template (a cold build ~25 min under TCG).
+pub const OPT_IN: &[&str] = &["sdk", "recipe", "pool", "interp"];
