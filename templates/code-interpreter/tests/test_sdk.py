@@ -316,7 +316,13 @@ def test_the_default_context_is_warm_and_its_namespace_empty(start_server, monke
     probe = "import sys, os\n(sorted(m for m in ('numpy', 'matplotlib.pyplot') if m in sys.modules), 'np' in globals(), 'plt' in globals(), 'STRATA_INTERP_WARM' in os.environ)"
     # The default context (the one a template snapshot holds) has numpy and
     # pyplot imported already, without binding a name the user did not write.
-    assert sandbox.run_code(probe).text == "(['matplotlib.pyplot', 'numpy'], False, False, False)"
+    first = sandbox.run_code(probe)
+    assert first.text == "(['matplotlib.pyplot', 'numpy'], False, False, False)"
+    # The warm-up ran a figure through the display path (the Agg renderer is
+    # loaded) without counting an execution or leaving a name.
+    assert first.execution_count == 1
+    warmed = sandbox.run_code("import sys; ('matplotlib.backends.backend_agg' in sys.modules, [n for n in globals() if 'warm' in n])")
+    assert warmed.text == "(True, [])"
     ctx = sandbox.create_code_context()
     try:
         assert sandbox.run_code(probe, context=ctx).text == "([], False, False, False)"
