@@ -164,6 +164,7 @@ impl E2b {
     pub fn new(svc: Arc<Service>, sec: Option<Arc<Security>>, cfg: E2bConfig) -> Arc<Self> {
         let envs = load_envs(&svc);
         let ports = public::load(&svc);
+        let templates = control::templates::TemplateState::load(&svc);
         let st = Arc::new(E2b {
             svc,
             sec,
@@ -174,7 +175,7 @@ impl E2b {
             key_limiter: RateLimiter::new(cfg.rate_limit_per_second, cfg.rate_limit_burst),
             envd_limiter: RateLimiter::new(cfg.rate_limit_per_second, cfg.rate_limit_burst),
             failures: auth::FailureLimiter::per_minute(cfg.auth_failures_per_minute),
-            templates: control::templates::TemplateState::default(),
+            templates,
             cfg,
         });
         // Whoever deletes a sandbox (a user, its timeout), the door forgets it.

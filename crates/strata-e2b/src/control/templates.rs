@@ -40,7 +40,9 @@
 //!   template of the caller's or the platform's of that name, 404 otherwise.
 //! - Tags (`POST`/`DELETE /templates/tags`, `GET /templates/{id}/tags`):
 //!   a build's `name:tag` and `tags` and later assignments, kept in memory
-//!   (lost at a restart; the template keeps its name).
+//!   and stored with the tenant (`Service::set_tenant_setting`, key
+//!   `e2b.tags/<name>`) before the call is answered, so they survive a
+//!   restart.
 //! - `DELETE /templates/{id or name}`: one of the caller's templates is
 //!   deleted (204); anything else goes on as a snapshot delete.
 //!
@@ -110,11 +112,14 @@ struct Pending {
 }
 
 /// One tag of a template name.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, Deserialize)]
 struct Tag {
     template: TemplateId,
     created: DateTime<Utc>,
 }
+
+/// Prefix of the tenant settings holding a name's tags.
+const TAGS_KEY: &str = "e2b.tags/";
 
 /// The door's template-build state (in memory).
 #[derive(Debug)]
@@ -142,6 +147,34 @@ impl Default for TemplateState {
             files: Mutex::default(),
             tags: Mutex::default(),
             cursors: Mutex::default(),
+        }
+    }
+}
+
+impl TemplateState {
+    /// The state with the tags the service keeps (none, with an error in
+    /// the log, when they cannot be read).
+    pub fn load(svc: &stratad::service::Service) -> Self {
+        let mut tags: HashMap<(String, String), BTreeMap<String, Tag>> = HashMap::new();
+        match svc.stored_tenant_settings(TAGS_KEY) {
+            Ok(rows) => {
+                for (owner, key, v) in rows {
+                    let name = key[TAGS_KEY.len()..].to_owned();
+                    match serde_json::from_value::<BTreeMap<String, Tag>>(v) {
+                        Ok(m) => {
+                            tags.insert((owner, name), m);
+                        }
+                        Err(e) => {
+                            tracing::error!(owner, name, error = %e, "stored template tags unreadable: left out")
+                        }
+                    }
+                }
+            }
+            Err(e) => tracing::error!(error = %e, "reading the template tags failed"),
+        }
+        TemplateState {
+            tags: Mutex::new(tags),
+            ..TemplateState::default()
         }
     }
 }
@@ -800,11 +833,27 @@ pub async fn start_build(
     lock(&st.templates.pending).remove(&tid);
     if let Ok(id) = tid.parse::<TemplateId>() {
         st.put_tags(&p.owner, &p.alias, &p.tags, &id);
+        st.save_tags(&caller, &p.alias).await?;
     }
     Ok(StatusCode::ACCEPTED.into_response())
 }
 
 impl E2b {
+    /// Stores the caller's tags of `name` as they are in memory (removes
+    /// the row when there are none).
+    async fn save_tags(&self, caller: &Caller, name: &str) -> E2bResult<()> {
+        let v = lock(&self.templates.tags)
+            .get(&(caller.owner().to_owned(), name.to_owned()))
+            .filter(|m| !m.is_empty())
+            .map(serde_json::to_value)
+            .transpose()
+            .map_err(|e| E2bError::new(500, format!("tags: {e}")))?;
+        self.svc
+            .set_tenant_setting(caller, &format!("{TAGS_KEY}{name}"), v.as_ref())
+            .await?;
+        Ok(())
+    }
+
     /// Points `tags` of `owner`'s `name` at template `id`.
     fn put_tags(&self, owner: &str, name: &str, tags: &[String], id: &TemplateId) {
         let mut all = lock(&self.templates.tags);
@@ -1041,6 +1090,7 @@ pub async fn assign_tags(
         .map(|t| parse_tag(&name, t))
         .collect::<E2bResult<Vec<_>>>()?;
     st.put_tags(caller.owner(), &name, &tags, &id);
+    st.save_tags(&caller, &name).await?;
     Ok((
         StatusCode::CREATED,
         Json(json!({"buildID": build_id_of(&id), "tags": tags})),
@@ -1056,13 +1106,16 @@ pub async fn remove_tags(
 ) -> E2bResult<Response> {
     let req: RemoveBody = parse_body(&body)?;
     let (name, _) = split_name(&req.name)?;
-    let mut all = lock(&st.templates.tags);
-    let Some(m) = all.get_mut(&(caller.owner().to_owned(), name.clone())) else {
-        return Err(template_not_found(&req.name));
-    };
-    for t in &req.tags {
-        m.remove(&parse_tag(&name, t)?);
+    {
+        let mut all = lock(&st.templates.tags);
+        let Some(m) = all.get_mut(&(caller.owner().to_owned(), name.clone())) else {
+            return Err(template_not_found(&req.name));
+        };
+        for t in &req.tags {
+            m.remove(&parse_tag(&name, t)?);
+        }
     }
+    st.save_tags(&caller, &name).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 

@@ -608,6 +608,50 @@ impl Service {
             .await
     }
 
+    /// Keeps a front door's setting `key` (1–200 bytes) of the caller's
+    /// tenant (`None`: removes it): JSON of at most 64 KiB, read back at the
+    /// door's start with [`Service::stored_tenant_settings`].
+    pub async fn set_tenant_setting(
+        &self,
+        caller: &Caller,
+        key: &str,
+        value: Option<&serde_json::Value>,
+    ) -> ServiceResult<()> {
+        if key.is_empty() || key.len() > 200 {
+            return Err(ServiceError::InvalidRequest(
+                "setting key: 1 to 200 bytes".into(),
+            ));
+        }
+        let text = value.map(|v| v.to_string());
+        if text.as_ref().is_some_and(|t| t.len() > 64 * 1024) {
+            return Err(ServiceError::InvalidRequest(
+                "setting value: at most 64 KiB of JSON".into(),
+            ));
+        }
+        let (tenant, key) = (caller.owner().to_owned(), key.to_owned());
+        self.db(move |s| s.put_tenant_setting(&tenant, &key, text.as_deref()))
+            .await
+    }
+
+    /// Every tenant's settings whose key starts with `prefix` (blocking:
+    /// for a front door's start): (tenant, key, value); a value that is not
+    /// JSON is left out with an error in the log.
+    pub fn stored_tenant_settings(
+        &self,
+        prefix: &str,
+    ) -> ServiceResult<Vec<(String, String, serde_json::Value)>> {
+        let mut out = Vec::new();
+        for (tenant, key, text) in self.store.tenant_settings(prefix)? {
+            match serde_json::from_str(&text) {
+                Ok(v) => out.push((tenant, key, v)),
+                Err(e) => {
+                    tracing::error!(tenant, key, error = %e, "stored tenant setting is not JSON: left out")
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// Setting `key` of every sandbox not deleted that has one (blocking:
     /// for a front door's start); a value that is not JSON is left out with
     /// an error in the log.

@@ -546,6 +546,12 @@ pub trait Store: Send + Sync + 'static {
     ) -> StoreResult<()>;
     /// Setting `key` of every sandbox not deleted that has it.
     fn sandbox_settings(&self, key: &str) -> StoreResult<Vec<(SandboxId, String)>>;
+    /// Replaces a front door's setting `key` of tenant `tenant` (JSON text;
+    /// `None`: removes it), e.g. the E2B door's template tags of a name.
+    fn put_tenant_setting(&self, tenant: &str, key: &str, value: Option<&str>) -> StoreResult<()>;
+    /// Every tenant's settings whose key starts with `prefix`: (tenant,
+    /// key, value).
+    fn tenant_settings(&self, prefix: &str) -> StoreResult<Vec<(String, String, String)>>;
 
     /// Inserts or replaces a snapshot record.
     fn put_snapshot(&self, rec: &SnapshotRecord) -> StoreResult<()>;

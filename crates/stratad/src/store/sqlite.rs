@@ -424,6 +424,34 @@ impl Store for SqliteStore {
         )
     }
 
+    fn put_tenant_setting(&self, tenant: &str, key: &str, value: Option<&str>) -> StoreResult<()> {
+        let w = self.writer();
+        match value {
+            None => w.execute(
+                "DELETE FROM tenant_settings WHERE tenant_id = ?1 AND key = ?2",
+                params![tenant, key],
+            )?,
+            Some(v) => w.execute(
+                "INSERT OR REPLACE INTO tenant_settings (tenant_id, key, value, updated_at) VALUES (?1, ?2, ?3, ?4)",
+                params![tenant, key, v, ms(Utc::now())],
+            )?,
+        };
+        Ok(())
+    }
+
+    fn tenant_settings(&self, prefix: &str) -> StoreResult<Vec<(String, String, String)>> {
+        let conn = self.reader();
+        let mut stmt = conn.prepare(
+            "SELECT tenant_id, key, value FROM tenant_settings WHERE substr(key, 1, length(?1)) = ?1 ORDER BY tenant_id, key",
+        )?;
+        let rows = stmt.query_map([prefix], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
+        let mut out = Vec::new();
+        for r in rows {
+            out.push(r?);
+        }
+        Ok(out)
+    }
+
     fn put_sandbox_lifecycle(&self, id: &SandboxId, policy: &LifecyclePolicy) -> StoreResult<()> {
         // Only for a sandbox not deleted (a delete racing this keeps none).
         self.writer().execute(

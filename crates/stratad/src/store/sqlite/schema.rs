@@ -2,7 +2,7 @@
 //! (`PRAGMA user_version` counts them). Never edit a shipped migration: add one.
 
 /// Newest schema version this build knows.
-pub const SCHEMA_VERSION: i64 = 10;
+pub const SCHEMA_VERSION: i64 = 11;
 
 pub(super) const MIGRATIONS: &[&str] = &[
     // 1: initial schema.
@@ -169,5 +169,16 @@ pub(super) const MIGRATIONS: &[&str] = &[
     r#"
     ALTER TABLE templates ADD COLUMN variant_of TEXT;
     CREATE INDEX templates_by_variant ON templates (variant_of);
+    "#,
+    // 11: a front door's per-tenant settings by key (JSON; the E2B door's
+    // template tags of each name).
+    r#"
+    CREATE TABLE tenant_settings (
+        tenant_id TEXT NOT NULL,
+        key TEXT NOT NULL,
+        value TEXT NOT NULL,
+        updated_at INTEGER NOT NULL,
+        PRIMARY KEY (tenant_id, key)
+    ) WITHOUT ROWID;
     "#,
 ];
