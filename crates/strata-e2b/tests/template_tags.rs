@@ -3,6 +3,8 @@
 //! before each call is answered, and a new door over the same store lists
 //! exactly them (before, they were only in the door's memory).
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap is a failed test
+
 mod common;
 
 use common::{door, KEY};
