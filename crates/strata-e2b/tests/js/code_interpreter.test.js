@@ -4,7 +4,8 @@
 // named `code-interpreter`, built here once from
 // templates/code-interpreter/recipe.toml through the daemon (the `strata`
 // CLI; STRATA_INTERP_RECIPE names another copy). Then `runCode` state, an
-// error's name/value/traceback, and a matplotlib png.
+// error's name/value/traceback, a matplotlib png, and the kernel state
+// across pause/connect, fork and rewind.
 //
 // Run by run-js.sh (E2B_API_URL, E2B_SANDBOX_URL, E2B_API_KEY, STRATA_TOKEN,
 // STRATA_BIN set): `node --test code_interpreter.test.js`.
@@ -76,4 +77,52 @@ test('a matplotlib figure is a png result', STEP, async () => {
   assert.equal(pngs.length, 1)
   const raw = Buffer.from(pngs[0].png, 'base64')
   assert.deepEqual([...raw.subarray(0, 8)], [0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a])
+})
+
+test('kernel state survives pause and connect', STEP, async () => {
+  assert.equal((await sbx.runCode("paused_state = 'kept'")).error, undefined)
+  await sbx.pause()
+  const s = await Sandbox.connect(sbx.sandboxId)
+  const ex = await s.runCode('paused_state')
+  assert.equal(ex.error, undefined)
+  assert.equal(ex.text, 'kept')
+})
+
+test('kernel state is copied by fork, then independent', STEP, async () => {
+  assert.equal((await sbx.runCode('forked = [1, 2]')).error, undefined)
+  const forks = await sbx.fork({ count: 1, timeoutMs: 600_000 })
+  assert.equal(forks.length, 1)
+  const f = forks[0]
+  assert.ok(f instanceof Sandbox, `the fork failed: ${f}`)
+  try {
+    const ex = await f.runCode('forked.append(3); forked')
+    assert.equal(ex.error, undefined)
+    assert.equal(ex.text, '[1, 2, 3]')
+    assert.equal((await sbx.runCode('forked')).text, '[1, 2]')
+  } finally {
+    await f.kill()
+  }
+})
+
+test('rewind brings back the kernel state of the snapshot', STEP, async () => {
+  const api = async (method, p, body) => {
+    const r = await fetch(`${process.env.E2B_API_URL}${p}`, {
+      method,
+      headers: { Authorization: `Bearer ${process.env.STRATA_TOKEN}`, 'Content-Type': 'application/json' },
+      body: body === undefined ? undefined : JSON.stringify(body),
+    })
+    const text = await r.text()
+    assert.ok(r.status < 300, `${method} ${p}: ${r.status} ${text}`)
+    return JSON.parse(text)
+  }
+  assert.equal((await sbx.runCode("rewound = 'at snapshot'")).error, undefined)
+  const snap = await api('POST', `/v1/sandboxes/${sbx.sandboxId}/snapshots`, { label: 'interp-rewind-js' })
+  assert.equal((await sbx.runCode("rewound = 'after snapshot'; made_later = 1")).error, undefined)
+  await api('POST', `/v1/sandboxes/${sbx.sandboxId}/rewind`, { to: snap.id })
+  const ex = await sbx.runCode('rewound')
+  assert.equal(ex.error, undefined)
+  assert.equal(ex.text, 'at snapshot')
+  const gone = await sbx.runCode('made_later')
+  assert.ok(gone.error)
+  assert.equal(gone.error.name, 'NameError')
 })
