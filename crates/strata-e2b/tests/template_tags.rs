@@ -10,8 +10,9 @@ mod common;
 use common::{door, KEY};
 use serde_json::{json, Value};
 
-async fn tags_of(url: &str, name: &str) -> Vec<String> {
-    let v: Value = reqwest::Client::new()
+/// `GET /templates/{name}/tags` on the door at `url`.
+async fn tags_json(url: &str, name: &str) -> Value {
+    reqwest::Client::new()
         .get(format!("{url}/templates/{name}/tags"))
         .header("X-API-KEY", KEY)
         .send()
@@ -19,7 +20,12 @@ async fn tags_of(url: &str, name: &str) -> Vec<String> {
         .unwrap()
         .json()
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// The tag names of `name`, sorted.
+async fn tags_of(url: &str, name: &str) -> Vec<String> {
+    let v = tags_json(url, name).await;
     let mut tags: Vec<String> = v
         .as_array()
         .unwrap_or_else(|| panic!("{v}"))
@@ -95,15 +101,7 @@ async fn template_tags_are_kept_across_a_restart_of_the_door() {
     tokio::spawn(async move { axum::serve(listener, service).await });
     assert_eq!(tags_of(&url, "tagged-app").await, ["stable", "v1", "v2"]);
     // Each tag still names the build it was given to.
-    let v: Value = reqwest::Client::new()
-        .get(format!("{url}/templates/tagged-app/tags"))
-        .header("X-API-KEY", KEY)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v = tags_json(&url, "tagged-app").await;
     assert!(
         v.as_array()
             .unwrap()

@@ -75,6 +75,19 @@ pub struct TemplateStarts {
     pub starts: Option<Vec<strata_runtime::StartCommand>>,
 }
 
+impl TemplateStarts {
+    /// What the template's guest had started, base first: nothing for an
+    /// image-booted template, `None` for a recipe template published
+    /// before they were kept.
+    pub fn effective(&self) -> Option<Vec<strata_runtime::StartCommand>> {
+        match (&self.recipe, &self.starts) {
+            (_, Some(s)) => Some(s.clone()),
+            (None, None) => Some(Vec::new()),
+            (Some(_), None) => None,
+        }
+    }
+}
+
 #[async_trait]
 pub trait Engine: Send + Sync + 'static {
     /// Starts a new sandbox VM from a template or a snapshot (never a cold boot).

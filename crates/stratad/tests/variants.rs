@@ -137,23 +137,7 @@ templates = [{ template = "tpl-web", count = 1, vcpus = 2, memory_mib = 768 }]
 
         // The pool of that size fills with a fork of the variant; the
         // create claims it.
-        let t = Instant::now();
-        loop {
-            let st = d.ok("GET", "/v1/stats", None, 200).await;
-            let ready: u64 = st["warm_pools"]
-                .as_array()
-                .map(|a| a.iter().map(|p| p["ready"].as_u64().unwrap_or(0)).sum())
-                .unwrap_or(0);
-            if ready == 1 {
-                break;
-            }
-            assert!(
-                t.elapsed() < Duration::from_secs(120),
-                "the 2x768 pool did not fill: {st}\n{}",
-                d.logs()
-            );
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
+        d.wait_warm(1, Duration::from_secs(120)).await;
         let t = Instant::now();
         let a = d
             .create(json!({"template": "tpl-web", "size": {"vcpus": 2, "memory_mib": 768}}))

@@ -46,33 +46,6 @@ fn upstream() -> u16 {
     port
 }
 
-/// The operator's view of the warm pools: guests ready, all pools.
-async fn warm_ready(d: &Daemon) -> u64 {
-    let v = d.ok("GET", "/v1/stats", None, 200).await;
-    v["warm_pools"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no warm_pools in {v}"))
-        .iter()
-        .map(|p| p["ready"].as_u64().unwrap_or(0))
-        .sum()
-}
-
-async fn wait_warm(d: &Daemon, want: u64, max: Duration) {
-    let t = Instant::now();
-    loop {
-        let n = warm_ready(d).await;
-        if n == want {
-            return;
-        }
-        assert!(
-            t.elapsed() < max,
-            "{n} warm guests ready, want {want} after {max:?}:\n{}",
-            d.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-}
-
 /// `strata_events_total{kind}` from `/metrics`.
 async fn events(d: &Daemon, kind: &str) -> u64 {
     d.api.events_total(kind).await.expect("GET /metrics")
@@ -125,7 +98,7 @@ platform_policy = "{}"
         policy.display()
     ));
     d.wait_template().await;
-    wait_warm(&d, 2, Duration::from_secs(180)).await;
+    d.wait_warm(2, Duration::from_secs(180)).await;
     let warm_before = vms_but(&d, &[]);
     assert_eq!(warm_before.len(), 2, "two warm guests run: {warm_before:?}");
 
@@ -220,10 +193,10 @@ platform_policy = "{}"
     assert_eq!(events(&d, "warm_pool_claim").await, 2);
 
     // Refilled into the free room only: one vCPU is left, so one guest.
-    wait_warm(&d, 1, Duration::from_secs(120)).await;
+    d.wait_warm(1, Duration::from_secs(120)).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(
-        warm_ready(&d).await,
+        d.warm_ready().await,
         1,
         "the filler took room that is not free"
     );
@@ -232,13 +205,13 @@ platform_policy = "{}"
     // warm guest goes, the create is not refused.
     let c = d.create(json!({ "size": { "disk_gib": 3 } })).await;
     assert_eq!(events(&d, "warm_pool_evicted").await, 1);
-    assert_eq!(warm_ready(&d).await, 0);
+    assert_eq!(d.warm_ready().await, 0);
     // Full: the filler waits for room.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    assert_eq!(warm_ready(&d).await, 0);
+    assert_eq!(d.warm_ready().await, 0);
     d.ok("DELETE", &format!("/v1/sandboxes/{c}"), None, 200)
         .await;
-    wait_warm(&d, 1, Duration::from_secs(120)).await;
+    d.wait_warm(1, Duration::from_secs(120)).await;
 
     // A graceful stop ends the warm guest, not the sandboxes.
     let warm_now = vms_but(&d, &[&a, &b]);
@@ -265,7 +238,7 @@ platform_policy = "{}"
     // Start again: the sandboxes are adopted, the pool refills; after a
     // kill -9 the warm guests left behind are ended by the next start.
     d.start_again();
-    wait_warm(&d, 1, Duration::from_secs(120)).await;
+    d.wait_warm(1, Duration::from_secs(120)).await;
     let orphans = vms_but(&d, &[&a, &b]);
     assert_eq!(orphans.len(), 1, "{orphans:?}");
     d.kill9();

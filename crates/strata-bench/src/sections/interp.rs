@@ -76,32 +76,7 @@ async fn build_interp(door: &Door) -> Result<(String, Duration)> {
     if let Ok(ca) = std::fs::read_to_string(strata_testkit::registry::HOST_CA_BUNDLE) {
         body["ca_bundle"] = ca.into();
     }
-    let t0 = Instant::now();
-    let (s, v) = door
-        .api
-        .json(Method::POST, "/v1/templates", Some(body))
-        .await
-        .map_err(|e| anyhow!("{e}"))?;
-    if s != 202 {
-        bail!("build: {s} {v}");
-    }
-    let id = v["id"].as_str().context("template id")?.to_owned();
-    loop {
-        let (_, v) = door
-            .api
-            .json(Method::GET, &format!("/v1/templates/{id}"), None)
-            .await
-            .map_err(|e| anyhow!("{e}"))?;
-        match v["status"].as_str() {
-            Some("ready") => return Ok((id, t0.elapsed())),
-            Some("building") => {}
-            _ => bail!("build {id}: {v}"),
-        }
-        if t0.elapsed() > Duration::from_secs(3600) {
-            bail!("build {id} still running after an hour");
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    super::recipe::build_template(door, body, Duration::from_secs(3600)).await
 }
 
 /// One `POST /v1/sandboxes/{id}/code`: its time, checked to end with the

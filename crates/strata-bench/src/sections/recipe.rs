@@ -83,6 +83,19 @@ async fn build(door: &Door, id: &str, recipe: Value, ca: &Option<String>) -> Res
     if let Some(ca) = ca {
         body["ca_bundle"] = ca.clone().into();
     }
+    build_template(door, body, Duration::from_secs(1800))
+        .await
+        .map(|(_, d)| d)
+}
+
+/// `POST /v1/templates` with `body`, then polls the template until it is
+/// ready (an error if it fails or takes longer than `limit`): its id and
+/// the time from the request to `ready`.
+pub(super) async fn build_template(
+    door: &Door,
+    body: Value,
+    limit: Duration,
+) -> Result<(String, Duration)> {
     let t0 = Instant::now();
     let (s, v) = door
         .api
@@ -90,8 +103,12 @@ async fn build(door: &Door, id: &str, recipe: Value, ca: &Option<String>) -> Res
         .await
         .map_err(|e| anyhow!("{e}"))?;
     if s != 202 {
-        bail!("build {id}: {s} {v}");
+        bail!("build: {s} {v}");
     }
+    let id = v["id"]
+        .as_str()
+        .ok_or_else(|| anyhow!("build: no id in {v}"))?
+        .to_owned();
     loop {
         let (_, v) = door
             .api
@@ -99,12 +116,12 @@ async fn build(door: &Door, id: &str, recipe: Value, ca: &Option<String>) -> Res
             .await
             .map_err(|e| anyhow!("{e}"))?;
         match v["status"].as_str() {
-            Some("ready") => return Ok(t0.elapsed()),
+            Some("ready") => return Ok((id, t0.elapsed())),
             Some("building") => {}
             _ => bail!("build {id}: {v}"),
         }
-        if t0.elapsed() > Duration::from_secs(1800) {
-            bail!("build {id} still running after 30 min");
+        if t0.elapsed() > limit {
+            bail!("build {id} still running after {limit:?}");
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

@@ -150,6 +150,29 @@ impl BuildLog {
     }
 }
 
+/// The spec of a builder sandbox of template `tpl` (a recipe build's or a
+/// size variant's): labelled `strata.build=<tpl>`, no rolling snapshots, an
+/// idle timeout no build reaches.
+pub(super) fn builder_spec(tpl: &TemplateId) -> SandboxSpec {
+    let mut labels = BTreeMap::new();
+    labels.insert(BUILD_LABEL.to_owned(), tpl.to_string());
+    SandboxSpec {
+        labels,
+        idle_timeout: Some("6h".into()),
+        snapshot_interval: Some("0s".into()),
+        ..SandboxSpec::default()
+    }
+}
+
+/// A builder's lifecycle: one a restart strands is deleted when it idles
+/// out.
+pub(super) fn stranded_builder() -> Option<LifecyclePolicy> {
+    Some(LifecyclePolicy {
+        on_timeout: OnTimeout::Delete,
+        ..LifecyclePolicy::default()
+    })
+}
+
 /// A recipe's start command and ready probe as a template keeps them.
 fn own_start(plan: &Plan) -> strata_runtime::StartCommand {
     strata_runtime::StartCommand {
@@ -561,14 +584,7 @@ impl Service {
         self.set_progress(&tpl.id, "starting the builder sandbox", Some(0.0));
         // The builder: a sandbox of the owner, labelled, that never idles
         // out during a build but goes if a restart strands it.
-        let mut labels = BTreeMap::new();
-        labels.insert(BUILD_LABEL.to_owned(), tpl.id.to_string());
-        let spec = SandboxSpec {
-            labels,
-            idle_timeout: Some("6h".into()),
-            snapshot_interval: Some("0s".into()),
-            ..SandboxSpec::default()
-        };
+        let spec = builder_spec(&tpl.id);
         let mut rec = self.new_record(&owner, &spec, tpl.size)?;
         rec.template = Some(job.base.id.clone());
         let builder = rec.id.clone();
@@ -587,15 +603,7 @@ impl Service {
                 return Err(e);
             }
         };
-        self.keep_lifecycle(
-            &rec,
-            Some(LifecyclePolicy {
-                on_timeout: OnTimeout::Delete,
-                ..LifecyclePolicy::default()
-            }),
-            None,
-        )
-        .await;
+        self.keep_lifecycle(&rec, stranded_builder(), None).await;
         log.line(&format!(
             "strata: builder {builder} forked from {from_name}"
         ))
@@ -769,12 +777,7 @@ impl Service {
         &self,
         id: &TemplateId,
     ) -> ServiceResult<Option<Vec<strata_runtime::StartCommand>>> {
-        let t = self.engine.template_starts(id).await?;
-        Ok(match (t.recipe, t.starts) {
-            (_, Some(s)) => Some(s),
-            (None, None) => Some(Vec::new()),
-            (Some(_), None) => None,
-        })
+        Ok(self.engine.template_starts(id).await?.effective())
     }
 
     /// Runs a start command (left running in the background, its output in

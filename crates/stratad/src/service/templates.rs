@@ -223,15 +223,16 @@ impl Service {
                     }
                 });
                 let result = match job {
-                    Some(job) => match this.rebase_on_variant(job, rec2.size).await {
-                        Ok(job) => {
-                            let accel = job.base.accel.clone();
+                    Some(job) => {
+                        async {
+                            let job = this.rebase_on_variant(job, rec2.size).await?;
+                            let accel = job.base.accel.clone().unwrap_or_default();
                             this.run_recipe(&owner_caller, &rec2, job)
                                 .await
-                                .map(|ms| (accel.unwrap_or_default(), ms))
+                                .map(|ms| (accel, ms))
                         }
-                        Err(e) => Err(e),
-                    },
+                        .await
+                    }
                     None => this
                         .engine
                         .build_template(&rec2.id, rec2.size, sink)

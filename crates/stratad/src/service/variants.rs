@@ -31,7 +31,7 @@
 
 use sha2::{Digest, Sha256};
 
-use super::build::{BuildLog, BUILD_LABEL};
+use super::build::{builder_spec, stranded_builder, BuildLog};
 use super::prelude::*;
 
 /// Size variants one template may have at once.
@@ -148,12 +148,13 @@ impl Service {
             }
             _ => {}
         }
-        let Some(starts) = self.starts_of(&tpl.id).await? else {
+        let origin = self.engine.template_starts(&tpl.id).await?;
+        if origin.effective().is_none() {
             return Err(ServiceError::InvalidStateOther(format!(
                 "template {} was built before templates kept their start commands, so it has no size variants: build it again to create it at other sizes",
                 tpl.id
             )));
-        };
+        }
         let mut others: Vec<TemplateRecord> = self
             .variants_of(&tpl.id)
             .await?
@@ -215,7 +216,7 @@ impl Service {
         tokio::spawn(
             async move {
                 let t0 = Instant::now();
-                let mut result = this.run_variant(&tpl, &done, starts).await;
+                let mut result = this.run_variant(&tpl, &done, origin).await;
                 if result.is_ok() && this.template_record(&tpl.id).await.is_err() {
                     // Its template was deleted meanwhile: so is the variant.
                     result = Err(ServiceError::InvalidStateOther(format!(
@@ -374,8 +375,10 @@ impl Service {
         self: &Arc<Self>,
         tpl: &TemplateRecord,
         var: &TemplateRecord,
-        starts: Vec<strata_runtime::StartCommand>,
+        origin: crate::engine::TemplateStarts,
     ) -> ServiceResult<String> {
+        // `variant` refused a template without recorded start commands.
+        let starts = origin.effective().unwrap_or_default();
         let _turn = self
             .variants
             .running
@@ -400,14 +403,7 @@ impl Service {
         .await;
         let owner = tpl.tenant.clone();
         let system = Caller::system(crate::caller::SystemReason::Platform);
-        let mut labels = BTreeMap::new();
-        labels.insert(BUILD_LABEL.to_owned(), var.id.to_string());
-        let spec = SandboxSpec {
-            labels,
-            idle_timeout: Some("6h".into()),
-            snapshot_interval: Some("0s".into()),
-            ..SandboxSpec::default()
-        };
+        let spec = builder_spec(&var.id);
         let mut builders: Vec<SandboxId> = Vec::new();
         let outcome = async {
             self.set_progress(&var.id, "forking the template", Some(0.1));
@@ -417,12 +413,7 @@ impl Service {
             let first = self
                 .spawn_new(first, Source::Template(tpl.id.clone()), step::SPAWN)
                 .await?;
-            // A builder a restart strands goes when it idles out.
-            let stranded = Some(LifecyclePolicy {
-                on_timeout: OnTimeout::Delete,
-                ..LifecyclePolicy::default()
-            });
-            self.keep_lifecycle(&first, stranded, None).await;
+            self.keep_lifecycle(&first, stranded_builder(), None).await;
             self.set_progress(&var.id, "syncing and freezing its disk", Some(0.2));
             let g = self
                 .acquire(&first.id, Op::Hibernate, Who::Background)
@@ -457,7 +448,7 @@ impl Service {
             let second = self
                 .spawn_new(second, Source::Snapshot(disk.id.clone()), step::SPAWN)
                 .await?;
-            self.keep_lifecycle(&second, stranded, None).await;
+            self.keep_lifecycle(&second, stranded_builder(), None).await;
             log.line(&format!(
                 "strata: booted in {:.1} s",
                 t_boot.elapsed().as_secs_f64()
@@ -472,8 +463,7 @@ impl Service {
                 "snapshotting the ready guest as the variant",
                 Some(0.9),
             );
-            let t = self.engine.template_starts(&tpl.id).await?;
-            let recipe = t.recipe.map(|r| {
+            let recipe = origin.recipe.map(|r| {
                 // Its own content identity: a recipe on this variant must
                 // not resume from steps cached on another size.
                 format!("{r}@{}x{}", var.size.vcpus, var.size.memory_mib)
@@ -482,7 +472,7 @@ impl Service {
             self.engine.snapshot(&second.id, &snap).await?;
             let published = self
                 .engine
-                .template_from_snapshot(&snap, &var.id, recipe, t.starts)
+                .template_from_snapshot(&snap, &var.id, recipe, origin.starts)
                 .await;
             let _ = self.engine.delete_snapshot(&snap).await;
             published?;

@@ -346,6 +346,34 @@ disk_gib = 2
         }
     }
 
+    /// Warm guests ready, all pools (the operator's `/v1/stats`).
+    pub async fn warm_ready(&self) -> u64 {
+        let v = self.ok("GET", "/v1/stats", None, 200).await;
+        v["warm_pools"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no warm_pools in {v}"))
+            .iter()
+            .map(|p| p["ready"].as_u64().unwrap_or(0))
+            .sum()
+    }
+
+    /// Waits until exactly `want` warm guests are ready (or panics after `max`).
+    pub async fn wait_warm(&self, want: u64, max: Duration) {
+        let t = Instant::now();
+        loop {
+            let n = self.warm_ready().await;
+            if n == want {
+                return;
+            }
+            assert!(
+                t.elapsed() < max,
+                "{n} warm guests ready, want {want} after {max:?}:\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
     /// Waits until the default template is ready.
     pub async fn wait_template(&self) {
         let t = Instant::now();
