@@ -211,6 +211,11 @@ impl BenchDaemon {
         // by default, which a quiet machine's hibernated creates exceed).
         cfg.security.rate_limit_per_second = 1e9;
         cfg.security.rate_limit_burst = u32::MAX;
+        // Nominal admission and no pressure-driven hibernation unless a
+        // section asks (`density`'s load): they would move other sections'
+        // figures with the host's load.
+        cfg.capacity.admission = stratad::config::AdmissionMode::Nominal;
+        cfg.pressure.enabled = false;
         tweak(&mut cfg);
         let data_dir = cfg.data_dir.clone();
         let engine = stratad::daemon::open_engine(&cfg)

@@ -201,6 +201,74 @@ pub struct Stats {
     pub snapshots: u64,
     /// Warm pools (an operator's token only; empty otherwise).
     pub warm_pools: Vec<WarmPool>,
+    /// The host's CPU, memory, pressure and admission (operator only).
+    pub host: Option<HostStats>,
+}
+
+/// `/v1/stats` `host`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct HostStats {
+    /// The sampler's newest host point.
+    pub latest: Option<HostPoint>,
+    /// `use` or `nominal`.
+    pub admission: String,
+    /// What admission by use counts.
+    pub budget: Option<UseBudget>,
+    /// The pressure monitor's last reading.
+    pub pressure: Option<PressureReading>,
+}
+
+/// The host over one sampler round.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct HostPoint {
+    /// Online CPUs.
+    pub cpus: u32,
+    /// CPU busy, cores.
+    pub cpu_busy_cores: f64,
+    /// CPU the VMs used, cores.
+    pub vm_cores: f64,
+    /// VMs sampled.
+    pub vms: u32,
+    /// MemTotal.
+    pub mem_total_bytes: u64,
+    /// MemAvailable.
+    pub mem_available_bytes: u64,
+    /// CPU pressure, percent.
+    pub cpu_pressure_pct: Option<f64>,
+    /// Memory pressure, percent.
+    pub mem_pressure_pct: Option<f64>,
+}
+
+/// What admission by use counts.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct UseBudget {
+    /// Host CPUs given to sandboxes.
+    pub cores: f64,
+    /// Cores given out (less headroom).
+    pub cpu_budget_cores: f64,
+    /// Cores counted against it.
+    pub cpu_demand_cores: f64,
+    /// Of which the sandboxes' recent peaks.
+    pub sandbox_cores: f64,
+    /// Of which the host's other load.
+    pub other_cores: f64,
+    /// VMs held or starting.
+    pub vms: u64,
+}
+
+/// The pressure monitor's last reading.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct PressureReading {
+    /// What counted as pressure.
+    pub over: Vec<String>,
+    /// Whether hibernation acts now.
+    pub active: bool,
+    /// Hibernations made for pressure.
+    pub hibernated: u64,
 }
 
 /// One warm pool of `/v1/stats`.

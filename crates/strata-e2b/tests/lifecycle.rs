@@ -39,6 +39,8 @@ async fn daemon(dir: tempfile::TempDir) -> Door {
     };
     cfg.capacity.vcpus = 1 << 20;
     cfg.capacity.memory_mib = 1 << 40;
+    cfg.capacity.admission = stratad::config::AdmissionMode::Nominal;
+    cfg.pressure.enabled = false;
     cfg.security.auth = true;
     cfg.security.rate_limit_per_second = 0.0;
     let e2b = strata_e2b::E2bConfig {

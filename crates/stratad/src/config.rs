@@ -14,16 +14,52 @@ use crate::retention::RetentionPolicy;
 /// The defaults, as a TOML file (also the reference for the file format).
 pub const DEFAULT_TOML: &str = include_str!("../stratad.default.toml");
 
+/// How creates, forks and wakes are admitted on this host (`[capacity]
+/// admission`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum AdmissionMode {
+    /// By what the host measures: the running sandboxes' recent CPU peaks
+    /// and memory, with headroom kept (`service::admission`).
+    #[default]
+    Use,
+    /// By nominal sizes: vCPUs × `cpu_overcommit` and memory reserved.
+    Nominal,
+}
+
 /// Host capacity the daemon places sandboxes against.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Capacity {
-    /// vCPUs available to sandboxes (0: the host's CPU count).
+    /// Host CPUs given to sandboxes (0: all of the host's). Nominal
+    /// admission multiplies it by `cpu_overcommit`; admission by use
+    /// counts it in cores.
     pub vcpus: u32,
     /// Memory available to sandboxes in MiB (0: 90 % of the host's RAM).
+    /// Nominal admission reserves each sandbox's size against it;
+    /// admission by use keeps `memory_headroom` of the host's RAM free.
     pub memory_mib: u64,
-    /// How many vCPUs may share one host CPU.
+    /// How many vCPUs may share one host CPU (nominal admission).
     pub cpu_overcommit: f64,
+    /// `use` (the default) or `nominal`.
+    pub admission: AdmissionMode,
+    /// Admission by use: share of the CPUs kept free for bursts beyond
+    /// the running sandboxes' recent peaks (0..1).
+    pub cpu_headroom: f64,
+    /// Admission by use: share of the host's RAM kept available (0..1).
+    pub memory_headroom: f64,
+    /// Admission by use: how far back a sandbox's recent CPU peak reaches.
+    #[serde(with = "serde_human")]
+    pub peak_window: Duration,
+    /// Admission by use: cores a sandbox is counted at per vCPU until the
+    /// sampler has measured it (a new sandbox, a wake without history).
+    pub new_sandbox_cpu: f64,
+    /// Admission by use: the least a running sandbox is counted at, in
+    /// cores, whatever it measured.
+    pub idle_cpu_floor: f64,
+    /// Most VMs (sandboxes with a VM, warm guests, builders) at once, in
+    /// either mode (0: no limit).
+    pub max_vms: u32,
 }
 
 impl Default for Capacity {
@@ -32,20 +68,33 @@ impl Default for Capacity {
             vcpus: 0,
             memory_mib: 0,
             cpu_overcommit: 4.0,
+            admission: AdmissionMode::Use,
+            cpu_headroom: 0.25,
+            memory_headroom: 0.10,
+            peak_window: Duration::from_secs(60),
+            new_sandbox_cpu: 0.25,
+            idle_cpu_floor: 0.005,
+            max_vms: 512,
         }
     }
 }
 
 impl Capacity {
-    /// Resolves automatic values against this host: `(vcpus, memory_mib)`.
-    pub fn resolve(&self) -> (u64, u64) {
-        let cpus = if self.vcpus == 0 {
+    /// Host CPUs given to sandboxes (`vcpus`, or the host's count).
+    pub fn cores(&self) -> u64 {
+        if self.vcpus == 0 {
             std::thread::available_parallelism()
                 .map(|n| n.get() as u64)
                 .unwrap_or(1)
         } else {
             u64::from(self.vcpus)
-        };
+        }
+    }
+
+    /// Resolves automatic values against this host: `(vcpus, memory_mib)`
+    /// of nominal admission.
+    pub fn resolve(&self) -> (u64, u64) {
+        let cpus = self.cores();
         let vcpus = ((cpus as f64) * self.cpu_overcommit.max(1.0)) as u64;
         let mem = if self.memory_mib == 0 {
             host_memory_mib().map(|m| m * 9 / 10).unwrap_or(4096)
@@ -53,6 +102,73 @@ impl Capacity {
             self.memory_mib
         };
         (vcpus, mem)
+    }
+
+    /// Checks the values that have a range.
+    pub fn validate(&self) -> Result<(), String> {
+        for (name, v) in [
+            ("cpu_headroom", self.cpu_headroom),
+            ("memory_headroom", self.memory_headroom),
+        ] {
+            if !(0.0..1.0).contains(&v) {
+                return Err(format!("[capacity] {name} must be in 0..1, got {v}"));
+            }
+        }
+        for (name, v) in [
+            ("new_sandbox_cpu", self.new_sandbox_cpu),
+            ("idle_cpu_floor", self.idle_cpu_floor),
+            ("cpu_overcommit", self.cpu_overcommit),
+        ] {
+            if !v.is_finite() || v < 0.0 {
+                return Err(format!("[capacity] {name} must be a number >= 0, got {v}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `[pressure]`: pressure-driven hibernation (`service::lifecycle::pressure`).
+/// When the host's CPU or memory pressure (PSI, `/proc/pressure/*`) stays
+/// over a threshold, warm guests end first, then the least recently active
+/// idle sandboxes hibernate (memory kept; the next call or port request
+/// wakes them), one every `step` while it lasts. Never one with a call in
+/// flight, one used within `min_idle`, or one whose lifecycle policy does
+/// not wake it on use. The idle timeout stays the upper bound.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PressureConfig {
+    /// Whether pressure hibernates anything (admission still may).
+    pub enabled: bool,
+    /// Between two readings of the host's pressure.
+    #[serde(with = "serde_human")]
+    pub interval: Duration,
+    /// CPU pressure (share of the time some task waited for a CPU, percent)
+    /// that counts as pressure.
+    pub cpu_pct: f64,
+    /// Memory pressure (share of the time some task stalled on memory,
+    /// percent) that counts as pressure.
+    pub memory_pct: f64,
+    /// Readings in a row over a threshold before anything is done.
+    pub sustain: u32,
+    /// A sandbox used more recently than this is not idle.
+    #[serde(with = "serde_human")]
+    pub min_idle: Duration,
+    /// Time between two hibernations while the pressure lasts.
+    #[serde(with = "serde_human")]
+    pub step: Duration,
+}
+
+impl Default for PressureConfig {
+    fn default() -> Self {
+        PressureConfig {
+            enabled: true,
+            interval: Duration::from_secs(1),
+            cpu_pct: 60.0,
+            memory_pct: 10.0,
+            sustain: 3,
+            min_idle: Duration::from_secs(15),
+            step: Duration::from_secs(2),
+        }
     }
 }
 
@@ -396,6 +512,8 @@ pub struct Config {
     pub egress: EgressConfig,
     /// The per-sandbox usage sampler (`docs/metrics.md`).
     pub metrics: MetricsConfig,
+    /// `[pressure]`: pressure-driven hibernation (docs/capacity.md).
+    pub pressure: PressureConfig,
     /// `[logs]`: process logs kept per sandbox.
     pub logs: LogsConfig,
     /// `[templates]`: recipe builds (docs/templates.md).
@@ -628,6 +746,7 @@ impl Default for Config {
             quotas: QuotaConfig::default(),
             egress: EgressConfig::default(),
             metrics: MetricsConfig::default(),
+            pressure: PressureConfig::default(),
             logs: LogsConfig::default(),
             templates: TemplatesConfig::default(),
             pools: PoolsConfig::default(),
@@ -684,6 +803,12 @@ impl Config {
         self.default_size
             .validate()
             .map_err(|e| ConfigError::Invalid(format!("default_size: {e}")))?;
+        self.capacity.validate().map_err(ConfigError::Invalid)?;
+        if self.pressure.interval < Duration::from_millis(100) {
+            return Err(ConfigError::Invalid(
+                "pressure.interval must be at least 100ms".into(),
+            ));
+        }
         if !self.snapshot_interval.is_zero() && self.snapshot_interval < Duration::from_secs(1) {
             return Err(ConfigError::Invalid(
                 "snapshot_interval must be 0s (off) or at least 1s".into(),

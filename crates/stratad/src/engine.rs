@@ -361,6 +361,14 @@ pub trait Engine: Send + Sync + 'static {
         Ok(Vec::new())
     }
 
+    /// Calls in flight on sandbox `id`'s agent connection now (exec, files,
+    /// egress and port tunnels); `None`: no live VM, or an engine that
+    /// cannot tell (then nothing counts it as idle).
+    fn open_calls(&self, id: &SandboxId) -> Option<u32> {
+        let _ = id;
+        None
+    }
+
     /// Opens a byte stream to `127.0.0.1:<port>` inside the running
     /// sandbox `id`, over its agent channel. Engines without one refuse
     /// ([`PortError::Unsupported`]).

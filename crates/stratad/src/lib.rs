@@ -17,6 +17,7 @@ pub mod config;
 pub mod daemon;
 pub mod duration;
 pub mod engine;
+pub mod host;
 pub mod metrics;
 pub mod recovery;
 pub mod retention;
@@ -131,6 +132,8 @@ impl App {
         });
         // The per-sandbox usage sampler (`[metrics]`), stopped with the rest.
         self.service.spawn_sampler(self.shutdown.subscribe());
+        // Pressure-driven hibernation (`[pressure]`), stopped with the rest.
+        self.service.spawn_pressure(self.shutdown.subscribe());
         // Warm pools (`[pools]`): filled in the background; their guests end
         // with the daemon (`stop`), they are no one's sandboxes.
         self.service.spawn_warm_filler(self.shutdown.subscribe());

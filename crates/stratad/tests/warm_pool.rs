@@ -84,6 +84,7 @@ async fn warm_pools_fill_claim_yield_and_end_with_the_daemon() {
     // Room for three 1-vCPU guests: two warm + one sandbox, then pressure.
     let d = Daemon::start(&format!(
         r#"[capacity]
+admission = "nominal"
 vcpus = 3
 cpu_overcommit = 1.0
 

@@ -11,6 +11,16 @@ use crate::views::{labels, view, Sandbox};
 pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
     let c = ctx.client()?;
     let v = c.get(&["v1", "sandboxes", &a.id], &[]).await?;
+    // Its recent use (the sampler's summary); a daemon without it says nothing.
+    let usage = if ctx.json {
+        None
+    } else {
+        c.get(&["v1", "sandboxes", &a.id, "metrics"], &[])
+            .await
+            .ok()
+            .and_then(|m| view::<super::stats::Usage>(&m).ok())
+            .and_then(|u| u.describe_recent())
+    };
     ctx.emit(&v, || {
         let s: Sandbox = view(&v)?;
         let now = Utc::now();
@@ -51,6 +61,9 @@ pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
         // Where a guest server on 127.0.0.1:<PORT> is reached (`strata port`).
         let ports = c.url(&["v1", "sandboxes", &s.id, "ports"], &[]);
         rows.push(("ports", format!("{ports}/<PORT>")));
+        if let Some(u) = &usage {
+            rows.push(("usage", u.clone()));
+        }
         if let Some(r) = &s.state_reason {
             rows.insert(2, ("reason", r.clone()));
         }

@@ -64,6 +64,40 @@ pub struct Usage {
     pub interval_s: u64,
     /// Samples, oldest first.
     pub samples: Vec<UsageSample>,
+    /// Seconds `recent` covers.
+    #[serde(default)]
+    pub recent_window_s: u64,
+    /// Mean and peak over the last `recent_window_s`.
+    #[serde(default)]
+    pub recent: Option<Recent>,
+}
+
+/// `GET /v1/sandboxes/{id}/metrics` `recent`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Recent {
+    /// Mean CPU, percent of its vCPUs.
+    pub cpu_pct_avg: f64,
+    /// Peak CPU, percent of its vCPUs.
+    pub cpu_pct_peak: f64,
+    /// Peak CPU, cores.
+    pub cpu_cores_peak: f64,
+    /// Peak QEMU resident set.
+    pub host_rss_peak_bytes: u64,
+}
+
+impl Usage {
+    /// "cpu 2.1 % mean, 4.0 % peak (0.04 cores) over 60 s; QEMU resident ≤ 90 MiB".
+    pub fn describe_recent(&self) -> Option<String> {
+        let r = self.recent.as_ref()?;
+        Some(format!(
+            "cpu {:.1} % mean, {:.1} % peak ({:.2} cores) over {} s; resident up to {}",
+            r.cpu_pct_avg,
+            r.cpu_pct_peak,
+            r.cpu_cores_peak,
+            self.recent_window_s,
+            human::bytes(r.host_rss_peak_bytes)
+        ))
+    }
 }
 
 /// The human report of one sandbox's usage: the latest sample, then the
@@ -88,6 +122,9 @@ pub fn render_usage(u: &Usage, last: usize) -> String {
         human::bytes(s.host_rss_bytes),
         human::local_time(s.at),
     );
+    if let Some(r) = u.describe_recent() {
+        out.push_str(&format!("recent: {r}\n\n"));
+    }
     let from = u.samples.len().saturating_sub(last.max(1));
     let rows: Vec<Vec<String>> = u.samples[from..]
         .iter()
@@ -122,6 +159,48 @@ fn rows(m: &std::collections::BTreeMap<String, Summary>) -> Vec<Vec<String>> {
         .collect()
 }
 
+/// The host's lines of `strata stats` (an operator's token).
+pub fn render_host(h: &crate::views::HostStats) -> String {
+    let mut out = String::new();
+    if let Some(p) = &h.latest {
+        let pct = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.0} %"));
+        out.push_str(&format!(
+            "host: cpu {:.2} of {} cores busy ({:.2} by {} VMs), memory {} available of {}, pressure cpu {} memory {}\n",
+            p.cpu_busy_cores,
+            p.cpus,
+            p.vm_cores,
+            p.vms,
+            human::bytes(p.mem_available_bytes),
+            human::bytes(p.mem_total_bytes),
+            pct(p.cpu_pressure_pct),
+            pct(p.mem_pressure_pct),
+        ));
+    }
+    if let Some(b) = &h.budget {
+        out.push_str(&format!(
+            "admission ({}): {:.2} of {:.2} cores counted (recent peaks {:.2}, other load {:.2}), {} VMs\n",
+            h.admission, b.cpu_demand_cores, b.cpu_budget_cores, b.sandbox_cores, b.other_cores, b.vms
+        ));
+    }
+    if let Some(p) = &h.pressure {
+        out.push_str(&format!(
+            "pressure: {}; {} hibernated for pressure\n",
+            if p.active {
+                format!("acting ({})", p.over.join(", "))
+            } else if p.over.is_empty() {
+                "none".to_owned()
+            } else {
+                format!("rising ({})", p.over.join(", "))
+            },
+            p.hibernated
+        ));
+    }
+    if !out.is_empty() {
+        out.push('\n');
+    }
+    out
+}
+
 /// The human report.
 pub fn render(s: &Stats) -> String {
     let head = ["", ">COUNT", ">P50 MS", ">P95 MS", ">P99 MS", ">MAX MS"];
@@ -140,6 +219,9 @@ pub fn render(s: &Stats) -> String {
         },
         s.snapshots
     ));
+    if let Some(h) = &s.host {
+        out.push_str(&render_host(h));
+    }
     if !s.warm_pools.is_empty() {
         let pools: Vec<String> = s
             .warm_pools

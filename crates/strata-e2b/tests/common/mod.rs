@@ -563,6 +563,8 @@ pub async fn door_with(tweak: impl FnOnce(&mut Config, &mut strata_e2b::E2bConfi
     };
     cfg.capacity.vcpus = 1 << 20;
     cfg.capacity.memory_mib = 1 << 40;
+    cfg.capacity.admission = stratad::config::AdmissionMode::Nominal;
+    cfg.pressure.enabled = false;
     cfg.security.auth = true;
     cfg.security.rate_limit_per_second = 0.0;
     cfg.security.approval_timeout = std::time::Duration::from_millis(50);

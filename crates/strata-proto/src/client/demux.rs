@@ -281,6 +281,11 @@ impl Shared {
         self.born.elapsed().saturating_sub(last)
     }
 
+    /// Calls and tunnels open on this connection (a ping in flight counts).
+    pub(super) fn open_calls(&self) -> usize {
+        self.routes().len() + self.tunnels().len()
+    }
+
     /// Bytes the calls of this connection hold unread.
     pub(super) fn buffered(&self) -> usize {
         self.buffered.load(Ordering::SeqCst)

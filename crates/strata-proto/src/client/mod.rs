@@ -426,6 +426,15 @@ impl AgentClient {
         self.inner.shared.is_closed()
     }
 
+    /// Calls in flight on this connection: requests waiting for or
+    /// streaming their answer (exec, file transfers, watches), egress
+    /// tunnels and port tunnels. Zero means nothing the host or the guest
+    /// started through the agent is open now (what pressure-driven
+    /// hibernation asks before it stops a VM).
+    pub fn open_calls(&self) -> usize {
+        self.inner.shared.open_calls() + self.inner.ports.open_count()
+    }
+
     async fn send_frame(&self, frame: Frame) -> Result<(), AgentError> {
         let bytes = frame.encode()?;
         self.inner

@@ -105,6 +105,11 @@ pub(super) struct Ports {
 }
 
 impl Ports {
+    /// Port tunnels open or being opened.
+    pub(super) fn open_count(&self) -> usize {
+        self.open.load(Ordering::SeqCst)
+    }
+
     fn pending(&self) -> MutexGuard<'_, HashMap<u32, oneshot::Sender<Answer>>> {
         self.pending.lock().unwrap_or_else(|p| p.into_inner())
     }

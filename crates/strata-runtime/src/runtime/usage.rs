@@ -57,6 +57,22 @@ pub struct VmUsage {
     pub disk_used_bytes: u64,
     /// Size of the root disk, in bytes.
     pub disk_total_bytes: u64,
+    /// Calls in flight on its agent connection (exec, files, egress and
+    /// port tunnels; [`strata_proto::client::AgentClient::open_calls`]);
+    /// a connection being set up or replaced counts as one.
+    #[serde(default)]
+    pub open_calls: u32,
+}
+
+/// Calls in flight on a VM's agent connection; one while the connection
+/// is being set up or replaced (its lock is held).
+fn open_calls_of(live: &super::vms::Live) -> u32 {
+    match live.agent.try_lock() {
+        Ok(g) => g
+            .as_ref()
+            .map_or(0, |a| u32::try_from(a.open_calls()).unwrap_or(u32::MAX)),
+        Err(_) => 1,
+    }
 }
 
 /// Per QEMU pid: file-backed resident bytes that are not guest RAM
@@ -127,6 +143,16 @@ fn cgroup_cpu_usec(dir: &Path) -> Option<u64> {
 }
 
 impl Runtime {
+    /// Calls in flight on sandbox `id`'s agent connection
+    /// ([`VmUsage::open_calls`]); `None`: no live VM.
+    pub fn open_calls(&self, id: &SandboxId) -> Option<u32> {
+        let live = {
+            let vms = self.vms.lock().unwrap_or_else(|p| p.into_inner());
+            vms.get(id).cloned()
+        }?;
+        Some(open_calls_of(&live))
+    }
+
     /// What every live VM of this runtime uses now. A VM whose process
     /// vanished between the table and the read is left out.
     pub fn usage(&self) -> Vec<VmUsage> {
@@ -187,6 +213,7 @@ impl Runtime {
                 host_rss_bytes: rss,
                 disk_used_bytes: disk_used.min(disk_total),
                 disk_total_bytes: disk_total,
+                open_calls: open_calls_of(&live),
             });
         }
         out

@@ -24,10 +24,9 @@ pub(super) async fn healthz(State(svc): State<Arc<Service>>) -> ApiResult<impl I
 /// lets only metrics tokens and platform admins through.
 pub(super) async fn metrics(State(svc): State<Arc<Service>>) -> ApiResult<impl IntoResponse> {
     svc.refresh_gauges().await?;
-    Ok((
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        svc.metrics().render_prometheus(),
-    ))
+    let mut text = svc.metrics().render_prometheus();
+    text.push_str(&svc.usage_prometheus().await);
+    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text))
 }
 
 /// The caller's tenant's view: its sandboxes by state, its ready
@@ -42,14 +41,41 @@ pub(super) async fn stats(
     s.snapshots = counts.snapshots_ready;
     // The warm pools are the host's (a tenant's template would show in
     // them): the operator's view only.
-    let warm_pools = match (caller.tenant(), caller.role()) {
-        (None, _) | (_, Some(crate::security::auth::Role::Admin)) => Some(svc.warm_pool_stats()),
-        _ => None,
+    let operator = matches!(
+        (caller.tenant(), caller.role()),
+        (None, _) | (_, Some(crate::security::auth::Role::Admin))
+    );
+    let warm_pools = operator.then(|| svc.warm_pool_stats());
+    // The host's figures are every tenant's load: the operator's view only.
+    let host = if operator {
+        Some(HostView {
+            latest: svc.sampler().host_latest(),
+            admission: svc.config().capacity.admission,
+            budget: svc.use_budget().await.ok(),
+            pressure: svc.pressure_reading(),
+        })
+    } else {
+        None
     };
     Ok(Json(StatsView {
         stats: s,
         warm_pools,
+        host,
     }))
+}
+
+/// `/v1/stats` `host`: the host's CPU, memory and pressure, and what
+/// admission by use counts.
+#[derive(serde::Serialize)]
+struct HostView {
+    /// The sampler's newest host point.
+    latest: Option<crate::service::HostPoint>,
+    /// `[capacity] admission`.
+    admission: crate::config::AdmissionMode,
+    /// What admission by use counts now.
+    budget: Option<crate::service::UseBudget>,
+    /// The pressure monitor's last reading (absent when it is off).
+    pressure: Option<crate::service::PressureReading>,
 }
 
 /// `/v1/stats`: the metrics' view, with the warm pools for the operator.
@@ -59,6 +85,8 @@ struct StatsView {
     stats: crate::metrics::Stats,
     #[serde(skip_serializing_if = "Option::is_none")]
     warm_pools: Option<Vec<crate::service::WarmPoolStats>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    host: Option<HostView>,
 }
 
 pub(super) async fn openapi() -> impl IntoResponse {

@@ -364,6 +364,10 @@ impl Engine for RuntimeEngine {
             .map_err(|e| RuntimeError::Other(format!("usage task: {e}")))
     }
 
+    fn open_calls(&self, id: &SandboxId) -> Option<u32> {
+        self.rt.open_calls(id)
+    }
+
     async fn connect_port(&self, id: &SandboxId, port: u16) -> Result<PortStream, PortOpenError> {
         self.rt.connect_port(id, port).await
     }

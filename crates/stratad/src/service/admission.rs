@@ -50,6 +50,8 @@
 //! its successor to a new base, which is computed again when next needed.
 
 use super::prelude::*;
+use super::sampler::HostPoint;
+use crate::config::AdmissionMode;
 
 /// Template builds (each boots a builder VM) that may run at once.
 pub const MAX_CONCURRENT_TEMPLATE_BUILDS: u64 = 2;
@@ -64,10 +66,20 @@ pub(crate) fn starts_vm(state: SandboxState, op: Op) -> bool {
     }
 }
 
-/// Reservations without a record (template builders), in memory.
+/// Reservations without a record (template builders, warm guests), in memory.
 #[derive(Debug, Default)]
 pub(crate) struct Transients {
-    used: Mutex<(u64, u64, u64)>,
+    used: Mutex<TransientUse>,
+}
+
+/// What the transient reservations hold.
+#[derive(Debug, Default, Clone, Copy)]
+struct TransientUse {
+    vcpus: u64,
+    memory_mib: u64,
+    builds: u64,
+    build_vcpus: u64,
+    warm: u64,
 }
 
 /// A transient reservation; released when dropped.
@@ -88,11 +100,97 @@ impl Drop for Transient {
             .used
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        g.0 = g.0.saturating_sub(u64::from(self.size.vcpus));
-        g.1 = g.1.saturating_sub(u64::from(self.size.memory_mib));
+        let v = u64::from(self.size.vcpus);
+        g.vcpus = g.vcpus.saturating_sub(v);
+        g.memory_mib = g.memory_mib.saturating_sub(u64::from(self.size.memory_mib));
         if self.build {
-            g.2 = g.2.saturating_sub(1);
+            g.builds = g.builds.saturating_sub(1);
+            g.build_vcpus = g.build_vcpus.saturating_sub(v);
+        } else {
+            g.warm = g.warm.saturating_sub(1);
         }
+    }
+}
+
+/// What one admission asks for, by use.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Want {
+    vcpus: u32,
+    cpu_cores: f64,
+    mem_bytes: u64,
+}
+
+/// The host's CPU and memory as admission by use counts them
+/// ([`Service::use_budget`]; `/v1/stats` `host`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct UseBudget {
+    /// Host CPUs given to sandboxes.
+    pub cores: f64,
+    /// The CPUs less `cpu_headroom`, in cores.
+    pub cpu_budget_cores: f64,
+    /// What is counted against it: `sandbox_cores + other_cores`.
+    pub cpu_demand_cores: f64,
+    /// The sandboxes' recent peaks (and builders, warm guests), in cores.
+    pub sandbox_cores: f64,
+    /// The host's other load (mean over the peak window), in cores.
+    pub other_cores: f64,
+    /// VMs held or about to start.
+    pub vms: u64,
+    /// Sandboxes with a VM that the sampler has not measured yet.
+    pub unmeasured: u64,
+    /// The host's RAM, bytes.
+    pub mem_total_bytes: u64,
+    /// `MemAvailable` now, bytes.
+    pub mem_available_bytes: u64,
+    /// Memory of sandboxes not measured yet (counted as not available), bytes.
+    pub mem_unmeasured_bytes: u64,
+    /// RAM kept available (`memory_headroom`), bytes.
+    pub mem_floor_bytes: u64,
+}
+
+fn max_vms_error(vms: u64, max: u64) -> ServiceError {
+    ServiceError::InsufficientCapacity(format!(
+        "this host runs {vms} VMs, its limit ([capacity] max_vms) is {max}"
+    ))
+}
+
+impl UseBudget {
+    /// `Ok` when `want` fits; else `insufficient_capacity` naming what is short.
+    pub(crate) fn check(&self, cap: &crate::config::Capacity, want: &Want) -> ServiceResult<()> {
+        let max_vms = u64::from(cap.max_vms);
+        if max_vms > 0 && self.vms >= max_vms {
+            return Err(max_vms_error(self.vms, max_vms));
+        }
+        if self.cpu_demand_cores + want.cpu_cores > self.cpu_budget_cores + 1e-9 {
+            return Err(ServiceError::InsufficientCapacity(format!(
+                "this host's CPU is short: the recent peaks of its {} VMs and its other load take {:.2} of the {:.2} cores admission gives out ({} CPUs less {:.0} % headroom); a {}-vCPU sandbox is counted at {:.2} more",
+                self.vms,
+                self.cpu_demand_cores,
+                self.cpu_budget_cores,
+                self.cores,
+                cap.cpu_headroom * 100.0,
+                want.vcpus,
+                want.cpu_cores
+            )));
+        }
+        if self.mem_total_bytes > 0 {
+            let left = self
+                .mem_available_bytes
+                .saturating_sub(self.mem_unmeasured_bytes)
+                .saturating_sub(want.mem_bytes);
+            if left < self.mem_floor_bytes {
+                return Err(ServiceError::InsufficientCapacity(format!(
+                    "this host's memory is short: {} available ({} of it promised to sandboxes not measured yet), {} asked, {} kept free ({:.0} % of {})",
+                    mib(self.mem_available_bytes),
+                    mib(self.mem_unmeasured_bytes),
+                    mib(want.mem_bytes),
+                    mib(self.mem_floor_bytes),
+                    cap.memory_headroom * 100.0,
+                    mib(self.mem_total_bytes)
+                )));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -130,20 +228,38 @@ impl Service {
     ) -> ServiceResult<tokio::sync::MutexGuard<'_, ()>> {
         let g = self.placement.lock().await;
         self.check_quota(rec, true).await?;
-        self.check_capacity_or_evict(rec.size).await?;
+        self.check_capacity_or_evict(rec.size, Some(&rec.id))
+            .await?;
         Ok(g)
     }
 
-    /// [`Service::check_capacity`], ending warm guests (the oldest of the
-    /// fullest pool first) while the room is short and there are some: a sandbox someone asked
-    /// for comes before one kept in case. Called under the placement lock.
-    pub(crate) async fn check_capacity_or_evict(&self, size: SandboxSize) -> ServiceResult<()> {
+    /// [`Service::check_capacity`], making room while it is short: warm
+    /// guests end first (the oldest of the fullest pool), then, with
+    /// `[pressure] enabled`, idle sandboxes hibernate, the least recently
+    /// active first (`lifecycle::pressure`): a sandbox someone asked for
+    /// comes before one kept in case, and nothing is refused while an idle
+    /// sandbox could make the room. `id` is the sandbox admitted (never
+    /// one of those hibernated). Called under the placement lock.
+    pub(crate) async fn check_capacity_or_evict(
+        &self,
+        size: SandboxSize,
+        id: Option<&SandboxId>,
+    ) -> ServiceResult<()> {
+        let mut tried: Vec<SandboxId> = id.into_iter().cloned().collect();
         loop {
-            match self.check_capacity(size).await {
+            match self.check_capacity(size, id).await {
                 Ok(()) => return Ok(()),
                 Err(e) => {
-                    if !self.evict_one_warm() {
+                    if self.evict_one_warm() {
+                        continue;
+                    }
+                    if !self.config.pressure.enabled {
                         return Err(e);
+                    }
+                    let why = format!("admission: {}", e.message());
+                    match self.hibernate_one_idle(&why, &mut tried).await {
+                        Some(_) => continue,
+                        None => return Err(e),
                     }
                 }
             }
@@ -153,7 +269,7 @@ impl Service {
     /// Whether the host has the room of `size` free now (nothing reserved).
     pub(crate) async fn has_room(&self, size: SandboxSize) -> ServiceResult<()> {
         let _g = self.placement.lock().await;
-        self.check_capacity(size).await
+        self.check_capacity(size, None).await
     }
 
     /// Reserves the room of a warm guest of `size`, if the host has it
@@ -163,8 +279,16 @@ impl Service {
         size: SandboxSize,
     ) -> ServiceResult<Transient> {
         let _g = self.placement.lock().await;
-        self.check_capacity(size).await?;
+        self.check_capacity(size, None).await?;
         Ok(self.reserve_transient(size, false))
+    }
+
+    fn transient_use(&self) -> TransientUse {
+        *self
+            .transients
+            .used
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
     }
 
     fn reserve_transient(self: &Arc<Self>, size: SandboxSize, build: bool) -> Transient {
@@ -173,10 +297,13 @@ impl Service {
             .used
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        u.0 += u64::from(size.vcpus);
-        u.1 += u64::from(size.memory_mib);
+        u.vcpus += u64::from(size.vcpus);
+        u.memory_mib += u64::from(size.memory_mib);
         if build {
-            u.2 += 1;
+            u.builds += 1;
+            u.build_vcpus += u64::from(size.vcpus);
+        } else {
+            u.warm += 1;
         }
         Transient {
             owner: self.clone(),
@@ -424,15 +551,115 @@ impl Service {
         Ok(())
     }
 
-    /// Checks that `size` more fits next to every reservation.
-    pub(crate) async fn check_capacity(&self, size: SandboxSize) -> ServiceResult<()> {
+    /// Checks that `size` more fits on this host: `[capacity] admission`
+    /// by use ([`Service::use_budget`]) or by nominal sizes; `id` is the
+    /// sandbox admitted, when there is one (a wake is counted at its own
+    /// recent peak). Both modes keep `max_vms`.
+    pub(crate) async fn check_capacity(
+        &self,
+        size: SandboxSize,
+        id: Option<&SandboxId>,
+    ) -> ServiceResult<()> {
+        match self.config.capacity.admission {
+            AdmissionMode::Nominal => self.check_nominal(size).await,
+            AdmissionMode::Use => {
+                let b = self.use_budget().await?;
+                b.check(&self.config.capacity, &self.want(size, id))
+            }
+        }
+    }
+
+    /// What admitting `size` (sandbox `id`, if known) adds, by use: its own
+    /// recent peak when the sampler has one, else the configured estimate
+    /// of a new sandbox; memory likewise (its peak resident set, else its
+    /// size).
+    fn want(&self, size: SandboxSize, id: Option<&SandboxId>) -> Want {
+        let cap = &self.config.capacity;
+        let since = self.peak_since();
+        let known = id.and_then(|i| self.sampler.summary(i, since));
+        Want {
+            vcpus: size.vcpus,
+            cpu_cores: match known {
+                Some(u) => u.cpu_cores_peak.max(cap.idle_cpu_floor),
+                None => cap.new_sandbox_cpu * f64::from(size.vcpus.max(1)),
+            },
+            mem_bytes: match known {
+                Some(u) if u.host_rss_peak_bytes > 0 => u.host_rss_peak_bytes,
+                _ => u64::from(size.memory_mib) << 20,
+            },
+        }
+    }
+
+    fn peak_since(&self) -> DateTime<Utc> {
+        self.now()
+            - chrono::TimeDelta::from_std(self.config.capacity.peak_window)
+                .unwrap_or(chrono::TimeDelta::MAX)
+    }
+
+    /// What the host's CPU and memory hold by use, as admission counts it:
+    /// every sandbox with a VM (or about to start one) at its recent peak
+    /// (`[capacity] peak_window`; at least `idle_cpu_floor`; one not
+    /// measured yet at `new_sandbox_cpu` per vCPU and its whole memory),
+    /// template builders at their vCPUs, warm guests (paused) at the floor,
+    /// plus the host's other load (its mean over the window: the daemon,
+    /// other programs), against the CPUs less `cpu_headroom` and the RAM
+    /// available now less `memory_headroom`.
+    pub async fn use_budget(&self) -> ServiceResult<UseBudget> {
+        let cap = &self.config.capacity;
+        let reserved = self.db(|s| s.reserved_sandboxes()).await?;
+        let since = self.peak_since();
+        let t = self.transient_use();
+        let mut b = UseBudget {
+            cores: cap.cores() as f64,
+            cpu_budget_cores: cap.cores() as f64 * (1.0 - cap.cpu_headroom),
+            cpu_demand_cores: 0.0,
+            sandbox_cores: 0.0,
+            other_cores: 0.0,
+            vms: reserved.len() as u64 + t.builds + t.warm,
+            unmeasured: 0,
+            mem_total_bytes: 0,
+            mem_available_bytes: 0,
+            mem_unmeasured_bytes: 0,
+            mem_floor_bytes: 0,
+        };
+        for r in &reserved {
+            match self.sampler.summary(&r.id, since) {
+                Some(u) => b.sandbox_cores += u.cpu_cores_peak.max(cap.idle_cpu_floor),
+                None => {
+                    b.unmeasured += 1;
+                    b.sandbox_cores += cap.new_sandbox_cpu * f64::from(r.size.vcpus.max(1));
+                    b.mem_unmeasured_bytes += u64::from(r.size.memory_mib) << 20;
+                }
+            }
+        }
+        b.sandbox_cores += t.build_vcpus as f64 + t.warm as f64 * cap.idle_cpu_floor;
+        let host = self.sampler.host_series(since);
+        if !host.is_empty() {
+            b.other_cores =
+                host.iter().map(HostPoint::other_cores).sum::<f64>() / host.len() as f64;
+        }
+        b.cpu_demand_cores = b.sandbox_cores + b.other_cores;
+        if let Some((_, _, total, avail)) = crate::host::HostReader::counters() {
+            b.mem_total_bytes = total;
+            b.mem_available_bytes = avail;
+            b.mem_floor_bytes = (total as f64 * cap.memory_headroom) as u64;
+        }
+        Ok(b)
+    }
+
+    /// Nominal admission: `size` more next to every reservation.
+    async fn check_nominal(&self, size: SandboxSize) -> ServiceResult<()> {
         let (cap_cpu, cap_mem) = self.config.capacity.resolve();
         let (rec_cpu, rec_mem) = self.db(|s| s.reserved_capacity()).await?;
-        let (t_cpu, t_mem, _) = *self
-            .transients
-            .used
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let t = self.transient_use();
+        let (t_cpu, t_mem) = (t.vcpus, t.memory_mib);
+        let max_vms = u64::from(self.config.capacity.max_vms);
+        if max_vms > 0 {
+            let vms = self.db(|s| s.reserved_sandboxes()).await?.len() as u64 + t.builds + t.warm;
+            if vms >= max_vms {
+                return Err(max_vms_error(vms, max_vms));
+            }
+        }
         let (used_cpu, used_mem) = (rec_cpu + t_cpu, rec_mem + t_mem);
         if used_cpu + u64::from(size.vcpus) > cap_cpu
             || used_mem + u64::from(size.memory_mib) > cap_mem
@@ -455,18 +682,13 @@ impl Service {
         size: SandboxSize,
     ) -> ServiceResult<Transient> {
         let _g = self.placement.lock().await;
-        let running = self
-            .transients
-            .used
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .2;
+        let running = self.transient_use().builds;
         if running >= MAX_CONCURRENT_TEMPLATE_BUILDS {
             return Err(ServiceError::InsufficientCapacity(format!(
                 "{running} template builds are running (at most {MAX_CONCURRENT_TEMPLATE_BUILDS} at once); retry when one ends"
             )));
         }
-        self.check_capacity_or_evict(size).await?;
+        self.check_capacity_or_evict(size, None).await?;
         Ok(self.reserve_transient(size, true))
     }
 }

@@ -44,16 +44,20 @@ mod variants;
 mod warm;
 pub mod watch;
 
+pub use admission::UseBudget;
 pub use admission::MAX_CONCURRENT_TEMPLATE_BUILDS;
 pub use background::ScheduledActions;
 pub use commands::*;
 pub use error::*;
 pub use guest::{Grant, GuestOp, MAX_PTY_SIDE};
 pub(crate) use journal::VmNow;
+pub use lifecycle::pressure::{PressureReading, PRESSURE_HIBERNATION};
 pub use logs::{LogEntry, LogPage, LogStream, LogTap, ProcessLogs, MAX_LOG_PAGE};
 pub(crate) use oplock::*;
 pub use ports::{is_port_closed, PortConn};
-pub use sampler::{Sample, Sampler, SandboxMetrics, MAX_POINTS, SAMPLE_STEP};
+pub use sampler::{
+    HostPoint, Sample, Sampler, SandboxMetrics, UsageSummary, MAX_POINTS, SAMPLE_STEP,
+};
 pub use warm::WarmPoolStats;
 
 use self::prelude::*;
@@ -78,6 +82,11 @@ pub struct Service {
     /// Size-variant builds (`variants`).
     variants: variants::VariantBuilds,
     flushed: Mutex<HashMap<SandboxId, DateTime<Utc>>>,
+    /// Each sandbox's last activity, exact (the store has it to within
+    /// [`ACTIVITY_FLUSH`]): what pressure-driven hibernation calls idle.
+    activity: Mutex<HashMap<SandboxId, DateTime<Utc>>>,
+    /// The pressure monitor's state (`lifecycle::pressure`).
+    pressure: lifecycle::pressure::PressureState,
     gate: Arc<dyn ToolGate>,
     sampler: sampler::Sampler,
     /// What every sandbox's commands printed (`[logs]`).
@@ -88,6 +97,9 @@ pub struct Service {
     /// Called with the id of every sandbox deleted (by a user or its
     /// timeout): front doors drop what they keep per sandbox.
     deleted_hooks: Mutex<Vec<DeletedHook>>,
+    /// This service, for work that needs an owned handle from `&self`
+    /// (admission hibernating an idle sandbox).
+    me: std::sync::Weak<Service>,
 }
 
 /// A callback of [`Service::on_deleted`].
@@ -109,7 +121,8 @@ impl Service {
         metrics: Arc<Metrics>,
         gate: Arc<dyn ToolGate>,
     ) -> Arc<Self> {
-        Arc::new(Service {
+        Arc::new_cyclic(|me| Service {
+            me: me.clone(),
             keys: std::sync::OnceLock::new(),
             deleted_hooks: Mutex::new(Vec::new()),
             gate,
@@ -128,6 +141,8 @@ impl Service {
             progress: Mutex::new(HashMap::new()),
             variants: variants::VariantBuilds::default(),
             flushed: Mutex::new(HashMap::new()),
+            activity: Mutex::new(HashMap::new()),
+            pressure: lifecycle::pressure::PressureState::default(),
         })
     }
 
@@ -144,6 +159,10 @@ impl Service {
     /// service's own per-sandbox memory of it.
     pub(super) fn forget_deleted(&self, id: &SandboxId) {
         self.flushed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id);
+        self.activity
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(id);
@@ -228,6 +247,10 @@ impl Service {
     pub fn touch(&self, id: &SandboxId) {
         let now = self.now();
         self.sched.touch(id, now);
+        self.activity
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id.clone(), now);
         let due = {
             let mut g = self.flushed.lock().unwrap_or_else(|p| p.into_inner());
             let last = g.get(id).copied();

@@ -27,6 +27,7 @@ use tokio::sync::watch;
 use super::prelude::*;
 use crate::config::MetricsConfig;
 use crate::engine::VmUsage;
+use crate::host::{HostReader, HostSample};
 
 /// Most points one series holds, whatever the configuration says.
 pub const MAX_POINTS: usize = 4096;
@@ -77,10 +78,57 @@ struct Series {
     kept: bool,
 }
 
+/// The host over one sampler round: [`HostSample`] plus what the
+/// sandboxes' VMs used of it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct HostPoint {
+    /// The host's figures.
+    #[serde(flatten)]
+    pub host: HostSample,
+    /// CPU the sampled VMs used over the round, in cores.
+    pub vm_cores: f64,
+    /// VMs sampled.
+    pub vms: u32,
+}
+
+impl HostPoint {
+    /// CPU used by everything but the VMs (the daemon, other programs), in cores.
+    pub fn other_cores(&self) -> f64 {
+        (self.host.cpu_busy_cores - self.vm_cores).max(0.0)
+    }
+}
+
+/// What one sandbox used over a window (`strata info`, `/metrics`,
+/// admission by use).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct UsageSummary {
+    /// Samples in the window.
+    pub samples: usize,
+    /// Mean CPU, percent of the sandbox's vCPUs.
+    pub cpu_pct_avg: f64,
+    /// Highest CPU, percent of the sandbox's vCPUs.
+    pub cpu_pct_peak: f64,
+    /// Highest CPU in cores.
+    pub cpu_cores_peak: f64,
+    /// Highest guest RAM resident on the host, bytes.
+    pub mem_used_peak_bytes: u64,
+    /// Highest QEMU resident set, bytes.
+    pub host_rss_peak_bytes: u64,
+    /// Latest root-disk allocation, bytes.
+    pub disk_used_bytes: u64,
+}
+
+#[derive(Debug, Default)]
+struct HostSeries {
+    reader: HostReader,
+    points: VecDeque<HostPoint>,
+}
+
 /// The series of every sampled sandbox. See the module documentation.
 #[derive(Debug)]
 pub struct Sampler {
     series: Mutex<HashMap<SandboxId, Series>>,
+    host: Mutex<HostSeries>,
     interval: Duration,
     window: Duration,
     points: usize,
@@ -94,6 +142,7 @@ impl Sampler {
         let points = (cfg.window.as_millis() / per).clamp(1, MAX_POINTS as u128) as usize;
         Sampler {
             series: Mutex::new(HashMap::new()),
+            host: Mutex::new(HostSeries::default()),
             interval: cfg.interval,
             window: cfg.window,
             points,
@@ -245,6 +294,63 @@ impl Sampler {
         })
     }
 
+    /// A summary of `id`'s points taken at or after `since` (`None`: none).
+    pub fn summary(&self, id: &SandboxId, since: DateTime<Utc>) -> Option<UsageSummary> {
+        let all = self.lock();
+        let s = all.get(id)?;
+        summarize(s.points.iter().filter(|p| p.at >= since))
+    }
+
+    /// Summaries over points at or after `since` of every sandbox that has
+    /// some (bounded by `[metrics] max_sandboxes`).
+    pub fn summaries(&self, since: DateTime<Utc>) -> Vec<(SandboxId, UsageSummary)> {
+        let all = self.lock();
+        let mut out: Vec<(SandboxId, UsageSummary)> = all
+            .iter()
+            .filter_map(|(id, s)| {
+                summarize(s.points.iter().filter(|p| p.at >= since)).map(|u| (id.clone(), u))
+            })
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
+    /// Reads the host and keeps the point, with `vm_cores` and `vms` of
+    /// the round just recorded. The first call only sets the baseline.
+    pub fn record_host(&self, at: DateTime<Utc>, vm_cores: f64, vms: u32) -> Option<HostPoint> {
+        let mut h = self.host.lock().unwrap_or_else(|p| p.into_inner());
+        let sample = h.reader.sample(at)?;
+        let point = HostPoint {
+            host: sample,
+            vm_cores,
+            vms,
+        };
+        let oldest =
+            at - chrono::TimeDelta::from_std(self.window).unwrap_or(chrono::TimeDelta::MAX);
+        while h.points.front().is_some_and(|p| p.host.at < oldest) || h.points.len() >= self.points
+        {
+            h.points.pop_front();
+        }
+        h.points.push_back(point);
+        Some(point)
+    }
+
+    /// The host's points taken at or after `since`, oldest first.
+    pub fn host_series(&self, since: DateTime<Utc>) -> Vec<HostPoint> {
+        let h = self.host.lock().unwrap_or_else(|p| p.into_inner());
+        h.points
+            .iter()
+            .filter(|p| p.host.at >= since)
+            .copied()
+            .collect()
+    }
+
+    /// The host's newest point.
+    pub fn host_latest(&self) -> Option<HostPoint> {
+        let h = self.host.lock().unwrap_or_else(|p| p.into_inner());
+        h.points.back().copied()
+    }
+
     /// Series held.
     pub fn len(&self) -> usize {
         self.lock().len()
@@ -261,6 +367,37 @@ impl Sampler {
     }
 }
 
+fn summarize<'a>(points: impl Iterator<Item = &'a Sample>) -> Option<UsageSummary> {
+    let mut n = 0usize;
+    let mut sum = 0.0;
+    let mut out = UsageSummary {
+        samples: 0,
+        cpu_pct_avg: 0.0,
+        cpu_pct_peak: 0.0,
+        cpu_cores_peak: 0.0,
+        mem_used_peak_bytes: 0,
+        host_rss_peak_bytes: 0,
+        disk_used_bytes: 0,
+    };
+    for p in points {
+        n += 1;
+        sum += p.cpu_pct;
+        out.cpu_pct_peak = out.cpu_pct_peak.max(p.cpu_pct);
+        out.cpu_cores_peak = out
+            .cpu_cores_peak
+            .max(p.cpu_pct / 100.0 * f64::from(p.cpu_count.max(1)));
+        out.mem_used_peak_bytes = out.mem_used_peak_bytes.max(p.mem_used_bytes);
+        out.host_rss_peak_bytes = out.host_rss_peak_bytes.max(p.host_rss_bytes);
+        out.disk_used_bytes = p.disk_used_bytes;
+    }
+    if n == 0 {
+        return None;
+    }
+    out.samples = n;
+    out.cpu_pct_avg = ((sum / n as f64) * 100.0).round() / 100.0;
+    Some(out)
+}
+
 /// `GET /v1/sandboxes/{id}/metrics`: one sandbox's series.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SandboxMetrics {
@@ -272,6 +409,12 @@ pub struct SandboxMetrics {
     pub window_s: u64,
     /// The samples in the asked range, oldest first.
     pub samples: Vec<Sample>,
+    /// Seconds the `recent` summary covers (`[capacity] peak_window`).
+    pub recent_window_s: u64,
+    /// What it used over the last `recent_window_s` (what admission by use
+    /// counts it at); absent without samples in that window.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recent: Option<UsageSummary>,
 }
 
 impl Service {
@@ -299,12 +442,138 @@ impl Service {
             }
         }
         let rec = self.get_sandbox(caller, id).await?;
+        let window = self.config.capacity.peak_window;
+        let since =
+            self.now() - chrono::TimeDelta::from_std(window).unwrap_or(chrono::TimeDelta::MAX);
         Ok(SandboxMetrics {
+            recent_window_s: window.as_secs(),
+            recent: self.sampler.summary(&rec.id, since),
             samples: self.sampler.series(&rec.id, start, end),
             sandbox: rec.id,
             interval_s: self.sampler.interval().as_secs(),
             window_s: self.sampler.window().as_secs(),
         })
+    }
+
+    /// Prometheus text of the sampler's figures (appended to `/metrics`):
+    /// per sandbox its latest CPU, memory and disk and its CPU peak over
+    /// `[capacity] peak_window`; the host's CPU, memory and pressure; what
+    /// admission by use counts. Bounded by `[metrics] max_sandboxes`.
+    pub async fn usage_prometheus(&self) -> String {
+        use std::fmt::Write as _;
+        let since = self.now()
+            - chrono::TimeDelta::from_std(self.config.capacity.peak_window)
+                .unwrap_or(chrono::TimeDelta::MAX);
+        let mut out = String::new();
+        let mut gauge = |name: &str, help: &str, rows: &[(String, f64)]| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+            for (labels, v) in rows {
+                let _ = writeln!(out, "{name}{labels} {v}");
+            }
+        };
+        let sums = self.sampler.summaries(since);
+        let latest: Vec<(SandboxId, Sample)> = sums
+            .iter()
+            .filter_map(|(id, _)| self.sampler.latest(id).map(|p| (id.clone(), p)))
+            .collect();
+        let by = |f: &dyn Fn(&Sample) -> f64| -> Vec<(String, f64)> {
+            latest
+                .iter()
+                .map(|(id, p)| (format!("{{sandbox=\"{id}\"}}"), f(p)))
+                .collect()
+        };
+        gauge(
+            "strata_sandbox_cpu_percent",
+            "CPU over the last sample interval, percent of the sandbox's vCPUs.",
+            &by(&|p| p.cpu_pct),
+        );
+        gauge(
+            "strata_sandbox_memory_bytes",
+            "Guest RAM resident on the host.",
+            &by(&|p| p.mem_used_bytes as f64),
+        );
+        gauge(
+            "strata_sandbox_host_rss_bytes",
+            "The VM process's whole resident set (guest RAM and QEMU's own).",
+            &by(&|p| p.host_rss_bytes as f64),
+        );
+        gauge(
+            "strata_sandbox_disk_bytes",
+            "Bytes allocated to the sandbox's root disk in the pool.",
+            &by(&|p| p.disk_used_bytes as f64),
+        );
+        let peaks: Vec<(String, f64)> = sums
+            .iter()
+            .map(|(id, u)| (format!("{{sandbox=\"{id}\"}}"), u.cpu_cores_peak))
+            .collect();
+        gauge(
+            "strata_sandbox_cpu_peak_cores",
+            "Highest CPU over [capacity] peak_window, in cores (what admission by use counts).",
+            &peaks,
+        );
+        if let Some(h) = self.sampler.host_latest() {
+            gauge(
+                "strata_host_cpus",
+                "Online CPUs.",
+                &[(String::new(), f64::from(h.host.cpus))],
+            );
+            gauge(
+                "strata_host_cpu_busy_cores",
+                "CPU busy over the last sample interval, in cores (everything on the host).",
+                &[(String::new(), h.host.cpu_busy_cores)],
+            );
+            gauge(
+                "strata_host_vm_cpu_cores",
+                "CPU the VMs used over the last sample interval, in cores.",
+                &[(String::new(), h.vm_cores)],
+            );
+            gauge(
+                "strata_host_memory_available_bytes",
+                "MemAvailable.",
+                &[(String::new(), h.host.mem_available_bytes as f64)],
+            );
+            gauge(
+                "strata_host_memory_total_bytes",
+                "MemTotal.",
+                &[(String::new(), h.host.mem_total_bytes as f64)],
+            );
+            let psi: Vec<(String, f64)> = [
+                ("cpu", "some", h.host.cpu_pressure_pct),
+                ("memory", "some", h.host.mem_pressure_pct),
+                ("memory", "full", h.host.mem_full_pressure_pct),
+            ]
+            .into_iter()
+            .filter_map(|(r, k, v)| v.map(|v| (format!("{{resource=\"{r}\",kind=\"{k}\"}}"), v)))
+            .collect();
+            gauge(
+                "strata_host_pressure_percent",
+                "Share of the last sample interval tasks stalled (PSI), percent.",
+                &psi,
+            );
+        }
+        if let Ok(b) = self.use_budget().await {
+            gauge(
+                "strata_admission_cpu_demand_cores",
+                "What admission by use counts against the CPUs: recent peaks and other load, in cores.",
+                &[(String::new(), b.cpu_demand_cores)],
+            );
+            gauge(
+                "strata_admission_cpu_budget_cores",
+                "The CPUs admission by use gives out (less headroom), in cores.",
+                &[(String::new(), b.cpu_budget_cores)],
+            );
+            gauge(
+                "strata_admission_vms",
+                "VMs held or starting (sandboxes, builders, warm guests).",
+                &[(String::new(), b.vms as f64)],
+            );
+        }
+        gauge(
+            "strata_pressure_active",
+            "1 while pressure-driven hibernation acts.",
+            &[(String::new(), if self.under_pressure() { 1.0 } else { 0.0 })],
+        );
+        out
     }
 
     /// One sampling round: the engine's counters of every live VM folded
@@ -318,7 +587,17 @@ impl Service {
                 return;
             }
         };
-        let unseen = self.sampler.record(self.now(), Instant::now(), &usages);
+        let now = self.now();
+        let unseen = self.sampler.record(now, Instant::now(), &usages);
+        // What the VMs used this round, for the host's point (a VM's first
+        // round has no rate yet and counts nothing).
+        let vm_cores: f64 = usages
+            .iter()
+            .filter_map(|u| self.sampler.latest(&u.id).filter(|p| p.at == now))
+            .map(|p| p.cpu_pct / 100.0 * f64::from(p.cpu_count.max(1)))
+            .sum();
+        let vms = u32::try_from(usages.len()).unwrap_or(u32::MAX);
+        self.sampler.record_host(now, vm_cores, vms);
         for id in unseen {
             match self.record(&id).await {
                 Ok(_) => self.sampler.keep(&id),
@@ -384,6 +663,7 @@ mod tests {
             host_rss_bytes: 200 << 20,
             disk_used_bytes: 1 << 30,
             disk_total_bytes: 2 << 30,
+            open_calls: 0,
         }
     }
 

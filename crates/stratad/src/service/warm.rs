@@ -491,6 +491,10 @@ impl Service {
                 if waiting {
                     break;
                 }
+                if self.under_pressure() {
+                    // The host is short: pressure empties pools, never fills them.
+                    break;
+                }
                 if self.warm.yielding() {
                     // Creates first (and the new sandboxes' first
                     // commands): look again when they are done.

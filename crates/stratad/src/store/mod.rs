@@ -57,6 +57,22 @@ impl Default for LifecyclePolicy {
     }
 }
 
+/// One sandbox holding (or about to hold) a VM: [`Store::reserved_sandboxes`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReservedSandbox {
+    /// The sandbox.
+    pub id: SandboxId,
+    /// Its size.
+    pub size: SandboxSize,
+    /// Its state.
+    pub state: SandboxState,
+    /// Its pending operation, if any.
+    pub pending_op: Option<Op>,
+    /// Its last recorded activity (written lazily; the scheduler has the
+    /// exact time).
+    pub last_activity_at: DateTime<Utc>,
+}
+
 /// What a sandbox's idle timeout does.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -521,6 +537,10 @@ pub trait Store: Send + Sync + 'static {
     /// running, paused) or starting one (a pending resume, rewind or
     /// recover: the reservation of `service::admission`).
     fn reserved_capacity(&self) -> StoreResult<(u64, u64)>;
+    /// The sandboxes [`Store::reserved_capacity`] counts (a VM, or a
+    /// pending operation that starts one), each with its size and state,
+    /// for admission by use and the pressure monitor.
+    fn reserved_sandboxes(&self) -> StoreResult<Vec<ReservedSandbox>>;
     /// Every sandbox not deleted (recovery, scheduler start).
     fn live_sandboxes(&self) -> StoreResult<Vec<SandboxRecord>>;
     /// Replaces the environment variables kept with sandbox `id`, as the

@@ -356,6 +356,48 @@ impl Store for SqliteStore {
         Ok((v.max(0) as u64, m.max(0) as u64))
     }
 
+    fn reserved_sandboxes(&self) -> StoreResult<Vec<ReservedSandbox>> {
+        let conn = self.reader();
+        let mut st = conn.prepare_cached(
+            "SELECT id, vcpus, memory_mib, disk_gib, state, pending_op, last_activity_at FROM sandboxes \
+             WHERE state IN ('creating', 'running', 'paused') \
+             OR (state != 'deleted' AND pending_op IN ('resume', 'rewind', 'recover')) \
+             ORDER BY id",
+        )?;
+        let rows = st.query_map([], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, u32>(1)?,
+                r.get::<_, u32>(2)?,
+                r.get::<_, u32>(3)?,
+                r.get::<_, String>(4)?,
+                r.get::<_, Option<String>>(5)?,
+                r.get::<_, i64>(6)?,
+            ))
+        })?;
+        let t = "sandboxes";
+        let mut out = Vec::new();
+        for row in rows {
+            let (id, vcpus, memory_mib, disk_gib, state, op, last) = row?;
+            let pending_op = match op {
+                Some(s) => Some(parse_op(&s).ok_or_else(|| corrupt(t, &id, format!("op {s:?}")))?),
+                None => None,
+            };
+            out.push(ReservedSandbox {
+                id: id.parse().map_err(|e| corrupt(t, &id, format!("{e}")))?,
+                size: SandboxSize {
+                    vcpus,
+                    memory_mib,
+                    disk_gib,
+                },
+                state: state.parse().map_err(|e: String| corrupt(t, &id, e))?,
+                pending_op,
+                last_activity_at: from_ms(last),
+            });
+        }
+        Ok(out)
+    }
+
     fn live_sandboxes(&self) -> StoreResult<Vec<SandboxRecord>> {
         let conn = self.reader();
         Self::query_sandboxes(

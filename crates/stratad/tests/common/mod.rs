@@ -104,13 +104,26 @@ agent_timeout = "60s"
 vcpus = 1
 memory_mib = 256
 disk_gib = 2
-{pools}"#,
+{pools}{capacity}{pressure}"#,
             // No warm guests unless a test asks (`[pools]` in `extra`): they
             // would be VMs no sandbox owns.
             pools = if extra.contains("[pools]") {
                 ""
             } else {
                 "[pools]\ndefault_template = 0\n"
+            },
+            // Admission by nominal sizes and no pressure-driven hibernation
+            // unless a test asks: other test binaries' guests share this
+            // host's CPUs, and a test's expectations should not move with them.
+            capacity = if extra.contains("[capacity]") {
+                ""
+            } else {
+                "[capacity]\nadmission = \"nominal\"\n"
+            },
+            pressure = if extra.contains("[pressure]") {
+                ""
+            } else {
+                "[pressure]\nenabled = false\n"
             },
             data = root.join("data").display(),
             run = run_dir.display(),

@@ -1,8 +1,12 @@
 //! Create, delete, pause, resume (wake), hibernate; sandbox settings; the
 //! lifecycle policy: what the idle timeout does (hibernate or delete) and
-//! whether use wakes a hibernated sandbox ([`LifecyclePolicy`]).
+//! whether use wakes a hibernated sandbox ([`LifecyclePolicy`]); and
+//! pressure-driven hibernation ([`pressure`]), which hibernates idle
+//! sandboxes before the idle timeout when the host runs short.
 
 use super::prelude::*;
+
+pub(crate) mod pressure;
 
 impl Service {
     /// Creates a sandbox from a template. vCPUs and memory are the template's
@@ -439,12 +443,28 @@ impl Service {
         self.hibernate_locked(id, g, memory).await
     }
 
-    pub(super) async fn hibernate_locked(
+    pub(crate) async fn hibernate_locked(
+        self: &Arc<Self>,
+        id: &SandboxId,
+        g: OpGuard,
+        memory: bool,
+    ) -> ServiceResult<SandboxRecord> {
+        self.hibernate_because(id, g, memory, None).await
+    }
+
+    /// [`Service::hibernate_locked`], with why it was done (recorded in the
+    /// journal's events of the hibernation, e.g. pressure).
+    pub(crate) async fn hibernate_because(
         self: &Arc<Self>,
         id: &SandboxId,
         _g: OpGuard,
         memory: bool,
+        why: Option<&str>,
     ) -> ServiceResult<SandboxRecord> {
+        let detail = |snap: &SnapshotId| match why {
+            Some(w) => format!("{snap} ({w})"),
+            None => snap.to_string(),
+        };
         let mut rec = self.record(id).await?;
         let next = rec.state.apply(Op::Hibernate)?;
         let mut snap = self.new_snapshot(&rec, SnapshotKind::Hibernate, None);
@@ -454,7 +474,7 @@ impl Service {
             Op::Hibernate,
             stays,
             &[&snap],
-            Some(snap.id.to_string()),
+            Some(detail(&snap.id)),
         )
         .await?;
         let started = Instant::now();
@@ -475,7 +495,7 @@ impl Service {
                     next,
                     None,
                     &[&snap],
-                    Some(snap.id.to_string()),
+                    Some(detail(&snap.id)),
                 )
                 .await?;
                 self.spawn_usage(snap.id.clone());
