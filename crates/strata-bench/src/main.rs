@@ -19,7 +19,7 @@ use futures::FutureExt;
 use strata_bench::ctx::{teardown_all, Ctx};
 use strata_bench::report::{commit, Machine, Report, Section};
 use strata_bench::sections::{
-    self, density, history, interp, load, pool, recipe, restore, scale, sdk, snapshot,
+    self, density, history, interp, load, packing, pool, recipe, restore, scale, sdk, snapshot,
 };
 use strata_core::Accel;
 use strata_vmm::VmmDriver;
@@ -36,7 +36,8 @@ struct Cli {
     out: Option<PathBuf>,
     /// Sections to run, comma-separated: snapshot, restore, load, density, history, scale;
     /// and sdk (E2B SDK beside /v1), recipe (template builds), pool (warm pools), interp (code
-    /// interpreter: first run_code in a fork vs a cold kernel), run only when named here.
+    /// interpreter: first run_code in a fork vs a cold kernel), packing (admission by use vs
+    /// nominal, 10 % active), run only when named here.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// CI smoke size: every count at its minimum (completes, figures not meaningful).
@@ -80,6 +81,11 @@ struct Cli {
         next_help_heading = "10. Code interpreter (only with --only interp)"
     )]
     interp: interp::Args,
+    #[command(
+        flatten,
+        next_help_heading = "11. Packing by use (only with --only packing)"
+    )]
+    packing: packing::Args,
 }
 
 fn title(key: &str) -> &'static str {
@@ -94,6 +100,9 @@ fn title(key: &str) -> &'static str {
         "recipe" => "8. Template builds from recipes: full, rebuild, host cache",
         "pool" => "9. Warm pools: create from a pool vs without, sequential and 8 concurrent",
         "interp" => "10. Code interpreter: first run_code in a fork vs a cold kernel start",
+        "packing" => {
+            "11. Packing: admission by use and pressure hibernation vs nominal vCPUs, 10 % active"
+        }
         _ => "unknown section",
     }
 }
@@ -131,6 +140,7 @@ async fn run_section(key: &str, ctx: &Ctx, cli: &Cli) -> Section {
                 "recipe" => recipe::run(ctx, &cli.recipe, &mut sec).await,
                 "pool" => pool::run(ctx, &cli.pool, &mut sec).await,
                 "interp" => interp::run(ctx, &cli.interp, &mut sec).await,
+                "packing" => packing::run(ctx, &cli.packing, &mut sec).await,
                 other => Err(anyhow!("unknown section {other:?}")),
             }
         };
@@ -194,6 +204,7 @@ fn main() -> Result<()> {
         cli.recipe.smoke();
         cli.pool.smoke();
         cli.interp.smoke();
+        cli.packing.smoke();
     }
     let requested: Accel = cli.accel.parse().map_err(|e: String| anyhow!(e))?;
     let image = image_dir(&cli)?;

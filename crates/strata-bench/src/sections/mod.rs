@@ -9,6 +9,7 @@ pub mod density;
 pub mod history;
 pub mod interp;
 pub mod load;
+pub mod packing;
 pub mod pool;
 pub mod recipe;
 pub mod restore;
@@ -22,5 +23,6 @@ pub const ALL: &[&str] = &["snapshot", "restore", "load", "density", "history", 
 /// Sections run only when `--only` names them (not in the default nor the
 /// smoke run): `sdk` needs the `e2b` package from PyPI, `recipe` the
 /// package registries, `pool` runs two daemons for minutes, `interp` the
-/// code-interpreter template (a cold build ~25 min under TCG).
-pub const OPT_IN: &[&str] = &["sdk", "recipe", "pool", "interp"];
+/// code-interpreter template (a cold build ~25 min under TCG), `packing`
+/// a hundred sandboxes for about ten minutes.
+pub const OPT_IN: &[&str] = &["sdk", "recipe", "pool", "interp", "packing"];

@@ -259,6 +259,8 @@ fn harness() -> Harness {
     cfg.capacity.vcpus = 4;
     cfg.capacity.cpu_overcommit = 1.0;
     cfg.capacity.memory_mib = 8192;
+    cfg.capacity.admission = crate::config::AdmissionMode::Nominal;
+    cfg.pressure.enabled = false;
     // Authentication and policy have their own tests (tests/security.rs).
     cfg.security.auth = false;
     let store = store_with_base_template(&cfg);

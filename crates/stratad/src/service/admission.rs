@@ -697,6 +697,59 @@ impl Service {
 mod tests {
     use super::*;
 
+    fn budget(demand: f64, avail_mib: u64, unmeasured_mib: u64) -> UseBudget {
+        UseBudget {
+            cores: 2.0,
+            cpu_budget_cores: 1.5,
+            cpu_demand_cores: demand,
+            sandbox_cores: demand,
+            other_cores: 0.0,
+            vms: 10,
+            unmeasured: 0,
+            mem_total_bytes: 10_240 << 20,
+            mem_available_bytes: avail_mib << 20,
+            mem_unmeasured_bytes: unmeasured_mib << 20,
+            mem_floor_bytes: 1024 << 20,
+        }
+    }
+
+    fn want(cores: f64, mib: u64) -> Want {
+        Want {
+            vcpus: 1,
+            cpu_cores: cores,
+            mem_bytes: mib << 20,
+        }
+    }
+
+    #[test]
+    fn use_budget_admits_within_the_cpu_budget_and_memory_floor() {
+        let cap = crate::config::Capacity::default();
+        assert!(budget(1.0, 8000, 0).check(&cap, &want(0.5, 256)).is_ok());
+        let e = budget(1.3, 8000, 0)
+            .check(&cap, &want(0.25, 256))
+            .unwrap_err();
+        assert_eq!(e.code(), ErrorCode::InsufficientCapacity);
+        let m = e.message();
+        assert!(
+            m.contains("CPU is short") && m.contains("1.30 of the 1.50 cores"),
+            "{m}"
+        );
+        // Memory: available less unmeasured less asked must stay over the floor.
+        assert!(budget(0.0, 2000, 0).check(&cap, &want(0.1, 512)).is_ok());
+        let e = budget(0.0, 2000, 600)
+            .check(&cap, &want(0.1, 512))
+            .unwrap_err();
+        assert!(e.message().contains("memory is short"), "{}", e.message());
+        // max_vms in any case.
+        let mut full = budget(0.0, 8000, 0);
+        full.vms = u64::from(cap.max_vms);
+        assert!(full
+            .check(&cap, &want(0.0, 1))
+            .unwrap_err()
+            .message()
+            .contains("max_vms"));
+    }
+
     #[test]
     fn which_operations_start_a_vm() {
         use SandboxState::*;

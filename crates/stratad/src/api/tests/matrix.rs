@@ -271,6 +271,8 @@ async fn every_route_every_role_every_spelling_of_the_id() {
         c.security.approval_timeout = Duration::from_millis(50);
         c.capacity.vcpus = 1 << 20;
         c.capacity.memory_mib = 1 << 40;
+        c.capacity.admission = crate::config::AdmissionMode::Nominal;
+        c.pressure.enabled = false;
     });
     let acme = tenant(&h, "acme").await;
     let beta = tenant(&h, "beta").await;

@@ -17,6 +17,8 @@ fn warm_harness(tune: impl FnOnce(&mut Config)) -> (Harness, tokio::sync::watch:
     cfg.capacity.vcpus = 4;
     cfg.capacity.cpu_overcommit = 1.0;
     cfg.capacity.memory_mib = 8192;
+    cfg.capacity.admission = crate::config::AdmissionMode::Nominal;
+    cfg.pressure.enabled = false;
     cfg.security.auth = false;
     cfg.pools.default_template = 1;
     tune(&mut cfg);
