@@ -56,6 +56,12 @@ pub struct StateMeta {
     pub accel: String,
     /// Hash of the VM's device layout (devices, machine, vCPUs, memory).
     pub machine_layout: String,
+    /// Device layout version the VM was started under
+    /// ([`strata_vmm::cmdline::MACHINE_LAYOUT_VERSION`] of the build that booted
+    /// it): a restore builds that version's command line, so a state keeps its
+    /// devices across upgrades. Absent (written before layouts were versioned): 1.
+    #[serde(default = "first_layout")]
+    pub layout_version: u32,
     /// Size of the VM.
     pub size: SandboxSize,
     /// Kernel command line it booted with.
@@ -135,6 +141,10 @@ pub struct StartCommand {
     /// How long the probe may take to pass.
     #[serde(default)]
     pub ready_timeout_secs: u64,
+}
+
+fn first_layout() -> u32 {
+    strata_vmm::cmdline::OLDEST_LAYOUT_VERSION
 }
 
 /// Hash of the device layout of `spec` (what must match between a VM and a restore).
@@ -239,6 +249,16 @@ impl StateMeta {
                 self.accel, accel
             )));
         }
+        let layouts = strata_vmm::cmdline::OLDEST_LAYOUT_VERSION
+            ..=strata_vmm::cmdline::MACHINE_LAYOUT_VERSION;
+        if !layouts.contains(&self.layout_version) {
+            return Err(Incompatible(format!(
+                "device layout version {} is not one this strata builds ({}..={})",
+                self.layout_version,
+                layouts.start(),
+                layouts.end()
+            )));
+        }
         let need = [
             files::MEM,
             files::DISK,
@@ -280,6 +300,7 @@ pub(crate) mod tests {
             qemu_version: "QEMU 7.2".into(),
             accel: "tcg".into(),
             machine_layout: "x".into(),
+            layout_version: strata_vmm::cmdline::MACHINE_LAYOUT_VERSION,
             size: SandboxSize {
                 vcpus: 1,
                 memory_mib: 128,
@@ -374,6 +395,19 @@ pub(crate) mod tests {
             .check_restorable(d.path(), "QEMU 7.2", "tcg")
             .unwrap_err();
         assert!(e.0.contains("format 99"), "{e}");
+        let future_layout = StateMeta {
+            layout_version: strata_vmm::cmdline::MACHINE_LAYOUT_VERSION + 1,
+            ..meta()
+        };
+        let e = future_layout
+            .check_restorable(d.path(), "QEMU 7.2", "tcg")
+            .unwrap_err();
+        assert!(e.0.contains("device layout version"), "{e}");
+        let first = StateMeta {
+            layout_version: 1,
+            ..meta()
+        };
+        first.check_restorable(d.path(), "QEMU 7.2", "tcg").unwrap();
         std::fs::remove_file(d.path().join(files::DEVICE_STATE)).unwrap();
         let e = m.check_restorable(d.path(), "QEMU 7.2", "tcg").unwrap_err();
         assert!(e.0.contains("device.state is missing"), "{e}");
@@ -436,5 +470,8 @@ pub(crate) mod tests {
         std::fs::write(d.path().join(files::META), json.to_string()).unwrap();
         let m = StateMeta::read(d.path()).unwrap();
         assert_eq!(m.sandbox, None);
+        // Written before layouts were versioned: the first layout, restored
+        // with the command line it was made under.
+        assert_eq!(m.layout_version, 1);
     }
 }

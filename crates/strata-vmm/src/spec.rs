@@ -218,10 +218,20 @@ pub struct VmSpec {
     /// CPU and memory limits, enforced through a per-VM cgroup (see [`crate::cgroup`]).
     #[serde(default)]
     pub limits: Option<Limits>,
+    /// Device layout version the command line is built for: the newest
+    /// ([`crate::cmdline::MACHINE_LAYOUT_VERSION`]) for a new VM, the one its
+    /// state was made under for a restore (see [`crate::cmdline::qemu_args`]).
+    /// Absent in a spec written before versions existed: 1.
+    #[serde(default = "first_layout")]
+    pub layout: u32,
 }
 
 fn default_true() -> bool {
     true
+}
+
+fn first_layout() -> u32 {
+    crate::cmdline::OLDEST_LAYOUT_VERSION
 }
 
 impl VmSpec {
@@ -255,6 +265,7 @@ impl VmSpec {
             seccomp: true,
             run_as: None,
             limits: None,
+            layout: crate::cmdline::MACHINE_LAYOUT_VERSION,
         }
     }
 
@@ -297,6 +308,16 @@ impl VmSpec {
         }
         if self.incoming.is_some() && self.ram == RamBacking::Anonymous {
             return Err("a restore from device state needs file-backed RAM".into());
+        }
+        let layouts =
+            crate::cmdline::OLDEST_LAYOUT_VERSION..=crate::cmdline::MACHINE_LAYOUT_VERSION;
+        if !layouts.contains(&self.layout) {
+            return Err(format!(
+                "device layout version {} is not one this build makes ({}..={})",
+                self.layout,
+                layouts.start(),
+                layouts.end()
+            ));
         }
         if self.console_log_max_bytes < 4096 {
             return Err("console_log_max_bytes must be >= 4096".into());

@@ -494,10 +494,17 @@ pub struct Liveness {
 }
 
 impl Liveness {
-    /// Ping after 1 s of quiet, give up after 5 s.
+    /// Ping after 2 s of quiet, give up after 5 s.
+    ///
+    /// An idle guest is pinged every 3 s (the watchdog looks every
+    /// `interval / 2`). Each ping wakes the guest and its agent: under TCG
+    /// one costs ~2.7 ms of host CPU, so the 1 s interval of before (a ping
+    /// every 1.5 s) was ~0.18 % of a core per idle sandbox, this is ~0.09 %
+    /// (docs/bench/idle-cost.md). A silent agent is still noticed within
+    /// 5–6 s, with 3 s left for a ping's reply.
     pub fn new(active: Option<Arc<AtomicBool>>) -> Self {
         Self {
-            interval: Duration::from_secs(1),
+            interval: Duration::from_secs(2),
             silent_after: Duration::from_secs(5),
             active,
         }

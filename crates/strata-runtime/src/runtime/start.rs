@@ -132,6 +132,8 @@ impl Runtime {
                     disk_gib: meta.size.disk_gib,
                     ..want
                 },
+                // No device state to match: it boots with the newest devices.
+                layout_version: strata_vmm::cmdline::MACHINE_LAYOUT_VERSION,
                 ..meta.clone()
             }
         } else {

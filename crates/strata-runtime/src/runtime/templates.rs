@@ -135,6 +135,8 @@ impl Runtime {
             qemu_version: self.qemu_version.clone(),
             accel: b.accel.qemu_name().to_owned(),
             machine_layout: String::new(),
+            // A cold boot: the newest layout.
+            layout_version: strata_vmm::cmdline::MACHINE_LAYOUT_VERSION,
             size: b.size,
             cmdline: image.cmdline.clone(),
             image_hash: image.hash.clone(),
