@@ -40,6 +40,7 @@ mod rewind;
 mod sampler;
 mod snapshots;
 mod templates;
+mod unchanged;
 mod variants;
 mod warm;
 pub mod watch;
@@ -54,6 +55,7 @@ pub use logs::{LogEntry, LogPage, LogStream, LogTap, ProcessLogs, MAX_LOG_PAGE};
 pub(crate) use oplock::*;
 pub use ports::{is_port_closed, PortConn};
 pub use sampler::{Sample, Sampler, SandboxMetrics, MAX_POINTS, SAMPLE_STEP};
+pub use unchanged::ActivityNote;
 pub use warm::WarmPoolStats;
 
 use self::prelude::*;
@@ -80,6 +82,9 @@ pub struct Service {
     flushed: Mutex<HashMap<SandboxId, DateTime<Utc>>>,
     gate: Arc<dyn ToolGate>,
     sampler: sampler::Sampler,
+    /// Baselines and activity of running guests, for rolling snapshots of
+    /// unchanged ones ([`unchanged`]).
+    unchanged: unchanged::Tracker,
     /// What every sandbox's commands printed (`[logs]`).
     logs: Arc<logs::ProcessLogs>,
     /// The key store (`config.key_dir`), opened on first use: a daemon
@@ -114,6 +119,7 @@ impl Service {
             deleted_hooks: Mutex::new(Vec::new()),
             gate,
             sampler: sampler::Sampler::new(&config.metrics),
+            unchanged: unchanged::Tracker::default(),
             logs: Arc::new(logs::ProcessLogs::new(&config.logs)),
             store,
             engine,
@@ -143,6 +149,7 @@ impl Service {
     /// Runs the [`Service::on_deleted`] hooks for `id`, and drops the
     /// service's own per-sandbox memory of it.
     pub(super) fn forget_deleted(&self, id: &SandboxId) {
+        self.unchanged.forget(id);
         self.flushed
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -228,6 +235,7 @@ impl Service {
     pub fn touch(&self, id: &SandboxId) {
         let now = self.now();
         self.sched.touch(id, now);
+        self.unchanged.touch(id, now);
         let due = {
             let mut g = self.flushed.lock().unwrap_or_else(|p| p.into_inner());
             let last = g.get(id).copied();
