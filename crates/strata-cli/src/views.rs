@@ -124,6 +124,9 @@ pub struct Snapshot {
     pub exclusive_bytes: Option<u64>,
     /// Bytes it references.
     pub referenced_bytes: Option<u64>,
+    /// A rolling snapshot of an unchanged guest: the earlier snapshot it
+    /// is the same as (rewinding to it restores that one).
+    pub same_as: Option<String>,
 }
 
 impl Snapshot {

@@ -25,7 +25,7 @@ pub use error::{GuestErrorKind, RuntimeError};
 pub use meta::{GuestCommand, StartCommand, StateMeta, SNAPSHOT_FORMAT_VERSION};
 pub use runtime::PortOpenError;
 pub use runtime::{
-    load_image, qemu_version, CpuSource, EgressResolver, Runtime, TemplateBuilt, VmDied, VmUsage,
-    WARM_CPU_WEIGHT,
+    load_image, qemu_version, CpuSource, DiskWrites, EgressResolver, Runtime, TemplateBuilt,
+    VmDied, VmUsage, WARM_CPU_WEIGHT,
 };
 pub use strata_proto::client::{PortCounters, PortError, PortStream};

@@ -91,6 +91,47 @@ pub struct VmStatus {
     pub running: bool,
 }
 
+/// The block-layer id of every VM's root disk (`-drive id=disk0`, its
+/// virtio device `vda`).
+pub const ROOT_DRIVE: &str = "disk0";
+
+/// What a VM's root disk was written since its QEMU process started: the
+/// cumulative counters of QMP `query-blockstats` (they restart at zero with
+/// every new process: a restore, a wake). Discards count too (`fstrim`
+/// changes what the disk holds).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockWrites {
+    /// Write requests.
+    pub wr_operations: u64,
+    /// Bytes written.
+    pub wr_bytes: u64,
+    /// Discard (unmap) requests.
+    pub unmap_operations: u64,
+    /// Bytes discarded.
+    pub unmap_bytes: u64,
+}
+
+impl BlockWrites {
+    /// The counters of drive `device` (its block-layer id, or its qdev id
+    /// such as `vda`) in a `query-blockstats` answer; `None` when the
+    /// answer has no such drive or no write counters for it.
+    pub fn from_blockstats(answer: &serde_json::Value, device: &str) -> Option<Self> {
+        let entry = answer.as_array()?.iter().find(|e| {
+            let named = |k: &str| e.get(k).and_then(serde_json::Value::as_str) == Some(device);
+            named("device") || named("qdev")
+        })?;
+        let stats = entry.get("stats")?;
+        let n = |k: &str| stats.get(k).and_then(serde_json::Value::as_u64);
+        Some(BlockWrites {
+            wr_operations: n("wr_operations")?,
+            wr_bytes: n("wr_bytes")?,
+            // Older QEMUs have no discard counters: zero, as nothing is known.
+            unmap_operations: n("unmap_operations").unwrap_or(0),
+            unmap_bytes: n("unmap_bytes").unwrap_or(0),
+        })
+    }
+}
+
 /// How device state is written to a file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -175,10 +216,55 @@ pub trait Vm: Send + Sync + std::fmt::Debug {
         let _ = weight;
         Ok(false)
     }
+    /// The root disk's write counters ([`BlockWrites`], QMP
+    /// `query-blockstats` of [`ROOT_DRIVE`]).
+    async fn block_writes(&self) -> Result<BlockWrites, VmmError> {
+        let answer = self.qmp("query-blockstats", None).await?;
+        BlockWrites::from_blockstats(&answer, ROOT_DRIVE).ok_or_else(|| VmmError::WrongState {
+            status: "without a root disk in query-blockstats".into(),
+            needed: "drive disk0",
+        })
+    }
     /// Runs a raw QMP command (escape hatch for callers and benchmarks).
     async fn qmp(
         &self,
         command: &str,
         arguments: Option<serde_json::Value>,
     ) -> Result<serde_json::Value, VmmError>;
+}
+
+#[cfg(test)]
+mod block_writes_tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn counters_of_the_root_drive() {
+        // The shape QEMU 7.2 answers (trimmed), with another drive first.
+        let answer = json!([
+            {"device": "other", "qdev": "vdb", "stats": {"wr_operations": 9, "wr_bytes": 9}},
+            {"device": "disk0", "qdev": "vda", "stats": {
+                "wr_operations": 12, "wr_bytes": 49152, "unmap_operations": 2,
+                "unmap_bytes": 8192, "rd_operations": 300}}
+        ]);
+        let want = BlockWrites {
+            wr_operations: 12,
+            wr_bytes: 49152,
+            unmap_operations: 2,
+            unmap_bytes: 8192,
+        };
+        assert_eq!(BlockWrites::from_blockstats(&answer, "disk0"), Some(want));
+        assert_eq!(BlockWrites::from_blockstats(&answer, "vda"), Some(want));
+        assert_eq!(BlockWrites::from_blockstats(&answer, "nope"), None);
+        // No discard counters (older QEMU): zero; no write counters: unknown.
+        let old = json!([{"device": "disk0", "stats": {"wr_operations": 1, "wr_bytes": 512}}]);
+        assert_eq!(
+            BlockWrites::from_blockstats(&old, ROOT_DRIVE).map(|w| w.unmap_operations),
+            Some(0)
+        );
+        let bare = json!([{"device": "disk0", "stats": {}}]);
+        assert_eq!(BlockWrites::from_blockstats(&bare, ROOT_DRIVE), None);
+        assert_eq!(BlockWrites::from_blockstats(&json!({}), ROOT_DRIVE), None);
+    }
 }

@@ -248,7 +248,11 @@ pub async fn run_with(
                     sandbox: rec.id,
                     tenant: rec.tenant,
                 };
-                match sec.tunnel_handler(&guest) {
+                // Egress is activity: a guest that talks out is not an
+                // unchanged one (its rolling snapshots are taken).
+                let note = svc.activity_note(&id);
+                let note: crate::security::TunnelNote = Arc::new(move || note.note());
+                match sec.tunnel_handler_noting(&guest, Some(note)) {
                     Ok(h) => Some(h),
                     Err(e) => {
                         tracing::warn!(sandbox = %id, error = %e, "egress proxy unavailable; egress stays closed");

@@ -40,8 +40,8 @@ pub use strata_proto::{
 };
 pub use strata_proto::{WatchEvent, WatchKind};
 pub use strata_runtime::{
-    CpuSource, GuestErrorKind, LiveVm, RuntimeError, SnapshotInfo, Source, SpaceUsage, Subvolumes,
-    TemplateBuilt, VmDied, VmInfo, VmUsage,
+    CpuSource, DiskWrites, GuestErrorKind, LiveVm, RuntimeError, SnapshotInfo, Source, SpaceUsage,
+    Subvolumes, TemplateBuilt, VmDied, VmInfo, VmUsage,
 };
 pub use strata_runtime::{PortCounters, PortError, PortOpenError, PortStream};
 
@@ -367,6 +367,16 @@ pub trait Engine: Send + Sync + 'static {
     fn open_calls(&self, id: &SandboxId) -> Option<u32> {
         let _ = id;
         None
+    }
+
+    /// The root disk's write counters of running sandbox `id`'s VM since
+    /// its process started (QMP `query-blockstats`), with that process's
+    /// pid: what `service::unchanged` compares to decide that a guest wrote
+    /// nothing since its last snapshot. `None`: this engine cannot tell
+    /// (the daemon then never skips a snapshot).
+    async fn disk_writes(&self, id: &SandboxId) -> EngineResult<Option<DiskWrites>> {
+        let _ = id;
+        Ok(None)
     }
 
     /// Opens a byte stream to `127.0.0.1:<port>` inside the running

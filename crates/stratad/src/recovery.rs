@@ -361,8 +361,15 @@ pub async fn reconcile(svc: &Arc<Service>) -> ServiceResult<RecoveryReport> {
     for id in ready.difference(&on_disk) {
         let id2 = id.clone();
         if let Some(mut s) = svc.db(move |st| st.get_snapshot(&id2)).await? {
+            // A `same_as` record has no subvolume of its own: it stands
+            // while the snapshot it names is there.
+            let why = match &s.same_as {
+                Some(t) if ready.contains(t) && on_disk.contains(t) => continue,
+                Some(t) => format!("the snapshot it is the same as ({t}) is missing from the pool"),
+                None => "subvolume missing from the pool".into(),
+            };
             s.status = SnapshotStatus::Deleted;
-            s.status_reason = Some("subvolume missing from the pool".into());
+            s.status_reason = Some(why);
             svc.db(move |st| st.put_snapshot(&s)).await?;
             report.missing_snapshots.push(id.clone());
         }

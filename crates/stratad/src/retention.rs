@@ -19,6 +19,11 @@
 //!   names it by id ([`RetentionPolicy::to_delete_keeping`], the snapshot
 //!   the store wakes from), so a hibernated sandbox's wake snapshot is kept
 //!   even when two snapshots share its timestamp.
+//!
+//! A `same_as` record (a rolling snapshot of an unchanged guest, recorded
+//! without being taken) is thinned like any rolling snapshot, and the real
+//! snapshot it names is kept as long as any record naming it is
+//! ([`spare_targets`]): a kept record never names a deleted snapshot.
 
 use std::time::Duration;
 
@@ -186,6 +191,22 @@ impl RetentionPolicy {
     }
 }
 
+/// Takes out of `doomed` every snapshot that a record kept (not in
+/// `doomed`) stands in for: `aliases` are `(record, target)` pairs, a
+/// `same_as` record and the real snapshot it names. A target stays while
+/// any record naming it stays, so no kept record ever names a deleted
+/// snapshot; the target goes with its last record (or later, by its own
+/// age). Targets are never records themselves (no chains), so one pass is
+/// enough.
+pub fn spare_targets<Id: PartialEq>(doomed: &mut Vec<Id>, aliases: &[(Id, Id)]) {
+    let needed: Vec<&Id> = aliases
+        .iter()
+        .filter(|(rec, _)| !doomed.contains(rec))
+        .map(|(_, target)| target)
+        .collect();
+    doomed.retain(|id| !needed.contains(&id));
+}
+
 #[cfg(test)]
 mod tests {
     use chrono::{Duration as CDuration, TimeZone};
@@ -336,6 +357,43 @@ mod tests {
         );
         assert_eq!(p.to_delete_keeping(&snaps, now, &[2]), Vec::<i64>::new());
         assert!(!p.to_delete_keeping(&snaps, now, &[1]).contains(&1));
+    }
+
+    #[test]
+    fn a_target_stays_while_a_kept_record_names_it() {
+        let p = RetentionPolicy::parse("1h:0,1d:1h").unwrap();
+        // 0 is real, 1..=3 are `same_as` 0; 4 is real, 5 `same_as` 4. Two
+        // hours later, the hour tier keeps one per hour bucket: 0 (the
+        // oldest of its hour) and the newest (5) survive plain retention.
+        let at = |m: i64| t0() + CDuration::minutes(m);
+        let snaps: Vec<Point<i64>> = [0, 10, 20, 30, 40, 50]
+            .iter()
+            .enumerate()
+            .map(|(i, m)| Point {
+                id: i as i64,
+                at: at(*m),
+                kind: SnapshotKind::Rolling,
+            })
+            .collect();
+        let aliases = [(1, 0), (2, 0), (3, 0), (5, 4)];
+        let now = at(120);
+        let mut doomed = p.to_delete(&snaps, now);
+        assert_eq!(doomed, vec![1, 2, 3, 4], "plain retention");
+        spare_targets(&mut doomed, &aliases);
+        // 4 is named by the kept 5: it stays; 1..=3 go, 0 stays on its own.
+        assert_eq!(doomed, vec![1, 2, 3]);
+        // A target whose records all go may go too.
+        let mut doomed = vec![0, 1, 2, 3];
+        spare_targets(&mut doomed, &[(1, 0), (2, 0), (3, 0)]);
+        assert_eq!(doomed, vec![0, 1, 2, 3]);
+        // One record left is enough to keep it.
+        let mut doomed = vec![0, 1, 2];
+        spare_targets(&mut doomed, &[(1, 0), (2, 0), (3, 0)]);
+        assert_eq!(doomed, vec![1, 2]);
+        // Nothing else is spared: never a record for its target's sake.
+        let mut doomed = vec![7, 8];
+        spare_targets(&mut doomed, &[(1, 0)]);
+        assert_eq!(doomed, vec![7, 8]);
     }
 
     #[test]

@@ -563,6 +563,7 @@ impl Actions for SimVms {
             exclusive_bytes: None,
             referenced_bytes: None,
             charge_bytes: None,
+            same_as: None,
         };
         let store = self.store.clone();
         let _ = tokio::task::spawn_blocking(move || store.put_snapshot(&rec)).await;

@@ -39,10 +39,20 @@ pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
                 .unwrap_or("-")
                 .to_owned()
         };
+        // A `same_as` record (a minute where nothing changed) restored
+        // the snapshot it names.
+        let to = match v
+            .get("rewound_to")
+            .and_then(|x| x.get("same_as"))
+            .and_then(Value::as_str)
+        {
+            Some(t) => format!("{} (= {t})", s("rewound_to")),
+            None => s("rewound_to"),
+        };
         Ok(format!(
             "{} rewound to {} (previous state kept as {})\n",
             a.id,
-            s("rewound_to"),
+            to,
             s("pre_rewind_snapshot")
         ))
     })?;

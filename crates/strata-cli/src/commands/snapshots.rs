@@ -39,6 +39,10 @@ pub fn timeline(list: &[Snapshot], now: DateTime<Utc>) -> String {
         &list,
         |s| {
             let mut kind = s.kind.replace('_', "-");
+            if let Some(t) = &s.same_as {
+                // Recorded, not taken: the guest was still at `t`.
+                kind.push_str(&format!(" = {t}"));
+            }
             if s.status != "ready" && !s.status.is_empty() {
                 kind.push_str(&format!(" ({})", s.status));
             }
@@ -90,6 +94,15 @@ mod tests {
                 created_at: at(600),
                 ..Default::default()
             },
+            Snapshot {
+                id: "snap-c".into(),
+                kind: "rolling".into(),
+                status: "ready".into(),
+                created_at: at(30),
+                exclusive_bytes: Some(0),
+                same_as: Some("snap-b".into()),
+                ..Default::default()
+            },
         ];
         let t = timeline(&list, now);
         let lines: Vec<&str> = t.lines().collect();
@@ -107,7 +120,11 @@ mod tests {
             lines[2].contains("3.0 MiB") && lines[2].contains("297.0 MiB"),
             "{t}"
         );
-        assert_eq!(lines[3], "2 snapshots, 3.0 MiB exclusive in total");
+        assert!(
+            lines[3].contains("snap-c") && lines[3].contains("rolling = snap-b"),
+            "{t}"
+        );
+        assert_eq!(lines[4], "3 snapshots, 3.0 MiB exclusive in total");
         assert_eq!(timeline(&[], now), "no snapshots\n");
     }
 }

@@ -51,7 +51,7 @@ mod warm;
 pub use agent::EgressResolver;
 pub use ports::PortOpenError;
 pub use templates::TemplateBuilt;
-pub use usage::{CpuSource, VmUsage};
+pub use usage::{CpuSource, DiskWrites, VmUsage};
 pub use vms::VmDied;
 pub use warm::WARM_CPU_WEIGHT;
 

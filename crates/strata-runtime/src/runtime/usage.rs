@@ -75,6 +75,17 @@ fn open_calls_of(live: &super::vms::Live) -> u32 {
     }
 }
 
+/// What one live VM's root disk was written since its QEMU process
+/// started ([`Runtime::disk_writes`]): a new `pid` means the counters
+/// restarted (a restore, a wake), so they compare only within one pid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiskWrites {
+    /// The QEMU process the counters are of.
+    pub pid: u32,
+    /// Its root disk's write counters.
+    pub writes: strata_vmm::BlockWrites,
+}
+
 /// Per QEMU pid: file-backed resident bytes that are not guest RAM
 /// (binaries, libraries), and how many calls ago that was measured.
 static NOT_GUEST: Mutex<Option<HashMap<u32, (u64, u32)>>> = Mutex::new(None);
@@ -217,6 +228,23 @@ impl Runtime {
             });
         }
         out
+    }
+}
+
+impl Runtime {
+    /// The root disk's write counters of sandbox `id`'s VM (one QMP
+    /// `query-blockstats`), with the pid they belong to.
+    pub async fn disk_writes(&self, id: &SandboxId) -> super::Result<DiskWrites> {
+        let live = self.live(id)?;
+        let writes = live
+            .vm
+            .block_writes()
+            .await
+            .map_err(|e| crate::error::vmm_err(id.as_str(), e))?;
+        Ok(DiskWrites {
+            pid: live.vm.pid(),
+            writes,
+        })
     }
 }
 

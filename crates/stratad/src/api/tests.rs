@@ -33,6 +33,8 @@ struct Double {
     held: std::sync::Mutex<std::collections::HashMap<SnapshotId, u64>>,
     charged: std::sync::Mutex<Vec<(SnapshotId, Option<Source>)>>,
     deleted_snaps: std::sync::Mutex<Vec<SnapshotId>>,
+    /// What rewinds and restores were asked to return to.
+    returned_to: std::sync::Mutex<Vec<SnapshotId>>,
     /// Warm pools: guests started ahead, claimed, deleted; claims fail
     /// while `fail_claim` is set.
     prewarmed: std::sync::Mutex<Vec<SandboxId>>,
@@ -93,15 +95,17 @@ impl Engine for Double {
     async fn rewind(
         &self,
         _: &SandboxId,
-        _: &SnapshotId,
+        to: &SnapshotId,
         pre: Option<&SnapshotId>,
     ) -> EngineResult<(Option<SnapshotInfo>, VmInfo)> {
+        self.returned_to.lock().unwrap().push(to.clone());
         if self.hold_rewind.load(Ordering::Relaxed) {
             self.slow_rewind.notified().await;
         }
         Ok((pre.map(snap_info), self.vm(SandboxSize::default())))
     }
-    async fn restore(&self, _: &SandboxId, _: &SnapshotId) -> EngineResult<VmInfo> {
+    async fn restore(&self, _: &SandboxId, from: &SnapshotId) -> EngineResult<VmInfo> {
+        self.returned_to.lock().unwrap().push(from.clone());
         Ok(self.vm(SandboxSize::default()))
     }
     async fn pause(&self, id: &SandboxId) -> EngineResult<()> {
@@ -984,6 +988,7 @@ async fn recovery_restores_a_sandbox_whose_vm_died() {
 mod keys;
 mod matrix;
 mod quotas;
+mod same_as;
 mod security;
 mod template_files;
 mod warm;

@@ -368,6 +368,10 @@ impl Engine for RuntimeEngine {
         self.rt.open_calls(id)
     }
 
+    async fn disk_writes(&self, id: &SandboxId) -> EngineResult<Option<DiskWrites>> {
+        self.rt.disk_writes(id).await.map(Some)
+    }
+
     async fn connect_port(&self, id: &SandboxId, port: u16) -> Result<PortStream, PortOpenError> {
         self.rt.connect_port(id, port).await
     }

@@ -694,8 +694,20 @@ impl Security {
     /// What the runtime serves a sandbox's tunnels with: each becomes a
     /// stream into the sandbox's proxy, or is refused under the caps.
     pub fn tunnel_handler(&self, guest: &crate::caller::Caller) -> std::io::Result<TunnelHandler> {
+        self.tunnel_handler_noting(guest, None)
+    }
+
+    /// [`Security::tunnel_handler`], calling `note` at every tunnel
+    /// open and every read or write of its stream (the daemon records
+    /// egress as activity of the sandbox: `service::unchanged`).
+    pub fn tunnel_handler_noting(
+        &self,
+        guest: &crate::caller::Caller,
+        note: Option<TunnelNote>,
+    ) -> std::io::Result<TunnelHandler> {
         Ok(TunnelHandler::new(Arc::new(SandboxTunnels(
             self.egress_proxy(guest)?,
+            note,
         ))))
     }
 
@@ -736,18 +748,81 @@ pub fn tunnel_limits(c: &crate::config::EgressConfig) -> TunnelLimits {
     }
 }
 
+/// Called at each egress event of one sandbox (must be cheap).
+pub type TunnelNote = Arc<dyn Fn() + Send + Sync>;
+
 /// A sandbox's proxy as the agent client's tunnel service.
-struct SandboxTunnels(Arc<Egress>);
+struct SandboxTunnels(Arc<Egress>, Option<TunnelNote>);
+
+/// A tunnel's stream that notes each read and write.
+struct Noted {
+    inner: TunnelStream,
+    note: TunnelNote,
+}
+
+impl tokio::io::AsyncRead for Noted {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let r = std::pin::Pin::new(&mut self.inner).poll_read(cx, buf);
+        if r.is_ready() {
+            (self.note)();
+        }
+        r
+    }
+}
+
+impl tokio::io::AsyncWrite for Noted {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let r = std::pin::Pin::new(&mut self.inner).poll_write(cx, buf);
+        if r.is_ready() {
+            (self.note)();
+        }
+        r
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
 
 impl TunnelService for SandboxTunnels {
     fn open(&self, peer: &str) -> OpenFuture {
+        if let Some(n) = &self.1 {
+            n();
+        }
+        let note = self.1.clone();
         let r = self.0.open_stream().map_err(|why| {
             // Debug: a guest decides how often this happens; the counts
             // are in `GET /v1/sandboxes/{id}/egress`.
             tracing::debug!(sandbox = ?self.0.config().sandbox, %peer, %why, "egress tunnel refused");
             why.to_string()
         });
-        Box::pin(async move { r.map(|s| Box::new(s) as TunnelStream) })
+        Box::pin(async move {
+            r.map(|s| {
+                let s = Box::new(s) as TunnelStream;
+                match note {
+                    Some(note) => Box::new(Noted { inner: s, note }) as TunnelStream,
+                    None => s,
+                }
+            })
+        })
     }
 
     fn describe(&self) -> String {

@@ -441,7 +441,8 @@ impl Service {
         let mut out = PoolCharge::default();
         let mut prev: Option<&SnapshotRecord> = None;
         let mut sandbox: Option<SandboxRecord> = None;
-        for snap in &snaps {
+        // A `same_as` record holds nothing (0 bytes) and is no base.
+        for snap in snaps.iter().filter(|s| s.same_as.is_none()) {
             if prev.is_some_and(|p| p.sandbox_id != snap.sandbox_id) {
                 prev = None;
             }
@@ -479,7 +480,9 @@ impl Service {
                 let prev = s
                     .list_snapshots(&sb, false)?
                     .into_iter()
-                    .filter(|p| p.status == SnapshotStatus::Ready && p.id != id)
+                    .filter(|p| {
+                        p.status == SnapshotStatus::Ready && p.id != id && p.same_as.is_none()
+                    })
                     .rfind(|p| p.created_at <= at);
                 Ok((s.get_sandbox(&sb)?, prev))
             })
@@ -500,7 +503,10 @@ impl Service {
         let id = rec.id.clone();
         let prev = self.db(move |s| s.latest_ready_snapshot(&id)).await?;
         let base = self
-            .charge_base(Some(rec), prev.as_ref().map(|p| &p.id))
+            .charge_base(
+                Some(rec),
+                prev.as_ref().map(|p| p.same_as.as_ref().unwrap_or(&p.id)),
+            )
             .await?;
         self.compute_charge(snap, base.as_ref()).await
     }

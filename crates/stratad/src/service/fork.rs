@@ -105,6 +105,10 @@ impl Service {
                 "snapshot {snap} is not ready"
             )));
         }
+        // A `same_as` record forks the snapshot it names (the fork's
+        // source is that real snapshot).
+        let s = self.resolve_same_as(s).await?;
+        let snap = &s.id;
         let src_id = s.sandbox_id.clone();
         let src = self.db(move |st| st.get_sandbox(&src_id)).await?;
         let base = src

@@ -40,6 +40,7 @@ mod rewind;
 mod sampler;
 mod snapshots;
 mod templates;
+mod unchanged;
 mod variants;
 mod warm;
 pub mod watch;
@@ -58,6 +59,7 @@ pub use ports::{is_port_closed, PortConn};
 pub use sampler::{
     HostPoint, Sample, Sampler, SandboxMetrics, UsageSummary, MAX_POINTS, SAMPLE_STEP,
 };
+pub use unchanged::ActivityNote;
 pub use warm::WarmPoolStats;
 
 use self::prelude::*;
@@ -89,6 +91,9 @@ pub struct Service {
     pressure: lifecycle::pressure::PressureState,
     gate: Arc<dyn ToolGate>,
     sampler: sampler::Sampler,
+    /// Baselines and activity of running guests, for rolling snapshots of
+    /// unchanged ones ([`unchanged`]).
+    unchanged: unchanged::Tracker,
     /// What every sandbox's commands printed (`[logs]`).
     logs: Arc<logs::ProcessLogs>,
     /// The key store (`config.key_dir`), opened on first use: a daemon
@@ -127,6 +132,7 @@ impl Service {
             deleted_hooks: Mutex::new(Vec::new()),
             gate,
             sampler: sampler::Sampler::new(&config.metrics),
+            unchanged: unchanged::Tracker::default(),
             logs: Arc::new(logs::ProcessLogs::new(&config.logs)),
             store,
             engine,
@@ -158,6 +164,7 @@ impl Service {
     /// Runs the [`Service::on_deleted`] hooks for `id`, and drops the
     /// service's own per-sandbox memory of it.
     pub(super) fn forget_deleted(&self, id: &SandboxId) {
+        self.unchanged.forget(id);
         self.flushed
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -251,6 +258,7 @@ impl Service {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(id.clone(), now);
+        self.unchanged.touch(id, now);
         let due = {
             let mut g = self.flushed.lock().unwrap_or_else(|p| p.into_inner());
             let last = g.get(id).copied();

@@ -36,6 +36,9 @@ pub struct PortConn {
     svc: Arc<Service>,
     sandbox: SandboxId,
     last_touch: Instant,
+    /// Every read and write, unthrottled: a guest that got bytes is not
+    /// an unchanged one (`service::unchanged`).
+    note: super::ActivityNote,
     audit: Option<(ToolCall, Decision)>,
 }
 
@@ -60,6 +63,7 @@ impl PortConn {
     }
 
     fn activity(&mut self) {
+        self.note.note();
         if self.last_touch.elapsed() >= TOUCH_EVERY {
             self.last_touch = Instant::now();
             self.svc.touch(&self.sandbox);
@@ -212,6 +216,7 @@ impl Service {
                 svc: self.clone(),
                 sandbox: id.clone(),
                 last_touch: Instant::now(),
+                note: self.activity_note(id),
                 audit,
             }),
             Err(e) => {

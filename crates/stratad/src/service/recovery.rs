@@ -26,6 +26,8 @@ impl Service {
                 "sandbox {id} has no snapshot to restore from"
             )));
         };
+        // The latest may be a `same_as` record: restore what it names.
+        let snap = self.resolve_same_as(snap).await?;
         let room = self.admit(&rec).await?;
         self.begin(&mut rec, Op::Recover, next, &[], Some(snap.id.to_string()))
             .await?;

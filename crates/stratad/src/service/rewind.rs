@@ -53,6 +53,9 @@ impl Service {
                 target.id
             )));
         }
+        // A `same_as` record (a minute where nothing changed) restores the
+        // snapshot it names; the answer still names the record asked for.
+        let real = self.resolve_same_as(target.clone()).await?;
         self.authorize(caller, Some(id), CallKind::Rewind, opts)
             .await?;
         let _g = self.acquire(id, Op::Rewind, Who::User).await?;
@@ -84,7 +87,7 @@ impl Service {
         let started = Instant::now();
         let result = self
             .engine
-            .rewind(id, &target.id, pre.as_ref().map(|p| &p.id))
+            .rewind(id, &real.id, pre.as_ref().map(|p| &p.id))
             .await;
         match result {
             Ok((info, vm)) => {

@@ -34,6 +34,7 @@ impl Service {
             exclusive_bytes: None,
             referenced_bytes: None,
             charge_bytes: None,
+            same_as: None,
         }
     }
 
@@ -121,6 +122,20 @@ impl Service {
     ) -> ServiceResult<SnapshotRecord> {
         let rec = self.record(id).await?;
         rec.state.apply(Op::Snapshot)?;
+        // A rolling snapshot of a guest where nothing happened is recorded,
+        // not taken (`service::unchanged`); a manual one is always taken.
+        if kind == SnapshotKind::Rolling && self.config.snapshots.skip_unchanged {
+            match self.unchanged_since(id).await {
+                Ok(same) => {
+                    if let Some(r) = self.record_same_as(&rec, same).await? {
+                        return Ok(r);
+                    }
+                }
+                Err(why) => {
+                    tracing::debug!(sandbox = %id, reason = %why, "guest changed: rolling snapshot taken")
+                }
+            }
+        }
         let quota = self.config.quotas.limits_pool_bytes()
             && matches!(kind, SnapshotKind::Manual | SnapshotKind::Rolling);
         if quota {
@@ -144,6 +159,7 @@ impl Service {
             );
             self.db(move |st| st.commit(&[], &[&s], Some(&ev))).await?;
         }
+        let before = self.before_snapshot(id).await;
         let started = Instant::now();
         let mut result = self.engine.snapshot(id, &snap.id).await;
         let mut refused = None;
@@ -168,6 +184,7 @@ impl Service {
             Ok(info) => {
                 self.observe_snapshot(started, info);
                 Self::ready(&mut snap, info);
+                self.after_snapshot(id, &snap.id, before);
                 (EventPhase::Done, snap.id.to_string())
             }
             Err(_) if refused.is_some() => {
@@ -205,6 +222,46 @@ impl Service {
             }
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// Records the rolling snapshot of an unchanged guest as `same_as` its
+    /// previous real snapshot: ready at once, no pause, no subvolume, 0
+    /// bytes; the journal says why.
+    async fn record_same_as(
+        &self,
+        rec: &SandboxRecord,
+        same: super::unchanged::Same,
+    ) -> ServiceResult<Option<SnapshotRecord>> {
+        let t = same.target.clone();
+        let Some(target) = self
+            .db(move |s| s.get_snapshot(&t))
+            .await?
+            .filter(|t| t.status == SnapshotStatus::Ready && t.same_as.is_none())
+        else {
+            // Gone meanwhile (a user's delete): take a real one.
+            return Ok(None);
+        };
+        let mut snap = self.new_snapshot(rec, SnapshotKind::Rolling, None);
+        snap.status = SnapshotStatus::Ready;
+        snap.same_as = Some(target.id.clone());
+        snap.exclusive_bytes = Some(0);
+        snap.referenced_bytes = target.referenced_bytes;
+        let s = snap.clone();
+        let ev = Event::new(
+            rec,
+            Op::Snapshot,
+            Some(rec.state),
+            EventPhase::Done,
+            Some(format!(
+                "{}: rolling snapshot skipped, same_as {}: {}",
+                snap.id, target.id, same.why
+            )),
+            self.now(),
+        );
+        self.db(move |st| st.commit(&[], &[&s], Some(&ev))).await?;
+        self.metrics.count(super::unchanged::SKIPPED_METRIC);
+        info!(sandbox = %rec.id, snapshot = %snap.id, same_as = %target.id, "guest unchanged: rolling snapshot recorded, not taken");
+        Ok(Some(snap))
     }
 
     /// Journals why a rolling snapshot was skipped, once per run of skips
@@ -314,17 +371,43 @@ impl Service {
                 "snapshot {id} is being taken"
             )));
         }
-        if self.wake_snapshot(&snap.sandbox_id).await?.as_ref() == Some(id) {
+        // The `same_as` records of this snapshot go with it: none may name
+        // a snapshot that is gone.
+        let mut same = if snap.same_as.is_none() {
+            let (sb, target) = (snap.sandbox_id.clone(), id.clone());
+            self.db(move |s| s.list_snapshots(&sb, false))
+                .await?
+                .into_iter()
+                .filter(|r| {
+                    r.status == SnapshotStatus::Ready && r.same_as.as_ref() == Some(&target)
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let wake = self.wake_snapshot(&snap.sandbox_id).await?;
+        if wake.as_ref() == Some(id) || same.iter().any(|r| Some(&r.id) == wake.as_ref()) {
             return Err(ServiceError::InvalidStateOther(format!(
                 "snapshot {id} is what hibernated sandbox {} wakes from; wake or delete the sandbox first",
                 snap.sandbox_id
             )));
         }
         Self::dropped(&mut snap, "deleted by user".into());
-        let s = snap.clone();
-        self.db(move |st| st.put_snapshot(&s)).await?;
-        if let Err(e) = self.engine.delete_snapshot(id).await {
-            warn!(snapshot = %id, error = %e.message(), "removing snapshot failed; recovery will retry");
+        for r in &mut same {
+            Self::dropped(r, format!("deleted with {id}, which it was the same as"));
+        }
+        let mut all = vec![snap.clone()];
+        all.append(&mut same);
+        self.db(move |st| {
+            let refs: Vec<&SnapshotRecord> = all.iter().collect();
+            st.commit(&[], &refs, None)
+        })
+        .await?;
+        // A `same_as` record has no subvolume of its own.
+        if snap.same_as.is_none() {
+            if let Err(e) = self.engine.delete_snapshot(id).await {
+                warn!(snapshot = %id, error = %e.message(), "removing snapshot failed; recovery will retry");
+            }
         }
         Ok(snap)
     }
@@ -352,10 +435,18 @@ impl Service {
             .map(|s| s.id)
             .into_iter()
             .collect();
-        let doomed = self
+        let mut doomed = self
             .config
             .retention
             .to_delete_keeping(&points, self.now(), &keep);
+        // A snapshot a kept `same_as` record names stays (the record is
+        // its stand-in).
+        let aliases: Vec<(SnapshotId, SnapshotId)> = snaps
+            .iter()
+            .filter(|s| s.status == SnapshotStatus::Ready)
+            .filter_map(|s| Some((s.id.clone(), s.same_as.clone()?)))
+            .collect();
+        crate::retention::spare_targets(&mut doomed, &aliases);
         if doomed.is_empty() {
             return Ok(0);
         }
@@ -374,7 +465,7 @@ impl Service {
             st.commit(&[], &refs, None)
         })
         .await?;
-        for r in &recs {
+        for r in recs.iter().filter(|r| r.same_as.is_none()) {
             if let Err(e) = self.engine.delete_snapshot(&r.id).await {
                 warn!(sandbox = %id, snapshot = %r.id, error = %e.message(), "GC removal failed; recovery will retry");
             }

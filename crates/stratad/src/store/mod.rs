@@ -251,6 +251,14 @@ pub struct SnapshotRecord {
     /// store's charge cache; writing a record never changes it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub charge_bytes: Option<u64>,
+    /// A rolling snapshot of a guest that had not changed since its
+    /// previous ready snapshot is recorded without being taken: no pause,
+    /// no subvolume, this names the snapshot it is the same as (always a
+    /// real one, never another `same_as` record). Rewind, restore and fork
+    /// of this record use that snapshot (`service::unchanged`). Schema 12;
+    /// `None` for every real snapshot and every row from before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub same_as: Option<SnapshotId>,
 }
 
 /// Template build status.

@@ -155,12 +155,12 @@ impl SandboxRow {
 
 pub(super) const SNAPSHOT_COLS: &str =
     "id, tenant_id, sandbox_id, kind, label, status, status_reason, \
-    created_at, pause_ms, exclusive_bytes, referenced_bytes";
+    created_at, pause_ms, exclusive_bytes, referenced_bytes, same_as";
 
 /// What a snapshot query selects: the columns, then its cached charge.
 pub(super) const SNAPSHOT_SELECT: &str =
     "id, tenant_id, sandbox_id, kind, label, status, status_reason, \
-    created_at, pause_ms, exclusive_bytes, referenced_bytes, \
+    created_at, pause_ms, exclusive_bytes, referenced_bytes, same_as, \
     (SELECT c.bytes FROM snapshot_charges c WHERE c.snapshot_id = snapshots.id)";
 
 type SnapshotRow = (
@@ -175,16 +175,30 @@ type SnapshotRow = (
     Option<f64>,
     Option<i64>,
     Option<i64>,
+    Option<String>,
     Option<i64>,
 );
 
 pub(super) fn snapshot_row(r: &Row<'_>) -> rusqlite::Result<SnapshotRow> {
-    Ok(columns!(r; 0 1 2 3 4 5 6 7 8 9 10 11))
+    Ok(columns!(r; 0 1 2 3 4 5 6 7 8 9 10 11 12))
 }
 
 pub(super) fn snapshot_record(row: SnapshotRow) -> StoreResult<SnapshotRecord> {
-    let (id, tenant, sandbox, kind, label, status, reason, created, pause, excl, refd, charge) =
-        row;
+    let (
+        id,
+        tenant,
+        sandbox,
+        kind,
+        label,
+        status,
+        reason,
+        created,
+        pause,
+        excl,
+        refd,
+        same,
+        charge,
+    ) = row;
     let t = "snapshots";
     Ok(SnapshotRecord {
         id: id.parse().map_err(|e| corrupt(t, &id, format!("{e}")))?,
@@ -203,6 +217,12 @@ pub(super) fn snapshot_record(row: SnapshotRow) -> StoreResult<SnapshotRecord> {
         exclusive_bytes: excl.map(|v| v.max(0) as u64),
         referenced_bytes: refd.map(|v| v.max(0) as u64),
         charge_bytes: charge.map(|v| v.max(0) as u64),
+        same_as: same
+            .map(|x| {
+                x.parse()
+                    .map_err(|e| corrupt(t, &id, format!("same_as: {e}")))
+            })
+            .transpose()?,
     })
 }
 
@@ -393,7 +413,7 @@ pub(super) fn write_sandbox(tx: &Connection, rec: &SandboxRecord, insert: bool) 
 pub(super) fn write_snapshot(tx: &Connection, rec: &SnapshotRecord) -> StoreResult<()> {
     tx.execute(
         &format!(
-            "REPLACE INTO snapshots ({SNAPSHOT_COLS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11)"
+            "REPLACE INTO snapshots ({SNAPSHOT_COLS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12)"
         ),
         params![
             rec.id.as_str(),
@@ -407,6 +427,7 @@ pub(super) fn write_snapshot(tx: &Connection, rec: &SnapshotRecord) -> StoreResu
             rec.pause_ms,
             rec.exclusive_bytes.map(|v| v.min(i64::MAX as u64) as i64),
             rec.referenced_bytes.map(|v| v.min(i64::MAX as u64) as i64),
+            rec.same_as.as_ref().map(|t| t.as_str()),
         ],
     )?;
     Ok(())

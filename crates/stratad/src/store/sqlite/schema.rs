@@ -2,7 +2,7 @@
 //! (`PRAGMA user_version` counts them). Never edit a shipped migration: add one.
 
 /// Newest schema version this build knows.
-pub const SCHEMA_VERSION: i64 = 11;
+pub const SCHEMA_VERSION: i64 = 12;
 
 pub(super) const MIGRATIONS: &[&str] = &[
     // 1: initial schema.
@@ -180,5 +180,11 @@ pub(super) const MIGRATIONS: &[&str] = &[
         updated_at INTEGER NOT NULL,
         PRIMARY KEY (tenant_id, key)
     ) WITHOUT ROWID;
+    "#,
+    // 12: a rolling snapshot of an unchanged guest names the snapshot it is
+    // the same as (no subvolume of its own); NULL for every other one.
+    r#"
+    ALTER TABLE snapshots ADD COLUMN same_as TEXT;
+    CREATE INDEX snapshots_by_same_as ON snapshots (same_as) WHERE same_as IS NOT NULL;
     "#,
 ];

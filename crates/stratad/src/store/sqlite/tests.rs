@@ -47,6 +47,7 @@ fn snap(i: i64, sb: &SandboxId, secs: i64, status: SnapshotStatus) -> SnapshotRe
         exclusive_bytes: Some(4096),
         referenced_bytes: Some(1 << 20),
         charge_bytes: None,
+        same_as: None,
     }
 }
 
@@ -651,4 +652,50 @@ fn sandbox_settings_are_per_key_survive_reopen_and_go_with_the_sandbox() {
         .query_row("SELECT count(*) FROM sandbox_settings", [], |r| r.get(0))
         .unwrap();
     assert_eq!(n, 0);
+}
+
+#[test]
+fn same_as_round_trips_and_schema_11_rows_read_as_none() {
+    // A database as schema 11 left it, with one ready snapshot.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("strata.db");
+    let rec = sandbox(1, SandboxState::Running);
+    let old = snap(1, &rec.id, 5, SnapshotStatus::Ready);
+    {
+        let conn = Connection::open(&path).unwrap();
+        for m in &MIGRATIONS[..11] {
+            conn.execute_batch(m).unwrap();
+        }
+        conn.execute_batch("PRAGMA user_version = 11").unwrap();
+        conn.execute(
+            "INSERT INTO snapshots (id, tenant_id, sandbox_id, kind, label, status, status_reason, \
+             created_at, pause_ms, exclusive_bytes, referenced_bytes) \
+             VALUES (?1, 'default', ?2, 'rolling', NULL, 'ready', NULL, ?3, 15.0, 4096, 1048576)",
+            params![old.id.as_str(), rec.id.as_str(), ms(old.created_at)],
+        )
+        .unwrap();
+    }
+    let s = SqliteStore::open(&path, 1).unwrap();
+    let read = s.get_snapshot(&old.id).unwrap().unwrap();
+    assert_eq!(read, old, "an old row has no same_as");
+    // A record of an unchanged guest names its target, and keeps it.
+    let mut same = snap(2, &rec.id, 65, SnapshotStatus::Ready);
+    same.same_as = Some(old.id.clone());
+    same.pause_ms = None;
+    s.put_snapshot(&same).unwrap();
+    assert_eq!(s.get_snapshot(&same.id).unwrap().unwrap(), same);
+    assert_eq!(
+        s.latest_ready_snapshot(&rec.id).unwrap().unwrap().same_as,
+        Some(old.id.clone())
+    );
+    let listed = s.list_snapshots(&rec.id, false).unwrap();
+    assert_eq!(
+        listed.iter().map(|r| r.same_as.clone()).collect::<Vec<_>>(),
+        vec![None, Some(old.id.clone())]
+    );
+    // Serialized only when set: old API clients see the same document.
+    let j = serde_json::to_value(&old).unwrap();
+    assert!(j.get("same_as").is_none(), "{j}");
+    let j = serde_json::to_value(&same).unwrap();
+    assert_eq!(j["same_as"], old.id.as_str());
 }
