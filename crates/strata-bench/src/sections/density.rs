@@ -54,17 +54,8 @@ impl Args {
 
 // ------------------------------------------------------------ host figures
 
-/// A `/proc/meminfo` field in bytes.
-fn meminfo(text: &str, key: &str) -> Option<u64> {
-    text.lines().find_map(|l| {
-        let rest = l.strip_prefix(key)?.strip_prefix(':')?;
-        rest.split_whitespace()
-            .next()?
-            .parse::<u64>()
-            .ok()
-            .map(|k| k * 1024)
-    })
-}
+/// A `/proc/meminfo` (or `smaps_rollup`) field in bytes: the daemon's parser.
+use stratad::host::meminfo_field as meminfo;
 
 fn mem_available() -> Result<u64> {
     let t = std::fs::read_to_string("/proc/meminfo").context("read /proc/meminfo")?;

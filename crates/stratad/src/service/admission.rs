@@ -596,7 +596,8 @@ impl Service {
         }
     }
 
-    fn peak_since(&self) -> DateTime<Utc> {
+    /// The start of `[capacity] peak_window`, back from now.
+    pub(super) fn peak_since(&self) -> DateTime<Utc> {
         self.now()
             - chrono::TimeDelta::from_std(self.config.capacity.peak_window)
                 .unwrap_or(chrono::TimeDelta::MAX)

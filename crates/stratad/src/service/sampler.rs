@@ -443,8 +443,7 @@ impl Service {
         }
         let rec = self.get_sandbox(caller, id).await?;
         let window = self.config.capacity.peak_window;
-        let since =
-            self.now() - chrono::TimeDelta::from_std(window).unwrap_or(chrono::TimeDelta::MAX);
+        let since = self.peak_since();
         Ok(SandboxMetrics {
             recent_window_s: window.as_secs(),
             recent: self.sampler.summary(&rec.id, since),
@@ -461,9 +460,7 @@ impl Service {
     /// admission by use counts. Bounded by `[metrics] max_sandboxes`.
     pub async fn usage_prometheus(&self) -> String {
         use std::fmt::Write as _;
-        let since = self.now()
-            - chrono::TimeDelta::from_std(self.config.capacity.peak_window)
-                .unwrap_or(chrono::TimeDelta::MAX);
+        let since = self.peak_since();
         let mut out = String::new();
         let mut gauge = |name: &str, help: &str, rows: &[(String, f64)]| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
