@@ -256,8 +256,10 @@ pub struct UseBudget {
     pub cpu_demand_cores: f64,
     /// Of which the sandboxes' recent peaks.
     pub sandbox_cores: f64,
-    /// Of which the host's other load.
+    /// The host's other load.
     pub other_cores: f64,
+    /// Of which counted (at most `other_load_share` of the budget).
+    pub other_counted_cores: f64,
     /// VMs held or starting.
     pub vms: u64,
 }

@@ -57,6 +57,12 @@ pub struct Capacity {
     /// Admission by use: the least a running sandbox is counted at, in
     /// cores, whatever it measured.
     pub idle_cpu_floor: f64,
+    /// Admission by use: the most of the CPU budget the host's other load
+    /// (programs besides the VMs) may take from sandboxes (0..1). Beyond
+    /// it, other load is not counted: a busy laptop still admits idle
+    /// sandboxes, which cost almost nothing, instead of refusing with no
+    /// VM to protect.
+    pub other_load_share: f64,
     /// Most VMs (sandboxes with a VM, warm guests, builders) at once, in
     /// either mode (0: no limit).
     pub max_vms: u32,
@@ -74,6 +80,7 @@ impl Default for Capacity {
             peak_window: Duration::from_secs(60),
             new_sandbox_cpu: 0.25,
             idle_cpu_floor: 0.005,
+            other_load_share: 0.5,
             max_vms: 512,
         }
     }
@@ -109,6 +116,7 @@ impl Capacity {
         for (name, v) in [
             ("cpu_headroom", self.cpu_headroom),
             ("memory_headroom", self.memory_headroom),
+            ("other_load_share", self.other_load_share),
         ] {
             if !(0.0..1.0).contains(&v) {
                 return Err(format!("[capacity] {name} must be in 0..1, got {v}"));

@@ -178,8 +178,14 @@ pub fn render_host(h: &crate::views::HostStats) -> String {
     }
     if let Some(b) = &h.budget {
         out.push_str(&format!(
-            "admission ({}): {:.2} of {:.2} cores counted (recent peaks {:.2}, other load {:.2}), {} VMs\n",
-            h.admission, b.cpu_demand_cores, b.cpu_budget_cores, b.sandbox_cores, b.other_cores, b.vms
+            "admission ({}): {:.2} of {:.2} cores counted (recent peaks {:.2}, other load {:.2} of {:.2}), {} VMs\n",
+            h.admission,
+            b.cpu_demand_cores,
+            b.cpu_budget_cores,
+            b.sandbox_cores,
+            b.other_counted_cores,
+            b.other_cores,
+            b.vms
         ));
     }
     if let Some(p) = &h.pressure {

@@ -88,6 +88,14 @@ disk_gib = 2
 
 [pools]
 default_template = 0
+
+# Not what these tests are about: sizes admit, nothing hibernates for
+# pressure (other test daemons' guests are this host's other load).
+[capacity]
+admission = "nominal"
+
+[pressure]
+enabled = false
 "#,
             data = root.join("data").display(),
             run = root.join("run").display(),

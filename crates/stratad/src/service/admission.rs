@@ -128,12 +128,16 @@ pub struct UseBudget {
     pub cores: f64,
     /// The CPUs less `cpu_headroom`, in cores.
     pub cpu_budget_cores: f64,
-    /// What is counted against it: `sandbox_cores + other_cores`.
+    /// What is counted against it: `sandbox_cores + other_counted_cores`.
     pub cpu_demand_cores: f64,
     /// The sandboxes' recent peaks (and builders, warm guests), in cores.
     pub sandbox_cores: f64,
     /// The host's other load (mean over the peak window), in cores.
     pub other_cores: f64,
+    /// The part of `other_cores` counted: at most `other_load_share` of
+    /// the budget.
+    #[serde(default)]
+    pub other_counted_cores: f64,
     /// VMs held or about to start.
     pub vms: u64,
     /// Sandboxes with a VM that the sampler has not measured yet.
@@ -155,6 +159,15 @@ fn max_vms_error(vms: u64, max: u64) -> ServiceError {
 }
 
 impl UseBudget {
+    /// Sets `other_counted_cores` (other load up to `other_load_share` of
+    /// the budget) and `cpu_demand_cores` from the parts.
+    pub(crate) fn total(&mut self, other_load_share: f64) {
+        self.other_counted_cores = self
+            .other_cores
+            .min(self.cpu_budget_cores * other_load_share.clamp(0.0, 1.0));
+        self.cpu_demand_cores = self.sandbox_cores + self.other_counted_cores;
+    }
+
     /// `Ok` when `want` fits; else `insufficient_capacity` naming what is short.
     pub(crate) fn check(&self, cap: &crate::config::Capacity, want: &Want) -> ServiceResult<()> {
         let max_vms = u64::from(cap.max_vms);
@@ -163,8 +176,11 @@ impl UseBudget {
         }
         if self.cpu_demand_cores + want.cpu_cores > self.cpu_budget_cores + 1e-9 {
             return Err(ServiceError::InsufficientCapacity(format!(
-                "this host's CPU is short: the recent peaks of its {} VMs and its other load take {:.2} of the {:.2} cores admission gives out ({} CPUs less {:.0} % headroom); a {}-vCPU sandbox is counted at {:.2} more",
+                "this host's CPU is short: the recent peaks of its {} VMs ({:.2} cores) and its other load ({:.2} counted of {:.2}) take {:.2} of the {:.2} cores admission gives out ({} CPUs less {:.0} % headroom); a {}-vCPU sandbox is counted at {:.2} more",
                 self.vms,
+                self.sandbox_cores,
+                self.other_counted_cores,
+                self.other_cores,
                 self.cpu_demand_cores,
                 self.cpu_budget_cores,
                 self.cores,
@@ -622,6 +638,7 @@ impl Service {
             cpu_demand_cores: 0.0,
             sandbox_cores: 0.0,
             other_cores: 0.0,
+            other_counted_cores: 0.0,
             vms: reserved.len() as u64 + t.builds + t.warm,
             unmeasured: 0,
             mem_total_bytes: 0,
@@ -645,7 +662,7 @@ impl Service {
             b.other_cores =
                 host.iter().map(HostPoint::other_cores).sum::<f64>() / host.len() as f64;
         }
-        b.cpu_demand_cores = b.sandbox_cores + b.other_cores;
+        b.total(cap.other_load_share);
         if let Some((_, _, total, avail)) = crate::host::HostReader::counters() {
             b.mem_total_bytes = total;
             b.mem_available_bytes = avail;
@@ -711,6 +728,7 @@ mod tests {
             cpu_demand_cores: demand,
             sandbox_cores: demand,
             other_cores: 0.0,
+            other_counted_cores: 0.0,
             vms: 10,
             unmeasured: 0,
             mem_total_bytes: 10_240 << 20,
@@ -741,6 +759,23 @@ mod tests {
             m.contains("CPU is short") && m.contains("1.30 of the 1.50 cores"),
             "{m}"
         );
+        // Other load takes at most other_load_share (0.5) of the budget: a
+        // host saturated by other programs still admits what fits in the
+        // rest, and refuses what does not.
+        let mut busy = budget(0.0, 8000, 0);
+        busy.other_cores = 2.2;
+        busy.total(cap.other_load_share);
+        assert!((busy.other_counted_cores - 0.75).abs() < 1e-9, "{busy:?}");
+        assert!(busy.check(&cap, &want(0.25, 256)).is_ok());
+        busy.sandbox_cores = 0.6;
+        busy.total(cap.other_load_share);
+        let m = busy.check(&cap, &want(0.25, 256)).unwrap_err().message();
+        assert!(m.contains("0.75 counted of 2.20"), "{m}");
+        // Below the share, all of it counts.
+        let mut some = budget(0.5, 8000, 0);
+        some.other_cores = 0.4;
+        some.total(cap.other_load_share);
+        assert!((some.cpu_demand_cores - 0.9).abs() < 1e-9, "{some:?}");
         // Memory: available less unmeasured less asked must stay over the floor.
         assert!(budget(0.0, 2000, 0).check(&cap, &want(0.1, 512)).is_ok());
         let e = budget(0.0, 2000, 600)

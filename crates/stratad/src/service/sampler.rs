@@ -78,6 +78,18 @@ struct Series {
     kept: bool,
 }
 
+/// What [`Sampler::record`] found in one round.
+#[derive(Debug, Default)]
+pub struct Recorded {
+    /// Sandboxes with a series but no live VM that have not been looked up
+    /// yet: the caller drops the deleted ones ([`Sampler::forget`]) and
+    /// keeps the others ([`Sampler::keep`]).
+    pub unseen: Vec<SandboxId>,
+    /// CPU the VMs used since the previous round (a new process: since it
+    /// started), microseconds.
+    pub vm_cpu_usec: u64,
+}
+
 /// The host over one sampler round: [`HostSample`] plus what the
 /// sandboxes' VMs used of it.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -122,6 +134,8 @@ pub struct UsageSummary {
 struct HostSeries {
     reader: HostReader,
     points: VecDeque<HostPoint>,
+    /// When the previous round read the host.
+    last: Option<Instant>,
 }
 
 /// The series of every sampled sandbox. See the module documentation.
@@ -171,11 +185,12 @@ impl Sampler {
 
     /// Folds one round of counters, read at `at` (wall clock, for the
     /// series) and `mono` (for the CPU rate), into the series. The first
-    /// round of a VM process only sets its CPU baseline. Returns the
-    /// sandboxes with a series but no live VM that have not been looked up
-    /// yet: the caller drops the deleted ones ([`Sampler::forget`]) and
-    /// keeps the others ([`Sampler::keep`]).
-    pub fn record(&self, at: DateTime<Utc>, mono: Instant, usages: &[VmUsage]) -> Vec<SandboxId> {
+    /// round of a VM process only sets its CPU baseline (no rate for its
+    /// series), yet what it used since it started counts in the round's
+    /// [`Recorded::vm_cpu_usec`]: a VM's boot or restore is the VMs' load,
+    /// not the host's other load.
+    pub fn record(&self, at: DateTime<Utc>, mono: Instant, usages: &[VmUsage]) -> Recorded {
+        let mut vm_cpu_usec = 0u64;
         let mut all = self.lock();
         let oldest =
             at - chrono::TimeDelta::from_std(self.window).unwrap_or(chrono::TimeDelta::MAX);
@@ -193,6 +208,11 @@ impl Sampler {
             let s = all.entry(u.id.clone()).or_default();
             s.seen = Some(at);
             s.kept = false;
+            vm_cpu_usec = vm_cpu_usec.saturating_add(match s.prev {
+                Some(p) if p.pid == u.pid => u.cpu_usec.saturating_sub(p.cpu_usec),
+                // A process new since the last round: all it used.
+                _ => u.cpu_usec,
+            });
             let rate = match s.prev {
                 Some(p) if p.pid == u.pid && u.cpu_usec >= p.cpu_usec => {
                     let dt = mono.saturating_duration_since(p.at).as_micros() as f64;
@@ -243,7 +263,10 @@ impl Sampler {
             unseen.push(id.clone());
             true
         });
-        unseen
+        Recorded {
+            unseen,
+            vm_cpu_usec,
+        }
     }
 
     /// Drops a sandbox's series (it was deleted).
@@ -315,11 +338,20 @@ impl Sampler {
         out
     }
 
-    /// Reads the host and keeps the point, with `vm_cores` and `vms` of
-    /// the round just recorded. The first call only sets the baseline.
-    pub fn record_host(&self, at: DateTime<Utc>, vm_cores: f64, vms: u32) -> Option<HostPoint> {
+    /// Reads the host and keeps the point, with what the VMs used
+    /// (`vm_cpu_usec`, [`Recorded`]) and `vms` of the round just recorded.
+    /// The first call only sets the baseline.
+    pub fn record_host(&self, at: DateTime<Utc>, vm_cpu_usec: u64, vms: u32) -> Option<HostPoint> {
         let mut h = self.host.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        let last = h.last.replace(now);
         let sample = h.reader.sample(at)?;
+        let dt = now.saturating_duration_since(last?).as_micros() as f64;
+        let vm_cores = if dt > 0.0 {
+            (vm_cpu_usec as f64 / dt).min(sample.cpu_busy_cores)
+        } else {
+            0.0
+        };
         let point = HostPoint {
             host: sample,
             vm_cores,
@@ -585,17 +617,10 @@ impl Service {
             }
         };
         let now = self.now();
-        let unseen = self.sampler.record(now, Instant::now(), &usages);
-        // What the VMs used this round, for the host's point (a VM's first
-        // round has no rate yet and counts nothing).
-        let vm_cores: f64 = usages
-            .iter()
-            .filter_map(|u| self.sampler.latest(&u.id).filter(|p| p.at == now))
-            .map(|p| p.cpu_pct / 100.0 * f64::from(p.cpu_count.max(1)))
-            .sum();
+        let round = self.sampler.record(now, Instant::now(), &usages);
         let vms = u32::try_from(usages.len()).unwrap_or(u32::MAX);
-        self.sampler.record_host(now, vm_cores, vms);
-        for id in unseen {
+        self.sampler.record_host(now, round.vm_cpu_usec, vms);
+        for id in round.unseen {
             match self.record(&id).await {
                 Ok(_) => self.sampler.keep(&id),
                 Err(ServiceError::NotFound { .. }) => self.sampler.forget(&id),
@@ -671,19 +696,24 @@ mod tests {
         let (t0, m0) = (Utc::now(), Instant::now());
         let at = |i: i64| t0 + chrono::TimeDelta::seconds(5 * i);
         let mono = |i: u64| m0 + Duration::from_secs(5 * i);
-        // First round: a baseline only.
-        s.record(at(0), mono(0), &[usage(&id, 10, 1_000_000)]);
+        // First round: a baseline only for the series, but what the new
+        // process used since it started is the VMs' load of the round.
+        let r = s.record(at(0), mono(0), &[usage(&id, 10, 1_000_000)]);
         assert!(s.series(&id, None, None).is_empty());
+        assert_eq!(r.vm_cpu_usec, 1_000_000);
         // 5 s later, 5 s of CPU on 2 vCPUs: 50 %.
-        s.record(at(1), mono(1), &[usage(&id, 10, 6_000_000)]);
+        let r = s.record(at(1), mono(1), &[usage(&id, 10, 6_000_000)]);
+        assert_eq!(r.vm_cpu_usec, 5_000_000);
         let p = s.latest(&id).unwrap();
         assert_eq!(p.cpu_pct, 50.0);
         assert_eq!((p.cpu_count, p.mem_used_bytes), (2, 100 << 20));
         // More than all vCPUs (QEMU's own threads) is capped at 100.
         s.record(at(2), mono(2), &[usage(&id, 10, 20_000_000)]);
         assert_eq!(s.latest(&id).unwrap().cpu_pct, 100.0);
-        // A new process (wake, restore): a baseline again, no bogus rate.
-        s.record(at(3), mono(3), &[usage(&id, 11, 10)]);
+        // A new process (wake, restore): a baseline again, no bogus rate;
+        // its own CPU since it started counts for the round.
+        let r = s.record(at(3), mono(3), &[usage(&id, 11, 10)]);
+        assert_eq!(r.vm_cpu_usec, 10);
         assert_eq!(s.series(&id, None, None).len(), 2);
         s.record(at(4), mono(4), &[usage(&id, 11, 10)]);
         assert_eq!(s.latest(&id).unwrap().cpu_pct, 0.0);
@@ -728,14 +758,14 @@ mod tests {
             s.record(at(i as i64), mono(i), &[usage(&a, 1, 0), usage(&b, 2, 0)]);
         }
         // Both VMs gone: both are asked about once.
-        let mut unseen = s.record(at(3), mono(3), &[]);
+        let mut unseen = s.record(at(3), mono(3), &[]).unseen;
         unseen.sort();
         let mut both = vec![a.clone(), b.clone()];
         both.sort();
         assert_eq!(unseen, both);
         s.forget(&a); // deleted
         s.keep(&b); // hibernated
-        assert!(s.record(at(4), mono(4), &[]).is_empty());
+        assert!(s.record(at(4), mono(4), &[]).unseen.is_empty());
         assert!(s.series(&a, None, None).is_empty());
         assert_eq!(s.series(&b, None, None).len(), 2);
         // b ages out of the 60 s window.
