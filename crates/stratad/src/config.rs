@@ -63,6 +63,12 @@ pub struct Capacity {
     /// sandboxes, which cost almost nothing, instead of refusing with no
     /// VM to protect.
     pub other_load_share: f64,
+    /// Admission by use admits at least what nominal admission would: while
+    /// the vCPUs held stay within the CPUs × `cpu_overcommit`, the CPU is
+    /// not judged by use (memory still is). A small host is then never
+    /// stricter than before because one sandbox was briefly busy; use
+    /// decides beyond that.
+    pub nominal_floor: bool,
     /// Most VMs (sandboxes with a VM, warm guests, builders) at once, in
     /// either mode (0: no limit).
     pub max_vms: u32,
@@ -81,6 +87,7 @@ impl Default for Capacity {
             new_sandbox_cpu: 0.25,
             idle_cpu_floor: 0.005,
             other_load_share: 0.5,
+            nominal_floor: true,
             max_vms: 512,
         }
     }
@@ -531,6 +538,9 @@ pub struct Config {
     /// `[pools]`: warm pools, sandboxes started ahead of creates
     /// (docs/warm-pools.md).
     pub pools: PoolsConfig,
+    /// `[listener]`: connection cap and timeouts of every HTTP listener
+    /// (docs/listener.md).
+    pub listener: crate::listener::ListenerConfig,
 }
 
 /// `[pools]`: warm pools. A warm guest is a sandbox of a template at the
@@ -788,6 +798,7 @@ impl Default for Config {
             logs: LogsConfig::default(),
             templates: TemplatesConfig::default(),
             pools: PoolsConfig::default(),
+            listener: crate::listener::ListenerConfig::default(),
         }
     }
 }
@@ -842,6 +853,19 @@ impl Config {
             .validate()
             .map_err(|e| ConfigError::Invalid(format!("default_size: {e}")))?;
         self.capacity.validate().map_err(ConfigError::Invalid)?;
+        self.listener.validate().map_err(ConfigError::Invalid)?;
+        if !self.security.auth {
+            // Without tokens every caller is an admin: never off this host.
+            let open = [Some(self.listen), self.e2b.tls_listen]
+                .into_iter()
+                .flatten()
+                .find(|a| !a.ip().is_loopback());
+            if let Some(a) = open {
+                return Err(ConfigError::Invalid(format!(
+                    "[security] auth = false (--auth off) makes every caller an admin: it is only allowed on a loopback address, and {a} is not"
+                )));
+            }
+        }
         if self.pressure.interval < Duration::from_millis(100) {
             return Err(ConfigError::Invalid(
                 "pressure.interval must be at least 100ms".into(),
@@ -1028,6 +1052,31 @@ mod tests {
             assert!(c.validate().is_err(), "{bad}");
         }
         assert!(toml::from_str::<Config>("[metrics]\nintervall = \"1s\"\n").is_err());
+    }
+
+    #[test]
+    fn auth_off_only_on_loopback_and_listener_bounds() {
+        let mut c = Config::default();
+        c.security.auth = false;
+        c.validate().unwrap();
+        c.listen = "0.0.0.0:7070".parse().unwrap();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("loopback") && e.contains("0.0.0.0:7070"), "{e}");
+        c.listen = "[::1]:7070".parse().unwrap();
+        c.validate().unwrap();
+        c.e2b.tls_listen = Some("192.0.2.1:8443".parse().unwrap());
+        assert!(c.validate().is_err());
+        c.security.auth = true;
+        c.validate().unwrap();
+        let c: Config =
+            toml::from_str("[listener]\nmax_connections = 2\nheader_read_timeout = \"5s\"\n")
+                .unwrap();
+        assert_eq!(c.listener.max_connections, 2);
+        assert_eq!(c.listener.header_read_timeout, Duration::from_secs(5));
+        assert_eq!(c.listener.body_idle_timeout, Duration::from_secs(60));
+        let c: Config = toml::from_str("[listener]\nmax_connections = 0\n").unwrap();
+        assert!(c.validate().is_err());
+        assert!(toml::from_str::<Config>("[listener]\nmax_conns = 1\n").is_err());
     }
 
     #[test]

@@ -305,16 +305,32 @@ pub async fn run_with(
         None => crate::serve(&app, listener, shutdown).await,
         Some(mount) => {
             let router = mount(app.service().clone(), app.security().cloned(), app.router());
-            // `[e2b] tls_listen`: the same routes over TLS, leaves from the local CA.
-            let tls_task =
-                tls.map(|(l, cfg)| tokio::spawn(crate::tls::serve(l, cfg, router.clone())));
-            // Connect info: the E2B door limits failed logins per address.
-            let router = router.into_make_service_with_connect_info::<std::net::SocketAddr>();
-            let r = axum::serve(listener, router)
-                .with_graceful_shutdown(shutdown)
-                .await;
+            let bounds = app.service().config().listener.clone();
+            let metrics = Some(app.service().metrics().clone());
+            // `[e2b] tls_listen`: the same routes over TLS, leaves from the
+            // local CA; it stops when the plain listener does.
+            let (tls_stop, tls_stopped) = tokio::sync::oneshot::channel::<()>();
+            let tls_task = tls.map(|(l, cfg)| {
+                tokio::spawn(crate::listener::serve(
+                    l,
+                    Some(Arc::new(cfg)),
+                    router.clone(),
+                    bounds.clone(),
+                    metrics.clone(),
+                    async move {
+                        let _ = tls_stopped.await;
+                    },
+                ))
+            });
+            // Every request carries its peer (the E2B door limits failed
+            // logins per address).
+            let shutdown = async move {
+                shutdown.await;
+                let _ = tls_stop.send(());
+            };
+            let r = crate::listener::serve(listener, None, router, bounds, metrics, shutdown).await;
             if let Some(t) = tls_task {
-                t.abort();
+                let _ = t.await;
             }
             app.stop();
             r

@@ -18,6 +18,7 @@ pub mod daemon;
 pub mod duration;
 pub mod engine;
 pub mod host;
+pub mod listener;
 pub mod metrics;
 pub mod recovery;
 pub mod retention;
@@ -158,16 +159,23 @@ impl App {
     }
 }
 
-/// Serves the API on `listener` until `shutdown` completes, then stops the
+/// Serves the API on `listener` (bounded by `[listener]`,
+/// [`listener::serve`]) until `shutdown` completes, then stops the
 /// background tasks. VMs keep running; the next start adopts them.
 pub async fn serve(
     app: &App,
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let result = axum::serve(listener, app.router())
-        .with_graceful_shutdown(shutdown)
-        .await;
+    let result = listener::serve(
+        listener,
+        None,
+        app.router(),
+        app.service().config().listener.clone(),
+        Some(app.service().metrics().clone()),
+        shutdown,
+    )
+    .await;
     app.stop();
     result
 }

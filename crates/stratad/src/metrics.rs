@@ -149,6 +149,15 @@ impl Metrics {
         });
     }
 
+    /// Sets the open-connection gauges of one listener (`http`, `tls`).
+    pub fn set_listener_connections(&self, listener: &'static str, open: usize, max: usize) {
+        metrics::with_local_recorder(&self.recorder, || {
+            metrics::gauge!("strata_listener_connections", "listener" => listener).set(open as f64);
+            metrics::gauge!("strata_listener_connections_max", "listener" => listener)
+                .set(max as f64);
+        });
+    }
+
     /// Sets the gauges from store counts.
     pub fn set_counts(&self, by_state: &BTreeMap<String, u64>, snapshots: u64) {
         metrics::with_local_recorder(&self.recorder, || {

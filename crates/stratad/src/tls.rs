@@ -1,6 +1,6 @@
 //! TLS for routed hosts (`[e2b] tls_listen`): a local certificate authority
 //! the daemon keeps under its data directory, leaf certificates issued on
-//! demand per SNI name, and the daemon's router served over TLS.
+//! demand per SNI name (served by [`crate::listener::serve`]).
 //!
 //! The CA is created once (`<data_dir>/ca/ca.pem`, mode 0644, and
 //! `ca.key`, 0600) and reused after restarts; `GET /v1/ca` and `strata ca`
@@ -10,7 +10,6 @@
 
 use std::collections::HashMap;
 use std::io::Write as _;
-use std::net::SocketAddr;
 use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -21,7 +20,6 @@ use rcgen::{
 };
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
-use tokio::net::TcpListener;
 
 /// At most this many leaf certificates are kept; past it the oldest goes.
 pub const LEAF_CACHE_MAX: usize = 1024;
@@ -29,8 +27,6 @@ pub const LEAF_CACHE_MAX: usize = 1024;
 pub const LEAF_VALIDITY: Duration = Duration::from_secs(7 * 24 * 3600);
 /// A cached leaf is issued again after this long (well inside its validity).
 const LEAF_REISSUE: Duration = Duration::from_secs(24 * 3600);
-/// A TLS handshake must finish within this.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Why the CA or the TLS listener could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -276,50 +272,6 @@ pub fn server_config(resolver: Arc<LeafResolver>) -> Result<rustls::ServerConfig
         .with_cert_resolver(resolver);
     cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(cfg)
-}
-
-/// Serves `router` over TLS on `listener` until the task is dropped: each
-/// connection gets its peer address as `ConnectInfo` (as the plain
-/// listener's requests do), HTTP/1.1 with upgrades (WebSocket).
-pub async fn serve(listener: TcpListener, cfg: rustls::ServerConfig, router: axum::Router) {
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cfg));
-    loop {
-        let (tcp, peer) = match listener.accept().await {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(error = %e, "TLS listener: accept failed");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let acceptor = acceptor.clone();
-        let router = router.clone();
-        tokio::spawn(async move {
-            let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                Ok(Ok(s)) => s,
-                Ok(Err(e)) => {
-                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                    return;
-                }
-                Err(_) => return,
-            };
-            let svc = hyper::service::service_fn(
-                move |mut req: hyper::Request<hyper::body::Incoming>| {
-                    req.extensions_mut()
-                        .insert(axum::extract::ConnectInfo::<SocketAddr>(peer));
-                    tower::ServiceExt::oneshot(router.clone(), req)
-                },
-            );
-            let io = hyper_util::rt::TokioIo::new(tls);
-            if let Err(e) = hyper::server::conn::http1::Builder::new()
-                .serve_connection(io, svc)
-                .with_upgrades()
-                .await
-            {
-                tracing::debug!(%peer, error = %e, "TLS connection ended with an error");
-            }
-        });
-    }
 }
 
 #[cfg(test)]

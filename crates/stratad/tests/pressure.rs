@@ -41,6 +41,7 @@ vcpus = 64
 cpu_headroom = 0.5
 new_sandbox_cpu = 20.0
 idle_cpu_floor = 20.0
+nominal_floor = false
 
 [pressure]
 enabled = true

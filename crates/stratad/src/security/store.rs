@@ -150,6 +150,44 @@ fn token_record((mut t, role): (TokenRecord, String)) -> SecResult<TokenRecord> 
 /// The security tables.
 pub struct SecurityStore {
     conn: Mutex<Connection>,
+    /// Tokens found by hash lately ([`SecurityStore::token_by_hash`]).
+    token_cache: Mutex<TokenCache>,
+}
+
+/// How long a token found by its hash is answered from memory. A
+/// revocation through this store takes effect at once; one written by
+/// another process on the same database within this.
+pub const TOKEN_CACHE_TTL: std::time::Duration = std::time::Duration::from_secs(5);
+/// Most tokens held in memory; past it the cache starts over.
+pub const TOKEN_CACHE_MAX: usize = 4096;
+
+/// Found tokens by secret hash, with when each was read.
+#[derive(Debug, Default)]
+struct TokenCache(std::collections::HashMap<String, (TokenRecord, std::time::Instant)>);
+
+impl TokenCache {
+    fn get(&self, hash: &str) -> Option<TokenRecord> {
+        self.0
+            .get(hash)
+            .filter(|(_, at)| at.elapsed() < TOKEN_CACHE_TTL)
+            .map(|(t, _)| t.clone())
+    }
+
+    fn put(&mut self, hash: &str, t: &TokenRecord) {
+        if self.0.len() >= TOKEN_CACHE_MAX {
+            self.0.retain(|_, (_, at)| at.elapsed() < TOKEN_CACHE_TTL);
+            if self.0.len() >= TOKEN_CACHE_MAX {
+                self.0.clear();
+            }
+        }
+        self.0
+            .insert(hash.to_owned(), (t.clone(), std::time::Instant::now()));
+    }
+
+    fn forget(&mut self, tenant: &str, id: &str) {
+        self.0
+            .retain(|_, (t, _)| !(t.id == id && t.tenant == tenant));
+    }
 }
 
 impl std::fmt::Debug for SecurityStore {
@@ -180,6 +218,7 @@ impl SecurityStore {
         }
         Ok(SecurityStore {
             conn: Mutex::new(conn),
+            token_cache: Mutex::new(TokenCache::default()),
         })
     }
 
@@ -222,9 +261,20 @@ impl SecurityStore {
         Ok(())
     }
 
-    /// The token whose secret hashes to `hash`.
+    fn tokens_cached(&self) -> std::sync::MutexGuard<'_, TokenCache> {
+        self.token_cache.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The token whose secret hashes to `hash`: from memory when it was
+    /// read within [`TOKEN_CACHE_TTL`] (every request authenticates; the
+    /// connection is shared with the audit log), else from the database.
+    /// Unknown hashes are never cached.
     pub fn token_by_hash(&self, hash: &str) -> SecResult<Option<TokenRecord>> {
-        self.conn()
+        if let Some(t) = self.tokens_cached().get(hash) {
+            return Ok(Some(t));
+        }
+        let found = self
+            .conn()
             .query_row(
                 &format!("SELECT {TOKEN_COLS} FROM api_tokens WHERE hash = ?1"),
                 [hash],
@@ -232,7 +282,11 @@ impl SecurityStore {
             )
             .optional()?
             .map(token_record)
-            .transpose()
+            .transpose()?;
+        if let Some(t) = &found {
+            self.tokens_cached().put(hash, t);
+        }
+        Ok(found)
     }
 
     /// One token of `tenant`.
@@ -268,6 +322,8 @@ impl SecurityStore {
             "UPDATE api_tokens SET revoked_at = COALESCE(revoked_at, ?3) WHERE id = ?1 AND tenant_id = ?2",
             params![id, tenant, ms(at)],
         )?;
+        // Before the answer: the revoked token's next request is refused.
+        self.tokens_cached().forget(tenant, id);
         Ok(n > 0)
     }
 

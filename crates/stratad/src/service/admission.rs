@@ -140,6 +140,13 @@ pub struct UseBudget {
     pub other_counted_cores: f64,
     /// VMs held or about to start.
     pub vms: u64,
+    /// Their nominal vCPUs.
+    #[serde(default)]
+    pub vcpus_held: u64,
+    /// Up to this many vCPUs held, CPU is not judged by use
+    /// (`nominal_floor`: the CPUs × `cpu_overcommit`; 0: off).
+    #[serde(default)]
+    pub vcpus_floor: u64,
     /// Sandboxes with a VM that the sampler has not measured yet.
     pub unmeasured: u64,
     /// The host's RAM, bytes.
@@ -174,9 +181,11 @@ impl UseBudget {
         if max_vms > 0 && self.vms >= max_vms {
             return Err(max_vms_error(self.vms, max_vms));
         }
-        if self.cpu_demand_cores + want.cpu_cores > self.cpu_budget_cores + 1e-9 {
+        let within_floor =
+            self.vcpus_floor > 0 && self.vcpus_held + u64::from(want.vcpus) <= self.vcpus_floor;
+        if !within_floor && self.cpu_demand_cores + want.cpu_cores > self.cpu_budget_cores + 1e-9 {
             return Err(ServiceError::InsufficientCapacity(format!(
-                "this host's CPU is short: the recent peaks of its {} VMs ({:.2} cores) and its other load ({:.2} counted of {:.2}) take {:.2} of the {:.2} cores admission gives out ({} CPUs less {:.0} % headroom); a {}-vCPU sandbox is counted at {:.2} more",
+                "this host's CPU is short: the recent peaks of its {} VMs ({:.2} cores) and its other load ({:.2} counted of {:.2}) take {:.2} of the {:.2} cores admission gives out ({} CPUs less {:.0} % headroom); a {}-vCPU sandbox is counted at {:.2} more{}",
                 self.vms,
                 self.sandbox_cores,
                 self.other_counted_cores,
@@ -186,7 +195,15 @@ impl UseBudget {
                 self.cores,
                 cap.cpu_headroom * 100.0,
                 want.vcpus,
-                want.cpu_cores
+                want.cpu_cores,
+                if self.vcpus_floor > 0 {
+                    format!(
+                        " (past the {} vCPUs admitted without measuring: {} held)",
+                        self.vcpus_floor, self.vcpus_held
+                    )
+                } else {
+                    String::new()
+                }
             )));
         }
         if self.mem_total_bytes > 0 {
@@ -640,6 +657,16 @@ impl Service {
             other_cores: 0.0,
             other_counted_cores: 0.0,
             vms: reserved.len() as u64 + t.builds + t.warm,
+            vcpus_held: reserved
+                .iter()
+                .map(|r| u64::from(r.size.vcpus))
+                .sum::<u64>()
+                + t.vcpus,
+            vcpus_floor: if cap.nominal_floor {
+                (cap.cores() as f64 * cap.cpu_overcommit) as u64
+            } else {
+                0
+            },
             unmeasured: 0,
             mem_total_bytes: 0,
             mem_available_bytes: 0,
@@ -730,6 +757,8 @@ mod tests {
             other_cores: 0.0,
             other_counted_cores: 0.0,
             vms: 10,
+            vcpus_held: 10,
+            vcpus_floor: 0,
             unmeasured: 0,
             mem_total_bytes: 10_240 << 20,
             mem_available_bytes: avail_mib << 20,
@@ -771,6 +800,24 @@ mod tests {
         busy.total(cap.other_load_share);
         let m = busy.check(&cap, &want(0.25, 256)).unwrap_err().message();
         assert!(m.contains("0.75 counted of 2.20"), "{m}");
+        // Within the nominal floor CPU is not judged by use; past it, it is.
+        let mut small = budget(1.4, 8000, 0);
+        (small.vcpus_held, small.vcpus_floor) = (3, 8);
+        assert!(small.check(&cap, &want(0.25, 256)).is_ok());
+        small.vcpus_held = 8;
+        let m = small.check(&cap, &want(0.25, 256)).unwrap_err().message();
+        assert!(
+            m.contains("past the 8 vCPUs admitted without measuring"),
+            "{m}"
+        );
+        // ...but memory still is.
+        let mut tight = budget(0.0, 1100, 0);
+        (tight.vcpus_held, tight.vcpus_floor) = (0, 8);
+        assert!(tight
+            .check(&cap, &want(0.1, 512))
+            .unwrap_err()
+            .message()
+            .contains("memory is short"));
         // Below the share, all of it counts.
         let mut some = budget(0.5, 8000, 0);
         some.other_cores = 0.4;
