@@ -178,7 +178,7 @@ pub fn render_host(h: &crate::views::HostStats) -> String {
     }
     if let Some(b) = &h.budget {
         out.push_str(&format!(
-            "admission ({}): {:.2} of {:.2} cores counted (recent peaks {:.2}, other load {:.2} of {:.2}), {} VMs\n",
+            "admission ({}): {:.2} of {:.2} cores counted (sandboxes at their recent peak together {:.2}, other load {:.2} of {:.2}), {} VMs\n",
             h.admission,
             b.cpu_demand_cores,
             b.cpu_budget_cores,

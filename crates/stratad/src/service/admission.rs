@@ -130,7 +130,7 @@ pub struct UseBudget {
     pub cpu_budget_cores: f64,
     /// What is counted against it: `sandbox_cores + other_counted_cores`.
     pub cpu_demand_cores: f64,
-    /// The sandboxes' recent peaks (and builders, warm guests), in cores.
+    /// The sandboxes' recent peak together (and builders, warm guests), in cores.
     pub sandbox_cores: f64,
     /// The host's other load (mean over the peak window), in cores.
     pub other_cores: f64,
@@ -185,7 +185,7 @@ impl UseBudget {
             self.vcpus_floor > 0 && self.vcpus_held + u64::from(want.vcpus) <= self.vcpus_floor;
         if !within_floor && self.cpu_demand_cores + want.cpu_cores > self.cpu_budget_cores + 1e-9 {
             return Err(ServiceError::InsufficientCapacity(format!(
-                "this host's CPU is short: the recent peaks of its {} VMs ({:.2} cores) and its other load ({:.2} counted of {:.2}) take {:.2} of the {:.2} cores admission gives out ({} CPUs less {:.0} % headroom); a {}-vCPU sandbox is counted at {:.2} more{}",
+                "this host's CPU is short: the recent peak of its {} VMs together ({:.2} cores) and its other load ({:.2} counted of {:.2}) take {:.2} of the {:.2} cores admission gives out ({} CPUs less {:.0} % headroom); a {}-vCPU sandbox is counted at {:.2} more{}",
                 self.vms,
                 self.sandbox_cores,
                 self.other_counted_cores,
@@ -637,9 +637,10 @@ impl Service {
     }
 
     /// What the host's CPU and memory hold by use, as admission counts it:
-    /// every sandbox with a VM (or about to start one) at its recent peak
-    /// (`[capacity] peak_window`; at least `idle_cpu_floor`; one not
-    /// measured yet at `new_sandbox_cpu` per vCPU and its whole memory),
+    /// the sandboxes with a VM (or about to start one) at the most they
+    /// used together in one sampler round of `[capacity] peak_window` (at
+    /// least `idle_cpu_floor` each; one not measured yet at
+    /// `new_sandbox_cpu` per vCPU and its whole memory),
     /// template builders at their vCPUs, warm guests (paused) at the floor,
     /// plus the host's other load (its mean over the window: the daemon,
     /// other programs), against the CPUs less `cpu_headroom` and the RAM
@@ -673,16 +674,21 @@ impl Service {
             mem_unmeasured_bytes: 0,
             mem_floor_bytes: 0,
         };
+        let mut measured = Vec::with_capacity(reserved.len());
         for r in &reserved {
-            match self.sampler.summary(&r.id, since) {
-                Some(u) => b.sandbox_cores += u.cpu_cores_peak.max(cap.idle_cpu_floor),
-                None => {
-                    b.unmeasured += 1;
-                    b.sandbox_cores += cap.new_sandbox_cpu * f64::from(r.size.vcpus.max(1));
-                    b.mem_unmeasured_bytes += u64::from(r.size.memory_mib) << 20;
-                }
+            if self.sampler.summary(&r.id, since).is_some() {
+                measured.push(&r.id);
+            } else {
+                b.unmeasured += 1;
+                b.sandbox_cores += cap.new_sandbox_cpu * f64::from(r.size.vcpus.max(1));
+                b.mem_unmeasured_bytes += u64::from(r.size.memory_mib) << 20;
             }
         }
+        // The measured ones at what they took together at their busiest
+        // round of the window (not the sum of their own peaks, which
+        // rarely coincide), each at least at the floor.
+        let (peak, n) = self.sampler.peak_of_sum(measured.iter().copied(), since);
+        b.sandbox_cores += peak.max(n as f64 * cap.idle_cpu_floor);
         b.sandbox_cores += t.build_vcpus as f64 + t.warm as f64 * cap.idle_cpu_floor;
         let host = self.sampler.host_series(since);
         if !host.is_empty() {

@@ -324,6 +324,32 @@ impl Sampler {
         summarize(s.points.iter().filter(|p| p.at >= since))
     }
 
+    /// The highest CPU, in cores, that `ids` used together in one round at
+    /// or after `since` (every VM of a round is sampled at the same
+    /// instant), and how many of them have a point there. Their peaks
+    /// rarely coincide: this is what they took, where the sum of their own
+    /// peaks is what they could take at worst.
+    pub fn peak_of_sum<'a>(
+        &self,
+        ids: impl IntoIterator<Item = &'a SandboxId>,
+        since: DateTime<Utc>,
+    ) -> (f64, usize) {
+        let all = self.lock();
+        let mut rounds: std::collections::BTreeMap<DateTime<Utc>, f64> = Default::default();
+        let mut measured = 0;
+        for id in ids {
+            let Some(s) = all.get(id) else { continue };
+            let mut any = false;
+            for p in s.points.iter().filter(|p| p.at >= since) {
+                *rounds.entry(p.at).or_default() +=
+                    p.cpu_pct / 100.0 * f64::from(p.cpu_count.max(1));
+                any = true;
+            }
+            measured += usize::from(any);
+        }
+        (rounds.values().copied().fold(0.0, f64::max), measured)
+    }
+
     /// Summaries over points at or after `since` of every sandbox that has
     /// some (bounded by `[metrics] max_sandboxes`).
     pub fn summaries(&self, since: DateTime<Utc>) -> Vec<(SandboxId, UsageSummary)> {
@@ -687,6 +713,41 @@ mod tests {
             disk_total_bytes: 2 << 30,
             open_calls: 0,
         }
+    }
+
+    #[test]
+    fn the_peak_of_the_sum_is_the_busiest_round_of_the_given_sandboxes() {
+        let s = Sampler::new(&cfg(5, 3600, 16));
+        let (a, b, c) = (
+            SandboxId::generate(),
+            SandboxId::generate(),
+            SandboxId::generate(),
+        );
+        let (t0, m0) = (Utc::now(), Instant::now());
+        let at = |i: i64| t0 + chrono::TimeDelta::seconds(5 * i);
+        let mono = |i: u64| m0 + Duration::from_secs(5 * i);
+        // 2 vCPUs each; CPU seconds per 5-s round: a busy in round 1, b in
+        // round 2 (each 1 core), c always idle.
+        let cum = [
+            (0, 0, 0),
+            (5_000_000, 0, 0),
+            (5_000_000, 5_000_000, 0),
+            (5_000_000, 5_000_000, 0),
+        ];
+        for (i, (ua, ub, uc)) in cum.into_iter().enumerate() {
+            s.record(
+                at(i as i64),
+                mono(i as u64),
+                &[usage(&a, 1, ua), usage(&b, 2, ub), usage(&c, 3, uc)],
+            );
+        }
+        // Their own peaks sum to 2 cores; together they never took more than 1.
+        let (peak, n) = s.peak_of_sum([&a, &b, &c], at(0));
+        assert_eq!(n, 3);
+        assert!((peak - 1.0).abs() < 1e-9, "{peak}");
+        // The window and the set count: from round 2 on, a was idle.
+        assert!((s.peak_of_sum([&a], at(2)).0).abs() < 1e-9);
+        assert_eq!(s.peak_of_sum([&SandboxId::generate()], at(0)), (0.0, 0));
     }
 
     #[test]
