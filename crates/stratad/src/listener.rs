@@ -96,10 +96,11 @@ pub async fn serve(
     let permits = Arc::new(Semaphore::new(max));
     let (stop_tx, stop_rx) = watch::channel(false);
     let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
-    let gauge = |open: usize| {
-        if let Some(m) = &metrics {
-            m.set_listener_connections(listener_name(acceptor.is_some()), open, max);
-        }
+    let gauge = Gauge {
+        metrics: metrics.clone(),
+        name: if acceptor.is_some() { "tls" } else { "http" },
+        permits: permits.clone(),
+        max,
     };
     tokio::pin!(shutdown);
     let mut was_full = false;
@@ -137,7 +138,7 @@ pub async fn serve(
             },
         };
         let _ = tcp.set_nodelay(true);
-        gauge(max - permits.available_permits());
+        gauge.set();
         let conn = Conn {
             router: router.clone(),
             peer,
@@ -147,15 +148,11 @@ pub async fn serve(
             metrics: metrics.clone(),
         };
         let acceptor = acceptor.clone();
-        let permits_left = permits.clone();
-        let metrics_done = metrics.clone();
-        let name = listener_name(acceptor.is_some());
+        let gauge = gauge.clone();
         tokio::spawn(async move {
             conn.run(tcp, acceptor).await;
             drop(permit);
-            if let Some(m) = metrics_done {
-                m.set_listener_connections(name, max - permits_left.available_permits(), max);
-            }
+            gauge.set();
         });
     }
     drop(listener);
@@ -170,11 +167,21 @@ pub async fn serve(
     Ok(())
 }
 
-fn listener_name(tls: bool) -> &'static str {
-    if tls {
-        "tls"
-    } else {
-        "http"
+/// The open-connection gauges of one listener, set from its permits.
+#[derive(Clone)]
+struct Gauge {
+    metrics: Option<Arc<Metrics>>,
+    name: &'static str,
+    permits: Arc<Semaphore>,
+    max: usize,
+}
+
+impl Gauge {
+    fn set(&self) {
+        if let Some(m) = &self.metrics {
+            let open = self.max - self.permits.available_permits();
+            m.set_listener_connections(self.name, open, self.max);
+        }
     }
 }
 
@@ -313,6 +320,13 @@ mod tests {
         }
     }
 
+    /// A connection to `s` that has sent `bytes`.
+    async fn send(s: &Served, bytes: &[u8]) -> TcpStream {
+        let mut c = TcpStream::connect(s.addr).await.unwrap();
+        c.write_all(bytes).await.unwrap();
+        c
+    }
+
     /// Reads until the peer closes or `within` passes; `(bytes, closed)`.
     async fn read_all(s: &mut TcpStream, within: Duration) -> (String, bool) {
         let mut out = Vec::new();
@@ -347,8 +361,7 @@ mod tests {
     async fn a_request_head_that_does_not_arrive_in_time_closes_the_connection() {
         let s = start(cfg(300, 0, 16)).await;
         // Slowloris: half a head, then nothing.
-        let mut c = TcpStream::connect(s.addr).await.unwrap();
-        c.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n").await.unwrap();
+        let mut c = send(&s, b"GET / HTTP/1.1\r\nHost: x\r\n").await;
         let t0 = Instant::now();
         let (_, closed) = read_all(&mut c, Duration::from_secs(5)).await;
         assert!(closed, "still open after 5 s");
@@ -358,19 +371,17 @@ mod tests {
             t0.elapsed()
         );
         // A keep-alive connection idle after its request ends the same way.
-        let mut c = TcpStream::connect(s.addr).await.unwrap();
-        c.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-            .await
-            .unwrap();
+        let mut c = send(&s, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await;
         let head = response_head(&mut c, Duration::from_secs(5)).await.unwrap();
         assert!(head.starts_with("HTTP/1.1 200"), "{head}");
         let (_, closed) = read_all(&mut c, Duration::from_secs(5)).await;
         assert!(closed, "an idle keep-alive connection stayed open");
         // A head sent at once is served as usual.
-        let mut c = TcpStream::connect(s.addr).await.unwrap();
-        c.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            .await
-            .unwrap();
+        let mut c = send(
+            &s,
+            b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        )
+        .await;
         let (text, _) = read_all(&mut c, Duration::from_secs(5)).await;
         assert!(
             text.starts_with("HTTP/1.1 200") && text.ends_with("ok"),
@@ -382,10 +393,11 @@ mod tests {
     async fn a_stalled_body_fails_and_a_slow_moving_one_does_not() {
         let s = start(cfg(10_000, 400, 16)).await;
         // 100 bytes announced, 10 sent, then silence.
-        let mut c = TcpStream::connect(s.addr).await.unwrap();
-        c.write_all(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123456789")
-            .await
-            .unwrap();
+        let mut c = send(
+            &s,
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123456789",
+        )
+        .await;
         let t0 = Instant::now();
         let head = response_head(&mut c, Duration::from_secs(5)).await;
         let waited = t0.elapsed();
@@ -398,12 +410,11 @@ mod tests {
         }
         assert!(waited >= Duration::from_millis(350), "{waited:?}");
         // 10 bytes every 200 ms: 2 s in all, never 400 ms without progress.
-        let mut c = TcpStream::connect(s.addr).await.unwrap();
-        c.write_all(
+        let mut c = send(
+            &s,
             b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\nConnection: close\r\n\r\n",
         )
-        .await
-        .unwrap();
+        .await;
         for _ in 0..10 {
             tokio::time::sleep(Duration::from_millis(200)).await;
             c.write_all(b"0123456789").await.unwrap();
@@ -420,21 +431,14 @@ mod tests {
         let s = start(cfg(10_000, 0, 2)).await;
         let mut held = Vec::new();
         for _ in 0..2 {
-            let mut c = TcpStream::connect(s.addr).await.unwrap();
-            c.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-                .await
-                .unwrap();
+            let mut c = send(&s, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await;
             assert!(response_head(&mut c, Duration::from_secs(5))
                 .await
                 .is_some());
             held.push(c);
         }
         // The kernel completes the handshake (backlog); nobody serves it.
-        let mut third = TcpStream::connect(s.addr).await.unwrap();
-        third
-            .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-            .await
-            .unwrap();
+        let mut third = send(&s, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await;
         assert!(
             response_head(&mut third, Duration::from_millis(700))
                 .await
@@ -450,10 +454,7 @@ mod tests {
     #[tokio::test]
     async fn shutdown_lets_a_request_in_flight_finish_and_stops_accepting() {
         let mut s = start(cfg(10_000, 0, 16)).await;
-        let mut c = TcpStream::connect(s.addr).await.unwrap();
-        c.write_all(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
-            .await
-            .unwrap();
+        let mut c = send(&s, b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n").await;
         tokio::time::sleep(Duration::from_millis(100)).await;
         let _ = s.stop.take().unwrap().send(());
         let (text, closed) = read_all(&mut c, Duration::from_secs(5)).await;
