@@ -105,11 +105,16 @@ impl Capacity {
         }
     }
 
+    /// The vCPUs nominal admission gives out: the CPUs × `cpu_overcommit`
+    /// (at least 1).
+    pub fn nominal_vcpus(&self) -> u64 {
+        ((self.cores() as f64) * self.cpu_overcommit.max(1.0)) as u64
+    }
+
     /// Resolves automatic values against this host: `(vcpus, memory_mib)`
     /// of nominal admission.
     pub fn resolve(&self) -> (u64, u64) {
-        let cpus = self.cores();
-        let vcpus = ((cpus as f64) * self.cpu_overcommit.max(1.0)) as u64;
+        let vcpus = self.nominal_vcpus();
         let mem = if self.memory_mib == 0 {
             host_memory_mib().map(|m| m * 9 / 10).unwrap_or(4096)
         } else {

@@ -142,20 +142,34 @@ impl HostReader {
     /// A sample over the time since the previous call (`None` on the first
     /// call, which only sets the baseline, or when `/proc` cannot be read).
     pub fn sample(&mut self, at: chrono::DateTime<chrono::Utc>) -> Option<HostSample> {
+        self.sample_over(at).map(|(s, _)| s)
+    }
+
+    /// [`HostReader::sample`] with the time it covers.
+    pub fn sample_over(
+        &mut self,
+        at: chrono::DateTime<chrono::Utc>,
+    ) -> Option<(HostSample, std::time::Duration)> {
         let (now, cpus, mem_total, mem_avail) = Self::counters()?;
         let mono = Instant::now();
         let out = self
             .prev
-            .and_then(|(t, prev)| rates(&prev, &now, mono.saturating_duration_since(t), cpus))
-            .map(|(busy, cpu_p, mem_p, mem_f)| HostSample {
-                at,
-                cpus,
-                cpu_busy_cores: busy,
-                mem_total_bytes: mem_total,
-                mem_available_bytes: mem_avail,
-                cpu_pressure_pct: cpu_p,
-                mem_pressure_pct: mem_p,
-                mem_full_pressure_pct: mem_f,
+            .map(|(t, prev)| (prev, mono.saturating_duration_since(t)))
+            .and_then(|(prev, dt)| rates(&prev, &now, dt, cpus).map(|r| (r, dt)))
+            .map(|((busy, cpu_p, mem_p, mem_f), dt)| {
+                (
+                    HostSample {
+                        at,
+                        cpus,
+                        cpu_busy_cores: busy,
+                        mem_total_bytes: mem_total,
+                        mem_available_bytes: mem_avail,
+                        cpu_pressure_pct: cpu_p,
+                        mem_pressure_pct: mem_p,
+                        mem_full_pressure_pct: mem_f,
+                    },
+                    dt,
+                )
             });
         self.prev = Some((mono, now));
         out

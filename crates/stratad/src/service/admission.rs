@@ -664,7 +664,7 @@ impl Service {
                 .sum::<u64>()
                 + t.vcpus,
             vcpus_floor: if cap.nominal_floor {
-                (cap.cores() as f64 * cap.cpu_overcommit) as u64
+                cap.nominal_vcpus()
             } else {
                 0
             },

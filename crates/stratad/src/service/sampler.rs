@@ -134,8 +134,6 @@ pub struct UsageSummary {
 struct HostSeries {
     reader: HostReader,
     points: VecDeque<HostPoint>,
-    /// When the previous round read the host.
-    last: Option<Instant>,
 }
 
 /// The series of every sampled sandbox. See the module documentation.
@@ -369,10 +367,8 @@ impl Sampler {
     /// The first call only sets the baseline.
     pub fn record_host(&self, at: DateTime<Utc>, vm_cpu_usec: u64, vms: u32) -> Option<HostPoint> {
         let mut h = self.host.lock().unwrap_or_else(|p| p.into_inner());
-        let now = Instant::now();
-        let last = h.last.replace(now);
-        let sample = h.reader.sample(at)?;
-        let dt = now.saturating_duration_since(last?).as_micros() as f64;
+        let (sample, dt) = h.reader.sample_over(at)?;
+        let dt = dt.as_micros() as f64;
         let vm_cores = if dt > 0.0 {
             (vm_cpu_usec as f64 / dt).min(sample.cpu_busy_cores)
         } else {
