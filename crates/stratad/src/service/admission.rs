@@ -53,6 +53,15 @@ use super::prelude::*;
 use super::sampler::HostPoint;
 use crate::config::AdmissionMode;
 
+use super::lifecycle::pressure::Freed;
+
+/// How long an admission short of room waits for room that is on its way
+/// (a hibernation under way, an idle sandbox busy with a rolling snapshot)
+/// before it is refused.
+const ROOM_WAIT: Duration = Duration::from_secs(15);
+/// How often it looks again meanwhile.
+const ROOM_POLL: Duration = Duration::from_millis(100);
+
 /// Template builds (each boots a builder VM) that may run at once.
 pub const MAX_CONCURRENT_TEMPLATE_BUILDS: u64 = 2;
 
@@ -271,14 +280,18 @@ impl Service {
     /// `[pressure] enabled`, idle sandboxes hibernate, the least recently
     /// active first (`lifecycle::pressure`): a sandbox someone asked for
     /// comes before one kept in case, and nothing is refused while an idle
-    /// sandbox could make the room. `id` is the sandbox admitted (never
-    /// one of those hibernated). Called under the placement lock.
+    /// sandbox could make the room: when the room is on its way (a
+    /// hibernation under way, an idle sandbox busy with a rolling snapshot
+    /// for a moment) it waits for it, up to `ROOM_WAIT`. `id` is the
+    /// sandbox admitted (never one of those hibernated). Called under the
+    /// placement lock.
     pub(crate) async fn check_capacity_or_evict(
         &self,
         size: SandboxSize,
         id: Option<&SandboxId>,
     ) -> ServiceResult<()> {
         let mut tried: Vec<SandboxId> = id.into_iter().cloned().collect();
+        let started = Instant::now();
         loop {
             match self.check_capacity(size, id).await {
                 Ok(()) => return Ok(()),
@@ -291,8 +304,15 @@ impl Service {
                     }
                     let why = format!("admission: {}", e.message());
                     match self.hibernate_one_idle(&why, &mut tried).await {
-                        Some(_) => continue,
-                        None => return Err(e),
+                        Freed::Hibernated(_) => continue,
+                        // Room is on its way (a hibernation under way, an
+                        // idle sandbox in a rolling snapshot): wait for it
+                        // rather than refuse while an idle sandbox runs.
+                        Freed::Pending if started.elapsed() < ROOM_WAIT => {
+                            tokio::time::sleep(ROOM_POLL).await;
+                            continue;
+                        }
+                        Freed::Pending | Freed::Nothing => return Err(e),
                     }
                 }
             }

@@ -31,6 +31,22 @@ impl Drop for OpGuard {
 pub(crate) const BACKGROUND_WAIT: Duration = Duration::from_secs(30);
 
 impl Service {
+    /// Whether a background operation holds `id`'s lock now.
+    pub(super) fn held_by_background(&self, id: &SandboxId) -> bool {
+        let slot = self
+            .slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .cloned();
+        slot.is_some_and(|s| {
+            matches!(
+                *s.holder.lock().unwrap_or_else(|p| p.into_inner()),
+                Some((_, Who::Background))
+            )
+        })
+    }
+
     pub(super) async fn acquire(&self, id: &SandboxId, op: Op, who: Who) -> ServiceResult<OpGuard> {
         let slot = {
             let mut g = self.slots.lock().unwrap_or_else(|p| p.into_inner());

@@ -42,6 +42,19 @@ use crate::host::{HostReader, HostSample};
 /// `strata_events_total{kind="pressure_hibernation"}`).
 pub const PRESSURE_HIBERNATION: &str = "pressure_hibernation";
 
+/// What [`Service::hibernate_one_idle`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Freed {
+    /// This sandbox hibernated: its room is free.
+    Hibernated(SandboxId),
+    /// Nothing hibernated now, but room is on its way: a hibernation is
+    /// under way, or an idle sandbox is busy with a background operation
+    /// for a moment.
+    Pending,
+    /// No sandbox is idle.
+    Nothing,
+}
+
 /// The monitor's view, for `/v1/stats` and the warm-pool filler.
 #[derive(Debug, Default)]
 pub(crate) struct PressureState {
@@ -129,30 +142,45 @@ impl Service {
 
     /// Hibernates the least recently used idle sandbox not in `tried`
     /// (with its memory; `why` is recorded in its journal events). Every
-    /// sandbox looked at is added to `tried`. Returns the one hibernated.
-    pub(crate) async fn hibernate_one_idle(
-        &self,
-        why: &str,
-        tried: &mut Vec<SandboxId>,
-    ) -> Option<SandboxId> {
-        let me = self.me.upgrade()?;
+    /// sandbox ruled out is added to `tried`; one whose lock a background
+    /// operation (a rolling snapshot, another hibernation) holds is not, and
+    /// is reported as [`Freed::Pending`] when nothing else could be
+    /// hibernated, as is a hibernation already under way elsewhere: room is
+    /// on its way, and admission waits for it rather than refuse.
+    pub(crate) async fn hibernate_one_idle(&self, why: &str, tried: &mut Vec<SandboxId>) -> Freed {
+        let Some(me) = self.me.upgrade() else {
+            return Freed::Nothing;
+        };
+        let mut pending = match self.hibernations_under_way().await {
+            Ok(n) => n > 0,
+            Err(_) => false,
+        };
         let min_idle = chrono::TimeDelta::from_std(self.config.pressure.min_idle)
             .unwrap_or(chrono::TimeDelta::MAX);
         let candidates = match self.idle_sandboxes(tried).await {
             Ok(c) => c,
             Err(e) => {
                 warn!(error = %e.message(), "listing idle sandboxes failed");
-                return None;
+                return Freed::Nothing;
             }
         };
         for (id, _) in candidates {
-            tried.push(id.clone());
             if !self.may_auto_resume(&id).await.unwrap_or(false) {
+                tried.push(id);
                 continue;
             }
             let Ok(g) = self.acquire(&id, Op::Hibernate, Who::Background).await else {
-                continue; // an operation holds it: not idle
+                if self.held_by_background(&id) {
+                    // A rolling snapshot (or another hibernation): it ends
+                    // in well under a second; asked again then.
+                    tracing::debug!(sandbox = %id, "idle candidate busy with a background operation");
+                    pending = true;
+                } else {
+                    tried.push(id); // a user operation holds it: not idle
+                }
+                continue;
             };
+            tried.push(id.clone());
             // Asked again under its lock: a call may have started meanwhile.
             let rec = match self.record(&id).await {
                 Ok(r) => r,
@@ -170,12 +198,26 @@ impl Service {
                     self.pressure.hibernated.fetch_add(1, Ordering::SeqCst);
                     self.metrics.count(PRESSURE_HIBERNATION);
                     info!(sandbox = %id, why, ms = started.elapsed().as_millis() as u64, "idle sandbox hibernated for pressure");
-                    return Some(id);
+                    return Freed::Hibernated(id);
                 }
                 Err(e) => warn!(sandbox = %id, error = %e.message(), "pressure hibernation failed"),
             }
         }
-        None
+        if pending {
+            Freed::Pending
+        } else {
+            Freed::Nothing
+        }
+    }
+
+    /// Sandboxes whose hibernation has begun and not ended (their VM still
+    /// holds its room until it does).
+    async fn hibernations_under_way(&self) -> ServiceResult<usize> {
+        let reserved = self.db(|s| s.reserved_sandboxes()).await?;
+        Ok(reserved
+            .iter()
+            .filter(|r| r.pending_op == Some(Op::Hibernate))
+            .count())
     }
 
     /// What of `h` counts as pressure under `[pressure]` (and `[capacity]
@@ -254,11 +296,7 @@ impl Service {
                     last_action = Some(Instant::now());
                     continue;
                 }
-                if this
-                    .hibernate_one_idle(&why, &mut Vec::new())
-                    .await
-                    .is_some()
-                {
+                if let Freed::Hibernated(_) = this.hibernate_one_idle(&why, &mut Vec::new()).await {
                     last_action = Some(Instant::now());
                 }
             }
