@@ -164,6 +164,7 @@ async fn env_on(approval_timeout: Duration, host: Arc<HostTunnels>) -> Env {
             "tunnel.test",
             "other.test",
             "unlisted.test",
+            "tls.test",
         ]
         .iter()
         .map(|h| (h.to_string(), lo))
@@ -679,4 +680,319 @@ async fn opens_beyond_the_bucket_are_refused_until_it_refills() {
     tokio::time::sleep(Duration::from_millis(250)).await;
     drop(egress.open_stream().unwrap_or_else(|e| panic!("{e}")));
     assert_eq!(egress.stats().refused_rate, 1);
+}
+
+/// A policy set from platform and tenant text (the env's ports filled in).
+fn custom_set(platform: &str, tenant: &str) -> PolicySet {
+    let p = |t: &str| Some(Arc::new(Policy::parse(t).unwrap_or_else(|e| panic!("{e}"))));
+    PolicySet::new(p(platform), p(tenant), None).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The audit entries recorded so far.
+fn entries(e: &Env) -> Vec<audit::AuditEntry> {
+    audit::query(&e.audit_path, &audit::Filter::default()).unwrap_or_default()
+}
+
+/// Opens a `CONNECT` tunnel to `target` and reads the proxy's answer head.
+async fn tunnel(e: &Env, target: &str) -> (TcpStream, String) {
+    let mut s = TcpStream::connect(e.proxy.local_addr())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    s.write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut head = Vec::new();
+    let mut b = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        match s.read(&mut b).await {
+            Ok(1) => head.push(b[0]),
+            _ => break,
+        }
+    }
+    (s, String::from_utf8_lossy(&head).into_owned())
+}
+
+/// Writes `bytes` into a tunnel and reads what comes back until it closes
+/// (or 3 s pass).
+async fn through(s: &mut TcpStream, bytes: &[u8]) -> Vec<u8> {
+    let _ = s.write_all(bytes).await;
+    let mut back = Vec::new();
+    let mut buf = [0u8; 4096];
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+    while back.len() < bytes.len() {
+        match tokio::time::timeout_at(deadline, s.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => back.extend_from_slice(&buf[..n]),
+            _ => break,
+        }
+    }
+    back
+}
+
+/// Finding 10: reads are GET, HEAD and OPTIONS only; WebDAV, PURGE and
+/// made-up methods are writes, refused by a read-only connector.
+#[tokio::test]
+async fn every_method_but_get_head_options_is_a_write_on_a_read_only_connector() {
+    let e = env(Duration::from_secs(5)).await;
+    let p = e.port;
+    for m in [
+        "MKCOL",
+        "MOVE",
+        "COPY",
+        "PROPPATCH",
+        "LOCK",
+        "PURGE",
+        "FROBNICATE",
+    ] {
+        let (st, body) = raw(
+            &e,
+            &format!(
+                "{m} http://api.salesforce.test:{p}/dav/x HTTP/1.1\r\nHost: api.salesforce.test:{p}\r\n\
+                 Content-Length: 0\r\nConnection: close\r\n\r\n"
+            ),
+        )
+        .await;
+        assert_eq!(st, 403, "{m}: {body}");
+        let j = json(&body);
+        assert_eq!(j["rule"], "connector:salesforce:read-only", "{m}: {j}");
+        assert!(j["reason"].as_str().unwrap_or("").contains(m), "{m}: {j}");
+    }
+    assert_eq!(
+        e.hits.load(Ordering::SeqCst),
+        0,
+        "no write reached upstream"
+    );
+    for m in ["GET", "HEAD", "OPTIONS"] {
+        let (st, body) = raw(
+            &e,
+            &format!(
+                "{m} http://api.salesforce.test:{p}/x HTTP/1.1\r\nHost: api.salesforce.test:{p}\r\n\
+                 Connection: close\r\n\r\n"
+            ),
+        )
+        .await;
+        assert_eq!(st, 200, "{m}: {body}");
+    }
+    assert_eq!(e.hits.load(Ordering::SeqCst), 3);
+}
+
+/// Finding 10: a method-override header (or `_method` query parameter)
+/// would turn a read into a write behind the proxy's back: refused on every
+/// connector, 400 `method_override`, and the refusal is audited.
+#[tokio::test]
+async fn method_override_headers_and_parameters_are_refused() {
+    let e = env(Duration::from_secs(5)).await;
+    let p = e.port;
+    let sf = format!("api.salesforce.test:{p}");
+    let slack = format!("slack.test:{p}");
+    let cases = [
+        (sf.as_str(), "/x", "X-HTTP-Method-Override: POST\r\n"),
+        (sf.as_str(), "/x", "x-http-method: DELETE\r\n"),
+        (sf.as_str(), "/x", "X-Method-Override: PUT\r\n"),
+        (sf.as_str(), "/x?a=1&_method=DELETE", ""),
+        (sf.as_str(), "/x?%5Fmethod=DELETE", ""),
+        (
+            slack.as_str(),
+            "/api/conversations.list",
+            "X-HTTP-Method-Override: POST\r\n",
+        ),
+    ];
+    let mut wrong = Vec::new();
+    for (host, path, extra) in cases {
+        let (st, body) = raw(
+            &e,
+            &format!(
+                "GET http://{host}{path} HTTP/1.1\r\nHost: {host}\r\n{extra}Connection: close\r\n\r\n"
+            ),
+        )
+        .await;
+        let j: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        if st != 400 || j["error"] != "method_override" || j["rule"] != "method-override" {
+            wrong.push(format!("{host}{path} {extra:?}: {st} {body}"));
+        }
+    }
+    assert!(wrong.is_empty(), "not refused:\n{}", wrong.join("\n"));
+    assert_eq!(e.hits.load(Ordering::SeqCst), 0);
+    let all = entries(&e);
+    assert_eq!(all.len(), cases.len());
+    for x in &all {
+        assert_eq!(x.decision.outcome, Outcome::Denied);
+        assert_eq!(x.decision.rule_id, "method-override");
+        assert!(
+            x.decision.reason.contains("override"),
+            "{}",
+            x.decision.reason
+        );
+    }
+    // `_method` as part of another parameter's name or value is harmless.
+    let (st, body) = raw(
+        &e,
+        &format!(
+            "GET http://{sf}/x?my_method=a&q=_method HTTP/1.1\r\nHost: {sf}\r\nConnection: close\r\n\r\n"
+        ),
+    )
+    .await;
+    assert_eq!(st, 200, "{body}");
+}
+
+/// Finding 10: `http_path` rules match the decoded, canonical path, and that
+/// path is what the upstream receives; encodings a server might decode into
+/// another path (`%2f`, `%5c`, dot segments, `;` parameters) are refused.
+#[tokio::test]
+async fn paths_are_decoded_before_matching_and_forwarded_as_matched() {
+    let e = env(Duration::from_secs(5)).await;
+    let p = e.port;
+    e.policy.replace(policy_set(
+        p,
+        e.echo_port,
+        r#"
+[[rule]]
+id = "no-post-message"
+effect = "deny"
+connector = "slack"
+http_path = "/api/chat.postMessage"
+
+[[rule]]
+id = "post-ok"
+effect = "allow"
+connector = "slack"
+method = "POST"
+"#,
+    ));
+    let post = |path: &str| {
+        format!(
+            "POST http://slack.test:{p}{path} HTTP/1.1\r\nHost: slack.test:{p}\r\n\
+             Content-Length: 2\r\nConnection: close\r\n\r\nhi"
+        )
+    };
+    let mut wrong = Vec::new();
+    for path in [
+        "/api/chat%2EpostMessage",
+        "/api/chat%2epostMessage",
+        "/api/chat.postMessage/",
+        "//api///chat.postMessage",
+        "/%61pi/chat.postMessage",
+    ] {
+        let (st, body) = raw(&e, &post(path)).await;
+        let j: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        if st != 403 || j["rule"] != "no-post-message" {
+            wrong.push(format!("{path}: {st} {body}"));
+        }
+    }
+    for path in [
+        "/api/x/%2e%2e/chat.postMessage",
+        "/api/x/%2E./chat.postMessage",
+        "/api/x/../chat.postMessage",
+        "/api/./chat.postMessage",
+        "/api/chat.postMessage;x",
+        "/api/chat.postMessage%3Bx",
+        "/api%2fchat.postMessage",
+        "/api%5Cchat.postMessage",
+        "/api/chat.postMessage%00",
+        "/api/chat.post%4",
+        "/api/%252e%252e/chat.postMessage",
+    ] {
+        let (st, body) = raw(&e, &post(path)).await;
+        let j: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        if st != 400 || j["error"] != "bad_path" || j["rule"] != "path-refused" {
+            wrong.push(format!("{path}: {st} {body}"));
+        }
+    }
+    assert!(wrong.is_empty(), "not refused:\n{}", wrong.join("\n"));
+    assert_eq!(e.hits.load(Ordering::SeqCst), 0, "nothing reached upstream");
+    let refused = entries(&e)
+        .iter()
+        .filter(|x| x.decision.rule_id == "path-refused")
+        .count();
+    assert_eq!(refused, 11, "each refusal is audited");
+
+    // What was matched is what is forwarded.
+    for (path, upstream) in [
+        ("/api/chat%2Ehistory?x=%2e", "/api/chat.history?x=%2e"),
+        ("//api//a%20b/", "/api/a%20b/"),
+        ("/api/%7euser/%c3%a9", "/api/~user/%C3%A9"),
+    ] {
+        let (st, body) = raw(
+            &e,
+            &format!(
+                "GET http://slack.test:{p}{path} HTTP/1.1\r\nHost: slack.test:{p}\r\nConnection: close\r\n\r\n"
+            ),
+        )
+        .await;
+        assert_eq!(st, 200, "{path}: {body}");
+        assert_eq!(json(&body)["uri"], upstream, "{path}");
+    }
+}
+
+/// Finding 10 (SNI): a tunnel to a named host must start with a
+/// ClientHello naming it; on a connector's TLS ports (443 unless
+/// `tls_ports` says otherwise) anything that is not TLS is cut too.
+#[tokio::test]
+async fn tunnels_without_sni_or_tls_are_cut() {
+    let e = env(Duration::from_secs(5)).await;
+    let ep = e.echo_port;
+    // A ClientHello without SNI to a named host: cut, nothing echoed.
+    let (mut s, head) = tunnel(&e, &format!("tunnel.test:{ep}")).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let back = through(&mut s, &fake_client_hello(None)).await;
+    assert!(
+        back.is_empty(),
+        "a ClientHello without SNI passed: {back:?}"
+    );
+
+    e.policy.replace(custom_set(
+        &format!(
+            "[[connector]]\nname = \"tls\"\nhosts = \"tls.test\"\nports = [{ep}]\ntls_ports = [{ep}]\n"
+        ),
+        "default = \"allow\"\n",
+    ));
+    // Plain bytes on a TLS port: cut.
+    let (mut s, head) = tunnel(&e, &format!("tls.test:{ep}")).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let back = through(&mut s, b"GET / HTTP/1.1\r\nHost: elsewhere\r\n\r\n").await;
+    assert!(back.is_empty(), "plain bytes passed a TLS port: {back:?}");
+    // A ClientHello naming the host: spliced.
+    let (mut s, _) = tunnel(&e, &format!("tls.test:{ep}")).await;
+    let hello = fake_client_hello(Some("tls.test"));
+    assert_eq!(through(&mut s, &hello).await, hello);
+
+    let cut: Vec<String> = entries(&e)
+        .iter()
+        .filter(|x| x.decision.outcome == Outcome::Denied)
+        .map(|x| x.decision.rule_id.clone())
+        .collect();
+    assert_eq!(cut, vec!["tunnel-sni", "tunnel-not-tls"], "audited");
+}
+
+/// Finding 10 (CONNECT): a tunnel would void a connector's method and path
+/// rules, so where such rules exist a CONNECT needs an explicit
+/// `method = "CONNECT"` allow; a default or a blanket allow is not enough.
+#[tokio::test]
+async fn connect_needs_an_explicit_allow_where_request_rules_exist() {
+    let e = env(Duration::from_secs(5)).await;
+    let ep = e.echo_port;
+    let platform =
+        format!("[[connector]]\nname = \"tunnel\"\nhosts = \"tunnel.test\"\nports = [{ep}]\n");
+    let rules = "default = \"allow\"\n[[rule]]\nid = \"no-delete\"\neffect = \"deny\"\nconnector = \"tunnel\"\nmethod = \"DELETE\"\n";
+    e.policy.replace(custom_set(&platform, rules));
+    let (st, body) = raw(
+        &e,
+        &format!("CONNECT tunnel.test:{ep} HTTP/1.1\r\nHost: tunnel.test:{ep}\r\n\r\n"),
+    )
+    .await;
+    assert_eq!(st, 403, "{body}");
+    let j = json(&body);
+    assert_eq!(j["rule"], "connector:tunnel:connect", "{j}");
+    assert!(
+        j["reason"].as_str().unwrap_or("").contains("CONNECT"),
+        "{j}"
+    );
+
+    e.policy.replace(custom_set(
+        &platform,
+        &format!("{rules}[[rule]]\nid = \"tunnel-ok\"\neffect = \"allow\"\nconnector = \"tunnel\"\nmethod = \"CONNECT\"\n"),
+    ));
+    let (mut s, head) = tunnel(&e, &format!("tunnel.test:{ep}")).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let hello = fake_client_hello(Some("tunnel.test"));
+    assert_eq!(through(&mut s, &hello).await, hello);
 }

@@ -22,10 +22,10 @@ use globset::{Candidate, GlobSet};
 use serde::{Deserialize, Serialize};
 
 use crate::call::{CallKind, KindName, ToolCall};
-use crate::path::normalize;
+use crate::path::{http_path, normalize};
 pub use matchers::{canonical_ip, is_host_name, looks_like_ip, split_script, HostPattern, IpNet};
 use matchers::{exec_views, ArgsMatcher, ExecView};
-pub use parse::{ParseError, DEFAULT_WRITE_METHODS};
+pub use parse::{ParseError, DEFAULT_READ_METHODS, DEFAULT_TLS_PORTS};
 
 const KIND_COUNT: usize = KindName::ALL.len();
 
@@ -56,9 +56,10 @@ impl Effect {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Access {
-    /// A method not in the connector's `write_methods` (and not `CONNECT`).
+    /// A method in the connector's `read_methods` (`GET`, `HEAD`,
+    /// `OPTIONS` unless configured) and not in its `write_methods`.
     Read,
-    /// A method in the connector's `write_methods`, or a `CONNECT` tunnel
+    /// Any other method, unknown ones included, and every `CONNECT` tunnel
     /// (whose contents the proxy cannot see).
     Write,
 }
@@ -86,7 +87,7 @@ impl Layer {
     }
 }
 
-/// A named external API: the hosts it lives on and which methods write.
+/// A named external API: the hosts it lives on and which methods read.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Connector {
     /// Name used in rules (`salesforce`).
@@ -101,18 +102,28 @@ pub struct Connector {
     /// `169.254.169.254` too), multicast and the host's own addresses are
     /// never reachable (the proxy's guard, `docs/policy.md`).
     pub cidrs: Vec<IpNet>,
-    /// Upper-case HTTP methods that count as writes.
+    /// Upper-case HTTP methods that read (default `GET`, `HEAD`,
+    /// `OPTIONS`); every other method writes.
+    pub read_methods: Vec<String>,
+    /// Upper-case HTTP methods that write even when `read_methods` lists
+    /// them (the older way to configure writes; empty by default).
     pub write_methods: Vec<String>,
     /// Ports egress may use (default 80 and 443).
     pub ports: Vec<u16>,
+    /// Ports on which a tunnel must carry TLS whose ClientHello names the
+    /// host (default 443).
+    pub tls_ports: Vec<u16>,
     /// Writes are refused whatever the other rules say.
     pub read_only: bool,
 }
 
 impl Connector {
-    /// Does `method` (upper case) write through this connector?
+    /// Does `method` (upper case) write through this connector? Anything
+    /// but a listed read does, `CONNECT` always.
     pub fn is_write(&self, method: &str) -> bool {
-        method == "CONNECT" || self.write_methods.iter().any(|m| m == method)
+        method == "CONNECT"
+            || !self.read_methods.iter().any(|m| m == method)
+            || self.write_methods.iter().any(|m| m == method)
     }
 }
 
@@ -149,6 +160,9 @@ pub struct Rule {
 pub struct Policy {
     /// Effect when no rule matches (the lowest layer that sets one wins).
     pub default: Option<Effect>,
+    /// The file's top-level `read_methods`: the default of the connectors
+    /// it declares (already applied to them).
+    pub read_methods: Option<Vec<String>>,
     /// Connectors declared by this layer.
     pub connectors: Vec<Connector>,
     /// Rules in file order.
@@ -195,6 +209,10 @@ pub enum ComposeError {
     /// Sandbox policies may not declare connectors.
     #[error("connector `{0}` declared in a sandbox policy; connectors belong to the platform or tenant policy")]
     ConnectorInSandbox(String),
+    /// Sandbox policies declare no connectors, so `read_methods` there
+    /// would mean nothing.
+    #[error("`read_methods` set in a sandbox policy; it belongs to the platform or tenant policy (or a connector)")]
+    ReadMethodsInSandbox,
     /// Two layers declare the same connector name.
     #[error("connector `{0}` declared by both the platform and the tenant policy")]
     DuplicateConnector(String),
@@ -300,6 +318,9 @@ impl PolicySet {
             (Layer::Sandbox, sandbox),
         ] {
             let Some(policy) = p else { continue };
+            if layer == Layer::Sandbox && policy.read_methods.is_some() {
+                return Err(ComposeError::ReadMethodsInSandbox);
+            }
             for c in &policy.connectors {
                 if layer == Layer::Sandbox {
                     return Err(ComposeError::ConnectorInSandbox(c.name.clone()));
@@ -419,13 +440,15 @@ impl PolicySet {
                 };
                 let write = match connector {
                     Some(c) => c.is_write(&method),
-                    None => method == "CONNECT" || DEFAULT_WRITE_METHODS.contains(&method.as_str()),
+                    None => method == "CONNECT" || !DEFAULT_READ_METHODS.contains(&method.as_str()),
                 };
                 let path = if path.is_empty() {
                     String::new()
                 } else {
                     let p = path.split(['?', '#']).next().unwrap_or("");
-                    normalize(p).map_err(|e| format!("invalid request path: {e}"))?
+                    http_path(p)
+                        .map_err(|e| format!("invalid request path: {e}"))?
+                        .matched
                 };
                 Prepared::Egress(EgressView {
                     connector,
@@ -529,12 +552,15 @@ impl PolicySet {
                 }
             }
         }
+        // Whether an allow naming `CONNECT` decided (see `connect_gate`).
+        let mut explicit_connect = false;
         for l in &self.layers {
             if let Some(r) = l.hard[kind]
                 .iter()
                 .map(|&i| &l.policy.rules[i as usize])
                 .find(|r| r.matches(&ctx))
             {
+                explicit_connect |= r.allows_connect_explicitly();
                 consider(decision_of(l.layer, r, true), &mut floor);
             }
         }
@@ -547,6 +573,7 @@ impl PolicySet {
                 .map(|&i| &l.policy.rules[i as usize])
                 .find(|r| r.matches(&ctx))
             {
+                explicit_connect |= r.allows_connect_explicitly();
                 soft = Some(decision_of(l.layer, r, false));
                 break;
             }
@@ -582,7 +609,7 @@ impl PolicySet {
         });
 
         // 3. The stricter wins; a hard deny/approve is reported over an equal soft one.
-        match floor {
+        let d = match floor {
             Some(f)
                 if f.effect != Effect::Allow
                     && f.effect.strictness() >= soft.effect.strictness() =>
@@ -590,7 +617,47 @@ impl PolicySet {
                 f
             }
             _ => soft,
+        };
+        match &prepared {
+            Prepared::Egress(e) if d.effect == Effect::Allow && !explicit_connect => {
+                self.connect_gate(e).unwrap_or(d)
+            }
+            _ => d,
         }
+    }
+
+    /// A `CONNECT` tunnel voids every `method` and `http_path` rule of its
+    /// destination (the proxy cannot see the requests inside). So where a
+    /// rule of that kind applies to the connector, a tunnel is allowed only
+    /// by an allow rule that names `method = "CONNECT"`: a default or a
+    /// blanket allow is refused here.
+    fn connect_gate(&self, e: &EgressView<'_>) -> Option<Decision> {
+        let c = e.connector?;
+        if e.method != "CONNECT" {
+            return None;
+        }
+        let egress = KindName::Egress.index();
+        let (layer, r) = self.layers.iter().find_map(|l| {
+            l.hard[egress]
+                .iter()
+                .chain(&l.soft[egress])
+                .map(|&i| &l.policy.rules[i as usize])
+                .find(|r| r.is_request_rule() && r.destination_matches(e))
+                .map(|r| (l.layer, r))
+        })?;
+        Some(Decision {
+            effect: Effect::Deny,
+            layer: self.connector_layer(&c.name),
+            rule_id: format!("connector:{}:connect", c.name),
+            rule_index: None,
+            hard: true,
+            reason: format!(
+                "a CONNECT tunnel to connector `{}` would bypass its method/path rules (the {} policy's rule `{}`); only an allow rule with method = \"CONNECT\" opens a tunnel there",
+                c.name,
+                layer.as_str(),
+                r.id
+            ),
+        })
     }
 }
 
@@ -635,6 +702,48 @@ struct Ctx<'a, 'b> {
 }
 
 impl Rule {
+    /// An allow rule that names `CONNECT` among its methods.
+    fn allows_connect_explicitly(&self) -> bool {
+        self.effect == Effect::Allow
+            && self
+                .method
+                .as_ref()
+                .is_some_and(|m| m.iter().any(|m| m == "CONNECT"))
+    }
+
+    /// A rule about the requests inside a connection: an `http_path`, or a
+    /// `method` other than `CONNECT`.
+    fn is_request_rule(&self) -> bool {
+        self.http_path.is_some()
+            || self
+                .method
+                .as_ref()
+                .is_some_and(|m| m.iter().any(|m| m != "CONNECT"))
+    }
+
+    /// The destination part of an egress rule: connector, host, cidr.
+    fn destination_matches(&self, e: &EgressView<'_>) -> bool {
+        if let Some(names) = &self.connector {
+            if !e
+                .connector
+                .is_some_and(|c| names.iter().any(|n| n == &c.name))
+            {
+                return false;
+            }
+        }
+        if let Some(h) = &self.host {
+            if !h.iter().any(|h| h.matches(&e.host)) {
+                return false;
+            }
+        }
+        if let Some(nets) = &self.cidr {
+            if !e.ip.is_some_and(|ip| nets.iter().any(|n| n.contains(ip))) {
+                return false;
+            }
+        }
+        true
+    }
+
     fn has_exec_matchers(&self) -> bool {
         self.program.is_some()
             || self.args.is_some()
@@ -698,26 +807,11 @@ impl Rule {
                 _ => false,
             },
             Prepared::Egress(e) => {
-                if let Some(names) = &self.connector {
-                    if !e
-                        .connector
-                        .is_some_and(|c| names.iter().any(|n| n == &c.name))
-                    {
-                        return false;
-                    }
+                if !self.destination_matches(e) {
+                    return false;
                 }
                 if let Some(m) = &self.method {
                     if !m.iter().any(|m| m == &e.method) {
-                        return false;
-                    }
-                }
-                if let Some(h) = &self.host {
-                    if !h.iter().any(|h| h.matches(&e.host)) {
-                        return false;
-                    }
-                }
-                if let Some(nets) = &self.cidr {
-                    if !e.ip.is_some_and(|ip| nets.iter().any(|n| n.contains(ip))) {
                         return false;
                     }
                 }

@@ -81,6 +81,8 @@ struct PolicyFile {
     version: Option<Spanned<u32>>,
     #[serde(default)]
     default: Option<Effect>,
+    #[serde(default)]
+    read_methods: Field,
     #[serde(default, rename = "connector")]
     connectors: Vec<Spanned<ConnectorFile>>,
     #[serde(default, rename = "rule")]
@@ -96,9 +98,13 @@ struct ConnectorFile {
     #[serde(default)]
     cidrs: Field,
     #[serde(default)]
+    read_methods: Field,
+    #[serde(default)]
     write_methods: Field,
     #[serde(default)]
     ports: Option<Vec<u16>>,
+    #[serde(default)]
+    tls_ports: Option<Vec<u16>>,
     #[serde(default)]
     read_only: bool,
 }
@@ -147,8 +153,13 @@ const EGRESS: u16 = 1 << KindName::Egress as u16;
 const LIFECYCLE: u16 = 1 << KindName::Lifecycle as u16;
 const ALL_KINDS: u16 = (1 << KIND_COUNT) - 1;
 
-/// Default HTTP methods that count as writes.
-pub const DEFAULT_WRITE_METHODS: [&str; 4] = ["POST", "PUT", "PATCH", "DELETE"];
+/// HTTP methods that read unless a connector (or its file's top-level
+/// `read_methods`) says otherwise; every other method writes.
+pub const DEFAULT_READ_METHODS: [&str; 3] = ["GET", "HEAD", "OPTIONS"];
+
+/// Ports on which a connector's tunnels must carry TLS unless its
+/// `tls_ports` says otherwise.
+pub const DEFAULT_TLS_PORTS: [u16; 1] = [443];
 
 fn nonempty(text: &str, f: &Spanned<StrList>, name: &str) -> Result<Vec<String>, ParseError> {
     if f.get_ref().0.is_empty() {
@@ -189,6 +200,39 @@ fn upper_list(text: &str, f: &Field, name: &str) -> Result<Option<Vec<String>>, 
     Ok(Some(v.iter().map(|m| m.to_ascii_uppercase()).collect()))
 }
 
+/// A list of HTTP methods (tokens, upper-cased) that may be empty, without
+/// `CONNECT` (a tunnel always counts as a write).
+fn method_list(text: &str, f: &Field, name: &str) -> Result<Option<Vec<String>>, ParseError> {
+    let Some(f) = f else { return Ok(None) };
+    let mut out = Vec::new();
+    for m in &f.get_ref().0 {
+        let token = !m.is_empty()
+            && m.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
+        if !token {
+            return Err(err_at(
+                text,
+                f.span(),
+                format!("`{name}`: `{m}` is not an HTTP method"),
+            ));
+        }
+        let m = m.to_ascii_uppercase();
+        if m == "CONNECT" {
+            return Err(err_at(
+                text,
+                f.span(),
+                format!(
+                    "`{name}`: CONNECT is always a write (a tunnel's contents cannot be inspected)"
+                ),
+            ));
+        }
+        if !out.contains(&m) {
+            out.push(m);
+        }
+    }
+    Ok(Some(out))
+}
+
 fn hosts(text: &str, f: &Spanned<StrList>, name: &str) -> Result<Vec<HostPattern>, ParseError> {
     nonempty(text, f, name)?
         .iter()
@@ -225,6 +269,7 @@ pub fn parse(text: &str) -> Result<Policy, ParseError> {
         }
     }
 
+    let file_reads = method_list(text, &file.read_methods, "read_methods")?;
     let mut connectors = Vec::new();
     for c in &file.connectors {
         let span = c.span();
@@ -248,16 +293,24 @@ pub fn parse(text: &str) -> Result<Policy, ParseError> {
                 format!("connector `{name}` defined twice"),
             ));
         }
+        let read_methods = match method_list(text, &c.read_methods, "read_methods")? {
+            Some(m) => m,
+            None => file_reads
+                .clone()
+                .unwrap_or_else(|| DEFAULT_READ_METHODS.iter().map(|s| s.to_string()).collect()),
+        };
         let write_methods =
-            upper_list(text, &c.write_methods, "write_methods")?.unwrap_or_else(|| {
-                DEFAULT_WRITE_METHODS
-                    .iter()
-                    .map(|s| s.to_string())
-                    .collect()
-            });
+            method_list(text, &c.write_methods, "write_methods")?.unwrap_or_default();
         let ports = c.ports.clone().unwrap_or_else(|| vec![80, 443]);
         if ports.is_empty() || ports.contains(&0) {
             return Err(err_at(text, span, "`ports` must list ports 1-65535"));
+        }
+        let tls_ports = c
+            .tls_ports
+            .clone()
+            .unwrap_or_else(|| DEFAULT_TLS_PORTS.to_vec());
+        if tls_ports.contains(&0) {
+            return Err(err_at(text, span, "`tls_ports` must list ports 1-65535"));
         }
         if c.hosts.is_none() && c.cidrs.is_none() {
             return Err(err_at(
@@ -276,8 +329,10 @@ pub fn parse(text: &str) -> Result<Policy, ParseError> {
                 Some(n) => nets(text, n, "cidrs")?,
                 None => Vec::new(),
             },
+            read_methods,
             write_methods,
             ports,
+            tls_ports,
             read_only: c.read_only,
         });
     }
@@ -432,6 +487,7 @@ pub fn parse(text: &str) -> Result<Policy, ParseError> {
     }
     Ok(Policy {
         default: file.default,
+        read_methods: file_reads,
         connectors,
         rules,
     })
@@ -498,6 +554,82 @@ mod tests {
         assert!(e.message.contains("a string or a list of strings"), "{e}");
         let e = refused("[[rule]]\neffect = \"deny\"\nmethod = []\n");
         assert_eq!(e.line, 3);
+    }
+
+    #[test]
+    fn read_methods_per_connector_and_per_file() {
+        let p = parse(
+            r#"
+read_methods = ["get", "PROPFIND"]
+[[connector]]
+name = "dav"
+hosts = "dav.test"
+[[connector]]
+name = "api"
+hosts = "api.test"
+read_methods = ["GET", "HEAD"]
+write_methods = ["HEAD"]
+tls_ports = [443, 8443]
+[[connector]]
+name = "strict"
+hosts = "strict.test"
+read_methods = []
+"#,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let c = |n: &str| {
+            p.connectors
+                .iter()
+                .find(|c| c.name == n)
+                .unwrap_or_else(|| panic!("no {n}"))
+        };
+        assert_eq!(
+            p.read_methods,
+            Some(vec!["GET".to_string(), "PROPFIND".to_string()])
+        );
+        // The file's list is the default of its connectors.
+        assert!(!c("dav").is_write("PROPFIND"));
+        assert!(c("dav").is_write("HEAD"));
+        assert!(c("dav").is_write("MKCOL"));
+        // A connector's own list wins; `write_methods` demotes a read.
+        assert!(!c("api").is_write("GET"));
+        assert!(c("api").is_write("HEAD"));
+        assert!(c("api").is_write("PROPFIND"));
+        assert_eq!(c("api").tls_ports, vec![443, 8443]);
+        assert_eq!(c("dav").tls_ports, vec![443]);
+        // An empty list: everything writes.
+        assert!(c("strict").is_write("GET"));
+        // Without any list: GET, HEAD, OPTIONS read; anything else writes.
+        let p = parse("[[connector]]\nname = \"x\"\nhosts = \"x.test\"\n")
+            .unwrap_or_else(|e| panic!("{e}"));
+        let x = &p.connectors[0];
+        for m in ["GET", "HEAD", "OPTIONS"] {
+            assert!(!x.is_write(m), "{m}");
+        }
+        for m in [
+            "POST",
+            "PUT",
+            "PATCH",
+            "DELETE",
+            "MKCOL",
+            "MOVE",
+            "COPY",
+            "PROPPATCH",
+            "LOCK",
+            "PURGE",
+            "FROBNICATE",
+            "CONNECT",
+        ] {
+            assert!(x.is_write(m), "{m}");
+        }
+        // CONNECT can never read; a method must be a token.
+        let e = refused("[[connector]]\nname = \"x\"\nhosts = \"x.test\"\nread_methods = [\"GET\", \"CONNECT\"]\n");
+        assert_eq!(e.line, 4, "{e}");
+        assert!(e.message.contains("CONNECT"), "{e}");
+        let e = refused("read_methods = [\"G ET\"]\n");
+        assert_eq!(e.line, 1, "{e}");
+        let e = refused("[[connector]]\nname = \"x\"\nhosts = \"x.test\"\ntls_ports = [0]\n");
+        assert!(e.message.contains("tls_ports"), "{e}");
     }
 
     #[test]

@@ -310,11 +310,68 @@ fn rows() -> Vec<Row> {
             P,
             "slack-post",
         ),
+        // Dot segments are refused, literal or encoded (finding 10).
         (
             pt,
             egress("slack.com", "POST", "/api/x/../chat.postMessage"),
+            D,
+            "invalid-call",
+        ),
+        (
+            pt,
+            egress("slack.com", "POST", "/api/x/%2e%2e/chat.postMessage"),
+            D,
+            "invalid-call",
+        ),
+        // Paths are decoded before matching, `;` parameters refused.
+        (
+            pt,
+            egress("slack.com", "POST", "/api/chat%2EpostMessage"),
             P,
             "slack-post",
+        ),
+        (
+            pt,
+            egress("slack.com", "POST", "/api/chat.postMessage;x"),
+            D,
+            "invalid-call",
+        ),
+        (
+            pt,
+            egress("slack.com", "POST", "/api%2fchat.postMessage"),
+            D,
+            "invalid-call",
+        ),
+        // Reads are GET, HEAD, OPTIONS; any other method writes.
+        (
+            pt,
+            egress("na1.salesforce.com", "OPTIONS", "/x"),
+            A,
+            "sf-read",
+        ),
+        (
+            pt,
+            egress("na1.salesforce.com", "MKCOL", "/x"),
+            D,
+            "connector:salesforce:read-only",
+        ),
+        (
+            pt,
+            egress("na1.salesforce.com", "PROPPATCH", "/x"),
+            D,
+            "connector:salesforce:read-only",
+        ),
+        (
+            pt,
+            egress("na1.salesforce.com", "PURGE", "/x"),
+            D,
+            "connector:salesforce:read-only",
+        ),
+        (
+            pt,
+            egress("na1.salesforce.com", "FROBNICATE", "/x"),
+            D,
+            "connector:salesforce:read-only",
         ),
         (
             pt,
@@ -666,4 +723,73 @@ cidr = "2001:db8::/48"
             Err(err) => assert_eq!(err.line, line, "{text:?}: {err}"),
         }
     }
+}
+
+/// Finding 10: a tunnel voids method and path rules, so where such a rule
+/// applies a `CONNECT` needs an allow rule that names `CONNECT`.
+#[test]
+fn connect_needs_an_explicit_allow_where_request_rules_apply() {
+    let platform = r#"
+default = "allow"
+[[connector]]
+name = "slack"
+hosts = "slack.com"
+[[connector]]
+name = "files"
+hosts = "files.test"
+[[connector]]
+name = "plain"
+hosts = "plain.test"
+[[rule]]
+id = "no-file-delete"
+effect = "deny"
+host = "files.test"
+method = "DELETE"
+[[rule]]
+id = "plain-tunnel"
+effect = "allow"
+connector = "plain"
+method = "CONNECT"
+"#;
+    let tenant = |extra: &str| {
+        format!(
+            "[[rule]]\nid = \"slack-post\"\neffect = \"approve\"\nconnector = \"slack\"\nmethod = \"POST\"\nhttp_path = \"/api/chat.postMessage\"\n{extra}"
+        )
+    };
+    let set = |extra: &str| {
+        let p = |t: &str| Some(Arc::new(Policy::parse(t).unwrap_or_else(|e| panic!("{e}"))));
+        PolicySet::new(p(platform), p(&tenant(extra)), None).unwrap_or_else(|e| panic!("{e}"))
+    };
+    let s = set("");
+    let connect = |s: &PolicySet, h: &str| s.evaluate(&call(egress(h, "CONNECT", "")));
+    // The README's slack-post rule is no longer bypassed by https://.
+    let d = connect(&s, "slack.com");
+    assert_eq!(
+        (d.effect, d.rule_id.as_str()),
+        (D, "connector:slack:connect"),
+        "{d:?}"
+    );
+    assert!(d.reason.contains("slack-post"), "{d:?}");
+    // A rule matching by host counts too.
+    assert_eq!(connect(&s, "files.test").rule_id, "connector:files:connect");
+    // No request rules: the default decides as before; an explicit allow
+    // is fine anyway.
+    assert_eq!(connect(&s, "plain.test").effect, A);
+    // Plain requests are not affected.
+    assert_eq!(
+        s.evaluate(&call(egress("slack.com", "GET", "/x"))).effect,
+        A
+    );
+    // An explicit allow opens the tunnel; a blanket allow does not.
+    let blanket = set("[[rule]]\nid = \"slack-any\"\neffect = \"allow\"\nconnector = \"slack\"\n");
+    assert_eq!(connect(&blanket, "slack.com").effect, D);
+    let explicit = set("[[rule]]\nid = \"slack-tunnel\"\neffect = \"allow\"\nconnector = \"slack\"\nmethod = \"CONNECT\"\n");
+    let d = connect(&explicit, "slack.com");
+    assert_eq!((d.effect, d.rule_id.as_str()), (A, "slack-tunnel"), "{d:?}");
+    // A sandbox policy cannot set read_methods (it declares no connectors).
+    let sandbox = Policy::parse("read_methods = [\"GET\"]\n").unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        PolicySet::new(None, None, Some(Arc::new(sandbox))).err(),
+        Some(ComposeError::ReadMethodsInSandbox)
+    );
 }

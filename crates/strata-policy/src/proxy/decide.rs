@@ -18,6 +18,9 @@ pub(super) struct Checked {
     pub(super) call: ToolCall,
     pub(super) host: String,
     pub(super) port: u16,
+    /// The connector lists `port` in its `tls_ports`: a tunnel there must
+    /// carry TLS (set by [`decide`]).
+    pub(super) tls_port: bool,
 }
 
 /// What the policy stage decided.
@@ -51,7 +54,12 @@ impl Checked {
                 scheme: scheme.into(),
             },
         };
-        Checked { call, host, port }
+        Checked {
+            call,
+            host,
+            port,
+            tls_port: false,
+        }
     }
 }
 
@@ -68,6 +76,60 @@ fn record(
             tracing::error!(error = %e, "audit append failed");
         }
     }
+}
+
+/// A hard refusal the proxy makes before (or after) policy: `rule_id` and
+/// `reason` go to the audit log and to the guest.
+fn refusal(rule_id: &str, reason: String) -> Decision {
+    Decision {
+        effect: Effect::Deny,
+        layer: None,
+        rule_id: rule_id.into(),
+        rule_index: None,
+        hard: true,
+        reason,
+    }
+}
+
+/// Refuses a request the proxy will not put to policy (a method override,
+/// a path it will not decode): audited with `rule_id`, answered with
+/// `status` and `{error, rule, reason}`.
+pub(super) fn refuse_request(
+    cfg: &ProxyConfig,
+    c: &mut Checked,
+    status: StatusCode,
+    error: &str,
+    rule_id: &str,
+    reason: String,
+) -> Response<Body> {
+    let policy = cfg.policy.current();
+    let conn = match parse_ip_literal(&c.host) {
+        Some(ip) => policy.connector_for_ip(ip).map(|(c, _)| c),
+        None => policy.connector_for_host(&c.host),
+    };
+    if let CallKind::Egress { connector, .. } = &mut c.call.kind {
+        *connector = conn.map(|c| c.name.clone());
+    }
+    let d = refusal(rule_id, reason);
+    record(cfg, &c.call, &d, Outcome::Denied, None, None);
+    refuse(
+        status,
+        error,
+        serde_json::json!({ "rule": d.rule_id, "reason": d.reason }),
+    )
+}
+
+/// Records that an allowed tunnel was cut after its first bytes (no SNI,
+/// another name, not TLS on a TLS port).
+pub(super) fn record_cut(cfg: &ProxyConfig, call: &ToolCall, rule_id: &str, reason: String) {
+    record(
+        cfg,
+        call,
+        &refusal(rule_id, reason),
+        Outcome::Denied,
+        None,
+        None,
+    );
 }
 
 /// Policy, connector and approval checks shared by plain requests and tunnels.
@@ -133,6 +195,7 @@ pub(super) async fn decide(cfg: &ProxyConfig, c: &mut Checked) -> Verdict {
     if let CallKind::Egress { connector, .. } = &mut c.call.kind {
         *connector = Some(conn.name.clone());
     }
+    c.tls_port = conn.tls_ports.contains(&c.port);
     if !conn.ports.contains(&c.port) {
         let d = Decision {
             effect: Effect::Deny,

@@ -13,7 +13,11 @@
 //! it ([`super::sniff::HeadCheck`]), and refuses any duplicate
 //! `Content-Length` or `Transfer-Encoding`, both together, a
 //! `Transfer-Encoding` other than `chunked`, duplicate `Host`, a `Host` that
-//! disagrees with the absolute URL, and userinfo in the URL. Client
+//! disagrees with the absolute URL, and userinfo in the URL. A request
+//! carrying a method override (`X-HTTP-Method-Override`, `X-HTTP-Method`,
+//! `X-Method-Override`, a `_method` query parameter) is refused, and the
+//! path is decoded strictly ([`crate::path::http_path`]) before policy sees
+//! it: the canonical path that was matched is the one forwarded. Client
 //! connections carry one request each (no keep-alive) and every forwarded
 //! request uses a fresh upstream connection, so there is no connection on
 //! which a desync could carry over to a next request.
@@ -30,11 +34,12 @@ use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 
-use super::decide::{decide, Checked, Verdict};
+use super::decide::{decide, record_cut, refuse_request, Checked, Verdict};
 use super::sniff::{self, HeadCheck, Hello, MAX_HEAD};
 use super::tunnel::Tunnel;
 use super::upstream::{self, Upstream, UpstreamError};
 use super::ProxyConfig;
+use crate::path::http_path;
 use crate::policy::{looks_like_ip, parse_ip_literal, Decision};
 
 /// Default [`ProxyConfig::head_timeout`].
@@ -212,6 +217,60 @@ const HOP_BY_HOP: [&str; 9] = [
     "upgrade",
 ];
 
+/// Headers some frameworks read as the request's "real" method.
+const METHOD_OVERRIDE_HEADERS: [&str; 3] = [
+    "x-http-method-override",
+    "x-http-method",
+    "x-method-override",
+];
+
+/// Percent-decodes a query parameter name (`+` is a space); `None` when it
+/// does not decode.
+fn query_name(name: &str) -> Option<String> {
+    let b = name.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'%' => {
+                let h = b.get(i + 1..i + 3)?;
+                if !h.iter().all(u8::is_ascii_hexdigit) {
+                    return None;
+                }
+                out.push(u8::from_str_radix(std::str::from_utf8(h).ok()?, 16).ok()?);
+                i += 3;
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            c => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// Why a request asks for another method than its own, if it does: an
+/// override header, or a `_method` query parameter (in any encoding).
+fn method_override(h: &HeaderMap, query: Option<&str>) -> Option<String> {
+    if let Some(name) = METHOD_OVERRIDE_HEADERS.iter().find(|n| h.contains_key(**n)) {
+        return Some(format!(
+            "method override header `{name}` refused: the proxy decides on the request's own method"
+        ));
+    }
+    let query = query?;
+    let hit = query.split(['&', ';']).any(|pair| {
+        let name = pair.split('=').next().unwrap_or("");
+        query_name(name).is_none_or(|n| n.trim().eq_ignore_ascii_case("_method"))
+    });
+    hit.then(|| {
+        "method override query parameter `_method` refused (or a parameter name that does not decode): the proxy decides on the request's own method".to_string()
+    })
+}
+
 fn strip_hop_by_hop(h: &mut HeaderMap) {
     let named: Vec<String> = h
         .get_all(header::CONNECTION)
@@ -278,8 +337,34 @@ async fn forward(
         Ok(hp) if hp == (host.clone(), port) => {}
         _ => return bad("Host header disagrees with the request URL"),
     }
-    let path = uri.path().to_string();
-    let mut c = Checked::new(&cfg, host, port, req.method().as_str(), path, "http");
+    let method = req.method().as_str().to_string();
+    if let Some(why) = method_override(req.headers(), uri.query()) {
+        let mut c = Checked::new(&cfg, host, port, &method, uri.path().to_string(), "http");
+        return refuse_request(
+            &cfg,
+            &mut c,
+            StatusCode::BAD_REQUEST,
+            "method_override",
+            "method-override",
+            why,
+        );
+    }
+    // Policy matches the decoded path and the upstream gets the same path.
+    let path = match http_path(uri.path()) {
+        Ok(p) => p,
+        Err(e) => {
+            let mut c = Checked::new(&cfg, host, port, &method, uri.path().to_string(), "http");
+            return refuse_request(
+                &cfg,
+                &mut c,
+                StatusCode::BAD_REQUEST,
+                "bad_path",
+                "path-refused",
+                format!("{e}; the proxy forwards only paths it can match as the server reads them"),
+            );
+        }
+    };
+    let mut c = Checked::new(&cfg, host, port, &method, path.canonical.clone(), "http");
     if let Verdict::Refuse(r) = decide(&cfg, &mut c).await {
         return r;
     }
@@ -306,12 +391,10 @@ async fn forward(
         drop(slot);
     });
     let (mut parts, body) = req.into_parts();
-    let pq = parts
-        .uri
-        .path_and_query()
-        .map(|p| p.as_str())
-        .unwrap_or("/")
-        .to_string();
+    let pq = match parts.uri.query() {
+        Some(q) => format!("{}?{q}", path.canonical),
+        None => path.canonical,
+    };
     parts.uri = match pq.parse() {
         Ok(u) => u,
         Err(_) => return bad("bad path"),
@@ -365,7 +448,12 @@ async fn connect_tunnel(
         Err(r) => return r,
     };
     let on_upgrade = hyper::upgrade::on(&mut req);
-    let host = c.host;
+    let Checked {
+        call,
+        host,
+        port,
+        tls_port,
+    } = c;
     let head_timeout = cfg.head_timeout;
     tokio::spawn(async move {
         // The guest's stream stays admitted while the tunnel runs.
@@ -379,11 +467,29 @@ async fn connect_tunnel(
         };
         let mut client = TokioIo::new(upgraded);
         // No fronting to another name on a shared IP.
-        let first = match sniff::client_hello(&mut client, &host, head_timeout).await {
+        let cut = |rule: &str, reason: String| {
+            tracing::warn!(%host, %reason, "tunnel closed");
+            record_cut(&cfg, &call, rule, reason);
+        };
+        let first = match sniff::client_hello(&mut client, &host, tls_port, head_timeout).await {
             Hello::Pass(first) => first,
             Hello::Mismatch(sni) => {
-                tracing::warn!(%host, %sni, "tunnel closed: SNI does not match CONNECT host");
-                return;
+                return cut(
+                    "tunnel-sni",
+                    format!("the ClientHello names {sni:?}, not the CONNECT host `{host}`"),
+                )
+            }
+            Hello::NoSni => {
+                return cut(
+                    "tunnel-sni",
+                    format!("the ClientHello names no server (SNI); a tunnel to `{host}` must name it"),
+                )
+            }
+            Hello::NotTls => {
+                return cut(
+                    "tunnel-not-tls",
+                    format!("port {port} of `{host}` is a TLS port (`tls_ports`) and the tunnel does not start with a TLS ClientHello"),
+                )
             }
             Hello::Closed => return,
         };

@@ -7,8 +7,10 @@
 //!   HTTP stage with the bytes put back ([`Rewind`]).
 //! - [`HeadCheck`] keeps a copy of the first request head as hyper reads it,
 //!   for the raw-byte framing checks ([`raw_head_check`]) hyper does not make.
-//! - [`client_hello`] reads the first bytes of a `CONNECT` tunnel: if they
-//!   are a TLS ClientHello, its SNI must name the `CONNECT` host.
+//! - [`client_hello`] reads the first bytes of a `CONNECT` tunnel: a TLS
+//!   ClientHello must carry an SNI naming the `CONNECT` host (a host given
+//!   as an IP literal has no name to send), and on the connector's TLS
+//!   ports (`tls_ports`, default 443) anything but TLS is cut.
 
 use std::io;
 use std::pin::Pin;
@@ -19,6 +21,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 
+use crate::policy::parse_ip_literal;
 use crate::sni::client_hello_sni;
 
 /// Writes of a read-side wrapper go straight to its `inner` stream.
@@ -111,17 +114,28 @@ async fn read_hello<S: AsyncRead + Unpin>(
 #[derive(Debug, PartialEq, Eq)]
 pub enum Hello {
     /// Forward these first bytes, then splice: a ClientHello naming the
-    /// `CONNECT` host (or none), or bytes that are not TLS (host-level
-    /// guarantee only).
+    /// `CONNECT` host (or an IP-literal host's ClientHello without SNI), or,
+    /// off the TLS ports, bytes that are not TLS (host-level guarantee only).
     Pass(Vec<u8>),
     /// The ClientHello names another host (fronting): close.
     Mismatch(String),
+    /// A ClientHello without SNI to a named host (fronting by whatever the
+    /// server picks on a shared address): close.
+    NoSni,
+    /// Not TLS on a port where the connector expects TLS: close.
+    NotTls,
     /// Closed, silent, or a TLS record that never completes.
     Closed,
 }
 
-/// Reads the first bytes of a `CONNECT` tunnel to `host`.
-pub async fn client_hello<S: AsyncRead + Unpin>(s: &mut S, host: &str, timeout: Duration) -> Hello {
+/// Reads the first bytes of a `CONNECT` tunnel to `host`; `tls` says the
+/// port is one of the connector's `tls_ports`.
+pub async fn client_hello<S: AsyncRead + Unpin>(
+    s: &mut S,
+    host: &str,
+    tls: bool,
+    timeout: Duration,
+) -> Hello {
     let mut first = vec![0u8; 4096];
     let n = match tokio::time::timeout(timeout, s.read(&mut first)).await {
         Ok(Ok(n)) if n > 0 => n,
@@ -129,12 +143,17 @@ pub async fn client_hello<S: AsyncRead + Unpin>(s: &mut S, host: &str, timeout: 
     };
     first.truncate(n);
     if first[0] != 0x16 {
-        return Hello::Pass(first);
+        return if tls {
+            Hello::NotTls
+        } else {
+            Hello::Pass(first)
+        };
     }
     match read_hello(s, first, timeout).await {
         Some((Some(sni), _)) if !sni.trim_end_matches('.').eq_ignore_ascii_case(host) => {
             Hello::Mismatch(sni)
         }
+        Some((None, _)) if parse_ip_literal(host).is_none() => Hello::NoSni,
         Some((_, bytes)) => Hello::Pass(bytes),
         None => Hello::Closed,
     }
@@ -314,15 +333,40 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(
-            client_hello(&mut b, "api.test", Duration::from_secs(1)).await,
+            client_hello(&mut b, "api.test", false, Duration::from_secs(1)).await,
             Hello::Mismatch("other.test".into())
         );
         let (mut a, mut b) = tokio::io::duplex(1 << 16);
         let hello = fake_client_hello(Some("API.test."));
         a.write_all(&hello).await.unwrap();
         assert_eq!(
-            client_hello(&mut b, "api.test", Duration::from_secs(1)).await,
+            client_hello(&mut b, "api.test", true, Duration::from_secs(1)).await,
             Hello::Pass(hello)
+        );
+    }
+
+    async fn first_bytes(bytes: &[u8], host: &str, tls: bool) -> Hello {
+        let (mut a, mut b) = tokio::io::duplex(1 << 16);
+        a.write_all(bytes).await.unwrap();
+        client_hello(&mut b, host, tls, Duration::from_secs(1)).await
+    }
+
+    #[tokio::test]
+    async fn connect_needs_an_sni_and_tls_on_tls_ports() {
+        let no_sni = fake_client_hello(None);
+        // A named host: no SNI is refused, on any port.
+        assert_eq!(first_bytes(&no_sni, "api.test", true).await, Hello::NoSni);
+        assert_eq!(first_bytes(&no_sni, "api.test", false).await, Hello::NoSni);
+        // An IP literal has no name to send.
+        assert_eq!(
+            first_bytes(&no_sni, "203.0.113.7", true).await,
+            Hello::Pass(no_sni.clone())
+        );
+        // Plain bytes: only off the TLS ports.
+        assert_eq!(first_bytes(b"ping", "api.test", true).await, Hello::NotTls);
+        assert_eq!(
+            first_bytes(b"ping", "api.test", false).await,
+            Hello::Pass(b"ping".to_vec())
         );
     }
 }

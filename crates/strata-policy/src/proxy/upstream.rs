@@ -3,9 +3,10 @@
 
 use std::future::Future;
 use std::io;
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::pin::Pin;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
@@ -23,12 +24,37 @@ pub trait Resolver: Send + Sync {
 }
 
 /// The system resolver, refusing answers that point inside (loopback,
-/// private, link-local, CGNAT, unique-local, unspecified, multicast): a
-/// connector's DNS name must not become a way into the host's networks.
+/// private, link-local, CGNAT, unique-local, unspecified, multicast,
+/// reserved, the host's own addresses; see [`is_public`]): a connector's
+/// DNS name must not become a way into the host's networks.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct SystemResolver;
 
-pub(super) fn is_public(ip: IpAddr) -> bool {
+/// The IPv4 address an IPv6 address carries for translation: NAT64
+/// (`64:ff9b::/96`, its last 32 bits) and 6to4 (`2002::/16`, bits 16-48).
+/// A gateway turns traffic to them into traffic to that IPv4 address.
+fn embedded_v4(v6: Ipv6Addr) -> Option<Ipv4Addr> {
+    let s = v6.segments();
+    let v4 = |hi: u16, lo: u16| {
+        let [a, b] = hi.to_be_bytes();
+        let [c, d] = lo.to_be_bytes();
+        Ipv4Addr::new(a, b, c, d)
+    };
+    if s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
+        return Some(v4(s[6], s[7]));
+    }
+    (s[0] == 0x2002).then(|| v4(s[1], s[2]))
+}
+
+/// Is `ip` in public unicast space? Not: loopback, RFC 1918, CGNAT
+/// (`100.64/10`), link-local, "this network" (`0/8`), IETF protocol
+/// assignments (`192.0.0.0/24`), benchmarking (`198.18/15`), the
+/// documentation nets, multicast, reserved and broadcast (`240/4`);
+/// IPv6 loopback, unspecified, IPv4-compatible (`::/96`), multicast,
+/// unique-local (`fc00::/7`), link-local (`fe80::/10`), site-local
+/// (`fec0::/10`), local-use NAT64 (`64:ff9b:1::/48`), and NAT64 or 6to4
+/// addresses whose embedded IPv4 address is not public.
+fn is_public_space(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => {
             let o = v4.octets();
@@ -37,32 +63,89 @@ pub(super) fn is_public(ip: IpAddr) -> bool {
                 || v4.is_link_local()
                 || v4.is_unspecified()
                 || v4.is_multicast()
-                || v4.is_broadcast()
                 || v4.is_documentation()
                 || o[0] == 0
-                || (o[0] == 100 && (64..128).contains(&o[1])))
+                || o[0] >= 240
+                || (o[0] == 100 && (64..128).contains(&o[1]))
+                || (o[0] == 192 && o[1] == 0 && o[2] == 0)
+                || (o[0] == 198 && (o[1] & 0xfe) == 18))
         }
         IpAddr::V6(v6) => {
             if let Some(v4) = v6.to_ipv4_mapped() {
-                return is_public(IpAddr::V4(v4));
+                return is_public_space(IpAddr::V4(v4));
+            }
+            if let Some(v4) = embedded_v4(v6) {
+                return is_public_space(IpAddr::V4(v4));
             }
             let s = v6.segments();
             !(v6.is_loopback()
                 || v6.is_unspecified()
                 || v6.is_multicast()
+                || s[..6] == [0; 6]
+                || s[..3] == [0x64, 0xff9b, 1]
                 || (s[0] & 0xfe00) == 0xfc00
-                || (s[0] & 0xffc0) == 0xfe80)
+                || (s[0] & 0xffc0) == 0xfe80
+                || (s[0] & 0xffc0) == 0xfec0)
         }
     }
 }
 
+/// How long the host's interface addresses are trusted before they are
+/// read again (addresses come and go: DHCP, VPNs, containers).
+const OWN_ADDRESSES_TTL: Duration = Duration::from_secs(2);
+
+/// The host's interface addresses (`getifaddrs`), read at most every
+/// [`OWN_ADDRESSES_TTL`]. A failure to read them counts as none (and is
+/// logged): the address guard's bind test still covers IP literals.
+fn own_addresses() -> Arc<Vec<IpAddr>> {
+    static CACHE: Mutex<Option<(Instant, Arc<Vec<IpAddr>>)>> = Mutex::new(None);
+    let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((at, addrs)) = cache.as_ref() {
+        if at.elapsed() < OWN_ADDRESSES_TTL {
+            return addrs.clone();
+        }
+    }
+    let addrs: Vec<IpAddr> = match nix::ifaddrs::getifaddrs() {
+        Ok(list) => list
+            .filter_map(|i| i.address)
+            .filter_map(|a| {
+                a.as_sockaddr_in()
+                    .map(|s| IpAddr::V4(s.ip()))
+                    .or_else(|| a.as_sockaddr_in6().map(|s| IpAddr::V6(s.ip())))
+            })
+            .map(canonical_ip)
+            .collect(),
+        Err(e) => {
+            tracing::warn!(error = %e, "reading the host's interface addresses");
+            Vec::new()
+        }
+    };
+    let addrs = Arc::new(addrs);
+    *cache = Some((Instant::now(), addrs.clone()));
+    addrs
+}
+
+/// [`is_public_space`], and not one of `own` (the host's addresses): a
+/// service the host exposes on `0.0.0.0` is no egress destination.
+fn is_public_given(ip: IpAddr, own: &[IpAddr]) -> bool {
+    let ip = canonical_ip(ip);
+    is_public_space(ip) && !own.contains(&ip)
+}
+
+/// Is `ip` a public address that is not the host's own?
+pub(super) fn is_public(ip: IpAddr) -> bool {
+    is_public_given(ip, &own_addresses())
+}
+
 /// Non-public blocks a connector may open by naming a range inside one of
-/// them (RFC 1918, CGNAT, the documentation nets, unique-local IPv6).
-const PRIVATE_BLOCKS: [&str; 8] = [
+/// them (RFC 1918, CGNAT, benchmarking, the documentation nets,
+/// unique-local IPv6).
+const PRIVATE_BLOCKS: [&str; 9] = [
     "10.0.0.0/8",
     "172.16.0.0/12",
     "192.168.0.0/16",
     "100.64.0.0/10",
+    "198.18.0.0/15",
     "192.0.2.0/24",
     "198.51.100.0/24",
     "203.0.113.0/24",
@@ -71,8 +154,14 @@ const PRIVATE_BLOCKS: [&str; 8] = [
 
 /// Addresses no rule opens: loopback, link-local (the cloud metadata
 /// address `169.254.169.254` among them), "this network", unspecified,
-/// multicast, broadcast and reserved (`240.0.0.0/4`), IPv6 site-local.
+/// multicast, broadcast and reserved (`240.0.0.0/4`), IPv6 site-local, and
+/// NAT64 or 6to4 addresses embedding any of those.
 fn never_reachable(ip: IpAddr) -> bool {
+    if let IpAddr::V6(v6) = ip {
+        if let Some(v4) = embedded_v4(v6) {
+            return never_reachable(IpAddr::V4(v4));
+        }
+    }
     match ip {
         IpAddr::V4(v4) => {
             let o = v4.octets();
@@ -167,8 +256,11 @@ impl Resolver for RangeResolver {
                 .await?
                 .filter(|a| {
                     let ip = canonical_ip(a.ip());
-                    is_public(ip)
-                        || (!never_reachable(ip) && self.ranges.iter().any(|r| r.contains(ip)))
+                    let own = own_addresses();
+                    is_public_given(ip, &own)
+                        || (!never_reachable(ip)
+                            && !own.contains(&ip)
+                            && self.ranges.iter().any(|r| r.contains(ip)))
                 })
                 .collect();
             if addrs.is_empty() {
@@ -272,6 +364,89 @@ mod tests {
     }
 
     #[test]
+    fn public_space_excludes_special_and_translated_inside_addresses() {
+        for a in [
+            "93.184.216.34",
+            "8.8.8.8",
+            "2606:4700::1111",
+            "64:ff9b::808:808",
+            "2002:808:808::1",
+            "::ffff:8.8.8.8",
+            "192.0.1.1",
+            "198.20.0.1",
+        ] {
+            assert!(is_public_given(ip(a), &[]), "{a} is public");
+        }
+        for a in [
+            // IPv4 special-purpose blocks
+            "192.0.0.8",
+            "192.0.0.170",
+            "198.18.0.1",
+            "198.19.255.255",
+            "240.0.0.1",
+            "250.1.2.3",
+            "255.255.255.255",
+            "10.0.0.1",
+            "100.100.0.1",
+            "127.0.0.1",
+            "169.254.169.254",
+            "0.1.2.3",
+            // NAT64 and 6to4 carrying a private or special IPv4 address
+            "64:ff9b::a00:1",
+            "64:ff9b::7f00:1",
+            "64:ff9b::a9fe:a9fe",
+            "64:ff9b:1::808:808",
+            "2002:a00:1::1",
+            "2002:7f00:1::",
+            "2002:c0a8:101::1",
+            // IPv6 special blocks
+            "fec0::1",
+            "feff::1",
+            "fd00::1",
+            "fe80::1",
+            "::1",
+            "::",
+            "::10.0.0.1",
+            "ff02::1",
+        ] {
+            assert!(!is_public_given(ip(a), &[]), "{a} is not public");
+        }
+        // The host's own addresses, public or not, are never a destination.
+        let own = [ip("93.184.216.34"), ip("2606:4700::1111")];
+        assert!(!is_public_given(ip("93.184.216.34"), &own));
+        assert!(!is_public_given(ip("::ffff:93.184.216.34"), &own));
+        assert!(!is_public_given(ip("2606:4700::1111"), &own));
+        assert!(is_public_given(ip("8.8.8.8"), &own));
+        // ... and the list is the host's interface addresses.
+        let listed = own_addresses();
+        for a in fib_local_addresses() {
+            assert!(
+                listed.contains(&a),
+                "own address {a} not listed: {listed:?}"
+            );
+            assert!(!is_public(a), "own address {a}");
+        }
+        assert!(listed.contains(&ip("127.0.0.1")), "{listed:?}");
+        // The guard refuses translated forms of never-reachable addresses.
+        assert!(address_guard(ip("64:ff9b::a9fe:a9fe"), &net("::/0")).is_err());
+        assert!(address_guard(ip("2002:7f00:1::1"), &net("2002::/16")).is_err());
+    }
+
+    /// This host's local IPv4 addresses (loopback aside), read from the
+    /// kernel's routing table rather than `getifaddrs`.
+    fn fib_local_addresses() -> Vec<IpAddr> {
+        std::fs::read_to_string("/proc/net/fib_trie")
+            .unwrap_or_default()
+            .lines()
+            .collect::<Vec<_>>()
+            .windows(2)
+            .filter(|w| w[1].contains("/32 host LOCAL"))
+            .filter_map(|w| w[0].trim().trim_start_matches("|-- ").parse().ok())
+            .filter(|a: &IpAddr| !a.is_loopback())
+            .collect()
+    }
+
+    #[test]
     fn the_guard_keeps_inside_addresses_closed() {
         let all = net("0.0.0.0/0");
         let all6 = net("::/0");
@@ -303,16 +478,7 @@ mod tests {
         );
         assert_eq!(address_guard(ip("fd00::9"), &net("fd00::/8")), Ok(()));
         // The host's own addresses: loopback aside, whatever this host has.
-        let own: Vec<IpAddr> = std::fs::read_to_string("/proc/net/fib_trie")
-            .unwrap_or_default()
-            .lines()
-            .collect::<Vec<_>>()
-            .windows(2)
-            .filter(|w| w[1].contains("/32 host LOCAL"))
-            .filter_map(|w| w[0].trim().trim_start_matches("|-- ").parse().ok())
-            .filter(|a: &IpAddr| !a.is_loopback())
-            .collect();
-        for a in own {
+        for a in fib_local_addresses() {
             assert!(
                 address_guard(a, &net("0.0.0.0/0")).is_err()
                     && address_guard(a, &IpNet::parse(&format!("{a}/32")).unwrap_or(all)).is_err(),
