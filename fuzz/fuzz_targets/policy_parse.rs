@@ -20,14 +20,13 @@ fn calls(text: &str) -> Vec<CallKind> {
     let first = words.first().cloned().unwrap_or_default();
     let line = short.lines().next().unwrap_or_default().to_owned();
     vec![
-        CallKind::Exec {
-            argv: words.clone(),
-            shell: None,
-        },
-        CallKind::Exec {
-            argv: vec![],
-            shell: Some(short.clone()),
-        },
+        CallKind::exec(words.clone()),
+        CallKind::shell(short.clone()),
+        CallKind::exec(words.clone()).with_context(
+            &words.iter().map(|w| (w.clone(), line.clone())).collect(),
+            Some(line.clone()),
+            strata_policy::ExecStdin::Bytes(short.len() as u64),
+        ),
         CallKind::FileRead { path: line.clone() },
         CallKind::FileWrite {
             path: format!("/workspace/{line}"),

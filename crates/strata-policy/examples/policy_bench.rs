@@ -37,17 +37,15 @@ fn main() {
     let calls = [
         (
             "exec (no match, 500 exec rules)",
-            call(CallKind::Exec {
-                argv: vec!["python3".into(), "-c".into(), "print(1)".into()],
-                shell: None,
-            }),
+            call(CallKind::exec(vec![
+                "python3".into(),
+                "-c".into(),
+                "print(1)".into(),
+            ])),
         ),
         (
             "exec via shell (derived readings)",
-            call(CallKind::Exec {
-                argv: vec![],
-                shell: Some("ls -l; tool996 --x996 y".into()),
-            }),
+            call(CallKind::shell("ls -l; tool996 --x996 y".into())),
         ),
         (
             "file_read (last path rule)",

@@ -1,6 +1,9 @@
 //! The tool-call model: every action an agent takes through the platform.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 
 /// One action an agent asks the platform to perform, as seen by the policy.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -27,6 +30,19 @@ pub enum CallKind {
         /// and the policy sees `["sh", "-c", script]`.
         #[serde(default)]
         shell: Option<String>,
+        /// Environment variables the command gets besides the guest's own:
+        /// names, and each value as `sha256:<hex>` of the value (values often
+        /// hold secrets; the digest binds an approval to the exact value
+        /// without writing it to the audit log). Build it with
+        /// [`CallKind::with_context`].
+        #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+        env: BTreeMap<String, String>,
+        /// Working directory, when the caller gives one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cwd: Option<String>,
+        /// What the command reads on stdin.
+        #[serde(default, skip_serializing_if = "ExecStdin::is_none")]
+        stdin: ExecStdin,
     },
     /// Read a file in the sandbox.
     FileRead {
@@ -76,6 +92,31 @@ pub enum CallKind {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         bytes: Option<PortBytes>,
     },
+}
+
+/// What an exec call feeds the command on stdin, as the policy sees it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExecStdin {
+    /// Nothing (`/dev/null`).
+    #[default]
+    None,
+    /// These many bytes, then end of file (their content is not kept).
+    Bytes(u64),
+    /// A stream the caller keeps writing (interactive exec, a terminal).
+    Stream,
+}
+
+impl ExecStdin {
+    /// No stdin at all.
+    pub fn is_none(&self) -> bool {
+        *self == ExecStdin::None
+    }
+}
+
+/// How an env value is kept in a [`CallKind::Exec`]: `sha256:<hex>`.
+pub fn env_value_digest(value: &str) -> String {
+    format!("sha256:{}", hex::encode(Sha256::digest(value.as_bytes())))
 }
 
 /// Bytes one port connection carried ([`CallKind::Port`]).
@@ -169,6 +210,55 @@ impl CallKind {
     }
 }
 
+impl CallKind {
+    /// An exec of `argv`, with no env, cwd or stdin.
+    pub fn exec(argv: Vec<String>) -> CallKind {
+        CallKind::Exec {
+            argv,
+            shell: None,
+            env: BTreeMap::new(),
+            cwd: None,
+            stdin: ExecStdin::None,
+        }
+    }
+
+    /// An exec of a shell script (`sh -c <script>`), with no env, cwd or stdin.
+    pub fn shell(script: String) -> CallKind {
+        CallKind::Exec {
+            argv: Vec::new(),
+            shell: Some(script),
+            env: BTreeMap::new(),
+            cwd: None,
+            stdin: ExecStdin::None,
+        }
+    }
+
+    /// An exec call with what the command runs with besides its argv: the
+    /// environment variables it is given (each value kept as its digest,
+    /// [`env_value_digest`]), its working directory and its stdin. Other
+    /// kinds are returned unchanged.
+    pub fn with_context(
+        self,
+        env: &BTreeMap<String, String>,
+        cwd: Option<String>,
+        stdin: ExecStdin,
+    ) -> CallKind {
+        match self {
+            CallKind::Exec { argv, shell, .. } => CallKind::Exec {
+                argv,
+                shell,
+                env: env
+                    .iter()
+                    .map(|(k, v)| (k.clone(), env_value_digest(v)))
+                    .collect(),
+                cwd,
+                stdin,
+            },
+            other => other,
+        }
+    }
+}
+
 impl ToolCall {
     /// The policy-file name of this call's kind (`exec`, `file_read`, …).
     pub fn kind_name(&self) -> &'static str {
@@ -197,5 +287,24 @@ mod tests {
         let j = serde_json::to_string(&c).unwrap_or_default();
         let back: ToolCall = serde_json::from_str(&j).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(back, c);
+    }
+
+    #[test]
+    fn exec_context_keeps_env_names_and_value_digests_and_round_trips() {
+        let env = BTreeMap::from([("OPENAI_API_KEY".to_string(), "sk-secret".to_string())]);
+        let k = CallKind::exec(vec!["python3".into()]).with_context(
+            &env,
+            Some("/workspace".into()),
+            ExecStdin::Bytes(12),
+        );
+        let j = serde_json::to_string(&k).unwrap_or_default();
+        assert!(!j.contains("sk-secret"), "{j}");
+        assert!(j.contains("\"OPENAI_API_KEY\":\"sha256:"), "{j}");
+        assert!(j.contains("\"stdin\":{\"bytes\":12}"), "{j}");
+        let back: CallKind = serde_json::from_str(&j).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(back, k);
+        // An exec without context serialises as before (old audit lines keep verifying).
+        let plain = serde_json::to_string(&CallKind::exec(vec!["true".into()])).unwrap_or_default();
+        assert_eq!(plain, r#"{"kind":"exec","argv":["true"],"shell":null}"#);
     }
 }

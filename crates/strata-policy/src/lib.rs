@@ -12,7 +12,7 @@ pub mod policy;
 pub mod proxy;
 pub mod sni;
 
-pub use call::{CallKind, KindName, PortBytes, ToolCall};
+pub use call::{CallKind, ExecStdin, KindName, PortBytes, ToolCall};
 pub use policy::{
     Access, ComposeError, Connector, Decision, Effect, Layer, ParseError, Policy, PolicySet,
 };

@@ -14,10 +14,7 @@ fn call(tenant: &str) -> ToolCall {
         tenant: tenant.into(),
         sandbox: Some("sb".into()),
         actor: "agent-token".into(),
-        kind: CallKind::Exec {
-            argv: vec!["curl".into(), "x".into()],
-            shell: None,
-        },
+        kind: CallKind::exec(vec!["curl".into(), "x".into()]),
     }
 }
 

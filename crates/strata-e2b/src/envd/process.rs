@@ -17,7 +17,7 @@ use bytes::Bytes;
 use futures::{Stream, StreamExt};
 use serde_json::json;
 use strata_core::SandboxId;
-use strata_policy::CallKind;
+use strata_policy::{CallKind, ExecStdin};
 use stratad::engine::ExecInput;
 use stratad::service::Grant;
 use tokio::sync::mpsc;
@@ -199,9 +199,15 @@ pub async fn start(
                 "envs: NUL bytes are not allowed",
             ));
         }
-        let g = st
-            .envd_grant(&id, CallKind::Exec { argv, shell: None })
-            .await?;
+        // The policy sees the whole environment (the sandbox's `envVars`
+        // too), the cwd and whether stdin is open (a terminal's is).
+        let stdin = if pty.is_some() || req.stdin.unwrap_or(false) {
+            ExecStdin::Stream
+        } else {
+            ExecStdin::None
+        };
+        let call = CallKind::exec(argv).with_context(&env, config.cwd.clone(), stdin);
+        let g = st.envd_grant(&id, call).await?;
         let reg = st.procs.clone();
         if let Some(size) = pty {
             return procs::start_pty(&st.svc, &reg, &g, config, env, req.tag, size, Some(user))

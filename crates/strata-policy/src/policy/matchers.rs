@@ -228,7 +228,7 @@ pub struct ArgsMatcher {
 }
 
 /// One way to read an exec call's command: the literal argv, or a derived
-/// reading (wrapper stripped, shell sub-command).
+/// reading (wrapper stripped, shell sub-command, paths normalised).
 #[derive(Debug, Clone)]
 pub struct ExecView {
     /// Program and arguments.
@@ -244,97 +244,766 @@ impl ExecView {
     /// The program's basename (`/usr/bin/rm` → `rm`).
     pub fn program_base(&self) -> &str {
         let p = self.argv.first().map(String::as_str).unwrap_or("");
-        p.rsplit('/').next().unwrap_or(p)
+        basename(p)
+    }
+
+    fn derived(argv: Vec<String>) -> ExecView {
+        ExecView {
+            line: argv.join(" "),
+            argv,
+            literal: false,
+        }
     }
 }
 
-const SHELLS: &[&str] = &["sh", "bash", "dash", "zsh", "ash", "ksh", "busybox"];
-const WRAPPERS: &[&str] = &[
-    "sudo", "env", "nice", "nohup", "exec", "command", "time", "timeout", "stdbuf", "doas",
-    "busybox", "xargs", "setsid",
+/// Every reading of one exec call.
+#[derive(Debug, Clone, Default)]
+pub struct ExecReading {
+    /// The literal argv first, then the derived readings.
+    pub views: Vec<ExecView>,
+    /// Why the command cannot be read reliably (a shell that reads its
+    /// commands from stdin, an unknown wrapper option, too many readings,
+    /// shells nested too deep). Such a call matches every deny/approve rule
+    /// of the exec kind: it fails closed.
+    pub unreadable: Option<String>,
+    /// Names of the environment variables the call sets.
+    pub env: Vec<String>,
+}
+
+/// Most readings one exec call gets; a call that needs more is unreadable.
+pub const MAX_VIEWS: usize = 256;
+/// Deepest nesting of shells (and `eval`) that is read; deeper is unreadable.
+pub const MAX_DEPTH: usize = 4;
+/// Most wrappers unwrapped in a row (`sudo env nice …`); more is unreadable.
+const MAX_WRAPPERS: usize = 16;
+
+const SHELLS: &[&str] = &[
+    "sh", "bash", "dash", "zsh", "ash", "ksh", "mksh", "hush", "rbash",
 ];
 
+fn basename(p: &str) -> &str {
+    p.rsplit('/').next().unwrap_or(p)
+}
+
 /// Build the readings of an exec call. The first view is always the literal
-/// argv; further views strip wrappers (`sudo`, `env X=1`, `busybox` …) and
-/// split shell scripts (`sh -c '…'`) into simple commands, best effort.
-pub fn exec_views(argv: &[String], shell: Option<&str>) -> Vec<ExecView> {
+/// argv; further views strip wrappers (`sudo -u root`, `env -u X A=1`,
+/// `timeout -s KILL 5`, `busybox` …, with their options' values), split
+/// shell scripts (`sh -c '…'`, `eval …`) into simple commands, and resolve
+/// `.`, `..` and `//` in absolute paths. `stdin_fed`: the call gives the
+/// command a stdin (a shell without `-c` would read its commands there).
+pub fn exec_reading(argv: &[String], shell: Option<&str>, stdin_fed: bool) -> ExecReading {
     let literal: Vec<String> = match shell {
         Some(script) => vec!["sh".into(), "-c".into(), script.to_string()],
         None => argv.to_vec(),
     };
-    let mut views = vec![ExecView {
+    let mut r = Reader::default();
+    r.views.push(ExecView {
         line: literal.join(" "),
         argv: literal.clone(),
         literal: true,
-    }];
-    derive_views(&literal, 0, &mut views);
-    views
+    });
+    r.derive(&literal, 0, stdin_fed);
+    ExecReading {
+        views: r.views,
+        unreadable: r.unreadable,
+        env: Vec::new(),
+    }
 }
 
-fn derive_views(argv: &[String], depth: usize, out: &mut Vec<ExecView>) {
-    if depth > 3 || out.len() > 64 {
-        return;
+#[derive(Default)]
+struct Reader {
+    views: Vec<ExecView>,
+    unreadable: Option<String>,
+}
+
+impl Reader {
+    fn fail(&mut self, why: String) {
+        if self.unreadable.is_none() {
+            self.unreadable = Some(why);
+        }
     }
-    let stripped = strip_wrappers(argv);
-    if stripped.len() != argv.len() && !stripped.is_empty() {
-        out.push(ExecView {
-            line: stripped.join(" "),
-            argv: stripped.clone(),
-            literal: false,
-        });
+
+    /// Adds a view; false (and unreadable) once the budget is spent.
+    fn push(&mut self, v: ExecView) -> bool {
+        if self.views.len() >= MAX_VIEWS {
+            self.fail(format!("it has more than {MAX_VIEWS} readings"));
+            return false;
+        }
+        self.views.push(v);
+        true
     }
-    let base = stripped
-        .first()
-        .map(|p| p.rsplit('/').next().unwrap_or(p))
-        .unwrap_or("");
-    if SHELLS.contains(&base) {
-        // sh [-opts] -c SCRIPT …
-        let mut it = stripped.iter().skip(1);
-        while let Some(a) = it.next() {
-            if a.starts_with('-') && a.contains('c') && !a.starts_with("--") {
-                if let Some(script) = it.next() {
-                    out.push(ExecView {
-                        line: script.clone(),
-                        argv: stripped.clone(),
-                        literal: false,
-                    });
-                    for cmd in split_script(script) {
-                        out.push(ExecView {
-                            line: cmd.join(" "),
-                            argv: cmd.clone(),
-                            literal: false,
-                        });
-                        derive_views(&cmd, depth + 1, out);
+
+    fn push_normalised(&mut self, argv: &[String]) -> bool {
+        match normalised_paths(argv) {
+            Some(n) => self.push(ExecView::derived(n)),
+            None => true,
+        }
+    }
+
+    /// Readings of `argv` (already pushed by the caller).
+    fn derive(&mut self, argv: &[String], depth: usize, stdin_fed: bool) {
+        if self.unreadable.is_some() {
+            return; // it matches every deny/approve rule already
+        }
+        if depth > MAX_DEPTH {
+            self.fail(format!("shells nest more than {MAX_DEPTH} deep"));
+            return;
+        }
+        if !self.push_normalised(argv) {
+            return;
+        }
+        let mut cur = argv.to_vec();
+        let mut steps = 0;
+        loop {
+            match unwrap_once(&cur) {
+                Unwrap::No => break,
+                Unwrap::Unreadable(why) => return self.fail(why),
+                Unwrap::Inner(next) => {
+                    steps += 1;
+                    if steps > MAX_WRAPPERS {
+                        return self.fail(format!("more than {MAX_WRAPPERS} wrappers in a row"));
+                    }
+                    if next.is_empty() {
+                        return; // a wrapper with no command runs nothing
+                    }
+                    cur = next;
+                    if !self.push(ExecView::derived(cur.clone())) || !self.push_normalised(&cur) {
+                        return;
                     }
                 }
-                break;
+            }
+        }
+        let prog = cur.first().map(|p| basename(p)).unwrap_or("");
+        let (prog, args) = match cur.get(1) {
+            Some(applet) if prog == "busybox" => (basename(applet), &cur[2..]),
+            _ => (prog, cur.get(1..).unwrap_or(&[])),
+        };
+        if SHELLS.contains(&prog) {
+            match shell_input(prog, args) {
+                ShellInput::Script(s) => self.script(&s, &cur, depth),
+                ShellInput::Stdin if stdin_fed => {
+                    self.fail(format!("`{prog}` reads its commands from stdin"))
+                }
+                ShellInput::Stdin | ShellInput::File => {}
+                ShellInput::Unreadable(why) => self.fail(why),
+            }
+        } else if prog == "eval" {
+            let script = args.join(" ");
+            self.script(&script, &cur, depth);
+        }
+    }
+
+    fn script(&mut self, script: &str, argv: &[String], depth: usize) {
+        if !self.push(ExecView {
+            line: script.to_string(),
+            argv: argv.to_vec(),
+            literal: false,
+        }) {
+            return;
+        }
+        for cmd in split_script(script) {
+            // `A=1 rm …`: assignments before the command are not the program.
+            let skip = cmd.iter().take_while(|w| is_assignment(w)).count();
+            let cmd = cmd[skip..].to_vec();
+            if cmd.is_empty() {
+                continue;
+            }
+            if !self.push(ExecView::derived(cmd.clone())) {
+                return;
+            }
+            // Inside a script a command's stdin may be a pipe: a bare `sh`
+            // there reads whatever the pipe carries.
+            self.derive(&cmd, depth + 1, true);
+            if self.unreadable.is_some() {
+                return;
             }
         }
     }
 }
 
-fn strip_wrappers(argv: &[String]) -> Vec<String> {
-    let mut i = 0;
-    while i < argv.len() {
-        let a = argv[i].as_str();
-        let base = a.rsplit('/').next().unwrap_or(a);
-        if i > 0 && (a.starts_with('-') || (a.contains('=') && !a.starts_with('='))) {
-            i += 1; // wrapper option or env assignment
-            continue;
+/// `NAME=value` with a shell variable name.
+fn is_assignment(w: &str) -> bool {
+    match w.split_once('=') {
+        Some((name, _)) => {
+            let mut b = name.bytes();
+            b.next()
+                .is_some_and(|c| c.is_ascii_alphabetic() || c == b'_')
+                && b.all(|c| c.is_ascii_alphanumeric() || c == b'_')
         }
-        if WRAPPERS.contains(&base)
-            && (base != "busybox" || argv.get(i + 1).is_some_and(|n| n != "sh"))
-        {
-            i += 1;
-            continue;
-        }
-        if i > 0 && base.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
-            i += 1; // e.g. `timeout 5 rm …`
-            continue;
-        }
-        break;
+        None => false,
     }
-    argv[i.min(argv.len())..].to_vec()
+}
+
+/// `argv` with `.`, `..` and repeated `/` resolved in every absolute path
+/// (`//` and `/.` are `/`; `..` at the root stays there, as in the kernel),
+/// when that changes something.
+fn normalised_paths(argv: &[String]) -> Option<Vec<String>> {
+    let mut changed = false;
+    let out = argv
+        .iter()
+        .map(|a| {
+            if !a.starts_with('/') {
+                return a.clone();
+            }
+            let mut parts: Vec<&str> = Vec::new();
+            for c in a.split('/') {
+                match c {
+                    "" | "." => {}
+                    ".." => {
+                        parts.pop();
+                    }
+                    c => parts.push(c),
+                }
+            }
+            let n = format!("/{}", parts.join("/"));
+            changed |= n != *a;
+            n
+        })
+        .collect();
+    changed.then_some(out)
+}
+
+enum ShellInput {
+    /// `-c SCRIPT`.
+    Script(String),
+    /// Commands come from stdin (no `-c`, no script file, or `-s`).
+    Stdin,
+    /// A script file, which no rule reads.
+    File,
+    Unreadable(String),
+}
+
+/// Single-letter shell options without a value (any of the shells above).
+const SHELL_FLAGS: &str = "abefhiklmnprstuvxBCDEHILPTV";
+const SHELL_LONG_FLAGS: &[&str] = &[
+    "login",
+    "noprofile",
+    "norc",
+    "posix",
+    "verbose",
+    "restricted",
+    "noediting",
+    "debugger",
+    "dump-strings",
+    "dump-po-strings",
+    "wordexp",
+    "pretty-print",
+    "protected",
+    "help",
+    "version",
+];
+const SHELL_LONG_VALUED: &[&str] = &["rcfile", "init-file", "emulate"];
+
+/// What a shell invocation (`args` after the program) runs: POSIX `sh
+/// [-abCefimnuvx] [-o opt]… [-c] [--] operand…`, with bash's `-O shopt`
+/// and long options. The script of `-c` is the first operand, wherever `-c`
+/// stands (`sh -c -e 'rm …'`, `sh -c -- 'rm …'`).
+fn shell_input(prog: &str, args: &[String]) -> ShellInput {
+    let bash = prog == "bash" || prog == "rbash";
+    let (mut c, mut s) = (false, false);
+    let mut i = 0;
+    while i < args.len() {
+        let a = args[i].as_str();
+        if a == "--" || a == "-" {
+            i += 1;
+            break;
+        }
+        if let Some(long) = a.strip_prefix("--") {
+            let (name, has_value) = match long.split_once('=') {
+                Some((n, _)) => (n, true),
+                None => (long, false),
+            };
+            if SHELL_LONG_VALUED.contains(&name) {
+                i += if has_value { 1 } else { 2 };
+                continue;
+            }
+            if SHELL_LONG_FLAGS.contains(&name) && !has_value {
+                i += 1;
+                continue;
+            }
+            return ShellInput::Unreadable(format!("unknown option `{a}` of `{prog}`"));
+        }
+        let Some(cluster) = a.strip_prefix('-').or_else(|| a.strip_prefix('+')) else {
+            break; // the first operand
+        };
+        let mut values = 0;
+        for ch in cluster.chars() {
+            match ch {
+                'c' => c = true,
+                's' => s = true,
+                'o' => values += 1,
+                'O' if bash => values += 1,
+                ch if SHELL_FLAGS.contains(ch) => {}
+                ch => return ShellInput::Unreadable(format!("unknown option `-{ch}` of `{prog}`")),
+            }
+        }
+        i += 1 + values;
+    }
+    let operands = args.get(i..).unwrap_or(&[]);
+    if c {
+        return match operands.first() {
+            Some(script) => ShellInput::Script(script.clone()),
+            None => ShellInput::File, // `sh -c` without a script runs nothing
+        };
+    }
+    if s || operands.is_empty() {
+        ShellInput::Stdin
+    } else {
+        ShellInput::File
+    }
+}
+
+/// The option grammar of a program that runs another one.
+struct Wrapper {
+    name: &'static str,
+    /// Single-letter options without a value.
+    flags: &'static str,
+    /// Single-letter options with a value (attached or the next word).
+    valued: &'static str,
+    /// Single-letter options whose value is optional and only attached (`xargs -i{}`).
+    optional: &'static str,
+    long_flags: &'static [&'static str],
+    /// `--name VALUE` or `--name=VALUE`.
+    long_valued: &'static [&'static str],
+    /// `--name` or `--name=VALUE`.
+    long_optional: &'static [&'static str],
+    /// `NAME=value` words may follow the options (`env`, `sudo`).
+    assignments: bool,
+    /// Words before the command (the duration of `timeout`).
+    operands: usize,
+    /// `-N` is an option (`nice -10`).
+    numeric: bool,
+}
+
+const HELP: &[&str] = &["help", "version"];
+
+const WRAPPERS: &[Wrapper] = &[
+    Wrapper {
+        name: "sudo",
+        flags: "ABbEeHiKklNnPSsVv",
+        valued: "aCcDgpRrTtUu",
+        optional: "h",
+        long_flags: &[
+            "askpass",
+            "background",
+            "bell",
+            "edit",
+            "help",
+            "set-home",
+            "login",
+            "remove-timestamp",
+            "reset-timestamp",
+            "list",
+            "non-interactive",
+            "preserve-groups",
+            "stdin",
+            "shell",
+            "version",
+            "validate",
+            "no-update",
+        ],
+        long_valued: &[
+            "close-from",
+            "login-class",
+            "chdir",
+            "group",
+            "host",
+            "prompt",
+            "chroot",
+            "role",
+            "type",
+            "command-timeout",
+            "other-user",
+            "user",
+        ],
+        long_optional: &["preserve-env"],
+        assignments: true,
+        operands: 0,
+        numeric: false,
+    },
+    Wrapper {
+        name: "doas",
+        flags: "Lns",
+        valued: "Cu",
+        optional: "",
+        long_flags: &[],
+        long_valued: &[],
+        long_optional: &[],
+        assignments: false,
+        operands: 0,
+        numeric: false,
+    },
+    Wrapper {
+        name: "env",
+        flags: "i0v",
+        valued: "uCS",
+        optional: "",
+        long_flags: &[
+            "ignore-environment",
+            "null",
+            "debug",
+            "list-signal-handling",
+            "help",
+            "version",
+        ],
+        long_valued: &["unset", "chdir", "split-string"],
+        long_optional: &["block-signal", "default-signal", "ignore-signal"],
+        assignments: true,
+        operands: 0,
+        numeric: false,
+    },
+    Wrapper {
+        name: "nice",
+        flags: "",
+        valued: "n",
+        optional: "",
+        long_flags: HELP,
+        long_valued: &["adjustment"],
+        long_optional: &[],
+        assignments: false,
+        operands: 0,
+        numeric: true,
+    },
+    Wrapper {
+        name: "nohup",
+        flags: "",
+        valued: "",
+        optional: "",
+        long_flags: HELP,
+        long_valued: &[],
+        long_optional: &[],
+        assignments: false,
+        operands: 0,
+        numeric: false,
+    },
+    Wrapper {
+        name: "exec",
+        flags: "cl",
+        valued: "a",
+        optional: "",
+        long_flags: &[],
+        long_valued: &[],
+        long_optional: &[],
+        assignments: false,
+        operands: 0,
+        numeric: false,
+    },
+    Wrapper {
+        name: "command",
+        flags: "pVv",
+        valued: "",
+        optional: "",
+        long_flags: &[],
+        long_valued: &[],
+        long_optional: &[],
+        assignments: false,
+        operands: 0,
+        numeric: false,
+    },
+    Wrapper {
+        name: "builtin",
+        flags: "",
+        valued: "",
+        optional: "",
+        long_flags: &[],
+        long_valued: &[],
+        long_optional: &[],
+        assignments: false,
+        operands: 0,
+        numeric: false,
+    },
+    Wrapper {
+        name: "time",
+        flags: "apqvV",
+        valued: "fo",
+        optional: "",
+        long_flags: &[
+            "append",
+            "portability",
+            "verbose",
+            "quiet",
+            "help",
+            "version",
+        ],
+        long_valued: &["format", "output"],
+        long_optional: &[],
+        assignments: false,
+        operands: 0,
+        numeric: false,
+    },
+    Wrapper {
+        name: "timeout",
+        flags: "v",
+        valued: "ks",
+        optional: "",
+        long_flags: &[
+            "foreground",
+            "preserve-status",
+            "verbose",
+            "help",
+            "version",
+        ],
+        long_valued: &["kill-after", "signal"],
+        long_optional: &[],
+        assignments: false,
+        operands: 1,
+        numeric: false,
+    },
+    Wrapper {
+        name: "stdbuf",
+        flags: "",
+        valued: "ioe",
+        optional: "",
+        long_flags: HELP,
+        long_valued: &["input", "output", "error"],
+        long_optional: &[],
+        assignments: false,
+        operands: 0,
+        numeric: false,
+    },
+    Wrapper {
+        name: "xargs",
+        flags: "0oprtx",
+        valued: "adEILnPs",
+        optional: "eil",
+        long_flags: &[
+            "null",
+            "no-run-if-empty",
+            "verbose",
+            "interactive",
+            "exit",
+            "open-tty",
+            "show-limits",
+            "help",
+            "version",
+        ],
+        long_valued: &[
+            "arg-file",
+            "delimiter",
+            "max-args",
+            "max-procs",
+            "max-chars",
+            "process-slot-var",
+        ],
+        long_optional: &["replace", "eof", "max-lines"],
+        assignments: false,
+        operands: 0,
+        numeric: false,
+    },
+    Wrapper {
+        name: "setsid",
+        flags: "cfw",
+        valued: "",
+        optional: "",
+        long_flags: &["ctty", "fork", "wait", "help", "version"],
+        long_valued: &[],
+        long_optional: &[],
+        assignments: false,
+        operands: 0,
+        numeric: false,
+    },
+];
+
+enum Unwrap {
+    /// Not a wrapper (or `busybox` running a shell).
+    No,
+    /// The command the wrapper runs (empty: none).
+    Inner(Vec<String>),
+    Unreadable(String),
+}
+
+/// Strip one wrapper off `argv`, with its options, their values, its
+/// assignments and operands.
+fn unwrap_once(argv: &[String]) -> Unwrap {
+    let Some(first) = argv.first() else {
+        return Unwrap::No;
+    };
+    let base = basename(first);
+    if base == "busybox" {
+        return match argv.get(1) {
+            Some(applet) if SHELLS.contains(&basename(applet)) => Unwrap::No,
+            Some(_) => Unwrap::Inner(argv[1..].to_vec()),
+            None => Unwrap::Inner(Vec::new()),
+        };
+    }
+    let Some(w) = WRAPPERS.iter().find(|w| w.name == base) else {
+        return Unwrap::No;
+    };
+    let mut args: Vec<String> = argv[1..].to_vec();
+    let mut splits = 0;
+    let mut i = 0;
+    let unknown = |opt: &str| Unwrap::Unreadable(format!("unknown option `{opt}` of `{}`", w.name));
+    'opts: while i < args.len() {
+        let a = args[i].clone();
+        if a == "--" {
+            i += 1;
+            break;
+        }
+        if a == "-" && w.name == "env" {
+            i += 1; // `env -` is `env -i`
+            continue;
+        }
+        if let Some(long) = a.strip_prefix("--") {
+            let (name, value) = match long.split_once('=') {
+                Some((n, v)) => (n, Some(v.to_string())),
+                None => (long, None),
+            };
+            let matches = |list: &[&str]| list.contains(&name);
+            if matches(w.long_valued) {
+                let value = match value {
+                    Some(v) => v,
+                    None => {
+                        i += 1;
+                        match args.get(i) {
+                            Some(v) => v.clone(),
+                            None => return Unwrap::Inner(Vec::new()),
+                        }
+                    }
+                };
+                i += 1;
+                if w.name == "env"
+                    && name == "split-string"
+                    && !split_into(&mut args, &mut i, &value, &mut splits)
+                {
+                    return Unwrap::Unreadable(
+                        "`env -S` with variables or more than 8 strings".into(),
+                    );
+                }
+                continue;
+            }
+            if (matches(w.long_flags) && value.is_none()) || matches(w.long_optional) {
+                i += 1;
+                continue;
+            }
+            if w.numeric && long.bytes().all(|b| b.is_ascii_digit()) && !long.is_empty() {
+                i += 1;
+                continue;
+            }
+            return unknown(&a);
+        }
+        let Some(cluster) = a.strip_prefix('-').filter(|c| !c.is_empty()) else {
+            break; // the first operand or assignment
+        };
+        if w.numeric && cluster.bytes().all(|b| b.is_ascii_digit() || b == b'+') {
+            i += 1; // `nice -10`
+            continue;
+        }
+        for (at, ch) in cluster.char_indices() {
+            if w.flags.contains(ch) {
+                continue;
+            }
+            let rest = &cluster[at + ch.len_utf8()..];
+            if w.optional.contains(ch) {
+                i += 1;
+                continue 'opts;
+            }
+            if w.valued.contains(ch) {
+                let value = if rest.is_empty() {
+                    i += 1;
+                    match args.get(i) {
+                        Some(v) => v.clone(),
+                        None => return Unwrap::Inner(Vec::new()),
+                    }
+                } else {
+                    rest.to_string()
+                };
+                i += 1;
+                if w.name == "env"
+                    && ch == 'S'
+                    && !split_into(&mut args, &mut i, &value, &mut splits)
+                {
+                    return Unwrap::Unreadable(
+                        "`env -S` with variables or more than 8 strings".into(),
+                    );
+                }
+                continue 'opts;
+            }
+            return unknown(&format!("-{ch}"));
+        }
+        i += 1;
+    }
+    if w.assignments {
+        while args.get(i).is_some_and(|a| a.contains('=')) {
+            i += 1;
+        }
+    }
+    i += w.operands;
+    Unwrap::Inner(args.get(i..).unwrap_or(&[]).to_vec())
+}
+
+/// `env -S STRING`: the words of STRING take the place of the option at `i`
+/// and are parsed as env's own arguments. False when it cannot be read
+/// (`${VAR}` expansions) or strings nest too often.
+fn split_into(args: &mut Vec<String>, i: &mut usize, value: &str, splits: &mut usize) -> bool {
+    *splits += 1;
+    if *splits > 8 || value.contains("${") {
+        return false;
+    }
+    let words = split_words(value);
+    let tail = args.split_off(*i);
+    args.extend(words);
+    args.extend(tail);
+    true
+}
+
+/// Split a string into words the way `env -S` does, best effort: white
+/// space separates, `'…'` and `"…"` quote, `\` escapes, `#` at the start of
+/// a word begins a comment.
+pub fn split_words(s: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut word = String::new();
+    let mut in_word = false;
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '#' if !in_word => break,
+            '\'' => {
+                in_word = true;
+                for d in chars.by_ref() {
+                    if d == '\'' {
+                        break;
+                    }
+                    word.push(d);
+                }
+            }
+            '"' => {
+                in_word = true;
+                while let Some(d) = chars.next() {
+                    match d {
+                        '"' => break,
+                        '\\' => {
+                            if let Some(e) = chars.next() {
+                                word.push(e);
+                            }
+                        }
+                        _ => word.push(d),
+                    }
+                }
+            }
+            '\\' => {
+                in_word = true;
+                match chars.next() {
+                    Some('_') => word.push(' '),
+                    Some(e) => word.push(e),
+                    None => {}
+                }
+            }
+            c if c.is_whitespace() => {
+                if in_word {
+                    out.push(std::mem::take(&mut word));
+                    in_word = false;
+                }
+            }
+            c => {
+                in_word = true;
+                word.push(c);
+            }
+        }
+    }
+    if in_word {
+        out.push(word);
+    }
+    out
 }
 
 /// Split a shell script into simple commands (words, quotes removed), best
@@ -505,7 +1174,14 @@ mod tests {
 
     #[test]
     fn views_see_through_wrappers_and_shells() {
-        let v = |a: &[&str]| exec_views(&a.iter().map(|s| s.to_string()).collect::<Vec<_>>(), None);
+        let v = |a: &[&str]| {
+            exec_reading(
+                &a.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+                None,
+                false,
+            )
+            .views
+        };
         let views = v(&["sudo", "-n", "env", "A=1", "/bin/rm", "-rf", "/"]);
         assert!(views
             .iter()
@@ -515,7 +1191,7 @@ mod tests {
             views.iter().any(|w| w.argv == ["rm", "-rf", "/"]),
             "{views:?}"
         );
-        let views = exec_views(&[], Some("busybox rm -fr /"));
+        let views = exec_reading(&[], Some("busybox rm -fr /"), false).views;
         assert_eq!(views[0].argv, ["sh", "-c", "busybox rm -fr /"]);
         assert!(
             views.iter().any(|w| w.argv == ["rm", "-fr", "/"]),
@@ -523,5 +1199,86 @@ mod tests {
         );
         let views = v(&["timeout", "5", "rm", "x"]);
         assert!(views.iter().any(|w| w.argv == ["rm", "x"]));
+    }
+
+    #[test]
+    fn wrapper_option_values_are_not_the_program() {
+        let inner =
+            |a: &[&str]| match unwrap_once(&a.iter().map(|s| s.to_string()).collect::<Vec<_>>()) {
+                Unwrap::Inner(v) => v,
+                Unwrap::No => panic!("{a:?}: not a wrapper"),
+                Unwrap::Unreadable(why) => panic!("{a:?}: {why}"),
+            };
+        assert_eq!(inner(&["sudo", "-u", "root", "rm", "x"]), ["rm", "x"]);
+        assert_eq!(inner(&["sudo", "-nu", "root", "--", "rm"]), ["rm"]);
+        assert_eq!(inner(&["sudo", "--user=root", "A=1", "rm"]), ["rm"]);
+        assert_eq!(inner(&["env", "-u", "X", "-C", "/", "A=1", "rm"]), ["rm"]);
+        assert_eq!(
+            inner(&["env", "-S", "rm -rf '/x y'", "z"]),
+            ["rm", "-rf", "/x y", "z"]
+        );
+        assert_eq!(inner(&["env", "-S-i A=1 rm"]), ["rm"]);
+        assert_eq!(inner(&["timeout", "-s", "KILL", "-k5", "5", "rm"]), ["rm"]);
+        assert_eq!(inner(&["timeout", "--signal", "KILL", "1m", "rm"]), ["rm"]);
+        assert_eq!(inner(&["nice", "-n", "5", "rm"]), ["rm"]);
+        assert_eq!(inner(&["nice", "-10", "rm"]), ["rm"]);
+        assert_eq!(
+            inner(&["xargs", "-I{}", "-n", "1", "rm", "{}"]),
+            ["rm", "{}"]
+        );
+        assert_eq!(inner(&["xargs", "-I", "{}", "rm", "{}"]), ["rm", "{}"]);
+        assert_eq!(inner(&["stdbuf", "-o0", "-e", "L", "rm"]), ["rm"]);
+        assert_eq!(inner(&["time", "-f", "%e", "rm"]), ["rm"]);
+        assert_eq!(inner(&["nohup", "rm"]), ["rm"]);
+        assert_eq!(inner(&["busybox", "rm"]), ["rm"]);
+        assert!(matches!(
+            unwrap_once(&["sudo".to_string(), "--frobnicate".into(), "rm".into()]),
+            Unwrap::Unreadable(_)
+        ));
+    }
+
+    #[test]
+    fn shell_scripts_are_the_first_operand_after_the_options() {
+        let s = |a: &[&str]| match shell_input(
+            "bash",
+            &a.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+        ) {
+            ShellInput::Script(s) => s,
+            _ => panic!("{a:?}: no script"),
+        };
+        assert_eq!(s(&["-c", "--", "rm x"]), "rm x");
+        assert_eq!(s(&["-c", "-e", "rm x"]), "rm x");
+        assert_eq!(s(&["-e", "-o", "pipefail", "-c", "rm x", "name"]), "rm x");
+        assert_eq!(s(&["-O", "extglob", "-lc", "rm x"]), "rm x");
+        assert_eq!(s(&["--norc", "--rcfile", "f", "-c", "rm x"]), "rm x");
+        assert!(matches!(shell_input("sh", &[]), ShellInput::Stdin));
+        assert!(matches!(
+            shell_input("sh", &["-s".into(), "a".into()]),
+            ShellInput::Stdin
+        ));
+        assert!(matches!(
+            shell_input("sh", &["f.sh".into()]),
+            ShellInput::File
+        ));
+        assert!(matches!(
+            shell_input("zsh", &["-O".into(), "x".into()]),
+            ShellInput::Unreadable(_)
+        ));
+    }
+
+    #[test]
+    fn paths_are_normalised_in_a_derived_reading() {
+        let n = |a: &[&str]| normalised_paths(&a.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+        assert_eq!(
+            n(&["rm", "-rf", "//"]),
+            Some(vec!["rm".into(), "-rf".into(), "/".into()])
+        );
+        assert_eq!(n(&["rm", "/."]).map(|v| v[1].clone()), Some("/".into()));
+        assert_eq!(
+            n(&["rm", "/tmp/../.."]).map(|v| v[1].clone()),
+            Some("/".into())
+        );
+        assert_eq!(n(&["rm", "/./*"]).map(|v| v[1].clone()), Some("/*".into()));
+        assert_eq!(n(&["rm", "-rf", "/"]), None);
     }
 }

@@ -11,6 +11,7 @@
 //!    `default`, else the platform `default`, else `deny`.
 //! 3. The result is the stricter of the floor and the soft verdict.
 
+mod env;
 mod matchers;
 mod parse;
 
@@ -23,8 +24,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::call::{CallKind, KindName, ToolCall};
 use crate::path::{http_path, normalize};
+pub use env::{is_dangerous_env, DANGEROUS_ENV};
 pub use matchers::{canonical_ip, is_host_name, looks_like_ip, split_script, HostPattern, IpNet};
-use matchers::{exec_views, ArgsMatcher, ExecView};
+use matchers::{exec_reading, ArgsMatcher, ExecReading};
+pub use matchers::{MAX_DEPTH, MAX_VIEWS};
 pub use parse::{ParseError, DEFAULT_READ_METHODS, DEFAULT_TLS_PORTS};
 
 const KIND_COUNT: usize = KindName::ALL.len();
@@ -145,6 +148,7 @@ pub struct Rule {
     args: Option<ArgsMatcher>,
     args_contain: Option<Vec<globset::GlobMatcher>>,
     command: Option<GlobSet>,
+    env: Option<GlobSet>,
     path: Option<GlobSet>,
     connector: Option<Vec<String>>,
     method: Option<Vec<String>>,
@@ -167,6 +171,9 @@ pub struct Policy {
     pub connectors: Vec<Connector>,
     /// Rules in file order.
     pub rules: Vec<Rule>,
+    /// Names (globs) of environment variables on the built-in dangerous
+    /// list ([`DANGEROUS_ENV`]) that exec calls may set anyway.
+    pub allow_env: Option<GlobSet>,
 }
 
 /// Errors loading a policy file from disk.
@@ -295,7 +302,7 @@ struct EgressView<'a> {
 }
 
 enum Prepared<'a> {
-    Exec(Vec<ExecView>),
+    Exec(ExecReading),
     File(String),
     Egress(EgressView<'a>),
     Op(&'a str),
@@ -416,14 +423,28 @@ impl PolicySet {
 
     fn prepare<'a>(&'a self, call: &'a ToolCall) -> Result<Prepared<'a>, String> {
         Ok(match &call.kind {
-            CallKind::Exec { argv, shell } => {
+            CallKind::Exec {
+                argv,
+                shell,
+                env,
+                cwd,
+                stdin,
+            } => {
                 if shell.is_none() && argv.is_empty() {
                     return Err("exec with an empty argv".into());
                 }
-                if argv.iter().chain(shell.iter()).any(|a| a.contains('\0')) {
-                    return Err("exec argument contains a NUL byte".into());
+                if argv
+                    .iter()
+                    .chain(shell.iter())
+                    .chain(env.keys())
+                    .chain(cwd.iter())
+                    .any(|a| a.contains('\0'))
+                {
+                    return Err("exec argument, env name or cwd contains a NUL byte".into());
                 }
-                Prepared::Exec(exec_views(argv, shell.as_deref()))
+                let mut r = exec_reading(argv, shell.as_deref(), !stdin.is_none());
+                r.env = env.keys().cloned().collect();
+                Prepared::Exec(r)
             }
             CallKind::FileRead { path } | CallKind::FileWrite { path } => {
                 Prepared::File(normalize(path).map_err(|e| format!("invalid path: {e}"))?)
@@ -482,6 +503,11 @@ impl PolicySet {
                 }
             }
         };
+        if let Prepared::Exec(r) = &prepared {
+            if let Some(d) = self.env_refusal(r) {
+                return d;
+            }
+        }
         let kind = call.kind.kind().index();
         let file_cand = match &prepared {
             Prepared::File(p) => Some(Candidate::new(p.as_str())),
@@ -492,7 +518,8 @@ impl PolicySet {
             _ => None,
         };
         let exec = match &prepared {
-            Prepared::Exec(views) => views
+            Prepared::Exec(r) => r
+                .views
                 .iter()
                 .map(|v| ExecCands {
                     base: Candidate::new(v.program_base()),
@@ -622,6 +649,7 @@ impl PolicySet {
             Prepared::Egress(e) if d.effect == Effect::Allow && !explicit_connect => {
                 self.connect_gate(e).unwrap_or(d)
             }
+            Prepared::Exec(r) => env::note_unreadable(d, r),
             _ => d,
         }
     }
@@ -749,6 +777,7 @@ impl Rule {
             || self.args.is_some()
             || self.args_contain.is_some()
             || self.command.is_some()
+            || self.env.is_some()
     }
 
     fn exec_view_matches(&self, c: &ExecCands<'_>) -> bool {
@@ -789,14 +818,23 @@ impl Rule {
 
     fn matches(&self, ctx: &Ctx<'_, '_>) -> bool {
         match ctx.prepared {
-            Prepared::Exec(views) => {
+            Prepared::Exec(r) => {
                 if !self.has_exec_matchers() {
                     return true;
                 }
                 // Derived readings (wrappers stripped, shell sub-commands) can
                 // only make a call stricter: allow rules see the literal argv.
                 let derived_ok = self.effect != Effect::Allow;
-                views
+                // A call that cannot be read matches every deny/approve rule.
+                if derived_ok && r.unreadable.is_some() {
+                    return true;
+                }
+                if let Some(set) = &self.env {
+                    if !r.env.iter().any(|n| set.is_match(n)) {
+                        return false;
+                    }
+                }
+                r.views
                     .iter()
                     .zip(&ctx.exec)
                     .any(|(v, c)| (v.literal || derived_ok) && self.exec_view_matches(c))

@@ -83,6 +83,8 @@ struct PolicyFile {
     default: Option<Effect>,
     #[serde(default)]
     read_methods: Field,
+    #[serde(default)]
+    allow_env: Field,
     #[serde(default, rename = "connector")]
     connectors: Vec<Spanned<ConnectorFile>>,
     #[serde(default, rename = "rule")]
@@ -129,6 +131,8 @@ struct RuleFile {
     args_contain: Field,
     #[serde(default)]
     command: Field,
+    #[serde(default)]
+    env: Field,
     #[serde(default)]
     path: Field,
     #[serde(default)]
@@ -366,7 +370,8 @@ pub fn parse(text: &str) -> Result<Policy, ParseError> {
             r.program.is_some()
                 || r.args.is_some()
                 || r.args_contain.is_some()
-                || r.command.is_some(),
+                || r.command.is_some()
+                || r.env.is_some(),
             EXEC,
         );
         narrow(r.path.is_some(), FILES);
@@ -475,6 +480,7 @@ pub fn parse(text: &str) -> Result<Policy, ParseError> {
             args,
             args_contain,
             command: globs(text, &r.command, "command", GlobMode::Text)?,
+            env: globs(text, &r.env, "env", GlobMode::Text)?,
             path: globs(text, &r.path, "path", GlobMode::Path)?,
             connector,
             method: upper_list(text, &r.method, "method")?,
@@ -490,6 +496,7 @@ pub fn parse(text: &str) -> Result<Policy, ParseError> {
         read_methods: file_reads,
         connectors,
         rules,
+        allow_env: globs(text, &file.allow_env, "allow_env", GlobMode::Text)?,
     })
 }
 

@@ -175,16 +175,10 @@ fn call(kind: CallKind) -> ToolCall {
     }
 }
 fn exec(argv: &[&str]) -> CallKind {
-    CallKind::Exec {
-        argv: argv.iter().map(|s| s.to_string()).collect(),
-        shell: None,
-    }
+    CallKind::exec(argv.iter().map(|s| s.to_string()).collect())
 }
 fn sh(script: &str) -> CallKind {
-    CallKind::Exec {
-        argv: vec![],
-        shell: Some(script.into()),
-    }
+    CallKind::shell(script.into())
 }
 fn read(p: &str) -> CallKind {
     CallKind::FileRead { path: p.into() }
@@ -792,4 +786,316 @@ method = "CONNECT"
         PolicySet::new(None, None, Some(Arc::new(sandbox))).err(),
         Some(ComposeError::ReadMethodsInSandbox)
     );
+}
+
+// --- Exec honesty (security review finding 8): env, stdin, shell and
+// wrapper options, budget and depth. Every case here was allowed before.
+
+const EXEC_PLATFORM: &str = r#"
+[[rule]]
+id = "no-rm"
+effect = "deny"
+program = "rm"
+reason = "no deleting"
+
+[[rule]]
+id = "no-rm-rf-root"
+effect = "deny"
+program = "shred"
+args_contain = ["-*[rR]*", "{/,/[*]}"]
+"#;
+
+fn exec_set(tenant: &str) -> PolicySet {
+    let p = |t: &str| Some(Arc::new(Policy::parse(t).unwrap_or_else(|e| panic!("{e}"))));
+    PolicySet::new(p(EXEC_PLATFORM), p(tenant), None).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn with_env(kind: CallKind, env: &[(&str, &str)]) -> CallKind {
+    let env = env
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    kind.with_context(&env, None, crate::call::ExecStdin::None)
+}
+
+fn with_stdin(kind: CallKind, stdin: crate::call::ExecStdin) -> CallKind {
+    kind.with_context(&Default::default(), None, stdin)
+}
+
+fn decide(s: &PolicySet, kind: CallKind) -> Decision {
+    s.evaluate(&call(kind))
+}
+
+#[test]
+fn dangerous_environment_variables_are_denied_unless_allowed() {
+    let s = exec_set("default = \"allow\"\n");
+    // The review's example: bash gets a function `true` that runs rm.
+    let d = decide(
+        &s,
+        with_env(
+            exec(&["bash", "-c", "true"]),
+            &[("BASH_FUNC_true%%", "() { rm -rf /data; }")],
+        ),
+    );
+    assert_eq!(
+        (d.effect, d.rule_id.as_str()),
+        (D, "dangerous-env"),
+        "{d:?}"
+    );
+    assert!(d.reason.contains("`BASH_FUNC_true%%`"), "{d:?}");
+    for name in [
+        "LD_PRELOAD",
+        "LD_LIBRARY_PATH",
+        "BASH_ENV",
+        "ENV",
+        "PYTHONPATH",
+        "PYTHONSTARTUP",
+        "PERL5OPT",
+        "NODE_OPTIONS",
+        "GIT_SSH_COMMAND",
+        "GIT_CONFIG_COUNT",
+    ] {
+        let d = decide(&s, with_env(exec(&["true"]), &[(name, "x")]));
+        assert_eq!(
+            (d.effect, d.rule_id.as_str()),
+            (D, "dangerous-env"),
+            "{name}: {d:?}"
+        );
+    }
+    // A shell script is checked the same way.
+    let d = decide(&s, with_env(sh("ls"), &[("LD_PRELOAD", "/tmp/x.so")]));
+    assert_eq!(d.rule_id, "dangerous-env");
+    // Ordinary variables pass.
+    let d = decide(
+        &s,
+        with_env(
+            exec(&["true"]),
+            &[
+                ("PATH", "/usr/bin"),
+                ("HOME", "/root"),
+                ("PYTHONUNBUFFERED", "1"),
+            ],
+        ),
+    );
+    assert_eq!(d.effect, A, "{d:?}");
+    // `allow_env` in any layer lets a name through; the others stay denied.
+    let s = exec_set("default = \"allow\"\nallow_env = [\"PYTHONPATH\", \"LD_LIBRARY_*\"]\n");
+    let d = decide(
+        &s,
+        with_env(
+            exec(&["true"]),
+            &[("PYTHONPATH", "/w"), ("LD_LIBRARY_PATH", "/opt")],
+        ),
+    );
+    assert_eq!(d.effect, A, "{d:?}");
+    let d = decide(
+        &s,
+        with_env(
+            exec(&["true"]),
+            &[("PYTHONPATH", "/w"), ("LD_PRELOAD", "x")],
+        ),
+    );
+    assert_eq!(d.rule_id, "dangerous-env");
+    assert!(
+        d.reason.contains("`LD_PRELOAD`") && !d.reason.contains("PYTHONPATH"),
+        "{d:?}"
+    );
+    // An `env` matcher denies or holds names off the built-in list.
+    let s = exec_set(
+        "default = \"allow\"\n[[rule]]\nid = \"no-path\"\neffect = \"deny\"\nhard = true\nenv = \"PATH\"\n",
+    );
+    let d = decide(&s, with_env(exec(&["ls"]), &[("PATH", "/tmp/evil")]));
+    assert_eq!(d.rule_id, "no-path", "{d:?}");
+    assert_eq!(decide(&s, exec(&["ls"])).effect, A);
+}
+
+#[test]
+fn a_shell_fed_from_stdin_is_unreadable_and_fails_closed() {
+    use crate::call::ExecStdin;
+    let s = exec_set("default = \"allow\"\n");
+    for argv in [
+        &["sh"][..],
+        &["bash"],
+        &["/bin/bash", "-s"],
+        &["bash", "-e", "-x"],
+        &["sudo", "sh"],
+        &["busybox", "sh"],
+    ] {
+        for stdin in [ExecStdin::Bytes(9), ExecStdin::Stream] {
+            let d = decide(&s, with_stdin(exec(argv), stdin));
+            assert_eq!(d.effect, D, "{argv:?} {stdin:?}: {d:?}");
+            assert_eq!(d.rule_id, "no-rm", "the first exec deny rule: {d:?}");
+            assert!(d.reason.contains("reads its commands from stdin"), "{d:?}");
+        }
+        // Without stdin a shell with no script reads nothing.
+        assert_eq!(decide(&s, exec(argv)).effect, A, "{argv:?}");
+    }
+    // `sh -c` reads its script, not stdin: read as usual.
+    let d = decide(
+        &s,
+        with_stdin(exec(&["sh", "-c", "ls"]), ExecStdin::Bytes(9)),
+    );
+    assert_eq!(d.effect, A, "{d:?}");
+    // Inside a script, a bare shell reads whatever the pipe carries.
+    let d = decide(&s, sh("echo rm -rf / | sh"));
+    assert_eq!(d.effect, D, "{d:?}");
+    // With no exec deny/approve rule, an unreadable call is just allowed.
+    let open = PolicySet::new(
+        None,
+        Some(Arc::new(
+            Policy::parse("default = \"allow\"\n").unwrap_or_else(|e| panic!("{e}")),
+        )),
+        None,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let d = open.evaluate(&call(with_stdin(exec(&["bash"]), ExecStdin::Stream)));
+    assert_eq!(d.effect, A, "{d:?}");
+}
+
+#[test]
+fn shell_options_do_not_hide_the_script() {
+    let s = exec_set("default = \"allow\"\n");
+    for argv in [
+        &["sh", "-c", "--", "rm -rf /x"][..],
+        &["bash", "-c", "-e", "rm -rf /x"],
+        &["bash", "-e", "-o", "pipefail", "-c", "rm -rf /x"],
+        &["bash", "-O", "extglob", "-c", "rm -rf /x"],
+        &["bash", "--norc", "--rcfile", "/dev/null", "-c", "rm x"],
+        &["dash", "-ec", "--", "rm x"],
+        &["zsh", "-c", "eval 'rm x'"],
+        &["sh", "-c", "X=1 rm x"],
+        &["sh", "-c", "exec -a name rm x"],
+    ] {
+        let d = decide(&s, exec(argv));
+        assert_eq!(
+            (d.effect, d.rule_id.as_str()),
+            (D, "no-rm"),
+            "{argv:?}: {d:?}"
+        );
+    }
+    // An option the reading does not know makes the call unreadable.
+    let d = decide(&s, exec(&["zsh", "-Z", "x", "-c", "ls"]));
+    assert_eq!(d.effect, D, "{d:?}");
+    assert!(d.reason.contains("cannot be read"), "{d:?}");
+}
+
+#[test]
+fn wrapper_options_with_values_do_not_hide_the_program() {
+    let s = exec_set("default = \"allow\"\n");
+    for argv in [
+        &["sudo", "-u", "root", "rm", "x"][..],
+        &["sudo", "-g", "wheel", "-D", "/", "rm", "x"],
+        &["sudo", "--user", "root", "--", "rm", "x"],
+        &["doas", "-u", "root", "rm", "x"],
+        &["env", "-u", "X", "rm", "x"],
+        &["env", "-C", "/", "rm", "x"],
+        &["env", "--chdir", "/", "A=1", "rm", "x"],
+        &["env", "-S", "rm -rf /"],
+        &["env", "-S", "-i A=1 rm x"],
+        &["timeout", "-s", "KILL", "5", "rm", "x"],
+        &["timeout", "--kill-after", "1", "10s", "rm", "x"],
+        &["xargs", "-I", "{}", "rm", "{}"],
+        &["xargs", "-n", "1", "-P", "4", "rm"],
+        &["time", "-f", "%e", "rm", "x"],
+        &["nice", "-n", "5", "nohup", "stdbuf", "-o", "L", "rm", "x"],
+        &["setsid", "-f", "command", "-p", "rm", "x"],
+    ] {
+        let d = decide(&s, exec(argv));
+        assert_eq!(
+            (d.effect, d.rule_id.as_str()),
+            (D, "no-rm"),
+            "{argv:?}: {d:?}"
+        );
+    }
+    // An option the reading does not know: unreadable, fails closed.
+    let d = decide(&s, exec(&["sudo", "--frobnicate", "ls"]));
+    assert_eq!(d.effect, D, "{d:?}");
+    assert!(
+        d.reason.contains("unknown option `--frobnicate` of `sudo`"),
+        "{d:?}"
+    );
+    // Known wrappers of harmless programs stay allowed.
+    let d = decide(
+        &s,
+        exec(&["sudo", "-u", "root", "timeout", "-s", "KILL", "5", "ls"]),
+    );
+    assert_eq!(d.effect, A, "{d:?}");
+}
+
+fn quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "'\\''"))
+}
+
+#[test]
+fn running_out_the_budget_or_the_depth_fails_closed() {
+    let s = exec_set("default = \"allow\"\n");
+    // 64 no-op commands, then the real one: still read.
+    for tail in ["sudo rm x", "env rm x"] {
+        let script = format!("{}{tail}", "true; ".repeat(64));
+        let d = decide(&s, sh(&script));
+        assert_eq!(
+            (d.effect, d.rule_id.as_str()),
+            (D, "no-rm"),
+            "{tail}: {d:?}"
+        );
+    }
+    // Past the budget: every exec deny rule applies.
+    let script = format!("{}sudo ls", "true; ".repeat(MAX_VIEWS));
+    let d = decide(&s, sh(&script));
+    assert_eq!(d.effect, D, "{d:?}");
+    assert!(
+        d.reason
+            .contains(&format!("more than {MAX_VIEWS} readings")),
+        "{d:?}"
+    );
+    let d = decide(&s, sh(&"true; ".repeat(MAX_VIEWS)));
+    assert_eq!(d.effect, D, "{d:?}");
+    // Shells nested up to the limit are read; deeper fails closed.
+    let nest = |depth: usize, inner: &str| {
+        let mut script = inner.to_string();
+        for _ in 0..depth {
+            script = format!("sh -c {}", quote(&script));
+        }
+        script
+    };
+    // (`sh(…)` is the outermost shell: MAX_DEPTH shells in all.)
+    let d = decide(&s, sh(&nest(MAX_DEPTH - 1, "rm x")));
+    assert_eq!((d.effect, d.rule_id.as_str()), (D, "no-rm"), "{d:?}");
+    let d = decide(&s, sh(&nest(MAX_DEPTH - 1, "ls")));
+    assert_eq!(d.effect, A, "{d:?}");
+    for inner in ["ls", "sudo rm x"] {
+        let d = decide(&s, sh(&nest(MAX_DEPTH, inner)));
+        assert_eq!(d.effect, D, "{inner}: {d:?}");
+        assert!(d.reason.contains("nest more than"), "{d:?}");
+    }
+}
+
+#[test]
+fn root_spelled_differently_is_still_root() {
+    // The README's rule (rm -rf /) sees `//`, `/.` and `/tmp/..` as `/`.
+    let s = set(true, true, true);
+    for arg in ["//", "/.", "/./", "/tmp/..", "/.."] {
+        let d = s.evaluate(&call(exec(&["rm", "-rf", arg])));
+        assert_eq!(
+            (d.effect, d.rule_id.as_str()),
+            (D, "no-rm-rf-root"),
+            "{arg}: {d:?}"
+        );
+    }
+    let d = s.evaluate(&call(sh("rm -rf //")));
+    assert_eq!(d.rule_id, "no-rm-rf-root", "{d:?}");
+    assert_eq!(s.evaluate(&call(exec(&["rm", "-rf", "/tmp/x"]))).effect, A);
+    // `/*` is its own spelling: the documented rule lists it.
+    let s = exec_set("default = \"allow\"\n");
+    for arg in ["/", "/*", "//", "/.", "/./*"] {
+        let d = decide(&s, exec(&["shred", "-r", arg]));
+        assert_eq!(
+            (d.effect, d.rule_id.as_str()),
+            (D, "no-rm-rf-root"),
+            "{arg}: {d:?}"
+        );
+    }
+    let d = decide(&s, sh("shred -fr /*"));
+    assert_eq!(d.rule_id, "no-rm-rf-root", "{d:?}");
+    assert_eq!(decide(&s, exec(&["shred", "-r", "/tmp/*"])).effect, A);
 }

@@ -41,6 +41,8 @@ struct Double {
     claimed: std::sync::Mutex<Vec<SandboxId>>,
     deleted: std::sync::Mutex<Vec<SandboxId>>,
     fail_claim: AtomicBool,
+    /// Commands the engine was asked to run.
+    execs: AtomicU32,
 }
 
 fn snap_info(id: &SnapshotId) -> SnapshotInfo {
@@ -162,6 +164,7 @@ impl Engine for Double {
         })
     }
     async fn exec(&self, _: &SandboxId, req: ExecRequest) -> EngineResult<ExecStream> {
+        self.execs.fetch_add(1, Ordering::Relaxed);
         let Command::Argv(argv) = req.command else {
             unreachable!("the API runs argv")
         };

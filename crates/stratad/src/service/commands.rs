@@ -1,6 +1,7 @@
 //! The typed commands (request bodies of the front doors) and their validation.
 
 use super::prelude::*;
+use strata_policy::ExecStdin;
 
 /// A size in a request: missing fields come from the template (or the default).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -208,18 +209,19 @@ pub(crate) fn validate_exec(req: &ExecRequest) -> ServiceResult<()> {
     Ok(())
 }
 
-/// The tool call a command is, for the gate.
+/// The tool call a command is, for the gate: its argv or script, and what
+/// it runs with besides (env, cwd, stdin; a terminal makes stdin a stream).
 pub(crate) fn exec_call(req: &ExecRequest) -> CallKind {
-    match &req.command {
-        Command::Argv(argv) => CallKind::Exec {
-            argv: argv.clone(),
-            shell: None,
-        },
-        Command::Shell(script) => CallKind::Exec {
-            argv: Vec::new(),
-            shell: Some(script.clone()),
-        },
-    }
+    let kind = match &req.command {
+        Command::Argv(argv) => CallKind::exec(argv.clone()),
+        Command::Shell(script) => CallKind::shell(script.clone()),
+    };
+    let stdin = match (&req.stdin, req.pty) {
+        (Stdin::Stream, _) | (_, Some(_)) => ExecStdin::Stream,
+        (Stdin::Bytes(b), None) => ExecStdin::Bytes(b.len() as u64),
+        (Stdin::Null, None) => ExecStdin::None,
+    };
+    kind.with_context(&req.env, req.cwd.clone(), stdin)
 }
 
 /// Longest idle timeout a sandbox may have (a year): larger values would

@@ -19,6 +19,11 @@ pub(super) struct Sec {
 }
 
 pub(super) fn sec_harness(tune: impl FnOnce(&mut Config)) -> Sec {
+    sec_harness_on(tune, Arc::new(Double::default()))
+}
+
+/// [`sec_harness`] over a given engine double (to see what it was asked).
+fn sec_harness_on(tune: impl FnOnce(&mut Config), engine: Arc<Double>) -> Sec {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = Config {
         data_dir: dir.path().to_owned(),
@@ -31,12 +36,7 @@ pub(super) fn sec_harness(tune: impl FnOnce(&mut Config)) -> Sec {
     cfg.security.rate_limit_per_second = 0.0;
     tune(&mut cfg);
     let store = super::store_with_base_template(&cfg);
-    let app = App::new(
-        cfg,
-        store,
-        Arc::new(Double::default()),
-        Arc::new(SystemClock),
-    );
+    let app = App::new(cfg, store, engine, Arc::new(SystemClock));
     let path = dir.path().join("admin.token");
     let admin = std::fs::read_to_string(&path).unwrap().trim().to_owned();
     use std::os::unix::fs::PermissionsExt;
@@ -831,4 +831,49 @@ async fn egress_proxy_applies_the_tenant_policy_per_request() {
     assert!(text.contains("\"kind\":\"egress\""), "{text}");
     let (_, v, _) = req(&h, "GET", "/v1/audit/verify", Some(&admin), "").await;
     assert_eq!(v["ok"], true, "{v}");
+}
+
+#[tokio::test]
+async fn an_exec_setting_a_dangerous_env_variable_is_refused_and_runs_nothing() {
+    let engine = Arc::new(Double::default());
+    let h = sec_harness_on(|_| {}, engine.clone());
+    let dev = token(&h, "acme", "developer").await;
+    let id = create_sb(&h, &dev).await;
+    // No policy at all (the built-in default allows): the built-in list
+    // still refuses a variable that gives bash a function `true`.
+    let body = json!({
+        "cmd": ["bash", "-c", "true"],
+        "env": {"BASH_FUNC_true%%": "() { rm -rf /data; }"},
+    });
+    let (s, v, _) = req(
+        &h,
+        "POST",
+        &format!("/v1/sandboxes/{id}/exec"),
+        Some(&dev),
+        body.to_string(),
+    )
+    .await;
+    assert_eq!(s, StatusCode::FORBIDDEN, "{v}");
+    assert_eq!(code(&v), "policy_denied", "{v}");
+    assert_eq!(v["error"]["rule"], "dangerous-env", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("BASH_FUNC_true%%")),
+        "{v}"
+    );
+    assert_eq!(engine.execs.load(Ordering::Relaxed), 0, "nothing ran");
+    // The audit log has the denial with the variable's name, not its value.
+    let admin = token(&h, "acme", "admin").await;
+    let (_, audit, _) = req(&h, "GET", "/v1/audit", Some(&admin), "").await;
+    let audit = audit.as_str().unwrap_or_default().to_owned();
+    assert!(
+        audit.contains("dangerous-env") && audit.contains("BASH_FUNC_true%%"),
+        "{audit}"
+    );
+    assert!(!audit.contains("rm -rf /data"), "{audit}");
+    // The same command without it runs.
+    let (s, v) = exec(&h, &dev, &id, "", &["bash", "-c", "true"]).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(engine.execs.load(Ordering::Relaxed), 1);
 }
