@@ -40,6 +40,14 @@ pub struct RuntimeConfig {
     /// guest has no egress at all.
     #[serde(default)]
     pub egress_proxy: Option<std::net::SocketAddr>,
+    /// TCG's translation block cache per VM, MiB (ignored under KVM):
+    /// resident as far as it is used, flushed whole when full.
+    #[serde(default = "default_tb_size")]
+    pub tcg_tb_size_mib: u32,
+}
+
+fn default_tb_size() -> u32 {
+    strata_vmm::cmdline::TCG_TB_SIZE_MIB
 }
 
 /// `strata-vm` when that user exists on this host, else `None` (warned once).
@@ -63,6 +71,7 @@ impl RuntimeConfig {
             run_as: default_run_as(),
             cgroups: default_cgroups(),
             egress_proxy: None,
+            tcg_tb_size_mib: default_tb_size(),
         }
     }
 }

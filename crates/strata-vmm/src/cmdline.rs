@@ -29,8 +29,24 @@ pub const TCG_CPU: &str = "qemu64,+arat";
 /// Machine type and options.
 pub const MACHINE: &str = "microvm,x-option-roms=off,rtc=on,isa-serial=on,memory-backend=ram";
 
-/// Size of TCG's translation block cache per VM, in MiB.
-pub const TCG_TB_SIZE_MIB: u32 = 64;
+/// Default size of TCG's translation block cache per VM, in MiB
+/// ([`VmSpec::tcg_tb_size_mib`]).
+///
+/// Under TCG every new guest process is translated afresh (a translated block
+/// is keyed by its virtual address too, and ASLR moves a process's code), so a
+/// guest running short commands fills the cache and QEMU flushes all of it,
+/// kernel included: with 64 MiB one `python3 -c` in twenty ran 2–3× slower
+/// (back-to-back p50 360 ms, p99 1.01 s; with 512 MiB p50 334 ms, p99 434 ms,
+/// docs/bench/packing.md). The cache is resident only as far as it is
+/// written: an idle guest keeps the few MiB its boot used, a busy one grows
+/// to the size.
+pub const TCG_TB_SIZE_MIB: u32 = 512;
+
+/// The `-accel` value device layouts are hashed with under TCG, whatever
+/// the TB cache size: it is host-side only (not in the migration stream),
+/// and layouts were first hashed with 64 MiB, so the size may change
+/// without making a snapshot look incompatible.
+const LAYOUT_TCG_ACCEL: &str = "tcg,tb-size=64";
 
 /// Fixed MAC of the guest NIC (user networking; identity is reset by the agent on fork).
 pub const GUEST_MAC: &str = "52:54:00:12:34:56";
@@ -78,7 +94,7 @@ pub fn qemu_args(spec: &VmSpec, host_tsc_khz: Option<u64>) -> Vec<String> {
     // resident memory on top of guest RAM. 64 MiB keeps an idle guest fast and
     // the per-VM overhead small (density).
     let accel = match spec.accel {
-        ResolvedAccel::Tcg => format!("tcg,tb-size={TCG_TB_SIZE_MIB}"),
+        ResolvedAccel::Tcg => format!("tcg,tb-size={}", spec.tcg_tb_size_mib.max(1)),
         ResolvedAccel::Kvm => spec.accel.qemu_name().to_owned(),
     };
     let smp = spec.vcpus.to_string();
@@ -168,7 +184,16 @@ pub fn device_layout(spec: &VmSpec) -> Vec<String> {
     let mut it = args.into_iter();
     while let Some(arg) = it.next() {
         match arg.as_str() {
-            "-device" | "-M" | "-global" | "-accel" | "-smp" | "-m" | "-cpu" => {
+            "-accel" => {
+                let v = it.next().unwrap_or_default();
+                let v = if v.starts_with("tcg,") {
+                    LAYOUT_TCG_ACCEL.to_owned()
+                } else {
+                    v
+                };
+                out.push(format!("{arg} {v}"));
+            }
+            "-device" | "-M" | "-global" | "-smp" | "-m" | "-cpu" => {
                 let v = it.next().unwrap_or_default();
                 out.push(format!("{arg} {v}"));
             }
@@ -203,6 +228,24 @@ mod tests {
         assert!(a.contains(&"-S".to_string()) && !a.contains(&"-incoming".to_string()));
         assert!(b.ends_with(&["-incoming".to_string(), "defer".to_string()]));
         assert_eq!(a.len() + 1, b.len());
+    }
+
+    #[test]
+    fn the_tcg_cache_size_is_on_the_command_line_but_not_in_the_layout() {
+        let mut small = spec();
+        small.tcg_tb_size_mib = 64;
+        let big = spec();
+        assert_eq!(big.tcg_tb_size_mib, TCG_TB_SIZE_MIB);
+        let accel = |s: &VmSpec| {
+            let a = qemu_args(s, None);
+            let i = a.iter().position(|x| x == "-accel").unwrap();
+            a[i + 1].clone()
+        };
+        assert_eq!(accel(&small), "tcg,tb-size=64");
+        assert_eq!(accel(&big), format!("tcg,tb-size={TCG_TB_SIZE_MIB}"));
+        // Snapshots hashed with the 64 MiB layout keep matching.
+        assert_eq!(device_layout(&small), device_layout(&big));
+        assert!(device_layout(&big).contains(&"-accel tcg,tb-size=64".to_string()));
     }
 
     #[test]

@@ -194,6 +194,11 @@ pub struct VmSpec {
     pub disk_format: DiskFormat,
     /// Resolved accelerator.
     pub accel: ResolvedAccel,
+    /// Size of TCG's translation block cache, MiB (ignored under KVM; not
+    /// part of the device layout). Default
+    /// [`crate::cmdline::TCG_TB_SIZE_MIB`].
+    #[serde(default = "default_tb_size")]
+    pub tcg_tb_size_mib: u32,
     /// Device-state file to restore from (`-incoming defer` + `migrate-incoming`).
     #[serde(default)]
     pub incoming: Option<PathBuf>,
@@ -230,6 +235,10 @@ fn default_true() -> bool {
     true
 }
 
+fn default_tb_size() -> u32 {
+    crate::cmdline::TCG_TB_SIZE_MIB
+}
+
 fn first_layout() -> u32 {
     crate::cmdline::OLDEST_LAYOUT_VERSION
 }
@@ -257,6 +266,7 @@ impl VmSpec {
             disk_path: disk_path.into(),
             disk_format: DiskFormat::Raw,
             accel: ResolvedAccel::Tcg,
+            tcg_tb_size_mib: crate::cmdline::TCG_TB_SIZE_MIB,
             incoming: None,
             start_paused: false,
             net: NetSpec::default(),

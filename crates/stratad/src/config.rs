@@ -481,6 +481,11 @@ pub struct Config {
     pub agent_timeout: Duration,
     /// Cap of each VM's console log, in bytes.
     pub console_log_max_bytes: u64,
+    /// TCG's translation block cache per VM, MiB (ignored under KVM). Under
+    /// TCG each new guest process is translated afresh; a cache too small
+    /// for a guest's commands is flushed whole and the next command runs
+    /// 2–3× slower. Resident only as far as used.
+    pub tcg_tb_size_mib: u32,
     /// On start, build the template `tpl-default` (named `default`, of
     /// `default_size`) in the background when no template exists.
     pub default_template: bool,
@@ -778,6 +783,7 @@ impl Default for Config {
             qemu_binary: PathBuf::from("qemu-system-x86_64"),
             agent_timeout: Duration::from_secs(60),
             console_log_max_bytes: 1024 * 1024,
+            tcg_tb_size_mib: strata_vmm::cmdline::TCG_TB_SIZE_MIB,
             default_template: true,
             template_wait: Duration::from_secs(300),
             snapshot_interval: Duration::from_secs(60),

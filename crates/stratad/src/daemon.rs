@@ -153,6 +153,7 @@ pub fn runtime_config(cfg: &Config) -> Result<RuntimeConfig, DaemonError> {
         run_as: strata_runtime::default_run_as(),
         cgroups: true,
         egress_proxy: None,
+        tcg_tb_size_mib: cfg.tcg_tb_size_mib,
     })
 }
 

@@ -348,6 +348,7 @@ impl Runtime {
         spec.vcpus = meta.size.vcpus;
         spec.memory_mib = u64::from(meta.size.memory_mib);
         spec.accel = accel;
+        spec.tcg_tb_size_mib = self.cfg.tcg_tb_size_mib;
         spec.layout = meta.layout_version;
         spec.net = meta.net.clone();
         spec.console_log_max_bytes = self.cfg.console_log_max_bytes;

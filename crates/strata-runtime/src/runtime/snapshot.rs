@@ -71,6 +71,25 @@ impl Runtime {
             .await
             .map_err(|e| vmm_err(id.as_str(), e))?
             .running;
+        if was_running {
+            // Write back the guest RAM the VM dirtied while it still runs:
+            // the btrfs snapshot writes back the source's dirty pages, and
+            // under the pause that would be all of them, not only those of
+            // the last few milliseconds. Best effort: the snapshot is
+            // complete either way.
+            let mem = dir.join(files::MEM);
+            let pre = Instant::now();
+            let flushed = blocking(move || {
+                std::fs::File::open(&mem)
+                    .and_then(|f| f.sync_data())
+                    .map_err(|e| RuntimeError::Other(format!("flush guest RAM: {e}")))
+            })
+            .await;
+            if let Err(e) = flushed {
+                tracing::debug!(sandbox = %id, error = %e, "pre-flush before snapshot failed");
+            }
+            tracing::debug!(sandbox = %id, ms = ms(pre), "guest RAM written back before the pause");
+        }
         let t0 = Instant::now();
         if was_running {
             live.pause_vm().await.map_err(|e| vmm_err(id.as_str(), e))?;

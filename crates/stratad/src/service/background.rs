@@ -2,6 +2,10 @@
 
 use super::prelude::*;
 
+/// How long a rolling snapshot waits for a call in flight on its sandbox to
+/// end before it is taken anyway.
+const ROLLING_DEFER: Duration = Duration::from_secs(10);
+
 /// The scheduler's view of the service (needs `Arc<Service>` for spawns).
 #[derive(Debug, Clone)]
 pub struct ScheduledActions(pub Arc<Service>);
@@ -12,6 +16,14 @@ impl Actions for ScheduledActions {
         let svc = &self.0;
         let span = tracing::info_span!("rolling_snapshot", sandbox = %id);
         async {
+            // A call in flight (an exec, a file transfer) is someone waiting:
+            // the snapshot's pause would land in its latency. Wait for it to
+            // end, up to ROLLING_DEFER; a sandbox always in a call (a port
+            // tunnel, a long exec) is snapshotted anyway after that.
+            let t0 = Instant::now();
+            while svc.engine.open_calls(&id).unwrap_or(0) > 0 && t0.elapsed() < ROLLING_DEFER {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
             let Ok(g) = svc.acquire(&id, Op::Snapshot, Who::Background).await else {
                 // Busy: this slot is skipped, the next one comes an interval later.
                 return;
