@@ -946,6 +946,23 @@ fn split_into(args: &mut Vec<String>, i: &mut usize, value: &str, splits: &mut u
     true
 }
 
+/// Appends to `word` the rest of a run quoted by `q` (`'` or `"`), up to
+/// its closing quote, quotes removed; inside `"…"` a `\` escapes the next
+/// character. Shared by [`split_words`] and [`split_script`].
+fn take_quoted(q: char, chars: &mut impl Iterator<Item = char>, word: &mut String) {
+    while let Some(d) = chars.next() {
+        match d {
+            d if d == q => break,
+            '\\' if q == '"' => {
+                if let Some(e) = chars.next() {
+                    word.push(e);
+                }
+            }
+            _ => word.push(d),
+        }
+    }
+}
+
 /// Split a string into words the way `env -S` does, best effort: white
 /// space separates, `'…'` and `"…"` quote, `\` escapes, `#` at the start of
 /// a word begins a comment.
@@ -957,28 +974,9 @@ pub fn split_words(s: &str) -> Vec<String> {
     while let Some(c) = chars.next() {
         match c {
             '#' if !in_word => break,
-            '\'' => {
+            q @ ('\'' | '"') => {
                 in_word = true;
-                for d in chars.by_ref() {
-                    if d == '\'' {
-                        break;
-                    }
-                    word.push(d);
-                }
-            }
-            '"' => {
-                in_word = true;
-                while let Some(d) = chars.next() {
-                    match d {
-                        '"' => break,
-                        '\\' => {
-                            if let Some(e) = chars.next() {
-                                word.push(e);
-                            }
-                        }
-                        _ => word.push(d),
-                    }
-                }
+                take_quoted(q, &mut chars, &mut word);
             }
             '\\' => {
                 in_word = true;
@@ -1022,28 +1020,9 @@ pub fn split_script(script: &str) -> Vec<Vec<String>> {
     };
     while let Some(c) = chars.next() {
         match c {
-            '\'' => {
+            q @ ('\'' | '"') => {
                 in_word = true;
-                for d in chars.by_ref() {
-                    if d == '\'' {
-                        break;
-                    }
-                    word.push(d);
-                }
-            }
-            '"' => {
-                in_word = true;
-                while let Some(d) = chars.next() {
-                    match d {
-                        '"' => break,
-                        '\\' => {
-                            if let Some(e) = chars.next() {
-                                word.push(e);
-                            }
-                        }
-                        _ => word.push(d),
-                    }
-                }
+                take_quoted(q, &mut chars, &mut word);
             }
             '\\' => {
                 in_word = true;
