@@ -113,15 +113,17 @@ impl Service {
     }
 
     /// The sandboxes that are idle (module documentation) and not in
-    /// `exclude`, the least recently used first.
+    /// `exclude`, the least recently used first; and whether a hibernation
+    /// is under way (begun, not ended: its VM still holds its room).
     pub(crate) async fn idle_sandboxes(
         &self,
         exclude: &[SandboxId],
-    ) -> ServiceResult<Vec<(SandboxId, DateTime<Utc>)>> {
+    ) -> ServiceResult<(Vec<(SandboxId, DateTime<Utc>)>, bool)> {
         let min_idle = chrono::TimeDelta::from_std(self.config.pressure.min_idle)
             .unwrap_or(chrono::TimeDelta::MAX);
         let now = self.now();
         let reserved = self.db(|s| s.reserved_sandboxes()).await?;
+        let hibernating = reserved.iter().any(|r| r.pending_op == Some(Op::Hibernate));
         let mut out = Vec::new();
         for r in reserved {
             if !matches!(r.state, SandboxState::Running | SandboxState::Paused)
@@ -137,7 +139,7 @@ impl Service {
             out.push((r.id, last));
         }
         out.sort_by(|a, b| a.1.cmp(&b.1).then_with(|| a.0.cmp(&b.0)));
-        Ok(out)
+        Ok((out, hibernating))
     }
 
     /// Hibernates the least recently used idle sandbox not in `tried`
@@ -151,13 +153,9 @@ impl Service {
         let Some(me) = self.me.upgrade() else {
             return Freed::Nothing;
         };
-        let mut pending = match self.hibernations_under_way().await {
-            Ok(n) => n > 0,
-            Err(_) => false,
-        };
         let min_idle = chrono::TimeDelta::from_std(self.config.pressure.min_idle)
             .unwrap_or(chrono::TimeDelta::MAX);
-        let candidates = match self.idle_sandboxes(tried).await {
+        let (candidates, mut pending) = match self.idle_sandboxes(tried).await {
             Ok(c) => c,
             Err(e) => {
                 warn!(error = %e.message(), "listing idle sandboxes failed");
@@ -208,16 +206,6 @@ impl Service {
         } else {
             Freed::Nothing
         }
-    }
-
-    /// Sandboxes whose hibernation has begun and not ended (their VM still
-    /// holds its room until it does).
-    async fn hibernations_under_way(&self) -> ServiceResult<usize> {
-        let reserved = self.db(|s| s.reserved_sandboxes()).await?;
-        Ok(reserved
-            .iter()
-            .filter(|r| r.pending_op == Some(Op::Hibernate))
-            .count())
     }
 
     /// What of `h` counts as pressure under `[pressure]` (and `[capacity]
