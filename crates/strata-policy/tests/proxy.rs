@@ -149,6 +149,15 @@ async fn env(approval_timeout: Duration) -> Env {
 
 /// [`env`], its proxy counting on `host`'s caps.
 async fn env_on(approval_timeout: Duration, host: Arc<HostTunnels>) -> Env {
+    env_with(approval_timeout, host, |_| {}).await
+}
+
+/// [`env_on`], with `tweak` applied to the proxy's configuration.
+async fn env_with(
+    approval_timeout: Duration,
+    host: Arc<HostTunnels>,
+    tweak: impl FnOnce(&mut ProxyConfig),
+) -> Env {
     let (up, hits) = upstream().await;
     let echo_addr = echo().await;
     let policy = Arc::new(SharedPolicy::new(policy_set(
@@ -181,6 +190,7 @@ async fn env_on(approval_timeout: Duration, host: Arc<HostTunnels>) -> Env {
     cfg.audit = Some(Arc::new(
         AuditLog::open(&audit_path).unwrap_or_else(|e| panic!("{e}")),
     ));
+    tweak(&mut cfg);
     let proxy = EgressProxy::bind("127.0.0.1:0".parse().unwrap_or_else(|e| panic!("{e}")), cfg)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
@@ -658,6 +668,55 @@ async fn caps_refuse_streams_per_sandbox_and_per_host_counting_upstream_sockets(
     drop(held_b);
     until("everything given back", || host.units() == 0).await;
     assert_eq!(ea.stats().upstream, 0);
+}
+
+/// Issue 12 part 1 (finding 4): a tunnel nobody uses must not hold its
+/// stream, its host unit and two descriptors forever. Traffic either way
+/// keeps it open; silence both ways for the idle timeout closes it.
+#[tokio::test]
+async fn an_idle_connect_tunnel_is_closed_and_gives_its_units_back() {
+    let host = HostTunnels::new(TunnelLimits::default());
+    let e = env_with(Duration::from_secs(5), host.clone(), |c| {
+        c.tunnel_idle_timeout = Duration::from_millis(800);
+    })
+    .await;
+    let egress = e.proxy.egress().clone();
+    let mut s = egress.open_stream().unwrap_or_else(|e| panic!("{e}"));
+    let ep = e.echo_port;
+    s.write_all(
+        format!("CONNECT tunnel.test:{ep} HTTP/1.1\r\nHost: tunnel.test:{ep}\r\n\r\n").as_bytes(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let mut buf = [0u8; 256];
+    let n = s.read(&mut buf).await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(buf[..n].starts_with(b"HTTP/1.1 200"), "{:?}", &buf[..n]);
+    // Busy for three idle timeouts: a byte each way every 300 ms.
+    let mut last = std::time::Instant::now();
+    for _ in 0..8 {
+        s.write_all(b"x").await.unwrap_or_else(|e| panic!("{e}"));
+        let n = tokio::time::timeout(Duration::from_secs(2), s.read(&mut buf))
+            .await
+            .unwrap_or_else(|e| panic!("a busy tunnel was closed: {e}"))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(&buf[..n], b"x", "a busy tunnel was closed");
+        last = std::time::Instant::now();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert_eq!(host.units(), 2, "the stream and its upstream socket");
+    // Silent: closed after the timeout (EOF on the guest's side).
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+        .await
+        .unwrap_or_else(|_| panic!("an idle tunnel was still open after 5 s"))
+        .unwrap_or(0);
+    assert_eq!(n, 0, "EOF expected");
+    let quiet = last.elapsed();
+    assert!(
+        quiet >= Duration::from_millis(750),
+        "closed after {quiet:?} of silence"
+    );
+    until("units given back", || host.units() == 0).await;
+    assert_eq!(egress.stats().upstream, 0);
 }
 
 #[tokio::test]

@@ -754,6 +754,10 @@ pub struct EgressConfig {
     /// long is closed (and gives its place under the caps back).
     #[serde(with = "serde_human")]
     pub head_timeout: Duration,
+    /// A `CONNECT` tunnel in which no byte moves either way for this long
+    /// is closed (15 min).
+    #[serde(with = "serde_human")]
+    pub tunnel_idle_timeout: Duration,
 }
 
 impl Default for EgressConfig {
@@ -765,6 +769,7 @@ impl Default for EgressConfig {
             open_rate_per_second: 100.0,
             open_burst: 200,
             head_timeout: Duration::from_secs(30),
+            tunnel_idle_timeout: strata_policy::proxy::TUNNEL_IDLE_TIMEOUT,
         }
     }
 }

@@ -455,6 +455,7 @@ async fn connect_tunnel(
         tls_port,
     } = c;
     let head_timeout = cfg.head_timeout;
+    let idle_timeout = cfg.tunnel_idle_timeout;
     tokio::spawn(async move {
         // The guest's stream stays admitted while the tunnel runs.
         let _tunnel = tunnel;
@@ -496,7 +497,9 @@ async fn connect_tunnel(
         if up.sock.write_all(&first).await.is_err() {
             return;
         }
-        upstream::splice(&mut client, up).await;
+        if upstream::splice(&mut client, up, idle_timeout).await == upstream::SpliceEnd::Idle {
+            tracing::info!(%host, idle_s = idle_timeout.as_secs(), "tunnel closed: idle");
+        }
     });
     Response::new(full(Bytes::new()))
 }

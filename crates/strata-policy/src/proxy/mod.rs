@@ -105,6 +105,9 @@ pub struct ProxyConfig {
     /// How long a stream may take to send its first bytes and its request
     /// head (and a `CONNECT` tunnel its first bytes) before it is closed.
     pub head_timeout: Duration,
+    /// A `CONNECT` tunnel in which no byte moves either way for this long
+    /// is closed (its stream, host unit and sockets given back).
+    pub tunnel_idle_timeout: Duration,
 }
 
 impl ProxyConfig {
@@ -123,9 +126,14 @@ impl ProxyConfig {
             connect_timeout: Duration::from_secs(10),
             host: HostTunnels::new(TunnelLimits::default()),
             head_timeout: http::HEAD_TIMEOUT,
+            tunnel_idle_timeout: TUNNEL_IDLE_TIMEOUT,
         }
     }
 }
+
+/// Default [`ProxyConfig::tunnel_idle_timeout`]: like common forward
+/// proxies' read timeouts, long enough for a quiet long-poll or websocket.
+pub const TUNNEL_IDLE_TIMEOUT: Duration = Duration::from_secs(15 * 60);
 
 /// One sandbox's egress proxy, served on the streams handed to it.
 pub struct Egress {

@@ -341,15 +341,118 @@ pub(super) async fn connect(
     )))
 }
 
+/// How a [`splice`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpliceEnd {
+    /// Both sides finished, or one failed.
+    Done,
+    /// No byte moved either way for the idle timeout: both sockets closed.
+    Idle,
+}
+
 /// Copies both ways between the guest's side and the upstream until both
-/// are done (the upstream's unit is given back when it returns).
-pub(super) async fn splice<C>(client: &mut C, upstream: Upstream)
+/// are done, or until no byte has moved in either direction for `idle`
+/// (a tunnel nobody uses must not hold its stream, its host unit and two
+/// descriptors forever). The upstream's unit is given back when it returns.
+pub(super) async fn splice<C>(client: &mut C, upstream: Upstream, idle: Duration) -> SpliceEnd
 where
     C: AsyncRead + AsyncWrite + Unpin,
 {
     let Upstream { mut sock, slot } = upstream;
-    let _ = tokio::io::copy_bidirectional(client, &mut sock).await;
+    let moved = Arc::new(Activity::new());
+    let mut client = Watched::new(client, moved.clone());
+    let mut sock = Watched::new(&mut sock, moved.clone());
+    let copy = tokio::io::copy_bidirectional(&mut client, &mut sock);
+    tokio::pin!(copy);
+    let end = loop {
+        let deadline = moved.last() + idle;
+        tokio::select! {
+            _ = &mut copy => break SpliceEnd::Done,
+            _ = tokio::time::sleep_until(deadline.into()) => {
+                if moved.last().elapsed() >= idle {
+                    break SpliceEnd::Idle;
+                }
+            }
+        }
+    };
     drop(slot);
+    end
+}
+
+/// When bytes last moved through a [`splice`], as milliseconds after its
+/// start (one atomic store per read: no lock on the data path).
+struct Activity {
+    start: Instant,
+    ms: std::sync::atomic::AtomicU64,
+}
+
+impl Activity {
+    fn new() -> Self {
+        Activity {
+            start: Instant::now(),
+            ms: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    fn touch(&self) {
+        let ms = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.ms.store(ms, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn last(&self) -> Instant {
+        self.start + Duration::from_millis(self.ms.load(std::sync::atomic::Ordering::Relaxed))
+    }
+}
+
+/// A stream that records in [`Activity`] every read that brought bytes.
+struct Watched<S> {
+    inner: S,
+    moved: Arc<Activity>,
+}
+
+impl<S> Watched<S> {
+    fn new(inner: S, moved: Arc<Activity>) -> Self {
+        Watched { inner, moved }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Watched<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.moved.touch();
+        }
+        r
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
 }
 
 #[cfg(test)]

@@ -352,6 +352,7 @@ pub struct Security {
     proxies: Mutex<HashMap<String, Arc<Egress>>>,
     tunnels: Arc<HostTunnels>,
     egress_head_timeout: std::time::Duration,
+    egress_tunnel_idle_timeout: std::time::Duration,
 }
 
 impl std::fmt::Debug for Security {
@@ -438,6 +439,7 @@ impl Security {
             proxies: Mutex::new(HashMap::new()),
             tunnels: HostTunnels::new(tunnel_limits(&config.egress)),
             egress_head_timeout: config.egress.head_timeout,
+            egress_tunnel_idle_timeout: config.egress.tunnel_idle_timeout,
             cfg,
         };
         let l = sec.tunnels.limits();
@@ -685,6 +687,7 @@ impl Security {
         pc.audit = Some(self.audit.clone());
         pc.host = self.tunnels.clone();
         pc.head_timeout = self.egress_head_timeout;
+        pc.tunnel_idle_timeout = self.egress_tunnel_idle_timeout;
         let proxy = Egress::new(pc);
         tracing::info!(sandbox, "egress proxy ready (in-process)");
         g.insert(sandbox.to_owned(), proxy.clone());
