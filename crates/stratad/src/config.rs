@@ -703,6 +703,10 @@ pub struct TemplatesConfig {
     /// progress at once).
     #[serde(with = "serde_human")]
     pub variant_wait: Duration,
+    /// Template builds (recipe and size-variant builds, each booting a
+    /// builder VM) that may run at once on this host; one more is refused
+    /// `insufficient_capacity` until one ends. At least 1.
+    pub max_concurrent_builds: u64,
 }
 
 impl Default for TemplatesConfig {
@@ -726,6 +730,7 @@ impl Default for TemplatesConfig {
                 .map(PathBuf::from),
             cache_max_entries: 16,
             variant_wait: Duration::from_secs(30 * 60),
+            max_concurrent_builds: crate::service::MAX_CONCURRENT_TEMPLATE_BUILDS,
         }
     }
 }
@@ -881,6 +886,11 @@ impl Config {
                     "[security] auth = false (--auth off) makes every caller an admin: it is only allowed on a loopback address, and {a} is not"
                 )));
             }
+        }
+        if self.templates.max_concurrent_builds == 0 {
+            return Err(ConfigError::Invalid(
+                "templates.max_concurrent_builds must be at least 1".into(),
+            ));
         }
         if self.pressure.interval < Duration::from_millis(100) {
             return Err(ConfigError::Invalid(

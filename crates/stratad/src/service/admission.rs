@@ -11,7 +11,7 @@
 //! pending record while holding it, so two admissions never both take the
 //! last room. Template builds have no record: their builder VM is a
 //! [`Transient`] reservation held for the build, and at most
-//! [`MAX_CONCURRENT_TEMPLATE_BUILDS`] run at once.
+//! `[templates] max_concurrent_builds` run at once.
 //!
 //! Warm guests (`service::warm`) are [`Transient`] reservations too, not
 //! counted as builds; when an admission finds the room short it ends warm
@@ -62,7 +62,8 @@ const ROOM_WAIT: Duration = Duration::from_secs(15);
 /// How often it looks again meanwhile.
 const ROOM_POLL: Duration = Duration::from_millis(100);
 
-/// Template builds (each boots a builder VM) that may run at once.
+/// Template builds (each boots a builder VM) that may run at once, by
+/// default (`[templates] max_concurrent_builds`).
 pub const MAX_CONCURRENT_TEMPLATE_BUILDS: u64 = 2;
 
 /// Whether `op` on a sandbox in `state` starts a VM (and so needs room).
@@ -97,7 +98,7 @@ pub(crate) struct Transient {
     owner: Arc<Service>,
     size: SandboxSize,
     /// A template build's (counted against
-    /// [`MAX_CONCURRENT_TEMPLATE_BUILDS`]); else a warm guest's.
+    /// `[templates] max_concurrent_builds`); else a warm guest's.
     build: bool,
 }
 
@@ -760,9 +761,10 @@ impl Service {
     ) -> ServiceResult<Transient> {
         let _g = self.placement.lock().await;
         let running = self.transient_use().builds;
-        if running >= MAX_CONCURRENT_TEMPLATE_BUILDS {
+        let max = self.config.templates.max_concurrent_builds;
+        if running >= max {
             return Err(ServiceError::InsufficientCapacity(format!(
-                "{running} template builds are running (at most {MAX_CONCURRENT_TEMPLATE_BUILDS} at once); retry when one ends"
+                "{running} template builds are running (at most {max} at once, [templates] max_concurrent_builds); retry when one ends"
             )));
         }
         self.check_capacity_or_evict(size, None).await?;

@@ -473,3 +473,26 @@ async fn a_hibernated_sandboxs_wake_snapshot_survives_retention_and_user_delete(
         .await;
     assert_eq!(s, StatusCode::OK, "{v}");
 }
+
+/// Template builds run at most `[templates] max_concurrent_builds` at once
+/// (each boots a builder VM): one more is refused `insufficient_capacity`,
+/// naming the setting, until a running build ends.
+#[tokio::test]
+async fn template_builds_beyond_the_configured_slots_wait_for_one_to_end() {
+    let q = quota_harness(|c| c.templates.max_concurrent_builds = 1);
+    let svc = q.sec.app.service();
+    let size = strata_core::SandboxSize::default();
+    let first = svc.admit_build(size).await.unwrap();
+    let err = svc.admit_build(size).await.err().unwrap();
+    assert_eq!(err.code(), strata_core::ErrorCode::InsufficientCapacity);
+    assert!(err.to_string().contains("max_concurrent_builds"), "{err}");
+    drop(first);
+    let again = svc.admit_build(size).await;
+    assert!(again.is_ok(), "the slot was not given back");
+    // Two slots: two builds at once.
+    let q = quota_harness(|c| c.templates.max_concurrent_builds = 2);
+    let svc = q.sec.app.service();
+    let _a = svc.admit_build(size).await.unwrap();
+    let _b = svc.admit_build(size).await.unwrap();
+    assert!(svc.admit_build(size).await.is_err());
+}
