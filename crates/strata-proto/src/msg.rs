@@ -70,6 +70,13 @@ pub enum Request {
     },
     /// Ends an upload.
     WriteEnd {},
+    /// Abandons an upload (on its id): the agent removes the temporary file
+    /// and forgets the request, with no reply. The host sends it when it gives
+    /// up on an upload before `write_end` (its source failed, was over a
+    /// limit, or its caller went away). An agent older than this op answers
+    /// `invalid_argument` (ignored: the host's call is gone) and keeps the
+    /// file until its session ends, as before.
+    WriteAbort {},
     /// Starts a download; answered with `FileStart`, `FileData` frames, `Done`.
     ReadFile {
         /// Absolute path.
@@ -659,6 +666,8 @@ mod tests {
         assert_eq!(s, r#"{"op":"output_ack","bytes":3}"#);
         let r: Request = serde_json::from_str(r#"{"op":"output_discard"}"#).unwrap();
         assert_eq!(r, Request::OutputDiscard {});
+        let s = serde_json::to_string(&Request::WriteAbort {}).unwrap();
+        assert_eq!(s, r#"{"op":"write_abort"}"#);
     }
 
     #[test]

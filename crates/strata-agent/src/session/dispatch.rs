@@ -177,6 +177,15 @@ impl Session {
                     let _ = tx.try_send(UploadMsg::End);
                 }
             }
+            Request::WriteAbort {} => {
+                // Dropping the row's sender ends the upload task once it has
+                // written what was queued: it removes the temporary file (the
+                // path of a host that went away) and frees the slot.
+                let mut t = lock(&self.table);
+                if matches!(t.get(&id), Some((e, Entry::Upload { .. })) if *e == epoch) {
+                    t.remove(&id);
+                }
+            }
             Request::ReadFile { path } => {
                 let (file, size) = match files::open_download(&path) {
                     Ok(x) => x,

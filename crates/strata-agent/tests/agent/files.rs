@@ -231,3 +231,101 @@ async fn upload_to_full_disk_is_no_space_and_leaves_nothing() {
 fn wait_dir_empty(p: &Path) {
     let _ = std::fs::read_dir(p);
 }
+
+/// A reader that yields `n` bytes, then fails (`fail`) or never ends.
+struct Cut {
+    left: usize,
+    fail: bool,
+}
+
+impl tokio::io::AsyncRead for Cut {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        if self.left == 0 {
+            return if self.fail {
+                std::task::Poll::Ready(Err(std::io::Error::other("source cut off")))
+            } else {
+                std::task::Poll::Pending
+            };
+        }
+        let n = self.left.min(buf.remaining());
+        buf.put_slice(&vec![b'z'; n]);
+        self.left -= n;
+        std::task::Poll::Ready(Ok(()))
+    }
+}
+
+/// Temporary upload files in `dir`, through the agent.
+async fn temporaries(c: &strata_proto::AgentClient, dir: &Path) -> Vec<String> {
+    c.list_dir(dir.to_str().unwrap())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.name)
+        .filter(|n| n.contains("strata-upload"))
+        .collect()
+}
+
+/// An upload the host gives up on (its source fails, or its caller drops
+/// it) is abandoned in the guest at once (`write_abort`): the temporary
+/// file goes while the session lives on. Before, it stayed until the agent
+/// session ended.
+#[tokio::test]
+async fn an_abandoned_upload_leaves_no_temporary_file_while_the_session_lives() {
+    let agent = Agent::start();
+    let c = agent.client().await;
+    let dir = agent.dir.path().join("up");
+    std::fs::create_dir(&dir).unwrap();
+    let wait_clean = |what: &'static str| {
+        let (c, dir) = (&c, &dir);
+        async move {
+            let deadline = Instant::now() + std::time::Duration::from_secs(5);
+            loop {
+                let left = temporaries(c, dir).await;
+                if left.is_empty() {
+                    return;
+                }
+                assert!(Instant::now() < deadline, "{what}: still there: {left:?}");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+        }
+    };
+    // The source fails after 3 MiB.
+    let dest = dir.join("failed.bin");
+    let src = Cut {
+        left: 3 << 20,
+        fail: true,
+    };
+    let e = c
+        .write_file(dest.to_str().unwrap(), None, src)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, AgentError::Io(io) if io.to_string().contains("source cut off")),
+        "{e:?}"
+    );
+    wait_clean("a failed source").await;
+    // The caller drops the upload mid-stream.
+    let dest2 = dir.join("dropped.bin");
+    let src = Cut {
+        left: 2 << 20,
+        fail: false,
+    };
+    let up = c.write_file(dest2.to_str().unwrap(), None, src);
+    assert!(
+        tokio::time::timeout(std::time::Duration::from_millis(500), up)
+            .await
+            .is_err(),
+        "an endless source finished"
+    );
+    wait_clean("a dropped upload").await;
+    assert!(!dest.exists() && !dest2.exists());
+    // The session is the same one, and still works.
+    c.write_file(dir.join("ok").to_str().unwrap(), None, &b"ok"[..])
+        .await
+        .unwrap();
+    assert_eq!(std::fs::read(dir.join("ok")).unwrap(), b"ok");
+}

@@ -355,10 +355,9 @@ def test_oversize_upload_is_refused_and_changes_nothing(sbx):
     assert sbx.files.get_info("/tmp/e2b-big/ok.bin").size == limit
 
 
-@pytest.mark.xfail(strict=True, reason="agent protocol bug: an upload the host abandons mid-stream "
-                   "keeps its temporary file (and upload task) in the guest until the agent session "
-                   "ends; the protocol has no upload abort (also /v1 uploads over max_upload_bytes)")
 def test_refused_upload_leaves_no_temporary_file(sbx):
+    """An upload the host gives up on is abandoned in the guest at once
+    (agent protocol `write_abort`): no temporary file while the sandbox runs."""
     limit = int(os.environ["STRATA_MAX_UPLOAD_BYTES"])
     with pytest.raises(Exception):
         sbx.files.write("/tmp/e2b-tmp/a.bin", b"x" * (limit + 1))

@@ -22,7 +22,7 @@ use bytes::{Bytes, BytesMut};
 use futures::Stream;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use super::demux::{Call, Incoming, Limits};
+use super::demux::{send_detached, Call, Incoming, Limits};
 use super::{remote, unexpected, AgentClient, AgentError};
 use crate::frame::{Frame, FrameKind, MAX_FILE_CHUNK};
 use crate::msg::{DirEntry, FileStat, Request, Response};
@@ -53,6 +53,14 @@ impl AgentClient {
             },
         )
         .await?;
+        // Until the agent has answered `done` or `error`, leaving this
+        // function (an error of the source or the connection, or the caller
+        // dropping the future) abandons the upload in the guest too.
+        let mut abandon = Abandon {
+            out: &self.inner.out,
+            id: call.id,
+            armed: true,
+        };
         let mut sent: u64 = 0;
         let mut acked: u64 = 0;
         let mut eof = false;
@@ -83,8 +91,14 @@ impl AgentClient {
         loop {
             match call.recv_msg().await? {
                 Response::Ack { .. } => {}
-                Response::Done { bytes } => return Ok(bytes),
-                Response::Error { kind, message } => return Err(remote(kind, message)),
+                Response::Done { bytes } => {
+                    abandon.armed = false;
+                    return Ok(bytes);
+                }
+                Response::Error { kind, message } => {
+                    abandon.armed = false;
+                    return Err(remote(kind, message));
+                }
                 r => return Err(unexpected(&r)),
             }
         }
@@ -187,6 +201,22 @@ impl AgentClient {
             recursive,
         })
         .await
+    }
+}
+
+/// Sends `write_abort` for an upload left before the agent answered it
+/// (see [`AgentClient::write_file`]).
+struct Abandon<'a> {
+    out: &'a tokio::sync::mpsc::Sender<Bytes>,
+    id: u32,
+    armed: bool,
+}
+
+impl Drop for Abandon<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            send_detached(self.out, self.id, &Request::WriteAbort {});
+        }
     }
 }
 
