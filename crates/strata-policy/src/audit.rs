@@ -500,15 +500,19 @@ impl AuditLog {
     }
 
     /// Verifies the file under this log's key and start (and `head`, if
-    /// given), with appends held off meanwhile.
+    /// given, which must have been read before this call): the lines on
+    /// disk when it is called, without holding appends off meanwhile.
     pub fn verify(&self, head: Option<(u64, &str)>) -> Result<Verified, AuditError> {
-        let _s = self.lock();
-        let f = File::open(&self.path).map_err(|source| AuditError::Io {
+        let io = |source| AuditError::Io {
             path: self.path.clone(),
             source,
-        })?;
+        };
+        // Whole lines only: appends happen under the lock, so the length
+        // read under it ends at a line's end.
+        let len = self.lock().file.metadata().map_err(io)?.len();
+        let f = File::open(&self.path).map_err(io)?;
         verify_reader(
-            f,
+            f.take(len),
             &VerifyOptions {
                 key: self.key.as_ref(),
                 start: self.start.as_ref(),
@@ -636,7 +640,9 @@ impl AuditLog {
         let mut due: Vec<[u8; 32]> = s
             .pending
             .iter()
-            .filter(|(_, p)| now.is_none_or(|n| n.saturating_duration_since(p.since) >= limits.window))
+            .filter(|(_, p)| {
+                now.is_none_or(|n| n.saturating_duration_since(p.since) >= limits.window)
+            })
             .map(|(k, _)| *k)
             .collect();
         // In the order they started, so the log reads in time order.
@@ -656,7 +662,8 @@ impl AuditLog {
             // A bucket full again is forgotten (the map stays as small as
             // the set of sandboxes denied lately).
             s.buckets.retain(|_, b| {
-                let t = b.tokens + n.saturating_duration_since(b.at).as_secs_f64() * limits.per_second;
+                let t =
+                    b.tokens + n.saturating_duration_since(b.at).as_secs_f64() * limits.per_second;
                 t < f64::from(limits.burst)
             });
         }

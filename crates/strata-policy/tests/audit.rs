@@ -245,7 +245,11 @@ fn keyed_opts(k: &[u8], start: Option<audit::ChainStart>) -> audit::AuditOptions
 
 /// Rewrites every line as an attacker without the key would: `edit` the
 /// entry, then recompute each link with `rule` from the genesis on.
-fn rewrite(path: &Path, edit: impl Fn(&mut serde_json::Value), rule: impl Fn(&str, &serde_json::Value) -> String) -> (u64, String) {
+fn rewrite(
+    path: &Path,
+    edit: impl Fn(&mut serde_json::Value),
+    rule: impl Fn(&str, &serde_json::Value) -> String,
+) -> (u64, String) {
     let mut prev = audit::GENESIS.to_string();
     let mut out = String::new();
     let mut seq = 0;
@@ -275,9 +279,14 @@ fn a_keyed_log_rewritten_with_its_head_but_without_the_key_fails() {
             log.append(&call("acme", "sb1", i), dec(i), None)
                 .unwrap_or_else(|e| panic!("{e}"));
         }
-        log.chain_start().cloned().unwrap_or_else(|| panic!("no start"))
+        log.chain_start()
+            .cloned()
+            .unwrap_or_else(|| panic!("no start"))
     };
-    assert_eq!(start.legacy_seq, 0, "a new log is keyed from its first entry");
+    assert_eq!(
+        start.legacy_seq, 0,
+        "a new log is keyed from its first entry"
+    );
     let verify = |head: (u64, &str)| {
         audit::verify_with(
             &p,
@@ -317,7 +326,8 @@ fn a_keyed_log_rewritten_with_its_head_but_without_the_key_fails() {
     assert!(audit::verify_head(&p, seq, &forged_head).is_ok());
     let err = verify((seq, &forged_head)).err().map(|e| e.to_string());
     assert!(
-        err.as_deref().is_some_and(|e| e.contains("line 1 ") && e.contains("unkeyed entry")),
+        err.as_deref()
+            .is_some_and(|e| e.contains("line 1 ") && e.contains("unkeyed entry")),
         "{err:?}"
     );
     // …and the daemon's open refuses it too.
@@ -338,7 +348,8 @@ fn a_keyed_log_rewritten_with_its_head_but_without_the_key_fails() {
     );
     let err = verify((seq, &forged_head)).err().map(|e| e.to_string());
     assert!(
-        err.as_deref().is_some_and(|e| e.contains("line 1 ") && e.contains("MAC")),
+        err.as_deref()
+            .is_some_and(|e| e.contains("line 1 ") && e.contains("MAC")),
         "{err:?}"
     );
 
@@ -372,13 +383,21 @@ fn an_old_format_log_still_verifies_and_the_switch_is_in_the_chain() {
     }
     let legacy = audit::verify(&p).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(legacy.entries, 4);
-    assert!(!std::fs::read_to_string(&p).unwrap_or_default().contains("\"v\""));
+    assert!(!std::fs::read_to_string(&p)
+        .unwrap_or_default()
+        .contains("\"v\""));
 
     // The first keyed open: the chain is keyed after entry 4.
     let start = {
         let log = AuditLog::open_with(&p, keyed_opts(b"k", None)).unwrap_or_else(|e| panic!("{e}"));
-        let st = log.chain_start().cloned().unwrap_or_else(|| panic!("no start"));
-        assert_eq!((st.legacy_seq, st.legacy_hash.as_str()), (4, legacy.head.as_str()));
+        let st = log
+            .chain_start()
+            .cloned()
+            .unwrap_or_else(|| panic!("no start"));
+        assert_eq!(
+            (st.legacy_seq, st.legacy_hash.as_str()),
+            (4, legacy.head.as_str())
+        );
         let e = log
             .append(&call("acme", "sb1", 5), dec(5), None)
             .unwrap_or_else(|e| panic!("{e}"));
@@ -397,7 +416,8 @@ fn an_old_format_log_still_verifies_and_the_switch_is_in_the_chain() {
     // rewritten in the old form) is refused.
     let text = std::fs::read_to_string(&p).unwrap_or_default();
     let mut ls: Vec<String> = text.lines().map(String::from).collect();
-    let mut last: serde_json::Value = serde_json::from_str(&ls[4]).unwrap_or_else(|e| panic!("{e}"));
+    let mut last: serde_json::Value =
+        serde_json::from_str(&ls[4]).unwrap_or_else(|e| panic!("{e}"));
     last.as_object_mut().map(|m| m.remove("v"));
     last["hash"] = audit::entry_hash(&legacy.head, &last).into();
     ls[4] = last.to_string();
@@ -405,7 +425,10 @@ fn an_old_format_log_still_verifies_and_the_switch_is_in_the_chain() {
     let err = AuditLog::open_with(&p, keyed_opts(b"k", Some(start)))
         .err()
         .map(|e| e.to_string());
-    assert!(err.as_deref().is_some_and(|e| e.contains("line 5 ")), "{err:?}");
+    assert!(
+        err.as_deref().is_some_and(|e| e.contains("line 5 ")),
+        "{err:?}"
+    );
 }
 
 #[test]
@@ -477,14 +500,22 @@ fn a_denial_flood_makes_a_bounded_number_of_entries_with_the_right_counts() {
         log.flush_all().unwrap_or_else(|e| panic!("{e}"));
         // Every write recorded the head.
         let (seq, _) = log.head();
-        assert_eq!(heads.lock().map(|v| v.last().copied()).ok().flatten(), Some(seq));
+        assert_eq!(
+            heads.lock().map(|v| v.last().copied()).ok().flatten(),
+            Some(seq)
+        );
         // The bound: the burst plus the refill, each write with at most one
         // repeat aggregate, plus one rate-limited aggregate per window.
         let budget = f64::from(limits.burst) + secs * limits.per_second;
         let windows = secs / limits.window.as_secs_f64() + 2.0;
         let bound = (2.0 * budget + windows + 2.0).ceil() as u64;
-        eprintln!("denial flood: {seq} entries for 40,002 decisions in {secs:.2} s (bound {bound})");
-        assert!(seq <= bound, "{seq} entries for 40,002 decisions (bound {bound}, {secs:.2} s)");
+        eprintln!(
+            "denial flood: {seq} entries for 40,002 decisions in {secs:.2} s (bound {bound})"
+        );
+        assert!(
+            seq <= bound,
+            "{seq} entries for 40,002 decisions (bound {bound}, {secs:.2} s)"
+        );
     }
     let entries = audit::query(&p, &Filter::default()).unwrap_or_else(|e| panic!("{e}"));
     let denied: u64 = entries
@@ -504,7 +535,10 @@ fn a_denial_flood_makes_a_bounded_number_of_entries_with_the_right_counts() {
         .map(|e| e.count)
         .sum();
     assert!(repeat >= 2, "identical denials are aggregated into counts");
-    assert!(rate > 0, "denials over the budget are counted in rate-limited entries");
+    assert!(
+        rate > 0,
+        "denials over the budget are counted in rate-limited entries"
+    );
     assert!(entries
         .iter()
         .any(|e| e.aggregate == Some(audit::Aggregate::Repeat) && e.count > 1));

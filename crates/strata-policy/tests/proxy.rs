@@ -1025,7 +1025,11 @@ async fn an_egress_request_whose_audit_write_fails_is_refused() {
     )
     .await;
     assert_eq!(st, 503, "{body}");
-    assert_eq!(e.hits.load(Ordering::SeqCst), 0, "nothing reached the upstream");
+    assert_eq!(
+        e.hits.load(Ordering::SeqCst),
+        0,
+        "nothing reached the upstream"
+    );
 
     // With the audit working again the same request goes through.
     log.set_head_sink(Box::new(|_, _| Ok(())));

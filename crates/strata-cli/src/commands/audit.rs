@@ -131,6 +131,9 @@ mod tests {
             "chain ok (keyed from seq 5): 12 entries\ntenant acme: 3 entries (40 decisions), seq 2–12\n"
         );
         let v = serde_json::json!({"ok": false, "tenant": "acme", "error": "audit log broken at line 3"});
-        assert_eq!(format_verify(&v), "chain BROKEN: audit log broken at line 3\n");
+        assert_eq!(
+            format_verify(&v),
+            "chain BROKEN: audit log broken at line 3\n"
+        );
     }
 }

@@ -660,7 +660,8 @@ async fn audit_export(
         });
         if let Err(e) = r {
             tracing::warn!(error = %e, "audit export ended early");
-            let _ = w.tx.blocking_send(Err(std::io::Error::other(e.to_string())));
+            let _ =
+                w.tx.blocking_send(Err(std::io::Error::other(e.to_string())));
         }
     });
     let body = axum::body::Body::from_stream(futures::stream::unfold(rx, |mut rx| async move {

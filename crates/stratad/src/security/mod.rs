@@ -855,6 +855,105 @@ impl TunnelService for SandboxTunnels {
 /// on the host; commands run through the agent get it as `http_proxy`.
 pub const GUEST_PROXY: &str = "127.0.0.1:3128";
 
+/// Where the start of `data_dir`'s keyed audit chain is recorded: in the
+/// key dir, out of reach of whoever can only write the data dir (one file
+/// per data dir, so daemons sharing a key dir do not collide).
+pub fn chain_start_path(key_dir: &Path, data_dir: &Path) -> PathBuf {
+    use sha2::{Digest, Sha256};
+    let dir = std::fs::canonicalize(data_dir).unwrap_or_else(|_| data_dir.to_path_buf());
+    let id = Sha256::digest(dir.as_os_str().as_encoded_bytes());
+    key_dir.join(format!("audit-chain-{}.json", &hex::encode(id)[..16]))
+}
+
+/// Opens `<data_dir>/audit.jsonl`, keyed with the key store's
+/// [`keys::Purpose::AuditChain`] key when the key store is usable. On the
+/// first keyed open the chain's start (the end of the unkeyed entries so
+/// far) is recorded beside the key; later opens hold the log to it, so a
+/// log rewritten in the unkeyed form is refused.
+fn open_audit(config: &Config) -> Result<AuditLog, SecurityError> {
+    let path = config.data_dir.join("audit.jsonl");
+    let key = match keys::KeyStore::open(&config.key_dir)
+        .and_then(|k| k.hmac_key(keys::Purpose::AuditChain))
+    {
+        Ok(k) => Some(k),
+        Err(e) => {
+            tracing::error!(
+                error = %e,
+                "the audit chain is NOT keyed: the key store is unusable, so new audit entries use the unkeyed chain (whoever can write the data dir can rewrite them); fix the key dir and restart"
+            );
+            None
+        }
+    };
+    let marker = chain_start_path(&config.key_dir, &config.data_dir);
+    let bad = |why: String| SecurityError::ChainStart {
+        path: marker.clone(),
+        why,
+    };
+    let start: Option<ChainStart> = match (&key, std::fs::read(&marker)) {
+        (None, _) => None,
+        (Some(_), Ok(b)) => Some(serde_json::from_slice(&b).map_err(|e| bad(e.to_string()))?),
+        (Some(_), Err(e)) if e.kind() == std::io::ErrorKind::NotFound => None,
+        (Some(_), Err(e)) => return Err(bad(e.to_string())),
+    };
+    let recorded = start.is_some();
+    let log = AuditLog::open_with(
+        &path,
+        AuditOptions {
+            key,
+            start,
+            limits: Some(AuditLimits::default()),
+        },
+    )?;
+    if let (false, Some(st)) = (recorded, log.chain_start()) {
+        write_private(
+            &marker,
+            &serde_json::to_vec(st).map_err(|e| bad(e.to_string()))?,
+        )
+        .map_err(|e| bad(e.to_string()))?;
+        tracing::info!(
+            unkeyed_entries = st.legacy_seq,
+            marker = %marker.display(),
+            "audit chain keyed from here on"
+        );
+    }
+    Ok(log)
+}
+
+/// Writes `bytes` to `path` (mode 0600) through a temporary file and a rename.
+fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let tmp = path.with_extension("json.tmp");
+    let _ = std::fs::remove_file(&tmp);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path)
+}
+
+/// Writes the audit log's due aggregates about once a second, until the
+/// log is dropped.
+fn spawn_audit_flusher(audit: &Arc<AuditLog>) {
+    let weak = Arc::downgrade(audit);
+    let spawned = std::thread::Builder::new()
+        .name("audit-flush".into())
+        .spawn(move || loop {
+            std::thread::sleep(std::time::Duration::from_secs(1));
+            let Some(a) = weak.upgrade() else { break };
+            if let Err(e) = a.flush() {
+                tracing::error!(error = %e, "audit log: writing aggregated denials");
+            }
+        });
+    if let Err(e) = spawned {
+        // Aggregates are still written by the next decision and at close.
+        tracing::error!(error = %e, "audit flusher thread");
+    }
+}
+
 #[cfg(test)]
 mod builder_tests {
     use strata_policy::{CallKind, Effect, ToolCall};
@@ -921,101 +1020,5 @@ mod builder_tests {
         ));
         assert_eq!(d.effect, Effect::Allow, "{d:?}");
         assert_ne!(d.rule_id, INVALID_POLICY_RULE);
-    }
-}
-
-/// Where the start of `data_dir`'s keyed audit chain is recorded: in the
-/// key dir, out of reach of whoever can only write the data dir (one file
-/// per data dir, so daemons sharing a key dir do not collide).
-pub fn chain_start_path(key_dir: &Path, data_dir: &Path) -> PathBuf {
-    use sha2::{Digest, Sha256};
-    let dir = std::fs::canonicalize(data_dir).unwrap_or_else(|_| data_dir.to_path_buf());
-    let id = Sha256::digest(dir.as_os_str().as_encoded_bytes());
-    key_dir.join(format!("audit-chain-{}.json", &hex::encode(id)[..16]))
-}
-
-/// Opens `<data_dir>/audit.jsonl`, keyed with the key store's
-/// [`keys::Purpose::AuditChain`] key when the key store is usable. On the
-/// first keyed open the chain's start (the end of the unkeyed entries so
-/// far) is recorded beside the key; later opens hold the log to it, so a
-/// log rewritten in the unkeyed form is refused.
-fn open_audit(config: &Config) -> Result<AuditLog, SecurityError> {
-    let path = config.data_dir.join("audit.jsonl");
-    let key = match keys::KeyStore::open(&config.key_dir)
-        .and_then(|k| k.hmac_key(keys::Purpose::AuditChain))
-    {
-        Ok(k) => Some(k),
-        Err(e) => {
-            tracing::error!(
-                error = %e,
-                "the audit chain is NOT keyed: the key store is unusable, so new audit entries use the unkeyed chain (whoever can write the data dir can rewrite them); fix the key dir and restart"
-            );
-            None
-        }
-    };
-    let marker = chain_start_path(&config.key_dir, &config.data_dir);
-    let bad = |why: String| SecurityError::ChainStart {
-        path: marker.clone(),
-        why,
-    };
-    let start: Option<ChainStart> = match (&key, std::fs::read(&marker)) {
-        (None, _) => None,
-        (Some(_), Ok(b)) => Some(serde_json::from_slice(&b).map_err(|e| bad(e.to_string()))?),
-        (Some(_), Err(e)) if e.kind() == std::io::ErrorKind::NotFound => None,
-        (Some(_), Err(e)) => return Err(bad(e.to_string())),
-    };
-    let recorded = start.is_some();
-    let log = AuditLog::open_with(
-        &path,
-        AuditOptions {
-            key,
-            start,
-            limits: Some(AuditLimits::default()),
-        },
-    )?;
-    if let (false, Some(st)) = (recorded, log.chain_start()) {
-        write_private(&marker, &serde_json::to_vec(st).map_err(|e| bad(e.to_string()))?)
-            .map_err(|e| bad(e.to_string()))?;
-        tracing::info!(
-            unkeyed_entries = st.legacy_seq,
-            marker = %marker.display(),
-            "audit chain keyed from here on"
-        );
-    }
-    Ok(log)
-}
-
-/// Writes `bytes` to `path` (mode 0600) through a temporary file and a rename.
-fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let tmp = path.with_extension("json.tmp");
-    let _ = std::fs::remove_file(&tmp);
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&tmp)?;
-    f.write_all(bytes)?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, path)
-}
-
-/// Writes the audit log's due aggregates about once a second, until the
-/// log is dropped.
-fn spawn_audit_flusher(audit: &Arc<AuditLog>) {
-    let weak = Arc::downgrade(audit);
-    let spawned = std::thread::Builder::new()
-        .name("audit-flush".into())
-        .spawn(move || loop {
-            std::thread::sleep(std::time::Duration::from_secs(1));
-            let Some(a) = weak.upgrade() else { break };
-            if let Err(e) = a.flush() {
-                tracing::error!(error = %e, "audit log: writing aggregated denials");
-            }
-        });
-    if let Err(e) = spawned {
-        // Aggregates are still written by the next decision and at close.
-        tracing::error!(error = %e, "audit flusher thread");
     }
 }

@@ -846,7 +846,13 @@ async fn egress_proxy_applies_the_tenant_policy_per_request() {
     let log = std::fs::read_to_string(h.dir.path().join("audit.jsonl")).unwrap();
     let last: Value = serde_json::from_str(log.lines().last().unwrap()).unwrap();
     assert!(last["call"]["kind"]["kind"] == "egress", "{last}");
-    assert_eq!((seq, hash.as_str()), (last["seq"].as_u64().unwrap(), last["hash"].as_str().unwrap()));
+    assert_eq!(
+        (seq, hash.as_str()),
+        (
+            last["seq"].as_u64().unwrap(),
+            last["hash"].as_str().unwrap()
+        )
+    );
 }
 
 #[tokio::test]
@@ -976,9 +982,16 @@ async fn an_old_log_verifies_per_tenant_and_a_large_export_streams_in_chunks() {
         total += data.len();
         lines += data.iter().filter(|&&b| b == b'\n').count();
     }
-    assert_eq!(lines as u64, N - N / 10, "the platform tenant's entries only");
+    assert_eq!(
+        lines as u64,
+        N - N / 10,
+        "the platform tenant's entries only"
+    );
     assert!(total > 2 << 20, "{total} bytes");
-    assert!(frames > 20, "{frames} frames for {total} bytes: not streamed");
+    assert!(
+        frames > 20,
+        "{frames} frames for {total} bytes: not streamed"
+    );
     assert!(biggest <= 64 * 1024 + 1024, "a chunk of {biggest} bytes");
 }
 
@@ -1027,7 +1040,9 @@ async fn a_log_and_head_rewritten_without_the_key_are_refused_at_start() {
     // The old (unkeyed) verification accepts it…
     assert!(strata_policy::audit::verify_head(&path, seq, &prev).is_ok());
     // …the daemon, holding the key, does not.
-    let err = crate::security::Security::open(&cfg).err().map(|e| e.to_string());
+    let err = crate::security::Security::open(&cfg)
+        .err()
+        .map(|e| e.to_string());
     assert!(
         err.as_deref().is_some_and(|e| e.contains("unkeyed entry")),
         "{err:?}"
