@@ -630,9 +630,11 @@ impl Security {
             .evaluate(call)
     }
 
-    /// Records a decision in the audit log (on disk, with its head in the
-    /// database, when it returns; a repeated denial may be counted into an
-    /// aggregate entry instead, see `strata_policy::audit::AuditLog::record`).
+    /// Appends a decision of the API to the audit log (on disk, with its
+    /// head in the database, when it returns). Each is written: API callers
+    /// are rate-limited per token; the aggregation of repeated denials and
+    /// the per-sandbox write budget apply to the egress proxies' decisions,
+    /// which a guest can make at will (`AuditLog::record`).
     pub fn record(
         &self,
         call: &ToolCall,
@@ -642,7 +644,7 @@ impl Security {
         by: Option<String>,
     ) -> Result<(), String> {
         self.audit
-            .record(
+            .append(
                 call,
                 AuditDecision::from_decision(decision, outcome, approval_id),
                 by,
