@@ -1,21 +1,47 @@
-//! Append-only, hash-chained audit log of policy decisions (JSON lines).
+//! Append-only, chained audit log of policy decisions (JSON lines).
 //!
-//! Each line is one [`AuditEntry`]; `hash = sha256(prev_hash || canonical
-//! JSON of the entry without "hash")`, hex encoded, where canonical JSON has
-//! object keys sorted and no insignificant white space. The first entry's
-//! `prev_hash` is 64 zeros.
+//! Each line is one [`AuditEntry`]. Its `hash` links it to the one before,
+//! computed over `prev_hash || canonical JSON of the entry without "hash"`
+//! (object keys sorted, no insignificant white space). The first entry's
+//! `prev_hash` is 64 zeros. Two rules, told apart by the entry's `v`:
 //!
-//! Durability: [`AuditLog::append`] writes the line and calls `fsync`
-//! (`sync_data`) before it returns, so a decision acknowledged to anyone is
-//! on disk. A torn last line (a crash in the middle of a write, never
-//! acknowledged) is cut off when the log is reopened.
+//! - `v` absent (1): `hash = sha256(…)` — the unkeyed chain of logs written
+//!   before the audit key existed. Anyone who can write the file can
+//!   recompute it.
+//! - `v: 2`: `hash = HMAC-SHA256(audit key, …)`, the key derived from the
+//!   deployment's key store (outside the data dir). Without the key an
+//!   edited entry cannot be given a link that verifies.
+//!
+//! A log is keyed from one point on: its entries up to [`ChainStart`] are
+//! in the old form, every later one is keyed, and the first keyed entry's
+//! `prev_hash` is the last unkeyed one's link, so the switch is in the
+//! chain. The daemon keeps the [`ChainStart`] beside the key, where whoever
+//! rewrites the data dir cannot move it.
+//!
+//! Durability: every line written is followed by `fsync` (`sync_data`)
+//! before the call returns, so a decision acknowledged to anyone is on
+//! disk, and the log's head is handed to a [`HeadSink`] (the daemon's
+//! database) on every write. A torn last line (a crash in the middle of a
+//! write, never acknowledged) is cut off when the log is reopened.
+//!
+//! Bounded writes ([`AuditLimits`], opt-in): a denial identical to one
+//! written less than a window ago is counted, not written; at the end of
+//! the window one entry with `count` and `aggregate: "repeat"` says how
+//! many there were. Each sandbox has a token bucket of denial writes; a
+//! denial without a token is counted into one `aggregate: "rate_limited"`
+//! entry of that sandbox per window. Nothing is dropped: the counts add up
+//! to every denial. What is not yet written when the process dies (at most
+//! one window of counts) is lost.
 
+use std::collections::{BTreeMap, HashMap};
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
+use ring::hmac;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -95,10 +121,115 @@ pub struct AuditEntry {
     pub decision: AuditDecision,
     /// Who answered, for human decisions.
     pub by: Option<String>,
-    /// Hash of the previous entry.
+    /// How many decisions this entry stands for (1 unless aggregated).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub count: u64,
+    /// Why `count` decisions share one entry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub aggregate: Option<Aggregate>,
+    /// When the first of the aggregated decisions was made.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first: Option<DateTime<Utc>>,
+    /// The link rule: 1 (absent) = SHA-256, 2 = HMAC-SHA256 under the audit key.
+    #[serde(default = "one_u8", skip_serializing_if = "is_one_u8")]
+    pub v: u8,
+    /// Link of the previous entry.
     pub prev_hash: String,
-    /// This entry's hash.
+    /// This entry's link (a SHA-256 or an HMAC, per `v`).
     pub hash: String,
+}
+
+/// Why an entry stands for several decisions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Aggregate {
+    /// The same denial (tenant, sandbox, actor, call, rule, reason) again,
+    /// within the window after an entry for it was written.
+    Repeat,
+    /// Denials of one sandbox over its audit-write budget; the call and
+    /// decision shown are the first of them.
+    RateLimited,
+}
+
+fn one() -> u64 {
+    1
+}
+fn is_one(n: &u64) -> bool {
+    *n == 1
+}
+fn one_u8() -> u8 {
+    1
+}
+fn is_one_u8(n: &u8) -> bool {
+    *n == 1
+}
+
+/// Where a log's keyed chain begins: entries `1..=legacy_seq` use the old
+/// unkeyed rule, every later one the keyed rule.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChainStart {
+    /// The last unkeyed entry (0: the whole log is keyed).
+    pub legacy_seq: u64,
+    /// That entry's link ([`GENESIS`] for 0).
+    pub legacy_hash: String,
+}
+
+/// Called with `(seq, link)` after every write, under the log's lock; an
+/// error fails that append (the line is on disk, its head not recorded).
+pub type HeadSink = Box<dyn Fn(u64, &str) -> Result<(), String> + Send + Sync>;
+
+/// Bounds on the writes of denials (see the module documentation).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AuditLimits {
+    /// How long identical denials are counted into one entry.
+    pub window: Duration,
+    /// Denial writes a sandbox may make at once.
+    pub burst: u32,
+    /// Denial writes a sandbox regains per second.
+    pub per_second: f64,
+}
+
+impl Default for AuditLimits {
+    fn default() -> Self {
+        AuditLimits {
+            window: Duration::from_secs(10),
+            burst: 20,
+            per_second: 2.0,
+        }
+    }
+}
+
+/// How to open a log.
+#[derive(Default)]
+pub struct AuditOptions {
+    /// The audit key: new entries are keyed (`v: 2`). Without one, new
+    /// entries use the old rule and a log holding keyed entries is refused.
+    pub key: Option<hmac::Key>,
+    /// Where the keyed chain began, as recorded when it did; `None` on the
+    /// first open with a key (the start is then the current end of the
+    /// log, see [`AuditLog::chain_start`]).
+    pub start: Option<ChainStart>,
+    /// Aggregation and token buckets for denials; `None` writes each one.
+    pub limits: Option<AuditLimits>,
+}
+
+impl std::fmt::Debug for AuditOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AuditOptions")
+            .field("keyed", &self.key.is_some())
+            .field("start", &self.start)
+            .field("limits", &self.limits)
+            .finish()
+    }
+}
+
+/// What [`AuditLog::record`] did with a decision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Recorded {
+    /// Written as this entry (on disk).
+    Written(Box<AuditEntry>),
+    /// Counted into an aggregate entry written at the end of its window.
+    Aggregated,
 }
 
 /// Errors of the audit log.
@@ -126,6 +257,9 @@ pub enum AuditError {
     /// An entry could not be encoded.
     #[error("encoding audit entry")]
     Encode(#[source] serde_json::Error),
+    /// The entry is on disk but its head could not be recorded.
+    #[error("recording the audit head: {0}")]
+    Head(String),
 }
 
 fn canonical(v: &Value) -> Value {
@@ -144,28 +278,71 @@ fn canonical(v: &Value) -> Value {
     }
 }
 
-/// Hash of an entry given as a JSON object (its `hash` field is ignored).
-pub fn entry_hash(prev_hash: &str, entry: &Value) -> String {
+fn link_input(entry: &Value) -> String {
     let mut v = canonical(entry);
     if let Value::Object(m) = &mut v {
         m.remove("hash");
     }
+    v.to_string()
+}
+
+/// Unkeyed (`v` 1) link of an entry given as a JSON object (its `hash`
+/// field is ignored).
+pub fn entry_hash(prev_hash: &str, entry: &Value) -> String {
     let mut h = Sha256::new();
     h.update(prev_hash.as_bytes());
-    h.update(v.to_string().as_bytes());
+    h.update(link_input(entry).as_bytes());
     hex::encode(h.finalize())
+}
+
+/// Keyed (`v` 2) link of an entry given as a JSON object.
+pub fn entry_mac(key: &hmac::Key, prev_hash: &str, entry: &Value) -> String {
+    let mut ctx = hmac::Context::with_key(key);
+    ctx.update(prev_hash.as_bytes());
+    ctx.update(link_input(entry).as_bytes());
+    hex::encode(ctx.sign().as_ref())
+}
+
+struct Pending {
+    since: Instant,
+    first: DateTime<Utc>,
+    count: u64,
+    kind: Aggregate,
+    call: ToolCall,
+    decision: AuditDecision,
+    by: Option<String>,
+}
+
+struct Bucket {
+    tokens: f64,
+    at: Instant,
 }
 
 struct State {
     file: File,
     seq: u64,
     head: String,
+    sink: Option<HeadSink>,
+    buckets: HashMap<(String, Option<String>), Bucket>,
+    pending: HashMap<[u8; 32], Pending>,
 }
 
 /// An open audit log, appended to by one process.
 pub struct AuditLog {
     path: PathBuf,
+    key: Option<hmac::Key>,
+    start: Option<ChainStart>,
+    limits: Option<AuditLimits>,
     state: Mutex<State>,
+}
+
+impl Drop for AuditLog {
+    fn drop(&mut self) {
+        // Counts still pending are written, not lost, when the log closes.
+        if let Err(e) = self.flush_all() {
+            tracing::error!(error = %e, "audit log: writing aggregated denials at close");
+        }
+    }
 }
 
 impl std::fmt::Debug for AuditLog {
@@ -183,6 +360,8 @@ pub struct Filter {
     pub tenant: Option<String>,
     /// Only this sandbox.
     pub sandbox: Option<String>,
+    /// Only entries written at or after this time.
+    pub since: Option<DateTime<Utc>>,
 }
 
 impl Filter {
@@ -192,7 +371,21 @@ impl Filter {
                 .sandbox
                 .as_ref()
                 .is_none_or(|s| e.sandbox.as_ref() == Some(s))
+            && self.since.is_none_or(|t| e.time >= t)
     }
+}
+
+/// One tenant's part of a verified log.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct TenantCount {
+    /// Its entries.
+    pub entries: u64,
+    /// The decisions they stand for (aggregated entries count several).
+    pub decisions: u64,
+    /// Its first entry's seq.
+    pub first_seq: Option<u64>,
+    /// Its last entry's seq.
+    pub last_seq: Option<u64>,
 }
 
 /// Summary of a verified log.
@@ -200,14 +393,38 @@ impl Filter {
 pub struct Verified {
     /// Number of entries.
     pub entries: u64,
-    /// Hash of the last entry ([`GENESIS`] for an empty log).
+    /// Link of the last entry ([`GENESIS`] for an empty log).
     pub head: String,
+    /// The first keyed entry, if any.
+    pub keyed_from: Option<u64>,
+    /// The last unkeyed entry and its link (`0`, [`GENESIS`] when none).
+    pub legacy: (u64, String),
+    /// Entries and decisions per tenant.
+    pub tenants: BTreeMap<String, TenantCount>,
+}
+
+/// What a verification checks beyond the chain itself.
+#[derive(Default)]
+pub struct VerifyOptions<'a> {
+    /// The audit key; keyed entries are refused without it.
+    pub key: Option<&'a hmac::Key>,
+    /// Where the keyed chain began: no unkeyed entry after it, and its
+    /// last unkeyed link must be the recorded one.
+    pub start: Option<&'a ChainStart>,
+    /// A head recorded earlier: the log must still reach it.
+    pub head: Option<(u64, &'a str)>,
 }
 
 impl AuditLog {
-    /// Open (or create) a log; verifies the existing chain and cuts off a
-    /// torn, unterminated last line.
+    /// Open (or create) an unkeyed log without limits; verifies the
+    /// existing chain and cuts off a torn, unterminated last line.
     pub fn open(path: &Path) -> Result<AuditLog, AuditError> {
+        Self::open_with(path, AuditOptions::default())
+    }
+
+    /// Open (or create) a log with `opts`: verifies the existing chain
+    /// under the key and start given, and cuts off a torn last line.
+    pub fn open_with(path: &Path, opts: AuditOptions) -> Result<AuditLog, AuditError> {
         let io = |source| AuditError::Io {
             path: path.to_path_buf(),
             source,
@@ -232,15 +449,80 @@ impl AuditLog {
             buf.truncate(keep);
         }
         file.seek(SeekFrom::End(0)).map_err(io)?;
-        let v = verify_reader(&buf[..])?;
+        let v = verify_reader(
+            &buf[..],
+            &VerifyOptions {
+                key: opts.key.as_ref(),
+                start: opts.start.as_ref(),
+                head: None,
+            },
+        )?;
+        let start = match (&opts.key, opts.start) {
+            (None, _) => None,
+            (Some(_), Some(s)) => Some(s),
+            // First open with the key: the chain is keyed from here on.
+            (Some(_), None) => Some(ChainStart {
+                legacy_seq: v.legacy.0,
+                legacy_hash: v.legacy.1.clone(),
+            }),
+        };
         Ok(AuditLog {
             path: path.to_path_buf(),
+            key: opts.key,
+            start,
+            limits: opts.limits,
             state: Mutex::new(State {
                 file,
                 seq: v.entries,
                 head: v.head,
+                sink: None,
+                buckets: HashMap::new(),
+                pending: HashMap::new(),
             }),
         })
+    }
+
+    /// Where this log's keyed chain begins (`None` when unkeyed): keep it
+    /// where the data dir's writers cannot change it and pass it to later
+    /// opens and verifications.
+    pub fn chain_start(&self) -> Option<&ChainStart> {
+        self.start.as_ref()
+    }
+
+    /// Whether new entries are keyed.
+    pub fn keyed(&self) -> bool {
+        self.key.is_some()
+    }
+
+    /// Calls `sink` with the head after every write from now on.
+    pub fn set_head_sink(&self, sink: HeadSink) {
+        self.lock().sink = Some(sink);
+    }
+
+    /// Verifies the file under this log's key and start (and `head`, if
+    /// given, which must have been read before this call): the lines on
+    /// disk when it is called, without holding appends off meanwhile.
+    pub fn verify(&self, head: Option<(u64, &str)>) -> Result<Verified, AuditError> {
+        let io = |source| AuditError::Io {
+            path: self.path.clone(),
+            source,
+        };
+        // Whole lines only: appends happen under the lock, so the length
+        // read under it ends at a line's end.
+        let len = self.lock().file.metadata().map_err(io)?.len();
+        let f = File::open(&self.path).map_err(io)?;
+        verify_reader(
+            f.take(len),
+            &VerifyOptions {
+                key: self.key.as_ref(),
+                start: self.start.as_ref(),
+                head,
+            },
+        )
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The file.
@@ -248,21 +530,157 @@ impl AuditLog {
         &self.path
     }
 
-    /// Sequence number and hash of the last entry; keep them elsewhere (e.g.
-    /// the daemon's database) to detect a cut-off tail with [`verify_head`].
+    /// Sequence number and link of the last entry; keep them elsewhere
+    /// (e.g. the daemon's database) to detect a cut-off tail.
     pub fn head(&self) -> (u64, String) {
-        let s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let s = self.lock();
         (s.seq, s.head.clone())
     }
 
-    /// Append one decision; returns after the line is on disk.
+    /// Append one decision, always written; returns after the line is on
+    /// disk and its head was handed to the [`HeadSink`].
     pub fn append(
         &self,
         call: &ToolCall,
         decision: AuditDecision,
         by: Option<String>,
     ) -> Result<AuditEntry, AuditError> {
-        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut s = self.lock();
+        self.write(&mut s, call, decision, by, 1, None, None)
+    }
+
+    /// Record one decision under the [`AuditLimits`]: a denial may be
+    /// counted into an aggregate entry instead of written; anything else
+    /// is written as by [`append`](Self::append). Aggregates whose window
+    /// has ended are written first; an error means the decision may not
+    /// be on disk (callers refuse the call).
+    pub fn record(
+        &self,
+        call: &ToolCall,
+        decision: AuditDecision,
+        by: Option<String>,
+    ) -> Result<Recorded, AuditError> {
+        let mut s = self.lock();
+        let Some(limits) = self.limits else {
+            return self
+                .write(&mut s, call, decision, by, 1, None, None)
+                .map(|e| Recorded::Written(Box::new(e)));
+        };
+        let now = Instant::now();
+        self.flush_locked(&mut s, Some(now))?;
+        if decision.outcome != Outcome::Denied {
+            return self
+                .write(&mut s, call, decision, by, 1, None, None)
+                .map(|e| Recorded::Written(Box::new(e)));
+        }
+        let repeat = repeat_key(call, &decision, by.as_deref());
+        if let Some(p) = s.pending.get_mut(&repeat) {
+            p.count += 1;
+            return Ok(Recorded::Aggregated);
+        }
+        let bucket_key = (call.tenant.clone(), call.sandbox.clone());
+        let b = s.buckets.entry(bucket_key).or_insert(Bucket {
+            tokens: f64::from(limits.burst),
+            at: now,
+        });
+        let refill = now.saturating_duration_since(b.at).as_secs_f64() * limits.per_second;
+        b.tokens = (b.tokens + refill).min(f64::from(limits.burst));
+        b.at = now;
+        if b.tokens >= 1.0 {
+            b.tokens -= 1.0;
+            let e = self.write(&mut s, call, decision.clone(), by.clone(), 1, None, None)?;
+            s.pending.insert(
+                repeat,
+                Pending {
+                    since: now,
+                    first: Utc::now(),
+                    count: 0,
+                    kind: Aggregate::Repeat,
+                    call: call.clone(),
+                    decision,
+                    by,
+                },
+            );
+            return Ok(Recorded::Written(Box::new(e)));
+        }
+        let rate = rate_key(call);
+        s.pending
+            .entry(rate)
+            .or_insert_with(|| Pending {
+                since: now,
+                first: Utc::now(),
+                count: 0,
+                kind: Aggregate::RateLimited,
+                call: call.clone(),
+                decision,
+                by,
+            })
+            .count += 1;
+        Ok(Recorded::Aggregated)
+    }
+
+    /// Writes the aggregates whose window has ended (the daemon calls it
+    /// about once a second, so a count never waits long for a later call).
+    pub fn flush(&self) -> Result<(), AuditError> {
+        let mut s = self.lock();
+        self.flush_locked(&mut s, Some(Instant::now()))
+    }
+
+    /// Writes every pending aggregate now.
+    pub fn flush_all(&self) -> Result<(), AuditError> {
+        let mut s = self.lock();
+        self.flush_locked(&mut s, None)
+    }
+
+    /// Writes the pending aggregates due at `now` (all of them for `None`).
+    fn flush_locked(&self, s: &mut State, now: Option<Instant>) -> Result<(), AuditError> {
+        let Some(limits) = self.limits else {
+            return Ok(());
+        };
+        let mut due: Vec<[u8; 32]> = s
+            .pending
+            .iter()
+            .filter(|(_, p)| {
+                now.is_none_or(|n| n.saturating_duration_since(p.since) >= limits.window)
+            })
+            .map(|(k, _)| *k)
+            .collect();
+        // In the order they started, so the log reads in time order.
+        due.sort_by_key(|k| s.pending.get(k).map(|p| p.since));
+        for k in due {
+            let Some(p) = s.pending.get(&k) else { continue };
+            if p.count > 0 {
+                let (call, decision, by) = (p.call.clone(), p.decision.clone(), p.by.clone());
+                let (count, kind, first) = (p.count, p.kind, p.first);
+                // On failure the count stays pending (not lost) and the
+                // error goes to the caller.
+                self.write(s, &call, decision, by, count, Some(kind), Some(first))?;
+            }
+            s.pending.remove(&k);
+        }
+        if let Some(n) = now {
+            // A bucket full again is forgotten (the map stays as small as
+            // the set of sandboxes denied lately).
+            s.buckets.retain(|_, b| {
+                let t =
+                    b.tokens + n.saturating_duration_since(b.at).as_secs_f64() * limits.per_second;
+                t < f64::from(limits.burst)
+            });
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn write(
+        &self,
+        s: &mut State,
+        call: &ToolCall,
+        decision: AuditDecision,
+        by: Option<String>,
+        count: u64,
+        aggregate: Option<Aggregate>,
+        first: Option<DateTime<Utc>>,
+    ) -> Result<AuditEntry, AuditError> {
         let mut entry = AuditEntry {
             seq: s.seq + 1,
             time: Utc::now(),
@@ -272,11 +690,18 @@ impl AuditLog {
             call: call.clone(),
             decision,
             by,
+            count,
+            aggregate,
+            first,
+            v: if self.key.is_some() { 2 } else { 1 },
             prev_hash: s.head.clone(),
             hash: String::new(),
         };
         let v = serde_json::to_value(&entry).map_err(AuditError::Encode)?;
-        entry.hash = entry_hash(&s.head, &v);
+        entry.hash = match &self.key {
+            Some(k) => entry_mac(k, &s.head, &v),
+            None => entry_hash(&s.head, &v),
+        };
         let mut line = serde_json::to_vec(&entry).map_err(AuditError::Encode)?;
         line.push(b'\n');
         let io = |source| AuditError::Io {
@@ -287,13 +712,34 @@ impl AuditLog {
         s.file.sync_data().map_err(io)?;
         s.seq = entry.seq;
         s.head = entry.hash.clone();
+        if let Some(sink) = &s.sink {
+            sink(s.seq, &s.head).map_err(AuditError::Head)?;
+        }
         Ok(entry)
     }
 }
 
-fn verify_reader(r: impl Read) -> Result<Verified, AuditError> {
+fn repeat_key(call: &ToolCall, d: &AuditDecision, by: Option<&str>) -> [u8; 32] {
+    let mut h = Sha256::new();
+    h.update(b"repeat\0");
+    h.update(serde_json::to_vec(&(call, &d.rule_id, &d.reason, by)).unwrap_or_default());
+    h.finalize().into()
+}
+
+fn rate_key(call: &ToolCall) -> [u8; 32] {
+    let mut h = Sha256::new();
+    h.update(b"rate\0");
+    h.update(serde_json::to_vec(&(&call.tenant, &call.sandbox)).unwrap_or_default());
+    h.finalize().into()
+}
+
+fn verify_reader(r: impl Read, opts: &VerifyOptions<'_>) -> Result<Verified, AuditError> {
     let mut prev = GENESIS.to_string();
     let mut expected = 1u64;
+    let mut keyed_from: Option<u64> = None;
+    let mut legacy = (0u64, GENESIS.to_string());
+    let mut tenants: BTreeMap<String, TenantCount> = BTreeMap::new();
+    let mut head_seen = false;
     for (i, line) in BufReader::new(r).split(b'\n').enumerate() {
         let lineno = i + 1;
         let broken = |seq, problem: String| AuditError::Broken {
@@ -314,7 +760,7 @@ fn verify_reader(r: impl Read) -> Result<Verified, AuditError> {
                 format!("expected seq {expected}, found {seq} (an entry was removed or moved)"),
             ));
         }
-        let _: AuditEntry = serde_json::from_value(v.clone())
+        let e: AuditEntry = serde_json::from_value(v.clone())
             .map_err(|e| broken(Some(seq), format!("not an audit entry: {e}")))?;
         let claimed_prev = v.get("prev_hash").and_then(Value::as_str).unwrap_or("");
         if claimed_prev != prev {
@@ -323,67 +769,150 @@ fn verify_reader(r: impl Read) -> Result<Verified, AuditError> {
                 "prev_hash does not match the previous entry".into(),
             ));
         }
-        let hash = entry_hash(&prev, &v);
+        let hash = match e.v {
+            1 => {
+                if let Some(k) = keyed_from {
+                    return Err(broken(
+                        Some(seq),
+                        format!("unkeyed entry after the keyed chain began at seq {k}"),
+                    ));
+                }
+                if let Some(st) = opts.start.filter(|_| opts.key.is_some()) {
+                    if seq > st.legacy_seq {
+                        return Err(broken(
+                            Some(seq),
+                            format!(
+                                "unkeyed entry where the chain is keyed (from seq {})",
+                                st.legacy_seq + 1
+                            ),
+                        ));
+                    }
+                }
+                entry_hash(&prev, &v)
+            }
+            2 => {
+                let Some(key) = opts.key else {
+                    return Err(broken(
+                        Some(seq),
+                        "keyed entry, but no audit key to verify it with".into(),
+                    ));
+                };
+                if let Some(st) = opts.start {
+                    if seq <= st.legacy_seq {
+                        return Err(broken(
+                            Some(seq),
+                            format!(
+                                "keyed entry where the recorded start expects the unkeyed prefix (to seq {})",
+                                st.legacy_seq
+                            ),
+                        ));
+                    }
+                }
+                keyed_from.get_or_insert(seq);
+                entry_mac(key, &prev, &v)
+            }
+            n => return Err(broken(Some(seq), format!("unknown link rule v {n}"))),
+        };
         if v.get("hash").and_then(Value::as_str) != Some(hash.as_str()) {
             return Err(broken(
                 Some(seq),
-                "hash does not match the content (entry edited)".into(),
+                if e.v == 2 {
+                    "link is not the audit key's MAC of the content (entry edited or forged)".into()
+                } else {
+                    "hash does not match the content (entry edited)".into()
+                },
             ));
         }
+        if e.v == 1 {
+            legacy = (seq, hash.clone());
+        }
+        if let Some(st) = opts.start.filter(|_| opts.key.is_some()) {
+            if seq == st.legacy_seq && hash != st.legacy_hash {
+                return Err(broken(
+                    Some(seq),
+                    "the unkeyed prefix differs from the one recorded when the chain was keyed"
+                        .into(),
+                ));
+            }
+        }
+        if let Some((hseq, hhash)) = opts.head {
+            if seq == hseq {
+                if hash != hhash {
+                    return Err(broken(
+                        Some(seq),
+                        "link differs from the recorded head".into(),
+                    ));
+                }
+                head_seen = true;
+            }
+        }
+        let t = tenants.entry(e.tenant).or_default();
+        t.entries += 1;
+        t.decisions += e.count;
+        t.first_seq.get_or_insert(seq);
+        t.last_seq = Some(seq);
         prev = hash;
         expected += 1;
     }
+    let entries = expected - 1;
+    let end = usize::try_from(expected).unwrap_or(usize::MAX);
+    if let Some(st) = opts.start.filter(|_| opts.key.is_some()) {
+        if entries < st.legacy_seq {
+            return Err(AuditError::Broken {
+                line: end,
+                seq: Some(expected),
+                problem: format!(
+                    "log ends at seq {entries}, before the keyed chain's recorded start (seq {})",
+                    st.legacy_seq
+                ),
+            });
+        }
+    }
+    if let Some((hseq, _)) = opts.head {
+        if hseq > 0 && !head_seen {
+            return Err(AuditError::Broken {
+                line: end,
+                seq: Some(expected),
+                problem: format!(
+                    "log ends at seq {entries} but entry {hseq} was recorded (tail removed)"
+                ),
+            });
+        }
+    }
     Ok(Verified {
-        entries: expected - 1,
+        entries,
         head: prev,
+        keyed_from,
+        legacy,
+        tenants,
     })
 }
 
-/// Verify a log file's chain; names the first broken line and seq.
+/// Verify an unkeyed log file's chain; names the first broken line and seq.
 pub fn verify(path: &Path) -> Result<Verified, AuditError> {
-    let f = File::open(path).map_err(|source| AuditError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    verify_reader(f)
+    verify_with(path, &VerifyOptions::default())
 }
 
-/// Verify a log file and that it still ends at a head recorded earlier
-/// (`seq`, `hash`): detects a cut-off tail, which the chain alone cannot.
-pub fn verify_head(path: &Path, seq: u64, hash: &str) -> Result<Verified, AuditError> {
-    let v = verify(path)?;
-    if v.entries < seq {
-        return Err(AuditError::Broken {
-            line: usize::try_from(v.entries + 1).unwrap_or(usize::MAX),
-            seq: Some(v.entries + 1),
-            problem: format!(
-                "log ends at seq {} but entry {seq} was recorded (tail removed)",
-                v.entries
-            ),
-        });
-    }
-    // Re-walk to find the hash at `seq`.
+/// Verify a log file under `opts` (key, keyed start, recorded head).
+pub fn verify_with(path: &Path, opts: &VerifyOptions<'_>) -> Result<Verified, AuditError> {
     let f = File::open(path).map_err(|source| AuditError::Io {
         path: path.to_path_buf(),
         source,
     })?;
-    for (i, line) in BufReader::new(f).lines().enumerate() {
-        let line = line.map_err(|source| AuditError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        if i as u64 + 1 == seq {
-            let e: AuditEntry = serde_json::from_str(&line).map_err(AuditError::Encode)?;
-            if e.hash != hash {
-                return Err(AuditError::Broken {
-                    line: i + 1,
-                    seq: Some(seq),
-                    problem: "hash differs from the recorded head".into(),
-                });
-            }
-        }
-    }
-    Ok(v)
+    verify_reader(f, opts)
+}
+
+/// Verify an unkeyed log file and that it still reaches a head recorded
+/// earlier (`seq`, `hash`): detects a cut-off tail, which the chain alone
+/// cannot.
+pub fn verify_head(path: &Path, seq: u64, hash: &str) -> Result<Verified, AuditError> {
+    verify_with(
+        path,
+        &VerifyOptions {
+            head: Some((seq, hash)),
+            ..VerifyOptions::default()
+        },
+    )
 }
 
 /// Entries matching `filter`, in order. Does not verify; call [`verify`] for that.
@@ -396,7 +925,8 @@ pub fn query(path: &Path, filter: &Filter) -> Result<Vec<AuditEntry>, AuditError
     Ok(out)
 }
 
-/// Write the matching lines, byte for byte as stored, as JSON lines.
+/// Write the matching lines, byte for byte as stored, as JSON lines; one
+/// line in memory at a time.
 pub fn export(path: &Path, filter: &Filter, w: &mut impl Write) -> Result<u64, AuditError> {
     let mut n = 0;
     export_inner(path, filter, |_, line| {

@@ -1055,3 +1055,44 @@ async fn connect_needs_an_explicit_allow_where_request_rules_exist() {
     let hello = fake_client_hello(Some("tunnel.test"));
     assert_eq!(through(&mut s, &hello).await, hello);
 }
+
+#[tokio::test]
+async fn an_egress_request_whose_audit_write_fails_is_refused() {
+    let e = env(Duration::from_secs(5)).await;
+    let log = e
+        .proxy
+        .egress()
+        .config()
+        .audit
+        .clone()
+        .unwrap_or_else(|| panic!("no audit log"));
+    // The entry reaches the file but its head cannot be recorded (the
+    // daemon's database is locked, full, gone): the decision is not safely
+    // audited.
+    log.set_head_sink(Box::new(|_, _| Err("database is locked".into())));
+    let p = e.port;
+    let get = format!(
+        "GET http://api.salesforce.test:{p}/services/data HTTP/1.1\r\nHost: api.salesforce.test:{p}\r\nConnection: close\r\n\r\n"
+    );
+    let (st, body) = raw(&e, &get).await;
+    assert_eq!(st, 503, "{body}");
+    assert_eq!(json(&body)["error"], "audit_unavailable");
+    let ep = e.echo_port;
+    let (st, body) = raw(
+        &e,
+        &format!("CONNECT tunnel.test:{ep} HTTP/1.1\r\nHost: tunnel.test:{ep}\r\n\r\n"),
+    )
+    .await;
+    assert_eq!(st, 503, "{body}");
+    assert_eq!(
+        e.hits.load(Ordering::SeqCst),
+        0,
+        "nothing reached the upstream"
+    );
+
+    // With the audit working again the same request goes through.
+    log.set_head_sink(Box::new(|_, _| Ok(())));
+    let (st, body) = raw(&e, &get).await;
+    assert_eq!(st, 200, "{body}");
+    assert_eq!(e.hits.load(Ordering::SeqCst), 1);
+}

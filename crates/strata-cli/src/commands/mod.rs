@@ -11,6 +11,7 @@ use crate::api::{ApiClient, ApiError, Gate, DEFAULT_URL};
 use crate::human::{duration_arg, parse_duration};
 
 pub mod approvals;
+pub mod audit;
 pub mod ca;
 pub mod create;
 pub mod dev;
@@ -114,6 +115,9 @@ pub enum Command {
     /// The approval queue: calls held by policy until a human answers.
     #[command(subcommand)]
     Approvals(approvals::ApprovalsCmd),
+    /// The audit log: verify the keyed chain (admin), export entries.
+    #[command(subcommand)]
+    Audit(audit::AuditCmd),
     /// Tool-call policies (tenant or sandbox): get, set, dry-run test.
     #[command(subcommand)]
     Policy(policy::PolicyCmd),
@@ -241,6 +245,7 @@ pub async fn run(ctx: &Ctx, cmd: Command) -> anyhow::Result<i32> {
         Command::Stats(a) => stats::run(ctx, a).await,
         Command::Logs(a) => logs::run(ctx, a).await,
         Command::Approvals(c) => approvals::run(ctx, c).await,
+        Command::Audit(c) => audit::run(ctx, c).await,
         Command::Policy(c) => policy::run(ctx, c).await,
         Command::Token(c) => token::run(ctx, c).await,
         Command::Whoami => whoami::run(ctx).await,
@@ -663,6 +668,8 @@ mod tests {
     #[test]
     fn security_commands_parse() {
         assert!(parse(&["approvals", "ls", "--all"]).is_ok());
+        assert!(parse(&["audit", "verify"]).is_ok());
+        assert!(parse(&["audit", "export", "--sandbox", "sb-1", "--since", "10m"]).is_ok());
         assert!(
             parse(&["approvals", "approve"]).is_err(),
             "an id is required"

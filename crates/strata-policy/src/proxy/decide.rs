@@ -63,6 +63,10 @@ impl Checked {
     }
 }
 
+/// Records a decision in the audit log (a denial may be aggregated, see
+/// `AuditLog::record`). `false` when it could not be written: the caller
+/// refuses the request (egress fails closed, like `/v1`).
+#[must_use]
 fn record(
     cfg: &ProxyConfig,
     call: &ToolCall,
@@ -70,12 +74,26 @@ fn record(
     outcome: Outcome,
     approval: Option<String>,
     by: Option<String>,
-) {
-    if let Some(a) = &cfg.audit {
-        if let Err(e) = a.append(call, AuditDecision::from_decision(d, outcome, approval), by) {
-            tracing::error!(error = %e, "audit append failed");
+) -> bool {
+    let Some(a) = &cfg.audit else { return true };
+    match a.record(call, AuditDecision::from_decision(d, outcome, approval), by) {
+        Ok(_) => true,
+        Err(e) => {
+            tracing::error!(error = %e, sandbox = ?call.sandbox, "audit write failed; egress request refused");
+            false
         }
     }
+}
+
+/// The answer to a request whose decision could not be audited.
+fn unaudited() -> Response<Body> {
+    refuse(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "audit_unavailable",
+        serde_json::json!({
+            "reason": "the decision could not be written to the audit log; request refused"
+        }),
+    )
 }
 
 /// A hard refusal the proxy makes before (or after) policy: `rule_id` and
@@ -111,7 +129,8 @@ pub(super) fn refuse_request(
         *connector = conn.map(|c| c.name.clone());
     }
     let d = refusal(rule_id, reason);
-    record(cfg, &c.call, &d, Outcome::Denied, None, None);
+    // Refused whether or not the entry is written.
+    let _ = record(cfg, &c.call, &d, Outcome::Denied, None, None);
     refuse(
         status,
         error,
@@ -122,7 +141,8 @@ pub(super) fn refuse_request(
 /// Records that an allowed tunnel was cut after its first bytes (no SNI,
 /// another name, not TLS on a TLS port).
 pub(super) fn record_cut(cfg: &ProxyConfig, call: &ToolCall, rule_id: &str, reason: String) {
-    record(
+    // The tunnel is cut whether or not the entry is written.
+    let _ = record(
         cfg,
         call,
         &refusal(rule_id, reason),
@@ -152,7 +172,7 @@ pub(super) async fn decide(cfg: &ProxyConfig, c: &mut Checked) -> Verdict {
                         "`{ip}` is in no connector's `cidrs`; IP literals are refused by default"
                     ),
                 };
-                record(cfg, &c.call, &d, Outcome::Denied, None, None);
+                let _ = record(cfg, &c.call, &d, Outcome::Denied, None, None);
                 return Verdict::Refuse(refuse(
                     StatusCode::FORBIDDEN,
                     "ip_literal",
@@ -168,7 +188,7 @@ pub(super) async fn decide(cfg: &ProxyConfig, c: &mut Checked) -> Verdict {
                     hard: true,
                     reason: why,
                 };
-                record(cfg, &c.call, &d, Outcome::Denied, None, None);
+                let _ = record(cfg, &c.call, &d, Outcome::Denied, None, None);
                 return Verdict::Refuse(denied(&d, None));
             }
             conn
@@ -187,7 +207,7 @@ pub(super) async fn decide(cfg: &ProxyConfig, c: &mut Checked) -> Verdict {
                         c.host
                     ),
                 };
-                record(cfg, &c.call, &d, Outcome::Denied, None, None);
+                let _ = record(cfg, &c.call, &d, Outcome::Denied, None, None);
                 return Verdict::Refuse(denied(&d, None));
             }
         },
@@ -205,40 +225,46 @@ pub(super) async fn decide(cfg: &ProxyConfig, c: &mut Checked) -> Verdict {
             hard: true,
             reason: format!("port {} is not open for connector `{}`", c.port, conn.name),
         };
-        record(cfg, &c.call, &d, Outcome::Denied, None, None);
+        let _ = record(cfg, &c.call, &d, Outcome::Denied, None, None);
         return Verdict::Refuse(denied(&d, None));
     }
     let d = policy.evaluate(&c.call);
     match d.effect {
         Effect::Allow => {
-            record(cfg, &c.call, &d, Outcome::Allowed, None, None);
+            if !record(cfg, &c.call, &d, Outcome::Allowed, None, None) {
+                return Verdict::Refuse(unaudited());
+            }
             Verdict::Go
         }
         Effect::Deny => {
-            record(cfg, &c.call, &d, Outcome::Denied, None, None);
+            let _ = record(cfg, &c.call, &d, Outcome::Denied, None, None);
             Verdict::Refuse(denied(&d, None))
         }
         Effect::Approve => {
             let Some(q) = &cfg.approvals else {
-                record(cfg, &c.call, &d, Outcome::Denied, None, None);
+                let _ = record(cfg, &c.call, &d, Outcome::Denied, None, None);
                 return Verdict::Refuse(denied(&d, None));
             };
             let req = match q.request(&c.call, &d) {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::error!(error = %e, "approval request failed");
-                    record(cfg, &c.call, &d, Outcome::Denied, None, None);
+                    let _ = record(cfg, &c.call, &d, Outcome::Denied, None, None);
                     return Verdict::Refuse(denied(&d, None));
                 }
             };
-            record(cfg, &c.call, &d, Outcome::Held, Some(req.id.clone()), None);
+            if !record(cfg, &c.call, &d, Outcome::Held, Some(req.id.clone()), None) {
+                return Verdict::Refuse(unaudited());
+            }
             let out = q.wait(&cfg.tenant, &req.id, cfg.approval_timeout).await;
             let (outcome, by) = match &out {
                 Ok(ApprovalOutcome::Approved { by, .. }) => (Outcome::Approved, Some(by.clone())),
                 Ok(ApprovalOutcome::Denied { by, .. }) => (Outcome::Rejected, Some(by.clone())),
                 Ok(ApprovalOutcome::TimedOut) | Err(_) => (Outcome::TimedOut, None),
             };
-            record(cfg, &c.call, &d, outcome, Some(req.id.clone()), by);
+            if !record(cfg, &c.call, &d, outcome, Some(req.id.clone()), by) {
+                return Verdict::Refuse(unaudited());
+            }
             if outcome == Outcome::Approved {
                 Verdict::Go
             } else {

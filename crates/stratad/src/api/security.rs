@@ -617,10 +617,6 @@ async fn audit_export(
 ) -> ApiResult<impl IntoResponse> {
     let p = who(&caller)?;
     let params = Params::parse(q.as_deref(), &["sandbox", "since"], &[], false)?;
-    let filter = audit::Filter {
-        tenant: Some(p.tenant.to_owned()),
-        sandbox: params.one("sandbox").map(str::to_owned),
-    };
     let since: Option<DateTime<Utc>> = match params.one("since") {
         None => None,
         Some(v) => Some(match DateTime::parse_from_rfc3339(v) {
@@ -638,37 +634,110 @@ async fn audit_export(
             }
         }),
     };
+    let filter = audit::Filter {
+        tenant: Some(p.tenant.to_owned()),
+        sandbox: params.one("sandbox").map(str::to_owned),
+        since,
+    };
     let path = ctx.sec.audit_path().to_owned();
-    let out = tokio::task::spawn_blocking(move || -> Result<Vec<u8>, audit::AuditError> {
-        let mut buf = Vec::new();
-        audit::export(&path, &filter, &mut buf)?;
-        let Some(since) = since else { return Ok(buf) };
-        let mut kept = Vec::new();
-        for line in buf.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
-            let t = serde_json::from_slice::<serde_json::Value>(line)
-                .ok()
-                .and_then(|v| v["time"].as_str().map(String::from))
-                .and_then(|s| DateTime::parse_from_rfc3339(&s).ok());
-            if t.is_some_and(|t| t >= since) {
-                kept.extend_from_slice(line);
-                kept.push(b'\n');
-            }
+    // An unreadable log is a 500 before any byte of the body.
+    std::fs::metadata(&path).map_err(internal)?;
+    // Streamed: a blocking task reads the log a line at a time and hands
+    // the body 64 KiB chunks through a channel of four, so neither the log
+    // nor the answer is ever held whole; a client that stops reading stops
+    // the reader, one that goes away ends it.
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<bytes::Bytes, std::io::Error>>(4);
+    tokio::task::spawn_blocking(move || {
+        let mut w = ChunkSender {
+            tx,
+            buf: Vec::with_capacity(EXPORT_CHUNK),
+        };
+        let r = audit::export(&path, &filter, &mut w).and_then(|_| {
+            std::io::Write::flush(&mut w).map_err(|source| audit::AuditError::Io {
+                path: path.clone(),
+                source,
+            })
+        });
+        if let Err(e) = r {
+            tracing::warn!(error = %e, "audit export ended early");
+            let _ =
+                w.tx.blocking_send(Err(std::io::Error::other(e.to_string())));
         }
-        Ok(kept)
-    })
-    .await
-    .map_err(internal)?
-    .map_err(internal)?;
-    Ok(([(header::CONTENT_TYPE, super::NDJSON)], out))
+    });
+    let body = axum::body::Body::from_stream(futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|c| (c, rx))
+    }));
+    Ok(([(header::CONTENT_TYPE, super::NDJSON)], body))
 }
 
-async fn audit_verify(State(ctx): State<Ctx>) -> ApiResult<impl IntoResponse> {
+/// Size of the chunks an audit export is sent in.
+const EXPORT_CHUNK: usize = 64 * 1024;
+
+/// A `Write` that sends what is written to a streaming body in chunks.
+struct ChunkSender {
+    tx: tokio::sync::mpsc::Sender<Result<bytes::Bytes, std::io::Error>>,
+    buf: Vec<u8>,
+}
+
+impl std::io::Write for ChunkSender {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.buf.extend_from_slice(b);
+        if self.buf.len() >= EXPORT_CHUNK {
+            self.flush()?;
+        }
+        Ok(b.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let chunk = bytes::Bytes::from(std::mem::replace(
+            &mut self.buf,
+            Vec::with_capacity(EXPORT_CHUNK),
+        ));
+        self.tx
+            .blocking_send(Ok(chunk))
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::BrokenPipe, "client went away"))
+    }
+}
+
+async fn audit_verify(
+    State(ctx): State<Ctx>,
+    Extension(caller): Extension<Caller>,
+) -> ApiResult<impl IntoResponse> {
+    let p = who(&caller)?;
+    let tenant = p.tenant.to_owned();
     let sec = ctx.sec.clone();
+    let keyed = sec.audit().keyed();
     let r = tokio::task::spawn_blocking(move || sec.verify_audit())
         .await
         .map_err(internal)?;
+    // The daemon verifies the whole chain (only it holds the key; a
+    // tenant's entries link through other tenants'); a tenant's admin is
+    // told the verdict and its own tenant's part, the platform tenant's
+    // admins every tenant's.
     Ok(Json(match r {
-        Ok(v) => json!({ "ok": true, "entries": v.entries, "head": v.head }),
-        Err(e) => json!({ "ok": false, "error": e.to_string() }),
+        Ok(v) => {
+            let mine = v.tenants.get(&tenant).cloned().unwrap_or_default();
+            let mut out = json!({
+                "ok": true,
+                "entries": v.entries,
+                "head": v.head,
+                "keyed": keyed,
+                "keyed_from": v.keyed_from,
+                "unkeyed_entries": v.legacy.0,
+                "tenant": tenant,
+                "tenant_entries": mine.entries,
+                "tenant_decisions": mine.decisions,
+                "tenant_first_seq": mine.first_seq,
+                "tenant_last_seq": mine.last_seq,
+            });
+            if tenant == crate::store::DEFAULT_TENANT {
+                out["tenants"] = json!(v.tenants);
+            }
+            out
+        }
+        Err(e) => json!({ "ok": false, "keyed": keyed, "tenant": tenant, "error": e.to_string() }),
     }))
 }

@@ -259,6 +259,8 @@ fn harness() -> Harness {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = Config {
         data_dir: dir.path().to_owned(),
+        // The audit key comes from here (never the host's /etc/strata/keys).
+        key_dir: dir.path().join("keys"),
         max_json_body_bytes: 4096,
         max_upload_bytes: 16,
         ..Config::default()

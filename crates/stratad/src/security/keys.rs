@@ -45,12 +45,15 @@ const HKDF_SALT: &[u8] = b"strata key store v1";
 pub enum Purpose {
     /// Environment variables kept with a sandbox (the E2B door's `envVars`).
     SandboxEnv,
+    /// The audit chain's HMAC-SHA256 links (`strata_policy::audit`).
+    AuditChain,
 }
 
 impl Purpose {
     fn info(self) -> &'static [u8] {
         match self {
             Purpose::SandboxEnv => b"strata sandbox env v1",
+            Purpose::AuditChain => b"strata audit chain v1",
         }
     }
 }
@@ -176,6 +179,18 @@ impl KeyStore {
             key: LessSafeKey::new(UnboundKey::from(okm)),
             rng: self.rng.clone(),
         })
+    }
+}
+
+impl KeyStore {
+    /// The HMAC-SHA256 key of one purpose.
+    pub fn hmac_key(&self, purpose: Purpose) -> Result<ring::hmac::Key, KeyError> {
+        let info = [purpose.info()];
+        let okm = self
+            .master
+            .expand(&info, ring::hmac::HMAC_SHA256)
+            .map_err(|_| KeyError::Derive)?;
+        Ok(ring::hmac::Key::from(okm))
     }
 }
 

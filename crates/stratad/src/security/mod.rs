@@ -25,7 +25,9 @@ use std::sync::{Arc, Mutex};
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use strata_policy::approval::ApprovalQueue;
-use strata_policy::audit::{self, AuditDecision, AuditLog, Outcome};
+use strata_policy::audit::{
+    self, AuditDecision, AuditLimits, AuditLog, AuditOptions, ChainStart, Outcome,
+};
 use strata_policy::proxy::{
     Egress, HostTunnels, PolicySource, ProxyConfig, Resolver, StaticResolver, SystemResolver,
     TunnelLimits,
@@ -58,6 +60,14 @@ pub enum SecurityError {
     /// The approval queue could not be reloaded.
     #[error(transparent)]
     Approvals(#[from] strata_policy::approval::StoreError),
+    /// The record of where the audit log's keyed chain begins (in the key dir).
+    #[error("audit chain start {path}: {why}")]
+    ChainStart {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        why: String,
+    },
     /// Writing the bootstrap token.
     #[error("writing {path}")]
     Bootstrap {
@@ -346,7 +356,6 @@ pub struct Security {
     policies: Arc<Policies>,
     approvals: Arc<ApprovalQueue>,
     audit: Arc<AuditLog>,
-    audit_lock: Mutex<()>,
     limiter: RateLimiter,
     resolver: Mutex<Arc<dyn Resolver>>,
     proxies: Mutex<HashMap<String, Arc<Egress>>>,
@@ -392,11 +401,17 @@ impl Security {
             .map_err(strata_policy::policy::LoadError::Parse)?;
         let fallback = PolicySet::new(Some(Arc::new(deny)), None, None)
             .map_err(|e| SecurityError::Compose(e.to_string()))?;
-        let audit_path = config.data_dir.join("audit.jsonl");
-        let audit = AuditLog::open(&audit_path)?;
+        let audit = Arc::new(open_audit(config)?);
         if let Some((seq, hash)) = store.audit_head()? {
-            audit::verify_head(&audit_path, seq, &hash)?;
+            audit.verify(Some((seq, &hash)))?;
         }
+        // Every write records the head, whoever appends (the egress proxies
+        // included): a cut tail is detected at the next start.
+        let st = store.clone();
+        audit.set_head_sink(Box::new(move |seq, hash| {
+            st.set_audit_head(seq, hash).map_err(|e| e.to_string())
+        }));
+        spawn_audit_flusher(&audit);
         let approvals = ApprovalQueue::with_store(store.clone())?;
         let ranges = cfg
             .egress_resolved_ranges
@@ -433,8 +448,7 @@ impl Security {
             }),
             store,
             approvals: Arc::new(approvals),
-            audit: Arc::new(audit),
-            audit_lock: Mutex::new(()),
+            audit,
             resolver: Mutex::new(resolver),
             proxies: Mutex::new(HashMap::new()),
             tunnels: HostTunnels::new(tunnel_limits(&config.egress)),
@@ -618,8 +632,11 @@ impl Security {
             .evaluate(call)
     }
 
-    /// Appends a decision to the audit log (on disk when it returns) and
-    /// records the new head in the database.
+    /// Appends a decision of the API to the audit log (on disk, with its
+    /// head in the database, when it returns). Each is written: API callers
+    /// are rate-limited per token; the aggregation of repeated denials and
+    /// the per-sandbox write budget apply to the egress proxies' decisions,
+    /// which a guest can make at will (`AuditLog::record`).
     pub fn record(
         &self,
         call: &ToolCall,
@@ -628,28 +645,30 @@ impl Security {
         approval_id: Option<String>,
         by: Option<String>,
     ) -> Result<(), String> {
-        let _g = self.audit_lock.lock().unwrap_or_else(|p| p.into_inner());
         self.audit
             .append(
                 call,
                 AuditDecision::from_decision(decision, outcome, approval_id),
                 by,
             )
-            .map_err(|e| format!("audit log: {e}"))?;
-        // The head includes entries the egress proxies appended meanwhile.
-        let (seq, hash) = self.audit.head();
-        self.store
-            .set_audit_head(seq, &hash)
-            .map_err(|e| format!("recording the audit head: {e}"))
+            .map(|_| ())
+            .map_err(|e| format!("audit log: {e}"))
     }
 
-    /// Verifies the audit chain and that it still reaches the recorded head.
+    /// The audit log.
+    pub fn audit(&self) -> &Arc<AuditLog> {
+        &self.audit
+    }
+
+    /// Verifies the audit chain (under the audit key and the keyed chain's
+    /// recorded start) and that it still reaches the recorded head.
     pub fn verify_audit(&self) -> Result<audit::Verified, audit::AuditError> {
-        let _g = self.audit_lock.lock().unwrap_or_else(|p| p.into_inner());
-        match self.store.audit_head() {
-            Ok(Some((seq, hash))) => audit::verify_head(self.audit.path(), seq, &hash),
-            _ => audit::verify(self.audit.path()),
-        }
+        let head = self
+            .store
+            .audit_head()
+            .map_err(|e| audit::AuditError::Head(e.to_string()))?;
+        self.audit
+            .verify(head.as_ref().map(|(s, h)| (*s, h.as_str())))
     }
 
     /// Replaces the resolver of egress proxies started from now on.
@@ -840,6 +859,105 @@ impl TunnelService for SandboxTunnels {
 /// tunnels every connection over the agent channel to the sandbox's proxy
 /// on the host; commands run through the agent get it as `http_proxy`.
 pub const GUEST_PROXY: &str = "127.0.0.1:3128";
+
+/// Where the start of `data_dir`'s keyed audit chain is recorded: in the
+/// key dir, out of reach of whoever can only write the data dir (one file
+/// per data dir, so daemons sharing a key dir do not collide).
+pub fn chain_start_path(key_dir: &Path, data_dir: &Path) -> PathBuf {
+    use sha2::{Digest, Sha256};
+    let dir = std::fs::canonicalize(data_dir).unwrap_or_else(|_| data_dir.to_path_buf());
+    let id = Sha256::digest(dir.as_os_str().as_encoded_bytes());
+    key_dir.join(format!("audit-chain-{}.json", &hex::encode(id)[..16]))
+}
+
+/// Opens `<data_dir>/audit.jsonl`, keyed with the key store's
+/// [`keys::Purpose::AuditChain`] key when the key store is usable. On the
+/// first keyed open the chain's start (the end of the unkeyed entries so
+/// far) is recorded beside the key; later opens hold the log to it, so a
+/// log rewritten in the unkeyed form is refused.
+fn open_audit(config: &Config) -> Result<AuditLog, SecurityError> {
+    let path = config.data_dir.join("audit.jsonl");
+    let key = match keys::KeyStore::open(&config.key_dir)
+        .and_then(|k| k.hmac_key(keys::Purpose::AuditChain))
+    {
+        Ok(k) => Some(k),
+        Err(e) => {
+            tracing::error!(
+                error = %e,
+                "the audit chain is NOT keyed: the key store is unusable, so new audit entries use the unkeyed chain (whoever can write the data dir can rewrite them); fix the key dir and restart"
+            );
+            None
+        }
+    };
+    let marker = chain_start_path(&config.key_dir, &config.data_dir);
+    let bad = |why: String| SecurityError::ChainStart {
+        path: marker.clone(),
+        why,
+    };
+    let start: Option<ChainStart> = match (&key, std::fs::read(&marker)) {
+        (None, _) => None,
+        (Some(_), Ok(b)) => Some(serde_json::from_slice(&b).map_err(|e| bad(e.to_string()))?),
+        (Some(_), Err(e)) if e.kind() == std::io::ErrorKind::NotFound => None,
+        (Some(_), Err(e)) => return Err(bad(e.to_string())),
+    };
+    let recorded = start.is_some();
+    let log = AuditLog::open_with(
+        &path,
+        AuditOptions {
+            key,
+            start,
+            limits: Some(AuditLimits::default()),
+        },
+    )?;
+    if let (false, Some(st)) = (recorded, log.chain_start()) {
+        write_private(
+            &marker,
+            &serde_json::to_vec(st).map_err(|e| bad(e.to_string()))?,
+        )
+        .map_err(|e| bad(e.to_string()))?;
+        tracing::info!(
+            unkeyed_entries = st.legacy_seq,
+            marker = %marker.display(),
+            "audit chain keyed from here on"
+        );
+    }
+    Ok(log)
+}
+
+/// Writes `bytes` to `path` (mode 0600) through a temporary file and a rename.
+fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let tmp = path.with_extension("json.tmp");
+    let _ = std::fs::remove_file(&tmp);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path)
+}
+
+/// Writes the audit log's due aggregates about once a second, until the
+/// log is dropped.
+fn spawn_audit_flusher(audit: &Arc<AuditLog>) {
+    let weak = Arc::downgrade(audit);
+    let spawned = std::thread::Builder::new()
+        .name("audit-flush".into())
+        .spawn(move || loop {
+            std::thread::sleep(std::time::Duration::from_secs(1));
+            let Some(a) = weak.upgrade() else { break };
+            if let Err(e) = a.flush() {
+                tracing::error!(error = %e, "audit log: writing aggregated denials");
+            }
+        });
+    if let Err(e) = spawned {
+        // Aggregates are still written by the next decision and at close.
+        tracing::error!(error = %e, "audit flusher thread");
+    }
+}
 
 #[cfg(test)]
 mod builder_tests {

@@ -27,6 +27,8 @@ fn sec_harness_on(tune: impl FnOnce(&mut Config), engine: Arc<Double>) -> Sec {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = Config {
         data_dir: dir.path().to_owned(),
+        // The audit key comes from here (never the host's /etc/strata/keys).
+        key_dir: dir.path().join("keys"),
         max_json_body_bytes: 4096,
         ..Config::default()
     };
@@ -831,6 +833,26 @@ async fn egress_proxy_applies_the_tenant_policy_per_request() {
     assert!(text.contains("\"kind\":\"egress\""), "{text}");
     let (_, v, _) = req(&h, "GET", "/v1/audit/verify", Some(&admin), "").await;
     assert_eq!(v["ok"], true, "{v}");
+    // The head in the database follows the egress entries too (the last
+    // entries of the log are the proxy's).
+    let (seq, hash) = h
+        .app
+        .security()
+        .unwrap()
+        .store()
+        .audit_head()
+        .unwrap()
+        .unwrap();
+    let log = std::fs::read_to_string(h.dir.path().join("audit.jsonl")).unwrap();
+    let last: Value = serde_json::from_str(log.lines().last().unwrap()).unwrap();
+    assert!(last["call"]["kind"]["kind"] == "egress", "{last}");
+    assert_eq!(
+        (seq, hash.as_str()),
+        (
+            last["seq"].as_u64().unwrap(),
+            last["hash"].as_str().unwrap()
+        )
+    );
 }
 
 #[tokio::test]
@@ -876,4 +898,153 @@ async fn an_exec_setting_a_dangerous_env_variable_is_refused_and_runs_nothing() 
     let (s, v) = exec(&h, &dev, &id, "", &["bash", "-c", "true"]).await;
     assert_eq!(s, StatusCode::OK, "{v}");
     assert_eq!(engine.execs.load(Ordering::Relaxed), 1);
+}
+
+/// Writes an audit log in the old unkeyed form (no `v`), as a daemon from
+/// before the audit key wrote it: `n` entries, every tenth of `acme`, the
+/// rest of the platform tenant.
+fn write_legacy_log(path: &std::path::Path, n: u64) {
+    use std::io::Write;
+    let mut f = std::io::BufWriter::new(std::fs::File::create(path).unwrap());
+    let mut prev = strata_policy::audit::GENESIS.to_string();
+    for seq in 1..=n {
+        let tenant = if seq % 10 == 0 { "acme" } else { "default" };
+        let mut v = json!({
+            "seq": seq, "time": "2026-11-01T10:00:00Z", "tenant": tenant, "sandbox": "sb-old",
+            "actor": "tok-old",
+            "call": {"tenant": tenant, "sandbox": "sb-old", "actor": "tok-old",
+                     "kind": {"kind": "file_read", "path": format!("/workspace/some/longer/path/{seq}")}},
+            "decision": {"outcome": "allowed", "effect": "allow", "rule_id": "default",
+                         "layer": null, "reason": "default allow"},
+            "by": null, "prev_hash": prev, "hash": ""
+        });
+        let h = strata_policy::audit::entry_hash(&prev, &v);
+        v["hash"] = h.clone().into();
+        writeln!(f, "{v}").unwrap();
+        prev = h;
+    }
+    f.flush().unwrap();
+}
+
+#[tokio::test]
+async fn an_old_log_verifies_per_tenant_and_a_large_export_streams_in_chunks() {
+    const N: u64 = 10_000;
+    let h = sec_harness(|c| write_legacy_log(&c.data_dir.join("audit.jsonl"), N));
+    // New decisions are keyed, after the old entries.
+    let dev = token(&h, "acme", "developer").await;
+    let id = create_sb(&h, &dev).await;
+    assert_eq!(exec(&h, &dev, &id, "", &["true"]).await.0, StatusCode::OK);
+    let last = std::fs::read_to_string(h.dir.path().join("audit.jsonl")).unwrap();
+    let last: Value = serde_json::from_str(last.lines().last().unwrap()).unwrap();
+    assert_eq!(last["v"], 2, "{last}");
+
+    let (s, v, _) = req(&h, "GET", "/v1/audit/verify", Some(&h.admin), "").await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["ok"], true, "{v}");
+    assert_eq!(v["keyed"], true, "{v}");
+    assert_eq!(v["unkeyed_entries"], N, "{v}");
+    assert_eq!(v["keyed_from"], N + 1, "{v}");
+    assert_eq!(v["tenant"], "default");
+    assert_eq!(v["tenant_entries"], N - N / 10, "{v}");
+    // The decisions made since (create, exec) are acme's.
+    let new = v["entries"].as_u64().unwrap() - N;
+    assert!(new >= 2, "{v}");
+    assert_eq!(v["tenants"]["acme"]["entries"], N / 10 + new, "{v}");
+    // A tenant's admin gets its own part and the verdict, not the others'.
+    let acme = token(&h, "acme", "admin").await;
+    let (_, v, _) = req(&h, "GET", "/v1/audit/verify", Some(&acme), "").await;
+    assert_eq!(v["ok"], true, "{v}");
+    assert_eq!(v["tenant"], "acme");
+    assert_eq!(v["tenant_entries"], N / 10 + new, "{v}");
+    assert_eq!(v["tenant_last_seq"], N + new, "{v}");
+    assert!(v.get("tenants").is_none(), "{v}");
+
+    // The export (~10 MB) arrives in bounded chunks, not as one buffer.
+    let resp = h
+        .app
+        .router()
+        .oneshot(
+            Request::builder()
+                .uri("/v1/audit")
+                .header("authorization", format!("Bearer {}", h.admin))
+                .body(AxBody::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut body = resp.into_body();
+    let (mut frames, mut biggest, mut total, mut lines) = (0usize, 0usize, 0usize, 0usize);
+    while let Some(f) = body.frame().await {
+        let data = f.unwrap().into_data().unwrap_or_default();
+        frames += 1;
+        biggest = biggest.max(data.len());
+        total += data.len();
+        lines += data.iter().filter(|&&b| b == b'\n').count();
+    }
+    assert_eq!(
+        lines as u64,
+        N - N / 10,
+        "the platform tenant's entries only"
+    );
+    assert!(total > 2 << 20, "{total} bytes");
+    assert!(
+        frames > 20,
+        "{frames} frames for {total} bytes: not streamed"
+    );
+    assert!(biggest <= 64 * 1024 + 1024, "a chunk of {biggest} bytes");
+}
+
+#[tokio::test]
+async fn a_log_and_head_rewritten_without_the_key_are_refused_at_start() {
+    let h = sec_harness(|_| {});
+    let dev = token(&h, "acme", "developer").await;
+    let id = create_sb(&h, &dev).await;
+    for _ in 0..3 {
+        assert_eq!(exec(&h, &dev, &id, "", &["true"]).await.0, StatusCode::OK);
+    }
+    let Sec { app, dir, .. } = h;
+    app.stop();
+    drop(app);
+    let cfg = Config {
+        data_dir: dir.path().to_owned(),
+        key_dir: dir.path().join("keys"),
+        ..Config::default()
+    };
+    // Someone who can write the data dir but not the key dir: edits an
+    // entry, recomputes every link in the only form they can (the unkeyed
+    // one) and records the matching head in the database.
+    let path = cfg.data_dir.join("audit.jsonl");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let mut prev = strata_policy::audit::GENESIS.to_string();
+    let mut out = String::new();
+    let mut seq = 0;
+    for l in text.lines() {
+        let mut v: Value = serde_json::from_str(l).unwrap();
+        v.as_object_mut().unwrap().remove("v");
+        v["actor"] = "someone-else".into();
+        v["prev_hash"] = prev.clone().into();
+        prev = strata_policy::audit::entry_hash(&prev, &v);
+        v["hash"] = prev.clone().into();
+        seq = v["seq"].as_u64().unwrap();
+        out.push_str(&format!("{v}\n"));
+    }
+    std::fs::write(&path, out).unwrap();
+    let db = rusqlite::Connection::open(cfg.db_path()).unwrap();
+    db.execute(
+        "UPDATE audit_head SET seq = ?1, hash = ?2",
+        rusqlite::params![seq as i64, prev],
+    )
+    .unwrap();
+    drop(db);
+    // The old (unkeyed) verification accepts it…
+    assert!(strata_policy::audit::verify_head(&path, seq, &prev).is_ok());
+    // …the daemon, holding the key, does not.
+    let err = crate::security::Security::open(&cfg)
+        .err()
+        .map(|e| e.to_string());
+    assert!(
+        err.as_deref().is_some_and(|e| e.contains("unkeyed entry")),
+        "{err:?}"
+    );
 }
