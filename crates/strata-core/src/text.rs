@@ -46,6 +46,25 @@ pub fn escape(s: &str) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
+/// [`escape`] that keeps newlines and tabs: for multi-line text shown to a
+/// person (a page of CLI output, an error with a console tail), where
+/// lines are meant but a terminal escape sequence never is.
+pub fn escape_text(s: &str) -> Cow<'_, str> {
+    let bad = |c: char| needs_escape(c) && c != '\n' && c != '\t';
+    if !s.chars().any(bad) {
+        return Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        if bad(c) {
+            let _ = write_escaped(c, &mut out);
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
+}
+
 /// Displays a string with [`escape`]'s escapes, without allocating: for
 /// log fields (`tracing::warn!(peer = %Escaped(&peer), …)`) and
 /// `format!`.
@@ -79,6 +98,11 @@ mod tests {
         );
         assert!(!e.chars().any(needs_escape));
         assert_eq!(Escaped(guest).to_string(), e);
+        // Multi-line text keeps its lines and tabs, nothing else.
+        assert_eq!(
+            escape_text("a\n\tb\u{1b}]0;title\u{7}\r"),
+            "a\n\tb\\u{1b}]0;title\\u{7}\\r"
+        );
         // Separators and bidi overrides too.
         assert_eq!(
             escape("a\u{2028}b\u{202e}c\u{2066}"),
