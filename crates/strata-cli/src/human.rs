@@ -84,7 +84,19 @@ pub fn local_time(t: DateTime<Utc>) -> String {
 /// Renders rows as a left-aligned table with a header line; columns are
 /// separated by two spaces and padded to their widest cell (in chars).
 /// Columns whose header starts with `>` are right-aligned (the `>` is dropped).
+/// Cells hold names a guest or a tenant chose (file names, labels,
+/// reasons): their control characters are escaped (one row per item, no
+/// terminal escapes).
 pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
+    let rows: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| {
+            r.iter()
+                .map(|c| strata_core::text::escape(c).into_owned())
+                .collect()
+        })
+        .collect();
+    let rows = &rows;
     let right: Vec<bool> = headers.iter().map(|h| h.starts_with('>')).collect();
     let heads: Vec<&str> = headers.iter().map(|h| h.trim_start_matches('>')).collect();
     let mut widths: Vec<usize> = heads.iter().map(|h| h.chars().count()).collect();

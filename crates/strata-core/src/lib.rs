@@ -8,6 +8,7 @@ pub mod id;
 pub mod size;
 pub mod state;
 pub mod stats;
+pub mod text;
 
 pub use error::ErrorCode;
 pub use id::{SandboxId, SnapshotId, TemplateId};

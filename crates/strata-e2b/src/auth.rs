@@ -297,12 +297,60 @@ pub fn hmac_sha256(key: &[u8], msg: &[u8]) -> [u8; 32] {
     outer.finalize().into()
 }
 
-/// The envd access token of sandbox `id`.
+/// The *legacy* envd access token of sandbox `id` (HMAC of the id: the
+/// same for the sandbox's whole life and whoever asked). Handed out before
+/// tokens were stored; still accepted for a sandbox that has no stored
+/// token ([`envd_token_of`]), so SDK clients holding one keep working.
 pub fn envd_token(secret: &[u8], id: &str) -> String {
     hex::encode(hmac_sha256(
         secret,
         format!("strata-e2b envd {id}").as_bytes(),
     ))
+}
+
+/// The envd access token of sandbox `id` issued with `nonce` (32 random
+/// bytes, hex): `v2.<nonce>.<mac>`, the MAC an HMAC of the id and nonce
+/// under the door's secret. The store keeps the nonce and the token's
+/// SHA-256 (the row decides whether it still holds); the door derives the
+/// token again to check a signed file URL or to hand a credential its
+/// token once more, and the MAC tells a token it issued for a sandbox that
+/// is gone (answered "not running", as E2B does) from a guess (401).
+pub fn envd_token_of(secret: &[u8], id: &str, nonce: &str) -> String {
+    let mac = hmac_sha256(
+        secret,
+        format!("strata-e2b envd v2 {id} {nonce}").as_bytes(),
+    );
+    format!("{ENVD_TOKEN_PREFIX}{nonce}.{}", hex::encode(mac))
+}
+
+/// Prefix of the envd access tokens of [`envd_token_of`].
+pub const ENVD_TOKEN_PREFIX: &str = "v2.";
+
+/// Whether `token` is one [`envd_token_of`] made for sandbox `id` under
+/// `secret` (whatever its nonce; constant time in the MAC).
+pub fn issued_for(secret: &[u8], id: &str, token: &str) -> bool {
+    let Some((nonce, _)) = token
+        .strip_prefix(ENVD_TOKEN_PREFIX)
+        .and_then(|t| t.split_once('.'))
+    else {
+        return false;
+    };
+    nonce.len() == 64
+        && nonce.bytes().all(|b| b.is_ascii_hexdigit())
+        && constant_time_eq(
+            envd_token_of(secret, id, nonce).as_bytes(),
+            token.as_bytes(),
+        )
+}
+
+/// A fresh nonce of [`envd_token_of`].
+pub fn envd_nonce() -> String {
+    hex::encode(random_secret())
+}
+
+/// The SHA-256 (hex) under which a token is stored and looked up.
+pub fn token_hash(token: &str) -> String {
+    hex::encode(Sha256::digest(token.as_bytes()))
 }
 
 /// Compares without an early exit on the first differing byte.
@@ -431,10 +479,35 @@ impl Shape {
     }
 }
 
+/// The sandbox of an envd request whose access token was checked and the
+/// caller that token was handed to (whose credential still holds): what
+/// the call acts as. Dereferences to the sandbox id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EnvdTarget {
+    /// The sandbox.
+    pub id: SandboxId,
+    /// Who the call acts as.
+    pub caller: Caller,
+}
+
+impl std::ops::Deref for EnvdTarget {
+    type Target = SandboxId;
+
+    fn deref(&self) -> &SandboxId {
+        &self.id
+    }
+}
+
+impl std::fmt::Display for EnvdTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.id.fmt(f)
+    }
+}
+
 /// The sandbox of an envd request whose access token was checked, put into
 /// the request's extensions by [`require_access_token`].
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EnvdSandbox(pub SandboxId);
+pub struct EnvdSandbox(pub EnvdTarget);
 
 /// Middleware of envd: `E2b-Sandbox-Id` and `X-Access-Token` checked before
 /// any extractor reads the body (an anonymous request with a 1 GiB
@@ -454,15 +527,19 @@ pub async fn require_access_token(
             too_many_failures(wait),
         ));
     }
-    let id = match st.envd_sandbox(req.headers()) {
-        Ok(id) => id,
+    let target = match st.envd_target(req.headers()).await {
+        Ok(t) => t,
         Err(e) => {
-            if let Some(a) = addr {
+            // A wrong or missing credential counts; a good one on a
+            // sandbox that is gone does not.
+            let failed = matches!(e.code, Code::Unauthenticated | Code::InvalidArgument);
+            if let Some(a) = addr.filter(|_| failed) {
                 st.failures.failed(a, Instant::now());
             }
             return shape.refuse(e);
         }
     };
+    let id = &target.id;
     if let Err(wait) = st.envd_limiter.check(id.as_str()) {
         return shape.refuse(ConnectError::new(
             Code::ResourceExhausted,
@@ -473,7 +550,7 @@ pub async fn require_access_token(
             ),
         ));
     }
-    req.extensions_mut().insert(EnvdSandbox(id));
+    req.extensions_mut().insert(EnvdSandbox(target));
     next.run(req).await
 }
 
@@ -551,6 +628,21 @@ mod tests {
             off.failed(a, t0);
         }
         assert_eq!(off.blocked(a, t0), None);
+    }
+
+    #[test]
+    fn issued_tokens_are_tied_to_secret_sandbox_and_nonce() {
+        let n = envd_nonce();
+        let t = envd_token_of(b"s1", "sbx-a", &n);
+        assert!(t.starts_with(ENVD_TOKEN_PREFIX) && t.contains(&n));
+        assert_ne!(t, envd_token_of(b"s1", "sbx-a", &envd_nonce()));
+        assert!(issued_for(b"s1", "sbx-a", &t));
+        assert!(!issued_for(b"s2", "sbx-a", &t));
+        assert!(!issued_for(b"s1", "sbx-b", &t));
+        let forged = format!("{ENVD_TOKEN_PREFIX}{n}.{}", "0".repeat(64));
+        assert!(!issued_for(b"s1", "sbx-a", &forged));
+        assert!(!issued_for(b"s1", "sbx-a", &envd_token(b"s1", "sbx-a")));
+        assert_eq!(token_hash(&t).len(), 64);
     }
 
     #[test]

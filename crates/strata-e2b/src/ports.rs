@@ -178,13 +178,8 @@ async fn port_caller(
     h: &HeaderMap,
 ) -> Result<Caller, Response> {
     let secret = &st.cfg.token_secret;
-    let token = header_str(h, TRAFFIC_TOKEN_HEADER)
-        .map(|v| (v, traffic_token(secret, id.as_str())))
-        .or_else(|| {
-            header_str(h, "x-access-token")
-                .map(|v| (v, crate::auth::envd_token(secret, id.as_str())))
-        });
-    if let Some((given, want)) = token {
+    if let Some(given) = header_str(h, TRAFFIC_TOKEN_HEADER) {
+        let want = traffic_token(secret, id.as_str());
         if !crate::auth::constant_time_eq(given.as_bytes(), want.as_bytes()) {
             return Err(refuse(
                 401,
@@ -192,7 +187,18 @@ async fn port_caller(
                 Some(t),
             ));
         }
-        return st.envd_caller(id).await.map_err(|e| caller_refusal(e, t));
+        return st
+            .sandbox_envd_caller(id)
+            .await
+            .map_err(|e| caller_refusal(e, t));
+    }
+    if let Some(given) = header_str(h, "x-access-token") {
+        // An envd access token acts as the caller it was issued to.
+        return st
+            .envd_check(id.as_str(), given)
+            .await
+            .map(|target| target.caller)
+            .map_err(|e| caller_refusal(e, t));
     }
     if let Some(key) = header_str(h, "x-api-key").filter(|k| !k.is_empty()) {
         return crate::auth::caller_of(st, key)
@@ -208,7 +214,9 @@ async fn port_caller(
             Some(t),
         ));
     }
-    st.envd_caller(id).await.map_err(|e| caller_refusal(e, t))
+    st.sandbox_envd_caller(id)
+        .await
+        .map_err(|e| caller_refusal(e, t))
 }
 
 fn service_refusal(e: &ServiceError, t: &Target) -> Response {

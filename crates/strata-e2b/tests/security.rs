@@ -306,7 +306,8 @@ async fn api_keys_strata_tokens_roles_and_tenants() {
         )
         .await;
     assert_eq!(st, 204, "{body}");
-    let (_, d) = s.e2b("GET", &format!("/sandboxes/{mine}"), &dev).await;
+    let (st, d) = s.e2b("GET", &format!("/sandboxes/{mine}"), &dev).await;
+    assert_eq!(st, 200, "{d}");
     let end = chrono::DateTime::parse_from_rfc3339(d["endAt"].as_str().unwrap()).unwrap();
     assert!(
         end.with_timezone(&Utc) > Utc::now() + chrono::TimeDelta::days(365),
@@ -528,7 +529,11 @@ async fn envd_tokens_are_bound_to_who_they_were_handed_to() {
     let (st, d) = s.e2b("GET", &format!("/sandboxes/{id}"), &dev).await;
     assert_eq!(st, 200);
     let token = d["envdAccessToken"].as_str().unwrap().to_owned();
-    assert_eq!(token, envd_token(id.as_str()));
+    // Random and stored, not the legacy HMAC of the id; the same credential
+    // asking again gets the same token back.
+    assert_ne!(token, envd_token(id.as_str()));
+    let (_, d2) = s.e2b("GET", &format!("/sandboxes/{id}"), &dev).await;
+    assert_eq!(d2["envdAccessToken"].as_str(), Some(token.as_str()));
     let again = door(&s.app).await;
     for url in [&s.url, &again] {
         let (st, v) = s

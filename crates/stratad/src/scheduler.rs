@@ -91,9 +91,11 @@ pub fn phase(id: &SandboxId, interval: Duration) -> Duration {
 fn next_slot(id: &SandboxId, interval_ms: i64, now_ms: i64) -> i64 {
     let i = interval_ms.max(1);
     let ph = (fnv1a(id.as_str()) % i as u64) as i64;
-    let mut t = now_ms - now_ms.rem_euclid(i) + ph;
+    // Saturating: an interval of centuries (a stored row from before
+    // intervals were bounded) schedules "never", it does not overflow.
+    let mut t = (now_ms - now_ms.rem_euclid(i)).saturating_add(ph);
     if t <= now_ms {
-        t += i;
+        t = t.saturating_add(i);
     }
     t
 }
@@ -125,8 +127,8 @@ impl Schedule {
         let generation = self.next_generation;
         let entry = Entry {
             generation,
-            interval_ms: timing.snapshot_interval.as_millis() as i64,
-            idle_ms: timing.idle_timeout.as_millis() as i64,
+            interval_ms: i64::try_from(timing.snapshot_interval.as_millis()).unwrap_or(i64::MAX),
+            idle_ms: i64::try_from(timing.idle_timeout.as_millis()).unwrap_or(i64::MAX),
             last_activity_ms: last_activity.timestamp_millis(),
         };
         let now_ms = now.timestamp_millis();
@@ -136,7 +138,7 @@ impl Schedule {
                 .push(Reverse((due, generation, Kind::Snapshot, id.clone())));
         }
         if wants_idle {
-            let due = entry.last_activity_ms + entry.idle_ms;
+            let due = entry.last_activity_ms.saturating_add(entry.idle_ms);
             self.heap
                 .push(Reverse((due, generation, Kind::Idle, id.clone())));
         }
@@ -206,7 +208,7 @@ impl Schedule {
                     out.push(Task::Snapshot(id));
                 }
                 Kind::Idle => {
-                    let idle_at = e.last_activity_ms + e.idle_ms;
+                    let idle_at = e.last_activity_ms.saturating_add(e.idle_ms);
                     if idle_at <= now_ms {
                         out.push(Task::IdleHibernate(id));
                     } else {
@@ -439,6 +441,33 @@ mod tests {
         s.set(&id(1), SandboxState::Running, MIN, t0(), t0());
         s.remove(&id(1));
         assert!(run_for(&mut s, t0(), 120).is_empty());
+    }
+
+    #[test]
+    fn timings_of_centuries_schedule_nothing_and_do_not_overflow() {
+        // Stored rows from before timeouts were bounded (u64 seconds, up to
+        // i64::MAX): scheduling them saturates instead of panicking.
+        let huge = Duration::from_secs(i64::MAX as u64);
+        let mut s = Schedule::new();
+        for (i, timing) in [
+            Timing {
+                snapshot_interval: huge,
+                idle_timeout: huge,
+            },
+            Timing {
+                snapshot_interval: Duration::from_secs(10_000_000_000_000),
+                idle_timeout: Duration::from_secs(10_000_000_000_000),
+            },
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            s.set(&id(i), SandboxState::Running, timing, t0(), t0());
+            s.touch(&id(i), t0() + chrono::Duration::seconds(5));
+        }
+        assert!(run_for(&mut s, t0(), 120).is_empty());
+        let _ = s.next_due();
+        assert_eq!(s.tracked(), 2);
     }
 
     #[test]

@@ -185,36 +185,70 @@ async fn ls(ctx: &Ctx, id: &str, path: &str) -> anyhow::Result<i32> {
         .client()?
         .get_call(&["v1", "sandboxes", id, "files", "list"], &[("path", path)])
         .await?;
-    ctx.emit(&v, || {
-        let entries: Vec<FileEntry> = items(&v)?;
-        Ok(human::table_of(
-            &["MODE", "KIND", ">SIZE", "MODIFIED", "NAME"],
-            &entries,
-            |e| {
-                let mtime = chrono::DateTime::from_timestamp(e.mtime, 0)
-                    .map(human::local_time)
-                    .unwrap_or_default();
-                let name = if e.kind == "dir" {
-                    format!("{}/", e.name)
-                } else {
-                    e.name.clone()
-                };
-                vec![
-                    format!("{:04o}", e.mode),
-                    e.kind.clone(),
-                    human::bytes(e.size),
-                    mtime,
-                    name,
-                ]
-            },
-        ))
-    })?;
+    ctx.emit(&v, || Ok(ls_table(&items::<FileEntry>(&v)?)))?;
     Ok(0)
+}
+
+/// The `ls` table: names are the guest's, shown escaped (a name with a
+/// newline or a terminal escape stays one row of plain text).
+fn ls_table(entries: &[FileEntry]) -> String {
+    human::table_of(
+        &["MODE", "KIND", ">SIZE", "MODIFIED", "NAME"],
+        entries,
+        |e| {
+            let mtime = chrono::DateTime::from_timestamp(e.mtime, 0)
+                .map(human::local_time)
+                .unwrap_or_default();
+            let name = if e.kind == "dir" {
+                format!("{}/", e.name)
+            } else {
+                e.name.clone()
+            };
+            vec![
+                format!("{:04o}", e.mode),
+                e.kind.clone(),
+                human::bytes(e.size),
+                mtime,
+                name,
+            ]
+        },
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn guest_file_names_are_listed_without_terminal_escapes() {
+        let entries = [
+            FileEntry {
+                name: "evil\n-rw-r--r--  file  0  fake.txt".into(),
+                kind: "file".into(),
+                ..FileEntry::default()
+            },
+            FileEntry {
+                name: "\u{1b}]0;pwned\u{7}\u{1b}[2Jclear".into(),
+                kind: "dir".into(),
+                ..FileEntry::default()
+            },
+        ];
+        let out = ls_table(&entries);
+        assert_eq!(
+            out.lines().count(),
+            3,
+            "a header and one row per entry: {out}"
+        );
+        assert!(!out.chars().any(|c| c.is_control() && c != '\n'), "{out:?}");
+        assert!(
+            out.contains("evil\\n-rw-r--r--  file  0  fake.txt"),
+            "{out}"
+        );
+        assert!(
+            out.contains("\\u{1b}]0;pwned\\u{7}\\u{1b}[2Jclear/"),
+            "{out}"
+        );
+    }
 
     #[test]
     fn modes_are_octal() {

@@ -212,7 +212,10 @@ impl Ctx {
         if self.json {
             println!("{v}");
         } else {
+            // Guest- and tenant-chosen text (file names, labels, reasons,
+            // console tails) never reaches the terminal as escape sequences.
             let text = human()?;
+            let text = strata_core::text::escape_text(&text);
             print!("{text}");
             if !text.is_empty() && !text.ends_with('\n') {
                 println!();
@@ -341,7 +344,7 @@ pub fn print_failure(ctx: &Ctx, e: &anyhow::Error, code: &str, message: &str) {
             println!("{body}");
         } else {
             println!("{approval_id}");
-            eprintln!("strata: {message}");
+            eprintln!("strata: {}", strata_core::text::escape_text(message));
         }
         return;
     }
@@ -353,7 +356,10 @@ pub fn print_failure(ctx: &Ctx, e: &anyhow::Error, code: &str, message: &str) {
         }
         println!("{}", serde_json::json!({ "error": err }));
     } else {
-        eprintln!("strata: error: {}", human_error(message, code, status));
+        eprintln!(
+            "strata: error: {}",
+            strata_core::text::escape_text(&human_error(message, code, status))
+        );
     }
 }
 
@@ -364,7 +370,7 @@ pub fn print_error(ctx: &Ctx, code: &str, message: &str) {
         let body = serde_json::json!({ "error": { "code": code, "message": message } });
         println!("{body}");
     } else {
-        eprintln!("strata: error: {message}");
+        eprintln!("strata: error: {}", strata_core::text::escape_text(message));
     }
 }
 

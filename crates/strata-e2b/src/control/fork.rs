@@ -73,9 +73,15 @@ pub async fn fork(
             .await
         {
             Ok(rec) => {
-                if let Err(e) = st.bind_envd(&rec.id, &caller).await {
-                    tracing::warn!(sandbox = %rec.id, error = %e, "binding the envd token failed");
-                }
+                let token = match st.issue(&rec.id, &caller).await {
+                    Ok(t) => t,
+                    Err(e) => {
+                        // No envd call could reach it: not left behind.
+                        let _ = st.svc.delete(&caller, &rec.id, &gate_opts()).await;
+                        out.push(json!({ "error": { "code": e.status, "message": e.message } }));
+                        continue;
+                    }
+                };
                 st.keep_envs(&caller, &rec.id, envs.clone()).await;
                 if let Err(e) = st.keep_port_settings(&caller, &rec.id, ports.clone()).await {
                     // A fork of a private sandbox is never served public.
@@ -83,7 +89,7 @@ pub async fn fork(
                     out.push(json!({ "error": { "code": e.status, "message": e.message } }));
                     continue;
                 }
-                out.push(json!({ "sandbox": st.sandbox_json(&rec) }));
+                out.push(json!({ "sandbox": st.sandbox_json(&rec, &token) }));
             }
             Err(e) if i == 0 => return Err(sandbox_err(&id)(e)),
             Err(e) => {

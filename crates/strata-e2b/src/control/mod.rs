@@ -175,14 +175,15 @@ impl E2b {
         }
     }
 
-    /// The create/connect response (`Sandbox`).
-    fn sandbox_json(&self, rec: &SandboxRecord) -> Value {
+    /// The create/connect response (`Sandbox`) with the envd access token
+    /// issued to its caller.
+    pub(crate) fn sandbox_json(&self, rec: &SandboxRecord, envd_token: &str) -> Value {
         json!({
             "templateID": rec.template.as_ref().map(|t| t.to_string()).unwrap_or_default(),
             "sandboxID": rec.id.to_string(),
             "clientID": self.cfg.client_id,
             "envdVersion": ENVD_VERSION,
-            "envdAccessToken": self.envd_token(rec.id.as_str()),
+            "envdAccessToken": envd_token,
             "trafficAccessToken": crate::ports::traffic_token(&self.cfg.token_secret, rec.id.as_str()),
             "domain": self.cfg.domain,
         })
@@ -206,13 +207,12 @@ impl E2b {
     }
 
     /// `SandboxDetail`. The envd access token only for callers who may
-    /// write (it lets its holder run commands); handing it out binds it to
-    /// the caller.
+    /// write (it lets its holder run commands): the one issued to the
+    /// caller's credential (older SDKs' connect reads it here).
     async fn detail_json(&self, rec: &SandboxRecord, caller: &Caller) -> E2bResult<Value> {
         let mut v = self.listed_json(rec);
         if may_write(caller) {
-            self.bind(&rec.id, caller).await?;
-            v["envdAccessToken"] = json!(self.envd_token(rec.id.as_str()));
+            v["envdAccessToken"] = json!(self.issue(&rec.id, caller).await?);
         }
         let policy = self.svc.lifecycle_policy(caller, &rec.id).await?;
         v["lifecycle"] = lifecycle::to_json(policy);
@@ -220,11 +220,12 @@ impl E2b {
         Ok(v)
     }
 
-    /// Binds sandbox `id`'s envd token to `caller` before it is handed out.
-    async fn bind(&self, id: &SandboxId, caller: &Caller) -> E2bResult<()> {
-        self.bind_envd(id, caller)
+    /// Issues sandbox `id`'s envd access token to `caller`
+    /// ([`E2b::issue_envd_token`]).
+    pub(crate) async fn issue(&self, id: &SandboxId, caller: &Caller) -> E2bResult<String> {
+        self.issue_envd_token(id, caller)
             .await
-            .map_err(|e| E2bError::new(500, format!("binding the envd token: {e}")))
+            .map_err(|e| E2bError::new(500, format!("issuing the envd access token: {e}")))
     }
 
     /// The record of one of the caller's sandboxes: another tenant's
@@ -353,11 +354,15 @@ pub async fn create(
             })?,
         None => st.svc.create(&caller, cmd, &gate_opts()).await?,
     };
-    if let Err(e) = st.bind_envd(&rec.id, &caller).await {
-        // The sandbox exists: answer it. Its envd calls act as a developer
-        // `e2b-envd` of its tenant until a get_info or connect binds again.
-        tracing::warn!(sandbox = %rec.id, error = %e, "binding the envd token failed");
-    }
+    // Without a stored token no envd call could reach it: a sandbox whose
+    // token cannot be stored is not left behind.
+    let token = match st.issue(&rec.id, &caller).await {
+        Ok(t) => t,
+        Err(err) => {
+            let _ = st.svc.delete(&caller, &rec.id, &gate_opts()).await;
+            return Err(err);
+        }
+    };
     st.keep_envs(&caller, &rec.id, req.env_vars.unwrap_or_default())
         .await;
     if let Some(e) = &egress {
@@ -374,7 +379,7 @@ pub async fn create(
         let _ = st.svc.delete(&caller, &rec.id, &gate_opts()).await;
         return Err(err);
     }
-    Ok((StatusCode::CREATED, Json(st.sandbox_json(&rec))).into_response())
+    Ok((StatusCode::CREATED, Json(st.sandbox_json(&rec, &token))).into_response())
 }
 
 /// `GET /sandboxes/{id}` → `SandboxDetail`.
@@ -492,7 +497,7 @@ async fn wake(
     caller: &Caller,
     id: &str,
     body: &Bytes,
-) -> E2bResult<(bool, SandboxRecord)> {
+) -> E2bResult<(bool, SandboxRecord, String)> {
     let req: TimeoutBody = parse_body(body)?;
     let timeout = req.timeout.map(check_timeout).transpose()?;
     let rec = st.record(caller, id).await?;
@@ -538,8 +543,8 @@ async fn wake(
             rec
         }
     };
-    st.bind(&rec.id, caller).await?;
-    Ok((resumed, rec))
+    let token = st.issue(&rec.id, caller).await?;
+    Ok((resumed, rec, token))
 }
 
 /// `POST /sandboxes/{id}/connect`, `/v2/…/connect` → 200 running, 201 resumed.
@@ -549,13 +554,13 @@ pub async fn connect(
     SandboxPath(id): SandboxPath,
     JsonBody(body): JsonBody,
 ) -> E2bResult<Response> {
-    let (resumed, rec) = wake(&st, &caller, &id, &body).await?;
+    let (resumed, rec, token) = wake(&st, &caller, &id, &body).await?;
     let status = if resumed {
         StatusCode::CREATED
     } else {
         StatusCode::OK
     };
-    Ok((status, Json(st.sandbox_json(&rec))).into_response())
+    Ok((status, Json(st.sandbox_json(&rec, &token))).into_response())
 }
 
 /// `POST /sandboxes/{id}/resume` (deprecated) → 201, 409 when not paused.
@@ -569,8 +574,8 @@ pub async fn resume(
     if !matches!(rec.state, SandboxState::Hibernated | SandboxState::Paused) {
         return Err(E2bError::new(409, format!("sandbox {id} is not paused")));
     }
-    let (_, rec) = wake(&st, &caller, &id, &body).await?;
-    Ok((StatusCode::CREATED, Json(st.sandbox_json(&rec))).into_response())
+    let (_, rec, token) = wake(&st, &caller, &id, &body).await?;
+    Ok((StatusCode::CREATED, Json(st.sandbox_json(&rec, &token))).into_response())
 }
 
 #[cfg(test)]

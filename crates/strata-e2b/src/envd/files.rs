@@ -18,12 +18,11 @@ use axum::{Extension, Json};
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 use serde_json::json;
-use strata_core::SandboxId;
 use stratad::engine::{ByteStream, FileKind, RuntimeError};
 
 use super::encoding::{self, DecodeError};
 use super::{ancestry, ensure_owned, envd_user, metadata, parent, read, write};
-use crate::auth::EnvdSandbox;
+use crate::auth::{EnvdSandbox, EnvdTarget};
 use crate::connect::{Code, ConnectError};
 use crate::error::service_err;
 use crate::E2b;
@@ -295,7 +294,7 @@ fn metadata_supported(dir: &stratad::engine::DirEntry) -> Result<(), ConnectErro
 
 async fn write_one(
     st: &Arc<E2b>,
-    id: &SandboxId,
+    id: &EnvdTarget,
     user: &str,
     path: &str,
     meta: &BTreeMap<String, String>,

@@ -22,7 +22,7 @@ use stratad::service::watch::watch_unsupported;
 use stratad::service::{Grant, ServiceError};
 
 use super::{ancestry, ensure_owned, entry, envd_user, join, read, write, CappedBody};
-use crate::auth::EnvdSandbox;
+use crate::auth::{EnvdSandbox, EnvdTarget};
 use crate::connect::{Code, ConnectError};
 use crate::error::service_err;
 use crate::procs;
@@ -57,7 +57,7 @@ impl E2b {
     /// the gate decides on is the path the call uses).
     async fn path_grant(
         &self,
-        id: &SandboxId,
+        id: &EnvdTarget,
         headers: &HeaderMap,
         asked: &str,
         kind: fn(&str) -> CallKind,
@@ -542,7 +542,7 @@ impl E2b {
     /// answers like an unknown one. `remove`: it is also forgotten.
     async fn watcher_call(
         &self,
-        id: &SandboxId,
+        id: &EnvdTarget,
         r: &serde_json::Value,
         remove: bool,
     ) -> Result<WatcherCall, ConnectError> {
@@ -550,7 +550,7 @@ impl E2b {
         let wid = watcher_id(r);
         let mut g = self.watchers.lock().unwrap_or_else(|p| p.into_inner());
         let call = match g.get(&wid) {
-            Some(w) if w.grant.sandbox() == id => WatcherCall {
+            Some(w) if w.grant.sandbox() == &id.id => WatcherCall {
                 wid: wid.clone(),
                 grant: w.grant.clone(),
                 root: w.root.clone(),

@@ -17,7 +17,7 @@ use axum::Json;
 use bytes::Bytes;
 use chrono::{DateTime, SecondsFormat, Utc};
 use serde_json::json;
-use strata_core::{SandboxId, SandboxState};
+use strata_core::SandboxState;
 use strata_policy::CallKind;
 use stratad::engine::{DirEntry, FileKind};
 
@@ -238,28 +238,6 @@ impl E2b {
             _ => self.guest_path(p),
         }
     }
-
-    /// The sandbox of an envd request, after checking its access token.
-    pub(crate) fn envd_sandbox(&self, headers: &HeaderMap) -> Result<SandboxId, ConnectError> {
-        let raw = headers
-            .get(SANDBOX_ID_HEADER)
-            .and_then(|v| v.to_str().ok())
-            .ok_or_else(|| {
-                ConnectError::new(Code::InvalidArgument, "missing E2b-Sandbox-Id header")
-            })?;
-        let token = headers
-            .get(ACCESS_TOKEN_HEADER)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("");
-        if !crate::auth::constant_time_eq(token.as_bytes(), self.envd_token(raw).as_bytes()) {
-            return Err(ConnectError::new(
-                Code::Unauthenticated,
-                "invalid or missing X-Access-Token for this sandbox",
-            ));
-        }
-        raw.parse()
-            .map_err(|_| ConnectError::new(Code::Unavailable, not_running(raw)))
-    }
 }
 
 fn read(path: &str) -> CallKind {
@@ -362,14 +340,13 @@ pub async fn health(State(st): State<Arc<E2b>>, headers: HeaderMap) -> Response 
         .get(SANDBOX_ID_HEADER)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
-    let running = match st.envd_sandbox(&headers) {
-        Ok(id) => match st.envd_caller(&id).await {
-            Ok(caller) => matches!(
-                st.svc.get_sandbox(&caller, &id).await.map(|r| r.state),
-                Ok(SandboxState::Running)
-            ),
-            Err(_) => false,
-        },
+    // Any refusal (no token, a wrong, revoked or foreign one, an unknown
+    // sandbox) answers exactly as an unknown sandbox.
+    let running = match st.envd_target(&headers).await {
+        Ok(t) => matches!(
+            st.svc.get_sandbox(&t.caller, &t.id).await.map(|r| r.state),
+            Ok(SandboxState::Running)
+        ),
         Err(_) => false,
     };
     if running {

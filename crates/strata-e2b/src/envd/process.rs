@@ -23,7 +23,7 @@ use stratad::service::Grant;
 use tokio::sync::mpsc;
 
 use super::{CappedBody, KEEPALIVE_HEADER};
-use crate::auth::EnvdSandbox;
+use crate::auth::{EnvdSandbox, EnvdTarget};
 use crate::connect::{self, Code, ConnectError};
 use crate::error::service_err;
 use crate::procs::{self, Proc};
@@ -42,13 +42,10 @@ fn keepalive_interval(headers: &HeaderMap) -> Duration {
 
 /// Why a process stream ended without an `end`: the sandbox was deleted
 /// (killed, or its timeout ended it), or it was paused.
-async fn ended_because(st: &E2b, id: &SandboxId) -> &'static str {
-    let gone = match st.envd_caller(id).await {
-        // Gone, or being deleted (the VM ends before the record does).
-        Ok(caller) => match st.svc.get_sandbox(&caller, id).await {
-            Ok(rec) => rec.pending_op == Some(strata_core::Op::Delete),
-            Err(_) => true,
-        },
+async fn ended_because(st: &E2b, t: &EnvdTarget) -> &'static str {
+    // Gone, or being deleted (the VM ends before the record does).
+    let gone = match st.svc.get_sandbox(&t.caller, &t.id).await {
+        Ok(rec) => rec.pending_op == Some(strata_core::Op::Delete),
         Err(_) => true,
     };
     if gone {
@@ -63,7 +60,7 @@ async fn ended_because(st: &E2b, id: &SandboxId) -> &'static str {
 /// was paused or killed) ends with a `canceled` error saying which.
 fn event_frames(
     st: Arc<E2b>,
-    id: SandboxId,
+    id: EnvdTarget,
     pid: u32,
     rx: mpsc::Receiver<ProcessEvent>,
     keepalive: Duration,

@@ -10,7 +10,9 @@
 //! sandbox, so the sandbox is the one named by `E2b-Sandbox-Id` if the
 //! request has it, else the one whose token the signature was made with:
 //! the sandboxes of the door's tenants (every configured key's and
-//! `default`; at most [`MAX_SEARCHED`]) are tried, one hash each. A
+//! `default`; at most [`MAX_SEARCHED`]) are tried, one hash per token each
+//! (a sandbox's stored tokens, derived again from their nonces, or its
+//! legacy token when it has none). A
 //! request with an `X-Access-Token`, or without `signature`, is checked as
 //! every envd call is ([`crate::auth::require_access_token`]).
 
@@ -210,12 +212,29 @@ pub async fn files_access(State(st): State<Arc<E2b>>, mut req: Request, next: Ne
         None => st.signing_candidates().await,
     };
     let now = chrono::Utc::now().timestamp();
-    let found = candidates
-        .into_iter()
-        .find_map(|id| check(&signed, op, &st.envd_token(id.as_str()), now).map(|r| (id, r)));
-    let id = match found {
-        Some((id, Ok(()))) => id,
-        Some((_, Err(m))) => return refuse(StatusCode::UNAUTHORIZED, m),
+    // Each candidate's stored tokens (derived again from their nonces), or
+    // its legacy token when it has none.
+    let stored = match st
+        .stored_envd_tokens_of(candidates.iter().map(|c| c.to_string()).collect())
+        .await
+    {
+        Ok(s) => s,
+        Err(e) => return Shape::Files.refuse(e),
+    };
+    let found = candidates.into_iter().zip(stored).find_map(|(id, tokens)| {
+        let tokens: Vec<(String, Option<Caller>)> = if tokens.is_empty() {
+            vec![(st.envd_token(id.as_str()), None)]
+        } else {
+            tokens.into_iter().map(|(t, c)| (t, Some(c))).collect()
+        };
+        tokens
+            .into_iter()
+            .find_map(|(t, c)| check(&signed, op, &t, now).map(|r| (c, r)))
+            .map(|(c, r)| (id, c, r))
+    });
+    let (id, caller) = match found {
+        Some((id, c, Ok(()))) => (id, c),
+        Some((_, _, Err(m))) => return refuse(StatusCode::UNAUTHORIZED, m),
         None => {
             if let Some(a) = addr {
                 st.failures.failed(a, Instant::now());
@@ -232,7 +251,17 @@ pub async fn files_access(State(st): State<Arc<E2b>>, mut req: Request, next: Ne
             ),
         );
     }
-    req.extensions_mut().insert(EnvdSandbox(id));
+    // The caller the token was issued to, whose credential must still hold.
+    let caller = match caller {
+        Some(c) => st.still_holds(c).await,
+        None => st.legacy_envd_caller(&id).await,
+    };
+    let caller = match caller {
+        Ok(c) => c,
+        Err(e) => return Shape::Files.refuse(e),
+    };
+    req.extensions_mut()
+        .insert(EnvdSandbox(auth::EnvdTarget { id, caller }));
     next.run(req).await
 }
 

@@ -30,9 +30,43 @@ pub const KEY: &str = "e2b_matrix_key";
 /// The envd token secret.
 pub const SECRET: &[u8] = b"e2b-matrix-secret-e2b-matrix-sec";
 
-/// The envd access token of sandbox `id` (as the door derives it).
+/// The envd access tokens the door handed out (every `envdAccessToken`
+/// of a response read by [`Door::send`]), by sandbox: the last one.
+static ISSUED: std::sync::LazyLock<Mutex<std::collections::HashMap<String, String>>> =
+    std::sync::LazyLock::new(Default::default);
+
+/// The envd access token of sandbox `id`: the last one the door handed
+/// out for it (its tokens are random and stored), else its legacy token
+/// (HMAC of the id: a sandbox the door never issued a token for, as one
+/// made before tokens were stored).
 pub fn envd_token(id: &str) -> String {
+    ISSUED
+        .lock()
+        .unwrap()
+        .get(id)
+        .cloned()
+        .unwrap_or_else(|| legacy_envd_token(id))
+}
+
+/// The legacy (HMAC) envd access token of sandbox `id`.
+pub fn legacy_envd_token(id: &str) -> String {
     strata_e2b::auth::envd_token(SECRET, id)
+}
+
+/// Records every `{sandboxID, envdAccessToken}` pair in `v`.
+pub fn remember_tokens(v: &Value) {
+    match v {
+        Value::Object(m) => {
+            if let (Some(Value::String(id)), Some(Value::String(t))) =
+                (m.get("sandboxID"), m.get("envdAccessToken"))
+            {
+                ISSUED.lock().unwrap().insert(id.clone(), t.clone());
+            }
+            m.values().for_each(remember_tokens);
+        }
+        Value::Array(a) => a.iter().for_each(remember_tokens),
+        _ => {}
+    }
 }
 
 // ------------------------------------------------------------------ engine
@@ -682,6 +716,11 @@ impl Door {
                 if f.iter().any(|(flags, _)| flags & 2 != 0) || (first_only && !f.is_empty()) {
                     break;
                 }
+            }
+        }
+        if ctype.starts_with("application/json") {
+            if let Ok(v) = serde_json::from_slice::<Value>(&body) {
+                remember_tokens(&v);
             }
         }
         Raw {

@@ -469,7 +469,7 @@ async fn connect_tunnel(
         let mut client = TokioIo::new(upgraded);
         // No fronting to another name on a shared IP.
         let cut = |rule: &str, reason: String| {
-            tracing::warn!(%host, %reason, "tunnel closed");
+            tracing::warn!(host = %strata_core::text::Escaped(&host), reason = %strata_core::text::Escaped(&reason), "tunnel closed");
             record_cut(&cfg, &call, rule, reason);
         };
         let first = match sniff::client_hello(&mut client, &host, tls_port, head_timeout).await {

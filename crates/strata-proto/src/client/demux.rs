@@ -38,6 +38,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
+use strata_core::text::Escaped;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 use tokio::sync::{mpsc, Notify};
@@ -684,7 +685,7 @@ fn route(
         return match inc {
             Incoming::Msg(Response::HelloOk { .. }) => true,
             Incoming::Msg(Response::Error { kind, message }) => {
-                tracing::warn!(%kind, %message, "agent reported a connection-level error");
+                tracing::warn!(%kind, message = %Escaped(&message), "agent reported a connection-level error");
                 false
             }
             _ => true,
@@ -736,5 +737,76 @@ pub(super) fn send_detached(out: &mpsc::Sender<Bytes>, id: u32, req: &Request) {
                 rt.spawn(async move { out.send(b).await });
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use super::*;
+    use crate::msg::RemoteErrorKind;
+
+    /// A log sink for one test's subscriber.
+    #[derive(Clone, Default)]
+    struct Sink(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Sink {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_guest_error_message_reaches_the_log_escaped() {
+        let shared = Arc::new(Shared {
+            routes: Mutex::new(HashMap::new()),
+            tunnels: Mutex::new(HashMap::new()),
+            closed: AtomicBool::new(false),
+            next_id: AtomicU32::new(1),
+            buffered: AtomicUsize::new(0),
+            stop: CancellationToken::new(),
+            born: Instant::now(),
+            last_rx_ms: AtomicU64::new(0),
+        });
+        let (out, _rx) = mpsc::channel::<Bytes>(4);
+        let tunnels: TunnelRouter = Box::new(|_, _, _| true);
+        // What a hostile agent sends on id 0: a fake log line and a
+        // terminal escape.
+        let forged = "oops\n2026-12-05T00:00:00Z  INFO strata: admin logged in \u{1b}[2J";
+        let frame = Frame::control(
+            0,
+            &Response::Error {
+                kind: RemoteErrorKind::Other,
+                message: forged.into(),
+            },
+        )
+        .unwrap();
+        let sink = Sink::default();
+        let w = sink.clone();
+        let sub = tracing_subscriber::fmt()
+            .with_writer(move || w.clone())
+            .with_ansi(false)
+            .finish();
+        let keep = tracing::subscriber::with_default(sub, || route(&shared, &out, &tunnels, frame));
+        assert!(!keep, "a connection-level error closes the connection");
+        let log = String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
+        assert_eq!(log.lines().count(), 1, "one log line: {log:?}");
+        assert!(
+            log.contains("agent reported a connection-level error"),
+            "{log}"
+        );
+        assert!(
+            log.contains("oops\\n2026-12-05T00:00:00Z  INFO strata: admin logged in \\u{1b}[2J"),
+            "{log}"
+        );
+        assert!(!log.contains('\u{1b}'), "{log:?}");
     }
 }

@@ -32,6 +32,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
+use strata_core::text::Escaped;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 use tokio::sync::mpsc;
@@ -106,7 +107,7 @@ pub enum AgentError {
         limit: u64,
     },
     /// The agent ran the request and reports a failure.
-    #[error("agent: {kind}: {message}")]
+    #[error("agent: {kind}: {}", Escaped(.message))]
     Remote {
         /// Category.
         kind: RemoteErrorKind,

@@ -29,6 +29,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use strata_core::text::Escaped;
 use tokio::io::{AsyncRead, AsyncWrite, DuplexStream, ReadBuf};
 use tokio::sync::{mpsc, oneshot};
 
@@ -56,7 +57,7 @@ pub enum PortError {
     #[error("this sandbox's agent cannot forward ports (an older agent)")]
     Unsupported,
     /// Nothing accepted the connection on the guest port.
-    #[error("nothing accepts connections on guest port {port}: {message}")]
+    #[error("nothing accepts connections on guest port {port}: {}", Escaped(.message))]
     Refused {
         /// The guest port.
         port: u16,
@@ -79,7 +80,7 @@ pub enum PortError {
         port: u16,
     },
     /// The agent reported another failure.
-    #[error("guest port {port}: {kind}: {message}")]
+    #[error("guest port {port}: {kind}: {}", Escaped(.message))]
     Guest {
         /// The guest port.
         port: u16,

@@ -28,6 +28,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use strata_core::text::Escaped;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
@@ -264,7 +265,7 @@ fn open_tunnel(
     peer: String,
 ) {
     let Some(handler) = egress else {
-        tracing::debug!(id, %peer, "tunnel refused: no egress configured");
+        tracing::debug!(id, peer = %Escaped(&peer), "tunnel refused: no egress configured");
         send_tunnel_close(&out, id, "egress is not enabled on this host".into());
         return;
     };
@@ -301,7 +302,7 @@ fn open_tunnel(
             shared.tunnels().remove(&id);
             return;
         }
-        tracing::debug!(id, %peer, "tunnel open");
+        tracing::debug!(id, peer = %Escaped(&peer), "tunnel open");
         match run_tunnel(sock, ends, o).await {
             TunnelEnd::Done { sent, received } => {
                 tracing::debug!(id, sent, received, "tunnel finished")

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use strata_core::text::Escaped;
 use strata_core::{SandboxId, SandboxSize};
 use strata_proto::AgentClient;
 use strata_vmm::Vm;
@@ -129,7 +130,8 @@ impl Runtime {
                 }
             };
             if current {
-                tracing::warn!(sandbox = %wid, reason = %exit.reason, "VM died");
+                // The reason ends with the guest console's last lines: escaped.
+                tracing::warn!(sandbox = %wid, reason = %Escaped(&exit.reason), "VM died");
                 let _ = rt.died_tx.send(VmDied {
                     id: wid,
                     reason: exit.reason,

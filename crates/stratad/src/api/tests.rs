@@ -990,6 +990,7 @@ async fn recovery_restores_a_sandbox_whose_vm_died() {
     assert!(ops.ends_with(&["fail", "recover", "recover"]), "{ops:?}");
 }
 
+mod durations;
 mod keys;
 mod matrix;
 mod quotas;

@@ -833,7 +833,7 @@ impl TunnelService for SandboxTunnels {
         let r = self.0.open_stream().map_err(|why| {
             // Debug: a guest decides how often this happens; the counts
             // are in `GET /v1/sandboxes/{id}/egress`.
-            tracing::debug!(sandbox = ?self.0.config().sandbox, %peer, %why, "egress tunnel refused");
+            tracing::debug!(sandbox = ?self.0.config().sandbox, peer = %strata_core::text::Escaped(peer), why = %strata_core::text::Escaped(&why.to_string()), "egress tunnel refused");
             why.to_string()
         });
         Box::pin(async move {

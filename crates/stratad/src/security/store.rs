@@ -460,6 +460,103 @@ impl SecurityStore {
             .execute("DELETE FROM envd_bindings WHERE sandbox_id = ?1", [sandbox])?;
         Ok(())
     }
+
+    /// Records an E2B envd access token of `sandbox` for `caller` (schema
+    /// 14): one per sandbox and credential (the caller's token id, or E2B
+    /// key id). When that credential already has one, only its caller is
+    /// refreshed and its nonce is returned (the door derives the same token
+    /// from it); else `nonce` and `hash` (the SHA-256 of the token derived
+    /// from `nonce`) are stored and `nonce` is returned.
+    pub fn issue_envd_token(
+        &self,
+        sandbox: &str,
+        caller: &crate::caller::Caller,
+        nonce: &str,
+        hash: &str,
+    ) -> SecResult<String> {
+        let json = serde_json::to_string(caller)
+            .map_err(|e| SecStoreError::Corrupt(format!("caller: {e}")))?;
+        let credential = envd_credential(caller);
+        let tenant = caller.tenant().unwrap_or_default().to_owned();
+        let mut c = self.conn();
+        let tx = c.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let held: Option<String> = tx
+            .query_row(
+                "SELECT nonce FROM envd_tokens WHERE sandbox_id = ?1 AND credential = ?2",
+                params![sandbox, credential],
+                |r| r.get(0),
+            )
+            .optional()?;
+        let out = match held {
+            Some(n) => {
+                tx.execute(
+                    "UPDATE envd_tokens SET caller = ?3 WHERE sandbox_id = ?1 AND credential = ?2",
+                    params![sandbox, credential, json],
+                )?;
+                n
+            }
+            None => {
+                tx.execute(
+                    "INSERT INTO envd_tokens (token_hash, sandbox_id, tenant_id, credential, caller, nonce, created_at) \
+                     VALUES (?1,?2,?3,?4,?5,?6,?7)",
+                    params![hash, sandbox, tenant, credential, json, nonce, ms(Utc::now())],
+                )?;
+                nonce.to_owned()
+            }
+        };
+        tx.commit()?;
+        Ok(out)
+    }
+
+    /// The sandbox and caller of the stored envd token whose SHA-256 is
+    /// `hash`.
+    pub fn envd_token(&self, hash: &str) -> SecResult<Option<(String, crate::caller::Caller)>> {
+        let row: Option<(String, String)> = self
+            .conn()
+            .query_row(
+                "SELECT sandbox_id, caller FROM envd_tokens WHERE token_hash = ?1",
+                [hash],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()?;
+        row.map(|(s, j)| {
+            serde_json::from_str(&j)
+                .map(|c| (s, c))
+                .map_err(|e| SecStoreError::Corrupt(format!("caller: {e}")))
+        })
+        .transpose()
+    }
+
+    /// The stored envd tokens of `sandbox`: the nonce of each and its
+    /// caller, oldest first (empty: none was ever issued, or the sandbox is
+    /// gone).
+    pub fn envd_tokens_of(&self, sandbox: &str) -> SecResult<Vec<(String, crate::caller::Caller)>> {
+        let c = self.conn();
+        let mut st = c.prepare(
+            "SELECT nonce, caller FROM envd_tokens WHERE sandbox_id = ?1 ORDER BY created_at, token_hash",
+        )?;
+        let rows = st
+            .query_map([sandbox], |r| {
+                Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?))
+            })?
+            .collect::<Result<Vec<_>, _>>()?;
+        rows.into_iter()
+            .map(|(n, j)| {
+                serde_json::from_str(&j)
+                    .map(|c| (n, c))
+                    .map_err(|e| SecStoreError::Corrupt(format!("caller: {e}")))
+            })
+            .collect()
+    }
+}
+
+/// The credential an envd token is stored under: the caller's token id
+/// (`tok-…`, an E2B key id, `e2b-api-key`, `anonymous`), else its actor.
+fn envd_credential(c: &crate::caller::Caller) -> String {
+    match c {
+        crate::caller::Caller::Api { token, .. } => token.clone(),
+        other => other.actor(),
+    }
 }
 
 fn store_err(e: impl std::fmt::Display) -> StoreError {

@@ -812,7 +812,11 @@ impl Service {
             self.set_progress(tpl, &format!("waiting for ready ({secs} s at most)"), None);
             log.line(&format!("strata: ready check: {}", probe.shell))
                 .await;
-            let deadline = Instant::now() + Duration::from_secs(secs);
+            // A recipe's timeout of centuries waits "forever", it does not
+            // overflow the clock.
+            let deadline = Instant::now()
+                .checked_add(Duration::from_secs(secs))
+                .unwrap_or_else(|| Instant::now() + Duration::from_secs(100 * 365 * 86_400));
             loop {
                 if self.probe(builder, &probe, extra_env).await? {
                     break;

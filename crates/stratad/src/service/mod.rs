@@ -306,7 +306,17 @@ impl Service {
                 }
                 t => t,
             },
-            snapshot_interval_s: parse_opt_duration(&spec.snapshot_interval, "snapshot_interval")?,
+            snapshot_interval_s: match parse_opt_duration(
+                &spec.snapshot_interval,
+                "snapshot_interval",
+            )? {
+                Some(t) if t > MAX_IDLE_TIMEOUT_S => {
+                    return Err(ServiceError::InvalidRequest(format!(
+                        "snapshot_interval: at most {MAX_IDLE_TIMEOUT_S}s (a year)"
+                    )))
+                }
+                t => t,
+            },
             created_at: now,
             updated_at: now,
             last_activity_at: now,

@@ -26,9 +26,13 @@ impl Service {
             (None, Some(ago)) => {
                 let d = crate::duration::parse_duration(ago)
                     .map_err(|e| ServiceError::InvalidRequest(format!("ago: {e}")))?;
-                let at = self.now()
-                    - chrono::Duration::from_std(d)
-                        .map_err(|_| ServiceError::InvalidRequest("ago: too large".into()))?;
+                // Checked: "100000000000d" is before any date chrono holds.
+                let at = chrono::Duration::from_std(d)
+                    .ok()
+                    .and_then(|d| self.now().checked_sub_signed(d))
+                    .ok_or_else(|| {
+                        ServiceError::InvalidRequest(format!("ago {ago:?}: too far back"))
+                    })?;
                 let id2 = id.clone();
                 self.db(move |s| s.ready_snapshot_at(&id2, at)).await?.ok_or_else(|| {
                     ServiceError::NotFound {

@@ -391,6 +391,10 @@ pub(super) fn write_sandbox(tx: &Connection, rec: &SandboxRecord, insert: bool) 
             "DELETE FROM sandbox_settings WHERE sandbox_id = ?1",
             params![rec.id.as_str()],
         )?;
+        tx.execute(
+            "DELETE FROM envd_tokens WHERE sandbox_id = ?1",
+            params![rec.id.as_str()],
+        )?;
     }
     if rec.state != SandboxState::Deleted {
         let mut stmt = tx.prepare_cached(

@@ -2,7 +2,7 @@
 //! (`PRAGMA user_version` counts them). Never edit a shipped migration: add one.
 
 /// Newest schema version this build knows.
-pub const SCHEMA_VERSION: i64 = 12;
+pub const SCHEMA_VERSION: i64 = 14;
 
 pub(super) const MIGRATIONS: &[&str] = &[
     // 1: initial schema.
@@ -186,5 +186,27 @@ pub(super) const MIGRATIONS: &[&str] = &[
     r#"
     ALTER TABLE snapshots ADD COLUMN same_as TEXT;
     CREATE INDEX snapshots_by_same_as ON snapshots (same_as) WHERE same_as IS NOT NULL;
+    "#,
+    // 13: reserved for a concurrent branch (its migration takes this slot
+    // when the branches merge); nothing here.
+    "",
+    // 14: the E2B door's envd access tokens: random, one per sandbox and
+    // credential (strata token id or E2B key id) that obtained it, stored as
+    // the token's SHA-256 with the nonce it is derived from (under the
+    // door's secret, which the database does not hold) and the caller it
+    // acts as; the rows go when the sandbox is deleted. A sandbox with no
+    // row still takes its legacy HMAC token (see `strata_e2b::auth`).
+    r#"
+    CREATE TABLE envd_tokens (
+        token_hash TEXT PRIMARY KEY,
+        sandbox_id TEXT NOT NULL,
+        tenant_id TEXT NOT NULL,
+        credential TEXT NOT NULL,
+        caller TEXT NOT NULL,
+        nonce TEXT NOT NULL,
+        created_at INTEGER NOT NULL,
+        UNIQUE (sandbox_id, credential)
+    );
+    CREATE INDEX envd_tokens_by_credential ON envd_tokens (credential);
     "#,
 ];
