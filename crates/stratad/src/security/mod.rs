@@ -396,7 +396,14 @@ impl Security {
         if let Some((seq, hash)) = store.audit_head()? {
             audit::verify_head(&audit_path, seq, &hash)?;
         }
-        let approvals = ApprovalQueue::with_store(store.clone())?;
+        let approvals = ApprovalQueue::open(
+            store.clone(),
+            strata_policy::approval::ApprovalLimits {
+                pending_ttl: cfg.approval_pending_ttl,
+                approved_ttl: cfg.approval_ttl,
+                max_pending_per_sandbox: cfg.max_pending_approvals_per_sandbox,
+            },
+        )?;
         let ranges = cfg
             .egress_resolved_ranges
             .iter()

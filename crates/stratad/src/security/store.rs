@@ -394,16 +394,6 @@ impl SecurityStore {
         Ok(())
     }
 
-    /// Marks an approved request as used (a `?approval=` re-submission runs
-    /// once); false when it was used before.
-    pub fn consume_approval(&self, id: &str) -> SecResult<bool> {
-        let n = self.conn().execute(
-            "UPDATE approvals SET consumed_at = ?2 WHERE id = ?1 AND consumed_at IS NULL",
-            params![id, ms(Utc::now())],
-        )?;
-        Ok(n > 0)
-    }
-
     /// The egress proxy port last used for a sandbox.
     pub fn egress_port(&self, sandbox: &str) -> SecResult<Option<u16>> {
         Ok(self
@@ -496,16 +486,39 @@ impl ApprovalStore for SecurityStore {
     fn load(&self) -> Result<Vec<ApprovalRequest>, StoreError> {
         let c = self.conn();
         let mut st = c
-            .prepare("SELECT body FROM approvals ORDER BY created_at, id")
+            .prepare("SELECT body, consumed_at FROM approvals ORDER BY created_at, id")
             .map_err(store_err)?;
         let rows = st
-            .query_map([], |r| r.get::<_, String>(0))
+            .query_map([], |r| {
+                Ok((r.get::<_, String>(0)?, r.get::<_, Option<i64>>(1)?))
+            })
             .map_err(store_err)?;
         let mut out = Vec::new();
         for r in rows {
-            let body = r.map_err(store_err)?;
-            out.push(serde_json::from_str(&body).map_err(store_err)?);
+            let (body, consumed) = r.map_err(store_err)?;
+            let mut req: ApprovalRequest = serde_json::from_str(&body).map_err(store_err)?;
+            // Rows used before the body recorded it kept it in the column.
+            if req.consumed_at.is_none() {
+                req.consumed_at = consumed.map(from_ms);
+            }
+            out.push(req);
         }
         Ok(out)
+    }
+
+    /// Marks an approved request used, in one statement: `false` (nothing
+    /// written) when it was used before, so it runs once.
+    fn consume(&self, req: &ApprovalRequest) -> Result<bool, StoreError> {
+        let body = serde_json::to_string(req).map_err(store_err)?;
+        let at = req.consumed_at.unwrap_or_else(Utc::now);
+        let n = self
+            .conn()
+            .execute(
+                "UPDATE approvals SET consumed_at = ?2, body = ?3 \
+                 WHERE id = ?1 AND consumed_at IS NULL AND status = 'approved'",
+                params![req.id, ms(at), body],
+            )
+            .map_err(store_err)?;
+        Ok(n > 0)
     }
 }
