@@ -155,6 +155,9 @@ async fn upload_held(
     q: &FileQuery,
     req: Request,
 ) -> ApiResult<axum::response::Response> {
+    // An unknown (or another tenant's) sandbox is refused before any byte
+    // is read.
+    c.svc.get_sandbox(&c.caller, id).await?;
     let held = c
         .svc
         .hold_upload(req.into_body().into_data_stream())

@@ -522,3 +522,108 @@ impl ApprovalStore for SecurityStore {
         Ok(n > 0)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use strata_policy::approval::{ApprovalQueue, ApprovalStatus, BodyDigest};
+    use strata_policy::{CallKind, Decision, Effect, ToolCall};
+
+    use super::*;
+    use crate::store::SqliteStore;
+
+    fn call() -> ToolCall {
+        ToolCall {
+            tenant: "acme".into(),
+            sandbox: Some("sb-1".into()),
+            actor: "token:tok-dev".into(),
+            kind: CallKind::FileWrite {
+                path: "/app/x".into(),
+            },
+        }
+    }
+
+    fn held() -> Decision {
+        Decision {
+            effect: Effect::Approve,
+            layer: None,
+            rule_id: "r".into(),
+            rule_index: None,
+            hard: false,
+            reason: "why".into(),
+        }
+    }
+
+    fn open() -> (tempfile::TempDir, Arc<SecurityStore>) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("strata.db");
+        SqliteStore::open(&path, 1).unwrap();
+        let s = Arc::new(SecurityStore::open(&path).unwrap());
+        (dir, s)
+    }
+
+    #[test]
+    fn an_approval_is_used_once_across_queues_sharing_the_database() {
+        let (_dir, store) = open();
+        let body = BodyDigest::of(b"content");
+        let q = ApprovalQueue::with_store(store.clone()).unwrap();
+        let r = q
+            .request_with(&call(), &held(), Some(body.clone()))
+            .unwrap();
+        q.answer("acme", &r.id, "token:tok-boss", true).unwrap();
+        // A second queue on the same database (another process) loads it
+        // approved and unused …
+        let other = ApprovalQueue::with_store(store.clone()).unwrap();
+        q.take("acme", &r.id, &call(), Some(&body)).unwrap();
+        // … but the store has it used: the second take is refused.
+        assert!(matches!(
+            other.take("acme", &r.id, &call(), Some(&body)),
+            Err(strata_policy::approval::ApprovalError::Used)
+        ));
+        // Reloaded, it stays used, with its digest and body.
+        let again = ApprovalQueue::with_store(store).unwrap();
+        let got = again.get("acme", &r.id).unwrap();
+        assert!(got.consumed_at.is_some());
+        assert_eq!(got.body, Some(body));
+        assert!(matches!(got.status, ApprovalStatus::Approved { .. }));
+    }
+
+    #[test]
+    fn rows_written_before_binding_load_bound_and_expiring() {
+        let (_dir, store) = open();
+        // An approved, unused request as the previous release wrote it (no
+        // digest, expiry or use in its body), answered two hours ago, and
+        // a used one (the use only in the column).
+        let at = Utc::now() - chrono::TimeDelta::hours(2);
+        let old = |id: &str| {
+            serde_json::json!({
+                "id": id, "tenant": "acme", "sandbox": "sb-1", "call": call(),
+                "reason": "why", "rule_id": "r", "requested_by": "token:tok-dev",
+                "created_at": at, "status": {"status": "approved", "by": "b", "at": at},
+            })
+            .to_string()
+        };
+        let c = store.conn();
+        for (id, used) in [("old-1", None), ("old-2", Some(ms(at)))] {
+            c.execute(
+                "INSERT INTO approvals (id, tenant_id, created_at, status, body, consumed_at) VALUES (?1,'acme',?2,'approved',?3,?4)",
+                params![id, ms(at), old(id), used],
+            )
+            .unwrap();
+        }
+        drop(c);
+        let q = ApprovalQueue::with_store(store).unwrap();
+        let r = q.get("acme", "old-1").unwrap();
+        assert_eq!(
+            r.request_sha256,
+            strata_policy::approval::request_digest(&call(), None)
+        );
+        // Answered 2 h ago with a 1 h lifetime: expired, not usable.
+        assert!(matches!(
+            q.take("acme", "old-1", &call(), None),
+            Err(strata_policy::approval::ApprovalError::Expired(_))
+        ));
+        assert!(q.get("acme", "old-2").unwrap().consumed_at.is_some());
+    }
+}
