@@ -194,15 +194,41 @@ impl Service {
             ));
         }
         let HeldUpload {
-            file, _reserved, ..
+            file,
+            _reserved: reserved,
+            ..
         } = held;
         let body = tokio_util::io::ReaderStream::new(file)
-            .map(move |c| {
-                // The budget is held until the last byte is read.
-                let _ = &_reserved;
-                c.map_err(|e| RuntimeError::Other(format!("held upload file: {e}")))
-            })
+            .map(|c| c.map_err(|e| RuntimeError::Other(format!("held upload file: {e}"))))
             .boxed();
-        self.write_granted(g, path, mode, body).await
+        let written = self.write_granted(g, path, mode, body).await;
+        // The budget is held until the write is over.
+        drop(reserved);
+        written
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reservations_share_one_budget_and_give_it_back() {
+        let total = Arc::new(AtomicU64::new(0));
+        let take = || Reservation {
+            bytes: 0,
+            total: total.clone(),
+        };
+        let mut a = take();
+        assert!(a.grow(6, 10));
+        let mut b = take();
+        assert!(!b.grow(5, 10), "over the budget: refused");
+        assert_eq!(total.load(Ordering::Acquire), 6, "nothing taken");
+        assert!(b.grow(4, 10));
+        drop(a);
+        assert_eq!(total.load(Ordering::Acquire), 4);
+        assert!(take().grow(6, 10));
+        drop(b);
+        assert_eq!(total.load(Ordering::Acquire), 0);
     }
 }
