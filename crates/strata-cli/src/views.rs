@@ -390,6 +390,38 @@ pub struct Approval {
     pub created_at: Option<DateTime<Utc>>,
     /// Where it stands.
     pub status: ApprovalState,
+    /// Size and SHA-256 of the bytes the call carries (an upload, an
+    /// exec's stdin), if any.
+    pub body: Option<HeldBody>,
+    /// The digest of the whole request the approval is bound to.
+    pub request_sha256: String,
+    /// When a pending request times out, or an approved one can no longer
+    /// be used.
+    pub expires_at: Option<DateTime<Utc>>,
+    /// When the approved call ran.
+    pub consumed_at: Option<DateTime<Utc>>,
+}
+
+/// The bytes a held call carries, as the approver sees them.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct HeldBody {
+    /// Size in bytes.
+    pub bytes: u64,
+    /// SHA-256, hex.
+    pub sha256: String,
+}
+
+impl HeldBody {
+    /// `13 B, sha256 2cf24dba…` (the whole digest with `full`).
+    pub fn describe(&self, full: bool) -> String {
+        let sha = if full || self.sha256.len() <= 12 {
+            self.sha256.clone()
+        } else {
+            format!("{}…", &self.sha256[..12])
+        };
+        format!("{}, sha256 {sha}", crate::human::bytes(self.bytes))
+    }
 }
 
 /// One line describing a tool call: `exec rm -rf /`, `file_write /etc/x`,

@@ -63,12 +63,15 @@ async fn approve_wakes_the_waiter() {
             other => panic!("{other:?}"),
         }
     }
-    // waiting on an answered request returns at once
-    let again = q
-        .wait("acme", &req.id, Duration::from_millis(1))
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert!(again.is_approved());
+    // The waiter used the approval: waiting on it again answers at once,
+    // refused (an approval runs its call once).
+    assert!(q
+        .get("acme", &req.id)
+        .is_ok_and(|r| r.consumed_at.is_some()));
+    assert!(matches!(
+        q.wait("acme", &req.id, Duration::from_millis(1)).await,
+        Err(ApprovalError::Used)
+    ));
 }
 
 #[tokio::test]
@@ -193,18 +196,29 @@ async fn many_waiters_one_answer_race() {
         }
     }
     assert_eq!(ok, 1, "exactly one answer wins");
-    let mut outs = Vec::new();
+    let approved = matches!(
+        q.get("acme", &req.id).map(|r| r.status),
+        Ok(ApprovalStatus::Approved { .. })
+    );
+    let (mut runs, mut used, mut denied) = (0, 0, 0);
     for w in waiters {
-        outs.push(
-            w.await
-                .unwrap_or_else(|e| panic!("{e}"))
-                .unwrap_or_else(|e| panic!("{e}")),
+        match w.await.unwrap_or_else(|e| panic!("{e}")) {
+            Ok(o) if o.is_approved() => runs += 1,
+            Ok(Outcome::Denied { .. }) => denied += 1,
+            Err(ApprovalError::Used) => used += 1,
+            other => panic!("{other:?}"),
+        }
+    }
+    if approved {
+        // One approval runs one call: one waiter has it, the others are refused.
+        assert_eq!((runs, used, denied), (1, 7, 0));
+    } else {
+        assert_eq!(
+            (runs, used, denied),
+            (0, 0, 8),
+            "all waiters see the denial"
         );
     }
-    assert!(
-        outs.windows(2).all(|w| w[0] == w[1]),
-        "all waiters see the same answer"
-    );
 }
 
 #[derive(Default)]

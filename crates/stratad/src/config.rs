@@ -310,6 +310,26 @@ pub struct SecurityConfig {
     /// Longest `approval_timeout` a request may ask for.
     #[serde(with = "serde_human")]
     pub max_approval_timeout: Duration,
+    /// A pending approval request nobody answered within this is timed out
+    /// (denied), whether or not its caller still waits (`wait=false`, a
+    /// restart).
+    #[serde(with = "serde_human")]
+    pub approval_pending_ttl: Duration,
+    /// How long after it was approved an approval may be used (a
+    /// `?approval=<id>` re-submission); later it is refused.
+    #[serde(with = "serde_human")]
+    pub approval_ttl: Duration,
+    /// Most pending approval requests per sandbox (per tenant for calls
+    /// without one); more are refused with `rate_limited` (429).
+    pub max_pending_approvals_per_sandbox: usize,
+    /// Largest upload held for approval, in bytes: it is spooled to a
+    /// file under `<data_dir>/held-uploads` so the approver sees its size
+    /// and SHA-256 and the approval is bound to them (also capped by
+    /// `max_upload_bytes`); larger answers `413`.
+    pub held_upload_max_bytes: u64,
+    /// Bytes all spooled held uploads may take at once; past it a held
+    /// upload is refused with `insufficient_capacity` until others end.
+    pub held_uploads_total_bytes: u64,
     /// Sustained requests per second per token (0: no limit).
     pub rate_limit_per_second: f64,
     /// Requests a token may make at once before the sustained rate applies.
@@ -337,6 +357,11 @@ impl Default for SecurityConfig {
             platform_policy: None,
             approval_timeout: Duration::from_secs(60),
             max_approval_timeout: Duration::from_secs(600),
+            approval_pending_ttl: Duration::from_secs(3600),
+            approval_ttl: Duration::from_secs(3600),
+            max_pending_approvals_per_sandbox: 32,
+            held_upload_max_bytes: 64 << 20,
+            held_uploads_total_bytes: 1 << 30,
             rate_limit_per_second: 50.0,
             rate_limit_burst: 100,
             egress_bind: IpAddr::from([127, 0, 0, 1]),
@@ -964,6 +989,24 @@ impl Config {
         if !(1..=65536).contains(&m.max_sandboxes) {
             return Err(ConfigError::Invalid(
                 "metrics.max_sandboxes must be between 1 and 65536".into(),
+            ));
+        }
+        let sec = &self.security;
+        if sec.approval_pending_ttl < Duration::from_secs(1)
+            || sec.approval_ttl < Duration::from_secs(1)
+        {
+            return Err(ConfigError::Invalid(
+                "[security] approval_pending_ttl and approval_ttl must be at least 1s".into(),
+            ));
+        }
+        if sec.max_pending_approvals_per_sandbox == 0 {
+            return Err(ConfigError::Invalid(
+                "[security] max_pending_approvals_per_sandbox must be at least 1".into(),
+            ));
+        }
+        if sec.held_uploads_total_bytes < sec.held_upload_max_bytes {
+            return Err(ConfigError::Invalid(
+                "[security] held_uploads_total_bytes must be at least held_upload_max_bytes".into(),
             ));
         }
         if self.max_json_body_bytes < 1024 {

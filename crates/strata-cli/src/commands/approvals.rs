@@ -101,6 +101,7 @@ pub fn format_list(list: &[Approval], all: bool, now: DateTime<Utc>) -> String {
             "REQUESTED BY",
             "SANDBOX",
             "CALL",
+            "BODY",
             "HELD BY RULE",
             "STATUS",
         ],
@@ -112,6 +113,10 @@ pub fn format_list(list: &[Approval], all: bool, now: DateTime<Utc>) -> String {
                 a.requested_by.clone(),
                 a.sandbox.clone().unwrap_or_else(|| "-".into()),
                 describe_call(&a.call.kind),
+                a.body
+                    .as_ref()
+                    .map(|b| b.describe(false))
+                    .unwrap_or_else(|| "-".into()),
                 format!("{}: {}", a.rule_id, a.reason),
                 status_text(a),
             ]
@@ -134,6 +139,28 @@ pub fn format_one(a: &Approval, now: DateTime<Utc>) -> String {
     line("requested by", a.requested_by.clone());
     line("sandbox", a.sandbox.clone().unwrap_or_else(|| "-".into()));
     line("call", describe_call(&a.call.kind));
+    let kind = &a.call.kind;
+    if let Some(env) = kind.get("env").and_then(|e| e.as_object()) {
+        for (k, v) in env {
+            line("env", format!("{k} = {}", v.as_str().unwrap_or_default()));
+        }
+    }
+    if let Some(cwd) = kind.get("cwd").and_then(|c| c.as_str()) {
+        line("cwd", cwd.to_owned());
+    }
+    if let Some(stdin) = kind.get("stdin") {
+        let text = match stdin.get("bytes").and_then(|b| b.as_u64()) {
+            Some(n) => human::bytes(n),
+            None => stdin.as_str().unwrap_or_default().to_owned(),
+        };
+        line("stdin", text);
+    }
+    if let Some(b) = &a.body {
+        line("body", b.describe(true));
+    }
+    if !a.request_sha256.is_empty() {
+        line("request", a.request_sha256.clone());
+    }
     line("rule", a.rule_id.clone());
     line("why held", a.reason.clone());
     if let Some(c) = a.created_at {
@@ -141,6 +168,19 @@ pub fn format_one(a: &Approval, now: DateTime<Utc>) -> String {
             "asked",
             format!("{} ({})", human::local_time(c), human::age(c, now)),
         );
+    }
+    if let Some(c) = a.consumed_at {
+        line(
+            "used",
+            format!("{} ({})", human::local_time(c), human::age(c, now)),
+        );
+    } else if let Some(x) = a.expires_at {
+        let what = if a.status.status == "pending" {
+            "times out"
+        } else {
+            "usable until"
+        };
+        line(what, human::local_time(x));
     }
     if a.status.status == "pending" {
         line(
@@ -194,6 +234,38 @@ mod tests {
             format_list(&[], false, now),
             "no pending approval requests\n"
         );
+    }
+
+    #[test]
+    fn the_approver_sees_what_the_call_carries() {
+        let now = Utc::now();
+        let mut v = sample(now, json!({"status": "pending"}));
+        v["call"]["kind"] = json!({"kind": "file_write", "path": "/app/config.yml"});
+        v["body"] = json!({"bytes": 13, "sha256": "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"});
+        v["request_sha256"] = json!("sha256:00ff");
+        v["expires_at"] = json!((now + TimeDelta::seconds(3600)).to_rfc3339());
+        let one = format_one(&view(&v).unwrap(), now);
+        assert!(
+            one.contains(
+                "body         13 B, sha256 2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"
+            ),
+            "{one}"
+        );
+        assert!(one.contains("request      sha256:00ff"), "{one}");
+        assert!(one.contains("times out"), "{one}");
+        let list = format_list(&[view(&v).unwrap()], false, now);
+        assert!(list.contains("13 B, sha256 2cf24dba5fb0…"), "{list}");
+        let mut e = sample(now, json!({"status": "pending"}));
+        e["call"]["kind"] = json!({"kind": "exec", "argv": ["curl", "x"],
+            "env": {"TOKEN": "sha256:abc"}, "cwd": "/work", "stdin": {"bytes": 5}});
+        let one = format_one(&view(&e).unwrap(), now);
+        for want in [
+            "env          TOKEN = sha256:abc",
+            "cwd          /work",
+            "stdin        5 B",
+        ] {
+            assert!(one.contains(want), "{want} missing in {one}");
+        }
     }
 
     #[test]

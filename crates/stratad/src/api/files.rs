@@ -113,6 +113,10 @@ pub(super) async fn upload(c: Call, req: Request) -> ApiResult<impl IntoResponse
     if super::declares_more_than(req.headers(), limit) {
         return Err(too_large());
     }
+    let id: SandboxId = c.id()?;
+    if c.svc.upload_is_held(&c.caller, &id, &q.write(), &q.gate) {
+        return upload_held(&c, &id, &q, req).await;
+    }
     let g = grant(&c, &q, q.write()).await?;
     // Counted as it streams: a chunked body over the limit is cut off.
     let seen = Arc::new(AtomicU64::new(0));
@@ -135,10 +139,42 @@ pub(super) async fn upload(c: Call, req: Request) -> ApiResult<impl IntoResponse
         Ok(n) => Ok((
             StatusCode::CREATED,
             Json(json!({ "path": q.path, "bytes": n })),
-        )),
+        )
+            .into_response()),
         Err(_) if exceeded.load(Ordering::Relaxed) => Err(too_large()),
         Err(e) => Err(e.into()),
     }
+}
+
+/// An upload the policy holds (or a re-sent one, `?approval=<id>`): read
+/// to a bounded file first, so the approval is bound to the size and
+/// SHA-256 of the bytes written (`service::held`).
+async fn upload_held(
+    c: &Call,
+    id: &SandboxId,
+    q: &FileQuery,
+    req: Request,
+) -> ApiResult<axum::response::Response> {
+    // An unknown (or another tenant's) sandbox is refused before any byte
+    // is read.
+    c.svc.get_sandbox(&c.caller, id).await?;
+    let held = c
+        .svc
+        .hold_upload(req.into_body().into_data_stream())
+        .await?;
+    let g = c
+        .svc
+        .grant_held(&c.caller, id, q.write(), &q.gate, &held)
+        .await?;
+    let n = c
+        .svc
+        .write_held(&g, &q.path, q.mode.unwrap_or(0o644), held)
+        .await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({ "path": q.path, "bytes": n })),
+    )
+        .into_response())
 }
 
 pub(super) async fn list(c: Call) -> ApiResult<impl IntoResponse> {

@@ -97,10 +97,16 @@ impl From<ServiceError> for ApiError {
                 approval_id,
                 message,
             }) => {
+                // Too many pending requests on the sandbox: retry later.
+                let (status, code) = if crate::security::gate::is_approval_limit(&decision) {
+                    (429, ErrorCode::RateLimited)
+                } else {
+                    (403, ErrorCode::PolicyDenied)
+                };
                 out.custom = Some((
-                    403,
+                    status,
                     json!({ "error": {
-                        "code": ErrorCode::PolicyDenied,
+                        "code": code,
                         "message": message,
                         "rule": decision.rule_id,
                         "layer": decision.layer,
@@ -267,6 +273,7 @@ impl Params {
             wait,
             timeout,
             approval: self.one("approval").map(str::to_owned),
+            body: None,
         })
     }
 }

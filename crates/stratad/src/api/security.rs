@@ -525,9 +525,12 @@ async fn list_approvals(
             )))
         }
     };
-    Ok(Json(
-        json!({ "items": ctx.sec.approvals().list(p.tenant, pending) }),
-    ))
+    // Listing times out expired pending requests (a store write).
+    let (q, t) = (ctx.sec.approvals().clone(), p.tenant.to_owned());
+    let items = tokio::task::spawn_blocking(move || q.list(&t, pending))
+        .await
+        .map_err(internal)?;
+    Ok(Json(json!({ "items": items })))
 }
 
 fn approval_error(id: &str, e: ApprovalError) -> ApiError {
@@ -550,15 +553,27 @@ fn approval_error(id: &str, e: ApprovalError) -> ApiError {
             "the requester cannot answer their own request",
         ),
         ApprovalError::Store(e) => ApiError::new(ErrorCode::Internal, e.to_string()),
+        e @ ApprovalError::TooManyPending { .. } => {
+            ApiError::new(ErrorCode::RateLimited, e.to_string())
+        }
+        e @ (ApprovalError::NotApproved { .. }
+        | ApprovalError::Used
+        | ApprovalError::Expired(_)) => {
+            ApiError::new(ErrorCode::Conflict, format!("approval {id}: {e}"))
+        }
+        e @ (ApprovalError::OtherRequester | ApprovalError::Mismatch { .. }) => {
+            ApiError::new(ErrorCode::Forbidden, format!("approval {id}: {e}"))
+        }
     }
 }
 
 async fn get_approval(State(ctx): State<Ctx>, c: Call) -> ApiResult<impl IntoResponse> {
     let (caller, id, _) = c.into_parts();
     let p = who(&caller)?;
-    ctx.sec
-        .approvals()
-        .get(p.tenant, &id)
+    let (q, t, id2) = (ctx.sec.approvals().clone(), p.tenant.to_owned(), id.clone());
+    tokio::task::spawn_blocking(move || q.get(&t, &id2))
+        .await
+        .map_err(internal)?
         .map(Json)
         .map_err(|e| approval_error(&id, e))
 }

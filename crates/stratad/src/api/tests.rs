@@ -43,6 +43,8 @@ struct Double {
     fail_claim: AtomicBool,
     /// Commands the engine was asked to run.
     execs: AtomicU32,
+    /// Files the engine was asked to write: path and content.
+    uploads: std::sync::Mutex<Vec<(String, Vec<u8>)>>,
 }
 
 fn snap_info(id: &SnapshotId) -> SnapshotInfo {
@@ -186,15 +188,17 @@ impl Engine for Double {
     async fn write_file(
         &self,
         _: &SandboxId,
-        _: &str,
+        path: &str,
         _: u32,
         mut body: ByteStream,
     ) -> EngineResult<u64> {
         use futures::StreamExt;
-        let mut n = 0;
+        let mut data = Vec::new();
         while let Some(c) = body.next().await {
-            n += c?.len() as u64;
+            data.extend_from_slice(&c?);
         }
+        let n = data.len() as u64;
+        self.uploads.lock().unwrap().push((path.to_owned(), data));
         Ok(n)
     }
     async fn list_dir(&self, _: &SandboxId, _: &str) -> EngineResult<Vec<DirEntry>> {
@@ -990,6 +994,7 @@ async fn recovery_restores_a_sandbox_whose_vm_died() {
     assert!(ops.ends_with(&["fail", "recover", "recover"]), "{ops:?}");
 }
 
+mod approvals;
 mod durations;
 mod keys;
 mod matrix;

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use strata_policy::approval::{ApprovalRequest, ApprovalStatus, Outcome as WaitOutcome};
+use strata_policy::approval::{ApprovalError, ApprovalRequest, BodyDigest, Outcome as WaitOutcome};
 use strata_policy::audit::Outcome;
 use strata_policy::{Decision, Effect, ToolCall};
 
@@ -22,6 +22,15 @@ use super::Security;
 pub trait ToolGate: Send + Sync + std::fmt::Debug {
     /// `Ok` when the call may run now; every decision is audited first.
     async fn check(&self, call: ToolCall, opts: GateOptions) -> Result<(), GateRefusal>;
+
+    /// Whether the policy would hold `call` for an approver now (nothing is
+    /// audited): a front door then reads the bytes the call carries first
+    /// (an upload's content), so the approval is bound to them
+    /// ([`GateOptions::body`]). A gate without approvals holds nothing.
+    fn holds(&self, call: &ToolCall) -> bool {
+        let _ = call;
+        false
+    }
 
     /// Decides a call that is audited once, when it ends ([`ToolGate::close`]:
     /// a port connection, with its byte counts): a refusal is audited at
@@ -75,6 +84,10 @@ pub struct SecurityGate(pub Arc<Security>);
 impl ToolGate for SecurityGate {
     async fn check(&self, call: ToolCall, opts: GateOptions) -> Result<(), GateRefusal> {
         self.0.gate(call, opts).await
+    }
+
+    fn holds(&self, call: &ToolCall) -> bool {
+        self.0.evaluate(call).effect == Effect::Approve
     }
 
     async fn inherit_layer(&self, tenant: &str, from: &str, to: &str) -> Result<(), String> {
@@ -173,8 +186,15 @@ pub struct GateOptions {
     /// configured approval timeout).
     pub timeout: Option<Duration>,
     /// The id of an approval granted earlier for this same call: the call
-    /// runs once if that approval is approved and unused.
+    /// runs once if that approval is approved, unused, unexpired, was asked
+    /// for by the same caller and is bound to the same request (call and
+    /// body, [`strata_policy::approval::request_digest`]).
     pub approval: Option<String>,
+    /// The bytes the call carries (an upload's content, an exec's stdin),
+    /// digested by the service from the bytes the action will use, never
+    /// taken from the client: a held call's approval is bound to them and
+    /// shows them to the approver.
+    pub body: Option<BodyDigest>,
 }
 
 impl GateOptions {
@@ -205,6 +225,71 @@ pub enum GateRefusal {
     Pending(Box<ApprovalRequest>),
     /// The audit log or the approval queue failed: fail closed.
     Internal(String),
+}
+
+/// Rule ids of the gate's own refusals of an approval (with no policy
+/// layer): the `rule` of a `policy_denied` answer, except
+/// [`APPROVAL_LIMIT`], answered `429 rate_limited`.
+pub mod approval_rules {
+    /// Too many pending requests on the sandbox: nothing was recorded.
+    pub const APPROVAL_LIMIT: &str = "approval-limit";
+    /// The approval was granted for another request (call or body).
+    pub const MISMATCH: &str = "approval-mismatch";
+    /// The approval was asked for by another caller.
+    pub const REQUESTER: &str = "approval-requester";
+    /// The approval was used already (by a waiter or a re-submission).
+    pub const USED: &str = "approval-used";
+    /// The approval expired before it was used.
+    pub const EXPIRED: &str = "approval-expired";
+    /// The request is pending, denied or timed out.
+    pub const NOT_APPROVED: &str = "approval-not-approved";
+    /// No such approval (or another tenant's).
+    pub const UNKNOWN: &str = "approval-unknown";
+}
+
+/// Whether `d` is the gate's refusal of a held call because the sandbox
+/// has too many pending requests (answered `429 rate_limited`).
+pub fn is_approval_limit(d: &Decision) -> bool {
+    d.layer.is_none() && d.effect == Effect::Deny && d.rule_id == approval_rules::APPROVAL_LIMIT
+}
+
+/// The gate's refusal of approval `id` for the call `held` held, with the
+/// decision it is audited with; `None` for a store failure (fail closed as
+/// [`GateRefusal::Internal`]).
+fn approval_refusal(
+    held: &Decision,
+    id: Option<&str>,
+    e: &ApprovalError,
+) -> Option<(Decision, GateRefusal)> {
+    use approval_rules::*;
+    let rule = match e {
+        ApprovalError::TooManyPending { .. } => APPROVAL_LIMIT,
+        ApprovalError::Mismatch { .. } => MISMATCH,
+        ApprovalError::OtherRequester => REQUESTER,
+        ApprovalError::Used => USED,
+        ApprovalError::Expired(_) => EXPIRED,
+        ApprovalError::NotApproved { .. } | ApprovalError::AlreadyAnswered { .. } => NOT_APPROVED,
+        ApprovalError::NotFound => UNKNOWN,
+        ApprovalError::SelfApproval | ApprovalError::Store(_) => return None,
+    };
+    let what = match id {
+        Some(id) => format!("approval {id}"),
+        None => "a new approval request".to_owned(),
+    };
+    let message = format!(
+        "policy rule `{}` holds this call: {what} refused: {e}",
+        held.rule_id
+    );
+    let d = Decision {
+        effect: Effect::Deny,
+        layer: None,
+        rule_id: rule.to_owned(),
+        rule_index: None,
+        hard: true,
+        reason: e.to_string(),
+    };
+    let r = GateRefusal::denied(&d, id, message);
+    Some((d, r))
 }
 
 impl GateRefusal {
@@ -262,45 +347,58 @@ impl Security {
                     format!("denied by policy rule `{}`: {}", d.rule_id, d.reason),
                 ))
             }
-            Effect::Approve => match opts.approval {
-                Some(id) => self.run_approved(call, d, id).await,
+            Effect::Approve => match opts.approval.clone() {
+                Some(id) => self.run_approved(call, d, id, opts.body).await,
                 None => self.hold(call, d, opts).await,
             },
         }
     }
 
-    /// A re-sent call with the id of its approval: runs once.
+    /// A re-sent call with the id of its approval: runs once, when the
+    /// approval is this caller's, for this very request (call and body),
+    /// approved, unused and unexpired ([`ApprovalQueue::take`], atomic).
+    /// A refusal is audited and changes nothing.
+    ///
+    /// [`ApprovalQueue::take`]: strata_policy::approval::ApprovalQueue::take
     async fn run_approved(
         self: &Arc<Self>,
         call: ToolCall,
         d: Decision,
         id: String,
+        body: Option<BodyDigest>,
     ) -> Result<(), GateRefusal> {
-        let same_call = match self.approvals().get(&call.tenant, &id) {
-            Ok(r) => {
-                matches!(r.status, ApprovalStatus::Approved { .. })
-                    && r.call.kind == call.kind
-                    && r.call.sandbox == call.sandbox
-            }
-            Err(_) => false,
-        };
-        let store = self.store().clone();
-        let id2 = id.clone();
-        let fresh = same_call
-            && tokio::task::spawn_blocking(move || store.consume_approval(&id2))
+        let (q, call2, id2) = (self.approvals().clone(), call.clone(), id.clone());
+        let taken =
+            tokio::task::spawn_blocking(move || q.take(&call2.tenant, &id2, &call2, body.as_ref()))
                 .await
-                .ok()
-                .and_then(Result::ok)
-                .unwrap_or(false);
-        if !fresh {
-            return Err(GateRefusal::denied(
-                &d,
-                Some(&id),
-                format!("approval {id} is not an unused approval of this call"),
-            ));
+                .map_err(|e| GateRefusal::Internal(format!("approval: {e}")))?;
+        match taken {
+            Ok(_) => {
+                self.record_blocking(&call, &d, Outcome::Allowed, Some(id))
+                    .await
+            }
+            Err(e) => Err(self.refuse_approval(&call, &d, Some(&id), e).await),
         }
-        self.record_blocking(&call, &d, Outcome::Allowed, Some(id))
+    }
+
+    /// Audits and returns the refusal of approval `id` (or of a new request).
+    async fn refuse_approval(
+        self: &Arc<Self>,
+        call: &ToolCall,
+        held: &Decision,
+        id: Option<&str>,
+        e: ApprovalError,
+    ) -> GateRefusal {
+        let Some((d, refusal)) = approval_refusal(held, id, &e) else {
+            return GateRefusal::Internal(e.to_string());
+        };
+        match self
+            .record_blocking(call, &d, Outcome::Denied, id.map(str::to_owned))
             .await
+        {
+            Ok(()) => refusal,
+            Err(r) => r,
+        }
     }
 
     /// Holds the call for an approver.
@@ -311,11 +409,14 @@ impl Security {
         opts: GateOptions,
     ) -> Result<(), GateRefusal> {
         let q = self.approvals().clone();
-        let (call2, d2) = (call.clone(), d.clone());
-        let req = tokio::task::spawn_blocking(move || q.request(&call2, &d2))
+        let (call2, d2, body) = (call.clone(), d.clone(), opts.body.clone());
+        let req = match tokio::task::spawn_blocking(move || q.request_with(&call2, &d2, body))
             .await
             .map_err(|e| GateRefusal::Internal(e.to_string()))?
-            .map_err(|e| GateRefusal::Internal(e.to_string()))?;
+        {
+            Ok(req) => req,
+            Err(e) => return Err(self.refuse_approval(&call, &d, None, e).await),
+        };
         self.record_blocking(&call, &d, Outcome::Held, Some(req.id.clone()))
             .await?;
         tracing::info!(approval = %req.id, rule = %d.rule_id, "call held for approval");
@@ -327,13 +428,10 @@ impl Security {
             .timeout
             .unwrap_or(cfg.approval_timeout)
             .min(cfg.max_approval_timeout);
+        // `Approved` only when this waiter used the approval: one that a
+        // re-submission (or another waiter) used first is a denial.
         match self.approvals().wait(&call.tenant, &req.id, timeout).await {
-            Ok(WaitOutcome::Approved { .. }) => {
-                let store = self.store().clone();
-                let id = req.id.clone();
-                let _ = tokio::task::spawn_blocking(move || store.consume_approval(&id)).await;
-                Ok(())
-            }
+            Ok(WaitOutcome::Approved { .. }) => Ok(()),
             Ok(WaitOutcome::Denied { by, .. }) => Err(GateRefusal::denied(
                 &d,
                 Some(&req.id),
@@ -356,7 +454,7 @@ impl Security {
                     ),
                 ))
             }
-            Err(e) => Err(GateRefusal::Internal(e.to_string())),
+            Err(e) => Err(self.refuse_approval(&call, &d, Some(&req.id), e).await),
         }
     }
 }

@@ -412,7 +412,14 @@ impl Security {
             st.set_audit_head(seq, hash).map_err(|e| e.to_string())
         }));
         spawn_audit_flusher(&audit);
-        let approvals = ApprovalQueue::with_store(store.clone())?;
+        let approvals = ApprovalQueue::open(
+            store.clone(),
+            strata_policy::approval::ApprovalLimits {
+                pending_ttl: cfg.approval_pending_ttl,
+                approved_ttl: cfg.approval_ttl,
+                max_pending_per_sandbox: cfg.max_pending_approvals_per_sandbox,
+            },
+        )?;
         let ranges = cfg
             .egress_resolved_ranges
             .iter()

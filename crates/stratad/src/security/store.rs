@@ -394,16 +394,6 @@ impl SecurityStore {
         Ok(())
     }
 
-    /// Marks an approved request as used (a `?approval=` re-submission runs
-    /// once); false when it was used before.
-    pub fn consume_approval(&self, id: &str) -> SecResult<bool> {
-        let n = self.conn().execute(
-            "UPDATE approvals SET consumed_at = ?2 WHERE id = ?1 AND consumed_at IS NULL",
-            params![id, ms(Utc::now())],
-        )?;
-        Ok(n > 0)
-    }
-
     /// The egress proxy port last used for a sandbox.
     pub fn egress_port(&self, sandbox: &str) -> SecResult<Option<u16>> {
         Ok(self
@@ -593,16 +583,144 @@ impl ApprovalStore for SecurityStore {
     fn load(&self) -> Result<Vec<ApprovalRequest>, StoreError> {
         let c = self.conn();
         let mut st = c
-            .prepare("SELECT body FROM approvals ORDER BY created_at, id")
+            .prepare("SELECT body, consumed_at FROM approvals ORDER BY created_at, id")
             .map_err(store_err)?;
         let rows = st
-            .query_map([], |r| r.get::<_, String>(0))
+            .query_map([], |r| {
+                Ok((r.get::<_, String>(0)?, r.get::<_, Option<i64>>(1)?))
+            })
             .map_err(store_err)?;
         let mut out = Vec::new();
         for r in rows {
-            let body = r.map_err(store_err)?;
-            out.push(serde_json::from_str(&body).map_err(store_err)?);
+            let (body, consumed) = r.map_err(store_err)?;
+            let mut req: ApprovalRequest = serde_json::from_str(&body).map_err(store_err)?;
+            // Rows used before the body recorded it kept it in the column.
+            if req.consumed_at.is_none() {
+                req.consumed_at = consumed.map(from_ms);
+            }
+            out.push(req);
         }
         Ok(out)
+    }
+
+    /// Marks an approved request used, in one statement: `false` (nothing
+    /// written) when it was used before, so it runs once.
+    fn consume(&self, req: &ApprovalRequest) -> Result<bool, StoreError> {
+        let body = serde_json::to_string(req).map_err(store_err)?;
+        let at = req.consumed_at.unwrap_or_else(Utc::now);
+        let n = self
+            .conn()
+            .execute(
+                "UPDATE approvals SET consumed_at = ?2, body = ?3 \
+                 WHERE id = ?1 AND consumed_at IS NULL AND status = 'approved'",
+                params![req.id, ms(at), body],
+            )
+            .map_err(store_err)?;
+        Ok(n > 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use strata_policy::approval::{ApprovalQueue, ApprovalStatus, BodyDigest};
+    use strata_policy::{CallKind, Decision, Effect, ToolCall};
+
+    use super::*;
+    use crate::store::SqliteStore;
+
+    fn call() -> ToolCall {
+        ToolCall {
+            tenant: "acme".into(),
+            sandbox: Some("sb-1".into()),
+            actor: "token:tok-dev".into(),
+            kind: CallKind::FileWrite {
+                path: "/app/x".into(),
+            },
+        }
+    }
+
+    fn held() -> Decision {
+        Decision {
+            effect: Effect::Approve,
+            layer: None,
+            rule_id: "r".into(),
+            rule_index: None,
+            hard: false,
+            reason: "why".into(),
+        }
+    }
+
+    fn open() -> (tempfile::TempDir, Arc<SecurityStore>) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("strata.db");
+        SqliteStore::open(&path, 1).unwrap();
+        let s = Arc::new(SecurityStore::open(&path).unwrap());
+        (dir, s)
+    }
+
+    #[test]
+    fn an_approval_is_used_once_across_queues_sharing_the_database() {
+        let (_dir, store) = open();
+        let body = BodyDigest::of(b"content");
+        let q = ApprovalQueue::with_store(store.clone()).unwrap();
+        let r = q
+            .request_with(&call(), &held(), Some(body.clone()))
+            .unwrap();
+        q.answer("acme", &r.id, "token:tok-boss", true).unwrap();
+        // A second queue on the same database (another process) loads it
+        // approved and unused …
+        let other = ApprovalQueue::with_store(store.clone()).unwrap();
+        q.take("acme", &r.id, &call(), Some(&body)).unwrap();
+        // … but the store has it used: the second take is refused.
+        assert!(matches!(
+            other.take("acme", &r.id, &call(), Some(&body)),
+            Err(strata_policy::approval::ApprovalError::Used)
+        ));
+        // Reloaded, it stays used, with its digest and body.
+        let again = ApprovalQueue::with_store(store).unwrap();
+        let got = again.get("acme", &r.id).unwrap();
+        assert!(got.consumed_at.is_some());
+        assert_eq!(got.body, Some(body));
+        assert!(matches!(got.status, ApprovalStatus::Approved { .. }));
+    }
+
+    #[test]
+    fn rows_written_before_binding_load_bound_and_expiring() {
+        let (_dir, store) = open();
+        // An approved, unused request as the previous release wrote it (no
+        // digest, expiry or use in its body), answered two hours ago, and
+        // a used one (the use only in the column).
+        let at = Utc::now() - chrono::TimeDelta::hours(2);
+        let old = |id: &str| {
+            serde_json::json!({
+                "id": id, "tenant": "acme", "sandbox": "sb-1", "call": call(),
+                "reason": "why", "rule_id": "r", "requested_by": "token:tok-dev",
+                "created_at": at, "status": {"status": "approved", "by": "b", "at": at},
+            })
+            .to_string()
+        };
+        let c = store.conn();
+        for (id, used) in [("old-1", None), ("old-2", Some(ms(at)))] {
+            c.execute(
+                "INSERT INTO approvals (id, tenant_id, created_at, status, body, consumed_at) VALUES (?1,'acme',?2,'approved',?3,?4)",
+                params![id, ms(at), old(id), used],
+            )
+            .unwrap();
+        }
+        drop(c);
+        let q = ApprovalQueue::with_store(store).unwrap();
+        let r = q.get("acme", "old-1").unwrap();
+        assert_eq!(
+            r.request_sha256,
+            strata_policy::approval::request_digest(&call(), None)
+        );
+        // Answered 2 h ago with a 1 h lifetime: expired, not usable.
+        assert!(matches!(
+            q.take("acme", "old-1", &call(), None),
+            Err(strata_policy::approval::ApprovalError::Expired(_))
+        ));
+        assert!(q.get("acme", "old-2").unwrap().consumed_at.is_some());
     }
 }

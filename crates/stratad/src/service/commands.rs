@@ -224,6 +224,15 @@ pub(crate) fn exec_call(req: &ExecRequest) -> CallKind {
     kind.with_context(&req.env, req.cwd.clone(), stdin)
 }
 
+/// The bytes a command carries for the gate besides its call: its stdin,
+/// when given as bytes (a held command's approval is bound to them).
+pub(crate) fn exec_body(req: &ExecRequest) -> Option<strata_policy::approval::BodyDigest> {
+    match (&req.stdin, req.pty) {
+        (Stdin::Bytes(b), None) => Some(strata_policy::approval::BodyDigest::of(b)),
+        _ => None,
+    }
+}
+
 /// Longest idle timeout a sandbox may have (a year): larger values would
 /// overflow the time arithmetic of the E2B door's `endAt` and gain nothing.
 pub const MAX_IDLE_TIMEOUT_S: u64 = 366 * 24 * 3600;

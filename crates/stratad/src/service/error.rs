@@ -100,6 +100,11 @@ impl ServiceError {
             },
             ServiceError::Gate(GateRefusal::Invalid(_)) => ErrorCode::InvalidRequest,
             ServiceError::Gate(GateRefusal::Internal(_)) => ErrorCode::Internal,
+            ServiceError::Gate(GateRefusal::Denied { decision, .. })
+                if crate::security::gate::is_approval_limit(decision) =>
+            {
+                ErrorCode::RateLimited
+            }
             ServiceError::Gate(GateRefusal::Denied { .. } | GateRefusal::Pending(_)) => {
                 ErrorCode::PolicyDenied
             }

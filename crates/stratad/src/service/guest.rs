@@ -12,6 +12,8 @@ pub struct Grant {
     sandbox: SandboxId,
     caller: Caller,
     kind: Option<CallKind>,
+    /// The bytes the gate decided with the call (a held upload's), if any.
+    body: Option<strata_policy::approval::BodyDigest>,
 }
 
 /// A guest file operation, for [`Grant::covers`].
@@ -51,6 +53,13 @@ impl Grant {
     /// The call the gate decided (`None` for [`Service::access`]).
     pub fn kind(&self) -> Option<&CallKind> {
         self.kind.as_ref()
+    }
+
+    /// The digest of the bytes the gate decided with the call (a held
+    /// upload, [`Service::grant_held`]): such a grant writes only those
+    /// bytes ([`Service::write_held`]).
+    pub fn body(&self) -> Option<&strata_policy::approval::BodyDigest> {
+        self.body.as_ref()
     }
 
     /// Whether `op` on `path` is what the gate decided: a read covers
@@ -126,7 +135,11 @@ impl Service {
         self.get_sandbox(caller, id).await?;
         validate_exec(&req)?;
         validate_pty(&req)?;
-        self.authorize(caller, Some(id), exec_call(&req), opts)
+        let opts = GateOptions {
+            body: exec_body(&req),
+            ..opts.clone()
+        };
+        self.authorize(caller, Some(id), exec_call(&req), &opts)
             .await?;
         let shown = req.command.clone();
         self.exec_granted(id, req, Some((shown, false))).await
@@ -240,6 +253,7 @@ impl Service {
             sandbox: id.clone(),
             caller: caller.clone(),
             kind: Some(kind),
+            body: opts.body.clone(),
         })
     }
 
@@ -252,6 +266,7 @@ impl Service {
             sandbox: id.clone(),
             caller: caller.clone(),
             kind: None,
+            body: None,
         })
     }
 
@@ -315,6 +330,23 @@ impl Service {
 
     /// Writes a guest file from a stream.
     pub async fn write_file(
+        self: &Arc<Self>,
+        g: &Grant,
+        path: &str,
+        mode: u32,
+        body: ByteStream,
+    ) -> ServiceResult<u64> {
+        if g.body.is_some() {
+            // Decided for held bytes: only those may be written.
+            return Err(ServiceError::Forbidden(
+                "this grant covers the held upload it was decided for only".into(),
+            ));
+        }
+        self.write_granted(g, path, mode, body).await
+    }
+
+    /// [`Service::write_file`] once the bytes are known to be the grant's.
+    pub(super) async fn write_granted(
         self: &Arc<Self>,
         g: &Grant,
         path: &str,

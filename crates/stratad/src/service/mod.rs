@@ -29,6 +29,7 @@ mod commands;
 mod error;
 mod fork;
 mod guest;
+mod held;
 mod journal;
 mod lifecycle;
 mod logs;
@@ -51,6 +52,7 @@ pub use background::ScheduledActions;
 pub use commands::*;
 pub use error::*;
 pub use guest::{Grant, GuestOp, MAX_PTY_SIDE};
+pub use held::{HeldUpload, HELD_UPLOADS_DIR};
 pub(crate) use journal::VmNow;
 pub use lifecycle::pressure::{PressureReading, PRESSURE_HIBERNATION};
 pub use logs::{LogEntry, LogPage, LogStream, LogTap, ProcessLogs, MAX_LOG_PAGE};
@@ -89,6 +91,8 @@ pub struct Service {
     activity: Mutex<HashMap<SandboxId, DateTime<Utc>>>,
     /// The pressure monitor's state (`lifecycle::pressure`).
     pressure: lifecycle::pressure::PressureState,
+    /// Bytes of uploads held for approval (`held`).
+    held: held::HeldBytes,
     gate: Arc<dyn ToolGate>,
     sampler: sampler::Sampler,
     /// Baselines and activity of running guests, for rolling snapshots of
@@ -149,6 +153,7 @@ impl Service {
             flushed: Mutex::new(HashMap::new()),
             activity: Mutex::new(HashMap::new()),
             pressure: lifecycle::pressure::PressureState::default(),
+            held: held::HeldBytes::default(),
         })
     }
 

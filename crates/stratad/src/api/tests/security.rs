@@ -23,7 +23,7 @@ pub(super) fn sec_harness(tune: impl FnOnce(&mut Config)) -> Sec {
 }
 
 /// [`sec_harness`] over a given engine double (to see what it was asked).
-fn sec_harness_on(tune: impl FnOnce(&mut Config), engine: Arc<Double>) -> Sec {
+pub(super) fn sec_harness_on(tune: impl FnOnce(&mut Config), engine: Arc<Double>) -> Sec {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = Config {
         data_dir: dir.path().to_owned(),

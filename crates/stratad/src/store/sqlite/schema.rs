@@ -2,7 +2,7 @@
 //! (`PRAGMA user_version` counts them). Never edit a shipped migration: add one.
 
 /// Newest schema version this build knows.
-pub const SCHEMA_VERSION: i64 = 14;
+pub const SCHEMA_VERSION: i64 = 13;
 
 pub(super) const MIGRATIONS: &[&str] = &[
     // 1: initial schema.
@@ -187,10 +187,7 @@ pub(super) const MIGRATIONS: &[&str] = &[
     ALTER TABLE snapshots ADD COLUMN same_as TEXT;
     CREATE INDEX snapshots_by_same_as ON snapshots (same_as) WHERE same_as IS NOT NULL;
     "#,
-    // 13: reserved for a concurrent branch (its migration takes this slot
-    // when the branches merge); nothing here.
-    "",
-    // 14: the E2B door's envd access tokens: random, one per sandbox and
+    // 13: the E2B door's envd access tokens: random, one per sandbox and
     // credential (strata token id or E2B key id) that obtained it, stored as
     // the token's SHA-256 with the nonce it is derived from (under the
     // door's secret, which the database does not hold) and the caller it
