@@ -190,8 +190,12 @@ impl ApiClient {
             .use_rustls_tls()
             .https_only(base.scheme() == "https");
         if let Some(path) = ca_bundle {
-            let pem = std::fs::read(path)
-                .map_err(|e| bad(&format!("cannot read the CA bundle {}: {e}", path.display())))?;
+            let pem = std::fs::read(path).map_err(|e| {
+                bad(&format!(
+                    "cannot read the CA bundle {}: {e}",
+                    path.display()
+                ))
+            })?;
             let certs = reqwest::Certificate::from_pem_bundle(&pem)
                 .map_err(|e| bad(&format!("CA bundle {}: {e}", path.display())))?;
             if certs.is_empty() {

@@ -36,8 +36,8 @@ pub use process::{default_vm_user, lookup_user, qemus_under, RssInfo, UserIds, D
 pub use qemu::{qemu_in_run_dir, QemuDriver, QemuVm};
 pub use qmp::{QmpClient, QmpError, QmpEvent};
 pub use spec::{
-    DiskFormat, DiskThrottle, FwdProto, GuestFwd, GuestFwdTarget, HostFwd, NetSpec, RamBacking, ResolvedAccel,
-    VmSpec, DEFAULT_CONSOLE_LOG_MAX, DEFAULT_QEMU,
+    DiskFormat, DiskThrottle, FwdProto, GuestFwd, GuestFwdTarget, HostFwd, NetSpec, RamBacking,
+    ResolvedAccel, VmSpec, DEFAULT_CONSOLE_LOG_MAX, DEFAULT_QEMU,
 };
 
 /// How a VM's process ended.

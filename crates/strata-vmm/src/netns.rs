@@ -53,25 +53,28 @@ pub fn netns_path(name: &str) -> PathBuf {
 pub fn ensure(name: &str) -> Result<PathBuf, VmmError> {
     validate_name(name).map_err(VmmError::InvalidSpec)?;
     let path = netns_path(name);
-    if !is_netns(&path) {
-        let out = Command::new("ip")
-            .args(["netns", "add", name])
-            .output()
-            .map_err(|e| VmmError::InvalidSpec(format!("cannot run `ip netns add {name}`: {e}")))?;
-        if !out.status.success() && !is_netns(&path) {
-            return Err(VmmError::InvalidSpec(format!(
-                "`ip netns add {name}` failed: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            )));
-        }
+    if is_netns(&path) {
+        return Ok(path);
+    }
+    let out = Command::new("ip")
+        .args(["netns", "add", name])
+        .output()
+        .map_err(|e| VmmError::InvalidSpec(format!("cannot run `ip netns add {name}`: {e}")))?;
+    if out.status.success() {
         tracing::info!(netns = name, "created the VMs' empty network namespace");
     }
-    if !is_netns(&path) {
-        return Err(VmmError::InvalidSpec(format!(
-            "{path:?} is not a network namespace"
-        )));
+    // Another process may be making it at the same moment (its file exists
+    // before its bind mount does): give that a moment.
+    for _ in 0..50 {
+        if is_netns(&path) {
+            return Ok(path);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    Ok(path)
+    Err(VmmError::InvalidSpec(format!(
+        "{path:?} is not a network namespace (`ip netns add {name}`: {})",
+        String::from_utf8_lossy(&out.stderr).trim()
+    )))
 }
 
 /// Whether `path` is a network namespace file (a bind mount of an nsfs

@@ -109,7 +109,10 @@ async fn qemu_runs_unprivileged_in_its_cgroup_with_private_sockets() {
     // --- network: QEMU is in the empty namespace, not the host's
     let qemu_ns = strata_vmm::netns::netns_of(pid).unwrap();
     assert_eq!(qemu_ns, strata_vmm::netns::netns_inode(&netns).unwrap());
-    assert_ne!(qemu_ns, strata_vmm::netns::netns_of(std::process::id()).unwrap());
+    assert_ne!(
+        qemu_ns,
+        strata_vmm::netns::netns_of(std::process::id()).unwrap()
+    );
     let dev = std::fs::read_to_string(format!("/proc/{pid}/net/dev")).unwrap();
     let ifaces: Vec<&str> = dev
         .lines()
@@ -256,7 +259,9 @@ async fn restore_under_run_as_and_limits_and_unknown_user() {
         sh(&a, "dd if=/dev/zero of=/var/tmp/t bs=64k count=16 conv=fsync 2>/dev/null; wc -c < /var/tmp/t").await,
         "1048576"
     );
-    println!("REPORT restore of an unconfined state into netns + throttle (iops 200, bps 10 MiB/s): ok");
+    println!(
+        "REPORT restore of an unconfined state into netns + throttle (iops 200, bps 10 MiB/s): ok"
+    );
     let conf = r.confinement();
     if cgroup::detect().is_ok() {
         assert!(conf.limits_applied, "{conf:?}");

@@ -1068,6 +1068,41 @@ mod tests {
     }
 
     #[test]
+    fn vm_section_and_api_tls_keys() {
+        let c = Config::default();
+        assert_eq!(c.vm.user, "strata-vm");
+        assert!(!c.vm.allow_root && c.vm.require_cgroups);
+        assert_eq!(c.vm.netns, "strata-vm");
+        let c: Config = toml::from_str(
+            "[vm]\nallow_root = true\nrequire_cgroups = false\nnetns = \"\"\ndisk_iops = 100\ndisk_bps = 1048576\n",
+        )
+        .unwrap();
+        c.validate().unwrap();
+        assert!(c.vm.allow_root && !c.vm.require_cgroups && c.vm.netns.is_empty());
+        assert!(toml::from_str::<Config>("[vm]\nallow_rot = true\n").is_err());
+        let c: Config = toml::from_str("[vm]\nnetns = \"a/b\"\n").unwrap();
+        assert!(c.validate().is_err());
+        // tls_listen needs both files; the files alone mean nothing.
+        let c: Config = toml::from_str("tls_listen = \"127.0.0.1:7443\"\n").unwrap();
+        assert!(c.validate().unwrap_err().to_string().contains("tls_cert"));
+        let c: Config = toml::from_str("tls_cert = \"/c\"\ntls_key = \"/k\"\n").unwrap();
+        assert!(c.validate().is_err());
+        let c: Config =
+            toml::from_str("tls_listen = \"0.0.0.0:7443\"\ntls_cert = \"/c\"\ntls_key = \"/k\"\n")
+                .unwrap();
+        c.validate().unwrap();
+        // Without tokens, not on a public TLS address either.
+        let open = Config {
+            security: SecurityConfig {
+                auth: false,
+                ..SecurityConfig::default()
+            },
+            ..c
+        };
+        assert!(open.validate().is_err());
+    }
+
+    #[test]
     fn partial_file_keeps_defaults_and_unknown_keys_fail() {
         let c: Config = toml::from_str("snapshot_interval = \"5s\"\n").unwrap();
         assert_eq!(c.snapshot_interval, Duration::from_secs(5));

@@ -20,7 +20,11 @@ fn modes_under(root: &Path, out: &mut Vec<(PathBuf, u32)>) {
     if meta.is_dir() {
         for e in std::fs::read_dir(root).unwrap() {
             let p = e.unwrap().path();
-            if std::fs::symlink_metadata(&p).unwrap().file_type().is_symlink() {
+            if std::fs::symlink_metadata(&p)
+                .unwrap()
+                .file_type()
+                .is_symlink()
+            {
                 continue;
             }
             modes_under(&p, out);
@@ -52,16 +56,30 @@ fn the_daemons_files_are_its_own_users_only_and_looser_ones_are_tightened() {
     // Something audited, so the audit log and the database's WAL exist.
     tokio_rt().block_on(async {
         let (status, body) = d
-            .call("POST", "/v1/tokens", Some(serde_json::json!({"name": "t", "role": "viewer"})))
+            .call(
+                "POST",
+                "/v1/tokens",
+                Some(serde_json::json!({"name": "t", "role": "viewer"})),
+            )
             .await;
         assert!((200..300).contains(&status), "{status} {body}");
     });
     let data = d.root.join("data");
-    for f in ["strata.db", "strata.db-wal", "audit.jsonl", "pool.img", "pool/sandboxes"] {
+    for f in [
+        "strata.db",
+        "strata.db-wal",
+        "audit.jsonl",
+        "pool.img",
+        "pool/sandboxes",
+    ] {
         assert!(data.join(f).exists(), "{f} missing");
     }
     let open = open_to_others(&d);
-    assert!(open.is_empty(), "reachable by other users:\n{}", open.join("\n"));
+    assert!(
+        open.is_empty(),
+        "reachable by other users:\n{}",
+        open.join("\n")
+    );
     assert_eq!(mode(&data), 0o700);
     assert_eq!(mode(&data.join("pool")), 0o700, "the pool's mount point");
     assert_eq!(mode(&data.join("pool.img")), 0o600);
@@ -81,11 +99,16 @@ fn the_daemons_files_are_its_own_users_only_and_looser_ones_are_tightened() {
     }
     d.start_again();
     let open = open_to_others(&d);
-    assert!(open.is_empty(), "left open after a restart:\n{}", open.join("\n"));
+    assert!(
+        open.is_empty(),
+        "left open after a restart:\n{}",
+        open.join("\n")
+    );
     let logs = d.logs();
     for (p, _) in &loose {
         assert!(
-            logs.lines().any(|l| l.contains("tightened") && l.contains(&*p.to_string_lossy())),
+            logs.lines()
+                .any(|l| l.contains("tightened") && l.contains(&*p.to_string_lossy())),
             "no log line for {}:\n{logs}",
             p.display()
         );
@@ -106,7 +129,11 @@ fn make_certs(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
         .unwrap()
         .signed_by(&key, &ca, &ca_key)
         .unwrap();
-    let paths = (dir.join("ca.pem"), dir.join("cert.pem"), dir.join("key.pem"));
+    let paths = (
+        dir.join("ca.pem"),
+        dir.join("cert.pem"),
+        dir.join("key.pem"),
+    );
     std::fs::write(&paths.0, ca.pem()).unwrap();
     std::fs::write(&paths.1, leaf.pem()).unwrap();
     std::fs::write(&paths.2, key.serialize_pem()).unwrap();
@@ -165,7 +192,12 @@ fn the_api_is_served_over_tls_and_the_cli_talks_to_it() {
 
     let bin = strata_bin();
     let ca_arg = ca.to_string_lossy().into_owned();
-    let out = run_strata(&bin, &url, Some(&token), &["--ca-bundle", &ca_arg, "--json", "whoami"]);
+    let out = run_strata(
+        &bin,
+        &url,
+        Some(&token),
+        &["--ca-bundle", &ca_arg, "--json", "whoami"],
+    );
     assert!(out.status.success());
     let me: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(me["role"], "admin", "{me}");
@@ -178,11 +210,18 @@ fn the_api_is_served_over_tls_and_the_cli_talks_to_it() {
         .args(["--json", "whoami"])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // The system's roots do not know this CA: refused, and said why.
     let out = run_strata(&bin, &url, Some(&token), &["whoami"]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr).to_lowercase();
-    assert!(err.contains("certificate") || err.contains("issuer"), "{err}");
+    assert!(
+        err.contains("certificate") || err.contains("issuer"),
+        "{err}"
+    );
     d.shutdown();
 }

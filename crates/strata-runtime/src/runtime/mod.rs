@@ -466,6 +466,27 @@ mod tests {
     }
 
     #[test]
+    fn qemu_never_runs_as_root_unless_allowed() {
+        let mut cfg = RuntimeConfig::new(PoolSetting::Path("/p".into()), "/r", "/i");
+        cfg.run_as = None;
+        // SAFETY: geteuid has no arguments and cannot fail.
+        if unsafe { libc::geteuid() } == 0 {
+            let e = check_vm_user(&cfg).unwrap_err();
+            assert!(e.to_string().contains("allow_root"), "{e}");
+        }
+        cfg.allow_root = true;
+        check_vm_user(&cfg).unwrap();
+        cfg.run_as = Some("no-such-user-strata".into());
+        let e = check_vm_user(&cfg).unwrap_err();
+        assert!(e.to_string().contains("does not exist"), "{e}");
+        // The defaults: cgroups required, the named empty network namespace.
+        let d = RuntimeConfig::new(PoolSetting::Path("/p".into()), "/r", "/i");
+        assert!(d.cgroups && d.cgroups_required && !d.allow_root);
+        assert_eq!(d.netns.as_deref(), Some(strata_vmm::netns::DEFAULT_NETNS));
+        assert_eq!(d.disk_throttle, None);
+    }
+
+    #[test]
     fn sources_name_their_state() {
         let t = TemplateId::generate();
         let src = Source::Template(t.clone());

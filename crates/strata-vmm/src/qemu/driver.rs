@@ -111,11 +111,7 @@ impl QemuDriver {
             .try_clone()
             .map_err(|e| VmmError::io(&stderr_path, e))?;
         // Opened before the fork: the child only calls setns(2) on it.
-        let netns = spec
-            .netns
-            .as_deref()
-            .map(crate::netns::open)
-            .transpose()?;
+        let netns = spec.netns.as_deref().map(crate::netns::open).transpose()?;
         let netns_fd = netns.as_ref().map(|f| f.as_raw_fd());
         let pending = confine::prepare(spec)?;
         let procs_fds = pending.procs_fds();
