@@ -159,23 +159,57 @@ pub struct ApiClient {
 }
 
 impl ApiClient {
-    /// A client of the daemon at `url` (e.g. `http://127.0.0.1:7070`).
+    /// A client of the daemon at `url` (e.g. `http://127.0.0.1:7070`, or
+    /// `https://…` checked against the system's trust store).
+    #[cfg(test)]
     pub fn new(url: &str, token: Option<String>) -> ApiResult<Self> {
+        Self::with_ca_bundle(url, token, None)
+    }
+
+    /// [`ApiClient::new`]; an `https://` server must chain to a certificate
+    /// of the PEM file `ca_bundle` when given (`--ca-bundle`,
+    /// `STRATA_CA_BUNDLE`; the system's roots are then not used).
+    pub fn with_ca_bundle(
+        url: &str,
+        token: Option<String>,
+        ca_bundle: Option<&std::path::Path>,
+    ) -> ApiResult<Self> {
         let bad = |reason: &str| ApiError::BadUrl {
             url: url.to_owned(),
             reason: reason.to_owned(),
         };
         let base = Url::parse(url.trim()).map_err(|e| bad(&e.to_string()))?;
-        if base.scheme() != "http" {
-            return Err(bad("only http:// is supported by this build"));
+        if !matches!(base.scheme(), "http" | "https") {
+            return Err(bad("expected http:// or https://"));
         }
         if base.cannot_be_a_base() || base.host().is_none() {
-            return Err(bad("expected http://HOST:PORT"));
+            return Err(bad("expected http(s)://HOST:PORT"));
         }
-        let http = reqwest::Client::builder()
+        let mut builder = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(5))
-            .build()
-            .map_err(|e| bad(&e.to_string()))?;
+            .use_rustls_tls()
+            .https_only(base.scheme() == "https");
+        if let Some(path) = ca_bundle {
+            let pem = std::fs::read(path).map_err(|e| {
+                bad(&format!(
+                    "cannot read the CA bundle {}: {e}",
+                    path.display()
+                ))
+            })?;
+            let certs = reqwest::Certificate::from_pem_bundle(&pem)
+                .map_err(|e| bad(&format!("CA bundle {}: {e}", path.display())))?;
+            if certs.is_empty() {
+                return Err(bad(&format!(
+                    "CA bundle {} holds no PEM certificate",
+                    path.display()
+                )));
+            }
+            builder = builder.tls_built_in_root_certs(false);
+            for c in certs {
+                builder = builder.add_root_certificate(c);
+            }
+        }
+        let http = builder.build().map_err(|e| bad(&e.to_string()))?;
         Ok(ApiClient {
             base,
             token: token.filter(|t| !t.is_empty()),
@@ -551,9 +585,17 @@ mod tests {
 
     #[test]
     fn bad_urls_are_refused() {
-        for u in ["127.0.0.1:7070", "ftp://x", "https://x", "not a url"] {
+        for u in ["127.0.0.1:7070", "ftp://x", "not a url"] {
             let e = ApiClient::new(u, None).unwrap_err();
             assert_eq!(e.code(), "invalid_request", "{u}: {e}");
+        }
+        ApiClient::new("https://strata.example:7443", None).unwrap();
+        let d = tempfile::tempdir().unwrap();
+        let empty = d.path().join("empty.pem");
+        std::fs::write(&empty, "").unwrap();
+        for bundle in [empty, d.path().join("missing.pem")] {
+            let e = ApiClient::with_ca_bundle("https://h:1", None, Some(&bundle)).unwrap_err();
+            assert_eq!(e.code(), "invalid_request", "{e}");
         }
     }
 

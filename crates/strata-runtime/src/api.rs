@@ -29,10 +29,27 @@ pub struct RuntimeConfig {
     /// QEMU under the daemon's user.
     #[serde(default = "default_run_as")]
     pub run_as: Option<String>,
+    /// QEMU may run as root when `run_as` is `None` (the `strata-vm` user is
+    /// missing). Default `false`: [`crate::Runtime::open`] refuses to run VMs
+    /// as root.
+    #[serde(default)]
+    pub allow_root: bool,
     /// Put each VM in its own cgroup with CPU (one CPU per vCPU) and memory (guest RAM
-    /// + margin) limits from its size. Failures are logged, the VM still starts.
+    /// + margin) limits from its size.
     #[serde(default = "default_cgroups")]
     pub cgroups: bool,
+    /// A VM whose cgroup cannot be set up does not start (default). `false`:
+    /// it starts without limits, with a warning.
+    #[serde(default = "default_cgroups")]
+    pub cgroups_required: bool,
+    /// Named network namespace every QEMU joins ([`strata_vmm::netns`],
+    /// created empty on open when missing). Default
+    /// [`strata_vmm::netns::DEFAULT_NETNS`]; `None`: the host's namespace.
+    #[serde(default = "default_netns")]
+    pub netns: Option<String>,
+    /// Every VM's root-disk limits (QEMU block throttling); `None`: none.
+    #[serde(default)]
+    pub disk_throttle: Option<strata_vmm::DiskThrottle>,
     /// Guest egress target (the daemon's egress proxy). When set, every agent
     /// connection enables egress: guest programs reach `127.0.0.1:3128` in the
     /// guest (their `http_proxy`), and each such connection is tunnelled over
@@ -54,7 +71,8 @@ fn default_tb_size() -> u32 {
 impl RuntimeConfig {
     /// A configuration with the defaults: accel `auto`, `qemu-system-x86_64`,
     /// 1 MiB console logs, 60 s agent timeout, QEMU as `strata-vm` when that
-    /// user exists, cgroups on, egress closed.
+    /// user exists (never as root), cgroups required, the `strata-vm` network
+    /// namespace, no disk throttling, egress closed.
     pub fn new(
         pool: PoolSetting,
         run_dir: impl Into<PathBuf>,
@@ -69,7 +87,11 @@ impl RuntimeConfig {
             console_log_max_bytes: 1 << 20,
             agent_timeout_ms: 60_000,
             run_as: default_run_as(),
+            allow_root: false,
             cgroups: default_cgroups(),
+            cgroups_required: default_cgroups(),
+            netns: default_netns(),
+            disk_throttle: None,
             egress_proxy: None,
             tcg_tb_size_mib: default_tb_size(),
         }
@@ -82,6 +104,10 @@ pub fn default_run_as() -> Option<String> {
 
 fn default_cgroups() -> bool {
     true
+}
+
+fn default_netns() -> Option<String> {
+    Some(strata_vmm::netns::DEFAULT_NETNS.to_owned())
 }
 
 /// How the btrfs pool is provided.

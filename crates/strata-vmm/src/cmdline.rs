@@ -108,10 +108,15 @@ pub fn qemu_args(spec: &VmSpec, host_tsc_khz: Option<u64>) -> Vec<String> {
     // auto-read-only=off: QEMU keeps the read-write fd it opened at start-up. With the
     // default (on) it reopens the file read-only when a migration inactivates the disk
     // and read-write again on `cont`, which fails once it runs as `run_as`.
+    // Throttling is host-side (not in the migration stream, not in the
+    // device layout): a snapshot made without it restores with it and back.
     let drive = format!(
-        "id=disk0,file={},format={},if=none,cache=writeback,discard=unmap,aio=threads,auto-read-only=off",
+        "id=disk0,file={},format={},if=none,cache=writeback,discard=unmap,aio=threads,auto-read-only=off{}",
         path_str(&spec.disk_path),
-        spec.disk_format.qemu_name()
+        spec.disk_format.qemu_name(),
+        spec.disk_throttle
+            .map(|t| t.drive_options())
+            .unwrap_or_default()
     );
     let agent = format!(
         "socket,id=ag,path={},server=on,wait=off",
@@ -246,6 +251,45 @@ mod tests {
         // Snapshots hashed with the 64 MiB layout keep matching.
         assert_eq!(device_layout(&small), device_layout(&big));
         assert!(device_layout(&big).contains(&"-accel tcg,tb-size=64".to_string()));
+    }
+
+    #[test]
+    fn disk_throttling_is_on_the_command_line_but_not_in_the_layout() {
+        let plain = spec();
+        let mut limited = spec();
+        limited.disk_throttle = crate::spec::DiskThrottle::new(500, 50 << 20);
+        let drive = |s: &VmSpec| {
+            let a = qemu_args(s, None);
+            let i = a.iter().position(|x| x == "-drive").unwrap();
+            a[i + 1].clone()
+        };
+        assert!(!drive(&plain).contains("throttling"), "{}", drive(&plain));
+        assert!(
+            drive(&limited).ends_with(",throttling.iops-total=500,throttling.bps-total=52428800"),
+            "{}",
+            drive(&limited)
+        );
+        limited.disk_throttle = crate::spec::DiskThrottle::new(0, 1 << 20);
+        assert!(drive(&limited).ends_with(",auto-read-only=off,throttling.bps-total=1048576"));
+        assert_eq!(crate::spec::DiskThrottle::new(0, 0), None);
+        // Snapshots made without throttling keep matching, in every layout.
+        for layout in [1, 2] {
+            let (mut a, mut b) = (plain.clone(), limited.clone());
+            a.layout = layout;
+            b.layout = layout;
+            assert_eq!(device_layout(&a), device_layout(&b));
+        }
+    }
+
+    #[test]
+    fn the_network_namespace_is_host_side_only() {
+        let plain = spec();
+        let mut confined = spec();
+        confined.netns = Some("/run/netns/strata-vm".into());
+        // Not on the command line at all (the child joins it before exec),
+        // so neither the device layout nor the slirp state changes.
+        assert_eq!(qemu_args(&plain, None), qemu_args(&confined, None));
+        assert_eq!(device_layout(&plain), device_layout(&confined));
     }
 
     #[test]

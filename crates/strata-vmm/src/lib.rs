@@ -9,11 +9,14 @@
 //!   to an unprivileged user (`VmSpec::run_as`, `-runas`), lives in a per-VM cgroup
 //!   with CPU and memory limits (`VmSpec::limits`, [`cgroup`]), and its run dir (the
 //!   agent, QMP and console sockets) is mode 0700, reachable only by the daemon's user.
+//!   QEMU joins an empty network namespace (`VmSpec::netns`, [`netns`]) and its disk
+//!   may be throttled (`VmSpec::disk_throttle`).
 
 pub mod cgroup;
 pub mod cmdline;
 pub mod console;
 mod error;
+pub mod netns;
 pub mod probe;
 pub mod process;
 pub mod qemu;
@@ -33,8 +36,8 @@ pub use process::{default_vm_user, lookup_user, qemus_under, RssInfo, UserIds, D
 pub use qemu::{qemu_in_run_dir, QemuDriver, QemuVm};
 pub use qmp::{QmpClient, QmpError, QmpEvent};
 pub use spec::{
-    DiskFormat, FwdProto, GuestFwd, GuestFwdTarget, HostFwd, NetSpec, RamBacking, ResolvedAccel,
-    VmSpec, DEFAULT_CONSOLE_LOG_MAX, DEFAULT_QEMU,
+    DiskFormat, DiskThrottle, FwdProto, GuestFwd, GuestFwdTarget, HostFwd, NetSpec, RamBacking,
+    ResolvedAccel, VmSpec, DEFAULT_CONSOLE_LOG_MAX, DEFAULT_QEMU,
 };
 
 /// How a VM's process ended.

@@ -229,6 +229,48 @@ pub struct VmSpec {
     /// Absent in a spec written before versions existed: 1.
     #[serde(default = "first_layout")]
     pub layout: u32,
+    /// Network namespace file QEMU joins before exec (`setns`, see
+    /// [`crate::netns`]); `None`: the starting process's namespace. Host-side
+    /// only: not on the command line, not in the device layout.
+    #[serde(default)]
+    pub netns: Option<PathBuf>,
+    /// I/O limits of the root disk (QEMU block throttling on `-drive`);
+    /// `None`: unthrottled. Host-side only: not in the device layout.
+    #[serde(default)]
+    pub disk_throttle: Option<DiskThrottle>,
+}
+
+/// QEMU block throttling of a VM's root disk (`throttling.*` on `-drive`):
+/// applied by QEMU to every request the guest makes, whatever the page
+/// cache does on the host (cgroup v1's blkio throttle misses buffered
+/// writes). `0` leaves that limit off.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiskThrottle {
+    /// Read plus write operations per second.
+    #[serde(default)]
+    pub iops: u64,
+    /// Read plus write bytes per second.
+    #[serde(default)]
+    pub bps: u64,
+}
+
+impl DiskThrottle {
+    /// The limits, or `None` when both are off.
+    pub fn new(iops: u64, bps: u64) -> Option<Self> {
+        (iops > 0 || bps > 0).then_some(DiskThrottle { iops, bps })
+    }
+
+    /// The `-drive` options, each with its leading comma.
+    pub fn drive_options(&self) -> String {
+        let mut s = String::new();
+        if self.iops > 0 {
+            s.push_str(&format!(",throttling.iops-total={}", self.iops));
+        }
+        if self.bps > 0 {
+            s.push_str(&format!(",throttling.bps-total={}", self.bps));
+        }
+        s
+    }
 }
 
 fn default_true() -> bool {
@@ -276,6 +318,8 @@ impl VmSpec {
             run_as: None,
             limits: None,
             layout: crate::cmdline::MACHINE_LAYOUT_VERSION,
+            netns: None,
+            disk_throttle: None,
         }
     }
 

@@ -71,6 +71,8 @@ async fn qemu_runs_unprivileged_in_its_cgroup_with_private_sockets() {
     spec.run_as = default_vm_user();
     let limits = Limits::for_guest(1, spec.memory_mib);
     spec.limits = Some(limits);
+    let netns = strata_vmm::netns::ensure(strata_vmm::netns::DEFAULT_NETNS).unwrap();
+    spec.netns = Some(netns.clone());
     // A run dir someone left world-readable is locked down.
     std::fs::create_dir_all(&spec.run_dir).unwrap();
     std::fs::set_permissions(&spec.run_dir, std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -103,6 +105,23 @@ async fn qemu_runs_unprivileged_in_its_cgroup_with_private_sockets() {
     let mem_mode = std::fs::metadata(&spec.mem_path).unwrap().mode();
     assert_eq!(mem_mode & 0o077, 0, "guest RAM file mode {mem_mode:o}");
     println!("REPORT run dir mode 0700, sockets and RAM file owner-only");
+
+    // --- network: QEMU is in the empty namespace, not the host's
+    let qemu_ns = strata_vmm::netns::netns_of(pid).unwrap();
+    assert_eq!(qemu_ns, strata_vmm::netns::netns_inode(&netns).unwrap());
+    assert_ne!(
+        qemu_ns,
+        strata_vmm::netns::netns_of(std::process::id()).unwrap()
+    );
+    let dev = std::fs::read_to_string(format!("/proc/{pid}/net/dev")).unwrap();
+    let ifaces: Vec<&str> = dev
+        .lines()
+        .skip(2)
+        .filter_map(|l| l.split(':').next())
+        .map(str::trim)
+        .collect();
+    assert_eq!(ifaces, ["lo"], "QEMU's network namespace has more than lo");
+    println!("REPORT QEMU in network namespace {netns:?}: interfaces {ifaces:?}");
 
     // --- user
     let uid_line = status_field(pid, "Uid");
@@ -215,10 +234,34 @@ async fn restore_under_run_as_and_limits_and_unknown_user() {
     let d2 = scratch("vmm-h3");
     let mut rspec = restore_spec(&spec, d2.path(), &state, &format!("{name}-r"));
     rspec.start_paused = false;
+    // A state saved without the network namespace and disk throttling
+    // restores with both (host-side only, not in the device layout).
+    assert!(spec.netns.is_none() && spec.disk_throttle.is_none());
+    rspec.netns = Some(strata_vmm::netns::ensure(strata_vmm::netns::DEFAULT_NETNS).unwrap());
+    rspec.disk_throttle = strata_vmm::DiskThrottle::new(200, 10 << 20);
     let r = QemuDriver::new().start_vm(&rspec).await.unwrap();
     let _gr = KillOnDrop(r.pid(), r.confinement().cgroup_dirs);
     let a = agent(&r.agent_socket(), Duration::from_secs(30)).await;
     assert_eq!(sh(&a, "cat /tmp/x").await, "41");
+    assert_eq!(
+        strata_vmm::netns::netns_of(r.pid()).unwrap(),
+        strata_vmm::netns::netns_inode(rspec.netns.as_ref().unwrap()).unwrap()
+    );
+    let blocks = r.qmp_client().execute("query-block", None).await.unwrap();
+    let disk = blocks
+        .as_array()
+        .and_then(|bs| bs.iter().find(|b| b["device"] == "disk0"))
+        .unwrap_or_else(|| panic!("no disk0 in {blocks}"));
+    assert_eq!(disk["inserted"]["iops"], 200, "{disk}");
+    assert_eq!(disk["inserted"]["bps"], 10 << 20, "{disk}");
+    // The guest still writes its disk under the limits.
+    assert_eq!(
+        sh(&a, "dd if=/dev/zero of=/var/tmp/t bs=64k count=16 conv=fsync 2>/dev/null; wc -c < /var/tmp/t").await,
+        "1048576"
+    );
+    println!(
+        "REPORT restore of an unconfined state into netns + throttle (iops 200, bps 10 MiB/s): ok"
+    );
     let conf = r.confinement();
     if cgroup::detect().is_ok() {
         assert!(conf.limits_applied, "{conf:?}");

@@ -576,6 +576,58 @@ pub struct Config {
     /// `[listener]`: connection cap and timeouts of every HTTP listener
     /// (docs/listener.md).
     pub listener: crate::listener::ListenerConfig,
+    /// Also serve the API (`/v1`, and the E2B door's routes when it is
+    /// mounted) over TLS on this address, with `tls_cert` and `tls_key`
+    /// (docs/listener.md). Unset (default): plain HTTP on `listen` only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_listen: Option<SocketAddr>,
+    /// PEM certificate chain of `tls_listen` (leaf first).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of `tls_cert` (PKCS#8, PKCS#1 or SEC1).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_key: Option<PathBuf>,
+    /// `[vm]`: how QEMU is confined (docs/hardening.md).
+    pub vm: VmConfig,
+}
+
+/// `[vm]`: how every VM's QEMU is confined (docs/hardening.md).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct VmConfig {
+    /// The unprivileged user QEMU switches to (`-runas`) once it has opened
+    /// its files.
+    pub user: String,
+    /// When `user` does not exist, run QEMU as the daemon's user (root)
+    /// instead of refusing to start. Logged at every start.
+    pub allow_root: bool,
+    /// A VM whose cgroup (CPU and memory limits) cannot be set up does not
+    /// start. `false`: it starts without limits (logged at start and for
+    /// each such VM).
+    pub require_cgroups: bool,
+    /// The named network namespace every QEMU joins (created empty at start
+    /// when missing: `ip netns add`). `""`: QEMU keeps the host's network
+    /// namespace (logged).
+    pub netns: String,
+    /// Disk operations per second each sandbox's root disk may do (QEMU
+    /// block throttling, reads and writes together); `0`: no limit.
+    pub disk_iops: u64,
+    /// Disk bytes per second each sandbox's root disk may move; `0`: no
+    /// limit.
+    pub disk_bps: u64,
+}
+
+impl Default for VmConfig {
+    fn default() -> Self {
+        VmConfig {
+            user: strata_vmm::DEFAULT_VM_USER.to_owned(),
+            allow_root: false,
+            require_cgroups: true,
+            netns: strata_vmm::netns::DEFAULT_NETNS.to_owned(),
+            disk_iops: 0,
+            disk_bps: 0,
+        }
+    }
 }
 
 /// `[pools]`: warm pools. A warm guest is a sandbox of a template at the
@@ -845,6 +897,10 @@ impl Default for Config {
             templates: TemplatesConfig::default(),
             pools: PoolsConfig::default(),
             listener: crate::listener::ListenerConfig::default(),
+            tls_listen: None,
+            tls_cert: None,
+            tls_key: None,
+            vm: VmConfig::default(),
         }
     }
 }
@@ -902,7 +958,7 @@ impl Config {
         self.listener.validate().map_err(ConfigError::Invalid)?;
         if !self.security.auth {
             // Without tokens every caller is an admin: never off this host.
-            let open = [Some(self.listen), self.e2b.tls_listen]
+            let open = [Some(self.listen), self.e2b.tls_listen, self.tls_listen]
                 .into_iter()
                 .flatten()
                 .find(|a| !a.ip().is_loopback());
@@ -916,6 +972,26 @@ impl Config {
             return Err(ConfigError::Invalid(
                 "templates.max_concurrent_builds must be at least 1".into(),
             ));
+        }
+        match (&self.tls_listen, &self.tls_cert, &self.tls_key) {
+            (Some(_), Some(_), Some(_)) | (None, None, None) => {}
+            (Some(_), _, _) => {
+                return Err(ConfigError::Invalid(
+                    "tls_listen needs tls_cert and tls_key (PEM files)".into(),
+                ))
+            }
+            (None, _, _) => {
+                return Err(ConfigError::Invalid(
+                    "tls_cert and tls_key are used only with tls_listen".into(),
+                ))
+            }
+        }
+        if !self.vm.netns.is_empty() {
+            strata_vmm::netns::validate_name(&self.vm.netns)
+                .map_err(|e| ConfigError::Invalid(format!("[vm] netns: {e}")))?;
+        }
+        if self.vm.user.is_empty() {
+            return Err(ConfigError::Invalid("[vm] user must not be empty".into()));
         }
         if self.pressure.interval < Duration::from_millis(100) {
             return Err(ConfigError::Invalid(
@@ -1047,6 +1123,41 @@ mod tests {
         let parsed: Config = toml::from_str(DEFAULT_TOML).unwrap();
         assert_eq!(parsed, Config::default());
         parsed.validate().unwrap();
+    }
+
+    #[test]
+    fn vm_section_and_api_tls_keys() {
+        let c = Config::default();
+        assert_eq!(c.vm.user, "strata-vm");
+        assert!(!c.vm.allow_root && c.vm.require_cgroups);
+        assert_eq!(c.vm.netns, "strata-vm");
+        let c: Config = toml::from_str(
+            "[vm]\nallow_root = true\nrequire_cgroups = false\nnetns = \"\"\ndisk_iops = 100\ndisk_bps = 1048576\n",
+        )
+        .unwrap();
+        c.validate().unwrap();
+        assert!(c.vm.allow_root && !c.vm.require_cgroups && c.vm.netns.is_empty());
+        assert!(toml::from_str::<Config>("[vm]\nallow_rot = true\n").is_err());
+        let c: Config = toml::from_str("[vm]\nnetns = \"a/b\"\n").unwrap();
+        assert!(c.validate().is_err());
+        // tls_listen needs both files; the files alone mean nothing.
+        let c: Config = toml::from_str("tls_listen = \"127.0.0.1:7443\"\n").unwrap();
+        assert!(c.validate().unwrap_err().to_string().contains("tls_cert"));
+        let c: Config = toml::from_str("tls_cert = \"/c\"\ntls_key = \"/k\"\n").unwrap();
+        assert!(c.validate().is_err());
+        let c: Config =
+            toml::from_str("tls_listen = \"0.0.0.0:7443\"\ntls_cert = \"/c\"\ntls_key = \"/k\"\n")
+                .unwrap();
+        c.validate().unwrap();
+        // Without tokens, not on a public TLS address either.
+        let open = Config {
+            security: SecurityConfig {
+                auth: false,
+                ..SecurityConfig::default()
+            },
+            ..c
+        };
+        assert!(open.validate().is_err());
     }
 
     #[test]

@@ -59,9 +59,9 @@ pub enum DaemonError {
     /// Serving failed.
     #[error("serving the API failed")]
     Serve(#[source] std::io::Error),
-    /// The local CA or the TLS listener (`[e2b] tls_listen`) could not be
-    /// set up.
-    #[error("TLS for routed hosts")]
+    /// The local CA or a TLS listener (`tls_listen`, `[e2b] tls_listen`)
+    /// could not be set up.
+    #[error("TLS listener")]
     Tls(#[source] crate::tls::TlsError),
 }
 
@@ -150,8 +150,13 @@ pub fn runtime_config(cfg: &Config) -> Result<RuntimeConfig, DaemonError> {
         qemu_binary: cfg.qemu_binary.clone(),
         console_log_max_bytes: cfg.console_log_max_bytes,
         agent_timeout_ms: cfg.agent_timeout.as_millis() as u64,
-        run_as: strata_runtime::default_run_as(),
+        // A missing user is refused by `Runtime::open` unless `allow_root`.
+        run_as: strata_vmm::lookup_user(&cfg.vm.user).map(|_| cfg.vm.user.clone()),
+        allow_root: cfg.vm.allow_root,
         cgroups: true,
+        cgroups_required: cfg.vm.require_cgroups,
+        netns: (!cfg.vm.netns.is_empty()).then(|| cfg.vm.netns.clone()),
+        disk_throttle: strata_vmm::DiskThrottle::new(cfg.vm.disk_iops, cfg.vm.disk_bps),
         egress_proxy: None,
         tcg_tb_size_mib: cfg.tcg_tb_size_mib,
     })
@@ -217,6 +222,23 @@ pub async fn run_with(
         .e2b
         .tls_listen
         .map(|a| (a, config.data_dir.clone(), config.e2b.domain.clone()));
+    // Data at rest: owner-only from here on (docs/hardening.md).
+    let old_umask = crate::at_rest::set_umask();
+    tracing::info!(old = format!("{old_umask:03o}"), "umask 077");
+    std::fs::create_dir_all(&config.data_dir).map_err(|source| DaemonError::DataDir {
+        path: config.data_dir.clone(),
+        source,
+    })?;
+    crate::at_rest::harden(&config);
+    // `tls_listen`: the API over TLS with the configured certificate.
+    let api_tls = match (&config.tls_listen, &config.tls_cert, &config.tls_key) {
+        (Some(addr), Some(cert), Some(key)) => {
+            let cfg = crate::tls::file_server_config(cert, key).map_err(DaemonError::Tls)?;
+            Some((*addr, Arc::new(cfg)))
+        }
+        _ => None,
+    };
+    let hardened = config.clone();
     // Before anything opens descriptors; the egress caps are derived from it.
     match raise_nofile() {
         Ok((soft, hard)) => tracing::info!(
@@ -234,6 +256,9 @@ pub async fn run_with(
     }
     let engine = open_engine(&config).await?;
     let app = App::open(config, engine.clone()).map_err(DaemonError::Store)?;
+    // Again now that the pool is mounted (its root comes from mkfs, 0755)
+    // and the database and audit log exist.
+    crate::at_rest::harden(&hardened);
     // Egress: each sandbox's guest traffic to 127.0.0.1:3128 is tunnelled over
     // its agent channel to that sandbox's policy proxy, served in-process on
     // the tunnel's stream (no listener), under the `[egress]` caps.
@@ -284,7 +309,15 @@ pub async fn run_with(
             source,
         })?;
     tracing::info!(%listen, "stratad listening");
-    let tls = match (config_tls, &mount) {
+    let mut tls_listeners = Vec::new();
+    if let Some((addr, cfg)) = api_tls {
+        let l = TcpListener::bind(addr)
+            .await
+            .map_err(|source| DaemonError::Bind { addr, source })?;
+        tracing::info!(listen = %addr, "API TLS listening");
+        tls_listeners.push((l, cfg));
+    }
+    match (config_tls, &mount) {
         (Some((addr, data_dir, domain)), Some(_)) => {
             let ca = crate::tls::LocalCa::open(&data_dir).map_err(DaemonError::Tls)?;
             let domains: Vec<String> = domain.into_iter().collect();
@@ -294,49 +327,49 @@ pub async fn run_with(
                 .await
                 .map_err(|source| DaemonError::Bind { addr, source })?;
             tracing::info!(listen = %addr, ca = %crate::tls::ca_pem_path(&data_dir).display(), "TLS listening");
-            Some((l, cfg))
+            tls_listeners.push((l, Arc::new(cfg)));
         }
         (Some(_), None) => {
             tracing::warn!("[e2b] tls_listen is set, but the E2B door is off: no TLS listener");
-            None
         }
-        _ => None,
+        _ => {}
+    }
+    let router = match mount {
+        None => app.router(),
+        Some(mount) => mount(app.service().clone(), app.security().cloned(), app.router()),
     };
-    let result = match mount {
-        None => crate::serve(&app, listener, shutdown).await,
-        Some(mount) => {
-            let router = mount(app.service().clone(), app.security().cloned(), app.router());
-            let bounds = app.service().config().listener.clone();
-            let metrics = Some(app.service().metrics().clone());
-            // `[e2b] tls_listen`: the same routes over TLS, leaves from the
-            // local CA; it stops when the plain listener does.
-            let (tls_stop, tls_stopped) = tokio::sync::oneshot::channel::<()>();
-            let tls_task = tls.map(|(l, cfg)| {
-                tokio::spawn(crate::listener::serve(
-                    l,
-                    Some(Arc::new(cfg)),
-                    router.clone(),
-                    bounds.clone(),
-                    metrics.clone(),
-                    async move {
-                        let _ = tls_stopped.await;
-                    },
-                ))
-            });
-            // Every request carries its peer (the E2B door limits failed
-            // logins per address).
-            let shutdown = async move {
-                shutdown.await;
-                let _ = tls_stop.send(());
-            };
-            let r = crate::listener::serve(listener, None, router, bounds, metrics, shutdown).await;
-            if let Some(t) = tls_task {
-                let _ = t.await;
-            }
-            app.stop();
-            r
-        }
+    let bounds = app.service().config().listener.clone();
+    let metrics = Some(app.service().metrics().clone());
+    // The TLS listeners (`tls_listen`, `[e2b] tls_listen`) serve the same
+    // routes and stop when the plain listener does.
+    let (tls_stop, _) = tokio::sync::watch::channel(false);
+    let tls_tasks: Vec<_> = tls_listeners
+        .into_iter()
+        .map(|(l, cfg)| {
+            let mut stopped = tls_stop.subscribe();
+            tokio::spawn(crate::listener::serve(
+                l,
+                Some(cfg),
+                router.clone(),
+                bounds.clone(),
+                metrics.clone(),
+                async move {
+                    let _ = stopped.wait_for(|s| *s).await;
+                },
+            ))
+        })
+        .collect();
+    // Every request carries its peer (the E2B door limits failed logins
+    // per address).
+    let shutdown = async move {
+        shutdown.await;
+        let _ = tls_stop.send(true);
     };
+    let result = crate::listener::serve(listener, None, router, bounds, metrics, shutdown).await;
+    for t in tls_tasks {
+        let _ = t.await;
+    }
+    app.stop();
     // Warm guests are no one's: they end with the daemon. The VMs of
     // sandboxes outlive it; the next start adopts them.
     app.service().drain_warm().await;

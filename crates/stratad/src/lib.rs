@@ -10,6 +10,7 @@
 //! is crate `strata-daemon` (it links this library and the E2B door).
 
 pub mod api;
+pub mod at_rest;
 pub mod caller;
 pub mod cli;
 pub mod clock;

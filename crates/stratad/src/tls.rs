@@ -46,6 +46,14 @@ pub enum TlsError {
     /// rustls refused the configuration or a key.
     #[error("tls: {0}")]
     Rustls(#[from] rustls::Error),
+    /// A configured certificate or key file holds no usable PEM.
+    #[error("{path}: {reason}")]
+    Pem {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TlsError + '_ {
@@ -263,8 +271,11 @@ impl ResolvesServerCert for LeafResolver {
     }
 }
 
-/// The rustls server configuration: HTTP/1.1, leaves from `resolver`.
-pub fn server_config(resolver: Arc<LeafResolver>) -> Result<rustls::ServerConfig, TlsError> {
+/// The rustls server configuration: HTTP/1.1, certificates from `resolver`
+/// (a [`LeafResolver`], or the [`FixedCert`] of `tls_cert`/`tls_key`).
+pub fn server_config(
+    resolver: Arc<dyn ResolvesServerCert>,
+) -> Result<rustls::ServerConfig, TlsError> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut cfg = rustls::ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()?
@@ -272,6 +283,68 @@ pub fn server_config(resolver: Arc<LeafResolver>) -> Result<rustls::ServerConfig
         .with_cert_resolver(resolver);
     cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(cfg)
+}
+
+/// Largest certificate or key file read (`tls_cert`, `tls_key`).
+const MAX_PEM_BYTES: u64 = 1 << 20;
+
+/// One certificate (chain and key, from files) for every handshake,
+/// whatever its SNI (or none: clients that connect by IP address send none).
+#[derive(Debug)]
+pub struct FixedCert(Arc<CertifiedKey>);
+
+impl FixedCert {
+    /// Loads a PEM certificate chain (leaf first) and its PEM private key
+    /// (PKCS#8, PKCS#1 or SEC1), and checks that they belong together.
+    pub fn load(cert: &Path, key: &Path) -> Result<FixedCert, TlsError> {
+        use rustls::pki_types::pem::PemObject as _;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let pem_err = |path: &Path, reason: String| TlsError::Pem {
+            path: path.to_owned(),
+            reason,
+        };
+        let chain = CertificateDer::pem_slice_iter(&read_small(cert)?)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| pem_err(cert, format!("bad PEM certificate: {e}")))?;
+        if chain.is_empty() {
+            return Err(pem_err(cert, "no certificate in it".into()));
+        }
+        let der = PrivateKeyDer::from_pem_slice(&read_small(key)?)
+            .map_err(|e| pem_err(key, format!("no usable PEM private key: {e}")))?;
+        let signer = rustls::crypto::ring::sign::any_supported_type(&der)?;
+        let ck = CertifiedKey::new(chain, signer);
+        ck.keys_match()
+            .map_err(|e| pem_err(key, format!("does not match {}: {e}", cert.display())))?;
+        Ok(FixedCert(Arc::new(ck)))
+    }
+}
+
+impl ResolvesServerCert for FixedCert {
+    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.0.clone())
+    }
+}
+
+/// The server configuration of `tls_listen`: [`server_config`] with the
+/// certificate and key of these files ([`FixedCert::load`]).
+pub fn file_server_config(cert: &Path, key: &Path) -> Result<rustls::ServerConfig, TlsError> {
+    server_config(Arc::new(FixedCert::load(cert, key)?))
+}
+
+fn read_small(path: &Path) -> Result<Vec<u8>, TlsError> {
+    use std::io::Read as _;
+    let f = std::fs::File::open(path).map_err(io_err(path))?;
+    let mut buf = Vec::new();
+    f.take(MAX_PEM_BYTES + 1)
+        .read_to_end(&mut buf)
+        .map_err(io_err(path))?;
+    if buf.len() as u64 > MAX_PEM_BYTES {
+        return Err(TlsError::Pem {
+            path: path.to_owned(),
+            reason: format!("larger than {MAX_PEM_BYTES} bytes"),
+        });
+    }
+    Ok(buf)
 }
 
 #[cfg(test)]
@@ -296,6 +369,34 @@ mod tests {
         assert_eq!(mode("ca.key"), 0o600);
         assert_eq!(mode("ca.pem"), 0o644);
         assert_eq!(LocalCa::open(d.path()).unwrap().pem(), pem);
+    }
+
+    #[test]
+    fn a_configured_certificate_is_loaded_and_checked() {
+        let d = tempfile::tempdir().unwrap();
+        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+        let cert = CertificateParams::new(vec!["localhost".into()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+        let (c, k) = (d.path().join("c.pem"), d.path().join("k.pem"));
+        std::fs::write(&c, cert.pem()).unwrap();
+        std::fs::write(&k, key.serialize_pem()).unwrap();
+        file_server_config(&c, &k).unwrap();
+        // Another key, an empty chain, a missing file: refused with the file named.
+        let other = d.path().join("other.pem");
+        std::fs::write(
+            &other,
+            KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)
+                .unwrap()
+                .serialize_pem(),
+        )
+        .unwrap();
+        let e = file_server_config(&c, &other).unwrap_err();
+        assert!(e.to_string().contains("other.pem"), "{e}");
+        let e = file_server_config(&k, &k).unwrap_err();
+        assert!(e.to_string().contains("no certificate"), "{e}");
+        assert!(file_server_config(&d.path().join("none"), &k).is_err());
     }
 
     #[test]

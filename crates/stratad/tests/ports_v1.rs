@@ -64,6 +64,22 @@ fn a_guest_server_is_reached_through_v1_and_only_by_its_tenant() {
             (s, String::from_utf8_lossy(&body).as_ref()),
             (200, "hello-v1\n")
         );
+        // The guest port was reached with QEMU in the empty network
+        // namespace ([vm] netns, docs/hardening.md): no host network needed.
+        let ns = strata_vmm::netns::netns_inode(&strata_vmm::netns::netns_path(
+            strata_vmm::netns::DEFAULT_NETNS,
+        ))
+        .expect("the VMs' network namespace");
+        let qemus = strata_vmm::qemus_under(&d.run_dir);
+        assert!(!qemus.is_empty(), "no QEMU under {:?}", d.run_dir);
+        for (dir, pid) in qemus {
+            assert_eq!(
+                strata_vmm::netns::netns_of(pid).expect("QEMU's netns"),
+                ns,
+                "QEMU of {dir:?} is not in the VMs' network namespace"
+            );
+        }
+
         // The port's root: the server's directory listing.
         let (s, body) = get(&a, &format!("/v1/sandboxes/{id}/ports/8000")).await;
         assert_eq!(s, 200);

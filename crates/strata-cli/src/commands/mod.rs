@@ -45,6 +45,10 @@ pub struct Cli {
     /// Address of stratad.
     #[arg(long, global = true, env = "STRATA_URL", default_value = DEFAULT_URL)]
     pub url: String,
+    /// PEM CA certificates an `https://` URL's server must chain to,
+    /// instead of the system's trust store.
+    #[arg(long, global = true, env = "STRATA_CA_BUNDLE", value_name = "FILE")]
+    pub ca_bundle: Option<std::path::PathBuf>,
     /// API token, sent as `Authorization: Bearer`.
     #[arg(long, global = true, env = "STRATA_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
@@ -173,6 +177,7 @@ pub struct Ctx {
     /// `--no-wait`.
     pub no_wait: bool,
     url: String,
+    ca_bundle: Option<std::path::PathBuf>,
     token: Option<String>,
     gate: Gate,
 }
@@ -190,6 +195,7 @@ impl Ctx {
             json: cli.json,
             no_wait: cli.no_wait,
             url: cli.url.clone(),
+            ca_bundle: cli.ca_bundle.clone(),
             token: cli.token.clone(),
             gate,
         }
@@ -200,7 +206,10 @@ impl Ctx {
     pub fn client(&self) -> Result<ApiClient, ApiError> {
         let files = admin_token_paths(std::env::var_os("STRATA_DATA_DIR").as_deref());
         let token = resolve_token(self.token.as_deref(), &files);
-        Ok(ApiClient::new(&self.url, token)?.with_gate(self.gate.clone()))
+        Ok(
+            ApiClient::with_ca_bundle(&self.url, token, self.ca_bundle.as_deref())?
+                .with_gate(self.gate.clone()),
+        )
     }
 
     /// Prints `v` as JSON under `--json`, else the human text `human()`.

@@ -62,6 +62,8 @@ type Result<T, E = RuntimeError> = std::result::Result<T, E>;
 /// The sandboxes of one host: their VMs, their subvolumes, their agents.
 pub struct Runtime {
     cfg: RuntimeConfig,
+    /// The network namespace file every QEMU joins (`cfg.netns`).
+    netns: Option<PathBuf>,
     pool: Arc<Pool>,
     driver: QemuDriver,
     accel: tokio::sync::OnceCell<ResolvedAccel>,
@@ -217,12 +219,35 @@ impl Runtime {
                 mount_point: mount_point.clone(),
             },
         };
+        check_vm_user(&cfg)?;
+        let netns = match &cfg.netns {
+            Some(name) => {
+                let name = name.clone();
+                Some(
+                    blocking(move || {
+                        strata_vmm::netns::ensure(&name)
+                            .map_err(|e| RuntimeError::Invalid(format!("network namespace: {e}")))
+                    })
+                    .await?,
+                )
+            }
+            None => {
+                tracing::warn!("netns is off: QEMU runs in the host's network namespace");
+                None
+            }
+        };
+        if cfg.cgroups && !cfg.cgroups_required {
+            tracing::warn!("cgroups are not required: a VM whose cgroup cannot be set up runs without CPU and memory limits");
+        } else if !cfg.cgroups {
+            tracing::warn!("cgroups are off: VMs run without CPU and memory limits");
+        }
         let pool = blocking(move || Pool::open(&pool_cfg).map_err(storage_err)).await?;
         std::fs::create_dir_all(&cfg.run_dir).map_err(|e| io_err("create run dir", e))?;
         let qemu_version = qemu_version(&cfg.qemu_binary)?;
         let (died_tx, died_rx) = mpsc::unbounded_channel();
         Ok(Arc::new(Runtime {
             cfg,
+            netns,
             pool: Arc::new(pool),
             driver: QemuDriver::new(),
             accel: tokio::sync::OnceCell::new(),
@@ -355,12 +380,39 @@ impl Runtime {
         spec.qemu_binary = self.cfg.qemu_binary.clone();
         spec.run_as = self.cfg.run_as.clone();
         if self.cfg.cgroups {
-            spec.limits = Some(strata_vmm::Limits::for_guest(
-                meta.size.vcpus,
-                u64::from(meta.size.memory_mib),
-            ));
+            let mut limits =
+                strata_vmm::Limits::for_guest(meta.size.vcpus, u64::from(meta.size.memory_mib));
+            limits.required = self.cfg.cgroups_required;
+            spec.limits = Some(limits);
         }
+        // Host-side only (not in the device layout): any state restores with them.
+        spec.netns = self.netns.clone();
+        spec.disk_throttle = self.cfg.disk_throttle;
         spec
+    }
+}
+
+/// Refuses a configuration that would run QEMU as root without `allow_root`,
+/// and a `run_as` user that does not exist.
+fn check_vm_user(cfg: &RuntimeConfig) -> Result<()> {
+    match &cfg.run_as {
+        Some(user) if strata_vmm::lookup_user(user).is_none() => Err(RuntimeError::Invalid(format!(
+            "run_as user {user:?} does not exist on this host (scripts/setup.sh creates {:?})",
+            strata_vmm::DEFAULT_VM_USER
+        ))),
+        Some(_) => Ok(()),
+        // SAFETY: geteuid has no arguments and cannot fail.
+        None if unsafe { libc::geteuid() } == 0 && !cfg.allow_root => Err(RuntimeError::Invalid(format!(
+            "QEMU would run as root: create the user {:?} (scripts/setup.sh) or allow it explicitly ([vm] allow_root = true)",
+            strata_vmm::DEFAULT_VM_USER
+        ))),
+        None => {
+            // SAFETY: as above.
+            if unsafe { libc::geteuid() } == 0 {
+                tracing::warn!("[vm] allow_root: QEMU runs as root; a guest that escapes QEMU owns this host");
+            }
+            Ok(())
+        }
     }
 }
 
@@ -411,6 +463,27 @@ mod tests {
             matches!(e, RuntimeError::SnapshotUnusable { ref id, ref reason } if id == snap.as_str() && reason.contains("kvm")),
             "{e}"
         );
+    }
+
+    #[test]
+    fn qemu_never_runs_as_root_unless_allowed() {
+        let mut cfg = RuntimeConfig::new(PoolSetting::Path("/p".into()), "/r", "/i");
+        cfg.run_as = None;
+        // SAFETY: geteuid has no arguments and cannot fail.
+        if unsafe { libc::geteuid() } == 0 {
+            let e = check_vm_user(&cfg).unwrap_err();
+            assert!(e.to_string().contains("allow_root"), "{e}");
+        }
+        cfg.allow_root = true;
+        check_vm_user(&cfg).unwrap();
+        cfg.run_as = Some("no-such-user-strata".into());
+        let e = check_vm_user(&cfg).unwrap_err();
+        assert!(e.to_string().contains("does not exist"), "{e}");
+        // The defaults: cgroups required, the named empty network namespace.
+        let d = RuntimeConfig::new(PoolSetting::Path("/p".into()), "/r", "/i");
+        assert!(d.cgroups && d.cgroups_required && !d.allow_root);
+        assert_eq!(d.netns.as_deref(), Some(strata_vmm::netns::DEFAULT_NETNS));
+        assert_eq!(d.disk_throttle, None);
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! Contract of a start ([`QemuDriver::start_vm`]): the spec and its input files are
 //! checked; the run dir is made owner-only (0700) and must hold no live QEMU; the stale
 //! sockets are removed; QEMU is spawned in its own session with umask 077, inside its
-//! cgroup (`confine`), and its pid is written to `<run>/qemu.pid`; the driver waits for
+//! cgroup (`confine`) and its network namespace (`spec.netns`), and its pid is written to `<run>/qemu.pid`; the driver waits for
 //! the QMP socket, restores the device state when `spec.incoming` is set and runs the
 //! vCPUs unless `spec.start_paused`. Until that returns, a failure kills the process
 //! and removes its cgroup (`KillGuard`): a failed start leaves nothing running.
@@ -14,7 +14,7 @@
 //! cannot be mistaken for it. QMP accepts one client: a VM is adopted by one process
 //! at a time.
 
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd as _, OwnedFd};
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -110,6 +110,9 @@ impl QemuDriver {
         let stdout = stderr
             .try_clone()
             .map_err(|e| VmmError::io(&stderr_path, e))?;
+        // Opened before the fork: the child only calls setns(2) on it.
+        let netns = spec.netns.as_deref().map(crate::netns::open).transpose()?;
+        let netns_fd = netns.as_ref().map(|f| f.as_raw_fd());
         let pending = confine::prepare(spec)?;
         let procs_fds = pending.procs_fds();
         let args = qemu_args(spec, host_tsc_khz());
@@ -121,12 +124,20 @@ impl QemuDriver {
             .stdout(stdout)
             .stderr(stderr);
         // SAFETY: the closure runs between fork and exec and only makes the
-        // async-signal-safe calls setsid(2), umask(2) and write(2) (in `join_self`, on
-        // fds opened before the fork, from a vector it only reads); it allocates nothing.
+        // async-signal-safe calls setsid(2), setns(2) (on a descriptor opened before
+        // the fork and kept open until the spawn returns), umask(2) and write(2) (in
+        // `join_self`, on fds opened before the fork, from a vector it only reads);
+        // it allocates nothing.
         unsafe {
             cmd.pre_exec(move || {
                 if libc::setsid() < 0 {
                     return Err(std::io::Error::last_os_error());
+                }
+                // The VMs' empty network namespace: no host network for QEMU.
+                if let Some(fd) = netns_fd {
+                    if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
                 }
                 // Sockets and the RAM file QEMU creates: owner only.
                 libc::umask(0o077);
@@ -140,6 +151,7 @@ impl QemuDriver {
             .map_err(|e| VmmError::SpawnFailed {
                 reason: format!("cannot execute {binary:?}: {e}"),
             })?;
+        drop(netns);
         let pid = child.id().ok_or_else(|| VmmError::SpawnFailed {
             reason: "QEMU exited immediately".into(),
         })?;
