@@ -26,9 +26,9 @@ pub use api::*;
 pub use error::{GuestErrorKind, RuntimeError};
 pub use meta::{GuestCommand, StartCommand, StateMeta, SNAPSHOT_FORMAT_VERSION};
 pub use runtime::PortOpenError;
-pub use signing::StateSigner;
 pub use runtime::{
-    load_image, Adoption, qemu_version, CpuSource, DiskWrites, EgressResolver, Runtime, TemplateBuilt,
-    VmDied, VmUsage, WARM_CPU_WEIGHT,
+    load_image, qemu_version, Adoption, CpuSource, DiskWrites, EgressResolver, Runtime,
+    TemplateBuilt, VmDied, VmUsage, WARM_CPU_WEIGHT,
 };
+pub use signing::StateSigner;
 pub use strata_proto::client::{PortCounters, PortError, PortStream};

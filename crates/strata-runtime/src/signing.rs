@@ -121,8 +121,8 @@ impl StateSigner {
         if file.device_state_sha256 != hashes.device_state.map(hex::encode) {
             return Err("device.state was changed after it was signed".into());
         }
-        let sig = hex::decode(&file.signature)
-            .map_err(|_| "its signature is not hex".to_owned())?;
+        let sig =
+            hex::decode(&file.signature).map_err(|_| "its signature is not hex".to_owned())?;
         UnparsedPublicKey::new(&ED25519, self.pair.public_key().as_ref())
             .verify(&message(name, hashes), &sig)
             .map_err(|_| "its signature does not verify".to_owned())

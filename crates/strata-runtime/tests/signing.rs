@@ -76,7 +76,10 @@ fn tampered_foreign_and_unsigned_states_are_refused_and_signed_ones_restore() {
         let snap = SnapshotId::generate();
         let info = rt.snapshot(&a, &snap).await.expect("snapshot");
         let dir = rt.pool().snapshots_dir().join(snap.as_str());
-        assert!(dir.join("state.sig").is_file(), "signed inside the subvolume");
+        assert!(
+            dir.join("state.sig").is_file(),
+            "signed inside the subvolume"
+        );
         eprintln!("device.state {} B", info.device_state_bytes);
         sh(rt, &a, "echo after > /root/f; sync").await;
 
@@ -85,7 +88,11 @@ fn tampered_foreign_and_unsigned_states_are_refused_and_signed_ones_restore() {
         let e = rt.rewind(&a, &snap, None).await.unwrap_err();
         assert!(unusable(&e, "device.state was changed"), "{e}");
         assert_eq!(e.code(), strata_core::ErrorCode::SnapshotUnusable);
-        assert_eq!(sh(rt, &a, "cat /root/f").await, "after", "a refused rewind changes nothing");
+        assert_eq!(
+            sh(rt, &a, "cat /root/f").await,
+            "after",
+            "a refused rewind changes nothing"
+        );
         let b = SandboxId::generate();
         let e = rt
             .create(&b, &Source::Snapshot(snap.clone()), None)
@@ -101,8 +108,11 @@ fn tampered_foreign_and_unsigned_states_are_refused_and_signed_ones_restore() {
             flip_device_state(d);
             let p = d.join("meta.json");
             let text = std::fs::read_to_string(&p).expect("meta");
-            std::fs::write(&p, text.replacen("\"cmdline\": \"", "\"cmdline\": \"init=/bin/sh ", 1))
-                .expect("meta");
+            std::fs::write(
+                &p,
+                text.replacen("\"cmdline\": \"", "\"cmdline\": \"init=/bin/sh ", 1),
+            )
+            .expect("meta");
         });
         let e = rt.rewind(&a, &snap, None).await.unwrap_err();
         assert!(unusable(&e, "meta.json was changed"), "{e}");
@@ -111,7 +121,9 @@ fn tampered_foreign_and_unsigned_states_are_refused_and_signed_ones_restore() {
         let pristine = SnapshotId::generate();
         rt.snapshot(&a, &pristine).await.expect("snapshot");
         sh(rt, &a, "echo later > /root/f; sync").await;
-        rt.rewind(&a, &pristine, None).await.expect("rewind to a signed snapshot");
+        rt.rewind(&a, &pristine, None)
+            .await
+            .expect("rewind to a signed snapshot");
         assert_eq!(sh(rt, &a, "cat /root/f").await, "after");
         rt.create(&b, &Source::Snapshot(pristine.clone()), None)
             .await
@@ -133,21 +145,35 @@ fn tampered_foreign_and_unsigned_states_are_refused_and_signed_ones_restore() {
         let legacy = SnapshotId::generate();
         rt.snapshot(&a, &legacy).await.expect("snapshot");
         let ldir = rt.pool().snapshots_dir().join(legacy.as_str());
-        with_writable(rt, &ldir, |d| std::fs::remove_file(d.join("state.sig")).expect("rm"));
+        with_writable(rt, &ldir, |d| {
+            std::fs::remove_file(d.join("state.sig")).expect("rm")
+        });
         let e = rt
-            .create(&SandboxId::generate(), &Source::Snapshot(legacy.clone()), None)
+            .create(
+                &SandboxId::generate(),
+                &Source::Snapshot(legacy.clone()),
+                None,
+            )
             .await
             .unwrap_err();
         assert!(unusable(&e, "no signature"), "{e}");
         let src = Source::Snapshot(legacy.clone());
-        assert_eq!(rt.adopt_unsigned(&src).await.expect("adopt"), Adoption::Signed);
-        assert!(!ldir.join("state.sig").exists(), "the read-only subvolume is untouched");
+        assert_eq!(
+            rt.adopt_unsigned(&src).await.expect("adopt"),
+            Adoption::Signed
+        );
+        assert!(
+            !ldir.join("state.sig").exists(),
+            "the read-only subvolume is untouched"
+        );
         assert_eq!(
             rt.adopt_unsigned(&src).await.expect("adopt again"),
             Adoption::AlreadySigned
         );
         let c = SandboxId::generate();
-        rt.create(&c, &src, None).await.expect("fork of an adopted snapshot");
+        rt.create(&c, &src, None)
+            .await
+            .expect("fork of an adopted snapshot");
         assert_eq!(sh(rt, &c, "cat /root/f").await, "after");
         rt.delete(&c).await.expect("delete");
         with_writable(rt, &ldir, flip_device_state);
@@ -160,7 +186,9 @@ fn tampered_foreign_and_unsigned_states_are_refused_and_signed_ones_restore() {
         // The tampered snapshot's own signature, once signed inside, is
         // never replaced by an adoption either.
         assert!(matches!(
-            rt.adopt_unsigned(&Source::Snapshot(snap.clone())).await.expect("adopt"),
+            rt.adopt_unsigned(&Source::Snapshot(snap.clone()))
+                .await
+                .expect("adopt"),
             Adoption::Refused(_)
         ));
 
@@ -175,7 +203,11 @@ fn tampered_foreign_and_unsigned_states_are_refused_and_signed_ones_restore() {
         cfg_b.signing = Some(signer(2));
         let rt_b = Runtime::open(cfg_b).await.expect("second runtime");
         let e = rt_b
-            .create(&SandboxId::generate(), &Source::Snapshot(pristine.clone()), None)
+            .create(
+                &SandboxId::generate(),
+                &Source::Snapshot(pristine.clone()),
+                None,
+            )
             .await
             .unwrap_err();
         assert!(unusable(&e, "another deployment's key"), "{e}");
@@ -185,8 +217,13 @@ fn tampered_foreign_and_unsigned_states_are_refused_and_signed_ones_restore() {
         // entry is refused.
         let cache = tempfile::tempdir().expect("cache");
         let entry = cache.path().join("entry");
-        rt.export_template(&t.template, &entry).await.expect("export");
-        assert!(!entry.join("state.sig").exists(), "no signature in the cache");
+        rt.export_template(&t.template, &entry)
+            .await
+            .expect("export");
+        assert!(
+            !entry.join("state.sig").exists(),
+            "no signature in the cache"
+        );
         assert!(entry.join("export.json").is_file());
         let tpl_b = TemplateId::generate();
         rt_b.import_template(&entry, &tpl_b).await.expect("import");
@@ -204,7 +241,11 @@ fn tampered_foreign_and_unsigned_states_are_refused_and_signed_ones_restore() {
         assert!(unusable(&e, "device.state differs"), "{e}");
         // This deployment refuses the other's template.
         let e = rt
-            .create(&SandboxId::generate(), &Source::Template(tpl_b.clone()), None)
+            .create(
+                &SandboxId::generate(),
+                &Source::Template(tpl_b.clone()),
+                None,
+            )
             .await
             .unwrap_err();
         assert!(unusable(&e, "another deployment's key"), "{e}");

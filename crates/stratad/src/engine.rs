@@ -40,8 +40,8 @@ pub use strata_proto::{
 };
 pub use strata_proto::{WatchEvent, WatchKind};
 pub use strata_runtime::{
-    Adoption, CpuSource, DiskWrites, GuestErrorKind, LiveVm, RuntimeError, SnapshotInfo, Source, SpaceUsage,
-    Subvolumes, TemplateBuilt, VmDied, VmInfo, VmUsage,
+    Adoption, CpuSource, DiskWrites, GuestErrorKind, LiveVm, RuntimeError, SnapshotInfo, Source,
+    SpaceUsage, Subvolumes, TemplateBuilt, VmDied, VmInfo, VmUsage,
 };
 pub use strata_runtime::{PortCounters, PortError, PortOpenError, PortStream};
 

@@ -41,11 +41,15 @@ fn unsign(dir: &Path) {
 /// them: no signature on any snapshot or template, no adoption record.
 fn as_before_signing(d: &Daemon) {
     for kind in ["snapshots", "templates"] {
-        for e in std::fs::read_dir(pool(d).join(kind)).expect("state dir").flatten() {
+        for e in std::fs::read_dir(pool(d).join(kind))
+            .expect("state dir")
+            .flatten()
+        {
             unsign(&e.path());
         }
     }
-    let store = stratad::store::SqliteStore::open(&d.root.join("data/strata.db"), 1).expect("store");
+    let store =
+        stratad::store::SqliteStore::open(&d.root.join("data/strata.db"), 1).expect("store");
     store
         .put_tenant_setting(
             stratad::caller::PLATFORM_SCOPE,
@@ -87,7 +91,12 @@ fn states_made_before_signing_are_adopted_once_and_tampered_ones_are_refused() {
         // The adopted snapshot forks, the hibernated sandbox wakes, the
         // template makes sandboxes.
         let b = d
-            .ok("POST", &format!("/v1/snapshots/{s1}/fork"), Some(json!({})), 201)
+            .ok(
+                "POST",
+                &format!("/v1/snapshots/{s1}/fork"),
+                Some(json!({})),
+                201,
+            )
             .await;
         let b = b["id"].as_str().expect("id").to_owned();
         assert_eq!(d.sh(&b, "cat /root/f").await.out(), "one");
@@ -99,7 +108,8 @@ fn states_made_before_signing_are_adopted_once_and_tampered_ones_are_refused() {
         let c = d.create(json!({})).await;
         assert_eq!(d.sh(&c, "echo fresh").await.out(), "fresh");
         for id in [&b, &c, &h] {
-            d.ok("DELETE", &format!("/v1/sandboxes/{id}"), None, 200).await;
+            d.ok("DELETE", &format!("/v1/sandboxes/{id}"), None, 200)
+                .await;
         }
     });
 
@@ -157,7 +167,8 @@ fn states_made_before_signing_are_adopted_once_and_tampered_ones_are_refused() {
         )
         .await;
         assert_eq!(d.sh(&a, "cat /root/f").await.out(), "one");
-        d.ok("DELETE", &format!("/v1/sandboxes/{a}"), None, 200).await;
+        d.ok("DELETE", &format!("/v1/sandboxes/{a}"), None, 200)
+            .await;
     });
     d.shutdown();
 }

@@ -92,9 +92,7 @@ impl Runtime {
         })?;
         let hashes = StateHashes::of(&st.meta_bytes, st.meta.disk_only, files_dir)
             .map_err(|e| unusable(format!("cannot hash device.state: {e}")))?;
-        signer
-            .verify(&st.name, &sig, &hashes)
-            .map_err(unusable)?;
+        signer.verify(&st.name, &sig, &hashes).map_err(unusable)?;
         Ok(Some(hashes))
     }
 
@@ -155,7 +153,9 @@ impl Runtime {
             match std::fs::remove_file(&p) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => tracing::warn!(path = %p.display(), error = %e, "cannot remove a signature"),
+                Err(e) => {
+                    tracing::warn!(path = %p.display(), error = %e, "cannot remove a signature")
+                }
             }
         }
     }
@@ -192,14 +192,13 @@ pub(super) fn sign_into(
             _ => Ok(()),
         };
     };
-    let (meta, bytes) = StateMeta::read_with_bytes(dir).map_err(|e| {
-        RuntimeError::SnapshotUnusable {
+    let (meta, bytes) =
+        StateMeta::read_with_bytes(dir).map_err(|e| RuntimeError::SnapshotUnusable {
             id: name.to_owned(),
             reason: e.0,
-        }
-    })?;
-    let hashes = StateHashes::of(&bytes, meta.disk_only, dir)
-        .map_err(|e| io_err("hash device.state", e))?;
+        })?;
+    let hashes =
+        StateHashes::of(&bytes, meta.disk_only, dir).map_err(|e| io_err("hash device.state", e))?;
     if let Some(src) = source {
         if src.device_state != hashes.device_state {
             return Err(RuntimeError::SnapshotUnusable {
@@ -274,10 +273,16 @@ mod tests {
         let a = StateSigner::from_seed(&[1; 32]).unwrap();
         let h = StateHashes::of(&st.meta_bytes, false, d.path()).unwrap();
         a.sign(&st.name, &h).write(&sidecar).unwrap();
-        assert_eq!(load_signature(&st).unwrap().unwrap().public_key, a.public_key());
+        assert_eq!(
+            load_signature(&st).unwrap().unwrap().public_key,
+            a.public_key()
+        );
         let b = StateSigner::from_seed(&[2; 32]).unwrap();
         sign_into(Some(&b), d.path(), &st.name, None).unwrap();
-        assert_eq!(load_signature(&st).unwrap().unwrap().public_key, b.public_key());
+        assert_eq!(
+            load_signature(&st).unwrap().unwrap().public_key,
+            b.public_key()
+        );
         // Without a signer, a copied signature is cleared.
         sign_into(None, d.path(), &st.name, None).unwrap();
         assert!(!d.path().join(files::SIGNATURE).exists());

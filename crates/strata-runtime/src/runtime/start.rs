@@ -296,12 +296,7 @@ impl Runtime {
                 .write(&dst)
                 .map_err(|e| io_err("write meta.json", e))
                 .and_then(|()| {
-                    super::signatures::sign_into(
-                        signer.as_deref(),
-                        &dst,
-                        &name,
-                        verified.as_ref(),
-                    )
+                    super::signatures::sign_into(signer.as_deref(), &dst, &name, verified.as_ref())
                 })
                 .and_then(|()| pool.set_readonly(&dst, true).map_err(storage_err));
             if let Err(e) = made {

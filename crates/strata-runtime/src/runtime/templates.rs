@@ -448,12 +448,11 @@ struct ExportRecord {
 impl ExportRecord {
     /// Records the state copied into `entry`.
     fn write(entry: &Path, template: &str) -> Result<()> {
-        let (meta, bytes) = StateMeta::read_with_bytes(entry).map_err(|e| {
-            RuntimeError::SnapshotUnusable {
+        let (meta, bytes) =
+            StateMeta::read_with_bytes(entry).map_err(|e| RuntimeError::SnapshotUnusable {
                 id: template.to_owned(),
                 reason: e.0,
-            }
-        })?;
+            })?;
         let h = StateHashes::of(&bytes, meta.disk_only, entry)
             .map_err(|e| io_err("hash device.state", e))?;
         let rec = ExportRecord {
@@ -461,19 +460,24 @@ impl ExportRecord {
             meta_sha256: hex::encode(h.meta),
             device_state_sha256: h.device_state.map(hex::encode),
         };
-        let text = serde_json::to_vec_pretty(&rec).map_err(|e| RuntimeError::Other(e.to_string()))?;
+        let text =
+            serde_json::to_vec_pretty(&rec).map_err(|e| RuntimeError::Other(e.to_string()))?;
         std::fs::write(entry.join(files::EXPORT_RECORD), text)
             .map_err(|e| io_err("write the cache record", e))
     }
 
     /// Checks the entry copied into `dir` (its meta's bytes `meta_bytes`)
     /// against its record; returns its hashes.
-    fn check(dir: &Path, meta_bytes: &[u8], disk_only: bool) -> std::result::Result<StateHashes, String> {
+    fn check(
+        dir: &Path,
+        meta_bytes: &[u8],
+        disk_only: bool,
+    ) -> std::result::Result<StateHashes, String> {
         let text = std::fs::read(dir.join(files::EXPORT_RECORD)).map_err(|e| {
             format!("no content record ({e}): an entry written before strata signed templates")
         })?;
-        let rec: ExportRecord =
-            serde_json::from_slice(&text).map_err(|e| format!("content record is not valid: {e}"))?;
+        let rec: ExportRecord = serde_json::from_slice(&text)
+            .map_err(|e| format!("content record is not valid: {e}"))?;
         let h = StateHashes::of(meta_bytes, disk_only, dir)
             .map_err(|e| format!("cannot hash device.state: {e}"))?;
         if rec.meta_sha256 != hex::encode(h.meta) {
