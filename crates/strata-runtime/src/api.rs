@@ -61,6 +61,14 @@ pub struct RuntimeConfig {
     /// resident as far as it is used, flushed whole when full.
     #[serde(default = "default_tb_size")]
     pub tcg_tb_size_mib: u32,
+    /// The deployment's key for state signatures ([`crate::signing`]):
+    /// every snapshot and template this runtime makes is signed, and every
+    /// restore refuses a state whose `meta.json` or `device.state` does not
+    /// carry a valid signature of this key (`snapshot_unusable`). `None`
+    /// (tools and tests that run no daemon): nothing is signed or checked,
+    /// the behaviour before signing. Never serialized.
+    #[serde(skip)]
+    pub signing: Option<std::sync::Arc<crate::signing::StateSigner>>,
 }
 
 fn default_tb_size() -> u32 {
@@ -94,6 +102,7 @@ impl RuntimeConfig {
             disk_throttle: None,
             egress_proxy: None,
             tcg_tb_size_mib: default_tb_size(),
+            signing: None,
         }
     }
 }

@@ -12,6 +12,7 @@
 //! <pool>/sandboxes/<sb-id>/      writable subvolume: mem, disk.img, device.state, meta.json
 //! <pool>/snapshots/<snap-id>/    read-only subvolume, same files, meta.json = SnapshotMeta
 //! <pool>/templates/<tpl-id>/     read-only subvolume, a snapshot of a freshly booted guest
+//! <pool>/signatures/…/<id>.sig   signatures of states made before signing (`signing`)
 //! <run_dir>/<sb-id>/             qmp.sock, agent.sock, qemu.pid, console.log (outside the pool)
 //! ```
 
@@ -19,13 +20,15 @@ pub mod api;
 pub mod error;
 pub mod meta;
 mod runtime;
+pub mod signing;
 
 pub use api::*;
 pub use error::{GuestErrorKind, RuntimeError};
 pub use meta::{GuestCommand, StartCommand, StateMeta, SNAPSHOT_FORMAT_VERSION};
 pub use runtime::PortOpenError;
 pub use runtime::{
-    load_image, qemu_version, CpuSource, DiskWrites, EgressResolver, Runtime, TemplateBuilt,
-    VmDied, VmUsage, WARM_CPU_WEIGHT,
+    load_image, qemu_version, Adoption, CpuSource, DiskWrites, EgressResolver, Runtime,
+    TemplateBuilt, VmDied, VmUsage, WARM_CPU_WEIGHT,
 };
+pub use signing::StateSigner;
 pub use strata_proto::client::{PortCounters, PortError, PortStream};

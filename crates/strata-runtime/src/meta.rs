@@ -41,6 +41,11 @@ pub mod files {
     pub const INITRD: &str = "initrd";
     /// This metadata.
     pub const META: &str = "meta.json";
+    /// The deployment's signature of `meta.json` and `device.state`
+    /// ([`crate::signing`]), written before the read-only snapshot is taken.
+    pub const SIGNATURE: &str = "state.sig";
+    /// A template cache entry's content record ([`crate::Runtime::export_template`]).
+    pub const EXPORT_RECORD: &str = "export.json";
 }
 
 /// What a state subvolume holds and how it was made.
@@ -192,14 +197,24 @@ pub struct Incompatible(pub String);
 impl StateMeta {
     /// Reads `meta.json` from a state directory.
     pub fn read(dir: &Path) -> Result<StateMeta, Incompatible> {
+        Self::read_with_bytes(dir).map(|(m, _)| m)
+    }
+
+    /// Reads `meta.json` from a state directory, with the exact bytes it
+    /// was parsed from (what a signature covers).
+    pub fn read_with_bytes(dir: &Path) -> Result<(StateMeta, Vec<u8>), Incompatible> {
+        use std::io::Read;
         let path = dir.join(files::META);
-        let text = std::fs::read_to_string(&path)
+        let mut bytes = Vec::new();
+        std::fs::File::open(&path)
+            .and_then(|f| f.take((1 << 20) + 1).read_to_end(&mut bytes))
             .map_err(|e| Incompatible(format!("cannot read {}: {e}", path.display())))?;
-        if text.len() > 1 << 20 {
+        if bytes.len() > 1 << 20 {
             return Err(Incompatible("meta.json is larger than 1 MiB".into()));
         }
-        serde_json::from_str(&text)
-            .map_err(|e| Incompatible(format!("meta.json is not valid: {e}")))
+        let meta = serde_json::from_slice(&bytes)
+            .map_err(|e| Incompatible(format!("meta.json is not valid: {e}")))?;
+        Ok((meta, bytes))
     }
 
     /// Writes `meta.json` atomically (temp file, fsync, rename).

@@ -9,13 +9,19 @@
 //! that agent: the image builder (`strata-image`, `RECIPE_VERSION` 1) is the
 //! same as in that release, so it is the image the previous release built.
 //! Without the binary the test fails and prints the command that makes it.
+//!
+//! Today's runtime signs states (`strata_runtime::signing`); the previous
+//! release wrote no signature. The legacy path is explicit: the old
+//! snapshot (no `state.sig`) is refused until adopted
+//! (`Runtime::adopt_unsigned`, what the daemon does once at its first
+//! start with signing), then forks and rewinds as before.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use strata_core::{SandboxId, SandboxSize, SnapshotId};
 use strata_proto::client::{AgentClient, ExecRequest};
-use strata_runtime::{Runtime, Source};
+use strata_runtime::{Adoption, Runtime, RuntimeError, Source, StateSigner};
 
 mod common;
 
@@ -95,7 +101,8 @@ async fn count(rt: &Runtime, id: &SandboxId) -> u64 {
 }
 
 /// Rewrites the read-only snapshot's `meta.json` with only the fields the
-/// previous release wrote (today's writer must write all of them).
+/// previous release wrote (today's writer must write all of them), and
+/// removes its signature (the previous release signed nothing).
 fn write_previous_meta(rt: &Runtime, snap: &SnapshotId) {
     let dir = rt.pool().snapshots_dir().join(snap.as_str());
     let path = dir.join("meta.json");
@@ -116,6 +123,7 @@ fn write_previous_meta(rt: &Runtime, snap: &SnapshotId) {
         .set_readonly(&dir, false)
         .expect("unlock snapshot");
     std::fs::write(&path, serde_json::to_vec_pretty(&old).expect("json")).expect("write meta.json");
+    std::fs::remove_file(dir.join("state.sig")).expect("today's runtime signed the snapshot");
     rt.pool().set_readonly(&dir, true).expect("relock snapshot");
 }
 
@@ -128,7 +136,11 @@ fn previous_release_agent_and_snapshot_work_under_todays_runtime() {
     })
     .unwrap_or_else(|e| panic!("image with the previous agent: {e}"));
     eprintln!("previous-release image {}", image.dir.display());
-    let t = TestRuntime::start_with_image("strcp-", size(), &image.dir, |_| {});
+    let t = TestRuntime::start_with_image("strcp-", size(), &image.dir, |c| {
+        c.signing = Some(std::sync::Arc::new(
+            StateSigner::from_seed(&[9; 32]).expect("signer"),
+        ))
+    });
     tokio_rt().block_on(async {
         let a = new_sandbox(&t).await;
         let agent = t.rt.agent(&a).await.expect("the old agent answers today's host");
@@ -167,6 +179,22 @@ fn previous_release_agent_and_snapshot_work_under_todays_runtime() {
         write_previous_meta(&t.rt, &snap);
         let meta = t.rt.snapshot_meta(&snap).expect("the old form of meta.json loads");
         assert_eq!(meta.image_hash, image.hash, "the snapshot is of the old image");
+        // Unsigned: refused until adopted, as the daemon adopts it once.
+        let e = t
+            .rt
+            .create(&SandboxId::generate(), &Source::Snapshot(snap.clone()), None)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(e, RuntimeError::SnapshotUnusable { ref reason, .. } if reason.contains("no signature")),
+            "{e}"
+        );
+        assert_eq!(
+            t.rt.adopt_unsigned(&Source::Snapshot(snap.clone()))
+                .await
+                .expect("adopt the previous release's snapshot"),
+            Adoption::Signed
+        );
 
         // A fork of the snapshot: the file and the running counter are back.
         tokio::time::sleep(Duration::from_millis(1500)).await;

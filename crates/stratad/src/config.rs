@@ -493,6 +493,9 @@ pub struct Config {
     /// (mode 0700) holding the deployment's master key (`master.key`,
     /// 0600), created on first use. A copy of the data dir without it
     /// reveals no sealed value (a sandbox's stored environment variables).
+    /// It also holds the key that signs snapshots and templates: the daemon
+    /// does not start without it, and losing it makes every existing
+    /// snapshot unrestorable (docs/keys.md).
     pub key_dir: PathBuf,
     /// Guest image directory (`strata image build` prints it); unset: the
     /// newest image in the image cache (`$STRATA_IMAGE_CACHE` or

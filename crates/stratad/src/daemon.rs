@@ -41,6 +41,10 @@ pub enum DaemonError {
     /// The sandbox runtime (pool, QEMU) could not be opened.
     #[error("cannot open the sandbox runtime")]
     Runtime(#[source] strata_runtime::RuntimeError),
+    /// The key store (`key_dir`) could not be opened: without the
+    /// deployment's key no snapshot can be signed or checked.
+    #[error("cannot open the key store")]
+    Keys(#[source] crate::security::keys::KeyError),
     /// The metadata store could not be opened.
     #[error("cannot open the metadata store")]
     Store(#[source] StoreError),
@@ -159,17 +163,36 @@ pub fn runtime_config(cfg: &Config) -> Result<RuntimeConfig, DaemonError> {
         disk_throttle: strata_vmm::DiskThrottle::new(cfg.vm.disk_iops, cfg.vm.disk_bps),
         egress_proxy: None,
         tcg_tb_size_mib: cfg.tcg_tb_size_mib,
+        // Set by [`open_engine`] from the key store.
+        signing: None,
     })
 }
 
+/// The deployment's signer of snapshots and templates: the Ed25519 seed of
+/// [`Purpose::SnapshotSigning`](crate::security::keys::Purpose) from the
+/// key store in `key_dir` (created on first use).
+pub fn state_signer(cfg: &Config) -> Result<Arc<strata_runtime::StateSigner>, DaemonError> {
+    use crate::security::keys::{KeyError, KeyStore, Purpose};
+    let keys = KeyStore::open(&cfg.key_dir).map_err(DaemonError::Keys)?;
+    let seed = keys
+        .seed(Purpose::SnapshotSigning)
+        .map_err(DaemonError::Keys)?;
+    let signer = strata_runtime::StateSigner::from_seed(&seed)
+        .map_err(|_| DaemonError::Keys(KeyError::Derive))?;
+    tracing::info!(public_key = %signer.public_key(), "snapshots are signed with this deployment's key");
+    Ok(Arc::new(signer))
+}
+
 /// Opens the runtime (creating and loop-mounting the pool image when needed)
-/// and wraps it as the daemon's engine.
+/// and wraps it as the daemon's engine. States are signed with the
+/// deployment's key ([`state_signer`]).
 pub async fn open_engine(cfg: &Config) -> Result<Arc<RuntimeEngine>, DaemonError> {
     std::fs::create_dir_all(&cfg.data_dir).map_err(|source| DaemonError::DataDir {
         path: cfg.data_dir.clone(),
         source,
     })?;
-    let rc = runtime_config(cfg)?;
+    let mut rc = runtime_config(cfg)?;
+    rc.signing = Some(state_signer(cfg)?);
     tracing::info!(
         pool = ?rc.pool,
         run_dir = %rc.run_dir.display(),

@@ -40,8 +40,8 @@ pub use strata_proto::{
 };
 pub use strata_proto::{WatchEvent, WatchKind};
 pub use strata_runtime::{
-    CpuSource, DiskWrites, GuestErrorKind, LiveVm, RuntimeError, SnapshotInfo, Source, SpaceUsage,
-    Subvolumes, TemplateBuilt, VmDied, VmInfo, VmUsage,
+    Adoption, CpuSource, DiskWrites, GuestErrorKind, LiveVm, RuntimeError, SnapshotInfo, Source,
+    SpaceUsage, Subvolumes, TemplateBuilt, VmDied, VmInfo, VmUsage,
 };
 pub use strata_runtime::{PortCounters, PortError, PortOpenError, PortStream};
 
@@ -402,6 +402,24 @@ pub trait Engine: Send + Sync + 'static {
         let _ = (id, path, recursive);
         Err(RuntimeError::Unavailable(
             "this engine does not watch directories".into(),
+        ))
+    }
+
+    /// Whether this engine signs its snapshots and templates and refuses
+    /// unsigned ones on restore (`strata_runtime::signing`). Engines
+    /// without files keep the default.
+    fn signs_states(&self) -> bool {
+        false
+    }
+
+    /// Signs a snapshot or template made before signing so it keeps
+    /// restoring ([`strata_runtime::Runtime::adopt_unsigned`]); the daemon
+    /// asks once per state it has a record of. Engines that do not sign
+    /// refuse.
+    async fn adopt_unsigned(&self, state: &Source) -> EngineResult<Adoption> {
+        let _ = state;
+        Err(RuntimeError::Unavailable(
+            "this engine does not sign states".into(),
         ))
     }
 

@@ -116,8 +116,13 @@ impl App {
         )
     }
 
-    /// Runs recovery, then starts the scheduler and the exit watcher.
+    /// Adopts the states made before snapshot signing (once,
+    /// [`service::signing`]), runs recovery, then starts the scheduler and
+    /// the exit watcher.
     pub async fn start(&self) -> service::ServiceResult<recovery::RecoveryReport> {
+        // Before recovery restores anything: the states made before
+        // snapshot signing get their signature (once).
+        self.service.adopt_unsigned_states().await?;
         let report = recovery::reconcile(&self.service).await?;
         // The exit watcher stops with the other background tasks: after
         // `stop` a VM that dies (killed by whoever stopped the daemon) must

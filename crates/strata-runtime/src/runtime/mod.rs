@@ -36,11 +36,13 @@ use tokio::sync::mpsc;
 use crate::api::{PoolSetting, RuntimeConfig, Source};
 use crate::error::{io_err, storage_err, RuntimeError};
 use crate::meta::{files, StateMeta};
+use crate::signing::StateHashes;
 
 mod agent;
 mod discovery;
 mod ports;
 mod rewind;
+mod signatures;
 mod snapshot;
 mod start;
 mod templates;
@@ -50,6 +52,7 @@ mod warm;
 
 pub use agent::EgressResolver;
 pub use ports::PortOpenError;
+pub use signatures::Adoption;
 pub use templates::TemplateBuilt;
 pub use usage::{CpuSource, DiskWrites, VmUsage};
 pub use vms::VmDied;
@@ -170,6 +173,11 @@ struct OpenState {
     name: String,
     /// Its metadata.
     meta: StateMeta,
+    /// The bytes `meta` was parsed from (what its signature covers).
+    meta_bytes: Vec<u8>,
+    /// Where a signature outside the subvolume would be (a state made
+    /// before signing, adopted); `None` for a sandbox's own subvolume.
+    sidecar: Option<PathBuf>,
 }
 
 impl OpenState {
@@ -183,8 +191,14 @@ impl OpenState {
         if !matches!(state, StateRef::Sandbox(_)) && !dir.exists() {
             return Err(RuntimeError::SnapshotNotFound(name));
         }
-        match StateMeta::read(&dir) {
-            Ok(meta) => Ok(OpenState { dir, name, meta }),
+        match StateMeta::read_with_bytes(&dir) {
+            Ok((meta, meta_bytes)) => Ok(OpenState {
+                dir,
+                name,
+                meta,
+                meta_bytes,
+                sidecar: None,
+            }),
             Err(e) => Err(RuntimeError::SnapshotUnusable {
                 id: name,
                 reason: e.0,
@@ -335,16 +349,23 @@ impl Runtime {
 
     /// Reads the metadata of a state subvolume ([`OpenState::open`]).
     fn open_state(&self, state: StateRef<'_>) -> Result<OpenState> {
-        OpenState::open(self.state_dir(state), state)
+        let mut st = OpenState::open(self.state_dir(state), state)?;
+        st.sidecar = self.sidecar_path(state);
+        Ok(st)
     }
 
     /// [`Runtime::open_state`], then refuses a state this host cannot
-    /// restore; what every start from a state checks first.
-    async fn open_restorable(&self, state: StateRef<'_>) -> Result<(OpenState, ResolvedAccel)> {
+    /// restore or whose signature does not verify; what every start from a
+    /// state checks first. Also returns the verified state's hashes.
+    async fn open_restorable(
+        &self,
+        state: StateRef<'_>,
+    ) -> Result<(OpenState, ResolvedAccel, Option<StateHashes>)> {
         let st = self.open_state(state)?;
         let accel = self.accel().await?;
         st.check_restorable(&self.qemu_version, accel)?;
-        Ok((st, accel))
+        let hashes = self.check_signature(&st, &st.dir)?;
+        Ok((st, accel, hashes))
     }
 
     /// Moves a subvolume to the pool's trash if it exists. Idempotent.

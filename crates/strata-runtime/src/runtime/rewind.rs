@@ -41,6 +41,8 @@ impl Runtime {
         }
         let accel = self.accel().await?;
         state.check_restorable(&self.qemu_version, accel)?;
+        // Checked before the VM is touched (and again on the copy QEMU reads).
+        self.check_signature(&state, &state.dir)?;
         let pre = match pre_rewind {
             Some(p) if self.live(id).is_ok() => Some(self.snapshot_locked(id, p).await?),
             _ => None,

@@ -99,7 +99,11 @@ impl Runtime {
             let t_state = ms(t0);
             let pool = self.pool.clone();
             let (src, d) = (dir.clone(), dst.clone());
+            let signer = self.cfg.signing.clone();
+            let name = snap.to_string();
             blocking(move || {
+                // Signed inside, before the read-only snapshot is taken.
+                super::signatures::sign_into(signer.as_deref(), &src, &name, None)?;
                 pool.snapshot(&src, &d, true)
                     .map_err(storage_err)
                     .map(|_| ())
@@ -213,6 +217,8 @@ impl Runtime {
         };
         let pool = self.pool.clone();
         let (src, d) = (dir.clone(), dst.clone());
+        let signer = self.cfg.signing.clone();
+        let name = snap.to_string();
         let taken = blocking(move || {
             pool.snapshot(&src, &d, false).map_err(storage_err)?;
             let made = (|| {
@@ -226,6 +232,7 @@ impl Runtime {
                 disk_meta
                     .write(&d)
                     .map_err(|e| io_err("write meta.json", e))?;
+                super::signatures::sign_into(signer.as_deref(), &d, &name, None)?;
                 pool.set_readonly(&d, true).map_err(storage_err)
             })();
             if let Err(e) = made {
@@ -255,7 +262,9 @@ impl Runtime {
 
     /// Removes a snapshot. Idempotent.
     pub async fn delete_snapshot(&self, snap: &SnapshotId) -> Result<()> {
-        self.trash_if_exists(self.snapshot_dir(snap)).await
+        self.trash_if_exists(self.snapshot_dir(snap)).await?;
+        self.remove_sidecar(StateRef::Snapshot(snap));
+        Ok(())
     }
 
     /// Metadata of a snapshot.

@@ -91,7 +91,7 @@ impl Runtime {
         mode: Start,
     ) -> Result<VmInfo> {
         let t0 = Instant::now();
-        let (src, accel) = self.open_restorable(state).await?;
+        let (src, accel, _) = self.open_restorable(state).await?;
         self.start_opened(id, src, accel, size, mode, t0).await
     }
 
@@ -107,11 +107,9 @@ impl Runtime {
         mode: Start,
         t0: Instant,
     ) -> Result<VmInfo> {
-        let OpenState {
-            dir: src_dir,
-            name: src_name,
-            meta,
-        } = src;
+        let src_dir = src.dir.clone();
+        let src_name = src.name.clone();
+        let meta = src.meta.clone();
         // A sandbox created hibernated starts for the first time here: it gets
         // its identity now, and the size it was created with.
         let identity = if mode.is_new() || meta.first_start.is_some() {
@@ -200,6 +198,9 @@ impl Runtime {
             } else {
                 spec.incoming = Some(dir.join(files::DEVICE_STATE));
             }
+            // The state's signature, on the meta it was opened with and the
+            // device state of the new subvolume, right before QEMU reads it.
+            self.check_signature(&src, &dir)?;
             let _ = std::fs::remove_dir_all(&spec.run_dir);
             let t_vm = Instant::now();
             let vm = self
@@ -259,7 +260,7 @@ impl Runtime {
         size: Option<SandboxSize>,
     ) -> Result<SnapshotInfo> {
         let _g = self.op_lock(id.as_str()).await;
-        let (src, _) = self.open_restorable(source.into()).await?;
+        let (src, _, verified) = self.open_restorable(source.into()).await?;
         let want = wanted_size(&src.meta, &src.name, size)?;
         if self.live(id).is_ok() || self.sandbox_dir(id).exists() {
             return Err(RuntimeError::Invalid(format!(
@@ -277,6 +278,7 @@ impl Runtime {
             dir: src_dir,
             name: src_name,
             meta,
+            ..
         } = src;
         let new_meta = StateMeta {
             sandbox: Some(id.to_string()),
@@ -286,11 +288,16 @@ impl Runtime {
             ..meta
         };
         let pool = self.pool.clone();
+        let signer = self.cfg.signing.clone();
+        let name = snap.to_string();
         let device_state_bytes = blocking(move || {
             pool.snapshot(&src_dir, &dst, false).map_err(storage_err)?;
             let made = new_meta
                 .write(&dst)
                 .map_err(|e| io_err("write meta.json", e))
+                .and_then(|()| {
+                    super::signatures::sign_into(signer.as_deref(), &dst, &name, verified.as_ref())
+                })
                 .and_then(|()| pool.set_readonly(&dst, true).map_err(storage_err));
             if let Err(e) = made {
                 let _ = pool.trash(&dst);

@@ -24,6 +24,7 @@ use super::vms::Live;
 use super::{blocking, load_image, ms, Result, Runtime, StateRef};
 use crate::error::{io_err, storage_err, vmm_err, RuntimeError};
 use crate::meta::{files, layout_hash, StateMeta, SNAPSHOT_FORMAT_VERSION};
+use crate::signing::StateHashes;
 
 /// Figures of a template build.
 #[derive(Debug, Clone)]
@@ -189,7 +190,10 @@ impl Runtime {
             let pool = self.pool.clone();
             let w = b.work.clone();
             let dst = self.template_dir(b.tpl);
+            let signer = self.cfg.signing.clone();
+            let name = b.tpl.to_string();
             blocking(move || {
+                super::signatures::sign_into(signer.as_deref(), &w, &name, None)?;
                 pool.snapshot(&w, &dst, true)
                     .map_err(storage_err)
                     .map(|_| ())
@@ -221,9 +225,9 @@ impl Runtime {
         let _g = self.op_lock(tpl.as_str()).await;
         let src = self.snapshot_dir(snap);
         let dst = self.template_dir(tpl);
-        if !src.exists() {
-            return Err(RuntimeError::SnapshotNotFound(snap.to_string()));
-        }
+        // A template is signed only from a snapshot that verifies.
+        let opened = self.open_state(StateRef::Snapshot(snap))?;
+        let verified = self.check_signature(&opened, &opened.dir)?;
         if dst.exists() {
             return Err(RuntimeError::Invalid(format!(
                 "template {tpl} already exists"
@@ -237,6 +241,7 @@ impl Runtime {
         let pool = self.pool.clone();
         let tpl_name = tpl.to_string();
         let snap_name = snap.to_string();
+        let signer = self.cfg.signing.clone();
         blocking(move || {
             clear_scratch(&pool, &scratch)?;
             pool.snapshot(&src, &scratch, false).map_err(storage_err)?;
@@ -251,7 +256,11 @@ impl Runtime {
                     starts,
                     ..meta
                 };
-                publish_scratch(&pool, &scratch, &dst, meta, tpl_name).map(|_| ())
+                let sign = Signing {
+                    signer: signer.as_deref(),
+                    source: verified.as_ref(),
+                };
+                publish_scratch(&pool, &scratch, &dst, meta, tpl_name, sign).map(|_| ())
             })();
             let _ = pool.trash(&scratch);
             published
@@ -262,12 +271,22 @@ impl Runtime {
     /// Copies template `tpl`'s files (sparse) into the new directory
     /// `dest` (written as `dest.tmp-*` and renamed, so `dest` is whole or
     /// absent): a host-level cache entry another daemon can import.
+    ///
+    /// Signatures across deployments: the daemons sharing a host's cache
+    /// have different keys, so an entry carries no signature (`state.sig`
+    /// is left out). The template is verified with this deployment's key
+    /// before it is copied, and the entry gets a content record
+    /// ([`files::EXPORT_RECORD`]: SHA-256 of the copied `meta.json` and
+    /// `device.state`) that [`Runtime::import_template`] checks before it
+    /// signs the import with the importing deployment's key. The record
+    /// catches a torn or changed entry; it is not a signature: whoever can
+    /// write the cache directory can make an entry every importer trusts.
     pub async fn export_template(&self, tpl: &TemplateId, dest: &Path) -> Result<()> {
         let src = self.template_dir(tpl);
-        if !src.exists() {
-            return Err(RuntimeError::SnapshotNotFound(tpl.to_string()));
-        }
+        let opened = self.open_state(StateRef::Template(tpl))?;
+        self.check_signature(&opened, &opened.dir)?;
         let dest = dest.to_path_buf();
+        let tpl_name = tpl.to_string();
         blocking(move || {
             if dest.exists() {
                 return Ok(());
@@ -285,7 +304,8 @@ impl Runtime {
             ));
             let _ = std::fs::remove_dir_all(&tmp);
             std::fs::create_dir(&tmp).map_err(|e| io_err("create template cache entry", e))?;
-            let copied = copy_state_files(&src, &tmp);
+            let copied =
+                copy_state_files(&src, &tmp).and_then(|()| ExportRecord::write(&tmp, &tpl_name));
             match copied.and_then(|()| {
                 std::fs::rename(&tmp, &dest).map_err(|e| io_err("publish cache entry", e))
             }) {
@@ -300,9 +320,12 @@ impl Runtime {
     }
 
     /// Makes template `tpl` from a directory [`Runtime::export_template`]
-    /// wrote (any daemon's): checked restorable on this host (QEMU series,
-    /// accelerator, every file present) before it is published read-only,
-    /// with its meta naming `tpl` and no sandbox.
+    /// wrote (any daemon's): its content record checked (the copied
+    /// `meta.json` and `device.state` hash as recorded; an entry without
+    /// one, written before signing, is refused and rebuilt by the caller),
+    /// checked restorable on this host (QEMU series, accelerator, every
+    /// file present), then published read-only with its meta naming `tpl`
+    /// and no sandbox, signed with this deployment's key.
     pub async fn import_template(&self, src: &Path, tpl: &TemplateId) -> Result<StateMeta> {
         let _g = self.op_lock(tpl.as_str()).await;
         let dst = self.template_dir(tpl);
@@ -323,6 +346,7 @@ impl Runtime {
             tpl.to_string(),
             self.qemu_version.clone(),
         );
+        let signer = self.cfg.signing.clone();
         blocking(move || {
             clear_scratch(&pool, &scratch)?;
             pool.create_subvolume(&scratch).map_err(storage_err)?;
@@ -332,10 +356,16 @@ impl Runtime {
                     id: tpl_name.clone(),
                     reason: format!("cached template: {}", e.0),
                 };
-                let meta = StateMeta::read(&scratch).map_err(bad)?;
+                let (meta, bytes) = StateMeta::read_with_bytes(&scratch).map_err(bad)?;
+                let checked = ExportRecord::check(&scratch, &bytes, meta.disk_only)
+                    .map_err(|e| bad(crate::meta::Incompatible(e)))?;
                 meta.check_restorable(&scratch, &qemu, accel.qemu_name())
                     .map_err(bad)?;
-                publish_scratch(&pool, &scratch, &dst, meta, tpl_name.clone())
+                let sign = Signing {
+                    signer: signer.as_deref(),
+                    source: Some(&checked),
+                };
+                publish_scratch(&pool, &scratch, &dst, meta, tpl_name.clone(), sign)
             })();
             let _ = pool.trash(&scratch);
             done
@@ -345,7 +375,9 @@ impl Runtime {
 
     /// Removes a template. Idempotent.
     pub async fn delete_template(&self, tpl: &TemplateId) -> Result<()> {
-        self.trash_if_exists(self.template_dir(tpl)).await
+        self.trash_if_exists(self.template_dir(tpl)).await?;
+        self.remove_sidecar(StateRef::Template(tpl));
+        Ok(())
     }
 
     /// Metadata of a template.
@@ -362,26 +394,100 @@ fn clear_scratch(pool: &strata_storage::Pool, path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// How a published template is signed: by `signer` (none: not signed),
+/// its `device.state` the same as the verified `source`'s.
+struct Signing<'a> {
+    signer: Option<&'a crate::signing::StateSigner>,
+    source: Option<&'a StateHashes>,
+}
+
 /// Makes the state in `scratch` template `tpl` at `dst`: its `meta.json`
-/// rewritten to name the template and no sandbox, then one read-only
-/// snapshot (the template exists whole or not at all). Returns the meta.
+/// rewritten to name the template and no sandbox, signed, then one
+/// read-only snapshot (the template exists whole or not at all). Returns
+/// the meta.
 fn publish_scratch(
     pool: &strata_storage::Pool,
     scratch: &Path,
     dst: &Path,
     meta: StateMeta,
     tpl: String,
+    sign: Signing<'_>,
 ) -> Result<StateMeta> {
     let meta = StateMeta {
         sandbox: None,
-        template: Some(tpl),
+        template: Some(tpl.clone()),
         written_at: Utc::now(),
         ..meta
     };
     meta.write(scratch)
         .map_err(|e| io_err("write meta.json", e))?;
+    match std::fs::remove_file(scratch.join(files::EXPORT_RECORD)) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(io_err("remove the cache record", e))
+        }
+        _ => {}
+    }
+    super::signatures::sign_into(sign.signer, scratch, &tpl, sign.source)?;
     pool.snapshot(scratch, dst, true).map_err(storage_err)?;
     Ok(meta)
+}
+
+/// A template cache entry's content record ([`files::EXPORT_RECORD`]):
+/// the SHA-256 of the exported `meta.json` and `device.state`.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct ExportRecord {
+    /// The exporting deployment's template id (informational).
+    template: String,
+    /// SHA-256 of `meta.json`, hex.
+    meta_sha256: String,
+    /// SHA-256 of `device.state`, hex; absent for a disk-only state.
+    #[serde(default)]
+    device_state_sha256: Option<String>,
+}
+
+impl ExportRecord {
+    /// Records the state copied into `entry`.
+    fn write(entry: &Path, template: &str) -> Result<()> {
+        let (meta, bytes) =
+            StateMeta::read_with_bytes(entry).map_err(|e| RuntimeError::SnapshotUnusable {
+                id: template.to_owned(),
+                reason: e.0,
+            })?;
+        let h = StateHashes::of(&bytes, meta.disk_only, entry)
+            .map_err(|e| io_err("hash device.state", e))?;
+        let rec = ExportRecord {
+            template: template.to_owned(),
+            meta_sha256: hex::encode(h.meta),
+            device_state_sha256: h.device_state.map(hex::encode),
+        };
+        let text =
+            serde_json::to_vec_pretty(&rec).map_err(|e| RuntimeError::Other(e.to_string()))?;
+        std::fs::write(entry.join(files::EXPORT_RECORD), text)
+            .map_err(|e| io_err("write the cache record", e))
+    }
+
+    /// Checks the entry copied into `dir` (its meta's bytes `meta_bytes`)
+    /// against its record; returns its hashes.
+    fn check(
+        dir: &Path,
+        meta_bytes: &[u8],
+        disk_only: bool,
+    ) -> std::result::Result<StateHashes, String> {
+        let text = std::fs::read(dir.join(files::EXPORT_RECORD)).map_err(|e| {
+            format!("no content record ({e}): an entry written before strata signed templates")
+        })?;
+        let rec: ExportRecord = serde_json::from_slice(&text)
+            .map_err(|e| format!("content record is not valid: {e}"))?;
+        let h = StateHashes::of(meta_bytes, disk_only, dir)
+            .map_err(|e| format!("cannot hash device.state: {e}"))?;
+        if rec.meta_sha256 != hex::encode(h.meta) {
+            return Err("meta.json differs from its content record".into());
+        }
+        if rec.device_state_sha256 != h.device_state.map(hex::encode) {
+            return Err("device.state differs from its content record".into());
+        }
+        Ok(h)
+    }
 }
 
 /// Copies every regular file of a state directory (kernel, initrd, RAM,
@@ -391,7 +497,8 @@ fn copy_state_files(src: &Path, dst: &Path) -> Result<()> {
     for e in entries {
         let e = e.map_err(|e| io_err("read state dir", e))?;
         let ft = e.file_type().map_err(|e| io_err("stat state file", e))?;
-        if !ft.is_file() {
+        // A signature is one deployment's: never carried to another.
+        if !ft.is_file() || e.file_name() == files::SIGNATURE {
             continue;
         }
         copy_sparse(&e.path(), &dst.join(e.file_name()))

@@ -330,6 +330,14 @@ impl Engine for RuntimeEngine {
         })
     }
 
+    fn signs_states(&self) -> bool {
+        self.rt.signs_states()
+    }
+
+    async fn adopt_unsigned(&self, state: &Source) -> EngineResult<Adoption> {
+        self.rt.adopt_unsigned(state).await
+    }
+
     async fn live_vms(&self) -> EngineResult<Vec<LiveVm>> {
         Ok(self.rt.live_vms())
     }

@@ -5,11 +5,14 @@
 //! (the purpose's name is the HKDF info), so a key never serves two jobs and
 //! a purpose added later needs no new file.
 //!
-//! Today one purpose uses it: the environment variables kept with a sandbox
+//! Purposes: the environment variables kept with a sandbox
 //! ([`Purpose::SandboxEnv`], sealed with ChaCha20-Poly1305, the sandbox id as
-//! associated data so a row moved to another sandbox does not open). The
-//! audit key, the snapshot-signing key and the interception CA are meant to
-//! come here too (issue 12, part 2).
+//! associated data so a row moved to another sandbox does not open), the
+//! audit chain's HMAC key ([`Purpose::AuditChain`], [`KeyStore::hmac_key`]),
+//! and the Ed25519 seed that signs snapshots and templates
+//! ([`Purpose::SnapshotSigning`], [`KeyStore::seed`]; `docs/keys.md`). The
+//! interception CA and connector secrets are meant to come here too
+//! (issue 15).
 //!
 //! What it protects: a copy of the data dir (a backup, a database file, a
 //! disk image) without the key dir reveals no sealed value; a sealed value
@@ -47,6 +50,9 @@ pub enum Purpose {
     SandboxEnv,
     /// The audit chain's HMAC-SHA256 links (`strata_policy::audit`).
     AuditChain,
+    /// The Ed25519 seed that signs snapshots and templates
+    /// (`strata_runtime::signing`).
+    SnapshotSigning,
 }
 
 impl Purpose {
@@ -54,7 +60,17 @@ impl Purpose {
         match self {
             Purpose::SandboxEnv => b"strata sandbox env v1",
             Purpose::AuditChain => b"strata audit chain v1",
+            Purpose::SnapshotSigning => b"strata snapshot signing v1",
         }
+    }
+}
+
+/// A 32-byte HKDF output (an Ed25519 seed).
+struct Seed32;
+
+impl hkdf::KeyType for Seed32 {
+    fn len(&self) -> usize {
+        32
     }
 }
 
@@ -191,6 +207,18 @@ impl KeyStore {
             .expand(&info, ring::hmac::HMAC_SHA256)
             .map_err(|_| KeyError::Derive)?;
         Ok(ring::hmac::Key::from(okm))
+    }
+
+    /// The 32 secret bytes of one purpose (an Ed25519 seed for
+    /// [`Purpose::SnapshotSigning`]), derived like every purpose's key.
+    pub fn seed(&self, purpose: Purpose) -> Result<[u8; 32], KeyError> {
+        let info = [purpose.info()];
+        let mut seed = [0u8; 32];
+        self.master
+            .expand(&info, Seed32)
+            .and_then(|okm| okm.fill(&mut seed))
+            .map_err(|_| KeyError::Derive)?;
+        Ok(seed)
     }
 }
 
@@ -368,6 +396,18 @@ mod tests {
             Err(KeyError::Unseal(_))
         ));
         assert_eq!(s.open("sb-1", &sealed).unwrap(), b"secret");
+    }
+
+    #[test]
+    fn the_signing_seed_is_stable_per_key_and_differs_by_key_and_purpose() {
+        let tmp = tempfile::tempdir().unwrap();
+        let a = KeyStore::open(&tmp.path().join("a")).unwrap();
+        let seed = a.seed(Purpose::SnapshotSigning).unwrap();
+        let again = KeyStore::open(&tmp.path().join("a")).unwrap();
+        assert_eq!(again.seed(Purpose::SnapshotSigning).unwrap(), seed);
+        let b = KeyStore::open(&tmp.path().join("b")).unwrap();
+        assert_ne!(b.seed(Purpose::SnapshotSigning).unwrap(), seed);
+        assert_ne!(a.seed(Purpose::SandboxEnv).unwrap(), seed);
     }
 
     #[test]

@@ -530,7 +530,25 @@ impl Service {
         let cached = self.host_cache_entry(&owner, &plan.final_hash);
         if let Some(entry) = cached.as_ref().filter(|e| e.is_dir()) {
             self.set_progress(&tpl.id, "importing from the host's template cache", None);
-            match self.engine.import_template(entry, &tpl.id).await {
+            // The entry's content record is checked by the import; what it
+            // holds must also be this recipe's template (its name is only
+            // a hash of owner and recipe). The import signs it with this
+            // deployment's key (docs/keys.md).
+            let imported = match self.engine.import_template(entry, &tpl.id).await {
+                Ok(()) => match self.engine.template_starts(&tpl.id).await {
+                    Ok(s) if s.recipe.as_deref() == Some(plan.final_hash.as_str()) => Ok(()),
+                    Ok(s) => Err(RuntimeError::SnapshotUnusable {
+                        id: tpl.id.to_string(),
+                        reason: format!(
+                            "cached template is of recipe {:?}, not {}",
+                            s.recipe, plan.final_hash
+                        ),
+                    }),
+                    Err(e) => Err(e),
+                },
+                Err(e) => Err(e),
+            };
+            match imported {
                 Ok(()) => {
                     // Touch: the least recently used entries go first.
                     let _ = std::fs::File::open(entry.join("meta.json"))

@@ -39,6 +39,7 @@ mod prelude;
 mod recovery;
 mod rewind;
 mod sampler;
+pub mod signing;
 mod snapshots;
 mod templates;
 mod unchanged;

@@ -1,5 +1,5 @@
 //! Harness of the end-to-end tests: a real `stratad` process (its own data
-//! dir, loop-mounted btrfs pool, short run dir under /tmp, `accel = tcg`,
+//! dir and key dir, loop-mounted btrfs pool, short run dir under /tmp, `accel = tcg`,
 //! the test image) and a client of its API (`strata_testkit::Api`, with the
 //! admin token the daemon writes on its first start).
 //!
@@ -92,6 +92,7 @@ impl Daemon {
         let text = format!(
             r#"listen = "127.0.0.1:{port}"
 data_dir = "{data}"
+key_dir = "{keys}"
 run_dir = "{run}"
 image_dir = "{img}"
 accel = "tcg"
@@ -126,6 +127,8 @@ disk_gib = 2
                 "[pressure]\nenabled = false\n"
             },
             data = root.join("data").display(),
+            // Each daemon its own deployment key (as separate hosts).
+            keys = root.join("keys").display(),
             run = run_dir.display(),
             img = image.dir.display(),
         );
