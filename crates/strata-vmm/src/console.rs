@@ -30,13 +30,23 @@ pub(crate) async fn connect(sock: &Path, timeout: Duration) -> std::io::Result<U
 }
 
 /// Copies the console stream into `log`, keeping the file at most `max` bytes.
+/// The file work (appends, and the rewrites of a trim) runs on the blocking
+/// pool, one chunk at a time: a guest spamming its console never blocks a
+/// runtime worker, and while a chunk is written the socket's buffer (then
+/// QEMU's chardev, which drops output with nobody reading) holds the rest.
 pub(crate) async fn copier(mut stream: UnixStream, log: PathBuf, max: u64) {
-    let mut file = match open_capped(&log, max) {
-        Ok(f) => f,
-        Err(e) => {
+    let log = std::sync::Arc::new(log);
+    let opened = {
+        let log = log.clone();
+        tokio::task::spawn_blocking(move || open_capped(&log, max)).await
+    };
+    let mut file = match opened {
+        Ok(Ok(f)) => f,
+        Ok(Err(e)) => {
             tracing::warn!(path = %log.display(), error = %e, "cannot open console log");
             return;
         }
+        Err(_) => return,
     };
     let mut buf = vec![0u8; 16 * 1024];
     loop {
@@ -44,9 +54,20 @@ pub(crate) async fn copier(mut stream: UnixStream, log: PathBuf, max: u64) {
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
-        if let Err(e) = append_capped(&mut file, &log, max, &buf[..n]) {
-            tracing::warn!(path = %log.display(), error = %e, "console log write failed");
-            return;
+        let chunk = buf[..n].to_vec();
+        let l = log.clone();
+        let written = tokio::task::spawn_blocking(move || {
+            let r = append_capped(&mut file, &l, max, &chunk);
+            (file, r)
+        })
+        .await;
+        match written {
+            Ok((f, Ok(()))) => file = f,
+            Ok((_, Err(e))) => {
+                tracing::warn!(path = %log.display(), error = %e, "console log write failed");
+                return;
+            }
+            Err(_) => return,
         }
     }
 }

@@ -371,14 +371,18 @@ async fn list_tokens(
 async fn revoke_token(State(ctx): State<Ctx>, c: Call) -> ApiResult<impl IntoResponse> {
     let (caller, id, q) = c.into_parts();
     let tenant = tenant_param(&who(&caller)?, q.as_deref())?;
-    let store = ctx.sec.store().clone();
+    let sec = ctx.sec.clone();
     let id2 = id.clone();
     let rec = blocking(move || {
-        if store.revoke_token(&tenant, &id2, Utc::now())? {
-            store.token(&tenant, &id2)
-        } else {
-            Ok(None)
+        let store = sec.store();
+        if !store.revoke_token(&tenant, &id2, Utc::now())? {
+            return Ok::<_, crate::security::store::SecStoreError>(None);
         }
+        let rec = store.token(&tenant, &id2)?;
+        if let Some(r) = &rec {
+            sec.forget_bootstrap_file(r);
+        }
+        Ok(rec)
     })
     .await?;
     rec.map(Json)

@@ -512,6 +512,35 @@ impl Security {
         self.data_dir.join("admin.token")
     }
 
+    /// After `rec` was revoked: if it is the bootstrap token and
+    /// `<data_dir>/admin.token` still holds it, the file goes (a revoked
+    /// secret is not left on disk, and the CLI stops picking it up). A file
+    /// holding anything else is left alone.
+    pub fn forget_bootstrap_file(&self, rec: &TokenRecord) {
+        if rec.created_by.as_deref() != Some("bootstrap") || rec.revoked_at.is_none() {
+            return;
+        }
+        let path = self.bootstrap_token_path();
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            return;
+        };
+        if auth::hash_secret(text.trim()) != rec.hash {
+            return;
+        }
+        match std::fs::remove_file(&path) {
+            Ok(()) => tracing::info!(
+                path = %path.display(),
+                token_id = %rec.id,
+                "bootstrap admin token revoked: its file is removed"
+            ),
+            Err(e) => tracing::warn!(
+                path = %path.display(),
+                error = %e,
+                "bootstrap admin token revoked, but its file could not be removed"
+            ),
+        }
+    }
+
     /// On first start (no token was ever made): an admin token of tenant
     /// `default`, written to `<data_dir>/admin.token` with mode 0600.
     fn bootstrap(&self) -> Result<(), SecurityError> {

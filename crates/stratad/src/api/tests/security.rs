@@ -1048,3 +1048,57 @@ async fn a_log_and_head_rewritten_without_the_key_are_refused_at_start() {
         "{err:?}"
     );
 }
+
+/// Finding 20: the bootstrap admin token is not kept on disk forever. An
+/// admin makes its own token and revokes the bootstrap one: the token stops
+/// working and `admin.token` goes with it. Revoking another token leaves
+/// the file alone.
+#[tokio::test]
+async fn revoking_the_bootstrap_token_removes_its_file() {
+    let h = sec_harness(|_| {});
+    let file = h.dir.path().join("admin.token");
+    assert!(file.exists());
+    let (_, me, _) = req(&h, "GET", "/v1/whoami", Some(&h.admin), "").await;
+    let boot_id = me["token_id"].as_str().unwrap_or_default().to_owned();
+    assert!(boot_id.starts_with("tok-"), "{me}");
+    let (_, v, _) = req(
+        &h,
+        "POST",
+        "/v1/tokens",
+        Some(&h.admin),
+        r#"{"role":"admin","name":"ops"}"#,
+    )
+    .await;
+    let ops = v["token"].as_str().unwrap().to_owned();
+    let (_, v, _) = req(&h, "POST", "/v1/tokens", Some(&ops), r#"{"role":"viewer"}"#).await;
+    let viewer_id = v["id"].as_str().unwrap().to_owned();
+    let (s, _, _) = req(
+        &h,
+        "DELETE",
+        &format!("/v1/tokens/{viewer_id}"),
+        Some(&ops),
+        "",
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(file.exists(), "revoking another token removed admin.token");
+    let (s, v, _) = req(
+        &h,
+        "DELETE",
+        &format!("/v1/tokens/{boot_id}"),
+        Some(&ops),
+        "",
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert!(
+        !file.exists(),
+        "admin.token kept after its token was revoked"
+    );
+    let (s, _, _) = req(&h, "GET", "/v1/whoami", Some(&h.admin), "").await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        req(&h, "GET", "/v1/whoami", Some(&ops), "").await.0,
+        StatusCode::OK
+    );
+}
