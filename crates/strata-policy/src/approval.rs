@@ -355,6 +355,21 @@ impl ApprovalQueue {
         self.limits
     }
 
+    /// Request `id` of `tenant` in `map`, its expiry applied now.
+    fn current<'m>(
+        &self,
+        map: &'m mut Map,
+        tenant: &str,
+        id: &str,
+    ) -> Result<&'m mut Entry, ApprovalError> {
+        let e = map
+            .get_mut(id)
+            .filter(|e| e.req.tenant == tenant)
+            .ok_or(ApprovalError::NotFound)?;
+        self.expire(e, Utc::now())?;
+        Ok(e)
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Map> {
         // A panic while holding the lock cannot leave an entry half-updated
         // (each update is a single assignment), so poisoning is ignored.
@@ -466,11 +481,7 @@ impl ApprovalQueue {
     /// One request of `tenant`.
     pub fn get(&self, tenant: &str, id: &str) -> Result<ApprovalRequest, ApprovalError> {
         let mut map = self.lock();
-        let e = map
-            .get_mut(id)
-            .filter(|e| e.req.tenant == tenant)
-            .ok_or(ApprovalError::NotFound)?;
-        self.expire(e, Utc::now())?;
+        let e = self.current(&mut map, tenant, id)?;
         Ok(e.req.clone())
     }
 
@@ -502,11 +513,7 @@ impl ApprovalQueue {
         who: Option<&str>,
     ) -> Result<ApprovalRequest, ApprovalError> {
         let mut map = self.lock();
-        let e = map
-            .get_mut(id)
-            .filter(|e| e.req.tenant == tenant)
-            .ok_or(ApprovalError::NotFound)?;
-        self.expire(e, Utc::now())?;
+        let e = self.current(&mut map, tenant, id)?;
         if e.req.status != ApprovalStatus::Pending {
             return Err(ApprovalError::AlreadyAnswered {
                 status: e.req.status.clone(),
@@ -640,11 +647,7 @@ impl ApprovalQueue {
             }
         }
         let mut map = self.lock();
-        let e = map
-            .get_mut(id)
-            .filter(|e| e.req.tenant == tenant)
-            .ok_or(ApprovalError::NotFound)?;
-        self.expire(e, Utc::now())?;
+        let e = self.current(&mut map, tenant, id)?;
         Ok(match e.req.status.clone() {
             ApprovalStatus::Approved { by, at } => {
                 self.consume(e, Utc::now())?;

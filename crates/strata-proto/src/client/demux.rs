@@ -254,6 +254,20 @@ pub(super) struct Shared {
 }
 
 impl Shared {
+    /// The state of a new connection: no calls, no tunnels, ids from 1.
+    fn new() -> Arc<Self> {
+        Arc::new(Shared {
+            routes: Mutex::new(HashMap::new()),
+            tunnels: Mutex::new(HashMap::new()),
+            closed: AtomicBool::new(false),
+            next_id: AtomicU32::new(1),
+            buffered: AtomicUsize::new(0),
+            stop: CancellationToken::new(),
+            born: Instant::now(),
+            last_rx_ms: AtomicU64::new(0),
+        })
+    }
+
     fn routes(&self) -> MutexGuard<'_, HashMap<u32, Arc<Queue>>> {
         // A poisoned lock only means another task panicked mid-insert; the map is still usable.
         self.routes.lock().unwrap_or_else(|p| p.into_inner())
@@ -522,16 +536,7 @@ pub(super) fn spawn(
     liveness: Option<Liveness>,
 ) -> Connection {
     let (rd, wr) = stream.into_split();
-    let shared = Arc::new(Shared {
-        routes: Mutex::new(HashMap::new()),
-        tunnels: Mutex::new(HashMap::new()),
-        closed: AtomicBool::new(false),
-        next_id: AtomicU32::new(1),
-        buffered: AtomicUsize::new(0),
-        stop: CancellationToken::new(),
-        born: Instant::now(),
-        last_rx_ms: AtomicU64::new(0),
-    });
+    let shared = Shared::new();
     let (out, out_rx) = mpsc::channel::<Bytes>(64);
     tokio::spawn(writer_task(wr, out_rx, shared.clone()));
     if let Some(l) = liveness {
@@ -766,16 +771,7 @@ mod tests {
 
     #[test]
     fn a_guest_error_message_reaches_the_log_escaped() {
-        let shared = Arc::new(Shared {
-            routes: Mutex::new(HashMap::new()),
-            tunnels: Mutex::new(HashMap::new()),
-            closed: AtomicBool::new(false),
-            next_id: AtomicU32::new(1),
-            buffered: AtomicUsize::new(0),
-            stop: CancellationToken::new(),
-            born: Instant::now(),
-            last_rx_ms: AtomicU64::new(0),
-        });
+        let shared = Shared::new();
         let (out, _rx) = mpsc::channel::<Bytes>(4);
         let tunnels: TunnelRouter = Box::new(|_, _, _| true);
         // What a hostile agent sends on id 0: a fake log line and a
