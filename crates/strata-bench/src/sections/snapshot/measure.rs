@@ -147,10 +147,19 @@ const UNLIMITED_BANDWIDTH: u64 = i64::MAX as u64 / (1 << 20);
 /// The classic full-memory save (what `virsh save` does) of a strata sandbox:
 /// `stop`, migrate ALL of RAM (`x-ignore-shared` off) over a local socket into
 /// `file`, fsync, `cont`. Returns the pause (stop → cont) in ms and the bytes
-/// written; the file is removed.
+/// written; the file is removed. The socket is a unix one: QEMU runs in the
+/// VMs' empty network namespace (no loopback to the host) as the VM user, so
+/// it sits in a directory of its own that user may enter.
 pub async fn full_save(rt: &Runtime, id: &SandboxId, file: &Path) -> Result<(f64, u64)> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let port = listener.local_addr()?.port();
+    use std::os::unix::fs::PermissionsExt as _;
+    let sock_dir = tempfile::Builder::new()
+        .prefix("strata-bench-save-")
+        .tempdir()
+        .context("socket dir")?;
+    std::fs::set_permissions(sock_dir.path(), std::fs::Permissions::from_mode(0o711))?;
+    let sock = sock_dir.path().join("save.sock");
+    let listener = tokio::net::UnixListener::bind(&sock)?;
+    std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o666))?;
     let out = file.to_path_buf();
     let sink = tokio::spawn(async move {
         let (mut s, _) = listener.accept().await?;
@@ -191,7 +200,7 @@ pub async fn full_save(rt: &Runtime, id: &SandboxId, file: &Path) -> Result<(f64
         rt.qmp(
             id,
             "migrate",
-            Some(json!({ "uri": format!("tcp:127.0.0.1:{port}") })),
+            Some(json!({ "uri": format!("unix:{}", sock.display()) })),
         )
         .await
         .map_err(|e| anyhow!("migrate: {e}"))?;
