@@ -745,3 +745,88 @@ reason = "keep it"
         "{audit:?}"
     );
 }
+
+/// Issue 12 (approvals): an upload through envd `/files` that the policy
+/// holds is read to a bounded file first, so its approval shows, and is
+/// bound to, the size and SHA-256 of the bytes written after it (before,
+/// the approver saw the path alone and the bytes streamed after the
+/// answer). The approved write then reaches the (absent) engine.
+#[tokio::test]
+async fn a_held_envd_upload_shows_its_bytes_to_the_approver() {
+    let s = server().await;
+    let id = s.sandbox("default").await;
+    let policy = r#"
+[[rule]]
+id = "ask-upload"
+effect = "approve"
+kind = "file_write"
+path = "/held/**"
+reason = "uploads here need a look"
+"#;
+    let r = s
+        .http
+        .put(format!("{}/v1/sandboxes/{id}/policy", s.url))
+        .bearer_auth(&s.admin)
+        .body(policy)
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{}", r.text().await.unwrap());
+    let (st, d) = s.e2b("GET", &format!("/sandboxes/{id}"), KEY).await;
+    assert_eq!(st, 200);
+    let token = d["envdAccessToken"].as_str().unwrap().to_owned();
+    let approver = s.token("approver", None).await;
+    let upload = {
+        let req = s
+            .http
+            .post(format!("{}/files?path=/held/up.txt", s.url))
+            .header("E2b-Sandbox-Id", id.as_str())
+            .header("X-Access-Token", &token)
+            .header("content-type", "application/octet-stream")
+            .body("hello world\n");
+        tokio::spawn(async move { req.send().await.unwrap().status().as_u16() })
+    };
+    // The held request, as the approver sees it.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let held = loop {
+        let v: Value = s
+            .http
+            .get(format!("{}/v1/approvals", s.url))
+            .bearer_auth(&approver)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let pending: Vec<Value> = v["items"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|a| a["status"]["status"] == "pending")
+            .collect();
+        if let Some(a) = pending.into_iter().next() {
+            break a;
+        }
+        assert!(std::time::Instant::now() < deadline, "no held upload: {v}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    assert_eq!(held["body"]["bytes"], 12, "{held}");
+    assert_eq!(
+        held["body"]["sha256"], "a948904f2f0f479b8f8197694b30184b0d2ed1c1cd2a1ec0fb85d299a192a447",
+        "{held}"
+    );
+    let ap = held["id"].as_str().unwrap();
+    let r = s
+        .http
+        .post(format!("{}/v1/approvals/{ap}/approve", s.url))
+        .bearer_auth(&approver)
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{}", r.text().await.unwrap());
+    // Approved: the write goes on to the engine (none here: unavailable).
+    let status = upload.await.unwrap();
+    assert_ne!(status, 403, "the approved upload was refused");
+}

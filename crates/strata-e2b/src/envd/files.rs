@@ -292,6 +292,13 @@ fn metadata_supported(dir: &stratad::engine::DirEntry) -> Result<(), ConnectErro
     ))
 }
 
+/// The bytes of one upload: streamed to the guest, or read first because
+/// the policy holds the write for an approver.
+enum Upload {
+    Stream(ByteStream),
+    Held(stratad::service::HeldUpload),
+}
+
 async fn write_one(
     st: &Arc<E2b>,
     id: &EnvdTarget,
@@ -300,7 +307,24 @@ async fn write_one(
     meta: &BTreeMap<String, String>,
     body: ByteStream,
 ) -> Result<serde_json::Value, ConnectError> {
-    let g = st.envd_grant(id, write(path)).await?;
+    // An upload the policy holds for an approver is read to a bounded file
+    // first (`stratad::service::held`): the approval is bound to, and shows,
+    // the size and SHA-256 of the very bytes written after it.
+    let opts = crate::policy::gate_opts();
+    let (g, held) = if st
+        .svc
+        .upload_is_held(&id.caller, &id.id, &write(path), &opts)
+    {
+        let held = st.svc.hold_upload(body).await.map_err(service_err)?;
+        let g = st
+            .svc
+            .grant_held(&id.caller, &id.id, write(path), &opts, &held)
+            .await
+            .map_err(service_err)?;
+        (g, Upload::Held(held))
+    } else {
+        (st.envd_grant(id, write(path)).await?, Upload::Stream(body))
+    };
     let dirs = parent(path).map(ancestry).unwrap_or_default();
     let parent_dir = match dirs.last() {
         Some(d) => st.svc.stat(&g, d).await.ok(),
@@ -322,10 +346,11 @@ async fn write_one(
     } else if let Some(dir) = parent(path).filter(|d| *d != "/") {
         st.svc.mkdir(&g, dir, true).await.map_err(service_err)?;
     }
-    st.svc
-        .write_file(&g, path, 0o644, body)
-        .await
-        .map_err(service_err)?;
+    match held {
+        Upload::Held(h) => st.svc.write_held(&g, path, 0o644, h).await,
+        Upload::Stream(body) => st.svc.write_file(&g, path, 0o644, body).await,
+    }
+    .map_err(service_err)?;
     if !super::is_root(user) {
         ensure_owned(st, &g, user, &[], Some(path)).await?;
     }
@@ -356,8 +381,9 @@ async fn write_one(
 /// it is refused before anything is read, a body that grows past it is cut
 /// off; either answers `413` and never creates or changes the destination
 /// (the guest writes a temporary file and renames it at the end; a cut-off
-/// upload's temporary file stays until the agent session ends, as the agent
-/// protocol has no upload abort yet). With `?path=`, the first
+/// upload's temporary file is removed at once, `write_abort`). An upload
+/// the policy holds for an approver is read to a bounded file first and
+/// its approval bound to those bytes (`write_one`). With `?path=`, the first
 /// `file` part is written there, later parts to their own file names.
 pub async fn upload(
     State(st): State<Arc<E2b>>,

@@ -9,8 +9,9 @@
 //! `held_uploads_total_bytes`. The files live under
 //! `<data_dir>/held-uploads` (mode 0700), unlinked from the start (they
 //! vanish with the request, or with the process). They are on the host's
-//! data disk, not in the pool: they count against no tenant's pool-bytes
-//! quota, only against these bounds.
+//! data disk, not in the pool, but bound for the sandbox's disk: before a
+//! held upload is queued its bytes are checked against the pool-bytes
+//! quotas of its sandbox and tenant (`quota_exceeded`, no request made).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -163,7 +164,11 @@ impl Service {
     }
 
     /// Gates the upload `kind` carrying `held`'s bytes: the approval (new,
-    /// or the re-sent `opts.approval`) is bound to their digest.
+    /// or the re-sent `opts.approval`) is bound to their digest. The bytes
+    /// count against the pool-bytes quotas of the sandbox and its tenant
+    /// first (they are bound for the sandbox's disk): a tenant at its quota
+    /// cannot park uploads in the approval queue (`quota_exceeded`, no
+    /// request made).
     pub async fn grant_held(
         &self,
         caller: &Caller,
@@ -172,6 +177,9 @@ impl Service {
         opts: &GateOptions,
         held: &HeldUpload,
     ) -> ServiceResult<Grant> {
+        let rec = self.get_sandbox(caller, id).await?;
+        self.check_pool_quota(&rec, held.digest.bytes, false)
+            .await?;
         let opts = GateOptions {
             body: Some(held.digest.clone()),
             ..opts.clone()

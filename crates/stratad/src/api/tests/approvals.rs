@@ -427,3 +427,18 @@ async fn pending_requests_are_capped_per_sandbox() {
     e.held(&e.dev, call).await;
     assert_eq!(e.runs(), 0);
 }
+
+/// A held upload counts against the pool-bytes quotas: a tenant whose quota
+/// its bytes would pass gets `quota_exceeded` and no approval request.
+#[tokio::test]
+async fn a_held_upload_over_the_pool_quota_is_refused_without_a_request() {
+    let e = env(|c| c.quotas.tenant.pool_bytes = Some(10)).await;
+    let (s, v) = e
+        .put(&e.dev, "?path=/app/big&wait=false", b"123456789012")
+        .await;
+    assert_eq!(s, StatusCode::FORBIDDEN, "{v}");
+    assert_eq!(code(&v), "quota_exceeded", "{v}");
+    assert!(e.pending().await.is_empty(), "no approval request was made");
+    let (s, v) = e.put(&e.dev, "?path=/app/ok&wait=false", b"12345678").await;
+    assert_eq!(s, StatusCode::ACCEPTED, "{v}");
+}
