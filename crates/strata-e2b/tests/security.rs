@@ -92,6 +92,23 @@ impl Server {
         id
     }
 
+    /// Puts `policy` as sandbox `id`'s layer (as the platform admin) and
+    /// returns the envd access token the door hands out for it.
+    async fn sandbox_policy_and_token(&self, id: &SandboxId, policy: &str) -> String {
+        let r = self
+            .http
+            .put(format!("{}/v1/sandboxes/{id}/policy", self.url))
+            .bearer_auth(&self.admin)
+            .body(policy.to_owned())
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success(), "{}", r.text().await.unwrap());
+        let (st, d) = self.e2b("GET", &format!("/sandboxes/{id}"), KEY).await;
+        assert_eq!(st, 200);
+        d["envdAccessToken"].as_str().unwrap().to_owned()
+    }
+
     async fn token(&self, role: &str, tenant: Option<&str>) -> String {
         let mut body = json!({ "role": role });
         if let Some(t) = tenant {
@@ -373,18 +390,7 @@ reason = "network"
 async fn envd_calls_pass_the_policy_gate_and_are_audited() {
     let s = server().await;
     let id = s.sandbox("default").await;
-    let r = s
-        .http
-        .put(format!("{}/v1/sandboxes/{id}/policy", s.url))
-        .bearer_auth(&s.admin)
-        .body(POLICY)
-        .send()
-        .await
-        .unwrap();
-    assert!(r.status().is_success(), "{}", r.text().await.unwrap());
-    let (st, d) = s.e2b("GET", &format!("/sandboxes/{id}"), KEY).await;
-    assert_eq!(st, 200);
-    let token = d["envdAccessToken"].as_str().unwrap().to_owned();
+    let token = s.sandbox_policy_and_token(&id, POLICY).await;
     let envd = |path: &str| {
         s.http
             .post(format!("{}{path}", s.url))
@@ -763,18 +769,7 @@ kind = "file_write"
 path = "/held/**"
 reason = "uploads here need a look"
 "#;
-    let r = s
-        .http
-        .put(format!("{}/v1/sandboxes/{id}/policy", s.url))
-        .bearer_auth(&s.admin)
-        .body(policy)
-        .send()
-        .await
-        .unwrap();
-    assert!(r.status().is_success(), "{}", r.text().await.unwrap());
-    let (st, d) = s.e2b("GET", &format!("/sandboxes/{id}"), KEY).await;
-    assert_eq!(st, 200);
-    let token = d["envdAccessToken"].as_str().unwrap().to_owned();
+    let token = s.sandbox_policy_and_token(&id, policy).await;
     let approver = s.token("approver", None).await;
     let upload = {
         let req = s
