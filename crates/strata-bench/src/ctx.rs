@@ -191,6 +191,7 @@ impl BenchDaemon {
         }));
         let mut cfg = stratad::config::Config {
             data_dir: root.join("data"),
+            key_dir: root.join("keys"),
             run_dir: root.join("run"),
             image_dir: Some(ctx.image.clone()),
             accel: ctx.accel,

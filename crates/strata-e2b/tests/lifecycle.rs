@@ -34,6 +34,7 @@ use stratad::App;
 async fn daemon(dir: tempfile::TempDir) -> Door {
     let mut cfg = Config {
         data_dir: dir.path().to_owned(),
+        key_dir: dir.path().join("keys"),
         default_template: false,
         ..Config::default()
     };

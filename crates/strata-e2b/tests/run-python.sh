@@ -105,7 +105,7 @@ if [ -r /etc/ssl/certs/ca-certificates.crt ]; then
   printf '[e2b]\ntemplate_ca_bundle = "/etc/ssl/certs/ca-certificates.crt"\n' >>"$SCRATCH/stratad.toml"
 fi
 export STRATA_BIN="${STRATA_BIN:-$TARGET/release/strata}"
-RUST_LOG="${RUST_LOG:-info}" "$BIN" --config "$SCRATCH/stratad.toml" --listen "127.0.0.1:$PORT" --data-dir "$SCRATCH" \
+RUST_LOG="${RUST_LOG:-info}" "$BIN" --config "$SCRATCH/stratad.toml" --listen "127.0.0.1:$PORT" --data-dir "$SCRATCH" --key-dir "$SCRATCH/keys" \
   --run-dir "$RUN_DIR" --accel "${ACCEL:-tcg}" --pool-size-gib 16 --e2b \
   --e2b-api-key "$API_KEY" --e2b-api-key "$TENANT_KEY=acme:sdk-bot" \
   ${IMAGE_DIR:+--image-dir "$IMAGE_DIR"} >"$SCRATCH/daemon.log" 2>&1 &

@@ -53,6 +53,7 @@ async fn server() -> Server {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = Config {
         data_dir: dir.path().to_owned(),
+        key_dir: dir.path().join("keys"),
         default_template: false,
         ..Config::default()
     };

@@ -117,6 +117,7 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         .context("scratch dir")?;
     let mut cfg = Config {
         data_dir: dir.path().join("data"),
+        key_dir: dir.path().join("keys"),
         ..Config::default()
     };
     // One client measuring back to back: the per-token rate limit would

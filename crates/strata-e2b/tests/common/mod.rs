@@ -592,6 +592,7 @@ pub async fn door_with(tweak: impl FnOnce(&mut Config, &mut strata_e2b::E2bConfi
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = Config {
         data_dir: dir.path().to_owned(),
+        key_dir: dir.path().join("keys"),
         default_template: false,
         ..Config::default()
     };
