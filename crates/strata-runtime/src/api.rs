@@ -69,6 +69,35 @@ pub struct RuntimeConfig {
     /// the behaviour before signing. Never serialized.
     #[serde(skip)]
     pub signing: Option<std::sync::Arc<crate::signing::StateSigner>>,
+    /// Most guests paused for a snapshot at once on this host (at least 1).
+    /// A snapshot waits for a slot *before* it stops its guest, so a wave of
+    /// rolling, manual and fork-source snapshots queues with its guests
+    /// running instead of stacking pauses: the btrfs snapshot ioctls of one
+    /// pool run one transaction commit at a time anyway, and a second guest
+    /// stopped meanwhile would only wait, stopped, for the first's commit.
+    #[serde(default = "default_max_concurrent_pauses")]
+    pub max_concurrent_pauses: usize,
+}
+
+/// Use of the host's pause slots ([`RuntimeConfig::max_concurrent_pauses`]),
+/// from [`crate::Runtime::pause_stats`].
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct PauseStats {
+    /// Guests stopped by a snapshot now.
+    pub in_flight: usize,
+    /// The most stopped at once since the runtime opened.
+    pub peak: usize,
+    /// Snapshots that waited for a slot.
+    pub waited: u64,
+    /// Their summed wait, ms (their guests ran meanwhile).
+    pub waited_ms: f64,
+}
+
+/// Default of [`RuntimeConfig::max_concurrent_pauses`].
+pub const DEFAULT_MAX_CONCURRENT_PAUSES: usize = 1;
+
+fn default_max_concurrent_pauses() -> usize {
+    DEFAULT_MAX_CONCURRENT_PAUSES
 }
 
 fn default_tb_size() -> u32 {
@@ -103,6 +132,7 @@ impl RuntimeConfig {
             egress_proxy: None,
             tcg_tb_size_mib: default_tb_size(),
             signing: None,
+            max_concurrent_pauses: DEFAULT_MAX_CONCURRENT_PAUSES,
         }
     }
 }

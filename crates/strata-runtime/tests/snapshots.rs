@@ -248,6 +248,54 @@ fn pause_resume_hibernate_wake_keep_processes() {
     });
 }
 
+/// A wave of snapshots of running guests takes turns to stop them (one
+/// pause slot by default): the others wait with their guests running, every
+/// snapshot is taken, and each guest counts on afterwards.
+#[test]
+fn a_wave_of_snapshots_takes_turns_to_pause() {
+    let _pool = shared_pool();
+    let f = fixture();
+    tokio_rt().block_on(async {
+        assert_eq!(f.rt.config().max_concurrent_pauses, 1);
+        let mut ids = Vec::new();
+        for _ in 0..3 {
+            let id = new_sandbox(f).await;
+            start_counter(&f.rt, &id).await;
+            ids.push(id);
+        }
+        let before = f.rt.pause_stats();
+        for _ in 0..2 {
+            let mut wave = tokio::task::JoinSet::new();
+            for id in &ids {
+                let rt = f.rt.clone();
+                let id = id.clone();
+                wave.spawn(async move { rt.snapshot(&id, &SnapshotId::generate()).await });
+            }
+            while let Some(r) = wave.join_next().await {
+                let info = r.expect("join").expect("snapshot in a wave");
+                eprintln!("wave snapshot pause {:.1} ms", info.pause_ms);
+            }
+        }
+        let after = f.rt.pause_stats();
+        eprintln!("pause slots: {before:?} -> {after:?}");
+        assert!(
+            after.peak <= 1,
+            "two guests were stopped at once: {after:?}"
+        );
+        assert!(
+            after.waited >= before.waited + 2,
+            "a wave of three snapshots queued for the slot at least twice: {before:?} -> {after:?}"
+        );
+        assert_eq!(after.in_flight, 0, "every slot given back");
+        for id in &ids {
+            let c = count(&f.rt, id).await;
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            assert!(count(&f.rt, id).await > c, "guest {id} runs on");
+            f.rt.delete(id).await.expect("delete");
+        }
+    });
+}
+
 #[test]
 fn faults_leave_sandboxes_as_they_were() {
     let _pool = shared_pool();

@@ -695,6 +695,11 @@ pub struct SnapshotsConfig {
     /// sampler measures it) under which a guest counts as idle. An idle
     /// guest under TCG uses 2-3 %; under KVM well under 1 %.
     pub unchanged_max_cpu_pct: f64,
+    /// Most guests stopped by snapshots at once on this host (rolling,
+    /// manual, E2B pauses and fork sources alike). A snapshot waits for a
+    /// slot with its guest still running, so a wave of them queues instead
+    /// of stacking pauses.
+    pub max_concurrent_pauses: usize,
 }
 
 impl Default for SnapshotsConfig {
@@ -702,6 +707,7 @@ impl Default for SnapshotsConfig {
         SnapshotsConfig {
             skip_unchanged: true,
             unchanged_max_cpu_pct: 1.0,
+            max_concurrent_pauses: strata_runtime::DEFAULT_MAX_CONCURRENT_PAUSES,
         }
     }
 }
@@ -970,6 +976,11 @@ impl Config {
                     "[security] auth = false (--auth off) makes every caller an admin: it is only allowed on a loopback address, and {a} is not"
                 )));
             }
+        }
+        if self.snapshots.max_concurrent_pauses == 0 {
+            return Err(ConfigError::Invalid(
+                "snapshots.max_concurrent_pauses must be at least 1".into(),
+            ));
         }
         if self.templates.max_concurrent_builds == 0 {
             return Err(ConfigError::Invalid(

@@ -165,6 +165,7 @@ pub fn runtime_config(cfg: &Config) -> Result<RuntimeConfig, DaemonError> {
         tcg_tb_size_mib: cfg.tcg_tb_size_mib,
         // Set by [`open_engine`] from the key store.
         signing: None,
+        max_concurrent_pauses: cfg.snapshots.max_concurrent_pauses,
     })
 }
 

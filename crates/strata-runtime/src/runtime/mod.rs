@@ -76,6 +76,8 @@ pub struct Runtime {
     died_tx: mpsc::UnboundedSender<VmDied>,
     died_rx: Mutex<Option<mpsc::UnboundedReceiver<VmDied>>>,
     egress: std::sync::RwLock<Option<EgressResolver>>,
+    /// Slots for guests stopped by a snapshot (`cfg.max_concurrent_pauses`).
+    pauses: snapshot::PauseGate,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -259,7 +261,9 @@ impl Runtime {
         std::fs::create_dir_all(&cfg.run_dir).map_err(|e| io_err("create run dir", e))?;
         let qemu_version = qemu_version(&cfg.qemu_binary)?;
         let (died_tx, died_rx) = mpsc::unbounded_channel();
+        let pauses = snapshot::PauseGate::new(cfg.max_concurrent_pauses);
         Ok(Arc::new(Runtime {
+            pauses,
             cfg,
             netns,
             pool: Arc::new(pool),

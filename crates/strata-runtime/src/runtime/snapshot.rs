@@ -10,8 +10,12 @@
 //!   free: failing up front beats failing half-way with the VM stopped.
 //! - Device state is written to a temporary file and renamed, so a
 //!   `device.state` is always whole.
+//! - At most `max_concurrent_pauses` guests are stopped by snapshots at once
+//!   ([`PauseGate`]); a snapshot waits for its slot with its guest running.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use chrono::Utc;
@@ -20,9 +24,79 @@ use strata_storage::UsageMethod;
 
 use super::vms::Live;
 use super::{blocking, ms, Result, Runtime, StateRef};
-use crate::api::{SnapshotInfo, SpaceUsage};
+use crate::api::{PauseStats, SnapshotInfo, SpaceUsage};
 use crate::error::{io_err, storage_err, vmm_err, RuntimeError};
 use crate::meta::{files, StateMeta};
+
+/// The host's slots for guests stopped by a snapshot, with the numbers that
+/// show the cap holds (`Runtime::pause_stats`).
+#[derive(Debug)]
+pub(super) struct PauseGate {
+    slots: Arc<tokio::sync::Semaphore>,
+    in_flight: AtomicUsize,
+    peak: AtomicUsize,
+    waited: AtomicU64,
+    waited_us: AtomicU64,
+}
+
+/// A held slot: counts the pause as in flight until dropped.
+pub(super) struct PauseSlot<'a> {
+    gate: &'a PauseGate,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl Drop for PauseSlot<'_> {
+    fn drop(&mut self) {
+        self.gate.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl PauseGate {
+    pub(super) fn new(slots: usize) -> Self {
+        PauseGate {
+            slots: Arc::new(tokio::sync::Semaphore::new(slots.max(1))),
+            in_flight: AtomicUsize::new(0),
+            peak: AtomicUsize::new(0),
+            waited: AtomicU64::new(0),
+            waited_us: AtomicU64::new(0),
+        }
+    }
+
+    /// Waits for a slot (the guest still runs meanwhile).
+    pub(super) async fn enter(&self) -> Result<PauseSlot<'_>> {
+        let t = Instant::now();
+        let permit = match self.slots.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                let p = self
+                    .slots
+                    .clone()
+                    .acquire_owned()
+                    .await
+                    .map_err(|_| RuntimeError::Other("pause slots closed".into()))?;
+                self.waited.fetch_add(1, Ordering::Relaxed);
+                self.waited_us
+                    .fetch_add(t.elapsed().as_micros() as u64, Ordering::Relaxed);
+                p
+            }
+        };
+        let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        self.peak.fetch_max(now, Ordering::SeqCst);
+        Ok(PauseSlot {
+            gate: self,
+            _permit: permit,
+        })
+    }
+
+    fn stats(&self) -> PauseStats {
+        PauseStats {
+            in_flight: self.in_flight.load(Ordering::SeqCst),
+            peak: self.peak.load(Ordering::SeqCst),
+            waited: self.waited.load(Ordering::Relaxed),
+            waited_ms: self.waited_us.load(Ordering::Relaxed) as f64 / 1000.0,
+        }
+    }
+}
 
 /// Free pool space below which snapshots and new sandboxes are refused (`PoolFull`).
 pub const MIN_FREE_BYTES: u64 = 256 << 20;
@@ -90,6 +164,13 @@ impl Runtime {
             }
             tracing::debug!(sandbox = %id, ms = ms(pre), "guest RAM written back before the pause");
         }
+        // A slot before the guest stops: a queue of snapshots waits here with
+        // its guests running, not stopped behind each other's commits.
+        let _slot = if was_running {
+            Some(self.pauses.enter().await?)
+        } else {
+            None
+        };
         let t0 = Instant::now();
         if was_running {
             live.pause_vm().await.map_err(|e| vmm_err(id.as_str(), e))?;
@@ -129,6 +210,13 @@ impl Runtime {
             device_state_bytes: bytes,
             created_at: Utc::now(),
         })
+    }
+
+    /// How the host's pause slots have been used since the runtime opened:
+    /// pauses in flight now, the most at once, how many snapshots waited
+    /// for a slot and for how long in all.
+    pub fn pause_stats(&self) -> PauseStats {
+        self.pauses.stats()
     }
 
     /// Refuses new state when the pool is nearly full: a snapshot writes the guest's
