@@ -41,3 +41,6 @@ bash crates/strata-e2b/tests/js/run-js.sh
 
 echo "== fuzz: ${STRATA_FUZZ_SECONDS:-60} s per target (docs/fuzzing.md)" >&2
 bash scripts/fuzz.sh "${STRATA_FUZZ_SECONDS:-60}"
+
+echo "== API fuzz: schemathesis against the served OpenAPI document, ${STRATA_API_FUZZ_SECONDS:-60} s (docs/fuzzing.md)" >&2
+bash scripts/api-fuzz.sh "${STRATA_API_FUZZ_SECONDS:-60}"

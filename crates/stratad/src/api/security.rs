@@ -389,7 +389,15 @@ async fn revoke_token(State(ctx): State<Ctx>, c: Call) -> ApiResult<impl IntoRes
         .ok_or_else(|| ApiError::new(ErrorCode::NotFound, format!("token {id} not found")))
 }
 
+/// The TOML of a policy PUT. An empty body is refused rather than read as
+/// "no rules": a request that lost its body must not clear a layer (a
+/// layer without rules is sent as a comment, e.g. `# no rules`).
 fn policy_text(body: Bytes) -> ApiResult<String> {
+    if body.is_empty() {
+        return Err(invalid(
+            "policy: empty body (a policy without rules is a comment line, e.g. `# no rules`)",
+        ));
+    }
     String::from_utf8(body.to_vec()).map_err(|_| invalid("policy: not UTF-8"))
 }
 

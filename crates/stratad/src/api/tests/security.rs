@@ -668,6 +668,23 @@ async fn bad_policy_is_refused_whole_and_the_old_one_stays() {
     assert_eq!(v["toml"], POLICY);
     let dev = token(&h, "acme", "developer").await;
     let id = create_sb(&h, &dev).await;
+    // A PUT that lost its body (found by schemathesis: it answered 200 and
+    // cleared the layer) is refused and changes nothing, at both layers.
+    let sb_policy = "default = \"allow\"\n[[rule]]\neffect = \"deny\"\nprogram = \"touch\"\n";
+    let path = format!("/v1/sandboxes/{id}/policy");
+    let (s, v, _) = req(&h, "PUT", &path, Some(&admin), sb_policy).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    for p in ["/v1/policy", path.as_str()] {
+        let (s, v, _) = req(&h, "PUT", p, Some(&admin), "").await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{p}: {v}");
+        assert_eq!(v["error"]["code"], "invalid_request", "{v}");
+    }
+    let (_, v, _) = req(&h, "GET", &path, Some(&admin), "").await;
+    assert_eq!(v["toml"], sb_policy);
+    let (s, _) = exec(&h, &dev, &id, "", &["touch", "x"]).await;
+    assert_eq!(s, StatusCode::FORBIDDEN, "the sandbox layer is in force");
+    let (_, v, _) = req(&h, "GET", "/v1/policy", Some(&admin), "").await;
+    assert_eq!(v["toml"], POLICY);
     let (s, _) = exec(&h, &dev, &id, "", &["rm", "x"]).await;
     assert_eq!(s, StatusCode::FORBIDDEN, "the old policy is in force");
 }
