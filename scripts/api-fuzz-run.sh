@@ -4,9 +4,12 @@
 set -euo pipefail
 out="${SCRATCH:-/tmp/strata-api-fuzz}/schemathesis"
 mkdir -p "$out"
+config="$(cd "$(dirname "$0")" && pwd)/schemathesis.toml"
+# schemathesis keeps its example database in the working directory.
+cd "$out"
 seed=()
 [ -n "${STRATA_API_FUZZ_SEED:-}" ] && seed=(--seed "$STRATA_API_FUZZ_SEED")
-exec "$STRATA_ST" --config-file "$(dirname "$0")/schemathesis.toml" run "$E2B_API_URL/v1/openapi.json" \
+exec "$STRATA_ST" --config-file "$config" run "$E2B_API_URL/v1/openapi.json" \
   -H "Authorization: Bearer $STRATA_TOKEN" \
   --max-time "$STRATA_API_FUZZ_SECONDS" --workers 1 \
   --phases examples,coverage,fuzzing,stateful \
