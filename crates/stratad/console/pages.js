@@ -87,9 +87,14 @@ const KINDS = ["manual", "rolling", "pre_rewind", "hibernate", "fork", "template
 
 function timeline(sb, snaps, selected, onPick) {
   const W = 960, H = 40 + KINDS.length * 22, L = 90, R = 20;
+  // From the first snapshot (a margin before it) to now: a sandbox lives
+  // for weeks, its snapshots are what the axis is for.
   const times = snaps.map((x) => Date.parse(x.created_at));
-  const t0 = Math.min(Date.parse(sb.created_at), ...times);
-  const t1 = Math.max(Date.now(), ...times, t0 + 1000);
+  const born = Date.parse(sb.created_at);
+  const first = times.length ? Math.min(...times) : born;
+  const t1 = Math.max(Date.now(), ...times);
+  const span = Math.max(t1 - first, 10000);
+  const t0 = Math.max(Math.min(born, first), first - span * 0.1);
   const x = (t) => L + ((t - t0) / (t1 - t0)) * (W - L - R);
   const y = (k) => 20 + Math.max(0, KINDS.indexOf(k)) * 22;
   const kids = [];
@@ -103,6 +108,10 @@ function timeline(sb, snaps, selected, onPick) {
     const t = t0 + ((t1 - t0) * i) / 4;
     kids.push(s("text", { x: x(t), y: axisY + 4, class: "tick", "text-anchor": i === 0 ? "start" : i === 4 ? "end" : "middle" },
       new Date(t).toLocaleTimeString()));
+  }
+  if (born >= t0) {
+    kids.push(s("line", { x1: x(born), x2: x(born), y1: 10, y2: axisY - 8, class: "born" }));
+    kids.push(s("text", { x: x(born) + 3, y: 10, class: "tick" }, "created"));
   }
   for (const sn of snaps) {
     const r = 4 + Math.min(8, Math.log2(1 + (sn.exclusive_bytes || 0) / 65536));
@@ -215,7 +224,7 @@ export function sandbox(ctx, id) {
       drawHead(sb.body);
       redraw();
       drawEvents((events.body.items || []).slice(-50).reverse());
-      drawAudit(audit.body.slice(-50).reverse());
+      drawAudit(audit.body.slice(-15).reverse());
     },
   };
   return page;
@@ -227,7 +236,7 @@ function callDetails(call) {
   const k = call.kind || {};
   const rows = [];
   for (const [key, v] of Object.entries(k)) {
-    if (key === "kind") continue;
+    if (key === "kind" || v === null || v === undefined) continue;
     let val;
     if (key === "argv" && Array.isArray(v)) {
       val = h("span", { class: "argv" }, v.map((a) => h("code", { class: "arg" }, a)));

@@ -83,7 +83,10 @@ fn secured(mut r: Response) -> Response {
 fn file(name: &str) -> Response {
     let r = match ASSETS.iter().find(|a| a.name == name) {
         Some(a) => (
-            [(header::CONTENT_TYPE, HeaderValue::from_static(a.content_type))],
+            [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static(a.content_type),
+            )],
             a.body,
         )
             .into_response(),
@@ -193,14 +196,27 @@ mod tests {
                         .take_while(|c| c.is_ascii_alphabetic())
                         .collect();
                     let after = &lower[i + 3 + name.len()..];
-                    assert!(!after.starts_with('='), "{}: inline handler on{name}", a.name);
+                    assert!(
+                        !after.starts_with('='),
+                        "{}: inline handler on{name}",
+                        a.name
+                    );
                 }
             }
             // Nothing loads from elsewhere (the SVG namespace is a name, not a load).
             let b2 = b.replace("http://www.w3.org/2000/svg", "");
-            assert!(!b2.contains("http://") && !b2.contains("https://"), "{}", a.name);
+            assert!(
+                !b2.contains("http://") && !b2.contains("https://"),
+                "{}",
+                a.name
+            );
             // Data is never written as markup.
-            for sink in ["innerHTML", "outerHTML", "insertAdjacentHTML", "document.write"] {
+            for sink in [
+                "innerHTML",
+                "outerHTML",
+                "insertAdjacentHTML",
+                "document.write",
+            ] {
                 assert!(!b.contains(sink), "{} uses {sink}", a.name);
             }
         }

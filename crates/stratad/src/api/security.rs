@@ -620,12 +620,11 @@ async fn answer(
     };
     let q = ctx.sec.approvals().clone();
     let (t, id2, who2) = (p.tenant.to_owned(), id.clone(), answerer.clone());
-    let r = tokio::task::spawn_blocking(move || {
-        q.answer_with_reason(&t, &id2, &who2, approve, reason)
-    })
-        .await
-        .map_err(internal)?
-        .map_err(|e| approval_error(&id, e))?;
+    let r =
+        tokio::task::spawn_blocking(move || q.answer_with_reason(&t, &id2, &who2, approve, reason))
+            .await
+            .map_err(internal)?
+            .map_err(|e| approval_error(&id, e))?;
     let d = Decision {
         effect: Effect::Approve,
         layer: None,
@@ -648,11 +647,7 @@ async fn answer(
     Ok(Json(r).into_response())
 }
 
-async fn approve(
-    State(ctx): State<Ctx>,
-    c: Call,
-    Body(b): Body<Answer>,
-) -> ApiResult<Response> {
+async fn approve(State(ctx): State<Ctx>, c: Call, Body(b): Body<Answer>) -> ApiResult<Response> {
     let (caller, id, _) = c.into_parts();
     answer(ctx, caller, id, true, b).await
 }

@@ -1138,10 +1138,17 @@ async fn no_origin_gets_a_cors_allowance() {
             .await
             .unwrap();
         if method == "GET" {
-            assert!(resp.status().is_success(), "{method} {uri}: {}", resp.status());
+            assert!(
+                resp.status().is_success(),
+                "{method} {uri}: {}",
+                resp.status()
+            );
         }
         if method == "OPTIONS" {
-            assert!(!resp.status().is_success(), "{method} {uri}: preflight allowed");
+            assert!(
+                !resp.status().is_success(),
+                "{method} {uri}: preflight allowed"
+            );
         }
         for (k, _) in resp.headers() {
             assert!(
