@@ -66,7 +66,7 @@ log "playwright-core $("$NODE" -p 'require(process.argv[1] + "/node_modules/play
 export NODE_PATH="$DEPS/node_modules"
 export CONSOLE_SHOTS="${CONSOLE_SHOTS:-$ROOT/docs/console}"
 export STRATA_E2B_RUNNER="$NODE --test --test-reporter=spec --test-concurrency=1"
-export PORT="${PORT:-47985}" SCRATCH="${SCRATCH:-/tmp/strata-console}" RUN_DIR="${RUN_DIR:-/tmp/scon-run}"
+export PORT="${PORT:-47991}" SCRATCH="${SCRATCH:-/tmp/strata-console}" RUN_DIR="${RUN_DIR:-/tmp/scon-run}"
 started=$(date +%s)
 status=0
 bash "$ROOT/crates/strata-e2b/tests/run-python.sh" "$@" "$HERE/console.test.js" || status=$?

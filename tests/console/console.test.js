@@ -178,6 +178,9 @@ test('a held CLI exec shows up in the queue, is approved in the browser, and the
   const ms = []
   for (let i = 0; i < ROUNDS; i++) {
     const word = `held-${i}`
+    // Start at a random point of the page's 2 s polling period (when it
+    // polls): the figure then samples the period, not one phase of it.
+    await page.waitForTimeout(Math.floor(Math.random() * 2000))
     const t0 = Date.now()
     const run = cli(['exec', sb, '-n', '--', 'echo', word])
     const id = await heldId(['echo', word])

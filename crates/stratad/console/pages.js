@@ -83,6 +83,10 @@ export function sandboxes(ctx) {
 
 // ------------------------------------------------------------ one sandbox
 
+function pauseMs(v) {
+  return v === null || v === undefined ? "–" : `${Number(v).toFixed(1)} ms`;
+}
+
 const KINDS = ["manual", "rolling", "pre_rewind", "hibernate", "fork", "template"];
 
 function timeline(sb, snaps, selected, onPick) {
@@ -115,7 +119,7 @@ function timeline(sb, snaps, selected, onPick) {
   }
   for (const sn of snaps) {
     const r = 4 + Math.min(8, Math.log2(1 + (sn.exclusive_bytes || 0) / 65536));
-    const tip = `${sn.kind}${sn.label ? " “" + sn.label + "”" : ""} · ${when(sn.created_at)} · pause ${sn.pause_ms ?? "–"} ms · exclusive ${bytes(sn.exclusive_bytes)}${sn.same_as ? " · same as " + sn.same_as : ""}`;
+    const tip = `${sn.kind}${sn.label ? " “" + sn.label + "”" : ""} · ${when(sn.created_at)} · pause ${pauseMs(sn.pause_ms)} · exclusive ${bytes(sn.exclusive_bytes)}${sn.same_as ? " · same as " + sn.same_as : ""}`;
     kids.push(s("circle", {
       cx: x(Date.parse(sn.created_at)), cy: y(sn.kind), r,
       class: `snap kind-${sn.kind}${sn.id === selected ? " selected" : ""}${sn.status !== "ready" ? " not-ready" : ""}`,
@@ -158,7 +162,7 @@ export function sandbox(ctx, id) {
         h("dt", {}, "Kind"), h("dd", {}, sn.kind),
         sn.label ? [h("dt", {}, "Label"), h("dd", {}, sn.label)] : "",
         h("dt", {}, "Taken"), h("dd", {}, when(sn.created_at)),
-        h("dt", {}, "Pause"), h("dd", {}, sn.pause_ms == null ? "–" : `${sn.pause_ms} ms`),
+        h("dt", {}, "Pause"), h("dd", {}, pauseMs(sn.pause_ms)),
         h("dt", {}, "Exclusive bytes"), h("dd", {}, bytes(sn.exclusive_bytes)),
         h("dt", {}, "Status"), h("dd", {}, sn.status)),
       canAct ? h("div", { class: "actions" },
