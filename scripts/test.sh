@@ -39,6 +39,9 @@ bash crates/strata-e2b/tests/run-python.sh
 echo "== E2B JS SDK: the unmodified e2b package from npm, node --test (crates/strata-e2b/tests/js)" >&2
 bash crates/strata-e2b/tests/js/run-js.sh
 
+echo "== web console: end-to-end in headless chromium (tests/console, docs/console.md)" >&2
+bash scripts/run-console.sh
+
 echo "== fuzz: ${STRATA_FUZZ_SECONDS:-60} s per target (docs/fuzzing.md)" >&2
 bash scripts/fuzz.sh "${STRATA_FUZZ_SECONDS:-60}"
 

@@ -105,6 +105,10 @@ pub enum ApprovalStatus {
         by: String,
         /// When.
         at: DateTime<Utc>,
+        /// The approver's reason, when one was given (absent in answers
+        /// made before it existed).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
     },
     /// A human refused.
     Denied {
@@ -112,6 +116,10 @@ pub enum ApprovalStatus {
         by: String,
         /// When.
         at: DateTime<Utc>,
+        /// The answerer's reason, when one was given (absent in answers
+        /// made before it existed).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
     },
     /// Nobody answered in time: the call is refused.
     TimedOut {
@@ -539,12 +547,24 @@ impl ApprovalQueue {
         approver: &str,
         approve: bool,
     ) -> Result<ApprovalRequest, ApprovalError> {
+        self.answer_with_reason(tenant, id, approver, approve, None)
+    }
+
+    /// [`Self::answer`] with the answerer's reason, kept in the status.
+    pub fn answer_with_reason(
+        &self,
+        tenant: &str,
+        id: &str,
+        approver: &str,
+        approve: bool,
+        reason: Option<String>,
+    ) -> Result<ApprovalRequest, ApprovalError> {
         let at = Utc::now();
         let by = approver.to_string();
         let status = if approve {
-            ApprovalStatus::Approved { by, at }
+            ApprovalStatus::Approved { by, at, reason }
         } else {
-            ApprovalStatus::Denied { by, at }
+            ApprovalStatus::Denied { by, at, reason }
         };
         self.settle(tenant, id, status, false, Some(approver))
     }
@@ -649,11 +669,11 @@ impl ApprovalQueue {
         let mut map = self.lock();
         let e = self.current(&mut map, tenant, id)?;
         Ok(match e.req.status.clone() {
-            ApprovalStatus::Approved { by, at } => {
+            ApprovalStatus::Approved { by, at, .. } => {
                 self.consume(e, Utc::now())?;
                 Outcome::Approved { by, at }
             }
-            ApprovalStatus::Denied { by, at } => Outcome::Denied { by, at },
+            ApprovalStatus::Denied { by, at, .. } => Outcome::Denied { by, at },
             ApprovalStatus::TimedOut { .. } | ApprovalStatus::Pending => Outcome::TimedOut,
         })
     }

@@ -15,6 +15,7 @@ pub mod caller;
 pub mod cli;
 pub mod clock;
 pub mod config;
+pub mod console;
 pub mod daemon;
 pub mod duration;
 pub mod engine;
@@ -107,13 +108,16 @@ impl App {
         self.security.as_ref().ok()
     }
 
-    /// The HTTP API, behind the security layer (`api::security`).
+    /// The HTTP API, behind the security layer (`api::security`), and the
+    /// web console's static files at `/console/` ([`console`]: public, they
+    /// hold no data; the pages call the API with the user's token).
     pub fn router(&self) -> axum::Router {
         api::security::wrap(
             api::router(self.service.clone()),
             self.service.clone(),
             self.security.clone(),
         )
+        .merge(console::router())
     }
 
     /// Adopts the states made before snapshot signing (once,

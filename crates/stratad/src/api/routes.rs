@@ -3,7 +3,9 @@
 //! tool call (gated by policy and audited). The router
 //! ([`super::router`]), the role check of the security layer, the metrics
 //! labels, the OpenAPI test and the security matrix tests all come from
-//! [`ROUTES`]; nothing else lists routes.
+//! [`ROUTES`]; nothing else lists routes. (The web console's static files
+//! under `/console/`, [`crate::console`], are not API routes: public, no
+//! data, no role, merged beside this door.)
 
 use crate::security::auth::Role;
 

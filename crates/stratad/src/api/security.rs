@@ -590,8 +590,35 @@ async fn get_approval(State(ctx): State<Ctx>, c: Call) -> ApiResult<impl IntoRes
         .map_err(|e| approval_error(&id, e))
 }
 
-async fn answer(ctx: Ctx, caller: Caller, id: String, approve: bool) -> ApiResult<Response> {
+/// `POST /v1/approvals/:id/approve|deny` body (optional).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Answer {
+    /// Why, in the answerer's words: kept in the request's status.
+    #[serde(default)]
+    reason: Option<String>,
+}
+
+/// The longest answer reason, in bytes.
+const MAX_ANSWER_REASON: usize = 1000;
+
+async fn answer(
+    ctx: Ctx,
+    caller: Caller,
+    id: String,
+    approve: bool,
+    body: Answer,
+) -> ApiResult<Response> {
     let p = who(&caller)?;
+    let reason = body
+        .reason
+        .map(|r| r.trim().to_owned())
+        .filter(|r| !r.is_empty());
+    if reason.as_ref().is_some_and(|r| r.len() > MAX_ANSWER_REASON) {
+        return Err(invalid(format!(
+            "reason: at most {MAX_ANSWER_REASON} bytes"
+        )));
+    }
     // With authentication off there is one anonymous caller; let it answer
     // its own requests (local development).
     let answerer = if p.token == "anonymous" {
@@ -601,10 +628,11 @@ async fn answer(ctx: Ctx, caller: Caller, id: String, approve: bool) -> ApiResul
     };
     let q = ctx.sec.approvals().clone();
     let (t, id2, who2) = (p.tenant.to_owned(), id.clone(), answerer.clone());
-    let r = tokio::task::spawn_blocking(move || q.answer(&t, &id2, &who2, approve))
-        .await
-        .map_err(internal)?
-        .map_err(|e| approval_error(&id, e))?;
+    let r =
+        tokio::task::spawn_blocking(move || q.answer_with_reason(&t, &id2, &who2, approve, reason))
+            .await
+            .map_err(internal)?
+            .map_err(|e| approval_error(&id, e))?;
     let d = Decision {
         effect: Effect::Approve,
         layer: None,
@@ -627,14 +655,14 @@ async fn answer(ctx: Ctx, caller: Caller, id: String, approve: bool) -> ApiResul
     Ok(Json(r).into_response())
 }
 
-async fn approve(State(ctx): State<Ctx>, c: Call) -> ApiResult<Response> {
+async fn approve(State(ctx): State<Ctx>, c: Call, Body(b): Body<Answer>) -> ApiResult<Response> {
     let (caller, id, _) = c.into_parts();
-    answer(ctx, caller, id, true).await
+    answer(ctx, caller, id, true, b).await
 }
 
-async fn deny(State(ctx): State<Ctx>, c: Call) -> ApiResult<Response> {
+async fn deny(State(ctx): State<Ctx>, c: Call, Body(b): Body<Answer>) -> ApiResult<Response> {
     let (caller, id, _) = c.into_parts();
-    answer(ctx, caller, id, false).await
+    answer(ctx, caller, id, false, b).await
 }
 
 async fn audit_export(

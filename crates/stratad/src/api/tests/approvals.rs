@@ -442,3 +442,60 @@ async fn a_held_upload_over_the_pool_quota_is_refused_without_a_request() {
     let (s, v) = e.put(&e.dev, "?path=/app/ok&wait=false", b"12345678").await;
     assert_eq!(s, StatusCode::ACCEPTED, "{v}");
 }
+
+/// The console's approvals page: an answer carries the approver's reason,
+/// kept in the request's status; a viewer's forged answer is refused and
+/// changes nothing; a reason too long or a field unknown is `400` and
+/// changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_keeps_its_reason_and_a_viewer_cannot_answer() {
+    let e = env(|_| {}).await;
+    let ap = e
+        .held(&e.dev, json!({ "cmd": ["curl", "https://example.com"] }))
+        .await;
+    let viewer = token(&e.h, "acme", "viewer").await;
+    let post = |tok: String, verb: &'static str, body: Value| {
+        let (h, ap) = (e.h.clone(), ap.clone());
+        async move {
+            let (s, v, _) = req(
+                &h,
+                "POST",
+                &format!("/v1/approvals/{ap}/{verb}"),
+                Some(&tok),
+                body.to_string(),
+            )
+            .await;
+            (s, v)
+        }
+    };
+    let (s, v) = post(viewer.clone(), "approve", json!({ "reason": "forged" })).await;
+    assert_eq!(s, StatusCode::FORBIDDEN, "{v}");
+    assert_eq!(v["error"]["code"], "forbidden");
+    let (s, _) = post(viewer, "deny", json!({})).await;
+    assert_eq!(s, StatusCode::FORBIDDEN);
+    let long = "x".repeat(1001);
+    let (s, v) = post(e.approver.clone(), "approve", json!({ "reason": long })).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    let (s, v) = post(e.approver.clone(), "approve", json!({ "why": "x" })).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(e.approval(&ap).await["status"]["status"], "pending");
+    let (s, v) = post(
+        e.approver.clone(),
+        "approve",
+        json!({ "reason": "  checked the URL  " }),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let got = e.approval(&ap).await;
+    assert_eq!(got["status"]["status"], "approved", "{got}");
+    assert_eq!(got["status"]["reason"], "checked the URL", "{got}");
+    // An answer without a body still works (the CLI's) and has no reason.
+    let other = e
+        .held(&e.dev, json!({ "cmd": ["curl", "https://example.org"] }))
+        .await;
+    let (s, v) = e.answer(&other, "deny").await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let got = e.approval(&other).await;
+    assert_eq!(got["status"]["status"], "denied");
+    assert!(got["status"].get("reason").is_none(), "{got}");
+}

@@ -1119,3 +1119,59 @@ async fn revoking_the_bootstrap_token_removes_its_file() {
         StatusCode::OK
     );
 }
+
+/// The API grants no other origin anything (docs/console.md): a
+/// cross-origin request carrying a valid token is answered without any
+/// `Access-Control-Allow-*` header (so a page of another origin cannot read
+/// it), and a CORS preflight is not allowed; the console's files carry no
+/// allowance either.
+#[tokio::test]
+async fn no_origin_gets_a_cors_allowance() {
+    let h = sec_harness(|_| {});
+    let router = h.app.router();
+    let evil = "https://evil.example";
+    for (method, uri, with_token) in [
+        ("GET", "/v1/whoami", true),
+        ("GET", "/v1/sandboxes", true),
+        ("GET", "/v1/approvals", true),
+        ("POST", "/v1/approvals/ap-x/approve", true),
+        ("OPTIONS", "/v1/sandboxes", false),
+        ("OPTIONS", "/v1/approvals/ap-x/approve", false),
+        ("GET", "/console/", false),
+        ("GET", "/console/api.js", false),
+    ] {
+        let mut b = Request::builder()
+            .method(method)
+            .uri(uri)
+            .header("origin", evil)
+            .header("access-control-request-method", "POST")
+            .header("access-control-request-headers", "authorization");
+        if with_token {
+            b = b.header("authorization", format!("Bearer {}", h.admin));
+        }
+        let resp = router
+            .clone()
+            .oneshot(b.body(AxBody::empty()).unwrap())
+            .await
+            .unwrap();
+        if method == "GET" {
+            assert!(
+                resp.status().is_success(),
+                "{method} {uri}: {}",
+                resp.status()
+            );
+        }
+        if method == "OPTIONS" {
+            assert!(
+                !resp.status().is_success(),
+                "{method} {uri}: preflight allowed"
+            );
+        }
+        for (k, _) in resp.headers() {
+            assert!(
+                !k.as_str().starts_with("access-control-"),
+                "{method} {uri}: {k}"
+            );
+        }
+    }
+}
