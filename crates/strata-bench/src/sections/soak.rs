@@ -1,0 +1,348 @@
+//! Section `soak` (opt-in: `strata-bench --only soak`; two hours by
+//! default): does a host that snapshots every running sandbox once a minute,
+//! with the default retention, hold its pause times and its resources over
+//! hours? Issue 18's soak: the last window's pause p99 within 1.2× of the
+//! first window's.
+//!
+//! One daemon with `snapshot_interval` (default 60 s), the default retention
+//! and `[snapshots] skip_unchanged` on; `n` sandboxes (default 20), each
+//! running a small writer in the guest (a line appended to a file every
+//! 5 s), so every rolling snapshot is really taken, not recorded as
+//! `same_as`. Every `window` (default 10 min) the section reads, for the
+//! window just ended:
+//!
+//! - the pause of every rolling snapshot taken in it (`pause_ms` of the
+//!   snapshots API): n, p50, p99, max;
+//! - snapshots kept in all (retention deletes as it goes);
+//! - btrfs subvolumes deleted and not yet cleaned (`btrfs subvolume list -d`);
+//! - pool data and metadata used (`btrfs filesystem df`);
+//! - the resident memory of this process, which *is* the daemon (the daemon
+//!   runs in-process: the figure includes the bench's own few MiB).
+//!
+//! A guest that stops answering an exec at a window's end is reported and
+//! the run goes on.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Context as _, Result};
+use chrono::{DateTime, Utc};
+use reqwest::Method;
+use serde_json::json;
+use strata_core::SandboxSize;
+
+use crate::ctx::{BenchDaemon, Ctx};
+use crate::report::{Section, Table};
+use crate::stats::{fmt_bytes, fmt_ms, fmt_ratio, Samples};
+
+/// Flags of the `soak` section.
+#[derive(Debug, Clone, clap::Args)]
+#[group(id = "soak-args")]
+pub struct Args {
+    /// Running sandboxes.
+    #[arg(id = "soak-n", long = "soak-n", default_value_t = 20)]
+    pub n: usize,
+    /// Minutes the soak runs.
+    #[arg(id = "soak-minutes", long = "soak-minutes", default_value_t = 120)]
+    pub minutes: u64,
+    /// Seconds between two rolling snapshots of a sandbox.
+    #[arg(id = "soak-interval", long = "soak-interval", default_value_t = 60)]
+    pub interval_s: u64,
+    /// Seconds per reported window.
+    #[arg(id = "soak-window", long = "soak-window", default_value_t = 600)]
+    pub window_s: u64,
+    /// Guest memory, MiB.
+    #[arg(id = "soak-mem", long = "soak-mem", default_value_t = 256)]
+    pub mem_mib: u32,
+}
+
+impl Args {
+    /// Shrinks the run to the CI smoke size (about a minute).
+    pub fn smoke(&mut self) {
+        self.n = self.n.min(2);
+        self.minutes = self.minutes.min(1);
+        self.interval_s = self.interval_s.min(5);
+        self.window_s = self.window_s.min(20);
+    }
+}
+
+/// The writer each guest runs: a line every 5 s, so no rolling snapshot is
+/// skipped as unchanged.
+const WRITER: &str = "nohup sh -c 'while true; do date >> /root/soak.log; sleep 5; done' \
+                      >/dev/null 2>&1 &";
+
+/// One window's figures.
+struct Window {
+    end_min: f64,
+    pauses: Samples,
+    kept: usize,
+    pending_deletions: usize,
+    data_used: u64,
+    meta_used: u64,
+    rss: u64,
+    unanswered: usize,
+}
+
+/// Resident memory of this process (VmRSS), bytes.
+fn rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<u64>().ok())
+        })
+        .map(|kb| kb * 1024)
+        .unwrap_or(0)
+}
+
+/// Subvolumes deleted and not yet cleaned by btrfs.
+fn pending_deletions(pool: &Path) -> Result<usize> {
+    let out = std::process::Command::new("btrfs")
+        .args(["subvolume", "list", "-d"])
+        .arg(pool)
+        .output()
+        .context("btrfs subvolume list -d")?;
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .count())
+}
+
+/// (data used, metadata used) of the pool, bytes (`btrfs filesystem df -b`).
+fn pool_df(pool: &Path) -> Result<(u64, u64)> {
+    let out = std::process::Command::new("btrfs")
+        .args(["filesystem", "df", "-b"])
+        .arg(pool)
+        .output()
+        .context("btrfs filesystem df")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let used = |kind: &str| -> u64 {
+        text.lines()
+            .filter(|l| l.starts_with(kind))
+            .filter_map(|l| l.split("used=").nth(1))
+            .filter_map(|v| v.trim().parse::<u64>().ok())
+            .sum()
+    };
+    Ok((used("Data"), used("Metadata")))
+}
+
+/// Rolling snapshots of `id` created in `[from, to)`: their pause ms; and
+/// how many snapshots the sandbox keeps.
+async fn window_pauses(
+    d: &BenchDaemon,
+    id: &str,
+    from: DateTime<Utc>,
+    to: DateTime<Utc>,
+) -> Result<(Vec<f64>, usize)> {
+    let (s, v) = d
+        .http
+        .json(Method::GET, &format!("/v1/sandboxes/{id}/snapshots"), None)
+        .await?;
+    if s != 200 {
+        return Err(anyhow!("snapshots of {id}: {s} {v}"));
+    }
+    let items = v["items"]
+        .as_array()
+        .or_else(|| v.as_array())
+        .cloned()
+        .unwrap_or_default();
+    let mut pauses = Vec::new();
+    for it in &items {
+        if it["kind"] != "rolling" || it.get("same_as").is_some_and(|x| !x.is_null()) {
+            continue;
+        }
+        let Some(at) = it["created_at"]
+            .as_str()
+            .and_then(|t| DateTime::parse_from_rfc3339(t).ok())
+            .map(|t| t.with_timezone(&Utc))
+        else {
+            continue;
+        };
+        if at >= from && at < to {
+            if let Some(p) = it["pause_ms"].as_f64() {
+                pauses.push(p);
+            }
+        }
+    }
+    Ok((pauses, items.len()))
+}
+
+/// A p99 cell: under 100 samples it is the maximum, and says so.
+fn p99_cell(s: &crate::stats::Summary) -> String {
+    if s.n < 100 {
+        format!("{} (max of {})", fmt_ms(s.max), s.n)
+    } else {
+        fmt_ms(s.p99)
+    }
+}
+
+/// Runs the section.
+pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
+    let size = SandboxSize {
+        vcpus: 1,
+        memory_mib: args.mem_mib,
+        disk_gib: 2,
+    };
+    let interval = Duration::from_secs(args.interval_s.max(1));
+    let pool_gib = (8 + args.n as u64).max(16);
+    let d = BenchDaemon::start(ctx, "strata-bench-soak-", pool_gib, size, |cfg| {
+        cfg.snapshot_interval = interval;
+        cfg.capacity.vcpus = 0;
+    })
+    .await?;
+    let pool = d.root.join("data").join("pool");
+    let mut ids = Vec::new();
+    for i in 0..args.n {
+        let (s, v) = d
+            .http
+            .json(Method::POST, "/v1/sandboxes", Some(json!({})))
+            .await?;
+        if s != 201 {
+            return Err(anyhow!("create #{i}: {s} {v}"));
+        }
+        let id = v["id"]
+            .as_str()
+            .ok_or_else(|| anyhow!("no id in {v}"))?
+            .to_owned();
+        let (code, out) = d
+            .http
+            .exec_output(&id, &["sh", "-c", WRITER])
+            .await
+            .map_err(|e| anyhow!("writer in {id}: {e}"))?;
+        if code != 0 {
+            return Err(anyhow!("writer in {id}: exit {code}: {out}"));
+        }
+        ids.push(id);
+    }
+    eprintln!(
+        "soak: {} sandboxes, a rolling snapshot every {} s, {} min",
+        ids.len(),
+        interval.as_secs(),
+        args.minutes
+    );
+    let start = Instant::now();
+    let total = Duration::from_secs(args.minutes * 60);
+    let window = Duration::from_secs(args.window_s.max(1));
+    let mut windows: Vec<Window> = Vec::new();
+    let mut from = Utc::now();
+    while start.elapsed() < total {
+        let left = total.saturating_sub(start.elapsed());
+        tokio::time::sleep(window.min(left)).await;
+        let to = Utc::now();
+        let mut pauses = Samples::new();
+        let mut kept = 0;
+        let mut unanswered = 0;
+        for id in &ids {
+            let (p, k) = window_pauses(&d, id, from, to).await?;
+            p.into_iter().for_each(|x| pauses.push(x));
+            kept += k;
+            let alive =
+                tokio::time::timeout(Duration::from_secs(30), d.http.exec_output(id, &["true"]))
+                    .await;
+            if !matches!(alive, Ok(Ok((0, _)))) {
+                unanswered += 1;
+            }
+        }
+        let p2 = pool.clone();
+        let (pending, (data, meta)) = tokio::task::spawn_blocking(move || {
+            Ok::<_, anyhow::Error>((pending_deletions(&p2)?, pool_df(&p2)?))
+        })
+        .await??;
+        let w = Window {
+            end_min: start.elapsed().as_secs_f64() / 60.0,
+            pauses,
+            kept,
+            pending_deletions: pending,
+            data_used: data,
+            meta_used: meta,
+            rss: rss(),
+            unanswered,
+        };
+        let s = w.pauses.summary();
+        eprintln!(
+            "soak: {:.1} min: {} snapshots, pause p50 {} p99 {}, kept {}, pending deletions {}, data {}, metadata {}, RSS {}, unanswered {}",
+            w.end_min,
+            s.n,
+            fmt_ms(s.p50),
+            fmt_ms(s.p99),
+            w.kept,
+            w.pending_deletions,
+            fmt_bytes(w.data_used as f64),
+            fmt_bytes(w.meta_used as f64),
+            fmt_bytes(w.rss as f64),
+            w.unanswered
+        );
+        windows.push(w);
+        from = to;
+    }
+    let mut t = Table::new(
+        format!(
+            "{} sandboxes ({} MiB, 1 vCPU, a writer each), a rolling snapshot every {} s, default retention",
+            ids.len(),
+            args.mem_mib,
+            interval.as_secs()
+        ),
+        &[
+            "window end (min)",
+            "snapshots",
+            "pause p50",
+            "pause p99",
+            "pause max",
+            "kept",
+            "pending deletions",
+            "pool data",
+            "pool metadata",
+            "daemon RSS",
+            "no answer",
+        ],
+    );
+    for w in &windows {
+        let s = w.pauses.summary();
+        t.row(vec![
+            format!("{:.1}", w.end_min),
+            s.n.to_string(),
+            fmt_ms(s.p50),
+            p99_cell(&s),
+            fmt_ms(s.max),
+            w.kept.to_string(),
+            w.pending_deletions.to_string(),
+            fmt_bytes(w.data_used as f64),
+            fmt_bytes(w.meta_used as f64),
+            fmt_bytes(w.rss as f64),
+            w.unanswered.to_string(),
+        ]);
+    }
+    sec.text(
+        "**Method.** One daemon, every running sandbox snapshotted on the rolling schedule with the default \
+         retention; a writer in each guest so no snapshot is skipped as unchanged. Per window: the pauses of \
+         the rolling snapshots taken in it (snapshots API `pause_ms`), what is kept, btrfs subvolumes deleted \
+         and not yet cleaned, pool data/metadata (`btrfs filesystem df`), the daemon's RSS (in-process: includes \
+         the bench's own few MiB), and guests that did not answer `exec true` within 30 s. Bar (issue 18): the \
+         last window's pause p99 within 1.2× of the first's.",
+    );
+    sec.table(t);
+    if let (Some(first), Some(last)) = (windows.first(), windows.last()) {
+        let (a, b) = (first.pauses.summary(), last.pauses.summary());
+        sec.headline(format!(
+            "soak {:.0} min, {} sandboxes: pause p99 first window {} → last {} ({}); RSS {} → {}; pending deletions at the end {}",
+            last.end_min,
+            ids.len(),
+            fmt_ms(a.p99),
+            fmt_ms(b.p99),
+            fmt_ratio(b.p99, a.p99),
+            fmt_bytes(first.rss as f64),
+            fmt_bytes(last.rss as f64),
+            last.pending_deletions
+        ));
+    }
+    for id in &ids {
+        let _ = d
+            .http
+            .json(Method::DELETE, &format!("/v1/sandboxes/{id}"), None)
+            .await;
+    }
+    d.stop();
+    Ok(())
+}
