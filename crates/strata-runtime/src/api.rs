@@ -199,6 +199,26 @@ pub struct SnapshotInfo {
     pub device_state_bytes: u64,
     /// When it was taken.
     pub created_at: chrono::DateTime<chrono::Utc>,
+    /// Where the pause went (zero for a snapshot of a stopped guest).
+    #[serde(default)]
+    pub phases: PausePhases,
+}
+
+/// Where a snapshot's pause goes, ms: the steps between the guest's vCPUs
+/// stopping and running again (`pause_ms` is their sum plus glue).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct PausePhases {
+    /// QMP `stop` round trip (QEMU drains and flushes block I/O).
+    pub stop_ms: f64,
+    /// Device state: `migrate` of everything but RAM to `device.state`.
+    pub device_state_ms: f64,
+    /// Hashing and signing `meta.json` and `device.state`.
+    pub sign_ms: f64,
+    /// The read-only btrfs snapshot of the subvolume (writes back the dirty
+    /// pages of RAM and disk, then commits).
+    pub btrfs_ms: f64,
+    /// QMP `cont` round trip.
+    pub cont_ms: f64,
 }
 
 /// Space used by a snapshot.

@@ -92,6 +92,7 @@ fn snap_info(id: &SnapshotId) -> SnapshotInfo {
         pause_ms: 1.0,
         device_state_bytes: 1,
         created_at: Utc::now(),
+        phases: Default::default(),
     }
 }
 

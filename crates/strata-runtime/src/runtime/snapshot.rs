@@ -24,7 +24,7 @@ use strata_storage::UsageMethod;
 
 use super::vms::Live;
 use super::{blocking, ms, Result, Runtime, StateRef};
-use crate::api::{PauseStats, SnapshotInfo, SpaceUsage};
+use crate::api::{PausePhases, PauseStats, SnapshotInfo, SpaceUsage};
 use crate::error::{io_err, storage_err, vmm_err, RuntimeError};
 use crate::meta::{files, StateMeta};
 
@@ -171,44 +171,59 @@ impl Runtime {
         } else {
             None
         };
+        let mut phases = PausePhases::default();
         let t0 = Instant::now();
         if was_running {
             live.pause_vm().await.map_err(|e| vmm_err(id.as_str(), e))?;
+            phases.stop_ms = ms(t0);
         }
         let result = async {
+            let t_state = Instant::now();
             let bytes = self.save_state(id.as_str(), &live, &dir).await?;
-            let t_state = ms(t0);
+            let device_state_ms = ms(t_state);
             let pool = self.pool.clone();
             let (src, d) = (dir.clone(), dst.clone());
             let signer = self.cfg.signing.clone();
             let name = snap.to_string();
-            blocking(move || {
+            let (sign_ms, btrfs_ms) = blocking(move || {
                 // Signed inside, before the read-only snapshot is taken.
+                let t = Instant::now();
                 super::signatures::sign_into(signer.as_deref(), &src, &name, None)?;
-                pool.snapshot(&src, &d, true)
-                    .map_err(storage_err)
-                    .map(|_| ())
+                let sign_ms = ms(t);
+                let t = Instant::now();
+                pool.snapshot(&src, &d, true).map_err(storage_err)?;
+                Ok((sign_ms, ms(t)))
             })
             .await?;
-            Ok::<(u64, f64), RuntimeError>((bytes, t_state))
+            Ok::<(u64, f64, f64, f64), RuntimeError>((bytes, device_state_ms, sign_ms, btrfs_ms))
         }
         .await;
         if was_running {
+            let t_cont = Instant::now();
             if let Err(e) = live.resume_vm().await {
                 tracing::error!(sandbox = %id, error = %e, "resume after snapshot failed");
                 if result.is_ok() {
                     return Err(vmm_err(id.as_str(), e));
                 }
             }
+            phases.cont_ms = ms(t_cont);
         }
         let pause_ms = ms(t0);
-        let (bytes, t_state) = result?;
-        tracing::info!(sandbox = %id, snapshot = %snap, pause_ms, device_state_ms = t_state, bytes, "snapshot taken");
+        let (bytes, device_state_ms, sign_ms, btrfs_ms) = result?;
+        phases.device_state_ms = device_state_ms;
+        phases.sign_ms = sign_ms;
+        phases.btrfs_ms = btrfs_ms;
+        tracing::info!(
+            sandbox = %id, snapshot = %snap, pause_ms, stop_ms = phases.stop_ms,
+            device_state_ms, sign_ms, btrfs_ms, cont_ms = phases.cont_ms, bytes,
+            "snapshot taken"
+        );
         Ok(SnapshotInfo {
             id: snap.clone(),
             pause_ms,
             device_state_bytes: bytes,
             created_at: Utc::now(),
+            phases,
         })
     }
 
@@ -345,6 +360,7 @@ impl Runtime {
             pause_ms,
             device_state_bytes: 0,
             created_at: Utc::now(),
+            phases: Default::default(),
         })
     }
 

@@ -314,6 +314,7 @@ impl Runtime {
             pause_ms: 0.0,
             device_state_bytes,
             created_at: Utc::now(),
+            phases: Default::default(),
         })
     }
 

@@ -53,6 +53,7 @@ fn snap_info(id: &SnapshotId) -> SnapshotInfo {
         pause_ms: 15.0,
         device_state_bytes: 50_000,
         created_at: Utc::now(),
+        phases: Default::default(),
     }
 }
 

@@ -70,6 +70,8 @@ pub struct StrataSample {
     pub dirtied_bytes: u64,
     /// Time the extent walk of the snapshot took (outside the pause), ms.
     pub walk_ms: f64,
+    /// Where the pause went.
+    pub phases: strata_runtime::PausePhases,
 }
 
 /// Extent maps of a snapshot's RAM file and disk.
@@ -125,6 +127,7 @@ pub async fn strata_snapshots(
                 pause_ms: info.pause_ms,
                 dirtied_bytes: dirtied,
                 walk_ms,
+                phases: info.phases,
             });
         }
         Ok::<(), anyhow::Error>(())
