@@ -1018,6 +1018,7 @@ mod builder_tests {
             method: "CONNECT".into(),
             path: String::new(),
             scheme: "https".into(),
+            tls: false,
         }
     }
 
