@@ -16,6 +16,7 @@ pub mod restore;
 pub mod scale;
 pub mod sdk;
 pub mod snapshot;
+pub mod tls_proxy;
 
 /// Section keys in report order.
 pub const ALL: &[&str] = &["snapshot", "restore", "load", "density", "history", "scale"];
@@ -24,5 +25,6 @@ pub const ALL: &[&str] = &["snapshot", "restore", "load", "density", "history", 
 /// smoke run): `sdk` needs the `e2b` package from PyPI, `recipe` the
 /// package registries, `pool` runs two daemons for minutes, `interp` the
 /// code-interpreter template (a cold build ~25 min under TCG), `packing`
-/// a hundred sandboxes for about ten minutes.
-pub const OPT_IN: &[&str] = &["sdk", "recipe", "pool", "interp", "packing"];
+/// a hundred sandboxes for about ten minutes, `tls_proxy` measures the
+/// egress proxy on the host alone (no guest).
+pub const OPT_IN: &[&str] = &["sdk", "recipe", "pool", "interp", "packing", "tls_proxy"];
