@@ -110,7 +110,9 @@ fn title(key: &str) -> &'static str {
         "packing" => {
             "11. Packing: admission by use and pressure hibernation vs nominal vCPUs, 10 % active"
         }
-        "tls_proxy" => "12. TLS interception of a connector host: per-request overhead vs direct TLS",
+        "tls_proxy" => {
+            "12. TLS interception of a connector host: per-request overhead vs direct TLS"
+        }
         _ => "unknown section",
     }
 }

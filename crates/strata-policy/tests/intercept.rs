@@ -88,12 +88,10 @@ struct Upstream {
 
 async fn tls_upstream(ca: &Ca) -> Upstream {
     let (chain, key) = ca.issue("api.salesforce.test");
-    let mut sc = ok(
-        rustls::ServerConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions(),
-    )
+    let mut sc = ok(rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions())
     .with_no_client_auth()
     .with_single_cert(chain, key)
     .unwrap_or_else(|e| panic!("{e}"));
@@ -305,9 +303,7 @@ async fn tls(e: &Env, root: CertificateDer<'static>, alpn: &[&[u8]]) -> std::io:
 }
 
 /// An HTTP/1.1 client on an intercepted connection.
-async fn http(
-    t: Tls,
-) -> hyper::client::conn::http1::SendRequest<Full<Bytes>> {
+async fn http(t: Tls) -> hyper::client::conn::http1::SendRequest<Full<Bytes>> {
     let (sender, conn) = ok(hyper::client::conn::http1::handshake(TokioIo::new(t)).await);
     tokio::spawn(conn);
     sender
@@ -373,7 +369,11 @@ async fn reads_pass_and_writes_are_refused_inside_intercepted_https() {
     let mut s = http(ok(tls(&e, ca.clone(), &[b"http/1.1"]).await)).await;
     let (st, j) = send(&mut s, "GET", "/x", &[("x-http-method-override", "DELETE")]).await;
     assert_eq!((st, j["error"].as_str()), (400, Some("method_override")));
-    assert_eq!(e.up.hits.load(Ordering::SeqCst), 2, "no write reached the server");
+    assert_eq!(
+        e.up.hits.load(Ordering::SeqCst),
+        2,
+        "no write reached the server"
+    );
     let log = audit(&e);
     let get = log
         .iter()
@@ -387,10 +387,10 @@ async fn reads_pass_and_writes_are_refused_inside_intercepted_https() {
             .any(|l| l["call"]["kind"]["method"] == "DELETE" && l["call"]["kind"]["tls"] == true),
         "{log:?}"
     );
-    assert_eq!(*e.leaves.asked.lock().unwrap_or_else(|e| e.into_inner()), vec![
-        "api.salesforce.test".to_string();
-        5
-    ]);
+    assert_eq!(
+        *e.leaves.asked.lock().unwrap_or_else(|e| e.into_inner()),
+        vec!["api.salesforce.test".to_string(); 5]
+    );
 }
 
 /// An upstream whose certificate does not verify: the guest gets `502
@@ -402,11 +402,16 @@ async fn a_wrong_upstream_certificate_is_refused() {
     let (st, j) = send(&mut s, "GET", "/services/data", &[]).await;
     assert_eq!(st, 502, "{j}");
     assert_eq!(j["error"], "upstream_tls");
-    assert!(j["reason"].as_str().unwrap_or("").contains("certificate") || j["reason"].as_str().unwrap_or("").contains("Unknown"), "{j}");
+    assert!(
+        j["reason"].as_str().unwrap_or("").contains("certificate")
+            || j["reason"].as_str().unwrap_or("").contains("Unknown"),
+        "{j}"
+    );
     assert_eq!(e.up.hits.load(Ordering::SeqCst), 0);
     let log = audit(&e);
     assert!(
-        log.iter().any(|l| l["decision"]["rule_id"] == "upstream-tls"),
+        log.iter()
+            .any(|l| l["decision"]["rule_id"] == "upstream-tls"),
         "{log:?}"
     );
 }
@@ -436,7 +441,11 @@ async fn h2_only_clients_and_upgrades_are_refused() {
         &[("connection", "Upgrade"), ("upgrade", "websocket")],
     )
     .await;
-    assert_eq!((st, j["error"].as_str()), (403, Some("upgrade_refused")), "{j}");
+    assert_eq!(
+        (st, j["error"].as_str()),
+        (403, Some("upgrade_refused")),
+        "{j}"
+    );
     assert_eq!(e.up.hits.load(Ordering::SeqCst), 0);
     // Give the cut's audit write a moment (it follows the alert).
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -459,6 +468,11 @@ async fn a_host_without_interception_stays_a_tunnel_by_name() {
     let mut s = http(t).await;
     let (st, j) = send(&mut s, "GET", "/services/data", &[]).await;
     assert_eq!(st, 200, "{j}");
-    assert!(e.leaves.asked.lock().unwrap_or_else(|e| e.into_inner()).is_empty());
+    assert!(e
+        .leaves
+        .asked
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .is_empty());
     assert!(tls(&e, e.leaves.ca.der(), &[b"http/1.1"]).await.is_err());
 }

@@ -191,12 +191,25 @@ read_only = true
             ca_pem.clone().into_bytes(),
         )
         .await;
-    assert!(s == 200 || s == 201, "{s} {}", String::from_utf8_lossy(&body));
+    assert!(
+        s == 200 || s == 201,
+        "{s} {}",
+        String::from_utf8_lossy(&body)
+    );
 
     // curl: a GET passes, through the proxy the agent sets (https_proxy).
     let url = format!("https://api.salesforce.test:{gp}");
     let e = d
-        .exec(&sb, &["curl", "-sS", "--cacert", "/tmp/ica.pem", &format!("{url}/accounts")])
+        .exec(
+            &sb,
+            &[
+                "curl",
+                "-sS",
+                "--cacert",
+                "/tmp/ica.pem",
+                &format!("{url}/accounts"),
+            ],
+        )
         .await;
     assert_eq!(
         e.code,
@@ -212,16 +225,35 @@ read_only = true
             .exec(
                 &sb,
                 &[
-                    "curl", "-s", "--cacert", "/tmp/ica.pem", "-o", "/tmp/body", "-w",
-                    "%{http_code}", "-X", m, "-d", "x=1", &format!("{url}/accounts/1"),
+                    "curl",
+                    "-s",
+                    "--cacert",
+                    "/tmp/ica.pem",
+                    "-o",
+                    "/tmp/body",
+                    "-w",
+                    "%{http_code}",
+                    "-X",
+                    m,
+                    "-d",
+                    "x=1",
+                    &format!("{url}/accounts/1"),
                 ],
             )
             .await;
-        assert_eq!(e.out(), "403", "{m}: {}", String::from_utf8_lossy(&e.stderr));
+        assert_eq!(
+            e.out(),
+            "403",
+            "{m}: {}",
+            String::from_utf8_lossy(&e.stderr)
+        );
     }
     let e = d.exec(&sb, &["cat", "/tmp/body"]).await;
     let refusal: Value = serde_json::from_str(&e.out()).expect("json refusal");
-    assert_eq!(refusal["rule"], "connector:salesforce:read-only", "{refusal}");
+    assert_eq!(
+        refusal["rule"], "connector:salesforce:read-only",
+        "{refusal}"
+    );
 
     // Python requests (or pip's vendored copy), trusting the CA by
     // REQUESTS_CA_BUNDLE as the template bakes it.
@@ -244,7 +276,12 @@ print(r.status_code)
         )
         .await;
     assert_eq!(e.code, Some(0), "{}", String::from_utf8_lossy(&e.stderr));
-    assert_eq!(e.out().trim(), "200 hello GET /py\n403".trim(), "{}", e.out());
+    assert_eq!(
+        e.out().trim(),
+        "200 hello GET /py\n403".trim(),
+        "{}",
+        e.out()
+    );
     let seen = good.seen();
     assert!(
         seen.iter().all(|s| s.method == "GET"),
@@ -258,7 +295,12 @@ print(r.status_code)
         .exec(
             &sb,
             &[
-                "curl", "-s", "--cacert", "/tmp/ica.pem", "-w", "\n%{http_code}",
+                "curl",
+                "-s",
+                "--cacert",
+                "/tmp/ica.pem",
+                "-w",
+                "\n%{http_code}",
                 &format!("https://bad.salesforce.test:{bp}/x"),
             ],
         )
@@ -283,8 +325,10 @@ print(r.status_code)
     assert_eq!(get["call"]["kind"]["tls"], true, "{get}");
     assert_eq!(get["decision"]["outcome"], "allowed", "{get}");
     assert!(
-        entries.iter().any(|e| e["call"]["kind"]["method"] == "PATCH"
-            && e["decision"]["rule_id"] == "connector:salesforce:read-only"),
+        entries
+            .iter()
+            .any(|e| e["call"]["kind"]["method"] == "PATCH"
+                && e["decision"]["rule_id"] == "connector:salesforce:read-only"),
         "{}",
         dump()
     );

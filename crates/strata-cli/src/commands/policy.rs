@@ -68,8 +68,9 @@ pub struct TestArgs {
     /// sets host, port, scheme and path. An `https` request other than
     /// `CONNECT` is evaluated as the proxy judges one inside an
     /// intercepted connection (docs/tls-interception.md).
+    /// (Not `--url`: that is the API's address, a global flag.)
     #[arg(long, conflicts_with_all = ["host", "port", "http_path"])]
-    pub url: Option<String>,
+    pub request_url: Option<String>,
     /// egress: HTTP method (CONNECT for a tunnel).
     #[arg(long, default_value = "GET")]
     pub method: String,
@@ -180,7 +181,7 @@ pub fn test_body(a: &TestArgs) -> Result<Value, CliError> {
         }
         "egress" => {
             let method = a.method.to_ascii_uppercase();
-            let (host, port, scheme, path) = match &a.url {
+            let (host, port, scheme, path) = match &a.request_url {
                 Some(u) => egress_url(u)?,
                 None => (
                     need(&a.host, "--host", kind)?,
@@ -189,8 +190,12 @@ pub fn test_body(a: &TestArgs) -> Result<Value, CliError> {
                     a.http_path.clone(),
                 ),
             };
-            let path = if method == "CONNECT" { String::new() } else { path };
-            let tls = a.url.is_some() && scheme == "https" && method != "CONNECT";
+            let path = if method == "CONNECT" {
+                String::new()
+            } else {
+                path
+            };
+            let tls = a.request_url.is_some() && scheme == "https" && method != "CONNECT";
             let mut c = json!({
                 "kind": "egress", "connector": a.connector, "host": host, "port": port,
                 "method": method, "path": path, "scheme": scheme,
@@ -212,7 +217,7 @@ pub fn test_body(a: &TestArgs) -> Result<Value, CliError> {
 
 /// Host, port, scheme and path (with its query) of an egress `--url`.
 fn egress_url(u: &str) -> Result<(String, u16, String, String), CliError> {
-    let bad = |why: &str| CliError::InvalidArgument(format!("--url {u:?}: {why}"));
+    let bad = |why: &str| CliError::InvalidArgument(format!("--request-url {u:?}: {why}"));
     let url = reqwest::Url::parse(u).map_err(|e| bad(&e.to_string()))?;
     let scheme = url.scheme().to_owned();
     if scheme != "http" && scheme != "https" {
@@ -404,7 +409,7 @@ mod tests {
         let a = test_args(&[
             "--kind",
             "egress",
-            "--url",
+            "--request-url",
             "https://api.salesforce.test/services/x?q=1",
             "--method",
             "POST",
@@ -416,8 +421,16 @@ mod tests {
                    "port": 443, "method": "POST", "path": "/services/x?q=1", "scheme": "https",
                    "tls": true})
         );
-        assert!(test_args(&["--kind", "egress", "--url", "https://h/", "--host", "h"]).is_err());
-        let a = test_args(&["--kind", "egress", "--url", "ftp://h/"]).unwrap();
+        assert!(test_args(&[
+            "--kind",
+            "egress",
+            "--request-url",
+            "https://h/",
+            "--host",
+            "h"
+        ])
+        .is_err());
+        let a = test_args(&["--kind", "egress", "--request-url", "ftp://h/"]).unwrap();
         assert!(test_body(&a).is_err());
         let a = test_args(&["--kind", "lifecycle", "--op", "delete"]).unwrap();
         assert_eq!(

@@ -145,7 +145,10 @@ pub(super) fn smuggling_check(h: &HeaderMap) -> Result<(), &'static str> {
 /// address's text (IPv6 without brackets, IPv4-mapped IPv6 as IPv4), for
 /// the policy stage's address rules; other numeric forms (`127.1`,
 /// `0x7f.0.0.1`, `2130706433`) are refused as `IP literal`.
-pub(super) fn parse_authority(a: &str, default_port: Option<u16>) -> Result<(String, u16), &'static str> {
+pub(super) fn parse_authority(
+    a: &str,
+    default_port: Option<u16>,
+) -> Result<(String, u16), &'static str> {
     if a.contains('@') {
         return Err("userinfo in the request target");
     }
@@ -321,7 +324,15 @@ pub(super) async fn judge(
     let method = parts.method.as_str().to_string();
     let uri = &parts.uri;
     if let Some(why) = method_override(&parts.headers, uri.query()) {
-        let mut c = Checked::new(cfg, host, port, &method, uri.path().to_string(), scheme, tls);
+        let mut c = Checked::new(
+            cfg,
+            host,
+            port,
+            &method,
+            uri.path().to_string(),
+            scheme,
+            tls,
+        );
         return Err(refuse_request(
             cfg,
             &mut c,
@@ -335,7 +346,15 @@ pub(super) async fn judge(
     let path = match http_path(uri.path()) {
         Ok(p) => p,
         Err(e) => {
-            let mut c = Checked::new(cfg, host, port, &method, uri.path().to_string(), scheme, tls);
+            let mut c = Checked::new(
+                cfg,
+                host,
+                port,
+                &method,
+                uri.path().to_string(),
+                scheme,
+                tls,
+            );
             return Err(refuse_request(
                 cfg,
                 &mut c,
@@ -346,7 +365,15 @@ pub(super) async fn judge(
             ));
         }
     };
-    let mut c = Checked::new(cfg, host, port, &method, path.canonical.clone(), scheme, tls);
+    let mut c = Checked::new(
+        cfg,
+        host,
+        port,
+        &method,
+        path.canonical.clone(),
+        scheme,
+        tls,
+    );
     if let Verdict::Refuse(r) = decide(cfg, &mut c).await {
         return Err(r);
     }

@@ -138,7 +138,10 @@ impl Interception {
 
     /// The server side shown to the guest for one host: its leaf, ALPN
     /// `http/1.1` only.
-    fn server_config(&self, leaf: Arc<CertifiedKey>) -> Result<rustls::ServerConfig, rustls::Error> {
+    fn server_config(
+        &self,
+        leaf: Arc<CertifiedKey>,
+    ) -> Result<rustls::ServerConfig, rustls::Error> {
         let mut cfg = rustls::ServerConfig::builder_with_provider(self.provider.clone())
             .with_safe_default_protocol_versions()?
             .with_no_client_auth()
@@ -194,7 +197,15 @@ pub(super) fn applies(cfg: &ProxyConfig, host: &str, port: u16) -> Option<Arc<In
 /// The call an intercepted connection is audited as when it is cut before
 /// any request (its connector named).
 fn connection_call(cfg: &ProxyConfig, host: &str, port: u16) -> ToolCall {
-    let mut c = Checked::new(cfg, host.into(), port, "CONNECT", String::new(), "https", true);
+    let mut c = Checked::new(
+        cfg,
+        host.into(),
+        port,
+        "CONNECT",
+        String::new(),
+        "https",
+        true,
+    );
     let policy = cfg.policy.current();
     if let CallKind::Egress { connector, .. } = &mut c.call.kind {
         *connector = policy.connector_for_host(host).map(|c| c.name.clone());
@@ -360,7 +371,9 @@ async fn request(
         if req.uri().scheme_str() != Some("https")
             || parse_authority(a.as_str(), Some(443)).ok().as_ref() != Some(&target)
         {
-            return Ok(bad("the request URL names another host than the connection"));
+            return Ok(bad(
+                "the request URL names another host than the connection",
+            ));
         }
     }
     match req
@@ -448,11 +461,9 @@ async fn open_upstream(
     c: &Checked,
 ) -> Result<SendRequest<Body>, Response<Body>> {
     let Upstream { sock, slot } = upstream_for(cfg, tunnel, c).await?;
-    let name =
-        ServerName::try_from(c.host.clone()).map_err(|_| bad("not a TLS server name"))?;
+    let name = ServerName::try_from(c.host.clone()).map_err(|_| bad("not a TLS server name"))?;
     let connector = tokio_rustls::TlsConnector::from(ic.upstream.clone());
-    let tls = match tokio::time::timeout(cfg.connect_timeout, connector.connect(name, sock)).await
-    {
+    let tls = match tokio::time::timeout(cfg.connect_timeout, connector.connect(name, sock)).await {
         Ok(Ok(t)) => t,
         Ok(Err(e)) => {
             let reason = format!(

@@ -225,8 +225,15 @@ impl Egress {
                 });
                 match hit {
                     Some((ic, host)) => {
-                        intercept::serve_tls(self.cfg.clone(), Arc::new(tunnel), stream, ic, host, 443)
-                            .await
+                        intercept::serve_tls(
+                            self.cfg.clone(),
+                            Arc::new(tunnel),
+                            stream,
+                            ic,
+                            host,
+                            443,
+                        )
+                        .await
                     }
                     None => tracing::info!(
                         sandbox = ?self.cfg.sandbox,

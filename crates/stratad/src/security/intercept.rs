@@ -88,8 +88,12 @@ mod tests {
         let d = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
         let ca = Arc::new(open_ca(&d.path().join("keys")).unwrap_or_else(|e| panic!("{e}")));
         let c = LeafCache::new(ca, 3);
-        let a = c.leaf("api.salesforce.test").unwrap_or_else(|| panic!("no leaf"));
-        let b = c.leaf("API.salesforce.test.").unwrap_or_else(|| panic!("no leaf"));
+        let a = c
+            .leaf("api.salesforce.test")
+            .unwrap_or_else(|| panic!("no leaf"));
+        let b = c
+            .leaf("API.salesforce.test.")
+            .unwrap_or_else(|| panic!("no leaf"));
         assert!(Arc::ptr_eq(&a, &b));
         for h in ["a.test", "b.test", "c.test", "d.test"] {
             assert!(c.leaf(h).is_some());
