@@ -7,9 +7,10 @@
 //! CA) and `bad.salesforce.test` (a certificate of a CA nobody trusts);
 //! both names are pinned to 127.0.0.1 (`egress_static_hosts`). Tenant
 //! `default` declares the read-only connector `salesforce` in its own
-//! policy; tenant `other` declares nothing. The guest is given the
-//! deployment's interception CA as a file (`/tmp/ica.pem`, from
-//! `<key_dir>/intercept-ca.pem`) and told to trust it per command.
+//! policy; tenant `other` declares nothing. The default template's guest
+//! is given the deployment's interception CA as a file (`/tmp/ica.pem`,
+//! from `<key_dir>/intercept-ca.pem`) and told to trust it per command; a
+//! template built from a recipe has it installed by the build.
 
 mod common;
 
@@ -341,6 +342,79 @@ print(r.status_code)
         dump()
     );
 
+    // A template built from a recipe trusts the CA (the build installs
+    // it): a Python process its start command left running before the
+    // fork completes an intercepted call in the fork, and curl trusts the
+    // system bundle without --cacert. Nothing is installed at the fork.
+    let warm_py = format!(
+        r#"import os, time
+try:
+    import requests
+except ImportError:
+    from pip._vendor import requests
+open("/tmp/warm-started", "w").write("1")
+while not os.path.exists("/tmp/go"):
+    time.sleep(0.2)
+try:
+    r = requests.get("{url}/warm", timeout=60)
+    out = "%d %s" % (r.status_code, r.text)
+except Exception as e:
+    out = "error %r" % (e,)
+open("/tmp/warm.tmp", "w").write(out)
+os.rename("/tmp/warm.tmp", "/tmp/warm.out")
+"#
+    );
+    let recipe = json!({
+        "base": "default",
+        "step": [{ "run": format!("cat > /opt/warm.py <<'PYEOF'\n{warm_py}PYEOF") }],
+        "start": { "cmd": "python3 /opt/warm.py" },
+        "ready": { "cmd": "test -f /tmp/warm-started", "timeout_secs": 300 },
+    });
+    let v = d
+        .ok(
+            "POST",
+            "/v1/templates",
+            Some(json!({ "id": "tpl-warm-tls", "recipe": recipe })),
+            202,
+        )
+        .await;
+    assert_eq!(v["id"], "tpl-warm-tls", "{v}");
+    let t0 = std::time::Instant::now();
+    loop {
+        let v = d.ok("GET", "/v1/templates/tpl-warm-tls", None, 200).await;
+        match v["status"].as_str() {
+            Some("ready") => break,
+            Some("building") => {}
+            _ => panic!("template build: {v}\n{}", d.logs()),
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(600),
+            "build too slow: {v}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let fork = d.create(json!({ "template": "tpl-warm-tls" })).await;
+    let e = d.exec(&fork, &["touch", "/tmp/go"]).await;
+    assert_eq!(e.code, Some(0));
+    let t0 = std::time::Instant::now();
+    let warm = loop {
+        let e = d.exec(&fork, &["cat", "/tmp/warm.out"]).await;
+        if e.code == Some(0) {
+            break e.out();
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "the warm process did not answer"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    assert_eq!(warm, "200 hello GET /warm");
+    let e = d
+        .exec(&fork, &["curl", "-sS", &format!("{url}/system-bundle")])
+        .await;
+    assert_eq!(e.code, Some(0), "{}", String::from_utf8_lossy(&e.stderr));
+    assert_eq!(e.out(), "hello GET /system-bundle");
+
     // Tenant `other` names no connector: its guest gets no leaf of ours,
     // only the proxy's refusal of the tunnel.
     let (other, _) = d.tenant_token("other", "admin").await;
@@ -361,7 +435,7 @@ print(r.status_code)
     let out = format!("{}{}", e.out(), String::from_utf8_lossy(&e.stderr));
     assert!(out.contains("403"), "{out}");
     assert!(!out.contains("hello"), "{out}");
-    assert_eq!(good.seen().len(), 2, "{:?}", good.seen());
+    assert_eq!(good.seen().len(), 4, "{:?}", good.seen());
 
     d.shutdown();
 }

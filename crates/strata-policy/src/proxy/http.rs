@@ -384,25 +384,22 @@ pub(super) async fn judge(
     Ok((c, pq))
 }
 
-/// Runs the configured [`RequestHook`] on an allowed request, just before
-/// it goes upstream; a refusal is audited and answered `403
-/// egress_hook_refused`.
-pub(super) fn run_hook(
+/// Runs the configured [`super::RequestHook`] on an allowed request, just
+/// before it goes upstream; its refusal (audited) is the answer `403
+/// egress_hook_refused` returned here, `None` lets the request go.
+pub(super) fn hook_refusal(
     cfg: &ProxyConfig,
     c: &Checked,
     parts: &mut hyper::http::request::Parts,
-) -> Result<(), Response<Body>> {
-    let Some(h) = &cfg.request_hook else {
-        return Ok(());
-    };
-    h.before_upstream(&c.call, parts).map_err(|why| {
-        record_cut(cfg, &c.call, "request-hook", why.clone());
-        refuse(
-            StatusCode::FORBIDDEN,
-            "egress_hook_refused",
-            serde_json::json!({ "rule": "request-hook", "reason": why }),
-        )
-    })
+) -> Option<Response<Body>> {
+    let h = cfg.request_hook.as_ref()?;
+    let why = h.before_upstream(&c.call, parts).err()?;
+    record_cut(cfg, &c.call, "request-hook", why.clone());
+    Some(refuse(
+        StatusCode::FORBIDDEN,
+        "egress_hook_refused",
+        serde_json::json!({ "rule": "request-hook", "reason": why }),
+    ))
 }
 
 async fn forward(
@@ -442,7 +439,7 @@ async fn forward(
         Ok(j) => j,
         Err(r) => return r,
     };
-    if let Err(r) = run_hook(&cfg, &c, &mut parts) {
+    if let Some(r) = hook_refusal(&cfg, &c, &mut parts) {
         return r;
     }
     let up = match upstream_for(&cfg, &tunnel, &c).await {

@@ -48,7 +48,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 
 use super::decide::{record_cut, refuse_request, Checked};
 use super::http::{
-    bad, full, judge, parse_authority, refuse, run_hook, smuggling_check, strip_hop_by_hop,
+    bad, full, hook_refusal, judge, parse_authority, refuse, smuggling_check, strip_hop_by_hop,
     upstream_for, Body,
 };
 use super::sniff::{self, Hello, Rewind, MAX_HEAD};
@@ -410,7 +410,7 @@ async fn request(
         Ok(j) => j,
         Err(r) => return Ok(r),
     };
-    if let Err(r) = run_hook(&cfg, &c, &mut parts) {
+    if let Some(r) = hook_refusal(&cfg, &c, &mut parts) {
         return Ok(r);
     }
     parts.uri = match pq.parse() {
@@ -427,7 +427,7 @@ async fn request(
         *up = None;
         match open_upstream(&cfg, &tunnel, &ic, &c).await {
             Ok(s) => *up = Some(s),
-            Err(r) => return Ok(r),
+            Err(r) => return Ok(*r),
         }
     }
     let Some(sender) = up.as_mut() else {
@@ -459,9 +459,10 @@ async fn open_upstream(
     tunnel: &Tunnel,
     ic: &Interception,
     c: &Checked,
-) -> Result<SendRequest<Body>, Response<Body>> {
-    let Upstream { sock, slot } = upstream_for(cfg, tunnel, c).await?;
-    let name = ServerName::try_from(c.host.clone()).map_err(|_| bad("not a TLS server name"))?;
+) -> Result<SendRequest<Body>, Box<Response<Body>>> {
+    let Upstream { sock, slot } = upstream_for(cfg, tunnel, c).await.map_err(Box::new)?;
+    let name =
+        ServerName::try_from(c.host.clone()).map_err(|_| Box::new(bad("not a TLS server name")))?;
     let connector = tokio_rustls::TlsConnector::from(ic.upstream.clone());
     let tls = match tokio::time::timeout(cfg.connect_timeout, connector.connect(name, sock)).await {
         Ok(Ok(t)) => t,
@@ -471,28 +472,28 @@ async fn open_upstream(
                 c.host, c.port
             );
             record_cut(cfg, &c.call, "upstream-tls", reason.clone());
-            return Err(refuse(
+            return Err(Box::new(refuse(
                 StatusCode::BAD_GATEWAY,
                 "upstream_tls",
                 serde_json::json!({ "rule": "upstream-tls", "reason": reason }),
-            ));
+            )));
         }
         Err(_) => {
-            return Err(refuse(
+            return Err(Box::new(refuse(
                 StatusCode::BAD_GATEWAY,
                 "upstream_unreachable",
                 serde_json::json!({ "reason": "TLS handshake with the upstream timed out" }),
-            ))
+            )))
         }
     };
     let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
         .await
         .map_err(|e| {
-            refuse(
+            Box::new(refuse(
                 StatusCode::BAD_GATEWAY,
                 "upstream_error",
                 serde_json::json!({ "reason": e.to_string() }),
-            )
+            ))
         })?;
     // The upstream socket (and its host unit) lives as long as this task.
     tokio::spawn(async move {
