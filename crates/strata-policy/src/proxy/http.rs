@@ -17,8 +17,10 @@
 //! carrying a method override (`X-HTTP-Method-Override`, `X-HTTP-Method`,
 //! `X-Method-Override`, a `_method` query parameter) is refused, and the
 //! path is decoded strictly ([`crate::path::http_path`]) before policy sees
-//! it: the canonical path that was matched is the one forwarded. Client
-//! connections carry one request each (no keep-alive) and every forwarded
+//! it: the canonical path that was matched is the one forwarded. Plain
+//! client connections carry one request each (no keep-alive; an
+//! intercepted TLS connection keeps alive and judges each request with
+//! [`judge`], see [`super::intercept`]) and every forwarded
 //! request uses a fresh upstream connection, so there is no connection on
 //! which a desync could carry over to a next request.
 
