@@ -414,6 +414,14 @@ os.rename("/tmp/warm.tmp", "/tmp/warm.out")
         .await;
     assert_eq!(e.code, Some(0), "{}", String::from_utf8_lossy(&e.stderr));
     assert_eq!(e.out(), "hello GET /system-bundle");
+    // A new process in the fork: `requests` trusts the system bundle (the
+    // daemon sets REQUESTS_CA_BUNDLE for every exec under interception).
+    let py = format!(
+        "try:\n    import requests\nexcept ImportError:\n    from pip._vendor import requests\nprint(requests.get('{url}/exec-env').text)\n"
+    );
+    let e = d.exec(&fork, &["python3", "-c", &py]).await;
+    assert_eq!(e.code, Some(0), "{}", String::from_utf8_lossy(&e.stderr));
+    assert_eq!(e.out().trim(), "hello GET /exec-env");
 
     // Tenant `other` names no connector: its guest gets no leaf of ours,
     // only the proxy's refusal of the tunnel.
@@ -435,7 +443,7 @@ os.rename("/tmp/warm.tmp", "/tmp/warm.out")
     let out = format!("{}{}", e.out(), String::from_utf8_lossy(&e.stderr));
     assert!(out.contains("403"), "{out}");
     assert!(!out.contains("hello"), "{out}");
-    assert_eq!(good.seen().len(), 4, "{:?}", good.seen());
+    assert_eq!(good.seen().len(), 5, "{:?}", good.seen());
 
     d.shutdown();
 }
