@@ -20,7 +20,7 @@ use strata_bench::ctx::{teardown_all, Ctx};
 use strata_bench::report::{commit, Machine, Report, Section};
 use strata_bench::sections::{
     self, density, history, interp, load, packing, pool, recipe, restore, scale, sdk, snapshot,
-    soak,
+    soak, tls_proxy,
 };
 use strata_core::Accel;
 use strata_vmm::VmmDriver;
@@ -38,7 +38,8 @@ struct Cli {
     /// Sections to run, comma-separated: snapshot, restore, load, density, history, scale;
     /// and sdk (E2B SDK beside /v1), recipe (template builds), pool (warm pools), interp (code
     /// interpreter: first run_code in a fork vs a cold kernel), packing (admission by use vs
-    /// nominal, 10 % active), soak (rolling snapshots of 20 sandboxes for two hours), run only
+    /// nominal, 10 % active), soak (rolling snapshots of 20 sandboxes for two hours), tls_proxy
+    /// (TLS interception overhead vs direct TLS), run only
     /// when named here.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
@@ -90,6 +91,11 @@ struct Cli {
     packing: packing::Args,
     #[command(flatten, next_help_heading = "12. Soak (only with --only soak)")]
     soak: soak::Args,
+    #[command(
+        flatten,
+        next_help_heading = "13. TLS interception overhead (only with --only tls_proxy)"
+    )]
+    tls_proxy: tls_proxy::Args,
 }
 
 fn title(key: &str) -> &'static str {
@@ -108,6 +114,9 @@ fn title(key: &str) -> &'static str {
             "11. Packing: admission by use and pressure hibernation vs nominal vCPUs, 10 % active"
         }
         "soak" => "12. Soak: a rolling snapshot a minute for hours, default retention",
+        "tls_proxy" => {
+            "13. TLS interception of a connector host: per-request overhead vs direct TLS"
+        }
         _ => "unknown section",
     }
 }
@@ -147,6 +156,7 @@ async fn run_section(key: &str, ctx: &Ctx, cli: &Cli) -> Section {
                 "interp" => interp::run(ctx, &cli.interp, &mut sec).await,
                 "packing" => packing::run(ctx, &cli.packing, &mut sec).await,
                 "soak" => soak::run(ctx, &cli.soak, &mut sec).await,
+                "tls_proxy" => tls_proxy::run(ctx, &cli.tls_proxy, &mut sec).await,
                 other => Err(anyhow!("unknown section {other:?}")),
             }
         };
@@ -212,6 +222,7 @@ fn main() -> Result<()> {
         cli.interp.smoke();
         cli.packing.smoke();
         cli.soak.smoke();
+        cli.tls_proxy.smoke();
     }
     let requested: Accel = cli.accel.parse().map_err(|e: String| anyhow!(e))?;
     let image = image_dir(&cli)?;

@@ -62,6 +62,7 @@ fn main() {
                 method: "POST".into(),
                 path: "/api/v998/sobjects/x".into(),
                 scheme: "https".into(),
+                tls: false,
             }),
         ),
     ];

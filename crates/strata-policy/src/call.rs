@@ -70,6 +70,12 @@ pub enum CallKind {
         path: String,
         /// `http` or `https`.
         scheme: String,
+        /// The request was read inside a TLS connection the proxy
+        /// terminated (interception of a connector host,
+        /// `docs/tls-interception.md`). Left out of the serialised form
+        /// when false, so entries written before it hash the same.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        tls: bool,
     },
     /// Take a snapshot of the sandbox.
     Snapshot,

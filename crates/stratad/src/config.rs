@@ -348,6 +348,19 @@ pub struct SecurityConfig {
     /// Loopback, link-local, multicast and reserved answers stay refused.
     #[serde(default)]
     pub egress_resolved_ranges: Vec<String>,
+    /// Intercept TLS to connector hosts (`docs/tls-interception.md`): the
+    /// egress proxy terminates a guest's TLS to a host a connector of its
+    /// tenant names (leaf of the deployment's interception CA, kept in
+    /// `key_dir`), judges every request inside like plain HTTP and opens
+    /// verified TLS upstream. Off by default: a guest trusts the CA only
+    /// once its image or template has it (`strata-image` bakes it in).
+    #[serde(default)]
+    pub egress_tls_intercept: bool,
+    /// A PEM bundle of CA certificates intercepted upstreams may also
+    /// chain to, besides the system roots (an internal API's CA; tests'
+    /// CAs).
+    #[serde(default)]
+    pub egress_upstream_ca_bundle: Option<PathBuf>,
 }
 
 impl Default for SecurityConfig {
@@ -367,6 +380,8 @@ impl Default for SecurityConfig {
             egress_bind: IpAddr::from([127, 0, 0, 1]),
             egress_static_hosts: BTreeMap::new(),
             egress_resolved_ranges: Vec::new(),
+            egress_tls_intercept: false,
+            egress_upstream_ca_bundle: None,
         }
     }
 }

@@ -86,14 +86,14 @@ pub fn ca_pem_path(data_dir: &Path) -> PathBuf {
     ca_dir(data_dir).join("ca.pem")
 }
 
-/// The CA's parameters, derived from its key alone (so the issuer of
-/// leaves signed after a restart is the certificate on disk).
-fn ca_params(key: &KeyPair) -> Result<CertificateParams, TlsError> {
+/// The CA's parameters, derived from its key (and `label`) alone (so the
+/// issuer of leaves signed after a restart is the certificate on disk).
+fn ca_params(key: &KeyPair, label: &str) -> Result<CertificateParams, TlsError> {
     let mut p = CertificateParams::new(Vec::<String>::new())?;
     let fp = &hex::encode(sha2_digest(&key.public_key_der()))[..12];
     let mut dn = DistinguishedName::new();
     dn.push(DnType::OrganizationName, "strata");
-    dn.push(DnType::CommonName, format!("strata local CA {fp}"));
+    dn.push(DnType::CommonName, format!("{label} {fp}"));
     p.distinguished_name = dn;
     p.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
     p.key_usages = vec![
@@ -114,24 +114,31 @@ fn sha2_digest(b: &[u8]) -> Vec<u8> {
 impl LocalCa {
     /// Loads the CA under `data_dir`, creating it on first use.
     pub fn open(data_dir: &Path) -> Result<LocalCa, TlsError> {
-        let dir = ca_dir(data_dir);
-        let pem_path = dir.join("ca.pem");
-        let key_path = dir.join("ca.key");
+        Self::open_in(&ca_dir(data_dir), "ca", "strata local CA")
+    }
+
+    /// Loads the CA kept in `dir` as `<stem>.pem` and `<stem>.key` (0600),
+    /// creating it on first use with the common name `<label> <key
+    /// fingerprint>`. The certificate on disk is the one given out, so it
+    /// stays the same across restarts.
+    pub fn open_in(dir: &Path, stem: &str, label: &str) -> Result<LocalCa, TlsError> {
+        let pem_path = dir.join(format!("{stem}.pem"));
+        let key_path = dir.join(format!("{stem}.key"));
         if key_path.exists() {
             let key_pem = std::fs::read_to_string(&key_path).map_err(io_err(&key_path))?;
             let pem = std::fs::read_to_string(&pem_path).map_err(io_err(&pem_path))?;
             let key = KeyPair::from_pem(&key_pem)?;
-            let cert = ca_params(&key)?.self_signed(&key)?;
+            let cert = ca_params(&key, label)?.self_signed(&key)?;
             return Ok(LocalCa { pem, key, cert });
         }
-        std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
+        std::fs::create_dir_all(dir).map_err(io_err(dir))?;
         let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
-        let cert = ca_params(&key)?.self_signed(&key)?;
+        let cert = ca_params(&key, label)?.self_signed(&key)?;
         let pem = cert.pem();
         // The certificate first: a crash between the two leaves no key
         // without its certificate (a key alone is regenerated next start).
         write_new(&pem_path, pem.as_bytes(), 0o644)?;
-        let tmp = dir.join("ca.key.tmp");
+        let tmp = dir.join(format!("{stem}.key.tmp"));
         let _ = std::fs::remove_file(&tmp);
         write_new(&tmp, key.serialize_pem().as_bytes(), 0o600)?;
         std::fs::rename(&tmp, &key_path).map_err(io_err(&key_path))?;
@@ -178,13 +185,81 @@ fn write_new(path: &Path, bytes: &[u8], mode: u32) -> Result<(), TlsError> {
     f.sync_all().map_err(io_err(path))
 }
 
+/// Leaves of one CA, issued on demand per host name and cached: at most
+/// [`LEAF_CACHE_MAX`] (past it the oldest goes), each issued again after a
+/// day (well inside its [`LEAF_VALIDITY`]). It issues for any name it is
+/// asked: the caller decides which names get one ([`LeafResolver`] by
+/// domain, the egress proxy by the sandbox's connectors).
+#[derive(Debug)]
+pub struct LeafCache {
+    ca: Arc<LocalCa>,
+    max: usize,
+    cache: Mutex<HashMap<String, (Instant, Arc<CertifiedKey>)>>,
+}
+
+impl LeafCache {
+    /// An empty cache of `ca`'s leaves, holding at most `max`.
+    pub fn new(ca: Arc<LocalCa>, max: usize) -> LeafCache {
+        LeafCache {
+            ca,
+            max: max.max(1),
+            cache: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The CA.
+    pub fn ca(&self) -> &LocalCa {
+        &self.ca
+    }
+
+    /// The leaf for `name` (lower-cased, trailing dot dropped), from the
+    /// cache or issued now; `None` when signing fails.
+    pub fn leaf(&self, name: &str) -> Option<Arc<CertifiedKey>> {
+        let name = name.trim_end_matches('.').to_ascii_lowercase();
+        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((at, k)) = cache.get(&name) {
+            if at.elapsed() < LEAF_REISSUE {
+                return Some(k.clone());
+            }
+        }
+        let leaf = match self.ca.issue(&name) {
+            Ok(k) => Arc::new(k),
+            Err(e) => {
+                tracing::warn!(name = %name, error = %e, "cannot issue a TLS certificate");
+                return None;
+            }
+        };
+        if cache.len() >= self.max && !cache.contains_key(&name) {
+            if let Some(oldest) = cache
+                .iter()
+                .min_by_key(|(_, (at, _))| *at)
+                .map(|(n, _)| n.clone())
+            {
+                cache.remove(&oldest);
+            }
+        }
+        cache.insert(name, (Instant::now(), leaf.clone()));
+        Some(leaf)
+    }
+
+    /// Leaves cached now.
+    pub fn cached(&self) -> usize {
+        self.cache.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+}
+
+impl strata_policy::proxy::LeafIssuer for LeafCache {
+    fn leaf(&self, host: &str) -> Option<Arc<CertifiedKey>> {
+        LeafCache::leaf(self, host)
+    }
+}
+
 /// Issues (and caches) a leaf per SNI name under the allowed domains; any
 /// other name (or none) gets no certificate, so the handshake fails.
 #[derive(Debug)]
 pub struct LeafResolver {
-    ca: Arc<LocalCa>,
     domains: Vec<String>,
-    cache: Mutex<HashMap<String, (Instant, Arc<CertifiedKey>)>>,
+    leaves: LeafCache,
 }
 
 impl LeafResolver {
@@ -200,9 +275,8 @@ impl LeafResolver {
         ds.sort();
         ds.dedup();
         LeafResolver {
-            ca,
             domains: ds,
-            cache: Mutex::new(HashMap::new()),
+            leaves: LeafCache::new(ca, LEAF_CACHE_MAX),
         }
     }
 
@@ -222,36 +296,12 @@ impl LeafResolver {
         if !self.allows(name) {
             return None;
         }
-        let name = name.trim_end_matches('.').to_ascii_lowercase();
-        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((at, k)) = cache.get(&name) {
-            if at.elapsed() < LEAF_REISSUE {
-                return Some(k.clone());
-            }
-        }
-        let leaf = match self.ca.issue(&name) {
-            Ok(k) => Arc::new(k),
-            Err(e) => {
-                tracing::warn!(name = %name, error = %e, "cannot issue a TLS certificate");
-                return None;
-            }
-        };
-        if cache.len() >= LEAF_CACHE_MAX && !cache.contains_key(&name) {
-            if let Some(oldest) = cache
-                .iter()
-                .min_by_key(|(_, (at, _))| *at)
-                .map(|(n, _)| n.clone())
-            {
-                cache.remove(&oldest);
-            }
-        }
-        cache.insert(name, (Instant::now(), leaf.clone()));
-        Some(leaf)
+        self.leaves.leaf(name)
     }
 
     /// Leaves cached now.
     pub fn cached(&self) -> usize {
-        self.cache.lock().unwrap_or_else(|e| e.into_inner()).len()
+        self.leaves.cached()
     }
 }
 

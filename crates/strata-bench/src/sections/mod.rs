@@ -17,6 +17,7 @@ pub mod scale;
 pub mod sdk;
 pub mod snapshot;
 pub mod soak;
+pub mod tls_proxy;
 
 /// Section keys in report order.
 pub const ALL: &[&str] = &["snapshot", "restore", "load", "density", "history", "scale"];
@@ -25,5 +26,14 @@ pub const ALL: &[&str] = &["snapshot", "restore", "load", "density", "history", 
 /// smoke run): `sdk` needs the `e2b` package from PyPI, `recipe` the
 /// package registries, `pool` runs two daemons for minutes, `interp` the
 /// code-interpreter template (a cold build ~25 min under TCG), `packing`
-/// a hundred sandboxes for about ten minutes, `soak` twenty for two hours.
-pub const OPT_IN: &[&str] = &["sdk", "recipe", "pool", "interp", "packing", "soak"];
+/// a hundred sandboxes for about ten minutes, `soak` twenty for two hours,
+/// `tls_proxy` measures the egress proxy on the host alone (no guest).
+pub const OPT_IN: &[&str] = &[
+    "sdk",
+    "recipe",
+    "pool",
+    "interp",
+    "packing",
+    "soak",
+    "tls_proxy",
+];

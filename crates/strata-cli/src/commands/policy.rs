@@ -64,6 +64,13 @@ pub struct TestArgs {
     /// egress: destination host name.
     #[arg(long)]
     pub host: Option<String>,
+    /// egress: the request as a URL (`https://api.example.com/v1/x?q=1`):
+    /// sets host, port, scheme and path. An `https` request other than
+    /// `CONNECT` is evaluated as the proxy judges one inside an
+    /// intercepted connection (docs/tls-interception.md).
+    /// (Not `--url`: that is the API's address, a global flag.)
+    #[arg(long, conflicts_with_all = ["host", "port", "http_path"])]
+    pub request_url: Option<String>,
     /// egress: HTTP method (CONNECT for a tunnel).
     #[arg(long, default_value = "GET")]
     pub method: String,
@@ -173,18 +180,30 @@ pub fn test_body(a: &TestArgs) -> Result<Value, CliError> {
             json!({ "kind": kind, "path": need(&a.path, "--path", kind)? })
         }
         "egress" => {
-            let host = need(&a.host, "--host", kind)?;
             let method = a.method.to_ascii_uppercase();
-            let port = a.port.unwrap_or(if a.scheme == "http" { 80 } else { 443 });
+            let (host, port, scheme, path) = match &a.request_url {
+                Some(u) => egress_url(u)?,
+                None => (
+                    need(&a.host, "--host", kind)?,
+                    a.port.unwrap_or(if a.scheme == "http" { 80 } else { 443 }),
+                    a.scheme.clone(),
+                    a.http_path.clone(),
+                ),
+            };
             let path = if method == "CONNECT" {
                 String::new()
             } else {
-                a.http_path.clone()
+                path
             };
-            json!({
+            let tls = a.request_url.is_some() && scheme == "https" && method != "CONNECT";
+            let mut c = json!({
                 "kind": "egress", "connector": a.connector, "host": host, "port": port,
-                "method": method, "path": path, "scheme": a.scheme,
-            })
+                "method": method, "path": path, "scheme": scheme,
+            });
+            if tls {
+                c["tls"] = true.into();
+            }
+            c
         }
         "lifecycle" => json!({ "kind": "lifecycle", "op": need(&a.op, "--op", kind)? }),
         other => json!({ "kind": other }),
@@ -194,6 +213,28 @@ pub fn test_body(a: &TestArgs) -> Result<Value, CliError> {
         b["sandbox"] = s.clone().into();
     }
     Ok(b)
+}
+
+/// Host, port, scheme and path (with its query) of an egress `--url`.
+fn egress_url(u: &str) -> Result<(String, u16, String, String), CliError> {
+    let bad = |why: &str| CliError::InvalidArgument(format!("--request-url {u:?}: {why}"));
+    let url = reqwest::Url::parse(u).map_err(|e| bad(&e.to_string()))?;
+    let scheme = url.scheme().to_owned();
+    if scheme != "http" && scheme != "https" {
+        return Err(bad("only http:// and https:// URLs"));
+    }
+    let host = url
+        .host_str()
+        .ok_or_else(|| bad("no host"))?
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_owned();
+    let port = url.port_or_known_default().ok_or_else(|| bad("no port"))?;
+    let path = match url.query() {
+        Some(q) => format!("{}?{q}", url.path()),
+        None => url.path().to_owned(),
+    };
+    Ok((host, port, scheme, path))
 }
 
 /// `effect / rule / layer / reason`, one per line.
@@ -364,6 +405,33 @@ mod tests {
             (c["port"].clone(), c["path"].clone()),
             (json!(80), json!(""))
         );
+        // An HTTPS request by URL: judged as inside an intercepted connection.
+        let a = test_args(&[
+            "--kind",
+            "egress",
+            "--request-url",
+            "https://api.salesforce.test/services/x?q=1",
+            "--method",
+            "POST",
+        ])
+        .unwrap();
+        assert_eq!(
+            test_body(&a).unwrap()["call"],
+            json!({"kind": "egress", "connector": null, "host": "api.salesforce.test",
+                   "port": 443, "method": "POST", "path": "/services/x?q=1", "scheme": "https",
+                   "tls": true})
+        );
+        assert!(test_args(&[
+            "--kind",
+            "egress",
+            "--request-url",
+            "https://h/",
+            "--host",
+            "h"
+        ])
+        .is_err());
+        let a = test_args(&["--kind", "egress", "--request-url", "ftp://h/"]).unwrap();
+        assert!(test_body(&a).is_err());
         let a = test_args(&["--kind", "lifecycle", "--op", "delete"]).unwrap();
         assert_eq!(
             test_body(&a).unwrap()["call"],

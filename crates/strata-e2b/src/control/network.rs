@@ -276,6 +276,7 @@ mod tests {
                 method: "CONNECT".into(),
                 path: String::new(),
                 scheme: "https".into(),
+                tls: false,
             },
         };
         set.evaluate(&call).effect

@@ -118,6 +118,11 @@ pub struct Connector {
     pub tls_ports: Vec<u16>,
     /// Writes are refused whatever the other rules say.
     pub read_only: bool,
+    /// When the deployment intercepts TLS (`docs/tls-interception.md`),
+    /// a tunnel to this connector's hosts on a TLS port is terminated and
+    /// every request inside judged (default `true`); `false` keeps them
+    /// `CONNECT`-by-name tunnels (for clients that pin certificates).
+    pub intercept: bool,
 }
 
 impl Connector {

@@ -109,6 +109,8 @@ struct ConnectorFile {
     tls_ports: Option<Vec<u16>>,
     #[serde(default)]
     read_only: bool,
+    #[serde(default)]
+    intercept: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -338,6 +340,7 @@ pub fn parse(text: &str) -> Result<Policy, ParseError> {
             ports,
             tls_ports,
             read_only: c.read_only,
+            intercept: c.intercept.unwrap_or(true),
         });
     }
 

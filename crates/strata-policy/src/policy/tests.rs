@@ -194,6 +194,7 @@ fn egress(host: &str, method: &str, path: &str) -> CallKind {
         method: method.into(),
         path: path.into(),
         scheme: "https".into(),
+        tls: false,
     }
 }
 fn op(o: &str) -> CallKind {

@@ -40,6 +40,7 @@ impl Checked {
         method: &str,
         path: String,
         scheme: &str,
+        tls: bool,
     ) -> Self {
         let call = ToolCall {
             tenant: cfg.tenant.clone(),
@@ -52,6 +53,7 @@ impl Checked {
                 method: method.to_string(),
                 path,
                 scheme: scheme.into(),
+                tls,
             },
         };
         Checked {

@@ -17,8 +17,10 @@
 //! carrying a method override (`X-HTTP-Method-Override`, `X-HTTP-Method`,
 //! `X-Method-Override`, a `_method` query parameter) is refused, and the
 //! path is decoded strictly ([`crate::path::http_path`]) before policy sees
-//! it: the canonical path that was matched is the one forwarded. Client
-//! connections carry one request each (no keep-alive) and every forwarded
+//! it: the canonical path that was matched is the one forwarded. Plain
+//! client connections carry one request each (no keep-alive; an
+//! intercepted TLS connection keeps alive and judges each request with
+//! [`judge`], see [`super::intercept`]) and every forwarded
 //! request uses a fresh upstream connection, so there is no connection on
 //! which a desync could carry over to a next request.
 
@@ -38,7 +40,7 @@ use super::decide::{decide, record_cut, refuse_request, Checked, Verdict};
 use super::sniff::{self, HeadCheck, Hello, MAX_HEAD};
 use super::tunnel::Tunnel;
 use super::upstream::{self, Upstream, UpstreamError};
-use super::ProxyConfig;
+use super::{intercept, ProxyConfig};
 use crate::path::http_path;
 use crate::policy::{looks_like_ip, parse_ip_literal, Decision};
 
@@ -73,7 +75,7 @@ where
 /// Body of the proxy's answers.
 pub(super) type Body = BoxBody<Bytes, hyper::Error>;
 
-fn full(b: impl Into<Bytes>) -> Body {
+pub(super) fn full(b: impl Into<Bytes>) -> Body {
     Full::new(b.into()).map_err(|never| match never {}).boxed()
 }
 
@@ -93,7 +95,7 @@ pub(super) fn refuse(status: StatusCode, error: &str, detail: serde_json::Value)
     r
 }
 
-fn bad(msg: &str) -> Response<Body> {
+pub(super) fn bad(msg: &str) -> Response<Body> {
     refuse(
         StatusCode::BAD_REQUEST,
         "bad_request",
@@ -115,7 +117,7 @@ pub(super) fn denied(d: &Decision, approval_id: Option<&str>) -> Response<Body> 
 }
 
 /// Request-framing checks that hyper does not make.
-fn smuggling_check(h: &HeaderMap) -> Result<(), &'static str> {
+pub(super) fn smuggling_check(h: &HeaderMap) -> Result<(), &'static str> {
     let cl: Vec<_> = h.get_all(header::CONTENT_LENGTH).iter().collect();
     if cl.len() > 1 {
         return Err("more than one Content-Length");
@@ -145,7 +147,10 @@ fn smuggling_check(h: &HeaderMap) -> Result<(), &'static str> {
 /// address's text (IPv6 without brackets, IPv4-mapped IPv6 as IPv4), for
 /// the policy stage's address rules; other numeric forms (`127.1`,
 /// `0x7f.0.0.1`, `2130706433`) are refused as `IP literal`.
-fn parse_authority(a: &str, default_port: Option<u16>) -> Result<(String, u16), &'static str> {
+pub(super) fn parse_authority(
+    a: &str,
+    default_port: Option<u16>,
+) -> Result<(String, u16), &'static str> {
     if a.contains('@') {
         return Err("userinfo in the request target");
     }
@@ -184,7 +189,7 @@ fn parse_authority(a: &str, default_port: Option<u16>) -> Result<(String, u16), 
 }
 
 /// Connects the upstream of an allowed call, or the answer to give instead.
-async fn upstream_for(
+pub(super) async fn upstream_for(
     cfg: &ProxyConfig,
     tunnel: &Tunnel,
     c: &Checked,
@@ -271,7 +276,7 @@ fn method_override(h: &HeaderMap, query: Option<&str>) -> Option<String> {
     })
 }
 
-fn strip_hop_by_hop(h: &mut HeaderMap) {
+pub(super) fn strip_hop_by_hop(h: &mut HeaderMap) {
     let named: Vec<String> = h
         .get_all(header::CONNECTION)
         .iter()
@@ -303,6 +308,100 @@ async fn handle(
         return Ok(connect_tunnel(cfg, tunnel, req).await);
     }
     Ok(forward(cfg, tunnel, req).await)
+}
+
+/// The policy stage of one request, the same for plain HTTP and for a
+/// request read inside an intercepted TLS connection (`tls`): a method
+/// override refused, the path decoded strictly, the call decided
+/// ([`decide`]). On `Ok`, the call and the canonical path-and-query to
+/// forward (the one policy matched).
+pub(super) async fn judge(
+    cfg: &ProxyConfig,
+    host: String,
+    port: u16,
+    tls: bool,
+    parts: &hyper::http::request::Parts,
+) -> Result<(Checked, String), Response<Body>> {
+    let scheme = if tls { "https" } else { "http" };
+    let method = parts.method.as_str().to_string();
+    let uri = &parts.uri;
+    if let Some(why) = method_override(&parts.headers, uri.query()) {
+        let mut c = Checked::new(
+            cfg,
+            host,
+            port,
+            &method,
+            uri.path().to_string(),
+            scheme,
+            tls,
+        );
+        return Err(refuse_request(
+            cfg,
+            &mut c,
+            StatusCode::BAD_REQUEST,
+            "method_override",
+            "method-override",
+            why,
+        ));
+    }
+    // Policy matches the decoded path and the upstream gets the same path.
+    let path = match http_path(uri.path()) {
+        Ok(p) => p,
+        Err(e) => {
+            let mut c = Checked::new(
+                cfg,
+                host,
+                port,
+                &method,
+                uri.path().to_string(),
+                scheme,
+                tls,
+            );
+            return Err(refuse_request(
+                cfg,
+                &mut c,
+                StatusCode::BAD_REQUEST,
+                "bad_path",
+                "path-refused",
+                format!("{e}; the proxy forwards only paths it can match as the server reads them"),
+            ));
+        }
+    };
+    let mut c = Checked::new(
+        cfg,
+        host,
+        port,
+        &method,
+        path.canonical.clone(),
+        scheme,
+        tls,
+    );
+    if let Verdict::Refuse(r) = decide(cfg, &mut c).await {
+        return Err(r);
+    }
+    let pq = match uri.query() {
+        Some(q) => format!("{}?{q}", path.canonical),
+        None => path.canonical,
+    };
+    Ok((c, pq))
+}
+
+/// Runs the configured [`super::RequestHook`] on an allowed request, just
+/// before it goes upstream; its refusal (audited) is the answer `403
+/// egress_hook_refused` returned here, `None` lets the request go.
+pub(super) fn hook_refusal(
+    cfg: &ProxyConfig,
+    c: &Checked,
+    parts: &mut hyper::http::request::Parts,
+) -> Option<Response<Body>> {
+    let h = cfg.request_hook.as_ref()?;
+    let why = h.before_upstream(&c.call, parts).err()?;
+    record_cut(cfg, &c.call, "request-hook", why.clone());
+    Some(refuse(
+        StatusCode::FORBIDDEN,
+        "egress_hook_refused",
+        serde_json::json!({ "rule": "request-hook", "reason": why }),
+    ))
 }
 
 async fn forward(
@@ -337,38 +436,14 @@ async fn forward(
         Ok(hp) if hp == (host.clone(), port) => {}
         _ => return bad("Host header disagrees with the request URL"),
     }
-    let method = req.method().as_str().to_string();
-    if let Some(why) = method_override(req.headers(), uri.query()) {
-        let mut c = Checked::new(&cfg, host, port, &method, uri.path().to_string(), "http");
-        return refuse_request(
-            &cfg,
-            &mut c,
-            StatusCode::BAD_REQUEST,
-            "method_override",
-            "method-override",
-            why,
-        );
-    }
-    // Policy matches the decoded path and the upstream gets the same path.
-    let path = match http_path(uri.path()) {
-        Ok(p) => p,
-        Err(e) => {
-            let mut c = Checked::new(&cfg, host, port, &method, uri.path().to_string(), "http");
-            return refuse_request(
-                &cfg,
-                &mut c,
-                StatusCode::BAD_REQUEST,
-                "bad_path",
-                "path-refused",
-                format!("{e}; the proxy forwards only paths it can match as the server reads them"),
-            );
-        }
+    let (mut parts, body) = req.into_parts();
+    let (c, pq) = match judge(&cfg, host, port, false, &parts).await {
+        Ok(j) => j,
+        Err(r) => return r,
     };
-    let mut c = Checked::new(&cfg, host, port, &method, path.canonical.clone(), "http");
-    if let Verdict::Refuse(r) = decide(&cfg, &mut c).await {
+    if let Some(r) = hook_refusal(&cfg, &c, &mut parts) {
         return r;
     }
-
     let up = match upstream_for(&cfg, &tunnel, &c).await {
         Ok(s) => s,
         Err(r) => return r,
@@ -390,11 +465,6 @@ async fn forward(
         let _ = conn.await;
         drop(slot);
     });
-    let (mut parts, body) = req.into_parts();
-    let pq = match parts.uri.query() {
-        Some(q) => format!("{}?{q}", path.canonical),
-        None => path.canonical,
-    };
     parts.uri = match pq.parse() {
         Ok(u) => u,
         Err(_) => return bad("bad path"),
@@ -439,7 +509,12 @@ async fn connect_tunnel(
             return bad("Host header disagrees with the CONNECT target");
         }
     }
-    let mut c = Checked::new(&cfg, host, port, "CONNECT", String::new(), "https");
+    // A connector host on one of its TLS ports, under interception: the
+    // tunnel is terminated and every request inside judged like a plain one.
+    if let Some(ic) = intercept::applies(&cfg, &host, port) {
+        return intercept::connect(cfg, tunnel, req, ic, host, port);
+    }
+    let mut c = Checked::new(&cfg, host, port, "CONNECT", String::new(), "https", false);
     if let Verdict::Refuse(r) = decide(&cfg, &mut c).await {
         return r;
     }

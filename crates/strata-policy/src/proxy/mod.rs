@@ -16,12 +16,23 @@
 //!    splicing.
 //!
 //! Plain HTTP requests get method-level policy; `CONNECT` tunnels get
-//! host-level policy only (see `docs/policy.md`). The ClientHello's SNI of a
+//! host-level policy only (see `docs/policy.md`), except to a connector
+//! host under interception ([`intercept`], `docs/tls-interception.md`):
+//! there the proxy terminates TLS and every request inside is judged like
+//! a plain one.
+//!
+//! The place to change an allowed request before it leaves (a secrets
+//! broker injecting a credential, replacing a placeholder) is
+//! [`RequestHook`]: called once per request after the policy decision and
+//! before the request is sent upstream, plain HTTP and intercepted HTTPS
+//! alike (never for an opaque `CONNECT` tunnel: there is no request to
+//! change). The ClientHello's SNI of a
 //! tunnel must name the `CONNECT` host. [`EgressProxy`] serves the same on
 //! a TCP listener, for tests and tools.
 
 pub mod decide;
 pub mod http;
+pub mod intercept;
 pub mod sniff;
 pub mod tunnel;
 pub mod upstream;
@@ -38,6 +49,7 @@ use crate::approval::ApprovalQueue;
 use crate::audit::AuditLog;
 use crate::policy::PolicySet;
 
+pub use intercept::{InterceptError, Interception, LeafIssuer};
 pub use sniff::Sniffed;
 pub use tunnel::{HostTunnels, Refused, Tunnel, TunnelLimits, TunnelStats};
 pub use upstream::{RangeResolver, ResolveFuture, Resolver, StaticResolver, SystemResolver};
@@ -79,6 +91,23 @@ impl PolicySource for SharedPolicy {
     }
 }
 
+/// Changes (or refuses) an allowed request just before it is sent upstream:
+/// the step a secrets broker plugs into (inject a header, replace a
+/// placeholder the guest sent). Called after the policy decision (and any
+/// approval), on the request as it will be forwarded: hop-by-hop headers
+/// are stripped after it, and the path and query are the canonical ones
+/// policy matched. Not called for opaque `CONNECT` tunnels.
+pub trait RequestHook: Send + Sync {
+    /// Edit `req` for `call` (its connector resolved, `tls` set when the
+    /// request was read inside an intercepted connection); `Err(reason)`
+    /// refuses it (`403 egress_hook_refused`, audited with `reason`).
+    fn before_upstream(
+        &self,
+        call: &crate::call::ToolCall,
+        req: &mut hyper::http::request::Parts,
+    ) -> Result<(), String>;
+}
+
 /// Everything one sandbox's proxy needs (one [`Egress`] per sandbox, so it
 /// knows whose calls it sees).
 pub struct ProxyConfig {
@@ -108,6 +137,12 @@ pub struct ProxyConfig {
     /// A `CONNECT` tunnel in which no byte moves either way for this long
     /// is closed (its stream, host unit and sockets given back).
     pub tunnel_idle_timeout: Duration,
+    /// TLS interception of connector hosts (the deployment's CA and the
+    /// upstream trust); `None`: connector hosts are `CONNECT`-by-name
+    /// tunnels like any other.
+    pub intercept: Option<Arc<Interception>>,
+    /// Called on every allowed request before it goes upstream.
+    pub request_hook: Option<Arc<dyn RequestHook>>,
 }
 
 impl ProxyConfig {
@@ -127,6 +162,8 @@ impl ProxyConfig {
             host: HostTunnels::new(TunnelLimits::default()),
             head_timeout: http::HEAD_TIMEOUT,
             tunnel_idle_timeout: TUNNEL_IDLE_TIMEOUT,
+            intercept: None,
+            request_hook: None,
         }
     }
 }
@@ -179,13 +216,31 @@ impl Egress {
     {
         match sniff::sniff(stream, self.cfg.head_timeout).await {
             Sniffed::Http(s) => http::serve(self.cfg.clone(), tunnel, s).await,
-            Sniffed::Tls { sni } => {
-                // No interception yet: TLS must come through CONNECT.
-                tracing::info!(
-                    sandbox = ?self.cfg.sandbox,
-                    ?sni,
-                    "egress stream closed: TLS without CONNECT is not supported"
-                );
+            Sniffed::Tls { sni, stream } => {
+                // TLS without CONNECT: only a connector host under
+                // interception is served (on its TLS port 443).
+                let hit = sni.as_deref().and_then(|h| {
+                    let h = h.trim_end_matches('.').to_ascii_lowercase();
+                    intercept::applies(&self.cfg, &h, 443).map(|ic| (ic, h))
+                });
+                match hit {
+                    Some((ic, host)) => {
+                        intercept::serve_tls(
+                            self.cfg.clone(),
+                            Arc::new(tunnel),
+                            stream,
+                            ic,
+                            host,
+                            443,
+                        )
+                        .await
+                    }
+                    None => tracing::info!(
+                        sandbox = ?self.cfg.sandbox,
+                        ?sni,
+                        "egress stream closed: TLS without CONNECT to a host that is not intercepted"
+                    ),
+                }
             }
             Sniffed::Closed => {}
         }

@@ -2,8 +2,9 @@
 //! starts with, read before anything acts on it.
 //!
 //! - [`sniff`] looks at a new stream's first bytes: a TLS ClientHello
-//!   (a guest talking TLS to the proxy without `CONNECT`: refused today, the
-//!   place interception hooks in later) or anything else, handed on to the
+//!   (a guest talking TLS to the proxy without `CONNECT`: intercepted when
+//!   its SNI names a connector host, see [`super::intercept`], else closed)
+//!   or anything else, handed on to the
 //!   HTTP stage with the bytes put back ([`Rewind`]).
 //! - [`HeadCheck`] keeps a copy of the first request head as hyper reads it,
 //!   for the raw-byte framing checks ([`raw_head_check`]) hyper does not make.
@@ -58,10 +59,13 @@ pub(super) const MAX_HEAD: usize = 64 * 1024;
 pub enum Sniffed<S> {
     /// Not TLS: an HTTP proxy request (the stream with its first bytes put back).
     Http(Rewind<S>),
-    /// A TLS ClientHello, with the SNI it names (if any).
+    /// A TLS ClientHello, with the SNI it names (if any), and the stream
+    /// with the ClientHello put back (for interception).
     Tls {
         /// `server_name` of the ClientHello.
         sni: Option<String>,
+        /// The stream, its first bytes put back.
+        stream: Rewind<S>,
     },
     /// Closed, failed or silent for too long before a first byte.
     Closed,
@@ -82,7 +86,10 @@ pub async fn sniff<S: AsyncRead + Unpin>(mut s: S, timeout: Duration) -> Sniffed
         });
     }
     match read_hello(&mut s, first, timeout).await {
-        Some((sni, _)) => Sniffed::Tls { sni },
+        Some((sni, bytes)) => Sniffed::Tls {
+            sni,
+            stream: Rewind::new(bytes, s),
+        },
         None => Sniffed::Closed,
     }
 }
@@ -164,6 +171,16 @@ pub async fn client_hello<S: AsyncRead + Unpin>(
 pub struct Rewind<S> {
     prefix: Bytes,
     inner: S,
+}
+
+impl<S> Rewind<S> {
+    /// `inner`, with `prefix` read first.
+    pub fn new(prefix: impl Into<Bytes>, inner: S) -> Self {
+        Rewind {
+            prefix: prefix.into(),
+            inner,
+        }
+    }
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for Rewind<S> {
@@ -311,7 +328,7 @@ mod tests {
             a
         });
         match sniff(b, Duration::from_secs(2)).await {
-            Sniffed::Tls { sni } => assert_eq!(sni.as_deref(), Some("api.test")),
+            Sniffed::Tls { sni, .. } => assert_eq!(sni.as_deref(), Some("api.test")),
             other => panic!("{other:?}"),
         }
         drop(t.await.unwrap());

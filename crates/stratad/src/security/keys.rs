@@ -11,8 +11,9 @@
 //! audit chain's HMAC key ([`Purpose::AuditChain`], [`KeyStore::hmac_key`]),
 //! and the Ed25519 seed that signs snapshots and templates
 //! ([`Purpose::SnapshotSigning`], [`KeyStore::seed`]; `docs/keys.md`). The
-//! interception CA and connector secrets are meant to come here too
-//! (issue 15).
+//! egress proxy's TLS interception CA is kept in the same directory as
+//! files of its own ([`super::intercept`]); connector secrets are meant to
+//! come here too (issue 15).
 //!
 //! What it protects: a copy of the data dir (a backup, a database file, a
 //! disk image) without the key dir reveals no sealed value; a sealed value

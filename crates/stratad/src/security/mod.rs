@@ -14,6 +14,7 @@
 
 pub mod auth;
 pub mod gate;
+pub mod intercept;
 pub mod keys;
 pub mod ratelimit;
 pub mod store;
@@ -77,6 +78,9 @@ pub enum SecurityError {
         #[source]
         source: std::io::Error,
     },
+    /// The TLS interception CA or the upstream trust could not be set up.
+    #[error("TLS interception: {0}")]
+    Intercept(String),
 }
 
 /// Why a token was refused (all answer `401 unauthorized`).
@@ -242,7 +246,7 @@ impl Policies {
         let mut text = self.platform_text.clone();
         if !hosts.is_empty() {
             text.push_str(&format!(
-                "\n[[connector]]\nname = \"{BUILD_CONNECTOR}\"\nhosts = [{list}]\nports = [80, 443]\n"
+                "\n[[connector]]\nname = \"{BUILD_CONNECTOR}\"\nhosts = [{list}]\nports = [80, 443]\n# Registries are reached by name (no TLS interception): builds run on\n# images that may predate the interception CA.\nintercept = false\n"
             ));
         }
         let platform =
@@ -362,6 +366,8 @@ pub struct Security {
     tunnels: Arc<HostTunnels>,
     egress_head_timeout: std::time::Duration,
     egress_tunnel_idle_timeout: std::time::Duration,
+    /// TLS interception of connector hosts, when `egress_tls_intercept`.
+    intercept: Option<Arc<strata_policy::proxy::Interception>>,
 }
 
 impl std::fmt::Debug for Security {
@@ -461,6 +467,7 @@ impl Security {
             tunnels: HostTunnels::new(tunnel_limits(&config.egress)),
             egress_head_timeout: config.egress.head_timeout,
             egress_tunnel_idle_timeout: config.egress.tunnel_idle_timeout,
+            intercept: intercept::interception(config)?,
             cfg,
         };
         let l = sec.tunnels.limits();
@@ -743,6 +750,7 @@ impl Security {
         pc.host = self.tunnels.clone();
         pc.head_timeout = self.egress_head_timeout;
         pc.tunnel_idle_timeout = self.egress_tunnel_idle_timeout;
+        pc.intercept = self.intercept.clone();
         let proxy = Egress::new(pc);
         tracing::info!(sandbox, "egress proxy ready (in-process)");
         g.insert(sandbox.to_owned(), proxy.clone());
@@ -1018,6 +1026,7 @@ mod builder_tests {
             method: "CONNECT".into(),
             path: String::new(),
             scheme: "https".into(),
+            tls: false,
         }
     }
 

@@ -58,6 +58,10 @@ pub const START_LOG: &str = "/tmp/strata-start.log";
 /// template trusts it; it is also appended to the system bundle).
 pub const BUILD_CA_PATH: &str = "/usr/local/share/ca-certificates/strata-build-ca.crt";
 
+/// The guest's system CA bundle (Debian's), which a build's CA bundle is
+/// appended to.
+pub const SYSTEM_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
+
 /// Largest CA bundle a build accepts, in bytes.
 const MAX_CA_BUNDLE: usize = 1 << 20;
 
@@ -415,6 +419,7 @@ impl Service {
                 )));
             }
         }
+        let ca_bundle = self.with_intercept_ca(ca_bundle)?;
         let base = self.recipe_base(caller, &recipe.base).await?;
         if base.status != TemplateStatus::Ready {
             return Err(ServiceError::InvalidStateOther(format!(
@@ -446,6 +451,33 @@ impl Service {
             ca_bundle,
             recipe: recipe.clone(),
         })
+    }
+
+    /// `ca_bundle` with the deployment's TLS interception CA appended when
+    /// `[security] egress_tls_intercept` is on (docs/tls-interception.md):
+    /// a recipe's template then trusts the proxy's leaves for connector
+    /// hosts, its start command's processes included, and its cached steps
+    /// are keyed on the CA (the bundle's hash is part of the plan's
+    /// identity), so a step built under one deployment's CA is never
+    /// resumed under another's.
+    fn with_intercept_ca(&self, ca_bundle: Option<String>) -> ServiceResult<Option<String>> {
+        if !self.config.security.egress_tls_intercept {
+            return Ok(ca_bundle);
+        }
+        let pem = crate::security::intercept::open_ca(&self.config.key_dir)
+            .map_err(|e| ServiceError::Keys(e.to_string()))?
+            .pem()
+            .to_owned();
+        Ok(Some(match ca_bundle {
+            Some(mut c) => {
+                if !c.ends_with('\n') {
+                    c.push('\n');
+                }
+                c.push_str(&pem);
+                c
+            }
+            None => pem,
+        }))
     }
 
     /// `recipe` planned on `base`'s content identity (and the CA bundle's).
@@ -675,6 +707,12 @@ impl Service {
         let mut extra_env = BTreeMap::new();
         if let Some(ca) = &job.ca_bundle {
             extra_env.insert("NODE_EXTRA_CA_CERTS".to_owned(), BUILD_CA_PATH.to_owned());
+            // Python `requests` reads certifi's bundle unless told: the
+            // system bundle (with the CA appended below) for both it and
+            // OpenSSL-based clients that honour SSL_CERT_FILE.
+            for k in ["SSL_CERT_FILE", "REQUESTS_CA_BUNDLE"] {
+                extra_env.insert(k.to_owned(), SYSTEM_CA_BUNDLE.to_owned());
+            }
             if first == 0 && !resumed_final {
                 self.set_progress(&tpl.id, "installing the build's CA bundle", Some(0.0));
                 log.line("strata: installing the CA bundle given to the build")

@@ -124,6 +124,26 @@ fn logged(stream: ExecStream, tap: Option<super::LogTap>) -> ExecStream {
 }
 
 impl Service {
+    /// With `[security] egress_tls_intercept` on, `req` with
+    /// `SSL_CERT_FILE`, `REQUESTS_CA_BUNDLE` and `NODE_EXTRA_CA_CERTS`
+    /// pointing at the guest's system bundle (where a recipe template
+    /// carries the deployment's interception CA: `service::build`) unless
+    /// the request sets them: Python `requests` reads certifi's bundle and
+    /// Node its own roots otherwise, and would not trust the proxy's leaves
+    /// for connector hosts (docs/tls-interception.md). The file is the one
+    /// OpenSSL reads by default on Debian, so nothing else changes for a
+    /// guest without the CA.
+    fn with_tls_env(&self, mut req: ExecRequest) -> ExecRequest {
+        if self.config.security.egress_tls_intercept {
+            for k in ["SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS"] {
+                req.env
+                    .entry(k.to_owned())
+                    .or_insert_with(|| super::build::SYSTEM_CA_BUNDLE.to_owned());
+            }
+        }
+        req
+    }
+
     /// Runs a command; the stream ends with the exit event.
     pub async fn exec(
         self: &Arc<Self>,
@@ -184,6 +204,7 @@ impl Service {
         let rec = self.ensure_awake(id).await?;
         rec.state.apply(Op::Exec)?;
         let tap = self.logs.start(id, &req.command, req.pty.is_some());
+        let req = self.with_tls_env(req);
         let (stream, inputs) = self.engine.exec_interactive(id, req).await?;
         Ok((logged(stream, tap), inputs))
     }
@@ -208,6 +229,7 @@ impl Service {
                 tap
             })
         });
+        let req = self.with_tls_env(req);
         let stream = self.engine.exec(id, req).await?;
         let metrics = self.metrics.clone();
         let stream = stream
