@@ -50,6 +50,15 @@ pub enum ErrorCode {
     /// `copy` whose files were not uploaded); the message names the step
     /// or line.
     InvalidRecipe,
+    /// The daemon's metadata store (its SQLite file) has no room left to
+    /// record the change; nothing was done. Retry once the operator freed
+    /// space on the data dir's file system.
+    StoreFull,
+    /// The storage pool refused a write for another reason than running
+    /// full: an I/O error, or the pool went read-only (btrfs does that
+    /// itself after a device error). Nothing was done; what was
+    /// acknowledged before is kept.
+    StorageFailed,
     /// Anything else; a bug or an environment problem.
     Internal,
 }
@@ -66,7 +75,8 @@ impl ErrorCode {
             ErrorCode::PayloadTooLarge => 413,
             ErrorCode::SnapshotUnusable => 422,
             ErrorCode::RateLimited => 429,
-            ErrorCode::InsufficientCapacity | ErrorCode::PoolFull => 507,
+            ErrorCode::InsufficientCapacity | ErrorCode::PoolFull | ErrorCode::StoreFull => 507,
+            ErrorCode::StorageFailed => 503,
             ErrorCode::AgentError => 502,
             ErrorCode::AgentTimeout => 504,
             ErrorCode::VmFailed | ErrorCode::Internal => 500,
@@ -92,5 +102,9 @@ mod tests {
         assert_eq!(ErrorCode::InvalidState.http_status(), 409);
         assert_eq!(ErrorCode::QuotaExceeded.as_str(), "quota_exceeded");
         assert_eq!(ErrorCode::QuotaExceeded.http_status(), 403);
+        assert_eq!(ErrorCode::StoreFull.as_str(), "store_full");
+        assert_eq!(ErrorCode::StoreFull.http_status(), 507);
+        assert_eq!(ErrorCode::StorageFailed.as_str(), "storage_failed");
+        assert_eq!(ErrorCode::StorageFailed.http_status(), 503);
     }
 }

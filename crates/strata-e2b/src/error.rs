@@ -85,6 +85,7 @@ pub fn refusal_code(r: &GateRefusal) -> Code {
         GateRefusal::Denied { .. } | GateRefusal::Pending(_) => Code::PermissionDenied,
         GateRefusal::Invalid(_) => Code::InvalidArgument,
         GateRefusal::Internal(_) => Code::Internal,
+        GateRefusal::Full(_) => Code::ResourceExhausted,
     }
 }
 

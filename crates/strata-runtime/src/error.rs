@@ -208,6 +208,10 @@ impl RuntimeError {
             RuntimeError::SnapshotUnusable { .. } => ErrorCode::SnapshotUnusable,
             RuntimeError::PoolFull => ErrorCode::PoolFull,
             RuntimeError::Vmm { .. } | RuntimeError::VmFailed { .. } => ErrorCode::VmFailed,
+            RuntimeError::Storage(e) if e.is_device_failure() => ErrorCode::StorageFailed,
+            RuntimeError::Io { source, .. } if strata_storage::is_device_errno(source) => {
+                ErrorCode::StorageFailed
+            }
             RuntimeError::Storage(_) | RuntimeError::Io { .. } => ErrorCode::Internal,
             RuntimeError::AgentTimeout { .. } => ErrorCode::AgentTimeout,
             RuntimeError::Busy(_) => ErrorCode::Conflict,
@@ -449,6 +453,20 @@ mod tests {
                 ErrorCode::SnapshotUnusable,
             ),
             (RuntimeError::PoolFull, ErrorCode::PoolFull),
+            (
+                RuntimeError::Io {
+                    what: "write".into(),
+                    source: std::io::Error::from_raw_os_error(libc::EROFS),
+                },
+                ErrorCode::StorageFailed,
+            ),
+            (
+                RuntimeError::Io {
+                    what: "write".into(),
+                    source: std::io::Error::from_raw_os_error(libc::EPERM),
+                },
+                ErrorCode::Internal,
+            ),
             (
                 RuntimeError::VmFailed {
                     id: "a".into(),

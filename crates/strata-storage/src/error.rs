@@ -139,6 +139,18 @@ impl StorageError {
     pub fn is_no_space(&self) -> bool {
         matches!(self, StorageError::NoSpace { .. })
     }
+
+    /// True when the file system refused because its device failed: an
+    /// I/O error (EIO), or the pool is read-only (EROFS; btrfs turns
+    /// read-only by itself after a write error).
+    pub fn is_device_failure(&self) -> bool {
+        matches!(self, StorageError::Io { source, .. } if is_device_errno(source))
+    }
+}
+
+/// EIO or EROFS: the device failed or the file system went read-only.
+pub fn is_device_errno(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EIO) | Some(libc::EROFS))
 }
 
 /// Result alias of this crate.
@@ -167,6 +179,11 @@ mod tests {
         assert!(matches!(e, StorageError::AlreadyExists { .. }));
         let e = StorageError::io("open", "/p/x", io::Error::from_raw_os_error(libc::EIO));
         assert!(matches!(e, StorageError::Io { .. }));
+        assert!(e.is_device_failure());
+        let e = StorageError::io("open", "/p/x", io::Error::from_raw_os_error(libc::EROFS));
+        assert!(e.is_device_failure());
+        let e = StorageError::io("open", "/p/x", io::Error::from_raw_os_error(libc::EPERM));
+        assert!(!e.is_device_failure());
     }
 
     #[test]

@@ -29,7 +29,7 @@ mod usage;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use error::{Result, StorageError};
+pub use error::{is_device_errno, Result, StorageError};
 pub use pool::{
     unmount_image, Pool, PoolConfig, PoolOptions, PoolUsage, ReserveStatus, UsageMethod, LAYOUT,
     MIN_IMAGE_SIZE, MOUNT_OPTIONS, RESERVE_FILE,

@@ -147,6 +147,10 @@ impl ToolGate for SecurityGate {
         })
         .await
         .map_err(|e| format!("audit: {e}"))?
+        .map_err(|r| match r {
+            GateRefusal::Internal(m) | GateRefusal::Full(m) => m,
+            other => format!("{other:?}"),
+        })
     }
 }
 
@@ -225,6 +229,9 @@ pub enum GateRefusal {
     Pending(Box<ApprovalRequest>),
     /// The audit log or the approval queue failed: fail closed.
     Internal(String),
+    /// The audit log's file system is full (the data dir): fail closed
+    /// with `507 store_full`; the call can succeed once space is freed.
+    Full(String),
 }
 
 /// Rule ids of the gate's own refusals of an approval (with no policy
@@ -314,7 +321,6 @@ impl Security {
         tokio::task::spawn_blocking(move || sec.record(&call, &d, outcome, approval_id, None))
             .await
             .map_err(|e| GateRefusal::Internal(format!("audit: {e}")))?
-            .map_err(GateRefusal::Internal)
     }
 
     /// Decides `call`: `Ok` when it may run (allowed, or approved). Every

@@ -36,6 +36,10 @@ use strata_policy::proxy::{
 use strata_policy::{Decision, Policy, PolicySet, ToolCall};
 use strata_proto::client::{OpenFuture, TunnelHandler, TunnelService, TunnelStream};
 
+/// How the audit head sink says the security store's disk is full (its
+/// error is a string): the write fails closed with `507 store_full`.
+const STORE_FULL: &str = "store full";
+
 use crate::config::Config;
 pub use crate::config::SecurityConfig;
 use crate::store::DEFAULT_TENANT;
@@ -415,7 +419,16 @@ impl Security {
         // included): a cut tail is detected at the next start.
         let st = store.clone();
         audit.set_head_sink(Box::new(move |seq, hash| {
-            st.set_audit_head(seq, hash).map_err(|e| e.to_string())
+            st.set_audit_head(seq, hash).map_err(|e| {
+                let full = matches!(&e, store::SecStoreError::Sqlite(rusqlite::Error::SqliteFailure(f, _))
+                    if f.code == rusqlite::ErrorCode::DiskFull);
+                let msg = strata_runtime::error::chain(&e);
+                if full {
+                    format!("{STORE_FULL}: {msg}")
+                } else {
+                    msg
+                }
+            })
         }));
         spawn_audit_flusher(&audit);
         let approvals = ApprovalQueue::open(
@@ -687,7 +700,7 @@ impl Security {
         outcome: Outcome,
         approval_id: Option<String>,
         by: Option<String>,
-    ) -> Result<(), String> {
+    ) -> Result<(), gate::GateRefusal> {
         self.audit
             .append(
                 call,
@@ -695,7 +708,21 @@ impl Security {
                 by,
             )
             .map(|_| ())
-            .map_err(|e| format!("audit log: {e}"))
+            .map_err(|e| {
+                let full = match &e {
+                    audit::AuditError::Io { source, .. } => {
+                        source.raw_os_error() == Some(libc::ENOSPC)
+                    }
+                    audit::AuditError::Head(m) => m.starts_with(STORE_FULL),
+                    _ => false,
+                };
+                let msg = format!("audit log: {}", strata_runtime::error::chain(&e));
+                if full {
+                    gate::GateRefusal::Full(msg)
+                } else {
+                    gate::GateRefusal::Internal(msg)
+                }
+            })
     }
 
     /// The audit log.

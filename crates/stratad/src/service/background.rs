@@ -6,6 +6,9 @@ use super::prelude::*;
 /// end before it is taken anyway.
 const ROLLING_DEFER: Duration = Duration::from_secs(10);
 
+/// How long a VM's death waits for the operation that holds its sandbox.
+const EXIT_WAIT: Duration = Duration::from_secs(600);
+
 /// The scheduler's view of the service (needs `Arc<Service>` for spawns).
 #[derive(Debug, Clone)]
 pub struct ScheduledActions(pub Arc<Service>);
@@ -96,10 +99,29 @@ impl Service {
         }
         let span = tracing::info_span!("vm_exit", sandbox = %id);
         async {
-            let Ok(_g) = self.acquire(id, Op::Fail, Who::User).await else {
-                // A user operation holds the sandbox; it sees the failure itself.
-                warn!(reason, "vm exited during another operation");
-                return;
+            let _g = match self.acquire(id, Op::Fail, Who::User).await {
+                Ok(g) => g,
+                Err(_) => {
+                    // An operation holds the sandbox: it fails, but it does
+                    // not record the death. Once it ends, the sandbox is
+                    // failed and recovered here unless the operation left a
+                    // VM running (a rewind replaces it, a delete ends it).
+                    warn!(
+                        reason,
+                        "vm exited during another operation; handled when it ends"
+                    );
+                    let Some(g) = self.acquire_when_free(id).await else {
+                        return;
+                    };
+                    let alive = match self.engine.live_vms().await {
+                        Ok(vms) => vms.iter().any(|v| &v.id == id),
+                        Err(_) => true,
+                    };
+                    if alive {
+                        return;
+                    }
+                    g
+                }
             };
             let Ok(mut rec) = self.record(id).await else {
                 return;
@@ -130,6 +152,20 @@ impl Service {
         }
         .instrument(span)
         .await
+    }
+
+    /// The op lock of `id` once no operation holds it (polled; at most
+    /// [`EXIT_WAIT`]).
+    async fn acquire_when_free(&self, id: &SandboxId) -> Option<OpGuard> {
+        let t0 = Instant::now();
+        while t0.elapsed() < EXIT_WAIT {
+            if let Ok(g) = self.acquire(id, Op::Fail, Who::Background).await {
+                return Some(g);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        warn!(sandbox = %id, "the operation that saw its VM die did not end; left to recovery");
+        None
     }
 
     /// Consumes the engine's exit events until it closes the stream.

@@ -67,7 +67,7 @@ pub enum ServiceError {
 
 pub(crate) fn gate_message(r: &GateRefusal) -> String {
     match r {
-        GateRefusal::Invalid(m) | GateRefusal::Internal(m) => m.clone(),
+        GateRefusal::Invalid(m) | GateRefusal::Internal(m) | GateRefusal::Full(m) => m.clone(),
         GateRefusal::Denied { message, .. } => message.clone(),
         GateRefusal::Pending(req) => format!("held for approval {}", req.id),
     }
@@ -89,6 +89,7 @@ impl ServiceError {
             ServiceError::VariantBuilding(_) => ErrorCode::InvalidState,
             ServiceError::Engine(e) => e.code(),
             ServiceError::Store(StoreError::BadCursor) => ErrorCode::InvalidRequest,
+            ServiceError::Store(e) if e.is_full() => ErrorCode::StoreFull,
             ServiceError::Store(_) => ErrorCode::Internal,
             ServiceError::Forbidden(_) => ErrorCode::Forbidden,
             ServiceError::Keys(_) => ErrorCode::Internal,
@@ -100,6 +101,7 @@ impl ServiceError {
             },
             ServiceError::Gate(GateRefusal::Invalid(_)) => ErrorCode::InvalidRequest,
             ServiceError::Gate(GateRefusal::Internal(_)) => ErrorCode::Internal,
+            ServiceError::Gate(GateRefusal::Full(_)) => ErrorCode::StoreFull,
             ServiceError::Gate(GateRefusal::Denied { decision, .. })
                 if crate::security::gate::is_approval_limit(decision) =>
             {
@@ -131,5 +133,28 @@ pub(crate) fn not_found(kind: &'static str, id: impl ToString) -> ServiceError {
     ServiceError::NotFound {
         kind,
         id: id.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sqlite(code: std::ffi::c_int) -> StoreError {
+        StoreError::Db(rusqlite::Error::SqliteFailure(
+            rusqlite::ffi::Error::new(code),
+            None,
+        ))
+    }
+
+    #[test]
+    fn a_full_store_is_store_full_other_store_errors_internal() {
+        let full = ServiceError::Store(sqlite(rusqlite::ffi::SQLITE_FULL));
+        assert_eq!(full.code(), ErrorCode::StoreFull);
+        assert_eq!(full.code().http_status(), 507);
+        let busy = ServiceError::Store(sqlite(rusqlite::ffi::SQLITE_BUSY));
+        assert_eq!(busy.code(), ErrorCode::Internal);
+        let gate = ServiceError::Gate(GateRefusal::Full("audit log: full".into()));
+        assert_eq!(gate.code(), ErrorCode::StoreFull);
     }
 }

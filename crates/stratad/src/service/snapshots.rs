@@ -161,7 +161,19 @@ impl Service {
         }
         let before = self.before_snapshot(id).await;
         let started = Instant::now();
-        let mut result = self.engine.snapshot(id, &snap.id).await;
+        // The record said running: an engine that no longer runs the VM
+        // lost it under the snapshot (killed, crashed), not a wrong state.
+        let mut result = self
+            .engine
+            .snapshot(id, &snap.id)
+            .await
+            .map_err(|e| match e {
+                RuntimeError::NotRunning { id } => RuntimeError::VmFailed {
+                    id,
+                    reason: "the VM ended during the snapshot".into(),
+                },
+                e => e,
+            });
         let mut refused = None;
         if quota && kind == SnapshotKind::Manual && result.is_ok() {
             // What it adds, against what the tenant holds without it.

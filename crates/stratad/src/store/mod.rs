@@ -482,6 +482,19 @@ pub enum StoreError {
     Task(String),
 }
 
+impl StoreError {
+    /// True when the database's file system has no room left (SQLite's
+    /// `SQLITE_FULL`): the write was not made; it can succeed once space
+    /// is freed.
+    pub fn is_full(&self) -> bool {
+        let db = match self {
+            StoreError::Db(e) | StoreError::Open { source: e, .. } => e,
+            _ => return false,
+        };
+        matches!(db, rusqlite::Error::SqliteFailure(f, _) if f.code == rusqlite::ErrorCode::DiskFull)
+    }
+}
+
 /// Result of store calls.
 pub type StoreResult<T> = Result<T, StoreError>;
 

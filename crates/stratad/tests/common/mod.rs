@@ -50,7 +50,38 @@ fn cleanup(root: &std::path::Path, daemon_pid: Option<i32>) {
             wait_gone(pid, Duration::from_secs(10));
         }
     }
+    unmount_fixtures(root);
     remove_daemon_root(root);
+}
+
+/// `<root>/fixture-mounts`: mount points a test set up under a daemon's
+/// root before it started ([`Daemon::start_on`]), one a line; at cleanup,
+/// once the QEMUs are gone, each is unmounted (last first; `<mp>.img`
+/// beside it is a loop-mounted image whose loop device is detached).
+pub const FIXTURE_MOUNTS: &str = "fixture-mounts";
+
+fn unmount_fixtures(root: &std::path::Path) {
+    let Ok(text) = std::fs::read_to_string(root.join(FIXTURE_MOUNTS)) else {
+        return;
+    };
+    strata_testkit::teardown::kill_qemus(&root.join("run"));
+    for mp in text.lines().rev().filter(|l| !l.is_empty()) {
+        let mp = PathBuf::from(mp);
+        let img = mp.with_extension("img");
+        let r = if img.exists() {
+            strata_storage::unmount_image(&mp, &img, Duration::from_secs(10))
+                .map_err(|e| e.to_string())
+        } else {
+            Command::new("umount")
+                .arg(&mp)
+                .status()
+                .map_err(|e| e.to_string())
+                .and_then(|s| s.success().then_some(()).ok_or(format!("umount: {s}")))
+        };
+        if let Err(e) = r {
+            eprintln!("test cleanup: {} stays mounted: {e}", mp.display());
+        }
+    }
 }
 
 /// A `stratad` child process and its directories.
@@ -76,6 +107,13 @@ impl Daemon {
     /// idle hibernation unless a sandbox asks, no warm pools unless `extra`
     /// has a `[pools]` table).
     pub fn start(extra: &str) -> Daemon {
+        Self::start_on(extra, |_| {})
+    }
+
+    /// [`Daemon::start`], with `prepare` run on the fresh root before the
+    /// daemon starts (to mount something under it: list such mounts in
+    /// `<root>/`[`FIXTURE_MOUNTS`] so that cleanup unmounts them).
+    pub fn start_on(extra: &str, prepare: impl FnOnce(&std::path::Path)) -> Daemon {
         ATEXIT.call_once(|| {
             // SAFETY: registers a plain extern "C" fn without captures.
             unsafe { libc::atexit(cleanup_all) };
@@ -86,6 +124,12 @@ impl Daemon {
             .tempdir_in("/tmp")
             .expect("scratch dir")
             .keep();
+        REGISTRY.lock().expect("registry").push(Registered {
+            root: root.clone(),
+            pid: None,
+        });
+        prepare(&root);
+        let extra = &extra.replace("{root}", &root.display().to_string());
         let run_dir = root.join("run");
         let port = strata_testkit::free_port();
         let config = root.join("config.toml");
@@ -149,10 +193,6 @@ disk_gib = 2
             )
             .token_file(root.join("data/admin.token")),
         };
-        REGISTRY.lock().expect("registry").push(Registered {
-            root: root.clone(),
-            pid: None,
-        });
         d.spawn();
         d
     }
