@@ -996,6 +996,7 @@ async fn recovery_restores_a_sandbox_whose_vm_died() {
 
 mod approvals;
 mod durations;
+mod events;
 mod keys;
 mod matrix;
 mod quotas;

@@ -362,6 +362,8 @@ pub struct Security {
     tunnels: Arc<HostTunnels>,
     egress_head_timeout: std::time::Duration,
     egress_tunnel_idle_timeout: std::time::Duration,
+    /// Where audited approvals and refusals are journaled (`events`).
+    journal: std::sync::OnceLock<Arc<crate::events::JournalSink>>,
 }
 
 impl std::fmt::Debug for Security {
@@ -461,6 +463,7 @@ impl Security {
             tunnels: HostTunnels::new(tunnel_limits(&config.egress)),
             egress_head_timeout: config.egress.head_timeout,
             egress_tunnel_idle_timeout: config.egress.tunnel_idle_timeout,
+            journal: std::sync::OnceLock::new(),
             cfg,
         };
         let l = sec.tunnels.limits();
@@ -681,6 +684,11 @@ impl Security {
         approval_id: Option<String>,
         by: Option<String>,
     ) -> Result<(), String> {
+        let req = match (&approval_id, self.journal.get()) {
+            (Some(id), Some(_)) => self.approvals.get(&call.tenant, id).ok(),
+            _ => None,
+        };
+        let by_journal = by.clone();
         self.audit
             .append(
                 call,
@@ -688,7 +696,16 @@ impl Security {
                 by,
             )
             .map(|_| ())
-            .map_err(|e| format!("audit log: {e}"))
+            .map_err(|e| format!("audit log: {e}"))?;
+        if let Some(sink) = self.journal.get() {
+            sink.decided(call, decision, outcome, req.as_ref(), by_journal.as_deref());
+        }
+        Ok(())
+    }
+
+    /// Journals every audited approval and refusal from now on (once).
+    pub fn set_journal(&self, sink: Arc<crate::events::JournalSink>) {
+        let _ = self.journal.set(sink);
     }
 
     /// The audit log.

@@ -699,3 +699,42 @@ fn same_as_round_trips_and_schema_11_rows_read_as_none() {
     let j = serde_json::to_value(&same).unwrap();
     assert_eq!(j["same_as"], old.id.as_str());
 }
+
+#[test]
+fn the_journal_keeps_every_kind_in_one_order_and_only_retention_prunes_it() {
+    use crate::store::{JournalKind, JournalNote};
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(&dir);
+    let rec = sandbox(1, SandboxState::Running);
+    s.insert_sandbox(&rec, &created(&rec)).unwrap();
+    let mut changes = s.journal_changes();
+    changes.borrow_and_update();
+    let old = Utc::now() - chrono::TimeDelta::days(30);
+    let seq = s
+        .append_journal(&JournalNote {
+            at: old,
+            tenant: rec.tenant.clone(),
+            sandbox_id: rec.id.to_string(),
+            kind: JournalKind::Approval,
+            topic: "approval.requested".into(),
+            data: serde_json::json!({ "action": "requested", "approval_id": "a1" }),
+        })
+        .unwrap();
+    assert!(changes.has_changed().unwrap(), "a commit wakes the readers");
+    let all = s.journal_after(&rec.tenant, None, 0, 100).unwrap();
+    assert_eq!(all.len(), 2);
+    assert_eq!(all[0].kind, JournalKind::Sandbox);
+    assert_eq!(all[1].seq, seq);
+    let m = all[1].message();
+    assert_eq!(m["kind"], "approval");
+    assert_eq!(m["approval_id"], "a1");
+    assert_eq!(m["sandbox_id"], rec.id.as_str());
+    // The transition list of the sandbox is unchanged: transitions only.
+    assert_eq!(s.events(&rec.id, 10).unwrap().len(), 1);
+    assert!(s.journal_after("other", None, 0, 100).unwrap().is_empty());
+    // Deletes stay refused outside retention; retention prunes by age.
+    assert!(s.writer().execute("DELETE FROM events", []).is_err());
+    assert_eq!(s.prune_journal(Utc::now() - chrono::TimeDelta::days(7)).unwrap(), 1);
+    assert_eq!(s.journal_after(&rec.tenant, None, 0, 100).unwrap().len(), 1);
+    assert!(s.writer().execute("DELETE FROM events", []).is_err());
+}
