@@ -22,8 +22,23 @@ pub(super) fn wants_stream(headers: &HeaderMap) -> bool {
 
 /// The cursor: `Last-Event-ID` (set by a reconnecting client) over
 /// `?after=` (the first connection's).
-fn cursor(c: &Call, headers: &HeaderMap) -> ApiResult<i64> {
-    let params = c.params(&["after"], &[], false)?;
+fn cursor(c: &Call, headers: &HeaderMap) -> ApiResult<(i64, bool)> {
+    let params = c.params(&["after", "follow"], &[], false)?;
+    let follow = match params.one("follow") {
+        None | Some("true" | "1" | "") => true,
+        Some("false" | "0") => false,
+        Some(_) => {
+            return Err(ApiError::new(
+                ErrorCode::InvalidRequest,
+                "follow: expected true or false",
+            ))
+        }
+    };
+    let after = cursor_of(&params, headers)?;
+    Ok((after, follow))
+}
+
+fn cursor_of(params: &super::Params, headers: &HeaderMap) -> ApiResult<i64> {
     let parse = |what: &str, v: &str| {
         v.trim().parse::<i64>().ok().filter(|n| *n >= 0).ok_or_else(|| {
             ApiError::new(
@@ -45,7 +60,12 @@ fn cursor(c: &Call, headers: &HeaderMap) -> ApiResult<i64> {
 }
 
 /// A stream of `tenant`'s journal (one sandbox's when given).
-fn open_stream(c: &Call, tenant: &str, sandbox: Option<String>, after: i64) -> ApiResult<Response> {
+fn open_stream(
+    c: &Call,
+    tenant: &str,
+    sandbox: Option<String>,
+    (after, follow): (i64, bool),
+) -> ApiResult<Response> {
     let max = c.svc.config().events.max_streams_per_tenant;
     let slot = c.svc.event_streams().open(tenant, max).ok_or_else(|| {
         ApiError::new(
@@ -59,6 +79,7 @@ fn open_stream(c: &Call, tenant: &str, sandbox: Option<String>, after: i64) -> A
         tenant.to_owned(),
         sandbox,
         after,
+        follow,
     ))
 }
 

@@ -24,17 +24,19 @@ use crate::service::Service;
 const PAGE: usize = 256;
 
 /// The stream of `tenant`'s journal (of `sandbox` only, when given) after
-/// `after`, holding `slot` while it is open.
+/// `after`, holding `slot` while it is open; `follow: false` ends it after
+/// the backlog.
 pub fn respond(
     svc: Arc<Service>,
     slot: StreamSlot,
     tenant: String,
     sandbox: Option<String>,
     after: i64,
+    follow: bool,
 ) -> Response {
     let cfg = svc.config().events.clone();
     let (tx, mut rx) = mpsc::channel::<SseEvent>(cfg.buffer.max(1));
-    tokio::spawn(produce(svc, slot, tenant, sandbox, after, tx));
+    tokio::spawn(produce(svc, slot, tenant, sandbox, after, follow, tx));
     let body = futures::stream::poll_fn(move |cx| rx.poll_recv(cx).map(|o| o.map(Ok::<_, Infallible>)));
     let mut resp = Sse::new(body)
         .keep_alive(
@@ -57,6 +59,7 @@ async fn produce(
     tenant: String,
     sandbox: Option<String>,
     mut cursor: i64,
+    follow: bool,
     tx: mpsc::Sender<SseEvent>,
 ) {
     let _slot = slot;
@@ -77,6 +80,9 @@ async fn produce(
             }
         };
         if batch.is_empty() {
+            if !follow {
+                return;
+            }
             tokio::select! {
                 r = changes.changed() => if r.is_err() { return },
                 _ = tx.closed() => return,

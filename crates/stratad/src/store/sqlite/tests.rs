@@ -734,7 +734,16 @@ fn the_journal_keeps_every_kind_in_one_order_and_only_retention_prunes_it() {
     assert!(s.journal_after("other", None, 0, 100).unwrap().is_empty());
     // Deletes stay refused outside retention; retention prunes by age.
     assert!(s.writer().execute("DELETE FROM events", []).is_err());
-    assert_eq!(s.prune_journal(Utc::now() - chrono::TimeDelta::days(7)).unwrap(), 1);
-    assert_eq!(s.journal_after(&rec.tenant, None, 0, 100).unwrap().len(), 1);
-    assert!(s.writer().execute("DELETE FROM events", []).is_err());
+    let recent = Utc::now() - chrono::TimeDelta::days(7);
+    let kept: Vec<i64> = all.iter().filter(|e| e.at >= recent).map(|e| e.seq).collect();
+    let pruned = s.prune_journal(recent).unwrap();
+    assert_eq!(pruned as usize, all.len() - kept.len());
+    let left: Vec<i64> = s
+        .journal_after(&rec.tenant, None, 0, 100)
+        .unwrap()
+        .iter()
+        .map(|e| e.seq)
+        .collect();
+    assert_eq!(left, kept);
+    assert!(!left.contains(&seq), "the 30-day-old entry is pruned");
 }
