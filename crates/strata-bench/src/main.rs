@@ -19,7 +19,8 @@ use futures::FutureExt;
 use strata_bench::ctx::{teardown_all, Ctx};
 use strata_bench::report::{commit, Machine, Report, Section};
 use strata_bench::sections::{
-    self, density, history, interp, load, packing, pool, recipe, restore, scale, sdk, snapshot,
+    self, density, events, history, interp, load, packing, pool, recipe, restore, scale, sdk,
+    snapshot,
 };
 use strata_core::Accel;
 use strata_vmm::VmmDriver;
@@ -86,6 +87,11 @@ struct Cli {
         next_help_heading = "11. Packing by use (only with --only packing)"
     )]
     packing: packing::Args,
+    #[command(
+        flatten,
+        next_help_heading = "12. Approval notifications (only with --only events)"
+    )]
+    events: events::Args,
 }
 
 fn title(key: &str) -> &'static str {
@@ -103,6 +109,7 @@ fn title(key: &str) -> &'static str {
         "packing" => {
             "11. Packing: admission by use and pressure hibernation vs nominal vCPUs, 10 % active"
         }
+        "events" => "12. Approval notifications: request → webhook delivery and → event stream",
         _ => "unknown section",
     }
 }
@@ -141,6 +148,7 @@ async fn run_section(key: &str, ctx: &Ctx, cli: &Cli) -> Section {
                 "pool" => pool::run(ctx, &cli.pool, &mut sec).await,
                 "interp" => interp::run(ctx, &cli.interp, &mut sec).await,
                 "packing" => packing::run(ctx, &cli.packing, &mut sec).await,
+                "events" => events::run(ctx, &cli.events, &mut sec).await,
                 other => Err(anyhow!("unknown section {other:?}")),
             }
         };
@@ -205,6 +213,7 @@ fn main() -> Result<()> {
         cli.pool.smoke();
         cli.interp.smoke();
         cli.packing.smoke();
+        cli.events.smoke();
     }
     let requested: Accel = cli.accel.parse().map_err(|e: String| anyhow!(e))?;
     let image = image_dir(&cli)?;

@@ -6,6 +6,7 @@
 //! as it measures, so a failure part-way still reports what was measured.
 
 pub mod density;
+pub mod events;
 pub mod history;
 pub mod interp;
 pub mod load;
@@ -24,5 +25,6 @@ pub const ALL: &[&str] = &["snapshot", "restore", "load", "density", "history", 
 /// smoke run): `sdk` needs the `e2b` package from PyPI, `recipe` the
 /// package registries, `pool` runs two daemons for minutes, `interp` the
 /// code-interpreter template (a cold build ~25 min under TCG), `packing`
-/// a hundred sandboxes for about ten minutes.
-pub const OPT_IN: &[&str] = &["sdk", "recipe", "pool", "interp", "packing"];
+/// a hundred sandboxes for about ten minutes; `events` (no VMs, seconds)
+/// measures notifications of approval requests.
+pub const OPT_IN: &[&str] = &["sdk", "recipe", "pool", "interp", "packing", "events"];

@@ -181,6 +181,9 @@ mod tests {
         let v = serde_json::json!({"seq": 3, "at": "t", "kind": "approval", "sandbox_id": "sb-1",
             "action": "requested", "approval_id": "a", "requested_by": "token:tok-1", "summary": "exec curl"});
         let l = describe(&v);
-        assert!(l.contains("approval a requested by token:tok-1: exec curl"), "{l}");
+        assert!(
+            l.contains("approval a requested by token:tok-1: exec curl"),
+            "{l}"
+        );
     }
 }

@@ -40,17 +40,21 @@ fn cursor(c: &Call, headers: &HeaderMap) -> ApiResult<(i64, bool)> {
 
 fn cursor_of(params: &super::Params, headers: &HeaderMap) -> ApiResult<i64> {
     let parse = |what: &str, v: &str| {
-        v.trim().parse::<i64>().ok().filter(|n| *n >= 0).ok_or_else(|| {
-            ApiError::new(
-                ErrorCode::InvalidRequest,
-                format!("{what}: a journal seq (a non-negative integer)"),
-            )
-        })
+        v.trim()
+            .parse::<i64>()
+            .ok()
+            .filter(|n| *n >= 0)
+            .ok_or_else(|| {
+                ApiError::new(
+                    ErrorCode::InvalidRequest,
+                    format!("{what}: a journal seq (a non-negative integer)"),
+                )
+            })
     };
     if let Some(v) = headers.get("last-event-id") {
-        let v = v.to_str().map_err(|_| {
-            ApiError::new(ErrorCode::InvalidRequest, "Last-Event-ID: not text")
-        })?;
+        let v = v
+            .to_str()
+            .map_err(|_| ApiError::new(ErrorCode::InvalidRequest, "Last-Event-ID: not text"))?;
         return parse("Last-Event-ID", v);
     }
     match params.one("after") {
@@ -100,8 +104,9 @@ pub(super) async fn sandbox_events(c: Call, headers: HeaderMap) -> ApiResult<Res
     let id: SandboxId = c.id()?;
     if !wants_stream(&headers) {
         c.no_query()?;
-        return Ok(Json(json!({ "items": c.svc.events(&c.caller, &id, 1000).await? }))
-            .into_response());
+        return Ok(
+            Json(json!({ "items": c.svc.events(&c.caller, &id, 1000).await? })).into_response(),
+        );
     }
     let after = cursor(&c, &headers)?;
     // Another tenant's sandbox answers as an unknown one.
@@ -124,7 +129,9 @@ pub(super) async fn create_webhook(
 /// `GET /v1/webhooks`.
 pub(super) async fn list_webhooks(c: Call) -> ApiResult<impl IntoResponse> {
     c.no_query()?;
-    Ok(Json(json!({ "items": c.svc.list_webhooks(&c.caller).await? })))
+    Ok(Json(
+        json!({ "items": c.svc.list_webhooks(&c.caller).await? }),
+    ))
 }
 
 /// `DELETE /v1/webhooks/:id`.

@@ -197,7 +197,6 @@ pub(super) async fn rewind(c: Call, Body(b): Body<RewindBody>) -> ApiResult<impl
     ))
 }
 
-
 pub(super) async fn take_snapshot(
     c: Call,
     Body(cmd): Body<TakeSnapshot>,

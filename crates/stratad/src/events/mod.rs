@@ -274,7 +274,8 @@ impl JournalSink {
                 at: now,
                 suppressed: 0,
             });
-        b.tokens = (b.tokens + now.duration_since(b.at).as_secs_f64() * self.per_sec).min(self.burst);
+        b.tokens =
+            (b.tokens + now.duration_since(b.at).as_secs_f64() * self.per_sec).min(self.burst);
         b.at = now;
         if b.tokens >= 1.0 {
             b.tokens -= 1.0;

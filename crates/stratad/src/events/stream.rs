@@ -37,13 +37,10 @@ pub fn respond(
     let cfg = svc.config().events.clone();
     let (tx, mut rx) = mpsc::channel::<SseEvent>(cfg.buffer.max(1));
     tokio::spawn(produce(svc, slot, tenant, sandbox, after, follow, tx));
-    let body = futures::stream::poll_fn(move |cx| rx.poll_recv(cx).map(|o| o.map(Ok::<_, Infallible>)));
+    let body =
+        futures::stream::poll_fn(move |cx| rx.poll_recv(cx).map(|o| o.map(Ok::<_, Infallible>)));
     let mut resp = Sse::new(body)
-        .keep_alive(
-            KeepAlive::new()
-                .interval(cfg.heartbeat)
-                .text("heartbeat"),
-        )
+        .keep_alive(KeepAlive::new().interval(cfg.heartbeat).text("heartbeat"))
         .into_response();
     // Proxies must not hold the stream back.
     resp.headers_mut().insert(

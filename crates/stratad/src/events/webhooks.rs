@@ -105,7 +105,10 @@ pub async fn check_target(
     }
     for a in &addrs {
         let ip = a.ip();
-        if allow_private.iter().any(|p| p.parse::<IpAddr>().ok() == Some(ip)) {
+        if allow_private
+            .iter()
+            .any(|p| p.parse::<IpAddr>().ok() == Some(ip))
+        {
             continue;
         }
         let any = if ip.is_ipv4() { "0.0.0.0/0" } else { "::/0" };
@@ -215,7 +218,10 @@ pub fn payload(format: WebhookFormat, d: &Delivery, base: &str) -> Value {
 fn backoff(cfg: &super::WebhooksConfig, attempts: u32) -> Duration {
     let exp = cfg
         .retry_base
-        .saturating_mul(1u32.checked_shl(attempts.saturating_sub(1)).unwrap_or(u32::MAX))
+        .saturating_mul(
+            1u32.checked_shl(attempts.saturating_sub(1))
+                .unwrap_or(u32::MAX),
+        )
         .min(cfg.retry_max);
     exp.mul_f64(rand::thread_rng().gen_range(0.5..=1.0))
 }

@@ -138,10 +138,21 @@ async fn the_stream_shows_a_create_live_and_a_resume_gets_exactly_the_missed_ent
     let mut s = Reader::new(open(&h, "/v1/events", &viewer, None).await);
     let sb = create_sb(&h, &dev).await;
     let got = s
-        .until(|m| m.event == "sandbox" && m.data["to_state"] == "running" && m.data["phase"] == "done")
+        .until(|m| {
+            m.event == "sandbox" && m.data["to_state"] == "running" && m.data["phase"] == "done"
+        })
         .await;
     let last = got.last().unwrap();
-    for k in ["seq", "at", "kind", "sandbox_id", "op", "from_state", "to_state", "phase"] {
+    for k in [
+        "seq",
+        "at",
+        "kind",
+        "sandbox_id",
+        "op",
+        "from_state",
+        "to_state",
+        "phase",
+    ] {
         assert!(last.data.get(k).is_some(), "{k} missing: {}", last.data);
     }
     assert_eq!(last.data["sandbox_id"], sb);
@@ -183,14 +194,31 @@ async fn the_stream_shows_a_create_live_and_a_resume_gets_exactly_the_missed_ent
     assert_eq!(ids, want, "exactly the missed entries, in order, once");
     // One sandbox's stream: the same entries of that sandbox.
     let mut one = Reader::new(
-        open(&h, &format!("/v1/sandboxes/{sb}/events?after={seen}"), &viewer, None).await,
+        open(
+            &h,
+            &format!("/v1/sandboxes/{sb}/events?after={seen}"),
+            &viewer,
+            None,
+        )
+        .await,
     );
     let first = one.next(Duration::from_secs(5)).await.unwrap();
     assert_eq!(first.id, want[0]);
     // Without the Accept header the sandbox's events stay a JSON list.
-    let (st, v, _) = req(&h, "GET", &format!("/v1/sandboxes/{sb}/events"), Some(&viewer), "").await;
+    let (st, v, _) = req(
+        &h,
+        "GET",
+        &format!("/v1/sandboxes/{sb}/events"),
+        Some(&viewer),
+        "",
+    )
+    .await;
     assert_eq!(st, StatusCode::OK);
-    assert!(v["items"].as_array().unwrap().iter().all(|e| e.get("op").is_some()));
+    assert!(v["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|e| e.get("op").is_some()));
 }
 
 #[tokio::test]
@@ -215,7 +243,13 @@ async fn another_tenant_sees_nothing_of_a_tenants_journal() {
     // Beta's token on acme's sandbox stream: as an unknown sandbox.
     let resp = open(&h, &format!("/v1/sandboxes/{sb}/events"), &beta, None).await;
     assert_eq!(resp.status(), StatusCode::NOT_FOUND);
-    let unknown = open(&h, "/v1/sandboxes/sb-0000000000000000zzzz/events", &beta, None).await;
+    let unknown = open(
+        &h,
+        "/v1/sandboxes/sb-0000000000000000zzzz/events",
+        &beta,
+        None,
+    )
+    .await;
     assert_eq!(unknown.status(), StatusCode::NOT_FOUND);
 }
 
@@ -323,7 +357,10 @@ async fn wait_for(got: &Got, n: usize) {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    panic!("the receiver got {} requests, not {n}", got.reqs.lock().unwrap().len());
+    panic!(
+        "the receiver got {} requests, not {n}",
+        got.reqs.lock().unwrap().len()
+    );
 }
 
 async fn add_hook(h: &Sec, tok: &str, body: Value) -> (StatusCode, Value) {
@@ -390,13 +427,26 @@ async fn a_webhook_is_signed_retried_and_carries_the_approval() {
     assert_eq!(a["tool"], "exec");
     assert_eq!(a["summary"], "exec curl https://x.example/?a=\"<b>\"");
     assert_eq!(a["call"]["argv"][1], "https://x.example/?a=\"<b>\"");
-    assert!(a["requested_by"].as_str().unwrap().starts_with("token:tok-"));
+    assert!(a["requested_by"]
+        .as_str()
+        .unwrap()
+        .starts_with("token:tok-"));
     assert!(a["expires_at"].is_string());
-    assert_eq!(a["url"], format!("https://console.example/console/#/approvals/{apr}"));
+    assert_eq!(
+        a["url"],
+        format!("https://console.example/console/#/approvals/{apr}")
+    );
     let id = hook["id"].as_str().unwrap();
     let mut delivered = Value::Null;
     for _ in 0..100 {
-        let (_, d, _) = req(&h, "GET", &format!("/v1/webhooks/{id}/deliveries"), Some(&admin), "").await;
+        let (_, d, _) = req(
+            &h,
+            "GET",
+            &format!("/v1/webhooks/{id}/deliveries"),
+            Some(&admin),
+            "",
+        )
+        .await;
         if d["items"][0]["status"] == "delivered" {
             delivered = d["items"][0].clone();
             break;
@@ -421,18 +471,38 @@ async fn a_webhook_is_signed_retried_and_carries_the_approval() {
     verify(slack["secret"].as_str().unwrap(), &headers, &body);
     let m: Value = serde_json::from_slice(&body).unwrap();
     let text = m["text"].as_str().unwrap();
-    assert!(text.contains("&lt;img src=x onerror=alert(1)&gt;"), "{text}");
+    assert!(
+        text.contains("&lt;img src=x onerror=alert(1)&gt;"),
+        "{text}"
+    );
     assert!(!text.contains("<img"), "{text}");
-    assert!(text.contains(&format!("/console/#/approvals/{apr2}")), "{text}");
+    assert!(
+        text.contains(&format!("/console/#/approvals/{apr2}")),
+        "{text}"
+    );
     assert_eq!(m["blocks"][0]["type"], "section");
     assert_eq!(
         m["blocks"][1]["elements"][0]["url"],
         format!("https://console.example/console/#/approvals/{apr2}")
     );
     // Deleted: no more deliveries.
-    let (s, _, _) = req(&h, "DELETE", &format!("/v1/webhooks/{id}"), Some(&admin), "").await;
+    let (s, _, _) = req(
+        &h,
+        "DELETE",
+        &format!("/v1/webhooks/{id}"),
+        Some(&admin),
+        "",
+    )
+    .await;
     assert_eq!(s, StatusCode::NO_CONTENT);
-    let (s, _, _) = req(&h, "GET", &format!("/v1/webhooks/{id}/deliveries"), Some(&admin), "").await;
+    let (s, _, _) = req(
+        &h,
+        "GET",
+        &format!("/v1/webhooks/{id}/deliveries"),
+        Some(&admin),
+        "",
+    )
+    .await;
     assert_eq!(s, StatusCode::NOT_FOUND);
     let _ = stop_tx.send(true);
 }
@@ -452,7 +522,13 @@ async fn a_webhook_to_a_private_address_is_refused_at_creation_and_at_delivery()
         let (s, v) = add_hook(&h, &admin, json!({ "url": url })).await;
         assert_eq!(s, StatusCode::BAD_REQUEST, "{url}: {v}");
         assert_eq!(v["error"]["code"], "invalid_request", "{url}");
-        assert!(v["error"]["message"].as_str().unwrap().contains("webhook target refused"), "{v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("webhook target refused"),
+            "{v}"
+        );
     }
     let (_, list, _) = req(&h, "GET", "/v1/webhooks", Some(&admin), "").await;
     assert_eq!(list["items"], json!([]));
@@ -491,7 +567,14 @@ async fn a_webhook_to_a_private_address_is_refused_at_creation_and_at_delivery()
     let id = hook["id"].as_str().unwrap();
     let mut last = Value::Null;
     for _ in 0..100 {
-        let (_, d, _) = req(&h, "GET", &format!("/v1/webhooks/{id}/deliveries"), Some(&admin), "").await;
+        let (_, d, _) = req(
+            &h,
+            "GET",
+            &format!("/v1/webhooks/{id}/deliveries"),
+            Some(&admin),
+            "",
+        )
+        .await;
         if d["items"][0]["attempts"].as_u64().unwrap_or(0) >= 1 {
             last = d["items"][0].clone();
             break;
@@ -499,15 +582,27 @@ async fn a_webhook_to_a_private_address_is_refused_at_creation_and_at_delivery()
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(
-        last["last_error"].as_str().unwrap_or("").contains("webhook target refused"),
+        last["last_error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("webhook target refused"),
         "{last}"
     );
     assert_ne!(last["status"], "delivered");
-    assert!(got.reqs.lock().unwrap().is_empty(), "nothing reached the private address");
+    assert!(
+        got.reqs.lock().unwrap().is_empty(),
+        "nothing reached the private address"
+    );
     let _ = stop_tx.send(true);
 }
 
-async fn req_on(app: &App, method: &str, uri: &str, tok: &str, body: String) -> (StatusCode, Value, HeaderMap) {
+async fn req_on(
+    app: &App,
+    method: &str,
+    uri: &str,
+    tok: &str,
+    body: String,
+) -> (StatusCode, Value, HeaderMap) {
     let resp = app
         .router()
         .oneshot(
@@ -523,7 +618,11 @@ async fn req_on(app: &App, method: &str, uri: &str, tok: &str, body: String) -> 
     let status = resp.status();
     let headers = resp.headers().clone();
     let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-    (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null), headers)
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+        headers,
+    )
 }
 
 #[tokio::test]

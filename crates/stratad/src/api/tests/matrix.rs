@@ -434,9 +434,7 @@ async fn every_route_every_role_every_spelling_of_the_id() {
                         // Typed ids are parsed (400); approval and token ids are
                         // opaque strings looked up in the caller's tenant (404).
                         let want = match k {
-                            Kind::Approval | Kind::Token | Kind::Webhook => {
-                                StatusCode::NOT_FOUND
-                            }
+                            Kind::Approval | Kind::Token | Kind::Webhook => StatusCode::NOT_FOUND,
                             _ => StatusCode::BAD_REQUEST,
                         };
                         assert_eq!(a.status, want, "{ctx}: {}", a.body);

@@ -285,7 +285,11 @@ pub(super) fn webhooks(conn: &Connection, tenant: &str) -> StoreResult<Vec<Webho
     Ok(v)
 }
 
-pub(super) fn get_webhook(conn: &Connection, tenant: &str, id: &str) -> StoreResult<Option<Webhook>> {
+pub(super) fn get_webhook(
+    conn: &Connection,
+    tenant: &str,
+    id: &str,
+) -> StoreResult<Option<Webhook>> {
     let mut stmt = conn.prepare_cached(&format!(
         "SELECT {HCOLS} FROM webhooks WHERE id = ?1 AND tenant_id = ?2 AND deleted_at IS NULL"
     ))?;
@@ -335,7 +339,11 @@ fn delivery(r: &Row<'_>) -> rusqlite::Result<Delivery> {
     })
 }
 
-pub(super) fn due(conn: &Connection, now: DateTime<Utc>, limit: usize) -> StoreResult<Vec<Delivery>> {
+pub(super) fn due(
+    conn: &Connection,
+    now: DateTime<Utc>,
+    limit: usize,
+) -> StoreResult<Vec<Delivery>> {
     let mut stmt = conn.prepare_cached(&format!(
         "SELECT {DCOLS} FROM webhook_deliveries WHERE status = 'pending' AND next_attempt_at <= ?1 \
          ORDER BY next_attempt_at, id LIMIT ?2"
@@ -372,7 +380,11 @@ pub(super) fn update_delivery(tx: &Connection, d: &Delivery) -> StoreResult<()> 
     Ok(())
 }
 
-pub(super) fn deliveries(conn: &Connection, webhook: &str, limit: usize) -> StoreResult<Vec<Delivery>> {
+pub(super) fn deliveries(
+    conn: &Connection,
+    webhook: &str,
+    limit: usize,
+) -> StoreResult<Vec<Delivery>> {
     let mut stmt = conn.prepare_cached(&format!(
         "SELECT {DCOLS} FROM webhook_deliveries WHERE webhook_id = ?1 ORDER BY id DESC LIMIT ?2"
     ))?;

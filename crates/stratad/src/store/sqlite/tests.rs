@@ -735,7 +735,11 @@ fn the_journal_keeps_every_kind_in_one_order_and_only_retention_prunes_it() {
     // Deletes stay refused outside retention; retention prunes by age.
     assert!(s.writer().execute("DELETE FROM events", []).is_err());
     let recent = Utc::now() - chrono::TimeDelta::days(7);
-    let kept: Vec<i64> = all.iter().filter(|e| e.at >= recent).map(|e| e.seq).collect();
+    let kept: Vec<i64> = all
+        .iter()
+        .filter(|e| e.at >= recent)
+        .map(|e| e.seq)
+        .collect();
     let pruned = s.prune_journal(recent).unwrap();
     assert_eq!(pruned as usize, all.len() - kept.len());
     let left: Vec<i64> = s
