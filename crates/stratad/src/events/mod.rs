@@ -364,3 +364,82 @@ impl JournalSink {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::SqliteStore;
+    use strata_policy::Effect;
+
+    fn denied_call(sandbox: &str) -> (ToolCall, Decision) {
+        let call = ToolCall {
+            tenant: "acme".into(),
+            sandbox: Some(sandbox.into()),
+            actor: "sandbox:x".into(),
+            kind: CallKind::FileRead {
+                path: "/etc/shadow".into(),
+            },
+        };
+        let d = Decision {
+            effect: Effect::Deny,
+            layer: None,
+            rule_id: "no-secrets".into(),
+            rule_index: None,
+            hard: true,
+            reason: "secrets".into(),
+        };
+        (call, d)
+    }
+
+    #[test]
+    fn refusals_are_bounded_per_sandbox_and_counted_into_the_next_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(SqliteStore::open(&dir.path().join("db"), 1).unwrap());
+        let cfg = EventsConfig {
+            policy_burst: 5,
+            policy_per_minute: 0,
+            ..EventsConfig::default()
+        };
+        let sink = JournalSink::new(store.clone(), &cfg);
+        let (call, d) = denied_call("sb-a");
+        for _ in 0..1000 {
+            sink.decided(&call, &d, Outcome::Denied, None, None);
+        }
+        let rows = store.journal_after("acme", None, 0, 10_000).unwrap();
+        assert_eq!(rows.len(), 5, "a thousand refusals write the burst only");
+        let m = rows[0].message();
+        assert_eq!(m["kind"], "policy");
+        assert_eq!(m["decision"], "denied");
+        assert_eq!(m["summary"], "file_read /etc/shadow");
+        // Another sandbox has its own bucket.
+        let (other, _) = denied_call("sb-b");
+        sink.decided(&other, &d, Outcome::Denied, None, None);
+        assert_eq!(
+            store.journal_after("acme", None, 0, 10_000).unwrap().len(),
+            6
+        );
+
+        // Refilled: the next one journaled stands for those not written.
+        let cfg = EventsConfig {
+            policy_burst: 1,
+            policy_per_minute: 600,
+            ..EventsConfig::default()
+        };
+        let sink = JournalSink::new(store.clone(), &cfg);
+        let (call, d) = denied_call("sb-c");
+        for _ in 0..10 {
+            sink.decided(&call, &d, Outcome::Denied, None, None);
+        }
+        std::thread::sleep(Duration::from_millis(150));
+        sink.decided(&call, &d, Outcome::Denied, None, None);
+        let c: Vec<Value> = store
+            .journal_after("acme", Some("sb-c"), 0, 100)
+            .unwrap()
+            .iter()
+            .map(|e| e.message())
+            .collect();
+        assert_eq!(c.len(), 2, "{c:?}");
+        assert_eq!(c[0]["count"], 1);
+        assert_eq!(c[1]["count"], 10, "9 unwritten + itself");
+    }
+}
