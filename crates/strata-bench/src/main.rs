@@ -19,8 +19,8 @@ use futures::FutureExt;
 use strata_bench::ctx::{teardown_all, Ctx};
 use strata_bench::report::{commit, Machine, Report, Section};
 use strata_bench::sections::{
-    self, density, history, interp, load, packing, pool, recipe, restore, scale, sdk, snapshot,
-    soak, tls_proxy,
+    self, density, events, history, interp, load, packing, pool, recipe, restore, scale, sdk,
+    snapshot, soak, tls_proxy,
 };
 use strata_core::Accel;
 use strata_vmm::VmmDriver;
@@ -39,8 +39,8 @@ struct Cli {
     /// and sdk (E2B SDK beside /v1), recipe (template builds), pool (warm pools), interp (code
     /// interpreter: first run_code in a fork vs a cold kernel), packing (admission by use vs
     /// nominal, 10 % active), soak (rolling snapshots of 20 sandboxes for two hours), tls_proxy
-    /// (TLS interception overhead vs direct TLS), run only
-    /// when named here.
+    /// (TLS interception overhead vs direct TLS), events (approval request → webhook and
+    /// event stream), run only when named here.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// CI smoke size: every count at its minimum (completes, figures not meaningful).
@@ -96,6 +96,11 @@ struct Cli {
         next_help_heading = "13. TLS interception overhead (only with --only tls_proxy)"
     )]
     tls_proxy: tls_proxy::Args,
+    #[command(
+        flatten,
+        next_help_heading = "14. Approval notifications (only with --only events)"
+    )]
+    events: events::Args,
 }
 
 fn title(key: &str) -> &'static str {
@@ -117,6 +122,7 @@ fn title(key: &str) -> &'static str {
         "tls_proxy" => {
             "13. TLS interception of a connector host: per-request overhead vs direct TLS"
         }
+        "events" => "14. Approval notifications: request → webhook delivery and → event stream",
         _ => "unknown section",
     }
 }
@@ -157,6 +163,7 @@ async fn run_section(key: &str, ctx: &Ctx, cli: &Cli) -> Section {
                 "packing" => packing::run(ctx, &cli.packing, &mut sec).await,
                 "soak" => soak::run(ctx, &cli.soak, &mut sec).await,
                 "tls_proxy" => tls_proxy::run(ctx, &cli.tls_proxy, &mut sec).await,
+                "events" => events::run(ctx, &cli.events, &mut sec).await,
                 other => Err(anyhow!("unknown section {other:?}")),
             }
         };
@@ -223,6 +230,7 @@ fn main() -> Result<()> {
         cli.packing.smoke();
         cli.soak.smoke();
         cli.tls_proxy.smoke();
+        cli.events.smoke();
     }
     let requested: Accel = cli.accel.parse().map_err(|e: String| anyhow!(e))?;
     let image = image_dir(&cli)?;

@@ -607,6 +607,14 @@ pub struct Config {
     pub tls_key: Option<PathBuf>,
     /// `[vm]`: how QEMU is confined (docs/hardening.md).
     pub vm: VmConfig,
+    /// `[events]`: the journal's retention and the event streams
+    /// (docs/events.md).
+    pub events: crate::events::EventsConfig,
+    /// `[webhooks]`: approval notifications (docs/events.md).
+    pub webhooks: crate::events::WebhooksConfig,
+    /// `[console]`: where the web console is reached (the link in a
+    /// webhook's payload; docs/events.md).
+    pub console: crate::events::ConsoleConfig,
 }
 
 /// `[vm]`: how every VM's QEMU is confined (docs/hardening.md).
@@ -925,6 +933,9 @@ impl Default for Config {
             tls_cert: None,
             tls_key: None,
             vm: VmConfig::default(),
+            events: crate::events::EventsConfig::default(),
+            webhooks: crate::events::WebhooksConfig::default(),
+            console: crate::events::ConsoleConfig::default(),
         }
     }
 }

@@ -19,6 +19,7 @@ pub mod console;
 pub mod daemon;
 pub mod duration;
 pub mod engine;
+pub mod events;
 pub mod host;
 pub mod listener;
 pub mod metrics;
@@ -76,6 +77,13 @@ impl App {
             Ok(sec) => Arc::new(security::gate::SecurityGate(sec.clone())),
             Err(m) => Arc::new(security::gate::ClosedGate(m.clone())),
         };
+        if let Ok(sec) = &security {
+            sec.set_journal(Arc::new(events::JournalSink::new(
+                store.clone(),
+                &config.events,
+            )));
+        }
+        store.set_delivery_limit(config.webhooks.max_queued_per_tenant);
         let service = Service::new(store, engine, Arc::new(config), clock, metrics, gate);
         App {
             service,
@@ -143,6 +151,8 @@ impl App {
         });
         // The per-sandbox usage sampler (`[metrics]`), stopped with the rest.
         self.service.spawn_sampler(self.shutdown.subscribe());
+        // Webhook deliveries (`[webhooks]`), resumed from the store.
+        self.service.spawn_webhook_worker(self.shutdown.subscribe());
         // Pressure-driven hibernation (`[pressure]`), stopped with the rest.
         self.service.spawn_pressure(self.shutdown.subscribe());
         // Warm pools (`[pools]`): filled in the background; their guests end

@@ -6,6 +6,7 @@
 //! as it measures, so a failure part-way still reports what was measured.
 
 pub mod density;
+pub mod events;
 pub mod history;
 pub mod interp;
 pub mod load;
@@ -27,7 +28,8 @@ pub const ALL: &[&str] = &["snapshot", "restore", "load", "density", "history", 
 /// package registries, `pool` runs two daemons for minutes, `interp` the
 /// code-interpreter template (a cold build ~25 min under TCG), `packing`
 /// a hundred sandboxes for about ten minutes, `soak` twenty for two hours,
-/// `tls_proxy` measures the egress proxy on the host alone (no guest).
+/// `tls_proxy` measures the egress proxy on the host alone (no guest),
+/// `events` (no VMs, seconds) notifications of approval requests.
 pub const OPT_IN: &[&str] = &[
     "sdk",
     "recipe",
@@ -36,4 +38,5 @@ pub const OPT_IN: &[&str] = &[
     "packing",
     "soak",
     "tls_proxy",
+    "events",
 ];

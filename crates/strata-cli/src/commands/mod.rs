@@ -15,6 +15,7 @@ pub mod audit;
 pub mod ca;
 pub mod create;
 pub mod dev;
+pub mod events;
 pub mod exec;
 pub mod files;
 pub mod fork;
@@ -36,6 +37,7 @@ pub mod snapshots;
 pub mod stats;
 pub mod template;
 pub mod token;
+pub mod webhook;
 pub mod whoami;
 
 /// strata: microVM sandboxes for AI agents (client of stratad).
@@ -128,6 +130,12 @@ pub enum Command {
     /// API tokens: create, list, revoke.
     #[command(subcommand)]
     Token(token::TokenCmd),
+    /// The tenant's journal (transitions, snapshots, approvals, policy
+    /// refusals); --follow streams it live.
+    Events(events::Args),
+    /// Webhooks (approval notifications): add, list, remove, deliveries.
+    #[command(subcommand)]
+    Webhook(webhook::WebhookCmd),
     /// Who the token is: tenant, role, token id.
     Whoami,
     /// The daemon's local CA certificate (PEM), which signs its TLS
@@ -260,6 +268,8 @@ pub async fn run(ctx: &Ctx, cmd: Command) -> anyhow::Result<i32> {
         Command::Audit(c) => audit::run(ctx, c).await,
         Command::Policy(c) => policy::run(ctx, c).await,
         Command::Token(c) => token::run(ctx, c).await,
+        Command::Events(a) => events::run(ctx, a).await,
+        Command::Webhook(c) => webhook::run(ctx, c).await,
         Command::Whoami => whoami::run(ctx).await,
         Command::Ca => ca::run(ctx).await,
         Command::Port(a) => port::run(ctx, a).await,

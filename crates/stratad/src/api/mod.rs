@@ -29,6 +29,7 @@ use crate::security::gate::GateOptions;
 use crate::service::{Service, ServiceError};
 
 mod code;
+mod events;
 mod files;
 mod interactive;
 mod metrics;
@@ -361,6 +362,11 @@ impl Call {
         Params::parse(self.query.as_deref(), allowed, repeatable, gated)
     }
 
+    /// The `:id` as the router decoded it (opaque ids).
+    pub(crate) fn raw_id(&self) -> &str {
+        self.id.as_deref().unwrap_or("")
+    }
+
     /// The raw query.
     pub(crate) fn query(&self) -> Option<&str> {
         self.query.as_deref()
@@ -508,7 +514,12 @@ fn service_route(r: &Route) -> Option<axum::routing::MethodRouter<Arc<Service>>>
         Hibernate => on(m, sandboxes::hibernate),
         Fork => on(m, sandboxes::fork),
         Rewind => on(m, sandboxes::rewind),
-        Events => on(m, sandboxes::events),
+        Events => on(m, events::sandbox_events),
+        EventStream => on(m, events::stream),
+        CreateWebhook => on(m, events::create_webhook),
+        ListWebhooks => on(m, events::list_webhooks),
+        DeleteWebhook => on(m, events::delete_webhook),
+        WebhookDeliveries => on(m, events::webhook_deliveries),
         SandboxMetrics => on(m, metrics::sandbox_metrics),
         SandboxLogs => on(m, metrics::sandbox_logs),
         Port => on(m, ports::proxy),

@@ -69,6 +69,11 @@ pub enum Action {
     Deny,
     ExportAudit,
     VerifyAudit,
+    EventStream,
+    CreateWebhook,
+    ListWebhooks,
+    DeleteWebhook,
+    WebhookDeliveries,
 }
 
 /// Who may call a route.
@@ -201,6 +206,13 @@ pub const ROUTES: &[Route] = &[
     r("POST", "/v1/approvals/:id/deny", Action::Deny, APPROVE),
     r("GET", "/v1/audit", Action::ExportAudit, READ),
     r("GET", "/v1/audit/verify", Action::VerifyAudit, ADMIN),
+    // The tenant's journal as server-sent events (docs/events.md).
+    r("GET", "/v1/events", Action::EventStream, READ),
+    // Webhooks carry guest-written data to a URL the tenant's admin names.
+    r("POST", "/v1/webhooks", Action::CreateWebhook, ADMIN),
+    r("GET", "/v1/webhooks", Action::ListWebhooks, ADMIN),
+    r("DELETE", "/v1/webhooks/:id", Action::DeleteWebhook, ADMIN),
+    r("GET", "/v1/webhooks/:id/deliveries", Action::WebhookDeliveries, ADMIN),
 ];
 
 impl Route {

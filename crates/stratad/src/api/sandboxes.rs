@@ -197,14 +197,6 @@ pub(super) async fn rewind(c: Call, Body(b): Body<RewindBody>) -> ApiResult<impl
     ))
 }
 
-pub(super) async fn events(c: Call) -> ApiResult<impl IntoResponse> {
-    c.no_query()?;
-    let id: SandboxId = c.id()?;
-    Ok(Json(
-        json!({ "items": c.svc.events(&c.caller, &id, 1000).await? }),
-    ))
-}
-
 pub(super) async fn take_snapshot(
     c: Call,
     Body(cmd): Body<TakeSnapshot>,

@@ -54,6 +54,9 @@ pub enum Purpose {
     /// The Ed25519 seed that signs snapshots and templates
     /// (`strata_runtime::signing`).
     SnapshotSigning,
+    /// The signing secrets of webhooks (`events::webhooks`), sealed with
+    /// the webhook id as associated data.
+    WebhookSecret,
 }
 
 impl Purpose {
@@ -62,6 +65,7 @@ impl Purpose {
             Purpose::SandboxEnv => b"strata sandbox env v1",
             Purpose::AuditChain => b"strata audit chain v1",
             Purpose::SnapshotSigning => b"strata snapshot signing v1",
+            Purpose::WebhookSecret => b"strata webhook secret v1",
         }
     }
 }

@@ -372,6 +372,8 @@ pub struct Security {
     egress_tunnel_idle_timeout: std::time::Duration,
     /// TLS interception of connector hosts, when `egress_tls_intercept`.
     intercept: Option<Arc<strata_policy::proxy::Interception>>,
+    /// Where audited approvals and refusals are journaled (`events`).
+    journal: std::sync::OnceLock<Arc<crate::events::JournalSink>>,
 }
 
 impl std::fmt::Debug for Security {
@@ -481,6 +483,7 @@ impl Security {
             egress_head_timeout: config.egress.head_timeout,
             egress_tunnel_idle_timeout: config.egress.tunnel_idle_timeout,
             intercept: intercept::interception(config)?,
+            journal: std::sync::OnceLock::new(),
             cfg,
         };
         let l = sec.tunnels.limits();
@@ -701,6 +704,11 @@ impl Security {
         approval_id: Option<String>,
         by: Option<String>,
     ) -> Result<(), gate::GateRefusal> {
+        let req = match (&approval_id, self.journal.get()) {
+            (Some(id), Some(_)) => self.approvals.get(&call.tenant, id).ok(),
+            _ => None,
+        };
+        let by_journal = by.clone();
         self.audit
             .append(
                 call,
@@ -722,7 +730,16 @@ impl Security {
                 } else {
                     gate::GateRefusal::Internal(msg)
                 }
-            })
+            })?;
+        if let Some(sink) = self.journal.get() {
+            sink.decided(call, decision, outcome, req.as_ref(), by_journal.as_deref());
+        }
+        Ok(())
+    }
+
+    /// Journals every audited approval and refusal from now on (once).
+    pub fn set_journal(&self, sink: Arc<crate::events::JournalSink>) {
+        let _ = self.journal.set(sink);
     }
 
     /// The audit log.

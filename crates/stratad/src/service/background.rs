@@ -68,6 +68,20 @@ impl Actions for ScheduledActions {
     }
 
     async fn gc_sweep(&self) {
+        // The journal's retention (`[events] keep`; 0: kept for ever).
+        let keep = self.0.config.events.keep;
+        if !keep.is_zero() {
+            let cutoff = chrono::TimeDelta::from_std(keep)
+                .ok()
+                .and_then(|k| self.0.now().checked_sub_signed(k));
+            if let Some(cutoff) = cutoff {
+                match self.0.db(move |s| s.prune_journal(cutoff)).await {
+                    Ok(0) => {}
+                    Ok(n) => info!(deleted = n, "journal pruned"),
+                    Err(e) => warn!(error = %e.message(), "pruning the journal failed"),
+                }
+            }
+        }
         let mut after: Option<SandboxId> = None;
         loop {
             let a = after.clone();

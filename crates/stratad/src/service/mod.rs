@@ -107,6 +107,8 @@ pub struct Service {
     /// Called with the id of every sandbox deleted (by a user or its
     /// timeout): front doors drop what they keep per sandbox.
     deleted_hooks: Mutex<Vec<DeletedHook>>,
+    /// Open event streams per tenant (`events::stream`).
+    events: crate::events::Hub,
     /// This service, for work that needs an owned handle from `&self`
     /// (admission hibernating an idle sandbox).
     me: std::sync::Weak<Service>,
@@ -133,6 +135,7 @@ impl Service {
     ) -> Arc<Self> {
         Arc::new_cyclic(|me| Service {
             me: me.clone(),
+            events: crate::events::Hub::default(),
             keys: std::sync::OnceLock::new(),
             deleted_hooks: Mutex::new(Vec::new()),
             gate,
@@ -187,6 +190,16 @@ impl Service {
         for h in hooks {
             h(id);
         }
+    }
+
+    /// Open event streams per tenant.
+    pub fn event_streams(&self) -> &crate::events::Hub {
+        &self.events
+    }
+
+    /// The store.
+    pub fn store_handle(&self) -> &Arc<dyn Store> {
+        &self.store
     }
 
     /// The scheduler's handle.

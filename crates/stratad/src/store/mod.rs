@@ -21,7 +21,10 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use strata_core::{Op, SandboxId, SandboxSize, SandboxState, SnapshotId, TemplateId};
 
+pub mod journal;
 pub mod sqlite;
+
+pub use journal::*;
 
 pub use sqlite::SqliteStore;
 
@@ -653,4 +656,45 @@ pub trait Store: Send + Sync + 'static {
     fn snapshot_charges(&self, tenant: &str) -> StoreResult<Vec<SnapshotCharge>>;
     /// Records (or replaces) a snapshot's charge.
     fn put_charge(&self, charge: &SnapshotCharge) -> StoreResult<()>;
+
+    /// Appends a journal entry of a kind other than `sandbox` and queues
+    /// one delivery of it to each webhook of its tenant subscribed to its
+    /// topic (at most [`Store::set_delivery_limit`] pending per tenant;
+    /// beyond, none is queued), in one transaction. Returns its `seq`.
+    fn append_journal(&self, note: &JournalNote) -> StoreResult<i64>;
+    /// The journal of `tenant` after `after` (of one sandbox when given),
+    /// oldest first, at most `limit` entries.
+    fn journal_after(
+        &self,
+        tenant: &str,
+        sandbox: Option<&str>,
+        after: i64,
+        limit: usize,
+    ) -> StoreResult<Vec<JournalEntry>>;
+    /// A receiver that changes after every commit that appended to the
+    /// journal (the value is a counter, not a seq: read the store).
+    fn journal_changes(&self) -> tokio::sync::watch::Receiver<u64>;
+    /// Deletes journal entries older than `before`, and deliveries no
+    /// longer pending older than it. Returns the entries deleted.
+    fn prune_journal(&self, before: DateTime<Utc>) -> StoreResult<u64>;
+    /// Most pending deliveries per tenant (default 1000).
+    fn set_delivery_limit(&self, limit: usize);
+
+    /// Inserts a webhook.
+    fn put_webhook(&self, hook: &Webhook) -> StoreResult<()>;
+    /// The webhooks of `tenant` (not deleted), oldest first.
+    fn webhooks(&self, tenant: &str) -> StoreResult<Vec<Webhook>>;
+    /// One webhook of `tenant` (not deleted).
+    fn get_webhook(&self, tenant: &str, id: &str) -> StoreResult<Option<Webhook>>;
+    /// Deletes webhook `id` of `tenant` and cancels its pending
+    /// deliveries; `false`: no such webhook.
+    fn delete_webhook(&self, tenant: &str, id: &str, at: DateTime<Utc>) -> StoreResult<bool>;
+    /// Pending deliveries due at `now`, oldest first, at most `limit`.
+    fn due_deliveries(&self, now: DateTime<Utc>, limit: usize) -> StoreResult<Vec<Delivery>>;
+    /// When the next pending delivery is due.
+    fn next_delivery_at(&self) -> StoreResult<Option<DateTime<Utc>>>;
+    /// Records an attempt's outcome (status, attempts, error, next time).
+    fn update_delivery(&self, d: &Delivery) -> StoreResult<()>;
+    /// The deliveries of webhook `id`, newest first, at most `limit`.
+    fn deliveries(&self, webhook: &str, limit: usize) -> StoreResult<Vec<Delivery>>;
 }

@@ -25,6 +25,7 @@ use strata_core::{SandboxId, SandboxState, SnapshotId, TemplateId};
 
 use super::*;
 
+mod journal;
 mod rows;
 mod schema;
 
@@ -37,6 +38,10 @@ pub struct SqliteStore {
     writer: Mutex<Connection>,
     readers: Vec<Mutex<Connection>>,
     next_reader: AtomicUsize,
+    /// Changed after every commit that appended to the journal.
+    changes: tokio::sync::watch::Sender<u64>,
+    /// Most pending webhook deliveries per tenant.
+    delivery_limit: AtomicUsize,
 }
 
 impl std::fmt::Debug for SqliteStore {
@@ -63,6 +68,11 @@ fn restrict_mode(path: &Path) -> std::io::Result<()> {
 }
 
 impl SqliteStore {
+    /// Wakes the journal's readers (after a commit).
+    fn changed(&self) {
+        self.changes.send_modify(|v| *v = v.wrapping_add(1));
+    }
+
     /// One row by id, decoded (`None`: no such row).
     fn by_id<R, T>(
         &self,
@@ -116,6 +126,8 @@ impl SqliteStore {
             writer: Mutex::new(writer),
             readers: pool,
             next_reader: AtomicUsize::new(0),
+            changes: tokio::sync::watch::channel(0).0,
+            delivery_limit: AtomicUsize::new(1000),
         })
     }
 
@@ -253,6 +265,7 @@ impl Store for SqliteStore {
         write_sandbox(&tx, rec, true)?;
         write_event(&tx, event)?;
         tx.commit()?;
+        self.changed();
         Ok(())
     }
 
@@ -554,13 +567,18 @@ impl Store for SqliteStore {
         for s in sandboxes {
             write_sandbox(&tx, s, false)?;
         }
+        let limit = self.delivery_limit.load(Ordering::Relaxed);
         for s in snapshots {
+            journal::snapshot_note(&tx, s, limit)?;
             write_snapshot(&tx, s)?;
         }
         if let Some(ev) = event {
             write_event(&tx, ev)?;
         }
         tx.commit()?;
+        if event.is_some() || !snapshots.is_empty() {
+            self.changed();
+        }
         Ok(())
     }
 
@@ -697,7 +715,7 @@ impl Store for SqliteStore {
         let conn = self.reader();
         let mut stmt = conn.prepare_cached(
             "SELECT seq, at, tenant_id, sandbox_id, op, from_state, to_state, phase, detail \
-             FROM events WHERE sandbox_id = ?1 ORDER BY seq DESC LIMIT ?2",
+             FROM events WHERE sandbox_id = ?1 AND kind = 'sandbox' ORDER BY seq DESC LIMIT ?2",
         )?;
         type EvRow = (
             i64,
@@ -833,6 +851,79 @@ impl Store for SqliteStore {
             ],
         )?;
         Ok(())
+    }
+
+    fn append_journal(&self, note: &JournalNote) -> StoreResult<i64> {
+        let limit = self.delivery_limit.load(Ordering::Relaxed);
+        let mut w = self.writer();
+        let tx = write_tx(&mut w)?;
+        let seq = journal::insert_note(&tx, note, limit)?;
+        tx.commit()?;
+        drop(w);
+        self.changed();
+        Ok(seq)
+    }
+
+    fn journal_after(
+        &self,
+        tenant: &str,
+        sandbox: Option<&str>,
+        after: i64,
+        limit: usize,
+    ) -> StoreResult<Vec<JournalEntry>> {
+        journal::journal_after(&self.reader(), tenant, sandbox, after, limit)
+    }
+
+    fn journal_changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
+    fn prune_journal(&self, before: DateTime<Utc>) -> StoreResult<u64> {
+        let mut w = self.writer();
+        let tx = write_tx(&mut w)?;
+        let n = journal::prune(&tx, before)?;
+        tx.commit()?;
+        Ok(n)
+    }
+
+    fn set_delivery_limit(&self, limit: usize) {
+        self.delivery_limit.store(limit, Ordering::Relaxed);
+    }
+
+    fn put_webhook(&self, hook: &Webhook) -> StoreResult<()> {
+        journal::put_webhook(&self.writer(), hook)
+    }
+
+    fn webhooks(&self, tenant: &str) -> StoreResult<Vec<Webhook>> {
+        journal::webhooks(&self.reader(), tenant)
+    }
+
+    fn get_webhook(&self, tenant: &str, id: &str) -> StoreResult<Option<Webhook>> {
+        journal::get_webhook(&self.reader(), tenant, id)
+    }
+
+    fn delete_webhook(&self, tenant: &str, id: &str, at: DateTime<Utc>) -> StoreResult<bool> {
+        let mut w = self.writer();
+        let tx = write_tx(&mut w)?;
+        let found = journal::delete_webhook(&tx, tenant, id, at)?;
+        tx.commit()?;
+        Ok(found)
+    }
+
+    fn due_deliveries(&self, now: DateTime<Utc>, limit: usize) -> StoreResult<Vec<Delivery>> {
+        journal::due(&self.reader(), now, limit)
+    }
+
+    fn next_delivery_at(&self) -> StoreResult<Option<DateTime<Utc>>> {
+        journal::next_due(&self.reader())
+    }
+
+    fn update_delivery(&self, d: &Delivery) -> StoreResult<()> {
+        journal::update_delivery(&self.writer(), d)
+    }
+
+    fn deliveries(&self, webhook: &str, limit: usize) -> StoreResult<Vec<Delivery>> {
+        journal::deliveries(&self.reader(), webhook, limit)
     }
 }
 

@@ -60,6 +60,7 @@ enum Kind {
     Template,
     Approval,
     Token,
+    Webhook,
 }
 
 fn kind(path: &str) -> Option<Kind> {
@@ -73,6 +74,8 @@ fn kind(path: &str) -> Option<Kind> {
         Kind::Approval
     } else if path.starts_with("/v1/tokens/:id") {
         Kind::Token
+    } else if path.starts_with("/v1/webhooks/:id") {
+        Kind::Webhook
     } else {
         return None;
     })
@@ -85,6 +88,7 @@ fn unknown(k: Kind) -> &'static str {
         Kind::Template => "tpl-0000000000000000zzzz",
         Kind::Approval => "apr-0000000000000000zzzz",
         Kind::Token => "tok-0000000000000000",
+        Kind::Webhook => "wh-0000000000000000",
     }
 }
 
@@ -95,6 +99,7 @@ fn malformed(k: Kind) -> &'static str {
         Kind::Template => "tpl-NOT_AN_ID",
         Kind::Approval => "apr-NOT_AN_ID",
         Kind::Token => "tok-NOT_AN_ID",
+        Kind::Webhook => "wh-NOT_AN_ID",
     }
 }
 
@@ -220,6 +225,18 @@ async fn fixture(h: &Sec, t: &Tenant, k: Kind) -> String {
             assert_eq!(s, StatusCode::ACCEPTED, "{v}");
             v["approval"]["id"].as_str().unwrap().to_owned()
         }
+        Kind::Webhook => {
+            let (s, v, _) = req(
+                h,
+                "POST",
+                "/v1/webhooks",
+                Some(&t.toks["admin"]),
+                r#"{"url":"http://127.0.0.1:9/hook"}"#,
+            )
+            .await;
+            assert_eq!(s, StatusCode::CREATED, "{v}");
+            v["id"].as_str().unwrap().to_owned()
+        }
         Kind::Token => {
             let (s, v, _) = req(
                 h,
@@ -273,6 +290,8 @@ async fn every_route_every_role_every_spelling_of_the_id() {
         c.capacity.memory_mib = 1 << 40;
         c.capacity.admission = crate::config::AdmissionMode::Nominal;
         c.pressure.enabled = false;
+        // The webhook fixtures' target (a closed local port).
+        c.webhooks.allow_private = vec!["127.0.0.1".into()];
     });
     let acme = tenant(&h, "acme").await;
     let beta = tenant(&h, "beta").await;
@@ -415,7 +434,7 @@ async fn every_route_every_role_every_spelling_of_the_id() {
                         // Typed ids are parsed (400); approval and token ids are
                         // opaque strings looked up in the caller's tenant (404).
                         let want = match k {
-                            Kind::Approval | Kind::Token => StatusCode::NOT_FOUND,
+                            Kind::Approval | Kind::Token | Kind::Webhook => StatusCode::NOT_FOUND,
                             _ => StatusCode::BAD_REQUEST,
                         };
                         assert_eq!(a.status, want, "{ctx}: {}", a.body);

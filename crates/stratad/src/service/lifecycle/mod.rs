@@ -697,7 +697,16 @@ impl Service {
     }
 
     fn env_sealer(&self) -> ServiceResult<crate::security::keys::Sealer> {
-        use crate::security::keys::{KeyStore, Purpose};
+        self.sealer(crate::security::keys::Purpose::SandboxEnv)
+    }
+
+    /// The key store's sealer for `purpose` (the key store opened on
+    /// first use; without it nothing is sealed: `ServiceError::Keys`).
+    pub(crate) fn sealer(
+        &self,
+        purpose: crate::security::keys::Purpose,
+    ) -> ServiceResult<crate::security::keys::Sealer> {
+        use crate::security::keys::KeyStore;
         let store = self
             .keys
             .get_or_init(|| {
@@ -711,7 +720,7 @@ impl Service {
             .as_ref()
             .map_err(|e| ServiceError::Keys(e.clone()))?;
         store
-            .sealer(Purpose::SandboxEnv)
+            .sealer(purpose)
             .map_err(|e| ServiceError::Keys(e.to_string()))
     }
 

@@ -2,7 +2,7 @@
 //! (`PRAGMA user_version` counts them). Never edit a shipped migration: add one.
 
 /// Newest schema version this build knows.
-pub const SCHEMA_VERSION: i64 = 13;
+pub const SCHEMA_VERSION: i64 = 14;
 
 pub(super) const MIGRATIONS: &[&str] = &[
     // 1: initial schema.
@@ -205,5 +205,53 @@ pub(super) const MIGRATIONS: &[&str] = &[
         UNIQUE (sandbox_id, credential)
     );
     CREATE INDEX envd_tokens_by_credential ON envd_tokens (credential);
+    "#,
+    // 14: the journal carries more than sandbox transitions (snapshots
+    // taken and pruned, approvals requested and answered, policy refusals:
+    // `kind`, with their JSON `data`; a row from before is a `sandbox`
+    // transition), read per tenant in order by the event stream; it is
+    // pruned by age (`[events] keep`): a delete passes only inside the
+    // pruning transaction (a row in `journal_pruning`); never an update. Webhooks per tenant (the signing secret sealed by the key
+    // store) and their deliveries, queued durably with the event they carry.
+    r#"
+    ALTER TABLE events ADD COLUMN kind TEXT NOT NULL DEFAULT 'sandbox';
+    ALTER TABLE events ADD COLUMN data TEXT;
+    CREATE INDEX events_by_tenant ON events (tenant_id, seq);
+    CREATE INDEX events_by_at ON events (at);
+    DROP TRIGGER events_append_only_delete;
+    CREATE TABLE journal_pruning (active INTEGER NOT NULL);
+    CREATE TRIGGER events_append_only_delete BEFORE DELETE ON events
+        WHEN NOT EXISTS (SELECT 1 FROM journal_pruning)
+        BEGIN SELECT RAISE(ABORT, 'events are append-only (only retention prunes them)'); END;
+    CREATE TABLE webhooks (
+        id TEXT PRIMARY KEY,
+        tenant_id TEXT NOT NULL,
+        url TEXT NOT NULL,
+        events TEXT NOT NULL,
+        format TEXT NOT NULL,
+        secret TEXT NOT NULL,
+        created_by TEXT NOT NULL,
+        created_at INTEGER NOT NULL,
+        deleted_at INTEGER
+    ) WITHOUT ROWID;
+    CREATE INDEX webhooks_by_tenant ON webhooks (tenant_id, created_at);
+    CREATE TABLE webhook_deliveries (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        webhook_id TEXT NOT NULL,
+        tenant_id TEXT NOT NULL,
+        event_seq INTEGER NOT NULL,
+        topic TEXT NOT NULL,
+        event TEXT NOT NULL,
+        status TEXT NOT NULL,
+        attempts INTEGER NOT NULL DEFAULT 0,
+        last_status INTEGER,
+        last_error TEXT,
+        next_attempt_at INTEGER,
+        created_at INTEGER NOT NULL,
+        updated_at INTEGER NOT NULL
+    );
+    CREATE INDEX webhook_deliveries_due ON webhook_deliveries (status, next_attempt_at);
+    CREATE INDEX webhook_deliveries_by_webhook ON webhook_deliveries (webhook_id, id);
+    CREATE INDEX webhook_deliveries_by_tenant ON webhook_deliveries (tenant_id, status);
     "#,
 ];

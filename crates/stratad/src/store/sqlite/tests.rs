@@ -699,3 +699,55 @@ fn same_as_round_trips_and_schema_11_rows_read_as_none() {
     let j = serde_json::to_value(&same).unwrap();
     assert_eq!(j["same_as"], old.id.as_str());
 }
+
+#[test]
+fn the_journal_keeps_every_kind_in_one_order_and_only_retention_prunes_it() {
+    use crate::store::{JournalKind, JournalNote};
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(&dir);
+    let rec = sandbox(1, SandboxState::Running);
+    s.insert_sandbox(&rec, &created(&rec)).unwrap();
+    let mut changes = s.journal_changes();
+    changes.borrow_and_update();
+    let old = Utc::now() - chrono::TimeDelta::days(30);
+    let seq = s
+        .append_journal(&JournalNote {
+            at: old,
+            tenant: rec.tenant.clone(),
+            sandbox_id: rec.id.to_string(),
+            kind: JournalKind::Approval,
+            topic: "approval.requested".into(),
+            data: serde_json::json!({ "action": "requested", "approval_id": "a1" }),
+        })
+        .unwrap();
+    assert!(changes.has_changed().unwrap(), "a commit wakes the readers");
+    let all = s.journal_after(&rec.tenant, None, 0, 100).unwrap();
+    assert_eq!(all.len(), 2);
+    assert_eq!(all[0].kind, JournalKind::Sandbox);
+    assert_eq!(all[1].seq, seq);
+    let m = all[1].message();
+    assert_eq!(m["kind"], "approval");
+    assert_eq!(m["approval_id"], "a1");
+    assert_eq!(m["sandbox_id"], rec.id.as_str());
+    // The transition list of the sandbox is unchanged: transitions only.
+    assert_eq!(s.events(&rec.id, 10).unwrap().len(), 1);
+    assert!(s.journal_after("other", None, 0, 100).unwrap().is_empty());
+    // Deletes stay refused outside retention; retention prunes by age.
+    assert!(s.writer().execute("DELETE FROM events", []).is_err());
+    let recent = Utc::now() - chrono::TimeDelta::days(7);
+    let kept: Vec<i64> = all
+        .iter()
+        .filter(|e| e.at >= recent)
+        .map(|e| e.seq)
+        .collect();
+    let pruned = s.prune_journal(recent).unwrap();
+    assert_eq!(pruned as usize, all.len() - kept.len());
+    let left: Vec<i64> = s
+        .journal_after(&rec.tenant, None, 0, 100)
+        .unwrap()
+        .iter()
+        .map(|e| e.seq)
+        .collect();
+    assert_eq!(left, kept);
+    assert!(!left.contains(&seq), "the 30-day-old entry is pruned");
+}

@@ -1,0 +1,229 @@
+//! Section `events`: how long a human waits to be told. One daemon
+//! (stratad's `App`: its router, security layer, store, approval queue,
+//! journal and webhook worker, served on loopback; no VMs: the held call is
+//! a create, decided before any VM is involved) holds every create for
+//! approval; a local receiver takes the webhook deliveries and one
+//! `GET /v1/events` stream stays open. For each of `--events-n` requests:
+//! the time from sending the call (answered `202` with its approval) to the
+//! webhook delivery arriving at the receiver, and to the stream's
+//! `approval` message arriving at the client.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Context as _, Result};
+use futures::StreamExt;
+use serde_json::{json, Value};
+use strata_testkit::Api;
+use stratad::clock::SystemClock;
+use stratad::config::Config;
+use stratad::engine::unavailable::UnavailableEngine;
+use stratad::store::SqliteStore;
+use stratad::App;
+
+use crate::ctx::Ctx;
+use crate::report::{Section, Table};
+use crate::stats::{fmt_ms, Samples};
+
+/// Flags of the `events` section.
+#[derive(Debug, Clone, clap::Args)]
+#[group(id = "events-args")]
+pub struct Args {
+    /// Approval requests measured (at least 100 for a p99).
+    #[arg(long = "events-n", default_value_t = 200)]
+    pub requests: usize,
+}
+
+impl Args {
+    /// The CI smoke size (still 100: the p99 needs them).
+    pub fn smoke(&mut self) {
+        self.requests = self.requests.min(100);
+    }
+}
+
+const POLICY: &str = r#"
+default = "allow"
+
+[[rule]]
+id = "creates-need-a-human"
+effect = "approve"
+kind = "lifecycle"
+reason = "bench: every create is held"
+"#;
+
+/// When each approval id was seen, by the receiver or the stream.
+type Seen = Arc<Mutex<HashMap<String, Instant>>>;
+
+async fn wait_seen(seen: &Seen, id: &str) -> Result<Instant> {
+    let t0 = Instant::now();
+    loop {
+        if let Some(t) = seen.lock().unwrap_or_else(|p| p.into_inner()).get(id) {
+            return Ok(*t);
+        }
+        if t0.elapsed() > Duration::from_secs(30) {
+            return Err(anyhow!("approval {id} not seen within 30 s"));
+        }
+        tokio::time::sleep(Duration::from_micros(200)).await;
+    }
+}
+
+/// Measures and fills `sec`.
+pub async fn run(_ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
+    let dir = tempfile::Builder::new()
+        .prefix("strata-bench-events-")
+        .tempdir_in("/tmp")
+        .context("scratch dir")?;
+    let mut cfg = Config {
+        data_dir: dir.path().join("data"),
+        key_dir: dir.path().join("keys"),
+        ..Config::default()
+    };
+    cfg.security.rate_limit_per_second = 1e9;
+    cfg.security.rate_limit_burst = u32::MAX;
+    cfg.security.max_pending_approvals_per_sandbox = args.requests.max(1) * 2;
+    cfg.webhooks.allow_private = vec!["127.0.0.1".into()];
+    std::fs::create_dir_all(&cfg.data_dir)?;
+    let store = Arc::new(SqliteStore::open(&cfg.db_path(), cfg.db_readers)?);
+    let app = Arc::new(App::new(
+        cfg.clone(),
+        store,
+        Arc::new(UnavailableEngine),
+        Arc::new(SystemClock),
+    ));
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    app.service().spawn_webhook_worker(stop);
+    let served = strata_testkit::serve(app.router()).await?;
+    let http = Api::new(served.url.clone()).admin_token_of(&cfg.data_dir);
+    let r = http
+        .req(reqwest::Method::PUT, "/v1/policy")
+        .body(POLICY)
+        .send()
+        .await?;
+    if !r.status().is_success() {
+        return Err(anyhow!("PUT /v1/policy: {}", r.status()));
+    }
+
+    // The receiver: when each approval's delivery arrived.
+    let hooked: Seen = Arc::default();
+    let h = hooked.clone();
+    let receiver = axum::Router::new().route(
+        "/hook",
+        axum::routing::post(move |body: bytes::Bytes| {
+            let h = h.clone();
+            async move {
+                let at = Instant::now();
+                if let Ok(v) = serde_json::from_slice::<Value>(&body) {
+                    if let Some(id) = v["approval"]["id"].as_str() {
+                        h.lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .entry(id.to_owned())
+                            .or_insert(at);
+                    }
+                }
+                "ok"
+            }
+        }),
+    );
+    let rx = strata_testkit::serve(receiver).await?;
+    let (s, v) = http
+        .json(
+            reqwest::Method::POST,
+            "/v1/webhooks",
+            Some(json!({ "url": format!("{}/hook", rx.url) })),
+        )
+        .await?;
+    if s != 201 {
+        return Err(anyhow!("POST /v1/webhooks: {s} {v}"));
+    }
+
+    // The stream: when each approval's message arrived.
+    let streamed: Seen = Arc::default();
+    let resp = http
+        .req(reqwest::Method::GET, "/v1/events")
+        .header("accept", "text/event-stream")
+        .send()
+        .await?;
+    if !resp.status().is_success() {
+        return Err(anyhow!("GET /v1/events: {}", resp.status()));
+    }
+    let st = streamed.clone();
+    let reader = tokio::spawn(async move {
+        let mut body = resp.bytes_stream();
+        let mut buf = String::new();
+        while let Some(Ok(chunk)) = body.next().await {
+            let at = Instant::now();
+            buf.push_str(&String::from_utf8_lossy(&chunk));
+            while let Some(i) = buf.find("\n\n") {
+                let block: String = buf.drain(..i + 2).collect();
+                let Some(data) = block.lines().find_map(|l| l.strip_prefix("data:")) else {
+                    continue;
+                };
+                let Ok(v) = serde_json::from_str::<Value>(data.trim()) else {
+                    continue;
+                };
+                if v["kind"] == "approval" && v["action"] == "requested" {
+                    if let Some(id) = v["approval_id"].as_str() {
+                        st.lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .insert(id.to_owned(), at);
+                    }
+                }
+            }
+        }
+    });
+
+    let mut to_hook = Samples::new();
+    let mut to_sse = Samples::new();
+    for i in 0..args.requests.max(1) {
+        let t0 = Instant::now();
+        let (s, v) = http
+            .json(
+                reqwest::Method::POST,
+                "/v1/sandboxes?wait=false",
+                Some(json!({ "labels": { "n": i.to_string() } })),
+            )
+            .await?;
+        if s != 202 {
+            return Err(anyhow!("held create: {s} {v}"));
+        }
+        let id = v["approval"]["id"]
+            .as_str()
+            .ok_or_else(|| anyhow!("no approval id in {v}"))?
+            .to_owned();
+        let hook = wait_seen(&hooked, &id).await?;
+        let sse = wait_seen(&streamed, &id).await?;
+        to_hook.push_dur(hook.duration_since(t0));
+        to_sse.push_dur(sse.duration_since(t0));
+    }
+    reader.abort();
+    let _ = stop_tx.send(true);
+    drop(served);
+    drop(rx);
+
+    sec.text(format!(
+        "One daemon (stratad's router, security layer, SQLite store, approval queue, journal \
+         and webhook worker, served on loopback; no VMs) with a policy that holds every create \
+         for approval, one open `GET /v1/events` stream and one webhook to a local receiver. \
+         Each of {} creates is sent with `?wait=false` and answered `202` with its approval; \
+         the clock starts when the create is sent and stops when the webhook's POST reaches \
+         the receiver, and when the stream's `approval` message reaches the client. \
+         Requests are sequential.",
+        args.requests
+    ));
+    let mut t = Table::latency("Approval request → notification (loopback)", &[]);
+    let (hs, ss) = (to_hook.summary(), to_sse.summary());
+    t.latency_row("→ webhook delivered (signed POST received)", &hs, vec![]);
+    t.latency_row("→ event stream message received", &ss, vec![]);
+    sec.table(t);
+    sec.headline(format!(
+        "approval request → webhook p50 {} / p99 {}; → event stream p50 {} / p99 {} (n = {})",
+        fmt_ms(hs.p50),
+        fmt_ms(hs.p99),
+        fmt_ms(ss.p50),
+        fmt_ms(ss.p99),
+        args.requests
+    ));
+    sec.data = json!({ "webhook": hs, "stream": ss, "n": args.requests });
+    Ok(())
+}
