@@ -19,7 +19,8 @@ use futures::FutureExt;
 use strata_bench::ctx::{teardown_all, Ctx};
 use strata_bench::report::{commit, Machine, Report, Section};
 use strata_bench::sections::{
-    self, density, history, interp, load, packing, pool, recipe, restore, scale, sdk, snapshot,
+    self, chaos, density, history, interp, load, packing, pool, recipe, restore, scale, sdk,
+    snapshot,
 };
 use strata_core::Accel;
 use strata_vmm::VmmDriver;
@@ -37,7 +38,8 @@ struct Cli {
     /// Sections to run, comma-separated: snapshot, restore, load, density, history, scale;
     /// and sdk (E2B SDK beside /v1), recipe (template builds), pool (warm pools), interp (code
     /// interpreter: first run_code in a fork vs a cold kernel), packing (admission by use vs
-    /// nominal, 10 % active), run only when named here.
+    /// nominal, 10 % active), chaos (kill -9 at random moments, 100 kills, ~1 h), run only when
+    /// named here.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// CI smoke size: every count at its minimum (completes, figures not meaningful).
@@ -86,6 +88,11 @@ struct Cli {
         next_help_heading = "11. Packing by use (only with --only packing)"
     )]
     packing: packing::Args,
+    #[command(
+        flatten,
+        next_help_heading = "12. Chaos: kills at random moments (only with --only chaos)"
+    )]
+    chaos: chaos::Args,
 }
 
 fn title(key: &str) -> &'static str {
@@ -103,6 +110,7 @@ fn title(key: &str) -> &'static str {
         "packing" => {
             "11. Packing: admission by use and pressure hibernation vs nominal vCPUs, 10 % active"
         }
+        "chaos" => "12. Chaos: kill -9 of the daemon, a QEMU, an agent at random moments",
         _ => "unknown section",
     }
 }
@@ -141,6 +149,7 @@ async fn run_section(key: &str, ctx: &Ctx, cli: &Cli) -> Section {
                 "pool" => pool::run(ctx, &cli.pool, &mut sec).await,
                 "interp" => interp::run(ctx, &cli.interp, &mut sec).await,
                 "packing" => packing::run(ctx, &cli.packing, &mut sec).await,
+                "chaos" => chaos::run(ctx, &cli.chaos, &mut sec).await,
                 other => Err(anyhow!("unknown section {other:?}")),
             }
         };
@@ -205,6 +214,7 @@ fn main() -> Result<()> {
         cli.pool.smoke();
         cli.interp.smoke();
         cli.packing.smoke();
+        cli.chaos.smoke();
     }
     let requested: Accel = cli.accel.parse().map_err(|e: String| anyhow!(e))?;
     let image = image_dir(&cli)?;

@@ -141,8 +141,11 @@ pub struct ChaosReport {
     pub restores_checked: u64,
     /// Wall time of the run.
     pub wall: Duration,
-    /// The daemon's logs of the starts where a violation was found.
+    /// The last lines the daemon logged when a violation was found.
     pub log_tail: String,
+    /// Where the daemon's logs of every start were copied when a violation
+    /// was found (the run's directories are removed at its end).
+    pub logs_kept: Option<PathBuf>,
 }
 
 impl ChaosReport {
@@ -201,6 +204,7 @@ impl ChaosReport {
             self.violations
                 .iter()
                 .map(|v| format!("\nVIOLATION: {v}"))
+                .chain(self.logs_kept.iter().map(|p| format!("\ndaemon logs: {}", p.display())))
                 .collect::<String>()
         )
     }
@@ -594,6 +598,14 @@ fn violation(sh: &Shared, v: String) {
     let log = sh.d.last_log();
     let tail: Vec<&str> = log.lines().rev().take(80).collect();
     r.log_tail = tail.into_iter().rev().collect::<Vec<_>>().join("\n");
+    let keep = PathBuf::from(format!("/tmp/chaos-logs-{}", sh.cfg.seed));
+    if std::fs::create_dir_all(&keep).is_ok() {
+        for n in 1..=sh.d.starts.load(Ordering::SeqCst) {
+            let _ = std::fs::copy(sh.d.log_path(n), keep.join(format!("stratad.{n}.log")));
+        }
+        eprintln!("chaos: the daemon's logs are kept in {}", keep.display());
+        r.logs_kept = Some(keep);
+    }
 }
 
 async fn wait_template(api: &Api) -> Result<(), String> {
@@ -628,10 +640,17 @@ async fn killer(sh: &Arc<Shared>) -> Result<(), String> {
         } else {
             "agent"
         };
-        let done = match kind {
+        let mut done = match kind {
             "daemon" => kill_daemon(sh).await?,
             "qemu" => kill_qemu(sh, &mut rng).await?,
             _ => kill_agent(sh, &mut rng).await?,
+        };
+        // No victim for a QEMU or agent kill right now: kill the daemon.
+        let kind = if done.is_none() {
+            done = kill_daemon(sh).await?;
+            "daemon"
+        } else {
+            kind
         };
         if let Some(took) = done {
             let mut r = sh.report.lock().unwrap_or_else(|p| p.into_inner());
@@ -745,7 +764,7 @@ async fn kill_agent(sh: &Arc<Shared>, rng: &mut Rng) -> Result<Option<Duration>,
     let t = Instant::now() + Duration::from_millis(300);
     let r = match out {
         Ok((0, _)) => {
-            tokio::time::sleep(Duration::from_millis(1000)).await;
+            tokio::time::sleep(Duration::from_millis(400)).await;
             answers_again(sh, &id, t).await.map(Some)
         }
         _ => Ok(None),

@@ -5,6 +5,7 @@
 //! or clap refuses the flattened CLI) and a `run` that fills a [`Section`]
 //! as it measures, so a failure part-way still reports what was measured.
 
+pub mod chaos;
 pub mod density;
 pub mod history;
 pub mod interp;
@@ -24,5 +25,6 @@ pub const ALL: &[&str] = &["snapshot", "restore", "load", "density", "history", 
 /// smoke run): `sdk` needs the `e2b` package from PyPI, `recipe` the
 /// package registries, `pool` runs two daemons for minutes, `interp` the
 /// code-interpreter template (a cold build ~25 min under TCG), `packing`
-/// a hundred sandboxes for about ten minutes.
-pub const OPT_IN: &[&str] = &["sdk", "recipe", "pool", "interp", "packing"];
+/// a hundred sandboxes for about ten minutes, `chaos` 100 kills for about
+/// an hour.
+pub const OPT_IN: &[&str] = &["sdk", "recipe", "pool", "interp", "packing", "chaos"];
