@@ -364,7 +364,12 @@ rate_limit_burst = 100000
             .stdout(log.try_clone()?)
             .stderr(log)
             .spawn()?;
+        let pid = child.id();
         *self.child.lock().unwrap_or_else(|p| p.into_inner()) = Some(child);
+        let mut all = running();
+        all.retain(|(r, _)| *r != self.root);
+        all.push((self.root.clone(), Some(pid)));
+        drop(all);
         let t = Instant::now();
         let addr = self.url.trim_start_matches("http://").to_owned();
         loop {
@@ -412,9 +417,29 @@ rate_limit_burst = 100000
     }
 }
 
+/// Roots and daemon pids of the runs in progress, for [`teardown_all`].
+static RUNNING: Mutex<Vec<(PathBuf, Option<u32>)>> = Mutex::new(Vec::new());
+
+fn running() -> std::sync::MutexGuard<'static, Vec<(PathBuf, Option<u32>)>> {
+    RUNNING.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Kills the daemons of the runs in progress, their VMs, unmounts their
+/// pools and removes their directories (a bench's Ctrl-C handler).
+pub fn teardown_all() {
+    for (root, pid) in std::mem::take(&mut *running()) {
+        if let Some(pid) = pid.filter(|p| cmdline(*p).contains("stratad")) {
+            sigkill(pid);
+            crate::teardown::wait_gone(pid, Duration::from_secs(10));
+        }
+        remove_daemon_root(&root);
+    }
+}
+
 impl Drop for DaemonProc {
     fn drop(&mut self) {
         self.kill9();
+        running().retain(|(r, _)| *r != self.root);
         remove_daemon_root(&self.root);
     }
 }
