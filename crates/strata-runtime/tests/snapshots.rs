@@ -510,3 +510,66 @@ fn a_silent_agent_is_found_in_seconds_and_the_next_call_reconnects() {
         f.rt.delete(&a).await.expect("delete");
     });
 }
+
+/// Found by the chaos harness (a QEMU killed in the middle of a rewind):
+/// the new VM died while the rewind waited for its agent, and the rewind
+/// knocked on the dead socket for the whole agent timeout (60 s) before it
+/// failed. A VM that exits before its agent answers fails the start at once.
+#[test]
+fn a_vm_killed_before_its_agent_answers_fails_the_rewind_at_once() {
+    let _pool = shared_pool();
+    let f = fixture();
+    tokio_rt().block_on(async {
+        let a = new_sandbox(f).await;
+        let snap = SnapshotId::generate();
+        f.rt.snapshot(&a, &snap).await.expect("snapshot");
+        let old =
+            f.rt.running()
+                .into_iter()
+                .find(|(id, _)| id == &a)
+                .map(|(_, p)| p);
+        let rt = f.rt.clone();
+        let (a2, snap2) = (a.clone(), snap.clone());
+        let rewind = tokio::spawn(async move { rt.rewind(&a2, &snap2, None).await });
+        // The new VM is registered once its state is loaded, right before the
+        // agent handshake: kill it then.
+        let t = std::time::Instant::now();
+        let pid = loop {
+            if let Some((_, p)) =
+                f.rt.running()
+                    .into_iter()
+                    .find(|(id, p)| id == &a && Some(*p) != old)
+            {
+                break p;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "no new VM for the rewind"
+            );
+            assert!(
+                !rewind.is_finished(),
+                "the rewind ended before its VM was seen"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        };
+        // SAFETY: sending SIGKILL to the QEMU process this test's rewind started.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        let killed = std::time::Instant::now();
+        let r = tokio::time::timeout(Duration::from_secs(50), rewind)
+            .await
+            .expect("the rewind fails within seconds, not after the 60 s agent timeout")
+            .expect("join");
+        eprintln!(
+            "rewind after the kill: {:?} in {:?}",
+            r.as_ref().err(),
+            killed.elapsed()
+        );
+        match r {
+            Err(e) => assert!(e.to_string().contains("exited"), "{e}"),
+            // The agent answered before the kill landed: nothing to judge.
+            Ok(_) => eprintln!("the kill came after the handshake"),
+        }
+        let _ = f.rt.restore(&a, &snap).await;
+        let _ = f.rt.delete(&a).await;
+    });
+}
