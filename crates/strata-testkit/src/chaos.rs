@@ -512,6 +512,8 @@ impl Sb {
 #[derive(Debug, Default)]
 struct Ledger {
     sbs: Vec<Sb>,
+    /// Creates and forks in flight (each holds a place under `max_sandboxes`).
+    pending: usize,
 }
 
 impl Ledger {
@@ -520,6 +522,15 @@ impl Ledger {
     }
     fn get(&mut self, id: &str) -> Option<&mut Sb> {
         self.sbs.iter_mut().find(|s| s.id == id)
+    }
+    /// Takes a place for a new sandbox when fewer than `max` live or are
+    /// on their way (a sandbox being deleted still holds its VM).
+    fn reserve(&mut self, max: usize) -> bool {
+        let ok = self.live().count() + self.pending < max;
+        if ok {
+            self.pending += 1;
+        }
+        ok
     }
 }
 
@@ -850,8 +861,9 @@ async fn client(sh: Arc<Shared>, n: u64) {
         }
         let live = sh.ledger().live().filter(|s| !s.maybe_deleted).count();
         if op == "create" || live == 0 {
-            if live < sh.cfg.max_sandboxes {
+            if sh.ledger().reserve(sh.cfg.max_sandboxes) {
                 create(&sh).await;
+                sh.ledger().pending -= 1;
             }
         } else {
             let id = {
@@ -959,7 +971,7 @@ async fn one_op(sh: &Shared, rng: &mut Rng, op: &str, id: &str) {
                     _ => (None, s.marker),
                 }
             };
-            if sh.ledger().live().filter(|s| !s.maybe_deleted).count() >= sh.cfg.max_sandboxes {
+            if !sh.ledger().reserve(sh.cfg.max_sandboxes) {
                 return;
             }
             let path = match &from_snap {
@@ -978,6 +990,7 @@ async fn one_op(sh: &Shared, rng: &mut Rng, op: &str, id: &str) {
                 }
                 _ => sh.miss("fork"),
             }
+            sh.ledger().pending -= 1;
         }
         "rewind" => {
             let target = {
