@@ -514,7 +514,9 @@ fn a_silent_agent_is_found_in_seconds_and_the_next_call_reconnects() {
 /// Found by the chaos harness (a QEMU killed in the middle of a rewind):
 /// the new VM died while the rewind waited for its agent, and the rewind
 /// knocked on the dead socket for the whole agent timeout (60 s) before it
-/// failed. A VM that exits before its agent answers fails the start at once.
+/// failed, and left its pre-rewind snapshot's subvolume with no record. A
+/// VM that exits before its agent answers fails the start at once, and the
+/// failed rewind takes its pre-rewind snapshot away.
 #[test]
 fn a_vm_killed_before_its_agent_answers_fails_the_rewind_at_once() {
     let _pool = shared_pool();
@@ -530,7 +532,9 @@ fn a_vm_killed_before_its_agent_answers_fails_the_rewind_at_once() {
                 .map(|(_, p)| p);
         let rt = f.rt.clone();
         let (a2, snap2) = (a.clone(), snap.clone());
-        let rewind = tokio::spawn(async move { rt.rewind(&a2, &snap2, None).await });
+        let pre = SnapshotId::generate();
+        let pre2 = pre.clone();
+        let rewind = tokio::spawn(async move { rt.rewind(&a2, &snap2, Some(&pre2)).await });
         // The new VM is registered once its state is loaded, right before the
         // agent handshake: kill it then.
         let t = std::time::Instant::now();
@@ -565,7 +569,13 @@ fn a_vm_killed_before_its_agent_answers_fails_the_rewind_at_once() {
             killed.elapsed()
         );
         match r {
-            Err(e) => assert!(e.to_string().contains("exited"), "{e}"),
+            Err(e) => {
+                assert!(e.to_string().contains("exited"), "{e}");
+                // A failed rewind lists no pre-rewind snapshot, and leaves
+                // none in the pool either.
+                let left = f.rt.pool().snapshots_dir().join(pre.as_str());
+                assert!(!left.exists(), "{} stayed", left.display());
+            }
             // The agent answered before the kill landed: nothing to judge.
             Ok(_) => eprintln!("the kill came after the handshake"),
         }
