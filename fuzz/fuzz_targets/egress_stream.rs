@@ -88,18 +88,19 @@ fuzz_target!(|data: &[u8]| {
         let Ok(tunnel) = eg.admit() else {
             panic!("a stream refused while none is open: {:?}", eg.stats());
         };
-        let (mut guest, proxy_side) = tokio::io::duplex(64 * 1024);
+        let (guest, proxy_side) = tokio::io::duplex(64 * 1024);
         let served = tokio::spawn(eg.clone().serve(tunnel, proxy_side));
+        let (mut rd, mut wr) = tokio::io::split(guest);
         let mut out = Vec::new();
         // Write and read at once: the proxy may answer (and stop reading)
         // before the guest has written everything.
         let write = async {
-            let _ = guest_write(&mut guest, data).await;
+            let _ = guest_write(&mut wr, data).await;
         };
         let (_, read) = tokio::join!(write, async {
-            tokio::time::timeout(Duration::from_secs(5), read_all(&mut guest, &mut out)).await
+            tokio::time::timeout(Duration::from_secs(5), read_all(&mut rd, &mut out)).await
         });
-        drop(guest);
+        drop((rd, wr));
         assert!(read.is_ok(), "the proxy kept the stream open 5 s after the guest finished");
         tokio::time::timeout(Duration::from_secs(5), served)
             .await
@@ -115,7 +116,10 @@ fuzz_target!(|data: &[u8]| {
     });
 });
 
-async fn guest_write(g: &mut tokio::io::DuplexStream, data: &[u8]) -> std::io::Result<()> {
+async fn guest_write(
+    g: &mut tokio::io::WriteHalf<tokio::io::DuplexStream>,
+    data: &[u8],
+) -> std::io::Result<()> {
     // Not the whole input at once when the proxy stops reading: bounded.
     for chunk in data.chunks(4096) {
         tokio::time::timeout(Duration::from_millis(500), g.write_all(chunk))
@@ -125,7 +129,7 @@ async fn guest_write(g: &mut tokio::io::DuplexStream, data: &[u8]) -> std::io::R
     g.shutdown().await
 }
 
-async fn read_all(g: &mut tokio::io::DuplexStream, out: &mut Vec<u8>) {
+async fn read_all(g: &mut tokio::io::ReadHalf<tokio::io::DuplexStream>, out: &mut Vec<u8>) {
     let mut buf = [0u8; 4096];
     loop {
         match g.read(&mut buf).await {

@@ -67,6 +67,7 @@ fn run_one(key: u64) {
 /// Runs every pending teardown (newest first). Called at exit and on Ctrl-C;
 /// safe to call more than once.
 pub fn teardown_all() {
+    strata_testkit::chaos::teardown_all();
     let all = std::mem::take(&mut *TEARDOWN.lock().unwrap_or_else(|p| p.into_inner()));
     for (_, f) in all.into_iter().rev() {
         f();

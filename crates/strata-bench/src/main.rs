@@ -19,8 +19,8 @@ use futures::FutureExt;
 use strata_bench::ctx::{teardown_all, Ctx};
 use strata_bench::report::{commit, Machine, Report, Section};
 use strata_bench::sections::{
-    self, density, events, history, interp, load, packing, pool, recipe, restore, scale, sdk,
-    snapshot, soak, tls_proxy,
+    self, chaos, density, events, history, interp, load, packing, pool, recipe, restore, scale,
+    sdk, snapshot, soak, tls_proxy,
 };
 use strata_core::Accel;
 use strata_vmm::VmmDriver;
@@ -40,7 +40,8 @@ struct Cli {
     /// interpreter: first run_code in a fork vs a cold kernel), packing (admission by use vs
     /// nominal, 10 % active), soak (rolling snapshots of 20 sandboxes for two hours), tls_proxy
     /// (TLS interception overhead vs direct TLS), events (approval request → webhook and
-    /// event stream), run only when named here.
+    /// event stream), chaos (kill -9 at random moments, 100 kills, ~1 h), run
+    /// only when named here.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// CI smoke size: every count at its minimum (completes, figures not meaningful).
@@ -101,6 +102,11 @@ struct Cli {
         next_help_heading = "14. Approval notifications (only with --only events)"
     )]
     events: events::Args,
+    #[command(
+        flatten,
+        next_help_heading = "15. Chaos: kills at random moments (only with --only chaos)"
+    )]
+    chaos: chaos::Args,
 }
 
 fn title(key: &str) -> &'static str {
@@ -123,6 +129,7 @@ fn title(key: &str) -> &'static str {
             "13. TLS interception of a connector host: per-request overhead vs direct TLS"
         }
         "events" => "14. Approval notifications: request → webhook delivery and → event stream",
+        "chaos" => "15. Chaos: kill -9 of the daemon, a QEMU, an agent at random moments",
         _ => "unknown section",
     }
 }
@@ -164,6 +171,7 @@ async fn run_section(key: &str, ctx: &Ctx, cli: &Cli) -> Section {
                 "soak" => soak::run(ctx, &cli.soak, &mut sec).await,
                 "tls_proxy" => tls_proxy::run(ctx, &cli.tls_proxy, &mut sec).await,
                 "events" => events::run(ctx, &cli.events, &mut sec).await,
+                "chaos" => chaos::run(ctx, &cli.chaos, &mut sec).await,
                 other => Err(anyhow!("unknown section {other:?}")),
             }
         };
@@ -231,6 +239,7 @@ fn main() -> Result<()> {
         cli.soak.smoke();
         cli.tls_proxy.smoke();
         cli.events.smoke();
+        cli.chaos.smoke();
     }
     let requested: Accel = cli.accel.parse().map_err(|e: String| anyhow!(e))?;
     let image = image_dir(&cli)?;

@@ -23,6 +23,7 @@
 //! only, since a unit test of stratad would see two copies of the crate.
 
 mod bin;
+pub mod chaos;
 mod cli;
 #[cfg(feature = "stratad")]
 pub mod fixtures;

@@ -5,6 +5,7 @@
 //! or clap refuses the flattened CLI) and a `run` that fills a [`Section`]
 //! as it measures, so a failure part-way still reports what was measured.
 
+pub mod chaos;
 pub mod density;
 pub mod events;
 pub mod history;
@@ -29,7 +30,8 @@ pub const ALL: &[&str] = &["snapshot", "restore", "load", "density", "history", 
 /// code-interpreter template (a cold build ~25 min under TCG), `packing`
 /// a hundred sandboxes for about ten minutes, `soak` twenty for two hours,
 /// `tls_proxy` measures the egress proxy on the host alone (no guest),
-/// `events` (no VMs, seconds) notifications of approval requests.
+/// `events` (no VMs, seconds) notifications of approval requests, `chaos`
+/// 100 kills for about an hour.
 pub const OPT_IN: &[&str] = &[
     "sdk",
     "recipe",
@@ -39,4 +41,5 @@ pub const OPT_IN: &[&str] = &[
     "soak",
     "tls_proxy",
     "events",
+    "chaos",
 ];

@@ -79,10 +79,20 @@ impl Runtime {
         // A guest that stops answering is noticed within 5 s: the connection
         // closes, calls in flight fail, and the next use reconnects here.
         let liveness = Liveness::new(Some(live.running.clone()));
-        let client =
-            AgentClient::connect_unix_watched(&live.vm.agent_socket(), t, egress, Some(liveness))
-                .await
-                .map_err(|e| agent_err(id.as_str(), e, t))?;
+        let socket = live.vm.agent_socket();
+        let connect = AgentClient::connect_unix_watched(&socket, t, egress, Some(liveness));
+        // A VM that dies before its agent answers (a QEMU killed in the
+        // middle of a start, restore or rewind) fails the connect now, not
+        // after the whole agent timeout spent knocking on a dead socket.
+        let client = tokio::select! {
+            r = connect => r.map_err(|e| agent_err(id.as_str(), e, t))?,
+            exit = live.vm.wait_exit() => {
+                return Err(crate::RuntimeError::VmFailed {
+                    id: id.to_string(),
+                    reason: format!("the VM exited before its agent answered: {}", exit.reason),
+                });
+            }
+        };
         *slot = Some(client.clone());
         Ok(client)
     }

@@ -16,9 +16,9 @@ use std::time::Instant;
 use strata_core::{SandboxId, SnapshotId};
 
 use super::start::Start;
-use super::{Result, Runtime, StateRef};
+use super::{blocking, Result, Runtime, StateRef};
 use crate::api::{SnapshotInfo, VmInfo};
-use crate::error::RuntimeError;
+use crate::error::{storage_err, RuntimeError};
 
 impl Runtime {
     /// Returns `id` in place to its snapshot `to`. With `pre_rewind`, the present
@@ -48,9 +48,23 @@ impl Runtime {
             _ => None,
         };
         self.stop_vm(id).await;
-        let vm = self
+        let vm = match self
             .start_opened(id, state, accel, None, Start::InPlace, Instant::now())
-            .await?;
+            .await
+        {
+            Ok(vm) => vm,
+            Err(e) => {
+                // A failed rewind lists no pre-rewind snapshot: its subvolume
+                // goes too (it stayed in the pool with no record).
+                if let Some(p) = pre_rewind.filter(|_| pre.is_some()) {
+                    let (pool, d) = (self.pool.clone(), self.snapshot_dir(p));
+                    if let Err(t) = blocking(move || pool.trash(&d).map_err(storage_err)).await {
+                        tracing::warn!(sandbox = %id, snapshot = %p, error = %t, "removing the pre-rewind snapshot of a failed rewind failed");
+                    }
+                }
+                return Err(e);
+            }
+        };
         Ok((pre, vm))
     }
 

@@ -203,6 +203,13 @@ impl Runtime {
             if let Err(e) = live.resume_vm().await {
                 tracing::error!(sandbox = %id, error = %e, "resume after snapshot failed");
                 if result.is_ok() {
+                    // Reported failed, so not listed: its subvolume goes too
+                    // (a QEMU killed between the btrfs snapshot and `cont`
+                    // left it in the pool with no record).
+                    let (pool, d) = (self.pool.clone(), dst.clone());
+                    if let Err(t) = blocking(move || pool.trash(&d).map_err(storage_err)).await {
+                        tracing::warn!(sandbox = %id, snapshot = %snap, error = %t, "removing the snapshot of a failed resume failed");
+                    }
                     return Err(vmm_err(id.as_str(), e));
                 }
             }

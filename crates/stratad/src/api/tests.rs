@@ -24,6 +24,8 @@ use crate::App;
 struct Double {
     pids: AtomicU32,
     fail_pause: AtomicBool,
+    /// Rewinds fail as one whose new VM died before its agent answered.
+    fail_rewind: AtomicBool,
     slow_rewind: tokio::sync::Notify,
     hold_rewind: AtomicBool,
     snaps: std::sync::Mutex<Vec<SnapshotId>>,
@@ -106,6 +108,12 @@ impl Engine for Double {
         self.returned_to.lock().unwrap().push(to.clone());
         if self.hold_rewind.load(Ordering::Relaxed) {
             self.slow_rewind.notified().await;
+        }
+        if self.fail_rewind.load(Ordering::Relaxed) {
+            return Err(RuntimeError::AgentTimeout {
+                id: "rewound".into(),
+                timeout_ms: 60_000,
+            });
         }
         Ok((pre.map(snap_info), self.vm(SandboxSize::default())))
     }
@@ -803,6 +811,40 @@ async fn failed_operation_keeps_previous_state_with_reason() {
         .map(|e| e["phase"].as_str().unwrap())
         .collect();
     assert_eq!(phases, vec!["pending", "done", "pending", "failed"]);
+}
+
+/// Found by the chaos harness (a QEMU killed in the middle of a rewind): the
+/// rewind failed after the engine had ended the old VM, and the record stayed
+/// `running` with the old VM's pid and no VM behind it, so every later call
+/// failed. Now the sandbox is marked failed with the reason and restored
+/// from its latest snapshot (this double reports no live VM).
+#[tokio::test]
+async fn a_rewind_that_loses_its_vm_restores_the_latest_snapshot() {
+    let h = harness();
+    let id = create(&h).await;
+    let (_, snap) = call(&h, "POST", &format!("/v1/sandboxes/{id}/snapshots"), "").await;
+    let snap = snap["id"].as_str().unwrap().to_owned();
+    let (_, before) = call(&h, "GET", &format!("/v1/sandboxes/{id}"), "").await;
+    h.engine.fail_rewind.store(true, Ordering::Relaxed);
+    let (s, v) = call(
+        &h,
+        "POST",
+        &format!("/v1/sandboxes/{id}/rewind"),
+        format!(r#"{{"to":"{snap}"}}"#),
+    )
+    .await;
+    assert_ne!(s, StatusCode::OK, "{v}");
+    let (_, got) = call(&h, "GET", &format!("/v1/sandboxes/{id}"), "").await;
+    assert_eq!(got["state"], "running", "{got}");
+    assert_ne!(got["pid"], before["pid"], "restored into a new VM: {got}");
+    let (_, ev) = call(&h, "GET", &format!("/v1/sandboxes/{id}/events"), "").await;
+    let items = ev["items"].as_array().unwrap();
+    let ops: Vec<&str> = items.iter().map(|e| e["op"].as_str().unwrap()).collect();
+    assert!(ops.ends_with(&["fail", "recover", "recover"]), "{ops:?}");
+    assert!(
+        ev.to_string().contains("vm gone after a failed rewind"),
+        "the reason is recorded: {ev}"
+    );
 }
 
 #[tokio::test]

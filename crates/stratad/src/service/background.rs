@@ -182,6 +182,45 @@ impl Service {
         None
     }
 
+    /// After an operation that replaces a sandbox's VM (a rewind) failed
+    /// while it held the sandbox: when the record still says the sandbox has
+    /// a VM and none runs, the failure is recorded (`failed`, with the
+    /// operation's error as the reason) and, with `auto_recover`, the sandbox
+    /// is restored from its latest snapshot, as [`Service::handle_exit`] does
+    /// for a VM that dies between operations. Without this, a VM killed
+    /// in the middle of the operation left a `running` record with no VM
+    /// behind it (its exit event came while the operation held the sandbox
+    /// and was left to it): every call then failed until someone deleted it.
+    /// The caller holds the sandbox's operation lock.
+    pub(crate) async fn settle_lost_vm(&self, rec: &mut SandboxRecord, op: Op, err: &str) {
+        if !rec.state.has_vm() {
+            return;
+        }
+        match self.engine.live_vms().await {
+            Ok(live) if !live.iter().any(|v| v.id == rec.id) => {}
+            _ => return,
+        }
+        let Ok(next) = rec.state.apply(Op::Fail) else {
+            return;
+        };
+        let reason = format!("vm gone after a failed {op}: {err}");
+        warn!(sandbox = %rec.id, %reason, "no VM left behind a failed operation");
+        if let Err(e) = self
+            .settle(rec, Op::Fail, next, Some(reason.clone()), Some(reason))
+            .await
+        {
+            warn!(sandbox = %rec.id, error = %e.message(), "recording the failure failed");
+            return;
+        }
+        self.sched.remove(&rec.id);
+        self.metrics.count("vm_died");
+        if self.config.auto_recover {
+            if let Err(e) = self.recover(&rec.id).await {
+                warn!(sandbox = %rec.id, error = %e.message(), "recovery failed");
+            }
+        }
+    }
+
     /// Consumes the engine's exit events until it closes the stream.
     pub fn spawn_exit_watcher(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
         let mut rx = self.engine.exit_events();

@@ -132,6 +132,10 @@ impl Service {
                 let snaps: Vec<&SnapshotRecord> = pre.iter().collect();
                 self.failed(&mut rec, Op::Rewind, &e.message(), &snaps)
                     .await;
+                // The engine ends the VM before it starts the target's: a
+                // rewind that failed after that leaves none behind the record.
+                self.settle_lost_vm(&mut rec, Op::Rewind, &e.message())
+                    .await;
                 Err(e.into())
             }
         }
