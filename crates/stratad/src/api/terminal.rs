@@ -221,35 +221,81 @@ async fn open_checked(svc: Arc<Service>, req: Request) -> ApiResult<Response> {
         .on_upgrade(move |socket| pump(socket, events, input, id)))
 }
 
+/// How long a command has to end after its terminal went away before it
+/// is killed (a shell that ignores `SIGHUP` does not outlive its socket).
+const HANGUP_GRACE: Duration = Duration::from_secs(5);
+
 /// Runs one terminal: output to the socket as it is taken, input from it.
 async fn pump(socket: WebSocket, mut events: ExecStream, input: ExecInputs, id: SandboxId) {
     let (mut tx, rx) = socket.split();
-    let reader = tokio::spawn(forward(rx, input, id.clone()));
+    let signals = input.clone();
+    let mut reader = tokio::spawn(forward(rx, input, id.clone()));
+    let mut reading = true;
+    let mut kill_at: Option<tokio::time::Instant> = None;
     let mut end: Option<serde_json::Value> = None;
-    while let Some(ev) = events.next().await {
+    let mut gone = false;
+    loop {
+        let ev = tokio::select! {
+            ev = events.next() => ev,
+            _ = &mut reader, if reading => {
+                // The socket closed (or sent a bad message): a hangup was
+                // sent; what outlives the grace period is killed.
+                reading = false;
+                kill_at = Some(tokio::time::Instant::now() + HANGUP_GRACE);
+                continue;
+            }
+            _ = tokio::time::sleep_until(kill_at.unwrap_or_else(tokio::time::Instant::now)), if kill_at.is_some() => {
+                kill_at = None;
+                tracing::info!(sandbox = %id, "terminal: the command outlived its hangup; killed");
+                let _ = tokio::time::timeout(HANGUP_GRACE, signals.send(ExecInput::Signal(libc::SIGKILL))).await;
+                continue;
+            }
+        };
         let msg = match ev {
-            Ok(ExecEvent::Stdout(b) | ExecEvent::Stderr(b)) => Message::Binary(b.to_vec()),
-            Ok(ExecEvent::Exit(s)) => {
+            None => break,
+            Some(Ok(ExecEvent::Stdout(b) | ExecEvent::Stderr(b))) => Message::Binary(b.to_vec()),
+            Some(Ok(ExecEvent::Exit(s))) => {
                 let code = s.code.or(s.signal.map(|n| 128 + n)).unwrap_or(-1);
                 end = Some(json!({ "exit": code }));
                 break;
             }
-            Ok(_) => continue,
-            Err(e) => {
+            Some(Ok(_)) => continue,
+            Some(Err(e)) => {
                 end = Some(ApiError::new(e.code(), e.message()).body());
                 break;
             }
         };
         // Waits for the socket: the command's output window holds the rest.
         if tx.send(msg).await.is_err() {
+            gone = true;
             break;
         }
+    }
+    reader.abort();
+    if end.is_none() && gone {
+        // Nobody reads: hang up, and kill what outlives the grace period.
+        let _ =
+            tokio::time::timeout(HANGUP_GRACE, signals.send(ExecInput::Signal(libc::SIGHUP))).await;
+        let ended = tokio::time::timeout(HANGUP_GRACE, async {
+            while let Some(ev) = events.next().await {
+                if matches!(ev, Ok(ExecEvent::Exit(_)) | Err(_)) {
+                    return;
+                }
+            }
+        })
+        .await;
+        if ended.is_err() {
+            tracing::info!(sandbox = %id, "terminal: the command outlived its hangup; killed");
+            let _ =
+                tokio::time::timeout(HANGUP_GRACE, signals.send(ExecInput::Signal(libc::SIGKILL)))
+                    .await;
+        }
+        return;
     }
     if let Some(v) = end {
         let _ = tx.send(Message::Text(v.to_string())).await;
     }
     let _ = tx.send(Message::Close(None)).await;
-    reader.abort();
 }
 
 /// One message of the socket as the command's input (`Ok(None)`: ignored).
