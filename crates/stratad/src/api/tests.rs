@@ -184,10 +184,10 @@ impl Engine for Double {
             };
             while let Some(i) = in_rx.recv().await {
                 match i {
-                    ExecInput::Stdin(b) => {
-                        if out_tx.send(Ok(ExecEvent::Stdout(b))).await.is_err() {
-                            return;
-                        }
+                    ExecInput::Stdin(b)
+                        if out_tx.send(Ok(ExecEvent::Stdout(b.clone()))).await.is_err() =>
+                    {
+                        return;
                     }
                     ExecInput::Signal(n) => {
                         status.code = None;
