@@ -4,7 +4,7 @@
 //! WebSocket.
 //!
 //! - `POST /v1/sandboxes/{id}/terminal` (bearer, developer or admin; body:
-//!   exec's, all optional: `cmd` defaults to a login shell, `tty` to 80×24;
+//!   exec's, all optional: `cmd` defaults to `/bin/sh -l`, `tty` to 80×24;
 //!   query: the gate's `wait`, `approval_timeout`, `approval`) answers a
 //!   random single-use ticket valid [`TICKET_TTL`], bound to this daemon,
 //!   the caller (tenant and token), the sandbox, the command and its size.
@@ -57,9 +57,9 @@ pub const MAX_MESSAGE: usize = 64 * 1024;
 /// Most tickets outstanding at once (over every caller): more is `429`.
 const MAX_TICKETS: usize = 1024;
 
-/// What the console's terminal runs when the body names no command: bash
-/// as a login shell if the image has it, else `sh -l`.
-const DEFAULT_SHELL: &str = "command -v bash >/dev/null 2>&1 && exec bash -l; exec sh -l";
+/// What a terminal runs when the body names no command: a login shell.
+/// Plain argv (no `sh -c` string for the policy to read into).
+const DEFAULT_SHELL: [&str; 2] = ["/bin/sh", "-l"];
 
 /// One issued ticket.
 struct Ticket {
@@ -136,7 +136,7 @@ pub(super) async fn ticket(c: Call, body: Bytes) -> ApiResult<Response> {
     };
     let cmd = b
         .cmd
-        .unwrap_or_else(|| vec!["/bin/sh".into(), "-c".into(), DEFAULT_SHELL.into()]);
+        .unwrap_or_else(|| DEFAULT_SHELL.map(str::to_owned).to_vec());
     let mut req = crate::engine::ExecRequest::argv(cmd);
     req.env = b.env;
     req.cwd = b.cwd;
