@@ -260,6 +260,13 @@ test('the terminal: a shell on a PTY over the WebSocket, its output shown as tex
   await p.goto(URL + `/console/#/sandbox/${sb}`)
   await p.waitForSelector('#terminal-open')
   await p.click('#terminal-open')
+  // The suite's policy holds `echo` for a human, and a bare shell can run
+  // anything: the gate holds the terminal's exec (as the ticket's caller)
+  // until an approver answers; the socket opens then.
+  const held = await heldId(['/bin/sh', '-l'])
+  assert.equal((await api('GET', `/v1/approvals/${held}`, ADMIN)).body.status.status, 'pending')
+  const ok = await api('POST', `/v1/approvals/${held}/approve`, approver, { reason: 'terminal test' })
+  assert.equal(ok.status, 200, JSON.stringify(ok.body))
   await p.waitForFunction(() => !/connecting/.test(document.querySelector('#terminal-status').textContent), null, { timeout: WAIT })
   assert.equal(await p.textContent('#terminal-status'), 'connected')
   const out = () => p.textContent('#terminal-output')
@@ -285,7 +292,11 @@ test('the terminal: a shell on a PTY over the WebSocket, its output shown as tex
   await p.waitForFunction(() => /\[exited with 3\]/.test(document.querySelector('#terminal-output').textContent), null, { timeout: WAIT })
   // A ticket is single-use and only opens from the daemon's own origin.
   const again = await p.evaluate(async ([sb, token]) => {
-    const r = await fetch(`/v1/sandboxes/${sb}/terminal`, { method: 'POST', headers: { Authorization: `Bearer ${token}` } })
+    const r = await fetch(`/v1/sandboxes/${sb}/terminal`, {
+      method: 'POST',
+      headers: { Authorization: `Bearer ${token}`, 'Content-Type': 'application/json' },
+      body: JSON.stringify({ cmd: ['cat'] }),
+    })
     const { url } = await r.json()
     const tryOpen = () => new Promise((resolve) => {
       const ws = new WebSocket(`ws://${location.host}${url}`)

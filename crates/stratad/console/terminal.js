@@ -72,6 +72,7 @@ export function terminal(sandboxId) {
       return;
     }
     const scheme = location.protocol === "https:" ? "wss:" : "ws:";
+    status.textContent = "connecting… (a shell held by policy waits for an approver)";
     const sock = new WebSocket(`${scheme}//${location.host}${r.body.url}`);
     ws = sock;
     sock.binaryType = "arraybuffer";
