@@ -255,6 +255,69 @@ test('a viewer sees no approve button and its forged approve is refused', STEP, 
   assert.notEqual((await run.done).code, 0)
 })
 
+test('the terminal: a shell on a PTY over the WebSocket, its output shown as text', STEP, async () => {
+  const { p } = await newPage(dev)
+  await p.goto(URL + `/console/#/sandbox/${sb}`)
+  await p.waitForSelector('#terminal-open')
+  await p.click('#terminal-open')
+  // The suite's policy holds `echo` for a human, and a bare shell can run
+  // anything: the gate holds the terminal's exec (as the ticket's caller)
+  // until an approver answers; the socket opens then.
+  const held = await heldId(['/bin/sh', '-l'])
+  assert.equal((await api('GET', `/v1/approvals/${held}`, ADMIN)).body.status.status, 'pending')
+  const ok = await api('POST', `/v1/approvals/${held}/approve`, approver, { reason: 'terminal test' })
+  assert.equal(ok.status, 200, JSON.stringify(ok.body))
+  await p.waitForFunction(() => !/connecting/.test(document.querySelector('#terminal-status').textContent), null, { timeout: WAIT })
+  assert.equal(await p.textContent('#terminal-status'), 'connected')
+  const out = () => p.textContent('#terminal-output')
+  await p.fill('#terminal-input', 'echo term-$((6*7))')
+  await p.press('#terminal-input', 'Enter')
+  await p.waitForFunction(() => /term-42/.test(document.querySelector('#terminal-output').textContent), null, { timeout: WAIT })
+  // Markup printed by the guest is text: no element, no script.
+  await p.fill('#terminal-input', `printf '%s\\n' '${XSS}'`)
+  await p.press('#terminal-input', 'Enter')
+  await p.waitForFunction((x) => document.querySelector('#terminal-output').textContent.split(x).length > 2, XSS, { timeout: WAIT })
+  assert.equal(await p.$$eval('#terminal img, main img', (els) => els.length), 0)
+  assert.ok(!/\x1b/.test(await out()), 'escape sequences are stripped')
+  // ^C interrupts what runs; the shell lives on.
+  await p.fill('#terminal-input', 'sleep 600')
+  await p.press('#terminal-input', 'Enter')
+  await p.click('#terminal-ctrl-c')
+  await p.fill('#terminal-input', 'echo after-$((1+1))')
+  await p.press('#terminal-input', 'Enter')
+  await p.waitForFunction(() => /after-2/.test(document.querySelector('#terminal-output').textContent), null, { timeout: WAIT })
+  await shot(p, 'sandbox-terminal.png')
+  await p.fill('#terminal-input', 'exit 3')
+  await p.press('#terminal-input', 'Enter')
+  await p.waitForFunction(() => /\[exited with 3\]/.test(document.querySelector('#terminal-output').textContent), null, { timeout: WAIT })
+  // A ticket is single-use and only opens from the daemon's own origin.
+  const again = await p.evaluate(async ([sb, token]) => {
+    const r = await fetch(`/v1/sandboxes/${sb}/terminal`, {
+      method: 'POST',
+      headers: { Authorization: `Bearer ${token}`, 'Content-Type': 'application/json' },
+      body: JSON.stringify({ cmd: ['cat'] }),
+    })
+    const { url } = await r.json()
+    const tryOpen = () => new Promise((resolve) => {
+      const ws = new WebSocket(`ws://${location.host}${url}`)
+      ws.onopen = () => { ws.close(); resolve('open') }
+      ws.onerror = () => resolve('refused')
+    })
+    return [await tryOpen(), await tryOpen()]
+  }, [sb, dev])
+  assert.deepEqual(again, ['open', 'refused'])
+  await p.context().close()
+  // A viewer has no terminal and gets no ticket.
+  const v = await newPage(viewer)
+  await v.p.goto(URL + `/console/#/sandbox/${sb}`)
+  await v.p.waitForSelector('#no-terminal')
+  assert.equal(await v.p.$$eval('#terminal-open', (els) => els.length), 0)
+  await v.p.context().close()
+  const r = await api('POST', `/v1/sandboxes/${sb}/terminal`, viewer)
+  assert.equal(r.status, 403, JSON.stringify(r.body))
+  assert.deepEqual(dialogs, [])
+})
+
 test('rewind from the timeline: the file written after that snapshot is gone', STEP, async () => {
   const snap = JSON.parse(await cliOk(['snapshot', sb, '--label', 'before-file', '--json'])).id
   assert.ok(snap)

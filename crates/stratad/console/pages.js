@@ -6,6 +6,7 @@
 // the API is put in the page as text (dom.js), never as markup.
 import { api, ApiError } from "./api.js";
 import { h, s, put, ago, bytes, when } from "./dom.js";
+import { terminalPanel } from "./terminal.js";
 
 const ANSWERS = ["admin", "approver"];
 const DEVELOPS = ["admin", "developer"];
@@ -141,6 +142,7 @@ export function sandbox(ctx, id) {
     h("p", {}, h("a", { href: "#/sandboxes" }, "← Sandboxes")),
     head,
     section("Snapshot timeline", tl, pick, note),
+    section("Terminal", terminalPanel(ctx.me.role, id)),
     section("Recent events", evs),
     section("Audit entries", aud));
   let selected = null;

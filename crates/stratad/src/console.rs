@@ -58,6 +58,11 @@ const ASSETS: &[Asset] = &[
         content_type: "text/javascript; charset=utf-8",
         body: include_str!("../console/pages.js"),
     },
+    Asset {
+        name: "terminal.js",
+        content_type: "text/javascript; charset=utf-8",
+        body: include_str!("../console/terminal.js"),
+    },
 ];
 
 /// The headers of every console response.

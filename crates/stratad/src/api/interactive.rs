@@ -79,7 +79,7 @@ impl Lines {
 /// One input line.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct InputLine {
+pub(super) struct InputLine {
     #[serde(default)]
     stdin: Option<String>,
     #[serde(default)]
@@ -91,7 +91,8 @@ struct InputLine {
 }
 
 impl InputLine {
-    fn inputs(self) -> Result<Vec<ExecInput>, String> {
+    /// The inputs it asks for (checked).
+    pub(super) fn inputs(self) -> Result<Vec<ExecInput>, String> {
         let mut v = Vec::new();
         if let Some(s) = self.stdin {
             let b = base64::engine::general_purpose::STANDARD

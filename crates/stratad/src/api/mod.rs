@@ -39,6 +39,7 @@ mod sandboxes;
 pub mod security;
 mod system;
 mod templates;
+mod terminal;
 
 /// The OpenAPI document (checked in, served at `/v1/openapi.json`).
 pub const OPENAPI_JSON: &str = include_str!("../../openapi.json");
@@ -508,6 +509,8 @@ fn service_route(r: &Route) -> Option<axum::routing::MethodRouter<Arc<Service>>>
         GetSandbox => on(m, sandboxes::get),
         DeleteSandbox => on(m, sandboxes::delete),
         Exec => on(m, sandboxes::exec),
+        TerminalTicket => on(m, terminal::ticket),
+        Terminal => on(m, terminal::open),
         RunCode => on(m, code::run_code),
         Pause => on(m, sandboxes::pause),
         Resume => on(m, sandboxes::resume),

@@ -23,6 +23,8 @@ pub enum Action {
     GetSandbox,
     DeleteSandbox,
     Exec,
+    TerminalTicket,
+    Terminal,
     RunCode,
     Pause,
     Resume,
@@ -86,6 +88,10 @@ pub enum Access {
     HostMetrics,
     /// A token with one of these roles.
     Roles(&'static [Role]),
+    /// No bearer (a browser's WebSocket cannot send one): a single-use
+    /// ticket issued to a token with one of these roles, checked by the
+    /// handler (`api::terminal`).
+    Ticket(&'static [Role]),
 }
 
 use Role::{Admin, Approver, Developer, Metrics as MetricsRole, Viewer};
@@ -147,6 +153,10 @@ pub const ROUTES: &[Route] = &[
     r("GET", "/v1/sandboxes/:id", Action::GetSandbox, READ),
     tool("DELETE", "/v1/sandboxes/:id", Action::DeleteSandbox, DEV),
     tool("POST", "/v1/sandboxes/:id/exec", Action::Exec, DEV),
+    // A terminal for the web console: a ticket (bearer), then the WebSocket
+    // (the ticket and the daemon's own Origin; the exec is gated there).
+    r("POST", "/v1/sandboxes/:id/terminal", Action::TerminalTicket, DEV),
+    tool("GET", "/v1/sandboxes/:id/terminal", Action::Terminal, Access::Ticket(&[Admin, Developer])),
     // Code in the sandbox's code interpreter (guest port 49999, gated as that port).
     tool("POST", "/v1/sandboxes/:id/code", Action::RunCode, DEV),
     tool("POST", "/v1/sandboxes/:id/pause", Action::Pause, DEV),
@@ -221,7 +231,7 @@ impl Route {
         match self.access {
             Access::Open => true,
             Access::HostMetrics => role == MetricsRole || role == Admin,
-            Access::Roles(roles) => roles.contains(&role),
+            Access::Roles(roles) | Access::Ticket(roles) => roles.contains(&role),
         }
     }
 

@@ -174,6 +174,44 @@ impl Engine for Double {
             referenced_bytes: 1 << 20,
         })
     }
+    /// Echoes stdin as output; a signal ends it (killed by that signal),
+    /// the end of its input with code 0.
+    async fn exec_interactive(
+        &self,
+        _: &SandboxId,
+        _: ExecRequest,
+    ) -> EngineResult<(ExecStream, ExecInputs)> {
+        self.execs.fetch_add(1, Ordering::Relaxed);
+        let (in_tx, mut in_rx) = tokio::sync::mpsc::channel::<ExecInput>(4);
+        let (out_tx, out_rx) = tokio::sync::mpsc::channel(4);
+        tokio::spawn(async move {
+            let mut status = ExitStatus {
+                code: Some(0),
+                signal: None,
+                timed_out: false,
+            };
+            while let Some(i) = in_rx.recv().await {
+                match i {
+                    ExecInput::Stdin(b)
+                        if out_tx.send(Ok(ExecEvent::Stdout(b.clone()))).await.is_err() =>
+                    {
+                        return;
+                    }
+                    ExecInput::Signal(n) => {
+                        status.code = None;
+                        status.signal = Some(n);
+                        break;
+                    }
+                    _ => {}
+                }
+            }
+            let _ = out_tx.send(Ok(ExecEvent::Exit(status))).await;
+        });
+        let out = futures::stream::unfold(out_rx, |mut rx| async move {
+            rx.recv().await.map(|ev| (ev, rx))
+        });
+        Ok((out.boxed(), in_tx))
+    }
     async fn exec(&self, _: &SandboxId, req: ExecRequest) -> EngineResult<ExecStream> {
         self.execs.fetch_add(1, Ordering::Relaxed);
         let Command::Argv(argv) = req.command else {
@@ -1050,6 +1088,7 @@ mod quotas;
 mod same_as;
 mod security;
 mod template_files;
+mod terminal;
 mod warm;
 
 /// A store at `cfg`'s database path holding the platform template `tpl-base`.

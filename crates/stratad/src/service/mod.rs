@@ -52,7 +52,7 @@ pub use admission::MAX_CONCURRENT_TEMPLATE_BUILDS;
 pub use background::ScheduledActions;
 pub use commands::*;
 pub use error::*;
-pub use guest::{Grant, GuestOp, MAX_PTY_SIDE};
+pub use guest::{validate_pty, Grant, GuestOp, MAX_PTY_SIDE};
 pub use held::{HeldUpload, HELD_UPLOADS_DIR};
 pub(crate) use journal::VmNow;
 pub use lifecycle::pressure::{PressureReading, PRESSURE_HIBERNATION};
