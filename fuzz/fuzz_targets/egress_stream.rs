@@ -64,22 +64,28 @@ fn runtime() -> &'static tokio::runtime::Runtime {
     })
 }
 
-fn egress() -> Arc<Egress> {
-    static EG: OnceLock<Arc<Egress>> = OnceLock::new();
-    EG.get_or_init(|| {
+fn policy() -> Arc<SharedPolicy> {
+    static P: OnceLock<Arc<SharedPolicy>> = OnceLock::new();
+    P.get_or_init(|| {
         let parse = |t: &str| Some(Arc::new(Policy::parse(t).expect("fixture policy")));
         let set = PolicySet::new(parse(PLATFORM), parse(TENANT), None).expect("fixture set");
-        let mut cfg = ProxyConfig::new("t", Some("sb-fuzz"), Arc::new(SharedPolicy::new(set)));
-        cfg.resolver = Arc::new(StaticResolver(HashMap::new()));
-        cfg.host = HostTunnels::new(TunnelLimits::default());
-        // Short, so an input that stops mid-head ends quickly.
-        cfg.head_timeout = Duration::from_millis(200);
-        cfg.connect_timeout = Duration::from_millis(200);
-        cfg.tunnel_idle_timeout = Duration::from_millis(500);
-        cfg.approval_timeout = Duration::from_millis(10);
-        Egress::new(cfg)
+        Arc::new(SharedPolicy::new(set))
     })
     .clone()
+}
+
+/// A fresh proxy per input: its caps and open-rate bucket start full, so
+/// one input never sees another's streams.
+fn egress() -> Arc<Egress> {
+    let mut cfg = ProxyConfig::new("t", Some("sb-fuzz"), policy());
+    cfg.resolver = Arc::new(StaticResolver(HashMap::new()));
+    cfg.host = HostTunnels::new(TunnelLimits::default());
+    // Short, so an input that stops mid-head ends quickly.
+    cfg.head_timeout = Duration::from_millis(50);
+    cfg.connect_timeout = Duration::from_millis(50);
+    cfg.tunnel_idle_timeout = Duration::from_millis(100);
+    cfg.approval_timeout = Duration::from_millis(10);
+    Egress::new(cfg)
 }
 
 fuzz_target!(|data: &[u8]| {

@@ -215,7 +215,11 @@ async fn role_matrix_over_every_route() {
         }
         for (role_name, tok) in &toks {
             let role: Role = role_name.parse().unwrap();
-            let uri = path.replace(":id", "sb-zzz");
+            let mut uri = path.replace(":id", "sb-zzz");
+            if path == "/v1/events" {
+                // The backlog only: a following stream never ends.
+                uri.push_str("?follow=false");
+            }
             let (s, v, _) = req(&h, method, &uri, Some(tok), "").await;
             assert_ne!(
                 s,
