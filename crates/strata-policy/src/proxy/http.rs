@@ -325,8 +325,9 @@ pub(super) async fn judge(
     let scheme = if tls { "https" } else { "http" };
     let method = parts.method.as_str().to_string();
     let uri = &parts.uri;
-    if let Some(why) = method_override(&parts.headers, uri.query()) {
-        let mut c = Checked::new(
+    // The call as the guest sent it, for a refusal before the path is read.
+    let raw = |host: String| {
+        Checked::new(
             cfg,
             host,
             port,
@@ -334,7 +335,10 @@ pub(super) async fn judge(
             uri.path().to_string(),
             scheme,
             tls,
-        );
+        )
+    };
+    if let Some(why) = method_override(&parts.headers, uri.query()) {
+        let mut c = raw(host);
         return Err(refuse_request(
             cfg,
             &mut c,
@@ -348,15 +352,7 @@ pub(super) async fn judge(
     let path = match http_path(uri.path()) {
         Ok(p) => p,
         Err(e) => {
-            let mut c = Checked::new(
-                cfg,
-                host,
-                port,
-                &method,
-                uri.path().to_string(),
-                scheme,
-                tls,
-            );
+            let mut c = raw(host);
             return Err(refuse_request(
                 cfg,
                 &mut c,
