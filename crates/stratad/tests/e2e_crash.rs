@@ -179,7 +179,24 @@ fn kill9_during_snapshot_and_during_fork_loses_nothing_acknowledged() {
             // The source: adopted, same VM, nothing acknowledged lost.
             let v = sandbox(&d, &a).await;
             assert_eq!(v["state"], "running", "{v}");
-            assert_eq!(pid_of(&v), pid_a, "{v}");
+            if pid_of(&v) != pid_a {
+                // Seen once in CI (not reproduced in 4 local runs): say why
+                // the source got a new VM.
+                let (_, ev) = d.call("GET", &format!("/v1/sandboxes/{a}/events"), None).await;
+                let logs = d.logs();
+                let tail: String = logs
+                    .lines()
+                    .filter(|l| l.contains(a.as_str()) || l.contains("recover"))
+                    .rev()
+                    .take(40)
+                    .collect::<Vec<_>>()
+                    .join("\n");
+                panic!(
+                    "the source got a new VM (pid {} -> {}; fork attempt {attempt}, child {child:?}): {v}\nevents: {ev}\nlog: {tail}",
+                    pid_a,
+                    pid_of(&v)
+                );
+            }
             responsive(&d, &a, "/root/f").await;
             assert!(acked.is_subset(&ready_snapshots(&d, &a).await));
             // An acknowledged fork survives; an unacknowledged one is either

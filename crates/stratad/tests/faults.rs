@@ -249,6 +249,25 @@ fn unfill(dir: &Path) {
             std::fs::remove_file(e.path()).expect("remove fill");
         }
     }
+    // btrfs gives a removed file's extents back at a transaction commit, not
+    // at the unlink: until then the pool still looks full (a loaded CI
+    // machine took more than a second). Commit, and wait for the room.
+    let t0 = Instant::now();
+    loop {
+        let _ = Command::new("btrfs")
+            .args(["filesystem", "sync"])
+            .arg(dir)
+            .status();
+        if statvfs_free(dir) > 512 << 20 {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the pool did not give the filled space back: {} MiB free",
+            statvfs_free(dir) >> 20
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 // ---------------------------------------------------------------- 1. pool full
