@@ -38,6 +38,7 @@ fn calls(text: &str) -> Vec<CallKind> {
             method: "POST".into(),
             path: line.clone(),
             scheme: "https".into(),
+            tls: true,
         },
         CallKind::Egress {
             connector: None,
@@ -46,6 +47,7 @@ fn calls(text: &str) -> Vec<CallKind> {
             method: "CONNECT".into(),
             path: String::new(),
             scheme: "http".into(),
+            tls: false,
         },
         CallKind::Snapshot,
         CallKind::Fork,
