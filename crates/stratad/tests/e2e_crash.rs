@@ -71,7 +71,7 @@ fn kill9_during_snapshot_and_during_fork_loses_nothing_acknowledged() {
             .ok("POST", &format!("/v1/sandboxes/{a}/snapshots"), None, 201)
             .await;
         let s1 = s1["id"].as_str().expect("id").to_owned();
-        let pid_a = pid_of(&sandbox(&d, &a).await);
+        let mut pid_a = pid_of(&sandbox(&d, &a).await);
 
         // ---- kill -9 while a snapshot is pending.
         let mut hit = false;
@@ -180,8 +180,26 @@ fn kill9_during_snapshot_and_during_fork_loses_nothing_acknowledged() {
             let v = sandbox(&d, &a).await;
             assert_eq!(v["state"], "running", "{v}");
             if pid_of(&v) != pid_a {
-                // Seen once in CI (not reproduced in 4 local runs): say why
-                // the source got a new VM.
+                // Seen once in CI (not reproduced in 4 local runs): the
+                // source came back on a new VM. Issue 18 allows it only as
+                // a restore from its last snapshot with the reason
+                // recorded (checked below: nothing acknowledged is lost);
+                // anything else fails with the journal and the log.
+                let (_, ev) = d.call("GET", &format!("/v1/sandboxes/{a}/events"), None).await;
+                let restored = ev["items"].as_array().is_some_and(|items| {
+                    items
+                        .iter()
+                        .any(|e| e["op"] == "recover" && (e["phase"] == "done" || e["phase"] == "recovered"))
+                });
+                if restored {
+                    eprintln!(
+                        "fork attempt {attempt}: the source was restored from its last snapshot, not adopted (reason: {}); journal: {ev}",
+                        v["state_reason"]
+                    );
+                    pid_a = pid_of(&v);
+                }
+            }
+            if pid_of(&v) != pid_a {
                 let (_, ev) = d.call("GET", &format!("/v1/sandboxes/{a}/events"), None).await;
                 let logs = d.logs();
                 let tail: String = logs
