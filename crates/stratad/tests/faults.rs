@@ -244,8 +244,11 @@ fn fill(dir: &Path, left: u64) {
 }
 
 fn unfill(dir: &Path) {
+    let before = statvfs_free(dir);
+    let mut removed = 0u64;
     for e in std::fs::read_dir(dir).expect("dir").flatten() {
         if e.file_name().to_string_lossy().starts_with("fill-") {
+            removed += e.metadata().map(|m| m.len()).unwrap_or(0);
             std::fs::remove_file(e.path()).expect("remove fill");
         }
     }
@@ -258,7 +261,7 @@ fn unfill(dir: &Path) {
             .args(["filesystem", "sync"])
             .arg(dir)
             .status();
-        if statvfs_free(dir) > 512 << 20 {
+        if statvfs_free(dir) >= before + removed / 2 {
             return;
         }
         assert!(
