@@ -5,7 +5,8 @@
 //! interception CA). The guest-side scenarios (curl, Python requests, a warm
 //! template) are in `stratad`'s `e2e_egress` tests.
 
-use std::collections::HashMap;
+mod common;
+
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -110,37 +111,7 @@ async fn tls_upstream(ca: &Ca) -> Upstream {
                 let Ok(tls) = acceptor.accept(s).await else {
                     return;
                 };
-                let svc = hyper::service::service_fn(
-                    move |req: hyper::Request<hyper::body::Incoming>| {
-                        let h = h.clone();
-                        async move {
-                            h.fetch_add(1, Ordering::SeqCst);
-                            let (parts, body) = req.into_parts();
-                            let body = body
-                                .collect()
-                                .await
-                                .map(|b| b.to_bytes())
-                                .unwrap_or_default();
-                            let headers: HashMap<String, String> = parts
-                                .headers
-                                .iter()
-                                .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("").to_string()))
-                                .collect();
-                            let j = serde_json::json!({
-                                "method": parts.method.as_str(),
-                                "uri": parts.uri.to_string(),
-                                "headers": headers,
-                                "body": String::from_utf8_lossy(&body),
-                            });
-                            Ok::<_, std::convert::Infallible>(hyper::Response::new(Full::new(
-                                Bytes::from(j.to_string()),
-                            )))
-                        }
-                    },
-                );
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(tls), svc)
-                    .await;
+                common::serve_echo(tls, h).await;
             });
         }
     });

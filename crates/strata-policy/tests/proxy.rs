@@ -1,15 +1,13 @@
 //! Egress proxy over real sockets: a local hyper server stands in for the
 //! connector hosts, a static resolver points their names at 127.0.0.1.
 
-use std::collections::HashMap;
+mod common;
+
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper_util::rt::TokioIo;
 use strata_policy::approval::ApprovalQueue;
 use strata_policy::audit::{self, AuditLog, Outcome};
 use strata_policy::proxy::{
@@ -32,37 +30,7 @@ async fn upstream() -> (SocketAddr, Arc<AtomicUsize>) {
         while let Ok((s, _)) = l.accept().await {
             let h = h.clone();
             tokio::spawn(async move {
-                let svc = hyper::service::service_fn(
-                    move |req: hyper::Request<hyper::body::Incoming>| {
-                        let h = h.clone();
-                        async move {
-                            h.fetch_add(1, Ordering::SeqCst);
-                            let (parts, body) = req.into_parts();
-                            let body = body
-                                .collect()
-                                .await
-                                .map(|b| b.to_bytes())
-                                .unwrap_or_default();
-                            let headers: HashMap<String, String> = parts
-                                .headers
-                                .iter()
-                                .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("").to_string()))
-                                .collect();
-                            let j = serde_json::json!({
-                                "method": parts.method.as_str(),
-                                "uri": parts.uri.to_string(),
-                                "headers": headers,
-                                "body": String::from_utf8_lossy(&body),
-                            });
-                            Ok::<_, std::convert::Infallible>(hyper::Response::new(Full::new(
-                                Bytes::from(j.to_string()),
-                            )))
-                        }
-                    },
-                );
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(s), svc)
-                    .await;
+                common::serve_echo(s, h).await;
             });
         }
     });
