@@ -154,6 +154,28 @@ impl Drop for BenchRuntime {
     }
 }
 
+// ------------------------------------------------------ control plane env
+
+/// The configuration of an in-process daemon without VMs (the control-plane
+/// sections): data and keys in a scratch dir `/tmp/<prefix>…` (removed when
+/// the returned dir drops), no per-token rate limit (one client measuring
+/// back to back would measure the limiter), its data dir created.
+pub fn control_plane_config(prefix: &str) -> Result<(tempfile::TempDir, stratad::config::Config)> {
+    let dir = tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in("/tmp")
+        .context("scratch dir")?;
+    let mut cfg = stratad::config::Config {
+        data_dir: dir.path().join("data"),
+        key_dir: dir.path().join("keys"),
+        ..stratad::config::Config::default()
+    };
+    cfg.security.rate_limit_per_second = 1e9;
+    cfg.security.rate_limit_burst = u32::MAX;
+    std::fs::create_dir_all(&cfg.data_dir).context("data dir")?;
+    Ok((dir, cfg))
+}
+
 // ------------------------------------------------------------ daemon env
 
 /// A stratad daemon (the real runtime underneath) served on a loopback port,

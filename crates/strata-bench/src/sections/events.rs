@@ -12,12 +12,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, Context as _, Result};
+use anyhow::{anyhow, Result};
 use futures::StreamExt;
 use serde_json::{json, Value};
 use strata_testkit::Api;
 use stratad::clock::SystemClock;
-use stratad::config::Config;
 use stratad::engine::unavailable::UnavailableEngine;
 use stratad::store::SqliteStore;
 use stratad::App;
@@ -70,20 +69,9 @@ async fn wait_seen(seen: &Seen, id: &str) -> Result<Instant> {
 
 /// Measures and fills `sec`.
 pub async fn run(_ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
-    let dir = tempfile::Builder::new()
-        .prefix("strata-bench-events-")
-        .tempdir_in("/tmp")
-        .context("scratch dir")?;
-    let mut cfg = Config {
-        data_dir: dir.path().join("data"),
-        key_dir: dir.path().join("keys"),
-        ..Config::default()
-    };
-    cfg.security.rate_limit_per_second = 1e9;
-    cfg.security.rate_limit_burst = u32::MAX;
+    let (_dir, mut cfg) = crate::ctx::control_plane_config("strata-bench-events-")?;
     cfg.security.max_pending_approvals_per_sandbox = args.requests.max(1) * 2;
     cfg.webhooks.allow_private = vec!["127.0.0.1".into()];
-    std::fs::create_dir_all(&cfg.data_dir)?;
     let store = Arc::new(SqliteStore::open(&cfg.db_path(), cfg.db_readers)?);
     let app = Arc::new(App::new(
         cfg.clone(),

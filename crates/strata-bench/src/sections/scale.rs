@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, Context as _, Result};
+use anyhow::{anyhow, Result};
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use serde_json::json;
@@ -24,7 +24,6 @@ use strata_core::{Op, SandboxId, SandboxState, SnapshotId};
 use strata_testkit::fixtures::{commit_batched, sandbox_record};
 use strata_testkit::Api;
 use stratad::clock::{Clock, SystemClock};
-use stratad::config::Config;
 use stratad::engine::unavailable::UnavailableEngine;
 use stratad::scheduler::{self, Actions, DriverConfig, Schedule, SchedulerHandle, Timing};
 use stratad::store::{
@@ -111,20 +110,8 @@ fn time<T>(s: &mut Samples, f: impl FnOnce() -> Result<T>) -> Result<T> {
 
 /// Measures and fills `sec`.
 pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
-    let dir = tempfile::Builder::new()
-        .prefix("strata-bench-scale-")
-        .tempdir_in("/tmp")
-        .context("scratch dir")?;
-    let mut cfg = Config {
-        data_dir: dir.path().join("data"),
-        key_dir: dir.path().join("keys"),
-        ..Config::default()
-    };
-    // One client measuring back to back: the per-token rate limit would
-    // answer 429 and measure itself instead.
-    cfg.security.rate_limit_per_second = 1e9;
-    cfg.security.rate_limit_burst = u32::MAX;
-    std::fs::create_dir_all(&cfg.data_dir)?;
+    // One client measuring back to back: no per-token rate limit.
+    let (_dir, cfg) = crate::ctx::control_plane_config("strata-bench-scale-")?;
     let store = Arc::new(SqliteStore::open(&cfg.db_path(), cfg.db_readers)?);
     let n = args.records.max(args.running).max(1);
     sec.text(format!(
