@@ -540,6 +540,16 @@ fn a_silent_agent_is_found_in_seconds_and_the_next_call_reconnects() {
         .await;
         assert_eq!(code, 0);
         let t0 = std::time::Instant::now();
+        // Recovery's probe, started on the connection that is about to go
+        // silent: it finds the silence, connects again and is answered once
+        // the agent continues (the old probe failed with the first session).
+        let rt = f.rt.clone();
+        let a2 = a.clone();
+        let probe = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(2500)).await;
+            let r = rt.probe_agent(&a2, Duration::from_secs(25)).await;
+            (r, std::time::Instant::now())
+        });
         let failed = tokio::time::timeout(Duration::from_secs(30), async {
             loop {
                 match h.next_event().await {
@@ -558,7 +568,13 @@ fn a_silent_agent_is_found_in_seconds_and_the_next_call_reconnects() {
             "silence found ~5 s after the stop (1 s in), not later: {waited:?}"
         );
         assert!(agent.is_closed());
-        tokio::time::sleep(Duration::from_secs(10).saturating_sub(t0.elapsed())).await;
+        let (probed, at) = probe.await.expect("probe task");
+        probed.expect("the probe connects again and the continued agent answers");
+        assert!(
+            at.duration_since(t0) > Duration::from_secs(9),
+            "answered only after the agent continued (10 s in): {:?}",
+            at.duration_since(t0)
+        );
         assert_eq!(
             sh(&f.rt, &a, "echo back").await.1,
             "back",

@@ -32,8 +32,9 @@ use crate::service::{Service, ServiceResult};
 use crate::store::{SnapshotStatus, TemplateStatus};
 
 /// How long an adopted, running VM's agent has to answer before recovery
-/// restores the sandbox from its last snapshot instead.
-const AGENT_PROBE: std::time::Duration = std::time::Duration::from_secs(10);
+/// restores the sandbox from its last snapshot instead: room for a session
+/// that goes silent (found within 5 s) and a fresh one after it.
+const AGENT_PROBE: std::time::Duration = std::time::Duration::from_secs(20);
 
 /// What recovery found and did.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use strata_core::SandboxId;
+use strata_proto::AgentError;
 use strata_vmm::{VmSpec, VmmDriver};
 
 use super::{ms, Result, Runtime, StateRef};
@@ -155,23 +156,56 @@ impl Runtime {
     /// new, then a ping) within `within`. Recovery asks it of every VM it
     /// adopted: a guest whose agent stays silent is restored from its last
     /// snapshot instead of answering its next call with `agent_timeout`.
+    ///
+    /// A connection that goes silent after its handshake is closed by the
+    /// liveness check within 5 s; the probe then connects again (a new
+    /// session: QEMU drops what the dead daemon left queued on the channel,
+    /// the agent resynchronises on the new Hello) until `within` runs out.
+    /// One silent session is not a silent agent: the channel the previous
+    /// process died on can hold a half-written frame or a full queue.
     pub async fn probe_agent(&self, id: &SandboxId, within: Duration) -> Result<()> {
-        let probe = async {
-            let agent = self.agent(id).await?;
-            agent
-                .ping()
-                .await
-                .map(|_| ())
-                .map_err(|e| agent_err(id.as_str(), e, within))
-        };
-        tokio::time::timeout(within, probe)
-            .await
-            .unwrap_or_else(|_| {
-                Err(RuntimeError::AgentTimeout {
-                    id: id.to_string(),
-                    timeout_ms: within.as_millis() as u64,
-                })
-            })
+        let deadline = tokio::time::Instant::now() + within;
+        let mut attempt = 0u32;
+        loop {
+            attempt += 1;
+            let probe = async {
+                let agent = self.agent(id).await?;
+                agent
+                    .ping()
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| agent_err(id.as_str(), e, within))
+            };
+            let err = match tokio::time::timeout_at(deadline, probe).await {
+                Ok(Ok(())) => {
+                    if attempt > 1 {
+                        tracing::info!(sandbox = %id, attempt, "agent answered on a new connection");
+                    }
+                    return Ok(());
+                }
+                Ok(Err(e)) => e,
+                Err(_) => {
+                    return Err(RuntimeError::AgentTimeout {
+                        id: id.to_string(),
+                        timeout_ms: within.as_millis() as u64,
+                    })
+                }
+            };
+            // A VM that is gone, or an agent that refused us, will not
+            // answer a second connection either.
+            let retry = match &err {
+                RuntimeError::Agent { source, .. } => {
+                    !matches!(source, AgentError::VersionMismatch { .. })
+                }
+                RuntimeError::AgentTimeout { .. } => true,
+                _ => false,
+            } && self.live(id).is_ok();
+            if !retry || tokio::time::Instant::now() + Duration::from_millis(200) >= deadline {
+                return Err(err);
+            }
+            tracing::warn!(sandbox = %id, attempt, error = %err, "agent session went silent; connecting again");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// Makes a surviving, not yet adopted VM's vCPUs run.
