@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use anyhow::{anyhow, Context as _, Result};
 use strata_core::{Accel, SandboxSize, TemplateId};
-use strata_runtime::{PoolSetting, Runtime, RuntimeConfig};
+use strata_runtime::{PoolSetting, Runtime, RuntimeConfig, StateSigner};
 use strata_storage::testing::TestPool;
 use strata_testkit::{Api, Served};
 use stratad::App;
@@ -108,6 +108,11 @@ impl BenchRuntime {
                 ctx.image.clone(),
             )
         };
+        // States are signed and checked as the daemon does by default (a key
+        // of this run), so pauses and restores include what signing costs.
+        let signer = StateSigner::from_seed(&rand::random::<[u8; 32]>())
+            .map_err(|e| anyhow!("a signing key for the run: {e:?}"))?;
+        cfg.signing = Some(Arc::new(signer));
         tweak(&mut cfg);
         let pool_dir = pool.dir().to_path_buf();
         let rt = Runtime::open(cfg).await.context("open the runtime")?;

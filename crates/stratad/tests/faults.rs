@@ -403,8 +403,11 @@ fn pool_io_errors_fail_typed_and_leave_hibernated_state_restorable() {
 
 /// Polls until `pred` holds on the sandbox's snapshot list (at most 10 s).
 async fn until_snapshots(d: &Daemon, id: &str, pred: impl Fn(&[Value]) -> bool) -> bool {
+    // Long enough for a loaded machine: the restart's recovery (an adopted
+    // agent may take a second session to answer) comes before the first
+    // sweep (every 3 s here).
     let t = Instant::now();
-    while t.elapsed() < Duration::from_secs(10) {
+    while t.elapsed() < Duration::from_secs(40) {
         if pred(&snapshots(d, id).await) {
             return true;
         }
