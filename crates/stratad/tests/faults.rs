@@ -411,7 +411,9 @@ async fn until_snapshots(d: &Daemon, id: &str, pred: impl Fn(&[Value]) -> bool) 
         if pred(&snapshots(d, id).await) {
             return true;
         }
-        tokio::time::sleep(Duration::from_millis(2)).await;
+        // Under the API's 50 requests/s per token (a 2 ms poll was
+        // answered 429 on a machine fast enough to make 50 in a second).
+        tokio::time::sleep(Duration::from_millis(30)).await;
     }
     false
 }
