@@ -20,11 +20,15 @@ case "${1:-}" in
     port=${STRATA_TEST_PG_PORT:-55432}
     as_pg "$bin/initdb" -D "$dir/data" -A trust -U strata -E UTF8 --no-sync >"$dir/initdb.log" 2>&1 \
       || { cat "$dir/initdb.log" >&2; exit 1; }
-    # fsync off: a test cluster, thrown away after the run.
+    # fsync off: a test cluster, thrown away after the run (a benchmark sets
+    # STRATA_TEST_PG_FSYNC=on to compare with SQLite's synchronous=FULL).
+    fsync=${STRATA_TEST_PG_FSYNC:-off}
     as_pg "$bin/pg_ctl" -D "$dir/data" -l "$dir/log" -w -t 60 \
-      -o "-k $dir -p $port -c listen_addresses='' -c fsync=off -c max_connections=200" start >/dev/null \
+      -o "-k $dir -p $port -c listen_addresses='' -c fsync=$fsync -c max_connections=200" start >/dev/null \
       || { cat "$dir/log" >&2; exit 1; }
-    echo "host=$dir port=$port user=strata dbname=postgres" >"$dir/url"
+    # A URL (what `[store] url` takes): the socket directory as the host,
+    # percent-encoded.
+    echo "postgresql://strata@${dir//\//%2F}:$port/postgres" >"$dir/url"
     echo "$dir"
     ;;
   stop)

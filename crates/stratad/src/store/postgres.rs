@@ -466,7 +466,11 @@ async fn write_event(tx: &impl GenericClient, ev: &Event) -> StoreResult<()> {
 
 /// Appends `note` and queues its deliveries (in the caller's transaction;
 /// as `sqlite::journal::insert_note`).
-async fn insert_note(tx: &impl GenericClient, note: &JournalNote, limit: usize) -> StoreResult<i64> {
+async fn insert_note(
+    tx: &impl GenericClient,
+    note: &JournalNote,
+    limit: usize,
+) -> StoreResult<i64> {
     let row = tx
         .query_one(
             "INSERT INTO events (at, tenant_id, sandbox_id, op, phase, kind, data) \
@@ -621,10 +625,10 @@ impl PgStore {
     /// Connects, creates the schema if asked, and migrates (one daemon at
     /// a time: an advisory lock is held while migrating).
     pub fn open(opts: &PgOptions) -> StoreResult<Self> {
-        let mut cfg: tokio_postgres::Config = opts
-            .url
-            .parse()
-            .map_err(|e: tokio_postgres::Error| StoreError::Unavailable(format!("store url: {e}")))?;
+        let mut cfg: tokio_postgres::Config =
+            opts.url.parse().map_err(|e: tokio_postgres::Error| {
+                StoreError::Unavailable(format!("store url: {e}"))
+            })?;
         let timeout = opts.timeout.max(Duration::from_millis(100));
         let mut options = format!("-c statement_timeout={}", timeout.as_millis());
         if let Some(schema) = &opts.schema {
@@ -808,22 +812,42 @@ impl PgStore {
         })
     }
 
-    async fn sandboxes(&self, sql: &str, args: &[&(dyn ToSql + Sync)]) -> StoreResult<Vec<SandboxRecord>> {
+    async fn sandboxes(
+        &self,
+        sql: &str,
+        args: &[&(dyn ToSql + Sync)],
+    ) -> StoreResult<Vec<SandboxRecord>> {
         let c = self.client().await?;
         let stmt = c.prepare_cached(sql).await?;
         c.query(&stmt, args).await?.iter().map(sandbox_of).collect()
     }
 
-    async fn snapshots(&self, sql: &str, args: &[&(dyn ToSql + Sync)]) -> StoreResult<Vec<SnapshotRecord>> {
+    async fn snapshots(
+        &self,
+        sql: &str,
+        args: &[&(dyn ToSql + Sync)],
+    ) -> StoreResult<Vec<SnapshotRecord>> {
         let c = self.client().await?;
         let stmt = c.prepare_cached(sql).await?;
-        c.query(&stmt, args).await?.iter().map(snapshot_of).collect()
+        c.query(&stmt, args)
+            .await?
+            .iter()
+            .map(snapshot_of)
+            .collect()
     }
 
-    async fn templates(&self, sql: &str, args: &[&(dyn ToSql + Sync)]) -> StoreResult<Vec<TemplateRecord>> {
+    async fn templates(
+        &self,
+        sql: &str,
+        args: &[&(dyn ToSql + Sync)],
+    ) -> StoreResult<Vec<TemplateRecord>> {
         let c = self.client().await?;
         let stmt = c.prepare_cached(sql).await?;
-        c.query(&stmt, args).await?.iter().map(template_of).collect()
+        c.query(&stmt, args)
+            .await?
+            .iter()
+            .map(template_of)
+            .collect()
     }
 
     /// `(sandbox id, text)` rows of a per-sandbox table, ids parsed.
@@ -1482,7 +1506,8 @@ impl Store for PgStore {
                 .await?
             {
                 let n: i64 = r.try_get(1)?;
-                out.sandboxes_by_state.insert(r.try_get(0)?, n.max(0) as u64);
+                out.sandboxes_by_state
+                    .insert(r.try_get(0)?, n.max(0) as u64);
             }
             let n: i64 = c
                 .query_one(

@@ -95,7 +95,9 @@ pub(crate) fn pg_url(test: &str) -> Option<String> {
     match std::env::var("STRATA_TEST_PG_URL") {
         Ok(u) if !u.is_empty() => Some(u),
         _ => {
-            eprintln!("{test}: skipped on PostgreSQL: STRATA_TEST_PG_URL is not set (scripts/test-pg.sh)");
+            eprintln!(
+                "{test}: skipped on PostgreSQL: STRATA_TEST_PG_URL is not set (scripts/test-pg.sh)"
+            );
             None
         }
     }
@@ -110,7 +112,9 @@ pub(crate) fn pg_admin(url: &str, sql: &str) {
     rt.block_on(async {
         let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
             .await
-            .unwrap_or_else(|e| panic!("STRATA_TEST_PG_URL is set but PostgreSQL is unreachable: {e}"));
+            .unwrap_or_else(|e| {
+                panic!("STRATA_TEST_PG_URL is set but PostgreSQL is unreachable: {e}")
+            });
         let task = tokio::spawn(conn);
         client.batch_execute(sql).await.unwrap();
         drop(client);
@@ -291,7 +295,11 @@ fn sandbox_round_trip_and_journal(db: &TestDb) {
     assert_eq!(evs[1].op, Op::Pause);
     assert_eq!(evs[1].from_state, Some(SandboxState::Running));
     assert!(evs[0].seq < evs[1].seq);
-    assert_eq!(s.events(&rec.id, 1).unwrap()[0].op, Op::Pause, "newest last");
+    assert_eq!(
+        s.events(&rec.id, 1).unwrap()[0].op,
+        Op::Pause,
+        "newest last"
+    );
 }
 
 fn journal_is_append_only(db: &TestDb) {
@@ -753,7 +761,11 @@ fn lifecycle_policy_round_trips(db: &TestDb) {
     s.update_sandbox(&gone, None).unwrap();
     assert_eq!(s.sandbox_lifecycle(&a.id).unwrap(), None);
     s.put_sandbox_lifecycle(&a.id, &p).unwrap();
-    assert_eq!(s.sandbox_lifecycle(&a.id).unwrap(), None, "deleted: none kept");
+    assert_eq!(
+        s.sandbox_lifecycle(&a.id).unwrap(),
+        None,
+        "deleted: none kept"
+    );
 }
 
 fn same_as_round_trips(db: &TestDb) {
@@ -860,7 +872,11 @@ fn webhooks_queue_deliveries_and_cancel_them(db: &TestDb) {
     s.put_webhook(&hook).unwrap();
     assert_eq!(s.webhooks("a").unwrap(), vec![hook.clone()]);
     assert_eq!(s.get_webhook("a", "wh-1").unwrap(), Some(hook.clone()));
-    assert_eq!(s.get_webhook("b", "wh-1").unwrap(), None, "another tenant's");
+    assert_eq!(
+        s.get_webhook("b", "wh-1").unwrap(),
+        None,
+        "another tenant's"
+    );
     let note = |topic: &str| JournalNote {
         at: t0(),
         tenant: "a".into(),

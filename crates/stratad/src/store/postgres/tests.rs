@@ -40,7 +40,10 @@ fn a_journal_commit_wakes_readers_of_another_store() {
         std::thread::sleep(Duration::from_millis(10));
     }
     assert_eq!(
-        reader.journal_after(DEFAULT_TENANT, None, 0, 10).unwrap().len(),
+        reader
+            .journal_after(DEFAULT_TENANT, None, 0, 10)
+            .unwrap()
+            .len(),
         1
     );
 }
@@ -75,7 +78,12 @@ fn a_stuck_or_lost_connection_is_a_typed_error_not_a_hang() {
     };
     let app = format!("strata_cut_{}", rand::random::<u32>());
     let mut opts = db.pg_options().unwrap();
-    opts.url = format!("{url} application_name={app}");
+    opts.url = if url.contains("://") {
+        let sep = if url.contains('?') { '&' } else { '?' };
+        format!("{url}{sep}application_name={app}")
+    } else {
+        format!("{url} application_name={app}")
+    };
     opts.timeout = Duration::from_secs(2);
     let s = PgStore::open(&opts).unwrap();
     let rec = sandbox(1, SandboxState::Running);
@@ -139,7 +147,10 @@ fn a_stuck_or_lost_connection_is_a_typed_error_not_a_hang() {
             matches!(r, Err(StoreError::Unavailable(_))),
             "expected Unavailable, got {r:?}"
         );
-        assert!(took < Duration::from_millis(1500), "answered at once: {took:?}");
+        assert!(
+            took < Duration::from_millis(1500),
+            "answered at once: {took:?}"
+        );
     });
     hold_tx.send(()).unwrap();
     holder.join().unwrap();

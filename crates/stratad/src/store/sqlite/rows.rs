@@ -33,7 +33,11 @@ pub(in crate::store) fn parse_op(s: &str) -> Option<Op> {
     serde_json::from_value(serde_json::Value::String(s.to_owned())).ok()
 }
 
-pub(in crate::store) fn corrupt(table: &'static str, id: &str, what: impl Into<String>) -> StoreError {
+pub(in crate::store) fn corrupt(
+    table: &'static str,
+    id: &str,
+    what: impl Into<String>,
+) -> StoreError {
     StoreError::Corrupt {
         table,
         id: id.to_owned(),
@@ -247,7 +251,8 @@ pub(in crate::store) fn charge_record(row: ChargeRow) -> StoreResult<SnapshotCha
     })
 }
 
-pub(in crate::store) const TEMPLATE_COLS: &str = "id, tenant_id, name, vcpus, memory_mib, disk_gib, status, \
+pub(in crate::store) const TEMPLATE_COLS: &str =
+    "id, tenant_id, name, vcpus, memory_mib, disk_gib, status, \
     status_reason, accel, created_at, updated_at, variant_of";
 
 pub(in crate::store) type TemplateRow = (
@@ -324,7 +329,11 @@ pub(in crate::store) fn decode_cursor(c: &str) -> StoreResult<(i64, String)> {
     Ok((t, id.to_owned()))
 }
 
-pub(in crate::store) fn write_sandbox(tx: &Connection, rec: &SandboxRecord, insert: bool) -> StoreResult<()> {
+pub(in crate::store) fn write_sandbox(
+    tx: &Connection,
+    rec: &SandboxRecord,
+    insert: bool,
+) -> StoreResult<()> {
     let labels = serde_json::to_string(&rec.labels).unwrap_or_else(|_| "{}".into());
     let verb = if insert { "INSERT" } else { "REPLACE" };
     // Compare-and-set: an update must come from the stored version (the
