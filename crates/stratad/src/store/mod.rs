@@ -21,10 +21,12 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use strata_core::{Op, SandboxId, SandboxSize, SandboxState, SnapshotId, TemplateId};
 
+pub mod hosts;
 pub mod journal;
 pub mod postgres;
 pub mod sqlite;
 
+pub use hosts::{Fence, HostError, HostInfo, HostLoad, HostRecord, HostStore, OwnerLease};
 pub use journal::*;
 
 pub use postgres::{PgOptions, PgStore};

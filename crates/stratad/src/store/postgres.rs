@@ -53,9 +53,10 @@ use super::sqlite::rows::{
 };
 use super::*;
 
+mod hosts;
 mod schema;
 
-pub use schema::{pg_schema_version, PG_MIGRATIONS};
+pub use schema::{pg_schema_version, PG_CLUSTER_MIGRATIONS, PG_MIGRATIONS};
 
 /// The channel journal commits notify.
 const CHANNEL: &str = "strata_journal";
@@ -464,6 +465,31 @@ async fn write_event(tx: &impl GenericClient, ev: &Event) -> StoreResult<()> {
     Ok(())
 }
 
+/// The writes of [`Store::commit`] in the caller's transaction (and the
+/// journal's NOTIFY, sent at its commit).
+async fn write_all(
+    tx: &impl GenericClient,
+    sandboxes: &[&SandboxRecord],
+    snapshots: &[&SnapshotRecord],
+    event: Option<&Event>,
+    limit: usize,
+) -> StoreResult<()> {
+    for s in sandboxes {
+        write_sandbox(tx, s, false).await?;
+    }
+    for s in snapshots {
+        snapshot_note(tx, s, limit).await?;
+        write_snapshot(tx, s).await?;
+    }
+    if let Some(ev) = event {
+        write_event(tx, ev).await?;
+    }
+    if event.is_some() || !snapshots.is_empty() {
+        tx.batch_execute(&format!("NOTIFY {CHANNEL}")).await?;
+    }
+    Ok(())
+}
+
 /// Appends `note` and queues its deliveries (in the caller's transaction;
 /// as `sqlite::journal::insert_note`).
 async fn insert_note(
@@ -759,6 +785,33 @@ impl PgStore {
                 tx.batch_execute(sql).await?;
                 tx.execute(
                     "INSERT INTO strata_migrations (version) VALUES ($1)",
+                    &[version],
+                )
+                .await?;
+            }
+            tx.batch_execute(
+                "CREATE TABLE IF NOT EXISTS strata_cluster_migrations (\
+                 version BIGINT PRIMARY KEY, applied_at TIMESTAMPTZ NOT NULL DEFAULT now())",
+            )
+            .await?;
+            let found: i64 = tx
+                .query_one(
+                    "SELECT coalesce(max(version), 0) FROM strata_cluster_migrations",
+                    &[],
+                )
+                .await?
+                .try_get(0)?;
+            let newest = PG_CLUSTER_MIGRATIONS.last().map(|m| m.0).unwrap_or(0);
+            if found > newest {
+                return Err(StoreError::TooNew {
+                    found,
+                    supported: newest,
+                });
+            }
+            for (version, sql) in PG_CLUSTER_MIGRATIONS.iter().filter(|m| m.0 > found) {
+                tx.batch_execute(sql).await?;
+                tx.execute(
+                    "INSERT INTO strata_cluster_migrations (version) VALUES ($1)",
                     &[version],
                 )
                 .await?;
@@ -1287,19 +1340,7 @@ impl Store for PgStore {
         self.block(async {
             let mut c = self.client().await?;
             let tx = c.transaction().await?;
-            for s in sandboxes {
-                write_sandbox(&*tx, s, false).await?;
-            }
-            for s in snapshots {
-                snapshot_note(&*tx, s, limit).await?;
-                write_snapshot(&*tx, s).await?;
-            }
-            if let Some(ev) = event {
-                write_event(&*tx, ev).await?;
-            }
-            if journaled {
-                tx.batch_execute(&format!("NOTIFY {CHANNEL}")).await?;
-            }
+            write_all(&*tx, sandboxes, snapshots, event, limit).await?;
             tx.commit().await?;
             Ok(())
         })?;

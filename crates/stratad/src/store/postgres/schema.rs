@@ -21,6 +21,13 @@
 /// Every PostgreSQL migration: (schema version, SQL), ascending.
 pub const PG_MIGRATIONS: &[(i64, &str)] = &[(14, V14)];
 
+/// Migrations of what only PostgreSQL has (hosts and sandbox ownership,
+/// `store::hosts`): their own numbering, recorded in
+/// `strata_cluster_migrations`, so they never take a number SQLite's
+/// migrations will use. Applied after [`PG_MIGRATIONS`], in the same
+/// transaction.
+pub const PG_CLUSTER_MIGRATIONS: &[(i64, &str)] = &[(1, CLUSTER_V1)];
+
 /// The newest version [`PG_MIGRATIONS`] reaches.
 pub fn pg_schema_version() -> i64 {
     PG_MIGRATIONS.last().map(|m| m.0).unwrap_or(0)
@@ -198,6 +205,38 @@ CREATE INDEX webhook_deliveries_by_webhook ON webhook_deliveries (webhook_id, id
 CREATE INDEX webhook_deliveries_by_tenant ON webhook_deliveries (tenant_id, status);
 "#;
 
+/// Cluster version 1: hosts with their heartbeat lease, and each
+/// sandbox's owner lease with its fencing token (times in ms since the
+/// epoch, of the database's clock).
+const CLUSTER_V1: &str = r#"
+CREATE TABLE hosts (
+    id TEXT COLLATE "C" PRIMARY KEY,
+    address TEXT NOT NULL,
+    accel TEXT NOT NULL,
+    qemu_version TEXT NOT NULL,
+    cpu_model TEXT NOT NULL,
+    capacity_vcpus BIGINT NOT NULL,
+    capacity_memory_mib BIGINT NOT NULL,
+    capacity_pool_bytes BIGINT NOT NULL,
+    free_vcpus BIGINT NOT NULL DEFAULT 0,
+    free_memory_mib BIGINT NOT NULL DEFAULT 0,
+    free_pool_bytes BIGINT NOT NULL DEFAULT 0,
+    epoch BIGINT NOT NULL,
+    registered_at BIGINT NOT NULL,
+    heartbeat_at BIGINT NOT NULL,
+    lease_until BIGINT NOT NULL
+);
+CREATE SEQUENCE strata_fencing_tokens;
+CREATE TABLE sandbox_owners (
+    sandbox_id TEXT COLLATE "C" PRIMARY KEY,
+    host_id TEXT COLLATE "C" NOT NULL,
+    token BIGINT NOT NULL,
+    acquired_at BIGINT NOT NULL,
+    expires_at BIGINT NOT NULL
+);
+CREATE INDEX sandbox_owners_by_host ON sandbox_owners (host_id);
+"#;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -209,5 +248,7 @@ mod tests {
         // One number, one meaning: a SQLite migration added without its
         // PostgreSQL equivalent fails here.
         assert_eq!(pg_schema_version(), crate::store::sqlite::SCHEMA_VERSION);
+        let c: Vec<i64> = PG_CLUSTER_MIGRATIONS.iter().map(|m| m.0).collect();
+        assert!(c.windows(2).all(|w| w[0] < w[1]), "{c:?}");
     }
 }
