@@ -497,15 +497,20 @@ pub enum StoreError {
     /// call fails so (a lost commit may have landed: read again).
     #[error("database unavailable: {0}")]
     Unavailable(String),
+    /// PostgreSQL's disk is full (SQLSTATE 53100): nothing was written; the
+    /// write can succeed once space is freed.
+    #[error("database full: {0}")]
+    Full(String),
 }
 
 impl StoreError {
     /// True when the database's file system has no room left (SQLite's
-    /// `SQLITE_FULL`): the write was not made; it can succeed once space
+    /// `SQLITE_FULL`, PostgreSQL's `disk_full`): the write was not made; it can succeed once space
     /// is freed.
     pub fn is_full(&self) -> bool {
         let db = match self {
             StoreError::Db(e) | StoreError::Open { source: e, .. } => e,
+            StoreError::Full(_) => return true,
             _ => return false,
         };
         matches!(db, rusqlite::Error::SqliteFailure(f, _) if f.code == rusqlite::ErrorCode::DiskFull)

@@ -152,7 +152,9 @@ fn unreachable(e: &tokio_postgres::Error) -> bool {
 
 fn pg_err(e: tokio_postgres::Error) -> StoreError {
     let msg = strata_runtime::error::chain(&e);
-    if unreachable(&e) {
+    if e.code() == Some(&tokio_postgres::error::SqlState::DISK_FULL) {
+        StoreError::Full(msg)
+    } else if unreachable(&e) {
         StoreError::Unavailable(msg)
     } else {
         StoreError::Pg(msg)

@@ -127,6 +127,8 @@ fn a_stuck_or_lost_connection_is_a_typed_error_not_a_hang() {
     );
     let e = crate::service::ServiceError::Store(StoreError::Unavailable("x".into()));
     assert_eq!(e.code(), strata_core::ErrorCode::StorageFailed);
+    let e = crate::service::ServiceError::Store(StoreError::Full("x".into()));
+    assert_eq!(e.code(), strata_core::ErrorCode::StoreFull);
 
     // Cut mid-statement: a read waits on the lock, its backend is killed.
     std::thread::scope(|sc| {
