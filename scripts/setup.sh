@@ -15,11 +15,13 @@ set -euo pipefail
 # nodejs and npm (below).
 # libnss-myhostname: glibc resolves *.localhost to loopback (the E2B door's
 # get_host(port) names, docs/ports.md), for Python and Node as curl does.
+# postgresql-15: the PostgreSQL store's tests (scripts/test-pg.sh starts a
+# throwaway cluster of its own; Debian's `main` cluster is not used).
 # chromium: the web console's end-to-end tests (scripts/run-console.sh drive
 # Debian's browser with playwright-core; no browser is downloaded).
 need_pkgs=(qemu-system-x86 btrfs-progs debootstrap debian-archive-keyring busybox-static e2fsprogs
            cpio zstd kmod xz-utils mount util-linux iproute2 ca-certificates curl python3
-           python3-venv gcc g++ libc6-dev pkg-config libnss-myhostname chromium)
+           python3-venv gcc g++ libc6-dev pkg-config libnss-myhostname chromium postgresql-15)
 missing=()
 for p in "${need_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -29,6 +29,13 @@ bash scripts/previous-release.sh >/dev/null
 # them) are cached by recipe hash here and shared by every test daemon.
 export STRATA_TEMPLATE_CACHE="${STRATA_TEMPLATE_CACHE:-/var/cache/strata/templates}"
 
+echo "== PostgreSQL for the store tests (a throwaway cluster, removed on exit; docs/store.md)" >&2
+pg_dir=$(bash scripts/test-pg.sh start)
+trap 'bash scripts/test-pg.sh stop "$pg_dir"' EXIT
+# Set: the PostgreSQL variants of the store tests must reach it (never skipped).
+STRATA_TEST_PG_URL=$(cat "$pg_dir/url")
+export STRATA_TEST_PG_URL
+
 echo "== tests" >&2
 # Integration tests boot real guests under TCG; on 2 cores run test binaries one at a time.
 cargo test --workspace --no-fail-fast "$@" -- --test-threads=2

@@ -615,6 +615,50 @@ pub struct Config {
     /// `[console]`: where the web console is reached (the link in a
     /// webhook's payload; docs/events.md).
     pub console: crate::events::ConsoleConfig,
+    /// `[store]`: where the metadata store lives (docs/store.md).
+    pub store: StoreConfig,
+}
+
+/// `[store]`: where the metadata store lives (docs/store.md).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StoreConfig {
+    /// `postgres://…` or `postgresql://…`: PostgreSQL; `sqlite:PATH`: that
+    /// SQLite file; unset (default): SQLite at `<data_dir>/strata.db`.
+    /// With PostgreSQL the security tables (tokens, approvals, audit head,
+    /// envd tokens) stay in `<data_dir>/strata.db`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    /// PostgreSQL: the schema of the tables (created if missing); unset:
+    /// the connection's default (`public`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub schema: Option<String>,
+    /// PostgreSQL: most connections of this daemon.
+    pub pool_size: usize,
+    /// PostgreSQL: bound of every store call (pool wait, connect and
+    /// statements together); beyond it the call fails `storage_failed`.
+    #[serde(with = "serde_human")]
+    pub timeout: Duration,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            url: None,
+            schema: None,
+            pool_size: 8,
+            timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Which store `[store] url` names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreLocation {
+    /// A SQLite file.
+    Sqlite(PathBuf),
+    /// A PostgreSQL connection string.
+    Postgres(String),
 }
 
 /// `[vm]`: how every VM's QEMU is confined (docs/hardening.md).
@@ -936,6 +980,7 @@ impl Default for Config {
             events: crate::events::EventsConfig::default(),
             webhooks: crate::events::WebhooksConfig::default(),
             console: crate::events::ConsoleConfig::default(),
+            store: StoreConfig::default(),
         }
     }
 }
@@ -991,6 +1036,7 @@ impl Config {
             .map_err(|e| ConfigError::Invalid(format!("default_size: {e}")))?;
         self.capacity.validate().map_err(ConfigError::Invalid)?;
         self.listener.validate().map_err(ConfigError::Invalid)?;
+        self.store_location()?;
         if !self.security.auth {
             // Without tokens every caller is an admin: never off this host.
             let open = [Some(self.listen), self.e2b.tls_listen, self.tls_listen]
@@ -1135,7 +1181,27 @@ impl Config {
 
     /// The SQLite database.
     pub fn db_path(&self) -> PathBuf {
-        self.data_dir.join("strata.db")
+        match self.store_location() {
+            Ok(StoreLocation::Sqlite(p)) => p,
+            _ => self.data_dir.join("strata.db"),
+        }
+    }
+
+    /// The store `[store] url` names: `postgres://` or `postgresql://` is
+    /// PostgreSQL, `sqlite:PATH` that file, unset `<data_dir>/strata.db`.
+    pub fn store_location(&self) -> Result<StoreLocation, ConfigError> {
+        let Some(url) = self.store.url.as_deref().map(str::trim) else {
+            return Ok(StoreLocation::Sqlite(self.data_dir.join("strata.db")));
+        };
+        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            return Ok(StoreLocation::Postgres(url.to_owned()));
+        }
+        match url.strip_prefix("sqlite:") {
+            Some(p) if !p.is_empty() => Ok(StoreLocation::Sqlite(PathBuf::from(p))),
+            _ => Err(ConfigError::Invalid(
+                "[store] url must start with postgres://, postgresql:// or sqlite:".into(),
+            )),
+        }
     }
 
     /// The pool image file.

@@ -92,13 +92,31 @@ impl App {
         }
     }
 
-    /// Assembles a daemon over the SQLite store in `config.data_dir`.
+    /// Assembles a daemon over the store `[store] url` names (SQLite in
+    /// `config.data_dir` by default; docs/store.md).
     pub fn open(config: Config, engine: Arc<dyn Engine>) -> Result<Self, StoreError> {
         std::fs::create_dir_all(&config.data_dir).map_err(|e| {
             StoreError::Task(format!("cannot create {}: {e}", config.data_dir.display()))
         })?;
-        let store = SqliteStore::open(&config.db_path(), config.db_readers)?;
-        let app = Self::new(config, Arc::new(store), engine, Arc::new(SystemClock));
+        let location = config
+            .store_location()
+            .map_err(|e| StoreError::Task(e.to_string()))?;
+        // The SQLite file is opened (and migrated) in every case: with
+        // PostgreSQL it still holds the security tables.
+        let sqlite = SqliteStore::open(&config.db_path(), config.db_readers)?;
+        let store: Arc<dyn Store> = match location {
+            config::StoreLocation::Sqlite(_) => Arc::new(sqlite),
+            config::StoreLocation::Postgres(url) => {
+                drop(sqlite);
+                Arc::new(store::PgStore::open(&store::PgOptions {
+                    url,
+                    schema: config.store.schema.clone(),
+                    pool_size: config.store.pool_size,
+                    timeout: config.store.timeout,
+                })?)
+            }
+        };
+        let app = Self::new(config, store, engine, Arc::new(SystemClock));
         if let Err(e) = &app.security {
             return Err(StoreError::Task(format!("security: {e}")));
         }

@@ -90,6 +90,7 @@ impl ServiceError {
             ServiceError::Engine(e) => e.code(),
             ServiceError::Store(StoreError::BadCursor) => ErrorCode::InvalidRequest,
             ServiceError::Store(e) if e.is_full() => ErrorCode::StoreFull,
+            ServiceError::Store(e) if e.is_unavailable() => ErrorCode::StorageFailed,
             ServiceError::Store(_) => ErrorCode::Internal,
             ServiceError::Forbidden(_) => ErrorCode::Forbidden,
             ServiceError::Keys(_) => ErrorCode::Internal,

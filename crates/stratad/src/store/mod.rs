@@ -1,8 +1,8 @@
 //! The metadata store: what the daemon knows about sandboxes, snapshots and
 //! templates, and an append-only journal of every transition.
 //!
-//! [`Store`] is the seam for a PostgreSQL implementation; [`sqlite`] is the
-//! embedded default. Methods are synchronous (they block on disk I/O): async
+//! [`Store`] has two implementations: [`sqlite`], the embedded default, and
+//! [`postgres`], selected by `[store] url = "postgres://…"` (docs/store.md). Methods are synchronous (they block on disk I/O): async
 //! callers run them on the blocking pool (see `service::Service::db`).
 //! Every write method is one transaction, durable when it returns.
 //!
@@ -21,11 +21,15 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use strata_core::{Op, SandboxId, SandboxSize, SandboxState, SnapshotId, TemplateId};
 
+pub mod hosts;
 pub mod journal;
+pub mod postgres;
 pub mod sqlite;
 
+pub use hosts::{Fence, HostError, HostInfo, HostLoad, HostRecord, HostStore, OwnerLease};
 pub use journal::*;
 
+pub use postgres::{PgOptions, PgStore};
 pub use sqlite::SqliteStore;
 
 /// The tenant every resource belongs to until tenants exist.
@@ -483,18 +487,40 @@ pub enum StoreError {
     /// A blocking task failed to run.
     #[error("store task failed: {0}")]
     Task(String),
+    /// PostgreSQL refused or failed a statement (a constraint, a type, a
+    /// serialization failure): the transaction was rolled back.
+    #[error("database error: {0}")]
+    Pg(String),
+    /// The database cannot be reached, or did not answer in time (the
+    /// connection was lost, the pool had no connection, a statement
+    /// outlived its timeout). Nothing is known to have been written when a
+    /// call fails so (a lost commit may have landed: read again).
+    #[error("database unavailable: {0}")]
+    Unavailable(String),
+    /// PostgreSQL's disk is full (SQLSTATE 53100): nothing was written; the
+    /// write can succeed once space is freed.
+    #[error("database full: {0}")]
+    Full(String),
 }
 
 impl StoreError {
     /// True when the database's file system has no room left (SQLite's
-    /// `SQLITE_FULL`): the write was not made; it can succeed once space
+    /// `SQLITE_FULL`, PostgreSQL's `disk_full`): the write was not made; it can succeed once space
     /// is freed.
     pub fn is_full(&self) -> bool {
         let db = match self {
             StoreError::Db(e) | StoreError::Open { source: e, .. } => e,
+            StoreError::Full(_) => return true,
             _ => return false,
         };
         matches!(db, rusqlite::Error::SqliteFailure(f, _) if f.code == rusqlite::ErrorCode::DiskFull)
+    }
+
+    /// True when the database could not be reached or did not answer in
+    /// time ([`StoreError::Unavailable`]): the API answers
+    /// `storage_failed` (503), a client may retry.
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, StoreError::Unavailable(_))
     }
 }
 
@@ -698,3 +724,6 @@ pub trait Store: Send + Sync + 'static {
     /// The deliveries of webhook `id`, newest first, at most `limit`.
     fn deliveries(&self, webhook: &str, limit: usize) -> StoreResult<Vec<Delivery>>;
 }
+
+#[cfg(test)]
+pub(crate) mod tests;

@@ -25,8 +25,8 @@ use strata_core::{SandboxId, SandboxState, SnapshotId, TemplateId};
 
 use super::*;
 
-mod journal;
-mod rows;
+pub(in crate::store) mod journal;
+pub(in crate::store) mod rows;
 mod schema;
 
 use rows::*;

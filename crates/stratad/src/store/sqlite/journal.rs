@@ -133,7 +133,7 @@ pub(super) fn snapshot_note(
     insert_note(tx, &note, limit).map(|_| ())
 }
 
-type JRow = (
+pub(in crate::store) type JRow = (
     i64,
     i64,
     String,
@@ -163,7 +163,9 @@ fn jrow(r: &Row<'_>) -> rusqlite::Result<JRow> {
     ))
 }
 
-fn entry((seq, at, tenant, sb, op, from, to, phase, detail, kind, data): JRow) -> JournalEntry {
+pub(in crate::store) fn entry(
+    (seq, at, tenant, sb, op, from, to, phase, detail, kind, data): JRow,
+) -> JournalEntry {
     let (kind, data) = match kind.as_str() {
         "snapshot" => (JournalKind::Snapshot, data),
         "approval" => (JournalKind::Approval, data),
@@ -191,7 +193,7 @@ fn entry((seq, at, tenant, sb, op, from, to, phase, detail, kind, data): JRow) -
     }
 }
 
-const JCOLS: &str =
+pub(in crate::store) const JCOLS: &str =
     "seq, at, tenant_id, sandbox_id, op, from_state, to_state, phase, detail, kind, data";
 
 pub(super) fn journal_after(
@@ -240,7 +242,8 @@ pub(super) fn prune(tx: &Connection, before: DateTime<Utc>) -> StoreResult<u64> 
     Ok(n as u64)
 }
 
-const HCOLS: &str = "id, tenant_id, url, events, format, secret, created_by, created_at";
+pub(in crate::store) const HCOLS: &str =
+    "id, tenant_id, url, events, format, secret, created_by, created_at";
 
 fn hook(r: &Row<'_>) -> rusqlite::Result<Webhook> {
     let events: String = r.get(3)?;
@@ -314,7 +317,8 @@ pub(super) fn delete_webhook(
     Ok(n > 0)
 }
 
-const DCOLS: &str = "id, webhook_id, tenant_id, event_seq, topic, event, status, attempts, \
+pub(in crate::store) const DCOLS: &str =
+    "id, webhook_id, tenant_id, event_seq, topic, event, status, attempts, \
                      last_status, last_error, next_attempt_at, created_at, updated_at";
 
 fn delivery(r: &Row<'_>) -> rusqlite::Result<Delivery> {

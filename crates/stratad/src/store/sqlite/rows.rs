@@ -15,25 +15,29 @@ macro_rules! columns {
         ($($r.get($i)?,)*)
     };
 }
-pub(super) use columns;
+pub(in crate::store) use columns;
 
-pub(super) fn ms(t: DateTime<Utc>) -> i64 {
+pub(in crate::store) fn ms(t: DateTime<Utc>) -> i64 {
     t.timestamp_millis()
 }
 
-pub(super) fn from_ms(v: i64) -> DateTime<Utc> {
+pub(in crate::store) fn from_ms(v: i64) -> DateTime<Utc> {
     DateTime::from_timestamp_millis(v).unwrap_or_default()
 }
 
-pub(super) fn op_str(op: Op) -> String {
+pub(in crate::store) fn op_str(op: Op) -> String {
     op.to_string()
 }
 
-pub(super) fn parse_op(s: &str) -> Option<Op> {
+pub(in crate::store) fn parse_op(s: &str) -> Option<Op> {
     serde_json::from_value(serde_json::Value::String(s.to_owned())).ok()
 }
 
-pub(super) fn corrupt(table: &'static str, id: &str, what: impl Into<String>) -> StoreError {
+pub(in crate::store) fn corrupt(
+    table: &'static str,
+    id: &str,
+    what: impl Into<String>,
+) -> StoreError {
     StoreError::Corrupt {
         table,
         id: id.to_owned(),
@@ -41,36 +45,36 @@ pub(super) fn corrupt(table: &'static str, id: &str, what: impl Into<String>) ->
     }
 }
 
-pub(super) const SANDBOX_COLS: &str =
+pub(in crate::store) const SANDBOX_COLS: &str =
     "id, tenant_id, template_id, source_snapshot_id, vcpus, memory_mib, \
     disk_gib, labels, state, state_reason, pending_op, idle_timeout_s, snapshot_interval_s, \
     created_at, updated_at, last_activity_at, pid, accel, deleted_at, version";
 
 /// Raw row, converted outside rusqlite's closure so parse errors are ours.
-pub(super) struct SandboxRow {
-    id: String,
-    tenant: String,
-    template: Option<String>,
-    source: Option<String>,
-    vcpus: u32,
-    memory_mib: u32,
-    disk_gib: u32,
-    labels: String,
-    state: String,
-    state_reason: Option<String>,
-    pending_op: Option<String>,
-    idle: Option<i64>,
-    interval: Option<i64>,
-    created: i64,
-    updated: i64,
-    activity: i64,
-    pid: Option<i64>,
-    accel: Option<String>,
-    deleted: Option<i64>,
-    version: i64,
+pub(in crate::store) struct SandboxRow {
+    pub(in crate::store) id: String,
+    pub(in crate::store) tenant: String,
+    pub(in crate::store) template: Option<String>,
+    pub(in crate::store) source: Option<String>,
+    pub(in crate::store) vcpus: u32,
+    pub(in crate::store) memory_mib: u32,
+    pub(in crate::store) disk_gib: u32,
+    pub(in crate::store) labels: String,
+    pub(in crate::store) state: String,
+    pub(in crate::store) state_reason: Option<String>,
+    pub(in crate::store) pending_op: Option<String>,
+    pub(in crate::store) idle: Option<i64>,
+    pub(in crate::store) interval: Option<i64>,
+    pub(in crate::store) created: i64,
+    pub(in crate::store) updated: i64,
+    pub(in crate::store) activity: i64,
+    pub(in crate::store) pid: Option<i64>,
+    pub(in crate::store) accel: Option<String>,
+    pub(in crate::store) deleted: Option<i64>,
+    pub(in crate::store) version: i64,
 }
 
-pub(super) fn sandbox_row(r: &Row<'_>) -> rusqlite::Result<SandboxRow> {
+pub(in crate::store) fn sandbox_row(r: &Row<'_>) -> rusqlite::Result<SandboxRow> {
     Ok(SandboxRow {
         id: r.get(0)?,
         tenant: r.get(1)?,
@@ -96,7 +100,7 @@ pub(super) fn sandbox_row(r: &Row<'_>) -> rusqlite::Result<SandboxRow> {
 }
 
 impl SandboxRow {
-    pub(super) fn into_record(self) -> StoreResult<SandboxRecord> {
+    pub(in crate::store) fn into_record(self) -> StoreResult<SandboxRecord> {
         let t = "sandboxes";
         let id: SandboxId = self
             .id
@@ -153,17 +157,17 @@ impl SandboxRow {
     }
 }
 
-pub(super) const SNAPSHOT_COLS: &str =
+pub(in crate::store) const SNAPSHOT_COLS: &str =
     "id, tenant_id, sandbox_id, kind, label, status, status_reason, \
     created_at, pause_ms, exclusive_bytes, referenced_bytes, same_as";
 
 /// What a snapshot query selects: the columns, then its cached charge.
-pub(super) const SNAPSHOT_SELECT: &str =
+pub(in crate::store) const SNAPSHOT_SELECT: &str =
     "id, tenant_id, sandbox_id, kind, label, status, status_reason, \
     created_at, pause_ms, exclusive_bytes, referenced_bytes, same_as, \
     (SELECT c.bytes FROM snapshot_charges c WHERE c.snapshot_id = snapshots.id)";
 
-type SnapshotRow = (
+pub(in crate::store) type SnapshotRow = (
     String,
     String,
     String,
@@ -179,11 +183,11 @@ type SnapshotRow = (
     Option<i64>,
 );
 
-pub(super) fn snapshot_row(r: &Row<'_>) -> rusqlite::Result<SnapshotRow> {
+pub(in crate::store) fn snapshot_row(r: &Row<'_>) -> rusqlite::Result<SnapshotRow> {
     Ok(columns!(r; 0 1 2 3 4 5 6 7 8 9 10 11 12))
 }
 
-pub(super) fn snapshot_record(row: SnapshotRow) -> StoreResult<SnapshotRecord> {
+pub(in crate::store) fn snapshot_record(row: SnapshotRow) -> StoreResult<SnapshotRecord> {
     let (
         id,
         tenant,
@@ -226,13 +230,13 @@ pub(super) fn snapshot_record(row: SnapshotRow) -> StoreResult<SnapshotRecord> {
     })
 }
 
-type ChargeRow = (String, String, String, String, i64, i64);
+pub(in crate::store) type ChargeRow = (String, String, String, String, i64, i64);
 
-pub(super) fn charge_row(r: &Row<'_>) -> rusqlite::Result<ChargeRow> {
+pub(in crate::store) fn charge_row(r: &Row<'_>) -> rusqlite::Result<ChargeRow> {
     Ok(columns!(r; 0 1 2 3 4 5))
 }
 
-pub(super) fn charge_record(row: ChargeRow) -> StoreResult<SnapshotCharge> {
+pub(in crate::store) fn charge_record(row: ChargeRow) -> StoreResult<SnapshotCharge> {
     let (id, tenant, sandbox, base, bytes, at) = row;
     let t = "snapshot_charges";
     Ok(SnapshotCharge {
@@ -247,10 +251,11 @@ pub(super) fn charge_record(row: ChargeRow) -> StoreResult<SnapshotCharge> {
     })
 }
 
-pub(super) const TEMPLATE_COLS: &str = "id, tenant_id, name, vcpus, memory_mib, disk_gib, status, \
+pub(in crate::store) const TEMPLATE_COLS: &str =
+    "id, tenant_id, name, vcpus, memory_mib, disk_gib, status, \
     status_reason, accel, created_at, updated_at, variant_of";
 
-type TemplateRow = (
+pub(in crate::store) type TemplateRow = (
     String,
     String,
     Option<String>,
@@ -265,11 +270,11 @@ type TemplateRow = (
     Option<String>,
 );
 
-pub(super) fn template_row(r: &Row<'_>) -> rusqlite::Result<TemplateRow> {
+pub(in crate::store) fn template_row(r: &Row<'_>) -> rusqlite::Result<TemplateRow> {
     Ok(columns!(r; 0 1 2 3 4 5 6 7 8 9 10 11))
 }
 
-pub(super) fn template_record(row: TemplateRow) -> StoreResult<TemplateRecord> {
+pub(in crate::store) fn template_record(row: TemplateRow) -> StoreResult<TemplateRecord> {
     let (
         id,
         tenant,
@@ -309,11 +314,11 @@ pub(super) fn template_record(row: TemplateRow) -> StoreResult<TemplateRecord> {
     })
 }
 
-pub(super) fn encode_cursor(created: DateTime<Utc>, id: &SandboxId) -> String {
+pub(in crate::store) fn encode_cursor(created: DateTime<Utc>, id: &SandboxId) -> String {
     base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(format!("{}:{}", ms(created), id))
 }
 
-pub(super) fn decode_cursor(c: &str) -> StoreResult<(i64, String)> {
+pub(in crate::store) fn decode_cursor(c: &str) -> StoreResult<(i64, String)> {
     let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD
         .decode(c)
         .map_err(|_| StoreError::BadCursor)?;
@@ -324,7 +329,11 @@ pub(super) fn decode_cursor(c: &str) -> StoreResult<(i64, String)> {
     Ok((t, id.to_owned()))
 }
 
-pub(super) fn write_sandbox(tx: &Connection, rec: &SandboxRecord, insert: bool) -> StoreResult<()> {
+pub(in crate::store) fn write_sandbox(
+    tx: &Connection,
+    rec: &SandboxRecord,
+    insert: bool,
+) -> StoreResult<()> {
     let labels = serde_json::to_string(&rec.labels).unwrap_or_else(|_| "{}".into());
     let verb = if insert { "INSERT" } else { "REPLACE" };
     // Compare-and-set: an update must come from the stored version (the
@@ -414,7 +423,7 @@ pub(super) fn write_sandbox(tx: &Connection, rec: &SandboxRecord, insert: bool) 
     Ok(())
 }
 
-pub(super) fn write_snapshot(tx: &Connection, rec: &SnapshotRecord) -> StoreResult<()> {
+pub(in crate::store) fn write_snapshot(tx: &Connection, rec: &SnapshotRecord) -> StoreResult<()> {
     tx.execute(
         &format!(
             "REPLACE INTO snapshots ({SNAPSHOT_COLS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12)"
@@ -437,7 +446,7 @@ pub(super) fn write_snapshot(tx: &Connection, rec: &SnapshotRecord) -> StoreResu
     Ok(())
 }
 
-pub(super) fn write_event(tx: &Connection, ev: &Event) -> StoreResult<()> {
+pub(in crate::store) fn write_event(tx: &Connection, ev: &Event) -> StoreResult<()> {
     tx.execute(
         "INSERT INTO events (at, tenant_id, sandbox_id, op, from_state, to_state, phase, detail) \
          VALUES (?1,?2,?3,?4,?5,?6,?7,?8)",
