@@ -465,12 +465,17 @@ pub(super) async fn answer(resp: Response<Incoming>, inj: &Injected) -> Response
         }
     }
     let whole = buf.freeze();
-    let out = secrets::strip_body(&whole, &inj.strip).unwrap_or(whole);
-    parts.headers.remove(header::TRANSFER_ENCODING);
-    parts
-        .headers
-        .insert(header::CONTENT_LENGTH, HeaderValue::from(out.len()));
-    Response::from_parts(parts, full(out))
+    match secrets::strip_body(&whole, &inj.strip) {
+        // Unchanged (an empty body of a HEAD or 304 among them): the
+        // upstream's framing headers stay as they were.
+        None => Response::from_parts(parts, full(whole)),
+        Some(out) => {
+            parts
+                .headers
+                .insert(header::CONTENT_LENGTH, HeaderValue::from(out.len()));
+            Response::from_parts(parts, full(out))
+        }
+    }
 }
 
 /// A body that yields `head` and then `rest`.
