@@ -13,6 +13,8 @@ use serde_json::{json, Value};
 use super::{CliError, Ctx};
 
 /// `strata secret ...`
+// Parsed once per process: the size of the `Set` variant does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum SecretCmd {
     /// Write (or rotate) a secret bound to a connector; its value comes
