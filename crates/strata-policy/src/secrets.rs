@@ -236,7 +236,11 @@ pub fn apply(
     rule: &Injection,
     value: &str,
 ) -> Result<Vec<Vec<u8>>, RuleError> {
-    let bad = || RuleError(format!("secret {name}: its value is not a valid header value"));
+    let bad = || {
+        RuleError(format!(
+            "secret {name}: its value is not a valid header value"
+        ))
+    };
     let mut needles = vec![value.as_bytes().to_vec()];
     // Placeholders first: a guest header `X-Key: strata:secret/<name>`.
     let ph = placeholder(name);
@@ -458,9 +462,7 @@ mod tests {
                 name: "X-K".into(),
                 template: "{value}{value}".into(),
             },
-            Injection::Basic {
-                user: "a:b".into(),
-            },
+            Injection::Basic { user: "a:b".into() },
             Injection::Query { param: "".into() },
             Injection::Query {
                 param: "a&b".into(),

@@ -1123,7 +1123,10 @@ async fn the_request_hook_injects_on_allowed_requests_and_answers_are_stripped()
     assert_eq!(s, 200, "{body}");
     assert!(!body.contains(SECRET), "{body}");
     let echoed = json(&body);
-    assert_eq!(echoed["headers"]["authorization"], "Bearer [strata:redacted]");
+    assert_eq!(
+        echoed["headers"]["authorization"],
+        "Bearer [strata:redacted]"
+    );
     assert_eq!(e.hits.load(Ordering::SeqCst), 1);
     // A write the read-only connector refuses: no injection, no upstream.
     let (s, body) = raw(
@@ -1153,5 +1156,8 @@ async fn the_request_hook_injects_on_allowed_requests_and_answers_are_stripped()
     )
     .await;
     assert_eq!(s, 200, "{body}");
-    assert!(json(&body)["headers"].get("authorization").is_none(), "{body}");
+    assert!(
+        json(&body)["headers"].get("authorization").is_none(),
+        "{body}"
+    );
 }

@@ -610,14 +610,22 @@ fn echo(conn: TcpStream, cfg: Arc<rustls::ServerConfig>, st: &Mutex<EchoState>) 
                         .to_string(),
                 )
             } else {
-                ("400 Bad Request", String::new(), "{\"error\":\"invalid_grant\"}".into())
+                (
+                    "400 Bad Request",
+                    String::new(),
+                    "{\"error\":\"invalid_grant\"}".into(),
+                )
             }
         } else {
             let auth = e.header("authorization").unwrap_or("-").to_owned();
             let key = e.header("x-api-key").unwrap_or("-").to_owned();
             let revoked = g.revoked.iter().any(|t| auth == format!("Bearer {t}"));
             (
-                if revoked { "401 Unauthorized" } else { "200 OK" },
+                if revoked {
+                    "401 Unauthorized"
+                } else {
+                    "200 OK"
+                },
                 format!("X-Echo-Auth: {auth}\r\nX-Echo-Key: {key}\r\n"),
                 format!("auth={auth} key={key} path={}", e.path),
             )
@@ -703,7 +711,9 @@ async fn secrets_are_injected_by_the_proxy_and_never_reach_the_guest(
         conn("query", "secrets = [\"crm-query\"]"),
         conn("oauth", ""),
     );
-    let (s, body) = d.raw("PUT", "/v1/policy", policy.clone().into_bytes()).await;
+    let (s, body) = d
+        .raw("PUT", "/v1/policy", policy.clone().into_bytes())
+        .await;
     assert_eq!(s, 200, "{}", String::from_utf8_lossy(&body));
     let nonce = hex::encode(rand::random::<[u8; 6]>());
     let bearer = format!("bearer-{nonce}-AAAA");
@@ -718,8 +728,18 @@ async fn secrets_are_injected_by_the_proxy_and_never_reach_the_guest(
             json!({ "type": "header", "name": "X-Api-Key", "template": "Key {value}" }),
             &header,
         ),
-        ("crm-basic", "basic", json!({ "type": "basic", "user": "bot" }), &basic),
-        ("crm-query", "query", json!({ "type": "query", "param": "api_key" }), &query),
+        (
+            "crm-basic",
+            "basic",
+            json!({ "type": "basic", "user": "bot" }),
+            &basic,
+        ),
+        (
+            "crm-query",
+            "query",
+            json!({ "type": "query", "param": "api_key" }),
+            &query,
+        ),
     ] {
         let (s, v) = d
             .call(
@@ -736,13 +756,19 @@ async fn secrets_are_injected_by_the_proxy_and_never_reach_the_guest(
         .call(
             "POST",
             "/v1/secrets",
-            Some(json!({ "name": "crm-oauth", "connector": "oauth", "kind": "oauth2", "oauth2": {
+            Some(
+                json!({ "name": "crm-oauth", "connector": "oauth", "kind": "oauth2", "oauth2": {
                 "token_url": token_url, "client_id": "cid",
-                "client_secret": CLIENT_SECRET, "refresh_token": REFRESH_TOKEN } })),
+                "client_secret": CLIENT_SECRET, "refresh_token": REFRESH_TOKEN } }),
+            ),
         )
         .await;
     assert_eq!(s, 201, "{v}");
-    assert_eq!(echo.issued().len(), 0, "nothing is fetched before a request");
+    assert_eq!(
+        echo.issued().len(),
+        0,
+        "nothing is fetched before a request"
+    );
 
     // curl with no credential (a made-up one, a placeholder): the upstream
     // sees the real ones; the echo reaches the guest stripped.
@@ -757,7 +783,12 @@ curl -s -o /dev/null -w 'write=%{{http_code}}' --cacert /tmp/ica.pem -X POST -d 
     );
     let e = d.sh(sb, &script).await;
     let out = e.out();
-    assert_eq!(e.code, Some(0), "{out}\n{}", String::from_utf8_lossy(&e.stderr));
+    assert_eq!(
+        e.code,
+        Some(0),
+        "{out}\n{}",
+        String::from_utf8_lossy(&e.stderr)
+    );
     for v in [&bearer, &header, &basic, &query] {
         assert!(!out.contains(v.as_str()), "{v} reached the guest:\n{out}");
     }
@@ -824,7 +855,15 @@ curl -s -o /dev/null -w 'write=%{{http_code}}' --cacert /tmp/ica.pem -X POST -d 
         async move {
             d.exec(
                 sb,
-                &["curl", "-sS", "--cacert", "/tmp/ica.pem", "-w", " %{http_code}", &url],
+                &[
+                    "curl",
+                    "-sS",
+                    "--cacert",
+                    "/tmp/ica.pem",
+                    "-w",
+                    " %{http_code}",
+                    &url,
+                ],
             )
             .await
             .out()
@@ -889,13 +928,19 @@ curl -s -o /dev/null -w 'write=%{{http_code}}' --cacert /tmp/ica.pem -X POST -d 
 
     // The audit names the secret, never its value.
     let entries = audit(d, sb).await;
-    let text = entries.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n");
+    let text = entries
+        .iter()
+        .map(|e| e.to_string())
+        .collect::<Vec<_>>()
+        .join("\n");
     for v in [&bearer, &header, &basic, &query] {
         assert!(!text.contains(v.as_str()), "a value in the audit log");
     }
     let a = entries
         .iter()
-        .find(|e| e["call"]["kind"]["host"] == "bearer.crm.test" && e["call"]["kind"]["path"] == "/a")
+        .find(|e| {
+            e["call"]["kind"]["host"] == "bearer.crm.test" && e["call"]["kind"]["path"] == "/a"
+        })
         .unwrap_or_else(|| panic!("no entry for /a:\n{text}"));
     assert_eq!(a["decision"]["secret"], "crm-bearer", "{a}");
     let w = entries
@@ -917,7 +962,9 @@ curl -s -o /dev/null -w 'write=%{{http_code}}' --cacert /tmp/ica.pem -X POST -d 
     ];
     needles.extend(echo.issued());
     // Something the guest did hold is found (the scan works).
-    let e = d.sh(sb, &format!("echo canary-{nonce} > /root/canary; sync")).await;
+    let e = d
+        .sh(sb, &format!("echo canary-{nonce} > /root/canary; sync"))
+        .await;
     assert_eq!(e.code, Some(0));
     let pool = d.root.join("data/pool/sandboxes");
     for id in [sb, sb2] {

@@ -31,13 +31,13 @@ pub mod resume;
 pub mod rewind;
 pub mod rm;
 pub mod run_code;
+pub mod secret;
 pub mod serve;
 pub mod snapshot;
 pub mod snapshots;
 pub mod stats;
 pub mod template;
 pub mod token;
-pub mod secret;
 pub mod webhook;
 pub mod whoami;
 

@@ -83,7 +83,8 @@ fn read_value(file: Option<&PathBuf>) -> anyhow::Result<String> {
     let mut raw = String::new();
     match file {
         Some(f) => {
-            raw = std::fs::read_to_string(f).with_context(|| format!("cannot read {}", f.display()))?
+            raw = std::fs::read_to_string(f)
+                .with_context(|| format!("cannot read {}", f.display()))?
         }
         None => {
             std::io::stdin()
@@ -98,7 +99,10 @@ fn read_value(file: Option<&PathBuf>) -> anyhow::Result<String> {
         .unwrap_or(&raw)
         .to_owned();
     if v.is_empty() {
-        return Err(CliError::InvalidArgument("the value is empty (give it on stdin or with --value-file)".into()).into());
+        return Err(CliError::InvalidArgument(
+            "the value is empty (give it on stdin or with --value-file)".into(),
+        )
+        .into());
     }
     Ok(v)
 }
@@ -218,10 +222,20 @@ pub async fn run_connector(ctx: &Ctx, cmd: ConnectorCmd) -> anyhow::Result<i32> 
         ConnectorCmd::Ls => {
             let v = client.get(&["v1", "connectors"], &[]).await?;
             ctx.emit(&v, || {
-                let mut out = String::from("NAME                 LAYER     WRITES   SECRETS              HOSTS\n");
+                let mut out = String::from(
+                    "NAME                 LAYER     WRITES   SECRETS              HOSTS\n",
+                );
                 for c in items(&v) {
-                    let hosts = c.get("hosts").and_then(Value::as_array).cloned().unwrap_or_default();
-                    let secrets = c.get("secrets").and_then(Value::as_array).cloned().unwrap_or_default();
+                    let hosts = c
+                        .get("hosts")
+                        .and_then(Value::as_array)
+                        .cloned()
+                        .unwrap_or_default();
+                    let secrets = c
+                        .get("secrets")
+                        .and_then(Value::as_array)
+                        .cloned()
+                        .unwrap_or_default();
                     let writes = if c.get("read_only") == Some(&Value::Bool(true)) {
                         "blocked"
                     } else {
@@ -263,16 +277,40 @@ mod tests {
         let b = set_body(&a, "v".into(), None);
         assert_eq!(b["rule"], json!({ "type": "bearer" }));
         assert_eq!(b["value"], "v");
-        let a = set_args(&["k", "--connector", "c", "--header", "X-Api-Key", "--template", "Token {value}"]).unwrap();
+        let a = set_args(&[
+            "k",
+            "--connector",
+            "c",
+            "--header",
+            "X-Api-Key",
+            "--template",
+            "Token {value}",
+        ])
+        .unwrap();
         assert_eq!(
             set_body(&a, "v".into(), None)["rule"],
             json!({ "type": "header", "name": "X-Api-Key", "template": "Token {value}" })
         );
         let a = set_args(&["k", "--connector", "c", "--basic", "bob"]).unwrap();
-        assert_eq!(set_body(&a, "v".into(), None)["rule"], json!({ "type": "basic", "user": "bob" }));
+        assert_eq!(
+            set_body(&a, "v".into(), None)["rule"],
+            json!({ "type": "basic", "user": "bob" })
+        );
         let a = set_args(&["k", "--connector", "c", "--query", "api_key"]).unwrap();
-        assert_eq!(set_body(&a, "v".into(), None)["rule"], json!({ "type": "query", "param": "api_key" }));
-        let a = set_args(&["o", "--connector", "c", "--oauth2", "https://login.test/token", "--client-id", "cid"]).unwrap();
+        assert_eq!(
+            set_body(&a, "v".into(), None)["rule"],
+            json!({ "type": "query", "param": "api_key" })
+        );
+        let a = set_args(&[
+            "o",
+            "--connector",
+            "c",
+            "--oauth2",
+            "https://login.test/token",
+            "--client-id",
+            "cid",
+        ])
+        .unwrap();
         let b = set_body(&a, "refresh".into(), Some("cs".into()));
         assert_eq!(b["kind"], "oauth2");
         assert_eq!(b["oauth2"]["refresh_token"], "refresh");

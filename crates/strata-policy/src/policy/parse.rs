@@ -332,7 +332,11 @@ pub fn parse(text: &str) -> Result<Policy, ParseError> {
             Some(list) => {
                 for n in list.get_ref() {
                     if let Err(e) = crate::secrets::check_name(n) {
-                        return Err(err_at(text, list.span(), format!("connector `{name}`: {e}")));
+                        return Err(err_at(
+                            text,
+                            list.span(),
+                            format!("connector `{name}`: {e}"),
+                        ));
                     }
                 }
                 Some(list.get_ref().clone())

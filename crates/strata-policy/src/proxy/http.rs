@@ -41,9 +41,9 @@ use super::sniff::{self, HeadCheck, Hello, MAX_HEAD};
 use super::tunnel::Tunnel;
 use super::upstream::{self, Upstream, UpstreamError};
 use super::{intercept, Injected, ProxyConfig};
-use crate::secrets;
 use crate::path::http_path;
 use crate::policy::{looks_like_ip, parse_ip_literal, Decision};
+use crate::secrets;
 
 /// Default [`ProxyConfig::head_timeout`].
 pub const HEAD_TIMEOUT: Duration = Duration::from_secs(30);

@@ -48,8 +48,8 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 
 use super::decide::{record_cut, refuse_request, Checked};
 use super::http::{
-    answer, bad, full, judge, parse_authority, refuse, run_hook, smuggling_check,
-    strip_hop_by_hop, upstream_for, Body,
+    answer, bad, full, judge, parse_authority, refuse, run_hook, smuggling_check, strip_hop_by_hop,
+    upstream_for, Body,
 };
 use super::sniff::{self, Hello, Rewind, MAX_HEAD};
 use super::tunnel::Tunnel;

@@ -15,9 +15,9 @@
 pub mod auth;
 pub mod gate;
 pub mod intercept;
-pub mod secrets;
 pub mod keys;
 pub mod ratelimit;
+pub mod secrets;
 pub mod store;
 
 use std::collections::HashMap;
@@ -475,9 +475,8 @@ impl Security {
             fallback: Arc::new(fallback),
         });
         let extra_roots = match &cfg.egress_upstream_ca_bundle {
-            Some(p) => vec![std::fs::read(p).map_err(|e| {
-                SecurityError::Intercept(format!("{}: {e}", p.display()))
-            })?],
+            Some(p) => vec![std::fs::read(p)
+                .map_err(|e| SecurityError::Intercept(format!("{}: {e}", p.display())))?],
             None => Vec::new(),
         };
         let secrets = Arc::new(

@@ -347,7 +347,9 @@ impl Broker {
     }
 
     fn sealer(&self) -> Result<&Sealer, SecretError> {
-        self.sealer.as_ref().map_err(|e| SecretError::Keys(e.clone()))
+        self.sealer
+            .as_ref()
+            .map_err(|e| SecretError::Keys(e.clone()))
     }
 
     /// The tenant's secrets, by name (never a value).
@@ -393,7 +395,8 @@ impl Broker {
                             .into(),
                     )
                 })?;
-                rule.check().map_err(|e| SecretError::Invalid(format!("rule: {e}")))?;
+                rule.check()
+                    .map_err(|e| SecretError::Invalid(format!("rule: {e}")))?;
                 let value = cmd
                     .value
                     .ok_or_else(|| SecretError::Invalid("value: required".into()))?;
@@ -493,7 +496,12 @@ impl Broker {
 
     /// The secrets that would be injected on a call of `tenant` (its
     /// sandbox `sandbox`) to `connector`.
-    pub fn would_inject(&self, tenant: &str, sandbox: Option<&str>, connector: &str) -> Vec<String> {
+    pub fn would_inject(
+        &self,
+        tenant: &str,
+        sandbox: Option<&str>,
+        connector: &str,
+    ) -> Vec<String> {
         let set = self.policies.set(tenant, sandbox);
         let Some(conn) = set
             .connectors()
@@ -530,7 +538,8 @@ impl Broker {
         let bytes = s
             .open(&bound(tenant, &e.name), &e.sealed)
             .map_err(|err| format!("secret {}: {err}", e.name))?;
-        serde_json::from_slice(&bytes).map_err(|_| format!("secret {}: unreadable material", e.name))
+        serde_json::from_slice(&bytes)
+            .map_err(|_| format!("secret {}: unreadable material", e.name))
     }
 
     /// Checks an OAuth2 token URL and resolves it: `https`, no
@@ -573,11 +582,14 @@ impl Broker {
                 let pinned = tokio::time::timeout(TOKEN_TIMEOUT, r2.resolve(&h, port)).await;
                 match pinned {
                     Ok(Ok(a)) => a,
-                    _ => tokio::time::timeout(TOKEN_TIMEOUT, tokio::net::lookup_host((h.as_str(), port)))
-                        .await
-                        .map_err(|_| bad(format!("resolving {host}: timed out")))?
-                        .map_err(|e| bad(format!("resolving {host}: {e}")))?
-                        .collect(),
+                    _ => tokio::time::timeout(
+                        TOKEN_TIMEOUT,
+                        tokio::net::lookup_host((h.as_str(), port)),
+                    )
+                    .await
+                    .map_err(|_| bad(format!("resolving {host}: timed out")))?
+                    .map_err(|e| bad(format!("resolving {host}: {e}")))?
+                    .collect(),
                 }
             }
         };
@@ -665,10 +677,12 @@ impl Broker {
             #[serde(default)]
             refresh_token: Option<String>,
         }
-        let t: TokenAnswer = resp
-            .json()
-            .await
-            .map_err(|_| format!("secret {}: the token endpoint's answer is not a token", e.name))?;
+        let t: TokenAnswer = resp.json().await.map_err(|_| {
+            format!(
+                "secret {}: the token endpoint's answer is not a token",
+                e.name
+            )
+        })?;
         check_value("access_token", &t.access_token).map_err(|err| err.to_string())?;
         if let Some(new) = t.refresh_token.filter(|r| *r != refresh_token) {
             // A rotated refresh token replaces the stored one.
@@ -686,7 +700,10 @@ impl Broker {
                 .map_err(|e| e.to_string())?
                 .seal(&bound(tenant, &e.name), &json)
                 .map_err(|e| e.to_string())?;
-            let rows = self.store.secrets(Some(tenant)).map_err(|e| e.to_string())?;
+            let rows = self
+                .store
+                .secrets(Some(tenant))
+                .map_err(|e| e.to_string())?;
             let Some(mut row) = rows.into_iter().find(|r| r.name == e.name) else {
                 return Ok(());
             };
@@ -702,7 +719,11 @@ impl Broker {
 
     /// The access token of an OAuth2 secret (cached, refreshed when close
     /// to expiry or after a `401`), and its generation.
-    async fn access_token(&self, tenant: &str, e: &Entry) -> Result<(String, u64, Arc<tokio::sync::Mutex<Token>>), String> {
+    async fn access_token(
+        &self,
+        tenant: &str,
+        e: &Entry,
+    ) -> Result<(String, u64, Arc<tokio::sync::Mutex<Token>>), String> {
         let Spec::Oauth2 {
             token_url,
             client_id,
@@ -765,7 +786,8 @@ impl RequestHook for Broker {
                         (rule.clone(), v)
                     }
                     Spec::Oauth2 { .. } => {
-                        let (access, generation, slot) = self.access_token(&call.tenant, &e).await?;
+                        let (access, generation, slot) =
+                            self.access_token(&call.tenant, &e).await?;
                         stale_on_401.push((slot, generation));
                         (Injection::Bearer, access)
                     }
