@@ -686,6 +686,7 @@ async fn secrets_are_injected_by_the_proxy_and_never_reach_the_guest(
     sb: &str,
     sb2: &str,
 ) {
+    let t0 = std::time::Instant::now();
     let echo = EchoUpstream::start(
         test_ca,
         &[
@@ -980,6 +981,7 @@ curl -s -o /dev/null -w 'write=%{{http_code}}' --cacert /tmp/ica.pem -X POST -d 
         canary,
         "the scan finds what the guest holds"
     );
+    eprintln!("secrets scenario: {:.1} s", t0.elapsed().as_secs_f64());
 }
 
 fn find_last(echo: &EchoUpstream, host: &str, path: &str) -> Echoed {
