@@ -344,6 +344,8 @@ pub struct Decision {
     pub hard: bool,
     /// Why.
     pub reason: String,
+    /// egress: the connector secret(s) the proxy would inject.
+    pub secret: Option<String>,
 }
 
 /// Status of an approval request.

@@ -86,6 +86,11 @@ pub struct AuditDecision {
     /// Approval request id, for held / answered calls.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub approval_id: Option<String>,
+    /// The connector secret(s) the egress proxy injects on an allowed call
+    /// (names only, comma-separated; `docs/secrets.md`). Left out when
+    /// none, so entries written before it hash the same.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret: Option<String>,
 }
 
 impl AuditDecision {
@@ -98,6 +103,7 @@ impl AuditDecision {
             layer: d.layer,
             reason: d.reason.clone(),
             approval_id,
+            secret: None,
         }
     }
 }

@@ -10,6 +10,7 @@ pub mod call;
 pub mod path;
 pub mod policy;
 pub mod proxy;
+pub mod secrets;
 pub mod sni;
 
 pub use call::{CallKind, ExecStdin, KindName, PortBytes, ToolCall};

@@ -1064,3 +1064,100 @@ async fn an_egress_request_whose_audit_write_fails_is_refused() {
     assert_eq!(st, 200, "{body}");
     assert_eq!(e.hits.load(Ordering::SeqCst), 1);
 }
+
+/// A broker that puts a bearer secret on requests to `salesforce`.
+struct Broker;
+
+const SECRET: &str = "sk-test-5f1e9c0a77";
+
+impl strata_policy::proxy::RequestHook for Broker {
+    fn secrets_for(&self, call: &strata_policy::ToolCall) -> Option<String> {
+        match &call.kind {
+            strata_policy::CallKind::Egress {
+                connector: Some(c), ..
+            } if c == "salesforce" => Some("sf".into()),
+            _ => None,
+        }
+    }
+
+    fn before_upstream<'a>(
+        &'a self,
+        call: &'a strata_policy::ToolCall,
+        req: &'a mut hyper::http::request::Parts,
+    ) -> strata_policy::proxy::HookFuture<'a> {
+        Box::pin(async move {
+            let mut inj = strata_policy::proxy::Injected::default();
+            if self.secrets_for(call).is_some() {
+                inj.strip = strata_policy::secrets::apply(
+                    req,
+                    "sf",
+                    &strata_policy::secrets::Injection::Bearer,
+                    SECRET,
+                )
+                .map_err(|e| e.to_string())?;
+                inj.secrets.push("sf".into());
+            }
+            Ok(inj)
+        })
+    }
+}
+
+/// The request hook injects on an allowed request (the guest's own
+/// credential replaced), the upstream's echo of it comes back stripped, the
+/// audit entry names the secret; a refused request gets nothing and never
+/// reaches the upstream.
+#[tokio::test]
+async fn the_request_hook_injects_on_allowed_requests_and_answers_are_stripped() {
+    let e = env_with(
+        Duration::from_secs(1),
+        HostTunnels::new(TunnelLimits::default()),
+        |c| c.request_hook = Some(Arc::new(Broker)),
+    )
+    .await;
+    let p = e.port;
+    let (s, body) = raw(
+        &e,
+        &format!("GET http://api.salesforce.test:{p}/a HTTP/1.1\r\nHost: api.salesforce.test:{p}\r\nAuthorization: Bearer made-up\r\n\r\n"),
+    )
+    .await;
+    assert_eq!(s, 200, "{body}");
+    assert!(!body.contains(SECRET), "{body}");
+    let echoed = json(&body);
+    assert_eq!(
+        echoed["headers"]["authorization"],
+        "Bearer [strata:redacted]"
+    );
+    assert_eq!(e.hits.load(Ordering::SeqCst), 1);
+    // A write the read-only connector refuses: no injection, no upstream.
+    let (s, body) = raw(
+        &e,
+        &format!("POST http://api.salesforce.test:{p}/w HTTP/1.1\r\nHost: api.salesforce.test:{p}\r\nContent-Length: 0\r\n\r\n"),
+    )
+    .await;
+    assert_eq!(s, 403, "{body}");
+    assert_eq!(e.hits.load(Ordering::SeqCst), 1);
+    let es = entries(&e);
+    let get = es
+        .iter()
+        .find(|x| x.decision.outcome == Outcome::Allowed)
+        .unwrap_or_else(|| panic!("{es:?}"));
+    assert_eq!(get.decision.secret.as_deref(), Some("sf"));
+    let post = es
+        .iter()
+        .find(|x| x.decision.outcome == Outcome::Denied)
+        .unwrap_or_else(|| panic!("{es:?}"));
+    assert_eq!(post.decision.secret, None);
+    let text = std::fs::read_to_string(&e.audit_path).unwrap_or_default();
+    assert!(!text.contains(SECRET));
+    // Another connector's requests carry nothing.
+    let (s, body) = raw(
+        &e,
+        &format!("GET http://slack.test:{p}/x HTTP/1.1\r\nHost: slack.test:{p}\r\n\r\n"),
+    )
+    .await;
+    assert_eq!(s, 200, "{body}");
+    assert!(
+        json(&body)["headers"].get("authorization").is_none(),
+        "{body}"
+    );
+}

@@ -361,6 +361,11 @@ pub struct SecurityConfig {
     /// CAs).
     #[serde(default)]
     pub egress_upstream_ca_bundle: Option<PathBuf>,
+    /// Addresses an OAuth2 secret's token URL may resolve to although the
+    /// egress proxy's public-address filter refuses them (test-only, like
+    /// `[webhooks] allow_private`; `docs/secrets.md`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub secrets_allow_private: Vec<String>,
 }
 
 impl Default for SecurityConfig {
@@ -382,6 +387,7 @@ impl Default for SecurityConfig {
             egress_resolved_ranges: Vec::new(),
             egress_tls_intercept: false,
             egress_upstream_ca_bundle: None,
+            secrets_allow_private: Vec::new(),
         }
     }
 }

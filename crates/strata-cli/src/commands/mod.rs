@@ -31,6 +31,7 @@ pub mod resume;
 pub mod rewind;
 pub mod rm;
 pub mod run_code;
+pub mod secret;
 pub mod serve;
 pub mod snapshot;
 pub mod snapshots;
@@ -136,6 +137,13 @@ pub enum Command {
     /// Webhooks (approval notifications): add, list, remove, deliveries.
     #[command(subcommand)]
     Webhook(webhook::WebhookCmd),
+    /// Connector secrets the egress proxy injects (admin): set, list,
+    /// remove. Values come from stdin or a file, never argv.
+    #[command(subcommand)]
+    Secret(secret::SecretCmd),
+    /// Connectors of the tenant's policy: hosts, write block, secrets.
+    #[command(subcommand)]
+    Connector(secret::ConnectorCmd),
     /// Who the token is: tenant, role, token id.
     Whoami,
     /// The daemon's local CA certificate (PEM), which signs its TLS
@@ -270,6 +278,8 @@ pub async fn run(ctx: &Ctx, cmd: Command) -> anyhow::Result<i32> {
         Command::Token(c) => token::run(ctx, c).await,
         Command::Events(a) => events::run(ctx, a).await,
         Command::Webhook(c) => webhook::run(ctx, c).await,
+        Command::Secret(c) => secret::run(ctx, c).await,
+        Command::Connector(c) => secret::run_connector(ctx, c).await,
         Command::Whoami => whoami::run(ctx).await,
         Command::Ca => ca::run(ctx).await,
         Command::Port(a) => port::run(ctx, a).await,

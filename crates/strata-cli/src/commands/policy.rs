@@ -248,10 +248,14 @@ pub fn format_decision(d: &Decision) -> String {
         (Some(l), false) => l.clone(),
         (None, _) => "- (built-in)".into(),
     };
-    format!(
+    let mut out = format!(
         "effect  {}\nrule    {rule}\nlayer   {layer}\nreason  {}\n",
         d.effect, d.reason
-    )
+    );
+    if let Some(s) = &d.secret {
+        out.push_str(&format!("secret  {s} (injected by the proxy)\n"));
+    }
+    out
 }
 
 /// Splits a command line into words like a POSIX shell would, without

@@ -123,6 +123,19 @@ pub struct Connector {
     /// every request inside judged (default `true`); `false` keeps them
     /// `CONNECT`-by-name tunnels (for clients that pin certificates).
     pub intercept: bool,
+    /// The connector secrets the egress proxy may inject on requests to
+    /// this connector (`docs/secrets.md`); `None`: every secret bound to
+    /// the connector by name. Only names: values are never in a policy.
+    pub secrets: Option<Vec<String>>,
+}
+
+impl Connector {
+    /// May secret `name` (bound to this connector) be injected?
+    pub fn admits_secret(&self, name: &str) -> bool {
+        self.secrets
+            .as_ref()
+            .is_none_or(|l| l.iter().any(|n| n == name))
+    }
 }
 
 impl Connector {

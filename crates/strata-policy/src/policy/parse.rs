@@ -111,6 +111,8 @@ struct ConnectorFile {
     read_only: bool,
     #[serde(default)]
     intercept: Option<bool>,
+    #[serde(default)]
+    secrets: Option<Spanned<Vec<String>>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -325,6 +327,21 @@ pub fn parse(text: &str) -> Result<Policy, ParseError> {
                 format!("connector `{name}` needs `hosts` or `cidrs`"),
             ));
         }
+        let secrets = match &c.secrets {
+            None => None,
+            Some(list) => {
+                for n in list.get_ref() {
+                    if let Err(e) = crate::secrets::check_name(n) {
+                        return Err(err_at(
+                            text,
+                            list.span(),
+                            format!("connector `{name}`: {e}"),
+                        ));
+                    }
+                }
+                Some(list.get_ref().clone())
+            }
+        };
         connectors.push(Connector {
             name,
             hosts: match &c.hosts {
@@ -341,6 +358,7 @@ pub fn parse(text: &str) -> Result<Policy, ParseError> {
             tls_ports,
             read_only: c.read_only,
             intercept: c.intercept.unwrap_or(true),
+            secrets,
         });
     }
 

@@ -77,8 +77,24 @@ fn record(
     approval: Option<String>,
     by: Option<String>,
 ) -> bool {
+    record_secret(cfg, call, d, outcome, approval, by, None)
+}
+
+/// [`record`], naming the secret(s) the request hook will inject.
+#[must_use]
+fn record_secret(
+    cfg: &ProxyConfig,
+    call: &ToolCall,
+    d: &Decision,
+    outcome: Outcome,
+    approval: Option<String>,
+    by: Option<String>,
+    secret: Option<String>,
+) -> bool {
     let Some(a) = &cfg.audit else { return true };
-    match a.record(call, AuditDecision::from_decision(d, outcome, approval), by) {
+    let mut ad = AuditDecision::from_decision(d, outcome, approval);
+    ad.secret = secret;
+    match a.record(call, ad, by) {
         Ok(_) => true,
         Err(e) => {
             tracing::error!(error = %e, sandbox = ?call.sandbox, "audit write failed; egress request refused");
@@ -231,9 +247,15 @@ pub(super) async fn decide(cfg: &ProxyConfig, c: &mut Checked) -> Verdict {
         return Verdict::Refuse(denied(&d, None));
     }
     let d = policy.evaluate(&c.call);
+    // The secret(s) an allowed request will carry, named in its entries.
+    let secret = || {
+        cfg.request_hook
+            .as_ref()
+            .and_then(|h| h.secrets_for(&c.call))
+    };
     match d.effect {
         Effect::Allow => {
-            if !record(cfg, &c.call, &d, Outcome::Allowed, None, None) {
+            if !record_secret(cfg, &c.call, &d, Outcome::Allowed, None, None, secret()) {
                 return Verdict::Refuse(unaudited());
             }
             Verdict::Go
@@ -264,7 +286,8 @@ pub(super) async fn decide(cfg: &ProxyConfig, c: &mut Checked) -> Verdict {
                 Ok(ApprovalOutcome::Denied { by, .. }) => (Outcome::Rejected, Some(by.clone())),
                 Ok(ApprovalOutcome::TimedOut) | Err(_) => (Outcome::TimedOut, None),
             };
-            if !record(cfg, &c.call, &d, outcome, Some(req.id.clone()), by) {
+            let s = (outcome == Outcome::Approved).then(secret).flatten();
+            if !record_secret(cfg, &c.call, &d, outcome, Some(req.id.clone()), by, s) {
                 return Verdict::Refuse(unaudited());
             }
             if outcome == Outcome::Approved {

@@ -40,9 +40,10 @@ use super::decide::{decide, record_cut, refuse_request, Checked, Verdict};
 use super::sniff::{self, HeadCheck, Hello, MAX_HEAD};
 use super::tunnel::Tunnel;
 use super::upstream::{self, Upstream, UpstreamError};
-use super::{intercept, ProxyConfig};
+use super::{intercept, Injected, ProxyConfig};
 use crate::path::http_path;
 use crate::policy::{looks_like_ip, parse_ip_literal, Decision};
+use crate::secrets;
 
 /// Default [`ProxyConfig::head_timeout`].
 pub const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
@@ -384,20 +385,127 @@ pub(super) async fn judge(
 
 /// Runs the configured [`super::RequestHook`] on an allowed request, just
 /// before it goes upstream; its refusal (audited) is the answer `403
-/// egress_hook_refused` returned here, `None` lets the request go.
-pub(super) fn hook_refusal(
+/// egress_hook_refused` returned as `Err`; `Ok` lets the request go with
+/// what the hook injected.
+pub(super) async fn run_hook(
     cfg: &ProxyConfig,
     c: &Checked,
     parts: &mut hyper::http::request::Parts,
-) -> Option<Response<Body>> {
-    let h = cfg.request_hook.as_ref()?;
-    let why = h.before_upstream(&c.call, parts).err()?;
-    record_cut(cfg, &c.call, "request-hook", why.clone());
-    Some(refuse(
-        StatusCode::FORBIDDEN,
-        "egress_hook_refused",
-        serde_json::json!({ "rule": "request-hook", "reason": why }),
-    ))
+) -> Result<Injected, Response<Body>> {
+    let Some(h) = cfg.request_hook.as_ref() else {
+        return Ok(Injected::default());
+    };
+    match h.before_upstream(&c.call, parts).await {
+        Ok(i) => Ok(i),
+        Err(why) => {
+            record_cut(cfg, &c.call, "request-hook", why.clone());
+            Err(refuse(
+                StatusCode::FORBIDDEN,
+                "egress_hook_refused",
+                serde_json::json!({ "rule": "request-hook", "reason": why }),
+            ))
+        }
+    }
+}
+
+/// The upstream's answer as given to the guest: hop-by-hop headers
+/// removed and, when secrets were injected, their values stripped from the
+/// headers and from a body of at most [`secrets::STRIP_BODY_MAX`] bytes
+/// that is neither compressed nor an event stream (`docs/secrets.md`).
+pub(super) async fn answer(resp: Response<Incoming>, inj: &Injected) -> Response<Body> {
+    let (mut parts, body) = resp.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    if let Some(f) = &inj.on_status {
+        f(parts.status.as_u16());
+    }
+    if inj.strip.is_empty() {
+        return Response::from_parts(parts, body.boxed());
+    }
+    secrets::strip_headers(&mut parts.headers, &inj.strip);
+    let encoded = parts
+        .headers
+        .get(header::CONTENT_ENCODING)
+        .is_some_and(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity"));
+    let stream = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    let len = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if encoded || stream || len.is_some_and(|l| l > secrets::STRIP_BODY_MAX) {
+        return Response::from_parts(parts, body.boxed());
+    }
+    // Read up to the bound; a longer body passes unchanged after it.
+    let mut body = body;
+    let mut buf = bytes::BytesMut::new();
+    loop {
+        match body.frame().await {
+            None => break,
+            Some(Err(e)) => {
+                tracing::debug!(error = %e, "upstream body");
+                return refuse(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_error",
+                    serde_json::json!({ "reason": e.to_string() }),
+                );
+            }
+            Some(Ok(f)) => {
+                if let Ok(d) = f.into_data() {
+                    buf.extend_from_slice(&d);
+                }
+                if buf.len() > secrets::STRIP_BODY_MAX {
+                    let head = buf.freeze();
+                    let rest = body.boxed();
+                    return Response::from_parts(parts, Prefixed::new(head, rest).boxed());
+                }
+            }
+        }
+    }
+    let whole = buf.freeze();
+    match secrets::strip_body(&whole, &inj.strip) {
+        // Unchanged (an empty body of a HEAD or 304 among them): the
+        // upstream's framing headers stay as they were.
+        None => Response::from_parts(parts, full(whole)),
+        Some(out) => {
+            parts
+                .headers
+                .insert(header::CONTENT_LENGTH, HeaderValue::from(out.len()));
+            Response::from_parts(parts, full(out))
+        }
+    }
+}
+
+/// A body that yields `head` and then `rest`.
+struct Prefixed {
+    head: Option<Bytes>,
+    rest: Body,
+}
+
+impl Prefixed {
+    fn new(head: Bytes, rest: Body) -> Self {
+        Prefixed {
+            head: Some(head),
+            rest,
+        }
+    }
+}
+
+impl hyper::body::Body for Prefixed {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
+        if let Some(h) = self.head.take() {
+            return std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(h))));
+        }
+        std::pin::Pin::new(&mut self.rest).poll_frame(cx)
+    }
 }
 
 async fn forward(
@@ -437,9 +545,14 @@ async fn forward(
         Ok(j) => j,
         Err(r) => return r,
     };
-    if let Some(r) = hook_refusal(&cfg, &c, &mut parts) {
-        return r;
-    }
+    parts.uri = match pq.parse() {
+        Ok(u) => u,
+        Err(_) => return bad("bad path"),
+    };
+    let inj = match run_hook(&cfg, &c, &mut parts).await {
+        Ok(i) => i,
+        Err(r) => return r,
+    };
     let up = match upstream_for(&cfg, &tunnel, &c).await {
         Ok(s) => s,
         Err(r) => return r,
@@ -461,18 +574,10 @@ async fn forward(
         let _ = conn.await;
         drop(slot);
     });
-    parts.uri = match pq.parse() {
-        Ok(u) => u,
-        Err(_) => return bad("bad path"),
-    };
     strip_hop_by_hop(&mut parts.headers);
     let out = Request::from_parts(parts, body);
     match sender.send_request(out).await {
-        Ok(resp) => {
-            let (mut parts, body) = resp.into_parts();
-            strip_hop_by_hop(&mut parts.headers);
-            Response::from_parts(parts, body.boxed())
-        }
+        Ok(resp) => answer(resp, &inj).await,
         Err(e) => refuse(
             StatusCode::BAD_GATEWAY,
             "upstream_error",

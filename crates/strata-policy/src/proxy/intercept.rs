@@ -48,7 +48,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 
 use super::decide::{record_cut, refuse_request, Checked};
 use super::http::{
-    bad, full, hook_refusal, judge, parse_authority, refuse, smuggling_check, strip_hop_by_hop,
+    answer, bad, full, judge, parse_authority, refuse, run_hook, smuggling_check, strip_hop_by_hop,
     upstream_for, Body,
 };
 use super::sniff::{self, Hello, Rewind, MAX_HEAD};
@@ -410,12 +410,13 @@ async fn request(
         Ok(j) => j,
         Err(r) => return Ok(r),
     };
-    if let Some(r) = hook_refusal(&cfg, &c, &mut parts) {
-        return Ok(r);
-    }
     parts.uri = match pq.parse() {
         Ok(u) => u,
         Err(_) => return Ok(bad("bad path")),
+    };
+    let inj = match run_hook(&cfg, &c, &mut parts).await {
+        Ok(i) => i,
+        Err(r) => return Ok(r),
     };
     strip_hop_by_hop(&mut parts.headers);
     let mut up = upstream.lock().await;
@@ -438,9 +439,9 @@ async fn request(
         .await
     {
         Ok(resp) => {
-            let (mut parts, body) = resp.into_parts();
-            strip_hop_by_hop(&mut parts.headers);
-            Ok(Response::from_parts(parts, body.boxed()))
+            // The upstream connection is free again once the head is in.
+            drop(up);
+            Ok(answer(resp, &inj).await)
         }
         Err(e) => {
             *up = None;

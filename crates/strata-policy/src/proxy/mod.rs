@@ -91,21 +91,56 @@ impl PolicySource for SharedPolicy {
     }
 }
 
+/// What a [`RequestHook`] did to a request: the secrets it put on it (for
+/// the log) and the byte strings to strip from the answer.
+#[derive(Clone, Default)]
+pub struct Injected {
+    /// Names of the secrets injected.
+    pub secrets: Vec<String>,
+    /// Values (and encoded forms) to replace in the answer's headers and
+    /// body ([`crate::secrets::strip_headers`], [`crate::secrets::strip_body`]).
+    pub strip: Vec<Vec<u8>>,
+    /// Called with the upstream's status (a broker refreshes an OAuth2
+    /// token the upstream refused with `401`).
+    pub on_status: Option<Arc<dyn Fn(u16) + Send + Sync>>,
+}
+
+impl std::fmt::Debug for Injected {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the values.
+        f.debug_struct("Injected")
+            .field("secrets", &self.secrets)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Future of [`RequestHook::before_upstream`].
+pub type HookFuture<'a> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Injected, String>> + Send + 'a>>;
+
 /// Changes (or refuses) an allowed request just before it is sent upstream:
 /// the step a secrets broker plugs into (inject a header, replace a
 /// placeholder the guest sent). Called after the policy decision (and any
-/// approval), on the request as it will be forwarded: hop-by-hop headers
-/// are stripped after it, and the path and query are the canonical ones
-/// policy matched. Not called for opaque `CONNECT` tunnels.
+/// approval), on the request as it will be forwarded (its URI the
+/// canonical path and query policy matched): hop-by-hop headers are
+/// stripped after it. Not called for opaque `CONNECT` tunnels.
 pub trait RequestHook: Send + Sync {
+    /// The names (comma-separated) of the secrets [`Self::before_upstream`]
+    /// would inject on `call`, recorded in the audit entry of an allowed
+    /// call (`secret`); `None` when none.
+    fn secrets_for(&self, call: &crate::call::ToolCall) -> Option<String> {
+        let _ = call;
+        None
+    }
+
     /// Edit `req` for `call` (its connector resolved, `tls` set when the
     /// request was read inside an intercepted connection); `Err(reason)`
     /// refuses it (`403 egress_hook_refused`, audited with `reason`).
-    fn before_upstream(
-        &self,
-        call: &crate::call::ToolCall,
-        req: &mut hyper::http::request::Parts,
-    ) -> Result<(), String>;
+    fn before_upstream<'a>(
+        &'a self,
+        call: &'a crate::call::ToolCall,
+        req: &'a mut hyper::http::request::Parts,
+    ) -> HookFuture<'a>;
 }
 
 /// Everything one sandbox's proxy needs (one [`Egress`] per sandbox, so it

@@ -76,6 +76,10 @@ pub enum Action {
     ListWebhooks,
     DeleteWebhook,
     WebhookDeliveries,
+    SetSecret,
+    ListSecrets,
+    DeleteSecret,
+    ListConnectors,
 }
 
 /// Who may call a route.
@@ -223,6 +227,12 @@ pub const ROUTES: &[Route] = &[
     r("GET", "/v1/webhooks", Action::ListWebhooks, ADMIN),
     r("DELETE", "/v1/webhooks/:id", Action::DeleteWebhook, ADMIN),
     r("GET", "/v1/webhooks/:id/deliveries", Action::WebhookDeliveries, ADMIN),
+    // Connector secrets the egress proxy injects (docs/secrets.md): values
+    // are write-only.
+    r("POST", "/v1/secrets", Action::SetSecret, ADMIN),
+    r("GET", "/v1/secrets", Action::ListSecrets, ADMIN),
+    r("DELETE", "/v1/secrets/:id", Action::DeleteSecret, ADMIN),
+    r("GET", "/v1/connectors", Action::ListConnectors, READ),
 ];
 
 impl Route {

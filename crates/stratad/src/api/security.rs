@@ -27,6 +27,7 @@ use serde_json::json;
 use strata_core::{ErrorCode, SandboxId};
 use strata_policy::approval::ApprovalError;
 use strata_policy::audit::{self, Outcome};
+use strata_policy::policy::HostPattern;
 use strata_policy::{CallKind, Decision, Effect, ToolCall};
 
 use super::routes::{self, Access, Action, Route, ROUTES};
@@ -78,6 +79,10 @@ fn security_route(r: &Route) -> Option<axum::routing::MethodRouter<Ctx>> {
         Approve => on(m, approve),
         Deny => on(m, deny),
         ExportAudit => on(m, audit_export),
+        SetSecret => on(m, set_secret),
+        ListSecrets => on(m, list_secrets),
+        DeleteSecret => on(m, delete_secret),
+        ListConnectors => on(m, list_connectors),
         VerifyAudit => on(m, audit_verify),
         _ => return None,
     })
@@ -496,10 +501,121 @@ async fn test_policy(
         kind: b.call,
     };
     let sec = ctx.sec.clone();
-    let d = tokio::task::spawn_blocking(move || sec.evaluate(&call))
+    let (d, secret) = tokio::task::spawn_blocking(move || {
+        let d = sec.evaluate(&call);
+        // The secret(s) the proxy would inject on an allowed egress call.
+        let secret = match (&call.kind, d.effect) {
+            (_, Effect::Deny) => None,
+            (CallKind::Egress { host, .. }, _) => {
+                let set = sec.policies().set(&call.tenant, call.sandbox.as_deref());
+                let conn = set.connector_for_host(host).map(|c| c.name.clone());
+                conn.map(|c| {
+                    sec.secrets()
+                        .would_inject(&call.tenant, call.sandbox.as_deref(), &c)
+                })
+                .filter(|n| !n.is_empty())
+                .map(|n| n.join(","))
+            }
+            _ => None,
+        };
+        (d, secret)
+    })
+    .await
+    .map_err(internal)?;
+    let mut v = serde_json::to_value(&d).map_err(internal)?;
+    if let (Some(s), Some(o)) = (secret, v.as_object_mut()) {
+        o.insert("secret".into(), s.into());
+    }
+    Ok(Json(v))
+}
+
+fn secret_error(e: crate::security::secrets::SecretError) -> ApiError {
+    use crate::security::secrets::SecretError as E;
+    match e {
+        E::Invalid(m) => invalid(m),
+        E::NotFound(n) => ApiError::new(ErrorCode::NotFound, format!("secret {n} not found")),
+        E::Quota(m) => ApiError::new(ErrorCode::QuotaExceeded, m),
+        e @ (E::Keys(_) | E::Store(_)) => internal(e),
+    }
+}
+
+/// `POST /v1/secrets`: writes (or rotates) a connector secret of the
+/// caller's tenant; answers its listing (never the value).
+async fn set_secret(
+    State(ctx): State<Ctx>,
+    Extension(caller): Extension<Caller>,
+    Body(b): Body<crate::security::secrets::SetSecret>,
+) -> ApiResult<impl IntoResponse> {
+    let p = who(&caller)?;
+    let v = ctx
+        .sec
+        .secrets()
+        .set(p.tenant, &p.actor, b)
         .await
-        .map_err(internal)?;
-    Ok(Json(d))
+        .map_err(secret_error)?;
+    Ok((StatusCode::CREATED, Json(v)))
+}
+
+/// `GET /v1/secrets`: the caller's tenant's secrets, names and rules only.
+async fn list_secrets(
+    State(ctx): State<Ctx>,
+    Extension(caller): Extension<Caller>,
+) -> ApiResult<impl IntoResponse> {
+    let p = who(&caller)?;
+    let (sec, t) = (ctx.sec.clone(), p.tenant.to_owned());
+    let items = tokio::task::spawn_blocking(move || sec.secrets().list(&t))
+        .await
+        .map_err(internal)?
+        .map_err(secret_error)?;
+    Ok(Json(json!({ "items": items })))
+}
+
+/// `DELETE /v1/secrets/{name}`: another tenant's name answers `404` like
+/// an unknown one.
+async fn delete_secret(State(ctx): State<Ctx>, c: Call) -> ApiResult<impl IntoResponse> {
+    let (caller, name, _) = c.into_parts();
+    let p = who(&caller)?;
+    let (sec, t, n) = (ctx.sec.clone(), p.tenant.to_owned(), name.clone());
+    tokio::task::spawn_blocking(move || sec.secrets().delete(&t, &n))
+        .await
+        .map_err(internal)?
+        .map_err(secret_error)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `GET /v1/connectors`: the connectors of the caller's tenant's policy
+/// (platform and tenant layers), their hosts, write block and secrets.
+async fn list_connectors(
+    State(ctx): State<Ctx>,
+    Extension(caller): Extension<Caller>,
+) -> ApiResult<impl IntoResponse> {
+    let p = who(&caller)?;
+    let (sec, t) = (ctx.sec.clone(), p.tenant.to_owned());
+    let items = tokio::task::spawn_blocking(move || {
+        let set = sec.policies().set(&t, None);
+        set.connectors()
+            .map(|(layer, c)| {
+                json!({
+                    "name": c.name,
+                    "layer": layer.as_str(),
+                    "hosts": c.hosts.iter().map(|h| match h {
+                        HostPattern::Exact(n) => n.clone(),
+                        HostPattern::Suffix(s) => format!("*{s}"),
+                    }).collect::<Vec<_>>(),
+                    "cidrs": c.cidrs.iter().map(|n| n.to_string()).collect::<Vec<_>>(),
+                    "ports": c.ports,
+                    "tls_ports": c.tls_ports,
+                    "read_only": c.read_only,
+                    "intercept": c.intercept,
+                    "secrets_allowed": c.secrets,
+                    "secrets": sec.secrets().would_inject(&t, None, &c.name),
+                })
+            })
+            .collect::<Vec<_>>()
+    })
+    .await
+    .map_err(internal)?;
+    Ok(Json(json!({ "items": items })))
 }
 
 async fn egress(State(ctx): State<Ctx>, c: Call) -> ApiResult<impl IntoResponse> {

@@ -1086,6 +1086,7 @@ mod keys;
 mod matrix;
 mod quotas;
 mod same_as;
+mod secrets;
 mod security;
 mod template_files;
 mod terminal;

@@ -12,8 +12,8 @@
 //! and the Ed25519 seed that signs snapshots and templates
 //! ([`Purpose::SnapshotSigning`], [`KeyStore::seed`]; `docs/keys.md`). The
 //! egress proxy's TLS interception CA is kept in the same directory as
-//! files of its own ([`super::intercept`]); connector secrets are meant to
-//! come here too (issue 15).
+//! files of its own ([`super::intercept`]); connector secrets are sealed
+//! with [`Purpose::ConnectorSecret`] ([`super::secrets`]).
 //!
 //! What it protects: a copy of the data dir (a backup, a database file, a
 //! disk image) without the key dir reveals no sealed value; a sealed value
@@ -57,6 +57,9 @@ pub enum Purpose {
     /// The signing secrets of webhooks (`events::webhooks`), sealed with
     /// the webhook id as associated data.
     WebhookSecret,
+    /// Connector secrets the egress proxy injects (`security::secrets`),
+    /// sealed with `<tenant>/<name>` as associated data.
+    ConnectorSecret,
 }
 
 impl Purpose {
@@ -66,6 +69,7 @@ impl Purpose {
             Purpose::AuditChain => b"strata audit chain v1",
             Purpose::SnapshotSigning => b"strata snapshot signing v1",
             Purpose::WebhookSecret => b"strata webhook secret v1",
+            Purpose::ConnectorSecret => b"strata connector secret v1",
         }
     }
 }

@@ -17,6 +17,7 @@ pub mod gate;
 pub mod intercept;
 pub mod keys;
 pub mod ratelimit;
+pub mod secrets;
 pub mod store;
 
 use std::collections::HashMap;
@@ -372,6 +373,8 @@ pub struct Security {
     egress_tunnel_idle_timeout: std::time::Duration,
     /// TLS interception of connector hosts, when `egress_tls_intercept`.
     intercept: Option<Arc<strata_policy::proxy::Interception>>,
+    /// Connector secrets, injected by every sandbox's proxy.
+    secrets: Arc<secrets::Broker>,
     /// Where audited approvals and refusals are journaled (`events`).
     journal: std::sync::OnceLock<Arc<crate::events::JournalSink>>,
 }
@@ -462,18 +465,36 @@ impl Security {
         } else {
             Arc::new(SystemResolver)
         };
+        let policies = Arc::new(Policies {
+            platform: Some(Arc::new(platform)),
+            platform_text,
+            builders: Mutex::new(HashMap::new()),
+            store: store.clone(),
+            tenants: Mutex::new(HashMap::new()),
+            sandboxes: Mutex::new(HashMap::new()),
+            fallback: Arc::new(fallback),
+        });
+        let extra_roots = match &cfg.egress_upstream_ca_bundle {
+            Some(p) => vec![std::fs::read(p)
+                .map_err(|e| SecurityError::Intercept(format!("{}: {e}", p.display())))?],
+            None => Vec::new(),
+        };
+        let secrets = Arc::new(
+            secrets::Broker::open(
+                store.clone(),
+                policies.clone(),
+                &config.key_dir,
+                resolver.clone(),
+                &extra_roots,
+                cfg.secrets_allow_private.clone(),
+            )
+            .map_err(|e| SecurityError::Compose(format!("connector secrets: {e}")))?,
+        );
         let sec = Security {
             limiter: RateLimiter::new(cfg.rate_limit_per_second, cfg.rate_limit_burst),
             data_dir: config.data_dir.clone(),
-            policies: Arc::new(Policies {
-                platform: Some(Arc::new(platform)),
-                platform_text,
-                builders: Mutex::new(HashMap::new()),
-                store: store.clone(),
-                tenants: Mutex::new(HashMap::new()),
-                sandboxes: Mutex::new(HashMap::new()),
-                fallback: Arc::new(fallback),
-            }),
+            policies,
+            secrets,
             store,
             approvals: Arc::new(approvals),
             audit,
@@ -513,6 +534,11 @@ impl Security {
     /// Parsed policies.
     pub fn policies(&self) -> &Arc<Policies> {
         &self.policies
+    }
+
+    /// The connector secrets broker (`docs/secrets.md`).
+    pub fn secrets(&self) -> &Arc<secrets::Broker> {
+        &self.secrets
     }
 
     /// The approval queue.
@@ -760,6 +786,7 @@ impl Security {
 
     /// Replaces the resolver of egress proxies started from now on.
     pub fn set_egress_resolver(&self, r: Arc<dyn Resolver>) {
+        self.secrets.set_resolver(r.clone());
         *self.resolver.lock().unwrap_or_else(|p| p.into_inner()) = r;
     }
 
@@ -795,6 +822,7 @@ impl Security {
         pc.head_timeout = self.egress_head_timeout;
         pc.tunnel_idle_timeout = self.egress_tunnel_idle_timeout;
         pc.intercept = self.intercept.clone();
+        pc.request_hook = Some(self.secrets.clone());
         let proxy = Egress::new(pc);
         tracing::info!(sandbox, "egress proxy ready (in-process)");
         g.insert(sandbox.to_owned(), proxy.clone());

@@ -111,6 +111,39 @@ pub struct TokenRecord {
     pub hash: String,
 }
 
+/// A connector secret as stored (schema 15): its material only sealed.
+#[derive(Clone)]
+pub struct SecretRow {
+    /// Tenant.
+    pub tenant: String,
+    /// Name, unique per tenant.
+    pub name: String,
+    /// The connector it is bound to (by name).
+    pub connector: String,
+    /// `static` or `oauth2`.
+    pub kind: String,
+    /// The injection rule (and OAuth2 token URL, client id) as JSON.
+    pub rule: String,
+    /// The material, sealed by the key store (`sealed:v1:…`).
+    pub sealed: String,
+    /// When first written.
+    pub created_at: DateTime<Utc>,
+    /// When last written (rotated).
+    pub updated_at: DateTime<Utc>,
+    /// Who wrote it last.
+    pub updated_by: Option<String>,
+}
+
+impl std::fmt::Debug for SecretRow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SecretRow")
+            .field("tenant", &self.tenant)
+            .field("name", &self.name)
+            .field("connector", &self.connector)
+            .finish_non_exhaustive()
+    }
+}
+
 fn ms(t: DateTime<Utc>) -> i64 {
     t.timestamp_millis()
 }
@@ -373,6 +406,61 @@ impl SecurityStore {
             params![sandbox, tenant, toml, ms(Utc::now()), by],
         )?;
         Ok(())
+    }
+
+    /// Writes a connector secret (a new one, or a rotation keeping its
+    /// creation time).
+    pub fn put_secret(&self, r: &SecretRow) -> SecResult<()> {
+        self.conn().execute(
+            "INSERT INTO connector_secrets (tenant_id, name, connector, kind, rule, sealed, created_at, updated_at, updated_by) \
+             VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9) \
+             ON CONFLICT (tenant_id, name) DO UPDATE SET connector = excluded.connector, kind = excluded.kind, \
+             rule = excluded.rule, sealed = excluded.sealed, updated_at = excluded.updated_at, updated_by = excluded.updated_by",
+            params![
+                r.tenant,
+                r.name,
+                r.connector,
+                r.kind,
+                r.rule,
+                r.sealed,
+                ms(r.created_at),
+                ms(r.updated_at),
+                r.updated_by
+            ],
+        )?;
+        Ok(())
+    }
+
+    /// Connector secrets of `tenant` (every tenant's when `None`), by name.
+    pub fn secrets(&self, tenant: Option<&str>) -> SecResult<Vec<SecretRow>> {
+        let c = self.conn();
+        let mut st = c.prepare(
+            "SELECT tenant_id, name, connector, kind, rule, sealed, created_at, updated_at, updated_by \
+             FROM connector_secrets WHERE ?1 IS NULL OR tenant_id = ?1 ORDER BY tenant_id, name",
+        )?;
+        let rows = st.query_map([tenant], |r| {
+            Ok(SecretRow {
+                tenant: r.get(0)?,
+                name: r.get(1)?,
+                connector: r.get(2)?,
+                kind: r.get(3)?,
+                rule: r.get(4)?,
+                sealed: r.get(5)?,
+                created_at: from_ms(r.get(6)?),
+                updated_at: from_ms(r.get(7)?),
+                updated_by: r.get(8)?,
+            })
+        })?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Deletes a connector secret; false when `tenant` has none of that name.
+    pub fn delete_secret(&self, tenant: &str, name: &str) -> SecResult<bool> {
+        let n = self.conn().execute(
+            "DELETE FROM connector_secrets WHERE tenant_id = ?1 AND name = ?2",
+            [tenant, name],
+        )?;
+        Ok(n > 0)
     }
 
     /// The recorded audit head `(seq, hash)`.

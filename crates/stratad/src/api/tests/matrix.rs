@@ -61,6 +61,7 @@ enum Kind {
     Approval,
     Token,
     Webhook,
+    Secret,
 }
 
 fn kind(path: &str) -> Option<Kind> {
@@ -76,6 +77,8 @@ fn kind(path: &str) -> Option<Kind> {
         Kind::Token
     } else if path.starts_with("/v1/webhooks/:id") {
         Kind::Webhook
+    } else if path.starts_with("/v1/secrets/:id") {
+        Kind::Secret
     } else {
         return None;
     })
@@ -89,6 +92,7 @@ fn unknown(k: Kind) -> &'static str {
         Kind::Approval => "apr-0000000000000000zzzz",
         Kind::Token => "tok-0000000000000000",
         Kind::Webhook => "wh-0000000000000000",
+        Kind::Secret => "sec-0000000000000000zzzz",
     }
 }
 
@@ -100,6 +104,7 @@ fn malformed(k: Kind) -> &'static str {
         Kind::Approval => "apr-NOT_AN_ID",
         Kind::Token => "tok-NOT_AN_ID",
         Kind::Webhook => "wh-NOT_AN_ID",
+        Kind::Secret => "sec-NOT_AN_ID",
     }
 }
 
@@ -136,6 +141,9 @@ id = "held"
 effect = "approve"
 program = "approve-me"
 reason = "matrix fixture"
+[[connector]]
+name = "matrix"
+hosts = ["matrix.test"]
 "#;
 
 /// A tenant's tokens.
@@ -236,6 +244,22 @@ async fn fixture(h: &Sec, t: &Tenant, k: Kind) -> String {
             .await;
             assert_eq!(s, StatusCode::CREATED, "{v}");
             v["id"].as_str().unwrap().to_owned()
+        }
+        Kind::Secret => {
+            static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let (s, v, _) = req(
+                h,
+                "POST",
+                "/v1/secrets",
+                Some(&t.toks["admin"]),
+                json!({ "name": format!("sec-{}-{n}", t.name), "connector": "matrix",
+                    "rule": { "type": "bearer" }, "value": "v" })
+                .to_string(),
+            )
+            .await;
+            assert_eq!(s, StatusCode::CREATED, "{v}");
+            v["name"].as_str().unwrap().to_owned()
         }
         Kind::Token => {
             let (s, v, _) = req(
@@ -437,7 +461,9 @@ async fn every_route_every_role_every_spelling_of_the_id() {
                         // Typed ids are parsed (400); approval and token ids are
                         // opaque strings looked up in the caller's tenant (404).
                         let want = match k {
-                            Kind::Approval | Kind::Token | Kind::Webhook => StatusCode::NOT_FOUND,
+                            Kind::Approval | Kind::Token | Kind::Webhook | Kind::Secret => {
+                                StatusCode::NOT_FOUND
+                            }
                             _ => StatusCode::BAD_REQUEST,
                         };
                         assert_eq!(a.status, want, "{ctx}: {}", a.body);

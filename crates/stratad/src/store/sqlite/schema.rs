@@ -2,7 +2,7 @@
 //! (`PRAGMA user_version` counts them). Never edit a shipped migration: add one.
 
 /// Newest schema version this build knows.
-pub const SCHEMA_VERSION: i64 = 14;
+pub const SCHEMA_VERSION: i64 = 15;
 
 pub(super) const MIGRATIONS: &[&str] = &[
     // 1: initial schema.
@@ -253,5 +253,23 @@ pub(super) const MIGRATIONS: &[&str] = &[
     CREATE INDEX webhook_deliveries_due ON webhook_deliveries (status, next_attempt_at);
     CREATE INDEX webhook_deliveries_by_webhook ON webhook_deliveries (webhook_id, id);
     CREATE INDEX webhook_deliveries_by_tenant ON webhook_deliveries (tenant_id, status);
+    "#,
+    // 15: connector secrets the egress proxy injects (security::secrets,
+    // docs/secrets.md): per tenant and name, bound to a connector by name,
+    // the injection rule as JSON (no secret in it), the secret material
+    // sealed by the key store (bound to `<tenant>/<name>`).
+    r#"
+    CREATE TABLE connector_secrets (
+        tenant_id TEXT NOT NULL,
+        name TEXT NOT NULL,
+        connector TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        rule TEXT NOT NULL,
+        sealed TEXT NOT NULL,
+        created_at INTEGER NOT NULL,
+        updated_at INTEGER NOT NULL,
+        updated_by TEXT,
+        PRIMARY KEY (tenant_id, name)
+    ) WITHOUT ROWID;
     "#,
 ];
