@@ -19,7 +19,12 @@
 //! database's locale.
 
 /// Every PostgreSQL migration: (schema version, SQL), ascending.
-pub const PG_MIGRATIONS: &[(i64, &str)] = &[(14, V14)];
+pub const PG_MIGRATIONS: &[(i64, &str)] = &[(14, V14), (15, V15)];
+
+/// SQLite migration 15 made `connector_secrets`, a table of the security
+/// store, which stays in the local SQLite file (as migration 2's tables):
+/// nothing to do here but take the number.
+const V15: &str = "SELECT 1";
 
 /// Migrations of what only PostgreSQL has (hosts and sandbox ownership,
 /// `store::hosts`): their own numbering, recorded in
