@@ -106,7 +106,9 @@ pub enum CallKind {
         /// The tool's name.
         tool: String,
         /// `sha256:<hex>` of the arguments' canonical JSON text (what the
-        /// audit log keeps, and what binds an approval).
+        /// audit log keeps, and what binds an approval). Recomputed from
+        /// `arguments` by whoever builds the call ([`CallKind::mcp`]).
+        #[serde(default)]
         arguments_sha256: String,
         /// The arguments as canonical JSON text, shown to approvers; left
         /// out of audit entries (they keep the digest) and absent when
@@ -296,6 +298,29 @@ impl CallKind {
             tool: tool.to_string(),
             arguments_sha256: env_value_digest(text.as_deref().unwrap_or("")),
             arguments: text,
+        }
+    }
+
+    /// The call with every derived field recomputed from what it carries
+    /// (an MCP call's argument digest from its arguments): for calls that
+    /// come from outside (`POST /v1/policy/test`).
+    pub fn normalized(self) -> CallKind {
+        match self {
+            CallKind::Mcp {
+                connector,
+                tool,
+                arguments: Some(text),
+                ..
+            } => match serde_json::from_str::<serde_json::Value>(&text) {
+                Ok(v) => CallKind::mcp(&connector, &tool, Some(&v)),
+                Err(_) => CallKind::Mcp {
+                    connector,
+                    tool,
+                    arguments_sha256: env_value_digest(&text),
+                    arguments: Some(text),
+                },
+            },
+            other => other,
         }
     }
 

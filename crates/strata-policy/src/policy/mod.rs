@@ -604,7 +604,9 @@ impl PolicySet {
                     .map(|(_, c)| c)
                     .find(|c| &c.name == connector && c.mcp.is_some())
                 else {
-                    return Err(format!("`{connector}` is not an MCP connector of this policy"));
+                    return Err(format!(
+                        "`{connector}` is not an MCP connector of this policy"
+                    ));
                 };
                 let arguments = match arguments {
                     None => None,

@@ -10,8 +10,8 @@ use super::matchers::{glob_set, one_glob, ArgsMatcher, GlobMode, HostPattern, Ip
 use super::{
     Access, CatalogTool, Connector, Effect, McpServer, McpUpstream, Policy, Rule, KIND_COUNT,
 };
-use std::collections::BTreeMap;
 use crate::call::KindName;
+use std::collections::BTreeMap;
 
 /// A policy file was refused. The whole file is refused; the caller keeps the
 /// policy that was in force.
@@ -284,7 +284,11 @@ fn nets(text: &str, f: &Spanned<StrList>, name: &str) -> Result<Vec<IpNet>, Pars
 /// The MCP part of a connector: `None` for `kind = "http"` (which may not
 /// use the MCP fields).
 fn mcp_server(text: &str, c: &ConnectorFile, name: &str) -> Result<Option<McpServer>, ParseError> {
-    let kind = c.kind.as_ref().map(|k| k.get_ref().as_str()).unwrap_or("http");
+    let kind = c
+        .kind
+        .as_ref()
+        .map(|k| k.get_ref().as_str())
+        .unwrap_or("http");
     let has_mcp_fields = c.url.is_some()
         || c.command.is_some()
         || c.env.is_some()
@@ -322,12 +326,23 @@ fn mcp_server(text: &str, c: &ConnectorFile, name: &str) -> Result<Option<McpSer
         (Some(u), None) => {
             let url = u.get_ref().trim().to_string();
             if !(url.starts_with("http://") || url.starts_with("https://"))
-                || url.parse::<hyper::Uri>().map(|u| u.host().is_none()).unwrap_or(true)
+                || url
+                    .parse::<hyper::Uri>()
+                    .map(|u| u.host().is_none())
+                    .unwrap_or(true)
             {
-                return Err(err_at(text, u.span(), "`url` must be an http:// or https:// URL"));
+                return Err(err_at(
+                    text,
+                    u.span(),
+                    "`url` must be an http:// or https:// URL",
+                ));
             }
             if c.env.is_some() {
-                return Err(err_at(text, c.name.span(), "`env` is for stdio servers (`command`)"));
+                return Err(err_at(
+                    text,
+                    c.name.span(),
+                    "`env` is for stdio servers (`command`)",
+                ));
             }
             McpUpstream::Http {
                 url,
@@ -340,7 +355,11 @@ fn mcp_server(text: &str, c: &ConnectorFile, name: &str) -> Result<Option<McpSer
                 return Err(err_at(text, cmd.span(), "`command` needs a program"));
             }
             if c.headers.is_some() {
-                return Err(err_at(text, c.name.span(), "`headers` are for HTTP servers (`url`)"));
+                return Err(err_at(
+                    text,
+                    c.name.span(),
+                    "`headers` are for HTTP servers (`url`)",
+                ));
             }
             McpUpstream::Stdio {
                 command,
@@ -616,7 +635,9 @@ pub fn parse(text: &str) -> Result<Policy, ParseError> {
                             return Err(err_at(
                                 text,
                                 a.span(),
-                                format!("`arguments`: `{k}` is not an argument name or dotted path"),
+                                format!(
+                                    "`arguments`: `{k}` is not an argument name or dotted path"
+                                ),
                             ));
                         }
                         if v.0.is_empty() {

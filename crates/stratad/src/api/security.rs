@@ -493,7 +493,7 @@ async fn test_policy(
         tenant: p.tenant.to_owned(),
         sandbox,
         actor: p.actor.clone(),
-        kind: b.call,
+        kind: b.call.normalized(),
     };
     let sec = ctx.sec.clone();
     let d = tokio::task::spawn_blocking(move || sec.evaluate(&call))

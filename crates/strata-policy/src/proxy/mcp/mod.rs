@@ -116,7 +116,8 @@ impl McpGateway {
         });
         if tokio::runtime::Handle::try_current().is_ok() {
             let weak = Arc::downgrade(&g);
-            let every = (limits.idle / 4).clamp(Duration::from_millis(100), Duration::from_secs(30));
+            let every =
+                (limits.idle / 4).clamp(Duration::from_millis(100), Duration::from_secs(30));
             tokio::spawn(async move {
                 loop {
                     tokio::time::sleep(every).await;
@@ -163,7 +164,12 @@ impl McpGateway {
             .filter(|n| !n.is_empty() && !n.contains('/'))
         {
             Some(n) => n.to_string(),
-            None => return plain(StatusCode::NOT_FOUND, "the MCP gateway serves /<connector>/mcp"),
+            None => {
+                return plain(
+                    StatusCode::NOT_FOUND,
+                    "the MCP gateway serves /<connector>/mcp",
+                )
+            }
         };
         let policy = cfg.policy.current();
         let Some(conn) = policy
@@ -200,7 +206,10 @@ impl McpGateway {
                 return r;
             }
         }
-        let body = match Limited::new(req.into_body(), rpc::MAX_MESSAGE).collect().await {
+        let body = match Limited::new(req.into_body(), rpc::MAX_MESSAGE)
+            .collect()
+            .await
+        {
             Ok(b) => b.to_bytes(),
             Err(_) => {
                 return json_reply(
@@ -251,7 +260,9 @@ impl McpGateway {
                 &rpc::error(
                     &id,
                     rpc::METHOD_NOT_FOUND,
-                    &format!("`{method}` is not offered through the strata MCP gateway (tools only)"),
+                    &format!(
+                        "`{method}` is not offered through the strata MCP gateway (tools only)"
+                    ),
                     None,
                 ),
                 None,
@@ -497,7 +508,12 @@ struct Exchange {
 }
 
 impl Up {
-    async fn send(&self, msg: &Value, id: Option<&Value>, token: Option<Value>) -> Result<Exchange, UpErr> {
+    async fn send(
+        &self,
+        msg: &Value,
+        id: Option<&Value>,
+        token: Option<Value>,
+    ) -> Result<Exchange, UpErr> {
         let Some(server) = &self.conn.mcp else {
             return Err(UpErr::new(StatusCode::NOT_FOUND, "not an MCP connector"));
         };
@@ -607,7 +623,9 @@ impl Up {
     ) -> Result<Exchange, UpErr> {
         let bad = |why: String| UpErr::new(StatusCode::BAD_GATEWAY, why);
         let uri: hyper::Uri = url.parse().map_err(|_| bad("bad upstream url".into()))?;
-        let host = uri.host().ok_or_else(|| bad("upstream url without host".into()))?;
+        let host = uri
+            .host()
+            .ok_or_else(|| bad("upstream url without host".into()))?;
         let https = uri.scheme_str() == Some("https");
         let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
         let sock = tokio::time::timeout(
@@ -619,7 +637,10 @@ impl Up {
         .map_err(|e| bad(format!("connecting to {host}:{port}: {e}")))?;
         let _ = sock.set_nodelay(true);
         let mut b = Request::post(uri.path_and_query().map(|p| p.as_str()).unwrap_or("/"))
-            .header(header::HOST, uri.authority().map(|a| a.as_str()).unwrap_or(host))
+            .header(
+                header::HOST,
+                uri.authority().map(|a| a.as_str()).unwrap_or(host),
+            )
             .header(header::CONTENT_TYPE, "application/json")
             .header(header::ACCEPT, "application/json, text/event-stream");
         for (k, v) in credentials(server) {
@@ -675,7 +696,9 @@ impl Up {
         tokio::spawn(async move {
             let mut buf: Vec<u8> = Vec::new();
             while let Some(Ok(frame)) = body.frame().await {
-                let Ok(data) = frame.into_data() else { continue };
+                let Ok(data) = frame.into_data() else {
+                    continue;
+                };
                 buf.extend_from_slice(&data);
                 if !sse {
                     if buf.len() > rpc::MAX_UPSTREAM_MESSAGE {
@@ -754,7 +777,12 @@ fn is_response_to(v: &Value, id: &Value) -> bool {
 impl Exchange {
     /// Waits for the response to `id` (dropping notifications), edits it
     /// with `edit`, answers it as JSON.
-    async fn collect(self, id: &Value, timeout: Duration, edit: impl FnOnce(&mut Value)) -> Response<Body> {
+    async fn collect(
+        self,
+        id: &Value,
+        timeout: Duration,
+        edit: impl FnOnce(&mut Value),
+    ) -> Response<Body> {
         let session = self.session.clone();
         let Some(mut rx) = self.rx else {
             return json_reply(
@@ -779,12 +807,22 @@ impl Exchange {
             }
             Ok(None) => json_reply(
                 StatusCode::BAD_GATEWAY,
-                &rpc::error(id, rpc::UPSTREAM_ERROR, "the MCP server ended without answering", None),
+                &rpc::error(
+                    id,
+                    rpc::UPSTREAM_ERROR,
+                    "the MCP server ended without answering",
+                    None,
+                ),
                 session.as_deref(),
             ),
             Err(_) => json_reply(
                 StatusCode::GATEWAY_TIMEOUT,
-                &rpc::error(id, rpc::UPSTREAM_ERROR, "the MCP server did not answer in time", None),
+                &rpc::error(
+                    id,
+                    rpc::UPSTREAM_ERROR,
+                    "the MCP server did not answer in time",
+                    None,
+                ),
                 session.as_deref(),
             ),
         }
@@ -813,7 +851,12 @@ impl Exchange {
         })
         .await;
         if done != Ok(true) {
-            let e = rpc::error(id, rpc::UPSTREAM_ERROR, "the MCP server did not answer", None);
+            let e = rpc::error(
+                id,
+                rpc::UPSTREAM_ERROR,
+                "the MCP server did not answer",
+                None,
+            );
             let _ = tx.send(rpc::sse_event(&e)).await;
         }
     }

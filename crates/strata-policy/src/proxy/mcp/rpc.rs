@@ -99,7 +99,11 @@ pub fn parse(body: &[u8]) -> Result<(Value, Message), Refusal> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|_| refuse(Value::Null, PARSE_ERROR, "message is not JSON"))?;
     if depth(&v) > MAX_DEPTH {
-        return Err(refuse(Value::Null, INVALID_REQUEST, "message nested too deep"));
+        return Err(refuse(
+            Value::Null,
+            INVALID_REQUEST,
+            "message nested too deep",
+        ));
     }
     let Some(o) = v.as_object() else {
         return Err(refuse(
@@ -109,7 +113,11 @@ pub fn parse(body: &[u8]) -> Result<(Value, Message), Refusal> {
         ));
     };
     if o.get("jsonrpc").and_then(Value::as_str) != Some("2.0") {
-        return Err(refuse(Value::Null, INVALID_REQUEST, "jsonrpc must be \"2.0\""));
+        return Err(refuse(
+            Value::Null,
+            INVALID_REQUEST,
+            "jsonrpc must be \"2.0\"",
+        ));
     }
     let id = match o.get("id") {
         None => None,
@@ -153,7 +161,13 @@ pub fn parse(body: &[u8]) -> Result<(Value, Message), Refusal> {
                 None => Message::Notification { method: m.clone() },
             }
         }
-        Some(_) => return Err(refuse(Value::Null, INVALID_REQUEST, "method must be a string")),
+        Some(_) => {
+            return Err(refuse(
+                Value::Null,
+                INVALID_REQUEST,
+                "method must be a string",
+            ))
+        }
         None if id.is_some() && (o.contains_key("result") || o.contains_key("error")) => {
             Message::Response
         }
@@ -332,7 +346,10 @@ pub fn sse_take_event(buf: &mut Vec<u8>) -> Option<Result<Option<String>, ()>> {
 
 fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
     let lf = buf.windows(2).position(|w| w == b"\n\n").map(|p| (p, 2));
-    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|p| (p, 4));
+    let crlf = buf
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|p| (p, 4));
     match (lf, crlf) {
         (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
         (a, b) => a.or(b),
@@ -398,7 +415,10 @@ name = "post_message"
         let p = set(&format!(
             "{SLACK}\n[[rule]]\neffect = \"deny\"\nconnector = \"slack\"\ntool = \"delete_*\"\n"
         ));
-        let c = p.connectors().find(|(_, c)| c.name == "slack").map(|(_, c)| c.clone());
+        let c = p
+            .connectors()
+            .find(|(_, c)| c.name == "slack")
+            .map(|(_, c)| c.clone());
         let c = c.unwrap_or_else(|| panic!("no connector"));
         let mut v = listing();
         let removed = filter_tools(&mut v, &p, &tmpl(), &c);
@@ -406,10 +426,19 @@ name = "post_message"
         // A nameless entry goes too.
         assert_eq!(names(&v), vec!["search", "post_message"]);
         // The server claimed post_message reads; the catalog does not.
-        assert_eq!(v["result"]["tools"][1]["annotations"]["readOnlyHint"], false);
-        assert_eq!(v["result"]["tools"][1]["annotations"]["destructiveHint"], true);
+        assert_eq!(
+            v["result"]["tools"][1]["annotations"]["readOnlyHint"],
+            false
+        );
+        assert_eq!(
+            v["result"]["tools"][1]["annotations"]["destructiveHint"],
+            true
+        );
         assert_eq!(v["result"]["tools"][0]["annotations"]["readOnlyHint"], true);
-        assert_eq!(v["result"]["tools"][0]["annotations"]["destructiveHint"], false);
+        assert_eq!(
+            v["result"]["tools"][0]["annotations"]["destructiveHint"],
+            false
+        );
     }
 
     #[test]
@@ -420,9 +449,8 @@ name = "post_message"
             .find(|(_, c)| c.name == "slack")
             .map(|(_, c)| c.clone())
             .unwrap_or_else(|| panic!("no connector"));
-        let ev = |tool: &str, args: Value| {
-            p.evaluate(&call("t", None, "a", "slack", tool, Some(&args)))
-        };
+        let ev =
+            |tool: &str, args: Value| p.evaluate(&call("t", None, "a", "slack", tool, Some(&args)));
         assert_eq!(ev("search", json!({"q": "x"})).effect, Effect::Allow);
         let d = ev("post_message", json!({"channel": "c", "text": "hi"}));
         assert_eq!(d.effect, Effect::Deny);
@@ -444,16 +472,32 @@ name = "post_message"
             p.evaluate(&call("t", None, "a", "slack", "post_message", Some(&args)))
                 .effect
         };
-        assert_eq!(ev(json!({"channel": "general", "text": "x"})), Effect::Approve);
+        assert_eq!(
+            ev(json!({"channel": "general", "text": "x"})),
+            Effect::Approve
+        );
         assert_eq!(ev(json!({"channel": "#general"})), Effect::Approve);
         assert_eq!(ev(json!({"channel": "random"})), Effect::Allow);
-        assert_eq!(ev(json!({"channel": "random", "opts": {"broadcast": true}})), Effect::Deny);
+        assert_eq!(
+            ev(json!({"channel": "random", "opts": {"broadcast": true}})),
+            Effect::Deny
+        );
         // Unknown arguments (a listing check): argument rules do not decide.
         let d = p.evaluate(&call("t", None, "a", "slack", "post_message", None));
         assert_eq!(d.effect, Effect::Allow);
         // A call naming a connector that is not an MCP one is refused.
-        let d = p.evaluate(&call("t", None, "a", "nope", "post_message", Some(&json!({}))));
-        assert_eq!((d.effect, d.rule_id.as_str()), (Effect::Deny, "invalid-call"));
+        let d = p.evaluate(&call(
+            "t",
+            None,
+            "a",
+            "nope",
+            "post_message",
+            Some(&json!({})),
+        ));
+        assert_eq!(
+            (d.effect, d.rule_id.as_str()),
+            (Effect::Deny, "invalid-call")
+        );
     }
 
     #[test]
@@ -468,23 +512,39 @@ name = "post_message"
             "{\"a\":".repeat(70),
             "}".repeat(70)
         );
-        assert_eq!(parse(nested.as_bytes()).map(|_| ()).unwrap_err().code, INVALID_REQUEST);
+        assert_eq!(
+            parse(nested.as_bytes()).map(|_| ()).unwrap_err().code,
+            INVALID_REQUEST
+        );
         let batch = br#"[{"jsonrpc":"2.0","id":1,"method":"ping"}]"#;
         assert_eq!(parse(batch).map(|_| ()).unwrap_err().code, INVALID_REQUEST);
-        let long = format!(r#"{{"jsonrpc":"2.0","id":1,"method":"{}"}}"#, "m".repeat(300));
+        let long = format!(
+            r#"{{"jsonrpc":"2.0","id":1,"method":"{}"}}"#,
+            "m".repeat(300)
+        );
         assert!(parse(long.as_bytes()).is_err());
-        let long_id = format!(r#"{{"jsonrpc":"2.0","id":"{}","method":"ping"}}"#, "i".repeat(300));
+        let long_id = format!(
+            r#"{{"jsonrpc":"2.0","id":"{}","method":"ping"}}"#,
+            "i".repeat(300)
+        );
         assert!(parse(long_id.as_bytes()).is_err());
         assert!(parse(br#"{"jsonrpc":"1.0","id":1,"method":"ping"}"#).is_err());
         assert!(parse(br#"{"jsonrpc":"2.0","id":{},"method":"ping"}"#).is_err());
         // Good ones.
-        let (_, m) = parse(br#"{"jsonrpc":"2.0","id":"a","method":"tools/call","params":{"name":"t"}}"#)
-            .unwrap_or_else(|e| panic!("{e:?}"));
+        let (_, m) =
+            parse(br#"{"jsonrpc":"2.0","id":"a","method":"tools/call","params":{"name":"t"}}"#)
+                .unwrap_or_else(|e| panic!("{e:?}"));
         assert!(matches!(m, Message::Request { ref method, .. } if method == "tools/call"));
         let (_, m) = parse(br#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#)
             .unwrap_or_else(|e| panic!("{e:?}"));
-        assert_eq!(m, Message::Notification { method: "notifications/initialized".into() });
-        let (_, m) = parse(br#"{"jsonrpc":"2.0","id":3,"result":{}}"#).unwrap_or_else(|e| panic!("{e:?}"));
+        assert_eq!(
+            m,
+            Message::Notification {
+                method: "notifications/initialized".into()
+            }
+        );
+        let (_, m) =
+            parse(br#"{"jsonrpc":"2.0","id":3,"result":{}}"#).unwrap_or_else(|e| panic!("{e:?}"));
         assert_eq!(m, Message::Response);
         assert!(tool_call(Some(&json!({"name": "x", "arguments": [1]}))).is_err());
         assert!(tool_call(Some(&json!({"arguments": {}}))).is_err());

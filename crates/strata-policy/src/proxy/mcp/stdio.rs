@@ -149,7 +149,10 @@ impl StdioServer {
             // A notification: to the request whose progress token it names,
             // else to any waiting request.
             (true, None) => {
-                let token = v.get("params").and_then(|p| p.get("progressToken")).cloned();
+                let token = v
+                    .get("params")
+                    .and_then(|p| p.get("progressToken"))
+                    .cloned();
                 let w = self.waiters.lock().unwrap_or_else(|e| e.into_inner());
                 let target = w
                     .values()
