@@ -29,6 +29,9 @@ bash scripts/previous-release.sh >/dev/null
 # them) are cached by recipe hash here and shared by every test daemon.
 export STRATA_TEMPLATE_CACHE="${STRATA_TEMPLATE_CACHE:-/var/cache/strata/templates}"
 
+echo "== the mcp SDK from PyPI for the MCP gateway tests (cached under /var/cache/strata/venv)" >&2
+bash scripts/mcp-venv.sh >/dev/null
+
 echo "== tests" >&2
 # Integration tests boot real guests under TCG; on 2 cores run test binaries one at a time.
 cargo test --workspace --no-fail-fast "$@" -- --test-threads=2

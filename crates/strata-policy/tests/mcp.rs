@@ -105,6 +105,36 @@ async fn client(py: &str, proxy: u16, connector: &str, tool: &str, args: &str) -
     })
 }
 
+const INIT: &str = r#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-06-18","capabilities":{},"clientInfo":{"name":"t","version":"1"}}}"#;
+
+fn pp2(p: &EgressProxy) -> u16 {
+    p.local_addr().port()
+}
+
+/// One raw POST through the proxy to the gateway: (status, body).
+async fn post(proxy: u16, connector: &str, body: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", proxy))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let req = format!(
+        "POST http://mcp.strata.internal/{connector}/mcp HTTP/1.1\r\nHost: mcp.strata.internal\r\nContent-Type: application/json\r\nAccept: application/json, text/event-stream\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out).await;
+    let text = String::from_utf8_lossy(&out).to_string();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (status, text)
+}
+
 fn lines(p: &Path) -> usize {
     std::fs::read_to_string(p)
         .map(|s| s.lines().count())
@@ -158,8 +188,12 @@ async fn mcp_sdk_through_the_gateway_list_call_write_block_and_approval() {
     cfg.audit = Some(Arc::new(
         AuditLog::open(&audit_path).unwrap_or_else(|e| panic!("{e}")),
     ));
+    // The stand-ins live on loopback and the stdio server is a host
+    // command: both allowed to this tenant here (off by default, below).
     let gw = McpGateway::new(McpLimits {
         progress_every: Duration::from_millis(200),
+        tenant_stdio: true,
+        tenant_private_urls: true,
         ..McpLimits::default()
     });
     cfg.mcp = Some(gw.clone());
@@ -300,6 +334,25 @@ async fn mcp_sdk_through_the_gateway_list_call_write_block_and_approval() {
     // Every client ended its session (DELETE): no stdio server is left.
     assert_eq!(gw.running(), 0);
     gw.stop();
+
+    // By default a tenant's connector may neither run a host command nor
+    // reach loopback: both refused before anything starts.
+    let mut cfg = ProxyConfig::new("acme", Some("sb2"), policy.clone());
+    let strict = McpGateway::new(McpLimits::default());
+    cfg.mcp = Some(strict.clone());
+    let p2 = EgressProxy::bind("127.0.0.1:0".parse().unwrap_or_else(|e| panic!("{e}")), cfg)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    for conn in ["slack", "slack-stdio"] {
+        let (status, body) = post(p2.local_addr().port(), conn, INIT).await;
+        assert_eq!(status, 403, "{conn}: {body}");
+        assert!(body.contains("mcp_tenant_"), "{conn}: {body}");
+    }
+    assert_eq!(strict.running(), 0);
+    // Hostile input answers a JSON-RPC error, not a crash.
+    let (status, body) = post(pp2(&p2), "slack", "[1,2]").await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("-32600"), "{body}");
     let _ = server.start_kill();
     let _ = server.wait().await;
 }

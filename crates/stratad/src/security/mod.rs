@@ -796,7 +796,11 @@ impl Security {
         pc.tunnel_idle_timeout = self.egress_tunnel_idle_timeout;
         pc.intercept = self.intercept.clone();
         pc.mcp = Some(strata_policy::proxy::mcp::McpGateway::new(
-            strata_policy::proxy::mcp::McpLimits::default(),
+            strata_policy::proxy::mcp::McpLimits {
+                tenant_stdio: self.cfg.mcp_tenant_stdio,
+                tenant_private_urls: self.cfg.mcp_tenant_private_urls,
+                ..Default::default()
+            },
         ));
         let proxy = Egress::new(pc);
         tracing::info!(sandbox, "egress proxy ready (in-process)");

@@ -62,6 +62,12 @@ pub struct McpLimits {
     pub call_timeout: Duration,
     /// How often a held call reports progress (or keeps its stream alive).
     pub progress_every: Duration,
+    /// A tenant-layer connector may run a stdio command on the host (else
+    /// only the platform layer's may).
+    pub tenant_stdio: bool,
+    /// A tenant-layer connector's `url` may reach non-public addresses
+    /// (loopback, private, link-local…; else refused, like egress).
+    pub tenant_private_urls: bool,
 }
 
 impl Default for McpLimits {
@@ -70,7 +76,9 @@ impl Default for McpLimits {
             sessions_per_connector: 4,
             idle: Duration::from_secs(600),
             call_timeout: Duration::from_secs(600),
-            progress_every: Duration::from_secs(5),
+            progress_every: Duration::from_secs(2),
+            tenant_stdio: false,
+            tenant_private_urls: false,
         }
     }
 }
@@ -172,11 +180,10 @@ impl McpGateway {
             }
         };
         let policy = cfg.policy.current();
-        let Some(conn) = policy
+        let Some((layer, conn)) = policy
             .connectors()
-            .map(|(_, c)| c)
-            .find(|c| c.name == name && c.mcp.is_some())
-            .cloned()
+            .find(|(_, c)| c.name == name && c.mcp.is_some())
+            .map(|(l, c)| (l, c.clone()))
         else {
             return plain(
                 StatusCode::NOT_FOUND,
@@ -236,6 +243,7 @@ impl McpGateway {
         };
         let up = Up {
             gw: self.clone(),
+            platform: layer == crate::policy::Layer::Platform,
             conn: conn.clone(),
             session,
             version,
@@ -495,6 +503,9 @@ impl UpErr {
 /// One message's way to a connector's server.
 struct Up {
     gw: Arc<McpGateway>,
+    /// The connector is the platform layer's (trusted with host commands
+    /// and private addresses).
+    platform: bool,
     conn: Connector,
     session: Option<String>,
     version: Option<String>,
@@ -533,6 +544,15 @@ impl Up {
         id: Option<&Value>,
         token: Option<Value>,
     ) -> Result<Exchange, UpErr> {
+        if !self.platform && !self.gw.limits.tenant_stdio {
+            return Err(UpErr::new(
+                StatusCode::FORBIDDEN,
+                format!(
+                    "connector `{}` runs a host command and is declared by the tenant policy; only the platform policy may declare stdio MCP servers here (`[security] mcp_tenant_stdio`)",
+                    self.conn.name
+                ),
+            ));
+        }
         let initialize = msg.get("method").and_then(Value::as_str) == Some("initialize");
         let (sid, srv) = if initialize && self.session.is_none() {
             let mut g = self.gw.lock();
@@ -628,9 +648,28 @@ impl Up {
             .ok_or_else(|| bad("upstream url without host".into()))?;
         let https = uri.scheme_str() == Some("https");
         let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
+        let addrs: Vec<std::net::SocketAddr> =
+            tokio::net::lookup_host((host.trim_matches(['[', ']']), port))
+                .await
+                .map_err(|e| bad(format!("resolving {host}: {e}")))?
+                .collect();
+        let addrs: Vec<_> = if self.platform || self.gw.limits.tenant_private_urls {
+            addrs
+        } else {
+            addrs
+                .into_iter()
+                .filter(|a| super::upstream::is_public(a.ip()))
+                .collect()
+        };
+        if addrs.is_empty() {
+            return Err(UpErr::new(
+                StatusCode::FORBIDDEN,
+                format!("`{host}` has no public address; a tenant's MCP connector may not reach the host's networks (`[security] mcp_tenant_private_urls`)"),
+            ));
+        }
         let sock = tokio::time::timeout(
             Duration::from_secs(10),
-            tokio::net::TcpStream::connect((host.trim_matches(['[', ']']), port)),
+            tokio::net::TcpStream::connect(&addrs[..]),
         )
         .await
         .map_err(|_| bad(format!("connecting to {host}:{port} timed out")))?

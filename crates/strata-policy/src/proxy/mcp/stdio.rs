@@ -235,9 +235,13 @@ impl StdioServer {
         let child = self.child.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(mut c) = child {
             let _ = c.start_kill();
-            tokio::spawn(async move {
-                let _ = c.wait().await;
-            });
+            // Reaped in the background when a runtime is there (always,
+            // but at the daemon's very end, where the process goes anyway).
+            if let Ok(h) = tokio::runtime::Handle::try_current() {
+                h.spawn(async move {
+                    let _ = c.wait().await;
+                });
+            }
         }
     }
 }
