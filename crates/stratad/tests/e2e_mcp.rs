@@ -5,8 +5,9 @@
 //! `slack`, a streamable-HTTP server on the host under the connector's
 //! write block, and `slack-stdio`, the same server run by the daemon as a
 //! stdio server, with an approve rule on `post_message`. The guest gets the
-//! `mcp` SDK as a packed site-packages (the guest is Debian 12 with the
-//! host's python 3.11; scripts/mcp-venv.sh makes the host venv once) and
+//! `mcp` SDK as a packed site-packages, unpacked into the guest's
+//! `dist-packages` (the guest is Debian 12 with the host's python 3.11;
+//! scripts/mcp-venv.sh makes the host venv once), and
 //! runs `guest_flow.py`, which reaches the gateway through the proxy its
 //! environment names (`HTTP_PROXY`), like any agent.
 
@@ -161,18 +162,16 @@ tool = "post_message"
     let e = d
         .sh(
             &sb,
-            "mkdir -p /opt/mcp-site && tar -xzf /tmp/site.tgz -C /opt/mcp-site",
+            "d=/usr/local/lib/python3.11/dist-packages && mkdir -p $d && tar -xzf /tmp/site.tgz -C $d",
         )
         .await;
     assert_eq!(e.code, Some(0), "{}", String::from_utf8_lossy(&e.stderr));
 
-    let run = d.exec_body(
-        &sb,
-        json!({ "cmd": ["python3", "/tmp/guest_flow.py"], "env": { "PYTHONPATH": "/opt/mcp-site" } }),
-    );
-    let approve = async {
+    let run = d.exec_body(&sb, json!({ "cmd": ["python3", "/tmp/guest_flow.py"] }));
+    tokio::pin!(run);
+    let wait_approval = async {
         let t = Instant::now();
-        let item = loop {
+        loop {
             let v = d.ok("GET", "/v1/approvals", None, 200).await;
             let items = v["items"].as_array().cloned().unwrap_or_default();
             if let Some(i) = items.into_iter().find(|i| i["sandbox"] == sb.as_str()) {
@@ -184,16 +183,24 @@ tool = "post_message"
                 d.logs()
             );
             tokio::time::sleep(Duration::from_millis(300)).await;
-        };
-        // Held: it has not run; progress flows meanwhile.
-        tokio::time::sleep(Duration::from_secs(3)).await;
-        assert_eq!(lines(&stdio_count), 0, "ran before approval");
-        let id = item["id"].as_str().expect("approval id").to_owned();
-        d.ok("POST", &format!("/v1/approvals/{id}/approve"), None, 200)
-            .await;
-        item
+        }
     };
-    let (e, item) = tokio::join!(run, approve);
+    let item = tokio::select! {
+        e = &mut run => panic!(
+            "the flow ended before any approval: {}\n{}\n{}",
+            e.out(),
+            String::from_utf8_lossy(&e.stderr),
+            d.logs()
+        ),
+        item = wait_approval => item,
+    };
+    // Held: it has not run; progress flows meanwhile.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(lines(&stdio_count), 0, "ran before approval");
+    let id = item["id"].as_str().expect("approval id").to_owned();
+    d.ok("POST", &format!("/v1/approvals/{id}/approve"), None, 200)
+        .await;
+    let e = run.await;
     assert_eq!(
         e.code,
         Some(0),
@@ -213,7 +220,9 @@ tool = "post_message"
     );
     // HTTP server: the denied tool hidden, the read tool runs, the write
     // block refuses post_message with an MCP error, and it never ran.
-    assert_eq!(v["http_tools"], json!(["search", "post_message"]), "{v}");
+    // (post_message is refused by the write block whatever its arguments,
+    // so it is not listed either.)
+    assert_eq!(v["http_tools"], json!(["search"]), "{v}");
     assert_eq!(v["http_search"]["text"][0], "found: guest", "{v}");
     assert_eq!(v["http_post"]["error"]["code"], -32001, "{v}");
     assert_eq!(
@@ -237,7 +246,7 @@ tool = "post_message"
     let e = d
         .sh(
             &sb,
-            "grep -rl xoxb-host-only /tmp /opt /root 2>/dev/null | head -1",
+            "grep -rl xoxb-host-only /tmp /usr/local /root 2>/dev/null | head -1",
         )
         .await;
     assert_eq!(e.out().trim(), "", "credential found in the guest");
