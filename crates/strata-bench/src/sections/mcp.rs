@@ -134,7 +134,11 @@ pub async fn run(_ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         ..Default::default()
     });
     cfg.audit = Some(Arc::new(AuditLog::open(&dir.path().join("audit.jsonl"))?));
-    cfg.mcp = Some(McpGateway::new(McpLimits::default()));
+    // The server is on loopback: allowed to this (tenant-layer) connector.
+    cfg.mcp = Some(McpGateway::new(McpLimits {
+        tenant_private_urls: true,
+        ..McpLimits::default()
+    }));
     let proxy = EgressProxy::bind("127.0.0.1:0".parse()?, cfg).await?;
     let direct = reqwest::Client::builder()
         .no_proxy()
