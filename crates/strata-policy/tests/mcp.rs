@@ -356,3 +356,71 @@ async fn mcp_sdk_through_the_gateway_list_call_write_block_and_approval() {
     let _ = server.start_kill();
     let _ = server.wait().await;
 }
+
+/// A proxy whose gateway runs `command` as the stdio server of connector
+/// `srv` (declared by the platform layer, so no tenant switch is needed).
+async fn stdio_proxy(command: &str, limits: McpLimits) -> (EgressProxy, Arc<McpGateway>) {
+    let text = format!(
+        "default = \"allow\"\n[[connector]]\nname = \"srv\"\nkind = \"mcp\"\ncommand = {command}\n"
+    );
+    let p = Policy::parse(&text).unwrap_or_else(|e| panic!("{e}"));
+    let set = PolicySet::new(Some(Arc::new(p)), None, None).unwrap_or_else(|e| panic!("{e}"));
+    let mut cfg = ProxyConfig::new("acme", Some("sb3"), Arc::new(SharedPolicy::new(set)));
+    let gw = McpGateway::new(limits);
+    cfg.mcp = Some(gw.clone());
+    let p = EgressProxy::bind("127.0.0.1:0".parse().unwrap_or_else(|e| panic!("{e}")), cfg)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    (p, gw)
+}
+
+async fn until(what: &str, f: impl Fn() -> bool) {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(t0.elapsed() < Duration::from_secs(10), "{what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stdio_servers_are_bounded_in_number_idle_time_and_output() {
+    // `cat` echoes each request back: the gateway takes it for a request
+    // from the server, refuses it on cat's stdin, and cat's echo of that
+    // refusal is the answer. Enough to start sessions.
+    let (p, gw) = stdio_proxy(
+        r#"["cat"]"#,
+        McpLimits {
+            sessions_per_connector: 2,
+            idle: Duration::from_millis(300),
+            ..McpLimits::default()
+        },
+    )
+    .await;
+    let port = p.local_addr().port();
+    for _ in 0..2 {
+        let (status, body) = post(port, "srv", INIT).await;
+        assert_eq!(status, 200, "{body}");
+        assert!(
+            body.to_ascii_lowercase().contains("mcp-session-id"),
+            "{body}"
+        );
+    }
+    assert_eq!(gw.running(), 2);
+    // A third session is refused under the cap.
+    let (status, body) = post(port, "srv", INIT).await;
+    assert_eq!(status, 503, "{body}");
+    // Idle ones are stopped.
+    until("idle stdio servers were not stopped", || gw.running() == 0).await;
+
+    // A server that writes a line over the bound is stopped; the request
+    // waiting on it gets an error, not a hang.
+    let (p, gw) = stdio_proxy(
+        r#"["sh", "-c", "head -c 9000000 /dev/zero | tr '\\0' a; exec sleep 30"]"#,
+        McpLimits::default(),
+    )
+    .await;
+    let (status, body) = post(p.local_addr().port(), "srv", INIT).await;
+    assert_eq!(status, 502, "{body}");
+    assert!(body.contains("-32002"), "{body}");
+    until("the over-long server was not stopped", || gw.running() == 0).await;
+}
