@@ -374,6 +374,7 @@ async fn held_call(
             h = &mut wait => break h,
             _ = tick.tick() => {
                 n += 1;
+                up.touch();
                 let b = match &token {
                     Some(t) => rpc::sse_event(&rpc::progress(t, n, "waiting for approval")),
                     None => Bytes::from_static(b": waiting for approval\n\n"),
@@ -519,6 +520,17 @@ struct Exchange {
 }
 
 impl Up {
+    /// Marks this message's stdio session as in use.
+    fn touch(&self) {
+        if let Some(s) = self
+            .session
+            .as_ref()
+            .and_then(|s| self.gw.lock().get(s).map(|x| x.server.clone()))
+        {
+            s.touch();
+        }
+    }
+
     async fn send(
         &self,
         msg: &Value,

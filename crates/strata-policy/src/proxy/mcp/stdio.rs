@@ -210,6 +210,12 @@ impl StdioServer {
         Ok(rx)
     }
 
+    /// Counts as used now (a call held for approval keeps its session's
+    /// server from being stopped as idle).
+    pub(super) fn touch(&self) {
+        *self.last_used.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+    }
+
     /// Whether the process still runs.
     pub(super) fn is_alive(&self) -> bool {
         self.alive.load(std::sync::atomic::Ordering::SeqCst)
