@@ -36,6 +36,9 @@ trap 'bash scripts/test-pg.sh stop "$pg_dir"' EXIT
 STRATA_TEST_PG_URL=$(cat "$pg_dir/url")
 export STRATA_TEST_PG_URL
 
+echo "== the mcp SDK from PyPI for the MCP gateway tests (cached under /var/cache/strata/venv)" >&2
+bash scripts/mcp-venv.sh >/dev/null
+
 echo "== tests" >&2
 # Integration tests boot real guests under TCG; on 2 cores run test binaries one at a time.
 cargo test --workspace --no-fail-fast "$@" -- --test-threads=2

@@ -52,6 +52,17 @@ fn calls(text: &str) -> Vec<CallKind> {
         CallKind::Snapshot,
         CallKind::Fork,
         CallKind::Rewind,
+        CallKind::mcp(
+            &first,
+            &line,
+            Some(&serde_json::json!({ "a": line.clone(), "b": { "c": words.len() } })),
+        ),
+        CallKind::Mcp {
+            connector: first.clone(),
+            tool: line.clone(),
+            arguments_sha256: String::new(),
+            arguments: Some(short.clone()),
+        },
         CallKind::Lifecycle { op: first },
     ]
 }

@@ -19,8 +19,8 @@ use futures::FutureExt;
 use strata_bench::ctx::{teardown_all, Ctx};
 use strata_bench::report::{commit, Machine, Report, Section};
 use strata_bench::sections::{
-    self, chaos, density, events, history, interp, load, packing, pool, recipe, restore, scale,
-    sdk, snapshot, soak, tls_proxy,
+    self, chaos, density, events, history, interp, load, mcp, packing, pool, recipe, restore,
+    scale, sdk, snapshot, soak, tls_proxy,
 };
 use strata_core::Accel;
 use strata_vmm::VmmDriver;
@@ -107,6 +107,11 @@ struct Cli {
         next_help_heading = "15. Chaos: kills at random moments (only with --only chaos)"
     )]
     chaos: chaos::Args,
+    #[command(
+        flatten,
+        next_help_heading = "16. MCP gateway overhead (only with --only mcp)"
+    )]
+    mcp: mcp::Args,
 }
 
 fn title(key: &str) -> &'static str {
@@ -130,6 +135,7 @@ fn title(key: &str) -> &'static str {
         }
         "events" => "14. Approval notifications: request → webhook delivery and → event stream",
         "chaos" => "15. Chaos: kill -9 of the daemon, a QEMU, an agent at random moments",
+        "mcp" => "16. MCP gateway: tools/call through the gateway vs direct to the server",
         _ => "unknown section",
     }
 }
@@ -172,6 +178,7 @@ async fn run_section(key: &str, ctx: &Ctx, cli: &Cli) -> Section {
                 "tls_proxy" => tls_proxy::run(ctx, &cli.tls_proxy, &mut sec).await,
                 "events" => events::run(ctx, &cli.events, &mut sec).await,
                 "chaos" => chaos::run(ctx, &cli.chaos, &mut sec).await,
+                "mcp" => mcp::run(ctx, &cli.mcp, &mut sec).await,
                 other => Err(anyhow!("unknown section {other:?}")),
             }
         };
@@ -240,6 +247,7 @@ fn main() -> Result<()> {
         cli.tls_proxy.smoke();
         cli.events.smoke();
         cli.chaos.smoke();
+        cli.mcp.smoke();
     }
     let requested: Accel = cli.accel.parse().map_err(|e: String| anyhow!(e))?;
     let image = image_dir(&cli)?;

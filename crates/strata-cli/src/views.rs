@@ -458,6 +458,7 @@ pub fn describe_call(kind: &Value) -> String {
             )
         }
         "lifecycle" => format!("lifecycle {}", s("op")),
+        "mcp" => format!("mcp {} {}", s("connector"), s("tool")),
         "" => kind.to_string(),
         other => other.to_owned(),
     }

@@ -98,6 +98,24 @@ pub enum CallKind {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         bytes: Option<PortBytes>,
     },
+    /// A `tools/call` through the MCP gateway (`docs/mcp.md`) to a
+    /// connector of kind `mcp`.
+    Mcp {
+        /// The `mcp` connector (the server).
+        connector: String,
+        /// The tool's name.
+        tool: String,
+        /// `sha256:<hex>` of the arguments' canonical JSON text (what the
+        /// audit log keeps, and what binds an approval). Recomputed from
+        /// `arguments` by whoever builds the call ([`CallKind::mcp`]).
+        #[serde(default)]
+        arguments_sha256: String,
+        /// The arguments as canonical JSON text, shown to approvers; left
+        /// out of audit entries (they keep the digest) and absent when
+        /// unknown (a `tools/list` check).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        arguments: Option<String>,
+    },
 }
 
 /// What an exec call feeds the command on stdin, as the policy sees it.
@@ -156,11 +174,13 @@ pub enum KindName {
     Lifecycle,
     /// [`CallKind::Port`]
     Port,
+    /// [`CallKind::Mcp`]
+    Mcp,
 }
 
 impl KindName {
     /// Every kind, in a fixed order (index = [`KindName::index`]).
-    pub const ALL: [KindName; 9] = [
+    pub const ALL: [KindName; 10] = [
         KindName::Exec,
         KindName::FileRead,
         KindName::FileWrite,
@@ -170,6 +190,7 @@ impl KindName {
         KindName::Rewind,
         KindName::Lifecycle,
         KindName::Port,
+        KindName::Mcp,
     ];
 
     /// Stable small index of this kind.
@@ -189,6 +210,7 @@ impl KindName {
             KindName::Rewind => "rewind",
             KindName::Lifecycle => "lifecycle",
             KindName::Port => "port",
+            KindName::Mcp => "mcp",
         }
     }
 }
@@ -212,6 +234,7 @@ impl CallKind {
             CallKind::Rewind => KindName::Rewind,
             CallKind::Lifecycle { .. } => KindName::Lifecycle,
             CallKind::Port { .. } => KindName::Port,
+            CallKind::Mcp { .. } => KindName::Mcp,
         }
     }
 }
@@ -261,6 +284,62 @@ impl CallKind {
                 stdin,
             },
             other => other,
+        }
+    }
+}
+
+impl CallKind {
+    /// A `tools/call` of `tool` on `connector` with `arguments` (a JSON
+    /// value; `None` when unknown, as for a `tools/list` check).
+    pub fn mcp(connector: &str, tool: &str, arguments: Option<&serde_json::Value>) -> CallKind {
+        let text = arguments.map(|a| a.to_string());
+        CallKind::Mcp {
+            connector: connector.to_string(),
+            tool: tool.to_string(),
+            arguments_sha256: env_value_digest(text.as_deref().unwrap_or("")),
+            arguments: text,
+        }
+    }
+
+    /// The call with every derived field recomputed from what it carries
+    /// (an MCP call's argument digest from its arguments): for calls that
+    /// come from outside (`POST /v1/policy/test`).
+    pub fn normalized(self) -> CallKind {
+        match self {
+            CallKind::Mcp {
+                connector,
+                tool,
+                arguments: Some(text),
+                ..
+            } => match serde_json::from_str::<serde_json::Value>(&text) {
+                Ok(v) => CallKind::mcp(&connector, &tool, Some(&v)),
+                Err(_) => CallKind::Mcp {
+                    connector,
+                    tool,
+                    arguments_sha256: env_value_digest(&text),
+                    arguments: Some(text),
+                },
+            },
+            other => other,
+        }
+    }
+
+    /// This call as the audit log keeps it: an MCP call's arguments
+    /// replaced by their digest (already in the call); other kinds as they are.
+    pub fn for_audit(&self) -> CallKind {
+        match self {
+            CallKind::Mcp {
+                connector,
+                tool,
+                arguments_sha256,
+                ..
+            } => CallKind::Mcp {
+                connector: connector.clone(),
+                tool: tool.clone(),
+                arguments_sha256: arguments_sha256.clone(),
+                arguments: None,
+            },
+            other => other.clone(),
         }
     }
 }

@@ -356,6 +356,17 @@ pub struct SecurityConfig {
     /// once its image or template has it (`strata-image` bakes it in).
     #[serde(default)]
     pub egress_tls_intercept: bool,
+    /// `mcp` connectors of a **tenant** policy may run a stdio `command`
+    /// on the host (`docs/mcp.md`). Off: only the platform policy's may
+    /// (a tenant admin could otherwise run any program on the host).
+    #[serde(default)]
+    pub mcp_tenant_stdio: bool,
+    /// `mcp` connectors of a tenant policy may name a `url` whose host is
+    /// (or resolves to) a loopback, private, link-local or otherwise
+    /// non-public address. Off: refused (the gateway is not a way into the
+    /// host's networks); the platform policy's connectors may always.
+    #[serde(default)]
+    pub mcp_tenant_private_urls: bool,
     /// A PEM bundle of CA certificates intercepted upstreams may also
     /// chain to, besides the system roots (an internal API's CA; tests'
     /// CAs).
@@ -386,6 +397,8 @@ impl Default for SecurityConfig {
             egress_static_hosts: BTreeMap::new(),
             egress_resolved_ranges: Vec::new(),
             egress_tls_intercept: false,
+            mcp_tenant_stdio: false,
+            mcp_tenant_private_urls: false,
             egress_upstream_ca_bundle: None,
             secrets_allow_private: Vec::new(),
         }

@@ -289,6 +289,9 @@ pub async fn run_with(
     if let Some(sec) = app.security() {
         let sec = sec.clone();
         let svc = app.service().clone();
+        // A deleted sandbox's proxy goes, and its MCP stdio servers with it.
+        let s2 = sec.clone();
+        svc.on_deleted(Arc::new(move |id| s2.forget_egress_proxy(id.as_str())));
         let resolver: strata_runtime::EgressResolver = Arc::new(move |id| {
             let (sec, svc) = (sec.clone(), svc.clone());
             Box::pin(async move {

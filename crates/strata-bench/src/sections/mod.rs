@@ -11,6 +11,7 @@ pub mod events;
 pub mod history;
 pub mod interp;
 pub mod load;
+pub mod mcp;
 pub mod packing;
 pub mod pool;
 pub mod recipe;
@@ -31,7 +32,8 @@ pub const ALL: &[&str] = &["snapshot", "restore", "load", "density", "history", 
 /// a hundred sandboxes for about ten minutes, `soak` twenty for two hours,
 /// `tls_proxy` measures the egress proxy on the host alone (no guest),
 /// `events` (no VMs, seconds) notifications of approval requests, `chaos`
-/// 100 kills for about an hour.
+/// 100 kills for about an hour, `mcp` (no VMs, seconds; the `mcp` package
+/// from PyPI) the MCP gateway's cost per `tools/call`.
 pub const OPT_IN: &[&str] = &[
     "sdk",
     "recipe",
@@ -42,4 +44,5 @@ pub const OPT_IN: &[&str] = &[
     "tls_proxy",
     "events",
     "chaos",
+    "mcp",
 ];

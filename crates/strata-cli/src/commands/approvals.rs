@@ -145,6 +145,10 @@ pub fn format_one(a: &Approval, now: DateTime<Utc>) -> String {
             line("env", format!("{k} = {}", v.as_str().unwrap_or_default()));
         }
     }
+    // An MCP call's arguments (guest-written JSON text; escaped).
+    if let Some(args) = kind.get("arguments").and_then(|c| c.as_str()) {
+        line("arguments", strata_core::text::escape(args).into_owned());
+    }
     if let Some(cwd) = kind.get("cwd").and_then(|c| c.as_str()) {
         line("cwd", cwd.to_owned());
     }
@@ -210,6 +214,19 @@ mod tests {
             "created_at": (now - TimeDelta::seconds(90)).to_rfc3339(),
             "status": status
         })
+    }
+
+    #[test]
+    fn show_gives_an_mcp_call_with_its_arguments_escaped() {
+        let now = Utc::now();
+        let mut v = sample(now, json!({"status": "pending"}));
+        v["call"]["kind"] = json!({"kind": "mcp", "connector": "slack", "tool": "post_message",
+            "arguments_sha256": "sha256:ab", "arguments": "{\"text\":\"hi\u{1b}[2J\"}"});
+        let a: Approval = view(&v).unwrap();
+        let s = format_one(&a, now);
+        assert!(s.contains("mcp slack post_message"), "{s}");
+        let args = s.lines().find(|l| l.starts_with("arguments")).unwrap();
+        assert!(args.contains("hi") && !args.contains('\u{1b}'), "{args:?}");
     }
 
     #[test]

@@ -35,7 +35,7 @@ pub enum PolicyCmd {
 }
 
 /// Kinds of tool call `policy test` can build.
-pub const KINDS: [&str; 8] = [
+pub const KINDS: [&str; 9] = [
     "exec",
     "file_read",
     "file_write",
@@ -44,14 +44,25 @@ pub const KINDS: [&str; 8] = [
     "fork",
     "rewind",
     "lifecycle",
+    "mcp",
 ];
 
 /// `strata policy test`
 #[derive(Debug, clap::Args)]
 pub struct TestArgs {
-    /// Kind of call.
-    #[arg(long, value_parser = KINDS)]
-    pub kind: String,
+    /// Kind of call (`mcp` when --mcp is given).
+    #[arg(long, value_parser = KINDS, required_unless_present = "mcp")]
+    pub kind: Option<String>,
+    /// mcp: a `tools/call` through the MCP gateway to this connector
+    /// (docs/mcp.md); with --tool and --args.
+    #[arg(long, value_name = "CONNECTOR")]
+    pub mcp: Option<String>,
+    /// mcp: the tool's name.
+    #[arg(long)]
+    pub tool: Option<String>,
+    /// mcp: the tool's arguments, a JSON object (default `{}`).
+    #[arg(long, value_name = "JSON")]
+    pub args: Option<String>,
     /// exec: the command line, split like a shell would (quotes, backslashes).
     #[arg(long, conflicts_with = "argv")]
     pub cmd: Option<String>,
@@ -162,8 +173,26 @@ fn need(v: &Option<String>, flag: &str, kind: &str) -> Result<String, CliError> 
 
 /// The `POST /v1/policy/test` body for the arguments.
 pub fn test_body(a: &TestArgs) -> Result<Value, CliError> {
-    let kind = a.kind.as_str();
+    let kind = match (&a.kind, &a.mcp) {
+        (Some(k), _) => k.as_str(),
+        (None, _) => "mcp",
+    };
     let call = match kind {
+        "mcp" => {
+            let connector = need(&a.mcp, "--mcp CONNECTOR", kind)?;
+            let tool = need(&a.tool, "--tool", kind)?;
+            let args: Value = match &a.args {
+                Some(t) => serde_json::from_str(t)
+                    .map_err(|e| CliError::InvalidArgument(format!("--args is not JSON: {e}")))?,
+                None => json!({}),
+            };
+            if !args.is_object() {
+                return Err(CliError::InvalidArgument(
+                    "--args must be a JSON object".into(),
+                ));
+            }
+            json!({ "kind": "mcp", "connector": connector, "tool": tool, "arguments": args.to_string() })
+        }
         "exec" => {
             let argv = match &a.cmd {
                 Some(c) => split_command(c).map_err(CliError::InvalidArgument)?,
@@ -373,6 +402,29 @@ mod tests {
         assert!(test_body(&a).unwrap_err().to_string().contains("--cmd"));
         assert!(test_args(&["--kind", "exec", "--cmd", "ls", "--", "ls"]).is_err());
         assert!(test_args(&["--kind", "shell"]).is_err());
+    }
+
+    #[test]
+    fn mcp_call_body() {
+        let a = test_args(&[
+            "--mcp",
+            "slack",
+            "--tool",
+            "post_message",
+            "--args",
+            r##"{"text": "hi", "channel": "#general"}"##,
+        ])
+        .unwrap();
+        assert_eq!(
+            test_body(&a).unwrap()["call"],
+            json!({"kind": "mcp", "connector": "slack", "tool": "post_message",
+                   "arguments": r##"{"channel":"#general","text":"hi"}"##})
+        );
+        let a = test_args(&["--mcp", "slack"]).unwrap();
+        assert!(test_body(&a).unwrap_err().to_string().contains("--tool"));
+        let a = test_args(&["--mcp", "slack", "--tool", "t", "--args", "[1]"]).unwrap();
+        assert!(test_body(&a).unwrap_err().to_string().contains("object"));
+        assert!(test_args(&["--tool", "t"]).is_err());
     }
 
     #[test]

@@ -127,6 +127,9 @@ pub struct Connector {
     /// this connector (`docs/secrets.md`); `None`: every secret bound to
     /// the connector by name. Only names: values are never in a policy.
     pub secrets: Option<Vec<String>>,
+    /// For a connector of kind `mcp`: the server the MCP gateway offers
+    /// the guest (`docs/mcp.md`); `None` for an HTTP connector.
+    pub mcp: Option<McpServer>,
 }
 
 impl Connector {
@@ -135,6 +138,98 @@ impl Connector {
         self.secrets
             .as_ref()
             .is_none_or(|l| l.iter().any(|n| n == name))
+    }
+}
+
+/// The server behind an `mcp` connector and the admin's catalog of its tools.
+#[derive(Clone, PartialEq, Eq)]
+pub struct McpServer {
+    /// Where the gateway reaches it.
+    pub upstream: McpUpstream,
+    /// Admin-trusted tool annotations; a tool not listed is a write.
+    pub catalog: Vec<CatalogTool>,
+}
+
+impl McpServer {
+    /// The catalog entry of `tool`.
+    pub fn tool(&self, tool: &str) -> Option<&CatalogTool> {
+        self.catalog.iter().find(|t| t.name == tool)
+    }
+
+    /// Whether the catalog marks `tool` read-only (a tool it does not list
+    /// is not).
+    pub fn is_read_only(&self, tool: &str) -> bool {
+        self.tool(tool).is_some_and(|t| t.read_only)
+    }
+}
+
+/// How the gateway reaches an MCP server. Header and env values are the
+/// connector's credentials: held by the daemon, never given to the guest,
+/// never printed (`Debug` shows names only).
+#[derive(Clone, PartialEq, Eq)]
+pub enum McpUpstream {
+    /// A streamable-HTTP MCP endpoint.
+    Http {
+        /// `http://` or `https://` URL of the endpoint.
+        url: String,
+        /// Headers sent with every request (`Authorization`, …).
+        headers: std::collections::BTreeMap<String, String>,
+    },
+    /// A stdio server the daemon runs on the host, outside the guest.
+    Stdio {
+        /// Program and arguments.
+        command: Vec<String>,
+        /// Environment variables it gets (besides `PATH`, `HOME`, `LANG`).
+        env: std::collections::BTreeMap<String, String>,
+    },
+}
+
+impl std::fmt::Debug for McpUpstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            McpUpstream::Http { url, headers } => f
+                .debug_struct("Http")
+                .field("url", url)
+                .field("headers", &headers.keys().collect::<Vec<_>>())
+                .finish(),
+            McpUpstream::Stdio { command, env } => f
+                .debug_struct("Stdio")
+                .field("command", command)
+                .field("env", &env.keys().collect::<Vec<_>>())
+                .finish(),
+        }
+    }
+}
+
+impl std::fmt::Debug for McpServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("McpServer")
+            .field("upstream", &self.upstream)
+            .field("catalog", &self.catalog)
+            .finish()
+    }
+}
+
+/// One tool of an MCP connector's catalog: the annotations the gateway
+/// trusts (a server's own `annotations` are never trusted).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CatalogTool {
+    /// The tool's name.
+    pub name: String,
+    /// `readOnlyHint`: the tool changes nothing (only these pass a
+    /// connector's `read_only` write block).
+    #[serde(default)]
+    pub read_only: bool,
+    /// `destructiveHint` (default `true` unless `read_only`, as in MCP).
+    #[serde(default)]
+    pub destructive: Option<bool>,
+}
+
+impl CatalogTool {
+    /// The effective `destructiveHint`.
+    pub fn is_destructive(&self) -> bool {
+        self.destructive.unwrap_or(!self.read_only)
     }
 }
 
@@ -175,6 +270,8 @@ pub struct Rule {
     http_path: Option<GlobSet>,
     access: Option<Access>,
     op: Option<Vec<String>>,
+    tool: Option<GlobSet>,
+    arguments: Option<Vec<(String, GlobSet)>>,
 }
 
 /// One parsed policy layer.
@@ -319,7 +416,17 @@ struct EgressView<'a> {
     write: bool,
 }
 
+/// An MCP `tools/call`, prepared.
+struct McpView<'a> {
+    connector: &'a Connector,
+    tool: &'a str,
+    /// The arguments, when known (a `tools/list` check has none).
+    arguments: Option<serde_json::Value>,
+    write: bool,
+}
+
 enum Prepared<'a> {
+    Mcp(McpView<'a>),
     Exec(ExecReading),
     File(String),
     Egress(EgressView<'a>),
@@ -498,6 +605,37 @@ impl PolicySet {
                     write,
                 })
             }
+            CallKind::Mcp {
+                connector,
+                tool,
+                arguments,
+                ..
+            } => {
+                let Some(c) = self
+                    .connectors
+                    .iter()
+                    .map(|(_, c)| c)
+                    .find(|c| &c.name == connector && c.mcp.is_some())
+                else {
+                    return Err(format!(
+                        "`{connector}` is not an MCP connector of this policy"
+                    ));
+                };
+                let arguments = match arguments {
+                    None => None,
+                    Some(t) => Some(
+                        serde_json::from_str::<serde_json::Value>(t)
+                            .map_err(|e| format!("MCP arguments are not JSON: {e}"))?,
+                    ),
+                };
+                let write = !c.mcp.as_ref().is_some_and(|m| m.is_read_only(tool));
+                Prepared::Mcp(McpView {
+                    connector: c,
+                    tool,
+                    arguments,
+                    write,
+                })
+            }
             CallKind::Lifecycle { op } => Prepared::Op(op),
             CallKind::Snapshot | CallKind::Fork | CallKind::Rewind | CallKind::Port { .. } => {
                 Prepared::None
@@ -595,6 +733,24 @@ impl PolicySet {
                         &mut floor,
                     );
                 }
+            }
+        }
+        if let Prepared::Mcp(m) = &prepared {
+            if m.connector.read_only && m.write {
+                consider(
+                    Decision {
+                        effect: Effect::Deny,
+                        layer: self.connector_layer(&m.connector.name),
+                        rule_id: format!("connector:{}:read-only", m.connector.name),
+                        rule_index: None,
+                        hard: true,
+                        reason: format!(
+                            "connector `{}` is read-only: tool `{}` is not marked read_only in its catalog",
+                            m.connector.name, m.tool
+                        ),
+                    },
+                    &mut floor,
+                );
             }
         }
         // Whether an allow naming `CONNECT` decided (see `connect_gate`).
@@ -716,6 +872,20 @@ pub fn parse_ip_literal(host: &str) -> Option<IpAddr> {
         .and_then(|x| x.strip_suffix(']'))
         .unwrap_or(host);
     h.parse::<IpAddr>().ok().map(canonical_ip)
+}
+
+/// The text an `arguments` matcher sees for `key` (a top-level argument,
+/// or a dotted path into objects): a string as it is, anything else as its
+/// JSON text; `None` when absent.
+fn argument_text(args: &serde_json::Value, key: &str) -> Option<String> {
+    let mut v = args;
+    for part in key.split('.') {
+        v = v.as_object()?.get(part)?;
+    }
+    Some(match v {
+        serde_json::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    })
 }
 
 fn decision_of(layer: Layer, r: &Rule, hard: bool) -> Decision {
@@ -882,6 +1052,32 @@ impl Rule {
                     }
                 }
                 true
+            }
+            Prepared::Mcp(m) => {
+                if let Some(names) = &self.connector {
+                    if !names.iter().any(|n| n == &m.connector.name) {
+                        return false;
+                    }
+                }
+                if let Some(t) = &self.tool {
+                    if !t.is_match(m.tool) {
+                        return false;
+                    }
+                }
+                if let Some(a) = self.access {
+                    if (a == Access::Write) != m.write {
+                        return false;
+                    }
+                }
+                match (&self.arguments, &m.arguments) {
+                    (None, _) => true,
+                    // Unknown arguments (a `tools/list` check): a rule about
+                    // them does not decide.
+                    (Some(_), None) => false,
+                    (Some(ms), Some(args)) => ms.iter().all(|(key, set)| {
+                        argument_text(args, key).is_some_and(|t| set.is_match(t.as_str()))
+                    }),
+                }
             }
             Prepared::Op(op) => self
                 .op

@@ -7,8 +7,11 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use super::matchers::{glob_set, one_glob, ArgsMatcher, GlobMode, HostPattern, IpNet};
-use super::{Access, Connector, Effect, Policy, Rule, KIND_COUNT};
+use super::{
+    Access, CatalogTool, Connector, Effect, McpServer, McpUpstream, Policy, Rule, KIND_COUNT,
+};
 use crate::call::KindName;
+use std::collections::BTreeMap;
 
 /// A policy file was refused. The whole file is refused; the caller keeps the
 /// policy that was in force.
@@ -113,6 +116,24 @@ struct ConnectorFile {
     intercept: Option<bool>,
     #[serde(default)]
     secrets: Option<Spanned<Vec<String>>>,
+    /// `http` (default) or `mcp`.
+    #[serde(default)]
+    kind: Option<Spanned<String>>,
+    /// An `mcp` connector's streamable-HTTP endpoint.
+    #[serde(default)]
+    url: Option<Spanned<String>>,
+    /// An `mcp` connector's stdio server command (program and arguments).
+    #[serde(default)]
+    command: Option<Spanned<StrList>>,
+    /// Environment of a stdio server (credentials).
+    #[serde(default)]
+    env: Option<BTreeMap<String, String>>,
+    /// Headers sent to an HTTP MCP server (credentials).
+    #[serde(default)]
+    headers: Option<BTreeMap<String, String>>,
+    /// The catalog: `[[connector.tool]]`.
+    #[serde(default, rename = "tool")]
+    tools: Vec<Spanned<CatalogTool>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -153,12 +174,17 @@ struct RuleFile {
     access: Option<Access>,
     #[serde(default)]
     op: Field,
+    #[serde(default)]
+    tool: Field,
+    #[serde(default)]
+    arguments: Option<Spanned<BTreeMap<String, StrList>>>,
 }
 
 const EXEC: u16 = 1 << KindName::Exec as u16;
 const FILES: u16 = (1 << KindName::FileRead as u16) | (1 << KindName::FileWrite as u16);
 const EGRESS: u16 = 1 << KindName::Egress as u16;
 const LIFECYCLE: u16 = 1 << KindName::Lifecycle as u16;
+const MCP: u16 = 1 << KindName::Mcp as u16;
 const ALL_KINDS: u16 = (1 << KIND_COUNT) - 1;
 
 /// HTTP methods that read unless a connector (or its file's top-level
@@ -257,6 +283,114 @@ fn nets(text: &str, f: &Spanned<StrList>, name: &str) -> Result<Vec<IpNet>, Pars
         .collect()
 }
 
+/// The MCP part of a connector: `None` for `kind = "http"` (which may not
+/// use the MCP fields).
+fn mcp_server(text: &str, c: &ConnectorFile, name: &str) -> Result<Option<McpServer>, ParseError> {
+    let kind = c
+        .kind
+        .as_ref()
+        .map(|k| k.get_ref().as_str())
+        .unwrap_or("http");
+    let has_mcp_fields = c.url.is_some()
+        || c.command.is_some()
+        || c.env.is_some()
+        || c.headers.is_some()
+        || !c.tools.is_empty();
+    match kind {
+        "http" => {
+            if has_mcp_fields {
+                return Err(err_at(
+                    text,
+                    c.name.span(),
+                    format!("connector `{name}`: `url`, `command`, `env`, `headers` and `tool` belong to `kind = \"mcp\"` connectors"),
+                ));
+            }
+            return Ok(None);
+        }
+        "mcp" => {}
+        other => {
+            let span = c.kind.as_ref().map(|k| k.span()).unwrap_or(c.name.span());
+            return Err(err_at(
+                text,
+                span,
+                format!("unknown connector kind `{other}` (expected http or mcp)"),
+            ));
+        }
+    }
+    if c.hosts.is_some() || c.cidrs.is_some() || c.ports.is_some() || c.tls_ports.is_some() {
+        return Err(err_at(
+            text,
+            c.name.span(),
+            format!("connector `{name}` is of kind mcp: it has no `hosts`, `cidrs` or ports (the gateway reaches its server)"),
+        ));
+    }
+    let upstream = match (&c.url, &c.command) {
+        (Some(u), None) => {
+            let url = u.get_ref().trim().to_string();
+            if !(url.starts_with("http://") || url.starts_with("https://"))
+                || url
+                    .parse::<hyper::Uri>()
+                    .map(|u| u.host().is_none())
+                    .unwrap_or(true)
+            {
+                return Err(err_at(
+                    text,
+                    u.span(),
+                    "`url` must be an http:// or https:// URL",
+                ));
+            }
+            if c.env.is_some() {
+                return Err(err_at(
+                    text,
+                    c.name.span(),
+                    "`env` is for stdio servers (`command`)",
+                ));
+            }
+            McpUpstream::Http {
+                url,
+                headers: c.headers.clone().unwrap_or_default(),
+            }
+        }
+        (None, Some(cmd)) => {
+            let command = nonempty(text, cmd, "command")?;
+            if command.iter().any(|a| a.contains('\0')) || command[0].trim().is_empty() {
+                return Err(err_at(text, cmd.span(), "`command` needs a program"));
+            }
+            if c.headers.is_some() {
+                return Err(err_at(
+                    text,
+                    c.name.span(),
+                    "`headers` are for HTTP servers (`url`)",
+                ));
+            }
+            McpUpstream::Stdio {
+                command,
+                env: c.env.clone().unwrap_or_default(),
+            }
+        }
+        _ => {
+            return Err(err_at(
+                text,
+                c.name.span(),
+                format!("connector `{name}` of kind mcp needs exactly one of `url` and `command`"),
+            ))
+        }
+    };
+    let mut catalog: Vec<CatalogTool> = Vec::new();
+    for t in &c.tools {
+        let tool = t.get_ref();
+        if tool.name.is_empty() || catalog.iter().any(|x| x.name == tool.name) {
+            return Err(err_at(
+                text,
+                t.span(),
+                format!("catalog tool `{}` is empty or listed twice", tool.name),
+            ));
+        }
+        catalog.push(tool.clone());
+    }
+    Ok(Some(McpServer { upstream, catalog }))
+}
+
 /// Parse and compile one policy layer from TOML text.
 pub fn parse(text: &str) -> Result<Policy, ParseError> {
     let file: PolicyFile = toml::from_str(text).map_err(|e| {
@@ -320,7 +454,8 @@ pub fn parse(text: &str) -> Result<Policy, ParseError> {
         if tls_ports.contains(&0) {
             return Err(err_at(text, span, "`tls_ports` must list ports 1-65535"));
         }
-        if c.hosts.is_none() && c.cidrs.is_none() {
+        let mcp = mcp_server(text, c, &name)?;
+        if mcp.is_none() && c.hosts.is_none() && c.cidrs.is_none() {
             return Err(err_at(
                 text,
                 c.name.span(),
@@ -359,6 +494,7 @@ pub fn parse(text: &str) -> Result<Policy, ParseError> {
             read_only: c.read_only,
             intercept: c.intercept.unwrap_or(true),
             secrets,
+            mcp,
         });
     }
 
@@ -396,15 +532,12 @@ pub fn parse(text: &str) -> Result<Policy, ParseError> {
             EXEC,
         );
         narrow(r.path.is_some(), FILES);
+        narrow(r.connector.is_some() || r.access.is_some(), EGRESS | MCP);
         narrow(
-            r.connector.is_some()
-                || r.method.is_some()
-                || r.host.is_some()
-                || r.cidr.is_some()
-                || r.http_path.is_some()
-                || r.access.is_some(),
+            r.method.is_some() || r.host.is_some() || r.cidr.is_some() || r.http_path.is_some(),
             EGRESS,
         );
+        narrow(r.tool.is_some() || r.arguments.is_some(), MCP);
         narrow(r.op.is_some(), LIFECYCLE);
         if applicable == 0 {
             return Err(err_at(
@@ -510,6 +643,36 @@ pub fn parse(text: &str) -> Result<Policy, ParseError> {
             http_path: globs(text, &r.http_path, "http_path", GlobMode::Path)?,
             access: r.access,
             op,
+            tool: globs(text, &r.tool, "tool", GlobMode::Text)?,
+            arguments: match &r.arguments {
+                None => None,
+                Some(a) => {
+                    let mut out = Vec::new();
+                    for (k, v) in a.get_ref() {
+                        if k.is_empty() || k.split('.').any(str::is_empty) {
+                            return Err(err_at(
+                                text,
+                                a.span(),
+                                format!(
+                                    "`arguments`: `{k}` is not an argument name or dotted path"
+                                ),
+                            ));
+                        }
+                        if v.0.is_empty() {
+                            return Err(err_at(
+                                text,
+                                a.span(),
+                                format!("`arguments.{k}` must not be an empty list"),
+                            ));
+                        }
+                        let set = glob_set(&v.0, GlobMode::Text).map_err(|(_, e)| {
+                            err_at(text, a.span(), format!("`arguments.{k}`: {e}"))
+                        })?;
+                        out.push((k.clone(), set));
+                    }
+                    Some(out)
+                }
+            },
         });
     }
     Ok(Policy {

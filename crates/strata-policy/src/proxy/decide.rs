@@ -69,7 +69,7 @@ impl Checked {
 /// `AuditLog::record`). `false` when it could not be written: the caller
 /// refuses the request (egress fails closed, like `/v1`).
 #[must_use]
-fn record(
+pub(super) fn record(
     cfg: &ProxyConfig,
     call: &ToolCall,
     d: &Decision,
@@ -92,6 +92,11 @@ fn record_secret(
     secret: Option<String>,
 ) -> bool {
     let Some(a) = &cfg.audit else { return true };
+    // An MCP call's arguments stay out of the log (their digest is kept).
+    let call = &ToolCall {
+        kind: call.kind.for_audit(),
+        ..call.clone()
+    };
     let mut ad = AuditDecision::from_decision(d, outcome, approval);
     ad.secret = secret;
     match a.record(call, ad, by) {
@@ -103,8 +108,61 @@ fn record_secret(
     }
 }
 
+/// How a held call ended ([`hold`]).
+pub(super) enum Held {
+    /// A human approved it: run it (once).
+    Approved,
+    /// Refused, timed out, or no approval queue; the approval's id when
+    /// one was made.
+    Refused(Option<String>),
+    /// The decision could not be audited: refuse.
+    Unaudited,
+}
+
+/// Holds `call` (decided `approve` by `d`) on the approval queue until a
+/// human answers or the timeout, auditing the hold and its outcome; an
+/// approved call's entry names `secret`, the secret(s) the request hook
+/// will inject into it.
+pub(super) async fn hold(
+    cfg: &ProxyConfig,
+    call: &ToolCall,
+    d: &Decision,
+    secret: Option<String>,
+) -> Held {
+    let Some(q) = &cfg.approvals else {
+        let _ = record(cfg, call, d, Outcome::Denied, None, None);
+        return Held::Refused(None);
+    };
+    let req = match q.request(call, d) {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::error!(error = %e, "approval request failed");
+            let _ = record(cfg, call, d, Outcome::Denied, None, None);
+            return Held::Refused(None);
+        }
+    };
+    if !record(cfg, call, d, Outcome::Held, Some(req.id.clone()), None) {
+        return Held::Unaudited;
+    }
+    let out = q.wait(&cfg.tenant, &req.id, cfg.approval_timeout).await;
+    let (outcome, by) = match &out {
+        Ok(ApprovalOutcome::Approved { by, .. }) => (Outcome::Approved, Some(by.clone())),
+        Ok(ApprovalOutcome::Denied { by, .. }) => (Outcome::Rejected, Some(by.clone())),
+        Ok(ApprovalOutcome::TimedOut) | Err(_) => (Outcome::TimedOut, None),
+    };
+    let secret = secret.filter(|_| outcome == Outcome::Approved);
+    if !record_secret(cfg, call, d, outcome, Some(req.id.clone()), by, secret) {
+        return Held::Unaudited;
+    }
+    if outcome == Outcome::Approved {
+        Held::Approved
+    } else {
+        Held::Refused(Some(req.id))
+    }
+}
+
 /// The answer to a request whose decision could not be audited.
-fn unaudited() -> Response<Body> {
+pub(super) fn unaudited() -> Response<Body> {
     refuse(
         StatusCode::SERVICE_UNAVAILABLE,
         "audit_unavailable",
@@ -264,37 +322,10 @@ pub(super) async fn decide(cfg: &ProxyConfig, c: &mut Checked) -> Verdict {
             let _ = record(cfg, &c.call, &d, Outcome::Denied, None, None);
             Verdict::Refuse(denied(&d, None))
         }
-        Effect::Approve => {
-            let Some(q) = &cfg.approvals else {
-                let _ = record(cfg, &c.call, &d, Outcome::Denied, None, None);
-                return Verdict::Refuse(denied(&d, None));
-            };
-            let req = match q.request(&c.call, &d) {
-                Ok(r) => r,
-                Err(e) => {
-                    tracing::error!(error = %e, "approval request failed");
-                    let _ = record(cfg, &c.call, &d, Outcome::Denied, None, None);
-                    return Verdict::Refuse(denied(&d, None));
-                }
-            };
-            if !record(cfg, &c.call, &d, Outcome::Held, Some(req.id.clone()), None) {
-                return Verdict::Refuse(unaudited());
-            }
-            let out = q.wait(&cfg.tenant, &req.id, cfg.approval_timeout).await;
-            let (outcome, by) = match &out {
-                Ok(ApprovalOutcome::Approved { by, .. }) => (Outcome::Approved, Some(by.clone())),
-                Ok(ApprovalOutcome::Denied { by, .. }) => (Outcome::Rejected, Some(by.clone())),
-                Ok(ApprovalOutcome::TimedOut) | Err(_) => (Outcome::TimedOut, None),
-            };
-            let s = (outcome == Outcome::Approved).then(secret).flatten();
-            if !record_secret(cfg, &c.call, &d, outcome, Some(req.id.clone()), by, s) {
-                return Verdict::Refuse(unaudited());
-            }
-            if outcome == Outcome::Approved {
-                Verdict::Go
-            } else {
-                Verdict::Refuse(denied(&d, Some(&req.id)))
-            }
-        }
+        Effect::Approve => match hold(cfg, &c.call, &d, secret()).await {
+            Held::Approved => Verdict::Go,
+            Held::Refused(id) => Verdict::Refuse(denied(&d, id.as_deref())),
+            Held::Unaudited => Verdict::Refuse(unaudited()),
+        },
     }
 }

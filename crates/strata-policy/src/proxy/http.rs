@@ -540,6 +540,12 @@ async fn forward(
         Ok(hp) if hp == (host.clone(), port) => {}
         _ => return bad("Host header disagrees with the request URL"),
     }
+    // The MCP gateway answers its own host; nothing is forwarded as is.
+    if host == super::mcp::HOST && port == 80 {
+        if let Some(g) = &cfg.mcp {
+            return g.clone().serve(cfg.clone(), req).await;
+        }
+    }
     let (mut parts, body) = req.into_parts();
     let (c, pq) = match judge(&cfg, host, port, false, &parts).await {
         Ok(j) => j,

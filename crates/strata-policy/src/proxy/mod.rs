@@ -33,6 +33,7 @@
 pub mod decide;
 pub mod http;
 pub mod intercept;
+pub mod mcp;
 pub mod sniff;
 pub mod tunnel;
 pub mod upstream;
@@ -178,6 +179,10 @@ pub struct ProxyConfig {
     pub intercept: Option<Arc<Interception>>,
     /// Called on every allowed request before it goes upstream.
     pub request_hook: Option<Arc<dyn RequestHook>>,
+    /// The MCP gateway answering `http://mcp.strata.internal/<connector>/mcp`
+    /// (`docs/mcp.md`); `None`: that host is like any other (no connector
+    /// names it, so refused).
+    pub mcp: Option<Arc<mcp::McpGateway>>,
 }
 
 impl ProxyConfig {
@@ -199,6 +204,7 @@ impl ProxyConfig {
             tunnel_idle_timeout: TUNNEL_IDLE_TIMEOUT,
             intercept: None,
             request_hook: None,
+            mcp: None,
         }
     }
 }

@@ -498,7 +498,7 @@ async fn test_policy(
         tenant: p.tenant.to_owned(),
         sandbox,
         actor: p.actor.clone(),
-        kind: b.call,
+        kind: b.call.normalized(),
     };
     let sec = ctx.sec.clone();
     let (d, secret) = tokio::task::spawn_blocking(move || {

@@ -200,6 +200,9 @@ pub fn summarize(kind: &CallKind) -> String {
         } => format!("egress {method} {host}:{port}{path}"),
         CallKind::Lifecycle { op } => format!("lifecycle {op}"),
         CallKind::Port { port, .. } => format!("port {port}"),
+        CallKind::Mcp {
+            connector, tool, ..
+        } => format!("mcp {connector} {tool}"),
         other => serde_json::to_value(other)
             .ok()
             .and_then(|v| v.get("kind").and_then(Value::as_str).map(str::to_owned))

@@ -823,6 +823,13 @@ impl Security {
         pc.tunnel_idle_timeout = self.egress_tunnel_idle_timeout;
         pc.intercept = self.intercept.clone();
         pc.request_hook = Some(self.secrets.clone());
+        pc.mcp = Some(strata_policy::proxy::mcp::McpGateway::new(
+            strata_policy::proxy::mcp::McpLimits {
+                tenant_stdio: self.cfg.mcp_tenant_stdio,
+                tenant_private_urls: self.cfg.mcp_tenant_private_urls,
+                ..Default::default()
+            },
+        ));
         let proxy = Egress::new(pc);
         tracing::info!(sandbox, "egress proxy ready (in-process)");
         g.insert(sandbox.to_owned(), proxy.clone());
@@ -852,10 +859,22 @@ impl Security {
     /// Stops a sandbox's egress proxy (on delete): no new streams; the
     /// streams it serves end with their tunnels.
     pub async fn stop_egress_proxy(&self, sandbox: &str) {
-        self.proxies
+        self.forget_egress_proxy(sandbox);
+    }
+
+    /// [`Security::stop_egress_proxy`], callable from a sync hook
+    /// ([`crate::service::Service::on_deleted`]): the proxy is forgotten and
+    /// its MCP gateway's stdio servers are killed.
+    pub fn forget_egress_proxy(&self, sandbox: &str) {
+        let p = self
+            .proxies
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(sandbox);
+        // Its stdio MCP servers stop now, not when the last stream ends.
+        if let Some(g) = p.as_ref().and_then(|p| p.config().mcp.as_ref()) {
+            g.stop();
+        }
     }
 }
 

@@ -663,6 +663,77 @@ async fn policy_denies_holds_and_runs_after_approval() {
 }
 
 #[tokio::test]
+async fn policy_test_answers_mcp_calls() {
+    let h = sec_harness(|_| {});
+    let admin = token(&h, "acme", "admin").await;
+    let policy = r#"default = "allow"
+[[connector]]
+name = "slack"
+kind = "mcp"
+url = "https://mcp.slack.test/mcp"
+headers = { Authorization = "Bearer xoxb-1" }
+read_only = true
+[[connector.tool]]
+name = "search"
+read_only = true
+[[connector]]
+name = "crm"
+kind = "mcp"
+command = ["crm-mcp"]
+[[rule]]
+id = "general-needs-ok"
+effect = "approve"
+kind = "mcp"
+connector = "crm"
+arguments = { channel = "general" }
+"#;
+    let (s, v, _) = req(&h, "PUT", "/v1/policy", Some(&admin), policy).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let viewer = token(&h, "acme", "viewer").await;
+    for (connector, tool, args, effect, rule) in [
+        ("slack", "search", r#"{"q":"x"}"#, "allow", "default"),
+        (
+            "slack",
+            "post_message",
+            r#"{"channel":"general"}"#,
+            "deny",
+            "connector:slack:read-only",
+        ),
+        (
+            "crm",
+            "update",
+            r#"{"channel":"general"}"#,
+            "approve",
+            "general-needs-ok",
+        ),
+        (
+            "crm",
+            "update",
+            r#"{"channel":"random"}"#,
+            "allow",
+            "default",
+        ),
+        ("nope", "x", "{}", "deny", "invalid-call"),
+    ] {
+        let (s, v, _) = req(
+            &h,
+            "POST",
+            "/v1/policy/test",
+            Some(&viewer),
+            json!({"call": {"kind": "mcp", "connector": connector, "tool": tool, "arguments": args}})
+                .to_string(),
+        )
+        .await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        assert_eq!(
+            (v["effect"].as_str(), v["rule_id"].as_str()),
+            (Some(effect), Some(rule)),
+            "{connector} {tool} {args}: {v}"
+        );
+    }
+}
+
+#[tokio::test]
 async fn bad_policy_is_refused_whole_and_the_old_one_stays() {
     let h = sec_harness(|_| {});
     let admin = token(&h, "acme", "admin").await;
