@@ -275,6 +275,25 @@ pub trait Engine: Send + Sync + 'static {
         progress: ProgressSink,
     ) -> EngineResult<TemplateBuilt>;
 
+    /// [`Engine::build_template`], the booted guest's system CA bundle
+    /// trusting the PEM certificates of `trust` before the snapshot (the
+    /// deployment's TLS interception CA). Engines that cannot refuse a
+    /// `trust` they would drop.
+    async fn build_template_trusting(
+        &self,
+        tpl: &TemplateId,
+        size: SandboxSize,
+        progress: ProgressSink,
+        trust: Option<String>,
+    ) -> EngineResult<TemplateBuilt> {
+        match trust {
+            None => self.build_template(tpl, size, progress).await,
+            Some(_) => Err(RuntimeError::Unavailable(
+                "this engine does not build templates trusting a CA".into(),
+            )),
+        }
+    }
+
     /// Removes a template's subvolume. Idempotent.
     async fn delete_template(&self, tpl: &TemplateId) -> EngineResult<()>;
 

@@ -271,12 +271,23 @@ fn kill9_during_snapshot_and_during_fork_loses_nothing_acknowledged() {
                 .expect("python3")
         };
         let mut unowned = [fake(&gone), fake("build-tpl-interrupted")];
-        let listed = qemu_pids(&d.run_dir);
-        for child in &unowned {
+        // A child just spawned shows its new command line once its exec
+        // is done: wait for it (a loaded machine took longer than the
+        // first look).
+        let t = std::time::Instant::now();
+        loop {
+            let listed = qemu_pids(&d.run_dir);
+            let all = unowned
+                .iter()
+                .all(|c| listed.iter().any(|(_, p)| *p == c.id()));
+            if all {
+                break;
+            }
             assert!(
-                listed.iter().any(|(_, p)| *p == child.id()),
-                "the judge sees the stand-in: {listed:?}"
+                t.elapsed() < Duration::from_secs(10),
+                "the judge sees the stand-ins: {listed:?}"
             );
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
         d.restart();
         let v = sandbox(&d, &b).await;

@@ -7,9 +7,10 @@
 //! CA) and `bad.salesforce.test` (a certificate of a CA nobody trusts);
 //! both names are pinned to 127.0.0.1 (`egress_static_hosts`). Tenant
 //! `default` declares the read-only connector `salesforce` in its own
-//! policy; tenant `other` declares nothing. The default template's guest
-//! is given the deployment's interception CA as a file (`/tmp/ica.pem`,
-//! from `<key_dir>/intercept-ca.pem`) and told to trust it per command; a
+//! policy; tenant `other` declares nothing. The default template was
+//! built trusting the deployment's interception CA (its system bundle), so
+//! Python `requests` needs nothing given; curl is also pointed at a copy
+//! (`/tmp/ica.pem`, from `<key_dir>/intercept-ca.pem`) in some checks; a
 //! template built from a recipe has it installed by the build.
 
 mod common;
@@ -263,8 +264,9 @@ read_only = true
         "{refusal}"
     );
 
-    // Python requests (or pip's vendored copy), trusting the CA by
-    // REQUESTS_CA_BUNDLE as the template bakes it.
+    // Python requests (or pip's vendored copy) with nothing given: the
+    // default template was built trusting the CA (the system bundle) and
+    // the daemon points REQUESTS_CA_BUNDLE at it for every exec.
     let py = format!(
         r#"
 try:
@@ -278,10 +280,7 @@ print(r.status_code)
 "#
     );
     let e = d
-        .exec_body(
-            &sb,
-            json!({ "cmd": ["python3", "-c", py], "env": { "REQUESTS_CA_BUNDLE": "/tmp/ica.pem" } }),
-        )
+        .exec_body(&sb, json!({ "cmd": ["python3", "-c", py] }))
         .await;
     assert_eq!(e.code, Some(0), "{}", String::from_utf8_lossy(&e.stderr));
     assert_eq!(

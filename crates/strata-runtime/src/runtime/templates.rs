@@ -49,6 +49,33 @@ struct Build<'a> {
     work: std::path::PathBuf,
     size: SandboxSize,
     accel: ResolvedAccel,
+    /// PEM certificates the guest's system bundle gets before the snapshot.
+    trust: Option<&'a str>,
+}
+
+/// Where a template built with a trusted CA keeps a copy of it (the system
+/// bundle has it appended too).
+pub const TRUSTED_CA_PATH: &str = "/usr/local/share/ca-certificates/strata-trusted.crt";
+
+/// `pem` is PEM certificates only: the lines go into a guest shell's
+/// here-document, so nothing but base64 and the BEGIN/END lines passes.
+fn check_pem(pem: &str) -> Result<()> {
+    let ok = pem.contains("-----BEGIN CERTIFICATE-----")
+        && pem.lines().all(|l| {
+            let l = l.trim_end();
+            l.is_empty()
+                || l == "-----BEGIN CERTIFICATE-----"
+                || l == "-----END CERTIFICATE-----"
+                || l.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'+' || b == b'/' || b == b'=')
+        });
+    if ok {
+        Ok(())
+    } else {
+        Err(RuntimeError::Invalid(
+            "trusted CA: PEM certificates only".into(),
+        ))
+    }
 }
 
 impl Runtime {
@@ -60,6 +87,26 @@ impl Runtime {
         size: SandboxSize,
         progress: &(dyn Fn(&str) + Send + Sync),
     ) -> Result<TemplateBuilt> {
+        self.build_template_trusting(tpl, size, progress, None)
+            .await
+    }
+
+    /// [`Runtime::build_template`], and before the snapshot the booted
+    /// guest's system CA bundle (`/etc/ssl/certs/ca-certificates.crt`, what
+    /// curl, pip, git and Python's `ssl` read) gets the PEM certificates of
+    /// `trust` appended, with a copy at [`TRUSTED_CA_PATH`] (for
+    /// `NODE_EXTRA_CA_CERTS`): the deployment's TLS interception CA, so every
+    /// sandbox of the template trusts it and nothing is installed at a fork.
+    pub async fn build_template_trusting(
+        self: &Arc<Self>,
+        tpl: &TemplateId,
+        size: SandboxSize,
+        progress: &(dyn Fn(&str) + Send + Sync),
+        trust: Option<&str>,
+    ) -> Result<TemplateBuilt> {
+        if let Some(pem) = trust {
+            check_pem(pem)?;
+        }
         size.validate()
             .map_err(|e| RuntimeError::Invalid(e.to_string()))?;
         let _g = self.op_lock(tpl.as_str()).await;
@@ -88,6 +135,7 @@ impl Runtime {
             work,
             size,
             accel,
+            trust,
         };
         let result = self.build_template_in(&build, &image, progress).await;
         let pool = self.pool.clone();
@@ -177,6 +225,26 @@ impl Runtime {
             let agent = self.agent_of(&fake_id, &live).await?;
             let boot_ms = ms(t_boot);
             progress(&format!("agent ready after {boot_ms:.0} ms"));
+            if let Some(pem) = b.trust {
+                progress("adding the trusted CA to the guest's system bundle");
+                let script = format!(
+                    "set -e; mkdir -p {dir}; cat > {TRUSTED_CA_PATH} <<'STRATA_PEM'\n{pem}\nSTRATA_PEM\n\
+                     cat {TRUSTED_CA_PATH} >> /etc/ssl/certs/ca-certificates.crt",
+                    dir = "/usr/local/share/ca-certificates",
+                    pem = pem.trim_end(),
+                );
+                let out = agent
+                    .exec_collect(ExecRequest::shell(&script))
+                    .await
+                    .map_err(|e| crate::error::agent_err(&b.id, e, self.agent_timeout()))?;
+                if !out.status.success() {
+                    return Err(RuntimeError::Other(format!(
+                        "adding the trusted CA failed ({:?}): {}",
+                        out.status,
+                        String::from_utf8_lossy(&out.stderr)
+                    )));
+                }
+            }
             // Let the guest settle (udev-less, but the page cache and timers calm down).
             let _ = agent
                 .exec_collect(ExecRequest::shell(

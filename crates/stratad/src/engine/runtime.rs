@@ -282,6 +282,18 @@ impl Engine for RuntimeEngine {
         self.rt.build_template(tpl, size, &*progress).await
     }
 
+    async fn build_template_trusting(
+        &self,
+        tpl: &TemplateId,
+        size: SandboxSize,
+        progress: ProgressSink,
+        trust: Option<String>,
+    ) -> EngineResult<TemplateBuilt> {
+        self.rt
+            .build_template_trusting(tpl, size, &*progress, trust.as_deref())
+            .await
+    }
+
     async fn delete_template(&self, tpl: &TemplateId) -> EngineResult<()> {
         self.rt.delete_template(tpl).await
     }

@@ -460,7 +460,10 @@ impl Service {
     /// are keyed on the CA (the bundle's hash is part of the plan's
     /// identity), so a step built under one deployment's CA is never
     /// resumed under another's.
-    fn with_intercept_ca(&self, ca_bundle: Option<String>) -> ServiceResult<Option<String>> {
+    pub(super) fn with_intercept_ca(
+        &self,
+        ca_bundle: Option<String>,
+    ) -> ServiceResult<Option<String>> {
         if !self.config.security.egress_tls_intercept {
             return Ok(ca_bundle);
         }

@@ -187,6 +187,12 @@ impl Service {
                 )));
             }
         }
+        // A plain build's guest trusts the deployment's TLS interception CA
+        // while interception is on (a recipe build installs it as a step).
+        let trust = match job {
+            None => self.with_intercept_ca(None)?,
+            Some(_) => None,
+        };
         // Room for the builder VM, held until the build ends (a recipe's
         // builder is a sandbox: its create is admitted as any).
         let builder = match job {
@@ -235,7 +241,7 @@ impl Service {
                     }
                     None => this
                         .engine
-                        .build_template(&rec2.id, rec2.size, sink)
+                        .build_template_trusting(&rec2.id, rec2.size, sink, trust)
                         .await
                         .map(|info| (info.accel, info.build_ms))
                         .map_err(ServiceError::from),
