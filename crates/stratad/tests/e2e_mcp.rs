@@ -36,6 +36,9 @@ fn python() -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
+/// The stdio server's token: a connector secret, never in the guest.
+const SLACK_TOKEN: &str = "xoxb-brokered-7f3a9c";
+
 fn lines(p: &Path) -> usize {
     std::fs::read_to_string(p)
         .map(|s| s.lines().count())
@@ -113,7 +116,7 @@ read_only = true
 name = "slack-stdio"
 kind = "mcp"
 command = ["{py}", "{server}", "stdio"]
-env = {{ COUNT_FILE = "{count}" }}
+env = {{ COUNT_FILE = "{count}", SLACK_TOKEN = "strata:secret/slack-bot" }}
 [[connector.tool]]
 name = "search"
 read_only = true
@@ -136,6 +139,20 @@ tool = "post_message"
     );
     let (s, body) = d.raw("PUT", "/v1/policy", policy.into_bytes()).await;
     assert_eq!(s, 200, "{}", String::from_utf8_lossy(&body));
+    // The stdio server's token is a connector secret: the policy names it
+    // (`strata:secret/slack-bot`), the daemon holds the sealed value.
+    d.ok(
+        "POST",
+        "/v1/secrets",
+        Some(json!({
+            "name": "slack-bot",
+            "connector": "slack-stdio",
+            "rule": { "type": "bearer" },
+            "value": SLACK_TOKEN,
+        })),
+        201,
+    )
+    .await;
 
     let sb = d.create(json!({})).await;
     let (s, body) = d
@@ -242,11 +259,23 @@ tool = "post_message"
         "{v}"
     );
     assert_eq!(lines(&stdio_count), 1, "must run exactly once");
+    // The stdio server was started with the secret's value in its
+    // environment (a digest of it is in its record), not the placeholder.
+    let record = std::fs::read_to_string(&stdio_count).expect("count file");
+    let want = {
+        use sha2::Digest;
+        hex::encode(sha2::Sha256::digest(SLACK_TOKEN.as_bytes()))[..16].to_owned()
+    };
+    assert_eq!(
+        record.trim_end().rsplit('\t').next(),
+        Some(want.as_str()),
+        "{record}"
+    );
     // The guest never held the connector's credential.
     let e = d
         .sh(
             &sb,
-            "grep -rl xoxb-host-only /tmp /usr/local /root 2>/dev/null | head -1",
+            &format!("grep -rlE 'xoxb-host-only|{SLACK_TOKEN}' /tmp /usr/local /root 2>/dev/null | head -1"),
         )
         .await;
     assert_eq!(e.out().trim(), "", "credential found in the guest");

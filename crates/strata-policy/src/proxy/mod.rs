@@ -142,7 +142,27 @@ pub trait RequestHook: Send + Sync {
         call: &'a crate::call::ToolCall,
         req: &'a mut hyper::http::request::Parts,
     ) -> HookFuture<'a>;
+
+    /// The value of tenant `tenant`'s secret `name` bound to connector
+    /// `connector` (an OAuth2 secret's current access token), for a
+    /// `strata:secret/<name>` placeholder in an MCP connector's headers or
+    /// environment (`docs/mcp.md`); `Ok(None)` when there is no such
+    /// secret. The default knows none.
+    fn secret_value<'a>(
+        &'a self,
+        tenant: &'a str,
+        connector: &'a str,
+        name: &'a str,
+    ) -> SecretFuture<'a> {
+        let _ = (tenant, connector, name);
+        Box::pin(async { Ok(None) })
+    }
 }
+
+/// Future of [`RequestHook::secret_value`].
+pub type SecretFuture<'a> = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<Option<String>, String>> + Send + 'a>,
+>;
 
 /// Everything one sandbox's proxy needs (one [`Egress`] per sandbox, so it
 /// knows whose calls it sees).

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use strata_policy::call::{CallKind, ToolCall};
-use strata_policy::proxy::{HookFuture, Injected, RequestHook, Resolver};
+use strata_policy::proxy::{HookFuture, Injected, RequestHook, Resolver, SecretFuture};
 use strata_policy::secrets::{self, Injection};
 
 use super::keys::{KeyStore, Purpose, Sealer};
@@ -763,6 +763,34 @@ impl Broker {
 }
 
 impl RequestHook for Broker {
+    fn secret_value<'a>(
+        &'a self,
+        tenant: &'a str,
+        connector: &'a str,
+        name: &'a str,
+    ) -> SecretFuture<'a> {
+        Box::pin(async move {
+            let Some(e) = self
+                .of_tenant(tenant)
+                .iter()
+                .find(|e| e.name == name && e.connector == connector)
+                .cloned()
+            else {
+                return Ok(None);
+            };
+            match &e.spec {
+                Spec::Static { .. } => {
+                    let m = self.open_material(tenant, &e)?;
+                    Ok(m.value)
+                }
+                Spec::Oauth2 { .. } => {
+                    let (access, _, _) = self.access_token(tenant, &e).await?;
+                    Ok(Some(access))
+                }
+            }
+        })
+    }
+
     fn secrets_for(&self, call: &ToolCall) -> Option<String> {
         let names: Vec<String> = self.applicable(call).into_iter().map(|e| e.name).collect();
         (!names.is_empty()).then(|| names.join(","))

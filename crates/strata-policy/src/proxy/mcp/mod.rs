@@ -85,13 +85,58 @@ impl Default for McpLimits {
 
 /// The credentials the gateway sends a connector's server: the headers of
 /// an HTTP server, the environment of a stdio one, as the admin's
-/// connector definition gives them. The one place a secrets broker
-/// replaces (issue 15): the guest never sees these values.
-pub fn credentials(server: &McpServer) -> BTreeMap<String, String> {
-    match &server.upstream {
-        McpUpstream::Http { headers, .. } => headers.clone(),
-        McpUpstream::Stdio { env, .. } => env.clone(),
+/// connector definition gives them, each `strata:secret/<name>`
+/// placeholder replaced by the value of the tenant's connector secret
+/// `name` bound to this connector (`POST /v1/secrets`), which the proxy's
+/// request hook (the secrets broker) resolves. The guest never sees these
+/// values; a placeholder that names no such secret refuses the call.
+pub async fn credentials(
+    cfg: &ProxyConfig,
+    connector: &str,
+    server: &McpServer,
+) -> Result<BTreeMap<String, String>, String> {
+    let raw = match &server.upstream {
+        McpUpstream::Http { headers, .. } => headers,
+        McpUpstream::Stdio { env, .. } => env,
+    };
+    let mut out = BTreeMap::new();
+    for (k, v) in raw {
+        out.insert(k.clone(), resolve(cfg, connector, v).await?);
     }
+    Ok(out)
+}
+
+/// `v` with every `strata:secret/<name>` replaced by that secret's value.
+async fn resolve(cfg: &ProxyConfig, connector: &str, v: &str) -> Result<String, String> {
+    use crate::secrets::PLACEHOLDER_PREFIX;
+    if !v.contains(PLACEHOLDER_PREFIX) {
+        return Ok(v.to_owned());
+    }
+    let Some(hook) = &cfg.request_hook else {
+        return Err(format!(
+            "connector `{connector}` names a secret, and this deployment has no secrets broker"
+        ));
+    };
+    let mut out = String::new();
+    let mut rest = v;
+    while let Some(i) = rest.find(PLACEHOLDER_PREFIX) {
+        out.push_str(&rest[..i]);
+        let after = &rest[i + PLACEHOLDER_PREFIX.len()..];
+        let end = after
+            .find(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-')))
+            .unwrap_or(after.len());
+        let name = &after[..end];
+        let value = hook
+            .secret_value(&cfg.tenant, connector, name)
+            .await?
+            .ok_or_else(|| {
+                format!("connector `{connector}` names secret `{name}`, which is not one of this tenant's secrets bound to it")
+            })?;
+        out.push_str(&value);
+        rest = &after[end..];
+    }
+    out.push_str(rest);
+    Ok(out)
 }
 
 struct Session {
@@ -242,6 +287,7 @@ impl McpGateway {
             }
         };
         let up = Up {
+            cfg: cfg.clone(),
             gw: self.clone(),
             platform: layer == crate::policy::Layer::Platform,
             conn: conn.clone(),
@@ -503,6 +549,7 @@ impl UpErr {
 
 /// One message's way to a connector's server.
 struct Up {
+    cfg: Arc<ProxyConfig>,
     gw: Arc<McpGateway>,
     /// The connector is the platform layer's (trusted with host commands
     /// and private addresses).
@@ -566,7 +613,18 @@ impl Up {
             ));
         }
         let initialize = msg.get("method").and_then(Value::as_str) == Some("initialize");
-        let (sid, srv) = if initialize && self.session.is_none() {
+        // Resolved before the session table is locked (a secret may be an
+        // OAuth2 token the broker fetches).
+        let env = if initialize && self.session.is_none() {
+            Some(
+                credentials(&self.cfg, &self.conn.name, server)
+                    .await
+                    .map_err(|e| UpErr::new(StatusCode::BAD_GATEWAY, e))?,
+            )
+        } else {
+            None
+        };
+        let (sid, srv) = if let Some(env) = env {
             let mut g = self.gw.lock();
             let n = g
                 .values()
@@ -581,7 +639,7 @@ impl Up {
                     ),
                 ));
             }
-            let srv = StdioServer::spawn(command, &credentials(server)).map_err(|e| {
+            let srv = StdioServer::spawn(command, &env).map_err(|e| {
                 UpErr::new(
                     StatusCode::BAD_GATEWAY,
                     format!("starting the stdio MCP server of `{}`: {e}", self.conn.name),
@@ -694,7 +752,10 @@ impl Up {
             )
             .header(header::CONTENT_TYPE, "application/json")
             .header(header::ACCEPT, "application/json, text/event-stream");
-        for (k, v) in credentials(server) {
+        let creds = credentials(&self.cfg, &self.conn.name, server)
+            .await
+            .map_err(|e| UpErr::new(StatusCode::BAD_GATEWAY, e))?;
+        for (k, v) in creds {
             b = b.header(k, v);
         }
         if let Some(s) = &self.session {
