@@ -14,6 +14,24 @@ pub fn view<T: DeserializeOwned>(v: &Value) -> anyhow::Result<T> {
     T::deserialize(v).map_err(|e| anyhow::anyhow!("unexpected answer from stratad: {e}"))
 }
 
+/// Field `k` of `v` for a table cell: a string as it is, `-` when absent
+/// or null, anything else as JSON.
+pub fn field(v: &Value, k: &str) -> String {
+    match v.get(k) {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Null) | None => "-".into(),
+        Some(other) => other.to_string(),
+    }
+}
+
+/// The `items` of a list answer as JSON values (none when absent).
+pub fn items_or_empty(v: &Value) -> Vec<Value> {
+    v.get("items")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default()
+}
+
 /// The `items` of a list answer.
 pub fn items<T: DeserializeOwned>(v: &Value) -> anyhow::Result<Vec<T>> {
     match v.get("items") {

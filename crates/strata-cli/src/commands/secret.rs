@@ -131,20 +131,7 @@ pub fn set_body(a: &SetArgs, value: String, client_secret: Option<String>) -> Va
     json!({ "name": a.name, "connector": a.connector, "kind": "static", "rule": rule, "value": value })
 }
 
-fn s(v: &Value, k: &str) -> String {
-    match v.get(k) {
-        Some(Value::String(s)) => s.clone(),
-        Some(Value::Null) | None => "-".into(),
-        Some(other) => other.to_string(),
-    }
-}
-
-fn items(v: &Value) -> Vec<Value> {
-    v.get("items")
-        .and_then(Value::as_array)
-        .cloned()
-        .unwrap_or_default()
-}
+use crate::views::{field as s, items_or_empty as items};
 
 fn rule_text(r: &Value) -> String {
     match r.get("type").and_then(Value::as_str) {

@@ -2,7 +2,7 @@
 //! only; docs/events.md). A new webhook's signing secret is printed once.
 
 use clap::Subcommand;
-use serde_json::{json, Value};
+use serde_json::json;
 
 use super::Ctx;
 
@@ -44,20 +44,7 @@ pub enum WebhookCmd {
     },
 }
 
-fn s(v: &Value, k: &str) -> String {
-    match v.get(k) {
-        Some(Value::String(s)) => s.clone(),
-        Some(Value::Null) | None => "-".into(),
-        Some(other) => other.to_string(),
-    }
-}
-
-fn items(v: &Value) -> Vec<Value> {
-    v.get("items")
-        .and_then(Value::as_array)
-        .cloned()
-        .unwrap_or_default()
-}
+use crate::views::{field as s, items_or_empty as items};
 
 /// Runs a webhook command.
 pub async fn run(ctx: &Ctx, cmd: WebhookCmd) -> anyhow::Result<i32> {
