@@ -53,6 +53,10 @@ struct Build<'a> {
     trust: Option<&'a str>,
 }
 
+/// The guest's system CA bundle (Debian's: what curl, pip, git and
+/// Python's `ssl` read), which a trusted CA is appended to.
+pub const SYSTEM_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
+
 /// Where a template built with a trusted CA keeps a copy of it (the system
 /// bundle has it appended too).
 pub const TRUSTED_CA_PATH: &str = "/usr/local/share/ca-certificates/strata-trusted.crt";
@@ -229,7 +233,7 @@ impl Runtime {
                 progress("adding the trusted CA to the guest's system bundle");
                 let script = format!(
                     "set -e; mkdir -p {dir}; cat > {TRUSTED_CA_PATH} <<'STRATA_PEM'\n{pem}\nSTRATA_PEM\n\
-                     cat {TRUSTED_CA_PATH} >> /etc/ssl/certs/ca-certificates.crt",
+                     cat {TRUSTED_CA_PATH} >> {SYSTEM_CA_BUNDLE}",
                     dir = "/usr/local/share/ca-certificates",
                     pem = pem.trim_end(),
                 );

@@ -58,9 +58,9 @@ pub const START_LOG: &str = "/tmp/strata-start.log";
 /// template trusts it; it is also appended to the system bundle).
 pub const BUILD_CA_PATH: &str = "/usr/local/share/ca-certificates/strata-build-ca.crt";
 
-/// The guest's system CA bundle (Debian's), which a build's CA bundle is
-/// appended to.
-pub const SYSTEM_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
+/// The guest's system CA bundle, which a build's CA bundle is appended to
+/// (the runtime's constant: plain template builds append to it too).
+pub use strata_runtime::SYSTEM_CA_BUNDLE;
 
 /// Largest CA bundle a build accepts, in bytes.
 const MAX_CA_BUNDLE: usize = 1 << 20;
@@ -729,7 +729,7 @@ impl Service {
                 // Python's ssl read), not rehashed: `update-ca-certificates`
                 // takes minutes under TCG on a whole bundle.
                 let root = ExecPlan {
-                    shell: format!("cat {BUILD_CA_PATH} >> /etc/ssl/certs/ca-certificates.crt"),
+                    shell: format!("cat {BUILD_CA_PATH} >> {SYSTEM_CA_BUNDLE}"),
                     user: "root".into(),
                     cwd: "/".into(),
                     env: BTreeMap::new(),
