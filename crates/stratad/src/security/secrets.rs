@@ -762,6 +762,32 @@ impl Broker {
     }
 }
 
+impl Broker {
+    /// What secret `e` of `tenant` puts on a request now: a static
+    /// secret's value, or an OAuth2 secret's access token (cached or
+    /// refreshed) with its token slot and generation, which a `401`
+    /// marks stale.
+    async fn current_value(
+        &self,
+        tenant: &str,
+        e: &Entry,
+    ) -> Result<(String, Option<(Arc<tokio::sync::Mutex<Token>>, u64)>), String> {
+        match &e.spec {
+            Spec::Static { .. } => {
+                let v = self
+                    .open_material(tenant, e)?
+                    .value
+                    .ok_or_else(|| format!("secret {}: no value", e.name))?;
+                Ok((v, None))
+            }
+            Spec::Oauth2 { .. } => {
+                let (access, generation, slot) = self.access_token(tenant, e).await?;
+                Ok((access, Some((slot, generation))))
+            }
+        }
+    }
+}
+
 impl RequestHook for Broker {
     fn secret_value<'a>(
         &'a self,
@@ -778,16 +804,7 @@ impl RequestHook for Broker {
             else {
                 return Ok(None);
             };
-            match &e.spec {
-                Spec::Static { .. } => {
-                    let m = self.open_material(tenant, &e)?;
-                    Ok(m.value)
-                }
-                Spec::Oauth2 { .. } => {
-                    let (access, _, _) = self.access_token(tenant, &e).await?;
-                    Ok(Some(access))
-                }
-            }
+            self.current_value(tenant, &e).await.map(|(v, _)| Some(v))
         })
     }
 
@@ -805,21 +822,12 @@ impl RequestHook for Broker {
             let mut inj = Injected::default();
             let mut stale_on_401: Vec<(Arc<tokio::sync::Mutex<Token>>, u64)> = Vec::new();
             for e in self.applicable(call) {
-                let (rule, value) = match &e.spec {
-                    Spec::Static { rule } => {
-                        let m = self.open_material(&call.tenant, &e)?;
-                        let v = m
-                            .value
-                            .ok_or_else(|| format!("secret {}: no value", e.name))?;
-                        (rule.clone(), v)
-                    }
-                    Spec::Oauth2 { .. } => {
-                        let (access, generation, slot) =
-                            self.access_token(&call.tenant, &e).await?;
-                        stale_on_401.push((slot, generation));
-                        (Injection::Bearer, access)
-                    }
+                let (value, token) = self.current_value(&call.tenant, &e).await?;
+                let rule = match &e.spec {
+                    Spec::Static { rule } => rule.clone(),
+                    Spec::Oauth2 { .. } => Injection::Bearer,
                 };
+                stale_on_401.extend(token);
                 let needles =
                     secrets::apply(req, &e.name, &rule, &value).map_err(|err| err.to_string())?;
                 inj.strip.extend(needles);
