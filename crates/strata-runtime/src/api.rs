@@ -212,10 +212,12 @@ pub struct PausePhases {
     pub stop_ms: f64,
     /// Device state: `migrate` of everything but RAM to `device.state`.
     pub device_state_ms: f64,
-    /// Hashing and signing `meta.json` and `device.state`.
+    /// Hashing and signing `meta.json` and `device.state` and making the
+    /// snapshot read-only: after `cont`, so **not** part of the pause
+    /// (`pause_ms`); the snapshot is acknowledged only once it is done.
     pub sign_ms: f64,
-    /// The read-only btrfs snapshot of the subvolume (writes back the dirty
-    /// pages of RAM and disk, then commits).
+    /// The btrfs snapshot of the subvolume (writes back the dirty pages of
+    /// RAM and disk, then commits); writable until signed.
     pub btrfs_ms: f64,
     /// QMP `cont` round trip.
     pub cont_ms: f64,

@@ -536,10 +536,10 @@ fn render(ctx: &Ctx, args: &Args, res: &Results, sec: &mut Section) -> Result<()
                 "n",
                 "QMP stop",
                 "device state",
-                "sign",
                 "btrfs snapshot",
                 "QMP cont",
                 "pause",
+                "sign (after cont)",
             ],
         );
         for c in &res.cases {
@@ -554,10 +554,10 @@ fn render(ctx: &Ctx, args: &Args, res: &Results, sec: &mut Section) -> Result<()
                 c.phases.len().to_string(),
                 col(|p| p.stop_ms),
                 col(|p| p.device_state_ms),
-                col(|p| p.sign_ms),
                 col(|p| p.btrfs_ms),
                 col(|p| p.cont_ms),
                 format!("{} ({})", fmt_num(pause.p50), fmt_num(pause.p99)),
+                col(|p| p.sign_ms),
             ]);
         }
         sec.table(t);

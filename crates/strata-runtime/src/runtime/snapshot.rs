@@ -183,19 +183,17 @@ impl Runtime {
             let device_state_ms = ms(t_state);
             let pool = self.pool.clone();
             let (src, d) = (dir.clone(), dst.clone());
-            let signer = self.cfg.signing.clone();
-            let name = snap.to_string();
-            let (sign_ms, btrfs_ms) = blocking(move || {
-                // Signed inside, before the read-only snapshot is taken.
+            // Writable for now: it is signed and made read-only after `cont`
+            // (below), so hashing device.state is not part of the pause. Until
+            // then it has no record: a crash in between leaves a subvolume
+            // recovery removes as an orphan, never an unsigned snapshot.
+            let btrfs_ms = blocking(move || {
                 let t = Instant::now();
-                super::signatures::sign_into(signer.as_deref(), &src, &name, None)?;
-                let sign_ms = ms(t);
-                let t = Instant::now();
-                pool.snapshot(&src, &d, true).map_err(storage_err)?;
-                Ok((sign_ms, ms(t)))
+                pool.snapshot(&src, &d, false).map_err(storage_err)?;
+                Ok(ms(t))
             })
             .await?;
-            Ok::<(u64, f64, f64, f64), RuntimeError>((bytes, device_state_ms, sign_ms, btrfs_ms))
+            Ok::<(u64, f64, f64), RuntimeError>((bytes, device_state_ms, btrfs_ms))
         }
         .await;
         if was_running {
@@ -216,7 +214,31 @@ impl Runtime {
             phases.cont_ms = ms(t_cont);
         }
         let pause_ms = ms(t0);
-        let (bytes, device_state_ms, sign_ms, btrfs_ms) = result?;
+        let (bytes, device_state_ms, btrfs_ms) = result?;
+        // Signed in the snapshot itself (a point-in-time copy: the running
+        // guest no longer changes it), then made read-only.
+        let (pool, d) = (self.pool.clone(), dst.clone());
+        let signer = self.cfg.signing.clone();
+        let name = snap.to_string();
+        let signed = blocking(move || {
+            let t = Instant::now();
+            super::signatures::sign_into(signer.as_deref(), &d, &name, None)?;
+            pool.set_readonly(&d, true).map_err(storage_err)?;
+            Ok(ms(t))
+        })
+        .await;
+        let sign_ms = match signed {
+            Ok(v) => v,
+            Err(e) => {
+                // Never listed: its subvolume goes (an unsigned snapshot
+                // would be refused on restore anyway).
+                let (pool, d) = (self.pool.clone(), dst.clone());
+                if let Err(t) = blocking(move || pool.trash(&d).map_err(storage_err)).await {
+                    tracing::warn!(sandbox = %id, snapshot = %snap, error = %t, "removing an unsigned snapshot failed");
+                }
+                return Err(e);
+            }
+        };
         phases.device_state_ms = device_state_ms;
         phases.sign_ms = sign_ms;
         phases.btrfs_ms = btrfs_ms;
