@@ -72,9 +72,7 @@ pub fn check_name(name: &str) -> Result<(), RuleError> {
     let ok = !name.is_empty()
         && name.len() <= MAX_NAME
         && name.as_bytes()[0].is_ascii_alphanumeric()
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
+        && name.bytes().all(is_name_byte);
     if ok {
         Ok(())
     } else {
@@ -82,6 +80,43 @@ pub fn check_name(name: &str) -> Result<(), RuleError> {
             "secret name {name:?}: 1-{MAX_NAME} of [A-Za-z0-9_.-], starting with a letter or digit"
         )))
     }
+}
+
+/// Whether `b` may appear in a secret name (`[A-Za-z0-9_.-]`).
+fn is_name_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-')
+}
+
+/// A piece of a text that may hold placeholders ([`placeholder_pieces`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Piece<'a> {
+    /// Text kept as it is.
+    Text(&'a str),
+    /// `strata:secret/<name>`: the name (the longest run of name
+    /// characters after the prefix; possibly empty, which names no secret).
+    Secret(&'a str),
+}
+
+/// `v` cut into text and `strata:secret/<name>` placeholders, in order.
+pub fn placeholder_pieces(v: &str) -> Vec<Piece<'_>> {
+    let mut out = Vec::new();
+    let mut rest = v;
+    while let Some(i) = rest.find(PLACEHOLDER_PREFIX) {
+        if i > 0 {
+            out.push(Piece::Text(&rest[..i]));
+        }
+        let after = &rest[i + PLACEHOLDER_PREFIX.len()..];
+        let end = after
+            .bytes()
+            .position(|b| !is_name_byte(b))
+            .unwrap_or(after.len());
+        out.push(Piece::Secret(&after[..end]));
+        rest = &after[end..];
+    }
+    if !rest.is_empty() {
+        out.push(Piece::Text(rest));
+    }
+    out
 }
 
 impl Injection {
@@ -369,6 +404,27 @@ pub fn strip_body(body: &Bytes, needles: &[Vec<u8>]) -> Option<Bytes> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn placeholders_are_cut_by_the_name_charset() {
+        assert_eq!(
+            placeholder_pieces("Bearer strata:secret/a.b-c_1 and strata:secret/x/y"),
+            vec![
+                Piece::Text("Bearer "),
+                Piece::Secret("a.b-c_1"),
+                Piece::Text(" and "),
+                Piece::Secret("x"),
+                Piece::Text("/y"),
+            ]
+        );
+        assert_eq!(placeholder_pieces("plain"), vec![Piece::Text("plain")]);
+        assert_eq!(
+            placeholder_pieces("strata:secret/"),
+            vec![Piece::Secret("")]
+        );
+        // Every name a placeholder yields is one check_name would judge.
+        assert!(check_name("a.b-c_1").is_ok());
+    }
 
     fn req(uri: &str, headers: &[(&str, &str)]) -> hyper::http::request::Parts {
         let mut b = hyper::Request::builder().uri(uri);

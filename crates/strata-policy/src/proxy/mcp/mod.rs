@@ -118,14 +118,14 @@ async fn resolve(cfg: &ProxyConfig, connector: &str, v: &str) -> Result<String, 
         ));
     };
     let mut out = String::new();
-    let mut rest = v;
-    while let Some(i) = rest.find(PLACEHOLDER_PREFIX) {
-        out.push_str(&rest[..i]);
-        let after = &rest[i + PLACEHOLDER_PREFIX.len()..];
-        let end = after
-            .find(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-')))
-            .unwrap_or(after.len());
-        let name = &after[..end];
+    for piece in crate::secrets::placeholder_pieces(v) {
+        let name = match piece {
+            crate::secrets::Piece::Text(t) => {
+                out.push_str(t);
+                continue;
+            }
+            crate::secrets::Piece::Secret(name) => name,
+        };
         let value = hook
             .secret_value(&cfg.tenant, connector, name)
             .await?
@@ -133,9 +133,7 @@ async fn resolve(cfg: &ProxyConfig, connector: &str, v: &str) -> Result<String, 
                 format!("connector `{connector}` names secret `{name}`, which is not one of this tenant's secrets bound to it")
             })?;
         out.push_str(&value);
-        rest = &after[end..];
     }
-    out.push_str(rest);
     Ok(out)
 }
 
