@@ -31,6 +31,11 @@ done
 # is kept). run-js.sh adds a newer Node from npm when this one is too old.
 command -v node >/dev/null || missing+=(nodejs)
 command -v npm >/dev/null || missing+=(npm)
+# kubectl, for `kubectl kustomize` in scripts/k8s-validate.sh (offline; no
+# cluster): checked as a command, so another kubectl is kept; without one,
+# Debian's kubernetes-client (kubectl 1.20, kustomize v2.0.3: the manifests
+# stay within what it renders).
+command -v kubectl >/dev/null || missing+=(kubernetes-client)
 # qemu-img must match QEMU 7.2 from bookworm (a backported qemu-utils conflicts with qemu-system-x86 7.2).
 qemu_utils_ok=0
 if dpkg-query -W -f='${Version}' qemu-utils 2>/dev/null | grep -q '^1:7\.2'; then qemu_utils_ok=1; fi

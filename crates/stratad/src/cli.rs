@@ -90,6 +90,12 @@ pub struct Args {
     /// `[e2b] tls_listen`).
     #[arg(long, help_heading = "E2B front door")]
     pub e2b_tls_listen: Option<std::net::SocketAddr>,
+    /// The metadata store (`[store] url`, docs/store.md): `postgresql://…`
+    /// or `sqlite:PATH`. Give a URL with a password through the environment
+    /// (a Kubernetes Secret, docs/kubernetes.md), never as a flag: a flag is
+    /// visible to every local user in the process list.
+    #[arg(long, env = "STRATAD_STORE_URL", hide_env_values = true)]
+    pub store_url: Option<String>,
     /// Print the built-in configuration and exit.
     #[arg(long)]
     pub print_default_config: bool,
@@ -160,6 +166,9 @@ pub fn config(args: &Args) -> anyhow::Result<Config> {
     }
     if let Some(v) = args.e2b_tls_listen {
         cfg.e2b.tls_listen = Some(v);
+    }
+    if let Some(v) = &args.store_url {
+        cfg.store.url = Some(v.clone());
     }
     cfg.validate()?;
     Ok(cfg)
@@ -288,5 +297,76 @@ mod tests {
         assert_eq!(cfg.e2b.home_dir, "/home/user");
         let cfg = config(&parse(&["--config", path, "--e2b-api-key", "flag"])).unwrap();
         assert_eq!(cfg.e2b.api_keys, ["flag"]);
+    }
+
+    #[test]
+    fn store_url_comes_from_the_environment_and_overrides_the_file() {
+        // The Kubernetes manifests give the URL (a Secret) as this variable.
+        let cmd = <Args as clap::CommandFactory>::command();
+        let arg = cmd
+            .get_arguments()
+            .find(|a| a.get_id() == "store_url")
+            .expect("--store-url");
+        assert_eq!(
+            arg.get_env(),
+            Some(std::ffi::OsStr::new("STRATAD_STORE_URL"))
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("stratad.toml");
+        std::fs::write(
+            &file,
+            "[store]\nurl = \"sqlite:/srv/a.db\"\nschema = \"strata\"\n",
+        )
+        .unwrap();
+        let path = file.to_str().unwrap();
+        let url = "postgresql://strata:pw@db:5432/strata";
+        let cfg = config(&parse(&["--config", path, "--store-url", url])).unwrap();
+        assert_eq!(cfg.store.url.as_deref(), Some(url));
+        assert_eq!(cfg.store.schema.as_deref(), Some("strata"));
+        assert_eq!(
+            cfg.store_location().unwrap(),
+            crate::config::StoreLocation::Postgres(url.into())
+        );
+        // Validated like the file's: another scheme is refused at start.
+        let err = config(&parse(&["--store-url", "mysql://db/strata"])).unwrap_err();
+        assert!(format!("{err:#}").contains("[store] url"), "{err:#}");
+    }
+
+    #[test]
+    fn the_kubernetes_configmaps_load() {
+        // Every stratad.toml under deploy/kubernetes is a ConfigMap the
+        // daemon reads at start: it must parse (unknown keys are errors)
+        // and agree with the manifests (scripts/k8s-validate.sh checks the
+        // mounts against the same values).
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/kubernetes");
+        let mut seen = 0;
+        let mut dirs = vec![root.clone()];
+        while let Some(d) = dirs.pop() {
+            for e in std::fs::read_dir(&d).unwrap() {
+                let p = e.unwrap().path();
+                if p.is_dir() {
+                    dirs.push(p);
+                } else if p.file_name().is_some_and(|n| n == "stratad.toml") {
+                    let path = p.to_str().unwrap();
+                    let cfg = config(&parse(&[
+                        "--config",
+                        path,
+                        "--store-url",
+                        "postgresql://strata@db:5432/strata",
+                    ]))
+                    .unwrap_or_else(|e| panic!("{path}: {e:#}"));
+                    assert_eq!(cfg.listen.port(), 7070, "{path}: the containerPort");
+                    assert_eq!(cfg.data_dir, PathBuf::from("/var/lib/strata"), "{path}");
+                    assert_eq!(cfg.key_dir, PathBuf::from("/var/lib/strata-keys"), "{path}");
+                    let body = Config::from_file(&p).unwrap_or_else(|e| panic!("{path}: {e}"));
+                    assert!(
+                        body.store.url.is_none(),
+                        "{path}: the URL is a Secret, not in the ConfigMap"
+                    );
+                    seen += 1;
+                }
+            }
+        }
+        assert!(seen >= 2, "found {seen} stratad.toml under {root:?}");
     }
 }

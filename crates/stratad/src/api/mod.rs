@@ -500,6 +500,7 @@ fn service_route(r: &Route) -> Option<axum::routing::MethodRouter<Arc<Service>>>
     let m = r.method;
     Some(match r.action {
         Healthz => on(m, system::healthz),
+        Livez => on(m, system::livez),
         Metrics => on(m, system::metrics),
         OpenApi => on(m, system::openapi),
         Ca => on(m, system::ca),

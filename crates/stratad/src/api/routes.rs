@@ -14,6 +14,7 @@ use crate::security::auth::Role;
 #[allow(missing_docs)]
 pub enum Action {
     Healthz,
+    Livez,
     Metrics,
     OpenApi,
     Ca,
@@ -85,7 +86,7 @@ pub enum Action {
 /// Who may call a route.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Access {
-    /// Anyone, without a token (`/healthz`).
+    /// Anyone, without a token (`/healthz`, `/livez`).
     Open,
     /// A `metrics` token or an admin of the platform tenant (`/metrics`:
     /// every tenant's figures).
@@ -148,6 +149,7 @@ const fn tool(method: &'static str, path: &'static str, action: Action, access: 
 #[rustfmt::skip]
 pub const ROUTES: &[Route] = &[
     r("GET", "/healthz", Action::Healthz, Access::Open),
+    r("GET", "/livez", Action::Livez, Access::Open),
     r("GET", "/metrics", Action::Metrics, Access::HostMetrics),
     r("GET", "/v1/openapi.json", Action::OpenApi, ANY),
     r("GET", "/v1/stats", Action::Stats, READ),

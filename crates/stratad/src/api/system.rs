@@ -1,4 +1,4 @@
-//! `/healthz`, `/metrics`, `/v1/stats`, `/v1/openapi.json`, `/v1/ca`.
+//! `/healthz`, `/livez`, `/metrics`, `/v1/stats`, `/v1/openapi.json`, `/v1/ca`.
 
 use std::sync::Arc;
 
@@ -12,12 +12,23 @@ use super::{ApiResult, OPENAPI_JSON};
 use crate::caller::Caller;
 use crate::service::Service;
 
+/// Readiness: answers `200` only when the store answers (a PostgreSQL
+/// store that cannot be reached answers `503 storage_failed`).
 pub(super) async fn healthz(State(svc): State<Arc<Service>>) -> ApiResult<impl IntoResponse> {
     // Answers only when the store answers.
     svc.refresh_gauges().await?;
     Ok(Json(
         json!({ "status": "ok", "version": strata_core::STRATA_VERSION }),
     ))
+}
+
+/// Liveness: answers `200` whenever the process serves HTTP, without
+/// touching the store. A supervisor that restarts the daemon on a failed
+/// liveness check (Kubernetes' `livenessProbe`, docs/kubernetes.md) must not
+/// restart it because the store is away: a restart in a container ends its
+/// VMs, and the store would still be away after it.
+pub(super) async fn livez() -> impl IntoResponse {
+    Json(json!({ "status": "ok", "version": strata_core::STRATA_VERSION }))
 }
 
 /// Prometheus text of the whole host (every tenant): the security layer

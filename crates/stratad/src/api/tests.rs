@@ -1025,6 +1025,31 @@ async fn every_route_is_documented_and_served() {
 }
 
 #[tokio::test]
+async fn livez_answers_without_the_store_and_healthz_does_not() {
+    let h = harness();
+    for path in ["/livez", "/healthz"] {
+        let (s, v) = call(&h, "GET", path, "").await;
+        assert_eq!(
+            (s, v["status"].as_str()),
+            (StatusCode::OK, Some("ok")),
+            "{path}"
+        );
+    }
+    // Break the real store under the daemon: another connection renames
+    // the table the store's counts read.
+    let db = rusqlite::Connection::open(h._dir.path().join("strata.db")).unwrap();
+    db.execute_batch("ALTER TABLE sandboxes RENAME TO sandboxes_away")
+        .unwrap();
+    let (s, v) = call(&h, "GET", "/healthz", "").await;
+    assert!(
+        s.is_server_error(),
+        "/healthz with the store broken: {s} {v}"
+    );
+    let (s, v) = call(&h, "GET", "/livez", "").await;
+    assert_eq!(s, StatusCode::OK, "/livez with the store broken: {v}");
+}
+
+#[tokio::test]
 async fn metrics_and_stats_report_quantiles() {
     let h = harness();
     let id = create(&h).await;

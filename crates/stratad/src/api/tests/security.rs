@@ -116,6 +116,8 @@ async fn missing_malformed_unknown_expired_revoked_tokens_are_401() {
     let h = sec_harness(|_| {});
     let (s, _, _) = req(&h, "GET", "/healthz", None, "").await;
     assert_eq!(s, StatusCode::OK, "/healthz stays open");
+    let (s, _, _) = req(&h, "GET", "/livez", None, "").await;
+    assert_eq!(s, StatusCode::OK, "/livez stays open");
     let unknown = crate::security::auth::new_token().1;
     for t in [None, Some("nope"), Some(unknown.as_str())] {
         let (s, v, hd) = req(&h, "GET", "/v1/sandboxes", t, "").await;
