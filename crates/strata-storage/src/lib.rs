@@ -23,6 +23,7 @@ mod error;
 mod ioctl;
 mod mountinfo;
 mod pool;
+pub mod send;
 pub mod subvol;
 mod usage;
 
@@ -33,6 +34,10 @@ pub use error::{is_device_errno, Result, StorageError};
 pub use pool::{
     unmount_image, Pool, PoolConfig, PoolOptions, PoolUsage, ReserveStatus, UsageMethod, LAYOUT,
     MIN_IMAGE_SIZE, MOUNT_OPTIONS, RESERVE_FILE,
+};
+pub use send::{
+    subvol_info, ReceiveSpec, Received, SendStream, StreamSummary, SubvolInfo, TransferError, Uuid,
+    IMPORT_DIR,
 };
 pub use usage::{
     enable_simple_quotas, extent_usage, file_extent_map, kernel_has_simple_quotas, qgroup_usage,
