@@ -6,6 +6,8 @@
 //!   against a parent snapshot the receiver holds.
 //! - [`Runtime::receive_snapshot`] applies a hostile stream in the pool's
 //!   import directory (checked and bounded by the storage layer), then
+//!   bounds it by the caller's limit and the pool's free space less the
+//!   room kept for snapshots ([`super::snapshot::MIN_FREE_BYTES`]), and
 //!   publishes it as `snapshots/<id>`: a writable copy of the received
 //!   subvolume whose `meta.json` must parse and be restorable on this host
 //!   (QEMU series, accelerator, files present), the sender's signature
@@ -110,10 +112,13 @@ impl Runtime {
         if dst.exists() {
             return Err(RuntimeError::Invalid(format!("snapshot {snap} already exists")).into());
         }
+        // Bounded by the pool too: a stream never eats the room snapshots
+        // and running guests need.
+        let free = self.pool.usage().map_err(storage_err)?.free_bytes;
         let spec = ReceiveSpec {
             name: snap.to_string(),
             parent,
-            max_bytes,
+            max_bytes: max_bytes.min(free.saturating_sub(super::snapshot::MIN_FREE_BYTES)),
         };
         let (path, identity, bytes) = match self.pool.receive(&spec, input) {
             Ok(r) => {
