@@ -17,7 +17,8 @@
 //!
 //! Hot-path operations are single ioctls (no `btrfs` process). The only external
 //! programs are `mkfs.btrfs` (btrfs-progs) when an image is created and `mount`
-//! (util-linux) when it is mounted.
+//! (util-linux) when it is mounted, and `btrfs send` / `btrfs receive` for moves
+//! between pools ([`send`]).
 
 mod error;
 mod ioctl;
