@@ -20,7 +20,7 @@ use strata_bench::ctx::{teardown_all, Ctx};
 use strata_bench::report::{commit, Machine, Report, Section};
 use strata_bench::sections::{
     self, chaos, density, events, history, interp, load, mcp, packing, pool, recipe, restore,
-    scale, sdk, snapshot, soak, tls_proxy,
+    scale, sdk, snapshot, soak, tls_proxy, transfer,
 };
 use strata_core::Accel;
 use strata_vmm::VmmDriver;
@@ -40,7 +40,8 @@ struct Cli {
     /// interpreter: first run_code in a fork vs a cold kernel), packing (admission by use vs
     /// nominal, 10 % active), soak (rolling snapshots of 20 sandboxes for two hours), tls_proxy
     /// (TLS interception overhead vs direct TLS), events (approval request → webhook and
-    /// event stream), chaos (kill -9 at random moments, 100 kills, ~1 h), run
+    /// event stream), chaos (kill -9 at random moments, 100 kills, ~1 h), move (incremental
+    /// btrfs send/receive vs a full send, no VMs), run
     /// only when named here.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
@@ -112,6 +113,11 @@ struct Cli {
         next_help_heading = "16. MCP gateway overhead (only with --only mcp)"
     )]
     mcp: mcp::Args,
+    #[command(
+        flatten,
+        next_help_heading = "17. Moving a sandbox: incremental btrfs send vs full (only with --only move)"
+    )]
+    transfer: transfer::Args,
 }
 
 fn title(key: &str) -> &'static str {
@@ -136,6 +142,7 @@ fn title(key: &str) -> &'static str {
         "events" => "14. Approval notifications: request → webhook delivery and → event stream",
         "chaos" => "15. Chaos: kill -9 of the daemon, a QEMU, an agent at random moments",
         "mcp" => "16. MCP gateway: tools/call through the gateway vs direct to the server",
+        "move" => "17. Moving a sandbox: incremental btrfs send/receive vs a full send",
         _ => "unknown section",
     }
 }
@@ -179,6 +186,7 @@ async fn run_section(key: &str, ctx: &Ctx, cli: &Cli) -> Section {
                 "events" => events::run(ctx, &cli.events, &mut sec).await,
                 "chaos" => chaos::run(ctx, &cli.chaos, &mut sec).await,
                 "mcp" => mcp::run(ctx, &cli.mcp, &mut sec).await,
+                "move" => transfer::run(ctx, &cli.transfer, &mut sec).await,
                 other => Err(anyhow!("unknown section {other:?}")),
             }
         };
@@ -248,6 +256,7 @@ fn main() -> Result<()> {
         cli.events.smoke();
         cli.chaos.smoke();
         cli.mcp.smoke();
+        cli.transfer.smoke();
     }
     let requested: Accel = cli.accel.parse().map_err(|e: String| anyhow!(e))?;
     let image = image_dir(&cli)?;

@@ -17,12 +17,14 @@
 //!
 //! Hot-path operations are single ioctls (no `btrfs` process). The only external
 //! programs are `mkfs.btrfs` (btrfs-progs) when an image is created and `mount`
-//! (util-linux) when it is mounted.
+//! (util-linux) when it is mounted, and `btrfs send` / `btrfs receive` for moves
+//! between pools ([`send`]).
 
 mod error;
 mod ioctl;
 mod mountinfo;
 mod pool;
+pub mod send;
 pub mod subvol;
 mod usage;
 
@@ -33,6 +35,10 @@ pub use error::{is_device_errno, Result, StorageError};
 pub use pool::{
     unmount_image, Pool, PoolConfig, PoolOptions, PoolUsage, ReserveStatus, UsageMethod, LAYOUT,
     MIN_IMAGE_SIZE, MOUNT_OPTIONS, RESERVE_FILE,
+};
+pub use send::{
+    subvol_info, ReceiveSpec, Received, SendStream, StreamSummary, SubvolInfo, TransferError, Uuid,
+    IMPORT_DIR,
 };
 pub use usage::{
     enable_simple_quotas, extent_usage, file_extent_map, kernel_has_simple_quotas, qgroup_usage,

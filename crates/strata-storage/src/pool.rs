@@ -539,7 +539,7 @@ impl Pool {
 
     /// Resolves `path` (absolute or relative to the root) and checks it names an entry
     /// strictly inside the pool. The final component need not exist.
-    fn inside(&self, path: &Path) -> Result<PathBuf> {
+    pub(crate) fn inside(&self, path: &Path) -> Result<PathBuf> {
         let abs = if path.is_absolute() {
             path.to_path_buf()
         } else {

@@ -21,6 +21,7 @@ pub mod sdk;
 pub mod snapshot;
 pub mod soak;
 pub mod tls_proxy;
+pub mod transfer;
 
 /// Section keys in report order.
 pub const ALL: &[&str] = &["snapshot", "restore", "load", "density", "history", "scale"];
@@ -33,7 +34,9 @@ pub const ALL: &[&str] = &["snapshot", "restore", "load", "density", "history", 
 /// `tls_proxy` measures the egress proxy on the host alone (no guest),
 /// `events` (no VMs, seconds) notifications of approval requests, `chaos`
 /// 100 kills for about an hour, `mcp` (no VMs, seconds; the `mcp` package
-/// from PyPI) the MCP gateway's cost per `tools/call`.
+/// from PyPI) the MCP gateway's cost per `tools/call`, `move` (no VMs,
+/// about a minute) incremental `btrfs send` moves vs full sends
+/// (module [`transfer`]).
 pub const OPT_IN: &[&str] = &[
     "sdk",
     "recipe",
@@ -45,4 +48,5 @@ pub const OPT_IN: &[&str] = &[
     "events",
     "chaos",
     "mcp",
+    "move",
 ];

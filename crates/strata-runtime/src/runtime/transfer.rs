@@ -1,0 +1,219 @@
+//! Moving snapshots between two deployments (docs/move.md): the runtime's
+//! side of `btrfs send` / `receive` ([`strata_storage::send`]).
+//!
+//! Contract:
+//! - [`Runtime::send_snapshot`] streams a snapshot subvolume, incremental
+//!   against a parent snapshot the receiver holds.
+//! - [`Runtime::receive_snapshot`] applies a hostile stream in the pool's
+//!   import directory (checked and bounded by the storage layer), then
+//!   bounds it by the caller's limit and the pool's free space less the
+//!   room kept for snapshots ([`super::snapshot::MIN_FREE_BYTES`]), and
+//!   publishes it as `snapshots/<id>`: a writable copy of the received
+//!   subvolume whose `meta.json` must parse and be restorable on this host
+//!   (QEMU series, accelerator, files present), the sender's signature
+//!   removed and this deployment's written in its place (a received state
+//!   is trusted as much as the credentials that pushed it: the signature
+//!   says "this deployment accepted it", not "this deployment made it"),
+//!   then one read-only snapshot. The received subvolume stays in the
+//!   import directory untouched: it is the parent the next incremental
+//!   stream names. A state refused at publication is removed with its
+//!   received subvolume.
+//! - Receiving a snapshot whose stream was already received whole (an
+//!   interrupted move resumed after the receive) publishes it without a
+//!   second transfer; a published one is refused as already present.
+
+use std::io::Read;
+use std::path::PathBuf;
+
+use strata_core::SnapshotId;
+use strata_storage::{ReceiveSpec, SendStream, TransferError, Uuid};
+
+use super::{blocking, Result, Runtime};
+use crate::error::{io_err, storage_err, RuntimeError};
+use crate::meta::{files, StateMeta};
+
+/// Why a send or receive of a snapshot failed.
+#[derive(Debug, thiserror::Error)]
+pub enum MoveError {
+    /// The stream or the storage refused (hostile or broken stream, bound,
+    /// a `btrfs` program failed).
+    #[error(transparent)]
+    Transfer(#[from] TransferError),
+    /// The runtime refused (state not restorable here, exists, signing).
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+}
+
+/// A snapshot received and published.
+#[derive(Debug, Clone)]
+pub struct ReceivedSnapshot {
+    /// Its metadata (as sent: size, accel, sandbox).
+    pub meta: StateMeta,
+    /// The sender's identity of it (the received UUID).
+    pub identity: Uuid,
+    /// Stream bytes applied (0 when it had been received before).
+    pub bytes: u64,
+}
+
+impl Runtime {
+    /// The identity `btrfs send` gives snapshot `snap` in a stream (what a
+    /// receiver compares with what it holds).
+    pub fn snapshot_identity(&self, snap: &SnapshotId) -> Result<Uuid> {
+        strata_storage::subvol_info(&self.snapshot_dir(snap))
+            .map_err(|e| match e {
+                strata_storage::StorageError::NotFound { .. } => {
+                    RuntimeError::SnapshotNotFound(snap.to_string())
+                }
+                e => storage_err(e),
+            })
+            .map(|i| i.identity())
+    }
+
+    /// Starts streaming snapshot `snap`, incremental against `parent`.
+    /// Blocking (spawns `btrfs send`); read the stream off the async
+    /// threads.
+    pub fn send_snapshot(
+        &self,
+        snap: &SnapshotId,
+        parent: Option<&SnapshotId>,
+    ) -> std::result::Result<SendStream, MoveError> {
+        let dir = self.snapshot_dir(snap);
+        if !dir.exists() {
+            return Err(RuntimeError::SnapshotNotFound(snap.to_string()).into());
+        }
+        let parent = parent.map(|p| self.snapshot_dir(p));
+        Ok(self.pool.send(&dir, parent.as_deref())?)
+    }
+
+    /// The snapshots received whole into this pool's import directory:
+    /// (snapshot id, the sender's identity).
+    pub fn received_snapshots(&self) -> Result<Vec<(String, Uuid)>> {
+        Ok(self
+            .pool
+            .list_received()
+            .map_err(storage_err)?
+            .into_iter()
+            .filter_map(|(n, i)| i.received_uuid.map(|u| (n, u)))
+            .collect())
+    }
+
+    /// Receives snapshot `snap` from the hostile stream `input` (at most
+    /// `max_bytes`, incremental against the received `parent`) and
+    /// publishes it signed; see the module docs. Blocking.
+    pub fn receive_snapshot(
+        &self,
+        snap: &SnapshotId,
+        parent: Option<Uuid>,
+        max_bytes: u64,
+        input: impl Read,
+        accel_name: &str,
+    ) -> std::result::Result<ReceivedSnapshot, MoveError> {
+        let dst = self.snapshot_dir(snap);
+        if dst.exists() {
+            return Err(RuntimeError::Invalid(format!("snapshot {snap} already exists")).into());
+        }
+        // Bounded by the pool too: a stream never eats the room snapshots
+        // and running guests need.
+        let free = self.pool.usage().map_err(storage_err)?.free_bytes;
+        let spec = ReceiveSpec {
+            name: snap.to_string(),
+            parent,
+            max_bytes: max_bytes.min(free.saturating_sub(super::snapshot::MIN_FREE_BYTES)),
+        };
+        let (path, identity, bytes) = match self.pool.receive(&spec, input) {
+            Ok(r) => {
+                let id = r.info.identity();
+                (r.path, id, r.bytes)
+            }
+            Err(TransferError::AlreadyReceived(_)) => {
+                let path = self.pool.import_dir().join(snap.as_str());
+                let info = strata_storage::subvol_info(&path).map_err(storage_err)?;
+                (path, info.identity(), 0)
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let published = self.publish_received(snap, &path, &dst, accel_name);
+        match published {
+            Ok(meta) => Ok(ReceivedSnapshot {
+                meta,
+                identity,
+                bytes,
+            }),
+            Err(e) => {
+                if matches!(e, RuntimeError::SnapshotUnusable { .. }) {
+                    let _ = self.pool.delete_received(snap.as_str());
+                }
+                Err(e.into())
+            }
+        }
+    }
+
+    fn publish_received(
+        &self,
+        snap: &SnapshotId,
+        received: &std::path::Path,
+        dst: &std::path::Path,
+        accel_name: &str,
+    ) -> Result<StateMeta> {
+        let scratch: PathBuf = self
+            .pool
+            .sandboxes_dir()
+            .join(format!("rcv-{}", snap.as_str()));
+        if self.pool.is_subvolume(&scratch).unwrap_or(false) {
+            self.pool.delete_subvolume(&scratch).map_err(storage_err)?;
+        }
+        self.pool
+            .snapshot(received, &scratch, false)
+            .map_err(storage_err)?;
+        let done = (|| {
+            let bad = |e: crate::meta::Incompatible| RuntimeError::SnapshotUnusable {
+                id: snap.to_string(),
+                reason: format!("received state: {}", e.0),
+            };
+            let (meta, _) = StateMeta::read_with_bytes(&scratch).map_err(bad)?;
+            meta.check_restorable(&scratch, &self.qemu_version, accel_name)
+                .map_err(bad)?;
+            match std::fs::remove_file(scratch.join(files::SIGNATURE)) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(io_err("remove the sender's signature", e))
+                }
+                _ => {}
+            }
+            super::signatures::sign_into(
+                self.cfg.signing.as_deref(),
+                &scratch,
+                snap.as_str(),
+                None,
+            )?;
+            self.pool
+                .snapshot(&scratch, dst, true)
+                .map_err(storage_err)?;
+            Ok(meta)
+        })();
+        if let Err(e) = self.pool.trash(&scratch) {
+            tracing::warn!(path = %scratch.display(), error = %e, "cannot remove a receive scratch");
+        }
+        done
+    }
+
+    /// The accelerator name states must match to be restored here.
+    pub async fn accel_name(&self) -> Result<&'static str> {
+        Ok(self.accel().await?.qemu_name())
+    }
+
+    /// [`Runtime::receive_snapshot`] on a blocking thread.
+    pub async fn receive_snapshot_async(
+        self: &std::sync::Arc<Self>,
+        snap: SnapshotId,
+        parent: Option<Uuid>,
+        max_bytes: u64,
+        input: impl Read + Send + 'static,
+    ) -> std::result::Result<ReceivedSnapshot, MoveError> {
+        let accel = self.accel_name().await?;
+        let rt = self.clone();
+        blocking(move || {
+            Ok::<_, RuntimeError>(rt.receive_snapshot(&snap, parent, max_bytes, input, accel))
+        })
+        .await?
+    }
+}
