@@ -62,6 +62,12 @@ trap 'rc=$?; bash scripts/test-pg.sh stop "$pg_dir"; print_summary "$rc"' EXIT
 STRATA_TEST_PG_URL=$(cat "$pg_dir/url")
 export STRATA_TEST_PG_URL
 
+echo "== Kubernetes manifests: rendered with kubectl kustomize, validated offline against bundled schemas (docs/kubernetes.md)" >&2
+status=0
+phase k8s bash scripts/k8s-validate.sh || status=$?
+note "kubernetes manifests: $(grep -E '^k8s-validate: ok' "$logs/k8s.log" | sed 's/^k8s-validate: //')"
+[ "$status" -eq 0 ] || exit "$status"
+
 echo "== the mcp SDK from PyPI for the MCP gateway tests (cached under /var/cache/strata/venv)" >&2
 bash scripts/mcp-venv.sh >/dev/null
 
@@ -104,5 +110,5 @@ note "fuzz: $(grep -E '^fuzz: (FAILED|[0-9]+ targets)' "$logs/fuzz.log" | tail -
 echo "== API fuzz: schemathesis against the served OpenAPI document, ${STRATA_API_FUZZ_SECONDS:-60} s (docs/fuzzing.md)" >&2
 status=0
 phase api-fuzz bash scripts/api-fuzz.sh "${STRATA_API_FUZZ_SECONDS:-60}" || status=$?
-note "API fuzz (schemathesis): $(grep -E '^ *[0-9]+ generated' "$logs/api-fuzz.log" | tail -1 | xargs)"
+note "API fuzz (schemathesis; examples+coverage+fuzzing, then stateful): $(grep -E '^ *[0-9]+ generated' "$logs/api-fuzz.log" | xargs | sed 's/ skipped / skipped; /g')"
 [ "$status" -eq 0 ] || exit "$status"
