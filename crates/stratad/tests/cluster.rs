@@ -20,7 +20,7 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -180,10 +180,12 @@ fn two_hosts_place_mark_a_lost_host_fence_its_revival_and_self_fence_a_partition
     // A: 4 vCPUs, reaches PostgreSQL through the relay; B: 1 vCPU, no
     // template of its own (it only watches here).
     let a = Daemon::start(&host_conf("host-a", &relayed, &schema, 4, true));
-    let b = Daemon::start(&host_conf("host-b", &url, &schema, 1, false));
     let rt = strata_testkit::tokio_rt();
+    // B starts once A's template is built: a host's recovery marks any
+    // `building` template of the shared store interrupted (docs/cluster.md).
+    rt.block_on(a.wait_template());
+    let b = Daemon::start(&host_conf("host-b", &url, &schema, 1, false));
     rt.block_on(async {
-        a.wait_template().await;
         // Both registered and heartbeating.
         tokio::time::sleep(Duration::from_secs(2)).await;
         let hosts = pg_row(
