@@ -114,10 +114,10 @@ fn fs_bytes(path: &std::path::Path) -> Option<(u64, u64)> {
     }
     // SAFETY: statvfs returned 0, so it filled `st`.
     let st = unsafe { st.assume_init() };
-    let frsize = st.f_frsize as u64;
+    let frsize = st.f_frsize;
     Some((
-        (st.f_blocks as u64).saturating_mul(frsize),
-        (st.f_bavail as u64).saturating_mul(frsize),
+        st.f_blocks.saturating_mul(frsize),
+        st.f_bavail.saturating_mul(frsize),
     ))
 }
 
