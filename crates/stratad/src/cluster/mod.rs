@@ -42,8 +42,8 @@ pub use fenced::{FencedStore, Held, Leases};
 use crate::config::Config;
 use crate::service::{Service, ServiceError, ServiceResult};
 use crate::store::{
-    Fence, HostError, HostInfo, HostLoad, HostStore, PgStore, SandboxFilter, SandboxRecord, Store,
-    StoreError,
+    Fence, HostError, HostInfo, HostLoad, HostRecord, HostStore, PgStore, SandboxFilter,
+    SandboxRecord, Store, StoreError,
 };
 
 /// Prefix of the `state_reason` of a sandbox whose host was lost.
@@ -66,6 +66,9 @@ pub struct Cluster {
     /// Set once the VMs were stopped for want of a renewal, until a round
     /// succeeds again.
     fenced: AtomicBool,
+    /// The hosts as last read (each renewal round reads them once):
+    /// placement reads them from here while fresh.
+    view: Mutex<Option<(Instant, Arc<Vec<HostRecord>>)>>,
 }
 
 impl std::fmt::Debug for Cluster {
@@ -183,6 +186,7 @@ impl Cluster {
             last_ok: Mutex::new(Instant::now()),
             pool,
             fenced: AtomicBool::new(false),
+            view: Mutex::new(None),
         });
         (c, store)
     }
@@ -383,6 +387,10 @@ impl Cluster {
                 return;
             }
             let t0 = Instant::now();
+            if let Ok(hs) = self.blocking(|h| h.hosts()).await {
+                *self.view.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some((Instant::now(), Arc::new(hs)));
+            }
             if self.renew_round(&svc).await {
                 *self.last_ok.lock().unwrap_or_else(|p| p.into_inner()) = t0;
                 if self.fenced.swap(false, Ordering::SeqCst) {
@@ -518,15 +526,30 @@ impl Cluster {
         Ok(marked)
     }
 
+    /// The hosts as the last renewal round read them, when at most two
+    /// rounds old; else read now.
+    async fn hosts_view(&self) -> ServiceResult<Arc<Vec<HostRecord>>> {
+        let fresh = self.cfg.renew_every * 2;
+        if let Some((at, hs)) = self.view.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            if at.elapsed() <= fresh {
+                return Ok(hs.clone());
+            }
+        }
+        let hs = Arc::new(
+            self.blocking(|h| h.hosts())
+                .await
+                .map_err(host_to_service)?,
+        );
+        *self.view.lock().unwrap_or_else(|p| p.into_inner()) = Some((Instant::now(), hs.clone()));
+        Ok(hs)
+    }
+
     /// Placement of a new sandbox (`rec`, not yet written): `Ok` when this
     /// host is the one [`placement::place`] picks; otherwise `409 conflict`
     /// naming the host to create it on, or `507 insufficient_capacity` with
     /// what no host has.
     pub async fn check_placement(&self, svc: &Service, rec: &SandboxRecord) -> ServiceResult<()> {
-        let hosts = self
-            .blocking(|h| h.hosts())
-            .await
-            .map_err(host_to_service)?;
+        let hosts = self.hosts_view().await?;
         let group = rec.labels.get(placement::ANTI_AFFINITY_LABEL).cloned();
         let mut per_host: std::collections::HashMap<String, u64> = Default::default();
         if let Some(g) = &group {
