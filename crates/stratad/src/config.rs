@@ -636,6 +636,8 @@ pub struct Config {
     pub console: crate::events::ConsoleConfig,
     /// `[store]`: where the metadata store lives (docs/store.md).
     pub store: StoreConfig,
+    /// `[cluster]`: one host of several on one PostgreSQL (docs/cluster.md).
+    pub cluster: crate::cluster::ClusterConfig,
 }
 
 /// `[store]`: where the metadata store lives (docs/store.md).
@@ -1000,6 +1002,7 @@ impl Default for Config {
             webhooks: crate::events::WebhooksConfig::default(),
             console: crate::events::ConsoleConfig::default(),
             store: StoreConfig::default(),
+            cluster: crate::cluster::ClusterConfig::default(),
         }
     }
 }
@@ -1056,6 +1059,13 @@ impl Config {
         self.capacity.validate().map_err(ConfigError::Invalid)?;
         self.listener.validate().map_err(ConfigError::Invalid)?;
         self.store_location()?;
+        self.cluster.validate().map_err(ConfigError::Invalid)?;
+        if self.cluster.enabled && !matches!(self.store_location()?, StoreLocation::Postgres(_)) {
+            return Err(ConfigError::Invalid(
+                "[cluster] enabled = true needs [store] url = postgres://… (hosts share one PostgreSQL)"
+                    .into(),
+            ));
+        }
         if !self.security.auth {
             // Without tokens every caller is an admin: never off this host.
             let open = [Some(self.listen), self.e2b.tls_listen, self.tls_listen]

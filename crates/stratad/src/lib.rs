@@ -14,6 +14,7 @@ pub mod at_rest;
 pub mod caller;
 pub mod cli;
 pub mod clock;
+pub mod cluster;
 pub mod config;
 pub mod console;
 pub mod daemon;
@@ -50,6 +51,8 @@ pub struct App {
     service: Arc<Service>,
     shutdown: watch::Sender<bool>,
     security: Result<Arc<security::Security>, String>,
+    /// `[cluster]`: this daemon as one host of several (PostgreSQL only).
+    cluster: Option<Arc<cluster::Cluster>>,
 }
 
 impl App {
@@ -89,6 +92,7 @@ impl App {
             service,
             shutdown: watch::channel(false).0,
             security,
+            cluster: None,
         }
     }
 
@@ -104,19 +108,32 @@ impl App {
         // The SQLite file is opened (and migrated) in every case: with
         // PostgreSQL it still holds the security tables.
         let sqlite = SqliteStore::open(&config.db_path(), config.db_readers)?;
+        let mut cluster = None;
         let store: Arc<dyn Store> = match location {
             config::StoreLocation::Sqlite(_) => Arc::new(sqlite),
             config::StoreLocation::Postgres(url) => {
                 drop(sqlite);
-                Arc::new(store::PgStore::open(&store::PgOptions {
+                let pg = Arc::new(store::PgStore::open(&store::PgOptions {
                     url,
                     schema: config.store.schema.clone(),
                     pool_size: config.store.pool_size,
                     timeout: config.store.timeout,
-                })?)
+                })?);
+                if config.cluster.enabled {
+                    // Every sandbox write fenced by this host's leases.
+                    let (c, fenced) = cluster::Cluster::new(&config, pg);
+                    cluster = Some(c);
+                    fenced
+                } else {
+                    pg
+                }
             }
         };
-        let app = Self::new(config, store, engine, Arc::new(SystemClock));
+        let mut app = Self::new(config, store, engine, Arc::new(SystemClock));
+        if let Some(c) = &cluster {
+            app.service.set_cluster(c.clone());
+        }
+        app.cluster = cluster;
         if let Err(e) = &app.security {
             return Err(StoreError::Task(format!("security: {e}")));
         }
@@ -153,7 +170,20 @@ impl App {
         // Before recovery restores anything: the states made before
         // snapshot signing get their signature (once).
         self.service.adopt_unsigned_states().await?;
+        // A cluster host registers and takes its leases first: recovery
+        // then sees only the sandboxes it owns.
+        if let Some(c) = &self.cluster {
+            c.start(&self.service).await.map_err(|e| {
+                service::ServiceError::Store(StoreError::Unavailable(format!(
+                    "{e}: {}",
+                    error_chain(&e)
+                )))
+            })?;
+        }
         let report = recovery::reconcile(&self.service).await?;
+        if let Some(c) = &self.cluster {
+            c.spawn(self.service.clone(), self.shutdown.subscribe());
+        }
         // The exit watcher stops with the other background tasks: after
         // `stop` a VM that dies (killed by whoever stopped the daemon) must
         // not be restored by a daemon that is going away.
@@ -194,6 +224,26 @@ impl App {
     /// Stops the background tasks: scheduler and exit watcher (VMs keep running).
     pub fn stop(&self) {
         let _ = self.shutdown.send(true);
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut m = String::new();
+    let mut src = e.source();
+    while let Some(c) = src {
+        if !m.is_empty() {
+            m.push_str(": ");
+        }
+        m.push_str(&c.to_string());
+        src = c.source();
+    }
+    m
+}
+
+impl App {
+    /// This daemon as a cluster host, when `[cluster] enabled`.
+    pub fn cluster(&self) -> Option<&Arc<cluster::Cluster>> {
+        self.cluster.as_ref()
     }
 }
 

@@ -89,6 +89,7 @@ impl ServiceError {
             ServiceError::VariantBuilding(_) => ErrorCode::InvalidState,
             ServiceError::Engine(e) => e.code(),
             ServiceError::Store(StoreError::BadCursor) => ErrorCode::InvalidRequest,
+            ServiceError::Store(StoreError::Fenced { .. }) => ErrorCode::Conflict,
             ServiceError::Store(e) if e.is_full() => ErrorCode::StoreFull,
             ServiceError::Store(e) if e.is_unavailable() => ErrorCode::StorageFailed,
             ServiceError::Store(_) => ErrorCode::Internal,

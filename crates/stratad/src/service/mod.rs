@@ -112,6 +112,8 @@ pub struct Service {
     /// This service, for work that needs an owned handle from `&self`
     /// (admission hibernating an idle sandbox).
     me: std::sync::Weak<Service>,
+    /// `[cluster]`: this daemon as one host of several (placement).
+    cluster: std::sync::OnceLock<Arc<crate::cluster::Cluster>>,
 }
 
 /// A callback of [`Service::on_deleted`].
@@ -135,6 +137,7 @@ impl Service {
     ) -> Arc<Self> {
         Arc::new_cyclic(|me| Service {
             me: me.clone(),
+            cluster: std::sync::OnceLock::new(),
             events: crate::events::Hub::default(),
             keys: std::sync::OnceLock::new(),
             deleted_hooks: Mutex::new(Vec::new()),
@@ -190,6 +193,17 @@ impl Service {
         for h in hooks {
             h(id);
         }
+    }
+
+    /// Makes this service a cluster host's: creates are placed
+    /// (`crate::cluster`). Set once, at assembly.
+    pub fn set_cluster(&self, c: Arc<crate::cluster::Cluster>) {
+        let _ = self.cluster.set(c);
+    }
+
+    /// The cluster host, when `[cluster] enabled`.
+    pub fn cluster(&self) -> Option<&Arc<crate::cluster::Cluster>> {
+        self.cluster.get()
     }
 
     /// Open event streams per tenant.

@@ -1,5 +1,5 @@
-//! Hosts and sandbox ownership (issue 17, second part; store level only:
-//! nothing in the daemon registers or forwards yet).
+//! Hosts and sandbox ownership (issue 17). The daemon uses it through
+//! `crate::cluster` (`[cluster] enabled`, docs/cluster.md).
 //!
 //! Each `stratad` registers itself ([`HostStore::register_host`]) and
 //! heartbeats ([`HostStore::heartbeat`]); a registration starts a new
@@ -178,6 +178,18 @@ pub trait HostStore: Send + Sync {
     ) -> HostResult<OwnerLease>;
     /// Gives the lease up (only the holder's own; `false`: it was not).
     fn release_sandbox(&self, sandbox: &SandboxId, fence: &Fence) -> HostResult<bool>;
+    /// Every lease host `host` holds or held last (expired or not), by
+    /// sandbox id.
+    fn host_leases(&self, host: &str) -> HostResult<Vec<OwnerLease>>;
+    /// Leases of hosts other than `except` that expired at least
+    /// `margin_ms` ago (database clock), oldest first, at most `limit`:
+    /// what the host-loss watcher may take over.
+    fn expired_leases(
+        &self,
+        except: &str,
+        margin_ms: u64,
+        limit: usize,
+    ) -> HostResult<Vec<OwnerLease>>;
     /// The current lease of a sandbox, expired or not.
     fn sandbox_owner(&self, sandbox: &SandboxId) -> HostResult<Option<OwnerLease>>;
     /// [`super::Store::commit`] by the owner of every sandbox written:

@@ -501,6 +501,18 @@ pub enum StoreError {
     /// write can succeed once space is freed.
     #[error("database full: {0}")]
     Full(String),
+    /// Cluster mode (`crate::cluster`): this host does not hold the
+    /// sandbox's owner lease (another host owns it, or this host's lease
+    /// expired or was taken over); nothing was written.
+    #[error("sandbox {sandbox} is not owned by this host ({host}): {why}")]
+    Fenced {
+        /// The sandbox.
+        sandbox: String,
+        /// This host.
+        host: String,
+        /// Who owns it instead, or why the lease is not this host's.
+        why: String,
+    },
 }
 
 impl StoreError {

@@ -70,6 +70,9 @@ impl Service {
         check_source_size(&format!("template {}", tpl.id), tpl.size, size)?;
         let mut rec = self.new_record(caller.owner(), &cmd.spec, size)?;
         rec.template = Some(tpl.id.clone());
+        if let Some(c) = self.cluster() {
+            c.check_placement(self, &rec).await?;
+        }
         Ok((tpl, rec))
     }
 

@@ -292,6 +292,46 @@ impl HostStore for PgStore {
         })
     }
 
+    fn host_leases(&self, host: &str) -> HostResult<Vec<OwnerLease>> {
+        self.block_h(async {
+            let c = self.client().await?;
+            c.query(
+                &format!(
+                    "SELECT {LEASE_COLS} FROM sandbox_owners WHERE host_id = $1 ORDER BY sandbox_id"
+                ),
+                &[&host],
+            )
+            .await?
+            .iter()
+            .map(lease_of)
+            .collect()
+        })
+    }
+
+    fn expired_leases(
+        &self,
+        except: &str,
+        margin_ms: u64,
+        limit: usize,
+    ) -> HostResult<Vec<OwnerLease>> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        self.block_h(async {
+            let c = self.client().await?;
+            c.query(
+                &format!(
+                    "SELECT {LEASE_COLS} FROM sandbox_owners \
+                     WHERE expires_at + $2 <= {NOW_MS} AND host_id <> $1 \
+                     ORDER BY expires_at LIMIT $3"
+                ),
+                &[&except, &i64_of(margin_ms), &limit],
+            )
+            .await?
+            .iter()
+            .map(lease_of)
+            .collect()
+        })
+    }
+
     fn sandbox_owner(&self, sandbox: &SandboxId) -> HostResult<Option<OwnerLease>> {
         self.block_h(async {
             let c = self.client().await?;

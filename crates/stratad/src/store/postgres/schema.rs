@@ -31,7 +31,7 @@ const V15: &str = "SELECT 1";
 /// `strata_cluster_migrations`, so they never take a number SQLite's
 /// migrations will use. Applied after [`PG_MIGRATIONS`], in the same
 /// transaction.
-pub const PG_CLUSTER_MIGRATIONS: &[(i64, &str)] = &[(1, CLUSTER_V1)];
+pub const PG_CLUSTER_MIGRATIONS: &[(i64, &str)] = &[(1, CLUSTER_V1), (2, CLUSTER_V2)];
 
 /// The newest version [`PG_MIGRATIONS`] reaches.
 pub fn pg_schema_version() -> i64 {
@@ -240,6 +240,12 @@ CREATE TABLE sandbox_owners (
     expires_at BIGINT NOT NULL
 );
 CREATE INDEX sandbox_owners_by_host ON sandbox_owners (host_id);
+"#;
+
+/// Cluster migration 2: the host-loss watcher finds expired leases by
+/// their expiry (`HostStore::expired_leases`).
+const CLUSTER_V2: &str = r#"
+CREATE INDEX sandbox_owners_by_expiry ON sandbox_owners (expires_at);
 "#;
 
 #[cfg(test)]
