@@ -289,7 +289,6 @@ fn status_str(s: &ApprovalStatus) -> &'static str {
     }
 }
 
-
 /// What a backend of the security store does: the rows of the security
 /// tables, read and written. Every write is one transaction. Callers
 /// use [`SecurityStore`], which adds the token cache and the typed forms.
@@ -314,8 +313,13 @@ pub trait SecurityBackend: Send + Sync {
     /// A sandbox's policy text.
     fn sandbox_policy(&self, sandbox: &str) -> SecResult<Option<String>>;
     /// Replaces a sandbox's policy text.
-    fn put_sandbox_policy(&self, tenant: &str, sandbox: &str, toml: &str, by: &str)
-        -> SecResult<()>;
+    fn put_sandbox_policy(
+        &self,
+        tenant: &str,
+        sandbox: &str,
+        toml: &str,
+        by: &str,
+    ) -> SecResult<()>;
     /// Writes a connector secret (new, or rotated keeping its creation time).
     fn put_secret(&self, r: &SecretRow) -> SecResult<()>;
     /// Connector secrets of `tenant` (every tenant's when `None`), by
@@ -715,7 +719,8 @@ impl SecurityBackend for SqliteSecurity {
 
     fn approval_load(&self) -> SecResult<Vec<(String, Option<i64>)>> {
         let c = self.conn();
-        let mut st = c.prepare("SELECT body, consumed_at FROM approvals ORDER BY created_at, id")?;
+        let mut st =
+            c.prepare("SELECT body, consumed_at FROM approvals ORDER BY created_at, id")?;
         let rows = st
             .query_map([], |r| {
                 Ok((r.get::<_, String>(0)?, r.get::<_, Option<i64>>(1)?))
@@ -1120,7 +1125,10 @@ mod tests {
             .unwrap());
         assert!(!s.revoke_token("other", "tok-a", t1).unwrap());
         // The first revocation stays; the cache forgot the token.
-        assert_eq!(s.token_by_hash("h-a").unwrap().unwrap().revoked_at, Some(t1));
+        assert_eq!(
+            s.token_by_hash("h-a").unwrap().unwrap().revoked_at,
+            Some(t1)
+        );
     }
 
     fn policies_replace(db: &TestDb) {
@@ -1298,7 +1306,12 @@ mod tests {
             // revoked at once (one that has, within TOKEN_CACHE_TTL).
             a.revoke_token("acme", "tok-a", Utc::now()).unwrap();
             let c = open_on(&db, "log-c");
-            assert!(c.token_by_hash("h-a").unwrap().unwrap().revoked_at.is_some());
+            assert!(c
+                .token_by_hash("h-a")
+                .unwrap()
+                .unwrap()
+                .revoked_at
+                .is_some());
         }
 
         #[test]
@@ -1323,7 +1336,10 @@ mod tests {
             // The store keeps the first answer; it is used once.
             let qc = ApprovalQueue::with_store(open_on(&db, "log-c")).unwrap();
             let got = qc.get("acme", &r.id).unwrap();
-            assert!(matches!(got.status, ApprovalStatus::Approved { .. }), "{got:?}");
+            assert!(
+                matches!(got.status, ApprovalStatus::Approved { .. }),
+                "{got:?}"
+            );
             qc.take("acme", &r.id, &call(), None).unwrap();
             assert!(qa.take("acme", &r.id, &call(), None).is_err());
         }
@@ -1378,10 +1394,7 @@ mod tests {
             assert_eq!(all, (3..3 + n).collect::<Vec<_>>());
             let (seq, hash) = a.audit_head().unwrap().unwrap();
             assert_eq!(seq, 2 + n);
-            let writer = accepted
-                .iter()
-                .position(|v| v.contains(&seq))
-                .unwrap();
+            let writer = accepted.iter().position(|v| v.contains(&seq)).unwrap();
             assert_eq!(hash, format!("w{writer}-{seq}"));
         }
 
@@ -1396,12 +1409,11 @@ mod tests {
             let daemons: Vec<(AuditLog, Arc<SecurityStore>, String)> = ["a", "b"]
                 .iter()
                 .map(|n| {
-                    let log = crate::security::audit_log_id(&dir.path().join(n)).unwrap_or_else(
-                        |_| {
+                    let log =
+                        crate::security::audit_log_id(&dir.path().join(n)).unwrap_or_else(|_| {
                             std::fs::create_dir_all(dir.path().join(n)).unwrap();
                             crate::security::audit_log_id(&dir.path().join(n)).unwrap()
-                        },
-                    );
+                        });
                     let store = open_on(&db, &log);
                     assert_eq!(store.audit_head().unwrap(), None);
                     let audit = AuditLog::open(&dir.path().join(format!("{n}.jsonl"))).unwrap();

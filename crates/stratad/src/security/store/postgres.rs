@@ -262,7 +262,11 @@ impl PgSecurity {
     }
 
     /// Runs one statement; the number of rows it touched.
-    fn exec(&self, sql: &str, args: &[&(dyn tokio_postgres::types::ToSql + Sync)]) -> SecResult<u64> {
+    fn exec(
+        &self,
+        sql: &str,
+        args: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> SecResult<u64> {
         Ok(self.pg.block(async {
             let c = self.pg.client().await?;
             let st = c.prepare_cached(sql).await?;
@@ -336,7 +340,10 @@ fn rows_of<T>(
 impl SecurityBackend for PgSecurity {
     fn token_count(&self) -> SecResult<u64> {
         let rows = self.rows("SELECT count(*) FROM api_tokens", &[])?;
-        let n: i64 = rows_of(rows, |r| r.try_get(0))?.first().copied().unwrap_or(0);
+        let n: i64 = rows_of(rows, |r| r.try_get(0))?
+            .first()
+            .copied()
+            .unwrap_or(0);
         Ok(n.max(0) as u64)
     }
 
