@@ -646,8 +646,8 @@ pub struct Config {
 pub struct StoreConfig {
     /// `postgres://…` or `postgresql://…`: PostgreSQL; `sqlite:PATH`: that
     /// SQLite file; unset (default): SQLite at `<data_dir>/strata.db`.
-    /// With PostgreSQL the security tables (tokens, approvals, audit head,
-    /// envd tokens) stay in `<data_dir>/strata.db`.
+    /// With PostgreSQL the security tables (tokens, policies, approvals,
+    /// audit heads, envd tokens, connector secrets) are there too.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub url: Option<String>,
     /// PostgreSQL: the schema of the tables (created if missing); unset:

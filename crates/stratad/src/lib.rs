@@ -105,14 +105,14 @@ impl App {
         let location = config
             .store_location()
             .map_err(|e| StoreError::Task(e.to_string()))?;
-        // The SQLite file is opened (and migrated) in every case: with
-        // PostgreSQL it still holds the security tables.
-        let sqlite = SqliteStore::open(&config.db_path(), config.db_readers)?;
+        // With PostgreSQL the security tables are there too
+        // (`security::store::PgSecurity`): no SQLite file is opened.
         let mut cluster = None;
         let store: Arc<dyn Store> = match location {
-            config::StoreLocation::Sqlite(_) => Arc::new(sqlite),
+            config::StoreLocation::Sqlite(path) => {
+                Arc::new(SqliteStore::open(&path, config.db_readers)?)
+            }
             config::StoreLocation::Postgres(url) => {
-                drop(sqlite);
                 let pg = Arc::new(store::PgStore::open(&store::PgOptions {
                     url,
                     schema: config.store.schema.clone(),

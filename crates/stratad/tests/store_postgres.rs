@@ -1,6 +1,7 @@
 //! A real `stratad` on PostgreSQL (`[store] url`): it creates a sandbox,
-//! snapshots it, is restarted, and finds both again, in PostgreSQL and not
-//! in its local SQLite file (which keeps only the security tables).
+//! snapshots it, is restarted, and finds both again, in PostgreSQL; its
+//! security tables (tokens, audit head) are there too, and it makes no
+//! local SQLite file.
 //!
 //! Needs `STRATA_TEST_PG_URL` (scripts/test.sh starts a throwaway cluster
 //! and sets it); without it the test prints a line and passes.
@@ -67,7 +68,18 @@ fn stratad_on_postgres_keeps_its_sandbox_and_snapshot_across_a_restart() {
             1
         );
 
+        // A token made through the API is a PostgreSQL row (any daemon on
+        // this database takes it) and works after the restart.
+        let (dev, _) = d.tenant_token("acme", "developer").await;
+        assert!(
+            scalar(&url, &format!("SELECT count(*) FROM {schema}.api_tokens")).await >= 2,
+            "tokens are not in PostgreSQL"
+        );
+
         d.restart();
+        dev.expect(reqwest::Method::GET, "/v1/sandboxes", None, 200)
+            .await
+            .expect("the developer token made before the restart");
         let v = d
             .ok("GET", &format!("/v1/sandboxes/{id}"), None, 200)
             .await;
@@ -95,12 +107,24 @@ fn stratad_on_postgres_keeps_its_sandbox_and_snapshot_across_a_restart() {
         let e = d.sh(&id, "cat /root/f").await;
         assert_eq!(e.out(), "kept", "{:?}", e.error);
     });
-    // The local SQLite file holds no sandbox: PostgreSQL is the store.
-    let local = rusqlite::Connection::open(d.root.join("data/strata.db")).expect("local db");
-    let n: i64 = local
-        .query_row("SELECT count(*) FROM sandboxes", [], |r| r.get(0))
-        .expect("count");
-    assert_eq!(n, 0, "sandbox rows went to the local SQLite file");
+    // No local SQLite file: PostgreSQL is the store, security tables too;
+    // this daemon's audit head is the row of its audit log id.
+    assert!(
+        !d.root.join("data/strata.db").exists(),
+        "a local SQLite file was made"
+    );
+    let log = std::fs::read_to_string(d.root.join("data/audit-log.id")).expect("audit log id");
+    rt.block_on(async {
+        let n = scalar(
+            &url,
+            &format!(
+                "SELECT count(*) FROM {schema}.audit_heads WHERE log_id = '{}'",
+                log.trim()
+            ),
+        )
+        .await;
+        assert_eq!(n, 1, "no audit head of this daemon's log");
+    });
     d.shutdown();
     rt.block_on(async {
         let (c, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)

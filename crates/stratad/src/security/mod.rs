@@ -396,12 +396,12 @@ pub const DEFAULT_PLATFORM_POLICY: &str = "default = \"allow\"\n";
 
 impl Security {
     /// Opens the security tables (in `config.db_path()`, migrated by the
-    /// store), the audit log (`<data_dir>/audit.jsonl`, checked against the
+    /// store; in PostgreSQL when `[store] url` is PostgreSQL), the audit log (`<data_dir>/audit.jsonl`, checked against the
     /// head recorded in the database) and the platform policy; makes the
     /// bootstrap admin token on first start.
     pub fn open(config: &Config) -> Result<Arc<Security>, SecurityError> {
         let cfg = config.security.clone();
-        let store = Arc::new(SecurityStore::open(&config.db_path())?);
+        let store = Arc::new(open_store(config)?);
         let platform = match &cfg.platform_policy {
             Some(p) => Policy::load(p)?,
             None => Policy::parse(DEFAULT_PLATFORM_POLICY)
@@ -425,8 +425,7 @@ impl Security {
         let st = store.clone();
         audit.set_head_sink(Box::new(move |seq, hash| {
             st.set_audit_head(seq, hash).map_err(|e| {
-                let full = matches!(&e, store::SecStoreError::Sqlite(rusqlite::Error::SqliteFailure(f, _))
-                    if f.code == rusqlite::ErrorCode::DiskFull);
+                let full = e.is_full();
                 let msg = strata_runtime::error::chain(&e);
                 if full {
                     format!("{STORE_FULL}: {msg}")
@@ -1010,6 +1009,60 @@ pub fn chain_start_path(key_dir: &Path, data_dir: &Path) -> PathBuf {
 /// first keyed open the chain's start (the end of the unkeyed entries so
 /// far) is recorded beside the key; later opens hold the log to it, so a
 /// log rewritten in the unkeyed form is refused.
+/// The security store on the backend `[store] url` names: the SQLite file
+/// (unchanged), or PostgreSQL, where this daemon's audit head is the row
+/// of its audit log id ([`audit_log_id`]).
+fn open_store(config: &Config) -> Result<SecurityStore, SecurityError> {
+    match config
+        .store_location()
+        .map_err(|e| SecurityError::Compose(e.to_string()))?
+    {
+        crate::config::StoreLocation::Sqlite(path) => Ok(SecurityStore::open(&path)?),
+        crate::config::StoreLocation::Postgres(url) => {
+            let log = audit_log_id(&config.data_dir)?;
+            let pg = store::PgSecurity::open(
+                &crate::store::PgOptions {
+                    url,
+                    schema: config.store.schema.clone(),
+                    // Its own pool beside the main store's: a few suffice.
+                    pool_size: config.store.pool_size.clamp(1, 4),
+                    timeout: config.store.timeout,
+                },
+                &log,
+            )?;
+            Ok(SecurityStore::with_backend(Box::new(pg)))
+        }
+    }
+}
+
+/// The file holding this data dir's audit log id.
+pub const AUDIT_LOG_ID_FILE: &str = "audit-log.id";
+
+/// This data dir's audit log id (`<data_dir>/audit-log.id`, 32 random hex
+/// digits made on first use, 0600): the key of its audit head when the
+/// security store is shared (PostgreSQL), so every daemon's own
+/// `audit.jsonl` is checked against its own head.
+pub fn audit_log_id(data_dir: &Path) -> Result<String, SecurityError> {
+    let path = data_dir.join(AUDIT_LOG_ID_FILE);
+    let bad = |why: String| SecurityError::Compose(format!("{}: {why}", path.display()));
+    match std::fs::read_to_string(&path) {
+        Ok(text) => {
+            let id = text.trim();
+            if id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()) {
+                Ok(id.to_owned())
+            } else {
+                Err(bad("not an audit log id (32 hex digits)".into()))
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let id = format!("{:032x}", rand::random::<u128>());
+            write_private(&path, id.as_bytes()).map_err(|e| bad(e.to_string()))?;
+            Ok(id)
+        }
+        Err(e) => Err(bad(e.to_string())),
+    }
+}
+
 fn open_audit(config: &Config) -> Result<AuditLog, SecurityError> {
     let path = config.data_dir.join("audit.jsonl");
     let key = match keys::KeyStore::open(&config.key_dir)

@@ -721,8 +721,9 @@ impl PgStore {
         Ok(store)
     }
 
-    /// Runs `fut` to completion on this thread, bounded by the timeout.
-    fn block<T>(&self, fut: impl Future<Output = StoreResult<T>>) -> StoreResult<T> {
+    /// Runs `fut` to completion on this thread, bounded by the timeout
+    /// (the security store's PostgreSQL backend runs its calls so too).
+    pub(crate) fn block<T>(&self, fut: impl Future<Output = StoreResult<T>>) -> StoreResult<T> {
         let _g = self.handle.enter();
         let r = futures::executor::block_on(async {
             match tokio::time::timeout(self.timeout, fut).await {
@@ -741,7 +742,8 @@ impl PgStore {
         r
     }
 
-    async fn client(&self) -> StoreResult<Object> {
+    /// A pooled connection.
+    pub(crate) async fn client(&self) -> StoreResult<Object> {
         self.pool.get().await.map_err(pool_err)
     }
 
