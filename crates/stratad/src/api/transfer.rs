@@ -30,10 +30,7 @@ pub(super) async fn offer(c: Call, Body(b): Body<OfferBody>) -> ApiResult<impl I
 
 /// `PUT /v1/imports/{id}/snapshots?snapshot=S[&parent=IDENTITY]`: the body
 /// is a `btrfs send` stream, read as it comes and bounded.
-pub(super) async fn receive(
-    c: Call,
-    req: axum::extract::Request,
-) -> ApiResult<impl IntoResponse> {
+pub(super) async fn receive(c: Call, req: axum::extract::Request) -> ApiResult<impl IntoResponse> {
     let params = c.params(&["snapshot", "parent"], &[], false)?;
     let id: SandboxId = c.id()?;
     let snap: SnapshotId = super::parse_id(

@@ -519,7 +519,9 @@ impl Engine for RuntimeEngine {
 fn move_error(e: strata_runtime::MoveError) -> RuntimeError {
     match e {
         strata_runtime::MoveError::Runtime(e) => e,
-        strata_runtime::MoveError::Transfer(e) => RuntimeError::Invalid(format!("snapshot stream: {e}")),
+        strata_runtime::MoveError::Transfer(e) => {
+            RuntimeError::Invalid(format!("snapshot stream: {e}"))
+        }
     }
 }
 
@@ -566,4 +568,3 @@ mod tests {
         assert_eq!(file_name("/"), "/");
     }
 }
-

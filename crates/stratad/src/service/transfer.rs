@@ -307,7 +307,10 @@ impl Service {
                 .await?;
         }
         let refs: Vec<&SnapshotRecord> = snaps.iter().collect();
-        let newest = snaps.iter().max_by_key(|s| s.created_at).map(|s| s.id.clone());
+        let newest = snaps
+            .iter()
+            .max_by_key(|s| s.created_at)
+            .map(|s| s.id.clone());
         self.done(
             &mut rec,
             Op::Created,
