@@ -4,7 +4,8 @@
 //! is pushed with `POST /v1/sandboxes/{id}/push` and a token of the
 //! receiver's tenant; on the receiver it is hibernated, owned by that
 //! tenant, and wakes with the marker and the process. A second push of the
-//! same id is `409 conflict` and changes nothing there.
+//! same id (by `strata push` and by the API) is `409 conflict` and
+//! changes nothing there.
 
 mod common;
 
@@ -101,7 +102,38 @@ async fn a_sandbox_moves_to_another_daemon_with_its_memory() {
         .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
     assert_eq!(s, 404);
 
-    // A second push of the same id: 409 conflict, nothing changes there.
+    // A second push of the same id, through the CLI: refused (409
+    // conflict), nothing changes there.
+    let scratch = tempfile::Builder::new()
+        .prefix("move-e2e-")
+        .tempdir_in("/tmp")
+        .expect("scratch");
+    let token_file = scratch.path().join("remote.token");
+    std::fs::write(&token_file, format!("{token}\n")).expect("token file");
+    let out = tokio::task::spawn_blocking({
+        let (url, to, admin, id) = (a.url.clone(), b.url.clone(), a.token(), id.clone());
+        move || {
+            strata_testkit::run_strata(
+                &strata_testkit::strata_bin(),
+                &url,
+                admin.as_deref(),
+                &[
+                    "push",
+                    &id,
+                    "--to",
+                    &to,
+                    "--token-file",
+                    &token_file.display().to_string(),
+                ],
+            )
+        }
+    })
+    .await
+    .expect("strata push");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "second push succeeded: {stderr}");
+    assert!(stderr.contains("conflict"), "{stderr}");
+    // And through the API: 409 conflict with its code.
     let (s, e) = a
         .call(
             "POST",
