@@ -442,6 +442,53 @@ pub trait Engine: Send + Sync + 'static {
         ))
     }
 
+    /// The identity `btrfs send` gives snapshot `snap` in a stream
+    /// (hyphenated hex; docs/move.md). Engines without subvolumes refuse.
+    async fn snapshot_identity(&self, snap: &SnapshotId) -> EngineResult<String> {
+        let _ = snap;
+        Err(RuntimeError::Unavailable(
+            "this engine does not move snapshots".into(),
+        ))
+    }
+
+    /// The snapshots received whole into this host's import directory:
+    /// (snapshot id, the sender's identity, hyphenated hex).
+    async fn received_snapshots(&self) -> EngineResult<Vec<(String, String)>> {
+        Err(RuntimeError::Unavailable(
+            "this engine does not move snapshots".into(),
+        ))
+    }
+
+    /// Streams snapshot `snap` (a `btrfs send` stream, incremental against
+    /// `parent`); a failed send ends the stream with an error.
+    async fn send_snapshot(
+        &self,
+        snap: &SnapshotId,
+        parent: Option<&SnapshotId>,
+    ) -> EngineResult<ByteStream> {
+        let _ = (snap, parent);
+        Err(RuntimeError::Unavailable(
+            "this engine does not move snapshots".into(),
+        ))
+    }
+
+    /// Receives snapshot `snap` from the hostile stream `input` (at most
+    /// `max_bytes`, incremental against the received subvolume whose
+    /// identity is `parent`) and publishes it signed by this host; returns
+    /// the stream bytes applied (0: it had been received whole before).
+    async fn receive_snapshot(
+        &self,
+        snap: &SnapshotId,
+        parent: Option<String>,
+        max_bytes: u64,
+        input: ByteStream,
+    ) -> EngineResult<u64> {
+        let _ = (snap, parent, max_bytes, input);
+        Err(RuntimeError::Unavailable(
+            "this engine does not move snapshots".into(),
+        ))
+    }
+
     /// VMs that died unexpectedly. Called once, at start.
     fn exit_events(&self) -> tokio::sync::mpsc::UnboundedReceiver<VmDied>;
 }

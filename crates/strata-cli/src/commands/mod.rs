@@ -27,6 +27,7 @@ pub mod ls;
 pub mod pause;
 pub mod policy;
 pub mod port;
+pub mod push;
 pub mod resume;
 pub mod rewind;
 pub mod rm;
@@ -103,6 +104,8 @@ pub enum Command {
     Resume(resume::Args),
     /// Snapshot a sandbox and stop its VM (no CPU, no RAM).
     Hibernate(hibernate::Args),
+    /// Move a sandbox to another deployment (it stays here, hibernated).
+    Push(push::Args),
     /// Take a snapshot of a sandbox.
     Snapshot(snapshot::Args),
     /// Show a sandbox's snapshot timeline.
@@ -265,6 +268,7 @@ pub async fn run(ctx: &Ctx, cmd: Command) -> anyhow::Result<i32> {
         Command::Pause(a) => pause::run(ctx, a).await,
         Command::Resume(a) => resume::run(ctx, a).await,
         Command::Hibernate(a) => hibernate::run(ctx, a).await,
+        Command::Push(a) => push::run(ctx, a).await,
         Command::Snapshot(a) => snapshot::run(ctx, a).await,
         Command::Snapshots(a) => snapshots::run(ctx, a).await,
         Command::Fork(a) => fork::run(ctx, a).await,

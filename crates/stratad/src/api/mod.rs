@@ -40,6 +40,7 @@ pub mod security;
 mod system;
 mod templates;
 mod terminal;
+mod transfer;
 
 /// The OpenAPI document (checked in, served at `/v1/openapi.json`).
 pub const OPENAPI_JSON: &str = include_str!("../../openapi.json");
@@ -547,6 +548,10 @@ fn service_route(r: &Route) -> Option<axum::routing::MethodRouter<Arc<Service>>>
         ListVariants => on(m, templates::list_variants),
         PutTemplateFile => on(m, templates::put_file),
         GetTemplateFile => on(m, templates::get_file),
+        Push => on(m, transfer::push),
+        ImportOffer => on(m, transfer::offer),
+        ImportSnapshot => on(m, transfer::receive),
+        ImportRegister => on(m, transfer::register),
         _ => return None,
     })
 }

@@ -81,6 +81,10 @@ pub enum Action {
     ListSecrets,
     DeleteSecret,
     ListConnectors,
+    Push,
+    ImportOffer,
+    ImportSnapshot,
+    ImportRegister,
 }
 
 /// Who may call a route.
@@ -235,6 +239,13 @@ pub const ROUTES: &[Route] = &[
     r("GET", "/v1/secrets", Action::ListSecrets, ADMIN),
     r("DELETE", "/v1/secrets/:id", Action::DeleteSecret, ADMIN),
     r("GET", "/v1/connectors", Action::ListConnectors, READ),
+    // Moving a sandbox to another deployment (docs/move.md): the sender's
+    // push, the receiver's offer, snapshot stream and registration (the
+    // registration is the gated tool call that makes the sandbox).
+    tool("POST", "/v1/sandboxes/:id/push", Action::Push, DEV),
+    r("POST", "/v1/imports/:id/offer", Action::ImportOffer, DEV),
+    r("PUT", "/v1/imports/:id/snapshots", Action::ImportSnapshot, DEV),
+    tool("POST", "/v1/imports/:id", Action::ImportRegister, DEV),
 ];
 
 impl Route {

@@ -406,12 +406,154 @@ impl Engine for RuntimeEngine {
         agent.watch_dir(path, recursive).await.map_err(err)
     }
 
+    async fn snapshot_identity(&self, snap: &SnapshotId) -> EngineResult<String> {
+        let (rt, snap) = (self.rt.clone(), snap.clone());
+        tokio::task::spawn_blocking(move || rt.snapshot_identity(&snap))
+            .await
+            .map_err(|e| RuntimeError::Other(e.to_string()))?
+            .map(|u| u.to_string())
+    }
+
+    async fn received_snapshots(&self) -> EngineResult<Vec<(String, String)>> {
+        let rt = self.rt.clone();
+        let v = tokio::task::spawn_blocking(move || rt.received_snapshots())
+            .await
+            .map_err(|e| RuntimeError::Other(e.to_string()))??;
+        Ok(v.into_iter().map(|(n, u)| (n, u.to_string())).collect())
+    }
+
+    async fn send_snapshot(
+        &self,
+        snap: &SnapshotId,
+        parent: Option<&SnapshotId>,
+    ) -> EngineResult<ByteStream> {
+        use std::io::Read;
+        let (rt, snap, parent) = (self.rt.clone(), snap.clone(), parent.cloned());
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, RuntimeError>>(4);
+        // Started here so a missing snapshot is the answer, not a cut stream.
+        let stream = {
+            let (rt, snap) = (rt.clone(), snap.clone());
+            tokio::task::spawn_blocking(move || rt.send_snapshot(&snap, parent.as_ref()))
+                .await
+                .map_err(|e| RuntimeError::Other(e.to_string()))?
+                .map_err(move_error)?
+        };
+        tokio::task::spawn_blocking(move || {
+            let mut stream = stream;
+            loop {
+                let mut buf = vec![0u8; 256 * 1024];
+                match stream.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => {
+                        buf.truncate(n);
+                        // The reader went away: dropping the stream kills `btrfs send`.
+                        if tx.blocking_send(Ok(Bytes::from(buf))).is_err() {
+                            return;
+                        }
+                    }
+                    Err(e) => {
+                        let _ = tx.blocking_send(Err(RuntimeError::Other(format!(
+                            "reading btrfs send of {snap}: {e}"
+                        ))));
+                        return;
+                    }
+                }
+            }
+            if let Err(e) = stream.finish() {
+                let _ = tx.blocking_send(Err(move_error(e.into())));
+            }
+            drop(rt);
+        });
+        Ok(futures::stream::unfold(rx, |mut rx| async move {
+            rx.recv().await.map(|item| (item, rx))
+        })
+        .boxed())
+    }
+
+    async fn receive_snapshot(
+        &self,
+        snap: &SnapshotId,
+        parent: Option<String>,
+        max_bytes: u64,
+        input: ByteStream,
+    ) -> EngineResult<u64> {
+        let parent = match parent {
+            None => None,
+            Some(p) => Some(strata_storage::Uuid::parse(&p).ok_or_else(|| {
+                RuntimeError::Invalid(format!("parent {p:?}: not a subvolume identity"))
+            })?),
+        };
+        // The body's chunks, pulled by the blocking receive; a bounded
+        // channel, so a fast sender waits for the disk.
+        let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<Bytes>>(4);
+        let pump = tokio::spawn(async move {
+            let mut input = input;
+            while let Some(item) = input.next().await {
+                let item = item.map_err(|e| std::io::Error::other(e.message()));
+                let stop = item.is_err();
+                if tx.send(item).await.is_err() || stop {
+                    break;
+                }
+            }
+        });
+        let r = self
+            .rt
+            .receive_snapshot_async(snap.clone(), parent, max_bytes, ChannelReader::new(rx))
+            .await;
+        pump.abort();
+        r.map(|got| got.bytes).map_err(move_error)
+    }
+
     fn exit_events(&self) -> tokio::sync::mpsc::UnboundedReceiver<VmDied> {
         // The runtime hands its receiver out once; later callers get a
         // stream that is empty and ends.
         self.rt
             .take_died_events()
             .unwrap_or_else(|| tokio::sync::mpsc::unbounded_channel().1)
+    }
+}
+
+/// A [`strata_runtime::MoveError`] as the engine's error: a refused or
+/// broken stream is the caller's (`invalid_request`), the runtime's own
+/// errors keep their codes.
+fn move_error(e: strata_runtime::MoveError) -> RuntimeError {
+    match e {
+        strata_runtime::MoveError::Runtime(e) => e,
+        strata_runtime::MoveError::Transfer(e) => {
+            RuntimeError::Invalid(format!("snapshot stream: {e}"))
+        }
+    }
+}
+
+/// A blocking [`std::io::Read`] over a channel of byte chunks (an HTTP
+/// body pumped by an async task), for `btrfs receive` on a blocking thread.
+struct ChannelReader {
+    rx: tokio::sync::mpsc::Receiver<std::io::Result<Bytes>>,
+    cur: Bytes,
+}
+
+impl ChannelReader {
+    fn new(rx: tokio::sync::mpsc::Receiver<std::io::Result<Bytes>>) -> Self {
+        ChannelReader {
+            rx,
+            cur: Bytes::new(),
+        }
+    }
+}
+
+impl std::io::Read for ChannelReader {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        while self.cur.is_empty() {
+            match self.rx.blocking_recv() {
+                Some(Ok(b)) => self.cur = b,
+                Some(Err(e)) => return Err(e),
+                None => return Ok(0),
+            }
+        }
+        let n = buf.len().min(self.cur.len());
+        buf[..n].copy_from_slice(&self.cur[..n]);
+        bytes::Buf::advance(&mut self.cur, n);
+        Ok(n)
     }
 }
 

@@ -42,6 +42,7 @@ mod sampler;
 pub mod signing;
 mod snapshots;
 mod templates;
+mod transfer;
 mod unchanged;
 mod variants;
 mod warm;
@@ -61,6 +62,10 @@ pub(crate) use oplock::*;
 pub use ports::{is_port_closed, PortConn};
 pub use sampler::{
     HostPoint, Sample, Sampler, SandboxMetrics, UsageSummary, MAX_POINTS, SAMPLE_STEP,
+};
+pub use transfer::{
+    ImportedSnapshot, PushReport, PushSandbox, RegisterImport, SentSnapshot, MAX_IMPORT_SNAPSHOTS,
+    MAX_SNAPSHOT_STREAM_BYTES,
 };
 pub use unchanged::ActivityNote;
 pub use warm::WarmPoolStats;
@@ -94,6 +99,9 @@ pub struct Service {
     pressure: lifecycle::pressure::PressureState,
     /// Bytes of uploads held for approval (`held`).
     held: held::HeldBytes,
+    /// Snapshots received from other deployments, not yet registered
+    /// (`transfer`).
+    imports: transfer::Imports,
     gate: Arc<dyn ToolGate>,
     sampler: sampler::Sampler,
     /// Baselines and activity of running guests, for rolling snapshots of
@@ -161,6 +169,7 @@ impl Service {
             activity: Mutex::new(HashMap::new()),
             pressure: lifecycle::pressure::PressureState::default(),
             held: held::HeldBytes::default(),
+            imports: transfer::Imports::default(),
         })
     }
 

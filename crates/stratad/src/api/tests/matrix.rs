@@ -334,6 +334,10 @@ async fn every_route_every_role_every_spelling_of_the_id() {
             r.path.starts_with("/v1/")
                 && r.path.contains(":id")
                 && !r.path.starts_with("/v1/template-files/")
+                // An import's id names a sandbox that does not exist here
+                // yet (any taken id is `409 conflict`, whoever owns it);
+                // their tenancy is `stratad/tests/e2e_move.rs`.
+                && !r.path.starts_with("/v1/imports/")
         })
         .map(|r| (r.method, r.path))
         .collect();

@@ -1,0 +1,78 @@
+//! Moving a sandbox between deployments (docs/move.md): the sender's
+//! `POST /v1/sandboxes/{id}/push` and the receiver's `/v1/imports/{id}…`
+//! routes (offer, one snapshot stream, register).
+
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::Json;
+use futures::TryStreamExt;
+use serde::Deserialize;
+use serde_json::json;
+use strata_core::{ErrorCode, SandboxId, SnapshotId};
+
+use super::{declares_more_than, ApiError, ApiResult, Body, Call};
+use crate::engine::RuntimeError;
+use crate::service::{PushSandbox, RegisterImport, MAX_SNAPSHOT_STREAM_BYTES};
+
+/// `POST /v1/imports/{id}/offer` body: the sender's snapshot ids.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct OfferBody {
+    snapshots: Vec<SnapshotId>,
+}
+
+pub(super) async fn offer(c: Call, Body(b): Body<OfferBody>) -> ApiResult<impl IntoResponse> {
+    c.no_query()?;
+    let id: SandboxId = c.id()?;
+    let held = c.svc.import_offer(&c.caller, &id, b.snapshots).await?;
+    Ok(Json(json!({ "held": held })))
+}
+
+/// `PUT /v1/imports/{id}/snapshots?snapshot=S[&parent=IDENTITY]`: the body
+/// is a `btrfs send` stream, read as it comes and bounded.
+pub(super) async fn receive(c: Call, req: axum::extract::Request) -> ApiResult<impl IntoResponse> {
+    let params = c.params(&["snapshot", "parent"], &[], false)?;
+    let id: SandboxId = c.id()?;
+    let snap: SnapshotId = super::parse_id(
+        params
+            .one("snapshot")
+            .ok_or_else(|| ApiError::new(ErrorCode::InvalidRequest, "snapshot: required"))?,
+    )?;
+    let parent = params.one("parent").map(str::to_owned);
+    if declares_more_than(req.headers(), MAX_SNAPSHOT_STREAM_BYTES) {
+        return Err(ApiError::new(
+            ErrorCode::PayloadTooLarge,
+            format!("a snapshot stream is at most {MAX_SNAPSHOT_STREAM_BYTES} bytes"),
+        ));
+    }
+    let body = req
+        .into_body()
+        .into_data_stream()
+        .map_err(|e| RuntimeError::Invalid(format!("request body: {e}")));
+    let bytes = c
+        .svc
+        .import_snapshot(&c.caller, &id, &snap, parent, Box::pin(body))
+        .await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({ "snapshot": snap, "bytes": bytes })),
+    ))
+}
+
+pub(super) async fn register(
+    c: Call,
+    Body(b): Body<RegisterImport>,
+) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = c.id()?;
+    let opts = c.gate()?;
+    Ok((
+        StatusCode::CREATED,
+        Json(c.svc.import_register(&c.caller, &id, b, &opts).await?),
+    ))
+}
+
+pub(super) async fn push(c: Call, Body(b): Body<PushSandbox>) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = c.id()?;
+    let opts = c.gate()?;
+    Ok(Json(c.svc.push(&c.caller, &id, b, &opts).await?))
+}

@@ -1,0 +1,519 @@
+//! Moving a hibernated sandbox to another deployment (docs/move.md): the
+//! sender's push and the receiver's three steps (offer, receive one
+//! snapshot stream, register), over the engine's `btrfs send` / `receive`.
+//!
+//! Contract:
+//! - [`Service::push`] hibernates a running sandbox (memory kept), asks the
+//!   remote which of its ready snapshots it holds, streams each missing one
+//!   (oldest first, incremental against the newest one before it that the
+//!   remote holds) and registers the sandbox there. The source stays here,
+//!   hibernated: two independent copies from then on (delete it to finish
+//!   a move).
+//! - The receiver keeps, per received snapshot, the tenant and sandbox it
+//!   was received for ([`Imports`], in memory): only that tenant's later
+//!   streams may name it as their parent (a stream may clone data from its
+//!   parent), only that tenant sees it held, and only a registration of
+//!   that sandbox by that tenant may claim it. A registration whose id is
+//!   taken is `409 conflict` and changes nothing.
+
+use super::prelude::*;
+
+/// The largest snapshot stream one receive accepts (the pool's free space
+/// less the room kept for snapshots bounds it further).
+pub const MAX_SNAPSHOT_STREAM_BYTES: u64 = 64 << 30;
+
+/// The most snapshots one registration (one push) may carry.
+pub const MAX_IMPORT_SNAPSHOTS: usize = 10_000;
+
+/// Snapshots received on this daemon since it started: snapshot → (tenant,
+/// sandbox). Lost on restart (a push interrupted by a receiver restart
+/// is not resumed: docs/move.md).
+#[derive(Debug, Default)]
+pub(crate) struct Imports {
+    received: Mutex<HashMap<SnapshotId, (String, SandboxId)>>,
+}
+
+impl Imports {
+    fn get(&self, snap: &SnapshotId) -> Option<(String, SandboxId)> {
+        self.received
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(snap)
+            .cloned()
+    }
+
+    fn put(&self, snap: SnapshotId, tenant: String, sandbox: SandboxId) {
+        self.received
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(snap, (tenant, sandbox));
+    }
+
+    fn forget(&self, snap: &SnapshotId) {
+        self.received
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(snap);
+    }
+}
+
+/// `POST /v1/sandboxes/{id}/push`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PushSandbox {
+    /// The remote deployment's API base URL (`https://host:7070`).
+    pub to: String,
+    /// A token of the remote deployment; its tenant will own the sandbox
+    /// there. Never logged or stored.
+    pub token: String,
+}
+
+/// One snapshot a push sent.
+#[derive(Debug, Clone, Serialize)]
+pub struct SentSnapshot {
+    /// The snapshot.
+    pub snapshot: SnapshotId,
+    /// The snapshot it was sent incremental against (`None`: in full).
+    pub parent: Option<SnapshotId>,
+    /// Stream bytes.
+    pub bytes: u64,
+}
+
+/// What a push did.
+#[derive(Debug, Clone, Serialize)]
+pub struct PushReport {
+    /// The source sandbox here (hibernated).
+    pub sandbox: SandboxRecord,
+    /// The sandbox record the remote answered with.
+    pub remote: serde_json::Value,
+    /// The snapshots streamed, oldest first.
+    pub sent: Vec<SentSnapshot>,
+    /// Snapshots the remote already held.
+    pub held: usize,
+    /// Stream bytes, all snapshots.
+    pub bytes: u64,
+}
+
+/// One snapshot record of a registration (the sender's).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImportedSnapshot {
+    /// Its id (received before with `PUT /v1/imports/{id}/snapshots`).
+    pub id: SnapshotId,
+    /// Why it was taken.
+    pub kind: SnapshotKind,
+    /// User label.
+    #[serde(default)]
+    pub label: Option<String>,
+    /// When it was taken.
+    pub created_at: DateTime<Utc>,
+}
+
+/// `POST /v1/imports/{id}`: register a sandbox whose snapshots were received.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegisterImport {
+    /// Its size.
+    #[serde(default)]
+    pub size: Option<SandboxSize>,
+    /// Labels.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// Its ready snapshots, oldest first; it wakes from the newest.
+    #[serde(default)]
+    pub snapshots: Vec<ImportedSnapshot>,
+}
+
+fn remote_err(what: &str, e: reqwest::Error) -> ServiceError {
+    let mut msg = e.to_string();
+    let mut src = std::error::Error::source(&e);
+    while let Some(s) = src {
+        msg.push_str(&format!(": {s}"));
+        src = s.source();
+    }
+    ServiceError::Engine(RuntimeError::Unavailable(format!("push: {what}: {msg}")))
+}
+
+impl Service {
+    /// Whether `tenant` may use received snapshot `snap` (as a parent, as
+    /// held): received for it since this daemon started, or registered to
+    /// it.
+    async fn import_of(&self, tenant: &str, snap: &SnapshotId) -> ServiceResult<bool> {
+        if let Some((t, _)) = self.imports.get(snap) {
+            return Ok(t == tenant);
+        }
+        let id = snap.clone();
+        Ok(self
+            .db(move |s| s.get_snapshot(&id))
+            .await?
+            .is_some_and(|r| r.tenant == tenant))
+    }
+
+    /// A sandbox id that is taken here (any state, deleted included) is a
+    /// `409 conflict`.
+    async fn id_free(&self, id: &SandboxId) -> ServiceResult<()> {
+        let id2 = id.clone();
+        if self.db(move |s| s.get_sandbox(&id2)).await?.is_some() {
+            return Err(ServiceError::Conflict(format!(
+                "sandbox id {id} is taken on this deployment"
+            )));
+        }
+        Ok(())
+    }
+
+    /// `POST /v1/imports/{id}/offer`: which of `snaps` this deployment
+    /// holds received for the caller's tenant, with their identities.
+    pub async fn import_offer(
+        &self,
+        caller: &Caller,
+        id: &SandboxId,
+        snaps: Vec<SnapshotId>,
+    ) -> ServiceResult<BTreeMap<SnapshotId, String>> {
+        if snaps.len() > MAX_IMPORT_SNAPSHOTS {
+            return Err(ServiceError::InvalidRequest(format!(
+                "at most {MAX_IMPORT_SNAPSHOTS} snapshots"
+            )));
+        }
+        self.id_free(id).await?;
+        let tenant = caller.owner().to_owned();
+        let received = self.engine.received_snapshots().await?;
+        let mut held = BTreeMap::new();
+        for s in snaps {
+            let Some((_, identity)) = received.iter().find(|(n, _)| n == s.as_str()) else {
+                continue;
+            };
+            if self.import_of(&tenant, &s).await? {
+                held.insert(s, identity.clone());
+            }
+        }
+        Ok(held)
+    }
+
+    /// `PUT /v1/imports/{id}/snapshots?snapshot=S&parent=P`: receives one
+    /// snapshot stream (hostile, bounded) for sandbox `id` of the caller's
+    /// tenant; `parent` is the identity of a snapshot received before for
+    /// the same tenant. Returns the stream bytes.
+    pub async fn import_snapshot(
+        &self,
+        caller: &Caller,
+        id: &SandboxId,
+        snap: &SnapshotId,
+        parent: Option<String>,
+        body: ByteStream,
+    ) -> ServiceResult<u64> {
+        self.id_free(id).await?;
+        let tenant = caller.owner().to_owned();
+        let exists = {
+            let s2 = snap.clone();
+            self.db(move |s| s.get_snapshot(&s2)).await?.is_some()
+        };
+        if exists || self.imports.get(snap).is_some() {
+            return Err(ServiceError::Conflict(format!(
+                "snapshot {snap} exists on this deployment"
+            )));
+        }
+        if let Some(p) = &parent {
+            let received = self.engine.received_snapshots().await?;
+            let name = received
+                .iter()
+                .find(|(_, u)| u.eq_ignore_ascii_case(p))
+                .map(|(n, _)| n.clone());
+            let ok = match name.and_then(|n| n.parse::<SnapshotId>().ok()) {
+                Some(ps) => self.import_of(&tenant, &ps).await?,
+                None => false,
+            };
+            if !ok {
+                return Err(ServiceError::InvalidRequest(format!(
+                    "parent {p}: no snapshot received for this tenant has this identity"
+                )));
+            }
+        }
+        let bytes = self
+            .engine
+            .receive_snapshot(snap, parent, MAX_SNAPSHOT_STREAM_BYTES, body)
+            .await?;
+        self.imports.put(snap.clone(), tenant, id.clone());
+        info!(sandbox = %id, snapshot = %snap, bytes, "snapshot received");
+        Ok(bytes)
+    }
+
+    /// `POST /v1/imports/{id}`: registers sandbox `id` as `hibernated`,
+    /// owned by the caller's tenant, with the snapshots received for it.
+    pub async fn import_register(
+        self: &Arc<Self>,
+        caller: &Caller,
+        id: &SandboxId,
+        cmd: RegisterImport,
+        opts: &GateOptions,
+    ) -> ServiceResult<SandboxRecord> {
+        let size = cmd
+            .size
+            .ok_or_else(|| ServiceError::InvalidRequest("size: required".into()))?;
+        size.validate()?;
+        if cmd.snapshots.is_empty() || cmd.snapshots.len() > MAX_IMPORT_SNAPSHOTS {
+            return Err(ServiceError::InvalidRequest(format!(
+                "snapshots: 1 to {MAX_IMPORT_SNAPSHOTS}"
+            )));
+        }
+        self.authorize(caller, Some(id), lifecycle("import"), opts)
+            .await?;
+        let tenant = caller.owner().to_owned();
+        let _g = self.acquire(id, Op::Created, Who::User).await?;
+        let mut seen = std::collections::HashSet::new();
+        for s in &cmd.snapshots {
+            if !seen.insert(s.id.clone()) {
+                return Err(ServiceError::InvalidRequest(format!(
+                    "snapshot {} given twice",
+                    s.id
+                )));
+            }
+            if s.kind == SnapshotKind::Template {
+                return Err(ServiceError::InvalidRequest(format!(
+                    "snapshot {}: a template snapshot cannot be imported",
+                    s.id
+                )));
+            }
+            match self.imports.get(&s.id) {
+                Some((t, sb)) if t == tenant && sb == *id => {}
+                _ => {
+                    return Err(ServiceError::InvalidRequest(format!(
+                        "snapshot {} was not received for sandbox {id} of this tenant",
+                        s.id
+                    )))
+                }
+            }
+        }
+        let spec = SandboxSpec {
+            labels: cmd.labels,
+            ..Default::default()
+        };
+        let mut rec = self.new_record(&tenant, &spec, size)?;
+        rec.id = id.clone();
+        let snaps: Vec<SnapshotRecord> = cmd
+            .snapshots
+            .iter()
+            .map(|s| {
+                let mut r = self.new_snapshot(&rec, s.kind, s.label.clone());
+                r.id = s.id.clone();
+                r.status = SnapshotStatus::Ready;
+                r.created_at = s.created_at;
+                r
+            })
+            .collect();
+        {
+            let _room = self.admit_without_vm(&rec).await?;
+            self.id_free(id).await?;
+            self.begin_create(&mut rec, None, Some("imported".into()))
+                .await?;
+        }
+        let refs: Vec<&SnapshotRecord> = snaps.iter().collect();
+        let newest = snaps
+            .iter()
+            .max_by_key(|s| s.created_at)
+            .map(|s| s.id.clone());
+        self.done(
+            &mut rec,
+            Op::Created,
+            SandboxState::Hibernated,
+            None,
+            &refs,
+            Some(format!(
+                "imported with {} snapshots, wakes from {}",
+                snaps.len(),
+                newest.map(|s| s.to_string()).unwrap_or_default()
+            )),
+        )
+        .await?;
+        for s in &snaps {
+            self.imports.forget(&s.id);
+            self.spawn_usage(s.id.clone());
+        }
+        info!(sandbox = %id, snapshots = snaps.len(), "sandbox imported");
+        Ok(rec)
+    }
+
+    /// `POST /v1/sandboxes/{id}/push`: see the module docs.
+    pub async fn push(
+        self: &Arc<Self>,
+        caller: &Caller,
+        id: &SandboxId,
+        cmd: PushSandbox,
+        opts: &GateOptions,
+    ) -> ServiceResult<PushReport> {
+        let rec = self
+            .authorize_on(caller, id, lifecycle("push"), opts)
+            .await?;
+        let base = reqwest::Url::parse(&cmd.to)
+            .ok()
+            .filter(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some())
+            .ok_or_else(|| {
+                ServiceError::InvalidRequest(format!("to {:?}: expected an http(s) URL", cmd.to))
+            })?;
+        if cmd.token.is_empty() || cmd.token.len() > 4096 {
+            return Err(ServiceError::InvalidRequest(
+                "token: the remote deployment's token (1 to 4096 bytes)".into(),
+            ));
+        }
+        if rec.state != SandboxState::Hibernated {
+            let g = self.acquire(id, Op::Hibernate, Who::User).await?;
+            self.hibernate_locked(id, g, true).await?;
+        }
+        // Held while the snapshots travel: no wake, rewind or delete meanwhile.
+        let _g = self.acquire(id, Op::Configure, Who::User).await?;
+        let rec = self.record(id).await?;
+        if rec.state != SandboxState::Hibernated {
+            return Err(ServiceError::InvalidStateOther(format!(
+                "sandbox {id} is {}, not hibernated",
+                rec.state
+            )));
+        }
+        let id2 = id.clone();
+        let mut snaps: Vec<SnapshotRecord> = self
+            .db(move |s| s.list_snapshots(&id2, false))
+            .await?
+            .into_iter()
+            .filter(|s| s.status == SnapshotStatus::Ready && s.same_as.is_none())
+            .collect();
+        snaps.sort_by(|a, b| (a.created_at, a.id.as_str()).cmp(&(b.created_at, b.id.as_str())));
+        if snaps.is_empty() {
+            return Err(ServiceError::InvalidStateOther(format!(
+                "sandbox {id} has no ready snapshot"
+            )));
+        }
+        let mut idents = Vec::with_capacity(snaps.len());
+        for s in &snaps {
+            idents.push(self.engine.snapshot_identity(&s.id).await?);
+        }
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(15))
+            .build()
+            .map_err(|e| remote_err("HTTP client", e))?;
+        let url = |tail: &str| -> ServiceResult<reqwest::Url> {
+            base.join(tail)
+                .map_err(|e| ServiceError::InvalidRequest(format!("to: {e}")))
+        };
+        // 1. What the remote holds.
+        let resp = http
+            .post(url(&format!("v1/imports/{id}/offer"))?)
+            .bearer_auth(&cmd.token)
+            .timeout(Duration::from_secs(60))
+            .json(&serde_json::json!({ "snapshots": snaps.iter().map(|s| &s.id).collect::<Vec<_>>() }))
+            .send()
+            .await
+            .map_err(|e| remote_err("offer", e))?;
+        let held: BTreeMap<String, String> = remote_json(resp, "offer")
+            .await?
+            .get("held")
+            .cloned()
+            .and_then(|v| serde_json::from_value(v).ok())
+            .unwrap_or_default();
+        // 2. The missing ones, oldest first.
+        let mut parent: Option<(SnapshotId, String)> = None;
+        let (mut sent, mut total, mut n_held) = (Vec::new(), 0u64, 0usize);
+        for (s, ident) in snaps.iter().zip(&idents) {
+            if held.get(s.id.as_str()) == Some(ident) {
+                n_held += 1;
+                parent = Some((s.id.clone(), ident.clone()));
+                continue;
+            }
+            let stream = self
+                .engine
+                .send_snapshot(&s.id, parent.as_ref().map(|(p, _)| p))
+                .await?;
+            let counted = Arc::new(std::sync::atomic::AtomicU64::new(0));
+            let c2 = counted.clone();
+            let body = reqwest::Body::wrap_stream(stream.map(move |r| {
+                r.inspect(|b| {
+                    c2.fetch_add(b.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                })
+                .map_err(|e| std::io::Error::other(e.message()))
+            }));
+            let mut u = url(&format!("v1/imports/{id}/snapshots"))?;
+            u.query_pairs_mut().append_pair("snapshot", s.id.as_str());
+            if let Some((_, pi)) = &parent {
+                u.query_pairs_mut().append_pair("parent", pi);
+            }
+            let resp = http
+                .put(u)
+                .bearer_auth(&cmd.token)
+                .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+                .body(body)
+                .send()
+                .await
+                .map_err(|e| remote_err("snapshot stream", e))?;
+            remote_json(resp, "snapshot stream").await?;
+            let bytes = counted.load(std::sync::atomic::Ordering::Relaxed);
+            total += bytes;
+            sent.push(SentSnapshot {
+                snapshot: s.id.clone(),
+                parent: parent.as_ref().map(|(p, _)| p.clone()),
+                bytes,
+            });
+            parent = Some((s.id.clone(), ident.clone()));
+        }
+        // 3. The sandbox, registered there.
+        let reg = RegisterImport {
+            size: Some(rec.size),
+            labels: rec.labels.clone(),
+            snapshots: snaps
+                .iter()
+                .map(|s| ImportedSnapshot {
+                    id: s.id.clone(),
+                    kind: s.kind,
+                    label: s.label.clone(),
+                    created_at: s.created_at,
+                })
+                .collect(),
+        };
+        let resp = http
+            .post(url(&format!("v1/imports/{id}"))?)
+            .bearer_auth(&cmd.token)
+            .timeout(Duration::from_secs(60))
+            .json(&reg)
+            .send()
+            .await
+            .map_err(|e| remote_err("register", e))?;
+        let remote = remote_json(resp, "register").await?;
+        info!(sandbox = %id, to = %base, bytes = total, sent = sent.len(), "sandbox pushed");
+        Ok(PushReport {
+            sandbox: rec,
+            remote,
+            sent,
+            held: n_held,
+            bytes: total,
+        })
+    }
+}
+
+/// A remote's JSON answer; an error answer keeps its meaning here (a
+/// `409` stays `409 conflict`).
+async fn remote_json(resp: reqwest::Response, step: &str) -> ServiceResult<serde_json::Value> {
+    let status = resp.status().as_u16();
+    // Bounded: an answer is a small JSON document.
+    let mut body = Vec::new();
+    let mut stream = resp.bytes_stream();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| remote_err(step, e))?;
+        if body.len() + chunk.len() > 1 << 20 {
+            return Err(ServiceError::Engine(RuntimeError::Unavailable(format!(
+                "push: {step}: the remote's answer is over 1 MiB"
+            ))));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
+    if (200..300).contains(&status) {
+        return Ok(v);
+    }
+    let msg = format!(
+        "push: {step}: the remote answered {status}: {}",
+        v["error"]["message"].as_str().unwrap_or("(no message)")
+    );
+    Err(match status {
+        409 => ServiceError::Conflict(msg),
+        401 | 403 => ServiceError::Forbidden(msg),
+        413 => ServiceError::TooLarge(msg),
+        400..=499 => ServiceError::InvalidRequest(msg),
+        _ => ServiceError::Engine(RuntimeError::Unavailable(msg)),
+    })
+}
