@@ -377,6 +377,13 @@ pub struct SecurityConfig {
     /// `[webhooks] allow_private`; `docs/secrets.md`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub secrets_allow_private: Vec<String>,
+    /// Addresses (IP literals) a push (`POST /v1/sandboxes/{id}/push`) may
+    /// reach although they are loopback or private: the remote deployments
+    /// on this operator's own networks. Every other push target must pass
+    /// the egress proxy's public-address filter (docs/move.md), so a token
+    /// cannot aim the daemon at the host's networks.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub push_allow_private: Vec<String>,
 }
 
 impl Default for SecurityConfig {
@@ -401,6 +408,7 @@ impl Default for SecurityConfig {
             mcp_tenant_private_urls: false,
             egress_upstream_ca_bundle: None,
             secrets_allow_private: Vec::new(),
+            push_allow_private: Vec::new(),
         }
     }
 }

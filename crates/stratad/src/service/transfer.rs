@@ -343,12 +343,15 @@ impl Service {
         let rec = self
             .authorize_on(caller, id, lifecycle("push"), opts)
             .await?;
-        let base = reqwest::Url::parse(&cmd.to)
-            .ok()
-            .filter(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some())
-            .ok_or_else(|| {
-                ServiceError::InvalidRequest(format!("to {:?}: expected an http(s) URL", cmd.to))
-            })?;
+        // The target passes the public-address filter (or is one of the
+        // operator's `[security] push_allow_private`), and the connection
+        // goes to the addresses checked, not to a second resolution.
+        let (base, host, addrs) = crate::events::webhooks::check_target(
+            &cmd.to,
+            &self.config().security.push_allow_private,
+        )
+        .await
+        .map_err(|e| ServiceError::InvalidRequest(format!("to {:?}: {}", cmd.to, e.0)))?;
         if cmd.token.is_empty() || cmd.token.len() > 4096 {
             return Err(ServiceError::InvalidRequest(
                 "token: the remote deployment's token (1 to 4096 bytes)".into(),
@@ -385,6 +388,8 @@ impl Service {
             idents.push(self.engine.snapshot_identity(&s.id).await?);
         }
         let http = reqwest::Client::builder()
+            .resolve_to_addrs(&host, &addrs)
+            .redirect(reqwest::redirect::Policy::none())
             .connect_timeout(Duration::from_secs(15))
             .build()
             .map_err(|e| remote_err("HTTP client", e))?;
