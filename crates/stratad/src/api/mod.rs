@@ -31,6 +31,7 @@ use crate::service::{Service, ServiceError};
 mod code;
 mod events;
 mod files;
+pub mod forward;
 mod interactive;
 mod metrics;
 pub mod ports;
@@ -571,6 +572,10 @@ pub fn router(svc: Arc<Service>) -> Router {
         .layer(axum::middleware::from_fn(method_not_allowed))
         .layer(axum::middleware::from_fn_with_state(svc.clone(), track))
         .layer(DefaultBodyLimit::max(limit))
+        .layer(axum::middleware::from_fn_with_state(
+            svc.clone(),
+            forward::layer,
+        ))
         .with_state(svc)
 }
 

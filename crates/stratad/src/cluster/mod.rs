@@ -544,11 +544,42 @@ impl Cluster {
         Ok(hs)
     }
 
+    /// The host (id, advertised address) holding `sandbox`'s lease when it
+    /// is another one than this host (an API request for it is forwarded
+    /// there, docs/cluster.md "Forwarding"); `None` when this host holds
+    /// it or no host does (answered here).
+    pub async fn owner_elsewhere(
+        &self,
+        sandbox: &SandboxId,
+    ) -> ServiceResult<Option<(String, String)>> {
+        let id = sandbox.clone();
+        let Some(lease) = self
+            .blocking(move |h| h.sandbox_owner(&id))
+            .await
+            .map_err(host_to_service)?
+        else {
+            return Ok(None);
+        };
+        if lease.host_id == self.info.id {
+            return Ok(None);
+        }
+        let hosts = self.hosts_view().await?;
+        let addr = hosts
+            .iter()
+            .find(|h| h.info.id == lease.host_id)
+            .map(|h| h.info.address.clone());
+        Ok(addr.map(|a| (lease.host_id, a)))
+    }
+
     /// Placement of a new sandbox (`rec`, not yet written): `Ok` when this
     /// host is the one [`placement::place`] picks; otherwise `409 conflict`
     /// naming the host to create it on, or `507 insufficient_capacity` with
     /// what no host has.
     pub async fn check_placement(&self, svc: &Service, rec: &SandboxRecord) -> ServiceResult<()> {
+        if crate::api::forward::is_forwarded() {
+            // Another host placed it here: this host's admission decides.
+            return Ok(());
+        }
         let hosts = self.hosts_view().await?;
         let group = rec.labels.get(placement::ANTI_AFFINITY_LABEL).cloned();
         let mut per_host: std::collections::HashMap<String, u64> = Default::default();
@@ -596,8 +627,9 @@ impl Cluster {
                     .find(|x| x.info.id == h)
                     .map(|x| x.info.address.clone())
                     .unwrap_or_default();
+                crate::api::forward::placed_on(&addr);
                 Err(ServiceError::Conflict(format!(
-                    "placed_elsewhere: host {h} ({addr}) is where this sandbox fits best; create it there (this host, {}, does not forward)",
+                    "placed_elsewhere: host {h} ({addr}) is where this sandbox fits best; create it there (this host, {}, could not forward it)",
                     self.info.id
                 )))
             }

@@ -1,0 +1,245 @@
+//! Cluster forwarding (docs/cluster.md, "Forwarding"): on a cluster host, a
+//! request on `/v1/sandboxes/{id}/…` for a sandbox whose lease another
+//! host holds is proxied over HTTP to that host's advertised address,
+//! request and response bodies streamed both ways; a create that placement
+//! puts on another host is re-sent there.
+//!
+//! - The caller's `Authorization` (and every other end-to-end header) goes
+//!   as-is: the owner authenticates and authorizes the caller again;
+//!   nothing is trusted from the forwarding host.
+//! - A forwarded request carries [`FORWARDED_HEADER`] and is never forwarded
+//!   again (no loops): its receiver answers it itself.
+//! - The owner unreachable within [`CONNECT_TIMEOUT`]: `503` with code
+//!   `owner_unreachable`; an answer that breaks off: `502`
+//!   `owner_unreachable`.
+//! - Not forwarded: connection upgrades (the WebSocket terminal), routes
+//!   outside `/v1/sandboxes/{id}` (reads of records are served from the
+//!   shared store by any host).
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body as AxumBody;
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderName, Method, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use futures::TryStreamExt;
+use serde_json::json;
+use strata_core::SandboxId;
+
+use crate::service::Service;
+
+/// Marks a request one host forwarded to another (value: the forwarding
+/// host's id). A request carrying it is answered where it arrives.
+pub const FORWARDED_HEADER: &str = "x-strata-forwarded-by";
+/// The bound on connecting to the owner.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// The machine-readable code of an owner that cannot be reached.
+pub const OWNER_UNREACHABLE: &str = "owner_unreachable";
+/// On every answer of a cluster host: the id of the host that answered
+/// (a forwarded answer carries the owner's).
+pub const HOST_HEADER: &str = "x-strata-host";
+
+/// What a request's handling tells the forwarding layer (task-local).
+#[derive(Default)]
+struct Ctx {
+    /// The request arrived forwarded.
+    forwarded: bool,
+    /// Placement chose another host (its address) for a create.
+    placed: Mutex<Option<String>>,
+}
+
+tokio::task_local! {
+    static CTX: Arc<Ctx>;
+}
+
+/// Whether the request being handled was forwarded by another host (a
+/// create then skips placement: the chosen host's admission decides).
+pub fn is_forwarded() -> bool {
+    CTX.try_with(|c| c.forwarded).unwrap_or(false)
+}
+
+/// Placement put the create being handled on the host at `addr`: the
+/// forwarding layer re-sends it there (when it can).
+pub fn placed_on(addr: &str) {
+    let _ = CTX.try_with(|c| {
+        *c.placed.lock().unwrap_or_else(|p| p.into_inner()) = Some(addr.to_owned());
+    });
+}
+
+fn client() -> &'static reqwest::Client {
+    static C: std::sync::OnceLock<reqwest::Client> = std::sync::OnceLock::new();
+    C.get_or_init(|| {
+        reqwest::Client::builder()
+            .connect_timeout(CONNECT_TIMEOUT)
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .unwrap_or_else(|_| reqwest::Client::new())
+    })
+}
+
+fn unreachable(status: StatusCode, host: &str, why: impl std::fmt::Display) -> Response {
+    (
+        status,
+        axum::Json(json!({ "error": {
+            "code": OWNER_UNREACHABLE,
+            "message": format!("host {host} (which owns this sandbox or was chosen for it) cannot be reached: {why}"),
+        }})),
+    )
+        .into_response()
+}
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1) and those the client recomputes.
+fn hop(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "transfer-encoding"
+            | "te"
+            | "trailer"
+            | "upgrade"
+            | "host"
+            | "content-length"
+    )
+}
+
+fn copy_headers(from: &HeaderMap, to: &mut HeaderMap) {
+    for (k, v) in from {
+        if !hop(k) {
+            to.append(k.clone(), v.clone());
+        }
+    }
+}
+
+/// Sends `method path` with `headers` and `body` to the host at `addr` and
+/// streams its answer back.
+async fn proxy(
+    me: &str,
+    host: &str,
+    addr: &str,
+    method: Method,
+    path_query: &str,
+    headers: &HeaderMap,
+    body: reqwest::Body,
+) -> Response {
+    let url = format!("{}{}", addr.trim_end_matches('/'), path_query);
+    let mut out = HeaderMap::new();
+    copy_headers(headers, &mut out);
+    if let Ok(v) = me.parse() {
+        out.insert(FORWARDED_HEADER, v);
+    }
+    let sent = client()
+        .request(method, &url)
+        .headers(out)
+        .body(body)
+        .send()
+        .await;
+    let resp = match sent {
+        Ok(r) => r,
+        Err(e) if e.is_connect() || e.is_timeout() => {
+            return unreachable(StatusCode::SERVICE_UNAVAILABLE, host, e)
+        }
+        Err(e) => return unreachable(StatusCode::BAD_GATEWAY, host, e),
+    };
+    let mut b = Response::builder().status(resp.status().as_u16());
+    if let Some(h) = b.headers_mut() {
+        copy_headers(resp.headers(), h);
+    }
+    let stream = resp.bytes_stream().map_err(std::io::Error::other);
+    b.body(AxumBody::from_stream(stream))
+        .unwrap_or_else(|e| unreachable(StatusCode::BAD_GATEWAY, host, e))
+}
+
+/// The sandbox id of a `/v1/sandboxes/{id}[/…]` path.
+fn sandbox_of(path: &str) -> Option<SandboxId> {
+    let rest = path.strip_prefix("/v1/sandboxes/")?;
+    let seg = rest.split('/').next()?;
+    seg.parse().ok()
+}
+
+/// The forwarding layer (a no-op unless this service is a cluster host).
+pub(super) async fn layer(State(svc): State<Arc<Service>>, req: Request, next: Next) -> Response {
+    let Some(cluster) = svc.cluster().cloned() else {
+        return next.run(req).await;
+    };
+    let me = cluster.host_id().to_owned();
+    let mut resp = route(&svc, &cluster, req, next).await;
+    if !resp.headers().contains_key(HOST_HEADER) {
+        if let Ok(v) = me.parse() {
+            resp.headers_mut().insert(HOST_HEADER, v);
+        }
+    }
+    resp
+}
+
+async fn route(
+    svc: &Arc<Service>,
+    cluster: &Arc<crate::cluster::Cluster>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let forwarded = req.headers().contains_key(FORWARDED_HEADER);
+    let ctx = Arc::new(Ctx {
+        forwarded,
+        ..Default::default()
+    });
+    if forwarded || req.headers().contains_key(header::UPGRADE) {
+        return CTX.scope(ctx, next.run(req)).await;
+    }
+    let me = cluster.host_id().to_owned();
+    let pq = req
+        .uri()
+        .path_and_query()
+        .map(|p| p.as_str().to_owned())
+        .unwrap_or_else(|| req.uri().path().to_owned());
+    if let Some(id) = sandbox_of(req.uri().path()) {
+        let owner = match cluster.owner_elsewhere(&id).await {
+            Ok(o) => o,
+            Err(e) => return super::ApiError::from(e).into_response(),
+        };
+        let Some((host, addr)) = owner else {
+            return CTX.scope(ctx, next.run(req)).await;
+        };
+        let (parts, body) = req.into_parts();
+        let body = reqwest::Body::wrap_stream(body.into_data_stream());
+        tracing::debug!(sandbox = %id, owner = %host, "forwarded");
+        return proxy(&me, &host, &addr, parts.method, &pq, &parts.headers, body).await;
+    }
+    if req.method() == Method::POST && req.uri().path() == "/v1/sandboxes" {
+        // A create: kept (bounded like any JSON body) so that it can be
+        // re-sent to the host placement picks.
+        let limit = svc.config().max_json_body_bytes;
+        let (parts, body) = req.into_parts();
+        let bytes = match axum::body::to_bytes(body, limit).await {
+            Ok(b) => b,
+            Err(_) => {
+                return super::ApiError::new(
+                    strata_core::ErrorCode::PayloadTooLarge,
+                    format!("body over {limit} bytes"),
+                )
+                .into_response()
+            }
+        };
+        let local = Request::from_parts(parts.clone(), AxumBody::from(bytes.clone()));
+        let resp = CTX.scope(ctx.clone(), next.run(local)).await;
+        let placed = ctx.placed.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let Some(addr) = placed else {
+            return resp;
+        };
+        tracing::debug!(to = %addr, "create forwarded to the host placement chose");
+        return proxy(
+            &me,
+            &addr,
+            &addr,
+            parts.method,
+            &pq,
+            &parts.headers,
+            reqwest::Body::from(bytes),
+        )
+        .await;
+    }
+    CTX.scope(ctx, next.run(req)).await
+}
