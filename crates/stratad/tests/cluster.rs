@@ -14,8 +14,9 @@
 //! Not done here (docs/cluster.md): three hosts in three network
 //! namespaces; egress is shown to stop only through the VM's death.
 //!
-//! Auth is off (`[security] auth = false`): the security store is per host
-//! on this branch, and a forwarded call carries the caller's own token.
+//! Auth is on: the hosts share the security store on PostgreSQL (B starts
+//! with A's bootstrap token and master key), and a forwarded call carries
+//! the caller's own token, which the owner checks again.
 //!
 //! Needs `STRATA_TEST_PG_URL` (a unix-socket URL, as scripts/test-pg.sh
 //! makes); without it the test prints a line and passes.
@@ -127,8 +128,6 @@ fn host_conf(id: &str, url: &str, schema: &str, vcpus: u32, build: bool) -> Stri
 url = "{url}"
 schema = "{schema}"
 timeout = "3s"
-[security]
-auth = false
 [cluster]
 enabled = true
 host_id = "{id}"

@@ -10,9 +10,9 @@
 //! 3. A killed: an exec through B is `503 owner_unreachable` within the
 //!    connect bound.
 //!
-//! Both hosts run with `[security] auth = false`: the security store is
-//! per host on this branch, so one bearer token is not valid on both (the
-//! forwarded `Authorization` is re-checked by the owner).
+//! Auth is on: the hosts share the security store on PostgreSQL (B starts
+//! with A's bootstrap token and master key); the forwarded `Authorization`
+//! is the caller's own, re-checked by the owner.
 //!
 //! Needs `STRATA_TEST_PG_URL` (scripts/test-pg.sh); without it the test
 //! prints a line and passes.
@@ -31,8 +31,6 @@ fn host_conf(id: &str, url: &str, schema: &str, vcpus: u32, build: bool) -> Stri
 url = "{url}"
 schema = "{schema}"
 timeout = "3s"
-[security]
-auth = false
 [cluster]
 enabled = true
 host_id = "{id}"
@@ -88,7 +86,17 @@ fn a_host_forwards_creates_and_operations_to_the_owner_and_says_when_it_is_gone(
     let a = Daemon::start(&host_conf("host-a", &url, &schema, 4, true));
     let rt = strata_testkit::tokio_rt();
     rt.block_on(a.wait_template());
-    let b = Daemon::start(&host_conf("host-b", &url, &schema, 1, false));
+    let a_root = a.root.clone();
+    let b = Daemon::start_on(&host_conf("host-b", &url, &schema, 1, false), move |root| {
+        for (from, to) in [("data/admin.token", "data"), ("keys/master.key", "keys")] {
+            let dir = root.join(to);
+            std::fs::create_dir_all(&dir).expect("mkdir");
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+            let name = std::path::Path::new(from).file_name().expect("name");
+            std::fs::copy(a_root.join(from), dir.join(name)).expect("copy from host A");
+        }
+    });
     rt.block_on(async {
         tokio::time::sleep(Duration::from_secs(3)).await;
 
