@@ -204,17 +204,7 @@ fn two_hosts_place_mark_a_lost_host_fence_its_revival_and_self_fence_a_partition
     // bootstrap token of its own (A's is in the database), so its client
     // uses A's; and, as docs/keys.md asks of daemons sharing a database,
     // B gets A's master key before its first start.
-    let a_root = a.root.clone();
-    let b = Daemon::start_on(&host_conf("host-b", &url, &schema, 1, false), move |root| {
-        for (from, to) in [("data/admin.token", "data"), ("keys/master.key", "keys")] {
-            let dir = root.join(to);
-            std::fs::create_dir_all(&dir).expect("mkdir");
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).expect("chmod");
-            let name = std::path::Path::new(from).file_name().expect("name");
-            std::fs::copy(a_root.join(from), dir.join(name)).expect("copy from host A");
-        }
-    });
+    let b = Daemon::start_sharing(&host_conf("host-b", &url, &schema, 1, false), &a);
     rt.block_on(async {
         // Both registered and heartbeating.
         tokio::time::sleep(Duration::from_secs(2)).await;

@@ -86,17 +86,7 @@ fn a_host_forwards_creates_and_operations_to_the_owner_and_says_when_it_is_gone(
     let a = Daemon::start(&host_conf("host-a", &url, &schema, 4, true));
     let rt = strata_testkit::tokio_rt();
     rt.block_on(a.wait_template());
-    let a_root = a.root.clone();
-    let b = Daemon::start_on(&host_conf("host-b", &url, &schema, 1, false), move |root| {
-        for (from, to) in [("data/admin.token", "data"), ("keys/master.key", "keys")] {
-            let dir = root.join(to);
-            std::fs::create_dir_all(&dir).expect("mkdir");
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).expect("chmod");
-            let name = std::path::Path::new(from).file_name().expect("name");
-            std::fs::copy(a_root.join(from), dir.join(name)).expect("copy from host A");
-        }
-    });
+    let b = Daemon::start_sharing(&host_conf("host-b", &url, &schema, 1, false), &a);
     rt.block_on(async {
         tokio::time::sleep(Duration::from_secs(3)).await;
 

@@ -110,6 +110,26 @@ impl Daemon {
         Self::start_on(extra, |_| {})
     }
 
+    /// [`Daemon::start`] of a second daemon on `first`'s database (a
+    /// cluster host): it starts with `first`'s bootstrap admin token (the
+    /// shared security store makes no second one) and its master key (as
+    /// docs/keys.md asks of daemons sharing a database).
+    pub fn start_sharing(extra: &str, first: &Daemon) -> Daemon {
+        let from_root = first.root.clone();
+        Self::start_on(extra, move |root| {
+            use std::os::unix::fs::PermissionsExt;
+            for (from, to) in [("data/admin.token", "data"), ("keys/master.key", "keys")] {
+                let dir = root.join(to);
+                std::fs::create_dir_all(&dir).expect("mkdir");
+                std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
+                    .expect("chmod");
+                let name = std::path::Path::new(from).file_name().expect("name");
+                std::fs::copy(from_root.join(from), dir.join(name))
+                    .expect("copy from the first daemon");
+            }
+        })
+    }
+
     /// [`Daemon::start`], with `prepare` run on the fresh root before the
     /// daemon starts (to mount something under it: list such mounts in
     /// `<root>/`[`FIXTURE_MOUNTS`] so that cleanup unmounts them).
