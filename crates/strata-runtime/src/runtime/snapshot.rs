@@ -179,7 +179,18 @@ impl Runtime {
         }
         let result = async {
             let t_state = Instant::now();
-            let bytes = self.save_state(id.as_str(), &live, &dir).await?;
+            let saved = dir.join(files::DEVICE_STATE);
+            let bytes = if !was_running && live.state_saved.load(Ordering::SeqCst) {
+                // Stopped since its last save (`postmigrate`: QEMU refuses
+                // a second save until `cont`): that state is this one.
+                std::fs::metadata(&saved)
+                    .map_err(|e| io_err("stat the saved device state", e))?
+                    .len()
+            } else {
+                let b = self.save_state(id.as_str(), &live, &dir).await?;
+                live.state_saved.store(true, Ordering::SeqCst);
+                b
+            };
             let device_state_ms = ms(t_state);
             let pool = self.pool.clone();
             let (src, d) = (dir.clone(), dst.clone());
@@ -279,11 +290,15 @@ impl Runtime {
     pub async fn hibernate(&self, id: &SandboxId, snap: &SnapshotId) -> Result<SnapshotInfo> {
         let _g = self.op_lock(id.as_str()).await;
         let live = self.live(id)?;
+        let was_running = live.running.load(Ordering::SeqCst);
         live.pause_vm().await.map_err(|e| vmm_err(id.as_str(), e))?;
         let info = match self.snapshot_locked(id, snap).await {
             Ok(i) => i,
             Err(e) => {
-                let _ = live.resume_vm().await;
+                // A guest its owner paused stays paused.
+                if was_running {
+                    let _ = live.resume_vm().await;
+                }
                 return Err(e);
             }
         };
@@ -310,23 +325,55 @@ impl Runtime {
         }
         self.check_free_space()?;
         let t0 = Instant::now();
-        let agent = self.agent_of(id, &live).await?;
+        // A guest its owner paused cannot sync: it runs for the freeze (its
+        // memory is dropped by this hibernation anyway: the wake
+        // cold-boots) and, should the hibernation fail, is paused again.
+        // Before, the freeze's exec waited on the stopped guest for minutes.
+        let was_running = live.running.load(Ordering::SeqCst);
+        if !was_running {
+            live.resume_vm()
+                .await
+                .map_err(|e| vmm_err(id.as_str(), e))?;
+        }
+        let as_it_was = || async {
+            if !was_running {
+                let _ = live.pause_vm().await;
+            }
+        };
+        let agent = match self.agent_of(id, &live).await {
+            Ok(a) => a,
+            Err(e) => {
+                as_it_was().await;
+                return Err(e);
+            }
+        };
         // Frozen: every dirty page is on the disk and the journal is clean;
         // nothing writes to it until the VM ends (or the thaw below).
-        let frozen = agent
+        let frozen = match agent
             .exec_collect(strata_proto::ExecRequest::shell(
                 "sync; if command -v fsfreeze >/dev/null; then fsfreeze -f / && echo frozen; fi",
             ))
             .await
-            .map_err(|e| crate::error::agent_err(id.as_str(), e, self.agent_timeout()))?;
-        let frozen =
-            frozen.status.success() && String::from_utf8_lossy(&frozen.stdout).contains("frozen");
+        {
+            Ok(out) => {
+                out.status.success() && String::from_utf8_lossy(&out.stdout).contains("frozen")
+            }
+            Err(e) => {
+                as_it_was().await;
+                return Err(crate::error::agent_err(
+                    id.as_str(),
+                    e,
+                    self.agent_timeout(),
+                ));
+            }
+        };
         let thaw = || async {
             if frozen {
                 let _ = agent
                     .exec_collect(strata_proto::ExecRequest::argv(["fsfreeze", "-u", "/"]))
                     .await;
             }
+            as_it_was().await;
         };
         if let Err(e) = live.pause_vm().await {
             thaw().await;

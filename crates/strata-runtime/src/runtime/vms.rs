@@ -42,6 +42,12 @@ pub(super) struct Live {
     /// Whether the vCPUs run: the agent connection's liveness watchdog
     /// counts silence only while they do ([`Live::pause_vm`]).
     pub(super) running: Arc<AtomicBool>,
+    /// The sandbox dir's `device.state` is the state of the VM as it is
+    /// now stopped: set by a completed save, cleared when the vCPUs run
+    /// again. QEMU leaves a VM `postmigrate` after a save and refuses a
+    /// second one until `cont`; a second snapshot of a VM that has not run
+    /// since reuses the saved state (a stopped VM's devices do not change).
+    pub(super) state_saved: AtomicBool,
 }
 
 impl Live {
@@ -55,6 +61,7 @@ impl Live {
     pub(super) async fn resume_vm(&self) -> std::result::Result<(), strata_vmm::VmmError> {
         let r = self.vm.resume().await;
         if r.is_ok() {
+            self.state_saved.store(false, Ordering::SeqCst);
             self.running.store(true, Ordering::SeqCst);
         }
         r
@@ -68,6 +75,7 @@ impl Live {
             size,
             running: Arc::new(AtomicBool::new(true)),
             stopping: AtomicBool::new(false),
+            state_saved: AtomicBool::new(false),
         }
     }
 }
@@ -197,6 +205,7 @@ impl Runtime {
             .await
             .map_err(|e| vmm_err(id.as_str(), e));
         if command == "cont" && r.is_ok() {
+            live.state_saved.store(false, Ordering::SeqCst);
             live.running.store(true, Ordering::SeqCst);
         }
         r

@@ -24,16 +24,7 @@ pub(super) fn wants_stream(headers: &HeaderMap) -> bool {
 /// `?after=` (the first connection's).
 fn cursor(c: &Call, headers: &HeaderMap) -> ApiResult<(i64, bool)> {
     let params = c.params(&["after", "follow"], &[], false)?;
-    let follow = match params.one("follow") {
-        None | Some("true" | "1" | "") => true,
-        Some("false" | "0") => false,
-        Some(_) => {
-            return Err(ApiError::new(
-                ErrorCode::InvalidRequest,
-                "follow: expected true or false",
-            ))
-        }
-    };
+    let follow = params.flag("follow", true)?;
     let after = cursor_of(&params, headers)?;
     Ok((after, follow))
 }

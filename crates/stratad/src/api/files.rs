@@ -48,17 +48,6 @@ async fn grant(c: &Call, q: &FileQuery, kind: CallKind) -> ApiResult<Grant> {
     Ok(c.svc.grant(&c.caller, &id, kind, &q.gate).await?)
 }
 
-fn parse_bool(k: &str, v: &str) -> ApiResult<bool> {
-    match v {
-        "true" | "1" | "" => Ok(true),
-        "false" | "0" => Ok(false),
-        _ => Err(ApiError::new(
-            ErrorCode::InvalidRequest,
-            format!("{k}: expected true or false"),
-        )),
-    }
-}
-
 fn file_query(raw: Option<&str>, extra: &[&str]) -> ApiResult<FileQuery> {
     let mut allowed = vec!["path"];
     allowed.extend_from_slice(extra);
@@ -80,12 +69,8 @@ fn file_query(raw: Option<&str>, extra: &[&str]) -> ApiResult<FileQuery> {
             )
         })?)
     }
-    if let Some(v) = p.one("parents") {
-        q.parents = parse_bool("parents", v)?;
-    }
-    if let Some(v) = p.one("recursive") {
-        q.recursive = parse_bool("recursive", v)?;
-    }
+    q.parents = p.flag("parents", q.parents)?;
+    q.recursive = p.flag("recursive", q.recursive)?;
     crate::service::validate_guest_path(&q.path)?;
     Ok(q)
 }

@@ -245,6 +245,14 @@ impl Params {
             .map(|(_, v)| v.as_str())
     }
 
+    /// A boolean parameter: `true`/`1` or `false`/`0`, `default` when
+    /// absent. Anything else, the empty value (`?wait=`, `?wait`) included,
+    /// is `400 invalid_request`: a flag is never read from a value the
+    /// OpenAPI document would not allow.
+    pub(crate) fn flag(&self, key: &str, default: bool) -> ApiResult<bool> {
+        parse_flag(key, self.one(key), default)
+    }
+
     /// Every value of a repeatable key, in order.
     pub(crate) fn all<'a>(&'a self, key: &'a str) -> impl Iterator<Item = &'a str> + 'a {
         self.pairs
@@ -256,16 +264,7 @@ impl Params {
     /// How a held call is handled: `wait` (default true), `approval_timeout`,
     /// `approval` (the id of an approval granted for this same call).
     pub(crate) fn gate_options(&self) -> ApiResult<GateOptions> {
-        let wait = match self.one("wait") {
-            None | Some("true" | "1" | "") => true,
-            Some("false" | "0") => false,
-            Some(_) => {
-                return Err(ApiError::new(
-                    ErrorCode::InvalidRequest,
-                    "wait: expected true or false",
-                ))
-            }
-        };
+        let wait = self.flag("wait", true)?;
         let timeout = self
             .one("approval_timeout")
             .map(crate::duration::parse_duration)
@@ -279,6 +278,19 @@ impl Params {
             approval: self.one("approval").map(str::to_owned),
             body: None,
         })
+    }
+}
+
+/// A boolean query value (see [`Params::flag`]).
+pub(crate) fn parse_flag(key: &str, value: Option<&str>, default: bool) -> ApiResult<bool> {
+    match value {
+        None => Ok(default),
+        Some("true" | "1") => Ok(true),
+        Some("false" | "0") => Ok(false),
+        Some(_) => Err(ApiError::new(
+            ErrorCode::InvalidRequest,
+            format!("{key}: expected true or false"),
+        )),
     }
 }
 

@@ -527,6 +527,35 @@ reason = "no /etc"
         }
         assert!(a.audited.is_empty(), "{q}: {:?}", a.audited);
     }
+    // A boolean is true/1 or false/0: an empty or bare flag is refused
+    // (the stateful API fuzz found `pause?wait=` answered 200), before
+    // anything runs.
+    for (m, q) in [
+        ("POST", "pause?wait="),
+        ("POST", "pause?wait"),
+        ("POST", "exec?wait=yes"),
+        ("DELETE", "files?path=/tmp/x&recursive="),
+        ("POST", "files/mkdir?path=/tmp/y&parents"),
+    ] {
+        let a = send(
+            &h,
+            m,
+            &format!("/v1/sandboxes/{sb}/{q}"),
+            &dev,
+            r#"{"cmd":["true"]}"#,
+        )
+        .await;
+        assert_eq!(a.status, StatusCode::BAD_REQUEST, "{m} {q}: {}", a.body);
+        assert_eq!(err_code(&a.body), "invalid_request", "{q}");
+        assert!(
+            a.body.to_string().contains("expected true or false"),
+            "{q}: {}",
+            a.body
+        );
+        assert!(a.audited.is_empty(), "{q}: {:?}", a.audited);
+    }
+    let (s, v, _) = req(&h, "GET", "/v1/events?follow=", Some(&dev), "").await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
     // Listing filters that repeat by design still do.
     let (s, v, _) = req(
         &h,
