@@ -22,13 +22,18 @@ common=(-H "Authorization: Bearer $STRATA_TOKEN"
   --request-timeout 120 --suppress-health-check all
   --report junit --report-dir "$out" "${seed[@]}")
 echo "api-fuzz: examples, coverage, fuzzing (${STRATA_API_FUZZ_SECONDS}s)" >&2
+# Both passes run whatever the first found; the script fails if either did.
+first=0
 "$STRATA_ST" --config-file "$config" run "$E2B_API_URL/v1/openapi.json" \
-  --phases examples,coverage,fuzzing "${common[@]}"
+  --phases examples,coverage,fuzzing "${common[@]}" || first=$?
 # STRATA_API_FUZZ_STATEFUL=0 skips the stateful pass (docs/fuzzing.md).
 if [ "${STRATA_API_FUZZ_STATEFUL:-1}" = 0 ]; then
   echo "api-fuzz: stateful pass skipped (STRATA_API_FUZZ_STATEFUL=0)" >&2
-  exit 0
+  exit "$first"
 fi
 echo "api-fuzz: stateful, following the document's links (${STRATA_API_FUZZ_SECONDS}s)" >&2
-exec "$STRATA_ST" --config-file "$config" run "$E2B_API_URL/v1/openapi.json" \
-  --phases stateful "${common[@]}"
+second=0
+"$STRATA_ST" --config-file "$config" run "$E2B_API_URL/v1/openapi.json" \
+  --phases stateful "${common[@]}" || second=$?
+[ "$first" -eq 0 ] || exit "$first"
+exit "$second"
