@@ -154,9 +154,17 @@ struct AuditSeen {
     /// The head last read or written (`None`: none was recorded): the
     /// expected value of the next compare-and-set.
     head: Option<(u64, String)>,
-    /// A head whose write failed without an answer (it may have committed).
-    unsure: Option<(u64, String)>,
+    /// Heads whose writes failed without an answer since the last one
+    /// confirmed (any may have committed: a partition can lose several
+    /// answers in a row), oldest first, at most [`MAX_UNSURE_HEADS`].
+    unsure: std::collections::VecDeque<(u64, String)>,
 }
+
+/// Unanswered head writes remembered while the database is unreachable: a
+/// partition longer than this many audited calls reports the fork instead
+/// of recognising its own write (every call it audits is refused meanwhile
+/// anyway: fail closed).
+const MAX_UNSURE_HEADS: usize = 4096;
 
 impl std::fmt::Debug for PgSecurity {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -505,7 +513,7 @@ impl SecurityBackend for PgSecurity {
         .next();
         *self.seen() = AuditSeen {
             head: head.clone(),
-            unsure: None,
+            unsure: Default::default(),
         };
         Ok(head)
     }
@@ -521,14 +529,17 @@ impl SecurityBackend for PgSecurity {
             let n = match written {
                 Ok(n) => n,
                 Err(e) => {
-                    seen.unsure = Some((seq, hash.to_owned()));
+                    if seen.unsure.len() >= MAX_UNSURE_HEADS {
+                        seen.unsure.pop_front();
+                    }
+                    seen.unsure.push_back((seq, hash.to_owned()));
                     return Err(e);
                 }
             };
             if n > 0 {
                 *seen = AuditSeen {
                     head: Some((seq, hash.to_owned())),
-                    unsure: None,
+                    unsure: Default::default(),
                 };
                 return Ok(());
             }
@@ -544,11 +555,16 @@ impl SecurityBackend for PgSecurity {
                 })?
                 .into_iter()
                 .next();
-            // This handle's own write whose answer was lost did commit:
-            // continue from it (once).
-            if !retried && found.is_some() && found == seen.unsure {
-                seen.head = found;
-                seen.unsure = None;
+            // One of this handle's own writes whose answer was lost did
+            // commit (a partition cut the answer of the write in flight and
+            // failed the later ones): continue from it (once).
+            if let Some(f) = found
+                .as_ref()
+                .filter(|f| !retried && seen.unsure.contains(f))
+            {
+                let f = f.clone();
+                seen.unsure.clear();
+                seen.head = Some(f);
                 retried = true;
                 continue;
             }
@@ -707,6 +723,44 @@ impl SecurityBackend for PgSecurity {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A partition cut the answer of a head write that committed (13) and
+    /// failed the next one (14): the healed handle continues from its own
+    /// 13 (the three-host test's `500` "15 does not continue the recorded
+    /// 13", when only the last unanswered write was remembered). A head it
+    /// never wrote is still a fork.
+    #[test]
+    fn a_head_whose_answer_a_partition_lost_is_continued() {
+        let Some(db) = crate::store::tests::TestDb::postgres(
+            "a_head_whose_answer_a_partition_lost_is_continued",
+        ) else {
+            return;
+        };
+        let opts = db.pg_options().unwrap();
+        let a = PgSecurity::open(&opts, "log-lost").unwrap();
+        assert_eq!(a.audit_head().unwrap(), None);
+        a.set_audit_head(12, "h12").unwrap();
+        // 13 committed, its answer lost; 14 never reached the database.
+        a.exec(
+            "UPDATE audit_heads SET seq = 13, hash = 'h13' WHERE log_id = 'log-lost'",
+            &[],
+        )
+        .unwrap();
+        a.seen()
+            .unsure
+            .extend([(13, "h13".to_owned()), (14, "h14".to_owned())]);
+        a.set_audit_head(15, "h15").unwrap();
+        assert_eq!(a.audit_head().unwrap(), Some((15, "h15".into())));
+        // Another writer of the same log moves the head: not this handle's.
+        let b = PgSecurity::open(&opts, "log-lost").unwrap();
+        assert_eq!(b.audit_head().unwrap(), Some((15, "h15".into())));
+        b.set_audit_head(16, "b16").unwrap();
+        a.seen().unsure.push_back((16, "a16".to_owned()));
+        assert!(matches!(
+            a.set_audit_head(17, "a17"),
+            Err(SecStoreError::AuditFork { found_seq: 16, .. })
+        ));
+    }
 
     #[test]
     fn security_versions_ascend() {
