@@ -18,7 +18,8 @@
 //!     so a partition from the cluster leaves egress possible.
 //!
 //! No routing or forwarding is enabled anywhere: every address a host
-//! reaches is on a link of its own.
+//! reaches is on a link of its own. The bridge does not pass its frames to
+//! the root namespace's iptables (`nf_call_iptables 0`).
 //!
 //! Daemons run in a namespace through `nsenter --net=/run/netns/NAME`
 //! ([`Net::wrapper`]): it enters only the network namespace and execs the
@@ -131,6 +132,22 @@ impl Net {
         let br = net.bridge.clone();
         ip(&["link", "add", &br, "type", "bridge"]);
         net.made_links.push(br.clone());
+        // Host-to-host frames stay out of the root namespace's iptables
+        // (with br_netfilter loaded, a FORWARD policy of DROP, as Docker
+        // sets, would drop them).
+        ip(&[
+            "link",
+            "set",
+            &br,
+            "type",
+            "bridge",
+            "nf_call_iptables",
+            "0",
+            "nf_call_ip6tables",
+            "0",
+            "nf_call_arptables",
+            "0",
+        ]);
         ip(&["addr", "add", &format!("{}/24", net.gw), "dev", &br]);
         ip(&["link", "set", &br, "up"]);
         for h in 1..=n {
