@@ -73,6 +73,10 @@ fn client() -> &'static reqwest::Client {
     C.get_or_init(|| {
         reqwest::Client::builder()
             .connect_timeout(CONNECT_TIMEOUT)
+            // Every forward connects anew, so that the connect bound holds:
+            // a pooled connection to a host that went silent (a cut link)
+            // would take the request and hang until TCP gives up.
+            .pool_max_idle_per_host(0)
             .redirect(reqwest::redirect::Policy::none())
             .build()
             .unwrap_or_else(|_| reqwest::Client::new())

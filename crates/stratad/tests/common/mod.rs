@@ -93,12 +93,48 @@ pub struct Daemon {
     pub run_dir: PathBuf,
     /// `<root>/config.toml`.
     pub config: PathBuf,
-    /// `http://127.0.0.1:<port>`.
+    /// `http://<ip>:<port>` (127.0.0.1 unless [`Launch::ip`]).
     pub url: String,
     child: Mutex<Option<Child>>,
     starts: Mutex<u32>,
     /// A client of its API with the admin token (once the daemon wrote it).
     pub api: Api,
+    /// [`Launch::wrapper`].
+    wrapper: Vec<String>,
+}
+
+/// How [`Daemon::start_in`] runs a daemon.
+#[derive(Debug, Clone)]
+pub struct Launch {
+    /// The address it listens on and is reached at (default 127.0.0.1).
+    pub ip: std::net::IpAddr,
+    /// A program and its arguments run with `stratad --config …` appended
+    /// (empty: `stratad` itself). It must exec `stratad` in place (same
+    /// pid), as `nsenter --net=/run/netns/NAME` does.
+    pub wrapper: Vec<String>,
+}
+
+impl Default for Launch {
+    fn default() -> Self {
+        Launch {
+            ip: std::net::Ipv4Addr::LOCALHOST.into(),
+            wrapper: Vec::new(),
+        }
+    }
+}
+
+/// Copies `from_root`'s bootstrap admin token and master key into the fresh
+/// daemon root `root` (what a second host of a cluster starts with:
+/// [`Daemon::start_sharing`]).
+pub fn share_keys(from_root: &std::path::Path, root: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    for (from, to) in [("data/admin.token", "data"), ("keys/master.key", "keys")] {
+        let dir = root.join(to);
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+        let name = std::path::Path::new(from).file_name().expect("name");
+        std::fs::copy(from_root.join(from), dir.join(name)).expect("copy from the first daemon");
+    }
 }
 
 impl Daemon {
@@ -116,24 +152,19 @@ impl Daemon {
     /// docs/keys.md asks of daemons sharing a database).
     pub fn start_sharing(extra: &str, first: &Daemon) -> Daemon {
         let from_root = first.root.clone();
-        Self::start_on(extra, move |root| {
-            use std::os::unix::fs::PermissionsExt;
-            for (from, to) in [("data/admin.token", "data"), ("keys/master.key", "keys")] {
-                let dir = root.join(to);
-                std::fs::create_dir_all(&dir).expect("mkdir");
-                std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
-                    .expect("chmod");
-                let name = std::path::Path::new(from).file_name().expect("name");
-                std::fs::copy(from_root.join(from), dir.join(name))
-                    .expect("copy from the first daemon");
-            }
-        })
+        Self::start_on(extra, move |root| share_keys(&from_root, root))
     }
 
     /// [`Daemon::start`], with `prepare` run on the fresh root before the
     /// daemon starts (to mount something under it: list such mounts in
     /// `<root>/`[`FIXTURE_MOUNTS`] so that cleanup unmounts them).
     pub fn start_on(extra: &str, prepare: impl FnOnce(&std::path::Path)) -> Daemon {
+        Self::start_in(extra, Launch::default(), prepare)
+    }
+
+    /// [`Daemon::start_on`], launched as `launch` says (another address,
+    /// a command around `stratad`, e.g. to enter a network namespace).
+    pub fn start_in(extra: &str, launch: Launch, prepare: impl FnOnce(&std::path::Path)) -> Daemon {
         ATEXIT.call_once(|| {
             // SAFETY: registers a plain extern "C" fn without captures.
             unsafe { libc::atexit(cleanup_all) };
@@ -154,7 +185,7 @@ impl Daemon {
         let port = strata_testkit::free_port();
         let config = root.join("config.toml");
         let text = format!(
-            r#"listen = "127.0.0.1:{port}"
+            r#"listen = "{ip}:{port}"
 data_dir = "{data}"
 key_dir = "{keys}"
 run_dir = "{run}"
@@ -195,23 +226,25 @@ disk_gib = 2
             keys = root.join("keys").display(),
             run = run_dir.display(),
             img = image.dir.display(),
+            ip = launch.ip,
         );
         std::fs::write(&config, text).expect("write config");
         let d = Daemon {
             root: root.clone(),
             run_dir,
             config,
-            url: format!("http://127.0.0.1:{port}"),
+            url: format!("http://{}:{port}", launch.ip),
             child: Mutex::new(None),
             starts: Mutex::new(0),
             api: Api::with_client(
-                format!("http://127.0.0.1:{port}"),
+                format!("http://{}:{port}", launch.ip),
                 reqwest::Client::builder()
                     .timeout(Duration::from_secs(180))
                     .build()
                     .expect("client"),
             )
             .token_file(root.join("data/admin.token")),
+            wrapper: launch.wrapper,
         };
         d.spawn();
         d
@@ -234,7 +267,15 @@ disk_gib = 2
         let mut starts = self.starts.lock().expect("starts");
         *starts += 1;
         let log = std::fs::File::create(self.log(*starts)).expect("log file");
-        let child = Command::new(strata_testkit::stratad_bin())
+        let mut cmd = match self.wrapper.split_first() {
+            Some((prog, args)) => {
+                let mut c = Command::new(prog);
+                c.args(args).arg(strata_testkit::stratad_bin());
+                c
+            }
+            None => Command::new(strata_testkit::stratad_bin()),
+        };
+        let child = cmd
             .arg("--config")
             .arg(&self.config)
             .env("RUST_LOG", "info")
