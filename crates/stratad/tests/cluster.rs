@@ -11,8 +11,8 @@
 //!    blackholes; A's VM is killed before its lease expires (by the
 //!    lease's own expiry in PostgreSQL), and B then marks it lost.
 //!
-//! Not done here (docs/cluster.md): three hosts in three network
-//! namespaces; egress is shown to stop only through the VM's death.
+//! Three hosts in three network namespaces, egress checked directly by a
+//! server in the root namespace: tests/cluster_netns.rs.
 //!
 //! Auth is on: the hosts share the security store on PostgreSQL (B starts
 //! with A's bootstrap token and master key), and a forwarded call carries

@@ -489,15 +489,12 @@ fn three_hosts_in_namespaces_place_forward_mark_fence_and_stop_egress_on_partiti
         );
         let before = h1.ok("GET", &format!("/v1/sandboxes/{s2}"), None, 200).await;
         let (st, v) = own(&h2, "DELETE", &format!("/v1/sandboxes/{s2}")).await;
-        // Refused. Not always the fence's `409`: host 2's audit chain lost
-        // the head writes its refused egress made during the partition,
-        // and every audited call of it is then `500` "audit head … does
-        // not continue the recorded …" (an open bug, docs/cluster.md).
+        // Refused by the fence (before the audit-head fix, sometimes `500`
+        // "audit head … does not continue the recorded …": the answer of a
+        // head write the partition cut was lost).
         eprintln!("host 2's DELETE after healing: {st} {v}");
-        assert!(st == 409 || st == 500, "{st} {v}");
-        if st == 409 {
-            assert!(v.to_string().contains("not owned by this host"), "{v}");
-        }
+        assert_eq!(st, 409, "{v}");
+        assert!(v.to_string().contains("not owned by this host"), "{v}");
         let after = h1.ok("GET", &format!("/v1/sandboxes/{s2}"), None, 200).await;
         assert_eq!(before, after, "host 2's attempt changed the record");
         mark("host 2 fenced after healing");
