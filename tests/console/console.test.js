@@ -235,9 +235,12 @@ test('a viewer sees no approve button and its forged approve is refused', STEP, 
   const run = cli(['exec', sb, '-n', '--', 'echo', 'viewer-check'])
   const id = await heldId(['echo', 'viewer-check'])
   const { p } = await newPage(viewer)
-  await p.goto(URL + '/console/#/approvals')
+  // The link a webhook carries (docs/events.md) opens the queue with that
+  // request highlighted.
+  await p.goto(URL + `/console/#/approvals/${id}`)
   const card = `#pending article[data-id="${id}"]`
   await p.waitForSelector(card, { timeout: WAIT })
+  assert.equal(await p.$$eval(`${card}.focus`, (els) => els.length), 1)
   assert.ok(await p.isVisible('#cannot-answer'))
   assert.equal(await p.$$eval(`${card} button`, (els) => els.length), 0)
   assert.equal(await p.$$eval('button.approve, button.deny', (els) => els.length), 0)
