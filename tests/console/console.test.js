@@ -2,15 +2,17 @@
 // Chromium (Debian's `chromium`, driven by playwright-core; no browser is
 // downloaded) against a real stratad with real QEMU guests, with the `strata`
 // CLI as the agent's side: sign in; a sandbox created by the CLI appears
-// without a reload; a CLI exec held by an approve rule shows up in the queue,
-// is approved in the browser (with a reason) and the CLI's command
-// completes; rewind from the timeline and a file written after that snapshot
-// is gone; a viewer sees no approve button and its forged approve is
-// refused; an approval whose argv is `<img src=x onerror=alert(1)>` is shown
-// as text and runs no script; the CSP header is there and an inline script
-// put into the page is blocked. Screenshots of the main pages go to
-// CONSOLE_SHOTS (docs/console/), and the time from the CLI's held exec to the
-// console showing it is printed (p50/p99 over CONSOLE_ROUNDS rounds).
+// without a reload (labels, size, age); a CLI exec held by an approve rule
+// shows up in the queue, is approved in the browser (with a reason) and the
+// CLI's command completes; rewind from the timeline and a file written after
+// that snapshot is gone (and the sandbox page lists the rewind in its audit
+// entries); the policy page saves an admin's edit; a viewer sees no approve
+// button and its forged approve is refused; an approval whose argv is
+// `<img src=x onerror=alert(1)>` is shown as text and runs no script; the CSP
+// header is there and an inline script put into the page is blocked.
+// Screenshots of the main pages go to CONSOLE_SHOTS (docs/console/), and the
+// time from the CLI's held exec to the console showing it is printed
+// (p50/p99 over CONSOLE_ROUNDS rounds).
 //
 // Run by scripts/run-console.sh (it starts the daemon and sets E2B_API_URL,
 // STRATA_TOKEN (admin), STRATA_BIN and NODE_PATH): `node --test console.test.js`.
@@ -169,6 +171,9 @@ test('a sandbox created by the CLI appears without a reload', STEP, async () => 
   assert.equal(await page.evaluate(() => window.__noReload), marker, 'the page was reloaded')
   const row = await page.textContent(`#sandboxes tr[data-id="${sb}"]`)
   assert.match(row, /made-by=console-test/)
+  // Size and age are shown too.
+  assert.match(row, /\d+ vCPU · \d+ MiB · \d+ GiB/)
+  assert.match(await page.textContent(`#sandboxes tr[data-id="${sb}"] td:last-child`), /^\d+[smhd] ago$/)
   await page.waitForSelector(`#sandboxes tr[data-id="${sb}"] .state-running`, { timeout: WAIT })
 })
 
@@ -230,9 +235,12 @@ test('a viewer sees no approve button and its forged approve is refused', STEP, 
   const run = cli(['exec', sb, '-n', '--', 'echo', 'viewer-check'])
   const id = await heldId(['echo', 'viewer-check'])
   const { p } = await newPage(viewer)
-  await p.goto(URL + '/console/#/approvals')
+  // The link a webhook carries (docs/events.md) opens the queue with that
+  // request highlighted.
+  await p.goto(URL + `/console/#/approvals/${id}`)
   const card = `#pending article[data-id="${id}"]`
   await p.waitForSelector(card, { timeout: WAIT })
+  assert.equal(await p.$$eval(`${card}.focus`, (els) => els.length), 1)
   assert.ok(await p.isVisible('#cannot-answer'))
   assert.equal(await p.$$eval(`${card} button`, (els) => els.length), 0)
   assert.equal(await p.$$eval('button.approve, button.deny', (els) => els.length), 0)
@@ -340,6 +348,9 @@ test('rewind from the timeline: the file written after that snapshot is gone', S
   // The timeline now holds the pre_rewind snapshot too, and the events the rewind.
   await page.waitForSelector('#timeline circle.kind-pre_rewind', { timeout: WAIT })
   await page.waitForFunction(() => /rewind/.test(document.querySelector('#events').textContent), null, { timeout: WAIT })
+  // The sandbox's audit entries: the rewind was decided and audited.
+  await page.waitForFunction(() => /rewind/.test(document.querySelector('#sandbox-audit').textContent), null, { timeout: WAIT })
+  assert.ok(await page.$$eval('#sandbox-audit tr[data-seq]', (els) => els.length) > 0)
   await page.click(dot)
   await shot(page, 'sandbox-timeline.png')
   // Fork from the same snapshot: a new sandbox, opened in the console,
@@ -404,6 +415,13 @@ test('the audit log shows the chain verdict, and the stats page the latencies', 
   await page.click('#dry-run')
   await page.waitForSelector('#dry-result .effect-approve')
   assert.match(await page.textContent('#dry-result'), /echo-needs-human/)
+  // An admin edits and saves the policy in the console: the daemon has it.
+  const before = (await api('GET', '/v1/policy', ADMIN)).body.toml
+  await page.fill('#policy-text', before + '\n# saved from the console\n')
+  await page.click('#policy-save')
+  await page.waitForFunction(() => /^Saved|: /.test(document.querySelector('#policy-result').textContent))
+  assert.match(await page.textContent('#policy-result'), /^Saved/)
+  assert.match((await api('GET', '/v1/policy', ADMIN)).body.toml, /# saved from the console/)
 })
 
 test('the CSP blocks an inline script put into the page', STEP, async () => {

@@ -39,8 +39,8 @@ struct Cli {
     /// and sdk (E2B SDK beside /v1), recipe (template builds), pool (warm pools), interp (code
     /// interpreter: first run_code in a fork vs a cold kernel), packing (admission by use vs
     /// nominal, 10 % active), soak (rolling snapshots of 20 sandboxes for two hours), tls_proxy
-    /// (TLS interception overhead vs direct TLS), events (approval request → webhook and
-    /// event stream), chaos (kill -9 at random moments, 100 kills, ~1 h), move (incremental
+    /// (TLS interception overhead vs direct TLS), events (approval request → webhook,
+    /// event stream and the web console in headless Chromium), chaos (kill -9 at random moments, 100 kills, ~1 h), move (incremental
     /// btrfs send/receive vs a full send, no VMs), run
     /// only when named here.
     #[arg(long, value_delimiter = ',')]
@@ -139,7 +139,9 @@ fn title(key: &str) -> &'static str {
         "tls_proxy" => {
             "13. TLS interception of a connector host: per-request overhead vs direct TLS"
         }
-        "events" => "14. Approval notifications: request → webhook delivery and → event stream",
+        "events" => {
+            "14. Approval notifications: request → webhook delivery, → event stream, → the console"
+        }
         "chaos" => "15. Chaos: kill -9 of the daemon, a QEMU, an agent at random moments",
         "mcp" => "16. MCP gateway: tools/call through the gateway vs direct to the server",
         "move" => "17. Moving a sandbox: incremental btrfs send/receive vs a full send",

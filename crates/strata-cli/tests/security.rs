@@ -1,5 +1,6 @@
 //! The security commands (`token`, `whoami`, `policy`, `approvals`, held
-//! calls) against a REAL `stratad` with authentication on. No VM is needed:
+//! calls; `webhook` and `events`) against a REAL `stratad` with
+//! authentication on. No VM is needed:
 //! the daemon runs without a default template, on a small loop-mounted
 //! btrfs pool in a scratch dir, and is killed by pid at the end.
 
@@ -27,6 +28,11 @@ struct Daemon {
 
 impl Daemon {
     fn start() -> Daemon {
+        Daemon::start_with(None)
+    }
+
+    /// Starts a daemon with `config` (TOML) as its `--config`.
+    fn start_with(config: Option<&str>) -> Daemon {
         let root = tempfile::Builder::new()
             .prefix("strata-cli-sec-")
             .tempdir_in("/tmp")
@@ -39,7 +45,13 @@ impl Daemon {
         let run_dir = PathBuf::from(format!("/tmp/scs-{}", std::process::id()));
         let port = strata_testkit::free_port();
         let log = std::fs::File::create(root.join("stratad.log")).expect("log");
-        let child = Command::new(stratad_bin())
+        let mut cmd = Command::new(stratad_bin());
+        if let Some(c) = config {
+            let path = root.join("stratad.toml");
+            std::fs::write(&path, c).expect("config");
+            cmd.arg("--config").arg(path);
+        }
+        let child = cmd
             .arg("--auth")
             .arg("on")
             .arg("--data-dir")
@@ -364,4 +376,133 @@ reason = "new sandboxes cost money"
 
     let all = d.json(&approver, &["approvals", "ls", "--all"]);
     assert_eq!(all["items"].as_array().map(Vec::len), Some(2));
+}
+
+/// What the local receiver got: each request's head (lower-cased) and body.
+type Received = std::sync::Arc<std::sync::Mutex<Vec<(String, String)>>>;
+
+/// A local webhook receiver: answers 200 to every request and keeps each
+/// one's head and body.
+fn receiver() -> (u16, Received) {
+    use std::io::{Read, Write};
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = l.local_addr().expect("addr").port();
+    let got = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let g = got.clone();
+    std::thread::spawn(move || {
+        for conn in l.incoming() {
+            let Ok(mut c) = conn else { continue };
+            let _ = c.set_read_timeout(Some(Duration::from_secs(5)));
+            let mut buf = Vec::new();
+            let mut chunk = [0u8; 4096];
+            let (head, body) = loop {
+                let Ok(n) = c.read(&mut chunk) else {
+                    break (String::new(), String::new());
+                };
+                if n == 0 {
+                    break (String::new(), String::new());
+                }
+                buf.extend_from_slice(&chunk[..n]);
+                let text = String::from_utf8_lossy(&buf).into_owned();
+                let Some(i) = text.find("\r\n\r\n") else {
+                    continue;
+                };
+                let head = text[..i].to_ascii_lowercase();
+                let len: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .and_then(|v| v.trim().parse().ok())
+                    .unwrap_or(0);
+                if buf.len() >= i + 4 + len {
+                    break (head, text[i + 4..].to_owned());
+                }
+            };
+            let _ =
+                c.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
+            g.lock().unwrap().push((head, body));
+        }
+    });
+    (port, got)
+}
+
+#[test]
+fn webhook_and_events_commands_against_a_real_daemon() {
+    let (port, got) = receiver();
+    // The local receiver is on loopback: allowed for this test only.
+    let d = Daemon::start_with(Some("[webhooks]\nallow_private = [\"127.0.0.1\"]\n"));
+    let admin = d.admin.clone();
+    let hook_url = format!("http://127.0.0.1:{port}/hook");
+
+    // add: the secret once; a private target is refused.
+    let out = d.strata(Some(&admin), &["--json", "webhook", "add", &hook_url]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let hook: Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert!(
+        hook["secret"].as_str().unwrap().starts_with("whsec_"),
+        "{hook}"
+    );
+    let id = hook["id"].as_str().unwrap().to_owned();
+    let out = d.strata(Some(&admin), &["webhook", "add", "http://10.0.0.1/hook"]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("webhook target refused"),
+        "{}",
+        stderr(&out)
+    );
+    let out = d.strata(Some(&admin), &["webhook", "ls"]);
+    assert!(stdout(&out).contains(&id), "{}", stdout(&out));
+    assert!(!stdout(&out).contains(hook["secret"].as_str().unwrap()));
+
+    // A held create: delivered to the receiver, signed.
+    let policy = d.root.join("hold.toml");
+    std::fs::write(
+        &policy,
+        "default = \"allow\"\n\n[[rule]]\nid = \"hold-create\"\neffect = \"approve\"\nkind = \"lifecycle\"\nop = \"create\"\nreason = \"a human decides\"\n",
+    )
+    .unwrap();
+    let out = d.strata(Some(&admin), &["policy", "set", policy.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = d.strata(Some(&admin), &["create", "--no-wait"]);
+    assert_eq!(out.status.code(), Some(75), "{}", stderr(&out));
+    let held = stdout(&out).trim().to_owned();
+    let t = Instant::now();
+    while got.lock().unwrap().is_empty() && t.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (head, body) = got.lock().unwrap().first().cloned().expect("a delivery");
+    assert!(head.starts_with("post /hook"), "{head}");
+    assert!(head.contains("strata-signature: t="), "{head}");
+    assert!(head.contains("strata-event: approval.requested"), "{head}");
+    let p: Value = serde_json::from_str(&body).expect("json payload");
+    assert_eq!(p["approval"]["id"], held.as_str());
+
+    // deliveries: its status is visible.
+    let t = Instant::now();
+    let delivered = loop {
+        let v = d.json(&admin, &["webhook", "deliveries", &id]);
+        if v["items"][0]["status"] == "delivered" {
+            break v["items"][0].clone();
+        }
+        assert!(t.elapsed() < Duration::from_secs(30), "{v}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(delivered["attempts"], 1, "{delivered}");
+    assert_eq!(delivered["last_status"], 200, "{delivered}");
+    let out = d.strata(Some(&admin), &["webhook", "deliveries", &id]);
+    let text = stdout(&out);
+    assert!(
+        text.contains("approval.requested") && text.contains("delivered"),
+        "{text}"
+    );
+
+    // events: the journal's backlog holds the request.
+    let out = d.strata(Some(&admin), &["events"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains(&held), "{}", stdout(&out));
+
+    // rm: gone from the list.
+    let out = d.strata(Some(&admin), &["webhook", "rm", &id]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = d.strata(Some(&admin), &["webhook", "ls"]);
+    assert!(!stdout(&out).contains(&id), "{}", stdout(&out));
 }

@@ -605,6 +605,27 @@ mod tests {
     }
 
     #[test]
+    fn a_webhook_target_is_not_the_daemon_url() {
+        // `webhook add URL` once shared clap's id with the global `--url`:
+        // the CLI then sent the request to the webhook's target.
+        let cli = parse(&[
+            "--url",
+            "http://h:1",
+            "webhook",
+            "add",
+            "https://hooks.example/x",
+        ])
+        .unwrap();
+        assert_eq!(cli.url, "http://h:1");
+        let Command::Webhook(webhook::WebhookCmd::Add { target, .. }) = cli.command else {
+            panic!("not webhook add: {:?}", cli.command);
+        };
+        assert_eq!(target, "https://hooks.example/x");
+        let cli = parse(&["webhook", "add", "https://hooks.example/x"]).unwrap();
+        assert_ne!(cli.url, "https://hooks.example/x");
+    }
+
+    #[test]
     fn global_options_go_anywhere() {
         let cli = parse(&["ls", "--json", "--url", "http://h:1", "--token", "t"]).unwrap();
         assert!(cli.json);

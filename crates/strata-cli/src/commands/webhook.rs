@@ -22,7 +22,10 @@ pub enum WebhookCmd {
     /// Make a webhook; its signing secret is shown only once.
     Add {
         /// Where deliveries are POSTed (http or https; public addresses only).
-        url: String,
+        /// (Not named `url`: that is the global `--url` of the daemon, and
+        /// clap would take this for it.)
+        #[arg(value_name = "URL")]
+        target: String,
         /// A topic to deliver (repeat) [default: approval.requested].
         #[arg(long = "event", value_parser = TOPICS)]
         events: Vec<String>,
@@ -51,11 +54,11 @@ pub async fn run(ctx: &Ctx, cmd: WebhookCmd) -> anyhow::Result<i32> {
     let client = ctx.client()?;
     match cmd {
         WebhookCmd::Add {
-            url,
+            target,
             events,
             format,
         } => {
-            let mut body = json!({ "url": url, "format": format });
+            let mut body = json!({ "url": target, "format": format });
             if !events.is_empty() {
                 body["events"] = json!(events);
             }

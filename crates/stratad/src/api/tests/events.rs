@@ -1,7 +1,9 @@
 //! The event stream and webhooks through the HTTP API (issue 16): a
 //! create's transitions arrive live; a resume with `Last-Event-ID` gets
-//! exactly the missed entries; another tenant sees nothing; an unread
-//! stream is cut off with a bounded buffer; webhooks are signed, retried,
+//! exactly the missed entries; an approval asked and answered, a policy
+//! refusal and a time-out arrive with their documented fields; another
+//! tenant sees nothing; an unread stream is cut off with a bounded
+//! buffer; webhooks are signed, retried,
 //! carry the approval, go only to public addresses and survive a restart.
 //! Real router, service, store, policy, queue and audit; the engine is the
 //! double. The webhook receiver is a local axum server.
@@ -657,4 +659,111 @@ async fn a_queued_delivery_survives_a_daemon_restart() {
     assert_eq!(p["approval"]["id"], apr.as_str());
     let _ = stop_tx.send(true);
     drop(dir);
+}
+
+#[tokio::test]
+async fn approvals_asked_and_answered_refusals_and_time_outs_are_on_the_stream() {
+    let h = harness(|_| {});
+    let admin = token(&h, "acme", "admin").await;
+    let dev = token(&h, "acme", "developer").await;
+    let approver = token(&h, "acme", "approver").await;
+    let viewer = token(&h, "acme", "viewer").await;
+    let policy = format!(
+        "{HELD}\n[[rule]]\nid = \"no-wget\"\neffect = \"deny\"\nprogram = \"wget\"\nreason = \"no downloads\"\n"
+    );
+    let (st, v, _) = req(&h, "PUT", "/v1/policy", Some(&admin), policy).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let mut s = Reader::new(open(&h, "/v1/events", &viewer, None).await);
+
+    // Held: `approval` `requested`, with what is asked and who asked.
+    let (sb, apr) = held(&h, &dev, &["curl", "https://x.example/<b>"]).await;
+    let got = s
+        .until(|m| m.event == "approval" && m.data["approval_id"] == apr.as_str())
+        .await;
+    let m = &got.last().unwrap().data;
+    assert_eq!(m["kind"], "approval");
+    assert_eq!(m["action"], "requested");
+    assert_eq!(m["sandbox_id"], sb.as_str());
+    assert_eq!(m["tool"], "exec");
+    assert_eq!(m["summary"], "exec curl https://x.example/<b>");
+    assert_eq!(m["call"]["argv"], json!(["curl", "https://x.example/<b>"]));
+    assert_eq!(m["rule"], "curl-needs-human");
+    assert_eq!(m["reason"], "network access");
+    assert!(
+        m["requested_by"]
+            .as_str()
+            .unwrap()
+            .starts_with("token:tok-"),
+        "{m}"
+    );
+    assert!(m["expires_at"].is_string(), "{m}");
+
+    // Answered by an approver: `approval` `answered`, the decision and by whom.
+    let (st, v, _) = req(
+        &h,
+        "POST",
+        &format!("/v1/approvals/{apr}/approve"),
+        Some(&approver),
+        json!({ "reason": "fine" }).to_string(),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let got = s
+        .until(|m| m.event == "approval" && m.data["action"] == "answered")
+        .await;
+    let m = &got.last().unwrap().data;
+    assert_eq!(m["approval_id"], apr.as_str());
+    assert_eq!(m["decision"], "approved");
+    assert!(m["by"].as_str().is_some_and(|b| !b.is_empty()), "{m}");
+    assert_eq!(m["sandbox_id"], sb.as_str());
+
+    // Refused by the policy: `policy` `denied`.
+    let (st, v, _) = req(
+        &h,
+        "POST",
+        &format!("/v1/sandboxes/{sb}/exec"),
+        Some(&dev),
+        json!({ "cmd": ["wget", "x"] }).to_string(),
+    )
+    .await;
+    assert_eq!(st, StatusCode::FORBIDDEN, "{v}");
+    let got = s.until(|m| m.event == "policy").await;
+    let m = &got.last().unwrap().data;
+    assert_eq!(m["decision"], "denied");
+    assert_eq!(m["rule"], "no-wget");
+    assert_eq!(m["tool"], "exec");
+    assert_eq!(m["summary"], "exec wget x");
+    assert_eq!(m["count"], 1);
+    assert_eq!(m["sandbox_id"], sb.as_str());
+
+    // Held, waited for and not answered in time: `policy` `timed_out`.
+    let (st, v, _) = req(
+        &h,
+        "POST",
+        &format!("/v1/sandboxes/{sb}/exec?approval_timeout=1s"),
+        Some(&dev),
+        json!({ "cmd": ["curl", "late"] }).to_string(),
+    )
+    .await;
+    assert_eq!(st, StatusCode::FORBIDDEN, "{v}");
+    let got = s
+        .until(|m| m.event == "policy" && m.data["decision"] == "timed_out")
+        .await;
+    let held_late = got
+        .iter()
+        .find(|m| m.event == "approval" && m.data["action"] == "requested")
+        .expect("the late call was journaled as requested first");
+    let m = &got.last().unwrap().data;
+    assert_eq!(m["approval_id"], held_late.data["approval_id"]);
+    assert_eq!(m["rule"], "curl-needs-human");
+    assert_eq!(m["summary"], "exec curl late");
+    // Every entry carries the common fields, and ids grow.
+    for w in got.windows(2) {
+        assert!(w[0].id < w[1].id);
+    }
+    for m in &got {
+        for k in ["seq", "at", "kind", "sandbox_id"] {
+            assert!(m.data.get(k).is_some(), "{k} missing: {}", m.data);
+        }
+    }
 }
