@@ -1,9 +1,9 @@
 //! Moving a sandbox between two real `stratad`s (docs/move.md): two
 //! daemons, each with its own data dir, pool, port and deployment key. A
 //! running sandbox with a RAM-only marker (`/dev/shm`) and a live `sleep`
-//! is pushed with `POST /v1/sandboxes/{id}/push` and a token of the
-//! receiver's tenant; on the receiver it is hibernated, owned by that
-//! tenant, and wakes with the marker and the process. A second push of the
+//! is pushed with `POST /v1/sandboxes/{id}/push` (`wake`) and a token of
+//! the receiver's tenant; on the receiver it is owned by that tenant and
+//! woken, with the marker and the process. A second push of the
 //! same id (by `strata push` and by the API) is `409 conflict` and
 //! changes nothing there.
 
@@ -42,7 +42,7 @@ async fn a_sandbox_moves_to_another_daemon_with_its_memory() {
         .ok(
             "POST",
             &format!("/v1/sandboxes/{id}/push"),
-            Some(json!({ "to": b.url, "token": token })),
+            Some(json!({ "to": b.url, "token": token, "wake": true })),
             200,
         )
         .await;
@@ -55,36 +55,20 @@ async fn a_sandbox_moves_to_another_daemon_with_its_memory() {
         v["held"]
     );
     assert_eq!(v["sandbox"]["state"], "hibernated", "{v}");
-    assert_eq!(v["remote"]["state"], "hibernated", "{v}");
+    // `wake`: the copy runs on the receiver once registered.
+    assert_eq!(v["remote"]["state"], "running", "{v}");
     assert_eq!(v["remote"]["tenant"], "t-moved", "{v}");
     assert!(v["bytes"].as_u64().unwrap_or(0) > 1 << 20, "{v}");
     // The source stays, hibernated.
     let (_, src) = a.call("GET", &format!("/v1/sandboxes/{id}"), None).await;
     assert_eq!(src["state"], "hibernated", "{src}");
 
-    // On the receiver: the tenant's, hibernated; it wakes with its memory.
+    // On the receiver: the tenant's, woken (`wake`) with its memory.
     let (s, rec) = remote
         .json(reqwest::Method::GET, &format!("/v1/sandboxes/{id}"), None)
         .await
         .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
-    assert_eq!(
-        (s, rec["state"].as_str()),
-        (200, Some("hibernated")),
-        "{rec}"
-    );
-    let (s, woke) = remote
-        .json(
-            reqwest::Method::POST,
-            &format!("/v1/sandboxes/{id}/resume"),
-            Some(json!({})),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
-    assert_eq!(
-        (s, woke["state"].as_str()),
-        (200, Some("running")),
-        "{woke}"
-    );
+    assert_eq!((s, rec["state"].as_str()), (200, Some("running")), "{rec}");
     let out = remote
         .exec(
             &id,

@@ -27,6 +27,7 @@ pub mod ls;
 pub mod pause;
 pub mod policy;
 pub mod port;
+pub mod pull;
 pub mod push;
 pub mod resume;
 pub mod rewind;
@@ -106,6 +107,8 @@ pub enum Command {
     Hibernate(hibernate::Args),
     /// Move a sandbox to another deployment (it stays here, hibernated).
     Push(push::Args),
+    /// Copy a sandbox of another deployment here (it stays there, hibernated).
+    Pull(pull::Args),
     /// Take a snapshot of a sandbox.
     Snapshot(snapshot::Args),
     /// Show a sandbox's snapshot timeline.
@@ -269,6 +272,7 @@ pub async fn run(ctx: &Ctx, cmd: Command) -> anyhow::Result<i32> {
         Command::Resume(a) => resume::run(ctx, a).await,
         Command::Hibernate(a) => hibernate::run(ctx, a).await,
         Command::Push(a) => push::run(ctx, a).await,
+        Command::Pull(a) => pull::run(ctx, a).await,
         Command::Snapshot(a) => snapshot::run(ctx, a).await,
         Command::Snapshots(a) => snapshots::run(ctx, a).await,
         Command::Fork(a) => fork::run(ctx, a).await,

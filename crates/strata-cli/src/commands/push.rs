@@ -1,8 +1,8 @@
-//! `strata push ID --to URL --token-file FILE`: move a sandbox to another
-//! deployment (docs/move.md). The daemon hibernates it if it runs (memory
-//! kept), streams the snapshots the remote lacks and registers it there,
-//! hibernated, owned by the remote token's tenant; the source stays here,
-//! hibernated.
+//! `strata push ID --to URL --token-file FILE [--wake]`: move a sandbox to
+//! another deployment (docs/move.md). The daemon hibernates it if it runs
+//! (memory kept), streams the snapshots the remote lacks and registers it
+//! there, hibernated (running with `--wake`), owned by the remote token's
+//! tenant; the source stays here, hibernated.
 
 use anyhow::Context as _;
 
@@ -19,19 +19,28 @@ pub struct Args {
     /// A file holding a token of the remote deployment (its first line).
     #[arg(long)]
     pub token_file: std::path::PathBuf,
+    /// Wake the copy on the remote once it is there.
+    #[arg(long)]
+    pub wake: bool,
 }
 
-/// Runs `strata push`.
-pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
-    let text = std::fs::read_to_string(&a.token_file)
-        .with_context(|| format!("reading {}", a.token_file.display()))?;
+/// The token in the first line of `path` (a remote deployment's).
+pub(crate) fn read_token_file(path: &std::path::Path) -> anyhow::Result<String> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let token = text.lines().next().unwrap_or("").trim();
     anyhow::ensure!(
         !token.is_empty(),
         "{}: no token in the file",
-        a.token_file.display()
+        path.display()
     );
-    let body = serde_json::json!({ "to": a.to, "token": token });
+    Ok(token.to_owned())
+}
+
+/// Runs `strata push`.
+pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
+    let token = read_token_file(&a.token_file)?;
+    let body = serde_json::json!({ "to": a.to, "token": token, "wake": a.wake });
     let v = ctx
         .client()?
         .post_call(&["v1", "sandboxes", a.id.as_str(), "push"], &body)
@@ -39,12 +48,13 @@ pub async fn run(ctx: &Ctx, a: Args) -> anyhow::Result<i32> {
     ctx.emit(&v, || {
         let sent = v["sent"].as_array().map(Vec::len).unwrap_or(0);
         Ok(format!(
-            "pushed {} to {}: {} snapshots sent ({} bytes), {} already there; here it stays hibernated",
+            "pushed {} to {}: {} snapshots sent ({} bytes), {} already there; there it is {}; here it stays hibernated",
             a.id,
             a.to,
             sent,
             v["bytes"].as_u64().unwrap_or(0),
-            v["held"].as_u64().unwrap_or(0)
+            v["held"].as_u64().unwrap_or(0),
+            v["remote"]["state"].as_str().unwrap_or("?"),
         ))
     })?;
     Ok(0)

@@ -565,6 +565,9 @@ fn service_route(r: &Route) -> Option<axum::routing::MethodRouter<Arc<Service>>>
         ImportOffer => on(m, transfer::offer),
         ImportSnapshot => on(m, transfer::receive),
         ImportRegister => on(m, transfer::register),
+        Pull => on(m, transfer::pull),
+        Export => on(m, transfer::export),
+        ExportSnapshot => on(m, transfer::export_snapshot),
         _ => return None,
     })
 }

@@ -85,6 +85,9 @@ pub enum Action {
     ImportOffer,
     ImportSnapshot,
     ImportRegister,
+    Pull,
+    Export,
+    ExportSnapshot,
 }
 
 /// Who may call a route.
@@ -246,6 +249,12 @@ pub const ROUTES: &[Route] = &[
     r("POST", "/v1/imports/:id/offer", Action::ImportOffer, DEV),
     r("PUT", "/v1/imports/:id/snapshots", Action::ImportSnapshot, DEV),
     tool("POST", "/v1/imports/:id", Action::ImportRegister, DEV),
+    // A pull (docs/move.md): the puller's call (the copy is the caller's
+    // tenant's), and the owner's export: its manifest, then one snapshot
+    // stream per call (a read, still a tool call: the data leaves).
+    tool("POST", "/v1/pulls", Action::Pull, DEV),
+    tool("POST", "/v1/sandboxes/:id/export", Action::Export, DEV),
+    tool("GET", "/v1/sandboxes/:id/export", Action::ExportSnapshot, DEV),
 ];
 
 impl Route {

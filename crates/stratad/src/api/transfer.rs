@@ -1,6 +1,8 @@
 //! Moving a sandbox between deployments (docs/move.md): the sender's
 //! `POST /v1/sandboxes/{id}/push` and the receiver's `/v1/imports/{id}…`
-//! routes (offer, one snapshot stream, register).
+//! routes (offer, one snapshot stream, register); the puller's
+//! `POST /v1/pulls` and the owner's `POST|GET /v1/sandboxes/{id}/export`
+//! (manifest, one snapshot stream).
 
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
@@ -12,7 +14,7 @@ use strata_core::{ErrorCode, SandboxId, SnapshotId};
 
 use super::{declares_more_than, ApiError, ApiResult, Body, Call};
 use crate::engine::RuntimeError;
-use crate::service::{PushSandbox, RegisterImport, MAX_SNAPSHOT_STREAM_BYTES};
+use crate::service::{PullSandbox, PushSandbox, RegisterImport, MAX_SNAPSHOT_STREAM_BYTES};
 
 /// `POST /v1/imports/{id}/offer` body: the sender's snapshot ids.
 #[derive(Debug, Default, Deserialize)]
@@ -75,4 +77,43 @@ pub(super) async fn push(c: Call, Body(b): Body<PushSandbox>) -> ApiResult<impl 
     let id: SandboxId = c.id()?;
     let opts = c.gate()?;
     Ok(Json(c.svc.push(&c.caller, &id, b, &opts).await?))
+}
+
+pub(super) async fn pull(c: Call, Body(b): Body<PullSandbox>) -> ApiResult<impl IntoResponse> {
+    let opts = c.gate()?;
+    Ok((
+        StatusCode::CREATED,
+        Json(c.svc.pull(&c.caller, b, &opts).await?),
+    ))
+}
+
+pub(super) async fn export(c: Call) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = c.id()?;
+    let opts = c.gate()?;
+    Ok(Json(c.svc.export(&c.caller, &id, &opts).await?))
+}
+
+/// `GET /v1/sandboxes/{id}/export?snapshot=S[&parent=IDENTITY]`: the body
+/// is a `btrfs send` stream, sent as it is read.
+pub(super) async fn export_snapshot(c: Call) -> ApiResult<axum::response::Response> {
+    let params = c.params(&["snapshot", "parent"], &[], true)?;
+    let id: SandboxId = c.id()?;
+    let opts = params.gate_options()?;
+    let stream = c
+        .svc
+        .export_snapshot(
+            &c.caller,
+            &id,
+            params.one("snapshot"),
+            params.one("parent"),
+            &opts,
+        )
+        .await?;
+    let body =
+        axum::body::Body::from_stream(stream.map_err(|e| std::io::Error::other(e.message())));
+    Ok((
+        [(axum::http::header::CONTENT_TYPE, "application/octet-stream")],
+        body,
+    )
+        .into_response())
 }

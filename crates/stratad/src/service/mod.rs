@@ -64,8 +64,8 @@ pub use sampler::{
     HostPoint, Sample, Sampler, SandboxMetrics, UsageSummary, MAX_POINTS, SAMPLE_STEP,
 };
 pub use transfer::{
-    ImportedSnapshot, PushReport, PushSandbox, RegisterImport, SentSnapshot, MAX_IMPORT_SNAPSHOTS,
-    MAX_SNAPSHOT_STREAM_BYTES,
+    ExportManifest, ExportedSnapshot, ImportedSnapshot, PullReport, PullSandbox, PushReport,
+    PushSandbox, RegisterImport, SentSnapshot, MAX_IMPORT_SNAPSHOTS, MAX_SNAPSHOT_STREAM_BYTES,
 };
 pub use unchanged::ActivityNote;
 pub use warm::WarmPoolStats;

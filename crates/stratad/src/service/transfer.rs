@@ -15,6 +15,20 @@
 //!   parent), only that tenant sees it held, and only a registration of
 //!   that sandbox by that tenant may claim it. A registration whose id is
 //!   taken is `409 conflict` and changes nothing.
+//! - A pull is the same transfer driven by the receiving side (a laptop
+//!   reaches the cloud, not the reverse). The owner's side:
+//!   [`Service::export`] hibernates the sandbox (memory kept) and answers
+//!   its manifest (record, ready snapshots oldest first with their
+//!   identities); [`Service::export_snapshot`] streams one of them,
+//!   incremental against a parent named by identity that must be another
+//!   of the same sandbox's snapshots. The puller's side, [`Service::pull`]:
+//!   the `from` target is checked like a push's `to`; it streams the
+//!   snapshots it does not hold (received for the caller's tenant) through
+//!   the same receive path as a push, and registers the sandbox hibernated
+//!   under the caller's tenant (quota like a create). Pulling again into
+//!   the caller's hibernated copy adds the remote's newer snapshots
+//!   (incremental), as long as every snapshot of the copy is one of the
+//!   remote's (`409 conflict` once the copies diverged).
 
 use super::prelude::*;
 
@@ -66,6 +80,10 @@ pub struct PushSandbox {
     /// A token of the remote deployment; its tenant will own the sandbox
     /// there. Never logged or stored.
     pub token: String,
+    /// Wake the copy on the remote once registered (the source stays
+    /// hibernated here either way).
+    #[serde(default)]
+    pub wake: bool,
 }
 
 /// One snapshot a push sent.
@@ -92,6 +110,79 @@ pub struct PushReport {
     pub held: usize,
     /// Stream bytes, all snapshots.
     pub bytes: u64,
+}
+
+/// `POST /v1/pulls`: copy a sandbox of another deployment here.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PullSandbox {
+    /// The remote deployment's API base URL (`https://host:7070`).
+    pub from: String,
+    /// A token of the remote deployment that may export the sandbox there
+    /// (admin or developer of its tenant). Never logged or stored.
+    pub token: String,
+    /// The sandbox's id on the remote; the copy here keeps it.
+    pub sandbox: String,
+    /// Wake the copy here once registered.
+    #[serde(default)]
+    pub wake: bool,
+}
+
+/// What a pull did.
+#[derive(Debug, Clone, Serialize)]
+pub struct PullReport {
+    /// The copy here (hibernated, or running with `wake`).
+    pub sandbox: SandboxRecord,
+    /// The remote's record of the source (hibernated there).
+    pub remote: serde_json::Value,
+    /// The snapshots streamed here, oldest first.
+    pub received: Vec<SentSnapshot>,
+    /// Snapshots this deployment already held.
+    pub held: usize,
+    /// Stream bytes, all snapshots.
+    pub bytes: u64,
+    /// Whether a copy pulled before was brought up to date.
+    pub updated: bool,
+}
+
+/// One snapshot of an export manifest.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ExportedSnapshot {
+    /// Its id.
+    pub id: SnapshotId,
+    /// Why it was taken.
+    pub kind: SnapshotKind,
+    /// User label.
+    #[serde(default)]
+    pub label: Option<String>,
+    /// When it was taken.
+    pub created_at: DateTime<Utc>,
+    /// The identity `btrfs send` gives it (what a puller names as a parent).
+    pub identity: String,
+}
+
+/// `POST /v1/sandboxes/{id}/export`: what a puller needs.
+#[derive(Debug, Clone, Serialize)]
+pub struct ExportManifest {
+    /// The sandbox (hibernated).
+    pub sandbox: SandboxRecord,
+    /// Its ready snapshots, oldest first.
+    pub snapshots: Vec<ExportedSnapshot>,
+}
+
+/// An export manifest as a puller reads it (the remote's record may carry
+/// more than this deployment knows).
+#[derive(Debug, Deserialize)]
+struct RemoteManifest {
+    sandbox: RemoteSandbox,
+    snapshots: Vec<ExportedSnapshot>,
+}
+
+#[derive(Debug, Deserialize)]
+struct RemoteSandbox {
+    size: SandboxSize,
+    #[serde(default)]
+    labels: BTreeMap<String, String>,
 }
 
 /// One snapshot record of a registration (the sender's).
@@ -131,7 +222,7 @@ fn remote_err(what: &str, e: reqwest::Error) -> ServiceError {
         msg.push_str(&format!(": {s}"));
         src = s.source();
     }
-    ServiceError::Engine(RuntimeError::Unavailable(format!("push: {what}: {msg}")))
+    ServiceError::Engine(RuntimeError::Unavailable(format!("{what}: {msg}")))
 }
 
 impl Service {
@@ -202,7 +293,23 @@ impl Service {
         body: ByteStream,
     ) -> ServiceResult<u64> {
         self.id_free(id).await?;
-        let tenant = caller.owner().to_owned();
+        self.receive_for(caller.owner(), id, snap, parent, body)
+            .await
+    }
+
+    /// Receives one snapshot stream for sandbox `id` of `tenant` (the
+    /// receiving half of a push and of a pull): `snap` must be new here,
+    /// `parent` the identity of a snapshot received for the same tenant;
+    /// the stream is checked and bounded by the engine. Returns its bytes.
+    async fn receive_for(
+        &self,
+        tenant: &str,
+        id: &SandboxId,
+        snap: &SnapshotId,
+        parent: Option<String>,
+        body: ByteStream,
+    ) -> ServiceResult<u64> {
+        let tenant = tenant.to_owned();
         let exists = {
             let s2 = snap.clone();
             self.db(move |s| s.get_snapshot(&s2)).await?.is_some()
@@ -246,19 +353,24 @@ impl Service {
         cmd: RegisterImport,
         opts: &GateOptions,
     ) -> ServiceResult<SandboxRecord> {
-        let size = cmd
-            .size
-            .ok_or_else(|| ServiceError::InvalidRequest("size: required".into()))?;
-        size.validate()?;
-        if cmd.snapshots.is_empty() || cmd.snapshots.len() > MAX_IMPORT_SNAPSHOTS {
-            return Err(ServiceError::InvalidRequest(format!(
-                "snapshots: 1 to {MAX_IMPORT_SNAPSHOTS}"
-            )));
-        }
+        check_register(&cmd)?;
         self.authorize(caller, Some(id), lifecycle("import"), opts)
             .await?;
-        let tenant = caller.owner().to_owned();
         let _g = self.acquire(id, Op::Created, Who::User).await?;
+        self.register_locked(caller.owner(), id, cmd).await
+    }
+
+    /// Registers sandbox `id` of `tenant` from the snapshots received for
+    /// it (the caller holds its operation lock): see
+    /// [`Service::import_register`].
+    async fn register_locked(
+        self: &Arc<Self>,
+        tenant: &str,
+        id: &SandboxId,
+        cmd: RegisterImport,
+    ) -> ServiceResult<SandboxRecord> {
+        let size = check_register(&cmd)?;
+        let tenant = tenant.to_owned();
         let mut seen = std::collections::HashSet::new();
         for s in &cmd.snapshots {
             if !seen.insert(s.id.clone()) {
@@ -343,56 +455,12 @@ impl Service {
         let rec = self
             .authorize_on(caller, id, lifecycle("push"), opts)
             .await?;
-        // The target passes the public-address filter (or is one of the
-        // operator's `[security] push_allow_private`), and the connection
-        // goes to the addresses checked, not to a second resolution.
-        let (base, host, addrs) = crate::events::webhooks::check_target(
-            &cmd.to,
-            &self.config().security.push_allow_private,
-        )
-        .await
-        .map_err(|e| ServiceError::InvalidRequest(format!("to {:?}: {}", cmd.to, e.0)))?;
-        if cmd.token.is_empty() || cmd.token.len() > 4096 {
-            return Err(ServiceError::InvalidRequest(
-                "token: the remote deployment's token (1 to 4096 bytes)".into(),
-            ));
-        }
-        if rec.state != SandboxState::Hibernated {
-            let g = self.acquire(id, Op::Hibernate, Who::User).await?;
-            self.hibernate_locked(id, g, true).await?;
-        }
+        let (base, host, addrs) = self.check_remote(&cmd.to, "to", &cmd.token).await?;
         // Held while the snapshots travel: no wake, rewind or delete meanwhile.
-        let _g = self.acquire(id, Op::Configure, Who::User).await?;
-        let rec = self.record(id).await?;
-        if rec.state != SandboxState::Hibernated {
-            return Err(ServiceError::InvalidStateOther(format!(
-                "sandbox {id} is {}, not hibernated",
-                rec.state
-            )));
-        }
-        let id2 = id.clone();
-        let mut snaps: Vec<SnapshotRecord> = self
-            .db(move |s| s.list_snapshots(&id2, false))
-            .await?
-            .into_iter()
-            .filter(|s| s.status == SnapshotStatus::Ready && s.same_as.is_none())
-            .collect();
-        snaps.sort_by(|a, b| (a.created_at, a.id.as_str()).cmp(&(b.created_at, b.id.as_str())));
-        if snaps.is_empty() {
-            return Err(ServiceError::InvalidStateOther(format!(
-                "sandbox {id} has no ready snapshot"
-            )));
-        }
-        let mut idents = Vec::with_capacity(snaps.len());
-        for s in &snaps {
-            idents.push(self.engine.snapshot_identity(&s.id).await?);
-        }
-        let http = reqwest::Client::builder()
-            .resolve_to_addrs(&host, &addrs)
-            .redirect(reqwest::redirect::Policy::none())
-            .connect_timeout(Duration::from_secs(15))
-            .build()
-            .map_err(|e| remote_err("HTTP client", e))?;
+        let (_g, rec) = self.hibernated_locked(id, rec).await?;
+        let (snaps, idents): (Vec<SnapshotRecord>, Vec<String>) =
+            self.movable_snapshots(id).await?.into_iter().unzip();
+        let http = remote_client(&host, &addrs, "push")?;
         let url = |tail: &str| -> ServiceResult<reqwest::Url> {
             base.join(tail)
                 .map_err(|e| ServiceError::InvalidRequest(format!("to: {e}")))
@@ -405,8 +473,8 @@ impl Service {
             .json(&serde_json::json!({ "snapshots": snaps.iter().map(|s| &s.id).collect::<Vec<_>>() }))
             .send()
             .await
-            .map_err(|e| remote_err("offer", e))?;
-        let held: BTreeMap<String, String> = remote_json(resp, "offer")
+            .map_err(|e| remote_err("push: offer", e))?;
+        let held: BTreeMap<String, String> = remote_json(resp, "push: offer")
             .await?
             .get("held")
             .cloned()
@@ -445,8 +513,8 @@ impl Service {
                 .body(body)
                 .send()
                 .await
-                .map_err(|e| remote_err("snapshot stream", e))?;
-            remote_json(resp, "snapshot stream").await?;
+                .map_err(|e| remote_err("push: snapshot stream", e))?;
+            remote_json(resp, "push: snapshot stream").await?;
             let bytes = counted.load(std::sync::atomic::Ordering::Relaxed);
             total += bytes;
             sent.push(SentSnapshot {
@@ -477,8 +545,19 @@ impl Service {
             .json(&reg)
             .send()
             .await
-            .map_err(|e| remote_err("register", e))?;
-        let remote = remote_json(resp, "register").await?;
+            .map_err(|e| remote_err("push: register", e))?;
+        let mut remote = remote_json(resp, "push: register").await?;
+        if cmd.wake {
+            let resp = http
+                .post(url(&format!("v1/sandboxes/{id}/resume"))?)
+                .bearer_auth(&cmd.token)
+                .timeout(Duration::from_secs(600))
+                .json(&serde_json::json!({}))
+                .send()
+                .await
+                .map_err(|e| remote_err("push: wake", e))?;
+            remote = remote_json(resp, "push: wake").await?;
+        }
         info!(sandbox = %id, to = %base, bytes = total, sent = sent.len(), "sandbox pushed");
         Ok(PushReport {
             sandbox: rec,
@@ -488,6 +567,437 @@ impl Service {
             bytes: total,
         })
     }
+
+    /// The remote deployment at `url` (a push's `to`, a pull's `from`),
+    /// checked: it passes the public-address filter (or is one of the
+    /// operator's `[security] push_allow_private`); the connection goes to
+    /// the addresses checked, not to a second resolution. `token` is the
+    /// remote's token the caller gave.
+    async fn check_remote(
+        &self,
+        url: &str,
+        field: &str,
+        token: &str,
+    ) -> ServiceResult<(reqwest::Url, String, Vec<std::net::SocketAddr>)> {
+        let target =
+            crate::events::webhooks::check_target(url, &self.config().security.push_allow_private)
+                .await
+                .map_err(|e| ServiceError::InvalidRequest(format!("{field} {url:?}: {}", e.0)))?;
+        if token.is_empty() || token.len() > 4096 {
+            return Err(ServiceError::InvalidRequest(
+                "token: the remote deployment's token (1 to 4096 bytes)".into(),
+            ));
+        }
+        Ok(target)
+    }
+
+    /// Hibernates sandbox `id` if it runs (memory kept), then takes its
+    /// operation lock (no wake, rewind or delete while it is held) and
+    /// answers its record, hibernated.
+    async fn hibernated_locked(
+        self: &Arc<Self>,
+        id: &SandboxId,
+        rec: SandboxRecord,
+    ) -> ServiceResult<(OpGuard, SandboxRecord)> {
+        if rec.state != SandboxState::Hibernated {
+            let g = self.acquire(id, Op::Hibernate, Who::User).await?;
+            self.hibernate_locked(id, g, true).await?;
+        }
+        let g = self.acquire(id, Op::Configure, Who::User).await?;
+        let rec = self.record(id).await?;
+        if rec.state != SandboxState::Hibernated {
+            return Err(ServiceError::InvalidStateOther(format!(
+                "sandbox {id} is {}, not hibernated",
+                rec.state
+            )));
+        }
+        Ok((g, rec))
+    }
+
+    /// Sandbox `id`'s ready snapshots that can travel (real ones, not
+    /// `same_as` records), oldest first, with their identities.
+    async fn movable_snapshots(
+        &self,
+        id: &SandboxId,
+    ) -> ServiceResult<Vec<(SnapshotRecord, String)>> {
+        let id2 = id.clone();
+        let mut snaps: Vec<SnapshotRecord> = self
+            .db(move |s| s.list_snapshots(&id2, false))
+            .await?
+            .into_iter()
+            .filter(|s| s.status == SnapshotStatus::Ready && s.same_as.is_none())
+            .collect();
+        snaps.sort_by(|a, b| (a.created_at, a.id.as_str()).cmp(&(b.created_at, b.id.as_str())));
+        if snaps.is_empty() {
+            return Err(ServiceError::InvalidStateOther(format!(
+                "sandbox {id} has no ready snapshot"
+            )));
+        }
+        let mut out = Vec::with_capacity(snaps.len());
+        for s in snaps {
+            let ident = self.engine.snapshot_identity(&s.id).await?;
+            out.push((s, ident));
+        }
+        Ok(out)
+    }
+
+    /// `POST /v1/sandboxes/{id}/export`: the owner's side of a pull. Hibernates
+    /// the sandbox if it runs (memory kept) and answers its manifest: its
+    /// record and its ready snapshots, oldest first, with their identities.
+    pub async fn export(
+        self: &Arc<Self>,
+        caller: &Caller,
+        id: &SandboxId,
+        opts: &GateOptions,
+    ) -> ServiceResult<ExportManifest> {
+        let rec = self
+            .authorize_on(caller, id, lifecycle("export"), opts)
+            .await?;
+        let (_g, rec) = self.hibernated_locked(id, rec).await?;
+        let snapshots = self
+            .movable_snapshots(id)
+            .await?
+            .into_iter()
+            .map(|(s, identity)| ExportedSnapshot {
+                id: s.id,
+                kind: s.kind,
+                label: s.label,
+                created_at: s.created_at,
+                identity,
+            })
+            .collect();
+        Ok(ExportManifest {
+            sandbox: rec,
+            snapshots,
+        })
+    }
+
+    /// `GET /v1/sandboxes/{id}/export?snapshot=S[&parent=IDENTITY]`: one
+    /// ready snapshot of the hibernated sandbox `id` as a `btrfs send`
+    /// stream, incremental against `parent`, the identity of another of
+    /// THIS sandbox's ready snapshots (anything else is `400`). The
+    /// sandbox's operation lock is held until the stream ends (no wake,
+    /// rewind or delete meanwhile); the stream is never buffered whole.
+    pub async fn export_snapshot(
+        self: &Arc<Self>,
+        caller: &Caller,
+        id: &SandboxId,
+        snapshot: Option<&str>,
+        parent: Option<&str>,
+        opts: &GateOptions,
+    ) -> ServiceResult<ByteStream> {
+        self.authorize_on(caller, id, lifecycle("export"), opts)
+            .await?;
+        let snap: SnapshotId = snapshot
+            .ok_or_else(|| ServiceError::InvalidRequest("snapshot: required".into()))?
+            .parse()
+            .map_err(|e| ServiceError::InvalidRequest(format!("snapshot: {e}")))?;
+        let g = self.acquire(id, Op::Configure, Who::User).await?;
+        let rec = self.record(id).await?;
+        if rec.state != SandboxState::Hibernated {
+            return Err(ServiceError::InvalidStateOther(format!(
+                "sandbox {id} is {}, not hibernated: export it first (POST /v1/sandboxes/{id}/export)",
+                rec.state
+            )));
+        }
+        let snaps = self.movable_snapshots(id).await?;
+        if !snaps.iter().any(|(s, _)| s.id == snap) {
+            return Err(not_found("snapshot", &snap));
+        }
+        let parent = match parent {
+            None => None,
+            Some(p) => match snaps
+                .iter()
+                .find(|(s, ident)| ident.eq_ignore_ascii_case(p) && s.id != snap)
+            {
+                Some((s, _)) => Some(s.id.clone()),
+                None => {
+                    return Err(ServiceError::InvalidRequest(format!(
+                        "parent {p}: no other ready snapshot of sandbox {id} has this identity"
+                    )))
+                }
+            },
+        };
+        let stream = self.engine.send_snapshot(&snap, parent.as_ref()).await?;
+        info!(sandbox = %id, snapshot = %snap, parent = ?parent, "snapshot export started");
+        // The lock travels with the stream: released when it ends or the
+        // puller goes away.
+        Ok(Box::pin(stream.map(move |r| {
+            let _held = &g;
+            r
+        })))
+    }
+
+    /// `POST /v1/pulls`: see the module docs. The local caller's tenant
+    /// owns the copy; the remote token only reads the source there.
+    pub async fn pull(
+        self: &Arc<Self>,
+        caller: &Caller,
+        cmd: PullSandbox,
+        opts: &GateOptions,
+    ) -> ServiceResult<PullReport> {
+        let id: SandboxId = cmd
+            .sandbox
+            .parse()
+            .map_err(|e| ServiceError::InvalidRequest(format!("sandbox: {e}")))?;
+        self.authorize(caller, Some(&id), lifecycle("pull"), opts)
+            .await?;
+        let (base, host, addrs) = self.check_remote(&cmd.from, "from", &cmd.token).await?;
+        let tenant = caller.owner().to_owned();
+        // A copy pulled before (the caller's, hibernated) is brought up to
+        // date; any other taken id is a conflict.
+        let existing = {
+            let id2 = id.clone();
+            self.db(move |s| s.get_sandbox(&id2)).await?
+        };
+        let updating = match &existing {
+            None => false,
+            Some(r) if r.state != SandboxState::Deleted && r.tenant == tenant => true,
+            Some(_) => {
+                return Err(ServiceError::Conflict(format!(
+                    "sandbox id {id} is taken on this deployment"
+                )))
+            }
+        };
+        let op = if updating { Op::Configure } else { Op::Created };
+        let _g = self.acquire(&id, op, Who::User).await?;
+        let local: Option<SandboxRecord> = if updating {
+            let r = self.record(&id).await?;
+            if r.state != SandboxState::Hibernated {
+                return Err(ServiceError::InvalidStateOther(format!(
+                    "sandbox {id} is {} here: hibernate it to pull it again",
+                    r.state
+                )));
+            }
+            Some(r)
+        } else {
+            self.id_free(&id).await?;
+            None
+        };
+        let http = remote_client(&host, &addrs, "pull")?;
+        let url = |tail: &str| -> ServiceResult<reqwest::Url> {
+            base.join(tail)
+                .map_err(|e| ServiceError::InvalidRequest(format!("from: {e}")))
+        };
+        // 1. The remote's manifest (it hibernates the sandbox there).
+        let resp = http
+            .post(url(&format!("v1/sandboxes/{id}/export"))?)
+            .bearer_auth(&cmd.token)
+            .timeout(Duration::from_secs(600))
+            .json(&serde_json::json!({}))
+            .send()
+            .await
+            .map_err(|e| remote_err("pull: export", e))?;
+        let v = remote_json(resp, "pull: export").await?;
+        let remote = v.get("sandbox").cloned().unwrap_or_default();
+        let manifest: RemoteManifest = serde_json::from_value(v).map_err(|e| {
+            ServiceError::Engine(RuntimeError::Unavailable(format!(
+                "pull: export: the remote's manifest: {e}"
+            )))
+        })?;
+        let mut snaps = manifest.snapshots;
+        snaps.sort_by(|a, b| (a.created_at, a.id.as_str()).cmp(&(b.created_at, b.id.as_str())));
+        let reg = RegisterImport {
+            size: Some(manifest.sandbox.size),
+            labels: manifest.sandbox.labels,
+            snapshots: snaps
+                .iter()
+                .map(|s| ImportedSnapshot {
+                    id: s.id.clone(),
+                    kind: s.kind,
+                    label: s.label.clone(),
+                    created_at: s.created_at,
+                })
+                .collect(),
+        };
+        // Refused before any byte travels (sizes, counts, kinds).
+        check_register(&reg)?;
+        let mut seen = std::collections::HashSet::new();
+        for s in &reg.snapshots {
+            if !seen.insert(&s.id) || s.kind == SnapshotKind::Template {
+                return Err(ServiceError::InvalidRequest(format!(
+                    "pull: the remote's manifest: snapshot {} given twice or a template",
+                    s.id
+                )));
+            }
+        }
+        // 2. What this deployment holds of it, received for this tenant.
+        let received: HashMap<String, String> = self
+            .engine
+            .received_snapshots()
+            .await?
+            .into_iter()
+            .collect();
+        let mut held = std::collections::HashSet::new();
+        for s in &snaps {
+            let same = received
+                .get(s.id.as_str())
+                .is_some_and(|i| i.eq_ignore_ascii_case(&s.identity));
+            if same && self.import_of(&tenant, &s.id).await? {
+                held.insert(s.id.clone());
+            }
+        }
+        let mut known = std::collections::HashSet::new();
+        if local.is_some() {
+            let id2 = id.clone();
+            for s in self.db(move |st| st.list_snapshots(&id2, false)).await? {
+                if s.status != SnapshotStatus::Ready || s.same_as.is_some() {
+                    continue;
+                }
+                if !held.contains(&s.id) {
+                    return Err(ServiceError::Conflict(format!(
+                        "sandbox {id} here has snapshot {} that the remote's does not: \
+                         the two copies diverged (pull under another deployment's id, or delete this copy)",
+                        s.id
+                    )));
+                }
+                known.insert(s.id);
+            }
+        }
+        // 3. The missing ones, oldest first, each incremental against the
+        //    newest one before it held here.
+        let mut parent: Option<(SnapshotId, String)> = None;
+        let (mut got, mut total) = (Vec::new(), 0u64);
+        for s in &snaps {
+            if held.contains(&s.id) {
+                parent = Some((s.id.clone(), s.identity.clone()));
+                continue;
+            }
+            let mut u = url(&format!("v1/sandboxes/{id}/export"))?;
+            u.query_pairs_mut().append_pair("snapshot", s.id.as_str());
+            if let Some((_, pi)) = &parent {
+                u.query_pairs_mut().append_pair("parent", pi);
+            }
+            let resp = http
+                .get(u)
+                .bearer_auth(&cmd.token)
+                .send()
+                .await
+                .map_err(|e| remote_err("pull: snapshot stream", e))?;
+            if !resp.status().is_success() {
+                remote_json(resp, "pull: snapshot stream").await?;
+                return Err(ServiceError::Engine(RuntimeError::Unavailable(
+                    "pull: snapshot stream: the remote answered no stream".into(),
+                )));
+            }
+            if resp
+                .content_length()
+                .is_some_and(|n| n > MAX_SNAPSHOT_STREAM_BYTES)
+            {
+                return Err(ServiceError::TooLarge(format!(
+                    "pull: snapshot {}: a snapshot stream is at most {MAX_SNAPSHOT_STREAM_BYTES} bytes",
+                    s.id
+                )));
+            }
+            let body: ByteStream = Box::pin(resp.bytes_stream().map(|r| {
+                r.map_err(|e| RuntimeError::Unavailable(format!("pull: the remote's stream: {e}")))
+            }));
+            let bytes = self
+                .receive_for(
+                    &tenant,
+                    &id,
+                    &s.id,
+                    parent.as_ref().map(|(_, p)| p.clone()),
+                    body,
+                )
+                .await?;
+            total += bytes;
+            got.push(SentSnapshot {
+                snapshot: s.id.clone(),
+                parent: parent.as_ref().map(|(p, _)| p.clone()),
+                bytes,
+            });
+            parent = Some((s.id.clone(), s.identity.clone()));
+        }
+        // 4. Registered here (quota like a create), or the new snapshots
+        //    added to the copy pulled before.
+        let n_held = held.len();
+        let rec = match local {
+            None => self.register_locked(&tenant, &id, reg).await?,
+            Some(mut rec) => {
+                let mut new = Vec::new();
+                for s in &reg.snapshots {
+                    if known.contains(&s.id) {
+                        continue;
+                    }
+                    match self.imports.get(&s.id) {
+                        Some((t, sb)) if t == tenant && sb == id => {}
+                        _ => {
+                            return Err(ServiceError::InvalidRequest(format!(
+                                "snapshot {} was not received for sandbox {id} of this tenant",
+                                s.id
+                            )))
+                        }
+                    }
+                    let mut r = self.new_snapshot(&rec, s.kind, s.label.clone());
+                    r.id = s.id.clone();
+                    r.status = SnapshotStatus::Ready;
+                    r.created_at = s.created_at;
+                    new.push(r);
+                }
+                let refs: Vec<&SnapshotRecord> = new.iter().collect();
+                self.done(
+                    &mut rec,
+                    Op::Configure,
+                    SandboxState::Hibernated,
+                    None,
+                    &refs,
+                    Some(format!("pulled {} more snapshots", new.len())),
+                )
+                .await?;
+                for s in &new {
+                    self.imports.forget(&s.id);
+                    self.spawn_usage(s.id.clone());
+                }
+                rec
+            }
+        };
+        drop(_g);
+        let rec = if cmd.wake {
+            self.resume_ungated(&id).await?
+        } else {
+            rec
+        };
+        info!(sandbox = %id, from = %base, bytes = total, received = got.len(), "sandbox pulled");
+        Ok(PullReport {
+            sandbox: rec,
+            remote,
+            received: got,
+            held: n_held,
+            bytes: total,
+            updated: updating,
+        })
+    }
+}
+
+/// The HTTP client of a push or a pull: to the checked addresses only, no
+/// redirect followed.
+fn remote_client(
+    host: &str,
+    addrs: &[std::net::SocketAddr],
+    verb: &str,
+) -> ServiceResult<reqwest::Client> {
+    reqwest::Client::builder()
+        .resolve_to_addrs(host, addrs)
+        .redirect(reqwest::redirect::Policy::none())
+        .connect_timeout(Duration::from_secs(15))
+        .build()
+        .map_err(|e| remote_err(&format!("{verb}: HTTP client"), e))
+}
+
+/// The checks of a registration that need nothing but its body: its size
+/// and the number of its snapshots.
+fn check_register(cmd: &RegisterImport) -> ServiceResult<SandboxSize> {
+    let size = cmd
+        .size
+        .ok_or_else(|| ServiceError::InvalidRequest("size: required".into()))?;
+    size.validate()?;
+    if cmd.snapshots.is_empty() || cmd.snapshots.len() > MAX_IMPORT_SNAPSHOTS {
+        return Err(ServiceError::InvalidRequest(format!(
+            "snapshots: 1 to {MAX_IMPORT_SNAPSHOTS}"
+        )));
+    }
+    Ok(size)
 }
 
 /// A remote's JSON answer; an error answer keeps its meaning here (a
@@ -501,7 +1011,7 @@ async fn remote_json(resp: reqwest::Response, step: &str) -> ServiceResult<serde
         let chunk = chunk.map_err(|e| remote_err(step, e))?;
         if body.len() + chunk.len() > 1 << 20 {
             return Err(ServiceError::Engine(RuntimeError::Unavailable(format!(
-                "push: {step}: the remote's answer is over 1 MiB"
+                "{step}: the remote's answer is over 1 MiB"
             ))));
         }
         body.extend_from_slice(&chunk);
@@ -511,7 +1021,7 @@ async fn remote_json(resp: reqwest::Response, step: &str) -> ServiceResult<serde
         return Ok(v);
     }
     let msg = format!(
-        "push: {step}: the remote answered {status}: {}",
+        "{step}: the remote answered {status}: {}",
         v["error"]["message"].as_str().unwrap_or("(no message)")
     );
     Err(match status {
