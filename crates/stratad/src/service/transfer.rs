@@ -494,26 +494,45 @@ impl Service {
                 .send_snapshot(&s.id, parent.as_ref().map(|(p, _)| p))
                 .await?;
             let counted = Arc::new(std::sync::atomic::AtomicU64::new(0));
-            let c2 = counted.clone();
-            let body = reqwest::Body::wrap_stream(stream.map(move |r| {
-                r.inspect(|b| {
-                    c2.fetch_add(b.len() as u64, std::sync::atomic::Ordering::Relaxed);
-                })
-                .map_err(|e| std::io::Error::other(e.message()))
-            }));
+            let ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let (c2, e2) = (counted.clone(), ended.clone());
+            let body = reqwest::Body::wrap_stream(
+                stream
+                    .map(move |r| {
+                        r.inspect(|b| {
+                            c2.fetch_add(b.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                        })
+                        .map_err(|e| std::io::Error::other(e.message()))
+                    })
+                    .chain(futures::stream::once(async move {
+                        e2.store(true, std::sync::atomic::Ordering::SeqCst);
+                        Ok(bytes::Bytes::new())
+                    })),
+            );
             let mut u = url(&format!("v1/imports/{id}/snapshots"))?;
             u.query_pairs_mut().append_pair("snapshot", s.id.as_str());
             if let Some((_, pi)) = &parent {
                 u.query_pairs_mut().append_pair("parent", pi);
             }
-            let resp = http
+            let send = http
                 .put(u)
                 .bearer_auth(&cmd.token)
                 .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
                 .body(body)
-                .send()
-                .await
-                .map_err(|e| remote_err("push: snapshot stream", e))?;
+                .send();
+            // A remote that stops taking the stream fails the push (the
+            // sandbox's lock is held meanwhile); its answer after the
+            // stream is bounded by the client's read timeout.
+            let resp = tokio::select! {
+                r = send => r.map_err(|e| remote_err("push: snapshot stream", e))?,
+                () = stalled(&counted, &ended, TRANSFER_IDLE) => {
+                    return Err(ServiceError::Engine(RuntimeError::Unavailable(format!(
+                        "push: the remote took no byte of snapshot {} for {} s",
+                        s.id,
+                        TRANSFER_IDLE.as_secs()
+                    ))));
+                }
+            };
             remote_json(resp, "push: snapshot stream").await?;
             let bytes = counted.load(std::sync::atomic::Ordering::Relaxed);
             total += bytes;
@@ -972,6 +991,36 @@ impl Service {
 
 /// The HTTP client of a push or a pull: to the checked addresses only, no
 /// redirect followed.
+/// A transfer with a remote deployment fails after this long without a
+/// byte in the direction it waits on (no operation waits forever: a stalled
+/// remote would hold the sandbox's lock). A slow stream that moves is never
+/// cut.
+pub const TRANSFER_IDLE: Duration = Duration::from_secs(60);
+
+/// Resolves once `counter` has not moved for `idle` while `ended` is
+/// false; never once `ended` is set (the stream was all handed over).
+async fn stalled(
+    counter: &std::sync::atomic::AtomicU64,
+    ended: &std::sync::atomic::AtomicBool,
+    idle: Duration,
+) {
+    use std::sync::atomic::Ordering;
+    let step = (idle / 8).max(Duration::from_millis(10));
+    let (mut last, mut since) = (counter.load(Ordering::Relaxed), tokio::time::Instant::now());
+    loop {
+        tokio::time::sleep(step).await;
+        if ended.load(Ordering::SeqCst) {
+            return std::future::pending().await;
+        }
+        let now = counter.load(Ordering::Relaxed);
+        if now != last {
+            (last, since) = (now, tokio::time::Instant::now());
+        } else if since.elapsed() >= idle {
+            return;
+        }
+    }
+}
+
 fn remote_client(
     host: &str,
     addrs: &[std::net::SocketAddr],
@@ -981,6 +1030,9 @@ fn remote_client(
         .resolve_to_addrs(host, addrs)
         .redirect(reqwest::redirect::Policy::none())
         .connect_timeout(Duration::from_secs(15))
+        // Every read of an answer or a pulled stream: a remote silent this
+        // long fails the transfer.
+        .read_timeout(TRANSFER_IDLE)
         .build()
         .map_err(|e| remote_err(&format!("{verb}: HTTP client"), e))
 }
@@ -1031,4 +1083,39 @@ async fn remote_json(resp: reqwest::Response, step: &str) -> ServiceResult<serde
         400..=499 => ServiceError::InvalidRequest(msg),
         _ => ServiceError::Engine(RuntimeError::Unavailable(msg)),
     })
+}
+
+#[cfg(test)]
+mod stall_tests {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::stalled;
+
+    #[tokio::test]
+    async fn a_stream_that_stops_moving_is_stalled_one_that_moves_or_ended_is_not() {
+        let idle = Duration::from_millis(400);
+        // Never moves: stalled after the idle time, not before.
+        let (c, e) = (AtomicU64::new(0), AtomicBool::new(false));
+        let t = tokio::time::Instant::now();
+        stalled(&c, &e, idle).await;
+        assert!(t.elapsed() >= idle, "{:?}", t.elapsed());
+        // Moves every 200 ms for 2 s (slow, but moving), then is handed
+        // over: never cut.
+        let (c, e) = (
+            Arc::new(AtomicU64::new(0)),
+            Arc::new(AtomicBool::new(false)),
+        );
+        let (c2, e2) = (c.clone(), e.clone());
+        tokio::spawn(async move {
+            for _ in 0..10 {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                c2.fetch_add(1, Ordering::Relaxed);
+            }
+            e2.store(true, Ordering::SeqCst);
+        });
+        let r = tokio::time::timeout(Duration::from_secs(4), stalled(&c, &e, idle)).await;
+        assert!(r.is_err(), "a moving stream, then one handed over, was cut");
+    }
 }
