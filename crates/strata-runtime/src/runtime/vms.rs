@@ -42,6 +42,8 @@ pub(super) struct Live {
     /// Whether the vCPUs run: the agent connection's liveness watchdog
     /// counts silence only while they do ([`Live::pause_vm`]).
     pub(super) running: Arc<AtomicBool>,
+    /// Where this VM's start went ([`Runtime::start_timeline`]).
+    pub(super) timeline: std::sync::Mutex<Option<crate::api::StartTimeline>>,
 }
 
 impl Live {
@@ -68,6 +70,7 @@ impl Live {
             size,
             running: Arc::new(AtomicBool::new(true)),
             stopping: AtomicBool::new(false),
+            timeline: std::sync::Mutex::new(None),
         }
     }
 }
@@ -88,6 +91,14 @@ impl Runtime {
     pub(super) fn take_live(&self, id: &SandboxId) -> Option<Arc<Live>> {
         let mut vms = self.vms.lock().unwrap_or_else(|p| p.into_inner());
         vms.remove(id)
+    }
+
+    /// Where the start of sandbox `id`'s running VM went (a fork, create,
+    /// wake, rewind or restore), when it was started by this runtime.
+    pub fn start_timeline(&self, id: &SandboxId) -> Option<crate::api::StartTimeline> {
+        let live = self.live(id).ok()?;
+        let t = *live.timeline.lock().unwrap_or_else(|p| p.into_inner());
+        t
     }
 
     /// Sandboxes with a live VM in this runtime.
