@@ -11,6 +11,20 @@
 //! runtime's own `ready_ms` (call to agent synced) is kept beside it. Every
 //! few runs the marker is read back after the restore: a restore that lost
 //! the state fails the section instead of being measured.
+//!
+//! With `--restore-ab` (the default) fork and wake run twice per run,
+//! "before" and "after" in alternating order: before = the runtime with
+//! `Runtime::set_hello_on_port_open(false)` (Hello on the client's timed
+//! 40 ms resend only), after = the default (Hello also cued by QMP
+//! `VSERPORT_CHANGE`). Each start's `Runtime::start_timeline` gives a
+//! breakdown table (state check, btrfs clone, QEMU spawn, QMP, device
+//! state, `cont`, socket, Hello → `hello_ok`, session, `restore_sync`,
+//! first exec). Results: `docs/bench/first-exec.md`. Measured there
+//! (2-core TCG host shared with other builds, 100 runs): `VSERPORT_CHANGE`
+//! arrives while `cont` is still being answered, before the first Hello,
+//! so the cue alone changes nothing (fork p99 3.67 s → 3.67 s); the time
+//! goes to the guest running cold after a restore (Hello → `hello_ok`
+//! p50 ~300 ms, `restore_sync` and the first exec each as long).
 
 use std::sync::Arc;
 use std::time::Instant;
