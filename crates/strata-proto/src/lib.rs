@@ -9,7 +9,8 @@ pub mod tunnel;
 
 pub use client::{
     AgentClient, AgentError, DirWatch, ExecEvent, ExecHandle, ExecInput, ExecOutput, ExecRequest,
-    ExitStatus, FileDownload, Liveness, Stdin, TunnelHandler, WatchBatch,
+    ExitStatus, FileDownload, HandshakeStats, Liveness, PortOpens, Stdin, TunnelHandler,
+    WatchBatch,
 };
 pub use frame::{decode_frame, Decoded, Frame, FrameDecoder, FrameError, FrameKind};
 pub use msg::{

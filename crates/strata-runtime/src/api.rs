@@ -188,6 +188,47 @@ pub struct VmInfo {
     pub ready_ms: f64,
 }
 
+/// Where the last start of a sandbox from a state went: when each step
+/// ended, in ms since the runtime call began (a latency breakdown for
+/// benchmarks and debug logs; [`crate::Runtime::start_timeline`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct StartTimeline {
+    /// The state was checked (metadata read, QEMU compatibility).
+    pub opened_ms: f64,
+    /// The btrfs snapshot of the state became the sandbox's subvolume.
+    pub cloned_ms: f64,
+    /// The driver was called (metadata written, signature checked).
+    pub vm_called_ms: f64,
+    /// The QEMU process was spawned.
+    pub spawned_ms: f64,
+    /// QMP answered its handshake.
+    pub qmp_ms: f64,
+    /// The VM handle was ready (console attached, watchers running).
+    pub assembled_ms: f64,
+    /// The device state was loaded (a restore; `None` for a cold boot).
+    pub incoming_ms: Option<f64>,
+    /// `cont` was answered: the vCPUs run.
+    pub running_ms: Option<f64>,
+    /// QEMU reported the guest's agent port open (`VSERPORT_CHANGE`), if it did.
+    pub port_open_ms: Option<f64>,
+    /// The agent socket was connected (the connection the handshake used).
+    pub connected_ms: f64,
+    /// The last Hello before the answer was sent.
+    pub last_hello_ms: f64,
+    /// `hello_ok` arrived.
+    pub hello_ok_ms: f64,
+    /// Hellos sent.
+    pub hellos: u32,
+    /// Of them, sent at once because the port opened.
+    pub hellos_cued: u32,
+    /// The agent session was set up (output window, egress).
+    pub session_ms: f64,
+    /// The guest was synced (entropy, clock, identity).
+    pub synced_ms: f64,
+    /// The start returned (disk grown when asked).
+    pub ready_ms: f64,
+}
+
 /// What a snapshot cost and contains.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SnapshotInfo {

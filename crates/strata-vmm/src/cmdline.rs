@@ -3,6 +3,10 @@
 
 use crate::spec::{netdev_arg, path_str, qemu_escape, RamBacking, ResolvedAccel, VmSpec};
 
+/// The qdev id of the guest agent's virtio-serial port (what QMP
+/// `VSERPORT_CHANGE` names). Part of the machine layout: never change it.
+pub const AGENT_PORT_ID: &str = "agentport";
+
 /// Version of the device layout below, the one new VMs get. Bump it whenever a
 /// device, its order, its id or the vCPU model changes: device state saved under
 /// one layout cannot be loaded into another, so [`qemu_args`] keeps building every
@@ -163,7 +167,7 @@ pub fn qemu_args(spec: &VmSpec, host_tsc_khz: Option<u64>) -> Vec<String> {
         "-chardev",
         &agent,
         "-device",
-        "virtserialport,chardev=ag,name=strata.agent,id=agentport",
+        &format!("virtserialport,chardev=ag,name=strata.agent,id={AGENT_PORT_ID}"),
     ]);
     push(&["-netdev", &netdev, "-device", &nic]);
     push(&["-chardev", &qmp, "-mon", "chardev=qmp,mode=control"]);

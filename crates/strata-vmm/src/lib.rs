@@ -24,7 +24,7 @@ pub mod qmp;
 pub mod spec;
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use strata_core::Accel;
@@ -83,6 +83,25 @@ impl Confinement {
             ..Confinement::default()
         }
     }
+}
+
+/// When the steps of a VM's start ended (for latency breakdowns; see
+/// [`Vm::start_timings`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StartTimings {
+    /// The driver's `start` was called.
+    pub called: Instant,
+    /// The QEMU process was spawned (fork + exec returned).
+    pub spawned: Instant,
+    /// QMP answered its handshake (greeting + `qmp_capabilities`).
+    pub qmp_ready: Instant,
+    /// The handle was assembled (console attached, monitors running).
+    pub assembled: Instant,
+    /// The device state was loaded (`migrate-incoming` completed), for a
+    /// restore.
+    pub incoming_done: Option<Instant>,
+    /// `cont` was answered: the vCPUs run (unless started paused).
+    pub running: Option<Instant>,
 }
 
 /// QEMU's run state (`query-status`).
@@ -227,6 +246,22 @@ pub trait Vm: Send + Sync + std::fmt::Debug {
             status: "without a root disk in query-blockstats".into(),
             needed: "drive disk0",
         })
+    }
+    /// When the steps of this VM's start ended; `None` for an adopted VM
+    /// (or a driver that does not record them).
+    fn start_timings(&self) -> Option<StartTimings> {
+        None
+    }
+    /// A counter bumped every time QEMU reports the guest's end of the agent
+    /// port open (QMP `VSERPORT_CHANGE`, also sent once right after a
+    /// restored VM runs): the agent client's cue to send Hello at once.
+    /// `None` when the driver cannot tell.
+    fn agent_port_opens(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        None
+    }
+    /// When the guest's end of the agent port was last reported open.
+    fn agent_port_opened_at(&self) -> Option<Instant> {
+        None
     }
     /// Runs a raw QMP command (escape hatch for callers and benchmarks).
     async fn qmp(

@@ -11,14 +11,29 @@
 //! runtime's own `ready_ms` (call to agent synced) is kept beside it. Every
 //! few runs the marker is read back after the restore: a restore that lost
 //! the state fails the section instead of being measured.
+//!
+//! With `--restore-ab` (the default) fork and wake run twice per run,
+//! "before" and "after" in alternating order: before = the runtime with
+//! `Runtime::set_hello_on_port_open(false)` (Hello on the client's timed
+//! 40 ms resend only), after = the default (Hello also cued by QMP
+//! `VSERPORT_CHANGE`). Each start's `Runtime::start_timeline` gives a
+//! breakdown table (state check, btrfs clone, QEMU spawn, QMP, device
+//! state, `cont`, socket, Hello → `hello_ok`, session, `restore_sync`,
+//! first exec). Results: `docs/bench/first-exec.md`. Measured there
+//! (2-core TCG host shared with other builds, 100 runs): `VSERPORT_CHANGE`
+//! arrives while `cont` is still being answered, before the first Hello,
+//! so the cue alone changes nothing (fork p99 3.67 s → 3.67 s); the time
+//! goes to the guest running cold after a restore (Hello → `hello_ok`
+//! p50 ~300 ms, `restore_sync` and the first exec each as long).
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context as _, Result};
 use serde_json::json;
 use strata_core::{SandboxId, SandboxSize, SnapshotId, TemplateId};
 use strata_proto::client::ExecRequest;
-use strata_runtime::{Runtime, Source};
+use strata_runtime::{Runtime, Source, StartTimeline};
 
 use crate::ctx::{BenchRuntime, Ctx};
 use crate::plot;
@@ -43,6 +58,16 @@ pub struct Args {
     /// Guest memory of the template and sandboxes, MiB.
     #[arg(long = "restore-mem", id = "restore_mem", default_value_t = 512)]
     pub mem_mib: u32,
+    /// Also measure fork and wake "before" (the agent handshake without the
+    /// QMP `VSERPORT_CHANGE` cue, Hello only on its timed resend) beside
+    /// "after" (the default), interleaved in the same run.
+    #[arg(
+        long = "restore-ab",
+        id = "restore_ab",
+        default_value_t = true,
+        action = clap::ArgAction::Set
+    )]
+    pub ab: bool,
 }
 
 impl Args {
@@ -95,21 +120,228 @@ async fn first_exec(rt: &Runtime, id: &SandboxId, t0: Instant) -> Result<f64> {
     Ok(t0.elapsed().as_secs_f64() * 1000.0)
 }
 
+/// The start's steps, in the order they end: (name, from, to) over the
+/// marks of a [`StartTimeline`] plus the first exec (`exec_ms`, the call's
+/// ms to first exec answered, measured here).
+const STEPS: &[&str] = &[
+    "check the state (meta, QEMU compatibility)",
+    "btrfs snapshot of the state",
+    "meta.json + signature check",
+    "QEMU spawn (fork + exec)",
+    "QMP socket + handshake",
+    "console + watchers",
+    "device state load (migrate-incoming)",
+    "cont",
+    "cont → agent socket connected",
+    "connected → hello_ok (Hello, resends)",
+    "session: output window + egress",
+    "restore_sync (entropy, clock, identity)",
+    "start returns",
+    "first exec `true` (request → reply)",
+];
+
+/// The duration of each of [`STEPS`] in one start.
+fn step_durations(tl: &StartTimeline, exec_ms: f64) -> Vec<f64> {
+    let incoming = tl.incoming_ms.unwrap_or(tl.assembled_ms);
+    let running = tl.running_ms.unwrap_or(incoming);
+    let marks = [
+        0.0,
+        tl.opened_ms,
+        tl.cloned_ms,
+        tl.vm_called_ms,
+        tl.spawned_ms,
+        tl.qmp_ms,
+        tl.assembled_ms,
+        incoming,
+        running,
+        tl.connected_ms,
+        tl.hello_ok_ms,
+        tl.session_ms,
+        tl.synced_ms,
+        tl.ready_ms,
+        exec_ms,
+    ];
+    marks.windows(2).map(|w| w[1] - w[0]).collect()
+}
+
+/// Samples of one path in one variant: the call to first exec, the
+/// runtime's `ready_ms`, and the start's timelines.
+#[derive(Default)]
+struct Variant {
+    total: Samples,
+    ready: Samples,
+    steps: Vec<Samples>,
+    /// cont → QMP `VSERPORT_CHANGE` (the guest's port reported open).
+    port_open: Samples,
+    hellos: Vec<u32>,
+    cued: Vec<u32>,
+}
+
+impl Variant {
+    fn push(&mut self, total: f64, ready: f64, tl: Option<StartTimeline>) {
+        self.total.push(total);
+        self.ready.push(ready);
+        let Some(tl) = tl else { return };
+        let d = step_durations(&tl, total);
+        if self.steps.is_empty() {
+            self.steps = vec![Samples::new(); d.len()];
+        }
+        for (s, v) in self.steps.iter_mut().zip(d) {
+            s.push(v);
+        }
+        if let (Some(p), Some(r)) = (tl.port_open_ms, tl.running_ms) {
+            self.port_open.push(p - r);
+        }
+        self.hellos.push(tl.hellos);
+        self.cued.push(tl.hellos_cued);
+    }
+
+    fn json(&self) -> serde_json::Value {
+        json!({
+            "total_ms": self.total.0, "ready_ms": self.ready.0,
+            "steps_ms": STEPS.iter().zip(&self.steps).map(|(n, s)| json!({"step": n, "ms": s.0})).collect::<Vec<_>>(),
+            "port_open_after_cont_ms": self.port_open.0,
+            "hellos": self.hellos, "hellos_cued": self.cued,
+            "summary": self.total.summary(),
+        })
+    }
+}
+
+/// Forks `base` into a new sandbox, to first exec; deletes the fork.
+async fn fork_once(
+    rt: &Arc<Runtime>,
+    base: &SnapshotId,
+    check: Option<&str>,
+    run: usize,
+    into: &mut Variant,
+) -> Result<()> {
+    let id = SandboxId::generate();
+    let t0 = Instant::now();
+    let vm = rt
+        .create(&id, &Source::Snapshot(base.clone()), None)
+        .await
+        .with_context(|| format!("fork run {run}"))?;
+    let total = first_exec(rt, &id, t0).await?;
+    into.push(total, vm.ready_ms, rt.start_timeline(&id));
+    if let Some(token) = check {
+        expect_marker(rt, &id, token, "fork").await?;
+    }
+    rt.delete(&id).await.context("delete the fork")?;
+    Ok(())
+}
+
+/// Hibernates `src` (untimed but for `hibernate`), wakes it, to first exec.
+async fn wake_once(
+    rt: &Arc<Runtime>,
+    src: &SandboxId,
+    check: Option<&str>,
+    run: usize,
+    hibernate: &mut Samples,
+    into: &mut Variant,
+) -> Result<()> {
+    let h = SnapshotId::generate();
+    let th = Instant::now();
+    rt.hibernate(src, &h)
+        .await
+        .with_context(|| format!("hibernate run {run}"))?;
+    hibernate.push_dur(th.elapsed());
+    let t0 = Instant::now();
+    let vm = rt
+        .wake(src, &h)
+        .await
+        .with_context(|| format!("wake run {run}"))?;
+    let total = first_exec(rt, src, t0).await?;
+    into.push(total, vm.ready_ms, rt.start_timeline(src));
+    if let Some(token) = check {
+        expect_marker(rt, src, token, "wake").await?;
+    }
+    rt.delete_snapshot(&h)
+        .await
+        .context("delete the hibernation snapshot")?;
+    Ok(())
+}
+
+/// The before → after table of fork and wake, and the breakdown of where
+/// each step's time goes.
+fn ab_tables(sec: &mut Section, paths: &[(&str, &Variant, &Variant)]) {
+    let mut t = Table::latency(
+        "Fork and wake to first exec answered: before (Hello on the timed resend only) → after (Hello also cued by QMP VSERPORT_CHANGE), same run, interleaved",
+        &["p99 after ÷ before", "Hellos per start (mean)", "cued Hellos (mean)"],
+    );
+    for (name, before, after) in paths {
+        for (label, v) in [("before", before), ("after", after)] {
+            let s = v.total.summary();
+            let mean = |x: &[u32]| {
+                if x.is_empty() {
+                    f64::NAN
+                } else {
+                    x.iter().map(|v| f64::from(*v)).sum::<f64>() / x.len() as f64
+                }
+            };
+            let ratio = if label == "after" {
+                format!("{:.2}", s.p99 / before.total.summary().p99)
+            } else {
+                "–".into()
+            };
+            t.latency_row(
+                format!("{name} {label}"),
+                &s,
+                vec![
+                    ratio,
+                    format!("{:.2}", mean(&v.hellos)),
+                    format!("{:.2}", mean(&v.cued)),
+                ],
+            );
+        }
+    }
+    sec.table(t);
+    let mut headers = vec!["step".to_string()];
+    for (name, _, _) in paths {
+        for label in ["before", "after"] {
+            headers.push(format!("{name} {label} p50 / p99"));
+        }
+    }
+    let hs: Vec<&str> = headers.iter().map(String::as_str).collect();
+    let mut b = Table::new(
+        "Where the time to first exec goes: each step's duration (the steps end one after the other; p50 / p99 over the runs)",
+        &hs,
+    );
+    let cell = |s: &Samples| {
+        let x = s.summary();
+        format!("{} / {}", fmt_ms(x.p50), fmt_ms(x.p99))
+    };
+    for (k, step) in STEPS.iter().enumerate() {
+        let mut row = vec![step.to_string()];
+        for (_, before, after) in paths {
+            for v in [before, after] {
+                row.push(v.steps.get(k).map(cell).unwrap_or_else(|| "–".into()));
+            }
+        }
+        b.row(row);
+    }
+    let mut row = vec!["(beside) cont → QMP VSERPORT_CHANGE open".to_string()];
+    for (_, before, after) in paths {
+        for v in [before, after] {
+            row.push(cell(&v.port_open));
+        }
+    }
+    b.row(row);
+    let mut row = vec!["total: call → first exec answered".to_string()];
+    for (_, before, after) in paths {
+        for v in [before, after] {
+            row.push(cell(&v.total));
+        }
+    }
+    b.row(row);
+    sec.table(b);
+}
+
 async fn expect_marker(rt: &Runtime, id: &SandboxId, want: &str, what: &str) -> Result<()> {
     let got = sh(rt, id, "cat /root/marker").await?;
     if got != want {
         bail!("{what}: /root/marker is {got:?}, expected {want:?}: the restore lost the state");
     }
     Ok(())
-}
-
-/// Raw samples of one path.
-#[derive(Default)]
-struct Path {
-    /// Call to first exec answered, ms.
-    total: Samples,
-    /// The runtime's `ready_ms`.
-    ready: Samples,
 }
 
 /// Measures and fills `sec`.
@@ -161,47 +393,34 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         .await
         .context("snapshot the source")?;
 
-    let (mut fork, mut wake, mut rewind) = (Path::default(), Path::default(), Path::default());
+    let (mut fork, mut wake, mut rewind) =
+        (Variant::default(), Variant::default(), Variant::default());
+    let (mut fork_before, mut wake_before) = (Variant::default(), Variant::default());
     let mut hibernate = Samples::new();
     let mut checked = 0usize;
     let slots = cold_slots(args.runs, args.cold_runs);
     let t_all = Instant::now();
     for i in 0..args.runs {
         let check = checks(i, args.runs);
-        // Fork.
-        let id = SandboxId::generate();
-        let t0 = Instant::now();
-        let vm = rt
-            .create(&id, &Source::Snapshot(base.clone()), None)
-            .await
-            .with_context(|| format!("fork run {i}"))?;
-        fork.total.push(first_exec(&rt, &id, t0).await?);
-        fork.ready.push(vm.ready_ms);
-        if check {
-            expect_marker(&rt, &id, &token, "fork").await?;
+        // Fork and wake; with `--restore-ab` each twice, without the Hello
+        // cue ("before") and with it ("after"), in alternating order.
+        let token_check = check.then_some(token.as_str());
+        let order: &[bool] = match (args.ab, i % 2 == 0) {
+            (false, _) => &[true],
+            (true, true) => &[false, true],
+            (true, false) => &[true, false],
+        };
+        for &cue in order {
+            rt.set_hello_on_port_open(cue);
+            let into = if cue { &mut fork } else { &mut fork_before };
+            fork_once(&rt, &base, token_check, i, into).await?;
         }
-        rt.delete(&id).await.context("delete the fork")?;
-
-        // Wake.
-        let h = SnapshotId::generate();
-        let th = Instant::now();
-        rt.hibernate(&src, &h)
-            .await
-            .with_context(|| format!("hibernate run {i}"))?;
-        hibernate.push_dur(th.elapsed());
-        let t0 = Instant::now();
-        let vm = rt
-            .wake(&src, &h)
-            .await
-            .with_context(|| format!("wake run {i}"))?;
-        wake.total.push(first_exec(&rt, &src, t0).await?);
-        wake.ready.push(vm.ready_ms);
-        if check {
-            expect_marker(&rt, &src, &token, "wake").await?;
+        for &cue in order {
+            rt.set_hello_on_port_open(cue);
+            let into = if cue { &mut wake } else { &mut wake_before };
+            wake_once(&rt, &src, token_check, i, &mut hibernate, into).await?;
         }
-        rt.delete_snapshot(&h)
-            .await
-            .context("delete the hibernation snapshot")?;
+        rt.set_hello_on_port_open(true);
 
         // Rewind.
         if check {
@@ -212,8 +431,8 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             .rewind(&src, &base, None)
             .await
             .with_context(|| format!("rewind run {i}"))?;
-        rewind.total.push(first_exec(&rt, &src, t0).await?);
-        rewind.ready.push(vm.ready_ms);
+        let total = first_exec(&rt, &src, t0).await?;
+        rewind.push(total, vm.ready_ms, rt.start_timeline(&src));
         if check {
             expect_marker(&rt, &src, &token, "rewind").await?;
             checked += 1;
@@ -267,6 +486,12 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         vec!["–".into(), "1×".into()],
     );
     sec.table(t);
+    if args.ab {
+        ab_tables(
+            sec,
+            &[("fork", &fork_before, &fork), ("wake", &wake_before, &wake)],
+        );
+    }
     let hs = hibernate.summary();
     sec.text(format!(
         "Correctness: the marker was read back after fork, wake and rewind on {checked} runs each, all intact. \
@@ -322,6 +547,11 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             "rewind": rewind.total.summary(), "cold_boot": cs,
         },
         "checked_runs": checked,
+        "ab": args.ab.then(|| json!({
+            "fork_before": fork_before.json(), "fork_after": fork.json(),
+            "wake_before": wake_before.json(), "wake_after": wake.json(),
+            "rewind": rewind.json(),
+        })),
     });
     drop(env);
     Ok(())

@@ -8,7 +8,10 @@
 //! Contract (see `PROTOCOL.md`, *Sessions and resync*): the client connects,
 //! sends the sync marker and `hello {version, nonce}` on id 0 and re-sends it
 //! every [`HELLO_RESEND`] until `hello_ok` with its nonce arrives
-//! (`version_mismatch` fails with [`AgentError::VersionMismatch`]). After
+//! (`version_mismatch` fails with [`AgentError::VersionMismatch`]). Given a
+//! [`PortOpens`] counter (the VMM's report that the guest opened its end of
+//! the port, QMP `VSERPORT_CHANGE`), it also re-sends Hello the moment the
+//! counter moves instead of at the next resend; the guest side is unchanged. After
 //! that every request is a fresh id; an `error` reply becomes
 //! [`AgentError::Remote`]; a lost connection fails everything in flight with
 //! [`AgentError::Closed`] and the caller reconnects.
@@ -59,6 +62,32 @@ use crate::PROTOCOL_VERSION;
 
 /// How long the client waits for a hello reply before sending Hello again.
 pub const HELLO_RESEND: Duration = Duration::from_millis(40);
+
+/// A counter the VMM bumps each time it sees the guest open its end of the
+/// agent port (QEMU's `VSERPORT_CHANGE`): while the handshake waits, every
+/// change re-sends Hello at once. The timed resend stays as the fallback
+/// (older QEMUs, a lost event, a guest that opened before the watch began).
+pub type PortOpens = tokio::sync::watch::Receiver<u64>;
+
+/// What one connection's handshake did and when (for latency breakdowns).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HandshakeStats {
+    /// The connect call began.
+    pub called: std::time::Instant,
+    /// The socket connection the handshake succeeded on was made.
+    pub connected: std::time::Instant,
+    /// The last Hello before the answer was sent (the one answered, unless
+    /// the agent answered an earlier copy late).
+    pub last_hello: std::time::Instant,
+    /// `hello_ok` arrived.
+    pub hello_ok: std::time::Instant,
+    /// Hellos sent, over every socket connection of this call.
+    pub hellos: u32,
+    /// Of them, sent at once because the port opened ([`PortOpens`]).
+    pub triggered: u32,
+    /// Socket connections made (more than one when the first closed).
+    pub connections: u32,
+}
 
 /// Errors of the agent client.
 #[derive(Debug, thiserror::Error)]
@@ -140,6 +169,8 @@ struct Inner {
     output_window: OnceLock<u64>,
     /// Port tunnels (host-opened).
     ports: Arc<ports::Ports>,
+    /// How the handshake went.
+    handshake: HandshakeStats,
 }
 
 impl Drop for Inner {
@@ -161,6 +192,23 @@ impl std::fmt::Debug for AgentClient {
             .field("info", &self.inner.info)
             .field("closed", &self.is_closed())
             .finish()
+    }
+}
+
+/// The counters of one connect call, over its socket connections.
+struct Handshake {
+    called: Instant,
+    hellos: u32,
+    triggered: u32,
+    connections: u32,
+}
+
+/// Waits until the port-open counter moves (`true`), or forever without
+/// one; `false` when its sender is gone.
+async fn port_opened(port_opens: &mut Option<PortOpens>) -> bool {
+    match port_opens {
+        Some(rx) => rx.changed().await.is_ok(),
+        None => std::future::pending().await,
     }
 }
 
@@ -214,8 +262,23 @@ impl AgentClient {
         egress: Option<TunnelHandler>,
         liveness: Option<Liveness>,
     ) -> Result<AgentClient, AgentError> {
+        Self::connect_unix_cued(path, timeout, egress, liveness, None).await
+    }
+
+    /// Like [`AgentClient::connect_unix_watched`]; with `port_opens`, Hello
+    /// is also re-sent the moment the counter moves (the guest opened its
+    /// end of the port) rather than only every [`HELLO_RESEND`].
+    pub async fn connect_unix_cued(
+        path: &Path,
+        timeout: Duration,
+        egress: Option<TunnelHandler>,
+        liveness: Option<Liveness>,
+        port_opens: Option<PortOpens>,
+    ) -> Result<AgentClient, AgentError> {
         let enable = egress.is_some();
-        let client = Self::connect_unix_inner(path, timeout, egress, liveness).await?;
+        let client =
+            Self::connect_unix_inner(path, timeout, egress, liveness, port_opens, HELLO_RESEND)
+                .await?;
         client.negotiate_output_window(timeout).await;
         if enable {
             match tokio::time::timeout(timeout, client.enable_egress()).await {
@@ -240,7 +303,7 @@ impl AgentClient {
         path: &Path,
         timeout: Duration,
     ) -> Result<AgentClient, AgentError> {
-        Self::connect_unix_inner(path, timeout, None, None).await
+        Self::connect_unix_inner(path, timeout, None, None, None, HELLO_RESEND).await
     }
 
     async fn negotiate_output_window(&self, timeout: Duration) {
@@ -282,8 +345,22 @@ impl AgentClient {
         timeout: Duration,
         egress: Option<TunnelHandler>,
         liveness: Option<Liveness>,
+        mut port_opens: Option<PortOpens>,
+        resend: Duration,
     ) -> Result<AgentClient, AgentError> {
-        let deadline = Instant::now() + timeout;
+        let called = Instant::now();
+        let deadline = called + timeout;
+        let mut hs = Handshake {
+            called,
+            hellos: 0,
+            triggered: 0,
+            connections: 0,
+        };
+        // Openings before this call are not a cue: the first Hello goes out
+        // on connect anyway.
+        if let Some(p) = port_opens.as_mut() {
+            p.borrow_and_update();
+        }
         loop {
             if Instant::now() >= deadline {
                 return Err(AgentError::ConnectTimeout(timeout));
@@ -297,8 +374,16 @@ impl AgentClient {
                 }
                 Ok(Ok(s)) => s,
             };
-            match Self::handshake(stream, deadline, timeout, egress.clone(), liveness.clone())
-                .await?
+            hs.connections += 1;
+            match Self::handshake(
+                stream,
+                deadline,
+                timeout,
+                (resend, &mut port_opens, &mut hs),
+                egress.clone(),
+                liveness.clone(),
+            )
+            .await?
             {
                 Some(client) => return Ok(client),
                 None => tokio::time::sleep(Duration::from_millis(50)).await,
@@ -311,9 +396,11 @@ impl AgentClient {
         mut stream: UnixStream,
         deadline: Instant,
         timeout: Duration,
+        (resend, port_opens, hs): (Duration, &mut Option<PortOpens>, &mut Handshake),
         egress: Option<TunnelHandler>,
         liveness: Option<Liveness>,
     ) -> Result<Option<AgentClient>, AgentError> {
+        let connected = Instant::now();
         let nonce: u64 = rand::random();
         let mut hello = BytesMut::new();
         hello.extend_from_slice(&SYNC_MAGIC);
@@ -328,6 +415,7 @@ impl AgentClient {
         let hello = hello.freeze();
         let mut dec = FrameDecoder::new();
         let mut buf = vec![0u8; 64 * 1024];
+        let mut cued = false;
         loop {
             // A paused guest reads nothing: bound the write by the deadline too,
             // or repeated Hellos fill the socket and the write blocks forever.
@@ -336,12 +424,32 @@ impl AgentClient {
                 Ok(Err(_)) => return Ok(None),
                 Ok(Ok(())) => {}
             }
-            let resend_at = (Instant::now() + HELLO_RESEND).min(deadline);
+            let last_hello = Instant::now();
+            hs.hellos += 1;
+            if cued {
+                hs.triggered += 1;
+                tracing::trace!("hello re-sent: the guest opened the agent port");
+            }
+            cued = false;
+            let resend_at = (last_hello + resend).min(deadline);
             loop {
-                let n = match tokio::time::timeout_at(resend_at, stream.read(&mut buf)).await {
-                    Err(_) => break,
-                    Ok(Err(_)) | Ok(Ok(0)) => return Ok(None),
-                    Ok(Ok(n)) => n,
+                let read = tokio::time::timeout_at(resend_at, stream.read(&mut buf));
+                let n = tokio::select! {
+                    r = read => match r {
+                        Err(_) => break,
+                        Ok(Err(_)) | Ok(Ok(0)) => return Ok(None),
+                        Ok(Ok(n)) => n,
+                    },
+                    opened = port_opened(port_opens) => {
+                        if opened {
+                            cued = true;
+                            break;
+                        }
+                        // The VMM stopped reporting (its VM handle is gone):
+                        // the timed resend alone from here on.
+                        *port_opens = None;
+                        continue;
+                    }
                 };
                 dec.extend(&buf[..n]);
                 loop {
@@ -359,7 +467,18 @@ impl AgentClient {
                     }
                     match f.parse::<Response>() {
                         Ok(Response::HelloOk { nonce: n, info }) if n == nonce => {
-                            return Ok(Some(Self::start(stream, dec, info, egress, liveness)));
+                            let stats = HandshakeStats {
+                                called: hs.called.into_std(),
+                                connected: connected.into_std(),
+                                last_hello: last_hello.into_std(),
+                                hello_ok: std::time::Instant::now(),
+                                hellos: hs.hellos,
+                                triggered: hs.triggered,
+                                connections: hs.connections,
+                            };
+                            return Ok(Some(Self::start(
+                                stream, dec, info, egress, liveness, stats,
+                            )));
                         }
                         Ok(Response::VersionMismatch {
                             nonce: n,
@@ -387,6 +506,7 @@ impl AgentClient {
         info: AgentInfo,
         egress: Option<TunnelHandler>,
         liveness: Option<Liveness>,
+        handshake: HandshakeStats,
     ) -> AgentClient {
         let port_tunnels = Arc::new(ports::Ports::default());
         let pt = port_tunnels.clone();
@@ -413,8 +533,15 @@ impl AgentClient {
                 egress: handler,
                 output_window: OnceLock::new(),
                 ports: port_tunnels,
+                handshake,
             }),
         }
+    }
+
+    /// How this connection's handshake went (when each step ended, how
+    /// many Hellos it took).
+    pub fn handshake_stats(&self) -> HandshakeStats {
+        self.inner.handshake
     }
 
     /// What the agent said in the handshake.
@@ -479,5 +606,134 @@ impl AgentClient {
     /// (when given) take a new hostname / machine-id.
     pub async fn restore_sync(&self, req: RestoreSync) -> Result<(), AgentError> {
         self.expect_ok(&Request::RestoreSync(req)).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use tokio::net::UnixListener;
+    use tokio::sync::{mpsc, watch};
+
+    use super::*;
+
+    /// An agent whose port is closed at first: it reads and ignores Hellos
+    /// (what a guest that has not opened its end does) until `open` is set,
+    /// then answers the next one. Reports each Hello it sees on `seen`.
+    async fn late_agent(listener: UnixListener, open: Arc<AtomicBool>, seen: mpsc::Sender<()>) {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut dec = FrameDecoder::new();
+        let mut buf = vec![0u8; 4096];
+        loop {
+            let n = s.read(&mut buf).await.unwrap();
+            if n == 0 {
+                return;
+            }
+            dec.extend(&buf[..n]);
+            while let Ok(Some(item)) = dec.next_item() {
+                let Decoded::Frame(f) = item else { continue };
+                let Ok(Request::Hello { nonce, .. }) = f.parse::<Request>() else {
+                    continue;
+                };
+                let _ = seen.send(()).await;
+                if !open.load(Ordering::SeqCst) {
+                    continue;
+                }
+                let mut out = BytesMut::new();
+                out.extend_from_slice(&SYNC_MAGIC);
+                let info = AgentInfo {
+                    protocol_version: PROTOCOL_VERSION,
+                    agent_version: "test".into(),
+                    hostname: "late".into(),
+                    boot_id: "b".into(),
+                    uptime_ms: 1,
+                };
+                Frame::control(0, &Response::HelloOk { nonce, info })
+                    .unwrap()
+                    .encode_into(&mut out)
+                    .unwrap();
+                s.write_all(&out).await.unwrap();
+            }
+        }
+    }
+
+    fn listen() -> (tempfile::TempDir, std::path::PathBuf, UnixListener) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        (dir, path, listener)
+    }
+
+    #[tokio::test]
+    async fn the_port_opening_sends_hello_at_once() {
+        let (_dir, path, listener) = listen();
+        let open = Arc::new(AtomicBool::new(false));
+        let (seen_tx, mut seen) = mpsc::channel(16);
+        tokio::spawn(late_agent(listener, open.clone(), seen_tx));
+        let (opens_tx, opens) = watch::channel(0u64);
+        // An opening reported before the connect is no cue.
+        opens_tx.send_modify(|n| *n += 1);
+        // A resend far beyond the test's patience: only the cue can answer.
+        let resend = Duration::from_secs(60);
+        let t0 = std::time::Instant::now();
+        let connect = tokio::spawn(async move {
+            AgentClient::connect_unix_inner(
+                &path,
+                Duration::from_secs(120),
+                None,
+                None,
+                Some(opens),
+                resend,
+            )
+            .await
+        });
+        // The first Hello goes out on connect and is ignored (port closed).
+        seen.recv().await.unwrap();
+        open.store(true, Ordering::SeqCst);
+        opens_tx.send_modify(|n| *n += 1);
+        let client = tokio::time::timeout(Duration::from_secs(10), connect)
+            .await
+            .expect("the cue re-sent Hello well before the timed resend")
+            .unwrap()
+            .unwrap();
+        let st = client.handshake_stats();
+        assert_eq!(
+            (st.hellos, st.triggered, st.connections),
+            (2, 1, 1),
+            "{st:?}"
+        );
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        assert!(st.called <= st.connected && st.last_hello <= st.hello_ok);
+        assert_eq!(client.info().hostname, "late");
+    }
+
+    #[tokio::test]
+    async fn without_a_cue_the_timed_resend_still_answers() {
+        let (_dir, path, listener) = listen();
+        let open = Arc::new(AtomicBool::new(false));
+        let (seen_tx, mut seen) = mpsc::channel(16);
+        tokio::spawn(late_agent(listener, open.clone(), seen_tx));
+        let (opens_tx, opens) = watch::channel(0u64);
+        let connect = tokio::spawn(async move {
+            AgentClient::connect_unix_inner(
+                &path,
+                Duration::from_secs(20),
+                None,
+                None,
+                Some(opens),
+                Duration::from_millis(100),
+            )
+            .await
+        });
+        seen.recv().await.unwrap();
+        open.store(true, Ordering::SeqCst);
+        // The VMM's handle goes away without reporting the opening (an old
+        // QEMU, a lost event): the client falls back to its timed resend.
+        drop(opens_tx);
+        let client = connect.await.unwrap().unwrap();
+        let st = client.handshake_stats();
+        assert_eq!(st.triggered, 0, "{st:?}");
+        assert!(st.hellos >= 2, "{st:?}");
     }
 }

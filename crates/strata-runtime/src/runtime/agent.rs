@@ -16,7 +16,7 @@ use std::time::Instant;
 use rand::RngCore;
 use strata_core::SandboxId;
 use strata_proto::msg::RestoreSync;
-use strata_proto::{AgentClient, Liveness, TunnelHandler};
+use strata_proto::{AgentClient, HandshakeStats, Liveness, TunnelHandler};
 
 use super::vms::Live;
 use super::{ms, Result, Runtime};
@@ -56,6 +56,14 @@ impl Runtime {
         *self.egress.write().unwrap_or_else(|p| p.into_inner()) = Some(resolver);
     }
 
+    /// Whether the agent handshake re-sends Hello the moment QMP reports the
+    /// guest's agent port open (`VSERPORT_CHANGE`), on top of its timed
+    /// resend. On by default; off is how it was before (for A/B runs).
+    pub fn set_hello_on_port_open(&self, on: bool) {
+        self.hello_cue
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// The agent of a live sandbox, connecting (or reconnecting) if needed.
     /// Map the errors of its calls with [`crate::RuntimeError::from_agent`].
     pub async fn agent(&self, id: &SandboxId) -> Result<AgentClient> {
@@ -80,7 +88,14 @@ impl Runtime {
         // closes, calls in flight fail, and the next use reconnects here.
         let liveness = Liveness::new(Some(live.running.clone()));
         let socket = live.vm.agent_socket();
-        let connect = AgentClient::connect_unix_watched(&socket, t, egress, Some(liveness));
+        // QEMU's report that the guest opened its end of the port cues an
+        // immediate Hello (the timed resend stays as the fallback).
+        let cue = if self.hello_cue.load(std::sync::atomic::Ordering::Relaxed) {
+            live.vm.agent_port_opens()
+        } else {
+            None
+        };
+        let connect = AgentClient::connect_unix_cued(&socket, t, egress, Some(liveness), cue);
         // A VM that dies before its agent answers (a QEMU killed in the
         // middle of a start, restore or rewind) fails the connect now, not
         // after the whole agent timeout spent knocking on a dead socket.
@@ -118,9 +133,10 @@ impl Runtime {
         id: &SandboxId,
         live: &Live,
         identity: Identity,
-    ) -> Result<()> {
+    ) -> Result<Synced> {
         let t0 = Instant::now();
         let agent = self.agent_of(id, live).await?;
+        let session = Instant::now();
         tracing::debug!(sandbox = %id, connect_ms = ms(t0), "agent connected");
         let mut entropy = vec![0u8; 256];
         rand::rngs::OsRng.fill_bytes(&mut entropy);
@@ -145,6 +161,23 @@ impl Runtime {
                 machine_id,
             })
             .await
-            .map_err(|e| agent_err(id.as_str(), e, self.agent_timeout()))
+            .map_err(|e| agent_err(id.as_str(), e, self.agent_timeout()))?;
+        Ok(Synced {
+            handshake: agent.handshake_stats(),
+            session,
+            synced: Instant::now(),
+        })
     }
+}
+
+/// When the steps of a guest sync ended.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Synced {
+    /// The agent connection's handshake (of the connection used: made now,
+    /// or earlier when one was open already).
+    pub(super) handshake: HandshakeStats,
+    /// The agent session was ready (handshake, output window, egress).
+    pub(super) session: Instant,
+    /// `restore_sync` was answered.
+    pub(super) synced: Instant,
 }

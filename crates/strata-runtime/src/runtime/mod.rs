@@ -80,6 +80,9 @@ pub struct Runtime {
     egress: std::sync::RwLock<Option<EgressResolver>>,
     /// Slots for guests stopped by a snapshot (`cfg.max_concurrent_pauses`).
     pauses: snapshot::PauseGate,
+    /// Whether the agent handshake re-sends Hello as soon as QMP reports
+    /// the agent port open ([`Runtime::set_hello_on_port_open`]).
+    hello_cue: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -277,6 +280,7 @@ impl Runtime {
             died_tx,
             died_rx: Mutex::new(Some(died_rx)),
             egress: std::sync::RwLock::new(None),
+            hello_cue: std::sync::atomic::AtomicBool::new(true),
         }))
     }
 

@@ -24,7 +24,7 @@ use strata_vmm::VmmDriver;
 use super::agent::Identity;
 use super::vms::Live;
 use super::{blocking, ms, OpenState, Result, Runtime, StateRef};
-use crate::api::{SnapshotInfo, Source, VmInfo};
+use crate::api::{SnapshotInfo, Source, StartTimeline, VmInfo};
 use crate::error::{agent_err, io_err, storage_err, vmm_err, RuntimeError};
 use crate::meta::{files, StateMeta};
 
@@ -107,6 +107,7 @@ impl Runtime {
         mode: Start,
         t0: Instant,
     ) -> Result<VmInfo> {
+        let opened = Instant::now();
         let src_dir = src.dir.clone();
         let src_name = src.name.clone();
         let meta = src.meta.clone();
@@ -162,6 +163,7 @@ impl Runtime {
         })
         .await?;
         let clone_ms = ms(t_snap);
+        let cloned = Instant::now();
         let mut new_meta = StateMeta {
             sandbox: Some(id.to_string()),
             first_start: None,
@@ -211,18 +213,23 @@ impl Runtime {
             let restore_ms = ms(t_vm);
             let live = self.register(id, vm, want).await?;
             let t_agent = Instant::now();
-            let synced = self.sync_guest(id, &live, identity).await;
-            if let Err(e) = synced {
-                live.stopping
-                    .store(true, std::sync::atomic::Ordering::SeqCst);
-                self.take_live(id);
-                let _ = live.vm.kill().await;
-                return Err(e);
-            }
+            let synced = match self.sync_guest(id, &live, identity).await {
+                Ok(s) => s,
+                Err(e) => {
+                    live.stopping
+                        .store(true, std::sync::atomic::Ordering::SeqCst);
+                    self.take_live(id);
+                    let _ = live.vm.kill().await;
+                    return Err(e);
+                }
+            };
             let agent_ms = ms(t_agent);
             if want.disk_gib > meta.size.disk_gib {
                 self.grow_disk(id, &live, want.disk_bytes()).await?;
             }
+            let tl = timeline(t0, [opened, cloned, t_vm], live.vm.as_ref(), &synced);
+            tracing::debug!(sandbox = %id, timeline = ?tl, "start timeline");
+            *live.timeline.lock().unwrap_or_else(|p| p.into_inner()) = Some(tl);
             tracing::info!(sandbox = %id, from = %src_name, clone_ms, restore_ms, agent_ms, cold, "sandbox started");
             Ok::<u32, RuntimeError>(live.vm.pid())
         }
@@ -337,6 +344,38 @@ impl Runtime {
             )));
         }
         Ok(())
+    }
+}
+
+/// The start's steps as ms since `t0` (`steps`: state opened, subvolume
+/// cloned, driver called).
+fn timeline(
+    t0: Instant,
+    [opened, cloned, vm_called]: [Instant; 3],
+    vm: &dyn strata_vmm::Vm,
+    synced: &super::agent::Synced,
+) -> StartTimeline {
+    let at = |t: Instant| t.saturating_duration_since(t0).as_secs_f64() * 1000.0;
+    let vt = vm.start_timings();
+    let hs = &synced.handshake;
+    StartTimeline {
+        opened_ms: at(opened),
+        cloned_ms: at(cloned),
+        vm_called_ms: at(vm_called),
+        spawned_ms: vt.map(|v| at(v.spawned)).unwrap_or_default(),
+        qmp_ms: vt.map(|v| at(v.qmp_ready)).unwrap_or_default(),
+        assembled_ms: vt.map(|v| at(v.assembled)).unwrap_or_default(),
+        incoming_ms: vt.and_then(|v| v.incoming_done).map(at),
+        running_ms: vt.and_then(|v| v.running).map(at),
+        port_open_ms: vm.agent_port_opened_at().map(at),
+        connected_ms: at(hs.connected),
+        last_hello_ms: at(hs.last_hello),
+        hello_ok_ms: at(hs.hello_ok),
+        hellos: hs.hellos,
+        hellos_cued: hs.triggered,
+        session_ms: at(synced.session),
+        synced_ms: at(synced.synced),
+        ready_ms: at(Instant::now()),
     }
 }
 

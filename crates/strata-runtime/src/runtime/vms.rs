@@ -48,6 +48,8 @@ pub(super) struct Live {
     /// second one until `cont`; a second snapshot of a VM that has not run
     /// since reuses the saved state (a stopped VM's devices do not change).
     pub(super) state_saved: AtomicBool,
+    /// Where this VM's start went ([`Runtime::start_timeline`]).
+    pub(super) timeline: std::sync::Mutex<Option<crate::api::StartTimeline>>,
 }
 
 impl Live {
@@ -76,6 +78,7 @@ impl Live {
             running: Arc::new(AtomicBool::new(true)),
             stopping: AtomicBool::new(false),
             state_saved: AtomicBool::new(false),
+            timeline: std::sync::Mutex::new(None),
         }
     }
 }
@@ -96,6 +99,14 @@ impl Runtime {
     pub(super) fn take_live(&self, id: &SandboxId) -> Option<Arc<Live>> {
         let mut vms = self.vms.lock().unwrap_or_else(|p| p.into_inner());
         vms.remove(id)
+    }
+
+    /// Where the start of sandbox `id`'s running VM went (a fork, create,
+    /// wake, rewind or restore), when it was started by this runtime.
+    pub fn start_timeline(&self, id: &SandboxId) -> Option<crate::api::StartTimeline> {
+        let live = self.live(id).ok()?;
+        let t = *live.timeline.lock().unwrap_or_else(|p| p.into_inner());
+        t
     }
 
     /// Sandboxes with a live VM in this runtime.

@@ -101,6 +101,6 @@ impl Runtime {
         };
         let (bound, synced) = tokio::join!(bind, self.sync_guest(id, &live, Identity::Keep));
         bound?;
-        synced
+        synced.map(|_| ())
     }
 }

@@ -38,7 +38,7 @@ use crate::process::{
 };
 use crate::qmp::{QmpClient, QmpError};
 use crate::spec::{ResolvedAccel, VmSpec};
-use crate::{Vm, VmmDriver, VmmError};
+use crate::{StartTimings, Vm, VmmDriver, VmmError};
 
 /// How long QEMU may take to create its QMP socket.
 const SOCKET_TIMEOUT: Duration = Duration::from_secs(15);
@@ -69,6 +69,7 @@ impl QemuDriver {
 
     /// Starts a VM and returns the concrete handle (see [`VmmDriver::start`]).
     pub async fn start_vm(&self, spec: &VmSpec) -> Result<QemuVm, VmmError> {
+        let called = Instant::now();
         spec.validate().map_err(VmmError::InvalidSpec)?;
         let binary = find_binary(&spec.qemu_binary).ok_or_else(|| VmmError::QemuNotFound {
             binary: spec.qemu_binary.clone(),
@@ -152,6 +153,7 @@ impl QemuDriver {
                 reason: format!("cannot execute {binary:?}: {e}"),
             })?;
         drop(netns);
+        let spawned = Instant::now();
         let pid = child.id().ok_or_else(|| VmmError::SpawnFailed {
             reason: "QEMU exited immediately".into(),
         })?;
@@ -183,6 +185,7 @@ impl QemuDriver {
                 });
             }
         };
+        let qmp_ready = Instant::now();
         let expected = Arc::new(AtomicBool::new(false));
         let (exit_tx, exit_rx) = watch::channel(None);
         let vm = QemuVm::assemble(
@@ -197,16 +200,39 @@ impl QemuDriver {
             confined,
         )
         .await?;
-        let vm = match &spec.incoming {
+        let assembled = Instant::now();
+        let incoming_done = match &spec.incoming {
             Some(state) => {
                 vm.load_device_state(state).await?;
-                vm
+                Some(Instant::now())
             }
-            None => vm,
+            None => None,
         };
-        if !spec.start_paused {
+        let running = if spec.start_paused {
+            None
+        } else {
             vm.resume().await?;
-        }
+            Some(Instant::now())
+        };
+        let timings = StartTimings {
+            called,
+            spawned,
+            qmp_ready,
+            assembled,
+            incoming_done,
+            running,
+        };
+        let ms = |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64() * 1000.0;
+        tracing::debug!(
+            name = %spec.name,
+            spawn_ms = ms(called, spawned),
+            qmp_ms = ms(spawned, qmp_ready),
+            assemble_ms = ms(qmp_ready, assembled),
+            incoming_ms = incoming_done.map(|t| ms(assembled, t)),
+            cont_ms = running.map(|t| ms(incoming_done.unwrap_or(assembled), t)),
+            "VM started"
+        );
+        *vm.timings.lock().unwrap_or_else(|p| p.into_inner()) = Some(timings);
         guard.disarm();
         Ok(vm)
     }

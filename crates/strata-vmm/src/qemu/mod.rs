@@ -17,11 +17,13 @@
 //! - `confine`: the VM's cgroup: made before the spawn, checked after it, recorded in
 //!   `<run>/cgroup.json` for adopters.
 //! - `exit`: the monitor task that waits for the process to end and says why.
+//! - `port`: the watcher of the guest's agent port (`VSERPORT_CHANGE`).
 
 mod confine;
 mod driver;
 mod exit;
 mod migration;
+mod port;
 mod vm;
 
 pub use driver::{qemu_in_run_dir, QemuDriver};

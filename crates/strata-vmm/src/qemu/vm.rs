@@ -9,7 +9,7 @@
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -17,12 +17,15 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::exit::{self, Exiter};
+use super::port::{self, PortOpens};
 use crate::cgroup::VmCgroup;
 use crate::console;
 use crate::process::{pidfd_send_signal, rss_info, tail_file};
 use crate::qmp::{QmpClient, QmpError};
 use crate::spec::VmSpec;
-use crate::{Confinement, RssInfo, SaveMethod, SaveStats, Vm, VmExit, VmStatus, VmmError};
+use crate::{
+    Confinement, RssInfo, SaveMethod, SaveStats, StartTimings, Vm, VmExit, VmStatus, VmmError,
+};
 
 /// A running QEMU VM.
 pub struct QemuVm {
@@ -35,6 +38,11 @@ pub struct QemuVm {
     tasks: Vec<JoinHandle<()>>,
     confinement: Confinement,
     cgroup: Option<VmCgroup>,
+    /// Openings of the guest's agent port (`VSERPORT_CHANGE`).
+    port_opens: watch::Receiver<u64>,
+    port_opened: Arc<PortOpens>,
+    /// Set by the driver's start (not for an adopted VM).
+    pub(super) timings: Mutex<Option<StartTimings>>,
 }
 
 impl std::fmt::Debug for QemuVm {
@@ -70,6 +78,16 @@ impl QemuVm {
         (confinement, cgroup): (Confinement, Option<VmCgroup>),
     ) -> Result<Self, VmmError> {
         let mut tasks = Vec::new();
+        // Subscribed before the vCPUs first run (the driver loads the
+        // device state and sends `cont` only after this), so the agent
+        // port's first opening is never missed.
+        let (opens_tx, port_opens) = watch::channel(0u64);
+        let port_opened = Arc::new(PortOpens::default());
+        tasks.push(tokio::spawn(port::watch_agent_port(
+            qmp.subscribe(),
+            opens_tx,
+            port_opened.clone(),
+        )));
         let stream = console::connect(&spec.console_socket(), Duration::from_secs(5))
             .await
             .map_err(|e| VmmError::io(spec.console_socket(), e))?;
@@ -97,6 +115,9 @@ impl QemuVm {
             tasks,
             confinement,
             cgroup,
+            port_opens,
+            port_opened,
+            timings: Mutex::new(None),
         })
     }
 
@@ -263,5 +284,21 @@ impl Vm for QemuVm {
 
     async fn qmp(&self, command: &str, arguments: Option<Value>) -> Result<Value, VmmError> {
         self.exec(command, arguments).await
+    }
+
+    fn start_timings(&self) -> Option<StartTimings> {
+        *self.timings.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn agent_port_opens(&self) -> Option<watch::Receiver<u64>> {
+        Some(self.port_opens.clone())
+    }
+
+    fn agent_port_opened_at(&self) -> Option<Instant> {
+        *self
+            .port_opened
+            .last
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
     }
 }
