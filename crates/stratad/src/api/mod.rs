@@ -187,6 +187,15 @@ where
         if bytes.iter().all(u8::is_ascii_whitespace) {
             return Ok(Body(T::default()));
         }
+        // Every body of this API is an object. serde's derived structs
+        // also read a JSON array, field by field in order (`[null, null]`
+        // was a template build): anything but an object is refused.
+        if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+            return Err(ApiError::new(
+                ErrorCode::InvalidRequest,
+                "invalid JSON body: expected an object",
+            ));
+        }
         serde_json::from_slice(&bytes).map(Body).map_err(|e| {
             ApiError::new(ErrorCode::InvalidRequest, format!("invalid JSON body: {e}"))
         })

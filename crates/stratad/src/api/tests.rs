@@ -372,6 +372,8 @@ async fn create(h: &Harness) -> String {
 #[tokio::test]
 async fn malformed_bodies_are_invalid_request() {
     let h = harness();
+    let count = |v: Value| v["items"].as_array().map_or(0, Vec::len);
+    let templates = count(call(&h, "GET", "/v1/templates", "").await.1);
     for body in [
         "{not json",
         r#"{"template": 5}"#,
@@ -380,18 +382,24 @@ async fn malformed_bodies_are_invalid_request() {
         r#"{"template":"tpl-base","size":{"vcpus":-1}}"#,
         r#"{"template":"../etc"}"#,
         r#"{"template":"tpl-base","idle_timeout":"soon"}"#,
+        // A struct also reads from a JSON array, field by field in order:
+        // the API fuzz's `[null, null]` started a template build (202).
+        r#"["tpl-base"]"#,
+        "[null, null]",
+        "null",
+        r#""tpl-base""#,
     ] {
-        let (s, v) = call(&h, "POST", "/v1/sandboxes", body).await;
-        assert_eq!(s, StatusCode::BAD_REQUEST, "{body}: {v}");
-        assert_eq!(code(&v), "invalid_request", "{body}: {v}");
-        assert!(!v["error"]["message"].as_str().unwrap().is_empty());
+        for path in ["/v1/sandboxes", "/v1/templates"] {
+            let (s, v) = call(&h, "POST", path, body).await;
+            assert_eq!(s, StatusCode::BAD_REQUEST, "{path} {body}: {v}");
+            assert_eq!(code(&v), "invalid_request", "{path} {body}: {v}");
+            assert!(!v["error"]["message"].as_str().unwrap().is_empty());
+        }
     }
     let (_, v) = call(&h, "GET", "/v1/sandboxes", "").await;
-    assert_eq!(
-        v["items"].as_array().unwrap().len(),
-        0,
-        "nothing was created"
-    );
+    assert_eq!(count(v), 0, "no sandbox was created");
+    let (_, v) = call(&h, "GET", "/v1/templates", "").await;
+    assert_eq!(count(v), templates, "no template build was started");
 }
 
 /// Another vCPU count or memory than the template's is a size variant's
