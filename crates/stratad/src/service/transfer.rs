@@ -353,38 +353,26 @@ impl Service {
         cmd: RegisterImport,
         opts: &GateOptions,
     ) -> ServiceResult<SandboxRecord> {
-        check_register(&cmd)?;
+        let size = check_register(&cmd)?;
         self.authorize(caller, Some(id), lifecycle("import"), opts)
             .await?;
         let _g = self.acquire(id, Op::Created, Who::User).await?;
-        self.register_locked(caller.owner(), id, cmd).await
+        self.register_locked(caller.owner(), id, size, cmd).await
     }
 
     /// Registers sandbox `id` of `tenant` from the snapshots received for
-    /// it (the caller holds its operation lock): see
+    /// it (the caller holds its operation lock; `size` is what
+    /// [`check_register`] answered for `cmd`): see
     /// [`Service::import_register`].
     async fn register_locked(
         self: &Arc<Self>,
         tenant: &str,
         id: &SandboxId,
+        size: SandboxSize,
         cmd: RegisterImport,
     ) -> ServiceResult<SandboxRecord> {
-        let size = check_register(&cmd)?;
         let tenant = tenant.to_owned();
-        let mut seen = std::collections::HashSet::new();
         for s in &cmd.snapshots {
-            if !seen.insert(s.id.clone()) {
-                return Err(ServiceError::InvalidRequest(format!(
-                    "snapshot {} given twice",
-                    s.id
-                )));
-            }
-            if s.kind == SnapshotKind::Template {
-                return Err(ServiceError::InvalidRequest(format!(
-                    "snapshot {}: a template snapshot cannot be imported",
-                    s.id
-                )));
-            }
             match self.imports.get(&s.id) {
                 Some((t, sb)) if t == tenant && sb == *id => {}
                 _ => {
@@ -830,16 +818,9 @@ impl Service {
                 .collect(),
         };
         // Refused before any byte travels (sizes, counts, kinds).
-        check_register(&reg)?;
-        let mut seen = std::collections::HashSet::new();
-        for s in &reg.snapshots {
-            if !seen.insert(&s.id) || s.kind == SnapshotKind::Template {
-                return Err(ServiceError::InvalidRequest(format!(
-                    "pull: the remote's manifest: snapshot {} given twice or a template",
-                    s.id
-                )));
-            }
-        }
+        let size = check_register(&reg).map_err(|e| {
+            ServiceError::InvalidRequest(format!("pull: the remote's manifest: {}", e.message()))
+        })?;
         // 2. What this deployment holds of it, received for this tenant.
         let received: HashMap<String, String> = self
             .engine
@@ -932,7 +913,7 @@ impl Service {
         //    added to the copy pulled before.
         let n_held = held.len();
         let rec = match local {
-            None => self.register_locked(&tenant, &id, reg).await?,
+            None => self.register_locked(&tenant, &id, size, reg).await?,
             Some(mut rec) => {
                 let mut new = Vec::new();
                 for s in &reg.snapshots {
@@ -1037,8 +1018,9 @@ fn remote_client(
         .map_err(|e| remote_err(&format!("{verb}: HTTP client"), e))
 }
 
-/// The checks of a registration that need nothing but its body: its size
-/// and the number of its snapshots.
+/// The checks of a registration that need nothing but its body (a push's
+/// registration, a pull's manifest): its size, the number of its
+/// snapshots, each given once and none a template's. Answers the size.
 fn check_register(cmd: &RegisterImport) -> ServiceResult<SandboxSize> {
     let size = cmd
         .size
@@ -1048,6 +1030,21 @@ fn check_register(cmd: &RegisterImport) -> ServiceResult<SandboxSize> {
         return Err(ServiceError::InvalidRequest(format!(
             "snapshots: 1 to {MAX_IMPORT_SNAPSHOTS}"
         )));
+    }
+    let mut seen = std::collections::HashSet::new();
+    for s in &cmd.snapshots {
+        if !seen.insert(&s.id) {
+            return Err(ServiceError::InvalidRequest(format!(
+                "snapshot {} given twice",
+                s.id
+            )));
+        }
+        if s.kind == SnapshotKind::Template {
+            return Err(ServiceError::InvalidRequest(format!(
+                "snapshot {}: a template snapshot cannot be imported",
+                s.id
+            )));
+        }
     }
     Ok(size)
 }
