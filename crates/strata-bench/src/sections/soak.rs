@@ -81,6 +81,17 @@ struct Window {
     meta_used: u64,
     rss: u64,
     unanswered: usize,
+    /// The host's 5-minute load average at the window's end: the machine
+    /// may be shared, and a pause is only as steady as its neighbours.
+    load5: f64,
+}
+
+/// The 5-minute load average (`/proc/loadavg`), 0 when unreadable.
+fn load5() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1).and_then(|v| v.parse().ok()))
+        .unwrap_or(0.0)
 }
 
 /// Resident memory of this process (VmRSS), bytes.
@@ -190,6 +201,14 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
     let d = BenchDaemon::start(ctx, "strata-bench-soak-", pool_gib, size, |cfg| {
         cfg.snapshot_interval = interval;
         cfg.capacity.vcpus = 0;
+        // The soak measures the rolling snapshots of running guests over
+        // hours: nothing else may take its guests away. Pressure
+        // hibernation and admission by use answer to the host's whole load
+        // (a compilation next to the run would hibernate the soak's idle
+        // guests), so both step aside: nominal admission with room for all.
+        cfg.pressure.enabled = false;
+        cfg.capacity.admission = stratad::config::AdmissionMode::Nominal;
+        cfg.capacity.cpu_overcommit = cfg.capacity.cpu_overcommit.max(args.n as f64);
     })
     .await?;
     let pool = d.root.join("data").join("pool");
@@ -259,10 +278,11 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             meta_used: meta,
             rss: rss(),
             unanswered,
+            load5: load5(),
         };
         let s = w.pauses.summary();
         eprintln!(
-            "soak: {:.1} min: {} snapshots, pause p50 {} p99 {}, kept {}, pending deletions {}, data {}, metadata {}, RSS {}, unanswered {}",
+            "soak: {:.1} min: {} snapshots, pause p50 {} p99 {}, kept {}, pending deletions {}, data {}, metadata {}, RSS {}, unanswered {}, load {:.2}",
             w.end_min,
             s.n,
             fmt_ms(s.p50),
@@ -272,7 +292,8 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             fmt_bytes(w.data_used as f64),
             fmt_bytes(w.meta_used as f64),
             fmt_bytes(w.rss as f64),
-            w.unanswered
+            w.unanswered,
+            w.load5
         );
         windows.push(w);
         from = to;
@@ -296,6 +317,7 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             "pool metadata",
             "daemon RSS",
             "no answer",
+            "load (5 min)",
         ],
     );
     for w in &windows {
@@ -312,6 +334,7 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             fmt_bytes(w.meta_used as f64),
             fmt_bytes(w.rss as f64),
             w.unanswered.to_string(),
+            format!("{:.2}", w.load5),
         ]);
     }
     sec.text(
@@ -319,8 +342,9 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
          retention; a writer in each guest so no snapshot is skipped as unchanged. Per window: the pauses of \
          the rolling snapshots taken in it (snapshots API `pause_ms`), what is kept, btrfs subvolumes deleted \
          and not yet cleaned, pool data/metadata (`btrfs filesystem df`), the daemon's RSS (in-process: includes \
-         the bench's own few MiB), and guests that did not answer `exec true` within 30 s. Bar (issue 18): the \
-         last window's pause p99 within 1.2× of the first's.",
+         the bench's own few MiB), and guests that did not answer `exec true` within 30 s. Pressure hibernation \
+         is off and admission is nominal, so the host's other load cannot hibernate the soak's guests. Bar \
+         (issue 18): the last window's pause p99 within 1.2× of the first's.",
     );
     sec.table(t);
     if let (Some(first), Some(last)) = (windows.first(), windows.last()) {
