@@ -28,7 +28,10 @@
 //!    acknowledged delete stays deleted.
 //! 2. Each of them answers an exec within `exec_bound` (a paused one after
 //!    a resume), and its disk and memory markers are equal and in range.
-//! 3. Its stored sandbox policy is one of those the client may have set.
+//! 3. Its stored sandbox policy is one of those the client may have set;
+//!    one created through the E2B door with `envVars` still sees them: a
+//!    command started through envd (`process.Process/Start`, with its
+//!    stored access token) prints the value the create gave.
 //! 4. A random sample of acknowledged snapshots are listed `ready`, fork,
 //!    and the fork's markers are in the snapshot's range.
 //! 5. Parts ⇔ records: every QEMU of the run dir is the pid of a `running`
@@ -139,6 +142,9 @@ pub struct ChaosReport {
     pub recovery: Vec<(&'static str, Duration)>,
     /// Snapshots restored (forked) and their markers checked.
     pub restores_checked: u64,
+    /// Sandboxes created through the E2B door whose stored `envVars` an
+    /// envd command read back after a kill.
+    pub envs_checked: u64,
     /// Wall time of the run.
     pub wall: Duration,
     /// The last lines the daemon logged when a violation was found.
@@ -184,7 +190,7 @@ impl ChaosReport {
         format!(
             "seed {} (STRATA_CHAOS_SEED={} to replay): kills {} (daemon {}, qemu {}, agent {}); \
              operations acknowledged {} {:?}; not acknowledged {:?}; invariant checks {}; \
-             restores checked {}; violations {}; recovery p50 {:.0} ms p99 {:.0} ms (n={}); wall {:.0} s{}",
+             restores checked {}; E2B envs checked {}; violations {}; recovery p50 {:.0} ms p99 {:.0} ms (n={}); wall {:.0} s{}",
             self.seed,
             self.seed,
             self.kills(),
@@ -196,6 +202,7 @@ impl ChaosReport {
             self.unanswered,
             self.checks,
             self.restores_checked,
+            self.envs_checked,
             self.violations.len(),
             pct(&r, 0.5),
             pct(&r, 0.99),
@@ -312,6 +319,10 @@ admission = "nominal"
 [pressure]
 enabled = false
 [security]
+rate_limit_per_second = 100000.0
+rate_limit_burst = 100000
+[e2b]
+enabled = true
 rate_limit_per_second = 100000.0
 rate_limit_burst = 100000
 "#,
@@ -481,6 +492,14 @@ struct Sb {
     snaps: Vec<Snap>,
     /// Policies the stored one may be (empty: not checked).
     policies: Vec<Option<String>>,
+    /// Created through the E2B door: its envd access token and the value
+    /// of [`CHAOS_ENV`] the create stored.
+    e2b_env: Option<(String, String)>,
+    /// Kills of its QEMU so far: an operation that was in flight across
+    /// one widens its range again when its answer arrives (the answer's
+    /// state may be gone: recovery may have restored any snapshot, one
+    /// the answer itself reports included, e.g. a rewind's pre-rewind).
+    vm_kills: u64,
     busy: bool,
     /// Acknowledged deleted.
     deleted: bool,
@@ -495,6 +514,8 @@ impl Sb {
             marker,
             snaps: Vec::new(),
             policies: vec![None],
+            e2b_env: None,
+            vm_kills: 0,
             busy: false,
             deleted: false,
             maybe_deleted: false,
@@ -769,6 +790,7 @@ async fn kill_qemu(sh: &Arc<Shared>, rng: &mut Rng) -> Result<Option<Duration>, 
     };
     if let Some(s) = sh.ledger().get(&id) {
         s.widen();
+        s.vm_kills += 1;
     }
     sigkill(pid);
     let t = Instant::now();
@@ -893,9 +915,13 @@ async fn client(sh: Arc<Shared>, n: u64) {
             if let Some(id) = id {
                 let fewer = live <= 2 && op == "delete";
                 let op = if fewer { "write" } else { op };
+                let kills = sh.ledger().get(&id).map(|s| s.vm_kills);
                 one_op(&sh, &mut rng, op, &id).await;
                 if let Some(s) = sh.ledger().get(&id) {
                     s.busy = false;
+                    if Some(s.vm_kills) != kills {
+                        s.widen();
+                    }
                 }
             }
         }
@@ -908,7 +934,14 @@ fn id_of(v: &Value) -> Option<String> {
     v["id"].as_str().map(str::to_owned)
 }
 
+/// The environment variable an E2B create stores (invariant 3).
+const CHAOS_ENV: &str = "CHAOS_ENV";
+
 async fn create(sh: &Shared) {
+    let n = sh.counter.fetch_add(1, Ordering::SeqCst) + 1;
+    if n.is_multiple_of(2) {
+        return create_e2b(sh, n).await;
+    }
     let body = json!({ "labels": { "chaos": "1" } });
     match sh
         .d
@@ -924,6 +957,93 @@ async fn create(sh: &Shared) {
         }
         _ => sh.miss("create"),
     }
+}
+
+/// A create through the E2B door (`POST /sandboxes`, the admin token as
+/// its API key) with `envVars` the judge checks after every kill.
+async fn create_e2b(sh: &Shared, n: u64) {
+    let value = format!("chaos-env-{n}");
+    let body = json!({
+        "templateID": "base",
+        "timeout": 3600,
+        "metadata": { "chaos": "1" },
+        "envVars": { CHAOS_ENV: value },
+    });
+    let mut rq = sh.d.api.client().post(format!("{}/sandboxes", sh.d.url));
+    if let Some(t) = sh.d.api.token() {
+        rq = rq.header("X-API-Key", t);
+    }
+    let r = rq.json(&body).send().await;
+    let v: Option<Value> = match r {
+        Ok(r) if r.status().as_u16() == 201 => r.json().await.ok(),
+        _ => None,
+    };
+    let got = v.as_ref().and_then(|v| {
+        Some((
+            v["sandboxID"].as_str()?.to_owned(),
+            v["envdAccessToken"].as_str()?.to_owned(),
+        ))
+    });
+    match got {
+        Some((id, token)) => {
+            let mut sb = Sb::new(id, Range::exact(0));
+            sb.e2b_env = Some((token, value));
+            sh.ledger().sbs.push(sb);
+            sh.ack("create_e2b");
+        }
+        None => sh.miss("create_e2b"),
+    }
+}
+
+/// What a command started through envd in sandbox `id` prints for
+/// `$CHAOS_ENV` (its stdout, trimmed).
+async fn envd_env(sh: &Shared, id: &str, token: &str) -> Result<String, String> {
+    let msg = json!({"process": {"cmd": "/bin/sh", "args": ["-c", format!("echo ${CHAOS_ENV}")], "envs": {}}});
+    let b = serde_json::to_vec(&msg).map_err(|e| e.to_string())?;
+    let mut body = vec![0u8];
+    body.extend_from_slice(&u32::try_from(b.len()).unwrap_or(u32::MAX).to_be_bytes());
+    body.extend_from_slice(&b);
+    let r = sh
+        .d
+        .api
+        .client()
+        .post(format!("{}/process.Process/Start", sh.d.url))
+        .header("E2b-Sandbox-Id", id)
+        .header("X-Access-Token", token)
+        .header("content-type", "application/connect+json")
+        .body(body)
+        .send()
+        .await
+        .map_err(|e| crate::error_chain(&e))?;
+    let status = r.status().as_u16();
+    let bytes = r.bytes().await.map_err(|e| crate::error_chain(&e))?;
+    if status != 200 {
+        return Err(format!(
+            "envd Start: {status} {}",
+            String::from_utf8_lossy(&bytes)
+        ));
+    }
+    // Connect envelopes: flags (1 byte), length (4, big endian), JSON.
+    use base64::Engine as _;
+    let mut out = Vec::new();
+    let mut rest = &bytes[..];
+    while rest.len() >= 5 {
+        let len = u32::from_be_bytes([rest[1], rest[2], rest[3], rest[4]]) as usize;
+        let Some(msg) = rest.get(5..5 + len) else {
+            break;
+        };
+        let v: Value = serde_json::from_slice(msg).unwrap_or(Value::Null);
+        if rest[0] & 2 != 0 && v.get("error").is_some() {
+            return Err(format!("envd Start ended with {v}"));
+        }
+        if let Some(o) = v["event"]["data"]["stdout"].as_str() {
+            if let Ok(d) = base64::engine::general_purpose::STANDARD.decode(o) {
+                out.extend_from_slice(&d);
+            }
+        }
+        rest = &rest[5 + len..];
+    }
+    Ok(String::from_utf8_lossy(&out).trim().to_owned())
 }
 
 async fn one_op(sh: &Shared, rng: &mut Rng, op: &str, id: &str) {
@@ -1245,6 +1365,20 @@ async fn judge(sh: &Shared, all: bool) -> Result<(), String> {
                 x.policies = vec![toml];
             }
             sh.checked(1);
+        }
+        if let Some((token, want)) = &s.e2b_env {
+            let got = envd_env(sh, &s.id, token).await?;
+            if &got != want {
+                return Err(format!(
+                    "{}: ${CHAOS_ENV} through envd is {got:?}, the create stored {want:?}",
+                    s.id
+                ));
+            }
+            sh.checked(1);
+            sh.report
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .envs_checked += 1;
         }
         sh.checked(2);
     }

@@ -41,4 +41,9 @@ fn kills_at_random_moments_lose_nothing_acknowledged_and_leave_no_orphan() {
     );
     assert!(r.kills() >= 3, "too few kills happened: {}", r.summary());
     assert!(r.acked_total() > 0, "{}", r.summary());
+    assert!(
+        r.envs_checked > 0,
+        "no E2B-created sandbox's envVars were read back after a kill: {}",
+        r.summary()
+    );
 }
