@@ -175,7 +175,10 @@ impl Cluster {
             }));
         }
         let parent = match parent_of(tpl) {
-            Some(p) => engine.received_template_identity(&p).await?.map(|ident| (p, ident)),
+            Some(p) => engine
+                .received_template_identity(&p)
+                .await?
+                .map(|ident| (p, ident)),
             None => None,
         };
         let mut failures = Vec::new();
