@@ -420,6 +420,24 @@ fn three_hosts_in_namespaces_place_forward_mark_fence_and_stop_egress_on_partiti
         let (st, v) = h3.call("GET", "/v1/templates/tpl-default", None).await;
         assert_eq!(st, 200, "{v}");
         assert_eq!(v["hosts"], json!(["h1", "h2", "h3"]), "{v}");
+        // `strata template replicate` through host 1 for host 2, which
+        // holds it already (answered by host 2); an unknown host is `400`.
+        let (st, v) = h1
+            .call(
+                "POST",
+                "/v1/templates/tpl-default/replicate",
+                Some(json!({ "host": "h2" })),
+            )
+            .await;
+        assert_eq!((st, &v["host"], &v["fetched"]), (200, &json!("h2"), &Value::Null), "{v}");
+        let (st, v) = h1
+            .call(
+                "POST",
+                "/v1/templates/tpl-default/replicate",
+                Some(json!({ "host": "h9" })),
+            )
+            .await;
+        assert_eq!((st, v["error"]["code"].as_str()), (400, Some("invalid_request")), "{v}");
         let (st, v) = h1.call("POST", "/v1/sandboxes", Some(group.clone())).await;
         assert_eq!(st, 507, "a fourth member of g1: {v}");
         assert_eq!(v["error"]["code"], "insufficient_capacity", "{v}");
