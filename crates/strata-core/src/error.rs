@@ -59,6 +59,9 @@ pub enum ErrorCode {
     /// itself after a device error). Nothing was done; what was
     /// acknowledged before is kept.
     StorageFailed,
+    /// A cluster host needs a template it does not hold and no live host
+    /// could hand it over (docs/cluster.md "Templates across hosts").
+    TemplateUnavailable,
     /// Anything else; a bug or an environment problem.
     Internal,
 }
@@ -76,7 +79,7 @@ impl ErrorCode {
             ErrorCode::SnapshotUnusable => 422,
             ErrorCode::RateLimited => 429,
             ErrorCode::InsufficientCapacity | ErrorCode::PoolFull | ErrorCode::StoreFull => 507,
-            ErrorCode::StorageFailed => 503,
+            ErrorCode::StorageFailed | ErrorCode::TemplateUnavailable => 503,
             ErrorCode::AgentError => 502,
             ErrorCode::AgentTimeout => 504,
             ErrorCode::VmFailed | ErrorCode::Internal => 500,

@@ -489,6 +489,51 @@ pub trait Engine: Send + Sync + 'static {
         ))
     }
 
+    /// Whether template `tpl`'s subvolume is on this host. Engines without
+    /// subvolumes hold every template they know.
+    async fn has_template(&self, tpl: &TemplateId) -> EngineResult<bool> {
+        let _ = tpl;
+        Ok(true)
+    }
+
+    /// The identity under which this host holds template `tpl` as the
+    /// parent of an incremental stream (its received copy first), if any.
+    async fn received_template_identity(&self, tpl: &TemplateId) -> EngineResult<Option<String>> {
+        let _ = tpl;
+        Ok(None)
+    }
+
+    /// Streams template `tpl` (a `btrfs send` stream), incremental against
+    /// template `parent` when this host holds it under the identity given,
+    /// else in full; returns the stream and the parent identity it uses.
+    async fn send_template(
+        &self,
+        tpl: &TemplateId,
+        parent: Option<(TemplateId, String)>,
+    ) -> EngineResult<(ByteStream, Option<String>)> {
+        let _ = (tpl, parent);
+        Err(RuntimeError::Unavailable(
+            "this engine does not move templates".into(),
+        ))
+    }
+
+    /// Receives template `tpl` from the hostile stream `input` (at most
+    /// `max_bytes`, incremental against the received subvolume `parent`)
+    /// and publishes it once restorable here with a signature that
+    /// verifies; returns the stream bytes applied.
+    async fn receive_template(
+        &self,
+        tpl: &TemplateId,
+        parent: Option<String>,
+        max_bytes: u64,
+        input: ByteStream,
+    ) -> EngineResult<u64> {
+        let _ = (tpl, parent, max_bytes, input);
+        Err(RuntimeError::Unavailable(
+            "this engine does not move templates".into(),
+        ))
+    }
+
     /// VMs that died unexpectedly. Called once, at start.
     fn exit_events(&self) -> tokio::sync::mpsc::UnboundedReceiver<VmDied>;
 }

@@ -24,9 +24,11 @@
 //! `STRATA_TEST_PG_URL` (or of a PostgreSQL this test starts with
 //! scripts/test-pg.sh when that is unset).
 //!
-//! Templates are not replicated between hosts by strata yet: host 1 builds
-//! `tpl-default` and the test copies its subvolume into the other pools
-//! with `btrfs send | btrfs receive` (what replication would do).
+//! Templates: host 1 alone builds `tpl-default`; the creates placed on
+//! hosts 2 and 3 fetch it from host 1 (`btrfs send` / receive through
+//! `GET /v1/templates/{id}/stream`, docs/cluster.md "Templates across
+//! hosts"): the test prints each fetch's bytes and time from the hosts'
+//! logs and checks that PostgreSQL then records all three as holders.
 //!
 //! Needs root, `ip`, `nsenter`, `btrfs`; otherwise it prints why and passes.
 
@@ -196,28 +198,41 @@ async fn wait_lost(d: &Daemon, id: &str, max: Duration) -> Value {
     .await
 }
 
-/// Copies `from`'s `tpl-default` subvolume into `to`'s pool (`btrfs send |
-/// btrfs receive`): the template replication strata does not do yet.
-fn replicate_template(from: &Daemon, to: &Daemon) {
-    let src = from.root.join("data/pool/templates/tpl-default");
-    let dst = to.root.join("data/pool/templates");
-    let out = Command::new("bash")
-        .args([
-            "-c",
-            "set -o pipefail; btrfs send -q \"$1\" | btrfs receive -q \"$2\"",
-            "replicate",
-        ])
-        .arg(&src)
-        .arg(&dst)
-        .output()
-        .expect("btrfs send | receive");
-    assert!(
-        out.status.success(),
-        "replicating {} into {}: {}",
-        src.display(),
-        dst.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
+/// The `template fetched` log lines of a host: (from, bytes, ms) each.
+fn fetches(d: &Daemon) -> Vec<(String, u64, u64)> {
+    let logs = d.logs();
+    // Drop ANSI colour sequences the log may carry.
+    let mut plain = String::with_capacity(logs.len());
+    let mut esc = false;
+    for c in logs.chars() {
+        match (esc, c) {
+            (false, '\x1b') => esc = true,
+            (true, 'm') => esc = false,
+            (true, _) => {}
+            (false, c) => plain.push(c),
+        }
+    }
+    let field = |line: &str, k: &str| -> Option<String> {
+        let at = line.find(&format!(" {k}="))? + k.len() + 2;
+        Some(
+            line[at..]
+                .split_whitespace()
+                .next()?
+                .trim_matches('"')
+                .to_owned(),
+        )
+    };
+    plain
+        .lines()
+        .filter(|l| l.contains("template fetched"))
+        .filter_map(|l| {
+            Some((
+                field(l, "from")?,
+                field(l, "bytes")?.parse().ok()?,
+                field(l, "ms")?.parse().ok()?,
+            ))
+        })
+        .collect()
 }
 
 /// The guest programs that keep calling the egress server, every 0.5 s,
@@ -313,9 +328,14 @@ fn three_hosts_in_namespaces_place_forward_mark_fence_and_stop_egress_on_partiti
     };
     let h2 = Daemon::start_in(&conf(1), launch(1), sharing);
     let h3 = Daemon::start_in(&conf(2), launch(2), sharing);
-    replicate_template(&h1, &h2);
-    replicate_template(&h1, &h3);
-    mark("hosts 2 and 3 up, the template copied to their pools");
+    mark("hosts 2 and 3 up (no template in their pools)");
+    for h in [&h2, &h3] {
+        assert!(
+            !h.root.join("data/pool/templates/tpl-default").exists(),
+            "host {} holds tpl-default before any create",
+            h.root.display()
+        );
+    }
     let index = |id: &str| -> usize {
         id.strip_prefix('h')
             .and_then(|n| n.parse::<usize>().ok())
@@ -366,6 +386,58 @@ fn three_hosts_in_namespaces_place_forward_mark_fence_and_stop_egress_on_partiti
         }
         let [s1, s2, s3] = on.map(|s| s.expect("one sandbox per host"));
         mark(&format!("placed: h1 {s1}, h2 {s2}, h3 {s3} in {:?}", t_place.elapsed()));
+        // Hosts 2 and 3 fetched the template from host 1 (once each), and
+        // PostgreSQL records all three as its holders.
+        for (d, name) in [(&h2, "h2"), (&h3, "h3")] {
+            let f = fetches(d);
+            assert_eq!(f.len(), 1, "{name} fetched tpl-default once: {f:?}\n{}", d.logs());
+            let (from, bytes, ms) = f[0].clone();
+            assert_eq!(from, "h1", "{name} fetched from {from}");
+            assert!(bytes > 1 << 20, "{name}: a {bytes}-byte template stream");
+            mark(&format!(
+                "{name} fetched tpl-default from {from}: {bytes} bytes in {ms} ms ({:.1} MB/s)",
+                bytes as f64 / 1e6 / (ms.max(1) as f64 / 1e3)
+            ));
+            assert!(d.root.join("data/pool/templates/tpl-default").exists());
+        }
+        let t = Instant::now();
+        loop {
+            let holders = pg_row(
+                &url,
+                &format!(
+                    "SELECT coalesce(string_agg(host_id, ',' ORDER BY host_id), '') \
+                     FROM {schema}.template_holders WHERE template_id = 'tpl-default'"
+                ),
+            )
+            .await
+            .map(|r| r.get::<_, String>(0));
+            if holders.as_deref() == Some("h1,h2,h3") {
+                break;
+            }
+            assert!(t.elapsed() < Duration::from_secs(10), "holders of tpl-default: {holders:?}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let (st, v) = h3.call("GET", "/v1/templates/tpl-default", None).await;
+        assert_eq!(st, 200, "{v}");
+        assert_eq!(v["hosts"], json!(["h1", "h2", "h3"]), "{v}");
+        // `strata template replicate` through host 1 for host 2, which
+        // holds it already (answered by host 2); an unknown host is `400`.
+        let (st, v) = h1
+            .call(
+                "POST",
+                "/v1/templates/tpl-default/replicate",
+                Some(json!({ "host": "h2" })),
+            )
+            .await;
+        assert_eq!((st, &v["host"], &v["fetched"]), (200, &json!("h2"), &Value::Null), "{v}");
+        let (st, v) = h1
+            .call(
+                "POST",
+                "/v1/templates/tpl-default/replicate",
+                Some(json!({ "host": "h9" })),
+            )
+            .await;
+        assert_eq!((st, v["error"]["code"].as_str()), (400, Some("invalid_request")), "{v}");
         let (st, v) = h1.call("POST", "/v1/sandboxes", Some(group.clone())).await;
         assert_eq!(st, 507, "a fourth member of g1: {v}");
         assert_eq!(v["error"]["code"], "insufficient_capacity", "{v}");

@@ -1,4 +1,4 @@
-//! `strata template build|ls|rm`.
+//! `strata template build|ls|rm|replicate`.
 
 use std::time::{Duration, Instant};
 
@@ -23,6 +23,15 @@ pub enum TemplateCmd {
         /// Template ids.
         #[arg(required = true)]
         ids: Vec<String>,
+    },
+    /// Copy a template into a cluster host's pool ahead of the creates
+    /// there (`btrfs send` from a live host that holds it).
+    Replicate {
+        /// Template id.
+        id: String,
+        /// The host's cluster id.
+        #[arg(long)]
+        host: String,
     },
 }
 
@@ -91,6 +100,7 @@ pub async fn run(ctx: &Ctx, cmd: TemplateCmd) -> anyhow::Result<i32> {
         TemplateCmd::Build(a) => build(ctx, a).await,
         TemplateCmd::Ls => ls(ctx).await,
         TemplateCmd::Rm { ids } => rm(ctx, ids).await,
+        TemplateCmd::Replicate { id, host } => replicate(ctx, &id, &host).await,
     }
 }
 
@@ -312,6 +322,28 @@ async fn ls(ctx: &Ctx) -> anyhow::Result<i32> {
                 ]
             },
         ))
+    })?;
+    Ok(0)
+}
+
+async fn replicate(ctx: &Ctx, id: &str, host: &str) -> anyhow::Result<i32> {
+    let v = ctx
+        .client()?
+        .post(
+            &["v1", "templates", id, "replicate"],
+            &json!({ "host": host }),
+        )
+        .await?;
+    ctx.emit(&v, || {
+        Ok(match v.get("fetched").filter(|f| !f.is_null()) {
+            Some(f) => format!(
+                "{id} copied to {host} from {}: {} bytes in {} ms\n",
+                f["from"].as_str().unwrap_or("?"),
+                f["bytes"],
+                f["ms"]
+            ),
+            None => format!("{host} holds {id} already\n"),
+        })
     })?;
     Ok(0)
 }

@@ -55,7 +55,7 @@ pub use agent::EgressResolver;
 pub use ports::PortOpenError;
 pub use signatures::Adoption;
 pub use templates::{TemplateBuilt, SYSTEM_CA_BUNDLE, TRUSTED_CA_PATH};
-pub use transfer::{MoveError, ReceivedSnapshot};
+pub use transfer::{MoveError, ReceivedSnapshot, ReceivedTemplate};
 pub use usage::{CpuSource, DiskWrites, VmUsage};
 pub use vms::VmDied;
 pub use warm::WARM_CPU_WEIGHT;

@@ -21,11 +21,19 @@
 //! - Receiving a snapshot whose stream was already received whole (an
 //!   interrupted move resumed after the receive) publishes it without a
 //!   second transfer; a published one is refused as already present.
+//! - Templates travel the same way between the hosts of one cluster
+//!   ([`Runtime::send_template`], [`Runtime::receive_template`]; docs/cluster.md
+//!   "Templates across hosts"): the received subvolume stays in the import
+//!   directory (the parent of later incremental streams) and a read-only
+//!   snapshot of it becomes `templates/<id>`, kept only if it is
+//!   restorable here and its signature verifies with this host's key (the
+//!   hosts of a cluster share the master key, so the sender's signature
+//!   is this host's): the template is the very state the sender signed.
 
 use std::io::Read;
 use std::path::PathBuf;
 
-use strata_core::SnapshotId;
+use strata_core::{SnapshotId, TemplateId};
 use strata_storage::{ReceiveSpec, SendStream, TransferError, Uuid};
 
 use super::{blocking, Result, Runtime};
@@ -55,7 +63,144 @@ pub struct ReceivedSnapshot {
     pub bytes: u64,
 }
 
+/// A template received from another host and published.
+#[derive(Debug, Clone)]
+pub struct ReceivedTemplate {
+    /// Its metadata.
+    pub meta: StateMeta,
+    /// The sender's identity of it (the received UUID).
+    pub identity: Uuid,
+    /// Stream bytes applied (0 when it had been received whole before).
+    pub bytes: u64,
+}
+
 impl Runtime {
+    /// Whether template `tpl`'s subvolume is in this pool.
+    pub fn has_template(&self, tpl: &TemplateId) -> bool {
+        self.template_dir(tpl).join(files::META).exists()
+    }
+
+    /// The identity of template `tpl`'s received copy in the import
+    /// directory (the sender's identity of it), if this pool received it:
+    /// the only kind of parent `btrfs receive` finds inside the import
+    /// directory it is confined to.
+    pub fn received_template_identity(&self, tpl: &TemplateId) -> Option<Uuid> {
+        strata_storage::subvol_info(&self.pool.import_dir().join(tpl.as_str()))
+            .ok()
+            .filter(|i| i.readonly)
+            .and_then(|i| i.received_uuid)
+    }
+
+    /// Starts streaming template `tpl`, incremental against template
+    /// `parent` when this pool holds a subvolume of it with the identity the
+    /// receiver named (its received copy or its own), else in full. Returns
+    /// the stream and the parent identity it is relative to. Blocking.
+    pub fn send_template(
+        &self,
+        tpl: &TemplateId,
+        parent: Option<(&TemplateId, Uuid)>,
+    ) -> std::result::Result<(SendStream, Option<Uuid>), MoveError> {
+        let dir = self.template_dir(tpl);
+        if !dir.join(files::META).exists() {
+            return Err(RuntimeError::SnapshotNotFound(tpl.to_string()).into());
+        }
+        let base = parent.and_then(|(p, want)| {
+            [
+                self.pool.import_dir().join(p.as_str()),
+                self.template_dir(p),
+            ]
+            .into_iter()
+            .find(|d| {
+                strata_storage::subvol_info(d).is_ok_and(|i| i.readonly && i.identity() == want)
+            })
+            .map(|d| (d, want))
+        });
+        let stream = self.pool.send(&dir, base.as_ref().map(|b| b.0.as_path()))?;
+        Ok((stream, base.map(|b| b.1)))
+    }
+
+    /// Receives template `tpl` from the hostile stream `input` (at most
+    /// `max_bytes`, incremental against the received subvolume whose
+    /// identity is `parent`) and publishes it as `templates/<tpl>` once it
+    /// is restorable here and its signature verifies; see the module docs.
+    /// A refused template leaves nothing behind. Blocking.
+    pub fn receive_template(
+        &self,
+        tpl: &TemplateId,
+        parent: Option<Uuid>,
+        max_bytes: u64,
+        input: impl Read,
+        accel_name: &str,
+    ) -> std::result::Result<ReceivedTemplate, MoveError> {
+        let dst = self.template_dir(tpl);
+        if dst.exists() {
+            return Err(RuntimeError::Invalid(format!("template {tpl} already exists")).into());
+        }
+        let free = self.pool.usage().map_err(storage_err)?.free_bytes;
+        let spec = ReceiveSpec {
+            name: tpl.to_string(),
+            parent,
+            max_bytes: max_bytes.min(free.saturating_sub(super::snapshot::MIN_FREE_BYTES)),
+        };
+        let (path, identity, bytes) = match self.pool.receive(&spec, input) {
+            Ok(r) => {
+                let id = r.info.identity();
+                (r.path, id, r.bytes)
+            }
+            Err(TransferError::AlreadyReceived(_)) => {
+                let path = self.pool.import_dir().join(tpl.as_str());
+                let info = strata_storage::subvol_info(&path).map_err(storage_err)?;
+                (path, info.identity(), 0)
+            }
+            Err(e) => return Err(e.into()),
+        };
+        self.pool.snapshot(&path, &dst, true).map_err(storage_err)?;
+        let checked = (|| {
+            let st = self.open_state(super::StateRef::Template(tpl))?;
+            let bad = |e: crate::meta::Incompatible| RuntimeError::SnapshotUnusable {
+                id: tpl.to_string(),
+                reason: format!("received template: {}", e.0),
+            };
+            st.meta
+                .check_restorable(&st.dir, &self.qemu_version, accel_name)
+                .map_err(bad)?;
+            self.check_signature(&st, &st.dir)?;
+            Ok::<_, RuntimeError>(st.meta)
+        })();
+        match checked {
+            Ok(meta) => Ok(ReceivedTemplate {
+                meta,
+                identity,
+                bytes,
+            }),
+            Err(e) => {
+                if let Err(t) = self.pool.trash(&dst) {
+                    tracing::warn!(path = %dst.display(), error = %t, "cannot remove a refused template");
+                }
+                let _ = self.pool.delete_received(tpl.as_str());
+                Err(e.into())
+            }
+        }
+    }
+
+    /// [`Runtime::receive_template`] on a blocking thread, under the
+    /// template's operation lock.
+    pub async fn receive_template_async(
+        self: &std::sync::Arc<Self>,
+        tpl: TemplateId,
+        parent: Option<Uuid>,
+        max_bytes: u64,
+        input: impl Read + Send + 'static,
+    ) -> std::result::Result<ReceivedTemplate, MoveError> {
+        let accel = self.accel_name().await?;
+        let _g = self.op_lock(tpl.as_str()).await;
+        let rt = self.clone();
+        blocking(move || {
+            Ok::<_, RuntimeError>(rt.receive_template(&tpl, parent, max_bytes, input, accel))
+        })
+        .await?
+    }
+
     /// The identity `btrfs send` gives snapshot `snap` in a stream (what a
     /// receiver compares with what it holds).
     pub fn snapshot_identity(&self, snap: &SnapshotId) -> Result<Uuid> {

@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use axum::body::Body as AxumBody;
 use axum::extract::{Request, State};
-use axum::http::{header, HeaderMap, HeaderName, Method, StatusCode};
+use axum::http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use futures::TryStreamExt;
@@ -48,6 +48,9 @@ struct Ctx {
     forwarded: bool,
     /// Placement chose another host (its address) for a create.
     placed: Mutex<Option<String>>,
+    /// The caller's `Authorization` header, for the calls this request
+    /// makes to other hosts on the caller's behalf (a template fetch).
+    authorization: Option<HeaderValue>,
 }
 
 tokio::task_local! {
@@ -68,7 +71,16 @@ pub fn placed_on(addr: &str) {
     });
 }
 
-fn client() -> &'static reqwest::Client {
+/// The caller's `Authorization` header of the request being handled (a
+/// cluster host's calls to other hosts on the caller's behalf carry it, so
+/// the other host authenticates and authorizes the caller itself).
+pub fn caller_authorization() -> Option<HeaderValue> {
+    CTX.try_with(|c| c.authorization.clone()).ok().flatten()
+}
+
+/// The HTTP client of calls between hosts: connecting is bounded by
+/// [`CONNECT_TIMEOUT`], no pooled connections, no redirects.
+pub(crate) fn client() -> &'static reqwest::Client {
     static C: std::sync::OnceLock<reqwest::Client> = std::sync::OnceLock::new();
     C.get_or_init(|| {
         reqwest::Client::builder()
@@ -188,6 +200,7 @@ async fn route(
     let forwarded = req.headers().contains_key(FORWARDED_HEADER);
     let ctx = Arc::new(Ctx {
         forwarded,
+        authorization: req.headers().get(header::AUTHORIZATION).cloned(),
         ..Default::default()
     });
     if forwarded || req.headers().contains_key(header::UPGRADE) {

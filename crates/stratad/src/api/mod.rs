@@ -568,6 +568,8 @@ fn service_route(r: &Route) -> Option<axum::routing::MethodRouter<Arc<Service>>>
         TemplateLogs => on(m, templates::logs),
         BuildVariant => on(m, templates::build_variant),
         ListVariants => on(m, templates::list_variants),
+        StreamTemplate => on(m, templates::stream),
+        ReplicateTemplate => on(m, templates::replicate),
         PutTemplateFile => on(m, templates::put_file),
         GetTemplateFile => on(m, templates::get_file),
         Push => on(m, transfer::push),

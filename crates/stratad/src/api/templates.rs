@@ -32,7 +32,14 @@ pub(super) async fn list(c: Call) -> ApiResult<impl IntoResponse> {
 pub(super) async fn get(c: Call) -> ApiResult<impl IntoResponse> {
     c.no_query()?;
     let id: TemplateId = c.id()?;
-    Ok(Json(c.svc.get_template(&c.caller, &id).await?))
+    let view = c.svc.get_template(&c.caller, &id).await?;
+    let mut v = serde_json::to_value(&view).unwrap_or_default();
+    // On a cluster host: the hosts whose pools hold it (docs/cluster.md
+    // "Templates across hosts").
+    if let Some(cl) = c.svc.cluster() {
+        v["hosts"] = json!(cl.template_holders(&id).await?);
+    }
+    Ok(Json(v))
 }
 
 /// `POST /v1/templates/{id}/variants` `{"vcpus", "memory_mib"}`: builds
@@ -60,6 +67,59 @@ pub(super) async fn list_variants(c: Call) -> ApiResult<impl IntoResponse> {
     Ok(Json(
         json!({ "items": c.svc.list_variants(&c.caller, &id).await? }),
     ))
+}
+
+/// `GET /v1/templates/{id}/stream[?parent=TPL&identity=IDENTITY]`: the
+/// template as a `btrfs send` stream, for another host of the cluster
+/// (docs/cluster.md "Templates across hosts"); incremental against template
+/// `parent` when this host holds it under that identity (the answer's
+/// `x-strata-stream-parent` names the parent identity used; absent: full).
+pub(super) async fn stream(c: Call) -> ApiResult<axum::response::Response> {
+    let params = c.params(&["parent", "identity"], &[], false)?;
+    let id: TemplateId = c.id()?;
+    let parent = match (params.one("parent"), params.one("identity")) {
+        (None, None) => None,
+        (Some(p), Some(i)) => Some((super::parse_id::<TemplateId>(p)?, i.to_owned())),
+        _ => {
+            return Err(super::ApiError::new(
+                strata_core::ErrorCode::InvalidRequest,
+                "parent and identity go together",
+            ))
+        }
+    };
+    let (stream, used) = c.svc.stream_template(&c.caller, &id, parent).await?;
+    let body = axum::body::Body::from_stream(futures::TryStreamExt::map_err(stream, |e| {
+        std::io::Error::other(e.message())
+    }));
+    let mut resp = (
+        [(axum::http::header::CONTENT_TYPE, "application/octet-stream")],
+        body,
+    )
+        .into_response();
+    if let Some(v) = used.and_then(|u| u.parse().ok()) {
+        resp.headers_mut()
+            .insert(crate::cluster::templates::STREAM_PARENT_HEADER, v);
+    }
+    Ok(resp)
+}
+
+/// `POST /v1/templates/{id}/replicate` body.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ReplicateBody {
+    host: String,
+}
+
+/// `POST /v1/templates/{id}/replicate {"host": H}`: copies the template
+/// into host H's pool (from a live host that holds it); answered by H
+/// (another host forwards the call there with the caller's credentials).
+pub(super) async fn replicate(
+    c: Call,
+    Body(b): Body<ReplicateBody>,
+) -> ApiResult<axum::response::Response> {
+    c.no_query()?;
+    let id: TemplateId = c.id()?;
+    Ok(c.svc.replicate_template(&c.caller, &id, &b.host).await?)
 }
 
 pub(super) async fn delete(c: Call) -> ApiResult<impl IntoResponse> {

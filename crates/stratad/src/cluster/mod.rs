@@ -27,6 +27,7 @@
 pub mod config;
 pub mod fenced;
 pub mod placement;
+pub mod templates;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -69,6 +70,8 @@ pub struct Cluster {
     /// The hosts as last read (each renewal round reads them once):
     /// placement reads them from here while fresh.
     view: Mutex<Option<(Instant, Arc<Vec<HostRecord>>)>>,
+    /// Which templates this host recorded as held; one fetch per template.
+    templates: templates::TemplateHolding,
 }
 
 impl std::fmt::Debug for Cluster {
@@ -187,6 +190,7 @@ impl Cluster {
             pool,
             fenced: AtomicBool::new(false),
             view: Mutex::new(None),
+            templates: Default::default(),
         });
         (c, store)
     }
@@ -364,6 +368,9 @@ impl Cluster {
                 }
             }
         }
+        // The templates this host holds, as PostgreSQL records them (a
+        // write per change).
+        self.sync_held(svc).await;
         // Leases a write found lost.
         let lost = self.leases.take_lost();
         if !lost.is_empty() {
@@ -601,15 +608,30 @@ impl Cluster {
                 }
             }
         }
+        // Template locality: the hosts PostgreSQL records as holding the
+        // template (docs/cluster.md "Templates across hosts"); when that
+        // read fails, only this host's own pool is known.
+        let holders = match &rec.template {
+            Some(t) => match self.template_holders(t).await {
+                Ok(h) => h,
+                Err(e) => {
+                    warn!(template = %t, error = %e, "cannot read the template's holders");
+                    if svc.engine().has_template(t).await.unwrap_or(false) {
+                        vec![self.info.id.clone()]
+                    } else {
+                        Vec::new()
+                    }
+                }
+            },
+            None => Vec::new(),
+        };
         let cands: Vec<placement::Candidate> = hosts
             .iter()
             .map(|h| placement::Candidate {
                 id: h.info.id.clone(),
                 alive: h.alive,
                 free: h.free,
-                // Which templates other hosts hold is not recorded: only
-                // this host's own locality is known (docs/cluster.md).
-                has_template: h.info.id == self.info.id,
+                has_template: holders.contains(&h.info.id),
                 same_group: per_host.get(&h.info.id).copied().unwrap_or(0),
             })
             .collect();

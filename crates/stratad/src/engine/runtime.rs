@@ -427,47 +427,13 @@ impl Engine for RuntimeEngine {
         snap: &SnapshotId,
         parent: Option<&SnapshotId>,
     ) -> EngineResult<ByteStream> {
-        use std::io::Read;
-        let (rt, snap, parent) = (self.rt.clone(), snap.clone(), parent.cloned());
-        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, RuntimeError>>(4);
+        let (rt, snap2, parent) = (self.rt.clone(), snap.clone(), parent.cloned());
         // Started here so a missing snapshot is the answer, not a cut stream.
-        let stream = {
-            let (rt, snap) = (rt.clone(), snap.clone());
-            tokio::task::spawn_blocking(move || rt.send_snapshot(&snap, parent.as_ref()))
-                .await
-                .map_err(|e| RuntimeError::Other(e.to_string()))?
-                .map_err(move_error)?
-        };
-        tokio::task::spawn_blocking(move || {
-            let mut stream = stream;
-            loop {
-                let mut buf = vec![0u8; 256 * 1024];
-                match stream.read(&mut buf) {
-                    Ok(0) => break,
-                    Ok(n) => {
-                        buf.truncate(n);
-                        // The reader went away: dropping the stream kills `btrfs send`.
-                        if tx.blocking_send(Ok(Bytes::from(buf))).is_err() {
-                            return;
-                        }
-                    }
-                    Err(e) => {
-                        let _ = tx.blocking_send(Err(RuntimeError::Other(format!(
-                            "reading btrfs send of {snap}: {e}"
-                        ))));
-                        return;
-                    }
-                }
-            }
-            if let Err(e) = stream.finish() {
-                let _ = tx.blocking_send(Err(move_error(e.into())));
-            }
-            drop(rt);
-        });
-        Ok(futures::stream::unfold(rx, |mut rx| async move {
-            rx.recv().await.map(|item| (item, rx))
-        })
-        .boxed())
+        let stream = tokio::task::spawn_blocking(move || rt.send_snapshot(&snap2, parent.as_ref()))
+            .await
+            .map_err(|e| RuntimeError::Other(e.to_string()))?
+            .map_err(move_error)?;
+        Ok(stream_send(stream, snap.to_string()))
     }
 
     async fn receive_snapshot(
@@ -477,28 +443,62 @@ impl Engine for RuntimeEngine {
         max_bytes: u64,
         input: ByteStream,
     ) -> EngineResult<u64> {
-        let parent = match parent {
-            None => None,
-            Some(p) => Some(strata_storage::Uuid::parse(&p).ok_or_else(|| {
-                RuntimeError::Invalid(format!("parent {p:?}: not a subvolume identity"))
-            })?),
-        };
-        // The body's chunks, pulled by the blocking receive; a bounded
-        // channel, so a fast sender waits for the disk.
-        let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<Bytes>>(4);
-        let pump = tokio::spawn(async move {
-            let mut input = input;
-            while let Some(item) = input.next().await {
-                let item = item.map_err(|e| std::io::Error::other(e.message()));
-                let stop = item.is_err();
-                if tx.send(item).await.is_err() || stop {
-                    break;
-                }
-            }
-        });
+        let parent = parse_identity(parent)?;
+        let (reader, pump) = pump_into_reader(input);
         let r = self
             .rt
-            .receive_snapshot_async(snap.clone(), parent, max_bytes, ChannelReader::new(rx))
+            .receive_snapshot_async(snap.clone(), parent, max_bytes, reader)
+            .await;
+        pump.abort();
+        r.map(|got| got.bytes).map_err(move_error)
+    }
+
+    async fn has_template(&self, tpl: &TemplateId) -> EngineResult<bool> {
+        Ok(self.rt.has_template(tpl))
+    }
+
+    async fn received_template_identity(&self, tpl: &TemplateId) -> EngineResult<Option<String>> {
+        let (rt, tpl) = (self.rt.clone(), tpl.clone());
+        let id = tokio::task::spawn_blocking(move || rt.received_template_identity(&tpl))
+            .await
+            .map_err(|e| RuntimeError::Other(e.to_string()))?;
+        Ok(id.map(|u| u.to_string()))
+    }
+
+    async fn send_template(
+        &self,
+        tpl: &TemplateId,
+        parent: Option<(TemplateId, String)>,
+    ) -> EngineResult<(ByteStream, Option<String>)> {
+        let parent = match parent {
+            None => None,
+            Some((p, ident)) => parse_identity(Some(ident))?.map(|u| (p, u)),
+        };
+        let (rt, tpl2) = (self.rt.clone(), tpl.clone());
+        let (stream, base) = tokio::task::spawn_blocking(move || {
+            rt.send_template(&tpl2, parent.as_ref().map(|(p, u)| (p, *u)))
+        })
+        .await
+        .map_err(|e| RuntimeError::Other(e.to_string()))?
+        .map_err(move_error)?;
+        Ok((
+            stream_send(stream, tpl.to_string()),
+            base.map(|u| u.to_string()),
+        ))
+    }
+
+    async fn receive_template(
+        &self,
+        tpl: &TemplateId,
+        parent: Option<String>,
+        max_bytes: u64,
+        input: ByteStream,
+    ) -> EngineResult<u64> {
+        let parent = parse_identity(parent)?;
+        let (reader, pump) = pump_into_reader(input);
+        let r = self
+            .rt
+            .receive_template_async(tpl.clone(), parent, max_bytes, reader)
             .await;
         pump.abort();
         r.map(|got| got.bytes).map_err(move_error)
@@ -516,6 +516,70 @@ impl Engine for RuntimeEngine {
 /// A [`strata_runtime::MoveError`] as the engine's error: a refused or
 /// broken stream is the caller's (`invalid_request`), the runtime's own
 /// errors keep their codes.
+/// A subvolume identity (hyphenated hex) from a request.
+fn parse_identity(p: Option<String>) -> EngineResult<Option<strata_storage::Uuid>> {
+    match p {
+        None => Ok(None),
+        Some(p) => Ok(Some(strata_storage::Uuid::parse(&p).ok_or_else(|| {
+            RuntimeError::Invalid(format!("parent {p:?}: not a subvolume identity"))
+        })?)),
+    }
+}
+
+/// A started `btrfs send` (of `what`) as a stream of chunks, read on a
+/// blocking thread; a failed send ends the stream with an error, and a
+/// reader that goes away kills `btrfs send` (the stream is dropped).
+fn stream_send(stream: strata_storage::SendStream, what: String) -> ByteStream {
+    use std::io::Read;
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, RuntimeError>>(4);
+    tokio::task::spawn_blocking(move || {
+        let mut stream = stream;
+        loop {
+            let mut buf = vec![0u8; 256 * 1024];
+            match stream.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => {
+                    buf.truncate(n);
+                    if tx.blocking_send(Ok(Bytes::from(buf))).is_err() {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    let _ = tx.blocking_send(Err(RuntimeError::Other(format!(
+                        "reading btrfs send of {what}: {e}"
+                    ))));
+                    return;
+                }
+            }
+        }
+        if let Err(e) = stream.finish() {
+            let _ = tx.blocking_send(Err(move_error(e.into())));
+        }
+    });
+    futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    })
+    .boxed()
+}
+
+/// An HTTP body's chunks as a blocking reader (for `btrfs receive` on a
+/// blocking thread), pumped by a task through a bounded channel so a fast
+/// sender waits for the disk. Abort the task once the receive returns.
+fn pump_into_reader(input: ByteStream) -> (ChannelReader, tokio::task::JoinHandle<()>) {
+    let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<Bytes>>(4);
+    let pump = tokio::spawn(async move {
+        let mut input = input;
+        while let Some(item) = input.next().await {
+            let item = item.map_err(|e| std::io::Error::other(e.message()));
+            let stop = item.is_err();
+            if tx.send(item).await.is_err() || stop {
+                break;
+            }
+        }
+    });
+    (ChannelReader::new(rx), pump)
+}
+
 fn move_error(e: strata_runtime::MoveError) -> RuntimeError {
     match e {
         strata_runtime::MoveError::Runtime(e) => e,

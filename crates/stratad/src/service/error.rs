@@ -59,6 +59,15 @@ pub enum ServiceError {
     /// (`payload_too_large`).
     #[error("{0}")]
     TooLarge(String),
+    /// A cluster host needs a template it does not hold and cannot fetch
+    /// it from any live host (`template_unavailable`, 503).
+    #[error("template {template} is not on this host and cannot be fetched: {why}")]
+    TemplateUnavailable {
+        /// The template.
+        template: String,
+        /// Why (no holder, no live holder, each holder's failure).
+        why: String,
+    },
     /// A recipe the build cannot run (`invalid_recipe`; over a size limit:
     /// `payload_too_large`).
     #[error(transparent)]
@@ -96,6 +105,7 @@ impl ServiceError {
             ServiceError::Forbidden(_) => ErrorCode::Forbidden,
             ServiceError::Keys(_) => ErrorCode::Internal,
             ServiceError::TooLarge(_) => ErrorCode::PayloadTooLarge,
+            ServiceError::TemplateUnavailable { .. } => ErrorCode::TemplateUnavailable,
             ServiceError::Recipe(e) => match e.status() {
                 413 => ErrorCode::PayloadTooLarge,
                 500 => ErrorCode::Internal,

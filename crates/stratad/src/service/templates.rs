@@ -75,6 +75,81 @@ impl Service {
         }
     }
 
+    /// `GET /v1/templates/{id}/stream`: template `id` (one the caller may
+    /// use, ready, in this host's pool) as a `btrfs send` stream for
+    /// another host of the cluster, incremental against template `parent`
+    /// when the caller may use it too and this host holds it under the
+    /// identity given (else full). Returns the stream and the parent
+    /// identity used.
+    pub async fn stream_template(
+        &self,
+        caller: &Caller,
+        id: &TemplateId,
+        parent: Option<(TemplateId, String)>,
+    ) -> ServiceResult<(crate::engine::ByteStream, Option<String>)> {
+        let tpl = self.get_template(caller, id).await?.record;
+        if tpl.status != TemplateStatus::Ready {
+            return Err(ServiceError::InvalidStateOther(format!(
+                "template {id} is {}, not ready",
+                tpl.status.as_str()
+            )));
+        }
+        if !self.engine.has_template(id).await? {
+            return Err(not_found("template", id));
+        }
+        let parent = match parent {
+            Some((p, ident)) if self.get_template(caller, &p).await.is_ok() => Some((p, ident)),
+            _ => None,
+        };
+        let (stream, used) = self.engine.send_template(id, parent).await?;
+        info!(template = %id, parent = ?used, "template stream started");
+        Ok((stream, used))
+    }
+
+    /// `POST /v1/templates/{id}/replicate {"host"}`: template `id` (one the
+    /// caller may use, ready) copied into `host`'s pool: here when `host`
+    /// is this host ([`crate::cluster::Cluster::ensure_template`]), else
+    /// the call is sent to that host with the caller's credentials and its
+    /// answer returned. `409 invalid_state` outside a cluster.
+    pub async fn replicate_template(
+        &self,
+        caller: &Caller,
+        id: &TemplateId,
+        host: &str,
+    ) -> ServiceResult<axum::response::Response> {
+        use axum::response::IntoResponse;
+        let tpl = self.get_template(caller, id).await?.record;
+        if tpl.status != TemplateStatus::Ready {
+            return Err(ServiceError::InvalidStateOther(format!(
+                "template {id} is {}, not ready",
+                tpl.status.as_str()
+            )));
+        }
+        let Some(cluster) = self.cluster() else {
+            return Err(ServiceError::InvalidStateOther(
+                "this daemon is not a cluster host: its one pool holds every template".into(),
+            ));
+        };
+        if host == cluster.host_id() {
+            let fetched = cluster.ensure_template(self, &tpl).await?;
+            let f = fetched.map(|f| {
+                serde_json::json!({
+                    "from": f.from,
+                    "bytes": f.bytes,
+                    "ms": f.ms as u64,
+                    "parent": f.parent,
+                })
+            });
+            return Ok(axum::Json(serde_json::json!({
+                "template": id,
+                "host": host,
+                "fetched": f,
+            }))
+            .into_response());
+        }
+        cluster.replicate_on(id, host).await
+    }
+
     /// Starts the build of the default template (`tpl-default`, named
     /// `default`, of `default_size`) unless a template is ready or building.
     /// Returns the build started, if any.

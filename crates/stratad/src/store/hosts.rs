@@ -203,4 +203,12 @@ pub trait HostStore: Send + Sync {
         snapshots: &[&SnapshotRecord],
         event: Option<&Event>,
     ) -> HostResult<()>;
+    /// Records that host `host` holds template `template`'s subvolume in
+    /// its pool. Idempotent.
+    fn add_template_holder(&self, template: &str, host: &str) -> HostResult<()>;
+    /// Forgets that host `host` holds template `template` (it deleted it).
+    /// Idempotent.
+    fn remove_template_holder(&self, template: &str, host: &str) -> HostResult<()>;
+    /// The hosts that hold template `template`, by id (alive or not).
+    fn template_holders(&self, template: &str) -> HostResult<Vec<String>>;
 }

@@ -130,6 +130,7 @@ fn shape(method: &str, path: &str) -> (&'static str, String) {
         ("POST", "/v1/sandboxes/:id/rewind") => r#"{"ago":"0s"}"#.to_owned(),
         ("PUT", "/v1/sandboxes/:id/files") => "data".to_owned(),
         ("PUT", "/v1/sandboxes/:id/policy") => "default = \"allow\"\n".to_owned(),
+        ("POST", "/v1/templates/:id/replicate") => r#"{"host":"h1"}"#.to_owned(),
         _ => String::new(),
     };
     (q, body)

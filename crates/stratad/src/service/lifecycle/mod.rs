@@ -72,6 +72,9 @@ impl Service {
         rec.template = Some(tpl.id.clone());
         if let Some(c) = self.cluster() {
             c.check_placement(self, &rec).await?;
+            // Placed here: the template's subvolume must be here too
+            // (fetched from a live host that holds it when it is not).
+            c.ensure_template(self, &tpl).await?;
         }
         Ok((tpl, rec))
     }

@@ -46,6 +46,48 @@ impl PgStore {
 }
 
 impl HostStore for PgStore {
+    fn add_template_holder(&self, template: &str, host: &str) -> HostResult<()> {
+        self.block_h(async {
+            let c = self.client().await?;
+            c.execute(
+                &format!(
+                    "INSERT INTO template_holders (template_id, host_id, held_since) \
+                     VALUES ($1, $2, {NOW_MS}) ON CONFLICT DO NOTHING"
+                ),
+                &[&template, &host],
+            )
+            .await?;
+            Ok(())
+        })
+    }
+
+    fn remove_template_holder(&self, template: &str, host: &str) -> HostResult<()> {
+        self.block_h(async {
+            let c = self.client().await?;
+            c.execute(
+                "DELETE FROM template_holders WHERE template_id = $1 AND host_id = $2",
+                &[&template, &host],
+            )
+            .await?;
+            Ok(())
+        })
+    }
+
+    fn template_holders(&self, template: &str) -> HostResult<Vec<String>> {
+        self.block_h(async {
+            let c = self.client().await?;
+            let rows = c
+                .query(
+                    "SELECT host_id FROM template_holders WHERE template_id = $1 ORDER BY host_id",
+                    &[&template],
+                )
+                .await?;
+            rows.iter()
+                .map(|r| r.try_get::<_, String>(0).map_err(HostError::from))
+                .collect()
+        })
+    }
+
     fn register_host(&self, h: &HostInfo, ttl_ms: u64) -> HostResult<HostLease> {
         self.block_h(async {
             let c = self.client().await?;

@@ -31,7 +31,8 @@ const V15: &str = "SELECT 1";
 /// `strata_cluster_migrations`, so they never take a number SQLite's
 /// migrations will use. Applied after [`PG_MIGRATIONS`], in the same
 /// transaction.
-pub const PG_CLUSTER_MIGRATIONS: &[(i64, &str)] = &[(1, CLUSTER_V1), (2, CLUSTER_V2)];
+pub const PG_CLUSTER_MIGRATIONS: &[(i64, &str)] =
+    &[(1, CLUSTER_V1), (2, CLUSTER_V2), (3, CLUSTER_V3)];
 
 /// The newest version [`PG_MIGRATIONS`] reaches.
 pub fn pg_schema_version() -> i64 {
@@ -246,6 +247,19 @@ CREATE INDEX sandbox_owners_by_host ON sandbox_owners (host_id);
 /// their expiry (`HostStore::expired_leases`).
 const CLUSTER_V2: &str = r#"
 CREATE INDEX sandbox_owners_by_expiry ON sandbox_owners (expires_at);
+"#;
+
+/// Cluster migration 3: which hosts hold which template's subvolume
+/// (`HostStore::template_holders`; docs/cluster.md "Templates across
+/// hosts"). A row is written by the host once the template is in its pool
+/// and removed when it deletes it there.
+const CLUSTER_V3: &str = r#"
+CREATE TABLE template_holders (
+    template_id TEXT COLLATE "C" NOT NULL,
+    host_id TEXT COLLATE "C" NOT NULL,
+    held_since BIGINT NOT NULL,
+    PRIMARY KEY (template_id, host_id)
+);
 "#;
 
 #[cfg(test)]

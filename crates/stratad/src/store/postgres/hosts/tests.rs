@@ -191,3 +191,37 @@ fn one_owner_when_hosts_race_for_a_free_sandbox() {
     assert_eq!(won.len(), 1, "{won:?}");
     assert_eq!(s.sandbox_owner(&rec.id).unwrap().unwrap().host_id, won[0]);
 }
+
+#[test]
+fn template_holders_are_recorded_per_host_once_and_forgotten() {
+    let Some((_db, s)) = open("template_holders") else {
+        return;
+    };
+    assert!(s.template_holders("tpl-web").unwrap().is_empty());
+    s.add_template_holder("tpl-web", "host-b").unwrap();
+    s.add_template_holder("tpl-web", "host-a").unwrap();
+    // Idempotent: a host records a template it holds every round.
+    s.add_template_holder("tpl-web", "host-a").unwrap();
+    s.add_template_holder("tpl-default", "host-c").unwrap();
+    assert_eq!(
+        s.template_holders("tpl-web").unwrap(),
+        vec!["host-a".to_owned(), "host-b".to_owned()]
+    );
+    assert_eq!(
+        s.template_holders("tpl-default").unwrap(),
+        vec!["host-c".to_owned()]
+    );
+    s.remove_template_holder("tpl-web", "host-a").unwrap();
+    s.remove_template_holder("tpl-web", "host-a").unwrap();
+    assert_eq!(
+        s.template_holders("tpl-web").unwrap(),
+        vec!["host-b".to_owned()]
+    );
+    // Another store on the same database (another host) sees the same rows.
+    drop(s);
+    let s2 = PgStore::open(&_db.pg_options().unwrap()).unwrap();
+    assert_eq!(
+        s2.template_holders("tpl-web").unwrap(),
+        vec!["host-b".to_owned()]
+    );
+}
