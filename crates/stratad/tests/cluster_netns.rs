@@ -17,7 +17,12 @@
 //!    up; the server's log shows no request of that guest after the
 //!    lease's expiry as PostgreSQL recorded it (host 1's guest keeps
 //!    reaching it: the server was there); healed, host 2 does not run it
-//!    again.
+//!    again;
+//! 6. move: host 1's sandbox, running a counter and holding a RAM marker in
+//!    `/dev/shm`, moves to host 3 (asked through host 2): the lease and
+//!    `x-strata-host` are host 3's, the process runs on (same pid, the
+//!    count goes on), the marker reads back; host 1 refuses it (`409`) and
+//!    runs no VM of it. Bytes and time of the move are printed.
 //!
 //! PostgreSQL is reached over the cluster network: a TCP relay in the root
 //! namespace on the bridge's address forwards to the socket of
@@ -601,6 +606,89 @@ fn three_hosts_in_namespaces_place_forward_mark_fence_and_stop_egress_on_partiti
             "the server heard nothing after the expiry: {:?}",
             egress.hits().last()
         );
+
+        // 6. Move: host 1's sandbox, with a live process and a RAM marker,
+        // moves to host 3 (asked through host 2, forwarded to the owner).
+        let script = "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 1; done' >/dev/null 2>&1 & echo $!; \
+            head -c 8388608 /dev/urandom > /dev/shm/marker; sleep 2";
+        let e = h1.sh(&s1, script).await;
+        assert_eq!(e.code, Some(0), "{} {}", e.status, e.error);
+        let counter_pid = e.out().trim().to_owned();
+        let e = h1.sh(&s1, "sha256sum /dev/shm/marker; cat /tmp/counter").await;
+        assert_eq!(e.code, Some(0), "{} {}", e.status, e.error);
+        let before_out = e.out();
+        let mut lines = before_out.lines();
+        let marker = lines.next().unwrap_or_default().to_owned();
+        let count0: u64 = lines.next().and_then(|l| l.trim().parse().ok()).expect("a count");
+        let (_, t_before, _) = lease(&url, &schema, &s1).await.expect("s1 lease");
+        let t_move = Instant::now();
+        let r = h2
+            .request("POST", &format!("/v1/sandboxes/{s1}/move"))
+            .json(&json!({ "host": "h3" }))
+            .send()
+            .await
+            .expect("move through h2");
+        let by = host_of(&r);
+        let st = r.status().as_u16();
+        let v: Value = r.json().await.unwrap_or(Value::Null);
+        let took = t_move.elapsed();
+        assert_eq!(st, 200, "move answered by {by:?}: {v}\n{}\n{}", h1.logs(), h3.logs());
+        assert_eq!(by, "h1", "the owner answers the move");
+        assert_eq!((v["from"].as_str(), v["to"].as_str()), (Some("h1"), Some("h3")), "{v}");
+        assert_eq!(v["sandbox"]["state"], "running", "woken on the target: {v}");
+        eprintln!(
+            "move h1 -> h3: {} bytes in {} snapshot streams ({} held), {:?} end to end ({} ms in the owner)",
+            v["bytes"],
+            v["sent"].as_array().map(Vec::len).unwrap_or(0),
+            v["held"],
+            took,
+            v["millis"]
+        );
+        let sent_snaps: Vec<String> = v["sent"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|x| x["snapshot"].as_str().map(str::to_owned))
+            .collect();
+        assert!(!sent_snaps.is_empty(), "{v}");
+        let (holder, t_after, _) = lease(&url, &schema, &s1).await.expect("s1 lease after");
+        assert_eq!(holder, "h3");
+        assert!(t_after > t_before, "token {t_after} after {t_before}");
+        let r = h1
+            .request("GET", &format!("/v1/sandboxes/{s1}"))
+            .send()
+            .await
+            .expect("get");
+        assert_eq!((r.status().as_u16(), host_of(&r)), (200, "h3".to_owned()));
+        // The process runs on (same pid, the count goes on), the marker reads back.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let e = h1
+            .sh(&s1, &format!("kill -0 {counter_pid} && echo alive; sha256sum /dev/shm/marker; cat /tmp/counter"))
+            .await;
+        assert_eq!(e.code, Some(0), "{} {} {}", e.status, e.error, e.out());
+        let after_out = e.out();
+        let mut lines = after_out.lines();
+        assert_eq!(lines.next(), Some("alive"), "{after_out}");
+        assert_eq!(lines.next().unwrap_or_default(), marker, "the RAM marker changed");
+        let count1: u64 = lines.next().and_then(|l| l.trim().parse().ok()).expect("a count");
+        assert!(count1 > count0, "the counter did not go on: {count0} then {count1}");
+        // The old host refuses to act on it and has no VM nor data of it.
+        let (st, v) = own(&h1, "POST", &format!("/v1/sandboxes/{s1}/pause")).await;
+        assert_eq!(st, 409, "pause on the old host: {v}");
+        assert!(v.to_string().contains("not owned by this host"), "{v}");
+        assert!(
+            strata_testkit::teardown::qemu_pids(&h1.run_dir).is_empty(),
+            "host 1 still runs a VM"
+        );
+        assert!(!h1.root.join(format!("data/pool/sandboxes/{s1}")).exists());
+        for snap in sent_snaps {
+            assert!(
+                !h1.root.join(format!("data/pool/snapshots/{snap}")).exists(),
+                "host 1 kept snapshot {snap}"
+            );
+        }
+        assert!(!strata_testkit::teardown::qemu_pids(&h3.run_dir).is_empty());
+        mark(&format!("s1 moved to host 3 ({count0} -> {count1}), running on"));
         eprintln!(
             "wall time: {:?} (host 1's template build {:?})",
             t_all.elapsed(),

@@ -24,6 +24,7 @@ pub mod image;
 pub mod info;
 pub mod logs;
 pub mod ls;
+pub mod r#move;
 pub mod pause;
 pub mod policy;
 pub mod port;
@@ -109,6 +110,8 @@ pub enum Command {
     Push(push::Args),
     /// Copy a sandbox of another deployment here (it stays there, hibernated).
     Pull(pull::Args),
+    /// Move a sandbox to another host of the cluster (same id; memory kept).
+    Move(r#move::Args),
     /// Take a snapshot of a sandbox.
     Snapshot(snapshot::Args),
     /// Show a sandbox's snapshot timeline.
@@ -273,6 +276,7 @@ pub async fn run(ctx: &Ctx, cmd: Command) -> anyhow::Result<i32> {
         Command::Hibernate(a) => hibernate::run(ctx, a).await,
         Command::Push(a) => push::run(ctx, a).await,
         Command::Pull(a) => pull::run(ctx, a).await,
+        Command::Move(a) => r#move::run(ctx, a).await,
         Command::Snapshot(a) => snapshot::run(ctx, a).await,
         Command::Snapshots(a) => snapshots::run(ctx, a).await,
         Command::Fork(a) => fork::run(ctx, a).await,

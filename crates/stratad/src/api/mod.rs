@@ -579,6 +579,8 @@ fn service_route(r: &Route) -> Option<axum::routing::MethodRouter<Arc<Service>>>
         Pull => on(m, transfer::pull),
         Export => on(m, transfer::export),
         ExportSnapshot => on(m, transfer::export_snapshot),
+        Move => on(m, transfer::move_sandbox),
+        ImportAdopt => on(m, transfer::adopt),
         _ => return None,
     })
 }

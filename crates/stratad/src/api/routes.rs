@@ -90,6 +90,8 @@ pub enum Action {
     Pull,
     Export,
     ExportSnapshot,
+    Move,
+    ImportAdopt,
 }
 
 /// Who may call a route.
@@ -259,6 +261,11 @@ pub const ROUTES: &[Route] = &[
     tool("POST", "/v1/pulls", Action::Pull, DEV),
     tool("POST", "/v1/sandboxes/:id/export", Action::Export, DEV),
     tool("GET", "/v1/sandboxes/:id/export", Action::ExportSnapshot, DEV),
+    // A move between the hosts of one cluster (docs/move.md): the call
+    // (answered by the owner), and the target's taking up of the lease the
+    // owner handed over (the owner's last step; the caller's token again).
+    tool("POST", "/v1/sandboxes/:id/move", Action::Move, DEV),
+    r("POST", "/v1/imports/:id/adopt", Action::ImportAdopt, DEV),
 ];
 
 impl Route {

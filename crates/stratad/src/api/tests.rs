@@ -1144,3 +1144,46 @@ pub(super) fn store_with_base_template(cfg: &Config) -> Arc<SqliteStore> {
         .unwrap();
     store
 }
+
+#[tokio::test]
+async fn a_move_outside_a_cluster_is_refused_and_changes_nothing() {
+    let h = harness();
+    let id = create(&h).await;
+    let (_, before) = call(&h, "GET", &format!("/v1/sandboxes/{id}"), "").await;
+    let uri = format!("/v1/sandboxes/{id}/move");
+    // Not a cluster host: 409 with a message saying so; still running.
+    let (s, v) = call(&h, "POST", &uri, r#"{"host":"h2"}"#).await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert_eq!(code(&v), "conflict", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("not a cluster host")),
+        "{v}"
+    );
+    // A body that is not a move's: 400 before anything runs.
+    for body in [
+        r#"{"host":"h2","to":"x"}"#,
+        r#"{"host":5}"#,
+        r#"{"wake":"yes"}"#,
+    ] {
+        let (s, v) = call(&h, "POST", &uri, body).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{body}: {v}");
+        assert_eq!(code(&v), "invalid_request", "{body}: {v}");
+    }
+    // An unknown sandbox: 404.
+    let (s, v) = call(
+        &h,
+        "POST",
+        "/v1/sandboxes/sb-0000000000000000zzzz/move",
+        r#"{"host":"h2"}"#,
+    )
+    .await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+    let (_, after) = call(&h, "GET", &format!("/v1/sandboxes/{id}"), "").await;
+    assert_eq!(after["state"], "running", "{after}");
+    assert_eq!(after["state"], before["state"], "{after}");
+    // The target's side refuses as well outside a cluster.
+    let (s, v) = call(&h, "POST", &format!("/v1/imports/{id}/adopt"), "{}").await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+}

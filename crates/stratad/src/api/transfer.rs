@@ -2,7 +2,9 @@
 //! `POST /v1/sandboxes/{id}/push` and the receiver's `/v1/imports/{id}…`
 //! routes (offer, one snapshot stream, register); the puller's
 //! `POST /v1/pulls` and the owner's `POST|GET /v1/sandboxes/{id}/export`
-//! (manifest, one snapshot stream).
+//! (manifest, one snapshot stream); a move inside a cluster,
+//! `POST /v1/sandboxes/{id}/move`, and its target's
+//! `POST /v1/imports/{id}/adopt`.
 
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
@@ -14,7 +16,9 @@ use strata_core::{ErrorCode, SandboxId, SnapshotId};
 
 use super::{declares_more_than, ApiError, ApiResult, Body, Call};
 use crate::engine::RuntimeError;
-use crate::service::{PullSandbox, PushSandbox, RegisterImport, MAX_SNAPSHOT_STREAM_BYTES};
+use crate::service::{
+    AdoptMove, MoveSandbox, PullSandbox, PushSandbox, RegisterImport, MAX_SNAPSHOT_STREAM_BYTES,
+};
 
 /// `POST /v1/imports/{id}/offer` body: the sender's snapshot ids.
 #[derive(Debug, Default, Deserialize)]
@@ -116,4 +120,31 @@ pub(super) async fn export_snapshot(c: Call) -> ApiResult<axum::response::Respon
         body,
     )
         .into_response())
+}
+
+/// `POST /v1/sandboxes/{id}/move` (a cluster host; docs/move.md): the
+/// caller's `Authorization` goes on to the target host, which checks it
+/// again.
+pub(super) async fn move_sandbox(
+    c: Call,
+    headers: axum::http::HeaderMap,
+    Body(b): Body<MoveSandbox>,
+) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = c.id()?;
+    let opts = c.gate()?;
+    let auth = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+    Ok(Json(
+        c.svc.move_sandbox(&c.caller, &id, b, auth, &opts).await?,
+    ))
+}
+
+/// `POST /v1/imports/{id}/adopt`: the target's side of a move.
+pub(super) async fn adopt(c: Call, Body(b): Body<AdoptMove>) -> ApiResult<impl IntoResponse> {
+    c.no_query()?;
+    let id: SandboxId = c.id()?;
+    Ok(Json(c.svc.adopt_move(&c.caller, &id, b).await?))
 }

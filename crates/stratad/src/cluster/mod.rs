@@ -20,6 +20,9 @@
 //!   it takes such a lease into custody and records the sandbox `failed`
 //!   with the reason `host_lost: …` (never deleted). The custodian keeps
 //!   renewing the lease, so the lost host, revived, cannot act on it;
+//! - **moves**: the owner of a sandbox hands its lease over to another
+//!   live host after sending it its snapshots ([`Cluster::hand_over`], a
+//!   fenced compare-and-set; the target [`Cluster::adopt`]s it);
 //! - **placement** ([`placement::place`]): a create on a host that is not
 //!   the best fit is refused `409 conflict` naming the host to use
 //!   (forwarding is not built).
@@ -43,8 +46,8 @@ pub use fenced::{FencedStore, Held, Leases};
 use crate::config::Config;
 use crate::service::{Service, ServiceError, ServiceResult};
 use crate::store::{
-    Fence, HostError, HostInfo, HostLoad, HostRecord, HostStore, PgStore, SandboxFilter,
-    SandboxRecord, Store, StoreError,
+    Fence, HostError, HostInfo, HostLoad, HostRecord, HostStore, OwnerLease, PgStore,
+    SandboxFilter, SandboxRecord, Store, StoreError,
 };
 
 /// Prefix of the `state_reason` of a sandbox whose host was lost.
@@ -657,6 +660,87 @@ impl Cluster {
             }
             Err(e) => Err(ServiceError::InsufficientCapacity(e.to_string())),
         }
+    }
+}
+
+impl Cluster {
+    /// The hosts as registered now (read from the store, not the cached
+    /// view: a move names its target by id and must see it live now).
+    pub async fn hosts_now(&self) -> ServiceResult<Vec<HostRecord>> {
+        self.blocking(|h| h.hosts()).await.map_err(host_to_service)
+    }
+
+    /// The lease this host holds to run `id` (not custody), if any.
+    pub fn owns(&self, id: &SandboxId) -> Option<u64> {
+        self.leases.get(id).filter(|h| !h.custody).map(|h| h.token)
+    }
+
+    /// Hands `id`'s lease over to host `to` (a move, docs/move.md): the
+    /// fenced compare-and-set of [`HostStore::hand_over_sandbox`] with this
+    /// host's token. Once it committed, this host forgets the lease (every
+    /// later write of the sandbox here is refused). Answers the new lease.
+    pub async fn hand_over(&self, id: &SandboxId, to: &str) -> ServiceResult<OwnerLease> {
+        let Some(token) = self.owns(id) else {
+            return Err(ServiceError::Conflict(format!(
+                "sandbox {id} is not owned by this host ({})",
+                self.info.id
+            )));
+        };
+        let fence = Fence {
+            host_id: self.info.id.clone(),
+            token,
+        };
+        let (id2, to2, ttl) = (id.clone(), to.to_owned(), ms(self.cfg.lease_ttl));
+        let lease = self
+            .blocking(move |h| h.hand_over_sandbox(&id2, &fence, &to2, ttl))
+            .await
+            .map_err(|e| match e {
+                HostError::Fenced { .. } => ServiceError::Conflict(format!(
+                    "move of sandbox {id} to host {to} refused: this host's lease (token {token}) is no longer current, or host {to} is not live"
+                )),
+                e => host_to_service(e),
+            })?;
+        self.leases.drop_lease(id);
+        info!(sandbox = %id, to, token = lease.token, "lease handed over");
+        Ok(lease)
+    }
+
+    /// Takes up the lease of `id` that another host handed over to this
+    /// one (a move): the lease in the store must name this host (which is
+    /// not fenced itself); its token is then the one this host writes with
+    /// (an expired one is found lost by the next renewal).
+    pub async fn adopt(&self, id: &SandboxId) -> ServiceResult<OwnerLease> {
+        let id2 = id.clone();
+        let lease = self
+            .blocking(move |h| h.sandbox_owner(&id2))
+            .await
+            .map_err(host_to_service)?;
+        match lease {
+            Some(l) if l.host_id == self.info.id && !self.fenced.load(Ordering::SeqCst) => {
+                self.leases.hold(id.clone(), l.token, false);
+                info!(sandbox = %id, token = l.token, "lease taken up after a move");
+                Ok(l)
+            }
+            Some(l) => Err(ServiceError::Conflict(format!(
+                "sandbox {id} was not handed over to this host ({}): its lease is host {}'s",
+                self.info.id, l.host_id
+            ))),
+            None => Err(ServiceError::Conflict(format!(
+                "sandbox {id} was not handed over to this host ({}): no host holds its lease",
+                self.info.id
+            ))),
+        }
+    }
+
+    /// Whether sandbox `id` is owned by a host other than this one (a
+    /// move may send its snapshots here).
+    pub async fn owned_elsewhere(&self, id: &SandboxId) -> ServiceResult<bool> {
+        let id2 = id.clone();
+        let lease = self
+            .blocking(move |h| h.sandbox_owner(&id2))
+            .await
+            .map_err(host_to_service)?;
+        Ok(lease.is_some_and(|l| l.host_id != self.info.id))
     }
 }
 

@@ -125,3 +125,107 @@ fn expired_leases_are_listed_past_the_margin_but_not_the_watchers_own() {
     assert_eq!(pg.expired_leases("host-b", 0, 2).unwrap().len(), 2);
     assert_eq!(pg.host_leases("host-a").unwrap().len(), 3);
 }
+
+fn info(id: &str) -> HostInfo {
+    HostInfo {
+        id: id.into(),
+        address: format!("http://{id}.test:7070"),
+        accel: "tcg".into(),
+        qemu_version: "9.2".into(),
+        cpu_model: "test".into(),
+        capacity: HostLoad {
+            vcpus: 4,
+            memory_mib: 4096,
+            pool_bytes: 1 << 30,
+        },
+    }
+}
+
+#[test]
+fn a_move_hands_the_lease_over_only_with_the_current_token_and_to_a_live_host() {
+    let Some(db) = TestDb::postgres("cluster_hand_over") else {
+        eprintln!("skipped on PostgreSQL: STRATA_TEST_PG_URL is not set");
+        return;
+    };
+    let (pg, a) = host(&db, "host-a", 60_000, 300);
+    let (_pgb, b) = host(&db, "host-b", 60_000, 300);
+    pg.register_host(&info("host-a"), 60_000).unwrap();
+    pg.register_host(&info("host-b"), 60_000).unwrap();
+    // host-c registered once and went quiet (its registration expired).
+    pg.register_host(&info("host-c"), 1).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    let mut rec = sandbox(1, SandboxState::Hibernated);
+    a.insert_sandbox(&rec, &created(&rec)).unwrap();
+    let lease = pg.sandbox_owner(&rec.id).unwrap().unwrap();
+    let fence = |token| Fence {
+        host_id: "host-a".into(),
+        token,
+    };
+    // A stale token (an older grant), another host's claim, a dead or
+    // unknown target: refused, the lease unchanged.
+    for (f, to) in [
+        (fence(lease.token - 1), "host-b"),
+        (
+            Fence {
+                host_id: "host-b".into(),
+                token: lease.token,
+            },
+            "host-b",
+        ),
+        (fence(lease.token), "host-c"),
+        (fence(lease.token), "host-nowhere"),
+    ] {
+        match pg.hand_over_sandbox(&rec.id, &f, to, 60_000) {
+            Err(HostError::Fenced { .. }) => {}
+            other => panic!("{f:?} to {to}: expected Fenced, got {other:?}"),
+        }
+        assert_eq!(pg.sandbox_owner(&rec.id).unwrap().unwrap(), lease);
+    }
+    // The owner with its token: host-b holds it now, with a larger token;
+    // the shared record is the same one.
+    let moved = pg
+        .hand_over_sandbox(&rec.id, &fence(lease.token), "host-b", 60_000)
+        .unwrap();
+    assert_eq!(moved.host_id, "host-b");
+    assert!(
+        moved.token > lease.token,
+        "{} after {}",
+        moved.token,
+        lease.token
+    );
+    assert_eq!(pg.sandbox_owner(&rec.id).unwrap().unwrap(), moved);
+    // The same handover again (a retry with the old token) is refused.
+    assert!(matches!(
+        pg.hand_over_sandbox(&rec.id, &fence(lease.token), "host-b", 60_000),
+        Err(HostError::Fenced { .. })
+    ));
+    // The old owner's writes are fenced in the database; the new one's go.
+    let before = pg.get_sandbox(&rec.id).unwrap().unwrap();
+    let mut stale = rec.clone();
+    stale.state = SandboxState::Running;
+    assert!(matches!(
+        a.update_sandbox(&stale, None),
+        Err(StoreError::Fenced { .. })
+    ));
+    assert_eq!(pg.get_sandbox(&rec.id).unwrap().unwrap(), before);
+    b.leases().hold(rec.id.clone(), moved.token, false);
+    rec.state_reason = Some("moved".into());
+    b.update_sandbox(&rec, None).unwrap();
+    // The target's recovery lists see it now, the old owner's do not.
+    assert_eq!(b.live_sandboxes().unwrap().len(), 1);
+    assert!(a.live_sandboxes().unwrap().is_empty());
+    assert_eq!(
+        pg.list_sandboxes(&SandboxFilter {
+            tenant: rec.tenant.clone(),
+            states: Vec::new(),
+            labels: Default::default(),
+            limit: 10,
+            cursor: None,
+        })
+        .unwrap()
+        .items
+        .len(),
+        1,
+        "one record, not a second"
+    );
+}

@@ -33,6 +33,7 @@ mod held;
 mod journal;
 mod lifecycle;
 mod logs;
+mod moving;
 mod oplock;
 mod ports;
 mod prelude;
@@ -58,6 +59,7 @@ pub use held::{HeldUpload, HELD_UPLOADS_DIR};
 pub(crate) use journal::VmNow;
 pub use lifecycle::pressure::{PressureReading, PRESSURE_HIBERNATION};
 pub use logs::{LogEntry, LogPage, LogStream, LogTap, ProcessLogs, MAX_LOG_PAGE};
+pub use moving::{AdoptMove, MoveReport, MoveSandbox};
 pub(crate) use oplock::*;
 pub use ports::{is_port_closed, PortConn};
 pub use sampler::{

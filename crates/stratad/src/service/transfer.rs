@@ -63,7 +63,7 @@ impl Imports {
             .insert(snap, (tenant, sandbox));
     }
 
-    fn forget(&self, snap: &SnapshotId) {
+    pub(super) fn forget(&self, snap: &SnapshotId) {
         self.received
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -252,6 +252,40 @@ impl Service {
         Ok(())
     }
 
+    /// The tenant snapshots of sandbox `id` are received for here: the
+    /// caller's when the id is free on this deployment (a push, a pull),
+    /// or, on a cluster host, the tenant of that sandbox when the caller
+    /// may act on it and another host owns it (a move to this host,
+    /// docs/move.md). Else `409 conflict`.
+    async fn receiving_tenant(&self, caller: &Caller, id: &SandboxId) -> ServiceResult<String> {
+        if self.cluster().is_some() {
+            let id2 = id.clone();
+            if let Some(rec) = self.db(move |s| s.get_sandbox(&id2)).await? {
+                if caller.sees(&rec.tenant) && self.moving_in(&rec.tenant, id).await? {
+                    return Ok(rec.tenant);
+                }
+            }
+        }
+        self.id_free(id).await?;
+        Ok(caller.owner().to_owned())
+    }
+
+    /// On a cluster host: sandbox `id` is `tenant`'s (not deleted) and
+    /// another host owns it, so a move may send its snapshots here.
+    async fn moving_in(&self, tenant: &str, id: &SandboxId) -> ServiceResult<bool> {
+        let Some(cluster) = self.cluster() else {
+            return Ok(false);
+        };
+        let id2 = id.clone();
+        let Some(rec) = self.db(move |s| s.get_sandbox(&id2)).await? else {
+            return Ok(false);
+        };
+        if rec.tenant != tenant || rec.state == SandboxState::Deleted {
+            return Ok(false);
+        }
+        cluster.owned_elsewhere(id).await
+    }
+
     /// `POST /v1/imports/{id}/offer`: which of `snaps` this deployment
     /// holds received for the caller's tenant, with their identities.
     pub async fn import_offer(
@@ -265,8 +299,7 @@ impl Service {
                 "at most {MAX_IMPORT_SNAPSHOTS} snapshots"
             )));
         }
-        self.id_free(id).await?;
-        let tenant = caller.owner().to_owned();
+        let tenant = self.receiving_tenant(caller, id).await?;
         let received = self.engine.received_snapshots().await?;
         let mut held = BTreeMap::new();
         for s in snaps {
@@ -292,9 +325,8 @@ impl Service {
         parent: Option<String>,
         body: ByteStream,
     ) -> ServiceResult<u64> {
-        self.id_free(id).await?;
-        self.receive_for(caller.owner(), id, snap, parent, body)
-            .await
+        let tenant = self.receiving_tenant(caller, id).await?;
+        self.receive_for(&tenant, id, snap, parent, body).await
     }
 
     /// Receives one snapshot stream for sandbox `id` of `tenant` (the
@@ -312,7 +344,15 @@ impl Service {
         let tenant = tenant.to_owned();
         let exists = {
             let s2 = snap.clone();
-            self.db(move |s| s.get_snapshot(&s2)).await?.is_some()
+            self.db(move |s| s.get_snapshot(&s2)).await?
+        };
+        // A move inside a cluster sends snapshots whose records the shared
+        // store holds already: the moving sandbox's own, of its tenant.
+        let exists = match exists {
+            Some(r) if r.sandbox_id == *id && r.tenant == tenant => {
+                !self.moving_in(&tenant, id).await?
+            }
+            r => r.is_some(),
         };
         if exists || self.imports.get(snap).is_some() {
             return Err(ServiceError::Conflict(format!(
@@ -453,84 +493,14 @@ impl Service {
             base.join(tail)
                 .map_err(|e| ServiceError::InvalidRequest(format!("to: {e}")))
         };
-        // 1. What the remote holds.
-        let resp = http
-            .post(url(&format!("v1/imports/{id}/offer"))?)
-            .bearer_auth(&cmd.token)
-            .timeout(Duration::from_secs(60))
-            .json(&serde_json::json!({ "snapshots": snaps.iter().map(|s| &s.id).collect::<Vec<_>>() }))
-            .send()
-            .await
-            .map_err(|e| remote_err("push: offer", e))?;
-        let held: BTreeMap<String, String> = remote_json(resp, "push: offer")
-            .await?
-            .get("held")
-            .cloned()
-            .and_then(|v| serde_json::from_value(v).ok())
-            .unwrap_or_default();
-        // 2. The missing ones, oldest first.
-        let mut parent: Option<(SnapshotId, String)> = None;
-        let (mut sent, mut total, mut n_held) = (Vec::new(), 0u64, 0usize);
-        for (s, ident) in snaps.iter().zip(&idents) {
-            if held.get(s.id.as_str()) == Some(ident) {
-                n_held += 1;
-                parent = Some((s.id.clone(), ident.clone()));
-                continue;
-            }
-            let stream = self
-                .engine
-                .send_snapshot(&s.id, parent.as_ref().map(|(p, _)| p))
-                .await?;
-            let counted = Arc::new(std::sync::atomic::AtomicU64::new(0));
-            let ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
-            let (c2, e2) = (counted.clone(), ended.clone());
-            let body = reqwest::Body::wrap_stream(
-                stream
-                    .map(move |r| {
-                        r.inspect(|b| {
-                            c2.fetch_add(b.len() as u64, std::sync::atomic::Ordering::Relaxed);
-                        })
-                        .map_err(|e| std::io::Error::other(e.message()))
-                    })
-                    .chain(futures::stream::once(async move {
-                        e2.store(true, std::sync::atomic::Ordering::SeqCst);
-                        Ok(bytes::Bytes::new())
-                    })),
-            );
-            let mut u = url(&format!("v1/imports/{id}/snapshots"))?;
-            u.query_pairs_mut().append_pair("snapshot", s.id.as_str());
-            if let Some((_, pi)) = &parent {
-                u.query_pairs_mut().append_pair("parent", pi);
-            }
-            let send = http
-                .put(u)
-                .bearer_auth(&cmd.token)
-                .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
-                .body(body)
-                .send();
-            // A remote that stops taking the stream fails the push (the
-            // sandbox's lock is held meanwhile); its answer after the
-            // stream is bounded by the client's read timeout.
-            let resp = tokio::select! {
-                r = send => r.map_err(|e| remote_err("push: snapshot stream", e))?,
-                () = stalled(&counted, &ended, TRANSFER_IDLE) => {
-                    return Err(ServiceError::Engine(RuntimeError::Unavailable(format!(
-                        "push: the remote took no byte of snapshot {} for {} s",
-                        s.id,
-                        TRANSFER_IDLE.as_secs()
-                    ))));
-                }
-            };
-            remote_json(resp, "push: snapshot stream").await?;
-            let bytes = counted.load(std::sync::atomic::Ordering::Relaxed);
-            total += bytes;
-            sent.push(SentSnapshot {
-                snapshot: s.id.clone(),
-                parent: parent.as_ref().map(|(p, _)| p.clone()),
-                bytes,
-            });
-            parent = Some((s.id.clone(), ident.clone()));
-        }
+        let rx = Receiver {
+            http: &http,
+            base: &base,
+            auth: format!("Bearer {}", cmd.token),
+            verb: "push",
+        };
+        // 1-2. What the remote holds, then the missing ones, oldest first.
+        let (sent, total, n_held) = self.send_missing(&rx, id, &snaps, &idents).await?;
         // 3. The sandbox, registered there.
         let reg = RegisterImport {
             size: Some(rec.size),
@@ -601,7 +571,7 @@ impl Service {
     /// Hibernates sandbox `id` if it runs (memory kept), then takes its
     /// operation lock (no wake, rewind or delete while it is held) and
     /// answers its record, hibernated.
-    async fn hibernated_locked(
+    pub(super) async fn hibernated_locked(
         self: &Arc<Self>,
         id: &SandboxId,
         rec: SandboxRecord,
@@ -623,7 +593,7 @@ impl Service {
 
     /// Sandbox `id`'s ready snapshots that can travel (real ones, not
     /// `same_as` records), oldest first, with their identities.
-    async fn movable_snapshots(
+    pub(super) async fn movable_snapshots(
         &self,
         id: &SandboxId,
     ) -> ServiceResult<Vec<(SnapshotRecord, String)>> {
@@ -1018,6 +988,135 @@ fn remote_client(
         .map_err(|e| remote_err(&format!("{verb}: HTTP client"), e))
 }
 
+/// The receiving end of a transfer (a push's remote deployment, a move's
+/// target host): an HTTP client, the receiver's API base URL, the
+/// `Authorization` header to present (empty: none) and the verb its
+/// errors name.
+pub(super) struct Receiver<'a> {
+    /// The client.
+    pub(super) http: &'a reqwest::Client,
+    /// The receiver's API base URL.
+    pub(super) base: &'a reqwest::Url,
+    /// The `Authorization` header value ("" sends none).
+    pub(super) auth: String,
+    /// `push`, `move`.
+    pub(super) verb: &'static str,
+}
+
+impl Receiver<'_> {
+    fn url(&self, tail: &str) -> ServiceResult<reqwest::Url> {
+        self.base
+            .join(tail)
+            .map_err(|e| ServiceError::InvalidRequest(format!("{}: {e}", self.verb)))
+    }
+
+    /// A POST to `url` with the receiver's `Authorization`.
+    pub(super) fn authed_post(&self, url: reqwest::Url) -> reqwest::RequestBuilder {
+        self.authed(self.http.post(url))
+    }
+
+    fn authed(&self, b: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        if self.auth.is_empty() {
+            b
+        } else {
+            b.header(reqwest::header::AUTHORIZATION, &self.auth)
+        }
+    }
+}
+
+impl Service {
+    /// The sending half of a push and of a move: asks the receiver which
+    /// of `snaps` (ready, oldest first, with their identities) it holds
+    /// (`POST /v1/imports/{id}/offer`), then streams each missing one,
+    /// oldest first, incremental against the newest one before it that the
+    /// receiver holds (`PUT /v1/imports/{id}/snapshots`). Answers the
+    /// snapshots sent, their stream bytes and how many were held.
+    pub(super) async fn send_missing(
+        &self,
+        rx: &Receiver<'_>,
+        id: &SandboxId,
+        snaps: &[SnapshotRecord],
+        idents: &[String],
+    ) -> ServiceResult<(Vec<SentSnapshot>, u64, usize)> {
+        let verb = rx.verb;
+        let resp = rx
+            .authed(rx.http.post(rx.url(&format!("v1/imports/{id}/offer"))?))
+            .timeout(Duration::from_secs(60))
+            .json(&serde_json::json!({ "snapshots": snaps.iter().map(|s| &s.id).collect::<Vec<_>>() }))
+            .send()
+            .await
+            .map_err(|e| remote_err(&format!("{verb}: offer"), e))?;
+        let held: BTreeMap<String, String> = remote_json(resp, &format!("{verb}: offer"))
+            .await?
+            .get("held")
+            .cloned()
+            .and_then(|v| serde_json::from_value(v).ok())
+            .unwrap_or_default();
+        let mut parent: Option<(SnapshotId, String)> = None;
+        let (mut sent, mut total, mut n_held) = (Vec::new(), 0u64, 0usize);
+        for (s, ident) in snaps.iter().zip(idents) {
+            if held.get(s.id.as_str()) == Some(ident) {
+                n_held += 1;
+                parent = Some((s.id.clone(), ident.clone()));
+                continue;
+            }
+            let stream = self
+                .engine
+                .send_snapshot(&s.id, parent.as_ref().map(|(p, _)| p))
+                .await?;
+            let counted = Arc::new(std::sync::atomic::AtomicU64::new(0));
+            let ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let (c2, e2) = (counted.clone(), ended.clone());
+            let body = reqwest::Body::wrap_stream(
+                stream
+                    .map(move |r| {
+                        r.inspect(|b| {
+                            c2.fetch_add(b.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                        })
+                        .map_err(|e| std::io::Error::other(e.message()))
+                    })
+                    .chain(futures::stream::once(async move {
+                        e2.store(true, std::sync::atomic::Ordering::SeqCst);
+                        Ok(bytes::Bytes::new())
+                    })),
+            );
+            let mut u = rx.url(&format!("v1/imports/{id}/snapshots"))?;
+            u.query_pairs_mut().append_pair("snapshot", s.id.as_str());
+            if let Some((_, pi)) = &parent {
+                u.query_pairs_mut().append_pair("parent", pi);
+            }
+            let send = rx
+                .authed(rx.http.put(u))
+                .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+                .body(body)
+                .send();
+            // A receiver that stops taking the stream fails the transfer
+            // (the sandbox's lock is held meanwhile); its answer after the
+            // stream is bounded by the client's read timeout.
+            let resp = tokio::select! {
+                r = send => r.map_err(|e| remote_err(&format!("{verb}: snapshot stream"), e))?,
+                () = stalled(&counted, &ended, TRANSFER_IDLE) => {
+                    return Err(ServiceError::Engine(RuntimeError::Unavailable(format!(
+                        "{verb}: the receiver took no byte of snapshot {} for {} s",
+                        s.id,
+                        TRANSFER_IDLE.as_secs()
+                    ))));
+                }
+            };
+            remote_json(resp, &format!("{verb}: snapshot stream")).await?;
+            let bytes = counted.load(std::sync::atomic::Ordering::Relaxed);
+            total += bytes;
+            sent.push(SentSnapshot {
+                snapshot: s.id.clone(),
+                parent: parent.as_ref().map(|(p, _)| p.clone()),
+                bytes,
+            });
+            parent = Some((s.id.clone(), ident.clone()));
+        }
+        Ok((sent, total, n_held))
+    }
+}
+
 /// The checks of a registration that need nothing but its body (a push's
 /// registration, a pull's manifest): its size, the number of its
 /// snapshots, each given once and none a template's. Answers the size.
@@ -1051,7 +1150,10 @@ fn check_register(cmd: &RegisterImport) -> ServiceResult<SandboxSize> {
 
 /// A remote's JSON answer; an error answer keeps its meaning here (a
 /// `409` stays `409 conflict`).
-async fn remote_json(resp: reqwest::Response, step: &str) -> ServiceResult<serde_json::Value> {
+pub(super) async fn remote_json(
+    resp: reqwest::Response,
+    step: &str,
+) -> ServiceResult<serde_json::Value> {
     let status = resp.status().as_u16();
     // Bounded: an answer is a small JSON document.
     let mut body = Vec::new();

@@ -176,6 +176,19 @@ pub trait HostStore: Send + Sync {
         fence: &Fence,
         ttl_ms: u64,
     ) -> HostResult<OwnerLease>;
+    /// Hands the lease `fence` holds over to host `to` (a move inside the
+    /// cluster, docs/move.md): a compare-and-set in one statement, granted
+    /// only while the lease is still `fence`'s (same host, same token,
+    /// unexpired) and `to` is a live registered host; `to` gets a new,
+    /// larger token for `ttl_ms`. Otherwise [`HostError::Fenced`] and
+    /// nothing changes.
+    fn hand_over_sandbox(
+        &self,
+        sandbox: &SandboxId,
+        fence: &Fence,
+        to: &str,
+        ttl_ms: u64,
+    ) -> HostResult<OwnerLease>;
     /// Gives the lease up (only the holder's own; `false`: it was not).
     fn release_sandbox(&self, sandbox: &SandboxId, fence: &Fence) -> HostResult<bool>;
     /// Every lease host `host` holds or held last (expired or not), by

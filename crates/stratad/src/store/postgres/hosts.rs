@@ -321,6 +321,46 @@ impl HostStore for PgStore {
         })
     }
 
+    fn hand_over_sandbox(
+        &self,
+        sandbox: &SandboxId,
+        fence: &Fence,
+        to: &str,
+        ttl_ms: u64,
+    ) -> HostResult<OwnerLease> {
+        self.block_h(async {
+            let c = self.client().await?;
+            let r = c
+                .query_opt(
+                    &format!(
+                        "UPDATE sandbox_owners SET host_id = $4, \
+                         token = nextval('strata_fencing_tokens'), \
+                         acquired_at = {NOW_MS}, expires_at = {NOW_MS} + $5 \
+                         WHERE sandbox_id = $1 AND host_id = $2 AND token = $3 \
+                         AND expires_at > {NOW_MS} \
+                         AND EXISTS (SELECT 1 FROM hosts WHERE id = $4 AND lease_until > {NOW_MS}) \
+                         RETURNING {LEASE_COLS}"
+                    ),
+                    &[
+                        &sandbox.as_str(),
+                        &fence.host_id,
+                        &i64_of(fence.token),
+                        &to,
+                        &i64_of(ttl_ms),
+                    ],
+                )
+                .await?;
+            match r {
+                Some(r) => lease_of(&r),
+                None => Err(HostError::Fenced {
+                    sandbox: sandbox.to_string(),
+                    host: fence.host_id.clone(),
+                    token: fence.token,
+                }),
+            }
+        })
+    }
+
     fn release_sandbox(&self, sandbox: &SandboxId, fence: &Fence) -> HostResult<bool> {
         self.block_h(async {
             let c = self.client().await?;

@@ -1,0 +1,319 @@
+//! Moving a sandbox between the hosts of one cluster (docs/move.md, "Inside
+//! a cluster"; docs/cluster.md).
+//!
+//! Contract:
+//! - [`Service::move_sandbox`] runs on the sandbox's owner (any other host
+//!   forwards the call there). It hibernates the sandbox if it runs (memory
+//!   kept), streams the snapshots the target host lacks through the push's
+//!   sending half ([`Service::send_missing`]: offer, then each missing one
+//!   incremental against the newest one the target holds) to the target's
+//!   registered address, then hands the lease over in PostgreSQL
+//!   ([`crate::cluster::Cluster::hand_over`]: a fenced compare-and-set; the
+//!   target gets a new, larger token). The record stays the one record of
+//!   the shared store (same id, same tenant). Only after the handover
+//!   committed does the source delete its subvolumes of the sandbox; then
+//!   it asks the target to take the lease up (and wake the sandbox).
+//! - Anything that fails before the handover leaves the source the owner
+//!   (a sandbox that was running is woken here again); what the target
+//!   received stays there, held, so a retried move sends only the rest.
+//! - [`Service::adopt_move`] is the target's side of the last step: the
+//!   lease in the store must name this host already; it is taken up, the
+//!   move journaled, and the sandbox woken if asked.
+
+use super::prelude::*;
+use super::transfer::{Receiver, SentSnapshot, TRANSFER_IDLE};
+use crate::cluster::placement;
+
+/// `POST /v1/sandboxes/{id}/move`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MoveSandbox {
+    /// The id of the target host (as registered in the cluster).
+    #[serde(default)]
+    pub host: String,
+    /// Wake it on the target (default: when it was running).
+    #[serde(default)]
+    pub wake: Option<bool>,
+}
+
+/// `POST /v1/imports/{id}/adopt`: the source asks the target to take up
+/// the lease it handed over.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdoptMove {
+    /// The host it came from (journaled).
+    #[serde(default)]
+    pub from: String,
+    /// Wake it here.
+    #[serde(default)]
+    pub wake: bool,
+}
+
+/// What a move did.
+#[derive(Debug, Clone, Serialize)]
+pub struct MoveReport {
+    /// The sandbox as the target answered (hibernated, or running when
+    /// woken).
+    pub sandbox: serde_json::Value,
+    /// The host it left.
+    pub from: String,
+    /// The host it is on now.
+    pub to: String,
+    /// The target's fencing token.
+    pub token: u64,
+    /// The snapshots streamed, oldest first.
+    pub sent: Vec<SentSnapshot>,
+    /// Snapshots the target already held.
+    pub held: usize,
+    /// Stream bytes, all snapshots.
+    pub bytes: u64,
+    /// Milliseconds from the call to the answer (hibernation, transfer,
+    /// handover and the wake included).
+    pub millis: u64,
+}
+
+/// The longest host id a call may name.
+const MAX_HOST_ID: usize = 253;
+
+impl Service {
+    /// `POST /v1/sandboxes/{id}/move`: see the module docs. `auth` is the
+    /// caller's `Authorization` header ("" with authentication off): the
+    /// target authenticates and authorizes the caller again with it.
+    pub async fn move_sandbox(
+        self: &Arc<Self>,
+        caller: &Caller,
+        id: &SandboxId,
+        cmd: MoveSandbox,
+        auth: String,
+        opts: &GateOptions,
+    ) -> ServiceResult<MoveReport> {
+        let t0 = Instant::now();
+        let rec = self
+            .authorize_on(caller, id, lifecycle("move"), opts)
+            .await?;
+        let Some(cluster) = self.cluster().cloned() else {
+            return Err(ServiceError::Conflict(
+                "move: this daemon is not a cluster host ([cluster] enabled); \
+                 between deployments, use push or pull"
+                    .into(),
+            ));
+        };
+        if cmd.host.is_empty() || cmd.host.len() > MAX_HOST_ID {
+            return Err(ServiceError::InvalidRequest(format!(
+                "host: the id of the target host (1 to {MAX_HOST_ID} bytes)"
+            )));
+        }
+        let me = cluster.host_id().to_owned();
+        if cmd.host == me {
+            return Err(ServiceError::Conflict(format!(
+                "sandbox {id} is on host {me} already"
+            )));
+        }
+        if cluster.owns(id).is_none() {
+            return Err(ServiceError::Conflict(format!(
+                "sandbox {id} is not owned by this host ({me}): only its owner moves it"
+            )));
+        }
+        let hosts = cluster.hosts_now().await?;
+        let target = hosts
+            .iter()
+            .find(|h| h.info.id == cmd.host)
+            .ok_or_else(|| not_found("host", &cmd.host))?
+            .clone();
+        if !target.alive {
+            return Err(ServiceError::Conflict(format!(
+                "host {} is not live (its registration expired at {})",
+                target.info.id, target.lease_until
+            )));
+        }
+        let was_running = rec.state == SandboxState::Running;
+        let wake = cmd.wake.unwrap_or(was_running);
+        // Room on the target, by its last heartbeat (its own admission
+        // checks again when it wakes it).
+        let req = placement::Request {
+            vcpus: if wake { u64::from(rec.size.vcpus) } else { 0 },
+            memory_mib: if wake {
+                u64::from(rec.size.memory_mib)
+            } else {
+                0
+            },
+            pool_bytes: 1,
+            anti_affinity: false,
+        };
+        let cand = placement::Candidate {
+            id: target.info.id.clone(),
+            alive: true,
+            free: target.free,
+            has_template: true,
+            same_group: 0,
+        };
+        placement::place(&[cand], &req).map_err(|e| {
+            ServiceError::InsufficientCapacity(format!("host {}: {e}", target.info.id))
+        })?;
+        let mut base = reqwest::Url::parse(&target.info.address).map_err(|e| {
+            ServiceError::Conflict(format!(
+                "host {}: its registered address {:?}: {e}",
+                target.info.id, target.info.address
+            ))
+        })?;
+        if !base.path().ends_with('/') {
+            let p = format!("{}/", base.path());
+            base.set_path(&p);
+        }
+        let http = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .connect_timeout(Duration::from_secs(15))
+            .read_timeout(TRANSFER_IDLE)
+            .build()
+            .map_err(|e| {
+                ServiceError::Engine(RuntimeError::Unavailable(format!("move: HTTP client: {e}")))
+            })?;
+        let rx = Receiver {
+            http: &http,
+            base: &base,
+            auth,
+            verb: "move",
+        };
+        // Held from the hibernation to the handover: no wake, rewind or
+        // delete meanwhile.
+        let (g, _rec) = self.hibernated_locked(id, rec).await?;
+        let before = async {
+            let (snaps, idents): (Vec<SnapshotRecord>, Vec<String>) =
+                self.movable_snapshots(id).await?.into_iter().unzip();
+            let (sent, total, held) = self.send_missing(&rx, id, &snaps, &idents).await?;
+            let lease = cluster.hand_over(id, &target.info.id).await?;
+            Ok::<_, ServiceError>((snaps, sent, total, held, lease))
+        }
+        .await;
+        drop(g);
+        let (snaps, sent, total, held, lease) = match before {
+            Ok(v) => v,
+            Err(e) => {
+                // Still this host's: as it was, as far as it can be.
+                if was_running && cluster.owns(id).is_some() {
+                    if let Err(w) = self.resume_ungated(id).await {
+                        warn!(sandbox = %id, error = %w.message(), "waking a sandbox whose move failed");
+                    }
+                }
+                return Err(e);
+            }
+        };
+        // Committed: the target owns it. This host's copy goes, with what
+        // it kept of the sandbox in memory.
+        self.sched.remove(id);
+        self.sampler.forget(id);
+        self.logs.forget(id);
+        self.slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id);
+        if let Err(e) = self.engine.delete(id).await {
+            warn!(sandbox = %id, error = %e.message(), "move: removing the source's subvolume");
+        }
+        for s in &snaps {
+            if let Err(e) = self.engine.delete_snapshot(&s.id).await {
+                warn!(sandbox = %id, snapshot = %s.id, error = %e.message(), "move: removing the source's snapshot");
+            }
+        }
+        info!(sandbox = %id, to = %target.info.id, bytes = total, sent = sent.len(), "sandbox moved; the target takes it up");
+        let body = AdoptMove {
+            from: me.clone(),
+            wake,
+        };
+        let url = base
+            .join(&format!("v1/imports/{id}/adopt"))
+            .map_err(|e| ServiceError::InvalidRequest(format!("move: {e}")))?;
+        let mut last = None;
+        let mut answer = None;
+        for attempt in 0..3 {
+            if attempt > 0 {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            let r = rx
+                .authed_post(url.clone())
+                .timeout(Duration::from_secs(600))
+                .json(&body)
+                .send()
+                .await;
+            match r {
+                Ok(resp) => {
+                    answer = Some(super::transfer::remote_json(resp, "move: adopt").await);
+                    break;
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        let sandbox = match (answer, last) {
+            (Some(r), _) => r?,
+            (None, Some(e)) => {
+                return Err(ServiceError::Engine(RuntimeError::Unavailable(format!(
+                    "move: the lease of {id} was handed over to host {} but it could not be told: {e} \
+                     (it takes the sandbox up at its next start)",
+                    target.info.id
+                ))))
+            }
+            (None, None) => serde_json::Value::Null,
+        };
+        Ok(MoveReport {
+            sandbox,
+            from: me,
+            to: target.info.id,
+            token: lease.token,
+            sent,
+            held,
+            bytes: total,
+            millis: u64::try_from(t0.elapsed().as_millis()).unwrap_or(u64::MAX),
+        })
+    }
+
+    /// `POST /v1/imports/{id}/adopt`: the target's side of a move (module
+    /// docs). The caller must be able to act on the sandbox (its tenant's),
+    /// the sandbox hibernated, and its lease in the store this host's.
+    pub async fn adopt_move(
+        self: &Arc<Self>,
+        caller: &Caller,
+        id: &SandboxId,
+        cmd: AdoptMove,
+    ) -> ServiceResult<SandboxRecord> {
+        let rec = self.get_sandbox(caller, id).await?;
+        let Some(cluster) = self.cluster().cloned() else {
+            return Err(ServiceError::Conflict(
+                "adopt: this daemon is not a cluster host".into(),
+            ));
+        };
+        if rec.state != SandboxState::Hibernated {
+            return Err(ServiceError::InvalidStateOther(format!(
+                "sandbox {id} is {}: only a hibernated sandbox is handed over",
+                rec.state
+            )));
+        }
+        let from: String = cmd.from.chars().take(MAX_HOST_ID).collect();
+        cluster.adopt(id).await?;
+        let rec = {
+            let _g = self.acquire(id, Op::Configure, Who::User).await?;
+            let mut rec = self.record(id).await?;
+            self.done(
+                &mut rec,
+                Op::Configure,
+                SandboxState::Hibernated,
+                None,
+                &[],
+                Some(format!(
+                    "moved here (host {}) from host {from:?}",
+                    cluster.host_id()
+                )),
+            )
+            .await?;
+            rec
+        };
+        let id2 = id.clone();
+        for s in self.db(move |st| st.list_snapshots(&id2, false)).await? {
+            self.imports.forget(&s.id);
+        }
+        if cmd.wake {
+            self.resume_ungated(id).await
+        } else {
+            Ok(rec)
+        }
+    }
+}
