@@ -93,7 +93,7 @@ fn record(id: SandboxId, i: usize, n: usize, running: usize, now: DateTime<Utc>)
         SandboxState::Running
     } else if i < n / 2 {
         SandboxState::Deleted
-    } else if i % 5 == 0 {
+    } else if i.is_multiple_of(5) {
         SandboxState::Paused
     } else {
         SandboxState::Hibernated
