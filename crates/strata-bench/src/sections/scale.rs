@@ -4,7 +4,11 @@
 //!    `SqliteStore` stratad runs on) holding `--scale-records` sandbox
 //!    records (default 1,000,000): create, update, get and list latency at
 //!    the store, and get/list through the HTTP API (the daemon's router and
-//!    security layer over that store).
+//!    security layer over that store). With `--scale-pg-url` (or
+//!    `STRATA_BENCH_PG_URL`), the same records and the same operations on
+//!    PostgreSQL with `--scale-hosts` (1,000) registered hosts beside it,
+//!    plus placement over those hosts and the owner lookup of forwarding,
+//!    and PostgreSQL's own execution time of the queries (issue 17).
 //! 2. The scheduler with `--scale-running` running sandboxes (default
 //!    10,000) on a 60 s rolling interval: the cost of rebuilding the schedule
 //!    at daemon start, the cost of one tick of the pure core, and the real
@@ -19,16 +23,19 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Result};
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
+use rand::Rng;
 use serde_json::json;
 use strata_core::{Op, SandboxId, SandboxState, SnapshotId};
 use strata_testkit::fixtures::{commit_batched, sandbox_record};
 use strata_testkit::Api;
 use stratad::clock::{Clock, SystemClock};
+use stratad::cluster::placement::{place, Candidate, Request};
 use stratad::engine::unavailable::UnavailableEngine;
 use stratad::scheduler::{self, Actions, DriverConfig, Schedule, SchedulerHandle, Timing};
 use stratad::store::{
-    Event, EventPhase, SandboxFilter, SandboxRecord, SnapshotKind, SnapshotRecord, SnapshotStatus,
-    SqliteStore, Store, DEFAULT_TENANT,
+    Event, EventPhase, HostInfo, HostLoad, HostRecord, HostStore, PgOptions, PgStore,
+    SandboxFilter, SandboxRecord, SnapshotKind, SnapshotRecord, SnapshotStatus, SqliteStore, Store,
+    DEFAULT_TENANT,
 };
 use stratad::App;
 
@@ -56,6 +63,13 @@ pub struct Args {
     /// Wall seconds the real scheduler driver runs over the simulated VMs.
     #[arg(long = "scale-driver-secs", default_value_t = 20)]
     pub driver_secs: u64,
+    /// PostgreSQL to measure beside SQLite (the same records and
+    /// operations, in a schema of the run's own, dropped at the end).
+    #[arg(long = "scale-pg-url", env = "STRATA_BENCH_PG_URL")]
+    pub pg_url: Option<String>,
+    /// Simulated hosts registered in PostgreSQL.
+    #[arg(long = "scale-hosts", default_value_t = 1000)]
+    pub hosts: usize,
 }
 
 impl Args {
@@ -65,27 +79,31 @@ impl Args {
         self.ops = self.ops.min(200);
         self.running = self.running.min(1000);
         self.driver_secs = self.driver_secs.min(3);
+        self.hosts = self.hosts.min(100);
     }
 }
 
-fn record(id: SandboxId, i: usize, running: usize, now: DateTime<Utc>) -> SandboxRecord {
-    // The first `running` records run; the rest look like a long-lived
-    // fleet: mostly hibernated or deleted, some paused.
-    let state = if i < running {
+/// Record `i` of `n` (0 the oldest, one second apart): a long-lived
+/// fleet whose older half was deleted long ago, the newest `running`
+/// running, the rest 20 % paused and 80 % hibernated; each with a `team`
+/// label (50 values).
+fn record(id: SandboxId, i: usize, n: usize, running: usize, now: DateTime<Utc>) -> SandboxRecord {
+    let at = now - chrono::Duration::seconds((n - i) as i64);
+    let state = if i + running >= n {
         SandboxState::Running
+    } else if i < n / 2 {
+        SandboxState::Deleted
+    } else if i.is_multiple_of(5) {
+        SandboxState::Paused
     } else {
-        match i % 10 {
-            0 => SandboxState::Paused,
-            1..=4 => SandboxState::Hibernated,
-            _ => SandboxState::Deleted,
-        }
+        SandboxState::Hibernated
     };
     SandboxRecord {
         id,
         labels: BTreeMap::from([("team".to_owned(), format!("t{}", i % 50))]),
         pid: (state == SandboxState::Running).then_some(1),
-        deleted_at: (state == SandboxState::Deleted).then_some(now),
-        ..sandbox_record(DEFAULT_TENANT, state, now)
+        deleted_at: (state == SandboxState::Deleted).then_some(at),
+        ..sandbox_record(DEFAULT_TENANT, state, at)
     }
 }
 
@@ -108,45 +126,426 @@ fn time<T>(s: &mut Samples, f: impl FnOnce() -> Result<T>) -> Result<T> {
     Ok(v)
 }
 
+/// The 1-, 5- and 15-minute load averages (`/proc/loadavg`), as printed.
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "?".into())
+}
+
+/// Writes the `n` records (ids sorted, so the primary key grows at its
+/// end: seeding is not what is measured), 5,000 to a transaction.
+fn seed(store: &dyn Store, ids: &[SandboxId], running: usize, now: DateTime<Utc>) -> Result<()> {
+    let n = ids.len();
+    let records = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| record(id.clone(), i, n, running, now));
+    commit_batched(store, records, 5000)?;
+    Ok(())
+}
+
+/// The same records as [`seed`] writes, in multi-row `INSERT`s of 5,000
+/// (the store's own writes cost several round trips a record: a million
+/// of them take longer than the whole measurement). The rows are what
+/// `PgStore` writes for them: every column of the record, label rows for
+/// the sandboxes not deleted, no journal event (as [`seed`]).
+fn pg_seed(store: &PgStore, ids: &[SandboxId], running: usize, now: DateTime<Utc>) -> Result<()> {
+    let n = ids.len();
+    let ms = |t: DateTime<Utc>| t.timestamp_millis();
+    let text = |v: &str| format!("'{}'", v.replace('\'', "''"));
+    for chunk in (0..n).collect::<Vec<_>>().chunks(5000) {
+        let mut rows = Vec::with_capacity(chunk.len());
+        let mut labels = Vec::new();
+        for &i in chunk {
+            let r = record(ids[i].clone(), i, n, running, now);
+            rows.push(format!(
+                "({}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, 0)",
+                text(r.id.as_str()),
+                text(&r.tenant),
+                r.size.vcpus,
+                r.size.memory_mib,
+                r.size.disk_gib,
+                text(&serde_json::to_string(&r.labels)?),
+                text(r.state.as_str()),
+                ms(r.created_at),
+                ms(r.updated_at),
+                ms(r.last_activity_at),
+                r.pid.map_or("NULL".into(), |p| p.to_string()),
+                r.deleted_at.map_or("NULL".into(), |t| ms(t).to_string()),
+            ));
+            if r.state != SandboxState::Deleted {
+                for (k, v) in &r.labels {
+                    labels.push(format!(
+                        "({}, {}, {}, {}, {})",
+                        text(r.id.as_str()),
+                        text(k),
+                        text(v),
+                        text(&r.tenant),
+                        ms(r.created_at)
+                    ));
+                }
+            }
+        }
+        let mut sql = format!(
+            "BEGIN; INSERT INTO sandboxes (id, tenant_id, vcpus, memory_mib, disk_gib, labels, \
+             state, created_at, updated_at, last_activity_at, pid, deleted_at, version) VALUES {};",
+            rows.join(",")
+        );
+        if !labels.is_empty() {
+            sql.push_str(&format!(
+                " INSERT INTO sandbox_labels (sandbox_id, key, value, tenant_id, created_at) \
+                 VALUES {};",
+                labels.join(",")
+            ));
+        }
+        sql.push_str(" COMMIT;");
+        store.execute_raw(&sql)?;
+    }
+    Ok(())
+}
+
+/// The timed store operations, in table order.
+const OPS: [&str; 7] = [
+    "create (insert + journal event, own transaction)",
+    "update state (record + event, own transaction)",
+    "get by id",
+    "list, first page of 100",
+    "list, page of 100 half-way through (keyset cursor)",
+    "list state=running, page of 100",
+    "list label team=tN, page of 100",
+];
+
+/// Times [`OPS`] on `store`, `ops` of each, the same lookups on every
+/// store (a fixed generator over the same ids).
+fn store_ops(store: &dyn Store, ids: &[SandboxId], ops: usize) -> Result<Vec<Samples>> {
+    let mut pick = Pick(0x9e37_79b9_7f4a_7c15);
+    let mut s: Vec<Samples> = (0..OPS.len()).map(|_| Samples::new()).collect();
+    let base = SandboxFilter {
+        tenant: DEFAULT_TENANT.into(),
+        limit: 100,
+        ..SandboxFilter::default()
+    };
+    // A cursor half-way through the live records (keyset pagination).
+    let mut f = SandboxFilter {
+        limit: 1000,
+        ..base.clone()
+    };
+    let live = ids.len() - ids.len() / 2;
+    for _ in 0..(live / 2 / 1000) {
+        match store.list_sandboxes(&f)?.next_cursor {
+            Some(c) => f.cursor = Some(c),
+            None => break,
+        }
+    }
+    let deep_cursor = f.cursor.clone();
+    let t_now = Utc::now();
+    for k in 0..ops {
+        let r = SandboxRecord {
+            labels: BTreeMap::from([("team".to_owned(), format!("t{}", k % 50))]),
+            ..sandbox_record(DEFAULT_TENANT, SandboxState::Running, t_now)
+        };
+        let ev = Event::new(&r, Op::Created, None, EventPhase::Pending, None, t_now);
+        time(&mut s[0], || Ok(store.insert_sandbox(&r, &ev)?))?;
+        let mut r2 = r.clone();
+        r2.state = SandboxState::Hibernated;
+        r2.updated_at = Utc::now();
+        let ev2 = Event::new(&r2, Op::Hibernate, None, EventPhase::Done, None, t_now);
+        time(&mut s[1], || Ok(store.update_sandbox(&r2, Some(&ev2))?))?;
+        let id = &ids[pick.next(ids.len())];
+        let got = time(&mut s[2], || Ok(store.get_sandbox(id)?))?;
+        if got.is_none() {
+            return Err(anyhow!("record {id} not found"));
+        }
+        let page = time(&mut s[3], || Ok(store.list_sandboxes(&base)?))?;
+        if page.items.len() != 100 {
+            return Err(anyhow!("first page: {} items", page.items.len()));
+        }
+        let dc = SandboxFilter {
+            cursor: deep_cursor.clone(),
+            ..base.clone()
+        };
+        time(&mut s[4], || Ok(store.list_sandboxes(&dc)?))?;
+        let fs = SandboxFilter {
+            states: vec![SandboxState::Running],
+            ..base.clone()
+        };
+        time(&mut s[5], || Ok(store.list_sandboxes(&fs)?))?;
+        let fl = SandboxFilter {
+            labels: BTreeMap::from([("team".to_owned(), format!("t{}", k % 50))]),
+            ..base.clone()
+        };
+        let page = time(&mut s[6], || Ok(store.list_sandboxes(&fl)?))?;
+        if page.items.is_empty() {
+            return Err(anyhow!("label filter found nothing"));
+        }
+    }
+    Ok(s)
+}
+
+/// What a create asks placement for.
+const PLACE: Request = Request {
+    vcpus: 2,
+    memory_mib: 2048,
+    pool_bytes: 0,
+    anti_affinity: false,
+};
+
+fn candidates(hosts: &[HostRecord]) -> Vec<Candidate> {
+    hosts
+        .iter()
+        .map(|h| Candidate {
+            id: h.info.id.clone(),
+            alive: h.alive,
+            free: h.free,
+            has_template: false,
+            same_group: 0,
+        })
+        .collect()
+}
+
+fn host_info(h: usize) -> HostInfo {
+    HostInfo {
+        id: format!("host-{h:04}"),
+        address: format!("http://10.{}.{}.1:7070", h / 256, h % 256),
+        accel: "kvm".into(),
+        qemu_version: "7.2.0".into(),
+        cpu_model: "EPYC".into(),
+        capacity: HostLoad {
+            vcpus: 64,
+            memory_mib: 262_144,
+            pool_bytes: 4 << 40,
+        },
+    }
+}
+
+/// The PostgreSQL half: the same records in a schema of the run's own
+/// (dropped at the end), `hosts` hosts registered and heartbeating
+/// through `HostStore`, every live record owned by one of them.
+struct PgRun {
+    store: Arc<PgStore>,
+    schema: String,
+    seed_s: f64,
+    ops: Vec<Samples>,
+    /// `sandbox_owner`: the owner lookup of every forwarded request.
+    owner: Samples,
+    /// `hosts()` and `place()` over them.
+    hosts_place: Samples,
+    /// `place()` over the cached host view (what a create pays).
+    place: Samples,
+    /// Database-side execution time of the listing queries (EXPLAIN ANALYZE).
+    server: Vec<(String, Samples, String)>,
+    db_bytes: u64,
+}
+
+impl Drop for PgRun {
+    fn drop(&mut self) {
+        let _ = self
+            .store
+            .execute_raw(&format!("DROP SCHEMA IF EXISTS {} CASCADE", self.schema));
+    }
+}
+
+fn pg_run(
+    url: &str,
+    nhosts: usize,
+    ids: &[SandboxId],
+    running: usize,
+    ops: usize,
+) -> Result<PgRun> {
+    let schema = format!("bench_scale_{}", std::process::id());
+    let store = Arc::new(PgStore::open(&PgOptions {
+        url: url.to_owned(),
+        schema: Some(schema.clone()),
+        pool_size: 4,
+        timeout: Duration::from_secs(600),
+    })?);
+    let mut run = PgRun {
+        store: store.clone(),
+        schema: schema.clone(),
+        seed_s: 0.0,
+        ops: Vec::new(),
+        owner: Samples::new(),
+        hosts_place: Samples::new(),
+        place: Samples::new(),
+        server: Vec::new(),
+        db_bytes: 0,
+    };
+    let mut rng = rand::thread_rng();
+    for h in 0..nhosts.max(1) {
+        let info = host_info(h);
+        let l = store.register_host(&info, 3_600_000)?;
+        let free = HostLoad {
+            vcpus: rng.gen_range(0..64),
+            memory_mib: rng.gen_range(0..262_144),
+            pool_bytes: rng.gen_range(0..(4u64 << 40)),
+        };
+        store.heartbeat(&info.id, l.epoch, &free, 3_600_000)?;
+    }
+    let t = Instant::now();
+    pg_seed(&store, ids, running, Utc::now())?;
+    // Every live record is owned by a host (leases as the hosts hold them).
+    store.execute_raw(&format!(
+        "INSERT INTO sandbox_owners (sandbox_id, host_id, token, acquired_at, expires_at)
+           SELECT id, 'host-' || lpad(((row_number() OVER ()) % {nhosts})::text, 4, '0'),
+                  nextval('strata_fencing_tokens'), 0, 9000000000000
+           FROM sandboxes WHERE state != 'deleted';
+         ANALYZE;",
+        nhosts = nhosts.max(1)
+    ))?;
+    run.seed_s = t.elapsed().as_secs_f64();
+    eprintln!("scale: PostgreSQL seeded in {:.1} s", run.seed_s);
+    run.db_bytes = store
+        .query_lines(&format!(
+            "SELECT sum(pg_total_relation_size(c.oid))::text FROM pg_class c \
+             JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE n.nspname = '{schema}' AND c.relkind = 'r'"
+        ))?
+        .first()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    run.ops = store_ops(&*store, ids, ops)?;
+    let mut pick = Pick(0x2545_f491_4f6c_dd1d);
+    for _ in 0..ops {
+        let id = &ids[pick.next(ids.len())];
+        time(&mut run.owner, || Ok(store.sandbox_owner(id)?))?;
+    }
+    let cached = candidates(&store.hosts()?);
+    for _ in 0..ops {
+        let hs = time(&mut run.hosts_place, || {
+            let hs = candidates(&store.hosts()?);
+            place(&hs, &PLACE).map_err(|e| anyhow!("{e}"))?;
+            Ok(hs.len())
+        })?;
+        if hs != nhosts.max(1) {
+            return Err(anyhow!("{hs} hosts read, {nhosts} registered"));
+        }
+        time(&mut run.place, || {
+            Ok(place(&cached, &PLACE).map_err(|e| anyhow!("{e}"))?.len())
+        })?;
+    }
+    // What the database itself spends on the listing queries (the client's
+    // time less the round trip, decoding and this machine's noise).
+    let cursor = {
+        let mut f = SandboxFilter {
+            tenant: DEFAULT_TENANT.into(),
+            limit: 1000,
+            ..SandboxFilter::default()
+        };
+        let live = ids.len() - ids.len() / 2;
+        let mut last = None;
+        for _ in 0..(live / 2 / 1000) {
+            let p = store.list_sandboxes(&f)?;
+            last = p
+                .items
+                .last()
+                .map(|r| (r.created_at.timestamp_millis(), r.id.clone()));
+            match p.next_cursor {
+                Some(c) => f.cursor = Some(c),
+                None => break,
+            }
+        }
+        last
+    };
+    let mut queries =
+        vec![
+        (
+            "get by id".to_owned(),
+            format!("SELECT * FROM sandboxes WHERE id = '{}'", ids[ids.len() / 2]),
+        ),
+        (
+            "list, first page of 100".to_owned(),
+            "SELECT s.* FROM sandboxes s WHERE s.tenant_id = 'default' AND s.state != 'deleted' \
+             ORDER BY s.created_at, s.id LIMIT 101"
+                .to_owned(),
+        ),
+        (
+            "list state=running, page of 100".to_owned(),
+            "SELECT s.* FROM sandboxes s WHERE s.tenant_id = 'default' AND s.state IN ('running') \
+             ORDER BY s.created_at, s.id LIMIT 101"
+                .to_owned(),
+        ),
+        (
+            "list label team=t7, page of 100".to_owned(),
+            "SELECT s.* FROM sandbox_labels l JOIN sandboxes s ON s.id = l.sandbox_id \
+             WHERE l.tenant_id = 'default' AND l.key = 'team' AND l.value = 't7' \
+             AND s.tenant_id = l.tenant_id AND s.state != 'deleted' \
+             ORDER BY l.created_at, l.sandbox_id LIMIT 101"
+                .to_owned(),
+        ),
+    ];
+    if let Some((t, id)) = cursor {
+        queries.insert(
+            2,
+            (
+                "list, page of 100 half-way through (keyset cursor)".to_owned(),
+                format!(
+                    "SELECT s.* FROM sandboxes s WHERE s.tenant_id = 'default' \
+                     AND s.state != 'deleted' AND (s.created_at, s.id) > ({t}, '{id}') \
+                     ORDER BY s.created_at, s.id LIMIT 101"
+                ),
+            ),
+        );
+    }
+    for (name, q) in queries {
+        let mut exec = Samples::new();
+        let mut plan = String::new();
+        for _ in 0..100 {
+            let lines = store.query_lines(&format!("EXPLAIN (ANALYZE, BUFFERS) {q}"))?;
+            for l in &lines {
+                if let Some(v) = l.trim().strip_prefix("Execution Time: ") {
+                    if let Some(ms) = v.strip_suffix(" ms").and_then(|v| v.parse::<f64>().ok()) {
+                        exec.push(ms);
+                    }
+                }
+            }
+            plan = lines.join("\n");
+        }
+        run.server.push((name, exec, plan));
+    }
+    Ok(run)
+}
+
 /// Measures and fills `sec`.
 pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
     // One client measuring back to back: no per-token rate limit.
     let (_dir, cfg) = crate::ctx::control_plane_config("strata-bench-scale-")?;
     let store = Arc::new(SqliteStore::open(&cfg.db_path(), cfg.db_readers)?);
     let n = args.records.max(args.running).max(1);
+    let pg_url = args.pg_url.clone().filter(|u| !u.is_empty());
     sec.text(format!(
         "The daemon's own SQLite store (`SqliteStore`: WAL, `synchronous=FULL`, one fsync'd \
-         transaction per write) on this machine's disk, holding {n} sandbox records: the first \
-         {} running, the rest 10 % paused, 40 % hibernated, 50 % deleted, each with a `team` \
-         label (50 values). No VMs: this measures the control plane alone.",
-        args.running
+         transaction per write) on this machine's disk, one host, holding {n} sandbox records \
+         of one tenant, one second apart: the older half deleted, the newest {} running, the \
+         rest 20 % paused and 80 % hibernated, each with a `team` label (50 values). {} \
+         No VMs: this measures the control plane alone.",
+        args.running,
+        if pg_url.is_some() {
+            format!(
+                "Beside it, the same records and the same operations on PostgreSQL \
+                 (`PgStore`, a schema of the run's own) with {} hosts registered and \
+                 heartbeating, every live record owned by one of them.",
+                args.hosts
+            )
+        } else {
+            "PostgreSQL not measured (no `--scale-pg-url` / `STRATA_BENCH_PG_URL`).".to_owned()
+        }
     ));
+    let load_before = loadavg();
 
     // ---------------------------------------------------------------- seed
     let now = Utc::now();
     let t = Instant::now();
-    let (ids, running_ids) = {
+    // Random ids, in sorted order (the primary key grows at its end).
+    let mut ids: Vec<SandboxId> = (0..n).map(|_| SandboxId::generate()).collect();
+    ids.sort();
+    let running_ids: Vec<SandboxId> = ids[n - args.running.min(n)..].to_vec();
+    {
         let store = store.clone();
+        let ids = ids.clone();
         let running = args.running;
-        tokio::task::spawn_blocking(move || -> Result<_> {
-            // Random ids, inserted in sorted order: the same records, but the
-            // primary key and the listing index grow at their end instead of
-            // splitting pages all over (seeding is not what is measured).
-            let mut ids: Vec<SandboxId> = (0..n).map(|_| SandboxId::generate()).collect();
-            ids.sort();
-            let mut run_ids = Vec::with_capacity(running);
-            let records = ids.iter().enumerate().map(|(i, id)| {
-                let r = record(id.clone(), i, running, now);
-                if r.state == SandboxState::Running {
-                    run_ids.push(r.id.clone());
-                }
-                r
-            });
-            commit_batched(&*store, records, 5000)?;
-            Ok((ids, run_ids))
-        })
-        .await??
-    };
+        tokio::task::spawn_blocking(move || seed(&*store, &ids, running, now)).await??;
+    }
     let seed_s = t.elapsed().as_secs_f64();
     let db_bytes = std::fs::metadata(cfg.db_path())
         .map(|m| m.len())
@@ -155,108 +554,133 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
 
     // ---------------------------------------------------------------- store ops
     let ops = args.ops.max(1);
-    let st = store.clone();
-    let idv = ids.clone();
-    let measured = tokio::task::spawn_blocking(move || -> Result<Vec<(String, Samples)>> {
-        let store = st;
-        let ids = idv;
-        let mut pick = Pick(0x9e37_79b9_7f4a_7c15);
-        let mut create = Samples::new();
-        let mut update = Samples::new();
-        let mut get = Samples::new();
-        let mut list = Samples::new();
-        let mut deep = Samples::new();
-        let mut by_state = Samples::new();
-        let mut by_label = Samples::new();
-        let base = SandboxFilter {
-            tenant: DEFAULT_TENANT.into(),
-            limit: 100,
-            ..SandboxFilter::default()
-        };
-        // A cursor half-way through the live records (keyset pagination).
-        let mut f = SandboxFilter {
-            limit: 1000,
-            ..base.clone()
-        };
-        let live = ids.len() / 2;
-        for _ in 0..(live / 2 / 1000) {
-            match store.list_sandboxes(&f)?.next_cursor {
-                Some(c) => f.cursor = Some(c),
-                None => break,
-            }
+    let measured = {
+        let store = store.clone();
+        let ids = ids.clone();
+        tokio::task::spawn_blocking(move || store_ops(&*store, &ids, ops)).await??
+    };
+    // Placement on one host: the one candidate the daemon knows.
+    let one = vec![Candidate {
+        id: "host-0000".into(),
+        alive: true,
+        free: HostLoad {
+            vcpus: 64,
+            memory_mib: 262_144,
+            pool_bytes: 4 << 40,
+        },
+        has_template: true,
+        same_group: 0,
+    }];
+    let mut place_one = Samples::new();
+    for _ in 0..ops {
+        time(&mut place_one, || {
+            Ok(place(&one, &PLACE).map_err(|e| anyhow!("{e}"))?.len())
+        })?;
+    }
+    let pg = match &pg_url {
+        Some(url) => {
+            let url = url.clone();
+            let ids = ids.clone();
+            let (hosts, running) = (args.hosts, args.running);
+            Some(
+                tokio::task::spawn_blocking(move || pg_run(&url, hosts, &ids, running, ops))
+                    .await??,
+            )
         }
-        let deep_cursor = f.cursor.clone();
-        let t_now = Utc::now();
-        for k in 0..ops {
-            let r = record(SandboxId::generate(), k % 10 + 10, 0, t_now);
-            let ev = Event::new(&r, Op::Created, None, EventPhase::Pending, None, t_now);
-            time(&mut create, || Ok(store.insert_sandbox(&r, &ev)?))?;
-            let mut r2 = r.clone();
-            r2.state = SandboxState::Hibernated;
-            r2.updated_at = Utc::now();
-            let ev2 = Event::new(&r2, Op::Hibernate, None, EventPhase::Done, None, t_now);
-            time(&mut update, || Ok(store.update_sandbox(&r2, Some(&ev2))?))?;
-            let id = &ids[pick.next(ids.len())];
-            let got = time(&mut get, || Ok(store.get_sandbox(id)?))?;
-            if got.is_none() {
-                return Err(anyhow!("record {id} not found"));
-            }
-            time(&mut list, || Ok(store.list_sandboxes(&base)?))?;
-            let dc = SandboxFilter {
-                cursor: deep_cursor.clone(),
-                ..base.clone()
-            };
-            time(&mut deep, || Ok(store.list_sandboxes(&dc)?))?;
-            let fs = SandboxFilter {
-                states: vec![SandboxState::Running],
-                ..base.clone()
-            };
-            time(&mut by_state, || Ok(store.list_sandboxes(&fs)?))?;
-            let fl = SandboxFilter {
-                labels: BTreeMap::from([("team".to_owned(), format!("t{}", k % 50))]),
-                ..base.clone()
-            };
-            let page = time(&mut by_label, || Ok(store.list_sandboxes(&fl)?))?;
-            if page.items.is_empty() {
-                return Err(anyhow!("label filter found nothing"));
-            }
-        }
-        Ok(vec![
-            (
-                "create (insert + journal event, own fsync'd transaction)".into(),
-                create,
-            ),
-            (
-                "update state (record + event, own fsync'd transaction)".into(),
-                update,
-            ),
-            ("get by id".into(), get),
-            ("list, first page of 100".into(), list),
-            (
-                "list, page of 100 half-way through (keyset cursor)".into(),
-                deep,
-            ),
-            ("list state=running, page of 100".into(), by_state),
-            ("list label team=tN, page of 100".into(), by_label),
-        ])
-    })
-    .await??;
-    let mut t_store = Table::latency(
+        None => None,
+    };
+    let load_after = loadavg();
+
+    let dash = || vec!["—".to_owned(); 3];
+    let cells = |s: &Samples| {
+        let m = s.summary();
+        vec![fmt_ms(m.p50), fmt_ms(m.p95), fmt_ms(m.p99)]
+    };
+    let mut t_store = Table::new(
         format!(
-            "Store operations with {n} records ({} on disk incl. indexes)",
-            crate::stats::fmt_bytes(db_bytes as f64)
+            "Store operations with {n} records: SQLite, one host ({} on disk incl. indexes) \
+             beside PostgreSQL, {} hosts ({}), ms; load average {load_before} before, \
+             {load_after} after",
+            crate::stats::fmt_bytes(db_bytes as f64),
+            args.hosts,
+            pg.as_ref()
+                .map(|p| format!(
+                    "{} incl. indexes",
+                    crate::stats::fmt_bytes(p.db_bytes as f64)
+                ))
+                .unwrap_or_else(|| "not measured".into()),
         ),
-        &[],
+        &[
+            "case",
+            "SQLite p50",
+            "p95",
+            "p99",
+            "PostgreSQL p50",
+            "p95",
+            "p99",
+        ],
     );
     let mut data_store = serde_json::Map::new();
-    for (name, s) in &measured {
-        t_store.latency_row(name.clone(), &s.summary(), vec![]);
-        data_store.insert(name.clone(), json!(s.summary()));
+    let mut data_pg = serde_json::Map::new();
+    for (i, name) in OPS.iter().enumerate() {
+        let mut row = vec![name.to_string()];
+        row.extend(cells(&measured[i]));
+        data_store.insert(name.to_string(), json!(measured[i].summary()));
+        match &pg {
+            Some(p) => {
+                row.extend(cells(&p.ops[i]));
+                data_pg.insert(name.to_string(), json!(p.ops[i].summary()));
+            }
+            None => row.extend(dash()),
+        }
+        t_store.row(row);
     }
+    let mut row = vec!["placement: place() over the cached host view (what a create pays)".into()];
+    row.extend(cells(&place_one));
+    row.extend(pg.as_ref().map(|p| cells(&p.place)).unwrap_or_else(dash));
+    t_store.row(row);
+    if let Some(p) = &pg {
+        let mut row = vec!["placement: hosts() read + place()".to_owned()];
+        row.extend(dash());
+        row.extend(cells(&p.hosts_place));
+        t_store.row(row);
+        let mut row = vec!["owner lookup (sandbox_owner, each forwarded request)".to_owned()];
+        row.extend(dash());
+        row.extend(cells(&p.owner));
+        t_store.row(row);
+        data_pg.insert("place_cached".into(), json!(p.place.summary()));
+        data_pg.insert("hosts_place".into(), json!(p.hosts_place.summary()));
+        data_pg.insert("owner".into(), json!(p.owner.summary()));
+    }
+    data_store.insert("place_one_host".into(), json!(place_one.summary()));
     sec.table(t_store);
-    let create = measured[0].1.summary();
-    let get = measured[2].1.summary();
-    let list = measured[3].1.summary();
+    if let Some(p) = &pg {
+        let mut t_srv = Table::new(
+            "PostgreSQL's own execution time of the same queries (EXPLAIN (ANALYZE, BUFFERS), \
+             100 runs each, literal arguments), ms: what the machine's noise disturbs least",
+            &["query", "p50", "p99", "plan (last run)"],
+        );
+        let mut srv = serde_json::Map::new();
+        for (name, s, plan) in &p.server {
+            let m = s.summary();
+            let first = plan
+                .lines()
+                .find(|l| l.contains("Index") || l.contains("Scan"))
+                .unwrap_or("")
+                .trim()
+                .to_owned();
+            t_srv.row(vec![name.clone(), fmt_ms(m.p50), fmt_ms(m.p99), first]);
+            srv.insert(name.clone(), json!({"exec_ms": m, "plan": plan}));
+        }
+        data_pg.insert("server".into(), json!(srv));
+        data_pg.insert("seed_seconds".into(), json!(p.seed_s));
+        data_pg.insert("db_bytes".into(), json!(p.db_bytes));
+        data_pg.insert("hosts".into(), json!(args.hosts));
+        sec.table(t_srv);
+    }
+    let create = measured[0].summary();
+    let get = measured[2].summary();
+    let list = measured[3].summary();
 
     // ---------------------------------------------------------------- HTTP
     let app = Arc::new(App::new(
@@ -438,25 +862,26 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
     .iter()
     .map(|s| s.to_string())
     .collect();
-    let series: Vec<(String, Vec<f64>)> = [("p50", 0usize), ("p99", 1)]
-        .iter()
-        .map(|(name, k)| {
-            (
-                name.to_string(),
-                measured
-                    .iter()
-                    .map(|(_, s)| {
-                        let m = s.summary();
-                        if *k == 0 {
-                            m.p50
-                        } else {
-                            m.p99
-                        }
-                    })
-                    .collect(),
-            )
-        })
-        .collect();
+    let col = |v: &[Samples], p99: bool| -> Vec<f64> {
+        v.iter()
+            .map(|s| {
+                let m = s.summary();
+                if p99 {
+                    m.p99
+                } else {
+                    m.p50
+                }
+            })
+            .collect()
+    };
+    let mut series: Vec<(String, Vec<f64>)> = vec![
+        ("SQLite p50".to_owned(), col(&measured, false)),
+        ("SQLite p99".to_owned(), col(&measured, true)),
+    ];
+    if let Some(p) = &pg {
+        series.push(("PostgreSQL p50".to_owned(), col(&p.ops, false)));
+        series.push(("PostgreSQL p99".to_owned(), col(&p.ops, true)));
+    }
     plot::bars(
         &ctx.file(file),
         &format!("Store latency with {n} records"),
@@ -471,12 +896,27 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
     );
 
     sec.headline(format!(
-        "{n} records: create p99 {} (fsync'd), get p99 {} (HTTP {}), list page p99 {}",
+        "{n} records on SQLite: create p99 {} (fsync'd), get p99 {} (HTTP {}), list page p99 {}",
         fmt_ms(create.p99),
         fmt_ms(get.p99),
         fmt_ms(hget_s.p99),
         fmt_ms(list.p99)
     ));
+    if let Some(p) = &pg {
+        let worst_list = p.ops[3..]
+            .iter()
+            .map(|s| s.summary().p99)
+            .fold(0.0, f64::max);
+        sec.headline(format!(
+            "{n} records, {} hosts on PostgreSQL: get p99 {}, list p99 {} (worst of 4 listings), \
+             placement p99 {} (cached view; {} reading the hosts); load average {load_after}",
+            args.hosts,
+            fmt_ms(p.ops[2].summary().p99),
+            fmt_ms(worst_list),
+            fmt_ms(p.place.summary().p99),
+            fmt_ms(p.hosts_place.summary().p99),
+        ));
+    }
     sec.headline(format!(
         "{} running sandboxes: scheduler tick p99 {}, rebuild at start {}, real driver lag p99 {} at {:.1} % CPU",
         running_ids.len(),
@@ -491,6 +931,8 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         "seed_seconds": seed_s,
         "db_bytes": db_bytes,
         "store": data_store,
+        "postgres": data_pg,
+        "load_average": {"before": load_before, "after": load_after},
         "http": {"get": hget.summary(), "list": hlist.summary()},
         "scheduler": {
             "load_ms": load_ms, "rebuild_ms": rebuild_ms, "tracked": tracked,

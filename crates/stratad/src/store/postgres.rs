@@ -849,6 +849,19 @@ impl PgStore {
         })
     }
 
+    /// The first column of every row `sql` returns, as text (tools: the
+    /// benchmark reads `EXPLAIN (ANALYZE)` output with it).
+    #[doc(hidden)]
+    pub fn query_lines(&self, sql: &str) -> StoreResult<Vec<String>> {
+        self.block(async {
+            let c = self.client().await?;
+            let rows = c.query(sql, &[]).await?;
+            rows.iter()
+                .map(|r| Ok(r.try_get::<_, String>(0)?))
+                .collect::<StoreResult<Vec<String>>>()
+        })
+    }
+
     /// The process ids of this store's idle pooled connections on the
     /// server (tests: to cut them).
     #[doc(hidden)]

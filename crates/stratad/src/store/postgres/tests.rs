@@ -189,3 +189,114 @@ fn an_unreachable_server_fails_open_within_the_bound() {
     }
     assert!(t.elapsed() < Duration::from_secs(3));
 }
+
+/// The first column of each row of `sql`, as text, run in `schema`.
+fn pg_lines(url: &str, schema: &str, sql: &str) -> Vec<String> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let (c, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        let task = tokio::spawn(conn);
+        c.batch_execute(&format!("SET search_path TO {schema}"))
+            .await
+            .unwrap();
+        let rows = c.query(sql, &[]).await.unwrap();
+        let out = rows.iter().map(|r| r.get::<_, String>(0)).collect();
+        drop(c);
+        let _ = task.await;
+        out
+    })
+}
+
+/// A database at schema 15 migrates to the index of live sandboxes, and a
+/// tenant whose history is mostly deleted lists its live sandboxes through
+/// it (no step over the deleted ones, no sort).
+#[test]
+fn a_schema_15_database_lists_through_the_live_index_after_migrating() {
+    let Some(db) = db("a_schema_15_database_lists_through_the_live_index_after_migrating") else {
+        return;
+    };
+    let TestDb::Postgres { url, schema } = &db else {
+        unreachable!()
+    };
+    {
+        let s = db.open();
+        for i in 0..30 {
+            let st = if i < 20 {
+                SandboxState::Deleted
+            } else {
+                SandboxState::Hibernated
+            };
+            let rec = sandbox(i, st);
+            s.insert_sandbox(&rec, &created(&rec)).unwrap();
+        }
+    }
+    // Back to what version 15 had (migration 16 changes indexes only).
+    db.raw(
+        "DROP INDEX sandboxes_live_by_tenant;
+         CREATE INDEX sandboxes_by_tenant ON sandboxes (tenant_id, created_at, id);
+         DELETE FROM strata_migrations WHERE version = 16;",
+    )
+    .unwrap();
+    let s = db.open();
+    assert_eq!(db.count("strata_migrations WHERE version = 16"), 1);
+    let idx = pg_lines(
+        url,
+        schema,
+        "SELECT indexname::text FROM pg_indexes \
+         WHERE schemaname = current_schema() AND tablename = 'sandboxes' ORDER BY 1",
+    );
+    assert!(
+        idx.iter().any(|n| n == "sandboxes_live_by_tenant"),
+        "{idx:?}"
+    );
+    assert!(!idx.iter().any(|n| n == "sandboxes_by_tenant"), "{idx:?}");
+    let mut f = SandboxFilter {
+        tenant: DEFAULT_TENANT.into(),
+        limit: 4,
+        ..Default::default()
+    };
+    let mut seen = Vec::new();
+    loop {
+        let page = s.list_sandboxes(&f).unwrap();
+        seen.extend(page.items.iter().map(|r| r.id.to_string()));
+        match page.next_cursor {
+            Some(c) => f.cursor = Some(c),
+            None => break,
+        }
+    }
+    let want: Vec<String> = (20..30).map(|i| format!("sb-{i:08}")).collect();
+    assert_eq!(seen, want);
+
+    // A long history: 20,000 deleted sandboxes older than the live ones.
+    db.raw(
+        "INSERT INTO sandboxes (id, tenant_id, vcpus, memory_mib, disk_gib, labels, state,
+             created_at, updated_at, last_activity_at, deleted_at)
+           SELECT 'sb-old' || lpad(g::text, 9, '0'), 'default', 1, 256, 2, '{}', 'deleted',
+                  g, g, g, g
+           FROM generate_series(1, 20000) g;
+         ANALYZE sandboxes;",
+    )
+    .unwrap();
+    let plan = pg_lines(
+        url,
+        schema,
+        "EXPLAIN SELECT s.id, s.labels FROM sandboxes s WHERE s.tenant_id = 'default' \
+         AND s.state != 'deleted' ORDER BY s.created_at, s.id LIMIT 101",
+    )
+    .join("\n");
+    assert!(plan.contains("sandboxes_live_by_tenant"), "{plan}");
+    assert!(!plan.contains("Sort"), "{plan}");
+    let page = s
+        .list_sandboxes(&SandboxFilter {
+            tenant: DEFAULT_TENANT.into(),
+            limit: 100,
+            ..Default::default()
+        })
+        .unwrap();
+    assert_eq!(page.items.len(), 10);
+}

@@ -2,7 +2,7 @@
 //! (`PRAGMA user_version` counts them). Never edit a shipped migration: add one.
 
 /// Newest schema version this build knows.
-pub const SCHEMA_VERSION: i64 = 15;
+pub const SCHEMA_VERSION: i64 = 16;
 
 pub(super) const MIGRATIONS: &[&str] = &[
     // 1: initial schema.
@@ -271,5 +271,17 @@ pub(super) const MIGRATIONS: &[&str] = &[
         updated_by TEXT,
         PRIMARY KEY (tenant_id, name)
     ) WITHOUT ROWID;
+    "#,
+    // 16: listing a tenant's sandboxes (`state != 'deleted'`, ordered by
+    // (created_at, id), keyset cursor) walks an index of the live ones
+    // only: with the whole-table index it stepped over every deleted
+    // sandbox older than the page (a long-lived tenant's first page read
+    // its whole history). It also serves the tenant's usage count. It
+    // replaces `sandboxes_by_tenant`, which no query needs any more (a
+    // listing of deleted ones goes by `sandboxes_by_state`).
+    r#"
+    CREATE INDEX sandboxes_live_by_tenant ON sandboxes (tenant_id, created_at, id)
+        WHERE state != 'deleted';
+    DROP INDEX sandboxes_by_tenant;
     "#,
 ];

@@ -23,11 +23,11 @@ fn listing_uses_indexes() {
             .collect();
         rows.join(" | ")
     };
-    let p = plan("SELECT id FROM sandboxes s WHERE tenant_id = 'default' AND state != 'deleted' AND (created_at, id) > (1, 'sb-a') ORDER BY created_at, id LIMIT 10");
-    assert!(
-        p.contains("USING INDEX sandboxes_by_tenant") || p.contains("USING COVERING INDEX"),
-        "{p}"
-    );
+    // The listing walks the index of live sandboxes (schema 16), in order:
+    // no deleted row is stepped over, no sort.
+    let p = plan("SELECT s.id, s.labels FROM sandboxes s WHERE s.tenant_id = 'default' AND s.state != 'deleted' AND (s.created_at, s.id) > (1, 'sb-a') ORDER BY s.created_at, s.id LIMIT 10");
+    assert!(p.contains("sandboxes_live_by_tenant"), "{p}");
+    assert!(!p.contains("TEMP B-TREE"), "listing needs no sort: {p}");
     let p = plan("SELECT id FROM sandboxes s WHERE tenant_id = 'default' AND state IN ('running') ORDER BY created_at, id LIMIT 10");
     assert!(p.contains("sandboxes_by_state"), "{p}");
     let p = plan("SELECT s.id FROM sandbox_labels l JOIN sandboxes s ON s.id = l.sandbox_id WHERE l.tenant_id = 'default' AND l.key = 'team' AND l.value = 't1' AND s.tenant_id = l.tenant_id AND s.state != 'deleted' AND (l.created_at, l.sandbox_id) > (1, 'sb-a') ORDER BY l.created_at, l.sandbox_id LIMIT 10");
@@ -290,4 +290,72 @@ fn same_as_round_trips_and_schema_11_rows_read_as_none() {
     assert!(j.get("same_as").is_none(), "{j}");
     let j = serde_json::to_value(&same).unwrap();
     assert_eq!(j["same_as"], old.id.as_str());
+}
+
+#[test]
+fn a_schema_15_database_lists_through_the_live_index_after_migrating() {
+    // A database as schema 15 left it, with live and deleted sandboxes:
+    // written by this build, then its index put back as 15 had it
+    // (migration 16 changes indexes only).
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("strata.db");
+    {
+        let s = SqliteStore::open(&path, 1).unwrap();
+        for i in 0..30 {
+            let st = if i < 20 {
+                SandboxState::Deleted
+            } else {
+                SandboxState::Hibernated
+            };
+            let rec = sandbox(i, st);
+            s.insert_sandbox(&rec, &created(&rec)).unwrap();
+        }
+        s.writer()
+            .execute_batch(
+                "DROP INDEX sandboxes_live_by_tenant;
+                 CREATE INDEX sandboxes_by_tenant ON sandboxes (tenant_id, created_at, id);
+                 PRAGMA user_version = 15;",
+            )
+            .unwrap();
+    }
+    let s = SqliteStore::open(&path, 1).unwrap();
+    let version: i64 = s
+        .writer()
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(version, SCHEMA_VERSION);
+    let indexes: Vec<String> = s
+        .writer()
+        .prepare("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'sandboxes'")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .map(|r| r.unwrap())
+        .collect();
+    assert!(
+        indexes.iter().any(|n| n == "sandboxes_live_by_tenant"),
+        "{indexes:?}"
+    );
+    assert!(
+        !indexes.iter().any(|n| n == "sandboxes_by_tenant"),
+        "{indexes:?}"
+    );
+    // The oldest live ones first, in pages, none deleted.
+    let mut f = SandboxFilter {
+        tenant: DEFAULT_TENANT.into(),
+        limit: 4,
+        ..Default::default()
+    };
+    let mut seen = Vec::new();
+    loop {
+        let page = s.list_sandboxes(&f).unwrap();
+        seen.extend(page.items.iter().map(|r| r.id.to_string()));
+        match page.next_cursor {
+            Some(c) => f.cursor = Some(c),
+            None => break,
+        }
+    }
+    let want: Vec<String> = (20..30).map(|i| format!("sb-{i:08}")).collect();
+    assert_eq!(seen, want);
+    assert_eq!(s.tenant_usage(DEFAULT_TENANT).unwrap().sandboxes, 10);
 }
