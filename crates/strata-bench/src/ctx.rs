@@ -188,6 +188,9 @@ pub fn control_plane_config(prefix: &str) -> Result<(tempfile::TempDir, stratad:
 pub struct BenchDaemon {
     /// The daemon.
     pub app: Arc<App>,
+    /// Its runtime (for A/B switches such as
+    /// [`Runtime::set_call_cpu_weight`]).
+    pub rt: Arc<Runtime>,
     /// A client of its HTTP API.
     pub http: Api,
     /// Its data dir, run dir and pool live under here.
@@ -250,6 +253,7 @@ impl BenchDaemon {
         let engine = stratad::daemon::open_engine(&cfg)
             .await
             .map_err(|e| anyhow!("open the engine: {e}"))?;
+        let rt = engine.runtime().clone();
         let app = Arc::new(App::open(cfg, engine).map_err(|e| anyhow!("open the store: {e}"))?);
         app.start()
             .await
@@ -258,6 +262,7 @@ impl BenchDaemon {
         let http = Api::new(served.url.clone()).admin_token_of(&data_dir);
         let d = BenchDaemon {
             app,
+            rt,
             http,
             root,
             key,

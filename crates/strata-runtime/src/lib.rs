@@ -27,9 +27,9 @@ pub use error::{GuestErrorKind, RuntimeError};
 pub use meta::{GuestCommand, StartCommand, StateMeta, SNAPSHOT_FORMAT_VERSION};
 pub use runtime::PortOpenError;
 pub use runtime::{
-    load_image, qemu_version, Adoption, CpuSource, DiskWrites, EgressResolver, MoveError,
-    ReceivedSnapshot, ReceivedTemplate, Runtime, TemplateBuilt, VmDied, VmUsage, SYSTEM_CA_BUNDLE,
-    TRUSTED_CA_PATH, WARM_CPU_WEIGHT,
+    load_image, qemu_version, Adoption, CallBoost, CpuSource, DiskWrites, EgressResolver,
+    MoveError, ReceivedSnapshot, ReceivedTemplate, Runtime, TemplateBuilt, VmDied, VmUsage,
+    CALL_CPU_WEIGHT, SYSTEM_CA_BUNDLE, TRUSTED_CA_PATH, WARM_CPU_WEIGHT,
 };
 pub use signing::StateSigner;
 pub use strata_proto::client::{PortCounters, PortError, PortStream};

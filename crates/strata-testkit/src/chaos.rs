@@ -1003,18 +1003,17 @@ async fn envd_env(sh: &Shared, id: &str, token: &str) -> Result<String, String> 
     let mut body = vec![0u8];
     body.extend_from_slice(&u32::try_from(b.len()).unwrap_or(u32::MAX).to_be_bytes());
     body.extend_from_slice(&b);
-    let r = sh
-        .d
-        .api
-        .client()
-        .post(format!("{}/process.Process/Start", sh.d.url))
-        .header("E2b-Sandbox-Id", id)
-        .header("X-Access-Token", token)
-        .header("content-type", "application/connect+json")
-        .body(body)
-        .send()
-        .await
-        .map_err(|e| crate::error_chain(&e))?;
+    let r =
+        sh.d.api
+            .client()
+            .post(format!("{}/process.Process/Start", sh.d.url))
+            .header("E2b-Sandbox-Id", id)
+            .header("X-Access-Token", token)
+            .header("content-type", "application/connect+json")
+            .body(body)
+            .send()
+            .await
+            .map_err(|e| crate::error_chain(&e))?;
     let status = r.status().as_u16();
     let bytes = r.bytes().await.map_err(|e| crate::error_chain(&e))?;
     if status != 200 {

@@ -219,3 +219,106 @@ default_template = 1
     let out = d.sh(&idle, "echo awake").await;
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "awake");
 }
+
+/// The CPU-weight file of sandbox `id`'s QEMU process's cgroup (cgroup v1
+/// `cpu.shares`, else v2 `cpu.weight`) and its value, as an operator
+/// would read it: the QEMU found by its command line, its cgroup from
+/// `/proc/<pid>/cgroup`.
+fn qemu_cpu_weight(id: &str) -> Option<(std::path::PathBuf, u64)> {
+    let pid = std::fs::read_dir("/proc").ok()?.find_map(|e| {
+        let e = e.ok()?;
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        let cmd = String::from_utf8_lossy(&cmd);
+        let argv0 = cmd.split('\0').next().unwrap_or("");
+        (argv0.contains("qemu") && cmd.contains(id)).then_some(pid)
+    })?;
+    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    let mut v2 = None;
+    for line in cgroups.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        if controllers.split(',').any(|c| c == "cpu") {
+            for mount in [controllers.to_owned(), "cpu".to_owned()] {
+                let f = std::path::Path::new("/sys/fs/cgroup")
+                    .join(&mount)
+                    .join(path.trim_start_matches('/'))
+                    .join("cpu.shares");
+                if let Ok(v) = std::fs::read_to_string(&f) {
+                    return Some((f, v.trim().parse().ok()?));
+                }
+            }
+        } else if controllers.is_empty() {
+            v2 = Some(path.trim_start_matches('/').to_owned());
+        }
+    }
+    let f = std::path::Path::new("/sys/fs/cgroup")
+        .join(v2?)
+        .join("cpu.weight");
+    let v = std::fs::read_to_string(&f).ok()?;
+    Some((f, v.trim().parse().ok()?))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_call_in_flight_raises_its_sandboxs_cpu_weight_until_it_ends() {
+    let d = Daemon::start("");
+    d.wait_template().await;
+    let a = d.create(json!({})).await;
+    let b = d.create(json!({})).await;
+    let (file, before) = qemu_cpu_weight(&a).expect("a's QEMU and its cgroup's CPU weight");
+    let v1 = file.ends_with("cpu.shares");
+    let (default, boosted) = if v1 { (1024, 10_240) } else { (100, 1000) };
+    assert_eq!(before, default, "{} before any call", file.display());
+
+    // A command in flight on a: its weight is raised, b's is not.
+    let api = d.api.clone();
+    let a2 = a.clone();
+    let long = tokio::spawn(async move {
+        api.exec(&a2, json!({ "cmd": ["sleep", "4"] }))
+            .await
+            .expect("exec")
+    });
+    let t = Instant::now();
+    let mut during = before;
+    while t.elapsed() < Duration::from_secs(3) {
+        during = qemu_cpu_weight(&a).expect("a's weight").1;
+        if during == boosted {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(during, boosted, "{} while a command runs", file.display());
+    assert_eq!(
+        qemu_cpu_weight(&b).expect("b's weight").1,
+        default,
+        "an idle sandbox keeps the default"
+    );
+    // Two calls at once: the end of the shorter one keeps the weight.
+    let out = d.sh(&a, "true").await;
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(qemu_cpu_weight(&a).expect("a's weight").1, boosted);
+
+    // The command ends: back to the default.
+    let done = long.await.expect("join");
+    assert_eq!(done.code, Some(0), "{done:?}");
+    let t = Instant::now();
+    let mut after = during;
+    while t.elapsed() < Duration::from_secs(2) {
+        after = qemu_cpu_weight(&a).expect("a's weight").1;
+        if after == default {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(after, default, "{} after the command", file.display());
+    // A file write is a call too, and leaves the default behind it.
+    let (s, v) = d
+        .raw(
+            "PUT",
+            &format!("/v1/sandboxes/{a}/files?path=/root/f"),
+            b"x".to_vec(),
+        )
+        .await;
+    assert!(s < 300, "{s} {}", String::from_utf8_lossy(&v));
+    assert_eq!(qemu_cpu_weight(&a).expect("a's weight").1, default);
+}

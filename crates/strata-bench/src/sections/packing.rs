@@ -65,6 +65,34 @@ pub struct Args {
     /// Hibernated sandboxes woken at the end.
     #[arg(id = "packing-wakes", long = "packing-wakes", default_value_t = 20)]
     pub wakes: usize,
+    /// The load window in this many slices, alternately without and with
+    /// the CPU weight of a sandbox with a call in flight (A/B in one run,
+    /// same sandboxes); 0: one window with the default (boost on).
+    #[arg(
+        id = "packing-ab-slices",
+        long = "packing-ab-slices",
+        default_value_t = 4
+    )]
+    pub ab_slices: u32,
+}
+
+/// The host's 1-minute load average now (`/proc/loadavg`).
+fn loadavg() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+/// One slice of the load window.
+#[derive(Debug, Clone, Copy)]
+struct Slice {
+    from: Instant,
+    to: Instant,
+    /// Whether a call in flight raised its sandbox's CPU weight.
+    boost: bool,
+    load_from: f64,
+    load_to: f64,
 }
 
 impl Args {
@@ -74,6 +102,7 @@ impl Args {
         self.secs = self.secs.min(10);
         self.unloaded = self.unloaded.min(5);
         self.wakes = self.wakes.min(2);
+        self.ab_slices = self.ab_slices.min(2);
     }
 }
 
@@ -216,6 +245,7 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         .await?
         .map_err(|v| anyhow!("first create refused: {v}"))?;
     let mut unloaded = Samples::new();
+    let un_load_from = loadavg();
     d.http.exec_output(&solo, WORK).await?; // first run: page cache
     for _ in 0..args.unloaded {
         let t0 = Instant::now();
@@ -227,6 +257,7 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let un = unloaded.summary();
+    let un_load = (un_load_from, loadavg());
     eprintln!(
         "packing: unloaded p50 {} p99 {}",
         fmt_ms(un.p50),
@@ -311,7 +342,34 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
     }
     let created_wall = t_all.elapsed().as_secs_f64();
     let window_start = Instant::now();
-    tokio::time::sleep(Duration::from_secs(args.secs)).await;
+    // The window in slices, boost off and on alternately (A/B, same
+    // sandboxes, same minutes of this shared host's load).
+    let n_slices = args.ab_slices.max(1);
+    let slice_len = Duration::from_secs(args.secs) / n_slices;
+    let mut slices: Vec<Slice> = Vec::new();
+    for k in 0..n_slices {
+        let boost = args.ab_slices == 0 || k % 2 == 1;
+        d.rt.set_call_cpu_weight(if boost {
+            strata_runtime::CALL_CPU_WEIGHT
+        } else {
+            0
+        });
+        let (from, load_from) = (Instant::now(), loadavg());
+        tokio::time::sleep(slice_len).await;
+        slices.push(Slice {
+            from,
+            to: Instant::now(),
+            boost,
+            load_from,
+            load_to: loadavg(),
+        });
+        eprintln!(
+            "packing: load slice {k} (boost {}) load avg {load_from:.2} → {:.2}",
+            if boost { "on" } else { "off" },
+            loadavg()
+        );
+    }
+    d.rt.set_call_cpu_weight(strata_runtime::CALL_CPU_WEIGHT);
     let st_mid = stats(&d).await?;
     let (_, metrics) = d.http.raw(Method::GET, "/metrics", Vec::new()).await?;
     let metrics = String::from_utf8_lossy(&metrics).into_owned();
@@ -353,6 +411,37 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             }
         }
         s
+    };
+    // Per arm of the A/B: the commands that started in its slices.
+    let in_arm = |v: &Arc<Mutex<Vec<(Instant, f64)>>>, boost: bool| {
+        let mut s = Samples::new();
+        for (at, ms) in v.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            if slices
+                .iter()
+                .any(|c| c.boost == boost && *at >= c.from && *at < c.to)
+            {
+                s.push(*ms);
+            }
+        }
+        s
+    };
+    let arm_load = |boost: bool| {
+        let l: Vec<f64> = slices
+            .iter()
+            .filter(|c| c.boost == boost)
+            .flat_map(|c| [c.load_from, c.load_to])
+            .collect();
+        let lo = l.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = l.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        (lo, hi)
+    };
+    let arms: Vec<(bool, crate::stats::Summary, (f64, f64))> = if args.ab_slices >= 2 {
+        [false, true]
+            .into_iter()
+            .map(|b| (b, in_arm(&lat, b).summary(), arm_load(b)))
+            .collect()
+    } else {
+        Vec::new()
     };
     let loaded = in_window(&lat);
     let wr = in_window(&writes);
@@ -450,16 +539,42 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         ),
         &["vs unloaded p99"],
     );
-    t.latency_row("unloaded: one sandbox alone", &un, vec!["1.00×".into()]);
     t.latency_row(
         format!(
-            "packed: {} active of {admitted} admitted, over {} s after the last create",
+            "unloaded: one sandbox alone (load avg {:.2} → {:.2})",
+            un_load.0, un_load.1
+        ),
+        &un,
+        vec!["1.00×".into()],
+    );
+    let (win_lo, win_hi) = (arm_load(false), arm_load(true));
+    t.latency_row(
+        format!(
+            "packed: {} active of {admitted} admitted, over {} s after the last create (load avg {:.2}–{:.2})",
             active.len(),
-            args.secs
+            args.secs,
+            win_lo.0.min(win_hi.0),
+            win_lo.1.max(win_hi.1)
         ),
         &ls,
         vec![format!("{ratio:.2}×")],
     );
+    for (boost, s, (lo, hi)) in &arms {
+        t.latency_row(
+            format!(
+                "packed, A/B: call CPU weight {} ({} of {} slices; load avg {lo:.2}–{hi:.2})",
+                if *boost {
+                    format!("on ({})", strata_runtime::CALL_CPU_WEIGHT)
+                } else {
+                    "off".to_owned()
+                },
+                slices.iter().filter(|c| c.boost == *boost).count(),
+                slices.len()
+            ),
+            s,
+            vec![format!("{:.2}×", s.p99 / un.p99.max(1e-9))],
+        );
+    }
     t.latency_row(
         "packed: every active command, creates included",
         &als,
@@ -586,7 +701,9 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
                 "write_ms": wr.0, "p99_ratio": ratio,
                 "refusals": refusals.iter().map(|(i, m, r)| json!({"at": i, "message": m, "idle_running": r})).collect::<Vec<_>>(),
                 "idle_running_end": running_idle.len(), "idle_hibernated_end": hibernated_idle.len(),
-                "idle_cpu_pct": idle_cpu.0, "hibernations": hibernations,
+                "idle_cpu_pct": idle_cpu.0,
+                "ab": arms.iter().map(|(b, s, (lo, hi))| json!({"boost": b, "p50_ms": s.p50, "p95_ms": s.p95, "p99_ms": s.p99, "n": s.n, "load_min": lo, "load_max": hi})).collect::<Vec<_>>(),
+                "unloaded_load": [un_load.0, un_load.1], "hibernations": hibernations,
                 "create_ms": create_ms.0, "create_wall_s": created_wall,
                 "pressure_to_first_hibernation_ms": first_hibernation.map(|d| d.as_secs_f64() * 1000.0),
                 "wake_ms": wakes.0, "wake_total_ms": wakes_total.0, "wake_refusals": wake_refusals,

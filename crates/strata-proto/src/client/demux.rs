@@ -251,6 +251,9 @@ pub(super) struct Shared {
     born: Instant,
     /// Milliseconds after `born` at which the agent last sent a byte.
     last_rx_ms: AtomicU64,
+    /// The liveness watchdog's ping in flight (0 or 1): a route of the
+    /// connection's own, not a call (see [`Shared::open_calls`]).
+    probes: AtomicUsize,
 }
 
 impl Shared {
@@ -265,6 +268,7 @@ impl Shared {
             stop: CancellationToken::new(),
             born: Instant::now(),
             last_rx_ms: AtomicU64::new(0),
+            probes: AtomicUsize::new(0),
         })
     }
 
@@ -296,9 +300,17 @@ impl Shared {
         self.born.elapsed().saturating_sub(last)
     }
 
-    /// Calls and tunnels open on this connection (a ping in flight counts).
+    /// Calls and tunnels open on this connection. The liveness watchdog's
+    /// own ping does not count: it is the connection checking itself, not
+    /// a use of the guest (it used to, and an idle sandbox then looked busy
+    /// for about a second of every three: pressure hibernation and
+    /// admission passed it over, and a create was refused while it idled).
     pub(super) fn open_calls(&self) -> usize {
-        self.routes().len() + self.tunnels().len()
+        let routes = self
+            .routes()
+            .len()
+            .saturating_sub(self.probes.load(Ordering::SeqCst));
+        routes + self.tunnels().len()
     }
 
     /// Bytes the calls of this connection hold unread.
@@ -574,6 +586,30 @@ async fn writer_task(
     let _ = wr.shutdown().await;
 }
 
+/// The watchdog's ping in flight: its route, counted in
+/// [`Shared::probes`] while it lives so that [`Shared::open_calls`]
+/// leaves it out.
+struct Probe {
+    call: Call,
+}
+
+impl Probe {
+    fn new(shared: &Shared, call: Call) -> Self {
+        shared.probes.fetch_add(1, Ordering::SeqCst);
+        Probe { call }
+    }
+}
+
+impl Drop for Probe {
+    fn drop(&mut self) {
+        // Uncounted here, its route removed just after (when `call`
+        // drops): in between `open_calls` reads the probe as a call, never
+        // fewer calls than there are (that would let a busy guest pass for
+        // idle).
+        self.call.shared.probes.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 /// Pings a quiet agent and closes the connection of a silent one (see
 /// [`Liveness`]). Holds the connection only weakly: it ends with it.
 async fn watchdog(shared: Weak<Shared>, out: mpsc::WeakSender<Bytes>, live: Liveness) {
@@ -581,7 +617,7 @@ async fn watchdog(shared: Weak<Shared>, out: mpsc::WeakSender<Bytes>, live: Live
     let mut tick = tokio::time::interval(tick_every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The ping in flight: its reply lands here and is dropped with it.
-    let mut probe: Option<Call> = None;
+    let mut probe: Option<Probe> = None;
     loop {
         tick.tick().await;
         let Some(shared) = shared.upgrade() else {
@@ -612,8 +648,11 @@ async fn watchdog(shared: Weak<Shared>, out: mpsc::WeakSender<Bytes>, live: Live
         if quiet >= live.interval && probe.is_none() {
             let Some(out) = out.upgrade() else { return };
             if let Ok(call) = shared.open() {
-                send_detached(&out, call.id, &Request::Ping {});
-                probe = Some(call);
+                // Counted as a probe before it is sent: never seen as a call.
+                probe = Some(Probe::new(&shared, call));
+                if let Some(p) = &probe {
+                    send_detached(&out, p.call.id, &Request::Ping {});
+                }
             }
         } else if quiet < live.interval {
             probe = None;
@@ -804,5 +843,41 @@ mod tests {
             "{log}"
         );
         assert!(!log.contains('\u{1b}'), "{log:?}");
+    }
+
+    /// An idle connection's liveness ping is not a call: a guest with
+    /// nothing but the watchdog's ping in flight has no open calls (what
+    /// pressure hibernation and admission ask before they hibernate it);
+    /// a real call still counts, and so does one opened while the ping is
+    /// out.
+    #[tokio::test]
+    async fn the_liveness_ping_is_not_an_open_call() {
+        let (host, mut guest) = UnixStream::pair().expect("socket pair");
+        let tunnels: TunnelRouter = Box::new(|_, _, _| true);
+        let conn = spawn(
+            host,
+            FrameDecoder::new(),
+            tunnels,
+            Some(Liveness {
+                interval: Duration::from_millis(100),
+                silent_after: Duration::from_secs(30),
+                active: None,
+            }),
+        );
+        // The guest never answers: the ping stays in flight.
+        let mut got = vec![0u8; 4096];
+        let n = tokio::time::timeout(Duration::from_secs(5), guest.read(&mut got))
+            .await
+            .expect("a ping within 5 s")
+            .expect("read");
+        assert!(n > 0, "the watchdog sent its ping");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(conn.shared.routes().len(), 1, "the ping's route is open");
+        assert_eq!(conn.shared.open_calls(), 0, "but it is not a call");
+        let call = conn.shared.open().expect("open a call");
+        assert_eq!(conn.shared.open_calls(), 1, "a real call counts");
+        drop(call);
+        assert_eq!(conn.shared.open_calls(), 0);
+        drop(guest);
     }
 }

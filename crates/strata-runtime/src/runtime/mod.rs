@@ -39,6 +39,7 @@ use crate::meta::{files, StateMeta};
 use crate::signing::StateHashes;
 
 mod agent;
+mod boost;
 mod discovery;
 mod ports;
 mod rewind;
@@ -52,6 +53,7 @@ mod vms;
 mod warm;
 
 pub use agent::EgressResolver;
+pub use boost::{CallBoost, CALL_CPU_WEIGHT};
 pub use ports::PortOpenError;
 pub use signatures::Adoption;
 pub use templates::{TemplateBuilt, SYSTEM_CA_BUNDLE, TRUSTED_CA_PATH};
@@ -83,6 +85,8 @@ pub struct Runtime {
     /// Whether the agent handshake re-sends Hello as soon as QMP reports
     /// the agent port open ([`Runtime::set_hello_on_port_open`]).
     hello_cue: std::sync::atomic::AtomicBool,
+    /// CPU weight of a VM with a call in flight ([`Runtime::call_boost`]).
+    call_weight: std::sync::atomic::AtomicU32,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -281,6 +285,7 @@ impl Runtime {
             died_rx: Mutex::new(Some(died_rx)),
             egress: std::sync::RwLock::new(None),
             hello_cue: std::sync::atomic::AtomicBool::new(true),
+            call_weight: std::sync::atomic::AtomicU32::new(boost::CALL_CPU_WEIGHT),
         }))
     }
 

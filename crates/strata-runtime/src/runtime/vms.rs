@@ -50,6 +50,8 @@ pub(super) struct Live {
     pub(super) state_saved: AtomicBool,
     /// Where this VM's start went ([`Runtime::start_timeline`]).
     pub(super) timeline: std::sync::Mutex<Option<crate::api::StartTimeline>>,
+    /// Calls in flight and whether their CPU weight is set ([`super::boost`]).
+    pub(super) calls: std::sync::Mutex<super::boost::CallCount>,
 }
 
 impl Live {
@@ -79,6 +81,7 @@ impl Live {
             stopping: AtomicBool::new(false),
             state_saved: AtomicBool::new(false),
             timeline: std::sync::Mutex::new(None),
+            calls: std::sync::Mutex::new(Default::default()),
         }
     }
 }

@@ -181,10 +181,12 @@ impl Engine for RuntimeEngine {
     }
 
     async fn exec(&self, id: &SandboxId, req: ExecRequest) -> EngineResult<ExecStream> {
+        // The VM runs at the call weight until the stream ends or is dropped.
+        let boost = self.rt.call_boost(id);
         let (agent, err) = self.agent(id).await?;
         let handle = agent.exec(req).await.map_err(&err)?;
-        let events = futures::stream::unfold(handle, |mut h| async move {
-            h.next_event().await.map(|ev| (ev, h))
+        let events = futures::stream::unfold((handle, boost), |(mut h, b)| async move {
+            h.next_event().await.map(|ev| (ev, (h, b)))
         });
         Ok(events.map_err(err).boxed())
     }
@@ -194,15 +196,25 @@ impl Engine for RuntimeEngine {
         id: &SandboxId,
         req: ExecRequest,
     ) -> EngineResult<(ExecStream, ExecInputs)> {
+        let boost = self.rt.call_boost(id);
         let (agent, err) = self.agent(id).await?;
         let (events, input) = agent.exec(req).await.map_err(&err)?.interactive();
+        let events = events.map(move |ev| {
+            let _held = &boost;
+            ev
+        });
         Ok((events.map_err(err).boxed(), input))
     }
 
     async fn read_file(&self, id: &SandboxId, path: &str) -> EngineResult<ByteStream> {
+        let boost = self.rt.call_boost(id);
         let (agent, err) = self.agent(id).await?;
         let download = agent.read_file(path).await.map_err(&err)?;
-        Ok(download.into_stream().map_err(err).boxed())
+        let chunks = download.into_stream().map(move |c| {
+            let _held = &boost;
+            c
+        });
+        Ok(chunks.map_err(err).boxed())
     }
 
     async fn write_file(
@@ -212,6 +224,7 @@ impl Engine for RuntimeEngine {
         mode: u32,
         body: ByteStream,
     ) -> EngineResult<u64> {
+        let _boost = self.rt.call_boost(id);
         let (agent, err) = self.agent(id).await?;
         let reader = tokio_util::io::StreamReader::new(body.map_err(std::io::Error::other));
         agent
@@ -221,11 +234,13 @@ impl Engine for RuntimeEngine {
     }
 
     async fn list_dir(&self, id: &SandboxId, path: &str) -> EngineResult<Vec<DirEntry>> {
+        let _boost = self.rt.call_boost(id);
         let (agent, err) = self.agent(id).await?;
         agent.list_dir(path).await.map_err(err)
     }
 
     async fn stat(&self, id: &SandboxId, path: &str) -> EngineResult<DirEntry> {
+        let _boost = self.rt.call_boost(id);
         let (agent, err) = self.agent(id).await?;
         match agent.stat(path).await.map_err(err)? {
             Some(s) => Ok(DirEntry {
@@ -241,6 +256,7 @@ impl Engine for RuntimeEngine {
     }
 
     async fn mkdir(&self, id: &SandboxId, path: &str, parents: bool) -> EngineResult<()> {
+        let _boost = self.rt.call_boost(id);
         let (agent, err) = self.agent(id).await?;
         if !parents {
             let parent = match path.trim_end_matches('/').rsplit_once('/') {
@@ -258,6 +274,7 @@ impl Engine for RuntimeEngine {
     }
 
     async fn remove(&self, id: &SandboxId, path: &str, recursive: bool) -> EngineResult<()> {
+        let _boost = self.rt.call_boost(id);
         let (agent, err) = self.agent(id).await?;
         agent.remove(path, recursive).await.map_err(err)
     }
@@ -269,6 +286,7 @@ impl Engine for RuntimeEngine {
         prefix: &str,
         set: std::collections::BTreeMap<String, String>,
     ) -> EngineResult<()> {
+        let _boost = self.rt.call_boost(id);
         let (agent, err) = self.agent(id).await?;
         agent.set_xattrs(path, prefix, set).await.map_err(err)
     }
