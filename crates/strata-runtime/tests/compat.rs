@@ -19,13 +19,13 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use strata_core::{SandboxId, SandboxSize, SnapshotId};
+use strata_core::{SandboxId, SnapshotId};
 use strata_proto::client::{AgentClient, ExecRequest};
 use strata_runtime::{Adoption, Runtime, RuntimeError, Source, StateSigner};
 
 mod common;
 
-use common::{new_sandbox, tokio_rt, TestRuntime};
+use common::{new_sandbox, size, tokio_rt, TestRuntime};
 
 /// The fields of `meta.json` as the previous release (cf98469,
 /// `crates/strata-runtime/src/meta.rs`) wrote them; `first_start` only when
@@ -73,14 +73,6 @@ fn previous_agent() -> PathBuf {
         bin.display()
     );
     bin
-}
-
-fn size() -> SandboxSize {
-    SandboxSize {
-        vcpus: 1,
-        memory_mib: 256,
-        disk_gib: 2,
-    }
 }
 
 async fn sh(agent: &AgentClient, script: &str) -> (i32, String) {

@@ -10,34 +10,15 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use strata_core::{SandboxId, SandboxSize, SnapshotId, TemplateId};
-use strata_proto::client::ExecRequest;
+use strata_core::{SandboxId, SnapshotId, TemplateId};
 use strata_runtime::{Adoption, Runtime, RuntimeError, Source, StateSigner};
 
 mod common;
 
-use common::{tokio_rt, TestRuntime};
-
-fn size() -> SandboxSize {
-    SandboxSize {
-        vcpus: 1,
-        memory_mib: 256,
-        disk_gib: 2,
-    }
-}
+use common::{sh, size, tokio_rt, TestRuntime};
 
 fn signer(seed: u8) -> Arc<StateSigner> {
     Arc::new(StateSigner::from_seed(&[seed; 32]).expect("signer"))
-}
-
-async fn sh(rt: &Runtime, id: &SandboxId, script: &str) -> String {
-    let agent = rt.agent(id).await.expect("agent");
-    let out = agent
-        .exec_collect(ExecRequest::shell(script))
-        .await
-        .expect("exec");
-    assert_eq!(out.status.code, Some(0), "{script}");
-    String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
 /// What an attacker with write access to the pool does: opens the

@@ -13,7 +13,7 @@ use strata_runtime::{Runtime, RuntimeError, Source};
 
 mod common;
 
-use common::{new_sandbox, tokio_rt, TestRuntime};
+use common::{new_sandbox, size, tokio_rt, TestRuntime};
 
 /// Tests share one pool; the one that fills it runs alone (write lock), the
 /// others run side by side (read locks).
@@ -21,14 +21,6 @@ static POOL_USE: std::sync::RwLock<()> = std::sync::RwLock::new(());
 
 fn shared_pool() -> std::sync::RwLockReadGuard<'static, ()> {
     POOL_USE.read().unwrap_or_else(|p| p.into_inner())
-}
-
-fn size() -> SandboxSize {
-    SandboxSize {
-        vcpus: 1,
-        memory_mib: 256,
-        disk_gib: 2,
-    }
 }
 
 fn fixture() -> &'static TestRuntime {

@@ -7,31 +7,12 @@
 
 use std::time::Instant;
 
-use strata_core::{SandboxId, SandboxSize, SnapshotId, TemplateId};
-use strata_proto::client::ExecRequest;
+use strata_core::{SandboxId, SnapshotId, TemplateId};
 use strata_runtime::{MoveError, Runtime, RuntimeError, Source, StateSigner};
 
 mod common;
 
-use common::{new_sandbox, tokio_rt, TestRuntime};
-
-fn size() -> SandboxSize {
-    SandboxSize {
-        vcpus: 1,
-        memory_mib: 256,
-        disk_gib: 2,
-    }
-}
-
-async fn sh(rt: &Runtime, id: &SandboxId, script: &str) -> String {
-    let agent = rt.agent(id).await.expect("agent");
-    let out = agent
-        .exec_collect(ExecRequest::shell(script))
-        .await
-        .expect("exec");
-    assert_eq!(out.status.code, Some(0), "{script}");
-    String::from_utf8_lossy(&out.stdout).trim().to_owned()
-}
+use common::{new_sandbox, sh, size, tokio_rt, TestRuntime};
 
 /// Sends template `tpl` from `a` into `b` (incremental against `parent`
 /// when `b` received it before); (stream bytes, ms, parent used).

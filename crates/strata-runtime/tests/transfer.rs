@@ -7,31 +7,12 @@
 
 use std::io::{self, Read};
 
-use strata_core::{SandboxId, SandboxSize, SnapshotId};
-use strata_proto::client::ExecRequest;
+use strata_core::SnapshotId;
 use strata_runtime::{MoveError, Runtime, StateSigner};
 
 mod common;
 
-use common::{new_sandbox, tokio_rt, TestRuntime};
-
-fn size() -> SandboxSize {
-    SandboxSize {
-        vcpus: 1,
-        memory_mib: 256,
-        disk_gib: 2,
-    }
-}
-
-async fn sh(rt: &Runtime, id: &SandboxId, script: &str) -> String {
-    let agent = rt.agent(id).await.expect("agent");
-    let out = agent
-        .exec_collect(ExecRequest::shell(script))
-        .await
-        .expect("exec");
-    assert_eq!(out.status.code, Some(0), "{script}");
-    String::from_utf8_lossy(&out.stdout).trim().to_owned()
-}
+use common::{new_sandbox, sh, size, tokio_rt, TestRuntime};
 
 /// Sends `snap` from `a` (against `parent`) into `b`; the stream bytes.
 fn push(a: &Runtime, b: &Runtime, snap: &SnapshotId, parent: Option<&SnapshotId>) -> u64 {

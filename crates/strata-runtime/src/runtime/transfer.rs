@@ -136,24 +136,8 @@ impl Runtime {
         if dst.exists() {
             return Err(RuntimeError::Invalid(format!("template {tpl} already exists")).into());
         }
-        let free = self.pool.usage().map_err(storage_err)?.free_bytes;
-        let spec = ReceiveSpec {
-            name: tpl.to_string(),
-            parent,
-            max_bytes: max_bytes.min(free.saturating_sub(super::snapshot::MIN_FREE_BYTES)),
-        };
-        let (path, identity, bytes) = match self.pool.receive(&spec, input) {
-            Ok(r) => {
-                let id = r.info.identity();
-                (r.path, id, r.bytes)
-            }
-            Err(TransferError::AlreadyReceived(_)) => {
-                let path = self.pool.import_dir().join(tpl.as_str());
-                let info = strata_storage::subvol_info(&path).map_err(storage_err)?;
-                (path, info.identity(), 0)
-            }
-            Err(e) => return Err(e.into()),
-        };
+        let (path, identity, bytes) =
+            self.receive_import(tpl.as_str(), parent, max_bytes, input)?;
         self.pool.snapshot(&path, &dst, true).map_err(storage_err)?;
         let checked = (|| {
             let st = self.open_state(super::StateRef::Template(tpl))?;
@@ -257,26 +241,8 @@ impl Runtime {
         if dst.exists() {
             return Err(RuntimeError::Invalid(format!("snapshot {snap} already exists")).into());
         }
-        // Bounded by the pool too: a stream never eats the room snapshots
-        // and running guests need.
-        let free = self.pool.usage().map_err(storage_err)?.free_bytes;
-        let spec = ReceiveSpec {
-            name: snap.to_string(),
-            parent,
-            max_bytes: max_bytes.min(free.saturating_sub(super::snapshot::MIN_FREE_BYTES)),
-        };
-        let (path, identity, bytes) = match self.pool.receive(&spec, input) {
-            Ok(r) => {
-                let id = r.info.identity();
-                (r.path, id, r.bytes)
-            }
-            Err(TransferError::AlreadyReceived(_)) => {
-                let path = self.pool.import_dir().join(snap.as_str());
-                let info = strata_storage::subvol_info(&path).map_err(storage_err)?;
-                (path, info.identity(), 0)
-            }
-            Err(e) => return Err(e.into()),
-        };
+        let (path, identity, bytes) =
+            self.receive_import(snap.as_str(), parent, max_bytes, input)?;
         let published = self.publish_received(snap, &path, &dst, accel_name);
         match published {
             Ok(meta) => Ok(ReceivedSnapshot {
@@ -290,6 +256,39 @@ impl Runtime {
                 }
                 Err(e.into())
             }
+        }
+    }
+
+    /// Applies the hostile stream `input` as `import/<name>` (at most
+    /// `max_bytes`, and never into the room snapshots and running guests
+    /// need: the pool's free space less its reserve bounds it too),
+    /// incremental against the received `parent`; answers the received
+    /// subvolume's path, its identity and the stream bytes applied (0: it
+    /// had been received whole before). Shared by snapshots and templates.
+    fn receive_import(
+        &self,
+        name: &str,
+        parent: Option<Uuid>,
+        max_bytes: u64,
+        input: impl Read,
+    ) -> std::result::Result<(PathBuf, Uuid, u64), MoveError> {
+        let free = self.pool.usage().map_err(storage_err)?.free_bytes;
+        let spec = ReceiveSpec {
+            name: name.to_owned(),
+            parent,
+            max_bytes: max_bytes.min(free.saturating_sub(super::snapshot::MIN_FREE_BYTES)),
+        };
+        match self.pool.receive(&spec, input) {
+            Ok(r) => {
+                let id = r.info.identity();
+                Ok((r.path, id, r.bytes))
+            }
+            Err(TransferError::AlreadyReceived(_)) => {
+                let path = self.pool.import_dir().join(name);
+                let info = strata_storage::subvol_info(&path).map_err(storage_err)?;
+                Ok((path, info.identity(), 0))
+            }
+            Err(e) => Err(e.into()),
         }
     }
 

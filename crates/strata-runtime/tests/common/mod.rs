@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use strata_core::{SandboxId, SandboxSize, TemplateId};
-use strata_proto::client::AgentClient;
+use strata_proto::client::{AgentClient, ExecRequest};
 use strata_runtime::{PoolSetting, Runtime, RuntimeConfig, Source};
 use strata_storage::testing::TestPool;
 
@@ -118,4 +118,25 @@ pub fn sandbox_agent(t: &TestRuntime) -> AgentClient {
         let id = new_sandbox(t).await;
         t.rt.agent(&id).await.expect("agent")
     })
+}
+
+/// The guests' size in these tests: 1 vCPU, 256 MiB, a 2 GiB disk.
+pub fn size() -> SandboxSize {
+    SandboxSize {
+        vcpus: 1,
+        memory_mib: 256,
+        disk_gib: 2,
+    }
+}
+
+/// Runs `script` with `sh -c` in sandbox `id`'s guest; asserts it exits 0
+/// and answers its standard output, trimmed.
+pub async fn sh(rt: &Runtime, id: &SandboxId, script: &str) -> String {
+    let agent = rt.agent(id).await.expect("agent");
+    let out = agent
+        .exec_collect(ExecRequest::shell(script))
+        .await
+        .expect("exec");
+    assert_eq!(out.status.code, Some(0), "{script}");
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
