@@ -233,8 +233,10 @@ fn two_hosts_place_mark_a_lost_host_fence_its_revival_and_self_fence_a_partition
         };
         let (h1, t1, _) = owner(s1.clone()).await.expect("s1 has an owner lease");
         assert_eq!(h1, "host-a");
-        // Forwarded to B, which answers it (B holds no template here, so
-        // its answer is a refusal; A created nothing).
+        // Forwarded to B, which answers it: B holds no template, so it
+        // first fetches the one A built (docs/cluster.md "Templates across
+        // hosts"), then creates it; deleted again through A (forwarded to
+        // B) so that the steps below see one member.
         let r = a
             .request("POST", "/v1/sandboxes")
             .json(&group)
@@ -248,8 +250,18 @@ fn two_hosts_place_mark_a_lost_host_fence_its_revival_and_self_fence_a_partition
             .unwrap_or_default()
             .to_owned();
         let st = r.status().as_u16();
-        assert_eq!(by, "host-b", "the second member was not sent to B ({st})");
-        assert_ne!(st, 201, "B created it without the template");
+        let v: Value = r.json().await.unwrap_or_default();
+        assert_eq!(by, "host-b", "the second member was not sent to B ({st}): {v}");
+        assert_eq!(st, 201, "B did not fetch the template and create it: {v}");
+        let s_b = v["id"].as_str().expect("id").to_owned();
+        let tpl = a.ok("GET", "/v1/templates/tpl-default", None, 200).await;
+        let mut holders: Vec<String> = tpl["hosts"]
+            .as_array()
+            .map(|h| h.iter().filter_map(|x| x.as_str().map(str::to_owned)).collect())
+            .unwrap_or_default();
+        holders.sort();
+        assert_eq!(holders, ["host-a", "host-b"], "template holders: {tpl}");
+        a.ok("DELETE", &format!("/v1/sandboxes/{s_b}"), None, 200).await;
         let listed = a.ok("GET", "/v1/sandboxes?label=strata.io/anti-affinity=g1", None, 200).await;
         assert_eq!(listed["items"].as_array().map(Vec::len), Some(1), "{listed}");
 
