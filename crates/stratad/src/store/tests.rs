@@ -16,6 +16,19 @@ use strata_core::{Op, SandboxId, SandboxSize, SandboxState, SnapshotId};
 
 use super::*;
 
+/// Every sandbox `filter` lists, page after page through its cursor.
+pub(crate) fn list_all<S: Store + ?Sized>(s: &S, mut filter: SandboxFilter) -> Vec<SandboxId> {
+    let mut ids = Vec::new();
+    loop {
+        let page = s.list_sandboxes(&filter).unwrap();
+        ids.extend(page.items.into_iter().map(|r| r.id));
+        match page.next_cursor {
+            Some(c) => filter.cursor = Some(c),
+            None => return ids,
+        }
+    }
+}
+
 pub(crate) fn t0() -> DateTime<Utc> {
     Utc.with_ymd_and_hms(2026, 1, 1, 0, 0, 0).single().unwrap()
 }
@@ -359,21 +372,13 @@ fn list_filters_and_paginates(db: &TestDb) {
     assert!(page.next_cursor.is_none());
 
     // A label filter pages too, in the same order.
-    let mut f = SandboxFilter {
+    let f = SandboxFilter {
         tenant: DEFAULT_TENANT.into(),
         labels: BTreeMap::from([("team".into(), "t1".into())]),
         limit: 3,
         ..Default::default()
     };
-    let mut labelled = Vec::new();
-    loop {
-        let page = s.list_sandboxes(&f).unwrap();
-        labelled.extend(page.items.iter().map(|r| r.id.clone()));
-        match page.next_cursor {
-            Some(c) => f.cursor = Some(c),
-            None => break,
-        }
-    }
+    let labelled = list_all(&*s, f);
     // i % 3 == 1 below 50, but 7 (deleted): 16 of 17.
     assert_eq!(labelled.len(), 16);
     let mut sorted = labelled.clone();

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use strata_core::SandboxState;
 
 use super::*;
-use crate::store::tests::{created, pg_admin, sandbox, TestDb};
+use crate::store::tests::{created, list_all, pg_admin, sandbox, TestDb};
 
 fn db(test: &str) -> Option<TestDb> {
     TestDb::postgres(test)
@@ -255,20 +255,12 @@ fn a_schema_15_database_lists_through_the_live_index_after_migrating() {
         "{idx:?}"
     );
     assert!(!idx.iter().any(|n| n == "sandboxes_by_tenant"), "{idx:?}");
-    let mut f = SandboxFilter {
+    let f = SandboxFilter {
         tenant: DEFAULT_TENANT.into(),
         limit: 4,
         ..Default::default()
     };
-    let mut seen = Vec::new();
-    loop {
-        let page = s.list_sandboxes(&f).unwrap();
-        seen.extend(page.items.iter().map(|r| r.id.to_string()));
-        match page.next_cursor {
-            Some(c) => f.cursor = Some(c),
-            None => break,
-        }
-    }
+    let seen: Vec<String> = list_all(&*s, f).iter().map(ToString::to_string).collect();
     let want: Vec<String> = (20..30).map(|i| format!("sb-{i:08}")).collect();
     assert_eq!(seen, want);
 

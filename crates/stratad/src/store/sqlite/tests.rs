@@ -3,7 +3,7 @@ use std::collections::BTreeMap;
 use strata_core::SandboxState;
 
 use super::*;
-use crate::store::tests::{created, sandbox, snap};
+use crate::store::tests::{created, list_all, sandbox, snap};
 
 fn open(dir: &tempfile::TempDir) -> SqliteStore {
     SqliteStore::open(&dir.path().join("strata.db"), 2).unwrap()
@@ -341,20 +341,12 @@ fn a_schema_15_database_lists_through_the_live_index_after_migrating() {
         "{indexes:?}"
     );
     // The oldest live ones first, in pages, none deleted.
-    let mut f = SandboxFilter {
+    let f = SandboxFilter {
         tenant: DEFAULT_TENANT.into(),
         limit: 4,
         ..Default::default()
     };
-    let mut seen = Vec::new();
-    loop {
-        let page = s.list_sandboxes(&f).unwrap();
-        seen.extend(page.items.iter().map(|r| r.id.to_string()));
-        match page.next_cursor {
-            Some(c) => f.cursor = Some(c),
-            None => break,
-        }
-    }
+    let seen: Vec<String> = list_all(&s, f).iter().map(ToString::to_string).collect();
     let want: Vec<String> = (20..30).map(|i| format!("sb-{i:08}")).collect();
     assert_eq!(seen, want);
     assert_eq!(s.tenant_usage(DEFAULT_TENANT).unwrap().sandboxes, 10);
