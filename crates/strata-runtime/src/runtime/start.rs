@@ -25,6 +25,9 @@ use super::agent::Identity;
 use super::vms::Live;
 use super::{blocking, ms, OpenState, Result, Runtime, StateRef};
 use crate::api::{SnapshotInfo, Source, StartTimeline, VmInfo};
+
+/// How much of a guest's console a failed start logs.
+const START_FAILURE_CONSOLE_BYTES: usize = 3000;
 use crate::error::{agent_err, io_err, storage_err, vmm_err, RuntimeError};
 use crate::meta::{files, StateMeta};
 
@@ -216,6 +219,14 @@ impl Runtime {
             let synced = match self.sync_guest(id, &live, identity).await {
                 Ok(s) => s,
                 Err(e) => {
+                    // What the guest printed last is the only account of a
+                    // boot that never reached its agent (a kernel stall, a
+                    // file system check): log it before the VM goes.
+                    tracing::warn!(
+                        sandbox = %id, cold, error = %e,
+                        console_tail = %live.vm.console_tail(START_FAILURE_CONSOLE_BYTES),
+                        "the guest did not come up; its console's last lines"
+                    );
                     live.stopping
                         .store(true, std::sync::atomic::Ordering::SeqCst);
                     self.take_live(id);

@@ -40,6 +40,10 @@ pub const MAX_VARIANTS_PER_TEMPLATE: usize = 8;
 /// Variant builds running at once; more wait their turn.
 const CONCURRENT_VARIANT_BUILDS: usize = 2;
 
+/// Cold boots a variant build tries before it fails (the first one that
+/// never reaches its agent is retried on a fresh builder).
+const COLD_BOOT_ATTEMPTS: u32 = 2;
+
 /// A failed variant is built again on a create after this long (before: the
 /// failure is the answer).
 const RETRY_FAILED_AFTER: chrono::TimeDelta = chrono::TimeDelta::seconds(60);
@@ -441,13 +445,33 @@ impl Service {
                 ),
                 Some(0.3),
             );
-            let mut second = self.new_record(&owner, &spec, var.size)?;
-            second.template = Some(tpl.id.clone());
-            builders.push(second.id.clone());
             let t_boot = Instant::now();
-            let second = self
-                .spawn_new(second, Source::Snapshot(disk.id.clone()), step::SPAWN)
-                .await?;
+            // A cold boot is the one step here that depends on the guest
+            // kernel alone; one that never reaches its agent (a stall seen
+            // once in CI under TCG with 2 vCPUs; the runtime logs the
+            // console's tail) is tried once more on a fresh builder before
+            // the variant fails.
+            let mut attempt = 0;
+            let second = loop {
+                attempt += 1;
+                let mut second = self.new_record(&owner, &spec, var.size)?;
+                second.template = Some(tpl.id.clone());
+                builders.push(second.id.clone());
+                match self
+                    .spawn_new(second, Source::Snapshot(disk.id.clone()), step::SPAWN)
+                    .await
+                {
+                    Ok(s) => break s,
+                    Err(ServiceError::Engine(e @ RuntimeError::AgentTimeout { .. }))
+                        if attempt < COLD_BOOT_ATTEMPTS =>
+                    {
+                        warn!(variant = %var.id, attempt, error = %e, "the variant's cold boot did not reach its agent; booting again");
+                        log.line(&format!("strata: the boot did not answer ({e}); booting again"))
+                            .await;
+                    }
+                    Err(e) => return Err(e),
+                }
+            };
             self.keep_lifecycle(&second, stranded_builder(), None).await;
             log.line(&format!(
                 "strata: booted in {:.1} s",
