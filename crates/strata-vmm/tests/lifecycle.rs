@@ -205,6 +205,19 @@ async fn lifecycle() {
     assert!(again.is_err(), "{again:?}");
     b.resume().await.unwrap();
     b.pause().await.unwrap();
+    // The save's end seen by polling alone (the benchmark's "before"): the
+    // same bytes as through the MIGRATION event (process-wide switch; any
+    // save of another test meanwhile just polls).
+    strata_vmm::qemu::set_completion_events(false);
+    let polled = b.save_device_state(&db.path().join("s1-polled")).await;
+    strata_vmm::qemu::set_completion_events(true);
+    let polled = polled.unwrap();
+    assert!(
+        polled.bytes > 0 && polled.bytes.abs_diff(via_fd.bytes) < via_fd.bytes / 4,
+        "polled save {polled:?} vs evented {via_fd:?}"
+    );
+    b.resume().await.unwrap();
+    b.pause().await.unwrap();
     let err = b
         .save_device_state_with(&db.path().join("s2"), SaveMethod::Exec)
         .await;

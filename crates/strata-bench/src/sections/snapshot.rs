@@ -96,6 +96,15 @@ pub struct Args {
         default_value_t = 3
     )]
     pub bandwidth_runs: usize,
+    /// strata snapshots per arm of the device-state A/B (the save's end seen
+    /// by polling `query-migrate` alone vs by QEMU's `MIGRATION` event),
+    /// interleaved on the same VM after each case's own runs; 0 = skip.
+    #[arg(
+        id = "snapshot-events-ab",
+        long = "snapshot-events-ab",
+        default_value_t = 15
+    )]
+    pub events_ab: usize,
 }
 
 impl Args {
@@ -106,6 +115,7 @@ impl Args {
         self.peer_runs = 1;
         self.bandwidth_mib = 64;
         self.bandwidth_runs = 2;
+        self.events_ab = self.events_ab.min(2);
     }
 }
 
@@ -131,6 +141,13 @@ struct Case {
     walk_ms: Vec<f64>,
     /// Where each strata pause went.
     phases: Vec<strata_runtime::PausePhases>,
+    /// The A/B of how a save's end is seen, interleaved: pauses and device
+    /// state steps with `query-migrate` polled alone ...
+    ab_poll: Vec<strata_runtime::PausePhases>,
+    ab_poll_ms: Vec<f64>,
+    /// ... and with the `MIGRATION` event (the default).
+    ab_event: Vec<strata_runtime::PausePhases>,
+    ab_event_ms: Vec<f64>,
     full_save_ms: Vec<f64>,
     full_save_bytes: Vec<f64>,
     savevm_ms: Vec<f64>,
@@ -341,6 +358,52 @@ async fn measure_size(ctx: &Ctx, args: &Args, mib: u64, res: &mut Results) -> Re
             fmt_ms(case.p50(FLOOR)),
             fmt_ms(Summary::of(&case.walk_ms).p50),
         );
+
+        // The A/B: the same VM, one snapshot at a time, alternating how
+        // the device-state save's end is seen.
+        for i in 0..args.events_ab * 2 {
+            let events = i % 2 == 1;
+            strata_vmm::qemu::set_completion_events(events);
+            let r = strata_snapshots(&brt.rt, &id, 1, interval, |s| {
+                if events {
+                    case.ab_event_ms.push(s.pause_ms);
+                    case.ab_event.push(s.phases);
+                } else {
+                    case.ab_poll_ms.push(s.pause_ms);
+                    case.ab_poll.push(s.phases);
+                }
+            })
+            .await;
+            strata_vmm::qemu::set_completion_events(true);
+            r.context("strata snapshots, events A/B")?;
+        }
+        if args.events_ab > 0 {
+            progress!(
+                "{label}: device state polled p50 {} vs event p50 {}; pause {} vs {}",
+                fmt_ms(
+                    Summary::of(
+                        &case
+                            .ab_poll
+                            .iter()
+                            .map(|p| p.device_state_ms)
+                            .collect::<Vec<_>>()
+                    )
+                    .p50
+                ),
+                fmt_ms(
+                    Summary::of(
+                        &case
+                            .ab_event
+                            .iter()
+                            .map(|p| p.device_state_ms)
+                            .collect::<Vec<_>>()
+                    )
+                    .p50
+                ),
+                fmt_ms(Summary::of(&case.ab_poll_ms).p50),
+                fmt_ms(Summary::of(&case.ab_event_ms).p50),
+            );
+        }
 
         let state_file = root.join("full-save.state");
         let peer_gap = Duration::from_millis(PEER_GAP_MS);
@@ -562,6 +625,37 @@ fn render(ctx: &Ctx, args: &Args, res: &Results, sec: &mut Section) -> Result<()
         }
         sec.table(t);
     }
+    if res.cases.iter().any(|c| !c.ab_event.is_empty()) {
+        let mut t = Table::new(
+            "The device-state save's end seen by polling `query-migrate` (before) vs by QEMU's `MIGRATION` event (after): p50 (p99), ms, the two interleaved one snapshot at a time on the same VM",
+            &[
+                "case",
+                "n per arm",
+                "device state, polled",
+                "device state, event",
+                "pause, polled",
+                "pause, event",
+                "pause p50 event ÷ polled",
+            ],
+        );
+        for c in res.cases.iter().filter(|c| !c.ab_event.is_empty()) {
+            let ds = |v: &[strata_runtime::PausePhases]| {
+                let s = Summary::of(&v.iter().map(|p| p.device_state_ms).collect::<Vec<_>>());
+                format!("{} ({})", fmt_num(s.p50), fmt_num(s.p99))
+            };
+            let (pp, pe) = (Summary::of(&c.ab_poll_ms), Summary::of(&c.ab_event_ms));
+            t.row(vec![
+                c.label(),
+                c.ab_event.len().min(c.ab_poll.len()).to_string(),
+                ds(&c.ab_poll),
+                ds(&c.ab_event),
+                format!("{} ({})", fmt_num(pp.p50), fmt_num(pp.p99)),
+                format!("{} ({})", fmt_num(pe.p50), fmt_num(pe.p99)),
+                format!("{:.2}×", pe.p50 / pp.p50),
+            ]);
+        }
+        sec.table(t);
+    }
 
     plots(ctx, res, sec)?;
     headlines(res, sec);
@@ -577,6 +671,7 @@ fn render(ctx: &Ctx, args: &Args, res: &Results, sec: &mut Section) -> Result<()
             "fill_percent": args.fill_percent.min(90),
             "bandwidth_mib": args.bandwidth_mib,
             "bandwidth_runs": args.bandwidth_runs,
+            "events_ab": args.events_ab,
             "vcpus": 1,
             "accel": ctx.accel.to_string(),
         },
@@ -743,6 +838,7 @@ mod tests {
             fill_percent: 25,
             bandwidth_mib: 1,
             bandwidth_runs: 1,
+            events_ab: 2,
         };
         args.smoke();
         let res = Results {
