@@ -89,13 +89,13 @@ fn parse_cpu_ticks(stat: &str) -> Option<u64> {
     Some(utime + stime)
 }
 
-fn cpu_ticks(pid: u32) -> Result<u64> {
+pub(crate) fn cpu_ticks(pid: u32) -> Result<u64> {
     let p = format!("/proc/{pid}/stat");
     let t = std::fs::read_to_string(&p).with_context(|| format!("read {p}"))?;
     parse_cpu_ticks(&t).ok_or_else(|| anyhow!("cannot parse {p}"))
 }
 
-fn clock_ticks() -> f64 {
+pub(crate) fn clock_ticks() -> f64 {
     // SAFETY: sysconf reads a constant of the C library; no memory is passed.
     let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
     if t > 0 {
