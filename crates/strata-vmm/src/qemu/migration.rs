@@ -36,6 +36,8 @@ use crate::{SaveMethod, SaveStats, Vm, VmmError};
 
 /// Upper bound of a device-state save or load.
 const MIGRATION_TIMEOUT: Duration = Duration::from_secs(120);
+/// Upper bound of the wait from a completed save to its run state settling.
+const FINALIZE_TIMEOUT: Duration = Duration::from_secs(10);
 const FD_OUT: &str = "strata-state-out";
 const FD_IN: &str = "strata-state-in";
 
@@ -136,6 +138,7 @@ impl QemuVm {
             Some(rx) => self.wait_save_events(rx).await?,
             None => self.wait_migration("save").await?,
         }
+        self.wait_finalized().await?;
         let elapsed = t0.elapsed();
         let bytes = std::fs::metadata(path)
             .map_err(|e| VmmError::io(path, e))?
@@ -197,6 +200,32 @@ impl QemuVm {
                     ),
                 });
             }
+        }
+    }
+
+    /// Waits until the VM has left `finish-migrate`. QEMU reports a save
+    /// `completed` (event and `query-migrate` alike) a moment before its
+    /// migration thread moves the run state on to `postmigrate`, and
+    /// refuses `cont` in between ("Migration is not finalized yet"): seen
+    /// once the `MIGRATION` event made the end visible sooner than a poll.
+    async fn wait_finalized(&self) -> Result<(), VmmError> {
+        let t0 = Instant::now();
+        let mut delay = Duration::from_micros(200);
+        loop {
+            let st = self.status().await?;
+            if st.status != "finish-migrate" {
+                return Ok(());
+            }
+            if t0.elapsed() > FINALIZE_TIMEOUT {
+                return Err(VmmError::Migration {
+                    reason: format!(
+                        "save: completed, but the VM stayed in finish-migrate for {} s",
+                        FINALIZE_TIMEOUT.as_secs()
+                    ),
+                });
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_millis(5));
         }
     }
 
