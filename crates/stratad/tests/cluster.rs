@@ -262,6 +262,54 @@ fn two_hosts_place_mark_a_lost_host_fence_its_revival_and_self_fence_a_partition
         holders.sort();
         assert_eq!(holders, ["host-a", "host-b"], "template holders: {tpl}");
         a.ok("DELETE", &format!("/v1/sandboxes/{s_b}"), None, 200).await;
+
+        // A template deleted through A leaves B's pool too (B's renewal
+        // round finds the shared record deleted), not at B's next restart.
+        let v = a
+            .ok(
+                "POST",
+                "/v1/templates",
+                Some(json!({"id": "tpl-gone", "recipe": {"base": "default", "step": [{"run": "echo gone > /gone"}]}})),
+                202,
+            )
+            .await;
+        assert_eq!(v["id"], "tpl-gone", "{v}");
+        let t = Instant::now();
+        loop {
+            let v = a.ok("GET", "/v1/templates/tpl-gone", None, 200).await;
+            if v["status"] == "ready" {
+                break;
+            }
+            assert!(
+                v["status"] == "building" && t.elapsed() < Duration::from_secs(300),
+                "tpl-gone: {v}"
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        a.ok(
+            "POST",
+            "/v1/templates/tpl-gone/replicate",
+            Some(json!({"host": "host-b"})),
+            200,
+        )
+        .await;
+        let b_copy = b.root.join("data/pool/templates/tpl-gone");
+        assert!(b_copy.exists(), "B holds no copy at {}", b_copy.display());
+        a.ok("DELETE", "/v1/templates/tpl-gone", None, 200).await;
+        let t = Instant::now();
+        while b_copy.exists() {
+            assert!(
+                t.elapsed() < Duration::from_secs(15),
+                "B still holds the deleted template after 15 s: {}",
+                b.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        eprintln!(
+            "a deleted template left B's pool in {} ms",
+            t.elapsed().as_millis()
+        );
+
         let listed = a.ok("GET", "/v1/sandboxes?label=strata.io/anti-affinity=g1", None, 200).await;
         assert_eq!(listed["items"].as_array().map(Vec::len), Some(1), "{listed}");
 

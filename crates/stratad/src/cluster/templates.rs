@@ -6,7 +6,12 @@
 //! Contract:
 //! - Every renewal round, a host records the templates its pool holds and
 //!   forgets those it no longer holds ([`Cluster::sync_held`]): one write
-//!   per change, none when nothing changed.
+//!   per change, none when nothing changed. A copy whose template was
+//!   deleted (through any host: the shared record says `deleted`) is
+//!   removed from the pool in the same round, so a delete reaches every
+//!   host that fetched the template within a renewal period or two, not at
+//!   their next restart. Sandboxes made from it run on (a fork shares
+//!   extents, not the subvolume).
 //! - A create placed on a host that does not hold its template fetches it
 //!   first ([`Cluster::ensure_template`]): from a live holder, over that
 //!   host's `GET /v1/templates/{id}/stream` with the caller's own
@@ -89,11 +94,38 @@ fn parent_of(tpl: &TemplateRecord) -> Option<TemplateId> {
 impl Cluster {
     /// Records the templates this host's pool holds and forgets those it
     /// no longer holds (a write per change).
-    pub(super) async fn sync_held(&self, svc: &Service) {
+    pub(crate) async fn sync_held(&self, svc: &Service) {
         let Ok(subs) = svc.engine().subvolumes().await else {
             return;
         };
-        let now: HashSet<TemplateId> = subs.templates.into_iter().collect();
+        let mut now: HashSet<TemplateId> = subs.templates.into_iter().collect();
+        // Copies of templates deleted in the shared store (one point read
+        // each: a host holds tens of templates, not thousands).
+        let held: Vec<TemplateId> = now.iter().cloned().collect();
+        let raw = self.raw.clone();
+        let deleted: Vec<TemplateId> = tokio::task::spawn_blocking(move || {
+            held.into_iter()
+                .filter(|t| {
+                    matches!(
+                        raw.get_template(t),
+                        Ok(Some(r)) if r.status == crate::store::TemplateStatus::Deleted
+                    )
+                })
+                .collect()
+        })
+        .await
+        .unwrap_or_default();
+        for t in deleted {
+            match svc.engine().delete_template(&t).await {
+                Ok(()) => {
+                    info!(template = %t, "template deleted in the cluster: this host's copy removed");
+                    now.remove(&t);
+                }
+                Err(e) => {
+                    warn!(template = %t, error = %e.message(), "removing the copy of a deleted template failed; the next round retries")
+                }
+            }
+        }
         let (new, gone): (Vec<TemplateId>, Vec<TemplateId>) = {
             let rec = self.templates.recorded();
             (

@@ -342,6 +342,11 @@ impl Service {
                 if let Err(e) = this.db(move |s| s.put_template(&r)).await {
                     warn!(error = %e.message(), "recording template failed");
                 } else if rec2.status == TemplateStatus::Ready {
+                    // Other hosts can fetch it from now on, not from the
+                    // next renewal round.
+                    if let Some(c) = this.cluster() {
+                        c.sync_held(&this).await;
+                    }
                     // `sizes`: its variants, built now (in the background).
                     for s in sizes {
                         if let Err(e) = this.variant(&rec2, s).await {
