@@ -232,6 +232,8 @@ pub struct Stats {
 pub struct HostStats {
     /// The sampler's newest host point.
     pub latest: Option<HostPoint>,
+    /// The storage pool's space at the sampler's last round.
+    pub pool: Option<PoolSpace>,
     /// `use` or `nominal`.
     pub admission: String,
     /// What admission by use counts.
@@ -260,6 +262,18 @@ pub struct HostPoint {
     pub cpu_pressure_pct: Option<f64>,
     /// Memory pressure, percent.
     pub mem_pressure_pct: Option<f64>,
+}
+
+/// The storage pool's space (`/v1/stats` `host.pool`).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct PoolSpace {
+    /// Size of the pool's file system.
+    pub size_bytes: u64,
+    /// Bytes in use.
+    pub used_bytes: u64,
+    /// Bytes available for new data (the space reserve not counted).
+    pub available_bytes: u64,
 }
 
 /// What admission by use counts.

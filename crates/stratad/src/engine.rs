@@ -380,6 +380,13 @@ pub trait Engine: Send + Sync + 'static {
         Ok(Vec::new())
     }
 
+    /// The storage pool's space now (`statvfs` on its root, a few
+    /// microseconds): read by the sampler on its tick for the host's
+    /// figures. `None`: this engine has no pool.
+    async fn pool_space(&self) -> EngineResult<Option<crate::host::PoolSpace>> {
+        Ok(None)
+    }
+
     /// Calls in flight on sandbox `id`'s agent connection now (exec, files,
     /// egress and port tunnels); `None`: no live VM, or an engine that
     /// cannot tell (then nothing counts it as idle).

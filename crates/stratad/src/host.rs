@@ -1,5 +1,6 @@
 //! What the host has and uses: CPU busy time (`/proc/stat`), memory
-//! (`/proc/meminfo`) and pressure stall information (`/proc/pressure/*`).
+//! (`/proc/meminfo`), pressure stall information (`/proc/pressure/*`),
+//! and the storage pool's space ([`PoolSpace`], from the engine).
 //!
 //! One [`HostReader`] turns two readings into rates: CPU busy in cores over
 //! the time between them, and the share of that time some (or all) tasks
@@ -51,6 +52,31 @@ pub struct HostSample {
     pub mem_pressure_pct: Option<f64>,
     /// Share of the interval all non-idle tasks stalled on memory, percent.
     pub mem_full_pressure_pct: Option<f64>,
+}
+
+/// The storage pool's space, from `statvfs` on its root
+/// ([`strata_storage::Pool::usage`]): what `/metrics`
+/// (`strata_host_pool_bytes`), `/v1/stats` `host.pool` and `strata stats`
+/// show per host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolSpace {
+    /// Size of the pool's file system, bytes.
+    pub size_bytes: u64,
+    /// Bytes in use (data and metadata, as btrfs reports them to statfs).
+    pub used_bytes: u64,
+    /// Bytes still available for new data; the space reserve never counts
+    /// (see [`strata_storage::Pool::usage`]).
+    pub available_bytes: u64,
+}
+
+impl From<strata_storage::PoolUsage> for PoolSpace {
+    fn from(u: strata_storage::PoolUsage) -> Self {
+        PoolSpace {
+            size_bytes: u.total_bytes,
+            used_bytes: u.used_bytes,
+            available_bytes: u.free_bytes,
+        }
+    }
 }
 
 /// `(busy, total)` jiffies of the aggregate `cpu` line of `/proc/stat`.

@@ -3,7 +3,8 @@
 //! series (> 50 % of its vCPU within a few samples) and an idle guest
 //! shows low; writing 200 MiB in the guest raises its memory or disk use;
 //! another tenant's sandbox answers 404 like an unknown one; bad bounds are
-//! `400 invalid_request`; the sampler's own cost is in `/v1/stats`.
+//! `400 invalid_request`; the sampler's own cost is in `/v1/stats`, and
+//! so is the host's storage pool (also in `/metrics`).
 //! The ring's bounds are unit tests (`service::sampler`).
 
 mod common;
@@ -227,6 +228,23 @@ fn busy_guest_shows_cpu_writes_show_memory_or_disk_and_other_tenants_see_nothing
         let step = &stats["steps"][stratad::service::SAMPLE_STEP];
         eprintln!("sampler round (1 sandbox): {step}");
         assert!(step["count"].as_u64().unwrap_or(0) >= 10, "{stats}");
+
+        // The host's storage pool (statvfs on the real btrfs pool), read on
+        // the sampler's tick: in `/v1/stats` `host` and in `/metrics`.
+        let pool = &stats["host"]["pool"];
+        let size = pool["size_bytes"].as_u64().unwrap_or(0);
+        let used = pool["used_bytes"].as_u64().unwrap_or(0);
+        let avail = pool["available_bytes"].as_u64().unwrap_or(u64::MAX);
+        assert!(size > 0 && used > 0 && used <= size && avail <= size, "{stats}");
+        let (s, text) = d.raw("GET", "/metrics", Vec::new()).await;
+        let text = String::from_utf8_lossy(&text);
+        assert_eq!(s, 200);
+        for kind in ["size", "used", "available"] {
+            assert!(
+                text.contains(&format!("strata_host_pool_bytes{{kind=\"{kind}\"}} ")),
+                "{kind}: {text}"
+            );
+        }
 
         // `strata stats ID`: the latest sample and a short history.
         let out = strata_testkit::run_strata(

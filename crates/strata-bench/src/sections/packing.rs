@@ -21,7 +21,18 @@
 //!    - *pressure step*: busy loops on every CPU; the time until the
 //!      monitor's first hibernation;
 //!    - *wake*: never-used sandboxes that were hibernated for room or
-//!      pressure are used once (`exec true`): their wake latency.
+//!      pressure are used once (`exec true`): their wake latency, apart
+//!      for those hibernated for pressure (the monitor) and for room (a
+//!      create that did not fit), told apart by the reason the daemon
+//!      records with each hibernation in the sandbox's journal; those
+//!      hibernated for pressure are woken first.
+//!
+//! The verdict is the bar: at least 80 sandboxes admitted, the
+//! active commands' p99 within 1.5× the unloaded one, and no create
+//! refused while a never-used sandbox older than `min_idle` ran. A create
+//! given up after a minute of refusals that all came while no sandbox was
+//! idle is the host full by measured use, not a failure: it is reported
+//! (refusals, creates given up), not judged.
 //!
 //! Idle CPU per running sandbox is the sampler's (cgroup CPU time) mean of
 //! the never-used running sandboxes.
@@ -209,6 +220,44 @@ async fn stats(d: &BenchDaemon) -> Result<Value> {
         .expect(Method::GET, "/v1/stats", None, 200)
         .await
         .map_err(Into::into)
+}
+
+/// Why a sandbox was last hibernated, from the reason the daemon records
+/// with the hibernation in its journal (`lifecycle::pressure`: the event's
+/// detail is `<snapshot> (pressure: …)` or `<snapshot> (admission: …)`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HibernatedFor {
+    /// The pressure monitor's.
+    Pressure,
+    /// Room for a create, fork or wake that did not fit.
+    Room,
+    /// Anything else (its idle timeout, a user's hibernate), or no
+    /// hibernation in its journal.
+    Other,
+}
+
+/// [`HibernatedFor`] of the newest done `hibernate` event of a
+/// `GET /v1/sandboxes/{id}/events` answer.
+fn hibernated_for(events: &Value) -> HibernatedFor {
+    let last = events["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|e| e["op"] == "hibernate" && e["phase"] == "done")
+        .max_by_key(|e| e["seq"].as_i64().unwrap_or(0));
+    match last.and_then(|e| e["detail"].as_str()) {
+        Some(d) if d.contains("(pressure: ") => HibernatedFor::Pressure,
+        Some(d) if d.contains("(admission: ") => HibernatedFor::Room,
+        _ => HibernatedFor::Other,
+    }
+}
+
+async fn why_hibernated(d: &BenchDaemon, id: &str) -> Result<HibernatedFor> {
+    let (_, v) = d
+        .http
+        .json(Method::GET, &format!("/v1/sandboxes/{id}/events"), None)
+        .await?;
+    Ok(hibernated_for(&v))
 }
 
 async fn states(d: &BenchDaemon, ids: &[String]) -> Result<Vec<String>> {
@@ -479,29 +528,46 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
     }
     tokio::time::sleep(Duration::from_secs(5)).await;
 
-    // Wakes of never-used sandboxes hibernated for room or pressure.
+    // Wakes of never-used sandboxes hibernated for room or pressure, those
+    // hibernated for pressure first.
     let idle_states = states(&d, &idle_ids).await?;
-    let sleeping: Vec<&String> = idle_ids
+    let mut sleeping: Vec<(&String, HibernatedFor)> = Vec::new();
+    for (id, _) in idle_ids
         .iter()
         .zip(&idle_states)
         .filter(|(_, s)| *s == "hibernated")
-        .map(|(i, _)| i)
-        .take(args.wakes)
-        .collect();
+    {
+        sleeping.push((id, why_hibernated(&d, id).await?));
+    }
+    let slept_for = |w: HibernatedFor| sleeping.iter().filter(|(_, f)| *f == w).count();
+    let (slept_pressure, slept_room, slept_other) = (
+        slept_for(HibernatedFor::Pressure),
+        slept_for(HibernatedFor::Room),
+        slept_for(HibernatedFor::Other),
+    );
+    sleeping.sort_by_key(|(_, f)| *f != HibernatedFor::Pressure);
+    sleeping.truncate(args.wakes);
     // A wake refused for capacity (the peak window still holds the
     // pressure step) is retried each second for up to a minute, as a
     // client would after its `insufficient_capacity`.
     let mut wakes = Samples::new();
+    let mut wakes_pressure = Samples::new();
+    let mut wakes_room = Samples::new();
     let mut wakes_total = Samples::new();
     let mut wake_refusals = 0usize;
     let mut first_wake_refusal = None;
-    for id in &sleeping {
+    for (id, why) in &sleeping {
         let first = Instant::now();
         loop {
             let t0 = Instant::now();
             match d.http.exec_output(id, &["true"]).await {
                 Ok((0, _)) => {
                     wakes.push_dur(t0.elapsed());
+                    match why {
+                        HibernatedFor::Pressure => wakes_pressure.push_dur(t0.elapsed()),
+                        HibernatedFor::Room => wakes_room.push_dur(t0.elapsed()),
+                        HibernatedFor::Other => {}
+                    }
                     wakes_total.push_dur(first.elapsed());
                     break;
                 }
@@ -518,6 +584,8 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         }
     }
     let wk = wakes.summary();
+    let wkp = wakes_pressure.summary();
+    let wkr = wakes_room.summary();
     let wkt = wakes_total.summary();
     let hibernations = d.http.events_total("pressure_hibernation").await?;
     d.stop();
@@ -633,6 +701,12 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         "-".into(),
         hibernations.to_string(),
     ]);
+    a.row(vec![
+        "never-used sandboxes hibernated after the pressure step: for pressure / for room / other"
+            .into(),
+        "-".into(),
+        format!("{slept_pressure} / {slept_room} / {slept_other}"),
+    ]);
     a.row(vec!["create latency (p50 / p99)".into(), "-".into(), {
         let c = create_ms.summary();
         format!(
@@ -656,6 +730,20 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         "-".into(),
         format!("p50 {} / p99 {}", fmt_ms(wk.p50), fmt_ms(wk.p99)),
     ]);
+    for (what, w, s) in [
+        ("pressure", &wakes_pressure, &wkp),
+        ("room (admission)", &wakes_room, &wkr),
+    ] {
+        a.row(vec![
+            format!("… of those hibernated for {what} (n = {})", w.len()),
+            "-".into(),
+            if w.is_empty() {
+                "-".into()
+            } else {
+                format!("p50 {} / p99 {}", fmt_ms(s.p50), fmt_ms(s.p99))
+            },
+        ]);
+    }
     a.row(vec![
         "wakes refused for capacity (retried each second) / first attempt → exec p99".into(),
         "-".into(),
@@ -679,16 +767,23 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         "Host view at the end of the load (`/v1/stats` host): {}",
         st_mid["host"]
     ));
-    let pass = admitted >= 80 && ratio <= 1.5 && bad_refusals == 0 && gave_up == 0;
+    // The bar: >= 80 admitted and responsive, and no admission
+    // refused while an idle sandbox could be hibernated. Creates given up
+    // after refusals with no idle sandbox are the host full by measured
+    // use: reported, not judged.
+    let pass = admitted >= 80 && ratio <= 1.5 && bad_refusals == 0;
     sec.headline(format!(
-        "{admitted} sandboxes admitted by use ({} active) vs {nominal_n} by nominal vCPUs on {cores} cores; active command p99 {} vs {} unloaded ({ratio:.2}×); {bad_refusals} refusals while an idle sandbox ran; pressure → first hibernation {}; wake p99 {}{}",
+        "{admitted} sandboxes admitted by use ({} active) vs {nominal_n} by nominal vCPUs on {cores} cores; active command p99 {} vs {} unloaded ({ratio:.2}×); {bad_refusals} refusals while an idle sandbox ran ({} refused answers, {gave_up} creates given up); pressure → first hibernation {}; wake p99 {} (hibernated for pressure: {}, n = {}){}",
         active.len(),
         fmt_ms(ls.p99),
         fmt_ms(un.p99),
+        refusals.len(),
         first_hibernation
             .map(|d| fmt_ms(d.as_secs_f64() * 1000.0))
             .unwrap_or_else(|| "-".into()),
         fmt_ms(wk.p99),
+        if wakes_pressure.is_empty() { "-".to_owned() } else { fmt_ms(wkp.p99) },
+        wakes_pressure.len(),
         if pass { "" } else { " (below the issue's bar)" }
     ));
     if let Value::Object(m) = &mut sec.data {
@@ -707,9 +802,75 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
                 "create_ms": create_ms.0, "create_wall_s": created_wall,
                 "pressure_to_first_hibernation_ms": first_hibernation.map(|d| d.as_secs_f64() * 1000.0),
                 "wake_ms": wakes.0, "wake_total_ms": wakes_total.0, "wake_refusals": wake_refusals,
+                "wake_pressure_ms": wakes_pressure.0, "wake_room_ms": wakes_room.0,
+                "hibernated_for": {"pressure": slept_pressure, "room": slept_room, "other": slept_other},
+                "gave_up": gave_up, "pass": pass,
                 "failures": fails.len(), "host": st_mid["host"],
             }),
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_newest_hibernation_tells_why() {
+        let ev = |seq: i64, op: &str, phase: &str, detail: &str| json!({"seq": seq, "op": op, "phase": phase, "detail": detail});
+        let items = |v: Vec<Value>| json!({ "items": v });
+        assert_eq!(
+            hibernated_for(&items(vec![
+                ev(1, "created", "done", ""),
+                ev(
+                    2,
+                    "hibernate",
+                    "pending",
+                    "snap-1 (pressure: cpu pressure 70 % >= 60 %)"
+                ),
+                ev(
+                    3,
+                    "hibernate",
+                    "done",
+                    "snap-1 (pressure: cpu pressure 70 % >= 60 %)"
+                ),
+            ])),
+            HibernatedFor::Pressure
+        );
+        // Woken and hibernated again for room: the newest counts, whatever
+        // the order of the list.
+        assert_eq!(
+            hibernated_for(&items(vec![
+                ev(
+                    9,
+                    "hibernate",
+                    "done",
+                    "snap-2 (admission: this host's CPU is short)"
+                ),
+                ev(
+                    3,
+                    "hibernate",
+                    "done",
+                    "snap-1 (pressure: memory pressure 12 % >= 10 %)"
+                ),
+            ])),
+            HibernatedFor::Room
+        );
+        // Its idle timeout (no reason recorded), a failed one, none.
+        assert_eq!(
+            hibernated_for(&items(vec![ev(4, "hibernate", "done", "snap-3")])),
+            HibernatedFor::Other
+        );
+        assert_eq!(
+            hibernated_for(&items(vec![ev(
+                4,
+                "hibernate",
+                "failed",
+                "snap-3 (pressure: x)"
+            )])),
+            HibernatedFor::Other
+        );
+        assert_eq!(hibernated_for(&json!({})), HibernatedFor::Other);
+    }
 }

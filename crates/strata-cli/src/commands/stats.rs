@@ -176,6 +176,14 @@ pub fn render_host(h: &crate::views::HostStats) -> String {
             pct(p.mem_pressure_pct),
         ));
     }
+    if let Some(p) = &h.pool {
+        out.push_str(&format!(
+            "pool: {} used of {}, {} available\n",
+            human::bytes(p.used_bytes),
+            human::bytes(p.size_bytes),
+            human::bytes(p.available_bytes),
+        ));
+    }
     if let Some(b) = &h.budget {
         out.push_str(&format!(
             "admission ({}): {:.2} of {:.2} cores counted (sandboxes at their recent peak together {:.2}, other load {:.2} of {:.2}), {} VMs\n",
@@ -278,6 +286,85 @@ mod tests {
         let empty: Usage =
             view(&json!({"sandbox": "sb-1", "interval_s": 5, "samples": []})).unwrap();
         assert!(render_usage(&empty, 12).contains("no samples yet"));
+    }
+
+    /// `strata stats` with an operator's token: the host lines from a
+    /// `/v1/stats` `host` as the daemon answers it.
+    #[test]
+    fn renders_the_host_lines() {
+        let s: Stats = view(&json!({
+            "sandboxes": {"running": 3}, "snapshots": 1,
+            "host": {
+                "latest": {"at": "2026-12-01T10:00:00Z", "cpus": 2, "cpu_busy_cores": 1.25,
+                           "mem_total_bytes": 8589934592u64, "mem_available_bytes": 4294967296u64,
+                           "cpu_pressure_pct": 12.4, "mem_pressure_pct": null,
+                           "mem_full_pressure_pct": null, "vm_cores": 0.5, "vms": 3},
+                "pool": {"size_bytes": 107374182400u64, "used_bytes": 42949672960u64,
+                         "available_bytes": 63350767616u64},
+                "admission": "use",
+                "budget": {"cores": 2.0, "cpu_budget_cores": 1.5, "cpu_demand_cores": 0.75,
+                           "sandbox_cores": 0.5, "other_cores": 0.3, "other_counted_cores": 0.25,
+                           "vms": 3},
+                "pressure": {"host": {}, "over": ["cpu pressure 70 % >= 60 %"], "streak": 1,
+                             "active": false, "hibernated": 4}
+            }
+        }))
+        .unwrap();
+        let r = render(&s);
+        let lines: Vec<&str> = r.lines().collect();
+        assert_eq!(lines[0], "sandboxes: 3 running; snapshots: 1", "{r}");
+        assert_eq!(
+            lines[2],
+            "host: cpu 1.25 of 2 cores busy (0.50 by 3 VMs), memory 4.0 GiB available of 8.0 GiB, pressure cpu 12 % memory -",
+            "{r}"
+        );
+        assert_eq!(
+            lines[3], "pool: 40.0 GiB used of 100.0 GiB, 59.0 GiB available",
+            "{r}"
+        );
+        assert_eq!(
+            lines[4],
+            "admission (use): 0.75 of 1.50 cores counted (sandboxes at their recent peak together 0.50, other load 0.25 of 0.30), 3 VMs",
+            "{r}"
+        );
+        assert_eq!(
+            lines[5], "pressure: rising (cpu pressure 70 % >= 60 %); 4 hibernated for pressure",
+            "{r}"
+        );
+        // Acting, and an older daemon without `pool`: no pool line.
+        let h: crate::views::HostStats = view(&json!({
+            "latest": {"cpus": 2}, "admission": "use",
+            "pressure": {"over": ["1 MiB available < 800 MiB kept free"], "active": true, "hibernated": 0}
+        }))
+        .unwrap();
+        let r = render_host(&h);
+        assert!(!r.contains("pool:"), "{r}");
+        assert!(
+            r.contains("pressure: acting (1 MiB available < 800 MiB kept free); 0 hibernated"),
+            "{r}"
+        );
+        // A tenant's token: no host lines at all.
+        let t: Stats = view(&json!({"sandboxes": {}, "snapshots": 0})).unwrap();
+        assert!(!render(&t).contains("host:"), "{}", render(&t));
+    }
+
+    /// `strata info`'s usage row: the `recent` summary of
+    /// `/v1/sandboxes/{id}/metrics`; none without it.
+    #[test]
+    fn describes_recent_use_for_info() {
+        let u: Usage = view(&json!({"sandbox": "sb-1", "interval_s": 5, "window_s": 3600,
+            "samples": [], "recent_window_s": 60,
+            "recent": {"samples": 12, "cpu_pct_avg": 2.13, "cpu_pct_peak": 4.0,
+                       "cpu_cores_peak": 0.04, "mem_used_peak_bytes": 1, "host_rss_peak_bytes": 94371840u64,
+                       "disk_used_bytes": 1}}))
+        .unwrap();
+        assert_eq!(
+            u.describe_recent().as_deref(),
+            Some("cpu 2.1 % mean, 4.0 % peak (0.04 cores) over 60 s; resident up to 90.0 MiB")
+        );
+        let none: Usage =
+            view(&json!({"sandbox": "sb-1", "interval_s": 5, "samples": []})).unwrap();
+        assert_eq!(none.describe_recent(), None);
     }
 
     #[test]

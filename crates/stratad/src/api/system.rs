@@ -61,6 +61,7 @@ pub(super) async fn stats(
     let host = if operator {
         Some(HostView {
             latest: svc.sampler().host_latest(),
+            pool: svc.sampler().pool_latest(),
             admission: svc.config().capacity.admission,
             budget: svc.use_budget().await.ok(),
             pressure: svc.pressure_reading(),
@@ -75,12 +76,14 @@ pub(super) async fn stats(
     }))
 }
 
-/// `/v1/stats` `host`: the host's CPU, memory and pressure, and what
-/// admission by use counts.
+/// `/v1/stats` `host`: the host's CPU, memory, pressure and storage pool,
+/// and what admission by use counts.
 #[derive(serde::Serialize)]
 struct HostView {
     /// The sampler's newest host point.
     latest: Option<crate::service::HostPoint>,
+    /// The storage pool's space at the sampler's last round.
+    pool: Option<crate::host::PoolSpace>,
     /// `[capacity] admission`.
     admission: crate::config::AdmissionMode,
     /// What admission by use counts now.

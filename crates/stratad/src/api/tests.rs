@@ -284,6 +284,13 @@ impl Engine for Double {
     async fn live_vms(&self) -> EngineResult<Vec<LiveVm>> {
         Ok(vec![])
     }
+    async fn pool_space(&self) -> EngineResult<Option<crate::host::PoolSpace>> {
+        Ok(Some(crate::host::PoolSpace {
+            size_bytes: 100 << 30,
+            used_bytes: 40 << 30,
+            available_bytes: 59 << 30,
+        }))
+    }
     async fn subvolumes(&self) -> EngineResult<Subvolumes> {
         Ok(Subvolumes {
             snapshots: self.snaps.lock().unwrap().clone(),
@@ -1082,6 +1089,22 @@ async fn metrics_and_stats_report_quantiles() {
     );
     assert!(stats["steps"]["spawn"]["count"].as_u64().unwrap() >= 1);
     assert_eq!(stats["sandboxes"]["running"], 1);
+    // The pool's space is the sampler's, read on its tick: none before it.
+    assert!(!text.contains("strata_host_pool_bytes"), "{text}");
+    assert_eq!(stats["host"]["pool"], Value::Null, "{stats}");
+    h.app.service().sample_usage().await;
+    let (_, text) = call(&h, "GET", "/metrics", "").await;
+    let text = text.as_str().unwrap();
+    for (kind, gib) in [("size", 100u64), ("used", 40), ("available", 59)] {
+        let line = format!("strata_host_pool_bytes{{kind=\"{kind}\"}} {}\n", gib << 30);
+        assert!(text.contains(&line), "{line} in {text}");
+    }
+    let (_, stats) = call(&h, "GET", "/v1/stats", "").await;
+    assert_eq!(
+        stats["host"]["pool"],
+        json!({"size_bytes": 100u64 << 30, "used_bytes": 40u64 << 30, "available_bytes": 59u64 << 30}),
+        "{stats}"
+    );
 }
 
 #[tokio::test]

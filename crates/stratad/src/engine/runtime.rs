@@ -402,6 +402,15 @@ impl Engine for RuntimeEngine {
             .map_err(|e| RuntimeError::Other(format!("usage task: {e}")))
     }
 
+    async fn pool_space(&self) -> EngineResult<Option<crate::host::PoolSpace>> {
+        let rt = self.rt.clone();
+        tokio::task::spawn_blocking(move || rt.pool().usage())
+            .await
+            .map_err(|e| RuntimeError::Other(format!("pool space task: {e}")))?
+            .map(|u| Some(u.into()))
+            .map_err(RuntimeError::Storage)
+    }
+
     fn open_calls(&self, id: &SandboxId) -> Option<u32> {
         self.rt.open_calls(id)
     }

@@ -27,7 +27,7 @@ use tokio::sync::watch;
 use super::prelude::*;
 use crate::config::MetricsConfig;
 use crate::engine::VmUsage;
-use crate::host::{HostReader, HostSample};
+use crate::host::{HostReader, HostSample, PoolSpace};
 
 /// Most points one series holds, whatever the configuration says.
 pub const MAX_POINTS: usize = 4096;
@@ -134,6 +134,8 @@ pub struct UsageSummary {
 struct HostSeries {
     reader: HostReader,
     points: VecDeque<HostPoint>,
+    /// The storage pool's space at the last round.
+    pool: Option<PoolSpace>,
 }
 
 /// The series of every sampled sandbox. See the module documentation.
@@ -405,6 +407,17 @@ impl Sampler {
         h.points.back().copied()
     }
 
+    /// Keeps the storage pool's space read this round (`None`: unknown,
+    /// and nothing older is shown in its place).
+    pub fn record_pool(&self, pool: Option<PoolSpace>) {
+        self.host.lock().unwrap_or_else(|p| p.into_inner()).pool = pool;
+    }
+
+    /// The storage pool's space at the last round.
+    pub fn pool_latest(&self) -> Option<PoolSpace> {
+        self.host.lock().unwrap_or_else(|p| p.into_inner()).pool
+    }
+
     /// Series held.
     pub fn len(&self) -> usize {
         self.lock().len()
@@ -419,6 +432,18 @@ impl Sampler {
     pub fn total_points(&self) -> usize {
         self.lock().values().map(|s| s.points.len()).sum()
     }
+}
+
+/// The rows of `strata_host_pool_bytes`: one per `kind`.
+fn pool_rows(p: &PoolSpace) -> Vec<(String, f64)> {
+    [
+        ("size", p.size_bytes),
+        ("used", p.used_bytes),
+        ("available", p.available_bytes),
+    ]
+    .into_iter()
+    .map(|(k, v)| (format!("{{kind=\"{k}\"}}"), v as f64))
+    .collect()
 }
 
 fn summarize<'a>(points: impl Iterator<Item = &'a Sample>) -> Option<UsageSummary> {
@@ -510,8 +535,9 @@ impl Service {
 
     /// Prometheus text of the sampler's figures (appended to `/metrics`):
     /// per sandbox its latest CPU, memory and disk and its CPU peak over
-    /// `[capacity] peak_window`; the host's CPU, memory and pressure; what
-    /// admission by use counts. Bounded by `[metrics] max_sandboxes`.
+    /// `[capacity] peak_window`; the host's CPU, memory, pressure and
+    /// storage pool; what admission by use counts. Bounded by `[metrics]
+    /// max_sandboxes`.
     pub async fn usage_prometheus(&self) -> String {
         use std::fmt::Write as _;
         let since = self.peak_since();
@@ -602,6 +628,13 @@ impl Service {
                 &psi,
             );
         }
+        if let Some(p) = self.sampler.pool_latest() {
+            gauge(
+                "strata_host_pool_bytes",
+                "The storage pool's space (statvfs on its root): size, used, and available for new data (the space reserve not counted).",
+                &pool_rows(&p),
+            );
+        }
         if let Ok(b) = self.use_budget().await {
             gauge(
                 "strata_admission_cpu_demand_cores",
@@ -642,6 +675,14 @@ impl Service {
         let round = self.sampler.record(now, Instant::now(), &usages);
         let vms = u32::try_from(usages.len()).unwrap_or(u32::MAX);
         self.sampler.record_host(now, round.vm_cpu_usec, vms);
+        let pool = match self.engine.pool_space().await {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::debug!(error = %e, "reading the pool's space failed");
+                None
+            }
+        };
+        self.sampler.record_pool(pool);
         for id in round.unseen {
             match self.record(&id).await {
                 Ok(_) => self.sampler.keep(&id),
@@ -709,6 +750,30 @@ mod tests {
             disk_total_bytes: 2 << 30,
             open_calls: 0,
         }
+    }
+
+    #[test]
+    fn the_pool_is_one_row_per_kind_and_the_last_round_wins() {
+        let s = Sampler::new(&cfg(5, 60, 4));
+        assert_eq!(s.pool_latest(), None);
+        let p = PoolSpace {
+            size_bytes: 100 << 30,
+            used_bytes: 40 << 30,
+            available_bytes: 59 << 30,
+        };
+        s.record_pool(Some(p));
+        assert_eq!(s.pool_latest(), Some(p));
+        assert_eq!(
+            pool_rows(&p),
+            vec![
+                (r#"{kind="size"}"#.to_owned(), (100u64 << 30) as f64),
+                (r#"{kind="used"}"#.to_owned(), (40u64 << 30) as f64),
+                (r#"{kind="available"}"#.to_owned(), (59u64 << 30) as f64),
+            ]
+        );
+        // A round that could not read it shows nothing rather than an old figure.
+        s.record_pool(None);
+        assert_eq!(s.pool_latest(), None);
     }
 
     #[test]
