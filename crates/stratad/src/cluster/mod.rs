@@ -203,6 +203,11 @@ impl Cluster {
         &self.info.id
     }
 
+    /// What this host registered (accelerator, QEMU version, CPU model...).
+    pub fn info(&self) -> &HostInfo {
+        &self.info
+    }
+
     /// The leases this host holds.
     pub fn leases(&self) -> &Arc<Leases> {
         &self.leases

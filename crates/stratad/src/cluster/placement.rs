@@ -14,7 +14,7 @@
 
 use std::fmt;
 
-use super::super::store::hosts::HostLoad;
+use super::super::store::hosts::{HostInfo, HostLoad};
 
 /// The sandbox label whose value names an anti-affinity group: no two
 /// sandboxes with the same value on one host.
@@ -139,6 +139,38 @@ pub fn place<'a>(hosts: &'a [Candidate], req: &Request) -> Result<&'a str, NoHos
         })
 }
 
+/// Whether a sandbox whose newest state was made on host `from` can run
+/// on host `to` after a move: the same accelerator, the same QEMU release
+/// series (device state moves only within one, as
+/// [`strata_runtime::meta::same_qemu_series`] judges restores), and, under
+/// KVM, the same CPU model (the guest saw the host's CPU; TCG emulates one
+/// model everywhere). Checked before anything is sent, so a move that
+/// could not wake on its target is refused instead of handed over. The
+/// error says what differs.
+pub fn move_compatible(from: &HostInfo, to: &HostInfo) -> Result<(), String> {
+    if from.accel != to.accel {
+        return Err(format!(
+            "host {} runs accel {}, this sandbox's state was made under {} on host {}",
+            to.id, to.accel, from.accel, from.id
+        ));
+    }
+    if !strata_runtime::meta::same_qemu_series(&from.qemu_version, &to.qemu_version) {
+        return Err(format!(
+            "host {} runs {:?}, this sandbox's state was made under {:?} on host {} \
+             (device state moves only within one QEMU release series)",
+            to.id, to.qemu_version, from.qemu_version, from.id
+        ));
+    }
+    if from.accel == "kvm" && from.cpu_model != to.cpu_model {
+        return Err(format!(
+            "host {} has CPU {:?}, this sandbox's state was made on {:?} (host {}); \
+             under KVM a guest moves only between hosts of the same CPU model",
+            to.id, to.cpu_model, from.cpu_model, from.id
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -238,5 +270,44 @@ mod tests {
         // A smoke bound only (debug build, shared machine); the benchmark
         // reports the real figures.
         assert!(t.elapsed() < std::time::Duration::from_secs(2));
+    }
+
+    fn host(id: &str, accel: &str, qemu: &str, cpu: &str) -> HostInfo {
+        HostInfo {
+            id: id.into(),
+            address: format!("http://{id}:7391"),
+            accel: accel.into(),
+            qemu_version: qemu.into(),
+            cpu_model: cpu.into(),
+            capacity: HostLoad::default(),
+        }
+    }
+
+    #[test]
+    fn moves_need_the_same_accel_qemu_series_and_under_kvm_cpu_model() {
+        let deb = "QEMU emulator version 7.2.19 (Debian 1:7.2+dfsg-7+deb12u12)";
+        let deb_update = "QEMU emulator version 7.2.22 (Debian 1:7.2+dfsg-7+deb12u16)";
+        let a = host("a", "tcg", deb, "Intel Xeon");
+        // TCG emulates one CPU everywhere; a QEMU security update is the
+        // same series.
+        assert_eq!(
+            move_compatible(&a, &host("b", "tcg", deb_update, "AMD EPYC")),
+            Ok(())
+        );
+        let e =
+            move_compatible(&a, &host("b", "tcg", "QEMU emulator version 8.2.2", "x")).unwrap_err();
+        assert!(e.contains("release series") && e.contains("host b"), "{e}");
+        let e = move_compatible(&a, &host("b", "kvm", deb, "Intel Xeon")).unwrap_err();
+        assert!(e.contains("accel kvm"), "{e}");
+        let k = host("k", "kvm", deb, "Intel Xeon Gold 6230");
+        assert_eq!(
+            move_compatible(&k, &host("k2", "kvm", deb_update, "Intel Xeon Gold 6230")),
+            Ok(())
+        );
+        let e = move_compatible(&k, &host("k3", "kvm", deb, "AMD EPYC 7B13")).unwrap_err();
+        assert!(
+            e.contains("CPU model") && e.contains("AMD EPYC 7B13"),
+            "{e}"
+        );
     }
 }

@@ -126,6 +126,8 @@ impl Service {
                 target.info.id, target.lease_until
             )));
         }
+        placement::move_compatible(cluster.info(), &target.info)
+            .map_err(|e| ServiceError::Conflict(format!("move of sandbox {id} refused: {e}")))?;
         let was_running = rec.state == SandboxState::Running;
         let wake = cmd.wake.unwrap_or(was_running);
         // Room on the target, by its last heartbeat (its own admission
