@@ -418,3 +418,37 @@ fn bound_table(rounds: &[BoundRound]) -> Option<(Table, String)> {
     );
     Some((t, headline))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounds_are_held_against_their_cpu_bound() {
+        assert!(bound_table(&[]).is_none());
+        // 2 cores: 4 CPU-seconds is a 2 s bound; 2.2 s of wall is 1.10×.
+        let ok = BoundRound {
+            wall_s: 2.2,
+            cpu_s: 4.0,
+            cores: 2.0,
+        };
+        assert!((ok.ratio() - 1.1).abs() < 1e-9);
+        // A lock: 4 s of wall for the same work is 2×.
+        let slow = BoundRound { wall_s: 4.0, ..ok };
+        let (t, headline) = bound_table(&[ok]).expect("a table");
+        assert_eq!(t.rows.len(), 2, "one round and the total");
+        assert_eq!(t.rows[0][4], "1.10×");
+        assert!(
+            headline.contains("1.10×") && headline.contains(": met"),
+            "{headline}"
+        );
+        let (t, headline) = bound_table(&[ok, slow]).expect("a table");
+        assert_eq!(t.rows.len(), 3);
+        // All: 6.2 s of wall for 8 CPU-seconds on 2 cores = 1.55×.
+        assert_eq!(t.rows[2][4], "1.55×");
+        assert!(
+            headline.contains("worst round 2.00×") && headline.contains("not met"),
+            "{headline}"
+        );
+    }
+}
