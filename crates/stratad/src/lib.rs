@@ -197,6 +197,11 @@ impl App {
             }
             watcher.abort();
         });
+        // Histogram samples folded into their summaries whether or not
+        // anyone scrapes /metrics (else they queue for ever).
+        self.service
+            .metrics()
+            .spawn_upkeep(self.shutdown.subscribe());
         // The per-sandbox usage sampler (`[metrics]`), stopped with the rest.
         self.service.spawn_sampler(self.shutdown.subscribe());
         // Webhook deliveries (`[webhooks]`), resumed from the store.

@@ -4,14 +4,24 @@
 //! (summaries with p50/p95/p99, rendered by `metrics-exporter-prometheus`
 //! from a recorder owned by this daemon, not a global one) and JSON at
 //! `/v1/stats` (HdrHistogram quantiles, for `strata stats`).
+//!
+//! The Prometheus recorder queues every histogram sample until a render or
+//! an upkeep folds the queue into its summary: a daemon nobody scrapes
+//! would keep every sample it ever observed (the two-hour soak showed the
+//! daemon's RSS climbing ~0.5 MiB per 10 minutes with 20 sandboxes). So
+//! [`Metrics::spawn_upkeep`] folds them every [`UPKEEP_EVERY`].
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use hdrhistogram::Histogram;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
 use serde::Serialize;
+
+/// How often queued histogram samples are folded into their summaries (the
+/// exporter's own default upkeep period).
+pub const UPKEEP_EVERY: Duration = Duration::from_secs(5);
 
 /// Quantiles reported everywhere.
 pub const QUANTILES: [f64; 3] = [0.5, 0.95, 0.99];
@@ -99,6 +109,31 @@ impl Metrics {
             handle,
             hist: Mutex::new(BTreeMap::new()),
         }
+    }
+
+    /// Folds the histogram samples queued since the last render into their
+    /// summaries (what a `/metrics` scrape also does).
+    pub fn run_upkeep(&self) {
+        self.handle.run_upkeep();
+    }
+
+    /// Runs [`Metrics::run_upkeep`] every [`UPKEEP_EVERY`] until `stop`.
+    pub fn spawn_upkeep(self: &Arc<Self>, mut stop: tokio::sync::watch::Receiver<bool>) {
+        let me = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(UPKEEP_EVERY);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => me.run_upkeep(),
+                    r = stop.changed() => {
+                        if r.is_err() || *stop.borrow() {
+                            return;
+                        }
+                    }
+                }
+            }
+        });
     }
 
     fn record_hdr(&self, scope: Scope, name: &str, d: Duration) {
@@ -243,6 +278,72 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("strata_vm_step_duration_seconds"), "{text}");
+    }
+
+    #[test]
+    fn upkeep_folds_samples_without_losing_them() {
+        let m = Metrics::new();
+        for i in 1..=1000u64 {
+            m.observe_step(step::SNAPSHOT, Duration::from_micros(i));
+        }
+        m.run_upkeep();
+        for i in 1..=1000u64 {
+            m.observe_step(step::SNAPSHOT, Duration::from_micros(i));
+        }
+        m.run_upkeep();
+        let text = m.render_prometheus();
+        assert!(
+            text.contains("strata_vm_step_duration_seconds_count{step=\"snapshot\"} 2000"),
+            "{text}"
+        );
+    }
+
+    /// Resident memory of this process, bytes.
+    fn rss() -> u64 {
+        std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("VmRSS:"))
+                    .and_then(|l| l.split_whitespace().nth(1))
+                    .and_then(|v| v.parse::<u64>().ok())
+            })
+            .unwrap_or(0)
+            * 1024
+    }
+
+    /// The leak the soak found, measured: 2 million step samples with no
+    /// scrape grow the process by tens of MiB; with the upkeep, by next to
+    /// nothing. A measurement of the whole process's memory, so run alone:
+    /// `cargo test -p stratad --lib metrics::tests::samples_do_not_queue -- --ignored --test-threads=1 --nocapture`.
+    #[test]
+    #[ignore = "measures process RSS: run alone"]
+    fn samples_do_not_queue_with_the_upkeep() {
+        const N: u64 = 2_000_000;
+        let m = Metrics::new();
+        let r0 = rss();
+        for i in 0..N {
+            m.observe_step(step::SNAPSHOT, Duration::from_micros(i % 50_000 + 1));
+            if i % 20_000 == 0 {
+                m.run_upkeep();
+            }
+        }
+        let with = rss().saturating_sub(r0);
+        let m2 = Metrics::new();
+        let r1 = rss();
+        for i in 0..N {
+            m2.observe_step(step::SNAPSHOT, Duration::from_micros(i % 50_000 + 1));
+        }
+        let without = rss().saturating_sub(r1);
+        println!(
+            "RSS growth for {N} samples: {:.1} MiB with the upkeep, {:.1} MiB without",
+            with as f64 / 1048576.0,
+            without as f64 / 1048576.0
+        );
+        assert!(
+            without > 4 * with.max(1 << 20),
+            "with {with} without {without}"
+        );
     }
 
     #[test]
