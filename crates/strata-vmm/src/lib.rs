@@ -32,7 +32,9 @@ use strata_core::Accel;
 pub use cgroup::{Limits, VmCgroup};
 pub use error::VmmError;
 pub use probe::KvmProbe;
-pub use process::{default_vm_user, lookup_user, qemus_under, RssInfo, UserIds, DEFAULT_VM_USER};
+pub use process::{
+    default_vm_user, lookup_user, qemus_under, self_rss, RssInfo, UserIds, DEFAULT_VM_USER,
+};
 pub use qemu::{qemu_in_run_dir, QemuDriver, QemuVm};
 pub use qmp::{QmpClient, QmpError, QmpEvent};
 pub use spec::{

@@ -155,6 +155,15 @@ fn kb_field(line: &str, key: &str) -> Option<u64> {
     Some(num * 1024)
 }
 
+/// `VmRSS` of this process, bytes (`None` when `/proc/self/status` cannot
+/// be read).
+pub fn self_rss() -> Option<u64> {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()?
+        .lines()
+        .find_map(|l| kb_field(l, "VmRSS"))
+}
+
 /// Reads `/proc/<pid>/status` and `smaps` for `pid`; `mem_path` is the guest RAM file.
 pub(crate) fn rss_info(pid: u32, mem_path: &Path) -> std::io::Result<RssInfo> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;

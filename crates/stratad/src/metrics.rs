@@ -298,18 +298,8 @@ mod tests {
         );
     }
 
-    /// Resident memory of this process, bytes.
     fn rss() -> u64 {
-        std::fs::read_to_string("/proc/self/status")
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find(|l| l.starts_with("VmRSS:"))
-                    .and_then(|l| l.split_whitespace().nth(1))
-                    .and_then(|v| v.parse::<u64>().ok())
-            })
-            .unwrap_or(0)
-            * 1024
+        strata_vmm::self_rss().unwrap_or(0)
     }
 
     /// The leak the soak found, measured: 2 million step samples with no

@@ -96,16 +96,7 @@ fn load5() -> f64 {
 
 /// Resident memory of this process (VmRSS), bytes.
 fn rss() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse::<u64>().ok())
-        })
-        .map(|kb| kb * 1024)
-        .unwrap_or(0)
+    strata_vmm::self_rss().unwrap_or(0)
 }
 
 /// Subvolumes deleted and not yet cleaned by btrfs.
