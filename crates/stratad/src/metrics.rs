@@ -8,7 +8,7 @@
 //! The Prometheus recorder queues every histogram sample until a render or
 //! an upkeep folds the queue into its summary: a daemon nobody scrapes
 //! would keep every sample it ever observed (the two-hour soak showed the
-//! daemon's RSS climbing ~0.5 MiB per 10 minutes with 20 sandboxes). So
+//! daemon's RSS climbing ~0.6 MiB per 10 minutes with 20 sandboxes). So
 //! [`Metrics::spawn_upkeep`] folds them every [`UPKEEP_EVERY`].
 
 use std::collections::BTreeMap;

@@ -139,9 +139,6 @@ struct Side {
     first_exec: Samples,
     exec: Samples,
     concurrent: Samples,
-    /// Per round of 8: wall time until the last create answered ÷ the CPU
-    /// bound (CPU-seconds the round used ÷ the host's cores).
-    bound: Vec<BoundRound>,
 }
 
 /// One round of 8 concurrent creates against its CPU bound.
@@ -174,11 +171,12 @@ async fn sequential(api: &Api, side: &mut Side) -> Result<()> {
     delete(api, &id).await
 }
 
-/// One round of 8 creates at once. Also the round's CPU bound: the
-/// CPU-seconds it used (this process, which is both daemons and the client,
-/// plus every QEMU the round started, all of whose CPU falls in the round)
-/// against the wall time until the last create answered.
-async fn concurrent(api: &Api, side: &mut Side) -> Result<()> {
+/// One round of 8 creates at once. Answers the round against its CPU
+/// bound: the CPU-seconds it used (this process, which is both daemons and
+/// the client, plus every QEMU the round started, all of whose CPU falls in
+/// the round) and the wall time until the last create answered (`None`
+/// when a create failed or a QEMU could not be read).
+async fn concurrent(api: &Api, side: &mut Side) -> Result<Option<BoundRound>> {
     let cpu0 = super::scale::cpu_seconds();
     let t0 = Instant::now();
     let all = futures::future::join_all((0..8).map(|_| create_with_pid(api))).await;
@@ -201,22 +199,19 @@ async fn concurrent(api: &Api, side: &mut Side) -> Result<()> {
             Err(e) => first_err = first_err.or(Some(e)),
         }
     }
-    if first_err.is_none() && pids == 8 {
-        let cores = std::thread::available_parallelism()
+    let bound = (first_err.is_none() && pids == 8).then(|| BoundRound {
+        wall_s,
+        cpu_s: self_cpu + qemu_ticks as f64 / super::density::clock_ticks(),
+        cores: std::thread::available_parallelism()
             .map(|n| n.get() as f64)
-            .unwrap_or(1.0);
-        side.bound.push(BoundRound {
-            wall_s,
-            cpu_s: self_cpu + qemu_ticks as f64 / super::density::clock_ticks(),
-            cores,
-        });
-    }
+            .unwrap_or(1.0),
+    });
     for id in &ids {
         delete(api, id).await?;
     }
     match first_err {
         Some(e) => Err(e.context("a create of the 8")),
-        None => Ok(()),
+        None => Ok(bound),
     }
 }
 
@@ -255,6 +250,8 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         }
     }
     let hits = events(w, "warm_pool_claim").await? - claims0;
+    // The daemon without a pool: each round against its CPU bound.
+    let mut cold_bounds: Vec<BoundRound> = Vec::new();
     for r in 0..args.rounds {
         // Each round starts with the warm pool full, so no refill (a
         // restore on the warm daemon, in this process) runs inside the
@@ -263,9 +260,9 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         if r % 2 == 0 {
             concurrent(w, &mut ws).await.context("warm, 8 concurrent")?;
             wait_full(w, pool).await?;
-            concurrent(c, &mut cs).await.context("cold, 8 concurrent")?;
+            cold_bounds.extend(concurrent(c, &mut cs).await.context("cold, 8 concurrent")?);
         } else {
-            concurrent(c, &mut cs).await.context("cold, 8 concurrent")?;
+            cold_bounds.extend(concurrent(c, &mut cs).await.context("cold, 8 concurrent")?);
             concurrent(w, &mut ws).await.context("warm, 8 concurrent")?;
         }
     }
@@ -341,7 +338,7 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         vec!["1×".into()],
     );
     sec.table(t);
-    let bound = bound_table(&cs.bound);
+    let bound = bound_table(&cold_bounds);
     if let Some((t, headline)) = bound {
         sec.table(t);
         sec.headline(headline);
@@ -371,7 +368,7 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         "claims_sequential": hits, "claims_concurrent": concurrent_hits,
         "warm": {"create_ms": ws.create.0, "first_exec_ms": ws.first_exec.0, "exec_ms": ws.exec.0, "concurrent_ms": ws.concurrent.0},
         "cold": {"create_ms": cs.create.0, "first_exec_ms": cs.first_exec.0, "exec_ms": cs.exec.0, "concurrent_ms": cs.concurrent.0,
-            "concurrent_rounds": cs.bound.iter().map(|b| json!({"wall_s": b.wall_s, "cpu_s": b.cpu_s, "cores": b.cores, "ratio": b.ratio()})).collect::<Vec<_>>()},
+            "concurrent_rounds": cold_bounds.iter().map(|b| json!({"wall_s": b.wall_s, "cpu_s": b.cpu_s, "cores": b.cores, "ratio": b.ratio()})).collect::<Vec<_>>()},
     });
     Ok(())
 }

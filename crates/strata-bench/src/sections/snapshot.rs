@@ -204,6 +204,11 @@ struct Results {
     peer_status_after_savevm: Vec<(u64, String)>,
 }
 
+/// Summary of the device-state step of `phases`.
+fn device_state(phases: &[strata_runtime::PausePhases]) -> Summary {
+    Summary::of(&phases.iter().map(|p| p.device_state_ms).collect::<Vec<_>>())
+}
+
 fn size_label(mib: u64) -> String {
     if mib >= 1024 && mib.is_multiple_of(1024) {
         format!("{} GiB", mib / 1024)
@@ -380,26 +385,8 @@ async fn measure_size(ctx: &Ctx, args: &Args, mib: u64, res: &mut Results) -> Re
         if args.events_ab > 0 {
             progress!(
                 "{label}: device state polled p50 {} vs event p50 {}; pause {} vs {}",
-                fmt_ms(
-                    Summary::of(
-                        &case
-                            .ab_poll
-                            .iter()
-                            .map(|p| p.device_state_ms)
-                            .collect::<Vec<_>>()
-                    )
-                    .p50
-                ),
-                fmt_ms(
-                    Summary::of(
-                        &case
-                            .ab_event
-                            .iter()
-                            .map(|p| p.device_state_ms)
-                            .collect::<Vec<_>>()
-                    )
-                    .p50
-                ),
+                fmt_ms(device_state(&case.ab_poll).p50),
+                fmt_ms(device_state(&case.ab_event).p50),
                 fmt_ms(Summary::of(&case.ab_poll_ms).p50),
                 fmt_ms(Summary::of(&case.ab_event_ms).p50),
             );
@@ -640,7 +627,7 @@ fn render(ctx: &Ctx, args: &Args, res: &Results, sec: &mut Section) -> Result<()
         );
         for c in res.cases.iter().filter(|c| !c.ab_event.is_empty()) {
             let ds = |v: &[strata_runtime::PausePhases]| {
-                let s = Summary::of(&v.iter().map(|p| p.device_state_ms).collect::<Vec<_>>());
+                let s = device_state(v);
                 format!("{} ({})", fmt_num(s.p50), fmt_num(s.p99))
             };
             let (pp, pe) = (Summary::of(&c.ab_poll_ms), Summary::of(&c.ab_event_ms));

@@ -25,11 +25,11 @@ use super::agent::Identity;
 use super::vms::Live;
 use super::{blocking, ms, OpenState, Result, Runtime, StateRef};
 use crate::api::{SnapshotInfo, Source, StartTimeline, VmInfo};
+use crate::error::{agent_err, io_err, storage_err, vmm_err, RuntimeError};
+use crate::meta::{files, StateMeta};
 
 /// How much of a guest's console a failed start logs.
 const START_FAILURE_CONSOLE_BYTES: usize = 3000;
-use crate::error::{agent_err, io_err, storage_err, vmm_err, RuntimeError};
-use crate::meta::{files, StateMeta};
 
 /// How a sandbox starts from a state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -65,8 +65,10 @@ enum Progress {
     Going,
 }
 
-fn progress(status: Option<&str>) -> Progress {
-    match status.unwrap_or("none") {
+/// Reads the `status` of a `MIGRATION` event's data or of a
+/// `query-migrate` answer (the same field in both).
+fn progress(v: &Value) -> Progress {
+    match v.get("status").and_then(Value::as_str).unwrap_or("none") {
         "completed" => Progress::Completed,
         "failed" | "cancelled" => Progress::Failed,
         _ => Progress::Going,
@@ -161,36 +163,27 @@ impl QemuVm {
         let mut next_poll = tokio::time::Instant::now() + poll;
         let mut events_open = true;
         loop {
-            let ended = tokio::select! {
+            let p = tokio::select! {
                 ev = rx.recv(), if events_open => match ev {
-                    Ok(ev) if ev.event == "MIGRATION" => {
-                        match progress(ev.data.get("status").and_then(Value::as_str)) {
-                            Progress::Going => None,
-                            p => Some(p),
-                        }
-                    }
-                    Ok(_) | Err(RecvError::Lagged(_)) => None,
+                    Ok(ev) if ev.event == "MIGRATION" => progress(&ev.data),
+                    Ok(_) | Err(RecvError::Lagged(_)) => Progress::Going,
                     // The client is gone (QEMU died): the poll says how.
                     Err(RecvError::Closed) => {
                         events_open = false;
-                        None
+                        Progress::Going
                     }
                 },
                 _ = tokio::time::sleep_until(next_poll) => {
                     poll = (poll * 2).min(Duration::from_millis(50));
                     next_poll = tokio::time::Instant::now() + poll;
-                    let info = self.query_migrate("save").await?;
-                    match progress(info.get("status").and_then(Value::as_str)) {
-                        Progress::Going => None,
-                        p => Some(p),
-                    }
+                    progress(&self.query_migrate("save").await?)
                 }
             };
-            match ended {
-                Some(Progress::Completed) => return Ok(()),
+            match p {
+                Progress::Completed => return Ok(()),
                 // The event carries no reason: query-migrate has it.
-                Some(_) => return self.wait_migration("save").await,
-                None => {}
+                Progress::Failed => return self.wait_migration("save").await,
+                Progress::Going => {}
             }
             if t0.elapsed() > MIGRATION_TIMEOUT {
                 return Err(VmmError::Migration {
@@ -243,7 +236,7 @@ impl QemuVm {
         let mut delay = Duration::from_micros(500);
         loop {
             let info = self.query_migrate(what).await?;
-            match progress(info.get("status").and_then(Value::as_str)) {
+            match progress(&info) {
                 Progress::Completed => return Ok(()),
                 Progress::Failed => {
                     let desc = info
