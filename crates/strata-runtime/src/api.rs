@@ -262,6 +262,10 @@ pub struct PausePhases {
     pub btrfs_ms: f64,
     /// QMP `cont` round trip.
     pub cont_ms: f64,
+    /// The device-state step broken down (zero when the state saved by an
+    /// earlier stop was reused).
+    #[serde(default)]
+    pub device_state_steps: strata_vmm::SaveSteps,
 }
 
 /// Space used by a snapshot.

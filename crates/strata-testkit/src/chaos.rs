@@ -794,7 +794,7 @@ async fn kill_qemu(sh: &Arc<Shared>, rng: &mut Rng) -> Result<Option<Duration>, 
     }
     sigkill(pid);
     let t = Instant::now();
-    answers_again(sh, &id, t).await.map(Some)
+    answers_again(sh, &id, t, None).await.map(Some)
 }
 
 async fn kill_agent(sh: &Arc<Shared>, rng: &mut Rng) -> Result<Option<Duration>, String> {
@@ -806,14 +806,16 @@ async fn kill_agent(sh: &Arc<Shared>, rng: &mut Rng) -> Result<Option<Duration>,
         if let Some(s) = sh.ledger().get(&id) {
             s.widen();
         }
-        // The agent that runs this exec is the one killed: let it answer first.
+        // The agent that runs this exec is the one killed: let it answer
+        // first (with its pid, so the probe below can tell its successor).
         sh.d.api
             .exec_output(
                 &id,
                 &[
                     "sh",
                     "-c",
-                    "(sleep 0.3; kill -9 $(pgrep -x strata-agent | grep -vx 1)) >/dev/null 2>&1 &",
+                    "pgrep -x strata-agent | grep -vx 1; \
+                     (sleep 0.3; kill -9 $(pgrep -x strata-agent | grep -vx 1)) >/dev/null 2>&1 &",
                 ],
             )
             .await
@@ -821,9 +823,10 @@ async fn kill_agent(sh: &Arc<Shared>, rng: &mut Rng) -> Result<Option<Duration>,
     // The kill lands 0.3 s after the exec began; probe once it has.
     let t = Instant::now() + Duration::from_millis(300);
     let r = match out {
-        Ok((0, _)) => {
+        Ok((0, old)) => {
             tokio::time::sleep(Duration::from_millis(400)).await;
-            answers_again(sh, &id, t).await.map(Some)
+            let old = old.trim().to_owned();
+            answers_again(sh, &id, t, Some(&old)).await.map(Some)
         }
         _ => Ok(None),
     };
@@ -833,13 +836,28 @@ async fn kill_agent(sh: &Arc<Shared>, rng: &mut Rng) -> Result<Option<Duration>,
     r
 }
 
-/// Waits until `id` answers an exec (within the exec bound); the time since `t`.
-async fn answers_again(sh: &Shared, id: &str, t: Instant) -> Result<Duration, String> {
+/// Waits until `id` answers an exec (within the exec bound); the time since
+/// `t`. With `old_agent` (the pid of a killed agent), only an answer from
+/// another agent counts: under load the kill can land after a first probe,
+/// which the old agent would still answer.
+async fn answers_again(
+    sh: &Shared,
+    id: &str,
+    t: Instant,
+    old_agent: Option<&str>,
+) -> Result<Duration, String> {
     let bound = sh.cfg.exec_bound;
+    let probe: &[&str] = match old_agent {
+        Some(_) => &["sh", "-c", "pgrep -x strata-agent | grep -vx 1"],
+        None => &["true"],
+    };
     loop {
-        let r = tokio::time::timeout(bound, sh.d.api.exec_output(id, &["true"])).await;
-        if let Ok(Ok((0, _))) = r {
-            return Ok(t.elapsed());
+        let r = tokio::time::timeout(bound, sh.d.api.exec_output(id, probe)).await;
+        if let Ok(Ok((0, out))) = &r {
+            let out = out.trim();
+            if old_agent.is_none_or(|old| !out.is_empty() && out != old) {
+                return Ok(t.elapsed());
+            }
         }
         // A QEMU victim may be in a client's operation, a delete included:
         // gone is fine when the client asked for it.

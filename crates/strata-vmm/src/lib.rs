@@ -177,6 +177,25 @@ pub struct SaveStats {
     pub elapsed: Duration,
     /// Method used.
     pub method: SaveMethod,
+    /// Where the save's time went, step by step.
+    #[serde(default)]
+    pub steps: SaveSteps,
+}
+
+/// The steps of one device-state save, ms each (wall time; steps that
+/// overlap on the QMP socket are timed together).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct SaveSteps {
+    /// The run-state check, with the migration capabilities when they
+    /// are (re)set on the same round trip.
+    pub check_ms: f64,
+    /// Handing QEMU the file (`getfd`) and starting `migrate`, until its
+    /// reply.
+    pub start_ms: f64,
+    /// From `migrate`'s reply to the save's end (event or poll).
+    pub complete_ms: f64,
+    /// Until the VM has left `finish-migrate` (QEMU refuses `cont` before).
+    pub finalize_ms: f64,
 }
 
 /// A VMM back end (QEMU today, Firecracker later).

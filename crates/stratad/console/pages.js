@@ -88,7 +88,7 @@ function pauseMs(v) {
   return v === null || v === undefined ? "–" : `${Number(v).toFixed(1)} ms`;
 }
 
-const KINDS = ["manual", "rolling", "pre_rewind", "hibernate", "fork", "template"];
+const KINDS = ["manual", "rolling", "pre_rewind", "rewind", "hibernate", "fork", "template"];
 
 function timeline(sb, snaps, selected, onPick) {
   const W = 960, H = 40 + KINDS.length * 22, L = 90, R = 20;

@@ -21,7 +21,8 @@
 //!   even when two snapshots share its timestamp.
 //!
 //! A `same_as` record (a rolling snapshot of an unchanged guest, recorded
-//! without being taken) is thinned like any rolling snapshot, and the real
+//! without being taken, or the `rewind` record of a rewind's target) is
+//! thinned like any rolling snapshot, and the real
 //! snapshot it names is kept as long as any record naming it is
 //! ([`spare_targets`]): a kept record never names a deleted snapshot.
 
@@ -164,7 +165,10 @@ impl RetentionPolicy {
         for s in order {
             if !matches!(
                 s.kind,
-                SnapshotKind::Rolling | SnapshotKind::Hibernate | SnapshotKind::Fork
+                SnapshotKind::Rolling
+                    | SnapshotKind::Hibernate
+                    | SnapshotKind::Fork
+                    | SnapshotKind::Rewind
             ) {
                 continue;
             }

@@ -612,6 +612,38 @@ fn render(ctx: &Ctx, args: &Args, res: &Results, sec: &mut Section) -> Result<()
         }
         sec.table(t);
     }
+    if !res.cases.is_empty() {
+        let mut t = Table::new(
+            "Inside the device-state step: p50 (p99) of each of its steps, ms (strata_vmm::SaveSteps; the run-state check carries the migration capabilities on a VM's first save only)",
+            &[
+                "case",
+                "n",
+                "check (+caps)",
+                "getfd + migrate",
+                "until completed",
+                "until finalized",
+                "device state",
+            ],
+        );
+        for c in &res.cases {
+            let col = |f: fn(&strata_vmm::SaveSteps) -> f64| {
+                let v: Vec<f64> = c.phases.iter().map(|p| f(&p.device_state_steps)).collect();
+                let s = Summary::of(&v);
+                format!("{} ({})", fmt_num(s.p50), fmt_num(s.p99))
+            };
+            let ds = device_state(&c.phases);
+            t.row(vec![
+                c.label(),
+                c.phases.len().to_string(),
+                col(|s| s.check_ms),
+                col(|s| s.start_ms),
+                col(|s| s.complete_ms),
+                col(|s| s.finalize_ms),
+                format!("{} ({})", fmt_num(ds.p50), fmt_num(ds.p99)),
+            ]);
+        }
+        sec.table(t);
+    }
     if res.cases.iter().any(|c| !c.ab_event.is_empty()) {
         let mut t = Table::new(
             "The device-state save's end seen by polling `query-migrate` (before) vs by QEMU's `MIGRATION` event (after): p50 (p99), ms, the two interleaved one snapshot at a time on the same VM",

@@ -103,7 +103,12 @@ pub const MIN_FREE_BYTES: u64 = 256 << 20;
 
 impl Runtime {
     /// Writes the device state of a paused VM into `dir/device.state` (atomically).
-    pub(super) async fn save_state(&self, id: &str, live: &Live, dir: &Path) -> Result<u64> {
+    pub(super) async fn save_state(
+        &self,
+        id: &str,
+        live: &Live,
+        dir: &Path,
+    ) -> Result<strata_vmm::SaveStats> {
         let tmp = dir.join(".device.state.tmp");
         let stats = match live.vm.save_device_state(&tmp).await {
             Ok(s) => s,
@@ -114,7 +119,7 @@ impl Runtime {
         };
         std::fs::rename(&tmp, dir.join(files::DEVICE_STATE))
             .map_err(|e| io_err("rename device state", e))?;
-        Ok(stats.bytes)
+        Ok(stats)
     }
 
     /// Snapshots a running or paused sandbox as `snap`: stop vCPUs, save device state
@@ -172,6 +177,7 @@ impl Runtime {
             None
         };
         let mut phases = PausePhases::default();
+        let mut steps = strata_vmm::SaveSteps::default();
         let t0 = Instant::now();
         if was_running {
             live.pause_vm().await.map_err(|e| vmm_err(id.as_str(), e))?;
@@ -187,9 +193,10 @@ impl Runtime {
                     .map_err(|e| io_err("stat the saved device state", e))?
                     .len()
             } else {
-                let b = self.save_state(id.as_str(), &live, &dir).await?;
+                let stats = self.save_state(id.as_str(), &live, &dir).await?;
                 live.state_saved.store(true, Ordering::SeqCst);
-                b
+                steps = stats.steps;
+                stats.bytes
             };
             let device_state_ms = ms(t_state);
             let pool = self.pool.clone();
@@ -251,6 +258,7 @@ impl Runtime {
             }
         };
         phases.device_state_ms = device_state_ms;
+        phases.device_state_steps = steps;
         phases.sign_ms = sign_ms;
         phases.btrfs_ms = btrfs_ms;
         tracing::info!(

@@ -32,7 +32,7 @@ use tokio::sync::broadcast::error::RecvError;
 use serde_json::{json, Value};
 
 use super::vm::QemuVm;
-use crate::{SaveMethod, SaveStats, Vm, VmmError};
+use crate::{SaveMethod, SaveStats, SaveSteps, Vm, VmmError};
 
 /// Upper bound of a device-state save or load.
 const MIGRATION_TIMEOUT: Duration = Duration::from_secs(120);
@@ -40,6 +40,10 @@ const MIGRATION_TIMEOUT: Duration = Duration::from_secs(120);
 const FINALIZE_TIMEOUT: Duration = Duration::from_secs(10);
 const FD_OUT: &str = "strata-state-out";
 const FD_IN: &str = "strata-state-in";
+/// [`QemuVm::caps_set`]: capabilities set with `events` on.
+const CAPS_EVENTS: u8 = 1;
+/// [`QemuVm::caps_set`]: capabilities set with `events` off.
+const CAPS_POLL: u8 = 2;
 
 /// Whether saves wait for QEMU's `MIGRATION` events (the default) or only
 /// poll `query-migrate`.
@@ -56,6 +60,10 @@ pub fn set_completion_events(on: bool) {
 /// Whether saves currently wait for `MIGRATION` events.
 pub fn completion_events() -> bool {
     COMPLETION_EVENTS.load(Ordering::Relaxed)
+}
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1000.0
 }
 
 /// What a `MIGRATION` event or a `query-migrate` answer says of the save.
@@ -76,16 +84,28 @@ fn progress(v: &Value) -> Progress {
 }
 
 impl QemuVm {
+    /// Sets the migration capabilities this driver's saves and loads use,
+    /// unless this VM already has them: QEMU keeps capabilities across
+    /// migrations, so a VM's second save skips the round trip.
     async fn migrate_caps(&self) -> Result<(), VmmError> {
+        let want = if completion_events() {
+            CAPS_EVENTS
+        } else {
+            CAPS_POLL
+        };
+        if self.caps_set.load(Ordering::Acquire) == want {
+            return Ok(());
+        }
         self.exec(
             "migrate-set-capabilities",
             Some(json!({"capabilities": [
                 {"capability": "x-ignore-shared", "state": true},
-                {"capability": "events", "state": completion_events()},
+                {"capability": "events", "state": want == CAPS_EVENTS},
             ]})),
         )
-        .await
-        .map(|_| ())
+        .await?;
+        self.caps_set.store(want, Ordering::Release);
+        Ok(())
     }
 
     /// Saves device state with an explicit [`SaveMethod`].
@@ -100,18 +120,26 @@ impl QemuVm {
                 reason: "exec: migration spawns a process, which this VM's seccomp filter forbids; use SaveMethod::Fd".into(),
             });
         }
-        let st = self.status().await?;
+        // The run-state check and the capabilities share one round trip:
+        // QMP answers a connection's commands in the order they were sent.
+        let t_check = Instant::now();
+        let (st, caps) = tokio::join!(self.status(), self.migrate_caps());
+        let st = st?;
         if st.running {
             return Err(VmmError::WrongState {
                 status: st.status,
                 needed: "paused",
             });
         }
-        self.migrate_caps().await?;
+        caps?;
         // Subscribed before `migrate`: a save of a few hundred KiB can end
         // before its reply is read.
         let events = completion_events().then(|| self.qmp.subscribe());
         let t0 = Instant::now();
+        let mut steps = SaveSteps {
+            check_ms: ms(t_check),
+            ..SaveSteps::default()
+        };
         match method {
             SaveMethod::Fd => {
                 let file = std::fs::OpenOptions::new()
@@ -120,12 +148,21 @@ impl QemuVm {
                     .truncate(true)
                     .open(path)
                     .map_err(|e| VmmError::io(path, e))?;
-                self.qmp
-                    .execute_with_fd("getfd", Some(json!({"fdname": FD_OUT})), file.as_fd())
-                    .await?;
+                // `getfd` and `migrate` go out together; QEMU runs them in
+                // order, so `migrate` finds the descriptor (if `getfd`
+                // failed, both answers say so).
+                let uri = json!({"uri": format!("fd:{FD_OUT}")});
+                let (fd, started) = tokio::join!(
+                    self.qmp.execute_with_fd(
+                        "getfd",
+                        Some(json!({"fdname": FD_OUT})),
+                        file.as_fd()
+                    ),
+                    self.exec("migrate", Some(uri)),
+                );
                 drop(file);
-                self.exec("migrate", Some(json!({"uri": format!("fd:{FD_OUT}")})))
-                    .await?;
+                fd?;
+                started?;
             }
             SaveMethod::Exec => {
                 let quoted = shell_quote(&path.to_string_lossy());
@@ -136,11 +173,16 @@ impl QemuVm {
                 .await?;
             }
         }
+        steps.start_ms = ms(t0);
+        let t_complete = Instant::now();
         match events {
             Some(rx) => self.wait_save_events(rx).await?,
             None => self.wait_migration("save").await?,
         }
+        steps.complete_ms = ms(t_complete);
+        let t_final = Instant::now();
         self.wait_finalized().await?;
+        steps.finalize_ms = ms(t_final);
         let elapsed = t0.elapsed();
         let bytes = std::fs::metadata(path)
             .map_err(|e| VmmError::io(path, e))?
@@ -149,6 +191,7 @@ impl QemuVm {
             bytes,
             elapsed,
             method,
+            steps,
         })
     }
 
@@ -263,17 +306,21 @@ impl QemuVm {
     }
 
     pub(super) async fn load_device_state(&self, state: &Path) -> Result<(), VmmError> {
-        self.migrate_caps().await?;
         let file = std::fs::File::open(state).map_err(|e| VmmError::io(state, e))?;
-        self.qmp
-            .execute_with_fd("getfd", Some(json!({"fdname": FD_IN})), file.as_fd())
-            .await?;
+        // Capabilities, descriptor and `migrate-incoming` go out together:
+        // QEMU answers them in order, so each finds what the one before set
+        // (a failure shows in its own answer and in those after it).
+        let uri = json!({"uri": format!("fd:{FD_IN}")});
+        let (caps, fd, started) = tokio::join!(
+            self.migrate_caps(),
+            self.qmp
+                .execute_with_fd("getfd", Some(json!({"fdname": FD_IN})), file.as_fd()),
+            self.exec("migrate-incoming", Some(uri)),
+        );
         drop(file);
-        self.exec(
-            "migrate-incoming",
-            Some(json!({"uri": format!("fd:{FD_IN}")})),
-        )
-        .await?;
+        caps?;
+        fd?;
+        started?;
         // The destination shows the incoming migration in query-migrate; once it is
         // completed the VM is in the run state the source had (paused).
         let t0 = Instant::now();

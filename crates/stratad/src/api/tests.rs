@@ -798,7 +798,7 @@ async fn concurrent_rewinds_conflict_and_state_is_kept() {
         .iter()
         .map(|s| s["kind"].as_str().unwrap())
         .collect();
-    assert_eq!(kinds, vec!["manual", "pre_rewind"]);
+    assert_eq!(kinds, vec!["manual", "pre_rewind", "rewind"]);
 }
 
 #[tokio::test]
@@ -1133,6 +1133,45 @@ async fn recovery_restores_a_sandbox_whose_vm_died() {
         .map(|e| e["op"].as_str().unwrap())
         .collect();
     assert!(ops.ends_with(&["fail", "recover", "recover"]), "{ops:?}");
+}
+
+/// Found by the chaos harness: a QEMU killed after an acknowledged rewind
+/// was restored from the pre-rewind snapshot (the newest by time), undoing
+/// the rewind. The rewind's `rewind` record (same_as its target) is the
+/// restore point now.
+#[tokio::test]
+async fn a_vm_death_after_a_rewind_restores_the_rewinds_target() {
+    let h = harness();
+    let id = create(&h).await;
+    let (_, snap) = call(&h, "POST", &format!("/v1/sandboxes/{id}/snapshots"), "").await;
+    let target = snap["id"].as_str().unwrap().to_owned();
+    call(&h, "POST", &format!("/v1/sandboxes/{id}/snapshots"), "").await;
+    let (s, v) = call(
+        &h,
+        "POST",
+        &format!("/v1/sandboxes/{id}/rewind"),
+        format!(r#"{{"to":"{target}"}}"#),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let pre = v["pre_rewind_snapshot"]["id"].as_str().unwrap().to_owned();
+    let (_, list) = call(&h, "GET", &format!("/v1/sandboxes/{id}/snapshots"), "").await;
+    let last = list["items"].as_array().unwrap().last().unwrap().clone();
+    assert_eq!(
+        (&last["kind"], &last["same_as"], &last["status"]),
+        (&json!("rewind"), &json!(target), &json!("ready")),
+        "{list}"
+    );
+    h.engine.returned_to.lock().unwrap().clear();
+    // The double reports no live VMs: the VM is gone.
+    let report = crate::recovery::reconcile(h.app.service()).await.unwrap();
+    assert_eq!(report.restored.len(), 1, "{report:?}");
+    let back = h.engine.returned_to.lock().unwrap().clone();
+    assert_eq!(
+        back.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+        vec![target.clone()],
+        "restored from the rewind's target, not the pre-rewind state {pre}"
+    );
 }
 
 mod approvals;

@@ -3,6 +3,41 @@
 use super::prelude::*;
 
 impl Service {
+    /// The `rewind` record of a rewind to `target` (`real`: what it
+    /// restores, `same_as` resolved): ready at once, no subvolume, and newer
+    /// than the `pre_rewind` snapshot, so the sandbox's restore point (its
+    /// newest ready snapshot, for crash recovery and wake) is the state the
+    /// rewind made, not the one it left. Found by the chaos harness: a QEMU
+    /// killed after a rewind was restored from the pre-rewind state,
+    /// undoing an acknowledged rewind.
+    fn rewind_mark(
+        &self,
+        rec: &SandboxRecord,
+        target: &SnapshotRecord,
+        real: &SnapshotRecord,
+        pre: Option<&SnapshotRecord>,
+    ) -> SnapshotRecord {
+        let mut mark = self.new_snapshot(
+            rec,
+            SnapshotKind::Rewind,
+            Some(format!("rewound to {}", target.id)),
+        );
+        mark.status = SnapshotStatus::Ready;
+        mark.same_as = Some(real.id.clone());
+        mark.exclusive_bytes = Some(0);
+        mark.referenced_bytes = real.referenced_bytes;
+        mark.charge_bytes = Some(0);
+        // The engine stamps the pre-rewind snapshot with its own clock:
+        // strictly after it, whatever this service's clock says.
+        if let Some(p) = pre.filter(|p| p.status == SnapshotStatus::Ready) {
+            let after = p.created_at + chrono::Duration::milliseconds(1);
+            if mark.created_at < after {
+                mark.created_at = after;
+            }
+        }
+        mark
+    }
+
     /// Returns a sandbox to one of its snapshots (by id or by time ago).
     pub async fn rewind(
         self: &Arc<Self>,
@@ -106,7 +141,8 @@ impl Service {
                     Self::dropped(p, "engine took no pre-rewind snapshot".into());
                 }
                 rec.last_activity_at = self.now();
-                let snaps: Vec<&SnapshotRecord> = pre.iter().collect();
+                let mark = self.rewind_mark(&rec, &target, &real, pre.as_ref());
+                let snaps: Vec<&SnapshotRecord> = pre.iter().chain([&mark]).collect();
                 self.done(
                     &mut rec,
                     Op::Rewind,

@@ -159,6 +159,11 @@ pub enum SnapshotKind {
     Rolling,
     /// The state before a rewind (so the rewind can be undone).
     PreRewind,
+    /// The point a rewind returned the sandbox to: a `same_as` record of
+    /// the rewind's target, newer than the `pre_rewind` snapshot, so the
+    /// restore point (crash recovery, wake) and the history both say the
+    /// sandbox has been in the target's state since the rewind.
+    Rewind,
     /// Taken when the sandbox hibernated.
     Hibernate,
     /// The implicit snapshot of a fork from a live sandbox.
@@ -174,6 +179,7 @@ impl SnapshotKind {
             SnapshotKind::Manual => "manual",
             SnapshotKind::Rolling => "rolling",
             SnapshotKind::PreRewind => "pre_rewind",
+            SnapshotKind::Rewind => "rewind",
             SnapshotKind::Hibernate => "hibernate",
             SnapshotKind::Fork => "fork",
             SnapshotKind::Template => "template",
@@ -186,6 +192,7 @@ impl SnapshotKind {
             SnapshotKind::Manual,
             SnapshotKind::Rolling,
             SnapshotKind::PreRewind,
+            SnapshotKind::Rewind,
             SnapshotKind::Hibernate,
             SnapshotKind::Fork,
             SnapshotKind::Template,

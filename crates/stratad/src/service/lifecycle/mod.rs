@@ -401,6 +401,9 @@ impl Service {
             let id2 = id.clone();
             match self.db(move |s| s.latest_ready_snapshot(&id2)).await? {
                 Some(snap) => {
+                    // A `same_as` record (e.g. a rewind's) wakes from the
+                    // snapshot it names.
+                    let snap = self.resolve_same_as(snap).await?;
                     let started = Instant::now();
                     let r = self.engine.wake(id, &snap.id).await;
                     if r.is_ok() {
