@@ -280,6 +280,13 @@ pub trait Vm: Send + Sync + std::fmt::Debug {
     fn agent_port_opens(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
         None
     }
+    /// A counter of the guest closing its end of the agent port (QMP
+    /// `VSERPORT_CHANGE` open=false: the agent exited): the agent client's
+    /// cue to drop the connection at once. `None` when the driver cannot
+    /// tell.
+    fn agent_port_closes(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        None
+    }
     /// When the guest's end of the agent port was last reported open.
     fn agent_port_opened_at(&self) -> Option<Instant> {
         None

@@ -518,6 +518,10 @@ pub struct Liveness {
     pub silent_after: Duration,
     /// Whether the guest can answer now (its vCPUs run); `None`: always.
     pub active: Option<Arc<AtomicBool>>,
+    /// A counter that moves when the agent's end is known gone (QEMU
+    /// reports the guest closed its port: the agent exited). The
+    /// connection closes then, not after `silent_after` of quiet.
+    pub gone: Option<tokio::sync::watch::Receiver<u64>>,
 }
 
 impl Liveness {
@@ -534,7 +538,15 @@ impl Liveness {
             interval: Duration::from_secs(2),
             silent_after: Duration::from_secs(5),
             active,
+            gone: None,
         }
+    }
+
+    /// Also closes the connection as soon as `gone` moves (see
+    /// [`Liveness::gone`]).
+    pub fn with_gone(mut self, gone: Option<tokio::sync::watch::Receiver<u64>>) -> Self {
+        self.gone = gone;
+        self
     }
 }
 
@@ -612,14 +624,38 @@ impl Drop for Probe {
 
 /// Pings a quiet agent and closes the connection of a silent one (see
 /// [`Liveness`]). Holds the connection only weakly: it ends with it.
-async fn watchdog(shared: Weak<Shared>, out: mpsc::WeakSender<Bytes>, live: Liveness) {
+async fn watchdog(shared: Weak<Shared>, out: mpsc::WeakSender<Bytes>, mut live: Liveness) {
     let tick_every = (live.interval / 2).max(Duration::from_millis(50));
     let mut tick = tokio::time::interval(tick_every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The ping in flight: its reply lands here and is dropped with it.
     let mut probe: Option<Probe> = None;
+    // Only moves from now on count: the value at connect is the past.
+    if let Some(g) = live.gone.as_mut() {
+        g.borrow_and_update();
+    }
     loop {
-        tick.tick().await;
+        let gone = async {
+            match live.gone.as_mut() {
+                Some(g) => g.changed().await.is_ok(),
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = tick.tick() => {}
+            moved = gone => {
+                if !moved {
+                    // The sender went with the VM handle: plain timing on.
+                    live.gone = None;
+                    continue;
+                }
+                if let Some(shared) = shared.upgrade() {
+                    tracing::warn!("the guest closed the agent's port (the agent exited); closing the connection");
+                    shared.close();
+                }
+                return;
+            }
+        }
         let Some(shared) = shared.upgrade() else {
             return;
         };
@@ -859,6 +895,7 @@ mod tests {
             FrameDecoder::new(),
             tunnels,
             Some(Liveness {
+                gone: None,
                 interval: Duration::from_millis(100),
                 silent_after: Duration::from_secs(30),
                 active: None,

@@ -86,7 +86,11 @@ impl Runtime {
         let egress = self.egress_target(id).await;
         // A guest that stops answering is noticed within 5 s: the connection
         // closes, calls in flight fail, and the next use reconnects here.
-        let liveness = Liveness::new(Some(live.running.clone()));
+        // The guest closing the agent's port (the agent exited) closes the
+        // connection at once; the agent's successor is greeted when it
+        // opens the port again.
+        let liveness =
+            Liveness::new(Some(live.running.clone())).with_gone(live.vm.agent_port_closes());
         let socket = live.vm.agent_socket();
         // QEMU's report that the guest opened its end of the port cues an
         // immediate Hello (the timed resend stays as the fallback).

@@ -27,16 +27,27 @@ pub(super) struct PortOpens {
 
 /// Whether `ev` says the guest's end of the agent port is open now.
 pub(crate) fn agent_port_opened(ev: &QmpEvent) -> bool {
-    ev.event == "VSERPORT_CHANGE"
-        && ev.data.get("id").and_then(Value::as_str) == Some(AGENT_PORT_ID)
-        && ev.data.get("open").and_then(Value::as_bool) == Some(true)
+    agent_port_is(ev, true)
 }
 
-/// Counts the agent port's openings from `events` into `tx` until the QMP
-/// connection ends or nobody listens any more.
+/// Whether `ev` says the guest closed its end of the agent port (the
+/// agent exited, or the guest is shutting down).
+pub(crate) fn agent_port_closed(ev: &QmpEvent) -> bool {
+    agent_port_is(ev, false)
+}
+
+fn agent_port_is(ev: &QmpEvent, open: bool) -> bool {
+    ev.event == "VSERPORT_CHANGE"
+        && ev.data.get("id").and_then(Value::as_str) == Some(AGENT_PORT_ID)
+        && ev.data.get("open").and_then(Value::as_bool) == Some(open)
+}
+
+/// Counts the agent port's openings from `events` into `tx` (and its
+/// closings into `closes`) until the QMP connection ends.
 pub(super) async fn watch_agent_port(
     mut events: broadcast::Receiver<QmpEvent>,
     tx: watch::Sender<u64>,
+    closes: watch::Sender<u64>,
     opens: Arc<PortOpens>,
 ) {
     loop {
@@ -55,6 +66,9 @@ pub(super) async fn watch_agent_port(
             *opens.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
             tracing::debug!("guest opened the agent port (VSERPORT_CHANGE)");
             tx.send_modify(|n| *n += 1);
+        } else if agent_port_closed(&ev) {
+            tracing::debug!("guest closed the agent port (VSERPORT_CHANGE)");
+            closes.send_modify(|n| *n += 1);
         }
     }
 }

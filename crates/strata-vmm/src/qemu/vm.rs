@@ -40,6 +40,8 @@ pub struct QemuVm {
     cgroup: Option<VmCgroup>,
     /// Openings of the guest's agent port (`VSERPORT_CHANGE`).
     port_opens: watch::Receiver<u64>,
+    /// Closings of it.
+    port_closes: watch::Receiver<u64>,
     port_opened: Arc<PortOpens>,
     /// Set by the driver's start (not for an adopted VM).
     pub(super) timings: Mutex<Option<StartTimings>>,
@@ -85,10 +87,12 @@ impl QemuVm {
         // device state and sends `cont` only after this), so the agent
         // port's first opening is never missed.
         let (opens_tx, port_opens) = watch::channel(0u64);
+        let (closes_tx, port_closes) = watch::channel(0u64);
         let port_opened = Arc::new(PortOpens::default());
         tasks.push(tokio::spawn(port::watch_agent_port(
             qmp.subscribe(),
             opens_tx,
+            closes_tx,
             port_opened.clone(),
         )));
         let stream = console::connect(&spec.console_socket(), Duration::from_secs(5))
@@ -119,6 +123,7 @@ impl QemuVm {
             confinement,
             cgroup,
             port_opens,
+            port_closes,
             port_opened,
             timings: Mutex::new(None),
             caps_set: std::sync::atomic::AtomicU8::new(0),
@@ -296,6 +301,10 @@ impl Vm for QemuVm {
 
     fn agent_port_opens(&self) -> Option<watch::Receiver<u64>> {
         Some(self.port_opens.clone())
+    }
+
+    fn agent_port_closes(&self) -> Option<watch::Receiver<u64>> {
+        Some(self.port_closes.clone())
     }
 
     fn agent_port_opened_at(&self) -> Option<Instant> {
