@@ -96,9 +96,11 @@ pub struct Args {
         default_value_t = 3
     )]
     pub bandwidth_runs: usize,
-    /// strata snapshots per arm of the device-state A/B (the save's end seen
-    /// by polling `query-migrate` alone vs by QEMU's `MIGRATION` event),
-    /// interleaved on the same VM after each case's own runs; 0 = skip.
+    /// strata snapshots per arm of the device-state A/B (the save of before:
+    /// its end polled, one QMP command per round trip, capabilities on every
+    /// save; vs now: QEMU's `MIGRATION` event, shared round trips,
+    /// capabilities once per VM), interleaved on the same VM after each
+    /// case's own runs; 0 = skip.
     #[arg(
         id = "snapshot-events-ab",
         long = "snapshot-events-ab",
@@ -364,11 +366,14 @@ async fn measure_size(ctx: &Ctx, args: &Args, mib: u64, res: &mut Results) -> Re
             fmt_ms(Summary::of(&case.walk_ms).p50),
         );
 
-        // The A/B: the same VM, one snapshot at a time, alternating how
-        // the device-state save's end is seen.
+        // The A/B: the same VM, one snapshot at a time, alternating the
+        // device-state save of before (its end polled, one QMP command per
+        // round trip, capabilities on every save) and of now (QEMU's event,
+        // shared round trips, capabilities once per VM).
         for i in 0..args.events_ab * 2 {
             let events = i % 2 == 1;
             strata_vmm::qemu::set_completion_events(events);
+            strata_vmm::qemu::set_shared_round_trips(events);
             let r = strata_snapshots(&brt.rt, &id, 1, interval, |s| {
                 if events {
                     case.ab_event_ms.push(s.pause_ms);
@@ -380,11 +385,12 @@ async fn measure_size(ctx: &Ctx, args: &Args, mib: u64, res: &mut Results) -> Re
             })
             .await;
             strata_vmm::qemu::set_completion_events(true);
-            r.context("strata snapshots, events A/B")?;
+            strata_vmm::qemu::set_shared_round_trips(true);
+            r.context("strata snapshots, device-state A/B")?;
         }
         if args.events_ab > 0 {
             progress!(
-                "{label}: device state polled p50 {} vs event p50 {}; pause {} vs {}",
+                "{label}: device state before p50 {} vs now p50 {}; pause {} vs {}",
                 fmt_ms(device_state(&case.ab_poll).p50),
                 fmt_ms(device_state(&case.ab_event).p50),
                 fmt_ms(Summary::of(&case.ab_poll_ms).p50),
@@ -646,15 +652,15 @@ fn render(ctx: &Ctx, args: &Args, res: &Results, sec: &mut Section) -> Result<()
     }
     if res.cases.iter().any(|c| !c.ab_event.is_empty()) {
         let mut t = Table::new(
-            "The device-state save's end seen by polling `query-migrate` (before) vs by QEMU's `MIGRATION` event (after): p50 (p99), ms, the two interleaved one snapshot at a time on the same VM",
+            "The device-state save before (its end polled with `query-migrate`, one QMP command per round trip, capabilities set on every save) vs now (QEMU's `MIGRATION` event, the run-state check sharing a round trip with the capabilities, set once per VM, and `getfd` with `migrate`): p50 (p99), ms, the two interleaved one snapshot at a time on the same VM",
             &[
                 "case",
                 "n per arm",
-                "device state, polled",
-                "device state, event",
-                "pause, polled",
-                "pause, event",
-                "pause p50 event ÷ polled",
+                "device state, before",
+                "device state, now",
+                "pause, before",
+                "pause, now",
+                "pause p50 now ÷ before",
             ],
         );
         for c in res.cases.iter().filter(|c| !c.ab_event.is_empty()) {

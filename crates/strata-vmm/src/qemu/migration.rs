@@ -40,10 +40,6 @@ const MIGRATION_TIMEOUT: Duration = Duration::from_secs(120);
 const FINALIZE_TIMEOUT: Duration = Duration::from_secs(10);
 const FD_OUT: &str = "strata-state-out";
 const FD_IN: &str = "strata-state-in";
-/// [`QemuVm::caps_set`]: capabilities set with `events` on.
-const CAPS_EVENTS: u8 = 1;
-/// [`QemuVm::caps_set`]: capabilities set with `events` off.
-const CAPS_POLL: u8 = 2;
 
 /// Whether saves wait for QEMU's `MIGRATION` events (the default) or only
 /// poll `query-migrate`.
@@ -55,6 +51,23 @@ static COMPLETION_EVENTS: AtomicBool = AtomicBool::new(true);
 /// meant for benchmarks that compare the two in one run.
 pub fn set_completion_events(on: bool) {
     COMPLETION_EVENTS.store(on, Ordering::Relaxed);
+}
+
+/// Whether saves share QMP round trips (the default; see
+/// [`set_shared_round_trips`]).
+static SHARED_ROUND_TRIPS: AtomicBool = AtomicBool::new(true);
+
+/// Chooses how many QMP round trips a device-state save costs: `true` (the
+/// default) sends the run-state check with the capabilities (set once per
+/// VM) and `getfd` with `migrate`; `false`, one command per round trip and
+/// the capabilities on every save (the old way). Process-wide; meant for
+/// benchmarks that compare the two in one run.
+pub fn set_shared_round_trips(on: bool) {
+    SHARED_ROUND_TRIPS.store(on, Ordering::Relaxed);
+}
+
+fn shared_round_trips() -> bool {
+    SHARED_ROUND_TRIPS.load(Ordering::Relaxed)
 }
 
 /// Whether saves currently wait for `MIGRATION` events.
@@ -86,25 +99,22 @@ fn progress(v: &Value) -> Progress {
 impl QemuVm {
     /// Sets the migration capabilities this driver's saves and loads use,
     /// unless this VM already has them: QEMU keeps capabilities across
-    /// migrations, so a VM's second save skips the round trip.
+    /// migrations, so a VM's second save skips the round trip (with
+    /// [`set_shared_round_trips`] off, every save sets them). `events` is
+    /// always on: a save that polls instead just does not listen.
     async fn migrate_caps(&self) -> Result<(), VmmError> {
-        let want = if completion_events() {
-            CAPS_EVENTS
-        } else {
-            CAPS_POLL
-        };
-        if self.caps_set.load(Ordering::Acquire) == want {
+        if shared_round_trips() && self.caps_set.load(Ordering::Acquire) {
             return Ok(());
         }
         self.exec(
             "migrate-set-capabilities",
             Some(json!({"capabilities": [
                 {"capability": "x-ignore-shared", "state": true},
-                {"capability": "events", "state": want == CAPS_EVENTS},
+                {"capability": "events", "state": true},
             ]})),
         )
         .await?;
-        self.caps_set.store(want, Ordering::Release);
+        self.caps_set.store(true, Ordering::Release);
         Ok(())
     }
 
@@ -123,7 +133,12 @@ impl QemuVm {
         // The run-state check and the capabilities share one round trip:
         // QMP answers a connection's commands in the order they were sent.
         let t_check = Instant::now();
-        let (st, caps) = tokio::join!(self.status(), self.migrate_caps());
+        let (st, caps) = if shared_round_trips() {
+            tokio::join!(self.status(), self.migrate_caps())
+        } else {
+            let st = self.status().await;
+            (st, self.migrate_caps().await)
+        };
         let st = st?;
         if st.running {
             return Err(VmmError::WrongState {
@@ -152,14 +167,17 @@ impl QemuVm {
                 // order, so `migrate` finds the descriptor (if `getfd`
                 // failed, both answers say so).
                 let uri = json!({"uri": format!("fd:{FD_OUT}")});
-                let (fd, started) = tokio::join!(
-                    self.qmp.execute_with_fd(
-                        "getfd",
-                        Some(json!({"fdname": FD_OUT})),
-                        file.as_fd()
-                    ),
-                    self.exec("migrate", Some(uri)),
+                let getfd = self.qmp.execute_with_fd(
+                    "getfd",
+                    Some(json!({"fdname": FD_OUT})),
+                    file.as_fd(),
                 );
+                let (fd, started) = if shared_round_trips() {
+                    tokio::join!(getfd, self.exec("migrate", Some(uri)))
+                } else {
+                    let fd = getfd.await;
+                    (fd, self.exec("migrate", Some(uri)).await)
+                };
                 drop(file);
                 fd?;
                 started?;

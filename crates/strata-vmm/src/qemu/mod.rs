@@ -27,7 +27,7 @@ mod port;
 mod vm;
 
 pub use driver::{qemu_in_run_dir, QemuDriver};
-pub use migration::{completion_events, set_completion_events};
+pub use migration::{completion_events, set_completion_events, set_shared_round_trips};
 pub use vm::QemuVm;
 
 /// An error and its sources on one line.

@@ -45,9 +45,9 @@ pub struct QemuVm {
     port_opened: Arc<PortOpens>,
     /// Set by the driver's start (not for an adopted VM).
     pub(super) timings: Mutex<Option<StartTimings>>,
-    /// Which migration capabilities this VM's QEMU was given (0: not yet,
-    /// through this handle), so saves do not set them again.
-    pub(super) caps_set: std::sync::atomic::AtomicU8,
+    /// Whether this VM's QEMU was given the migration capabilities (through
+    /// this handle), so saves do not set them again.
+    pub(super) caps_set: AtomicBool,
 }
 
 impl std::fmt::Debug for QemuVm {
@@ -126,7 +126,7 @@ impl QemuVm {
             port_closes,
             port_opened,
             timings: Mutex::new(None),
-            caps_set: std::sync::atomic::AtomicU8::new(0),
+            caps_set: AtomicBool::new(false),
         })
     }
 
