@@ -218,6 +218,22 @@ async fn lifecycle() {
     );
     b.resume().await.unwrap();
     b.pause().await.unwrap();
+    // Saves set the migration capabilities once per VM; a raw QMP command
+    // (here: the snapshot bench's full save turning `x-ignore-shared` off)
+    // makes the next save set them again, so it still leaves RAM out.
+    b.qmp(
+        "migrate-set-capabilities",
+        Some(serde_json::json!({"capabilities": [{"capability": "x-ignore-shared", "state": false}]})),
+    )
+    .await
+    .unwrap();
+    let after_raw = b.save_device_state(&db.path().join("s1-raw")).await.unwrap();
+    assert!(
+        after_raw.bytes.abs_diff(via_fd.bytes) < via_fd.bytes / 4,
+        "a save after a raw capability change wrote RAM: {after_raw:?} vs {via_fd:?}"
+    );
+    b.resume().await.unwrap();
+    b.pause().await.unwrap();
     let err = b
         .save_device_state_with(&db.path().join("s2"), SaveMethod::Exec)
         .await;

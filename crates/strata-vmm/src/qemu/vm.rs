@@ -292,6 +292,11 @@ impl Vm for QemuVm {
     }
 
     async fn qmp(&self, command: &str, arguments: Option<Value>) -> Result<Value, VmmError> {
+        // A raw command may change what saves rely on (the snapshot bench's
+        // full save turns `x-ignore-shared` off on this very VM): the next
+        // save sets the migration capabilities again.
+        self.caps_set
+            .store(false, std::sync::atomic::Ordering::Release);
         self.exec(command, arguments).await
     }
 
