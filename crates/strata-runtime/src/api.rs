@@ -246,7 +246,9 @@ pub struct SnapshotInfo {
 }
 
 /// Where a snapshot's pause goes, ms: the steps between the guest's vCPUs
-/// stopping and running again (`pause_ms` is their sum plus glue).
+/// stopping and running again. The device-state save and the btrfs
+/// snapshot run side by side (`Runtime::set_overlapped_state_save`, on by
+/// default), so `pause_ms` is stop + the longer of the two + cont + glue.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct PausePhases {
     /// QMP `stop` round trip (QEMU drains and flushes block I/O).

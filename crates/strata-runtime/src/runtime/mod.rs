@@ -85,6 +85,9 @@ pub struct Runtime {
     /// Whether the agent handshake re-sends Hello as soon as QMP reports
     /// the agent port open ([`Runtime::set_hello_on_port_open`]).
     hello_cue: std::sync::atomic::AtomicBool,
+    /// Whether a snapshot saves the device state while the btrfs snapshot
+    /// is taken (see [`Runtime::set_overlapped_state_save`]).
+    overlap_save: std::sync::atomic::AtomicBool,
     /// CPU weight of a VM with a call in flight ([`Runtime::call_boost`]).
     call_weight: std::sync::atomic::AtomicU32,
 }
@@ -285,6 +288,7 @@ impl Runtime {
             died_rx: Mutex::new(Some(died_rx)),
             egress: std::sync::RwLock::new(None),
             hello_cue: std::sync::atomic::AtomicBool::new(true),
+            overlap_save: std::sync::atomic::AtomicBool::new(true),
             call_weight: std::sync::atomic::AtomicU32::new(boost::CALL_CPU_WEIGHT),
         }))
     }
