@@ -581,6 +581,8 @@ fn service_route(r: &Route) -> Option<axum::routing::MethodRouter<Arc<Service>>>
         ExportSnapshot => on(m, transfer::export_snapshot),
         Move => on(m, transfer::move_sandbox),
         ImportAdopt => on(m, transfer::adopt),
+        ReplicaOffer => on(m, transfer::replica_offer),
+        ReplicaSnapshot => on(m, transfer::replica_receive),
         _ => return None,
     })
 }

@@ -97,6 +97,13 @@ pub(super) async fn get(c: Call) -> ApiResult<impl IntoResponse> {
     let policy = c.svc.lifecycle_policy(&c.caller, &id).await?;
     let mut v = serde_json::to_value(&rec).unwrap_or_default();
     v["lifecycle"] = serde_json::to_value(policy).unwrap_or_default();
+    // Replication (docs/cluster.md "Replicas"): the setting, and on a
+    // cluster host the lease holder and the replicas.
+    if let serde_json::Value::Object(more) = c.svc.replication_view(&id).await? {
+        for (k, x) in more {
+            v[k] = x;
+        }
+    }
     Ok(Json(v))
 }
 

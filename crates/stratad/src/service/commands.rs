@@ -46,6 +46,11 @@ pub struct SandboxSpec {
     /// hibernate, wake on use; a fork: its source's).
     #[serde(default)]
     pub lifecycle: Option<LifecyclePolicy>,
+    /// Replicate its snapshots to another host of the cluster, to recover
+    /// it there when its host is lost (docs/cluster.md "Replicas"; default
+    /// off; without `[cluster]` kept and unused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicate: Option<bool>,
 }
 
 /// `POST /v1/sandboxes`.

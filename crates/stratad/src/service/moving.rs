@@ -175,6 +175,7 @@ impl Service {
             base: &base,
             auth,
             verb: "move",
+            routes: super::transfer::IMPORT_ROUTES,
         };
         // Held from the hibernation to the handover: no wake, rewind or
         // delete meanwhile.

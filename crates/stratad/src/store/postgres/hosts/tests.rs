@@ -225,3 +225,40 @@ fn template_holders_are_recorded_per_host_once_and_forgotten() {
         vec!["host-b".to_owned()]
     );
 }
+
+#[test]
+fn replicas_are_one_row_per_sandbox_and_host_the_newest_snapshot_replacing_the_last() {
+    let Some((_db, s)) = open("replicas") else {
+        return;
+    };
+    let (sb, other) = (SandboxId::generate(), SandboxId::generate());
+    assert!(s.replicas(&sb).unwrap().is_empty());
+    s.put_replica(&sb, "host-b", "snap-1").unwrap();
+    s.put_replica(&sb, "host-b", "snap-2").unwrap();
+    s.put_replica(&other, "host-c", "snap-9").unwrap();
+    let r = s.replicas(&sb).unwrap();
+    assert_eq!(r.len(), 1, "{r:?}");
+    assert_eq!(
+        (r[0].host_id.as_str(), r[0].snapshot_id.as_str()),
+        ("host-b", "snap-2")
+    );
+    assert!(r[0].held_since > 0);
+    s.put_replica(&sb, "host-a", "snap-2").unwrap();
+    let hosts: Vec<String> = s
+        .replicas(&sb)
+        .unwrap()
+        .into_iter()
+        .map(|r| r.host_id)
+        .collect();
+    assert_eq!(hosts, ["host-a", "host-b"]);
+    s.remove_replica(&sb, "host-b").unwrap();
+    s.remove_replica(&sb, "host-b").unwrap();
+    let hosts: Vec<String> = s
+        .replicas(&sb)
+        .unwrap()
+        .into_iter()
+        .map(|r| r.host_id)
+        .collect();
+    assert_eq!(hosts, ["host-a"]);
+    assert_eq!(s.replicas(&other).unwrap()[0].snapshot_id, "snap-9");
+}
