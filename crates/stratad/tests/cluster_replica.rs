@@ -10,7 +10,8 @@
 //! 2. SIGKILL of A's daemon and its QEMUs: B's host-loss watcher takes the
 //!    lease (a larger token) and installs the replica: the sandbox is
 //!    `hibernated` on B with `state_reason` "recovered from replica …
-//!    after host_lost of host-a" (the journal says so).
+//!    after host_lost of host-a" (the journal says so). A sandbox of A
+//!    without replication is marked `failed` / `host_lost`, as before.
 //! 3. An exec through B wakes it there: both markers are read back (disk
 //!    and memory).
 //! 4. A revived: its recovery does not adopt it (no VM of it), its own
@@ -240,6 +241,9 @@ fn a_lost_hosts_replicated_sandbox_is_recovered_on_the_replica_host_with_memory_
                 .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1)))
             }
         };
+        // A sandbox without replication on A too: it is marked lost, as
+        // without replicas.
+        let plain_id = a.create(json!({ "snapshot_interval": "0s" })).await;
         let (_, t_a) = owner(id.clone()).await.expect("lease");
         let pid = a.ok("GET", &format!("/v1/sandboxes/{id}"), None, 200).await["pid"]
             .as_u64()
@@ -263,6 +267,15 @@ fn a_lost_hosts_replicated_sandbox_is_recovered_on_the_replica_host_with_memory_
             format!("recovered from replica {s2} after host_lost of host-a"),
             "{v}"
         );
+        let lost = b
+            .wait_for(&plain_id, Duration::from_secs(30), |v| {
+                v["state"] == "failed"
+                    && v["state_reason"]
+                        .as_str()
+                        .is_some_and(|r| r.starts_with("host_lost"))
+            })
+            .await;
+        assert_eq!(lost["replicate"], false, "{lost}");
         let (h, t_b) = owner(id.clone()).await.expect("lease");
         assert_eq!(h, "host-b");
         assert!(t_b > t_a, "token {t_b} not larger than {t_a}");
@@ -276,7 +289,7 @@ fn a_lost_hosts_replicated_sandbox_is_recovered_on_the_replica_host_with_memory_
         let (_, text) = b.raw("GET", "/metrics", Vec::new()).await;
         let text = String::from_utf8_lossy(&text).into_owned();
         assert_eq!(metric(&text, "cluster_sandbox_recovered"), 1, "{text}");
-        assert_eq!(metric(&text, "cluster_sandbox_host_lost"), 0, "{text}");
+        assert_eq!(metric(&text, "cluster_sandbox_host_lost"), 1, "{text}");
 
         // 3. An exec on B wakes it there: disk and memory as snapshotted.
         let t = Instant::now();
