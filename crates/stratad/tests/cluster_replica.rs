@@ -244,6 +244,25 @@ fn a_lost_hosts_replicated_sandbox_is_recovered_on_the_replica_host_with_memory_
         // A sandbox without replication on A too: it is marked lost, as
         // without replicas.
         let plain_id = a.create(json!({ "snapshot_interval": "0s" })).await;
+        // Its setting changed through B: forwarded to A, the owner.
+        for on in [true, false] {
+            let r = b
+                .request("PATCH", &format!("/v1/sandboxes/{plain_id}"))
+                .json(&json!({ "replicate": on }))
+                .send()
+                .await
+                .expect("patch through B");
+            let by = r
+                .headers()
+                .get("x-strata-host")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+                .to_owned();
+            let st = r.status().as_u16();
+            let v: Value = r.json().await.unwrap_or_default();
+            assert_eq!((st, by.as_str()), (200, "host-a"), "{v}");
+            assert_eq!(v["replicate"], on, "{v}");
+        }
         let (_, t_a) = owner(id.clone()).await.expect("lease");
         let pid = a.ok("GET", &format!("/v1/sandboxes/{id}"), None, 200).await["pid"]
             .as_u64()

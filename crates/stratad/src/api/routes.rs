@@ -22,6 +22,7 @@ pub enum Action {
     CreateSandbox,
     ListSandboxes,
     GetSandbox,
+    PatchSandbox,
     DeleteSandbox,
     Exec,
     TerminalTicket,
@@ -173,6 +174,7 @@ pub const ROUTES: &[Route] = &[
     tool("POST", "/v1/sandboxes", Action::CreateSandbox, DEV),
     r("GET", "/v1/sandboxes", Action::ListSandboxes, READ),
     r("GET", "/v1/sandboxes/:id", Action::GetSandbox, READ),
+    tool("PATCH", "/v1/sandboxes/:id", Action::PatchSandbox, DEV),
     tool("DELETE", "/v1/sandboxes/:id", Action::DeleteSandbox, DEV),
     tool("POST", "/v1/sandboxes/:id/exec", Action::Exec, DEV),
     // A terminal for the web console: a ticket (bearer), then the WebSocket

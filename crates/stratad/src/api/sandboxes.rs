@@ -13,7 +13,7 @@ use strata_core::{ErrorCode, SandboxId, SandboxState, SnapshotId};
 
 use super::{ndjson_headers, ApiError, ApiResult, Body, Call};
 use crate::engine::{Command, ExecEvent, ExecRequest, Stdin};
-use crate::service::{CreateSandbox, Rewind, SandboxSpec, TakeSnapshot};
+use crate::service::{CreateSandbox, PatchSandbox, Rewind, SandboxSpec, TakeSnapshot};
 use crate::store::SandboxFilter;
 
 fn invalid(msg: impl Into<String>) -> ApiError {
@@ -92,6 +92,21 @@ pub(super) async fn list(c: Call) -> ApiResult<impl IntoResponse> {
 pub(super) async fn get(c: Call) -> ApiResult<impl IntoResponse> {
     c.no_query()?;
     let id: SandboxId = c.id()?;
+    view(&c, &id).await
+}
+
+/// `PATCH /v1/sandboxes/{id}`: settings kept beside the record
+/// ([`PatchSandbox`]); answers the sandbox as `GET` does.
+pub(super) async fn patch(c: Call, Body(b): Body<PatchSandbox>) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = c.id()?;
+    let opts = c.gate()?;
+    c.svc.patch_sandbox(&c.caller, &id, b, &opts).await?;
+    view(&c, &id).await
+}
+
+/// A sandbox as `GET /v1/sandboxes/{id}` shows it.
+async fn view(c: &Call, id: &SandboxId) -> ApiResult<Json<serde_json::Value>> {
+    let id = id.clone();
     let rec = c.svc.get_sandbox(&c.caller, &id).await?;
     // The record and, beside it, its lifecycle policy (kept in its own table).
     let policy = c.svc.lifecycle_policy(&c.caller, &id).await?;

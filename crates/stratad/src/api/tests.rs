@@ -1238,6 +1238,29 @@ async fn replicate_is_kept_and_shown_and_host_routes_want_a_host_credential() {
     )
     .await;
     assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    // PATCH turns it on and off; a field it does not know is refused.
+    let uri = format!("/v1/sandboxes/{plain}");
+    let (s, v) = call(&h, "PATCH", &uri, r#"{"replicate":true}"#).await;
+    assert_eq!((s, &v["replicate"]), (StatusCode::OK, &json!(true)), "{v}");
+    assert_eq!(v["id"], plain.as_str(), "{v}");
+    let (_, v) = call(&h, "GET", &uri, "").await;
+    assert_eq!(v["replicate"], true, "{v}");
+    let (s, v) = call(&h, "PATCH", &uri, r#"{"replicate":false}"#).await;
+    assert_eq!((s, &v["replicate"]), (StatusCode::OK, &json!(false)), "{v}");
+    let (s, v) = call(&h, "PATCH", &uri, r#"{"idle":"1s"}"#).await;
+    assert_eq!(
+        (s, code(&v)),
+        (StatusCode::BAD_REQUEST, "invalid_request"),
+        "{v}"
+    );
+    let (s, v) = call(
+        &h,
+        "PATCH",
+        "/v1/sandboxes/sb-nope",
+        r#"{"replicate":true}"#,
+    )
+    .await;
+    assert_eq!((s, code(&v)), (StatusCode::NOT_FOUND, "not_found"), "{v}");
     // The replica routes: no token applies; without a valid host
     // credential they are refused before anything is read.
     let key = crate::security::keys::KeyStore::open(&h.app.service().config().key_dir)

@@ -53,6 +53,18 @@ pub struct SandboxSpec {
     pub replicate: Option<bool>,
 }
 
+/// `PATCH /v1/sandboxes/{id}`: settings kept beside the record; a field
+/// left out is unchanged.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PatchSandbox {
+    /// Replication to another host of the cluster (docs/cluster.md
+    /// "Replicas"): on, the newest snapshot is replicated at once; off, the
+    /// replicas are forgotten (recovery no longer uses them).
+    #[serde(default)]
+    pub replicate: Option<bool>,
+}
+
 /// `POST /v1/sandboxes`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -76,6 +76,35 @@ impl Service {
         }
     }
 
+    /// `PATCH /v1/sandboxes/{id}` (a gated tool call, lifecycle op
+    /// `configure`): `replicate` on replicates the newest snapshot at once
+    /// (in the background); off forgets its replicas in PostgreSQL (their
+    /// subvolumes stay on their hosts as orphans until `clean_orphans`).
+    pub async fn patch_sandbox(
+        self: &Arc<Self>,
+        caller: &Caller,
+        id: &SandboxId,
+        cmd: PatchSandbox,
+        opts: &GateOptions,
+    ) -> ServiceResult<()> {
+        self.authorize_on(caller, id, lifecycle("configure"), opts)
+            .await?;
+        let Some(on) = cmd.replicate else {
+            return Ok(());
+        };
+        let id2 = id.clone();
+        self.db(move |s| s.put_sandbox_setting(&id2, REPLICATE_SETTING, on.then_some("true")))
+            .await?;
+        if on {
+            self.replicate_later(id);
+        } else if let Some(c) = self.cluster() {
+            for r in c.replicas(id).await? {
+                c.remove_replica(id, &r.host_id).await?;
+            }
+        }
+        Ok(())
+    }
+
     /// Whether sandbox `id` replicates (its setting `replicate`).
     pub async fn replicates(&self, id: &SandboxId) -> ServiceResult<bool> {
         let id = id.clone();
