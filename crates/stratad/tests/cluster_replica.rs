@@ -17,6 +17,9 @@
 //! 4. A revived: its recovery does not adopt it (no VM of it), its own
 //!    operations on it are `409` "not owned by this host", the record is
 //!    unchanged.
+//! 5. B, now the owner, replicates it onward by its periodic pass (the only
+//!    other live host is A); A's restart keeps that replica (not an orphan
+//!    to its recovery); A still runs nothing of it.
 //!
 //! Needs `STRATA_TEST_PG_URL` (a unix-socket URL, as scripts/test-pg.sh
 //! makes); without it the test prints a line and passes.
@@ -367,6 +370,34 @@ fn a_lost_hosts_replicated_sandbox_is_recovered_on_the_replica_host_with_memory_
             r.headers().get("x-strata-host").and_then(|v| v.to_str().ok()),
             Some("host-b")
         );
+        // 5. B, the owner now, keeps a replica too: its periodic pass
+        // (every 10 watches, 10 s here) sends the sandbox's newest snapshot
+        // to the only other live host, A (whose own copy of that snapshot
+        // from before its loss its recovery removed as an orphan).
+        let t = Instant::now();
+        let v = b
+            .wait_for(&id, Duration::from_secs(60), |v| {
+                v["replicas"].as_array().is_some_and(|rs| {
+                    rs.iter()
+                        .any(|r| r["host_id"] == "host-a" && r["snapshot_id"] == s2.as_str())
+                })
+            })
+            .await;
+        eprintln!(
+            "[{:?}] replica back on host-a {} ms after its revival: {}",
+            t_all.elapsed(),
+            t.elapsed().as_millis(),
+            v["replicas"]
+        );
+        // A replica host's restart keeps its replicas (they are not
+        // orphans to its recovery, which removes orphans by default).
+        let copy = a.root.join(format!("data/pool/snapshots/{s2}"));
+        assert!(copy.exists(), "A holds no copy at {}", copy.display());
+        a.restart();
+        assert!(copy.exists(), "A's restart removed the replica it holds");
+        let v = b.ok("GET", &format!("/v1/sandboxes/{id}"), None, 200).await;
+        assert_eq!(v["replicas"][0]["host_id"], "host-a", "{v}");
+        assert!(qemus_of(&id, &a.run_dir).is_empty(), "A runs a VM of it");
         eprintln!("wall time: {:?}", t_all.elapsed());
     });
 }

@@ -457,6 +457,7 @@ impl Cluster {
     }
 
     async fn watch_loop(self: Arc<Self>, svc: Arc<Service>, mut stop: watch::Receiver<bool>) {
+        let mut last_sweep = Instant::now();
         loop {
             tokio::select! {
                 _ = tokio::time::sleep(self.cfg.watch_every) => {}
@@ -471,6 +472,13 @@ impl Cluster {
             }
             if let Err(e) = self.watch_round(&svc).await {
                 warn!(error = %e, "host-loss watch failed");
+            }
+            // Replicas a snapshot did not bring up to date (a failure, a
+            // replica host gone, a recovered sandbox): docs/cluster.md
+            // "Replicas".
+            if last_sweep.elapsed() >= self.cfg.watch_every * replicas::SWEEP_EVERY_WATCHES {
+                last_sweep = Instant::now();
+                svc.replicate_sweep().await;
             }
         }
     }

@@ -30,6 +30,10 @@ use crate::store::{OwnerLease, Replica};
 /// The `Authorization` scheme of the host credential.
 pub const CREDENTIAL_SCHEME: &str = "StrataHost";
 
+/// The owner re-checks the replicas of the sandboxes it owns every this
+/// many host-loss watches (`watch_every`): 50 s by default.
+pub const SWEEP_EVERY_WATCHES: u32 = 10;
+
 /// How far a credential's time may be from the receiver's clock.
 pub const CREDENTIAL_SKEW_MS: i64 = 5 * 60 * 1000;
 
@@ -118,6 +122,15 @@ impl Cluster {
     pub async fn remove_replica(&self, sandbox: &SandboxId, host: &str) -> ServiceResult<()> {
         let (id, host) = (sandbox.clone(), host.to_owned());
         self.blocking(move |h| h.remove_replica(&id, &host))
+            .await
+            .map_err(host_to_service)
+    }
+
+    /// The snapshots this host holds as replicas of other hosts'
+    /// sandboxes (its recovery keeps them: not orphans).
+    pub async fn held_replicas(&self) -> ServiceResult<Vec<String>> {
+        let me = self.info.id.clone();
+        self.blocking(move |h| h.host_replicas(&me))
             .await
             .map_err(host_to_service)
     }

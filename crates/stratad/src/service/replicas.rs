@@ -126,6 +126,33 @@ impl Service {
         Ok(v)
     }
 
+    /// The owner's periodic pass ([`crate::cluster::replicas::SWEEP_EVERY_WATCHES`]):
+    /// every replicated sandbox this host owns gets a replication round (a
+    /// no-op when its replica is current), so a replication that failed, a
+    /// replica host that went away and a sandbox recovered here are
+    /// brought up to date without waiting for the next snapshot.
+    pub(crate) async fn replicate_sweep(self: &Arc<Self>) {
+        let Some(cluster) = self.cluster() else {
+            return;
+        };
+        let owned = cluster.leases().owned();
+        if owned.is_empty() {
+            return;
+        }
+        match self.db(|s| s.sandbox_settings(REPLICATE_SETTING)).await {
+            Ok(on) => {
+                for (id, v) in on {
+                    if v.trim() == "true" && owned.contains(&id) {
+                        self.replicate_later(&id);
+                    }
+                }
+            }
+            Err(e) => {
+                warn!(error = %e.message(), "replica sweep: cannot list replicated sandboxes")
+            }
+        }
+    }
+
     /// A snapshot of `id` became ready: replicate it in the background
     /// when `id` replicates and this host owns it (see the module docs).
     pub(super) fn replicate_later(self: &Arc<Self>, id: &SandboxId) {
@@ -196,7 +223,7 @@ impl Service {
         };
         let newest = self.resolve_same_as(newest).await?;
         let existing = cluster.replicas(id).await?;
-        let hosts = cluster.hosts_now().await?;
+        let hosts = cluster.hosts_view().await?;
         let me = cluster.host_id().to_owned();
         let usable = |h: &&HostRecord| {
             h.alive
@@ -381,6 +408,18 @@ impl Service {
             .await?
             .into_iter()
             .find(|r| r.host_id == cluster.host_id());
+        // A subvolume of this snapshot left in this pool from before (this
+        // host owned the sandbox once, e.g. before its loss and recovery
+        // elsewhere) is stale: this host does not own the sandbox and
+        // PostgreSQL names no replica of it here.
+        if before
+            .as_ref()
+            .is_none_or(|r| r.snapshot_id != snap.as_str())
+            && self.engine.subvolumes().await?.snapshots.contains(snap)
+        {
+            info!(sandbox = %id, snapshot = %snap, "replacing a stale copy of the snapshot with the replica");
+            self.drop_replica(snap).await;
+        }
         let bytes = self
             .receive_for(&rec.tenant, id, snap, parent, body)
             .await?;

@@ -232,6 +232,8 @@ pub trait HostStore: Send + Sync {
     fn remove_replica(&self, sandbox: &SandboxId, host: &str) -> HostResult<()>;
     /// The replicas of `sandbox` (alive hosts or not), by host id.
     fn replicas(&self, sandbox: &SandboxId) -> HostResult<Vec<Replica>>;
+    /// The snapshots host `host` holds as replicas (of any sandbox).
+    fn host_replicas(&self, host: &str) -> HostResult<Vec<String>>;
 }
 
 /// One replica of a sandbox's snapshot held by a host that does not own

@@ -138,6 +138,21 @@ impl HostStore for PgStore {
         })
     }
 
+    fn host_replicas(&self, host: &str) -> HostResult<Vec<String>> {
+        self.block_h(async {
+            let c = self.client().await?;
+            let rows = c
+                .query(
+                    "SELECT snapshot_id FROM sandbox_replicas WHERE host_id = $1 ORDER BY snapshot_id",
+                    &[&host],
+                )
+                .await?;
+            rows.iter()
+                .map(|r| r.try_get::<_, String>(0).map_err(HostError::from))
+                .collect()
+        })
+    }
+
     fn register_host(&self, h: &HostInfo, ttl_ms: u64) -> HostResult<HostLease> {
         self.block_h(async {
             let c = self.client().await?;

@@ -293,6 +293,7 @@ CREATE TABLE sandbox_replicas (
     held_since BIGINT NOT NULL,
     PRIMARY KEY (sandbox_id, host_id)
 );
+CREATE INDEX sandbox_replicas_by_host ON sandbox_replicas (host_id);
 "#;
 
 #[cfg(test)]

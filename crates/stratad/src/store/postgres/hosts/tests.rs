@@ -261,4 +261,7 @@ fn replicas_are_one_row_per_sandbox_and_host_the_newest_snapshot_replacing_the_l
         .collect();
     assert_eq!(hosts, ["host-a"]);
     assert_eq!(s.replicas(&other).unwrap()[0].snapshot_id, "snap-9");
+    assert_eq!(s.host_replicas("host-a").unwrap(), ["snap-2"]);
+    assert_eq!(s.host_replicas("host-c").unwrap(), ["snap-9"]);
+    assert!(s.host_replicas("host-b").unwrap().is_empty());
 }
