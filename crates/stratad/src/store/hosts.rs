@@ -232,7 +232,8 @@ pub trait HostStore: Send + Sync {
     fn remove_replica(&self, sandbox: &SandboxId, host: &str) -> HostResult<()>;
     /// The replicas of `sandbox` (alive hosts or not), by host id.
     fn replicas(&self, sandbox: &SandboxId) -> HostResult<Vec<Replica>>;
-    /// The snapshots host `host` holds as replicas (of any sandbox).
+    /// The snapshots host `host` holds as replicas of sandboxes not
+    /// deleted.
     fn host_replicas(&self, host: &str) -> HostResult<Vec<String>>;
 }
 

@@ -143,7 +143,9 @@ impl HostStore for PgStore {
             let c = self.client().await?;
             let rows = c
                 .query(
-                    "SELECT snapshot_id FROM sandbox_replicas WHERE host_id = $1 ORDER BY snapshot_id",
+                    "SELECT r.snapshot_id FROM sandbox_replicas r \
+                     JOIN sandboxes s ON s.id = r.sandbox_id \
+                     WHERE r.host_id = $1 AND s.state != 'deleted' ORDER BY r.snapshot_id",
                     &[&host],
                 )
                 .await?;

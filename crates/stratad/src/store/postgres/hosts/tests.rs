@@ -231,7 +231,14 @@ fn replicas_are_one_row_per_sandbox_and_host_the_newest_snapshot_replacing_the_l
     let Some((_db, s)) = open("replicas") else {
         return;
     };
-    let (sb, other) = (SandboxId::generate(), SandboxId::generate());
+    let (rec, rec2) = (
+        sandbox(1, SandboxState::Running),
+        sandbox(2, SandboxState::Hibernated),
+    );
+    for r in [&rec, &rec2] {
+        s.insert_sandbox(r, &created(r)).unwrap();
+    }
+    let (sb, other) = (rec.id.clone(), rec2.id.clone());
     assert!(s.replicas(&sb).unwrap().is_empty());
     s.put_replica(&sb, "host-b", "snap-1").unwrap();
     s.put_replica(&sb, "host-b", "snap-2").unwrap();
@@ -264,4 +271,11 @@ fn replicas_are_one_row_per_sandbox_and_host_the_newest_snapshot_replacing_the_l
     assert_eq!(s.host_replicas("host-a").unwrap(), ["snap-2"]);
     assert_eq!(s.host_replicas("host-c").unwrap(), ["snap-9"]);
     assert!(s.host_replicas("host-b").unwrap().is_empty());
+    // A deleted sandbox's replica is no longer one to keep (its host's
+    // recovery removes it as an orphan).
+    let mut gone = s.get_sandbox(&other).unwrap().unwrap();
+    gone.state = SandboxState::Deleted;
+    s.update_sandbox(&gone, None).unwrap();
+    assert!(s.host_replicas("host-c").unwrap().is_empty());
+    assert_eq!(s.replicas(&other).unwrap().len(), 1);
 }
