@@ -49,7 +49,30 @@ pub(crate) struct Replication {
     /// Sandbox → whether another snapshot became ready since the round in
     /// flight started (one more round follows).
     inflight: Mutex<HashMap<SandboxId, bool>>,
+    /// Sandboxes being moved: no replication round starts for them (the
+    /// move and a replication would send the same snapshot to the same
+    /// host, and the second stream would be refused).
+    quiet: Arc<Mutex<std::collections::HashSet<SandboxId>>>,
 }
+
+/// While held, no replication of its sandbox starts
+/// ([`Service::replication_quiet`]).
+pub(crate) struct QuietGuard {
+    set: Arc<Mutex<std::collections::HashSet<SandboxId>>>,
+    id: SandboxId,
+}
+
+impl Drop for QuietGuard {
+    fn drop(&mut self) {
+        self.set
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.id);
+    }
+}
+
+/// How long a move waits for a replication of its sandbox in flight.
+const QUIET_WAIT: Duration = Duration::from_secs(60);
 
 /// What one replication sent.
 #[derive(Debug, Clone)]
@@ -124,6 +147,41 @@ impl Service {
             v["replicas"] = serde_json::json!(c.replicas(id).await?);
         }
         Ok(v)
+    }
+
+    /// Keeps replication of `id` quiet (a move): no round starts while the
+    /// guard lives, and this waits (up to a minute) for a round in flight
+    /// to end.
+    pub(crate) async fn replication_quiet(&self, id: &SandboxId) -> QuietGuard {
+        self.replication
+            .quiet
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id.clone());
+        let guard = QuietGuard {
+            set: self.replication.quiet.clone(),
+            id: id.clone(),
+        };
+        let t0 = Instant::now();
+        while t0.elapsed() < QUIET_WAIT
+            && self
+                .replication
+                .inflight
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains_key(id)
+        {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        guard
+    }
+
+    fn is_quiet(&self, id: &SandboxId) -> bool {
+        self.replication
+            .quiet
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(id)
     }
 
     /// The owner's periodic pass ([`crate::cluster::replicas::SWEEP_EVERY_WATCHES`]):
@@ -214,7 +272,7 @@ impl Service {
         let Some(cluster) = self.cluster().cloned() else {
             return Ok(None);
         };
-        if cluster.owns(id).is_none() || !self.replicates(id).await? {
+        if cluster.owns(id).is_none() || self.is_quiet(id) || !self.replicates(id).await? {
             return Ok(None);
         }
         let id2 = id.clone();
