@@ -583,6 +583,8 @@ fn service_route(r: &Route) -> Option<axum::routing::MethodRouter<Arc<Service>>>
         Move => on(m, transfer::move_sandbox),
         ImportAdopt => on(m, transfer::adopt),
         PatchSandbox => on(m, sandboxes::patch),
+        GetSettings => on(m, sandboxes::get_settings),
+        PutSettings => on(m, sandboxes::put_settings),
         ReplicaOffer => on(m, transfer::replica_offer),
         ReplicaSnapshot => on(m, transfer::replica_receive),
         _ => return None,

@@ -95,6 +95,8 @@ pub enum Action {
     ImportAdopt,
     ReplicaOffer,
     ReplicaSnapshot,
+    GetSettings,
+    PutSettings,
 }
 
 /// Who may call a route.
@@ -225,6 +227,9 @@ pub const ROUTES: &[Route] = &[
     tool("PUT", "/v1/template-files/:id", Action::PutTemplateFile, DEV),
     r("GET", "/v1/template-files/:id", Action::GetTemplateFile, DEV),
     r("GET", "/v1/whoami", Action::Whoami, ANY),
+    // The tenant's defaults for new sandboxes (replication: docs/cluster.md).
+    r("GET", "/v1/settings", Action::GetSettings, READ),
+    r("PUT", "/v1/settings", Action::PutSettings, ADMIN),
     r("POST", "/v1/tokens", Action::CreateToken, ADMIN),
     r("GET", "/v1/tokens", Action::ListTokens, ADMIN),
     r("DELETE", "/v1/tokens/:id", Action::RevokeToken, ADMIN),

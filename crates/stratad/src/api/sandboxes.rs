@@ -13,7 +13,9 @@ use strata_core::{ErrorCode, SandboxId, SandboxState, SnapshotId};
 
 use super::{ndjson_headers, ApiError, ApiResult, Body, Call};
 use crate::engine::{Command, ExecEvent, ExecRequest, Stdin};
-use crate::service::{CreateSandbox, PatchSandbox, Rewind, SandboxSpec, TakeSnapshot};
+use crate::service::{
+    CreateSandbox, PatchSandbox, Rewind, SandboxSpec, TakeSnapshot, TenantDefaults,
+};
 use crate::store::SandboxFilter;
 
 fn invalid(msg: impl Into<String>) -> ApiError {
@@ -102,6 +104,21 @@ pub(super) async fn patch(c: Call, Body(b): Body<PatchSandbox>) -> ApiResult<imp
     let opts = c.gate()?;
     c.svc.patch_sandbox(&c.caller, &id, b, &opts).await?;
     view(&c, &id).await
+}
+
+/// `GET /v1/settings`: the caller's tenant's defaults for new sandboxes.
+pub(super) async fn get_settings(c: Call) -> ApiResult<impl IntoResponse> {
+    c.no_query()?;
+    Ok(Json(c.svc.tenant_defaults(&c.caller).await?))
+}
+
+/// `PUT /v1/settings` (admin): changes them; a field left out is unchanged.
+pub(super) async fn put_settings(
+    c: Call,
+    Body(b): Body<TenantDefaults>,
+) -> ApiResult<impl IntoResponse> {
+    c.no_query()?;
+    Ok(Json(c.svc.set_tenant_defaults(&c.caller, b).await?))
 }
 
 /// A sandbox as `GET /v1/sandboxes/{id}` shows it.

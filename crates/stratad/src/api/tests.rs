@@ -1238,6 +1238,32 @@ async fn replicate_is_kept_and_shown_and_host_routes_want_a_host_credential() {
     )
     .await;
     assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    // The tenant's default: new sandboxes replicate unless they say no.
+    let (s, v) = call(&h, "GET", "/v1/settings", "").await;
+    assert_eq!((s, &v["replicate"]), (StatusCode::OK, &json!(false)), "{v}");
+    let (s, v) = call(&h, "PUT", "/v1/settings", r#"{"replicate":true}"#).await;
+    assert_eq!((s, &v["replicate"]), (StatusCode::OK, &json!(true)), "{v}");
+    let by_default = create(&h).await;
+    let (_, v) = call(&h, "GET", &format!("/v1/sandboxes/{by_default}"), "").await;
+    assert_eq!(v["replicate"], true, "{v}");
+    let (_, v) = call(
+        &h,
+        "POST",
+        "/v1/sandboxes",
+        r#"{"template":"tpl-base","replicate":false}"#,
+    )
+    .await;
+    let said_no = v["id"].as_str().unwrap().to_owned();
+    let (_, v) = call(&h, "GET", &format!("/v1/sandboxes/{said_no}"), "").await;
+    assert_eq!(v["replicate"], false, "{v}");
+    let (s, v) = call(&h, "PUT", "/v1/settings", r#"{"replicate":false}"#).await;
+    assert_eq!((s, &v["replicate"]), (StatusCode::OK, &json!(false)), "{v}");
+    let (s, v) = call(&h, "PUT", "/v1/settings", r#"{"other":1}"#).await;
+    assert_eq!(
+        (s, code(&v)),
+        (StatusCode::BAD_REQUEST, "invalid_request"),
+        "{v}"
+    );
     // PATCH turns it on and off; a field it does not know is refused.
     let uri = format!("/v1/sandboxes/{plain}");
     let (s, v) = call(&h, "PATCH", &uri, r#"{"replicate":true}"#).await;

@@ -63,7 +63,7 @@ pub use logs::{LogEntry, LogPage, LogStream, LogTap, ProcessLogs, MAX_LOG_PAGE};
 pub use moving::{AdoptMove, MoveReport, MoveSandbox};
 pub(crate) use oplock::*;
 pub use ports::{is_port_closed, PortConn};
-pub use replicas::REPLICATE_SETTING;
+pub use replicas::{TenantDefaults, REPLICATE_SETTING, TENANT_REPLICATE_SETTING};
 pub use sampler::{
     HostPoint, Sample, Sampler, SandboxMetrics, UsageSummary, MAX_POINTS, SAMPLE_STEP,
 };

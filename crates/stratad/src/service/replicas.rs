@@ -40,6 +40,21 @@ use crate::cluster::placement;
 /// The sandbox setting that turns replication on (`true`).
 pub const REPLICATE_SETTING: &str = "replicate";
 
+/// The tenant setting that makes its new sandboxes replicate unless their
+/// create or fork says otherwise (`PUT /v1/settings {"replicate": true}`).
+pub const TENANT_REPLICATE_SETTING: &str = "defaults.replicate";
+
+/// `PUT /v1/settings`: the caller's tenant's defaults; a field left out is
+/// unchanged.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantDefaults {
+    /// New sandboxes replicate (docs/cluster.md "Replicas") unless their
+    /// create or fork says `"replicate": false`.
+    #[serde(default)]
+    pub replicate: Option<bool>,
+}
+
 /// The receiving routes of a replica (`/v1/cluster/replicas/{id}/…`).
 const REPLICA_ROUTES: &str = "v1/cluster/replicas";
 
@@ -85,9 +100,20 @@ struct ReplicaSent {
 }
 
 impl Service {
-    /// Keeps the `replicate` setting asked on a create or fork.
+    /// Keeps the `replicate` setting asked on a create or fork (not asked:
+    /// the tenant's default).
     pub(super) async fn keep_replicate(&self, rec: &SandboxRecord, asked: Option<bool>) {
-        if asked != Some(true) {
+        let on = match asked {
+            Some(on) => on,
+            None => match self.tenant_replicates(&rec.tenant).await {
+                Ok(on) => on,
+                Err(e) => {
+                    warn!(sandbox = %rec.id, error = %e.message(), "reading the tenant's replicate default failed: not replicated");
+                    false
+                }
+            },
+        };
+        if !on {
             return;
         }
         let id = rec.id.clone();
@@ -126,6 +152,41 @@ impl Service {
             }
         }
         Ok(())
+    }
+
+    /// Whether `tenant`'s new sandboxes replicate by default.
+    async fn tenant_replicates(&self, tenant: &str) -> ServiceResult<bool> {
+        let t = tenant.to_owned();
+        Ok(self
+            .db(|s| s.tenant_settings(TENANT_REPLICATE_SETTING))
+            .await?
+            .into_iter()
+            .any(|(tn, k, v)| tn == t && k == TENANT_REPLICATE_SETTING && v.trim() == "true"))
+    }
+
+    /// `GET /v1/settings`: the caller's tenant's defaults.
+    pub async fn tenant_defaults(&self, caller: &Caller) -> ServiceResult<serde_json::Value> {
+        Ok(serde_json::json!({
+            "tenant": caller.owner(),
+            "replicate": self.tenant_replicates(caller.owner()).await?,
+        }))
+    }
+
+    /// `PUT /v1/settings` (admin): changes the caller's tenant's defaults;
+    /// answers them.
+    pub async fn set_tenant_defaults(
+        &self,
+        caller: &Caller,
+        cmd: TenantDefaults,
+    ) -> ServiceResult<serde_json::Value> {
+        if let Some(on) = cmd.replicate {
+            let t = caller.owner().to_owned();
+            self.db(move |s| {
+                s.put_tenant_setting(&t, TENANT_REPLICATE_SETTING, on.then_some("true"))
+            })
+            .await?;
+        }
+        self.tenant_defaults(caller).await
     }
 
     /// Whether sandbox `id` replicates (its setting `replicate`).
