@@ -496,6 +496,13 @@ pub trait Engine: Send + Sync + 'static {
         ))
     }
 
+    /// Removes the import anchor of received snapshot `snap` (the parent of
+    /// later incremental streams), if any; its published copy stays.
+    async fn delete_received_snapshot(&self, snap: &SnapshotId) -> EngineResult<()> {
+        let _ = snap;
+        Ok(())
+    }
+
     /// Whether template `tpl`'s subvolume is on this host. Engines without
     /// subvolumes hold every template they know.
     async fn has_template(&self, tpl: &TemplateId) -> EngineResult<bool> {

@@ -351,8 +351,21 @@ pub async fn reconcile(svc: &Arc<Service>) -> ServiceResult<RecoveryReport> {
         .into_iter()
         .collect();
     let on_disk: HashSet<SnapshotId> = subs.snapshots.iter().cloned().collect();
+    // The replicas this cluster host holds of other hosts' sandboxes are
+    // not orphans (docs/cluster.md "Replicas"); unknown: remove none.
+    let replicas: Option<HashSet<String>> = match svc.cluster() {
+        None => Some(HashSet::new()),
+        Some(c) => match c.held_replicas().await {
+            Ok(r) => Some(r.into_iter().collect()),
+            Err(e) => {
+                warn!(error = %e.message(), "cannot read this host's replicas: no snapshot subvolume removed as an orphan");
+                None
+            }
+        },
+    };
     for id in &subs.snapshots {
-        if !ready.contains(id) {
+        let replica = replicas.as_ref().is_none_or(|r| r.contains(id.as_str()));
+        if !ready.contains(id) && !replica {
             report.orphan_subvolumes.push(format!("snapshots/{id}"));
             if clean {
                 let _ = engine.delete_snapshot(id).await;

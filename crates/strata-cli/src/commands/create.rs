@@ -18,6 +18,10 @@ pub struct Args {
     /// Rolling snapshot interval, e.g. 60s (0 = off).
     #[arg(long, value_parser = duration_arg)]
     pub snapshot_interval: Option<String>,
+    /// Replicate its snapshots to another host of the cluster, to recover
+    /// it there if its host is lost (docs/cluster.md "Replicas").
+    #[arg(long)]
+    pub replicate: bool,
 }
 
 /// The `POST /v1/sandboxes` body.
@@ -28,6 +32,9 @@ pub fn body(a: &Args) -> Value {
     }
     if let Some(t) = &a.snapshot_interval {
         b["snapshot_interval"] = t.clone().into();
+    }
+    if a.replicate {
+        b["replicate"] = true.into();
     }
     b
 }
@@ -97,10 +104,16 @@ mod tests {
                 idle_timeout: Some("30m".into()),
             },
             snapshot_interval: None,
+            replicate: false,
         };
         assert_eq!(
             body(&a),
             json!({"size": {"vcpus": 2}, "labels": {"k": "v"}, "idle_timeout": "30m"})
         );
+        let a = Args {
+            replicate: true,
+            ..a
+        };
+        assert_eq!(body(&a)["replicate"], json!(true));
     }
 }

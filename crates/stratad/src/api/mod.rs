@@ -511,6 +511,7 @@ where
         "POST" => MethodFilter::POST,
         "PUT" => MethodFilter::PUT,
         "DELETE" => MethodFilter::DELETE,
+        "PATCH" => MethodFilter::PATCH,
         _ => MethodFilter::GET,
     };
     axum::routing::on(filter, handler)
@@ -581,6 +582,11 @@ fn service_route(r: &Route) -> Option<axum::routing::MethodRouter<Arc<Service>>>
         ExportSnapshot => on(m, transfer::export_snapshot),
         Move => on(m, transfer::move_sandbox),
         ImportAdopt => on(m, transfer::adopt),
+        PatchSandbox => on(m, sandboxes::patch),
+        GetSettings => on(m, sandboxes::get_settings),
+        PutSettings => on(m, sandboxes::put_settings),
+        ReplicaOffer => on(m, transfer::replica_offer),
+        ReplicaSnapshot => on(m, transfer::replica_receive),
         _ => return None,
     })
 }

@@ -22,6 +22,7 @@ pub enum Action {
     CreateSandbox,
     ListSandboxes,
     GetSandbox,
+    PatchSandbox,
     DeleteSandbox,
     Exec,
     TerminalTicket,
@@ -92,6 +93,10 @@ pub enum Action {
     ExportSnapshot,
     Move,
     ImportAdopt,
+    ReplicaOffer,
+    ReplicaSnapshot,
+    GetSettings,
+    PutSettings,
 }
 
 /// Who may call a route.
@@ -108,6 +113,9 @@ pub enum Access {
     /// ticket issued to a token with one of these roles, checked by the
     /// handler (`api::terminal`).
     Ticket(&'static [Role]),
+    /// Another host of the cluster, not a user: the handler checks the
+    /// host credential (`cluster::replicas`); no token's role applies.
+    Host,
 }
 
 use Role::{Admin, Approver, Developer, Metrics as MetricsRole, Viewer};
@@ -168,6 +176,7 @@ pub const ROUTES: &[Route] = &[
     tool("POST", "/v1/sandboxes", Action::CreateSandbox, DEV),
     r("GET", "/v1/sandboxes", Action::ListSandboxes, READ),
     r("GET", "/v1/sandboxes/:id", Action::GetSandbox, READ),
+    tool("PATCH", "/v1/sandboxes/:id", Action::PatchSandbox, DEV),
     tool("DELETE", "/v1/sandboxes/:id", Action::DeleteSandbox, DEV),
     tool("POST", "/v1/sandboxes/:id/exec", Action::Exec, DEV),
     // A terminal for the web console: a ticket (bearer), then the WebSocket
@@ -218,6 +227,9 @@ pub const ROUTES: &[Route] = &[
     tool("PUT", "/v1/template-files/:id", Action::PutTemplateFile, DEV),
     r("GET", "/v1/template-files/:id", Action::GetTemplateFile, DEV),
     r("GET", "/v1/whoami", Action::Whoami, ANY),
+    // The tenant's defaults for new sandboxes (replication: docs/cluster.md).
+    r("GET", "/v1/settings", Action::GetSettings, READ),
+    r("PUT", "/v1/settings", Action::PutSettings, ADMIN),
     r("POST", "/v1/tokens", Action::CreateToken, ADMIN),
     r("GET", "/v1/tokens", Action::ListTokens, ADMIN),
     r("DELETE", "/v1/tokens/:id", Action::RevokeToken, ADMIN),
@@ -266,6 +278,10 @@ pub const ROUTES: &[Route] = &[
     // owner handed over (the owner's last step; the caller's token again).
     tool("POST", "/v1/sandboxes/:id/move", Action::Move, DEV),
     r("POST", "/v1/imports/:id/adopt", Action::ImportAdopt, DEV),
+    // Replicas of a sandbox's snapshots, pushed by its owner host (docs/
+    // cluster.md "Replicas"): the host credential, checked by the handler.
+    r("POST", "/v1/cluster/replicas/:id/offer", Action::ReplicaOffer, Access::Host),
+    r("PUT", "/v1/cluster/replicas/:id/snapshots", Action::ReplicaSnapshot, Access::Host),
 ];
 
 impl Route {
@@ -273,6 +289,7 @@ impl Route {
     pub fn allows(&self, role: Role) -> bool {
         match self.access {
             Access::Open => true,
+            Access::Host => false,
             Access::HostMetrics => role == MetricsRole || role == Admin,
             Access::Roles(roles) | Access::Ticket(roles) => roles.contains(&role),
         }
@@ -330,10 +347,9 @@ mod tests {
         assert!(get("POST", "/v1/approvals/:id/approve").allows(Approver));
         assert!(!get("POST", "/v1/approvals/:id/approve").allows(Developer));
         assert!(!get("GET", "/v1/tokens").allows(Developer));
-        for r in ROUTES
-            .iter()
-            .filter(|r| r.access != Access::Open && r.access != Access::HostMetrics)
-        {
+        for r in ROUTES.iter().filter(|r| {
+            r.access != Access::Open && r.access != Access::HostMetrics && r.access != Access::Host
+        }) {
             assert!(r.allows(Admin), "{} {}", r.method, r.path);
         }
     }

@@ -13,7 +13,9 @@ use strata_core::{ErrorCode, SandboxId, SandboxState, SnapshotId};
 
 use super::{ndjson_headers, ApiError, ApiResult, Body, Call};
 use crate::engine::{Command, ExecEvent, ExecRequest, Stdin};
-use crate::service::{CreateSandbox, Rewind, SandboxSpec, TakeSnapshot};
+use crate::service::{
+    CreateSandbox, PatchSandbox, Rewind, SandboxSpec, TakeSnapshot, TenantDefaults,
+};
 use crate::store::SandboxFilter;
 
 fn invalid(msg: impl Into<String>) -> ApiError {
@@ -92,11 +94,48 @@ pub(super) async fn list(c: Call) -> ApiResult<impl IntoResponse> {
 pub(super) async fn get(c: Call) -> ApiResult<impl IntoResponse> {
     c.no_query()?;
     let id: SandboxId = c.id()?;
+    view(&c, &id).await
+}
+
+/// `PATCH /v1/sandboxes/{id}`: settings kept beside the record
+/// ([`PatchSandbox`]); answers the sandbox as `GET` does.
+pub(super) async fn patch(c: Call, Body(b): Body<PatchSandbox>) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = c.id()?;
+    let opts = c.gate()?;
+    c.svc.patch_sandbox(&c.caller, &id, b, &opts).await?;
+    view(&c, &id).await
+}
+
+/// `GET /v1/settings`: the caller's tenant's defaults for new sandboxes.
+pub(super) async fn get_settings(c: Call) -> ApiResult<impl IntoResponse> {
+    c.no_query()?;
+    Ok(Json(c.svc.tenant_defaults(&c.caller).await?))
+}
+
+/// `PUT /v1/settings` (admin): changes them; a field left out is unchanged.
+pub(super) async fn put_settings(
+    c: Call,
+    Body(b): Body<TenantDefaults>,
+) -> ApiResult<impl IntoResponse> {
+    c.no_query()?;
+    Ok(Json(c.svc.set_tenant_defaults(&c.caller, b).await?))
+}
+
+/// A sandbox as `GET /v1/sandboxes/{id}` shows it.
+async fn view(c: &Call, id: &SandboxId) -> ApiResult<Json<serde_json::Value>> {
+    let id = id.clone();
     let rec = c.svc.get_sandbox(&c.caller, &id).await?;
     // The record and, beside it, its lifecycle policy (kept in its own table).
     let policy = c.svc.lifecycle_policy(&c.caller, &id).await?;
     let mut v = serde_json::to_value(&rec).unwrap_or_default();
     v["lifecycle"] = serde_json::to_value(policy).unwrap_or_default();
+    // Replication (docs/cluster.md "Replicas"): the setting, and on a
+    // cluster host the lease holder and the replicas.
+    if let serde_json::Value::Object(more) = c.svc.replication_view(&id).await? {
+        for (k, x) in more {
+            v[k] = x;
+        }
+    }
     Ok(Json(v))
 }
 

@@ -152,8 +152,9 @@ async fn authenticate(State(ctx): State<Ctx>, mut req: Request, next: Next) -> R
         .get::<MatchedPath>()
         .and_then(|m| routes::find(req.method().as_str(), m.as_str()));
     let open = match route {
-        // A ticket route checks its ticket itself (api::terminal).
-        Some(r) => matches!(r.access, Access::Open | Access::Ticket(_)),
+        // A ticket route checks its ticket itself (api::terminal), a host
+        // route its host credential (api::transfer).
+        Some(r) => matches!(r.access, Access::Open | Access::Ticket(_) | Access::Host),
         None => !req.uri().path().starts_with("/v1/"),
     };
     if open {

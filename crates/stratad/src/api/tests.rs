@@ -1249,3 +1249,143 @@ async fn a_move_outside_a_cluster_is_refused_and_changes_nothing() {
     let (s, v) = call(&h, "POST", &format!("/v1/imports/{id}/adopt"), "{}").await;
     assert_eq!(s, StatusCode::CONFLICT, "{v}");
 }
+
+#[tokio::test]
+async fn replicate_is_kept_and_shown_and_host_routes_want_a_host_credential() {
+    let h = harness();
+    // Off by default (old sandboxes, creates without it).
+    let plain = create(&h).await;
+    let (_, v) = call(&h, "GET", &format!("/v1/sandboxes/{plain}"), "").await;
+    assert_eq!(v["replicate"], false, "{v}");
+    assert!(v.get("replicas").is_none(), "not a cluster host: {v}");
+    let (s, v) = call(
+        &h,
+        "POST",
+        "/v1/sandboxes",
+        r#"{"template":"tpl-base","replicate":true}"#,
+    )
+    .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let id = v["id"].as_str().unwrap().to_owned();
+    let (_, v) = call(&h, "GET", &format!("/v1/sandboxes/{id}"), "").await;
+    assert_eq!(v["replicate"], true, "{v}");
+    let (s, v) = call(
+        &h,
+        "POST",
+        "/v1/sandboxes",
+        r#"{"template":"tpl-base","replicate":"yes"}"#,
+    )
+    .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    // The tenant's default: new sandboxes replicate unless they say no.
+    let (s, v) = call(&h, "GET", "/v1/settings", "").await;
+    assert_eq!((s, &v["replicate"]), (StatusCode::OK, &json!(false)), "{v}");
+    let (s, v) = call(&h, "PUT", "/v1/settings", r#"{"replicate":true}"#).await;
+    assert_eq!((s, &v["replicate"]), (StatusCode::OK, &json!(true)), "{v}");
+    let by_default = create(&h).await;
+    let (_, v) = call(&h, "GET", &format!("/v1/sandboxes/{by_default}"), "").await;
+    assert_eq!(v["replicate"], true, "{v}");
+    let (_, v) = call(
+        &h,
+        "POST",
+        "/v1/sandboxes",
+        r#"{"template":"tpl-base","replicate":false}"#,
+    )
+    .await;
+    let said_no = v["id"].as_str().unwrap().to_owned();
+    let (_, v) = call(&h, "GET", &format!("/v1/sandboxes/{said_no}"), "").await;
+    assert_eq!(v["replicate"], false, "{v}");
+    let (s, v) = call(&h, "PUT", "/v1/settings", r#"{"replicate":false}"#).await;
+    assert_eq!((s, &v["replicate"]), (StatusCode::OK, &json!(false)), "{v}");
+    let (s, v) = call(&h, "PUT", "/v1/settings", r#"{"other":1}"#).await;
+    assert_eq!(
+        (s, code(&v)),
+        (StatusCode::BAD_REQUEST, "invalid_request"),
+        "{v}"
+    );
+    // PATCH turns it on and off; a field it does not know is refused.
+    let uri = format!("/v1/sandboxes/{plain}");
+    let (s, v) = call(&h, "PATCH", &uri, r#"{"replicate":true}"#).await;
+    assert_eq!((s, &v["replicate"]), (StatusCode::OK, &json!(true)), "{v}");
+    assert_eq!(v["id"], plain.as_str(), "{v}");
+    let (_, v) = call(&h, "GET", &uri, "").await;
+    assert_eq!(v["replicate"], true, "{v}");
+    let (s, v) = call(&h, "PATCH", &uri, r#"{"replicate":false}"#).await;
+    assert_eq!((s, &v["replicate"]), (StatusCode::OK, &json!(false)), "{v}");
+    let (s, v) = call(&h, "PATCH", &uri, r#"{"idle":"1s"}"#).await;
+    assert_eq!(
+        (s, code(&v)),
+        (StatusCode::BAD_REQUEST, "invalid_request"),
+        "{v}"
+    );
+    let (s, v) = call(
+        &h,
+        "PATCH",
+        "/v1/sandboxes/sb-nope",
+        r#"{"replicate":true}"#,
+    )
+    .await;
+    assert_eq!((s, code(&v)), (StatusCode::NOT_FOUND, "not_found"), "{v}");
+    // The replica routes: no token applies; without a valid host
+    // credential they are refused before anything is read.
+    let key = crate::security::keys::KeyStore::open(&h.app.service().config().key_dir)
+        .unwrap()
+        .hmac_key(crate::security::keys::Purpose::ClusterHost)
+        .unwrap();
+    let sid: SandboxId = id.parse().unwrap();
+    let other = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, b"another cluster");
+    for (auth, why) in [
+        (String::new(), "expected `StrataHost"),
+        ("Bearer abc".to_owned(), "expected `StrataHost"),
+        (
+            crate::cluster::replicas::credential_now(&other, "host-x", &sid),
+            "does not verify",
+        ),
+        (
+            crate::cluster::replicas::credential_now(&key, "host-x", &SandboxId::generate()),
+            "another sandbox",
+        ),
+    ] {
+        for (method, uri, body) in [
+            (
+                "POST",
+                format!("/v1/cluster/replicas/{id}/offer"),
+                r#"{"snapshots":[]}"#,
+            ),
+            (
+                "PUT",
+                format!("/v1/cluster/replicas/{id}/snapshots?snapshot=snap-0000000000000000zzzz"),
+                "stream",
+            ),
+        ] {
+            let mut req = Request::builder().method(method).uri(&uri);
+            if !auth.is_empty() {
+                req = req.header("authorization", &auth);
+            }
+            let resp = h
+                .app
+                .router()
+                .oneshot(req.body(AxBody::from(body)).unwrap())
+                .await
+                .unwrap();
+            let st = resp.status();
+            let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+            let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+            assert_eq!(st, StatusCode::FORBIDDEN, "{method} {uri} {auth:?}: {v}");
+            assert_eq!(code(&v), "forbidden", "{v}");
+            let m = v["error"]["message"].as_str().unwrap_or_default();
+            assert!(m.contains(why), "{why}: {m}");
+        }
+    }
+    // A valid credential on a daemon that is not a cluster host: 409.
+    let ok = crate::cluster::replicas::credential_now(&key, "host-x", &sid);
+    let req = Request::builder()
+        .method("POST")
+        .uri(format!("/v1/cluster/replicas/{id}/offer"))
+        .header("authorization", &ok)
+        .header("content-type", "application/json")
+        .body(AxBody::from(r#"{"snapshots":[]}"#))
+        .unwrap();
+    let resp = h.app.router().oneshot(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::CONFLICT);
+}

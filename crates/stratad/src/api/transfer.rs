@@ -148,3 +148,69 @@ pub(super) async fn adopt(c: Call, Body(b): Body<AdoptMove>) -> ApiResult<impl I
     let id: SandboxId = c.id()?;
     Ok(Json(c.svc.adopt_move(&c.caller, &id, b).await?))
 }
+
+/// The `Authorization` value of a host route ("" when absent: refused by
+/// the credential check).
+fn host_auth(headers: &axum::http::HeaderMap) -> &str {
+    headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+}
+
+/// `POST /v1/cluster/replicas/{id}/offer` (a host of the cluster with its
+/// host credential; docs/cluster.md "Replicas"): which snapshots this host
+/// holds for the sandbox.
+pub(super) async fn replica_offer(
+    axum::extract::State(svc): axum::extract::State<std::sync::Arc<crate::service::Service>>,
+    super::PathId(id): super::PathId,
+    headers: axum::http::HeaderMap,
+    Body(b): Body<OfferBody>,
+) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = super::parse_id(&id)?;
+    let held = svc
+        .replica_offer(host_auth(&headers), &id, b.snapshots)
+        .await?;
+    Ok(Json(json!({ "held": held })))
+}
+
+/// The query of `PUT /v1/cluster/replicas/{id}/snapshots`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ReplicaQuery {
+    snapshot: String,
+    #[serde(default)]
+    parent: Option<String>,
+}
+
+/// `PUT /v1/cluster/replicas/{id}/snapshots?snapshot=S[&parent=IDENTITY]`
+/// (host credential): the body is a `btrfs send` stream, bounded.
+pub(super) async fn replica_receive(
+    axum::extract::State(svc): axum::extract::State<std::sync::Arc<crate::service::Service>>,
+    super::PathId(id): super::PathId,
+    query: Result<axum::extract::Query<ReplicaQuery>, axum::extract::rejection::QueryRejection>,
+    req: axum::extract::Request,
+) -> ApiResult<impl IntoResponse> {
+    let id: SandboxId = super::parse_id(&id)?;
+    let axum::extract::Query(q) =
+        query.map_err(|e| ApiError::new(ErrorCode::InvalidRequest, e.body_text()))?;
+    let snap: SnapshotId = super::parse_id(&q.snapshot)?;
+    if declares_more_than(req.headers(), MAX_SNAPSHOT_STREAM_BYTES) {
+        return Err(ApiError::new(
+            ErrorCode::PayloadTooLarge,
+            format!("a snapshot stream is at most {MAX_SNAPSHOT_STREAM_BYTES} bytes"),
+        ));
+    }
+    let auth = host_auth(req.headers()).to_owned();
+    let body = req
+        .into_body()
+        .into_data_stream()
+        .map_err(|e| RuntimeError::Invalid(format!("request body: {e}")));
+    let bytes = svc
+        .replica_receive(&auth, &id, &snap, q.parent, Box::pin(body))
+        .await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({ "snapshot": snap, "bytes": bytes })),
+    ))
+}

@@ -352,6 +352,10 @@ impl<S: Store + HostStore> Store for FencedStore<S> {
         self.inner.sandbox_settings(key)
     }
 
+    fn sandbox_setting(&self, id: &SandboxId, key: &str) -> StoreResult<Option<String>> {
+        self.inner.sandbox_setting(id, key)
+    }
+
     fn put_tenant_setting(&self, tenant: &str, key: &str, value: Option<&str>) -> StoreResult<()> {
         self.inner.put_tenant_setting(tenant, key, value)
     }

@@ -30,6 +30,7 @@
 pub mod config;
 pub mod fenced;
 pub mod placement;
+pub mod replicas;
 pub mod templates;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -456,6 +457,7 @@ impl Cluster {
     }
 
     async fn watch_loop(self: Arc<Self>, svc: Arc<Service>, mut stop: watch::Receiver<bool>) {
+        let mut last_sweep = Instant::now();
         loop {
             tokio::select! {
                 _ = tokio::time::sleep(self.cfg.watch_every) => {}
@@ -470,6 +472,13 @@ impl Cluster {
             }
             if let Err(e) = self.watch_round(&svc).await {
                 warn!(error = %e, "host-loss watch failed");
+            }
+            // Replicas a snapshot did not bring up to date (a failure, a
+            // replica host gone, a recovered sandbox): docs/cluster.md
+            // "Replicas".
+            if last_sweep.elapsed() >= self.cfg.watch_every * replicas::SWEEP_EVERY_WATCHES {
+                last_sweep = Instant::now();
+                svc.replicate_sweep().await;
             }
         }
     }
@@ -487,6 +496,19 @@ impl Cluster {
             .await?;
         let mut marked = 0;
         for old in expired {
+            // Replicas (docs/cluster.md "Replicas"): the host holding one
+            // recovers the sandbox; while it is live, the others leave it.
+            let replicas = match self.replicas(&old.sandbox_id).await {
+                Ok(r) => r,
+                Err(e) => {
+                    warn!(sandbox = %old.sandbox_id, error = %e.message(), "cannot read the sandbox's replicas");
+                    Vec::new()
+                }
+            };
+            let mine = replicas.iter().find(|r| r.host_id == self.info.id).cloned();
+            if mine.is_none() && self.replica_elsewhere(&replicas, &old.host_id).await {
+                continue;
+            }
             let (me, id) = (self.info.id.clone(), old.sandbox_id.clone());
             let lease = match self
                 .blocking(move |h| h.acquire_sandbox(&id, &me, ttl, margin))
@@ -517,6 +539,30 @@ impl Cluster {
             if is_host_lost(&rec) {
                 continue;
             }
+            if let Some(r) = mine {
+                // Owner now (not custody): the recovery writes through the
+                // fence with this token.
+                self.leases.hold(id.clone(), lease.token, false);
+                match svc
+                    .recover_from_replica(&id, &r.snapshot_id, &old.host_id)
+                    .await
+                {
+                    Ok(()) => {
+                        marked += 1;
+                        continue;
+                    }
+                    Err(e) => {
+                        warn!(sandbox = %id, snapshot = %r.snapshot_id, error = %e.message(), "recovery from the replica failed; marking the sandbox lost");
+                        self.leases.hold(id.clone(), lease.token, true);
+                        let raw = self.raw.clone();
+                        let id2 = id.clone();
+                        match tokio::task::spawn_blocking(move || raw.get_sandbox(&id2)).await {
+                            Ok(Ok(Some(r))) => rec = r,
+                            _ => continue,
+                        }
+                    }
+                }
+            }
             let reason = format!(
                 "{HOST_LOST}: host {} stopped renewing; its lease expired at {}",
                 old.host_id, old.expires_at
@@ -543,7 +589,7 @@ impl Cluster {
 
     /// The hosts as the last renewal round read them, when at most two
     /// rounds old; else read now.
-    async fn hosts_view(&self) -> ServiceResult<Arc<Vec<HostRecord>>> {
+    pub(crate) async fn hosts_view(&self) -> ServiceResult<Arc<Vec<HostRecord>>> {
         let fresh = self.cfg.renew_every * 2;
         if let Some((at, hs)) = self.view.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
             if at.elapsed() <= fresh {

@@ -449,6 +449,14 @@ impl Engine for RuntimeEngine {
         Ok(v.into_iter().map(|(n, u)| (n, u.to_string())).collect())
     }
 
+    async fn delete_received_snapshot(&self, snap: &SnapshotId) -> EngineResult<()> {
+        let (rt, snap) = (self.rt.clone(), snap.clone());
+        tokio::task::spawn_blocking(move || rt.pool().delete_received(snap.as_str()))
+            .await
+            .map_err(|e| RuntimeError::Other(e.to_string()))?
+            .map_err(|e| RuntimeError::Other(e.to_string()))
+    }
+
     async fn send_snapshot(
         &self,
         snap: &SnapshotId,

@@ -60,6 +60,10 @@ pub enum Purpose {
     /// Connector secrets the egress proxy injects (`security::secrets`),
     /// sealed with `<tenant>/<name>` as associated data.
     ConnectorSecret,
+    /// The HMAC key of the credential one host of a cluster presents to
+    /// another for host-to-host calls no user makes (snapshot replicas,
+    /// docs/cluster.md "Replicas"): the hosts share `master.key`.
+    ClusterHost,
 }
 
 impl Purpose {
@@ -70,6 +74,7 @@ impl Purpose {
             Purpose::SnapshotSigning => b"strata snapshot signing v1",
             Purpose::WebhookSecret => b"strata webhook secret v1",
             Purpose::ConnectorSecret => b"strata connector secret v1",
+            Purpose::ClusterHost => b"strata cluster host v1",
         }
     }
 }

@@ -46,6 +46,23 @@ pub struct SandboxSpec {
     /// hibernate, wake on use; a fork: its source's).
     #[serde(default)]
     pub lifecycle: Option<LifecyclePolicy>,
+    /// Replicate its snapshots to another host of the cluster, to recover
+    /// it there when its host is lost (docs/cluster.md "Replicas"; default
+    /// off; without `[cluster]` kept and unused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicate: Option<bool>,
+}
+
+/// `PATCH /v1/sandboxes/{id}`: settings kept beside the record; a field
+/// left out is unchanged.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PatchSandbox {
+    /// Replication to another host of the cluster (docs/cluster.md
+    /// "Replicas"): on, the newest snapshot is replicated at once; off, the
+    /// replicas are forgotten (recovery no longer uses them).
+    #[serde(default)]
+    pub replicate: Option<bool>,
 }
 
 /// `POST /v1/sandboxes`.

@@ -34,7 +34,7 @@ impl Service {
         check_source_size(&format!("sandbox {src}"), src_rec.size, size)?;
         let mut rec = self.new_record(caller.owner(), &spec, size)?;
         self.inherit_layer(&rec, src).await?;
-        let asked = spec.lifecycle;
+        let (asked, replicate) = (spec.lifecycle, spec.replicate);
         rec.template = src_rec.template.clone();
         let mut snap = self.new_snapshot(&src_rec, SnapshotKind::Fork, None);
         rec.source_snapshot = Some(snap.id.clone());
@@ -64,6 +64,7 @@ impl Service {
                     .await?;
                     self.spawn_usage(snap.id.clone());
                     self.keep_lifecycle(&rec, asked, Some(src)).await;
+                    self.keep_replicate(&rec, replicate).await;
                     Ok(rec)
                 }
                 Err(e) => {
@@ -129,6 +130,7 @@ impl Service {
             .await?;
         self.keep_lifecycle(&rec, spec.lifecycle, Some(&s.sandbox_id))
             .await;
+        self.keep_replicate(&rec, spec.replicate).await;
         Ok(rec)
     }
 

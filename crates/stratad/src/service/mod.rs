@@ -38,6 +38,7 @@ mod oplock;
 mod ports;
 mod prelude;
 mod recovery;
+mod replicas;
 mod rewind;
 mod sampler;
 pub mod signing;
@@ -62,6 +63,7 @@ pub use logs::{LogEntry, LogPage, LogStream, LogTap, ProcessLogs, MAX_LOG_PAGE};
 pub use moving::{AdoptMove, MoveReport, MoveSandbox};
 pub(crate) use oplock::*;
 pub use ports::{is_port_closed, PortConn};
+pub use replicas::{TenantDefaults, REPLICATE_SETTING, TENANT_REPLICATE_SETTING};
 pub use sampler::{
     HostPoint, Sample, Sampler, SandboxMetrics, UsageSummary, MAX_POINTS, SAMPLE_STEP,
 };
@@ -104,6 +106,8 @@ pub struct Service {
     /// Snapshots received from other deployments, not yet registered
     /// (`transfer`).
     imports: transfer::Imports,
+    /// Replications in flight (`replicas`).
+    replication: replicas::Replication,
     gate: Arc<dyn ToolGate>,
     sampler: sampler::Sampler,
     /// Baselines and activity of running guests, for rolling snapshots of
@@ -172,6 +176,7 @@ impl Service {
             pressure: lifecycle::pressure::PressureState::default(),
             held: held::HeldBytes::default(),
             imports: transfer::Imports::default(),
+            replication: replicas::Replication::default(),
         })
     }
 

@@ -175,7 +175,11 @@ impl Service {
             base: &base,
             auth,
             verb: "move",
+            routes: super::transfer::IMPORT_ROUTES,
         };
+        // No replication of it meanwhile (docs/cluster.md "Replicas"): it
+        // would send the same snapshots to the same host.
+        let quiet = self.replication_quiet(id).await;
         // Held from the hibernation to the handover: no wake, rewind or
         // delete meanwhile.
         let (g, _rec) = self.hibernated_locked(id, rec).await?;
@@ -188,6 +192,7 @@ impl Service {
         }
         .await;
         drop(g);
+        drop(quiet);
         let (snaps, sent, total, held, lease) = match before {
             Ok(v) => v,
             Err(e) => {

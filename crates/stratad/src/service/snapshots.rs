@@ -230,6 +230,7 @@ impl Service {
         match result {
             Ok(_) => {
                 self.spawn_usage(snap.id.clone());
+                self.replicate_later(id);
                 Ok(snap)
             }
             Err(e) => Err(e.into()),

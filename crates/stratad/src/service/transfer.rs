@@ -300,13 +300,23 @@ impl Service {
             )));
         }
         let tenant = self.receiving_tenant(caller, id).await?;
+        self.offer_for(&tenant, snaps).await
+    }
+
+    /// Which of `snaps` this host holds received for `tenant`, with their
+    /// identities (an offer's answer).
+    pub(super) async fn offer_for(
+        &self,
+        tenant: &str,
+        snaps: Vec<SnapshotId>,
+    ) -> ServiceResult<BTreeMap<SnapshotId, String>> {
         let received = self.engine.received_snapshots().await?;
         let mut held = BTreeMap::new();
         for s in snaps {
             let Some((_, identity)) = received.iter().find(|(n, _)| n == s.as_str()) else {
                 continue;
             };
-            if self.import_of(&tenant, &s).await? {
+            if self.import_of(tenant, &s).await? {
                 held.insert(s, identity.clone());
             }
         }
@@ -333,7 +343,7 @@ impl Service {
     /// receiving half of a push and of a pull): `snap` must be new here,
     /// `parent` the identity of a snapshot received for the same tenant;
     /// the stream is checked and bounded by the engine. Returns its bytes.
-    async fn receive_for(
+    pub(super) async fn receive_for(
         &self,
         tenant: &str,
         id: &SandboxId,
@@ -498,6 +508,7 @@ impl Service {
             base: &base,
             auth: format!("Bearer {}", cmd.token),
             verb: "push",
+            routes: IMPORT_ROUTES,
         };
         // 1-2. What the remote holds, then the missing ones, oldest first.
         let (sent, total, n_held) = self.send_missing(&rx, id, &snaps, &idents).await?;
@@ -999,9 +1010,16 @@ pub(super) struct Receiver<'a> {
     pub(super) base: &'a reqwest::Url,
     /// The `Authorization` header value ("" sends none).
     pub(super) auth: String,
-    /// `push`, `move`.
+    /// `push`, `move`, `replicate`.
     pub(super) verb: &'static str,
+    /// The receiver's routes under its base URL, before `/{id}/offer` and
+    /// `/{id}/snapshots`: [`IMPORT_ROUTES`] (a push, a move) or the
+    /// cluster's replica routes.
+    pub(super) routes: &'static str,
 }
+
+/// The receiving routes of a push and of a move (`/v1/imports/{id}/…`).
+pub(super) const IMPORT_ROUTES: &str = "v1/imports";
 
 impl Receiver<'_> {
     fn url(&self, tail: &str) -> ServiceResult<reqwest::Url> {
@@ -1040,7 +1058,7 @@ impl Service {
     ) -> ServiceResult<(Vec<SentSnapshot>, u64, usize)> {
         let verb = rx.verb;
         let resp = rx
-            .authed(rx.http.post(rx.url(&format!("v1/imports/{id}/offer"))?))
+            .authed(rx.http.post(rx.url(&format!("{}/{id}/offer", rx.routes))?))
             .timeout(Duration::from_secs(60))
             .json(&serde_json::json!({ "snapshots": snaps.iter().map(|s| &s.id).collect::<Vec<_>>() }))
             .send()
@@ -1080,7 +1098,7 @@ impl Service {
                         Ok(bytes::Bytes::new())
                     })),
             );
-            let mut u = rx.url(&format!("v1/imports/{id}/snapshots"))?;
+            let mut u = rx.url(&format!("{}/{id}/snapshots", rx.routes))?;
             u.query_pairs_mut().append_pair("snapshot", s.id.as_str());
             if let Some((_, pi)) = &parent {
                 u.query_pairs_mut().append_pair("parent", pi);

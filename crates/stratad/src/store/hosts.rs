@@ -224,4 +224,27 @@ pub trait HostStore: Send + Sync {
     fn remove_template_holder(&self, template: &str, host: &str) -> HostResult<()>;
     /// The hosts that hold template `template`, by id (alive or not).
     fn template_holders(&self, template: &str) -> HostResult<Vec<String>>;
+    /// Records that host `host` holds snapshot `snapshot` of sandbox
+    /// `sandbox` as a replica (docs/cluster.md "Replicas"): one row per
+    /// (sandbox, host), the newest snapshot replaces the one before.
+    fn put_replica(&self, sandbox: &SandboxId, host: &str, snapshot: &str) -> HostResult<()>;
+    /// Forgets host `host`'s replica of `sandbox`. Idempotent.
+    fn remove_replica(&self, sandbox: &SandboxId, host: &str) -> HostResult<()>;
+    /// The replicas of `sandbox` (alive hosts or not), by host id.
+    fn replicas(&self, sandbox: &SandboxId) -> HostResult<Vec<Replica>>;
+    /// The snapshots host `host` holds as replicas of sandboxes not
+    /// deleted.
+    fn host_replicas(&self, host: &str) -> HostResult<Vec<String>>;
+}
+
+/// One replica of a sandbox's snapshot held by a host that does not own
+/// the sandbox (PostgreSQL's `sandbox_replicas`, cluster migration 4).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Replica {
+    /// The host holding it.
+    pub host_id: String,
+    /// The snapshot it holds (the newest one replicated to it).
+    pub snapshot_id: String,
+    /// Since when (ms since the epoch, database clock).
+    pub held_since: i64,
 }

@@ -26,7 +26,7 @@ pub mod journal;
 pub mod postgres;
 pub mod sqlite;
 
-pub use hosts::{Fence, HostError, HostInfo, HostLoad, HostRecord, HostStore, OwnerLease};
+pub use hosts::{Fence, HostError, HostInfo, HostLoad, HostRecord, HostStore, OwnerLease, Replica};
 pub use journal::*;
 
 pub use postgres::{PgOptions, PgStore};
@@ -635,6 +635,15 @@ pub trait Store: Send + Sync + 'static {
     ) -> StoreResult<()>;
     /// Setting `key` of every sandbox not deleted that has it.
     fn sandbox_settings(&self, key: &str) -> StoreResult<Vec<(SandboxId, String)>>;
+    /// Setting `key` of sandbox `id` (one point read; the default scans
+    /// [`Store::sandbox_settings`]).
+    fn sandbox_setting(&self, id: &SandboxId, key: &str) -> StoreResult<Option<String>> {
+        Ok(self
+            .sandbox_settings(key)?
+            .into_iter()
+            .find(|(s, _)| s == id)
+            .map(|(_, v)| v))
+    }
     /// Replaces a front door's setting `key` of tenant `tenant` (JSON text;
     /// `None`: removes it), e.g. the E2B door's template tags of a name.
     fn put_tenant_setting(&self, tenant: &str, key: &str, value: Option<&str>) -> StoreResult<()>;

@@ -1301,6 +1301,21 @@ impl Store for PgStore {
         ))
     }
 
+    fn sandbox_setting(&self, id: &SandboxId, key: &str) -> StoreResult<Option<String>> {
+        self.block(async {
+            let c = self.client().await?;
+            let stmt = c
+                .prepare_cached(
+                    "SELECT value FROM sandbox_settings WHERE sandbox_id = $1 AND key = $2",
+                )
+                .await?;
+            c.query_opt(&stmt, &[&id.as_str(), &key])
+                .await?
+                .map(|r| r.try_get(0).map_err(StoreError::from))
+                .transpose()
+        })
+    }
+
     fn put_tenant_setting(&self, tenant: &str, key: &str, value: Option<&str>) -> StoreResult<()> {
         self.block(async {
             match value {

@@ -479,6 +479,17 @@ impl Store for SqliteStore {
         )
     }
 
+    fn sandbox_setting(&self, id: &SandboxId, key: &str) -> StoreResult<Option<String>> {
+        let conn = self.reader();
+        Ok(conn
+            .query_row(
+                "SELECT value FROM sandbox_settings WHERE sandbox_id = ?1 AND key = ?2",
+                [id.as_str(), key],
+                |r| r.get(0),
+            )
+            .optional()?)
+    }
+
     fn put_tenant_setting(&self, tenant: &str, key: &str, value: Option<&str>) -> StoreResult<()> {
         let w = self.writer();
         match value {

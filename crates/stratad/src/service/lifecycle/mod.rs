@@ -30,6 +30,7 @@ impl Service {
             }
         };
         self.keep_lifecycle(&rec, cmd.spec.lifecycle, None).await;
+        self.keep_replicate(&rec, cmd.spec.replicate).await;
         Ok(rec)
     }
 
@@ -125,6 +126,8 @@ impl Service {
                     .await?;
                     self.spawn_usage(snap.id.clone());
                     self.keep_lifecycle(&rec, cmd.spec.lifecycle, None).await;
+                    self.keep_replicate(&rec, cmd.spec.replicate).await;
+                    self.replicate_later(&rec.id);
                     info!(snapshot = %snap.id, "sandbox created hibernated");
                     Ok(rec)
                 }
@@ -508,6 +511,7 @@ impl Service {
                 )
                 .await?;
                 self.spawn_usage(snap.id.clone());
+                self.replicate_later(id);
                 Ok(rec)
             }
             Err(e) => {

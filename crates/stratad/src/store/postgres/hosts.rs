@@ -88,6 +88,73 @@ impl HostStore for PgStore {
         })
     }
 
+    fn put_replica(&self, sandbox: &SandboxId, host: &str, snapshot: &str) -> HostResult<()> {
+        self.block_h(async {
+            let c = self.client().await?;
+            c.execute(
+                &format!(
+                    "INSERT INTO sandbox_replicas (sandbox_id, host_id, snapshot_id, held_since) \
+                     VALUES ($1, $2, $3, {NOW_MS}) ON CONFLICT (sandbox_id, host_id) \
+                     DO UPDATE SET snapshot_id = EXCLUDED.snapshot_id, held_since = EXCLUDED.held_since"
+                ),
+                &[&sandbox.as_str(), &host, &snapshot],
+            )
+            .await?;
+            Ok(())
+        })
+    }
+
+    fn remove_replica(&self, sandbox: &SandboxId, host: &str) -> HostResult<()> {
+        self.block_h(async {
+            let c = self.client().await?;
+            c.execute(
+                "DELETE FROM sandbox_replicas WHERE sandbox_id = $1 AND host_id = $2",
+                &[&sandbox.as_str(), &host],
+            )
+            .await?;
+            Ok(())
+        })
+    }
+
+    fn replicas(&self, sandbox: &SandboxId) -> HostResult<Vec<Replica>> {
+        self.block_h(async {
+            let c = self.client().await?;
+            let rows = c
+                .query(
+                    "SELECT host_id, snapshot_id, held_since FROM sandbox_replicas \
+                     WHERE sandbox_id = $1 ORDER BY host_id",
+                    &[&sandbox.as_str()],
+                )
+                .await?;
+            rows.iter()
+                .map(|r| {
+                    Ok(Replica {
+                        host_id: r.try_get(0)?,
+                        snapshot_id: r.try_get(1)?,
+                        held_since: r.try_get(2)?,
+                    })
+                })
+                .collect()
+        })
+    }
+
+    fn host_replicas(&self, host: &str) -> HostResult<Vec<String>> {
+        self.block_h(async {
+            let c = self.client().await?;
+            let rows = c
+                .query(
+                    "SELECT r.snapshot_id FROM sandbox_replicas r \
+                     JOIN sandboxes s ON s.id = r.sandbox_id \
+                     WHERE r.host_id = $1 AND s.state != 'deleted' ORDER BY r.snapshot_id",
+                    &[&host],
+                )
+                .await?;
+            rows.iter()
+                .map(|r| r.try_get::<_, String>(0).map_err(HostError::from))
+                .collect()
+        })
+    }
+
     fn register_host(&self, h: &HostInfo, ttl_ms: u64) -> HostResult<HostLease> {
         self.block_h(async {
             let c = self.client().await?;

@@ -43,8 +43,12 @@ DROP INDEX sandboxes_by_tenant;
 /// `strata_cluster_migrations`, so they never take a number SQLite's
 /// migrations will use. Applied after [`PG_MIGRATIONS`], in the same
 /// transaction.
-pub const PG_CLUSTER_MIGRATIONS: &[(i64, &str)] =
-    &[(1, CLUSTER_V1), (2, CLUSTER_V2), (3, CLUSTER_V3)];
+pub const PG_CLUSTER_MIGRATIONS: &[(i64, &str)] = &[
+    (1, CLUSTER_V1),
+    (2, CLUSTER_V2),
+    (3, CLUSTER_V3),
+    (4, CLUSTER_V4),
+];
 
 /// The newest version [`PG_MIGRATIONS`] reaches.
 pub fn pg_schema_version() -> i64 {
@@ -272,6 +276,24 @@ CREATE TABLE template_holders (
     held_since BIGINT NOT NULL,
     PRIMARY KEY (template_id, host_id)
 );
+"#;
+
+/// Cluster migration 4: which host holds which snapshot of a replicated
+/// sandbox (`HostStore::replicas`; docs/cluster.md "Replicas"). A row is
+/// written by the receiving host once the snapshot is published in its
+/// pool, replaced by the next one, removed when the host takes the sandbox
+/// over (recovery) or the owner replicates elsewhere. Deleted with nothing
+/// else: a row of a deleted sandbox is never used (recovery reads the
+/// record first).
+const CLUSTER_V4: &str = r#"
+CREATE TABLE sandbox_replicas (
+    sandbox_id TEXT COLLATE "C" NOT NULL,
+    host_id TEXT COLLATE "C" NOT NULL,
+    snapshot_id TEXT COLLATE "C" NOT NULL,
+    held_since BIGINT NOT NULL,
+    PRIMARY KEY (sandbox_id, host_id)
+);
+CREATE INDEX sandbox_replicas_by_host ON sandbox_replicas (host_id);
 "#;
 
 #[cfg(test)]

@@ -225,3 +225,57 @@ fn template_holders_are_recorded_per_host_once_and_forgotten() {
         vec!["host-b".to_owned()]
     );
 }
+
+#[test]
+fn replicas_are_one_row_per_sandbox_and_host_the_newest_snapshot_replacing_the_last() {
+    let Some((_db, s)) = open("replicas") else {
+        return;
+    };
+    let (rec, rec2) = (
+        sandbox(1, SandboxState::Running),
+        sandbox(2, SandboxState::Hibernated),
+    );
+    for r in [&rec, &rec2] {
+        s.insert_sandbox(r, &created(r)).unwrap();
+    }
+    let (sb, other) = (rec.id.clone(), rec2.id.clone());
+    assert!(s.replicas(&sb).unwrap().is_empty());
+    s.put_replica(&sb, "host-b", "snap-1").unwrap();
+    s.put_replica(&sb, "host-b", "snap-2").unwrap();
+    s.put_replica(&other, "host-c", "snap-9").unwrap();
+    let r = s.replicas(&sb).unwrap();
+    assert_eq!(r.len(), 1, "{r:?}");
+    assert_eq!(
+        (r[0].host_id.as_str(), r[0].snapshot_id.as_str()),
+        ("host-b", "snap-2")
+    );
+    assert!(r[0].held_since > 0);
+    s.put_replica(&sb, "host-a", "snap-2").unwrap();
+    let hosts: Vec<String> = s
+        .replicas(&sb)
+        .unwrap()
+        .into_iter()
+        .map(|r| r.host_id)
+        .collect();
+    assert_eq!(hosts, ["host-a", "host-b"]);
+    s.remove_replica(&sb, "host-b").unwrap();
+    s.remove_replica(&sb, "host-b").unwrap();
+    let hosts: Vec<String> = s
+        .replicas(&sb)
+        .unwrap()
+        .into_iter()
+        .map(|r| r.host_id)
+        .collect();
+    assert_eq!(hosts, ["host-a"]);
+    assert_eq!(s.replicas(&other).unwrap()[0].snapshot_id, "snap-9");
+    assert_eq!(s.host_replicas("host-a").unwrap(), ["snap-2"]);
+    assert_eq!(s.host_replicas("host-c").unwrap(), ["snap-9"]);
+    assert!(s.host_replicas("host-b").unwrap().is_empty());
+    // A deleted sandbox's replica is no longer one to keep (its host's
+    // recovery removes it as an orphan).
+    let mut gone = s.get_sandbox(&other).unwrap().unwrap();
+    gone.state = SandboxState::Deleted;
+    s.update_sandbox(&gone, None).unwrap();
+    assert!(s.host_replicas("host-c").unwrap().is_empty());
+    assert_eq!(s.replicas(&other).unwrap().len(), 1);
+}
