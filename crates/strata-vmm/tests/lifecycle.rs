@@ -227,7 +227,10 @@ async fn lifecycle() {
     )
     .await
     .unwrap();
-    let after_raw = b.save_device_state(&db.path().join("s1-raw")).await.unwrap();
+    let after_raw = b
+        .save_device_state(&db.path().join("s1-raw"))
+        .await
+        .unwrap();
     assert!(
         after_raw.bytes.abs_diff(via_fd.bytes) < via_fd.bytes / 4,
         "a save after a raw capability change wrote RAM: {after_raw:?} vs {via_fd:?}"

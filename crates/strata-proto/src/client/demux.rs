@@ -917,4 +917,34 @@ mod tests {
         assert_eq!(conn.shared.open_calls(), 0);
         drop(guest);
     }
+
+    /// The guest closing the agent's port (`Liveness::gone` moves) closes
+    /// the connection at once, long before `silent_after`; moves before the
+    /// connection was made do not count.
+    #[tokio::test]
+    async fn a_closed_port_closes_the_connection_at_once() {
+        let (host, _guest) = UnixStream::pair().expect("socket pair");
+        let tunnels: TunnelRouter = Box::new(|_, _, _| true);
+        let (tx, rx) = tokio::sync::watch::channel(0u64);
+        tx.send_modify(|n| *n += 1);
+        let conn = spawn(
+            host,
+            FrameDecoder::new(),
+            tunnels,
+            Some(Liveness {
+                gone: Some(rx),
+                interval: Duration::from_secs(20),
+                silent_after: Duration::from_secs(30),
+                active: None,
+            }),
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!conn.shared.is_closed(), "an earlier closing is the past");
+        let t = std::time::Instant::now();
+        tx.send_modify(|n| *n += 1);
+        while !conn.shared.is_closed() {
+            assert!(t.elapsed() < Duration::from_secs(2), "not closed in 2 s");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
 }

@@ -266,8 +266,9 @@ impl Runtime {
         let overlap = was_running && self.overlap_save.load(Ordering::Relaxed);
         let result = async {
             if overlap {
-                let (b, save_ms, st) =
-                    self.state_beside_btrfs(id.as_str(), &live, &dir, &dst).await?;
+                let (b, save_ms, st) = self
+                    .state_beside_btrfs(id.as_str(), &live, &dir, &dst)
+                    .await?;
                 steps = st.steps;
                 return Ok::<(u64, f64, f64), RuntimeError>((st.bytes, save_ms, b));
             }

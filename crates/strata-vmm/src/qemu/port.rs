@@ -105,11 +105,12 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn openings_are_counted_and_timed() {
+    async fn openings_and_closings_are_counted_and_timed() {
         let (etx, erx) = broadcast::channel(8);
         let (tx, mut rx) = watch::channel(0u64);
+        let (ctx, crx) = watch::channel(0u64);
         let opens = Arc::new(PortOpens::default());
-        let task = tokio::spawn(watch_agent_port(erx, tx, opens.clone()));
+        let task = tokio::spawn(watch_agent_port(erx, tx, ctx, opens.clone()));
         etx.send(ev("RESUME", json!({}))).unwrap();
         etx.send(ev(
             "VSERPORT_CHANGE",
@@ -123,6 +124,8 @@ mod tests {
         .unwrap();
         rx.changed().await.unwrap();
         assert_eq!(*rx.borrow_and_update(), 1);
+        // The closing came first: counted by the time the opening is.
+        assert_eq!(*crx.borrow(), 1);
         assert!(opens.last.lock().unwrap().is_some());
         // The QMP connection ends: so does the watcher, and the channel closes.
         drop(etx);
