@@ -345,8 +345,10 @@ test('rewind from the timeline: the file written after that snapshot is gone', S
   assert.equal(await page.textContent('#action-result'), 'Rewind: done.')
   const r = await cli(['exec', sb, '-n', '--', 'test', '-e', '/root/after-snapshot.txt']).done
   assert.equal(r.code, 1, `the file is still there: ${r.stdout}${r.stderr}`)
-  // The timeline now holds the pre_rewind snapshot too, and the events the rewind.
+  // The timeline now holds the pre_rewind snapshot and the rewind's own
+  // record (the restore point), and the events the rewind.
   await page.waitForSelector('#timeline circle.kind-pre_rewind', { timeout: WAIT })
+  await page.waitForSelector('#timeline circle.kind-rewind', { timeout: WAIT })
   await page.waitForFunction(() => /rewind/.test(document.querySelector('#events').textContent), null, { timeout: WAIT })
   // The sandbox's audit entries: the rewind was decided and audited.
   await page.waitForFunction(() => /rewind/.test(document.querySelector('#sandbox-audit').textContent), null, { timeout: WAIT })

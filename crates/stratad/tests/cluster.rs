@@ -30,6 +30,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use common::cluster::{alive, host_conf, own, pg_row};
 use common::Daemon;
 use serde_json::{json, Value};
 
@@ -110,47 +111,6 @@ fn socket_of(url: &str) -> (std::path::PathBuf, String, String) {
     )
 }
 
-async fn pg_row(url: &str, sql: &str) -> Option<tokio_postgres::Row> {
-    let (c, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .unwrap_or_else(|e| panic!("PostgreSQL unreachable: {e}"));
-    let task = tokio::spawn(conn);
-    let r = c.query_opt(sql, &[]).await.expect("query");
-    drop(c);
-    let _ = task.await;
-    r
-}
-
-fn host_conf(id: &str, url: &str, schema: &str, vcpus: u32, build: bool) -> String {
-    format!(
-        r#"default_template = {build}
-[store]
-url = "{url}"
-schema = "{schema}"
-timeout = "3s"
-[cluster]
-enabled = true
-host_id = "{id}"
-lease_ttl = "6s"
-renew_every = "1s"
-takeover_margin = "1s"
-fence_margin = "2s"
-watch_every = "1s"
-[capacity]
-admission = "nominal"
-vcpus = {vcpus}
-cpu_overcommit = 1.0
-"#
-    )
-}
-
-fn alive(pid: u32) -> bool {
-    std::path::Path::new(&format!("/proc/{pid}")).exists()
-        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .unwrap_or_default()
-            .contains(") Z ")
-}
-
 fn now_ms() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -166,18 +126,6 @@ async fn wait_lost(d: &Daemon, id: &str, max: Duration) -> Value {
                 .is_some_and(|r| r.starts_with("host_lost"))
     })
     .await
-}
-
-/// `method path` on `d`, marked as forwarded: `d` answers it itself.
-async fn own(d: &Daemon, method: &str, path: &str) -> (u16, Value) {
-    let r = d
-        .request(method, path)
-        .header("x-strata-forwarded-by", "test")
-        .send()
-        .await
-        .expect("request");
-    let st = r.status().as_u16();
-    (st, r.json().await.unwrap_or(Value::Null))
 }
 
 #[test]

@@ -21,31 +21,9 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use common::cluster::host_conf;
 use common::Daemon;
 use serde_json::{json, Value};
-
-fn host_conf(id: &str, url: &str, schema: &str, vcpus: u32, build: bool) -> String {
-    format!(
-        r#"default_template = {build}
-[store]
-url = "{url}"
-schema = "{schema}"
-timeout = "3s"
-[cluster]
-enabled = true
-host_id = "{id}"
-lease_ttl = "6s"
-renew_every = "1s"
-takeover_margin = "1s"
-fence_margin = "2s"
-watch_every = "1s"
-[capacity]
-admission = "nominal"
-vcpus = {vcpus}
-cpu_overcommit = 1.0
-"#
-    )
-}
 
 async fn owner(url: &str, schema: &str, id: &str) -> Option<String> {
     let (c, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)

@@ -45,6 +45,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::cluster::{own, pg_row};
 use common::{Daemon, Launch};
 use netns::{now_ms, Net, Recorder, Relay};
 use serde_json::{json, Value};
@@ -152,17 +153,6 @@ fn socket_of(url: &str) -> (std::path::PathBuf, String, String) {
     )
 }
 
-async fn pg_row(url: &str, sql: &str) -> Option<tokio_postgres::Row> {
-    let (c, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .unwrap_or_else(|e| panic!("PostgreSQL unreachable: {e}"));
-    let task = tokio::spawn(conn);
-    let r = c.query_opt(sql, &[]).await.expect("query");
-    drop(c);
-    let _ = task.await;
-    r
-}
-
 /// `(host, token, expires_at ms)` of a sandbox's owner lease.
 async fn lease(url: &str, schema: &str, id: &str) -> Option<(String, i64, i64)> {
     pg_row(
@@ -179,18 +169,6 @@ fn host_of(r: &reqwest::Response) -> String {
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default()
         .to_owned()
-}
-
-/// `method path` on `d`, marked as forwarded: `d` answers it itself.
-async fn own(d: &Daemon, method: &str, path: &str) -> (u16, Value) {
-    let r = d
-        .request(method, path)
-        .header("x-strata-forwarded-by", "test")
-        .send()
-        .await
-        .expect("request");
-    let st = r.status().as_u16();
-    (st, r.json().await.unwrap_or(Value::Null))
 }
 
 async fn wait_lost(d: &Daemon, id: &str, max: Duration) -> Value {
