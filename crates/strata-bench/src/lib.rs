@@ -3,6 +3,7 @@
 //! `report.md` + `report.json` + SVG plots. See `docs/bench.md`.
 
 pub mod ctx;
+pub mod pauses;
 pub mod plot;
 pub mod report;
 pub mod sections;

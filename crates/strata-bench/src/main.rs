@@ -215,11 +215,20 @@ async fn run_section(key: &str, ctx: &Ctx, cli: &Cli) -> Section {
 }
 
 fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
+    use tracing_subscriber::prelude::*;
+    let log = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
+        .with_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        );
+    // The soak reads each snapshot's pause phases from the daemon's events.
+    let capture = strata_bench::pauses::Capture.with_filter(
+        tracing_subscriber::filter::Targets::new()
+            .with_target(strata_bench::pauses::TARGET, tracing::Level::INFO),
+    );
+    tracing_subscriber::registry()
+        .with(log)
+        .with(capture)
         .init();
     let mut cli = Cli::parse();
     let keys: Vec<String> = if cli.only.is_empty() {

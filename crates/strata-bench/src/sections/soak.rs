@@ -13,6 +13,9 @@
 //!
 //! - the pause of every rolling snapshot taken in it (`pause_ms` of the
 //!   snapshots API): n, p50, p99, max;
+//! - where the pauses went: the btrfs snapshot and the device-state save,
+//!   p50 (p99), from the in-process daemon's `snapshot taken` events
+//!   ([`crate::pauses`]);
 //! - snapshots kept in all (retention deletes as it goes);
 //! - btrfs subvolumes deleted and not yet cleaned (`btrfs subvolume list -d`);
 //! - pool data and metadata used (`btrfs filesystem df`);
@@ -84,6 +87,9 @@ struct Window {
     /// The host's 5-minute load average at the window's end: the machine
     /// may be shared, and a pause is only as steady as its neighbours.
     load5: f64,
+    /// Pause phases of every snapshot the daemon took in the window (its
+    /// `snapshot taken` events: rolling and any other).
+    phases: Vec<crate::pauses::Phases>,
 }
 
 /// The 5-minute load average (`/proc/loadavg`), 0 when unreadable.
@@ -171,6 +177,15 @@ async fn window_pauses(
     Ok((pauses, items.len()))
 }
 
+/// `p50 (p99)` of one phase over a window's snapshots.
+fn phase_cell(v: &[crate::pauses::Phases], f: fn(&crate::pauses::Phases) -> f64) -> String {
+    let s = crate::stats::Summary::of(&v.iter().map(f).collect::<Vec<_>>());
+    if s.n == 0 {
+        return "–".into();
+    }
+    format!("{} ({})", fmt_ms(s.p50), fmt_ms(s.p99))
+}
+
 /// A p99 cell: under 100 samples it is the maximum, and says so.
 fn p99_cell(s: &crate::stats::Summary) -> String {
     if s.n < 100 {
@@ -237,6 +252,8 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
     let window = Duration::from_secs(args.window_s.max(1));
     let mut windows: Vec<Window> = Vec::new();
     let mut from = Utc::now();
+    crate::pauses::start();
+    crate::pauses::take();
     while start.elapsed() < total {
         let left = total.saturating_sub(start.elapsed());
         tokio::time::sleep(window.min(left)).await;
@@ -270,14 +287,17 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             rss: rss(),
             unanswered,
             load5: load5(),
+            phases: crate::pauses::take(),
         };
         let s = w.pauses.summary();
         eprintln!(
-            "soak: {:.1} min: {} snapshots, pause p50 {} p99 {}, kept {}, pending deletions {}, data {}, metadata {}, RSS {}, unanswered {}, load {:.2}",
+            "soak: {:.1} min: {} snapshots, pause p50 {} p99 {}, btrfs {}, device state {}, kept {}, pending deletions {}, data {}, metadata {}, RSS {}, unanswered {}, load {:.2}",
             w.end_min,
             s.n,
             fmt_ms(s.p50),
             fmt_ms(s.p99),
+            phase_cell(&w.phases, |p| p.btrfs_ms),
+            phase_cell(&w.phases, |p| p.device_state_ms),
             w.kept,
             w.pending_deletions,
             fmt_bytes(w.data_used as f64),
@@ -289,6 +309,7 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         windows.push(w);
         from = to;
     }
+    crate::pauses::stop();
     let mut t = Table::new(
         format!(
             "{} sandboxes ({} MiB, 1 vCPU, a writer each), a rolling snapshot every {} s, default retention",
@@ -302,6 +323,8 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             "pause p50",
             "pause p99",
             "pause max",
+            "btrfs snapshot p50 (p99)",
+            "device state p50 (p99)",
             "kept",
             "pending deletions",
             "pool data",
@@ -319,6 +342,8 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             fmt_ms(s.p50),
             p99_cell(&s),
             fmt_ms(s.max),
+            phase_cell(&w.phases, |p| p.btrfs_ms),
+            phase_cell(&w.phases, |p| p.device_state_ms),
             w.kept.to_string(),
             w.pending_deletions.to_string(),
             fmt_bytes(w.data_used as f64),
