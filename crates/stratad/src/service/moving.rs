@@ -24,6 +24,37 @@ use super::prelude::*;
 use super::transfer::{Receiver, SentSnapshot, TRANSFER_IDLE};
 use crate::cluster::placement;
 
+/// The base URL (ending in `/`) of another cluster host's registered
+/// address, and the HTTP client this host talks to it with (no redirects,
+/// transfers cut when idle for [`TRANSFER_IDLE`]); `what` names the caller
+/// in errors.
+pub(super) fn host_channel(
+    host: &crate::store::HostInfo,
+    what: &str,
+) -> ServiceResult<(reqwest::Url, reqwest::Client)> {
+    let mut base = reqwest::Url::parse(&host.address).map_err(|e| {
+        ServiceError::Conflict(format!(
+            "host {}: its registered address {:?}: {e}",
+            host.id, host.address
+        ))
+    })?;
+    if !base.path().ends_with('/') {
+        let p = format!("{}/", base.path());
+        base.set_path(&p);
+    }
+    let http = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .connect_timeout(Duration::from_secs(15))
+        .read_timeout(TRANSFER_IDLE)
+        .build()
+        .map_err(|e| {
+            ServiceError::Engine(RuntimeError::Unavailable(format!(
+                "{what}: HTTP client: {e}"
+            )))
+        })?;
+    Ok((base, http))
+}
+
 /// `POST /v1/sandboxes/{id}/move`.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -152,24 +183,7 @@ impl Service {
         placement::place(&[cand], &req).map_err(|e| {
             ServiceError::InsufficientCapacity(format!("host {}: {e}", target.info.id))
         })?;
-        let mut base = reqwest::Url::parse(&target.info.address).map_err(|e| {
-            ServiceError::Conflict(format!(
-                "host {}: its registered address {:?}: {e}",
-                target.info.id, target.info.address
-            ))
-        })?;
-        if !base.path().ends_with('/') {
-            let p = format!("{}/", base.path());
-            base.set_path(&p);
-        }
-        let http = reqwest::Client::builder()
-            .redirect(reqwest::redirect::Policy::none())
-            .connect_timeout(Duration::from_secs(15))
-            .read_timeout(TRANSFER_IDLE)
-            .build()
-            .map_err(|e| {
-                ServiceError::Engine(RuntimeError::Unavailable(format!("move: HTTP client: {e}")))
-            })?;
+        let (base, http) = host_channel(&target.info, "move")?;
         let rx = Receiver {
             http: &http,
             base: &base,

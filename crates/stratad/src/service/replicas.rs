@@ -34,7 +34,7 @@
 //!   wakes from the replica (memory and disk) at its next use.
 
 use super::prelude::*;
-use super::transfer::{Receiver, TRANSFER_IDLE};
+use super::transfer::Receiver;
 use crate::cluster::placement;
 
 /// The sandbox setting that turns replication on (`true`).
@@ -406,26 +406,7 @@ impl Service {
         let incremental = !snaps.is_empty();
         idents.push(self.engine.snapshot_identity(&newest.id).await?);
         snaps.push(newest.clone());
-        let mut base = reqwest::Url::parse(&target.info.address).map_err(|e| {
-            ServiceError::Conflict(format!(
-                "host {}: its registered address {:?}: {e}",
-                target.info.id, target.info.address
-            ))
-        })?;
-        if !base.path().ends_with('/') {
-            let p = format!("{}/", base.path());
-            base.set_path(&p);
-        }
-        let http = reqwest::Client::builder()
-            .redirect(reqwest::redirect::Policy::none())
-            .connect_timeout(Duration::from_secs(15))
-            .read_timeout(TRANSFER_IDLE)
-            .build()
-            .map_err(|e| {
-                ServiceError::Engine(RuntimeError::Unavailable(format!(
-                    "replicate: HTTP client: {e}"
-                )))
-            })?;
+        let (base, http) = super::moving::host_channel(&target.info, "replicate")?;
         let key = self.cluster_host_key()?;
         let rx = Receiver {
             http: &http,
