@@ -161,23 +161,31 @@ impl Runtime {
             (r, ms(t))
         };
         let (btrfs, (saved, save_ms)) = tokio::join!(btrfs, save);
-        let failed = match (btrfs, saved) {
+        let err = match (btrfs, saved) {
             (Ok(b), Ok(s)) => {
                 live.state_saved.store(true, Ordering::SeqCst);
                 return Ok((b, save_ms, s));
             }
-            (Ok(_), Err(e)) => (true, vmm_err(id, e)),
-            (Err(e), Ok(_)) => (false, e),
-            (Err(e), Err(_)) => (false, e),
+            // No snapshot was made: nothing at `dst`.
+            (Err(e), _) => e,
+            (Ok(_), Err(e)) => {
+                self.discard_unlisted(id, dst, "the snapshot of a failed state save")
+                    .await;
+                vmm_err(id, e)
+            }
         };
         let _ = std::fs::remove_file(&tmp);
-        if failed.0 {
-            let (pool, d) = (self.pool.clone(), dst.to_path_buf());
-            if let Err(t) = blocking(move || pool.trash(&d).map_err(storage_err)).await {
-                tracing::warn!(sandbox = %id, error = %t, "removing the snapshot of a failed state save failed");
-            }
+        Err(err)
+    }
+
+    /// Removes snapshot subvolume `dst` that will never be listed (its
+    /// snapshot failed after the btrfs step); a failure to remove it is
+    /// logged with `why`, and recovery removes the orphan later.
+    async fn discard_unlisted(&self, id: &str, dst: &Path, why: &str) {
+        let (pool, d) = (self.pool.clone(), dst.to_path_buf());
+        if let Err(t) = blocking(move || pool.trash(&d).map_err(storage_err)).await {
+            tracing::warn!(sandbox = %id, snapshot = %dst.display(), error = %t, "removing {why} failed");
         }
-        Err(failed.1)
     }
 
     /// After an overlapped pause: the complete device state goes into the
@@ -310,10 +318,8 @@ impl Runtime {
                     // Reported failed, so not listed: its subvolume goes too
                     // (a QEMU killed between the btrfs snapshot and `cont`
                     // left it in the pool with no record).
-                    let (pool, d) = (self.pool.clone(), dst.clone());
-                    if let Err(t) = blocking(move || pool.trash(&d).map_err(storage_err)).await {
-                        tracing::warn!(sandbox = %id, snapshot = %snap, error = %t, "removing the snapshot of a failed resume failed");
-                    }
+                    self.discard_unlisted(id.as_str(), &dst, "the snapshot of a failed resume")
+                        .await;
                     return Err(vmm_err(id.as_str(), e));
                 }
             }
@@ -323,10 +329,8 @@ impl Runtime {
         let (bytes, device_state_ms, btrfs_ms) = result?;
         if overlap {
             if let Err(e) = self.place_state(&dir, &dst).await {
-                let (pool, d) = (self.pool.clone(), dst.clone());
-                if let Err(t) = blocking(move || pool.trash(&d).map_err(storage_err)).await {
-                    tracing::warn!(sandbox = %id, snapshot = %snap, error = %t, "removing a snapshot without its device state failed");
-                }
+                self.discard_unlisted(id.as_str(), &dst, "a snapshot without its device state")
+                    .await;
                 return Err(e);
             }
         }
@@ -347,10 +351,8 @@ impl Runtime {
             Err(e) => {
                 // Never listed: its subvolume goes (an unsigned snapshot
                 // would be refused on restore anyway).
-                let (pool, d) = (self.pool.clone(), dst.clone());
-                if let Err(t) = blocking(move || pool.trash(&d).map_err(storage_err)).await {
-                    tracing::warn!(sandbox = %id, snapshot = %snap, error = %t, "removing an unsigned snapshot failed");
-                }
+                self.discard_unlisted(id.as_str(), &dst, "an unsigned snapshot")
+                    .await;
                 return Err(e);
             }
         };
