@@ -206,6 +206,11 @@ struct Results {
     peer_status_after_savevm: Vec<(u64, String)>,
 }
 
+/// A table cell `p50 (p99)` of `s`.
+fn p50_p99(s: &Summary) -> String {
+    format!("{} ({})", fmt_num(s.p50), fmt_num(s.p99))
+}
+
 /// Summary of the device-state step of `phases`.
 fn device_state(phases: &[strata_runtime::PausePhases]) -> Summary {
     Summary::of(&phases.iter().map(|p| p.device_state_ms).collect::<Vec<_>>())
@@ -605,7 +610,7 @@ fn render(ctx: &Ctx, args: &Args, res: &Results, sec: &mut Section) -> Result<()
             let col = |f: fn(&strata_runtime::PausePhases) -> f64| {
                 let v: Vec<f64> = c.phases.iter().map(f).collect();
                 let s = Summary::of(&v);
-                format!("{} ({})", fmt_num(s.p50), fmt_num(s.p99))
+                p50_p99(&s)
             };
             let pause = Summary::of(&c.strata_ms);
             t.row(vec![
@@ -615,7 +620,7 @@ fn render(ctx: &Ctx, args: &Args, res: &Results, sec: &mut Section) -> Result<()
                 col(|p| p.device_state_ms),
                 col(|p| p.btrfs_ms),
                 col(|p| p.cont_ms),
-                format!("{} ({})", fmt_num(pause.p50), fmt_num(pause.p99)),
+                p50_p99(&pause),
                 col(|p| p.sign_ms),
             ]);
         }
@@ -638,7 +643,7 @@ fn render(ctx: &Ctx, args: &Args, res: &Results, sec: &mut Section) -> Result<()
             let col = |f: fn(&strata_vmm::SaveSteps) -> f64| {
                 let v: Vec<f64> = c.phases.iter().map(|p| f(&p.device_state_steps)).collect();
                 let s = Summary::of(&v);
-                format!("{} ({})", fmt_num(s.p50), fmt_num(s.p99))
+                p50_p99(&s)
             };
             let ds = device_state(&c.phases);
             t.row(vec![
@@ -648,7 +653,7 @@ fn render(ctx: &Ctx, args: &Args, res: &Results, sec: &mut Section) -> Result<()
                 col(|s| s.start_ms),
                 col(|s| s.complete_ms),
                 col(|s| s.finalize_ms),
-                format!("{} ({})", fmt_num(ds.p50), fmt_num(ds.p99)),
+                p50_p99(&ds),
             ]);
         }
         sec.table(t);
@@ -669,7 +674,7 @@ fn render(ctx: &Ctx, args: &Args, res: &Results, sec: &mut Section) -> Result<()
         for c in res.cases.iter().filter(|c| !c.ab_event.is_empty()) {
             let ds = |v: &[strata_runtime::PausePhases]| {
                 let s = device_state(v);
-                format!("{} ({})", fmt_num(s.p50), fmt_num(s.p99))
+                p50_p99(&s)
             };
             let (pp, pe) = (Summary::of(&c.ab_poll_ms), Summary::of(&c.ab_event_ms));
             t.row(vec![
@@ -677,8 +682,8 @@ fn render(ctx: &Ctx, args: &Args, res: &Results, sec: &mut Section) -> Result<()
                 c.ab_event.len().min(c.ab_poll.len()).to_string(),
                 ds(&c.ab_poll),
                 ds(&c.ab_event),
-                format!("{} ({})", fmt_num(pp.p50), fmt_num(pp.p99)),
-                format!("{} ({})", fmt_num(pe.p50), fmt_num(pe.p99)),
+                p50_p99(&pp),
+                p50_p99(&pe),
                 format!("{:.2}×", pe.p50 / pp.p50),
             ]);
         }
