@@ -268,6 +268,11 @@ pub struct PausePhases {
     /// earlier stop was reused).
     #[serde(default)]
     pub device_state_steps: strata_vmm::SaveSteps,
+    /// Before the pause, with the guest running (**not** part of
+    /// `pause_ms`): its RAM file written back, then the pool's btrfs
+    /// transaction committed (`Runtime::set_commit_before_pause`).
+    #[serde(default)]
+    pub before_pause_ms: f64,
 }
 
 /// Space used by a snapshot.

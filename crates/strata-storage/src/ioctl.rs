@@ -176,6 +176,11 @@ pub const BTRFS_IOC_QUOTA_CTL: u32 = ioc(
     size_of::<QuotaCtlArgs>(),
 );
 pub const BTRFS_IOC_QUOTA_RESCAN_WAIT: u32 = ioc(IOC_NONE, BTRFS_MAGIC, 46, 0);
+/// Starts committing the running transaction, without writing back any
+/// file's dirty data first; writes its id (`u64`) to the argument.
+pub const BTRFS_IOC_START_SYNC: u32 = ioc(IOC_READ, BTRFS_MAGIC, 24, size_of::<u64>());
+/// Waits until the transaction whose id (`u64`) the argument points to is committed.
+pub const BTRFS_IOC_WAIT_SYNC: u32 = ioc(IOC_WRITE, BTRFS_MAGIC, 22, size_of::<u64>());
 pub const FS_IOC_FIEMAP: u32 = ioc(
     IOC_READ | IOC_WRITE,
     b'f' as u32,
@@ -295,6 +300,8 @@ mod tests {
         assert_eq!(BTRFS_IOC_QUOTA_CTL, 0xc010_9428);
         assert_eq!(BTRFS_IOC_QUOTA_RESCAN_WAIT, 0x942e);
         assert_eq!(BTRFS_IOC_SYNC, 0x9408);
+        assert_eq!(BTRFS_IOC_START_SYNC, 0x8008_9418);
+        assert_eq!(BTRFS_IOC_WAIT_SYNC, 0x4008_9416);
         assert_eq!(BTRFS_IOC_RESIZE, 0x5000_9403);
         assert_eq!(FS_IOC_FIEMAP, 0xc020_660b);
     }

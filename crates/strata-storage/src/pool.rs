@@ -223,6 +223,12 @@ impl Pool {
         Ok(d)
     }
 
+    /// Commits the pool's running btrfs transaction and waits for it, writing
+    /// back no file's data; see [`subvol::commit_transaction`].
+    pub fn commit_transaction(&self) -> Result<u64> {
+        subvol::commit_transaction(&self.root)
+    }
+
     /// Deletes subvolume `path` now (the ioctl returns once it is unlinked; blocks are
     /// freed later by btrfs). Prefer [`Pool::trash`] on latency-sensitive paths.
     pub fn delete_subvolume(&self, path: impl AsRef<Path>) -> Result<()> {

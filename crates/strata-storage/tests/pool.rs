@@ -656,3 +656,31 @@ fn reserve_is_released_when_the_pool_runs_low_and_others_keep_writing() {
     tp.keep_reserve(0, 0).expect("off");
     assert!(!reserve.exists() && tp.reserve_status().is_none());
 }
+
+#[test]
+fn commit_transaction_commits_what_was_written_back_and_moves_on() {
+    let tp = TestPool::new(GIB).expect("pool");
+    let a = tp.create_subvolume("sandboxes/a").expect("a");
+    let path = a.join("mem");
+    write_file(&path, 8);
+    let first = tp.commit_transaction().expect("commit");
+    // Nothing written since: no newer transaction than that one needs to be.
+    let again = tp.commit_transaction().expect("commit again");
+    assert!(again >= first, "{again} before {first}");
+    // A page written back after it lands in a later transaction, which the
+    // next call commits (a snapshot made then has nothing of it left to commit).
+    let mut f = OpenOptions::new().write(true).open(&path).expect("open");
+    f.seek(SeekFrom::Start(4 * MIB)).expect("seek");
+    f.write_all(&[7u8; 4096]).expect("write");
+    f.sync_data().expect("fdatasync");
+    let second = tp.commit_transaction().expect("commit after a write");
+    assert!(second > again, "{second} after {again}");
+    let snap = tp
+        .snapshot(&a, "snapshots/s1", true)
+        .expect("snapshot after the commit");
+    let mut x = vec![0u8; 4096];
+    let mut g = File::open(snap.join("mem")).expect("open the snapshot's copy");
+    g.seek(SeekFrom::Start(4 * MIB)).expect("seek");
+    g.read_exact(&mut x).expect("read");
+    assert_eq!(x, vec![7u8; 4096]);
+}

@@ -88,6 +88,8 @@ pub struct Runtime {
     /// Whether a snapshot saves the device state while the btrfs snapshot
     /// is taken (see [`Runtime::set_overlapped_state_save`]).
     overlap_save: std::sync::atomic::AtomicBool,
+    /// See [`Runtime::set_commit_before_pause`].
+    commit_before_pause: std::sync::atomic::AtomicBool,
     /// CPU weight of a VM with a call in flight ([`Runtime::call_boost`]).
     call_weight: std::sync::atomic::AtomicU32,
 }
@@ -289,6 +291,7 @@ impl Runtime {
             egress: std::sync::RwLock::new(None),
             hello_cue: std::sync::atomic::AtomicBool::new(true),
             overlap_save: std::sync::atomic::AtomicBool::new(true),
+            commit_before_pause: std::sync::atomic::AtomicBool::new(true),
             call_weight: std::sync::atomic::AtomicU32::new(boost::CALL_CPU_WEIGHT),
         }))
     }
