@@ -101,6 +101,9 @@ impl PauseGate {
 /// Where a device-state save writes before its file is put in place.
 const STATE_TMP: &str = ".device.state.tmp";
 
+/// QEMU's run state of a guest it stopped on a disk I/O error.
+const IO_ERROR: &str = "io-error";
+
 /// Free pool space below which snapshots and new sandboxes are refused (`PoolFull`).
 pub const MIN_FREE_BYTES: u64 = 256 << 20;
 
@@ -248,12 +251,25 @@ impl Runtime {
             )));
         }
         self.check_free_space()?;
-        let was_running = live
+        let status = live
             .vm
             .status()
             .await
-            .map_err(|e| vmm_err(id.as_str(), e))?
-            .running;
+            .map_err(|e| vmm_err(id.as_str(), e))?;
+        let mut was_running = status.running;
+        if status.status == IO_ERROR {
+            // QEMU stopped the guest on a disk write that found no space
+            // (its default `werror=enospc`); the failed write waits in the
+            // device. The pool has room again (checked above): continue
+            // it, QEMU retries the write, and the snapshot is of a running
+            // guest. A save of the stopped guest instead would leave it in
+            // `postmigrate`, where no later snapshot can save it.
+            tracing::warn!(sandbox = %id, "guest stopped by a disk write with no space left; the pool has room again, continuing it");
+            live.resume_vm()
+                .await
+                .map_err(|e| vmm_err(id.as_str(), e))?;
+            was_running = true;
+        }
         let mut phases = PausePhases::default();
         if was_running {
             // Write back the guest RAM the VM dirtied while it still runs:

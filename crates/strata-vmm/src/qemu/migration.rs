@@ -193,9 +193,17 @@ impl QemuVm {
         }
         steps.start_ms = ms(t0);
         let t_complete = Instant::now();
-        match events {
-            Some(rx) => self.wait_save_events(rx).await?,
-            None => self.wait_migration("save").await?,
+        let ended = match events {
+            Some(rx) => self.wait_save_events(rx).await,
+            None => self.wait_migration("save").await,
+        };
+        if let Err(e) = ended {
+            // A failed save also leaves `finish-migrate` a moment after it
+            // says so, and `cont` is refused until then: the caller's
+            // resume must find the VM settled (`postmigrate`), or the guest
+            // stays stopped and no later save is accepted.
+            let _ = self.wait_finalized().await;
+            return Err(e);
         }
         steps.complete_ms = ms(t_complete);
         let t_final = Instant::now();
