@@ -22,7 +22,8 @@
 //!   renewing the lease, so the lost host, revived, cannot act on it;
 //! - **moves**: the owner of a sandbox hands its lease over to another
 //!   live host after sending it its snapshots ([`Cluster::hand_over`], a
-//!   fenced compare-and-set; the target [`Cluster::adopt`]s it);
+//!   fenced compare-and-set; the target [`Cluster::adopt`]s it, by
+//!   itself when the source's adopt call is lost: [`handover`]);
 //! - **placement** ([`placement::place`]): a create on a host that is not
 //!   the best fit is refused `409 conflict` naming the host to use
 //!   (forwarding is not built).

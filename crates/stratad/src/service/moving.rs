@@ -18,7 +18,11 @@
 //!   received stays there, held, so a retried move sends only the rest.
 //! - [`Service::adopt_move`] is the target's side of the last step: the
 //!   lease in the store must name this host already; it is taken up, the
-//!   move journaled, and the sandbox woken if asked.
+//!   move journaled, and the sandbox woken if asked. When that call is
+//!   lost, the target's take-up pass (`crate::cluster::handover`) does the
+//!   same (`Service::take_up_move`, one function for both) once the lease
+//!   went unrenewed for half its TTL; whichever comes second finds the
+//!   lease held and changes nothing.
 
 use super::prelude::*;
 use super::transfer::{Receiver, SentSnapshot, TRANSFER_IDLE};
