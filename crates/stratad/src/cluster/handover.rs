@@ -12,7 +12,7 @@
 //! - Every `renew_every` (a task beside the renewal loop, so a slow pass
 //!   never delays a renewal), a host that is not fenced lists the leases
 //!   PostgreSQL names it as holder of that are unexpired but expire within
-//!   half the TTL ([`HostStore::unrenewed_leases`], at most [`PER_ROUND`]):
+//!   half the TTL ([`crate::store::HostStore::unrenewed_leases`], at most [`PER_ROUND`]):
 //!   nobody renewed them for half the TTL, so the source's own adopt call
 //!   had that long first.
 //! - It takes one up only when [`decide`] allows: this host does not hold
