@@ -45,6 +45,12 @@ pub struct ClusterConfig {
     pub watch_every: Duration,
     /// Labels of this host (reported in placement errors; free form).
     pub labels: BTreeMap<String, String>,
+    /// TEST ONLY, off by default: a move from this host hands the lease
+    /// over, then drops its adopt call to the target as if the network had
+    /// lost it (the target's take-up pass must finish the move;
+    /// docs/move.md). Never set it on a real host.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub test_drop_adopt: bool,
 }
 
 impl Default for ClusterConfig {
@@ -59,6 +65,7 @@ impl Default for ClusterConfig {
             fence_margin: Duration::from_secs(4),
             watch_every: Duration::from_secs(5),
             labels: BTreeMap::new(),
+            test_drop_adopt: false,
         }
     }
 }

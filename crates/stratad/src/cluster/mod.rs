@@ -22,13 +22,15 @@
 //!   renewing the lease, so the lost host, revived, cannot act on it;
 //! - **moves**: the owner of a sandbox hands its lease over to another
 //!   live host after sending it its snapshots ([`Cluster::hand_over`], a
-//!   fenced compare-and-set; the target [`Cluster::adopt`]s it);
+//!   fenced compare-and-set; the target [`Cluster::adopt`]s it, by
+//!   itself when the source's adopt call is lost: [`handover`]);
 //! - **placement** ([`placement::place`]): a create on a host that is not
 //!   the best fit is refused `409 conflict` naming the host to use
 //!   (forwarding is not built).
 
 pub mod config;
 pub mod fenced;
+pub mod handover;
 pub mod placement;
 pub mod replicas;
 pub mod templates;
@@ -303,13 +305,16 @@ impl Cluster {
         Ok(())
     }
 
-    /// Starts the heartbeat and renewal loop, the self-fencing timer and
-    /// the host-loss watcher; they stop with `stop`.
+    /// Starts the heartbeat and renewal loop, the self-fencing timer, the
+    /// take-up of handed-over leases whose adopt call was lost
+    /// ([`handover`]) and the host-loss watcher; they stop with `stop`.
     pub fn spawn(self: &Arc<Self>, svc: Arc<Service>, stop: watch::Receiver<bool>) {
         let (c, s, st) = (self.clone(), svc.clone(), stop.clone());
         tokio::spawn(async move { c.renew_loop(s, st).await });
         let (c, s, st) = (self.clone(), svc.clone(), stop.clone());
         tokio::spawn(async move { c.fence_loop(s, st).await });
+        let (c, s, st) = (self.clone(), svc.clone(), stop.clone());
+        tokio::spawn(async move { c.take_up_loop(s, st).await });
         let c = self.clone();
         tokio::spawn(async move { c.watch_loop(svc, stop).await });
     }
@@ -758,8 +763,9 @@ impl Cluster {
 
     /// Takes up the lease of `id` that another host handed over to this
     /// one (a move): the lease in the store must name this host (which is
-    /// not fenced itself); its token is then the one this host writes with
-    /// (an expired one is found lost by the next renewal).
+    /// not fenced itself), and is renewed with the handed-over token (the
+    /// renewal's compare-and-set refuses it once it expired); that token is
+    /// then the one this host writes with.
     pub async fn adopt(&self, id: &SandboxId) -> ServiceResult<OwnerLease> {
         let id2 = id.clone();
         let lease = self
@@ -768,6 +774,21 @@ impl Cluster {
             .map_err(host_to_service)?;
         match lease {
             Some(l) if l.host_id == self.info.id && !self.fenced.load(Ordering::SeqCst) => {
+                let f = Fence {
+                    host_id: self.info.id.clone(),
+                    token: l.token,
+                };
+                let (id2, ttl) = (id.clone(), ms(self.cfg.lease_ttl));
+                let l = self
+                    .blocking(move |h| h.renew_sandbox(&id2, &f, ttl))
+                    .await
+                    .map_err(|e| match e {
+                        HostError::Fenced { .. } => ServiceError::Conflict(format!(
+                            "sandbox {id}: the lease handed over to this host ({}, token {}) expired before it was taken up",
+                            self.info.id, l.token
+                        )),
+                        e => host_to_service(e),
+                    })?;
                 self.leases.hold(id.clone(), l.token, false);
                 info!(sandbox = %id, token = l.token, "lease taken up after a move");
                 Ok(l)

@@ -18,7 +18,11 @@
 //!   received stays there, held, so a retried move sends only the rest.
 //! - [`Service::adopt_move`] is the target's side of the last step: the
 //!   lease in the store must name this host already; it is taken up, the
-//!   move journaled, and the sandbox woken if asked.
+//!   move journaled, and the sandbox woken if asked. When that call is
+//!   lost, the target's take-up pass (`crate::cluster::handover`) does the
+//!   same (`Service::take_up_move`, one function for both) once the lease
+//!   went unrenewed for half its TTL; whichever comes second finds the
+//!   lease held and changes nothing.
 
 use super::prelude::*;
 use super::transfer::{Receiver, SentSnapshot, TRANSFER_IDLE};
@@ -244,6 +248,19 @@ impl Service {
         let url = base
             .join(&format!("v1/imports/{id}/adopt"))
             .map_err(|e| ServiceError::InvalidRequest(format!("move: {e}")))?;
+        let untold = |why: &dyn std::fmt::Display| {
+            ServiceError::Engine(RuntimeError::Unavailable(format!(
+                "move: the lease of {id} was handed over to host {} but it could not be told: {why} \
+                 (it takes the sandbox up by itself once the lease has gone unrenewed for half its TTL)",
+                target.info.id
+            )))
+        };
+        if self.config.cluster.test_drop_adopt {
+            warn!(sandbox = %id, to = %target.info.id, "[cluster] test_drop_adopt: the adopt call is dropped (a test's fault)");
+            return Err(untold(
+                &"the adopt call was dropped ([cluster] test_drop_adopt)",
+            ));
+        }
         let mut last = None;
         let mut answer = None;
         for attempt in 0..3 {
@@ -266,13 +283,7 @@ impl Service {
         }
         let sandbox = match (answer, last) {
             (Some(r), _) => r?,
-            (None, Some(e)) => {
-                return Err(ServiceError::Engine(RuntimeError::Unavailable(format!(
-                    "move: the lease of {id} was handed over to host {} but it could not be told: {e} \
-                     (it takes the sandbox up at its next start)",
-                    target.info.id
-                ))))
-            }
+            (None, Some(e)) => return Err(untold(&e)),
             (None, None) => serde_json::Value::Null,
         };
         Ok(MoveReport {
@@ -289,52 +300,121 @@ impl Service {
 
     /// `POST /v1/imports/{id}/adopt`: the target's side of a move (module
     /// docs). The caller must be able to act on the sandbox (its tenant's),
-    /// the sandbox hibernated, and its lease in the store this host's.
+    /// the sandbox hibernated, and its lease in the store this host's. A
+    /// call for a lease this host took up already (its pass found the call
+    /// late, `crate::cluster::handover`) answers the sandbox as it is (and
+    /// wakes it when asked and still hibernated).
     pub async fn adopt_move(
         self: &Arc<Self>,
         caller: &Caller,
         id: &SandboxId,
         cmd: AdoptMove,
     ) -> ServiceResult<SandboxRecord> {
-        let rec = self.get_sandbox(caller, id).await?;
+        self.get_sandbox(caller, id).await?;
+        let from: String = cmd.from.chars().take(MAX_HOST_ID).collect();
+        let (rec, _) = self.take_up_move(id, Some(&from), Who::User).await?;
+        if cmd.wake && rec.state == SandboxState::Hibernated {
+            self.resume_ungated(id).await
+        } else {
+            Ok(rec)
+        }
+    }
+
+    /// Takes up the lease of `id` that a move handed over to this host:
+    /// what the adopt route does without its caller. `from`: the source
+    /// named in the adopt call; `None`: the call never arrived (the
+    /// take-up pass of `crate::cluster::handover`). Under the sandbox's
+    /// operation lock, so the two never both take it up: the second finds
+    /// the lease held and answers the record unchanged (`false`).
+    pub(crate) async fn take_up_move(
+        self: &Arc<Self>,
+        id: &SandboxId,
+        from: Option<&str>,
+        who: Who,
+    ) -> ServiceResult<(SandboxRecord, bool)> {
         let Some(cluster) = self.cluster().cloned() else {
             return Err(ServiceError::Conflict(
                 "adopt: this daemon is not a cluster host".into(),
             ));
         };
+        let _g = self.acquire(id, Op::Configure, who).await?;
+        if cluster.owns(id).is_some() {
+            return Ok((self.record(id).await?, false));
+        }
+        let mut rec = self.record(id).await?;
         if rec.state != SandboxState::Hibernated {
             return Err(ServiceError::InvalidStateOther(format!(
                 "sandbox {id} is {}: only a hibernated sandbox is handed over",
                 rec.state
             )));
         }
-        let from: String = cmd.from.chars().take(MAX_HOST_ID).collect();
-        cluster.adopt(id).await?;
-        let rec = {
-            let _g = self.acquire(id, Op::Configure, Who::User).await?;
-            let mut rec = self.record(id).await?;
-            self.done(
-                &mut rec,
-                Op::Configure,
-                SandboxState::Hibernated,
-                None,
-                &[],
-                Some(format!(
-                    "moved here (host {}) from host {from:?}",
-                    cluster.host_id()
-                )),
-            )
-            .await?;
-            rec
+        let lease = cluster.adopt(id).await?;
+        let me = cluster.host_id();
+        let detail = match from {
+            Some(from) => format!("moved here (host {me}) from host {from:?}"),
+            None => format!(
+                "moved here (host {me}): the move's adopt call was not received; \
+                 taken up once the handed-over lease (token {}) went unrenewed for half its TTL",
+                lease.token
+            ),
         };
+        self.done(
+            &mut rec,
+            Op::Configure,
+            SandboxState::Hibernated,
+            None,
+            &[],
+            Some(detail),
+        )
+        .await?;
         let id2 = id.clone();
         for s in self.db(move |st| st.list_snapshots(&id2, false)).await? {
             self.imports.forget(&s.id);
         }
-        if cmd.wake {
-            self.resume_ungated(id).await
-        } else {
-            Ok(rec)
+        Ok((rec, true))
+    }
+
+    /// The take-up pass's side for one unrenewed lease of this host
+    /// (`crate::cluster::handover`): gathers what
+    /// [`crate::cluster::handover::decide`] needs and takes the lease up
+    /// when it allows (journaled, counted `cluster_move_adopted_unasked`).
+    /// `Ok(false)`: left alone.
+    pub(crate) async fn take_up_unasked(
+        self: &Arc<Self>,
+        lease: &crate::store::OwnerLease,
+    ) -> ServiceResult<bool> {
+        use crate::cluster::handover::{decide, Seen};
+        let Some(cluster) = self.cluster().cloned() else {
+            return Ok(false);
+        };
+        let id = &lease.sandbox_id;
+        let id2 = id.clone();
+        let rec = self
+            .db(move |s| s.get_sandbox(&id2))
+            .await?
+            .filter(|r| r.state != SandboxState::Deleted);
+        let mut seen = Seen {
+            held: cluster.leases().get(id).is_some(),
+            state: rec.as_ref().map(|r| r.state),
+            newest: None,
+        };
+        if !seen.held && seen.state == Some(SandboxState::Hibernated) {
+            let id2 = id.clone();
+            if let Some(snap) = self.db(move |s| s.latest_ready_snapshot(&id2)).await? {
+                let snap = self.resolve_same_as(snap).await?;
+                let here = self.engine.snapshot_identity(&snap.id).await.is_ok();
+                seen.newest = Some((snap.id, here));
+            }
         }
+        if let Err(why) = decide(&seen) {
+            info!(sandbox = %id, token = lease.token, %why, "an unrenewed lease of this host left alone");
+            return Ok(false);
+        }
+        let (_, taken) = self.take_up_move(id, None, Who::Background).await?;
+        if taken {
+            warn!(sandbox = %id, token = lease.token, "a move's adopt call was not received: lease taken up");
+            self.metrics.count("cluster_move_adopted_unasked");
+        }
+        Ok(taken)
     }
 }

@@ -203,6 +203,17 @@ pub trait HostStore: Send + Sync {
         margin_ms: u64,
         limit: usize,
     ) -> HostResult<Vec<OwnerLease>>;
+    /// Leases host `host` holds in the store that are unexpired but expire
+    /// within `within_ms` (database clock), soonest first, at most `limit`:
+    /// leases nobody renewed for `ttl - within_ms`. A host renews the ones
+    /// it runs every round, so these are the ones it does not (a lease
+    /// handed over by a move whose adopt call never arrived, docs/move.md).
+    fn unrenewed_leases(
+        &self,
+        host: &str,
+        within_ms: u64,
+        limit: usize,
+    ) -> HostResult<Vec<OwnerLease>>;
     /// The current lease of a sandbox, expired or not.
     fn sandbox_owner(&self, sandbox: &SandboxId) -> HostResult<Option<OwnerLease>>;
     /// [`super::Store::commit`] by the owner of every sandbox written:

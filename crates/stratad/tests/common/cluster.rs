@@ -56,3 +56,33 @@ pub async fn own(d: &Daemon, method: &str, path: &str) -> (u16, Value) {
     let st = r.status().as_u16();
     (st, r.json().await.unwrap_or(Value::Null))
 }
+
+/// The `strata_events_total{kind="…"}` count in a `/metrics` text.
+pub fn metric(text: &str, kind: &str) -> u64 {
+    let needle = format!("kind=\"{kind}\"");
+    text.lines()
+        .filter(|l| l.starts_with("strata_events_total") && l.contains(&needle))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .map(|v| v as u64)
+        .sum()
+}
+
+/// `d`'s `/metrics` count of event kind `kind`.
+pub async fn metric_of(d: &Daemon, kind: &str) -> u64 {
+    let (_, text) = d.raw("GET", "/metrics", Vec::new()).await;
+    metric(&String::from_utf8_lossy(&text), kind)
+}
+
+/// Sandbox `id`'s lease in PostgreSQL: (host, token, ms until it expires
+/// by the database's clock).
+pub async fn lease_of(url: &str, schema: &str, id: &str) -> Option<(String, i64, i64)> {
+    pg_row(
+        url,
+        &format!(
+            "SELECT host_id, token, expires_at - (extract(epoch from clock_timestamp()) * 1000)::bigint \
+             FROM {schema}.sandbox_owners WHERE sandbox_id = '{id}'"
+        ),
+    )
+    .await
+    .map(|r| (r.get(0), r.get(1), r.get(2)))
+}

@@ -481,6 +481,32 @@ impl HostStore for PgStore {
         })
     }
 
+    fn unrenewed_leases(
+        &self,
+        host: &str,
+        within_ms: u64,
+        limit: usize,
+    ) -> HostResult<Vec<OwnerLease>> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        self.block_h(async {
+            let c = self.client().await?;
+            // A range of `sandbox_owners_by_expiry`: held leases of every
+            // host are renewed to `now + ttl`, outside the window.
+            c.query(
+                &format!(
+                    "SELECT {LEASE_COLS} FROM sandbox_owners \
+                     WHERE expires_at > {NOW_MS} AND expires_at <= {NOW_MS} + $2 \
+                     AND host_id = $1 ORDER BY expires_at LIMIT $3"
+                ),
+                &[&host, &i64_of(within_ms), &limit],
+            )
+            .await?
+            .iter()
+            .map(lease_of)
+            .collect()
+        })
+    }
+
     fn sandbox_owner(&self, sandbox: &SandboxId) -> HostResult<Option<OwnerLease>> {
         self.block_h(async {
             let c = self.client().await?;
