@@ -124,7 +124,6 @@ impl Action {
                 | ListTemplates
                 | GetTemplate
                 | DeleteTemplate
-                | TemplateLogs
                 | ListVariants
                 | ReplicateTemplate
                 | Whoami
