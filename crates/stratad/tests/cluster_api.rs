@@ -14,7 +14,10 @@
 //! 4. what it cannot serve is refused clearly: a template build is `421
 //!    host_required`; a create no host fits is `507 insufficient_capacity`
 //!    naming host-a (the API process is no candidate);
-//! 5. it never held a lease.
+//! 5. a request marked forwarded is `421 host_required` there; a live
+//!    sandbox no host holds (its lease row removed) is read there, its
+//!    exec is `503 no_owner`;
+//! 6. it never held a lease and never ran QEMU.
 //!
 //! Auth is on: the API process starts with host-a's bootstrap token and
 //! master key (the security store is on PostgreSQL); the forwarded
@@ -226,7 +229,55 @@ fn an_api_process_serves_the_api_and_forwards_every_vm_operation_to_the_host() {
         let (st, v) = a.call("GET", &format!("/v1/sandboxes/{id}"), None).await;
         assert!(st == 404 || v["state"] == "deleted", "{st} {v}");
 
-        // 5. The API process never held a lease, and never ran QEMU.
+        // A request marked forwarded is not forwarded again, and the API
+        // process does not run it: 421.
+        let id2 = {
+            let (st, host, v) = send(
+                &api,
+                "POST",
+                "/v1/sandboxes",
+                Some(json!({ "start": false })),
+            )
+            .await;
+            assert_eq!((st, host.as_str()), (201, "host-a"), "{v}");
+            assert_eq!(v["state"], "hibernated", "{v}");
+            v["id"].as_str().expect("id").to_owned()
+        };
+        let r = api
+            .request("POST", &format!("/v1/sandboxes/{id2}/exec"))
+            .header("x-strata-forwarded-by", "host-x")
+            .json(&json!({ "cmd": ["true"] }))
+            .send()
+            .await
+            .expect("marked request");
+        let st = r.status().as_u16();
+        let v: Value = r.json().await.unwrap_or(Value::Null);
+        assert_eq!(st, 421, "{v}");
+        assert_eq!(v["error"]["code"], "host_required", "{v}");
+        // A live sandbox no host holds (its lease row removed: as after a
+        // host loss, before another host takes it into custody): its
+        // record is still read, a VM operation is 503 no_owner.
+        pg_row(
+            &url,
+            &format!(
+                "DELETE FROM {schema}.sandbox_owners WHERE sandbox_id = '{id2}' RETURNING host_id"
+            ),
+        )
+        .await
+        .expect("the lease row");
+        let (st, host, v) = send(&api, "GET", &format!("/v1/sandboxes/{id2}"), None).await;
+        assert_eq!((st, host.as_str()), (200, "api-1"), "{v}");
+        let (st, _, v) = send(
+            &api,
+            "POST",
+            &format!("/v1/sandboxes/{id2}/exec"),
+            Some(json!({ "cmd": ["true"] })),
+        )
+        .await;
+        assert_eq!(st, 503, "{v}");
+        assert_eq!(v["error"]["code"], "no_owner", "{v}");
+
+        // 6. The API process never held a lease, and never ran QEMU.
         let held = pg_row(
             &url,
             &format!("SELECT count(*) FROM {schema}.sandbox_owners WHERE host_id = 'api-1'"),
