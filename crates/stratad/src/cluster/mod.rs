@@ -24,8 +24,11 @@
 //!   live host after sending it its snapshots ([`Cluster::hand_over`], a
 //!   fenced compare-and-set; the target [`Cluster::adopt`]s it);
 //! - **placement** ([`placement::place`]): a create on a host that is not
-//!   the best fit is refused `409 conflict` naming the host to use
-//!   (forwarding is not built).
+//!   the best fit is re-sent to the host that is (`api::forward`);
+//! - **API processes** (`role = "api"`, [`Cluster::is_api`]): a `Cluster`
+//!   that never registers, takes no lease and runs none of the loops
+//!   above; it only places creates and finds owners to forward to
+//!   (docs/cluster.md, "API processes").
 
 pub mod config;
 pub mod fenced;
