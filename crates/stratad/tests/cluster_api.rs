@@ -8,9 +8,10 @@
 //!    not registered as a host;
 //! 2. a create through it lands on host-a (`201`, `x-strata-host: host-a`,
 //!    the lease is host-a's);
-//! 3. exec (with output), snapshot, get of the snapshot, its delete, get
-//!    and delete of the sandbox are host-a's answers; the list is its own
-//!    (from PostgreSQL, the sandbox in it);
+//! 3. exec (with output), a file up and down, snapshot, get of the
+//!    snapshot, a fork of it (its own exec and delete), the snapshot's
+//!    delete, get and delete of the sandbox are host-a's answers; the list
+//!    is its own (from PostgreSQL, the sandbox in it);
 //! 4. what it cannot serve is refused clearly: a template build is `421
 //!    host_required`; a create no host fits is `507 insufficient_capacity`
 //!    naming host-a (the API process is no candidate);
@@ -166,6 +167,30 @@ fn an_api_process_serves_the_api_and_forwards_every_vm_operation_to_the_host() {
         let out = String::from_utf8_lossy(&e.stdout);
         assert!(out.starts_with("api-42\n"), "{out:?}");
 
+        // A file up and down (bodies streamed through both hops).
+        let blob: Vec<u8> = (0..300_000u32).map(|i| (i * 7 + i / 13) as u8).collect();
+        let (st, body) = api
+            .raw(
+                "PUT",
+                &format!("/v1/sandboxes/{id}/files?path=/tmp/blob.bin"),
+                blob.clone(),
+            )
+            .await;
+        assert!(
+            st == 200 || st == 201,
+            "{st} {}",
+            String::from_utf8_lossy(&body)
+        );
+        let (st, got) = api
+            .raw(
+                "GET",
+                &format!("/v1/sandboxes/{id}/files?path=/tmp/blob.bin"),
+                vec![],
+            )
+            .await;
+        assert_eq!(st, 200);
+        assert!(got == blob, "download differs ({} bytes)", got.len());
+
         // Snapshot, taken by host-a; read and deleted through the
         // snapshot's own routes (forwarded by its sandbox's owner).
         let (st, host, snap) = send(
@@ -184,6 +209,28 @@ fn an_api_process_serves_the_api_and_forwards_every_vm_operation_to_the_host() {
         let (st, host, v) = send(&api, "GET", &format!("/v1/snapshots/{snap_id}"), None).await;
         assert_eq!((st, host.as_str()), (200, "host-a"), "{v}");
         assert_eq!(v["id"], snap_id.as_str(), "{v}");
+        // A fork of the snapshot, made by host-a (it holds the snapshot),
+        // with the file in it. (A live fork, `POST /v1/sandboxes/{id}/fork`,
+        // fails on a cluster host today: its one write spans two leases.)
+        let (st, host, fork) = send(
+            &api,
+            "POST",
+            &format!("/v1/snapshots/{snap_id}/fork"),
+            Some(json!({})),
+        )
+        .await;
+        assert_eq!((st, host.as_str()), (201, "host-a"), "{fork}");
+        let fork = fork["id"].as_str().expect("fork id").to_owned();
+        let e = api.sh(&fork, "wc -c < /tmp/blob.bin").await;
+        assert_eq!(
+            String::from_utf8_lossy(&e.stdout).trim(),
+            "300000",
+            "{}",
+            e.error
+        );
+        let (st, host, v) = send(&api, "DELETE", &format!("/v1/sandboxes/{fork}"), None).await;
+        assert!(st == 200 || st == 204, "{st} {v}");
+        assert_eq!(host, "host-a");
 
         // List: answered by the API process itself, from PostgreSQL.
         let (st, host, list) = send(&api, "GET", "/v1/sandboxes", None).await;
