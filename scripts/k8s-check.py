@@ -6,7 +6,9 @@ a strata deployment that can work: the host DaemonSet mounts what stratad's
 own configuration (the ConfigMap's stratad.toml) points at, its probes hit
 the daemon's /livez and /healthz on the port it listens on, the PDB and the
 Services select the pods they mean, images are pinned, the PostgreSQL URL
-comes from a Secret, and nothing is granted Kubernetes API access.
+comes from a Secret, nothing is granted Kubernetes API access, the hosts form
+a cluster with an advertised address, and the API pods run role api without
+privileges or hostPaths.
 
 Usage: k8s-check.py RENDERED.yaml  (exit 1 with one line per failure)
 """
@@ -156,8 +158,31 @@ def main(path):
             lport = int(listen.rsplit(":", 1)[1])
             ck.that(not listen.startswith("127."), f"{cname}: listen {listen} is loopback: probes and Services cannot reach it")
             ck.that(lport in ports.values(), f"{cname}: listens on {lport}, containerPorts are {sorted(ports.values())}")
+            if labels.get("app.kubernetes.io/component") == "api":
+                # An API-only process (docs/cluster.md, "API processes"): in
+                # the hosts' cluster, role api, and nothing of a host.
+                ck.that(cfg.get("cluster", {}).get("enabled") is True, f"{cname}: [cluster] enabled is not true (an API process forwards to the cluster's hosts)")
+                env = {e.get("name"): e for e in c.get("env", [])}
+                ck.that(
+                    env.get("STRATAD_ROLE", {}).get("value") == "api" or "--role=api" in args,
+                    f"{cname}: not started as role api (STRATAD_ROLE=api or --role=api)",
+                )
+                sc = c.get("securityContext", {})
+                ck.that(not sc.get("privileged"), f"{cname}: privileged (an API process needs no privilege)")
+                ck.that(sc.get("allowPrivilegeEscalation") is False, f"{cname}: allowPrivilegeEscalation is not false")
+                ck.that(
+                    not any("hostPath" in v for v in volumes.values()),
+                    f"{cname}: a hostPath volume (an API process has no pool, no node state, no /dev/kvm)",
+                )
+                continue
             if labels.get("app.kubernetes.io/component") != "host":
                 continue
+            ck.that(cfg.get("cluster", {}).get("enabled") is True, f"{cname}: [cluster] enabled is not true (the API pods forward to registered hosts)")
+            env = {e.get("name"): e for e in c.get("env", [])}
+            ck.that(
+                "STRATAD_ADVERTISE_ADDRESS" in env or "address" in cfg.get("cluster", {}),
+                f"{cname}: no advertised address (STRATAD_ADVERTISE_ADDRESS): http://<listen> = 0.0.0.0 reaches no one",
+            )
             # The host: every path the daemon writes is mounted, the lasting
             # ones from the node.
             sc = c.get("securityContext", {})
@@ -202,8 +227,7 @@ def main(path):
     ck.that(len(ds) == 1, f"{len(ds)} host DaemonSets (want 1)")
     api = [o for o in by_kind.get("Deployment", []) if o["metadata"]["name"] == "strata-api"]
     if ck.that(len(api) == 1, "no strata-api Deployment"):
-        # stratad has no host-less mode: see deployment-api.yaml.
-        ck.that(api[0]["spec"].get("replicas") == 0, "strata-api scaled above 0, but stratad has no host-less mode yet (docs/kubernetes.md)")
+        ck.that(api[0]["spec"].get("replicas", 1) >= 1, "strata-api scaled to 0: no API process serves the Service strata-api")
 
     # The PDB selects the host pods, and only them.
     pdbs = by_kind.get("PodDisruptionBudget", [])
@@ -223,10 +247,17 @@ def main(path):
         sname = f"Service/{svc['metadata']['name']}"
         if not ck.that(hit, f"{sname} selects no pod template"):
             continue
-        ck.that(
-            any(selects(sel, d["spec"]["template"]["metadata"].get("labels", {})) for d in ds),
-            f"{sname} does not select the host pods (the only ones serving today)",
-        )
+        if svc["metadata"]["name"] == "strata-api":
+            # The clients' address: the API processes, not the hosts.
+            ck.that(
+                all(t["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "api" for t in hit),
+                f"{sname} selects pods other than the strata-api Deployment's",
+            )
+        else:
+            ck.that(
+                any(selects(sel, d["spec"]["template"]["metadata"].get("labels", {})) for d in ds),
+                f"{sname} does not select the host pods",
+            )
         for p in svc["spec"]["ports"]:
             tp = p.get("targetPort", p["port"])
             for t in hit:

@@ -66,7 +66,7 @@ done < <(find deploy/kubernetes -name kustomization.yaml | sort)
 # Self-check: broken copies of the base must be rejected, for the reason
 # planted. A checker that accepts these proves nothing about the real files.
 base="$tmp/base.yaml"
-grep -q 'readinessProbe:' "$base" && grep -q 'replicas: 0' "$base" || { echo "k8s-validate: self-check: the base lost what the mutations edit" >&2; exit 1; }
+grep -q 'readinessProbe:' "$base" && grep -q 'replicas: 2' "$base" || { echo "k8s-validate: self-check: the base lost what the mutations edit" >&2; exit 1; }
 must_fail_schema() { # LABEL SED-EXPR
   sed "$2" "$base" >"$tmp/bad.yaml"
   if cmp -s "$base" "$tmp/bad.yaml"; then echo "k8s-validate: self-check $1: the edit changed nothing" >&2; exit 1; fi
@@ -91,7 +91,7 @@ EOF
   echo "k8s-validate: self-check: $1 rejected by the strata checks: $(grep -m1 -F "$2" "$tmp/out" | sed 's/^k8s-check: [^ ]*: //')" >&2
 }
 must_fail_schema "a misspelled field (readinesProbe)" 's/readinessProbe:/readinesProbe:/'
-must_fail_schema "a wrong type (replicas: \"zero\")" 's/replicas: 0/replicas: "zero"/'
+must_fail_schema "a wrong type (replicas: \"two\")" 's/replicas: 2/replicas: "two"/'
 must_fail_schema "an unknown kind of volume (emptyDirectory)" 's/emptyDir: {}/emptyDirectory: {}/'
 ds='next(o for o in objs if o["kind"] == "DaemonSet")'
 c="$ds[\"spec\"][\"template\"][\"spec\"][\"containers\"][0]"
@@ -110,6 +110,13 @@ must_fail_check "a PDB selecting the API pods" "not exactly the host DaemonSet's
   "p = next(o for o in objs if o['kind'] == 'PodDisruptionBudget'); p['spec']['selector']['matchLabels']['app.kubernetes.io/component'] = 'api'"
 must_fail_check "the store URL as a literal" "given as a literal value" \
   "$c['env'] = [{'name': 'STRATAD_STORE_URL', 'value': 'postgresql://strata:hunter2@db/strata'}]"
+api='next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == "strata-api")'
+must_fail_check "an API pod with a hostPath" "a hostPath volume (an API process" \
+  "$api['spec']['template']['spec']['volumes'].append({'name': 'kvm', 'hostPath': {'path': '/dev/kvm', 'type': 'CharDevice'}})"
+must_fail_check "an API pod without its role" "not started as role api" \
+  "c0 = $api['spec']['template']['spec']['containers'][0]; c0['env'] = [e for e in c0['env'] if e['name'] != 'STRATAD_ROLE']"
+must_fail_check "the API Service on the host pods" "selects pods other than the strata-api Deployment's" \
+  "s = next(o for o in objs if o['kind'] == 'Service' and o['metadata']['name'] == 'strata-api'); s['spec']['selector'] = {'app.kubernetes.io/component': 'host'}"
 must_fail_check "a Role granted" "needs no Kubernetes API access" \
   "objs.append({'apiVersion': 'rbac.authorization.k8s.io/v1', 'kind': 'Role', 'metadata': {'name': 'x', 'namespace': 'strata'}, 'rules': []})"
 echo "k8s-validate: ok ($n kustomizations; self-checks rejected every broken copy)" >&2

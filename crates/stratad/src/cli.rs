@@ -96,6 +96,21 @@ pub struct Args {
     /// visible to every local user in the process list.
     #[arg(long, env = "STRATAD_STORE_URL", hide_env_values = true)]
     pub store_url: Option<String>,
+    /// This daemon's role in a cluster (`[cluster] role`): `host` runs VMs;
+    /// `api` is an API-only process (no pool, no QEMU) that forwards VM
+    /// operations to the hosts (docs/cluster.md, "API processes"). Needs
+    /// `[cluster] enabled` and a PostgreSQL store.
+    #[arg(long, env = "STRATAD_ROLE", value_parser = ["host", "api"], help_heading = "Cluster")]
+    pub role: Option<String>,
+    /// This daemon's id in the cluster (`[cluster] host_id`; a Kubernetes
+    /// pod gives its node's name).
+    #[arg(long, env = "STRATAD_HOST_ID", help_heading = "Cluster")]
+    pub host_id: Option<String>,
+    /// Where other hosts and API processes reach this host
+    /// (`[cluster] address`, e.g. `http://10.0.0.2:7070`; a Kubernetes pod
+    /// gives its pod IP).
+    #[arg(long, env = "STRATAD_ADVERTISE_ADDRESS", help_heading = "Cluster")]
+    pub advertise_address: Option<String>,
     /// Print the built-in configuration and exit.
     #[arg(long)]
     pub print_default_config: bool,
@@ -104,7 +119,8 @@ pub struct Args {
 /// The configuration the arguments describe (file, then flags on top).
 pub fn config(args: &Args) -> anyhow::Result<Config> {
     let mut cfg = match &args.config {
-        Some(p) => Config::from_file(p)?,
+        // Validated once the flags are applied (below).
+        Some(p) => Config::read_file(p)?,
         None => Config::default(),
     };
     if let Some(v) = args.listen {
@@ -169,6 +185,15 @@ pub fn config(args: &Args) -> anyhow::Result<Config> {
     }
     if let Some(v) = &args.store_url {
         cfg.store.url = Some(v.clone());
+    }
+    if let Some(v) = &args.role {
+        cfg.cluster.role = v.parse().map_err(anyhow::Error::msg)?;
+    }
+    if let Some(v) = &args.host_id {
+        cfg.cluster.host_id = Some(v.clone());
+    }
+    if let Some(v) = &args.advertise_address {
+        cfg.cluster.address = Some(v.clone());
     }
     cfg.validate()?;
     Ok(cfg)
@@ -333,6 +358,50 @@ mod tests {
     }
 
     #[test]
+    fn the_api_role_is_refused_without_cluster_mode_and_with_the_e2b_door() {
+        let url = "postgresql://strata@db:5432/strata";
+        let err = config(&parse(&["--role", "api", "--store-url", url])).unwrap_err();
+        assert!(
+            format!("{err:#}").contains("[cluster] enabled = true"),
+            "{err:#}"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("stratad.toml");
+        std::fs::write(&file, "[cluster]\nenabled = true\n").unwrap();
+        let path = file.to_str().unwrap();
+        // Cluster mode on SQLite: refused whatever the role.
+        let err = config(&parse(&["--config", path, "--role", "api"])).unwrap_err();
+        assert!(format!("{err:#}").contains("postgres"), "{err:#}");
+        let cfg = config(&parse(&[
+            "--config",
+            path,
+            "--role",
+            "api",
+            "--store-url",
+            url,
+            "--host-id",
+            "api-1",
+            "--advertise-address",
+            "http://10.0.0.9:7070",
+        ]))
+        .unwrap();
+        assert_eq!(cfg.cluster.role, crate::cluster::Role::Api);
+        assert_eq!(cfg.cluster.host_id.as_deref(), Some("api-1"));
+        assert_eq!(cfg.cluster.address.as_deref(), Some("http://10.0.0.9:7070"));
+        let err = config(&parse(&[
+            "--config",
+            path,
+            "--role",
+            "api",
+            "--store-url",
+            url,
+            "--e2b",
+        ]))
+        .unwrap_err();
+        assert!(format!("{err:#}").contains("E2B door"), "{err:#}");
+    }
+
+    #[test]
     fn the_kubernetes_configmaps_load() {
         // Every stratad.toml under deploy/kubernetes is a ConfigMap the
         // daemon reads at start: it must parse (unknown keys are errors)
@@ -358,7 +427,11 @@ mod tests {
                     assert_eq!(cfg.listen.port(), 7070, "{path}: the containerPort");
                     assert_eq!(cfg.data_dir, PathBuf::from("/var/lib/strata"), "{path}");
                     assert_eq!(cfg.key_dir, PathBuf::from("/var/lib/strata-keys"), "{path}");
-                    let body = Config::from_file(&p).unwrap_or_else(|e| panic!("{path}: {e}"));
+                    let body = Config::read_file(&p).unwrap_or_else(|e| panic!("{path}: {e}"));
+                    assert!(
+                        cfg.cluster.enabled,
+                        "{path}: the hosts and the API pods form one cluster"
+                    );
                     assert!(
                         body.store.url.is_none(),
                         "{path}: the URL is a Secret, not in the ConfigMap"

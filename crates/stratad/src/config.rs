@@ -1044,6 +1044,16 @@ pub enum ConfigError {
 impl Config {
     /// Reads a TOML file over the defaults (missing keys keep their default).
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let cfg = Self::read_file(path)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// [`Config::from_file`] without [`Config::validate`]: for a caller
+    /// that sets more (flags, the environment: e.g. `[store] url` from
+    /// `STRATAD_STORE_URL`, which `[cluster] enabled` needs) and validates
+    /// the whole.
+    pub fn read_file(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
             source,
@@ -1052,7 +1062,6 @@ impl Config {
             path: path.to_owned(),
             source,
         })?;
-        cfg.validate()?;
         Ok(cfg)
     }
 
@@ -1071,6 +1080,13 @@ impl Config {
         if self.cluster.enabled && !matches!(self.store_location()?, StoreLocation::Postgres(_)) {
             return Err(ConfigError::Invalid(
                 "[cluster] enabled = true needs [store] url = postgres://… (hosts share one PostgreSQL)"
+                    .into(),
+            ));
+        }
+        if self.cluster.role == crate::cluster::Role::Api && self.e2b.enabled {
+            // The E2B door's calls are not forwarded (docs/cluster.md).
+            return Err(ConfigError::Invalid(
+                "[e2b] enabled = true (--e2b) is not served by an API-only process ([cluster] role = \"api\"): its calls are not forwarded to hosts; enable the E2B door on the hosts"
                     .into(),
             ));
         }

@@ -278,15 +278,28 @@ pub async fn run_with(
             "[e2b] enabled = true, but nothing mounts the E2B door here: it is served by the `stratad` binary"
         );
     }
-    let engine = open_engine(&config).await?;
-    let app = App::open(config, engine.clone()).map_err(DaemonError::Store)?;
+    // An API-only process (`[cluster] role = "api"`) opens no runtime: no
+    // pool, no run dir, no QEMU, no /dev/kvm (docs/cluster.md, "API
+    // processes"). Its engine refuses every VM operation; the API forwards
+    // them to the sandboxes' hosts first.
+    let api_only = config.cluster.enabled && config.cluster.role == crate::cluster::Role::Api;
+    let runtime = if api_only {
+        None
+    } else {
+        Some(open_engine(&config).await?)
+    };
+    let engine: Arc<dyn crate::engine::Engine> = match &runtime {
+        Some(r) => r.clone(),
+        None => Arc::new(crate::engine::api_only::ApiOnlyEngine),
+    };
+    let app = App::open(config, engine).map_err(DaemonError::Store)?;
     // Again now that the pool is mounted (its root comes from mkfs, 0755)
     // and the database and audit log exist.
     crate::at_rest::harden(&hardened);
     // Egress: each sandbox's guest traffic to 127.0.0.1:3128 is tunnelled over
     // its agent channel to that sandbox's policy proxy, served in-process on
     // the tunnel's stream (no listener), under the `[egress]` caps.
-    if let Some(sec) = app.security() {
+    if let (Some(sec), Some(runtime)) = (app.security(), &runtime) {
         let sec = sec.clone();
         let svc = app.service().clone();
         // A deleted sandbox's proxy goes, and its MCP stdio servers with it.
@@ -314,7 +327,7 @@ pub async fn run_with(
                 }
             })
         });
-        engine.runtime().set_egress_resolver(resolver);
+        runtime.runtime().set_egress_resolver(resolver);
     }
     let report = app
         .start()
@@ -324,7 +337,7 @@ pub async fn run_with(
         report = %serde_json::to_string(&report).unwrap_or_default(),
         "recovered"
     );
-    if app.service().config().default_template {
+    if app.service().config().default_template && !api_only {
         if let Err(e) = app.service().ensure_default_template().await {
             tracing::warn!(error = %e.message(), "cannot start the default template build");
         }
@@ -400,7 +413,9 @@ pub async fn run_with(
     // Warm guests are no one's: they end with the daemon. The VMs of
     // sandboxes outlive it; the next start adopts them.
     app.service().drain_warm().await;
-    engine.runtime().detach_all();
+    if let Some(r) = &runtime {
+        r.runtime().detach_all();
+    }
     result.map_err(DaemonError::Serve)
 }
 

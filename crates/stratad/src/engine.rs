@@ -30,6 +30,7 @@ use bytes::Bytes;
 use futures::stream::BoxStream;
 use strata_core::{SandboxId, SandboxSize, SnapshotId, TemplateId};
 
+pub mod api_only;
 pub mod runtime;
 pub mod unavailable;
 

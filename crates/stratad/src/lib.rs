@@ -166,7 +166,22 @@ impl App {
     /// Adopts the states made before snapshot signing (once,
     /// [`service::signing`]), runs recovery, then starts the scheduler and
     /// the exit watcher.
+    ///
+    /// An API-only process (`[cluster] role = "api"`) starts none of a
+    /// host's work: no signing adoption, no registration, no recovery, no
+    /// scheduler, exit watcher, sampler, pressure monitor, warm pools or
+    /// webhook worker (the hosts deliver webhooks); only the metrics' upkeep.
     pub async fn start(&self) -> service::ServiceResult<recovery::RecoveryReport> {
+        if self.cluster.as_ref().is_some_and(|c| c.is_api()) {
+            self.service
+                .metrics()
+                .spawn_upkeep(self.shutdown.subscribe());
+            tracing::info!(
+                id = self.cluster.as_ref().map(|c| c.host_id()).unwrap_or_default(),
+                "API-only process: no pool, no VMs, not registered as a host; VM operations are forwarded to their hosts"
+            );
+            return Ok(recovery::RecoveryReport::default());
+        }
         // Before recovery restores anything: the states made before
         // snapshot signing get their signature (once).
         self.service.adopt_unsigned_states().await?;

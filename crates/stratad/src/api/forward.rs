@@ -12,9 +12,15 @@
 //! - The owner unreachable within [`CONNECT_TIMEOUT`]: `503` with code
 //!   `owner_unreachable`; an answer that breaks off: `502`
 //!   `owner_unreachable`.
-//! - Not forwarded: connection upgrades (the WebSocket terminal), routes
-//!   outside `/v1/sandboxes/{id}` (reads of records are served from the
-//!   shared store by any host).
+//! - `/v1/snapshots/{id}[/…]` (get, delete, fork of a snapshot) goes to
+//!   the owner of the snapshot's sandbox the same way.
+//! - Not forwarded: connection upgrades (the WebSocket terminal), other
+//!   routes (reads of records are served from the shared store by any host).
+//! - An API-only process (`[cluster] role = "api"`) runs no VMs: a call that
+//!   needs a host ([`Action::runs_on_host`]) and cannot be forwarded is
+//!   refused before any handler runs: `503 no_owner` for a live sandbox no
+//!   host holds, `421 host_required` for the rest (a template build, a
+//!   terminal, an import), naming where to go when it can.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -28,6 +34,7 @@ use futures::TryStreamExt;
 use serde_json::json;
 use strata_core::SandboxId;
 
+use super::routes::{self, Action};
 use crate::service::Service;
 
 /// Marks a request one host forwarded to another (value: the forwarding
@@ -40,6 +47,13 @@ pub const OWNER_UNREACHABLE: &str = "owner_unreachable";
 /// On every answer of a cluster host: the id of the host that answered
 /// (a forwarded answer carries the owner's).
 pub const HOST_HEADER: &str = "x-strata-host";
+/// The code of a call an API-only process cannot serve and has no host to
+/// forward to (`421`).
+pub const HOST_REQUIRED: &str = "host_required";
+/// The code of a VM operation on a live sandbox that no host holds (`503`;
+/// a host takes a lost host's sandboxes into custody after its lease
+/// expired).
+pub const NO_OWNER: &str = "no_owner";
 
 /// What a request's handling tells the forwarding layer (task-local).
 #[derive(Default)]
@@ -169,11 +183,83 @@ async fn proxy(
         .unwrap_or_else(|e| unreachable(StatusCode::BAD_GATEWAY, host, e))
 }
 
+fn refuse(status: StatusCode, code: &str, message: String) -> Response {
+    (
+        status,
+        axum::Json(json!({ "error": { "code": code, "message": message } })),
+    )
+        .into_response()
+}
+
 /// The sandbox id of a `/v1/sandboxes/{id}[/…]` path.
 fn sandbox_of(path: &str) -> Option<SandboxId> {
     let rest = path.strip_prefix("/v1/sandboxes/")?;
     let seg = rest.split('/').next()?;
     seg.parse().ok()
+}
+
+/// The sandbox a request is about: the `{id}` of `/v1/sandboxes/{id}[/…]`,
+/// or the sandbox of the snapshot of `/v1/snapshots/{id}[/…]` (one read;
+/// an unknown snapshot is answered here, `404`).
+async fn subject_of(svc: &Service, path: &str) -> Option<SandboxId> {
+    if let Some(id) = sandbox_of(path) {
+        return Some(id);
+    }
+    let rest = path.strip_prefix("/v1/snapshots/")?;
+    let snap: strata_core::SnapshotId = rest.split('/').next()?.parse().ok()?;
+    svc.db(move |s| s.get_snapshot(&snap))
+        .await
+        .ok()
+        .flatten()
+        .map(|r| r.sandbox_id)
+}
+
+/// The route's action (the router matched it before this layer runs).
+fn action_of(req: &Request) -> Option<Action> {
+    let m = req.extensions().get::<axum::extract::MatchedPath>()?;
+    routes::find(req.method().as_str(), m.as_str()).map(|r| r.action)
+}
+
+/// An API-only process's refusal of a call that needs a host and was not
+/// forwarded: `no_owner` for a live sandbox no host holds, else
+/// `host_required`. `None`: the call is answered here (a record the
+/// handler reads, or an unknown or deleted sandbox: its `404`).
+async fn api_refusal(
+    svc: &Service,
+    me: &str,
+    sandbox: Option<&SandboxId>,
+    forwarded: bool,
+    label: &str,
+) -> Option<Response> {
+    let why = format!(
+        "this stratad ({me}) is an API-only process ([cluster] role = \"api\"): it runs no VMs, and {label} needs a host"
+    );
+    let Some(id) = sandbox else {
+        return Some(refuse(
+            StatusCode::MISDIRECTED_REQUEST,
+            HOST_REQUIRED,
+            format!("{why}: send it to a host's address"),
+        ));
+    };
+    if forwarded {
+        return Some(refuse(
+            StatusCode::MISDIRECTED_REQUEST,
+            HOST_REQUIRED,
+            format!("{why}; a request marked {FORWARDED_HEADER} is not forwarded again"),
+        ));
+    }
+    let id2 = id.clone();
+    let rec = svc.db(move |s| s.get_sandbox(&id2)).await.ok().flatten()?;
+    if rec.state == strata_core::SandboxState::Deleted {
+        return None;
+    }
+    Some(refuse(
+        StatusCode::SERVICE_UNAVAILABLE,
+        NO_OWNER,
+        format!(
+            "{why}, and no host holds sandbox {id}'s lease (its host was lost and no other host took it into custody yet, or it predates the cluster); retry once a host holds it"
+        ),
+    ))
 }
 
 /// The forwarding layer (a no-op unless this service is a cluster host).
@@ -198,28 +284,57 @@ async fn route(
     next: Next,
 ) -> Response {
     let forwarded = req.headers().contains_key(FORWARDED_HEADER);
+    let upgrade = req.headers().contains_key(header::UPGRADE);
+    let api = cluster.is_api();
     let ctx = Arc::new(Ctx {
         forwarded,
         authorization: req.headers().get(header::AUTHORIZATION).cloned(),
         ..Default::default()
     });
-    if forwarded || req.headers().contains_key(header::UPGRADE) {
+    if !api && (forwarded || upgrade) {
         return CTX.scope(ctx, next.run(req)).await;
     }
     let me = cluster.host_id().to_owned();
+    // An API-only process answers a host's call only by forwarding it.
+    let needs_host = api && action_of(&req).is_some_and(Action::runs_on_host);
+    let label = format!("{} {}", req.method(), req.uri().path());
+    let subject = subject_of(svc, req.uri().path()).await;
+    if forwarded {
+        if needs_host {
+            if let Some(r) = api_refusal(svc, &me, subject.as_ref(), true, &label).await {
+                return r;
+            }
+        }
+        return CTX.scope(ctx, next.run(req)).await;
+    }
     let pq = req
         .uri()
         .path_and_query()
         .map(|p| p.as_str().to_owned())
         .unwrap_or_else(|| req.uri().path().to_owned());
-    if let Some(id) = sandbox_of(req.uri().path()) {
+    if let Some(id) = subject {
         let owner = match cluster.owner_elsewhere(&id).await {
             Ok(o) => o,
             Err(e) => return super::ApiError::from(e).into_response(),
         };
         let Some((host, addr)) = owner else {
+            if needs_host {
+                if let Some(r) = api_refusal(svc, &me, Some(&id), false, &label).await {
+                    return r;
+                }
+            }
             return CTX.scope(ctx, next.run(req)).await;
         };
+        if upgrade {
+            // Only an API process gets here: a host answers upgrades itself.
+            return refuse(
+                StatusCode::MISDIRECTED_REQUEST,
+                HOST_REQUIRED,
+                format!(
+                    "this stratad ({me}) is an API-only process ([cluster] role = \"api\"): connection upgrades (the terminal) are not forwarded; connect to host {host} at {addr}, which runs sandbox {id}"
+                ),
+            );
+        }
         let (parts, body) = req.into_parts();
         let body = reqwest::Body::wrap_stream(body.into_data_stream());
         tracing::debug!(sandbox = %id, owner = %host, "forwarded");
@@ -257,6 +372,11 @@ async fn route(
             reqwest::Body::from(bytes),
         )
         .await;
+    }
+    if needs_host {
+        if let Some(r) = api_refusal(svc, &me, None, false, &label).await {
+            return r;
+        }
     }
     CTX.scope(ctx, next.run(req)).await
 }

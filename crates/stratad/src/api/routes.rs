@@ -99,6 +99,63 @@ pub enum Action {
     PutSettings,
 }
 
+impl Action {
+    /// Whether the route needs a host's machines (a VM, the pool, the
+    /// template builder, this host's sampler or logs): an API-only process
+    /// (`[cluster] role = "api"`) forwards such a call on a sandbox or
+    /// snapshot to its owner and refuses the rest (`api::forward`). The
+    /// others are answered from the shared store by any process.
+    pub fn runs_on_host(self) -> bool {
+        use Action::*;
+        !matches!(
+            self,
+            Healthz
+                | Livez
+                | Metrics
+                | OpenApi
+                | Ca
+                | Stats
+                | CreateSandbox
+                | ListSandboxes
+                | GetSandbox
+                | Events
+                | ListSnapshots
+                | GetSnapshot
+                | ListTemplates
+                | GetTemplate
+                | DeleteTemplate
+                | ListVariants
+                | ReplicateTemplate
+                | Whoami
+                | CreateToken
+                | ListTokens
+                | RevokeToken
+                | GetPolicy
+                | PutPolicy
+                | TestPolicy
+                | GetSandboxPolicy
+                | PutSandboxPolicy
+                | ListApprovals
+                | GetApproval
+                | Approve
+                | Deny
+                | ExportAudit
+                | VerifyAudit
+                | EventStream
+                | CreateWebhook
+                | ListWebhooks
+                | DeleteWebhook
+                | WebhookDeliveries
+                | SetSecret
+                | ListSecrets
+                | DeleteSecret
+                | ListConnectors
+                | GetSettings
+                | PutSettings
+        )
+    }
+}
+
 /// Who may call a route.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Access {

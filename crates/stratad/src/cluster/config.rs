@@ -8,6 +8,42 @@ use serde::{Deserialize, Serialize};
 
 use crate::duration::serde_human;
 
+/// What this `stratad` is in a cluster (`[cluster] role`, flag `--role`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// A host: runs VMs in its pool, registers, holds sandbox leases,
+    /// serves the API and forwards what other hosts own.
+    #[default]
+    Host,
+    /// An API-only process (docs/cluster.md, "API processes"): no pool, no
+    /// QEMU, never registered, never placed on, holds no lease; it serves
+    /// the API from PostgreSQL and forwards every VM operation to the
+    /// sandbox's owner (a create to the host placement picks).
+    Api,
+}
+
+impl Role {
+    /// `host` or `api`, as configured.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Role::Host => "host",
+            Role::Api => "api",
+        }
+    }
+}
+
+impl std::str::FromStr for Role {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "host" => Ok(Role::Host),
+            "api" => Ok(Role::Api),
+            other => Err(format!("role: `host` or `api`, not `{other}`")),
+        }
+    }
+}
+
 /// `[cluster]` (off by default: one host, nothing registered).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -15,6 +51,8 @@ pub struct ClusterConfig {
     /// Register this daemon as a host, hold owner leases of its sandboxes
     /// and fence its writes. Needs `[store] url` = PostgreSQL.
     pub enabled: bool,
+    /// `host` (the default) or `api`: an API-only process ([`Role::Api`]).
+    pub role: Role,
     /// This host's stable id (unset: the machine's host name).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub host_id: Option<String>,
@@ -57,6 +95,7 @@ impl Default for ClusterConfig {
     fn default() -> Self {
         ClusterConfig {
             enabled: false,
+            role: Role::Host,
             host_id: None,
             address: None,
             lease_ttl: Duration::from_secs(15),
@@ -73,6 +112,12 @@ impl Default for ClusterConfig {
 impl ClusterConfig {
     /// Checks the timers against each other.
     pub fn validate(&self) -> Result<(), String> {
+        if self.role == Role::Api && !self.enabled {
+            return Err(
+                "[cluster] role = \"api\" needs [cluster] enabled = true and [store] url = postgres://… (an API process runs no VMs: it answers from the hosts' PostgreSQL and forwards to them)"
+                    .into(),
+            );
+        }
         if !self.enabled {
             return Ok(());
         }
@@ -127,5 +172,24 @@ mod tests {
         c.fence_margin = Duration::from_secs(4);
         c.host_id = Some("a b".into());
         assert!(c.validate().unwrap_err().contains("host_id"));
+    }
+
+    #[test]
+    fn the_api_role_needs_cluster_mode() {
+        let mut c = ClusterConfig {
+            role: Role::Api,
+            ..ClusterConfig::default()
+        };
+        assert!(c.validate().unwrap_err().contains("enabled = true"));
+        c.enabled = true;
+        c.validate().unwrap();
+        let parsed: ClusterConfig = toml::from_str("enabled = true\nrole = \"api\"").unwrap();
+        assert_eq!(parsed.role, Role::Api);
+        assert!(toml::from_str::<ClusterConfig>("role = \"apy\"").is_err());
+        assert_eq!("api".parse::<Role>(), Ok(Role::Api));
+        assert!("hosts"
+            .parse::<Role>()
+            .unwrap_err()
+            .contains("`host` or `api`"));
     }
 }

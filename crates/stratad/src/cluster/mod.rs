@@ -25,8 +25,11 @@
 //!   fenced compare-and-set; the target [`Cluster::adopt`]s it, by
 //!   itself when the source's adopt call is lost: [`handover`]);
 //! - **placement** ([`placement::place`]): a create on a host that is not
-//!   the best fit is refused `409 conflict` naming the host to use
-//!   (forwarding is not built).
+//!   the best fit is re-sent to the host that is (`api::forward`);
+//! - **API processes** (`role = "api"`, [`Cluster::is_api`]): a `Cluster`
+//!   that never registers, takes no lease and runs none of the loops
+//!   above; it only places creates and finds owners to forward to
+//!   (docs/cluster.md, "API processes").
 
 pub mod config;
 pub mod fenced;
@@ -43,7 +46,7 @@ use strata_core::{Op, SandboxId, SandboxState};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
-pub use config::ClusterConfig;
+pub use config::{ClusterConfig, Role};
 pub use fenced::{FencedStore, Held, Leases};
 
 use crate::config::Config;
@@ -155,7 +158,16 @@ impl Cluster {
     /// the service must use (fenced).
     pub fn new(config: &Config, pg: Arc<PgStore>) -> (Arc<Cluster>, Arc<dyn Store>) {
         let cfg = config.cluster.clone();
-        let id = cfg.host_id.clone().unwrap_or_else(host_name);
+        let api = cfg.role == Role::Api;
+        // An API process is never registered; its id only names it in
+        // `x-strata-forwarded-by` and `x-strata-host`.
+        let id = cfg.host_id.clone().unwrap_or_else(|| {
+            if api {
+                format!("api-{}", host_name())
+            } else {
+                host_name()
+            }
+        });
         let address = cfg
             .address
             .clone()
@@ -169,8 +181,12 @@ impl Cluster {
             id: id.clone(),
             address,
             accel: config.accel.to_string(),
-            qemu_version: strata_runtime::qemu_version(&config.qemu_binary)
-                .unwrap_or_else(|_| "unknown".into()),
+            qemu_version: if api {
+                "none".into()
+            } else {
+                strata_runtime::qemu_version(&config.qemu_binary)
+                    .unwrap_or_else(|_| "unknown".into())
+            },
             cpu_model: cpu_model(),
             capacity: HostLoad {
                 vcpus,
@@ -204,6 +220,13 @@ impl Cluster {
     /// This host's id.
     pub fn host_id(&self) -> &str {
         &self.info.id
+    }
+
+    /// This process is an API-only one (`[cluster] role = "api"`): it never
+    /// registers, is never placed on and holds no lease; VM operations are
+    /// forwarded (docs/cluster.md, "API processes").
+    pub fn is_api(&self) -> bool {
+        self.cfg.role == Role::Api
     }
 
     /// What this host registered (accelerator, QEMU version, CPU model...).
@@ -630,10 +653,16 @@ impl Cluster {
             return Ok(None);
         }
         let hosts = self.hosts_view().await?;
-        let addr = hosts
-            .iter()
-            .find(|h| h.info.id == lease.host_id)
-            .map(|h| h.info.address.clone());
+        let find = |hs: &[HostRecord]| {
+            hs.iter()
+                .find(|h| h.info.id == lease.host_id)
+                .map(|h| h.info.address.clone())
+        };
+        let mut addr = find(&hosts);
+        if addr.is_none() {
+            // A host registered since the view was read.
+            addr = find(&self.hosts_now().await?);
+        }
         Ok(addr.map(|a| (lease.host_id, a)))
     }
 
@@ -642,8 +671,9 @@ impl Cluster {
     /// naming the host to create it on, or `507 insufficient_capacity` with
     /// what no host has.
     pub async fn check_placement(&self, svc: &Service, rec: &SandboxRecord) -> ServiceResult<()> {
-        if crate::api::forward::is_forwarded() {
+        if crate::api::forward::is_forwarded() && !self.is_api() {
             // Another host placed it here: this host's admission decides.
+            // (An API process is never placed on: it places every create.)
             return Ok(());
         }
         let hosts = self.hosts_view().await?;

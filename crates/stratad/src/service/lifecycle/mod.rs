@@ -54,7 +54,10 @@ impl Service {
         let mut tpl = self.resolve_template(caller, cmd.template.as_ref()).await?;
         let size = cmd.spec.size.over(tpl.size);
         size.validate()?;
-        if variants::needs_variant(tpl.size, size) {
+        // An API process places the create on a host and forwards it there:
+        // the chosen host builds or picks the size variant.
+        let api = self.cluster().is_some_and(|c| c.is_api());
+        if variants::needs_variant(tpl.size, size) && !api {
             // Another vCPU count or memory: a fork of the template's
             // variant of that size, built first if need be.
             tpl = match self.variant(&tpl, size).await? {
@@ -68,7 +71,9 @@ impl Service {
                 }
             };
         }
-        check_source_size(&format!("template {}", tpl.id), tpl.size, size)?;
+        if !api {
+            check_source_size(&format!("template {}", tpl.id), tpl.size, size)?;
+        }
         let mut rec = self.new_record(caller.owner(), &cmd.spec, size)?;
         rec.template = Some(tpl.id.clone());
         if let Some(c) = self.cluster() {
