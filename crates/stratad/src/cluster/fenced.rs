@@ -6,7 +6,7 @@
 //! that drive local work (recovery, admission, GC, the pressure monitor)
 //! see only the sandboxes this host owns; reads for the API see all.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 
 use chrono::{DateTime, Utc};
@@ -172,10 +172,11 @@ impl<S: Store + HostStore> FencedStore<S> {
         self.refused(id, why)
     }
 
-    /// The fence for a write touching `ids` (every one must be held with
-    /// one token; a write spans one sandbox in practice).
-    fn fence(&self, ids: &BTreeSet<String>) -> StoreResult<Fence> {
-        let mut token = None;
+    /// The lease token of each sandbox a write touches: every one must be
+    /// held by this host (a fork writes its parent and its child, each under
+    /// its own lease).
+    fn fence(&self, ids: &BTreeSet<String>) -> StoreResult<BTreeMap<String, u64>> {
+        let mut tokens = BTreeMap::new();
         for id in ids {
             let held = id
                 .parse::<SandboxId>()
@@ -184,20 +185,9 @@ impl<S: Store + HostStore> FencedStore<S> {
             let Some(h) = held else {
                 return Err(self.not_ours(id));
             };
-            match token {
-                None => token = Some(h.token),
-                Some(t) if t == h.token => {}
-                Some(_) => {
-                    return Err(StoreError::Task(
-                        "one write spans sandboxes of different owner leases".into(),
-                    ))
-                }
-            }
+            tokens.insert(id.clone(), h.token);
         }
-        Ok(Fence {
-            host_id: self.leases.host.clone(),
-            token: token.unwrap_or(0),
-        })
+        Ok(tokens)
     }
 
     fn fenced_commit(
@@ -215,10 +205,10 @@ impl<S: Store + HostStore> FencedStore<S> {
         if ids.is_empty() {
             return self.inner.commit(sandboxes, snapshots, event);
         }
-        let fence = self.fence(&ids)?;
+        let tokens = self.fence(&ids)?;
         match self
             .inner
-            .commit_fenced(&fence, sandboxes, snapshots, event)
+            .commit_fenced_each(&self.leases.host, &tokens, sandboxes, snapshots, event)
         {
             Ok(()) => {}
             Err(HostError::Store(e)) => return Err(e),

@@ -227,6 +227,18 @@ pub trait HostStore: Send + Sync {
         snapshots: &[&SnapshotRecord],
         event: Option<&Event>,
     ) -> HostResult<()>;
+    /// [`HostStore::commit_fenced`] for a write whose sandboxes this host
+    /// holds under leases of their own (a fork: the parent's and the
+    /// child's): each sandbox written must be held by `host_id` with the
+    /// token `tokens` names for it (a sandbox missing there is refused).
+    fn commit_fenced_each(
+        &self,
+        host_id: &str,
+        tokens: &std::collections::BTreeMap<String, u64>,
+        sandboxes: &[&SandboxRecord],
+        snapshots: &[&SnapshotRecord],
+        event: Option<&Event>,
+    ) -> HostResult<()>;
     /// Records that host `host` holds template `template`'s subvolume in
     /// its pool. Idempotent.
     fn add_template_holder(&self, template: &str, host: &str) -> HostResult<()>;

@@ -528,6 +528,24 @@ impl HostStore for PgStore {
         snapshots: &[&SnapshotRecord],
         event: Option<&Event>,
     ) -> HostResult<()> {
+        let tokens = sandboxes
+            .iter()
+            .map(|s| s.id.as_str())
+            .chain(snapshots.iter().map(|s| s.sandbox_id.as_str()))
+            .chain(event.map(|e| e.sandbox_id.as_str()))
+            .map(|id| (id.to_owned(), fence.token))
+            .collect();
+        self.commit_fenced_each(&fence.host_id, &tokens, sandboxes, snapshots, event)
+    }
+
+    fn commit_fenced_each(
+        &self,
+        host_id: &str,
+        tokens: &std::collections::BTreeMap<String, u64>,
+        sandboxes: &[&SandboxRecord],
+        snapshots: &[&SnapshotRecord],
+        event: Option<&Event>,
+    ) -> HostResult<()> {
         let limit = self.delivery_limit.load(Ordering::Relaxed);
         let mut ids: Vec<&str> = sandboxes
             .iter()
@@ -542,6 +560,14 @@ impl HostStore for PgStore {
             let mut c = self.client().await?;
             let tx = c.transaction().await?;
             for id in &ids {
+                let fenced = |token: u64| HostError::Fenced {
+                    sandbox: (*id).to_owned(),
+                    host: host_id.to_owned(),
+                    token,
+                };
+                let Some(&token) = tokens.get(*id) else {
+                    return Err(fenced(0));
+                };
                 // FOR SHARE: a takeover (an UPDATE of the row) waits for
                 // this write to commit, and this write sees a takeover
                 // that committed first.
@@ -551,15 +577,11 @@ impl HostStore for PgStore {
                             "SELECT 1 FROM sandbox_owners WHERE sandbox_id = $1 AND host_id = $2 \
                              AND token = $3 AND expires_at > {NOW_MS} FOR SHARE"
                         ),
-                        &[id, &fence.host_id, &i64_of(fence.token)],
+                        &[id, &host_id, &i64_of(token)],
                     )
                     .await?;
                 if ok.is_none() {
-                    return Err(HostError::Fenced {
-                        sandbox: (*id).to_owned(),
-                        host: fence.host_id.clone(),
-                        token: fence.token,
-                    });
+                    return Err(fenced(token));
                 }
             }
             write_all(&*tx, sandboxes, snapshots, event, limit).await?;

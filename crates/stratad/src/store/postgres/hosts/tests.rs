@@ -162,6 +162,60 @@ fn a_stale_owners_writes_are_fenced() {
     ));
 }
 
+/// A fork writes its parent and its child in one commit, each held under
+/// its own lease (two tokens): the write lands when both are this host's,
+/// and is refused whole when either is not.
+#[test]
+fn a_write_spanning_two_leases_of_one_host_is_fenced_per_sandbox() {
+    let Some((_db, s)) = open("a_write_spanning_two_leases") else {
+        return;
+    };
+    let parent = sandbox(1, SandboxState::Running);
+    let child = sandbox(2, SandboxState::Running);
+    for r in [&parent, &child] {
+        s.insert_sandbox(r, &created(r)).unwrap();
+    }
+    let lp = s
+        .acquire_sandbox(&parent.id, "host-a", 60_000, 300)
+        .unwrap();
+    let lc = s.acquire_sandbox(&child.id, "host-a", 60_000, 300).unwrap();
+    assert_ne!(lp.token, lc.token, "two leases, two tokens");
+    let tokens = |p: u64, c: u64| {
+        std::collections::BTreeMap::from([(parent.id.to_string(), p), (child.id.to_string(), c)])
+    };
+    let mut p = s.get_sandbox(&parent.id).unwrap().unwrap();
+    let mut c = s.get_sandbox(&child.id).unwrap().unwrap();
+    p.state = SandboxState::Paused;
+    c.state = SandboxState::Paused;
+    // One token for both (what a single fence could say) is refused whole.
+    match s.commit_fenced_each("host-a", &tokens(lp.token, lp.token), &[&p, &c], &[], None) {
+        Err(HostError::Fenced { sandbox, .. }) => assert_eq!(sandbox, child.id.to_string()),
+        r => panic!("expected Fenced, got {r:?}"),
+    }
+    assert_eq!(
+        s.get_sandbox(&parent.id).unwrap().unwrap().state,
+        SandboxState::Running,
+        "a refused write changes nothing"
+    );
+    s.commit_fenced_each("host-a", &tokens(lp.token, lc.token), &[&p, &c], &[], None)
+        .unwrap();
+    assert_eq!(
+        s.get_sandbox(&parent.id).unwrap().unwrap().state,
+        SandboxState::Paused
+    );
+    assert_eq!(
+        s.get_sandbox(&child.id).unwrap().unwrap().state,
+        SandboxState::Paused
+    );
+    // Another host's name with the right tokens is refused too.
+    let mut p2 = s.get_sandbox(&parent.id).unwrap().unwrap();
+    p2.state = SandboxState::Running;
+    assert!(matches!(
+        s.commit_fenced_each("host-b", &tokens(lp.token, lc.token), &[&p2], &[], None),
+        Err(HostError::Fenced { .. })
+    ));
+}
+
 /// Many hosts race for one free sandbox: exactly one gets it.
 #[test]
 fn one_owner_when_hosts_race_for_a_free_sandbox() {
