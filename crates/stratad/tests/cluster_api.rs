@@ -210,8 +210,7 @@ fn an_api_process_serves_the_api_and_forwards_every_vm_operation_to_the_host() {
         assert_eq!((st, host.as_str()), (200, "host-a"), "{v}");
         assert_eq!(v["id"], snap_id.as_str(), "{v}");
         // A fork of the snapshot, made by host-a (it holds the snapshot),
-        // with the file in it. (A live fork, `POST /v1/sandboxes/{id}/fork`,
-        // fails on a cluster host today: its one write spans two leases.)
+        // with the file in it.
         let (st, host, fork) = send(
             &api,
             "POST",
@@ -231,6 +230,22 @@ fn an_api_process_serves_the_api_and_forwards_every_vm_operation_to_the_host() {
         let (st, host, v) = send(&api, "DELETE", &format!("/v1/sandboxes/{fork}"), None).await;
         assert!(st == 200 || st == 204, "{st} {v}");
         assert_eq!(host, "host-a");
+        // A live fork: its one write spans the parent's and the child's
+        // leases, both host-a's (answered 500 "one write spans sandboxes of
+        // different owner leases" before the fence took a token per sandbox).
+        let (st, host, live) = send(
+            &api,
+            "POST",
+            &format!("/v1/sandboxes/{id}/fork"),
+            Some(json!({})),
+        )
+        .await;
+        assert_eq!((st, host.as_str()), (201, "host-a"), "{live}");
+        let live = live["id"].as_str().expect("live fork id").to_owned();
+        let e = api.sh(&live, "wc -c < /tmp/blob.bin").await;
+        assert_eq!(String::from_utf8_lossy(&e.stdout).trim(), "300000", "{}", e.error);
+        let (st, _, v) = send(&api, "DELETE", &format!("/v1/sandboxes/{live}"), None).await;
+        assert!(st == 200 || st == 204, "{st} {v}");
 
         // List: answered by the API process itself, from PostgreSQL.
         let (st, host, list) = send(&api, "GET", "/v1/sandboxes", None).await;
