@@ -158,10 +158,9 @@ impl Service {
     async fn tenant_replicates(&self, tenant: &str) -> ServiceResult<bool> {
         let t = tenant.to_owned();
         Ok(self
-            .db(|s| s.tenant_settings(TENANT_REPLICATE_SETTING))
+            .db(move |s| s.tenant_setting(&t, TENANT_REPLICATE_SETTING))
             .await?
-            .into_iter()
-            .any(|(tn, k, v)| tn == t && k == TENANT_REPLICATE_SETTING && v.trim() == "true"))
+            .is_some_and(|v| v.trim() == "true"))
     }
 
     /// `GET /v1/settings`: the caller's tenant's defaults.

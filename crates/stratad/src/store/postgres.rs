@@ -1340,6 +1340,21 @@ impl Store for PgStore {
         })
     }
 
+    fn tenant_setting(&self, tenant: &str, key: &str) -> StoreResult<Option<String>> {
+        self.block(async {
+            let c = self.client().await?;
+            let stmt = c
+                .prepare_cached(
+                    "SELECT value FROM tenant_settings WHERE tenant_id = $1 AND key = $2",
+                )
+                .await?;
+            c.query_opt(&stmt, &[&tenant, &key])
+                .await?
+                .map(|r| r.try_get(0).map_err(StoreError::from))
+                .transpose()
+        })
+    }
+
     fn tenant_settings(&self, prefix: &str) -> StoreResult<Vec<(String, String, String)>> {
         self.block(async {
             let c = self.client().await?;
