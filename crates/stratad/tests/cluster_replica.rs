@@ -20,6 +20,8 @@
 //! 5. B, now the owner, replicates it onward by its periodic pass (the only
 //!    other live host is A); A's restart keeps that replica (not an orphan
 //!    to its recovery); A still runs nothing of it.
+//! 6. Deleted on B: A's periodic pass removes the replica it holds (its
+//!    subvolumes and its row in PostgreSQL).
 //!
 //! Needs `STRATA_TEST_PG_URL` (a unix-socket URL, as scripts/test-pg.sh
 //! makes); without it the test prints a line and passes.
@@ -346,6 +348,34 @@ fn a_lost_hosts_replicated_sandbox_is_recovered_on_the_replica_host_with_memory_
         let v = b.ok("GET", &format!("/v1/sandboxes/{id}"), None, 200).await;
         assert_eq!(v["replicas"][0]["host_id"], "host-a", "{v}");
         assert!(qemus_of(&id, &a.run_dir).is_empty(), "A runs a VM of it");
+
+        // 6. Deleted on B, its owner: A's periodic pass (every 10 watches,
+        // 10 s here) removes the replica it holds (published snapshot and
+        // import anchor) and its row; the delete does not wait for it.
+        let t = Instant::now();
+        b.ok("DELETE", &format!("/v1/sandboxes/{id}"), None, 200).await;
+        let anchor = a.root.join(format!("data/pool/import/{s2}"));
+        let row_sql =
+            format!("SELECT host_id FROM {schema}.sandbox_replicas WHERE sandbox_id = '{id}'");
+        loop {
+            let row = pg_row(&url, &row_sql).await;
+            if row.is_none() && !copy.exists() && !anchor.exists() {
+                break;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "A still holds the deleted sandbox's replica: row {:?}, copy {}, anchor {}",
+                row.map(|r| r.get::<_, String>(0)),
+                copy.exists(),
+                anchor.exists()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        eprintln!(
+            "[{:?}] replica removed from host-a {} ms after the delete",
+            t_all.elapsed(),
+            t.elapsed().as_millis()
+        );
         eprintln!("wall time: {:?}", t_all.elapsed());
     });
 }

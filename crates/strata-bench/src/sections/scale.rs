@@ -177,12 +177,10 @@ fn pg_seed(store: &PgStore, ids: &[SandboxId], running: usize, now: DateTime<Utc
             if r.state != SandboxState::Deleted {
                 for (k, v) in &r.labels {
                     labels.push(format!(
-                        "({}, {}, {}, {}, {})",
+                        "({}, {}, {})",
                         text(r.id.as_str()),
                         text(k),
-                        text(v),
-                        text(&r.tenant),
-                        ms(r.created_at)
+                        text(v)
                     ));
                 }
             }
@@ -193,9 +191,11 @@ fn pg_seed(store: &PgStore, ids: &[SandboxId], running: usize, now: DateTime<Utc
             rows.join(",")
         );
         if !labels.is_empty() {
+            // Each label row a copy of its sandbox's row (schema version 17).
             sql.push_str(&format!(
-                " INSERT INTO sandbox_labels (sandbox_id, key, value, tenant_id, created_at) \
-                 VALUES {};",
+                " INSERT INTO sandbox_labels (key, value, {LABEL_COLS}) \
+                 SELECT kv.k, kv.v, {SANDBOX_COLS} FROM (VALUES {}) AS kv(id, k, v) \
+                 JOIN sandboxes s USING (id);",
                 labels.join(",")
             ));
         }
@@ -204,6 +204,17 @@ fn pg_seed(store: &PgStore, ids: &[SandboxId], running: usize, now: DateTime<Utc
     }
     Ok(())
 }
+
+/// The columns of a sandbox row, as `sandboxes` names them.
+const SANDBOX_COLS: &str = "s.id, s.tenant_id, s.template_id, s.source_snapshot_id, s.vcpus, \
+    s.memory_mib, s.disk_gib, s.labels, s.state, s.state_reason, s.pending_op, s.idle_timeout_s, \
+    s.snapshot_interval_s, s.created_at, s.updated_at, s.last_activity_at, s.pid, s.accel, \
+    s.deleted_at, s.version";
+
+/// The same columns as a label row names them (schema version 17).
+const LABEL_COLS: &str = "sandbox_id, tenant_id, template_id, source_snapshot_id, vcpus, \
+    memory_mib, disk_gib, labels, state, state_reason, pending_op, idle_timeout_s, \
+    snapshot_interval_s, created_at, updated_at, last_activity_at, pid, accel, deleted_at, version";
 
 /// The timed store operations, in table order.
 const OPS: [&str; 7] = [
@@ -467,6 +478,14 @@ fn pg_run(
         ),
         (
             "list label team=t7, page of 100".to_owned(),
+            format!(
+                "SELECT {LABEL_COLS} FROM sandbox_labels \
+                 WHERE tenant_id = 'default' AND key = 'team' AND value = 't7' \
+                 AND state != 'deleted' ORDER BY created_at, sandbox_id LIMIT 101"
+            ),
+        ),
+        (
+            "list label team=t7, as before schema 17 (join to sandboxes)".to_owned(),
             "SELECT s.* FROM sandbox_labels l JOIN sandboxes s ON s.id = l.sandbox_id \
              WHERE l.tenant_id = 'default' AND l.key = 'team' AND l.value = 't7' \
              AND s.tenant_id = l.tenant_id AND s.state != 'deleted' \

@@ -354,6 +354,10 @@ impl<S: Store + HostStore> Store for FencedStore<S> {
         self.inner.tenant_settings(prefix)
     }
 
+    fn tenant_setting(&self, tenant: &str, key: &str) -> StoreResult<Option<String>> {
+        self.inner.tenant_setting(tenant, key)
+    }
+
     fn put_snapshot(&self, rec: &SnapshotRecord) -> StoreResult<()> {
         self.fenced_commit(&[], &[rec], None)
     }

@@ -135,6 +135,15 @@ impl Cluster {
             .map_err(host_to_service)
     }
 
+    /// The replicas this host holds of deleted sandboxes (at most
+    /// `limit`): (sandbox, snapshot).
+    pub async fn deleted_replicas(&self, limit: usize) -> ServiceResult<Vec<(String, String)>> {
+        let me = self.info.id.clone();
+        self.blocking(move |h| h.deleted_replicas(&me, limit))
+            .await
+            .map_err(host_to_service)
+    }
+
     /// The lease of `sandbox` (whoever holds it, expired or not).
     pub async fn owner_of(&self, sandbox: &SandboxId) -> ServiceResult<Option<OwnerLease>> {
         let id = sandbox.clone();

@@ -86,6 +86,10 @@ impl Drop for QuietGuard {
     }
 }
 
+/// Most replicas of deleted sandboxes one periodic pass removes (the rest
+/// wait for the next pass).
+pub const DELETED_REPLICAS_PER_PASS: usize = 100;
+
 /// How long a move waits for a replication of its sandbox in flight.
 const QUIET_WAIT: Duration = Duration::from_secs(60);
 
@@ -158,10 +162,9 @@ impl Service {
     async fn tenant_replicates(&self, tenant: &str) -> ServiceResult<bool> {
         let t = tenant.to_owned();
         Ok(self
-            .db(|s| s.tenant_settings(TENANT_REPLICATE_SETTING))
+            .db(move |s| s.tenant_setting(&t, TENANT_REPLICATE_SETTING))
             .await?
-            .into_iter()
-            .any(|(tn, k, v)| tn == t && k == TENANT_REPLICATE_SETTING && v.trim() == "true"))
+            .is_some_and(|v| v.trim() == "true"))
     }
 
     /// `GET /v1/settings`: the caller's tenant's defaults.
@@ -254,6 +257,7 @@ impl Service {
         let Some(cluster) = self.cluster() else {
             return;
         };
+        self.drop_deleted_replicas().await;
         let owned = cluster.leases().owned();
         if owned.is_empty() {
             return;
@@ -270,6 +274,48 @@ impl Service {
                 warn!(error = %e.message(), "replica sweep: cannot list replicated sandboxes")
             }
         }
+    }
+
+    /// The replica host's half of a delete (every periodic pass): the
+    /// replicas this host holds of sandboxes deleted since (at most
+    /// [`DELETED_REPLICAS_PER_PASS`]) are removed from its pool (published
+    /// snapshot and import anchor), then their rows. A removal that fails
+    /// keeps its row, so the next pass retries it; the delete itself never
+    /// waits for this. Answers how many were removed.
+    pub(crate) async fn drop_deleted_replicas(&self) -> usize {
+        let Some(cluster) = self.cluster().cloned() else {
+            return 0;
+        };
+        let rows = match cluster.deleted_replicas(DELETED_REPLICAS_PER_PASS).await {
+            Ok(r) => r,
+            Err(e) => {
+                warn!(error = %e.message(), "replica sweep: cannot list replicas of deleted sandboxes");
+                return 0;
+            }
+        };
+        let mut removed = 0;
+        for (sandbox, snap) in rows {
+            let Ok(id) = sandbox.parse::<SandboxId>() else {
+                warn!(sandbox = %sandbox, "replica sweep: a replica row names no sandbox id");
+                continue;
+            };
+            if let Ok(snap) = snap.parse::<SnapshotId>() {
+                if let Err(e) = self.remove_replica_copy(&snap).await {
+                    warn!(sandbox = %id, snapshot = %snap, error = %e.message(), "removing the replica of a deleted sandbox failed; the next pass retries");
+                    continue;
+                }
+            }
+            match cluster.remove_replica(&id, cluster.host_id()).await {
+                Ok(()) => {
+                    removed += 1;
+                    info!(sandbox = %id, snapshot = %snap, "replica of a deleted sandbox removed");
+                }
+                Err(e) => {
+                    warn!(sandbox = %id, error = %e.message(), "forgetting the replica of a deleted sandbox failed; the next pass retries")
+                }
+            }
+        }
+        removed
     }
 
     /// A snapshot of `id` became ready: replicate it in the background
@@ -530,6 +576,15 @@ impl Service {
             }
         }
         Ok(bytes)
+    }
+
+    /// Removes a replica this host holds (published snapshot and import
+    /// anchor; idempotent).
+    async fn remove_replica_copy(&self, snap: &SnapshotId) -> ServiceResult<()> {
+        self.engine.delete_snapshot(snap).await?;
+        self.engine.delete_received_snapshot(snap).await?;
+        self.imports.forget(snap);
+        Ok(())
     }
 
     /// Removes a replica this host held (published snapshot and import

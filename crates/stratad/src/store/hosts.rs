@@ -258,6 +258,10 @@ pub trait HostStore: Send + Sync {
     /// The snapshots host `host` holds as replicas of sandboxes not
     /// deleted.
     fn host_replicas(&self, host: &str) -> HostResult<Vec<String>>;
+    /// The replicas host `host` holds of sandboxes deleted (or whose record
+    /// is gone), at most `limit`, oldest first: (sandbox, snapshot). The
+    /// host's periodic pass removes them.
+    fn deleted_replicas(&self, host: &str, limit: usize) -> HostResult<Vec<(String, String)>>;
 }
 
 /// One replica of a sandbox's snapshot held by a host that does not own

@@ -650,6 +650,15 @@ pub trait Store: Send + Sync + 'static {
     /// Every tenant's settings whose key starts with `prefix`: (tenant,
     /// key, value).
     fn tenant_settings(&self, prefix: &str) -> StoreResult<Vec<(String, String, String)>>;
+    /// Setting `key` of tenant `tenant` (one point read; the default scans
+    /// [`Store::tenant_settings`]).
+    fn tenant_setting(&self, tenant: &str, key: &str) -> StoreResult<Option<String>> {
+        Ok(self
+            .tenant_settings(key)?
+            .into_iter()
+            .find(|(t, k, _)| t == tenant && k == key)
+            .map(|(_, _, v)| v))
+    }
 
     /// Inserts or replaces a snapshot record.
     fn put_snapshot(&self, rec: &SnapshotRecord) -> StoreResult<()>;

@@ -404,18 +404,40 @@ async fn write_sandbox(
             .await?;
         }
     } else if !rec.labels.is_empty() {
-        let stmt = tx
-            .prepare(
-                "INSERT INTO sandbox_labels (sandbox_id, key, value, tenant_id, created_at) \
-                 VALUES ($1, $2, $3, $4, $5)",
+        // One row per label, each a copy of the row just written (schema
+        // version 17: the listing by label reads them alone).
+        let (keys, values): (Vec<&str>, Vec<&str>) = rec
+            .labels
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .unzip();
+        tx.execute(
+            format!(
+                "INSERT INTO sandbox_labels (key, value, {}) \
+                 SELECT kv.k, kv.v, {SANDBOX_COLS} FROM sandboxes, \
+                 unnest($2::text[], $3::text[]) AS kv(k, v) WHERE id = $1",
+                label_cols("")
             )
-            .await?;
-        for (k, v) in &rec.labels {
-            tx.execute(&stmt, &[&id, k, v, &rec.tenant, &ms(rec.created_at)])
-                .await?;
-        }
+            .as_str(),
+            &[&id, &keys, &values],
+        )
+        .await?;
     }
     Ok(())
+}
+
+/// [`SANDBOX_COLS`] as `sandbox_labels` names them (`sandbox_id` for
+/// `id`), each prefixed with `prefix` (e.g. `l.`).
+fn label_cols(prefix: &str) -> String {
+    SANDBOX_COLS
+        .split(',')
+        .map(str::trim)
+        .map(|c| match c {
+            "id" => format!("{prefix}sandbox_id"),
+            c => format!("{prefix}{c}"),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 async fn write_snapshot(tx: &impl GenericClient, rec: &SnapshotRecord) -> StoreResult<()> {
@@ -1023,8 +1045,12 @@ impl Store for PgStore {
 
     fn touch_sandbox(&self, id: &SandboxId, at: DateTime<Utc>) -> StoreResult<()> {
         self.block(async {
+            // The label rows carry the record too (schema version 17).
             self.exec(
-                "UPDATE sandboxes SET last_activity_at = GREATEST(last_activity_at, $2) WHERE id = $1",
+                "WITH s AS (UPDATE sandboxes SET last_activity_at = GREATEST(last_activity_at, $2) \
+                 WHERE id = $1 RETURNING id, last_activity_at) \
+                 UPDATE sandbox_labels l SET last_activity_at = s.last_activity_at \
+                 FROM s WHERE l.sandbox_id = s.id",
                 &[&id.as_str(), &ms(at)],
             )
             .await
@@ -1053,16 +1079,19 @@ impl Store for PgStore {
             .join(", ");
         let mut args: Vec<Box<dyn ToSql + Sync + Send>> = vec![Box::new(f.tenant.clone())];
         let mut labels = f.labels.iter();
+        // By label: the label rows alone, which carry the record (schema
+        // version 17), in the order of `sandbox_labels_in_order`.
         let (mut sql, order) = match labels.next() {
             Some((k, v)) => {
                 args.push(Box::new(k.clone()));
                 args.push(Box::new(v.clone()));
                 (
                     format!(
-                        "SELECT {cols} FROM sandbox_labels l JOIN sandboxes s ON s.id = l.sandbox_id \
-                         WHERE l.tenant_id = ? AND l.key = ? AND l.value = ? AND s.tenant_id = l.tenant_id"
+                        "SELECT {} FROM sandbox_labels s \
+                         WHERE s.tenant_id = ? AND s.key = ? AND s.value = ?",
+                        label_cols("s.")
                     ),
-                    ("l.created_at", "l.sandbox_id"),
+                    ("s.created_at", "s.sandbox_id"),
                 )
             }
             None => (
@@ -1081,9 +1110,11 @@ impl Store for PgStore {
             sql.push(')');
         }
         for (k, v) in labels {
-            sql.push_str(
-                " AND EXISTS (SELECT 1 FROM sandbox_labels x WHERE x.sandbox_id = s.id AND x.key = ? AND x.value = ?)",
-            );
+            sql.push_str(&format!(
+                " AND EXISTS (SELECT 1 FROM sandbox_labels x WHERE x.sandbox_id = {} \
+                 AND x.key = ? AND x.value = ?)",
+                order.1
+            ));
             args.push(Box::new(k.clone()));
             args.push(Box::new(v.clone()));
         }
@@ -1337,6 +1368,21 @@ impl Store for PgStore {
                 }
             };
             Ok(())
+        })
+    }
+
+    fn tenant_setting(&self, tenant: &str, key: &str) -> StoreResult<Option<String>> {
+        self.block(async {
+            let c = self.client().await?;
+            let stmt = c
+                .prepare_cached(
+                    "SELECT value FROM tenant_settings WHERE tenant_id = $1 AND key = $2",
+                )
+                .await?;
+            c.query_opt(&stmt, &[&tenant, &key])
+                .await?
+                .map(|r| r.try_get(0).map_err(StoreError::from))
+                .transpose()
         })
     }
 

@@ -505,6 +505,17 @@ impl Store for SqliteStore {
         Ok(())
     }
 
+    fn tenant_setting(&self, tenant: &str, key: &str) -> StoreResult<Option<String>> {
+        let conn = self.reader();
+        Ok(conn
+            .query_row(
+                "SELECT value FROM tenant_settings WHERE tenant_id = ?1 AND key = ?2",
+                [tenant, key],
+                |r| r.get(0),
+            )
+            .optional()?)
+    }
+
     fn tenant_settings(&self, prefix: &str) -> StoreResult<Vec<(String, String, String)>> {
         let conn = self.reader();
         let mut stmt = conn.prepare(

@@ -273,6 +273,7 @@ on_every_backend!(
     sandbox_env_survives_reopen_and_goes_with_the_sandbox,
     sandbox_settings_are_per_key_survive_reopen_and_go_with_the_sandbox,
     tenant_settings_by_prefix,
+    tenant_setting_reads_one_tenant_and_key,
     lifecycle_policy_round_trips,
     same_as_round_trips,
     the_journal_keeps_every_kind_in_one_order_and_only_retention_prunes_it,
@@ -743,6 +744,29 @@ fn tenant_settings_by_prefix(db: &TestDb) {
         ]
     );
     assert_eq!(s.tenant_settings("").unwrap().len(), 3);
+}
+
+/// The point read of one tenant's setting sees only that tenant's row of
+/// that exact key (not another tenant's, not a key it is a prefix of).
+fn tenant_setting_reads_one_tenant_and_key(db: &TestDb) {
+    let s = db.open();
+    s.put_tenant_setting("a", "replicate", Some("true"))
+        .unwrap();
+    s.put_tenant_setting("b", "replicate.x", Some("x")).unwrap();
+    s.put_tenant_setting("c", "replicate", Some("false"))
+        .unwrap();
+    assert_eq!(
+        s.tenant_setting("a", "replicate").unwrap().as_deref(),
+        Some("true")
+    );
+    assert_eq!(s.tenant_setting("b", "replicate").unwrap(), None);
+    assert_eq!(
+        s.tenant_setting("c", "replicate").unwrap().as_deref(),
+        Some("false")
+    );
+    assert_eq!(s.tenant_setting("d", "replicate").unwrap(), None);
+    s.put_tenant_setting("a", "replicate", None).unwrap();
+    assert_eq!(s.tenant_setting("a", "replicate").unwrap(), None);
 }
 
 fn lifecycle_policy_round_trips(db: &TestDb) {

@@ -155,6 +155,24 @@ impl HostStore for PgStore {
         })
     }
 
+    fn deleted_replicas(&self, host: &str, limit: usize) -> HostResult<Vec<(String, String)>> {
+        self.block_h(async {
+            let c = self.client().await?;
+            let rows = c
+                .query(
+                    "SELECT r.sandbox_id, r.snapshot_id FROM sandbox_replicas r \
+                     LEFT JOIN sandboxes s ON s.id = r.sandbox_id \
+                     WHERE r.host_id = $1 AND (s.id IS NULL OR s.state = 'deleted') \
+                     ORDER BY r.held_since, r.sandbox_id LIMIT $2",
+                    &[&host, &(limit.min(i64::MAX as usize) as i64)],
+                )
+                .await?;
+            rows.iter()
+                .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+                .collect()
+        })
+    }
+
     fn register_host(&self, h: &HostInfo, ttl_ms: u64) -> HostResult<HostLease> {
         self.block_h(async {
             let c = self.client().await?;

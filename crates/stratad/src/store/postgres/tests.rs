@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use strata_core::SandboxState;
 
 use super::*;
-use crate::store::tests::{created, list_all, pg_admin, sandbox, TestDb};
+use crate::store::tests::{created, list_all, pg_admin, sandbox, t0, TestDb};
 
 fn db(test: &str) -> Option<TestDb> {
     TestDb::postgres(test)
@@ -235,11 +235,13 @@ fn a_schema_15_database_lists_through_the_live_index_after_migrating() {
             s.insert_sandbox(&rec, &created(&rec)).unwrap();
         }
     }
-    // Back to what version 15 had (migration 16 changes indexes only).
+    // Back to what version 15 had (migration 16 changes indexes only;
+    // migration 17 rebuilds the label rows from what they name, so it
+    // runs again over its own table).
     db.raw(
         "DROP INDEX sandboxes_live_by_tenant;
          CREATE INDEX sandboxes_by_tenant ON sandboxes (tenant_id, created_at, id);
-         DELETE FROM strata_migrations WHERE version = 16;",
+         DELETE FROM strata_migrations WHERE version >= 16;",
     )
     .unwrap();
     let s = db.open();
@@ -291,4 +293,93 @@ fn a_schema_15_database_lists_through_the_live_index_after_migrating() {
         })
         .unwrap();
     assert_eq!(page.items.len(), 10);
+}
+
+/// A database at schema 16 (label rows of five columns) migrates in place:
+/// every label row of a live sandbox then carries its record, the listing
+/// by label answers what `get` does (also after a touch) and reads the
+/// label rows alone, in index order (no join, no sort).
+#[test]
+fn a_schema_16_databases_label_rows_carry_the_record_after_migrating() {
+    let Some(db) = db("a_schema_16_databases_label_rows_carry_the_record_after_migrating") else {
+        return;
+    };
+    let TestDb::Postgres { url, schema } = &db else {
+        unreachable!()
+    };
+    {
+        let s = db.open();
+        for i in 0..30 {
+            let st = match i % 10 {
+                0 => SandboxState::Deleted,
+                1 => SandboxState::Paused,
+                _ => SandboxState::Running,
+            };
+            let rec = sandbox(i, st);
+            s.insert_sandbox(&rec, &created(&rec)).unwrap();
+        }
+    }
+    // Back to what version 16 had: the label rows of V14, of sandboxes
+    // not deleted.
+    db.raw(
+        "DROP TABLE sandbox_labels;
+         CREATE TABLE sandbox_labels (
+             sandbox_id TEXT COLLATE \"C\" NOT NULL,
+             key TEXT COLLATE \"C\" NOT NULL,
+             value TEXT COLLATE \"C\" NOT NULL,
+             tenant_id TEXT COLLATE \"C\" NOT NULL DEFAULT '',
+             created_at BIGINT NOT NULL DEFAULT 0,
+             PRIMARY KEY (sandbox_id, key)
+         );
+         CREATE INDEX sandbox_labels_by_kv ON sandbox_labels (key, value, sandbox_id);
+         CREATE INDEX sandbox_labels_in_order ON sandbox_labels
+             (tenant_id, key, value, created_at, sandbox_id);
+         INSERT INTO sandbox_labels (sandbox_id, key, value, tenant_id, created_at)
+             SELECT id, 'team', labels::json->>'team', tenant_id, created_at
+             FROM sandboxes WHERE state != 'deleted';
+         DELETE FROM strata_migrations WHERE version = 17;",
+    )
+    .unwrap();
+    let s = db.open();
+    assert_eq!(db.count("strata_migrations WHERE version = 17"), 1);
+    assert_eq!(db.count("sandbox_labels"), 27);
+    // A touch reaches the label rows too.
+    let touched = sandbox(3, SandboxState::Running).id;
+    s.touch_sandbox(&touched, t0() + chrono::Duration::hours(2))
+        .unwrap();
+    for team in ["t0", "t1", "t2"] {
+        let f = SandboxFilter {
+            tenant: DEFAULT_TENANT.into(),
+            labels: [("team".to_owned(), team.to_owned())].into(),
+            limit: 4,
+            ..Default::default()
+        };
+        let ids = list_all(&*s, f.clone());
+        assert_eq!(ids.len(), 9, "{team}: {ids:?}");
+        let page = s.list_sandboxes(&f).unwrap();
+        for r in &page.items {
+            assert_eq!(Some(r), s.get_sandbox(&r.id).unwrap().as_ref());
+        }
+    }
+    // Another tenant's 20,000 labelled sandboxes, so the plan is the one
+    // of a table of size.
+    db.raw(
+        "INSERT INTO sandbox_labels (key, value, sandbox_id, tenant_id, vcpus, memory_mib,
+             disk_gib, labels, state, created_at, updated_at, last_activity_at, version)
+           SELECT 'team', 't' || (g % 50), 'sb-bulk' || lpad(g::text, 9, '0'), 'bulk',
+                  1, 256, 2, '{}', 'running', g, g, g, 0
+           FROM generate_series(1, 20000) g;
+         ANALYZE sandbox_labels;",
+    )
+    .unwrap();
+    let plan = pg_lines(
+        url,
+        schema,
+        "EXPLAIN SELECT sandbox_id FROM sandbox_labels WHERE tenant_id = 'default' \
+         AND key = 'team' AND value = 't1' AND state != 'deleted' \
+         ORDER BY created_at, sandbox_id LIMIT 101",
+    )
+    .join("\n");
+    assert!(plan.contains("sandbox_labels_in_order"), "{plan}");
+    assert!(!plan.contains("Sort"), "{plan}");
 }
