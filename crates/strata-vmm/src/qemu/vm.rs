@@ -23,9 +23,7 @@ use crate::console;
 use crate::process::{pidfd_send_signal, rss_info, tail_file};
 use crate::qmp::{QmpClient, QmpError};
 use crate::spec::VmSpec;
-use crate::{
-    Confinement, RssInfo, SaveMethod, SaveStats, StartTimings, Vm, VmExit, VmStatus, VmmError,
-};
+use crate::{Confinement, RssInfo, SaveStats, StartTimings, Vm, VmExit, VmStatus, VmmError};
 
 /// A running QEMU VM.
 pub struct QemuVm {
