@@ -273,7 +273,12 @@ async fn measure_size(ctx: &Ctx, args: &Args, mib: u64, res: &mut Results) -> Re
     // RAM file + a full save + the peer's qcow2 (disk + vmstate) + CoW room.
     let pool_gib = 8 + 4 * mib.div_ceil(1024);
     progress!("{} guest, pool {pool_gib} GiB", size_label(mib));
-    let brt = BenchRuntime::start(ctx, "stb-snap-", pool_gib, |_| {}).await?;
+    // A 2 GiB guest under TCG on a loaded 2-core host can take over the
+    // default 60 s to boot its template; a bound only, nothing measured.
+    let brt = BenchRuntime::start(ctx, "stb-snap-", pool_gib, |cfg| {
+        cfg.agent_timeout_ms = cfg.agent_timeout_ms.max(180_000)
+    })
+    .await?;
     let root = brt.rt.pool().root().to_path_buf();
 
     // The pool's write bandwidth, before any VM runs on it.
