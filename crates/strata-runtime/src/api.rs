@@ -253,7 +253,8 @@ pub struct SnapshotInfo {
 pub struct PausePhases {
     /// QMP `stop` round trip (QEMU drains and flushes block I/O).
     pub stop_ms: f64,
-    /// Device state: `migrate` of everything but RAM to `device.state`.
+    /// Device state: everything but RAM to `device.state` (a migration
+    /// on a VM's first save, a direct save after it: `device_state_method`).
     pub device_state_ms: f64,
     /// Hashing and signing `meta.json` and `device.state` and making the
     /// snapshot read-only: after `cont`, so **not** part of the pause
@@ -273,6 +274,10 @@ pub struct PausePhases {
     /// transaction committed (`Runtime::set_commit_before_pause`).
     #[serde(default)]
     pub before_pause_ms: f64,
+    /// How the device state was saved (`None` when the state saved by an
+    /// earlier stop was reused).
+    #[serde(default)]
+    pub device_state_method: Option<strata_vmm::SaveMethod>,
 }
 
 /// Space used by a snapshot.

@@ -95,7 +95,36 @@ fn process_keeps_counting_across_snapshot_and_fork() {
         sh(&f.rt, &b, "echo fork > /root/who").await;
         let (code, _) = sh(&f.rt, &a, "test -e /root/who").await;
         assert_ne!(code, 0);
-        for id in [&a, &b] {
+        // A VM's first save is a migration, the next ones direct (no
+        // migration, device sections only): a fork of one counts on too.
+        assert_eq!(
+            info.phases.device_state_method,
+            Some(strata_vmm::SaveMethod::Fd)
+        );
+        let snap2 = SnapshotId::generate();
+        let info2 = f.rt.snapshot(&a, &snap2).await.expect("second snapshot");
+        let at_snap2 = count(&f.rt, &a).await;
+        assert_eq!(
+            info2.phases.device_state_method,
+            Some(strata_vmm::SaveMethod::Direct),
+            "{info2:?}"
+        );
+        let c = SandboxId::generate();
+        f.rt.create(&c, &Source::Snapshot(snap2.clone()), None)
+            .await
+            .expect("fork of a direct save");
+        let c0 = count(&f.rt, &c).await;
+        let a_now = count(&f.rt, &a).await;
+        assert!(
+            c0 >= at_snap2.saturating_sub(5) && c0 < a_now,
+            "fork {c0} vs second snapshot {at_snap2}, original now {a_now}"
+        );
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        assert!(
+            count(&f.rt, &c).await > c0,
+            "the fork's process keeps running"
+        );
+        for id in [&a, &b, &c] {
             f.rt.delete(id).await.expect("delete");
         }
     });

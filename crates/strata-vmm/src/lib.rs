@@ -166,6 +166,16 @@ pub enum SaveMethod {
     Fd,
     /// `migrate exec:cat > file`: QEMU spawns a shell. Needs `seccomp: false`.
     Exec,
+    /// No migration: QEMU writes every device's section in its main loop
+    /// (`xen-save-devices-state` into a file passed with `add-fd`), and the
+    /// driver completes the file into what `migrate` would have written
+    /// without the RAM module's sections: this VM's `configuration` (from
+    /// its first `migrate` save), the run state `paused`, an empty
+    /// description. It loads with `migrate-incoming` like the others; the
+    /// VM stays `paused`, not `postmigrate`. Needs an earlier
+    /// [`SaveMethod::Fd`] save of the same VM (see
+    /// `strata_vmm::qemu::set_direct_save`).
+    Direct,
 }
 
 /// Figures of one device-state save.
@@ -183,7 +193,10 @@ pub struct SaveStats {
 }
 
 /// The steps of one device-state save, ms each (wall time; steps that
-/// overlap on the QMP socket are timed together).
+/// overlap on the QMP socket are timed together). A [`SaveMethod::Direct`]
+/// save has one round trip (run-state check, `add-fd`, the save,
+/// `remove-fd`), counted in `complete_ms`, and completes the file in
+/// `finalize_ms`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct SaveSteps {
     /// The run-state check, with the migration capabilities when they
@@ -230,7 +243,8 @@ pub trait Vm: Send + Sync + std::fmt::Debug {
     /// QEMU's run state.
     async fn status(&self) -> Result<VmStatus, VmmError>;
     /// Writes the device state (not RAM: it is shared in the RAM file) to `path`.
-    /// The VM must be paused; it stays paused (`postmigrate`) until `resume`.
+    /// The VM must be paused; it stays paused (`postmigrate` after a
+    /// migration, `paused` after a direct save) until `resume`.
     async fn save_device_state(&self, path: &Path) -> Result<SaveStats, VmmError>;
     /// Grows the root disk to `bytes` (file and guest-visible capacity).
     async fn block_resize(&self, bytes: u64) -> Result<(), VmmError>;

@@ -30,6 +30,103 @@ fn kill9(pid: u32) {
     assert_eq!(r, 0, "kill -9 {pid}");
 }
 
+/// The direct save (no migration) of `b`, a restored VM running the
+/// counter: its first save is a migration, the next one direct. A direct
+/// file holds the same bytes as a migration's of the same stopped guest,
+/// without the RAM module's sections; a VM restored from it is paused until
+/// `cont` and its counter goes on.
+async fn direct_save_matches_migrate_and_restores(
+    driver: &QemuDriver,
+    b: &strata_vmm::QemuVm,
+    agent_b: &strata_proto::AgentClient,
+    spec_b: &VmSpec,
+) {
+    use strata_vmm::qemu::stream;
+    let dir = scratch("vmm-direct");
+    b.pause().await.unwrap();
+    let first = b
+        .save_device_state(&dir.path().join("first.state"))
+        .await
+        .unwrap();
+    assert_eq!(first.method, SaveMethod::Fd, "a VM's first save migrates");
+    assert_eq!(b.status().await.unwrap().status, "postmigrate");
+    b.resume().await.unwrap();
+    let c_save = count(agent_b).await;
+    b.pause().await.unwrap();
+    let direct_path = dir.path().join("direct.state");
+    let direct = b.save_device_state(&direct_path).await.unwrap();
+    assert_eq!(direct.method, SaveMethod::Direct, "{direct:?}");
+    assert_eq!(b.status().await.unwrap().status, "paused");
+    let migrated_path = dir.path().join("migrated.state");
+    let migrated = b
+        .save_device_state_with(&migrated_path, SaveMethod::Fd)
+        .await
+        .unwrap();
+    println!(
+        "REPORT direct save {:?} ({} KiB, steps {:?}) vs migrate {:?} ({} KiB, steps {:?})",
+        direct.elapsed,
+        direct.bytes / 1024,
+        direct.steps,
+        migrated.elapsed,
+        migrated.bytes / 1024,
+        migrated.steps
+    );
+
+    // Byte for byte: header and configuration, then every device section
+    // and EOF as the migration wrote them after its RAM sections
+    // (`globalstate` included: the driver makes it say `paused`), then an
+    // empty description.
+    let d = std::fs::read(&direct_path).unwrap();
+    let m = std::fs::read(&migrated_path).unwrap();
+    assert_eq!(d.len() as u64, direct.bytes);
+    let head = stream::HEADER.len() + stream::configuration(&m).unwrap().len();
+    assert_eq!(d[..head], m[..head], "header and configuration");
+    assert!(d.ends_with(&stream::VMDESC));
+    let devices = &d[head..d.len() - stream::VMDESC.len()];
+    let at = m
+        .windows(64)
+        .enumerate()
+        .filter(|(_, w)| *w == &devices[..64])
+        .map(|(i, _)| i)
+        .find(|&i| m.get(i..i + devices.len()) == Some(devices))
+        .expect("the direct file's device sections are in the migration's stream");
+    assert_eq!(
+        m[at + devices.len()],
+        0x06,
+        "the device sections end where the migration's description starts"
+    );
+    assert!(
+        m.len() - devices.len() > 16 * 1024,
+        "the migration has RAM sections the direct file does not"
+    );
+
+    // Restored from the direct file (RAM and disk as of now): paused until `cont`.
+    let de = scratch("vmm-e");
+    let mut spec_e = restore_spec(spec_b, de.path(), &direct_path, "vmm-e");
+    spec_e.start_paused = true;
+    b.resume().await.unwrap();
+    // The direct save's fd set is gone once B runs again.
+    let sets = b.qmp("query-fdsets", None).await.unwrap();
+    assert_eq!(sets, serde_json::json!([]), "fd sets left: {sets}");
+
+    let e = driver.start_vm(&spec_e).await.unwrap();
+    let _ge = KillOnDrop(e.pid());
+    assert_eq!(e.status().await.unwrap().status, "paused");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(e.status().await.unwrap().status, "paused");
+    e.resume().await.unwrap();
+    let agent_e = agent(&e.agent_socket(), Duration::from_secs(30)).await;
+    let c_e = count(&agent_e).await;
+    assert!(
+        c_e >= c_save && c_e <= c_save + 10,
+        "restored counter {c_e}, direct save at {c_save}"
+    );
+    wait_count_at_least(&agent_e, c_e + 2).await;
+    println!("REPORT restored from a direct save: counter {c_save} -> {c_e}, runs on");
+    drop(agent_e);
+    e.kill().await.unwrap();
+}
+
 /// Not a test on its own: run by `lifecycle` in a child process to start a VM and exit,
 /// so the VM outlives the process that started it. Does nothing without the env var.
 #[tokio::test]
@@ -175,6 +272,8 @@ async fn lifecycle() {
     let c_b2 = wait_count_at_least(&agent_b, c_b + 2).await;
     assert!(c_b2 > c_b);
 
+    direct_save_matches_migrate_and_restores(&driver, &b, &agent_b, &spec_b).await;
+
     // --- console cap: the guest prints ~400 KiB, the log stays <= 64 KiB and keeps the end
     sh(
         &agent_a,
@@ -200,8 +299,11 @@ async fn lifecycle() {
         .save_device_state_with(&db.path().join("s1"), SaveMethod::Fd)
         .await
         .unwrap();
-    // A second save needs a resume in between (QEMU refuses to migrate from postmigrate).
-    let again = b.save_device_state(&db.path().join("s1b")).await;
+    // A second migration needs a resume in between (QEMU refuses to migrate
+    // from postmigrate).
+    let again = b
+        .save_device_state_with(&db.path().join("s1b"), SaveMethod::Fd)
+        .await;
     assert!(again.is_err(), "{again:?}");
     b.resume().await.unwrap();
     b.pause().await.unwrap();
@@ -209,7 +311,9 @@ async fn lifecycle() {
     // same bytes as through the MIGRATION event (process-wide switch; any
     // save of another test meanwhile just polls).
     strata_vmm::qemu::set_completion_events(false);
-    let polled = b.save_device_state(&db.path().join("s1-polled")).await;
+    let polled = b
+        .save_device_state_with(&db.path().join("s1-polled"), SaveMethod::Fd)
+        .await;
     strata_vmm::qemu::set_completion_events(true);
     let polled = polled.unwrap();
     assert!(
@@ -228,7 +332,7 @@ async fn lifecycle() {
     .await
     .unwrap();
     let after_raw = b
-        .save_device_state(&db.path().join("s1-raw"))
+        .save_device_state_with(&db.path().join("s1-raw"), SaveMethod::Fd)
         .await
         .unwrap();
     assert!(

@@ -96,17 +96,18 @@ pub struct Args {
         default_value_t = 3
     )]
     pub bandwidth_runs: usize,
-    /// strata snapshots per arm of the device-state A/B (the save of before:
-    /// its end polled, one QMP command per round trip, capabilities on every
-    /// save; vs now: QEMU's `MIGRATION` event, shared round trips,
-    /// capabilities once per VM), interleaved on the same VM after each
-    /// case's own runs; 0 = skip.
+    /// strata snapshots per arm of the device-state A/B (before: a
+    /// migration, `migrate fd:` with `x-ignore-shared`; now: the direct
+    /// save, `xen-save-devices-state` completed by the driver), interleaved
+    /// on the same VM after each case's own runs; 0 = skip.
+    /// (`--snapshot-events-ab` is the old name.)
     #[arg(
-        id = "snapshot-events-ab",
-        long = "snapshot-events-ab",
+        id = "snapshot-save-ab",
+        long = "snapshot-save-ab",
+        alias = "snapshot-events-ab",
         default_value_t = 15
     )]
-    pub events_ab: usize,
+    pub save_ab: usize,
 }
 
 impl Args {
@@ -117,7 +118,7 @@ impl Args {
         self.peer_runs = 1;
         self.bandwidth_mib = 64;
         self.bandwidth_runs = 2;
-        self.events_ab = self.events_ab.min(2);
+        self.save_ab = self.save_ab.min(2);
     }
 }
 
@@ -143,13 +144,13 @@ struct Case {
     walk_ms: Vec<f64>,
     /// Where each strata pause went.
     phases: Vec<strata_runtime::PausePhases>,
-    /// The A/B of how a save's end is seen, interleaved: pauses and device
-    /// state steps with `query-migrate` polled alone ...
-    ab_poll: Vec<strata_runtime::PausePhases>,
-    ab_poll_ms: Vec<f64>,
-    /// ... and with the `MIGRATION` event (the default).
-    ab_event: Vec<strata_runtime::PausePhases>,
-    ab_event_ms: Vec<f64>,
+    /// The A/B of how device state is saved, interleaved: pauses and
+    /// device-state steps with a migration ...
+    ab_before: Vec<strata_runtime::PausePhases>,
+    ab_before_ms: Vec<f64>,
+    /// ... and with the direct save (the default).
+    ab_now: Vec<strata_runtime::PausePhases>,
+    ab_now_ms: Vec<f64>,
     full_save_ms: Vec<f64>,
     full_save_bytes: Vec<f64>,
     savevm_ms: Vec<f64>,
@@ -272,7 +273,12 @@ async fn measure_size(ctx: &Ctx, args: &Args, mib: u64, res: &mut Results) -> Re
     // RAM file + a full save + the peer's qcow2 (disk + vmstate) + CoW room.
     let pool_gib = 8 + 4 * mib.div_ceil(1024);
     progress!("{} guest, pool {pool_gib} GiB", size_label(mib));
-    let brt = BenchRuntime::start(ctx, "stb-snap-", pool_gib, |_| {}).await?;
+    // A 2 GiB guest under TCG on a loaded 2-core host can take over the
+    // default 60 s to boot its template; a bound only, nothing measured.
+    let brt = BenchRuntime::start(ctx, "stb-snap-", pool_gib, |cfg| {
+        cfg.agent_timeout_ms = cfg.agent_timeout_ms.max(180_000)
+    })
+    .await?;
     let root = brt.rt.pool().root().to_path_buf();
 
     // The pool's write bandwidth, before any VM runs on it.
@@ -372,37 +378,32 @@ async fn measure_size(ctx: &Ctx, args: &Args, mib: u64, res: &mut Results) -> Re
         );
 
         // The A/B: the same VM, one snapshot at a time, alternating the
-        // device-state save of before (its end polled, one QMP command per
-        // round trip, capabilities on every save, then the btrfs snapshot)
-        // and of now (QEMU's event, shared round trips, capabilities once
-        // per VM, beside the btrfs snapshot).
-        for i in 0..args.events_ab * 2 {
-            let events = i % 2 == 1;
-            strata_vmm::qemu::set_completion_events(events);
-            strata_vmm::qemu::set_shared_round_trips(events);
-            brt.rt.set_overlapped_state_save(events);
+        // device-state save of before (a migration: `migrate fd:`, its
+        // `MIGRATION` event, the wait until finalized) and of now (the
+        // direct save), both beside the btrfs snapshot.
+        for i in 0..args.save_ab * 2 {
+            let now = i % 2 == 1;
+            strata_vmm::qemu::set_direct_save(now);
             let r = strata_snapshots(&brt.rt, &id, 1, interval, |s| {
-                if events {
-                    case.ab_event_ms.push(s.pause_ms);
-                    case.ab_event.push(s.phases);
+                if now {
+                    case.ab_now_ms.push(s.pause_ms);
+                    case.ab_now.push(s.phases);
                 } else {
-                    case.ab_poll_ms.push(s.pause_ms);
-                    case.ab_poll.push(s.phases);
+                    case.ab_before_ms.push(s.pause_ms);
+                    case.ab_before.push(s.phases);
                 }
             })
             .await;
-            strata_vmm::qemu::set_completion_events(true);
-            strata_vmm::qemu::set_shared_round_trips(true);
-            brt.rt.set_overlapped_state_save(true);
+            strata_vmm::qemu::set_direct_save(true);
             r.context("strata snapshots, device-state A/B")?;
         }
-        if args.events_ab > 0 {
+        if args.save_ab > 0 {
             progress!(
-                "{label}: device state before p50 {} vs now p50 {}; pause {} vs {}",
-                fmt_ms(device_state(&case.ab_poll).p50),
-                fmt_ms(device_state(&case.ab_event).p50),
-                fmt_ms(Summary::of(&case.ab_poll_ms).p50),
-                fmt_ms(Summary::of(&case.ab_event_ms).p50),
+                "{label}: device state before (migrate) p50 {} vs now (direct) p50 {}; pause {} vs {}",
+                fmt_ms(device_state(&case.ab_before).p50),
+                fmt_ms(device_state(&case.ab_now).p50),
+                fmt_ms(Summary::of(&case.ab_before_ms).p50),
+                fmt_ms(Summary::of(&case.ab_now_ms).p50),
             );
         }
 
@@ -628,7 +629,7 @@ fn render(ctx: &Ctx, args: &Args, res: &Results, sec: &mut Section) -> Result<()
     }
     if !res.cases.is_empty() {
         let mut t = Table::new(
-            "Inside the device-state step: p50 (p99) of each of its steps, ms (strata_vmm::SaveSteps; the run-state check carries the migration capabilities on a VM's first save only)",
+            "Inside the device-state step: p50 (p99) of each of its steps, ms (strata_vmm::SaveSteps). A migration: the run-state check (with the capabilities on a VM's first save), `getfd` + `migrate`, until QEMU says completed, until the run state is finalized. A direct save (the default after a VM's first save): the check, `add-fd`, the save and `remove-fd` in one round trip (\"until completed\"), then the file completed in place (\"until finalized\"). Rows: the case's own series, then the A/B's two arms",
             &[
                 "case",
                 "n",
@@ -640,27 +641,37 @@ fn render(ctx: &Ctx, args: &Args, res: &Results, sec: &mut Section) -> Result<()
             ],
         );
         for c in &res.cases {
-            let col = |f: fn(&strata_vmm::SaveSteps) -> f64| {
-                let v: Vec<f64> = c.phases.iter().map(|p| f(&p.device_state_steps)).collect();
-                let s = Summary::of(&v);
-                p50_p99(&s)
-            };
-            let ds = device_state(&c.phases);
-            t.row(vec![
-                c.label(),
-                c.phases.len().to_string(),
-                col(|s| s.check_ms),
-                col(|s| s.start_ms),
-                col(|s| s.complete_ms),
-                col(|s| s.finalize_ms),
-                p50_p99(&ds),
-            ]);
+            let arms = [
+                (c.label(), &c.phases),
+                (format!("{}, A/B before (migrate)", c.label()), &c.ab_before),
+                (format!("{}, A/B now (direct)", c.label()), &c.ab_now),
+            ];
+            for (label, phases) in arms {
+                if phases.is_empty() {
+                    continue;
+                }
+                let col = |f: fn(&strata_vmm::SaveSteps) -> f64| {
+                    let v: Vec<f64> = phases.iter().map(|p| f(&p.device_state_steps)).collect();
+                    let s = Summary::of(&v);
+                    p50_p99(&s)
+                };
+                let ds = device_state(phases);
+                t.row(vec![
+                    label,
+                    phases.len().to_string(),
+                    col(|s| s.check_ms),
+                    col(|s| s.start_ms),
+                    col(|s| s.complete_ms),
+                    col(|s| s.finalize_ms),
+                    p50_p99(&ds),
+                ]);
+            }
         }
         sec.table(t);
     }
-    if res.cases.iter().any(|c| !c.ab_event.is_empty()) {
+    if res.cases.iter().any(|c| !c.ab_now.is_empty()) {
         let mut t = Table::new(
-            "The device-state save before (its end polled with `query-migrate`, one QMP command per round trip, capabilities set on every save, the btrfs snapshot after it) vs now (QEMU's `MIGRATION` event, the run-state check sharing a round trip with the capabilities, set once per VM, `getfd` with `migrate`, all while the btrfs snapshot is taken): p50 (p99), ms, the two interleaved one snapshot at a time on the same VM",
+            "The device-state save before (a migration: `migrate fd:` with `x-ignore-shared`, its `MIGRATION` event, the wait until finalized) vs now (the direct save: `xen-save-devices-state` into an `add-fd` set, completed in place by the driver), both beside the btrfs snapshot: p50 (p99), ms, the two interleaved one snapshot at a time on the same VM",
             &[
                 "case",
                 "n per arm",
@@ -671,17 +682,17 @@ fn render(ctx: &Ctx, args: &Args, res: &Results, sec: &mut Section) -> Result<()
                 "pause p50 now ÷ before",
             ],
         );
-        for c in res.cases.iter().filter(|c| !c.ab_event.is_empty()) {
+        for c in res.cases.iter().filter(|c| !c.ab_now.is_empty()) {
             let ds = |v: &[strata_runtime::PausePhases]| {
                 let s = device_state(v);
                 p50_p99(&s)
             };
-            let (pp, pe) = (Summary::of(&c.ab_poll_ms), Summary::of(&c.ab_event_ms));
+            let (pp, pe) = (Summary::of(&c.ab_before_ms), Summary::of(&c.ab_now_ms));
             t.row(vec![
                 c.label(),
-                c.ab_event.len().min(c.ab_poll.len()).to_string(),
-                ds(&c.ab_poll),
-                ds(&c.ab_event),
+                c.ab_now.len().min(c.ab_before.len()).to_string(),
+                ds(&c.ab_before),
+                ds(&c.ab_now),
                 p50_p99(&pp),
                 p50_p99(&pe),
                 format!("{:.2}×", pe.p50 / pp.p50),
@@ -704,7 +715,7 @@ fn render(ctx: &Ctx, args: &Args, res: &Results, sec: &mut Section) -> Result<()
             "fill_percent": args.fill_percent.min(90),
             "bandwidth_mib": args.bandwidth_mib,
             "bandwidth_runs": args.bandwidth_runs,
-            "events_ab": args.events_ab,
+            "save_ab": args.save_ab,
             "vcpus": 1,
             "accel": ctx.accel.to_string(),
         },
@@ -871,7 +882,7 @@ mod tests {
             fill_percent: 25,
             bandwidth_mib: 1,
             bandwidth_runs: 1,
-            events_ab: 2,
+            save_ab: 2,
         };
         args.smoke();
         let res = Results {

@@ -311,6 +311,7 @@ impl Runtime {
             None
         };
         let mut steps = strata_vmm::SaveSteps::default();
+        let mut method = None;
         let t0 = Instant::now();
         if was_running {
             live.pause_vm().await.map_err(|e| vmm_err(id.as_str(), e))?;
@@ -323,13 +324,15 @@ impl Runtime {
                     .state_beside_btrfs(id.as_str(), &live, &dir, &dst)
                     .await?;
                 steps = st.steps;
+                method = Some(st.method);
                 return Ok::<(u64, f64, f64), RuntimeError>((st.bytes, save_ms, b));
             }
             let t_state = Instant::now();
             let saved = dir.join(files::DEVICE_STATE);
             let bytes = if !was_running && live.state_saved.load(Ordering::SeqCst) {
-                // Stopped since its last save (`postmigrate`: QEMU refuses
-                // a second save until `cont`): that state is this one.
+                // Stopped since its last save (after a migration QEMU is
+                // `postmigrate` and refuses a second one until `cont`):
+                // that state is this one.
                 std::fs::metadata(&saved)
                     .map_err(|e| io_err("stat the saved device state", e))?
                     .len()
@@ -337,6 +340,7 @@ impl Runtime {
                 let stats = self.save_state(id.as_str(), &live, &dir).await?;
                 live.state_saved.store(true, Ordering::SeqCst);
                 steps = stats.steps;
+                method = Some(stats.method);
                 stats.bytes
             };
             let device_state_ms = ms(t_state);
@@ -403,6 +407,7 @@ impl Runtime {
         };
         phases.device_state_ms = device_state_ms;
         phases.device_state_steps = steps;
+        phases.device_state_method = method;
         phases.sign_ms = sign_ms;
         phases.btrfs_ms = btrfs_ms;
         tracing::info!(

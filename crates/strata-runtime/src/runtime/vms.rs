@@ -44,9 +44,11 @@ pub(super) struct Live {
     pub(super) running: Arc<AtomicBool>,
     /// The sandbox dir's `device.state` is the state of the VM as it is
     /// now stopped: set by a completed save, cleared when the vCPUs run
-    /// again. QEMU leaves a VM `postmigrate` after a save and refuses a
-    /// second one until `cont`; a second snapshot of a VM that has not run
-    /// since reuses the saved state (a stopped VM's devices do not change).
+    /// again. After a migration (a VM's first save) QEMU leaves the VM
+    /// `postmigrate` and refuses a second one until `cont`; a direct save
+    /// leaves it `paused` and could be repeated, but there is no need: a
+    /// second snapshot of a VM that has not run since reuses the saved
+    /// state either way (a stopped VM's devices do not change).
     pub(super) state_saved: AtomicBool,
     /// Where this VM's start went ([`Runtime::start_timeline`]).
     pub(super) timeline: std::sync::Mutex<Option<crate::api::StartTimeline>>,

@@ -8,6 +8,13 @@
 //!   it to QEMU with `getfd` (`SCM_RIGHTS`), then `migrate fd:`; [`SaveMethod::Exec`]
 //!   runs `migrate exec:cat > file`, a shell QEMU spawns (refused while
 //!   `VmSpec::seccomp` is on: the filter would kill QEMU).
+//! - Direct save ([`SaveMethod::Direct`], a VM's saves after its first while
+//!   [`set_direct_save`] is on): no migration. QEMU writes every device's section
+//!   synchronously in its main loop (`xen-save-devices-state`, `live: false`, into a
+//!   file passed with `add-fd`), and the driver completes the file into the stream
+//!   `migrate` would have written minus the RAM module's sections ([`super::stream`]).
+//!   The VM stays `paused`; QEMU closes the file's set once it runs again (`resume`
+//!   removes the set after `cont`).
 //! - Load (`load_device_state`, run by the driver when `VmSpec::incoming` is set): the
 //!   file is passed the same way and `migrate-incoming fd:` waits until QEMU has left
 //!   `inmigrate`; the VM is then in the run state the source had (paused).
@@ -22,16 +29,19 @@
 //! before/after: completion then comes from the poll alone, as it used to (from
 //! 0.5 ms, doubling to 10 ms).
 
+use std::io::{Seek, SeekFrom};
 use std::os::fd::AsFd;
+use std::os::unix::fs::FileExt;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tokio::sync::broadcast::error::RecvError;
 
 use serde_json::{json, Value};
 
-use super::vm::QemuVm;
+use super::stream::{self, StreamError};
+use super::vm::{lock, QemuVm, StreamConfig};
 use crate::{SaveMethod, SaveStats, SaveSteps, Vm, VmmError};
 
 /// Upper bound of a device-state save or load.
@@ -68,6 +78,51 @@ pub fn set_shared_round_trips(on: bool) {
 
 fn shared_round_trips() -> bool {
     SHARED_ROUND_TRIPS.load(Ordering::Relaxed)
+}
+
+/// Whether a VM's saves after its first are direct (see [`set_direct_save`]).
+static DIRECT_SAVE: AtomicBool = AtomicBool::new(true);
+
+/// Chooses how `Vm::save_device_state` writes a VM's device state once that
+/// VM has had one `migrate` save: `true` (the default) with
+/// [`SaveMethod::Direct`] (no migration: QEMU writes the device sections in
+/// its main loop), `false` with [`SaveMethod::Fd`] (a migration, as every
+/// save was before). Process-wide; meant for benchmarks that compare the
+/// two in one run.
+pub fn set_direct_save(on: bool) {
+    DIRECT_SAVE.store(on, Ordering::Relaxed);
+}
+
+/// Whether saves after a VM's first are direct.
+pub fn direct_save() -> bool {
+    DIRECT_SAVE.load(Ordering::Relaxed)
+}
+
+/// How many fd-set ids this process has handed out.
+static FDSET_SEQ: AtomicU64 = AtomicU64::new(0);
+
+/// A fresh fd-set id: the low 14 bits of this process's pid, then a
+/// sequence number, so a set another strata process left in a QEMU (it
+/// died while the VM was paused) is not reused. QEMU parses the id of
+/// `/dev/fdset/N` as an `int`: at most 31 bits.
+fn next_fdset_id() -> u64 {
+    let pid = u64::from(std::process::id()) & 0x3fff;
+    (pid << 17) | (FDSET_SEQ.fetch_add(1, Ordering::Relaxed) & 0x1_ffff)
+}
+
+/// Why a direct save did not produce a file.
+enum DirectError {
+    /// QEMU or the file failed: reported as it is.
+    Vmm(VmmError),
+    /// QEMU's stream is not laid out as expected: the save is made with
+    /// `migrate` instead, and so are this VM's later ones.
+    Stream(StreamError),
+}
+
+impl From<VmmError> for DirectError {
+    fn from(e: VmmError) -> Self {
+        DirectError::Vmm(e)
+    }
 }
 
 /// Whether saves currently wait for `MIGRATION` events.
@@ -118,12 +173,41 @@ impl QemuVm {
         Ok(())
     }
 
-    /// Saves device state with an explicit [`SaveMethod`].
+    /// The method `Vm::save_device_state` uses: [`SaveMethod::Direct`] when
+    /// [`set_direct_save`] is on and this VM's stream configuration is
+    /// known (from its first save, a `migrate`), else [`SaveMethod::Fd`].
+    pub(super) fn default_save_method(&self) -> SaveMethod {
+        let known = matches!(*lock(&self.stream_config), StreamConfig::Known(_));
+        if direct_save() && known {
+            SaveMethod::Direct
+        } else {
+            SaveMethod::Fd
+        }
+    }
+
+    /// Saves device state with an explicit [`SaveMethod`]. A
+    /// [`SaveMethod::Direct`] save whose stream QEMU laid out other than
+    /// expected is made with [`SaveMethod::Fd`] instead (the VM is still
+    /// paused), and this VM's later saves too; [`SaveStats::method`] says
+    /// which one ran.
     pub async fn save_device_state_with(
         &self,
         path: &Path,
         method: SaveMethod,
     ) -> Result<SaveStats, VmmError> {
+        let method = match method {
+            SaveMethod::Direct => match self.save_direct(path).await {
+                Ok(stats) => return Ok(stats),
+                Err(DirectError::Vmm(e)) => return Err(e),
+                Err(DirectError::Stream(e)) => {
+                    tracing::warn!(vm = %self.spec.name, error = %e,
+                        "direct device-state save: unexpected stream; this VM saves with migrate from now on");
+                    *lock(&self.stream_config) = StreamConfig::Unusable;
+                    SaveMethod::Fd
+                }
+            },
+            other => other,
+        };
         if method == SaveMethod::Exec && self.spec.seccomp {
             // QEMU's seccomp filter (spawn=deny) kills the whole process on fork.
             return Err(VmmError::Migration {
@@ -156,7 +240,8 @@ impl QemuVm {
             ..SaveSteps::default()
         };
         match method {
-            SaveMethod::Fd => {
+            // (A direct save that fell back arrives here as `Fd`.)
+            SaveMethod::Fd | SaveMethod::Direct => {
                 let file = std::fs::OpenOptions::new()
                     .write(true)
                     .create(true)
@@ -213,10 +298,140 @@ impl QemuVm {
         let bytes = std::fs::metadata(path)
             .map_err(|e| VmmError::io(path, e))?
             .len();
+        if method == SaveMethod::Fd {
+            self.capture_config(path);
+        }
         Ok(SaveStats {
             bytes,
             elapsed,
             method,
+            steps,
+        })
+    }
+
+    /// Keeps the `configuration` section of a `migrate` file this VM just
+    /// wrote, for its direct saves (once per VM).
+    fn capture_config(&self, path: &Path) {
+        if !matches!(*lock(&self.stream_config), StreamConfig::Unknown) {
+            return;
+        }
+        let mut head = [0u8; 4096];
+        let read = std::fs::File::open(path).and_then(|f| f.read_at(&mut head, 0));
+        let n = match read {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::debug!(vm = %self.spec.name, error = %e, "reading a saved stream's head");
+                return;
+            }
+        };
+        *lock(&self.stream_config) = match stream::configuration(&head[..n]) {
+            Ok(cfg) => StreamConfig::Known(cfg.into()),
+            Err(e) => {
+                tracing::warn!(vm = %self.spec.name, error = %e,
+                    "migration stream configuration not understood: this VM saves with migrate only");
+                StreamConfig::Unusable
+            }
+        };
+    }
+
+    /// A [`SaveMethod::Direct`] save: `xen-save-devices-state` into `path`
+    /// (passed with `add-fd`, its offset past where this VM's
+    /// configuration goes), then the file completed in place (header and
+    /// configuration, `globalstate` saying `paused`, an empty description).
+    async fn save_direct(&self, path: &Path) -> Result<SaveStats, DirectError> {
+        let cfg = match &*lock(&self.stream_config) {
+            StreamConfig::Known(c) => c.clone(),
+            StreamConfig::Unknown => {
+                return Err(DirectError::Vmm(VmmError::Migration {
+                    reason: "direct save: this VM has had no migrate save to take its stream configuration from".into(),
+                }))
+            }
+            StreamConfig::Unusable => {
+                return Err(DirectError::Stream(StreamError(
+                    "this VM's migration stream is not one the driver completes".into(),
+                )))
+            }
+        };
+        let t0 = Instant::now();
+        let io = |e| DirectError::Vmm(VmmError::io(path, e));
+        // Write-only: QEMU dups a set member whose access mode matches its
+        // open (O_WRONLY), sharing this file offset.
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(path)
+            .map_err(io)?;
+        let qemu_header_at = cfg.len() as u64;
+        file.seek(SeekFrom::Start(qemu_header_at)).map_err(io)?;
+        let id = next_fdset_id();
+        // One write, answered in order: the run-state check, the file into
+        // a fresh set, the save, the set removed again.
+        let t_save = Instant::now();
+        let (st, added, saved, removed) = tokio::join!(
+            self.status(),
+            self.qmp
+                .execute_with_fd("add-fd", Some(json!({"fdset-id": id})), file.as_fd()),
+            self.exec(
+                "xen-save-devices-state",
+                Some(json!({"filename": format!("/dev/fdset/{id}"), "live": false})),
+            ),
+            self.exec("remove-fd", Some(json!({"fdset-id": id}))),
+        );
+        let mut steps = SaveSteps {
+            complete_ms: ms(t_save),
+            ..SaveSteps::default()
+        };
+        if added.is_ok() {
+            // Removed, but closed only once the VM runs: `resume` removes
+            // it again after `cont`.
+            lock(&self.stale_fdsets).push(id);
+        }
+        let st = st?;
+        if st.running {
+            return Err(DirectError::Vmm(VmmError::WrongState {
+                status: st.status,
+                needed: "paused",
+            }));
+        }
+        added.map_err(VmmError::from)?;
+        saved?;
+        if let Err(e) = removed {
+            tracing::debug!(vm = %self.spec.name, fdset = id, error = %e, "remove-fd after a direct save");
+        }
+        let t_fin = Instant::now();
+        let len = file.metadata().map_err(io)?.len();
+        let body_at = qemu_header_at + stream::HEADER.len() as u64;
+        let reader = std::fs::File::open(path).map_err(io)?;
+        let mut qemu_header = [0u8; 8];
+        if len <= body_at
+            || reader
+                .read_exact_at(&mut qemu_header, qemu_header_at)
+                .is_err()
+            || qemu_header != stream::HEADER
+        {
+            return Err(DirectError::Stream(StreamError(format!(
+                "QEMU wrote {len} bytes, not a stream at byte {qemu_header_at}"
+            ))));
+        }
+        let tail_len = (len - body_at).min(512);
+        let mut tail = vec![0u8; tail_len as usize];
+        reader
+            .read_exact_at(&mut tail, len - tail_len)
+            .map_err(io)?;
+        let (at, paused) = stream::paused_globalstate(&tail).map_err(DirectError::Stream)?;
+        file.write_all_at(&paused, len - tail_len + at as u64)
+            .map_err(io)?;
+        file.write_all_at(&stream::VMDESC, len).map_err(io)?;
+        let mut head = Vec::with_capacity(stream::HEADER.len() + cfg.len());
+        head.extend_from_slice(&stream::HEADER);
+        head.extend_from_slice(&cfg);
+        file.write_all_at(&head, 0).map_err(io)?;
+        steps.finalize_ms = ms(t_fin);
+        Ok(SaveStats {
+            bytes: len + stream::VMDESC.len() as u64,
+            elapsed: t0.elapsed(),
+            method: SaveMethod::Direct,
             steps,
         })
     }

@@ -13,7 +13,8 @@
 //! - `driver`: [`QemuDriver`], which starts (spawn, QMP handshake, restore) and adopts
 //!   VMs, and the run dir they share ([`qemu_in_run_dir`]).
 //! - `vm`: [`QemuVm`], the handle on one running VM (QMP commands, shutdown, kill).
-//! - `migration`: device state written to and read from a file (`migrate fd:`/`exec:`).
+//! - `migration`: device state written to and read from a file (`migrate fd:`/`exec:`,
+//!   or directly: `xen-save-devices-state` completed by `stream`).
 //! - `confine`: the VM's cgroup: made before the spawn, checked after it, recorded in
 //!   `<run>/cgroup.json` for adopters.
 //! - `exit`: the monitor task that waits for the process to end and says why.
@@ -24,10 +25,13 @@ mod driver;
 mod exit;
 mod migration;
 mod port;
+pub mod stream;
 mod vm;
 
 pub use driver::{qemu_in_run_dir, QemuDriver};
-pub use migration::{completion_events, set_completion_events, set_shared_round_trips};
+pub use migration::{
+    completion_events, direct_save, set_completion_events, set_direct_save, set_shared_round_trips,
+};
 pub use vm::QemuVm;
 
 /// An error and its sources on one line.

@@ -23,9 +23,7 @@ use crate::console;
 use crate::process::{pidfd_send_signal, rss_info, tail_file};
 use crate::qmp::{QmpClient, QmpError};
 use crate::spec::VmSpec;
-use crate::{
-    Confinement, RssInfo, SaveMethod, SaveStats, StartTimings, Vm, VmExit, VmStatus, VmmError,
-};
+use crate::{Confinement, RssInfo, SaveStats, StartTimings, Vm, VmExit, VmStatus, VmmError};
 
 /// A running QEMU VM.
 pub struct QemuVm {
@@ -48,6 +46,32 @@ pub struct QemuVm {
     /// Whether this VM's QEMU was given the migration capabilities (through
     /// this handle), so saves do not set them again.
     pub(super) caps_set: AtomicBool,
+    /// What direct saves of this VM put in front of QEMU's sections.
+    pub(super) stream_config: Mutex<StreamConfig>,
+    /// File-descriptor sets of direct saves that QEMU has not closed yet:
+    /// it closes a removed set's descriptor only while the VM runs, so
+    /// `resume` removes them again after `cont`.
+    pub(super) stale_fdsets: Mutex<Vec<u64>>,
+}
+
+/// The `configuration` section of this VM's migration stream, as far as
+/// direct saves know it.
+#[derive(Debug, Clone, Default)]
+pub(super) enum StreamConfig {
+    /// No `migrate` save of this VM seen yet: the next save is one.
+    #[default]
+    Unknown,
+    /// Captured from a `migrate` save of this VM.
+    Known(Arc<[u8]>),
+    /// This VM's streams are not what the driver understands: it saves
+    /// with `migrate` only.
+    Unusable,
+}
+
+/// A poisoned lock only means a task panicked while holding it; the data
+/// (a list, a small enum) stays usable.
+pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl std::fmt::Debug for QemuVm {
@@ -127,6 +151,8 @@ impl QemuVm {
             port_opened,
             timings: Mutex::new(None),
             caps_set: AtomicBool::new(false),
+            stream_config: Mutex::new(StreamConfig::Unknown),
+            stale_fdsets: Mutex::new(Vec::new()),
         })
     }
 
@@ -200,7 +226,21 @@ impl Vm for QemuVm {
     }
 
     async fn resume(&self) -> Result<(), VmmError> {
-        self.exec("cont", None).await.map(|_| ())
+        let stale = std::mem::take(&mut *lock(&self.stale_fdsets));
+        if stale.is_empty() {
+            return self.exec("cont", None).await.map(|_| ());
+        }
+        // Sent right behind `cont` (answered in order, after it): once the
+        // VM runs, removing a direct save's set again closes its file.
+        let cleanup = async {
+            for id in stale {
+                if let Err(e) = self.exec("remove-fd", Some(json!({"fdset-id": id}))).await {
+                    tracing::debug!(vm = %self.spec.name, fdset = id, error = %e, "remove-fd after cont");
+                }
+            }
+        };
+        let (cont, ()) = tokio::join!(self.exec("cont", None), cleanup);
+        cont.map(|_| ())
     }
 
     async fn status(&self) -> Result<VmStatus, VmmError> {
@@ -216,7 +256,8 @@ impl Vm for QemuVm {
     }
 
     async fn save_device_state(&self, path: &Path) -> Result<SaveStats, VmmError> {
-        self.save_device_state_with(path, SaveMethod::Fd).await
+        self.save_device_state_with(path, self.default_save_method())
+            .await
     }
 
     async fn block_resize(&self, bytes: u64) -> Result<(), VmmError> {
