@@ -243,7 +243,12 @@ fn an_api_process_serves_the_api_and_forwards_every_vm_operation_to_the_host() {
         assert_eq!((st, host.as_str()), (201, "host-a"), "{live}");
         let live = live["id"].as_str().expect("live fork id").to_owned();
         let e = api.sh(&live, "wc -c < /tmp/blob.bin").await;
-        assert_eq!(String::from_utf8_lossy(&e.stdout).trim(), "300000", "{}", e.error);
+        assert_eq!(
+            String::from_utf8_lossy(&e.stdout).trim(),
+            "300000",
+            "{}",
+            e.error
+        );
         let (st, _, v) = send(&api, "DELETE", &format!("/v1/sandboxes/{live}"), None).await;
         assert!(st == 200 || st == 204, "{st} {v}");
 
