@@ -519,38 +519,6 @@ fn full_pool_refuses_snapshots_and_forks_and_the_sandbox_runs_on() {
             .await;
         assert!(matches!(r, Err(RuntimeError::PoolFull)), "{r:?}");
         assert_eq!(sh(&f.rt, &a, "echo running").await.1, "running");
-        // The guest writes more to its disk than the pool has left (direct
-        // I/O: its RAM, also a pool file, hardly changes). QEMU stops it on
-        // the write that finds no space: run state `io-error`.
-        sh(
-            &f.rt,
-            &a,
-            "nohup sh -c 'dd if=/dev/zero of=/root/big bs=1M count=160 oflag=direct \
-             && echo written > /root/big.done' >/dev/null 2>&1 &",
-        )
-        .await;
-        let status = |v: serde_json::Value| v["status"].as_str().unwrap_or("").to_owned();
-        let mut stopped = false;
-        for _ in 0..300 {
-            let st = status(f.rt.qmp(&a, "query-status", None).await.expect("status"));
-            if st == "io-error" {
-                stopped = true;
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-        assert!(
-            stopped,
-            "the guest's write into a full pool did not stop it"
-        );
-        // A snapshot meanwhile is refused and leaves the guest as it was
-        // (not saved into `postmigrate`, where no later snapshot could save it).
-        let r = f.rt.snapshot(&a, &SnapshotId::generate()).await;
-        assert!(matches!(r, Err(RuntimeError::PoolFull)), "{r:?}");
-        assert_eq!(
-            status(f.rt.qmp(&a, "query-status", None).await.expect("status")),
-            "io-error"
-        );
         std::fs::remove_file(&filler).expect("rm filler");
         // Space comes back once btrfs commits the delete.
         let _ = std::process::Command::new("sync").status();
@@ -563,26 +531,6 @@ fn full_pool_refuses_snapshots_and_forks_and_the_sandbox_runs_on() {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         assert!(ok, "snapshots work again after space is freed");
-        // That snapshot continued the stopped guest: its write went through.
-        let mut done = String::new();
-        for _ in 0..120 {
-            done = sh(
-                &f.rt,
-                &a,
-                "cat /root/big.done 2>/dev/null; stat -c %s /root/big",
-            )
-            .await
-            .1;
-            if done.starts_with("written") {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-        assert_eq!(
-            done,
-            format!("written\n{}", 160u64 << 20),
-            "the guest's write after space returned"
-        );
         f.rt.delete(&a).await.expect("delete");
     });
 }
