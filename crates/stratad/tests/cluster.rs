@@ -130,17 +130,13 @@ async fn wait_lost(d: &Daemon, id: &str, max: Duration) -> Value {
 
 #[test]
 fn two_hosts_place_mark_a_lost_host_fence_its_revival_and_self_fence_a_partition() {
-    let Some(url) = std::env::var("STRATA_TEST_PG_URL")
-        .ok()
-        .filter(|u| !u.is_empty())
-    else {
-        eprintln!("skipped: STRATA_TEST_PG_URL is not set (scripts/test-pg.sh)");
+    let Some(url) = common::cluster::pg_url() else {
         return;
     };
     let (socket, db, user) = socket_of(&url);
     let relay = Relay::start(socket);
     let relayed = format!("postgresql://{user}@127.0.0.1:{}/{db}", relay.port);
-    let schema = format!("cluster_{}_{}", std::process::id(), rand::random::<u32>());
+    let schema = common::cluster::schema("cluster");
     // A: 4 vCPUs, reaches PostgreSQL through the relay; B: 1 vCPU, no
     // template of its own (it only watches here).
     let a = Daemon::start(&host_conf("host-a", &relayed, &schema, 4, true));

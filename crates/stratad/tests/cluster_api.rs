@@ -103,15 +103,11 @@ fn children(pid: u32) -> Vec<(u32, String)> {
 
 #[test]
 fn an_api_process_serves_the_api_and_forwards_every_vm_operation_to_the_host() {
-    let Some(url) = std::env::var("STRATA_TEST_PG_URL")
-        .ok()
-        .filter(|u| !u.is_empty())
-    else {
-        eprintln!("skipped: STRATA_TEST_PG_URL is not set (scripts/test-pg.sh)");
+    let Some(url) = common::cluster::pg_url() else {
         return;
     };
     let t0 = Instant::now();
-    let schema = format!("api_{}_{}", std::process::id(), rand::random::<u32>());
+    let schema = common::cluster::schema("api");
     let a = Daemon::start(&host_conf("host-a", &url, &schema, 4, true));
     let rt = strata_testkit::tokio_rt();
     rt.block_on(a.wait_template());

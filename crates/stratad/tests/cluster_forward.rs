@@ -53,14 +53,10 @@ fn host_of(r: &reqwest::Response) -> String {
 
 #[test]
 fn a_host_forwards_creates_and_operations_to_the_owner_and_says_when_it_is_gone() {
-    let Some(url) = std::env::var("STRATA_TEST_PG_URL")
-        .ok()
-        .filter(|u| !u.is_empty())
-    else {
-        eprintln!("skipped: STRATA_TEST_PG_URL is not set (scripts/test-pg.sh)");
+    let Some(url) = common::cluster::pg_url() else {
         return;
     };
-    let schema = format!("fwd_{}_{}", std::process::id(), rand::random::<u32>());
+    let schema = common::cluster::schema("fwd");
     let a = Daemon::start(&host_conf("host-a", &url, &schema, 4, true));
     let rt = strata_testkit::tokio_rt();
     rt.block_on(a.wait_template());

@@ -38,15 +38,11 @@ const TTL: Duration = Duration::from_secs(6);
 
 #[test]
 fn a_move_whose_adopt_call_is_lost_is_taken_up_by_the_target_and_never_marked_host_lost() {
-    let Some(url) = std::env::var("STRATA_TEST_PG_URL")
-        .ok()
-        .filter(|u| !u.is_empty())
-    else {
-        eprintln!("skipped: STRATA_TEST_PG_URL is not set (scripts/test-pg.sh)");
+    let Some(url) = common::cluster::pg_url() else {
         return;
     };
     let t_all = Instant::now();
-    let schema = format!("adopt_{}_{}", std::process::id(), rand::random::<u32>());
+    let schema = common::cluster::schema("adopt");
     let conf_a = host_conf("host-a", &url, &schema, 4, true)
         .replace("[cluster]\n", "[cluster]\ntest_drop_adopt = true\n");
     assert!(conf_a.contains("test_drop_adopt = true"));

@@ -30,7 +30,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::cluster::{alive, host_conf, own, pg_row};
+use common::cluster::{alive, host_conf, metric, own, pg_row};
 use common::Daemon;
 use serde_json::{json, Value};
 
@@ -78,26 +78,13 @@ fn plain(logs: &str) -> String {
     out
 }
 
-fn metric(text: &str, kind: &str) -> u64 {
-    let needle = format!("kind=\"{kind}\"");
-    text.lines()
-        .filter(|l| l.starts_with("strata_events_total") && l.contains(&needle))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .map(|v| v as u64)
-        .sum()
-}
-
 #[test]
 fn a_lost_hosts_replicated_sandbox_is_recovered_on_the_replica_host_with_memory_and_disk() {
-    let Some(url) = std::env::var("STRATA_TEST_PG_URL")
-        .ok()
-        .filter(|u| !u.is_empty())
-    else {
-        eprintln!("skipped: STRATA_TEST_PG_URL is not set (scripts/test-pg.sh)");
+    let Some(url) = common::cluster::pg_url() else {
         return;
     };
     let t_all = Instant::now();
-    let schema = format!("replica_{}_{}", std::process::id(), rand::random::<u32>());
+    let schema = common::cluster::schema("replica");
     let a = Daemon::start(&host_conf("host-a", &url, &schema, 4, true));
     let rt = strata_testkit::tokio_rt();
     rt.block_on(a.wait_template());

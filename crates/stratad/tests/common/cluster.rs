@@ -4,6 +4,23 @@ use serde_json::Value;
 
 use super::Daemon;
 
+/// `STRATA_TEST_PG_URL` (scripts/test-pg.sh), or `None` after printing why
+/// the test is skipped.
+pub fn pg_url() -> Option<String> {
+    let url = std::env::var("STRATA_TEST_PG_URL")
+        .ok()
+        .filter(|u| !u.is_empty());
+    if url.is_none() {
+        eprintln!("skipped: STRATA_TEST_PG_URL is not set (scripts/test-pg.sh)");
+    }
+    url
+}
+
+/// A PostgreSQL schema of its own for one test run.
+pub fn schema(prefix: &str) -> String {
+    format!("{prefix}_{}_{}", std::process::id(), rand::random::<u32>())
+}
+
 pub fn host_conf(id: &str, url: &str, schema: &str, vcpus: u32, build: bool) -> String {
     format!(
         r#"default_template = {build}
