@@ -31,37 +31,9 @@ mod common;
 
 use std::time::Instant;
 
-use common::cluster::{host_conf, pg_row};
+use common::cluster::{api_conf, host_conf, host_of, pg_row};
 use common::Daemon;
 use serde_json::{json, Value};
-
-fn api_conf(id: &str, url: &str, schema: &str) -> String {
-    format!(
-        r#"default_template = false
-[store]
-url = "{url}"
-schema = "{schema}"
-timeout = "3s"
-[cluster]
-enabled = true
-role = "api"
-host_id = "{id}"
-lease_ttl = "6s"
-renew_every = "1s"
-takeover_margin = "1s"
-fence_margin = "2s"
-watch_every = "1s"
-"#
-    )
-}
-
-fn host_of(r: &reqwest::Response) -> String {
-    r.headers()
-        .get("x-strata-host")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_owned()
-}
 
 /// `method path` with `body` through `d`: (status, `x-strata-host`, JSON).
 async fn send(d: &Daemon, method: &str, path: &str, body: Option<Value>) -> (u16, String, Value) {

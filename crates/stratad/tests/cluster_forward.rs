@@ -21,7 +21,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::cluster::host_conf;
+use common::cluster::{host_conf, host_of};
 use common::Daemon;
 use serde_json::{json, Value};
 
@@ -41,14 +41,6 @@ async fn owner(url: &str, schema: &str, id: &str) -> Option<String> {
     drop(c);
     let _ = task.await;
     r
-}
-
-fn host_of(r: &reqwest::Response) -> String {
-    r.headers()
-        .get("x-strata-host")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_owned()
 }
 
 #[test]

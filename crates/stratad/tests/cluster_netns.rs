@@ -45,7 +45,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::cluster::{own, pg_row};
+use common::cluster::{host_of, own, pg_row};
 use common::{Daemon, Launch};
 use netns::{now_ms, Net, Recorder, Relay};
 use serde_json::{json, Value};
@@ -161,14 +161,6 @@ async fn lease(url: &str, schema: &str, id: &str) -> Option<(String, i64, i64)> 
     )
     .await
     .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1), r.get::<_, i64>(2)))
-}
-
-fn host_of(r: &reqwest::Response) -> String {
-    r.headers()
-        .get("x-strata-host")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_owned()
 }
 
 async fn wait_lost(d: &Daemon, id: &str, max: Duration) -> Value {

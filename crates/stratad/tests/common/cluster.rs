@@ -21,27 +21,53 @@ pub fn schema(prefix: &str) -> String {
     format!("{prefix}_{}_{}", std::process::id(), rand::random::<u32>())
 }
 
-pub fn host_conf(id: &str, url: &str, schema: &str, vcpus: u32, build: bool) -> String {
+/// The `[store]` and `[cluster]` sections every cluster test's daemon has
+/// (a 6 s lease renewed every second); `role` is a `role = …` line or empty.
+fn store_and_cluster(id: &str, url: &str, schema: &str, role: &str) -> String {
     format!(
-        r#"default_template = {build}
-[store]
+        r#"[store]
 url = "{url}"
 schema = "{schema}"
 timeout = "3s"
 [cluster]
 enabled = true
-host_id = "{id}"
+{role}host_id = "{id}"
 lease_ttl = "6s"
 renew_every = "1s"
 takeover_margin = "1s"
 fence_margin = "2s"
 watch_every = "1s"
-[capacity]
+"#
+    )
+}
+
+pub fn host_conf(id: &str, url: &str, schema: &str, vcpus: u32, build: bool) -> String {
+    format!(
+        r#"default_template = {build}
+{}[capacity]
 admission = "nominal"
 vcpus = {vcpus}
 cpu_overcommit = 1.0
-"#
+"#,
+        store_and_cluster(id, url, schema, "")
     )
+}
+
+/// An API-only process (`[cluster] role = "api"`) on the same database.
+pub fn api_conf(id: &str, url: &str, schema: &str) -> String {
+    format!(
+        "default_template = false\n{}",
+        store_and_cluster(id, url, schema, "role = \"api\"\n")
+    )
+}
+
+/// The `x-strata-host` header of an answer: which host answered it.
+pub fn host_of(r: &reqwest::Response) -> String {
+    r.headers()
+        .get("x-strata-host")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned()
 }
 
 pub async fn pg_row(url: &str, sql: &str) -> Option<tokio_postgres::Row> {

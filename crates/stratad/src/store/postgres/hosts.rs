@@ -43,6 +43,25 @@ impl PgStore {
             }
         }
     }
+
+    /// The leases `SELECT … FROM sandbox_owners WHERE {rest}` finds.
+    fn leases_where(
+        &self,
+        rest: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> HostResult<Vec<OwnerLease>> {
+        self.block_h(async {
+            let c = self.client().await?;
+            c.query(
+                &format!("SELECT {LEASE_COLS} FROM sandbox_owners WHERE {rest}"),
+                params,
+            )
+            .await?
+            .iter()
+            .map(lease_of)
+            .collect()
+        })
+    }
 }
 
 impl HostStore for PgStore {
@@ -460,19 +479,7 @@ impl HostStore for PgStore {
     }
 
     fn host_leases(&self, host: &str) -> HostResult<Vec<OwnerLease>> {
-        self.block_h(async {
-            let c = self.client().await?;
-            c.query(
-                &format!(
-                    "SELECT {LEASE_COLS} FROM sandbox_owners WHERE host_id = $1 ORDER BY sandbox_id"
-                ),
-                &[&host],
-            )
-            .await?
-            .iter()
-            .map(lease_of)
-            .collect()
-        })
+        self.leases_where("host_id = $1 ORDER BY sandbox_id", &[&host])
     }
 
     fn expired_leases(
@@ -482,21 +489,10 @@ impl HostStore for PgStore {
         limit: usize,
     ) -> HostResult<Vec<OwnerLease>> {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        self.block_h(async {
-            let c = self.client().await?;
-            c.query(
-                &format!(
-                    "SELECT {LEASE_COLS} FROM sandbox_owners \
-                     WHERE expires_at + $2 <= {NOW_MS} AND host_id <> $1 \
-                     ORDER BY expires_at LIMIT $3"
-                ),
-                &[&except, &i64_of(margin_ms), &limit],
-            )
-            .await?
-            .iter()
-            .map(lease_of)
-            .collect()
-        })
+        self.leases_where(
+            &format!("expires_at + $2 <= {NOW_MS} AND host_id <> $1 ORDER BY expires_at LIMIT $3"),
+            &[&except, &i64_of(margin_ms), &limit],
+        )
     }
 
     fn unrenewed_leases(
@@ -506,23 +502,15 @@ impl HostStore for PgStore {
         limit: usize,
     ) -> HostResult<Vec<OwnerLease>> {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        self.block_h(async {
-            let c = self.client().await?;
-            // A range of `sandbox_owners_by_expiry`: held leases of every
-            // host are renewed to `now + ttl`, outside the window.
-            c.query(
-                &format!(
-                    "SELECT {LEASE_COLS} FROM sandbox_owners \
-                     WHERE expires_at > {NOW_MS} AND expires_at <= {NOW_MS} + $2 \
-                     AND host_id = $1 ORDER BY expires_at LIMIT $3"
-                ),
-                &[&host, &i64_of(within_ms), &limit],
-            )
-            .await?
-            .iter()
-            .map(lease_of)
-            .collect()
-        })
+        // A range of `sandbox_owners_by_expiry`: held leases of every host
+        // are renewed to `now + ttl`, outside the window.
+        self.leases_where(
+            &format!(
+                "expires_at > {NOW_MS} AND expires_at <= {NOW_MS} + $2 \
+                 AND host_id = $1 ORDER BY expires_at LIMIT $3"
+            ),
+            &[&host, &i64_of(within_ms), &limit],
+        )
     }
 
     fn sandbox_owner(&self, sandbox: &SandboxId) -> HostResult<Option<OwnerLease>> {
