@@ -246,6 +246,15 @@ pub trait Vm: Send + Sync + std::fmt::Debug {
     /// The VM must be paused; it stays paused (`postmigrate` after a
     /// migration, `paused` after a direct save) until `resume`.
     async fn save_device_state(&self, path: &Path) -> Result<SaveStats, VmmError>;
+    /// Saves the device state into memory and returns the complete file's
+    /// bytes, for a caller that writes them once the VM runs again: no file
+    /// system is touched while the VM is paused. `Ok(None)` when this VM
+    /// cannot save that way now (QEMU: its first save, which migrates, or
+    /// direct saves off): use [`Vm::save_device_state`]. The VM must be
+    /// paused and stays paused (`paused`).
+    async fn save_device_state_in_memory(&self) -> Result<Option<(Vec<u8>, SaveStats)>, VmmError> {
+        Ok(None)
+    }
     /// Grows the root disk to `bytes` (file and guest-visible capacity).
     async fn block_resize(&self, bytes: u64) -> Result<(), VmmError>;
     /// ACPI power-off, then QMP `quit`, then SIGKILL, within `timeout` overall.

@@ -57,6 +57,18 @@ async fn direct_save_matches_migrate_and_restores(
     let direct = b.save_device_state(&direct_path).await.unwrap();
     assert_eq!(direct.method, SaveMethod::Direct, "{direct:?}");
     assert_eq!(b.status().await.unwrap().status, "paused");
+    // The same save into memory (a memfd; what a snapshot's pause uses, so
+    // that no pool file is written while the guest is stopped).
+    let (in_memory, mem_stats) = b
+        .save_device_state_in_memory()
+        .await
+        .unwrap()
+        .expect("a VM that saves directly saves into memory");
+    assert_eq!(mem_stats.method, SaveMethod::Direct);
+    assert_eq!(in_memory.len() as u64, mem_stats.bytes);
+    assert_eq!(b.status().await.unwrap().status, "paused");
+    let memory_path = dir.path().join("memory.state");
+    std::fs::write(&memory_path, &in_memory).unwrap();
     let migrated_path = dir.path().join("migrated.state");
     let migrated = b
         .save_device_state_with(&migrated_path, SaveMethod::Fd)
@@ -79,6 +91,18 @@ async fn direct_save_matches_migrate_and_restores(
     let d = std::fs::read(&direct_path).unwrap();
     let m = std::fs::read(&migrated_path).unwrap();
     assert_eq!(d.len() as u64, direct.bytes);
+    assert!(
+        d == in_memory,
+        "the save into memory is the direct file, byte for byte ({} vs {} bytes)",
+        in_memory.len(),
+        d.len()
+    );
+    println!(
+        "REPORT direct save into memory {:?} ({} KiB, steps {:?})",
+        mem_stats.elapsed,
+        mem_stats.bytes / 1024,
+        mem_stats.steps
+    );
     let head = stream::HEADER.len() + stream::configuration(&m).unwrap().len();
     assert_eq!(d[..head], m[..head], "header and configuration");
     assert!(d.ends_with(&stream::VMDESC));
@@ -100,12 +124,13 @@ async fn direct_save_matches_migrate_and_restores(
         "the migration has RAM sections the direct file does not"
     );
 
-    // Restored from the direct file (RAM and disk as of now): paused until `cont`.
+    // Restored from the state saved in memory (RAM and disk as of now):
+    // paused until `cont`.
     let de = scratch("vmm-e");
-    let mut spec_e = restore_spec(spec_b, de.path(), &direct_path, "vmm-e");
+    let mut spec_e = restore_spec(spec_b, de.path(), &memory_path, "vmm-e");
     spec_e.start_paused = true;
     b.resume().await.unwrap();
-    // The direct save's fd set is gone once B runs again.
+    // The direct saves' fd sets are gone once B runs again.
     let sets = b.qmp("query-fdsets", None).await.unwrap();
     assert_eq!(sets, serde_json::json!([]), "fd sets left: {sets}");
 
@@ -122,7 +147,7 @@ async fn direct_save_matches_migrate_and_restores(
         "restored counter {c_e}, direct save at {c_save}"
     );
     wait_count_at_least(&agent_e, c_e + 2).await;
-    println!("REPORT restored from a direct save: counter {c_save} -> {c_e}, runs on");
+    println!("REPORT restored from a direct save into memory: counter {c_save} -> {c_e}, runs on");
     drop(agent_e);
     e.kill().await.unwrap();
 }

@@ -108,6 +108,44 @@ pub struct Args {
         default_value_t = 15
     )]
     pub save_ab: usize,
+    /// What the device-state A/B compares: `memory` (before: the direct
+    /// save into the sandbox's `.device.state.tmp` in the pool, beside the
+    /// btrfs snapshot of that pool; now: the direct save into a memfd,
+    /// written to the pool after `cont`) or `migrate` (before: a
+    /// migration; now: the direct save).
+    #[arg(
+        id = "snapshot-ab-kind",
+        long = "snapshot-ab-kind",
+        default_value = "memory",
+        value_parser = ["memory", "migrate"]
+    )]
+    pub ab_kind: String,
+}
+
+impl Args {
+    /// The A/B's two arms, as named in tables.
+    fn ab_names(&self) -> (&'static str, &'static str) {
+        if self.ab_kind == "migrate" {
+            ("migrate", "direct")
+        } else {
+            ("direct to a pool file", "direct into memory")
+        }
+    }
+
+    /// Sets the A/B's arm (`now`: the newer one) process-wide.
+    fn ab_arm(&self, now: bool) {
+        if self.ab_kind == "migrate" {
+            strata_vmm::qemu::set_direct_save(now);
+        } else {
+            strata_vmm::qemu::set_save_in_memory(now);
+        }
+    }
+
+    /// Back to the defaults after an A/B snapshot.
+    fn ab_reset(&self) {
+        strata_vmm::qemu::set_direct_save(true);
+        strata_vmm::qemu::set_save_in_memory(true);
+    }
 }
 
 impl Args {
@@ -383,7 +421,7 @@ async fn measure_size(ctx: &Ctx, args: &Args, mib: u64, res: &mut Results) -> Re
         // direct save), both beside the btrfs snapshot.
         for i in 0..args.save_ab * 2 {
             let now = i % 2 == 1;
-            strata_vmm::qemu::set_direct_save(now);
+            args.ab_arm(now);
             let r = strata_snapshots(&brt.rt, &id, 1, interval, |s| {
                 if now {
                     case.ab_now_ms.push(s.pause_ms);
@@ -394,12 +432,13 @@ async fn measure_size(ctx: &Ctx, args: &Args, mib: u64, res: &mut Results) -> Re
                 }
             })
             .await;
-            strata_vmm::qemu::set_direct_save(true);
+            args.ab_reset();
             r.context("strata snapshots, device-state A/B")?;
         }
         if args.save_ab > 0 {
+            let (before, now) = args.ab_names();
             progress!(
-                "{label}: device state before (migrate) p50 {} vs now (direct) p50 {}; pause {} vs {}",
+                "{label}: device state before ({before}) p50 {} vs now ({now}) p50 {}; pause {} vs {}",
                 fmt_ms(device_state(&case.ab_before).p50),
                 fmt_ms(device_state(&case.ab_now).p50),
                 fmt_ms(Summary::of(&case.ab_before_ms).p50),
@@ -643,8 +682,14 @@ fn render(ctx: &Ctx, args: &Args, res: &Results, sec: &mut Section) -> Result<()
         for c in &res.cases {
             let arms = [
                 (c.label(), &c.phases),
-                (format!("{}, A/B before (migrate)", c.label()), &c.ab_before),
-                (format!("{}, A/B now (direct)", c.label()), &c.ab_now),
+                (
+                    format!("{}, A/B before ({})", c.label(), args.ab_names().0),
+                    &c.ab_before,
+                ),
+                (
+                    format!("{}, A/B now ({})", c.label(), args.ab_names().1),
+                    &c.ab_now,
+                ),
             ];
             for (label, phases) in arms {
                 if phases.is_empty() {
@@ -670,8 +715,13 @@ fn render(ctx: &Ctx, args: &Args, res: &Results, sec: &mut Section) -> Result<()
         sec.table(t);
     }
     if res.cases.iter().any(|c| !c.ab_now.is_empty()) {
+        let title = if args.ab_kind == "migrate" {
+            "The device-state save before (a migration: `migrate fd:` with `x-ignore-shared`, its `MIGRATION` event, the wait until finalized) vs now (the direct save: `xen-save-devices-state` into an `add-fd` set, completed in place by the driver), both beside the btrfs snapshot: p50 (p99), ms, the two interleaved one snapshot at a time on the same VM"
+        } else {
+            "The direct device-state save before (into the sandbox's `.device.state.tmp`, a file in the pool the btrfs snapshot beside it commits) vs now (into a memfd, completed in memory, written to the pool after `cont`): p50 (p99), ms, the two interleaved one snapshot at a time on the same VM"
+        };
         let mut t = Table::new(
-            "The device-state save before (a migration: `migrate fd:` with `x-ignore-shared`, its `MIGRATION` event, the wait until finalized) vs now (the direct save: `xen-save-devices-state` into an `add-fd` set, completed in place by the driver), both beside the btrfs snapshot: p50 (p99), ms, the two interleaved one snapshot at a time on the same VM",
+            title,
             &[
                 "case",
                 "n per arm",
@@ -716,6 +766,7 @@ fn render(ctx: &Ctx, args: &Args, res: &Results, sec: &mut Section) -> Result<()
             "bandwidth_mib": args.bandwidth_mib,
             "bandwidth_runs": args.bandwidth_runs,
             "save_ab": args.save_ab,
+            "ab_kind": args.ab_kind,
             "vcpus": 1,
             "accel": ctx.accel.to_string(),
         },
@@ -883,6 +934,7 @@ mod tests {
             bandwidth_mib: 1,
             bandwidth_runs: 1,
             save_ab: 2,
+            ab_kind: "memory".into(),
         };
         args.smoke();
         let res = Results {

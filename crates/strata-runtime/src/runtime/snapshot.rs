@@ -101,6 +101,14 @@ impl PauseGate {
 /// Where a device-state save writes before its file is put in place.
 const STATE_TMP: &str = ".device.state.tmp";
 
+/// Where an overlapped pause's device-state save put the state.
+enum SavedState {
+    /// In the sandbox's `.device.state.tmp`.
+    File,
+    /// In memory (a direct save): written to `.device.state.tmp` after `cont`.
+    Memory(Vec<u8>),
+}
+
 /// QEMU's run state of a guest it stopped on a disk I/O error.
 const IO_ERROR: &str = "io-error";
 
@@ -156,16 +164,19 @@ impl Runtime {
     }
 
     /// The overlapped pause's work (see [`Runtime::set_overlapped_state_save`]):
-    /// the device state saved into `dir/.device.state.tmp` while `dir` is
-    /// snapshotted into `dst`. The btrfs step's ms, the save's ms and its
-    /// figures; on failure nothing is left at `dst`.
+    /// the device state saved while `dir` is snapshotted into `dst`: into
+    /// memory when the VM saves directly (nothing of the pool is written
+    /// while the guest is stopped; the bytes go to disk after `cont`), else
+    /// into `dir/.device.state.tmp`. The btrfs step's ms, the save's ms,
+    /// its figures and where the state is; on failure nothing is left at
+    /// `dst`.
     async fn state_beside_btrfs(
         &self,
         id: &str,
         live: &Live,
         dir: &Path,
         dst: &Path,
-    ) -> Result<(f64, f64, strata_vmm::SaveStats)> {
+    ) -> Result<(f64, f64, strata_vmm::SaveStats, SavedState)> {
         let tmp = dir.join(STATE_TMP);
         let pool = self.pool.clone();
         let (src, d) = (dir.to_path_buf(), dst.to_path_buf());
@@ -176,14 +187,22 @@ impl Runtime {
         });
         let save = async {
             let t = Instant::now();
-            let r = live.vm.save_device_state(&tmp).await;
+            let r = match live.vm.save_device_state_in_memory().await {
+                Ok(Some((bytes, stats))) => Ok((stats, SavedState::Memory(bytes))),
+                Ok(None) => live
+                    .vm
+                    .save_device_state(&tmp)
+                    .await
+                    .map(|stats| (stats, SavedState::File)),
+                Err(e) => Err(e),
+            };
             (r, ms(t))
         };
         let (btrfs, (saved, save_ms)) = tokio::join!(btrfs, save);
         let err = match (btrfs, saved) {
-            (Ok(b), Ok(s)) => {
+            (Ok(b), Ok((s, at))) => {
                 live.state_saved.store(true, Ordering::SeqCst);
-                return Ok((b, save_ms, s));
+                return Ok((b, save_ms, s, at));
             }
             // No snapshot was made: nothing at `dst`.
             (Err(e), _) => e,
@@ -210,10 +229,14 @@ impl Runtime {
     /// After an overlapped pause: the complete device state goes into the
     /// snapshot (over the one of before and the half-written temporary the
     /// btrfs snapshot caught) and becomes the sandbox's own.
-    async fn place_state(&self, dir: &Path, dst: &Path) -> Result<()> {
+    async fn place_state(&self, dir: &Path, dst: &Path, saved: SavedState) -> Result<()> {
         let (dir, dst) = (dir.to_path_buf(), dst.to_path_buf());
         blocking(move || {
             let tmp = dir.join(STATE_TMP);
+            if let SavedState::Memory(bytes) = saved {
+                std::fs::write(&tmp, bytes)
+                    .map_err(|e| io_err("write the device state saved in memory", e))?;
+            }
             // A copy within one btrfs file system is a reflink
             // (copy_file_range): no data is written twice.
             std::fs::copy(&tmp, dst.join(files::DEVICE_STATE))
@@ -312,6 +335,7 @@ impl Runtime {
         };
         let mut steps = strata_vmm::SaveSteps::default();
         let mut method = None;
+        let mut saved_state = None;
         let t0 = Instant::now();
         if was_running {
             live.pause_vm().await.map_err(|e| vmm_err(id.as_str(), e))?;
@@ -320,11 +344,12 @@ impl Runtime {
         let overlap = was_running && self.overlap_save.load(Ordering::Relaxed);
         let result = async {
             if overlap {
-                let (b, save_ms, st) = self
+                let (b, save_ms, st, at) = self
                     .state_beside_btrfs(id.as_str(), &live, &dir, &dst)
                     .await?;
                 steps = st.steps;
                 method = Some(st.method);
+                saved_state = Some(at);
                 return Ok::<(u64, f64, f64), RuntimeError>((st.bytes, save_ms, b));
             }
             let t_state = Instant::now();
@@ -376,8 +401,8 @@ impl Runtime {
         }
         let pause_ms = ms(t0);
         let (bytes, device_state_ms, btrfs_ms) = result?;
-        if overlap {
-            if let Err(e) = self.place_state(&dir, &dst).await {
+        if let Some(saved) = saved_state {
+            if let Err(e) = self.place_state(&dir, &dst, saved).await {
                 self.discard_unlisted(id.as_str(), &dst, "a snapshot without its device state")
                     .await;
                 return Err(e);

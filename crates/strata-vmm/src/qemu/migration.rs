@@ -30,10 +30,11 @@
 //! 0.5 ms, doubling to 10 ms).
 
 use std::io::{Seek, SeekFrom};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::sync::broadcast::error::RecvError;
@@ -44,6 +45,10 @@ use super::stream::{self, StreamError};
 use super::vm::{lock, QemuVm, StreamConfig};
 use crate::{SaveMethod, SaveStats, SaveSteps, Vm, VmmError};
 
+/// The most device state a save into memory takes (a microvm's is tens of
+/// KiB; QEMU, not the guest, decides its size): more is refused as a stream
+/// the driver does not expect, and the save is made to a file.
+const MAX_DEVICE_STATE: u64 = 64 << 20;
 /// Upper bound of a device-state save or load.
 const MIGRATION_TIMEOUT: Duration = Duration::from_secs(120);
 /// Upper bound of the wait from a completed save to its run state settling.
@@ -96,6 +101,18 @@ pub fn set_direct_save(on: bool) {
 /// Whether saves after a VM's first are direct.
 pub fn direct_save() -> bool {
     DIRECT_SAVE.load(Ordering::Relaxed)
+}
+
+/// Whether `Vm::save_device_state_in_memory` saves (the default) or
+/// declines, so callers write the state to a file.
+static SAVE_IN_MEMORY: AtomicBool = AtomicBool::new(true);
+
+/// Chooses whether a direct save may go into memory
+/// (`Vm::save_device_state_in_memory`; `true`, the default) or callers are
+/// told to save to a file (`false`: how it was, for benchmarks that compare
+/// the two in one run). Process-wide.
+pub fn set_save_in_memory(on: bool) {
+    SAVE_IN_MEMORY.store(on, Ordering::Relaxed);
 }
 
 /// How many fd-set ids this process has handed out.
@@ -334,39 +351,25 @@ impl QemuVm {
         };
     }
 
-    /// A [`SaveMethod::Direct`] save: `xen-save-devices-state` into `path`
-    /// (passed with `add-fd`, its offset past where this VM's
-    /// configuration goes), then the file completed in place (header and
-    /// configuration, `globalstate` saying `paused`, an empty description).
-    async fn save_direct(&self, path: &Path) -> Result<SaveStats, DirectError> {
-        let cfg = match &*lock(&self.stream_config) {
-            StreamConfig::Known(c) => c.clone(),
-            StreamConfig::Unknown => {
-                return Err(DirectError::Vmm(VmmError::Migration {
-                    reason: "direct save: this VM has had no migrate save to take its stream configuration from".into(),
-                }))
-            }
-            StreamConfig::Unusable => {
-                return Err(DirectError::Stream(StreamError(
-                    "this VM's migration stream is not one the driver completes".into(),
-                )))
-            }
-        };
-        let t0 = Instant::now();
-        let io = |e| DirectError::Vmm(VmmError::io(path, e));
-        // Write-only: QEMU dups a set member whose access mode matches its
-        // open (O_WRONLY), sharing this file offset.
-        let mut file = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(path)
-            .map_err(io)?;
-        let qemu_header_at = cfg.len() as u64;
-        file.seek(SeekFrom::Start(qemu_header_at)).map_err(io)?;
+    /// This VM's stream configuration, for a direct save.
+    fn direct_config(&self) -> Result<Arc<[u8]>, DirectError> {
+        match &*lock(&self.stream_config) {
+            StreamConfig::Known(c) => Ok(c.clone()),
+            StreamConfig::Unknown => Err(DirectError::Vmm(VmmError::Migration {
+                reason: "direct save: this VM has had no migrate save to take its stream configuration from".into(),
+            })),
+            StreamConfig::Unusable => Err(DirectError::Stream(StreamError(
+                "this VM's migration stream is not one the driver completes".into(),
+            ))),
+        }
+    }
+
+    /// The QMP part of a direct save: `file` (write-only; its offset where
+    /// QEMU's header goes) into a fresh fd set, `xen-save-devices-state`
+    /// into it, the set removed again, all in one write answered in order
+    /// behind a run-state check. QEMU writes at the shared file offset.
+    async fn direct_qmp(&self, file: &std::fs::File) -> Result<SaveSteps, DirectError> {
         let id = next_fdset_id();
-        // One write, answered in order: the run-state check, the file into
-        // a fresh set, the save, the set removed again.
         let t_save = Instant::now();
         let (st, added, saved, removed) = tokio::join!(
             self.status(),
@@ -378,7 +381,7 @@ impl QemuVm {
             ),
             self.exec("remove-fd", Some(json!({"fdset-id": id}))),
         );
-        let mut steps = SaveSteps {
+        let steps = SaveSteps {
             complete_ms: ms(t_save),
             ..SaveSteps::default()
         };
@@ -399,6 +402,28 @@ impl QemuVm {
         if let Err(e) = removed {
             tracing::debug!(vm = %self.spec.name, fdset = id, error = %e, "remove-fd after a direct save");
         }
+        Ok(steps)
+    }
+
+    /// A [`SaveMethod::Direct`] save: `xen-save-devices-state` into `path`
+    /// (passed with `add-fd`, its offset past where this VM's
+    /// configuration goes), then the file completed in place (header and
+    /// configuration, `globalstate` saying `paused`, an empty description).
+    async fn save_direct(&self, path: &Path) -> Result<SaveStats, DirectError> {
+        let cfg = self.direct_config()?;
+        let t0 = Instant::now();
+        let io = |e| DirectError::Vmm(VmmError::io(path, e));
+        // Write-only: QEMU dups a set member whose access mode matches its
+        // open (O_WRONLY), sharing this file offset.
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(path)
+            .map_err(io)?;
+        let qemu_header_at = cfg.len() as u64;
+        file.seek(SeekFrom::Start(qemu_header_at)).map_err(io)?;
+        let mut steps = self.direct_qmp(&file).await?;
         let t_fin = Instant::now();
         let len = file.metadata().map_err(io)?.len();
         let body_at = qemu_header_at + stream::HEADER.len() as u64;
@@ -434,6 +459,90 @@ impl QemuVm {
             method: SaveMethod::Direct,
             steps,
         })
+    }
+
+    /// A direct save into memory: as [`Self::save_direct`], but QEMU writes
+    /// into a memfd and the complete stream is returned, so no file system
+    /// is touched while the VM is paused (a file in the pool being
+    /// snapshotted beside the save waits for btrfs's commit: creating it
+    /// and QEMU's first write join the transaction the snapshot commits).
+    async fn save_direct_in_memory(&self) -> Result<(Vec<u8>, SaveStats), DirectError> {
+        let cfg = self.direct_config()?;
+        let t0 = Instant::now();
+        let name = Path::new("memfd:strata-device-state");
+        let io = |e| DirectError::Vmm(VmmError::io(name, e));
+        let mem: std::fs::File = nix::sys::memfd::memfd_create(
+            c"strata-device-state",
+            nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC,
+        )
+        .map_err(|e| io(std::io::Error::from(e)))?
+        .into();
+        // A second, write-only open of the same memfd: QEMU dups a set
+        // member whose access mode matches its open (O_WRONLY), and writes
+        // at this description's offset.
+        let mut wr = std::fs::OpenOptions::new()
+            .write(true)
+            .open(format!("/proc/self/fd/{}", mem.as_raw_fd()))
+            .map_err(io)?;
+        let qemu_header_at = cfg.len() as u64;
+        wr.seek(SeekFrom::Start(qemu_header_at)).map_err(io)?;
+        let mut steps = self.direct_qmp(&wr).await?;
+        drop(wr);
+        let t_fin = Instant::now();
+        let len = mem.metadata().map_err(io)?.len();
+        let body_at = qemu_header_at + stream::HEADER.len() as u64;
+        if len <= body_at || len > MAX_DEVICE_STATE {
+            return Err(DirectError::Stream(StreamError(format!(
+                "QEMU wrote {len} bytes (at most {MAX_DEVICE_STATE} expected)"
+            ))));
+        }
+        let mut out = vec![0u8; len as usize];
+        mem.read_exact_at(&mut out, 0).map_err(io)?;
+        let at_header = qemu_header_at as usize;
+        if out[at_header..at_header + stream::HEADER.len()] != stream::HEADER {
+            return Err(DirectError::Stream(StreamError(format!(
+                "QEMU wrote {len} bytes, not a stream at byte {qemu_header_at}"
+            ))));
+        }
+        let tail_at = len as usize - (len - body_at).min(512) as usize;
+        let (at, paused) =
+            stream::paused_globalstate(&out[tail_at..]).map_err(DirectError::Stream)?;
+        out[tail_at + at..tail_at + at + paused.len()].copy_from_slice(&paused);
+        out[..stream::HEADER.len()].copy_from_slice(&stream::HEADER);
+        out[stream::HEADER.len()..stream::HEADER.len() + cfg.len()].copy_from_slice(&cfg);
+        out.extend_from_slice(&stream::VMDESC);
+        steps.finalize_ms = ms(t_fin);
+        let stats = SaveStats {
+            bytes: out.len() as u64,
+            elapsed: t0.elapsed(),
+            method: SaveMethod::Direct,
+            steps,
+        };
+        Ok((out, stats))
+    }
+
+    /// A [`SaveMethod::Direct`] save into memory when this VM saves
+    /// directly now (`None`: its first save, direct saves off, or its
+    /// stream not one the driver completes: save to a file instead). The
+    /// VM must be paused and stays paused.
+    pub async fn save_device_state_in_memory_now(
+        &self,
+    ) -> Result<Option<(Vec<u8>, SaveStats)>, VmmError> {
+        if !SAVE_IN_MEMORY.load(Ordering::Relaxed)
+            || self.default_save_method() != SaveMethod::Direct
+        {
+            return Ok(None);
+        }
+        match self.save_direct_in_memory().await {
+            Ok(r) => Ok(Some(r)),
+            Err(DirectError::Vmm(e)) => Err(e),
+            Err(DirectError::Stream(e)) => {
+                tracing::warn!(vm = %self.spec.name, error = %e,
+                    "direct device-state save: unexpected stream; this VM saves with migrate from now on");
+                *lock(&self.stream_config) = StreamConfig::Unusable;
+                Ok(None)
+            }
+        }
     }
 
     /// Waits for the save's end: the first `MIGRATION` event that says so,

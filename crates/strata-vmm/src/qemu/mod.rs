@@ -30,7 +30,8 @@ mod vm;
 
 pub use driver::{qemu_in_run_dir, QemuDriver};
 pub use migration::{
-    completion_events, direct_save, set_completion_events, set_direct_save, set_shared_round_trips,
+    completion_events, direct_save, set_completion_events, set_direct_save, set_save_in_memory,
+    set_shared_round_trips,
 };
 pub use vm::QemuVm;
 

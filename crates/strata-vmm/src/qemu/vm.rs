@@ -260,6 +260,10 @@ impl Vm for QemuVm {
             .await
     }
 
+    async fn save_device_state_in_memory(&self) -> Result<Option<(Vec<u8>, SaveStats)>, VmmError> {
+        self.save_device_state_in_memory_now().await
+    }
+
     async fn block_resize(&self, bytes: u64) -> Result<(), VmmError> {
         self.exec(
             "block_resize",
