@@ -136,6 +136,16 @@ fn rewind_restores_files_and_memory() {
     let f = fixture();
     tokio_rt().block_on(async {
         let a = new_sandbox(f).await;
+        // The disk takes discards (how a guest gives pool space back), with
+        // the legacy virtio-mmio devices of layout 3 as with the modern ones.
+        let (code, out) = sh(
+            &f.rt,
+            &a,
+            "cat /sys/block/vda/queue/discard_max_bytes; fstrim -v / 2>&1",
+        )
+        .await;
+        let max: u64 = out.lines().next().and_then(|l| l.trim().parse().ok()).unwrap_or(0);
+        assert!(code == 0 && max > 0, "discard on vda: exit {code}, {out:?}");
         // A file on disk, a value only in memory (a process holding a variable), a file to delete later.
         sh(&f.rt, &a, "echo v1 > /root/file; echo keep > /root/doomed; sync").await;
         sh(
