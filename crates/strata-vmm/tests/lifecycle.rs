@@ -468,3 +468,51 @@ async fn lifecycle() {
         Err(strata_vmm::VmmError::ProcessDied { .. })
     ));
 }
+
+/// A state made under an older device layout (2: modern virtio-mmio)
+/// restores with that layout's devices after layout 3 made virtio-mmio
+/// legacy: the week of history a host holds when it upgrades keeps working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_state_of_device_layout_2_restores_as_it_was_made() {
+    if std::env::var_os(HELPER_ENV).is_some() {
+        return;
+    }
+    assert!(strata_vmm::cmdline::MACHINE_LAYOUT_VERSION > 2);
+    let driver = QemuDriver::new();
+    let dir = scratch("vmm-layout2");
+    let mut spec = image_spec(dir.path(), "vmm-layout2");
+    spec.layout = 2;
+    assert!(strata_vmm::cmdline::qemu_args(&spec, None)
+        .contains(&"virtio-mmio.force-legacy=false".to_string()));
+    let a = driver.start_vm(&spec).await.unwrap();
+    let _ga = KillOnDrop(a.pid());
+    let agent_a = agent(&a.agent_socket(), Duration::from_secs(120)).await;
+    start_counter(&agent_a).await;
+    wait_count_at_least(&agent_a, 2).await;
+    let c_save = count(&agent_a).await;
+    a.pause().await.unwrap();
+    let state = dir.path().join("layout2.state");
+    let saved = a.save_device_state(&state).await.unwrap();
+    drop(agent_a);
+    a.kill().await.unwrap();
+
+    let dr = scratch("vmm-layout2-r");
+    let spec_r = restore_spec(&spec, dr.path(), &state, "vmm-layout2-r");
+    assert_eq!(spec_r.layout, 2);
+    let r = driver.start_vm(&spec_r).await.unwrap();
+    let _gr = KillOnDrop(r.pid());
+    r.resume().await.ok();
+    let agent_r = agent(&r.agent_socket(), Duration::from_secs(30)).await;
+    let c_r = count(&agent_r).await;
+    assert!(
+        c_r >= c_save && c_r <= c_save + 10,
+        "restored counter {c_r}, saved at {c_save}"
+    );
+    wait_count_at_least(&agent_r, c_r + 2).await;
+    println!(
+        "REPORT layout 2 state ({} KiB) restored with layout 2: counter {c_save} -> {c_r}, runs on",
+        saved.bytes / 1024
+    );
+    drop(agent_r);
+    r.kill().await.unwrap();
+}
