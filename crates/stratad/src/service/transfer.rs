@@ -300,32 +300,33 @@ impl Service {
             )));
         }
         let tenant = self.receiving_tenant(caller, id).await?;
-        self.offer_for(&tenant, snaps).await
+        self.offer_for(&tenant, snaps, true).await
     }
 
     /// Which of `snaps` this host holds for `tenant`, with their
-    /// identities (an offer's answer): received for it, or made here as
-    /// one of its own ready snapshots and still in the pool (a sandbox
-    /// coming back: docs/move.md "A return move").
+    /// identities (an offer's answer): received for it, or, with `own`,
+    /// made here as one of its own ready snapshots and still in the pool
+    /// (a sandbox coming back: docs/move.md "A return move"). A replica
+    /// offer leaves `own` out: a replica counts only once received and
+    /// recorded (a stale copy of a host that owned the sandbox once is
+    /// replaced).
     pub(super) async fn offer_for(
         &self,
         tenant: &str,
         snaps: Vec<SnapshotId>,
+        own: bool,
     ) -> ServiceResult<BTreeMap<SnapshotId, String>> {
         let received = self.engine.received_snapshots().await?;
         let mut held = BTreeMap::new();
         for s in snaps {
-            match received.iter().find(|(n, _)| n == s.as_str()) {
-                Some((_, identity)) => {
-                    if self.import_of(tenant, &s).await? {
-                        held.insert(s, identity.clone());
-                    }
-                }
-                None => {
-                    if let Some(identity) = self.own_identity(tenant, &s).await? {
-                        held.insert(s, identity);
-                    }
-                }
+            let identity = match received.iter().find(|(n, _)| n == s.as_str()) {
+                Some((_, identity)) if self.import_of(tenant, &s).await? => Some(identity.clone()),
+                Some(_) => None,
+                None if own => self.own_identity(tenant, &s).await?,
+                None => None,
+            };
+            if let Some(identity) = identity {
+                held.insert(s, identity);
             }
         }
         Ok(held)
