@@ -2,8 +2,10 @@
 //! two pools, two signing keys) by incremental `btrfs send` / `receive`
 //! (`strata_runtime::runtime::transfer`, docs/move.md), with a real guest
 //! under TCG: a live process and RAM markers survive the move; a second
-//! move sends about what changed; an interrupted stream leaves nothing and
-//! resumes; a garbage stream is refused with nothing left behind.
+//! move sends about what changed; a return move to the origin sends only
+//! what changed since the snapshot the origin made (against a parent
+//! anchor of it); an interrupted stream leaves nothing and resumes; a
+//! garbage stream is refused with nothing left behind.
 
 use std::io::{self, Read};
 
@@ -135,6 +137,42 @@ fn a_sandbox_moves_with_its_memory_and_moves_again_incrementally() {
         assert!(!rb.pool().snapshots_dir().join(h3.as_str()).exists());
         push(ra, rb, &h3, Some(&h2));
         assert!(rb.pool().snapshots_dir().join(h3.as_str()).exists());
+
+        // A return move: B wakes h3, changes a little and hibernates; the
+        // new snapshot goes back to A incremental against h3, which A made
+        // (A receives it against a parent anchor of its own h3).
+        rb.delete(&id).await.expect("end b's vm");
+        rb.wake(&id, &h3).await.expect("wake h3 on b");
+        assert_eq!(sh(rb, &id, "cat /root/f").await, "four");
+        sh(rb, &id, "echo back-marker-5 > /run/m/back; echo five > /root/f; sync").await;
+        let hb = SnapshotId::generate();
+        rb.hibernate(&id, &hb).await.expect("hibernate on b");
+        // Both name h3 by A's identity (B by its received copy).
+        let h3_id = ra.snapshot_identity(&h3).expect("identity");
+        assert_eq!(rb.snapshot_identity(&h3).expect("identity"), h3_id);
+        assert_eq!(ra.anchor_snapshot(&h3).expect("anchor"), h3_id);
+        assert_eq!(ra.snapshot_identity(&h3).expect("identity"), h3_id);
+        let changed = rb
+            .pool()
+            .written_since(
+                rb.pool().snapshots_dir().join(hb.as_str()),
+                Some(&rb.pool().import_dir().join(h3.as_str())),
+            )
+            .expect("changed bytes");
+        let back = push(rb, ra, &hb, Some(&h3));
+        eprintln!(
+            "return move: {back} B sent for {changed} B changed since the common parent ({:.3}x; first move {full} B)",
+            back as f64 / changed as f64
+        );
+        assert!(
+            back as f64 <= 1.2 * changed as f64,
+            "{back} B sent for {changed} B changed"
+        );
+        assert!(back < full / 4, "{back} vs full {full}");
+        ra.wake(&id, &hb).await.expect("wake the returned snapshot on a");
+        assert_eq!(sh(ra, &id, "cat /root/f").await, "five");
+        assert_eq!(sh(ra, &id, "cat /run/m/back /run/m/mark").await, "back-marker-5\nram-marker-41");
+        assert_eq!(sh(ra, &id, &format!("test -d /proc/{pid} && echo alive")).await, "alive");
 
         // Garbage: refused, nothing left.
         let junk = vec![0x42u8; 1 << 16];

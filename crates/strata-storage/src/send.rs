@@ -27,6 +27,13 @@
 //!   UUID, which is what the next incremental stream names as its parent.
 //! - A subvolume's identity ([`SubvolInfo::identity`]) is what `btrfs send`
 //!   writes into a stream: its received UUID if it has one, else its UUID.
+//! - [`Pool::anchor_received`] makes one of the pool's own read-only
+//!   subvolumes a parent for streams coming back (a sandbox returning to
+//!   the pool that made the snapshot): `btrfs receive` is chrooted into the
+//!   import directory and finds a parent there only, by received UUID, so
+//!   the anchor is a snapshot of it in the import directory given its
+//!   identity as received UUID (`BTRFS_IOC_SET_RECEIVED_SUBVOL` on the
+//!   writable snapshot, then read-only: what `btrfs receive` does).
 
 use std::fmt;
 use std::io::{self, Read, Write};
@@ -187,6 +194,47 @@ struct GetSubvolInfoArgs {
     stime: Timespec,
     rtime: Timespec,
     reserved: [u64; 8],
+}
+
+/// `BTRFS_IOC_SET_RECEIVED_SUBVOL`:
+/// `_IOWR(0x94, 37, struct btrfs_ioctl_received_subvol_args)`.
+const BTRFS_IOC_SET_RECEIVED_SUBVOL: u32 = 0xC0C8_9425;
+
+/// `struct btrfs_ioctl_received_subvol_args` (200 bytes).
+#[repr(C)]
+struct ReceivedSubvolArgs {
+    uuid: [u8; 16],
+    stransid: u64,
+    rtransid: u64,
+    stime: Timespec,
+    rtime: Timespec,
+    flags: u64,
+    reserved: [u64; 16],
+}
+
+/// Gives the writable subvolume at `path` the received UUID `uuid`
+/// (`BTRFS_IOC_SET_RECEIVED_SUBVOL`, what `btrfs receive` does to the
+/// subvolume it made before it makes it read-only). The kernel refuses a
+/// read-only subvolume (`EROFS`).
+fn set_received_uuid(path: &Path, uuid: Uuid, stransid: u64) -> Result<(), StorageError> {
+    let dir = subvol::open_dir(path)?;
+    let ts = || Timespec { sec: 0, nsec: 0 };
+    let mut args = Box::new(ReceivedSubvolArgs {
+        uuid: uuid.0,
+        stransid,
+        rtransid: 0,
+        stime: ts(),
+        rtime: ts(),
+        flags: 0,
+        reserved: [0; 16],
+    });
+    // SAFETY: BTRFS_IOC_SET_RECEIVED_SUBVOL takes a pointer to a
+    // `btrfs_ioctl_received_subvol_args`, which `ReceivedSubvolArgs`
+    // mirrors field by field (size checked by a unit test, the request
+    // number with it); `dir` is an open directory of the subvolume's root.
+    unsafe { ioctl::ioctl_ptr(dir.as_fd(), BTRFS_IOC_SET_RECEIVED_SUBVOL, args.as_mut()) }
+        .map_err(|e| StorageError::io("set the received UUID of", path, e))?;
+    Ok(())
 }
 
 /// UUIDs and flags of the subvolume at `path` (`BTRFS_IOC_GET_SUBVOL_INFO`).
@@ -476,6 +524,76 @@ impl Pool {
         }
         out.sort_by(|a, b| a.0.cmp(&b.0));
         Ok(out)
+    }
+
+    /// Makes `import/<name>` a parent that incremental streams naming the
+    /// identity of this pool's own read-only subvolume `source` can be
+    /// received against: `btrfs receive` is chrooted into the import
+    /// directory, so it finds a parent only there, by received UUID. A
+    /// writable snapshot of `source` (same data, no copy), given
+    /// `source`'s identity as its received UUID, then made read-only —
+    /// what `btrfs receive` itself leaves behind for a subvolume it
+    /// received. Used when a sandbox comes back to a pool that made the
+    /// snapshot the sender's copy was received from (a return move).
+    ///
+    /// Idempotent: an anchor (or a received subvolume) of that name with
+    /// that identity is answered as it is; one with another identity is
+    /// [`TransferError::AlreadyReceived`]. On error nothing is left.
+    pub fn anchor_received(&self, source: &Path, name: &str) -> Result<SubvolInfo, TransferError> {
+        check_name(name).map_err(|reason| StorageError::InvalidArgument {
+            what: name.into(),
+            reason,
+        })?;
+        let source = self.inside(source)?;
+        let src = subvol_info(&source)?;
+        if !src.readonly {
+            return Err(StorageError::InvalidArgument {
+                what: source.display().to_string(),
+                reason: "a parent anchor is made of a read-only subvolume".into(),
+            }
+            .into());
+        }
+        let identity = src.identity();
+        let dir = self.import_dir();
+        match std::fs::create_dir(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(StorageError::io("create", &dir, e).into()),
+        }
+        let dir = self.inside(&dir)?;
+        let target = dir.join(name);
+        if target.exists() {
+            match subvol_info(&target) {
+                Ok(i) if i.readonly && i.received_uuid == Some(identity) => return Ok(i),
+                Ok(i) if i.readonly && i.received_uuid.is_some() => {
+                    return Err(TransferError::AlreadyReceived(name.to_owned()))
+                }
+                // A partial anchor or receive of a crashed daemon.
+                _ => remove_partial(&target)?,
+            }
+        }
+        let made = (|| {
+            subvol::snapshot(&source, &target, false)?;
+            set_received_uuid(&target, identity, src.generation)?;
+            subvol::set_readonly(&target, true)?;
+            subvol_info(&target)
+        })();
+        match made {
+            Ok(i) if i.readonly && i.received_uuid == Some(identity) => Ok(i),
+            other => {
+                if target.exists() {
+                    if let Err(r) = remove_partial(&target) {
+                        tracing::warn!(path = %target.display(), error = %r, "cannot remove a partial parent anchor");
+                    }
+                }
+                match other {
+                    Err(e) => Err(e.into()),
+                    Ok(_) => Err(TransferError::BadStream(
+                        "the parent anchor did not keep its received UUID".into(),
+                    )),
+                }
+            }
+        }
     }
 
     /// Deletes the received subvolume `name` of the import directory.
@@ -900,6 +1018,15 @@ mod tests {
     #[test]
     fn struct_size_matches_kernel_header() {
         assert_eq!(size_of::<GetSubvolInfoArgs>(), 504);
+    }
+
+    #[test]
+    fn set_received_subvol_matches_kernel_header() {
+        assert_eq!(size_of::<ReceivedSubvolArgs>(), 200);
+        assert_eq!(
+            BTRFS_IOC_SET_RECEIVED_SUBVOL,
+            (3 << 30) | (200 << 16) | (0x94 << 8) | 37
+        );
     }
 
     #[test]

@@ -205,3 +205,84 @@ fn incremental_send_receive_moves_only_changes_and_refuses_bad_streams() {
     assert!(import_is_empty(&c));
     let _ = File::open(a.root()).expect("pool a still there");
 }
+
+/// A → B → A: the snapshot A made travels to B in full; B's next snapshot
+/// (made from the received one) comes back incremental against A's own
+/// snapshot, received against a parent anchor of it in A's import
+/// directory (`Pool::anchor_received`): only what B changed travels.
+#[test]
+fn a_return_move_is_incremental_against_the_origins_own_snapshot() {
+    let a = TestPool::new(GIB).expect("pool a");
+    let b = TestPool::new(GIB).expect("pool b");
+    let sb = a.create_subvolume("sandboxes/sb").expect("subvol");
+    write_at(&sb.join("mem"), 0, 32, 3);
+    fs::write(sb.join("meta.json"), b"{}").expect("meta");
+    a.snapshot(&sb, "snapshots/s1", true).expect("s1");
+    let s1 = subvol_info(&a.root().join("snapshots/s1")).expect("info");
+
+    // A → B, in full.
+    let mut tx = a.send(Path::new("snapshots/s1"), None).expect("send");
+    let got = b.receive(&spec("s1", None), &mut tx).expect("receive s1");
+    let full = tx.finish().expect("send ok");
+    assert_eq!(got.info.received_uuid, Some(s1.identity()));
+
+    // On B: a sandbox from the received snapshot, 2 MiB rewritten, a new
+    // snapshot of it.
+    let sb_b = b.root().join("sandboxes/sb");
+    fs::create_dir_all(b.root().join("sandboxes")).expect("dir");
+    b.snapshot(&got.path, &sb_b, false).expect("sandbox on b");
+    write_at(&sb_b.join("mem"), 7 * MIB, 2, 1234);
+    b.snapshot(&sb_b, "snapshots/s2", true).expect("s2 on b");
+    let s2 = b.root().join("snapshots/s2");
+    let changed = b
+        .written_since(&s2, Some(got.path.as_path()))
+        .expect("changed bytes");
+    assert!(changed >= 2 * MIB, "{changed}");
+
+    // B → A, incremental against the received s1, whose identity is A's
+    // s1. `btrfs receive` looks a parent up by received UUID (then by
+    // UUID), and clone sources by received UUID only: A's anchor of its
+    // own s1 under import/ carries that identity as received UUID.
+    // The anchor: A's own s1 under import/, carrying its identity.
+    let anchor = a
+        .anchor_received(Path::new("snapshots/s1"), "s1")
+        .expect("anchor");
+    assert!(anchor.readonly);
+    assert_eq!(anchor.received_uuid, Some(s1.identity()));
+    assert_eq!(anchor.identity(), s1.identity());
+    // Idempotent; listed as received with that identity.
+    assert_eq!(
+        a.anchor_received(Path::new("snapshots/s1"), "s1")
+            .expect("again")
+            .uuid,
+        anchor.uuid
+    );
+    assert_eq!(
+        a.list_received().expect("list"),
+        vec![("s1".to_owned(), anchor)]
+    );
+    // A writable source is refused.
+    assert!(a.anchor_received(Path::new("sandboxes/sb"), "sb").is_err());
+
+    let mut tx = b.send(&s2, Some(&got.path)).expect("send");
+    let back = a
+        .receive(&spec("s2", Some(s1.identity())), &mut tx)
+        .expect("receive s2 on a");
+    let incr = tx.finish().expect("send ok");
+    eprintln!(
+        "return move: {incr} B for {changed} B changed since the common parent ({:.4}x; the first move {full} B)",
+        incr as f64 / changed as f64
+    );
+    assert!(
+        incr as f64 <= 1.2 * changed as f64,
+        "{incr} B sent for {changed} B changed"
+    );
+    assert_eq!(
+        fs::read(back.path.join("mem")).expect("read"),
+        fs::read(s2.join("mem")).expect("read")
+    );
+    assert_eq!(
+        back.info.received_uuid,
+        Some(subvol_info(&s2).expect("info").identity())
+    );
+}

@@ -459,6 +459,17 @@ pub trait Engine: Send + Sync + 'static {
         ))
     }
 
+    /// Makes this host's own snapshot `snap` a parent a stream can be
+    /// received against (a sandbox coming back: docs/move.md "A return
+    /// move"); answers its identity (hyphenated hex). Engines without
+    /// subvolumes refuse.
+    async fn anchor_snapshot(&self, snap: &SnapshotId) -> EngineResult<String> {
+        let _ = snap;
+        Err(RuntimeError::Unavailable(
+            "this engine does not move snapshots".into(),
+        ))
+    }
+
     /// The snapshots received whole into this host's import directory:
     /// (snapshot id, the sender's identity, hyphenated hex).
     async fn received_snapshots(&self) -> EngineResult<Vec<(String, String)>> {

@@ -5,7 +5,10 @@
 //! the receiver's tenant; on the receiver it is owned by that tenant and
 //! woken, with the marker and the process. A second push of the
 //! same id (by `strata push` and by the API) is `409 conflict` and
-//! changes nothing there.
+//! changes nothing there. Then the return move: A pulls the copy back
+//! into its source (`POST /v1/pulls`, the copy changed a little on B):
+//! one incremental stream of about what changed on B, against the
+//! snapshot A made, and the copy wakes on A with its memory.
 
 mod common;
 
@@ -136,6 +139,74 @@ async fn a_sandbox_moves_to_another_daemon_with_its_memory() {
         .await
         .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
     assert_eq!(rec["state"], "running", "{rec}");
+
+    // The return move: the copy on B changes a little in memory, then A
+    // pulls it back into its source (hibernated there since the push).
+    // A holds the snapshot it made and pushed, B names it by A's identity:
+    // only what changed on B travels, received against a parent anchor of
+    // A's own snapshot, and the copy wakes on A with both RAM markers and
+    // the process.
+    let out = remote
+        .exec(
+            &id,
+            json!({ "cmd": ["sh", "-c", "echo back-marker-9 > /dev/shm/back"] }),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    assert_eq!(out.code, Some(0), "{:?}", out.error);
+    let started = Instant::now();
+    let (s, back) = a
+        .call(
+            "POST",
+            "/v1/pulls",
+            Some(json!({ "from": b.url, "token": token, "sandbox": id, "wake": true })),
+        )
+        .await;
+    let took = started.elapsed();
+    assert!((200..300).contains(&s), "{s} {back}\n{}", a.logs());
+    assert_eq!(back["updated"], true, "{back}");
+    assert!(back["held"].as_u64().unwrap_or(0) >= 1, "{back}");
+    let got = back["received"].as_array().cloned().unwrap_or_default();
+    assert_eq!(got.len(), 1, "{back}");
+    let (new, parent) = (
+        got[0]["snapshot"].as_str().expect("snapshot").to_owned(),
+        got[0]["parent"]
+            .as_str()
+            .expect("an incremental stream")
+            .to_owned(),
+    );
+    let sent = got[0]["bytes"].as_u64().unwrap_or(u64::MAX);
+    // What changed on B since the common parent: its new snapshot against
+    // its received copy of A's (the bytes A holds).
+    let pool_b = b.root.join("data/pool");
+    let changed = strata_storage::written_bytes(
+        &pool_b.join("snapshots").join(&new),
+        Some(&pool_b.join("import").join(&parent)),
+    )
+    .expect("changed bytes");
+    eprintln!(
+        "return move (pull back): {took:?} with the wake, {sent} B for {changed} B changed since the common parent ({:.3}x; the push sent {} B)",
+        sent as f64 / changed as f64,
+        v["bytes"]
+    );
+    assert!(
+        sent as f64 <= 1.2 * changed as f64,
+        "{sent} B sent for {changed} B changed"
+    );
+    assert!(sent < v["bytes"].as_u64().unwrap_or(0) / 10, "{back}");
+    assert!(
+        a.root.join("data/pool/import").join(&parent).exists(),
+        "no parent anchor on A"
+    );
+    assert_eq!(back["sandbox"]["state"], "running", "{back}");
+    let out = a
+        .sh(
+            &id,
+            &format!("cat /dev/shm/mark /dev/shm/back; test -d /proc/{pid} && echo alive"),
+        )
+        .await;
+    assert_eq!(out.code, Some(0), "{}", out.out());
+    assert_eq!(out.out(), "shm-marker-73\nback-marker-9\nalive");
 
     // Bad input is refused with a code: a URL that is not http(s), and a
     // garbage stream straight to the receiver.

@@ -185,33 +185,69 @@ impl Runtime {
         .await?
     }
 
-    /// The identity `btrfs send` gives snapshot `snap` in a stream (what a
-    /// receiver compares with what it holds).
-    pub fn snapshot_identity(&self, snap: &SnapshotId) -> Result<Uuid> {
-        strata_storage::subvol_info(&self.snapshot_dir(snap))
-            .map_err(|e| match e {
-                strata_storage::StorageError::NotFound { .. } => {
-                    RuntimeError::SnapshotNotFound(snap.to_string())
-                }
-                e => storage_err(e),
-            })
-            .map(|i| i.identity())
+    /// The subvolume that is sent for snapshot `snap` (and named as a
+    /// parent for it): its copy in the import directory when there is a
+    /// whole one (received from another deployment, or a parent anchor of
+    /// this pool's own snapshot), else `snapshots/<snap>`. The received
+    /// copy holds the bytes the snapshot's maker sent and carries the
+    /// maker's identity, so every pool that holds the snapshot names it
+    /// by the same identity with the same content: a sandbox that comes
+    /// back (or moves on) is sent incremental against what the receiver
+    /// holds. (`snapshots/<snap>` of a received snapshot is a new
+    /// subvolume, re-signed here: another identity.)
+    fn sent_form(&self, snap: &SnapshotId) -> Result<(PathBuf, Uuid)> {
+        let published = self.snapshot_dir(snap);
+        let info = strata_storage::subvol_info(&published).map_err(|e| match e {
+            strata_storage::StorageError::NotFound { .. }
+            | strata_storage::StorageError::NotASubvolume { .. } => {
+                RuntimeError::SnapshotNotFound(snap.to_string())
+            }
+            e => storage_err(e),
+        })?;
+        let received = self.pool.import_dir().join(snap.as_str());
+        match strata_storage::subvol_info(&received) {
+            Ok(i) if i.readonly && i.received_uuid.is_some() => Ok((received, i.identity())),
+            _ => Ok((published, info.identity())),
+        }
     }
 
-    /// Starts streaming snapshot `snap`, incremental against `parent`.
-    /// Blocking (spawns `btrfs send`); read the stream off the async
-    /// threads.
+    /// The identity `btrfs send` gives snapshot `snap` in a stream (what a
+    /// receiver compares with what it holds): its maker's (see
+    /// `sent_form`). The snapshot must be published in this pool.
+    pub fn snapshot_identity(&self, snap: &SnapshotId) -> Result<Uuid> {
+        self.sent_form(snap).map(|(_, u)| u)
+    }
+
+    /// Starts streaming snapshot `snap`, incremental against `parent`
+    /// (each as `sent_form` picks it, so the stream names the parent by
+    /// the identity [`Runtime::snapshot_identity`] answers). Blocking
+    /// (spawns `btrfs send`); read the stream off the async threads.
     pub fn send_snapshot(
         &self,
         snap: &SnapshotId,
         parent: Option<&SnapshotId>,
     ) -> std::result::Result<SendStream, MoveError> {
-        let dir = self.snapshot_dir(snap);
-        if !dir.exists() {
-            return Err(RuntimeError::SnapshotNotFound(snap.to_string()).into());
+        let (dir, _) = self.sent_form(snap)?;
+        let parent = parent.map(|p| self.sent_form(p)).transpose()?;
+        Ok(self
+            .pool
+            .send(&dir, parent.as_ref().map(|(p, _)| p.as_path()))?)
+    }
+
+    /// Makes this pool's own snapshot `snap` a parent a stream can be
+    /// received against (a sandbox coming back, incremental against a
+    /// snapshot made here: docs/move.md "A return move"): a read-only
+    /// anchor `import/<snap>` of the same data carrying its identity
+    /// ([`strata_storage::Pool::anchor_received`]). A snapshot that has a
+    /// whole received copy already is answered as it is. Answers its
+    /// identity. Blocking.
+    pub fn anchor_snapshot(&self, snap: &SnapshotId) -> std::result::Result<Uuid, MoveError> {
+        let (path, identity) = self.sent_form(snap)?;
+        if path.starts_with(self.pool.import_dir()) {
+            return Ok(identity);
         }
-        let parent = parent.map(|p| self.snapshot_dir(p));
-        Ok(self.pool.send(&dir, parent.as_deref())?)
+        let info = self.pool.anchor_received(&path, snap.as_str())?;
+        Ok(info.identity())
     }
 
     /// The snapshots received whole into this pool's import directory:

@@ -17,7 +17,8 @@ use strata_core::{ErrorCode, SandboxId, SnapshotId};
 use super::{declares_more_than, ApiError, ApiResult, Body, Call};
 use crate::engine::RuntimeError;
 use crate::service::{
-    AdoptMove, MoveSandbox, PullSandbox, PushSandbox, RegisterImport, MAX_SNAPSHOT_STREAM_BYTES,
+    AdoptMove, Adoption, MoveSandbox, PullSandbox, PushSandbox, RegisterImport,
+    MAX_SNAPSHOT_STREAM_BYTES,
 };
 
 /// `POST /v1/imports/{id}/offer` body: the sender's snapshot ids.
@@ -137,9 +138,15 @@ pub(super) async fn move_sandbox(
         .and_then(|v| v.to_str().ok())
         .unwrap_or("")
         .to_owned();
-    Ok(Json(
-        c.svc.move_sandbox(&c.caller, &id, b, auth, &opts).await?,
-    ))
+    let report = c.svc.move_sandbox(&c.caller, &id, b, auth, &opts).await?;
+    // Moved, but the target has not confirmed taking it up (its adopt
+    // call was lost and PostgreSQL did not show its take-up in time).
+    let status = if report.adoption == Adoption::Unconfirmed {
+        StatusCode::ACCEPTED
+    } else {
+        StatusCode::OK
+    };
+    Ok((status, Json(report)))
 }
 
 /// `POST /v1/imports/{id}/adopt`: the target's side of a move.

@@ -29,6 +29,11 @@
 //!   (larger than the source's), so the source's writes stay refused; a
 //!   late adopt call of the source finds the lease held and answers the
 //!   sandbox without a second take-up.
+//! - The source, its adopt call lost, tells its caller the truth: it
+//!   waits (at most the lease's TTL and a second, [`confirm_within`]) until
+//!   PostgreSQL shows the target holding the renewed handed-over lease
+//!   ([`confirmation`]), then answers the move done (`adoption:
+//!   "taken_up"`); otherwise `202` with `adoption: "unconfirmed"`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -100,7 +105,74 @@ pub fn decide(seen: &Seen) -> Result<(), Leave> {
     }
 }
 
+/// What the source of a move whose adopt call was lost reads in
+/// PostgreSQL about the lease it handed over (it waits for the target's
+/// take-up before it answers its caller).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Confirmation {
+    /// The target holds it: same host, same token, renewed past the
+    /// handover's expiry (only the holder renews; its take-up renews).
+    TakenUp,
+    /// Still as handed over, unrenewed: the target may take it up yet.
+    Pending,
+    /// No longer the handed-over lease (another token or host, or none):
+    /// waiting longer tells nothing.
+    Gone,
+}
+
+/// Whether `now` (the sandbox's lease as PostgreSQL holds it) shows the
+/// lease `handed` over by a move taken up by its new holder.
+pub fn confirmation(handed: &OwnerLease, now: Option<&OwnerLease>) -> Confirmation {
+    match now {
+        Some(l) if l.host_id == handed.host_id && l.token == handed.token => {
+            if l.expires_at > handed.expires_at {
+                Confirmation::TakenUp
+            } else {
+                Confirmation::Pending
+            }
+        }
+        _ => Confirmation::Gone,
+    }
+}
+
+/// How long the source of a move whose adopt call was lost waits for the
+/// target's take-up before it answers: the handed-over lease's TTL and a
+/// second (the take-up happens after half the TTL, within a `renew_every`;
+/// past the expiry it can no longer happen).
+pub fn confirm_within(lease_ttl: Duration) -> Duration {
+    lease_ttl + Duration::from_secs(1)
+}
+
 impl Cluster {
+    /// Waits (at most [`confirm_within`] from `since`, the handover) until
+    /// PostgreSQL shows the lease `handed` over by a move taken up by its
+    /// new holder ([`confirmation`]); answers the last reading
+    /// ([`Confirmation::Pending`] when the bound passed). Store errors
+    /// meanwhile are logged and read again.
+    pub(crate) async fn wait_taken_up(
+        &self,
+        handed: &OwnerLease,
+        since: std::time::Instant,
+    ) -> Confirmation {
+        let until = since + confirm_within(self.cfg.lease_ttl);
+        loop {
+            let id = handed.sandbox_id.clone();
+            match self.blocking(move |h| h.sandbox_owner(&id)).await {
+                Ok(now) => match confirmation(handed, now.as_ref()) {
+                    Confirmation::Pending => {}
+                    c => return c,
+                },
+                Err(e) => {
+                    warn!(sandbox = %handed.sandbox_id, error = %e, "reading a handed-over lease")
+                }
+            }
+            if std::time::Instant::now() >= until {
+                return Confirmation::Pending;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
     /// The leases PostgreSQL names this host as holder of that nobody
     /// renewed for half the TTL (see the module docs).
     pub(crate) async fn unrenewed(&self) -> Result<Vec<OwnerLease>, crate::store::HostError> {
@@ -299,6 +371,42 @@ mod tests {
                 .len(),
             1,
             "host-a's own unrenewed lease"
+        );
+    }
+
+    #[test]
+    fn a_handed_over_lease_is_confirmed_once_its_holder_renewed_it() {
+        let at = |s: i64| chrono::DateTime::from_timestamp(1_700_000_000 + s, 0).expect("time");
+        let handed = OwnerLease {
+            sandbox_id: "sb-0123456789abcdef".parse().expect("sandbox id"),
+            host_id: "host-b".into(),
+            token: 42,
+            expires_at: at(15),
+        };
+        let with = |host: &str, token: u64, exp: i64| OwnerLease {
+            host_id: host.into(),
+            token,
+            expires_at: at(exp),
+            ..handed.clone()
+        };
+        assert_eq!(confirmation(&handed, Some(&handed)), Confirmation::Pending);
+        assert_eq!(
+            confirmation(&handed, Some(&with("host-b", 42, 22))),
+            Confirmation::TakenUp
+        );
+        // Another token (taken over past its expiry), another host, none.
+        assert_eq!(
+            confirmation(&handed, Some(&with("host-b", 43, 40))),
+            Confirmation::Gone
+        );
+        assert_eq!(
+            confirmation(&handed, Some(&with("host-c", 42, 40))),
+            Confirmation::Gone
+        );
+        assert_eq!(confirmation(&handed, None), Confirmation::Gone);
+        assert_eq!(
+            confirm_within(Duration::from_secs(15)),
+            Duration::from_secs(16)
         );
     }
 

@@ -441,6 +441,15 @@ impl Engine for RuntimeEngine {
             .map(|u| u.to_string())
     }
 
+    async fn anchor_snapshot(&self, snap: &SnapshotId) -> EngineResult<String> {
+        let (rt, snap) = (self.rt.clone(), snap.clone());
+        tokio::task::spawn_blocking(move || rt.anchor_snapshot(&snap))
+            .await
+            .map_err(|e| RuntimeError::Other(e.to_string()))?
+            .map_err(move_error)
+            .map(|u| u.to_string())
+    }
+
     async fn received_snapshots(&self) -> EngineResult<Vec<(String, String)>> {
         let rt = self.rt.clone();
         let v = tokio::task::spawn_blocking(move || rt.received_snapshots())

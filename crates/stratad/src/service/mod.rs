@@ -60,7 +60,7 @@ pub use held::{HeldUpload, HELD_UPLOADS_DIR};
 pub(crate) use journal::VmNow;
 pub use lifecycle::pressure::{PressureReading, PRESSURE_HIBERNATION};
 pub use logs::{LogEntry, LogPage, LogStream, LogTap, ProcessLogs, MAX_LOG_PAGE};
-pub use moving::{AdoptMove, MoveReport, MoveSandbox};
+pub use moving::{AdoptMove, Adoption, MoveReport, MoveSandbox};
 pub(crate) use oplock::*;
 pub use ports::{is_port_closed, PortConn};
 pub use replicas::{TenantDefaults, REPLICATE_SETTING, TENANT_REPLICATE_SETTING};

@@ -23,9 +23,19 @@
 //!   same (`Service::take_up_move`, one function for both) once the lease
 //!   went unrenewed for half its TTL; whichever comes second finds the
 //!   lease held and changes nothing.
+//! - The caller gets the truth about the last step ([`Adoption`]): the
+//!   adopt call is tried three times (a transport error or a `5xx`); when
+//!   none is answered, the source waits (at most the lease's TTL and a
+//!   second) until PostgreSQL shows the target holding the renewed lease,
+//!   then answers `200` with `adoption: "taken_up"` (woken by one more
+//!   adopt call when asked and it answers); otherwise `202` with
+//!   `adoption: "unconfirmed"`: moved (the lease is the target's), the
+//!   target's take-up not seen. A refusal of the target (`4xx`) is the
+//!   answer, as before.
 
 use super::prelude::*;
 use super::transfer::{Receiver, SentSnapshot, TRANSFER_IDLE};
+use crate::cluster::handover::Confirmation;
 use crate::cluster::placement;
 
 /// The base URL (ending in `/`) of another cluster host's registered
@@ -84,12 +94,29 @@ pub struct AdoptMove {
     pub wake: bool,
 }
 
+/// How the target's taking up of a moved sandbox was learnt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Adoption {
+    /// The target answered the adopt call.
+    Answered,
+    /// The adopt call was lost; PostgreSQL showed the target holding the
+    /// renewed lease (its take-up pass) before the answer. Not woken: its
+    /// next exec, file call or resume wakes it.
+    TakenUp,
+    /// Neither within the lease's TTL: the move is committed (the lease
+    /// is the target's) but the target has not confirmed. Answered `202`.
+    Unconfirmed,
+}
+
 /// What a move did.
 #[derive(Debug, Clone, Serialize)]
 pub struct MoveReport {
     /// The sandbox as the target answered (hibernated, or running when
-    /// woken).
+    /// woken); with a lost adopt call, as the shared store holds it.
     pub sandbox: serde_json::Value,
+    /// How the target's take-up was learnt.
+    pub adoption: Adoption,
     /// The host it left.
     pub from: String,
     /// The host it is on now.
@@ -211,6 +238,7 @@ impl Service {
         .await;
         drop(g);
         drop(quiet);
+        let handed_at = Instant::now();
         let (snaps, sent, total, held, lease) = match before {
             Ok(v) => v,
             Err(e) => {
@@ -248,46 +276,77 @@ impl Service {
         let url = base
             .join(&format!("v1/imports/{id}/adopt"))
             .map_err(|e| ServiceError::InvalidRequest(format!("move: {e}")))?;
-        let untold = |why: &dyn std::fmt::Display| {
-            ServiceError::Engine(RuntimeError::Unavailable(format!(
-                "move: the lease of {id} was handed over to host {} but it could not be told: {why} \
-                 (it takes the sandbox up by itself once the lease has gone unrenewed for half its TTL)",
-                target.info.id
-            )))
-        };
-        if self.config.cluster.test_drop_adopt {
-            warn!(sandbox = %id, to = %target.info.id, "[cluster] test_drop_adopt: the adopt call is dropped (a test's fault)");
-            return Err(untold(
-                &"the adopt call was dropped ([cluster] test_drop_adopt)",
-            ));
-        }
-        let mut last = None;
-        let mut answer = None;
-        for attempt in 0..3 {
-            if attempt > 0 {
-                tokio::time::sleep(Duration::from_secs(1)).await;
+        let adopt = || async {
+            if self.config.cluster.test_drop_adopt {
+                warn!(sandbox = %id, to = %target.info.id, "[cluster] test_drop_adopt: the adopt call is dropped (a test's fault)");
+                return Err("the adopt call was dropped ([cluster] test_drop_adopt)".to_owned());
             }
-            let r = rx
-                .authed_post(url.clone())
-                .timeout(Duration::from_secs(600))
-                .json(&body)
-                .send()
-                .await;
-            match r {
-                Ok(resp) => {
-                    answer = Some(super::transfer::remote_json(resp, "move: adopt").await);
-                    break;
+            let mut last = String::new();
+            for attempt in 0..3 {
+                if attempt > 0 {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
                 }
-                Err(e) => last = Some(e),
+                let r = rx
+                    .authed_post(url.clone())
+                    .timeout(Duration::from_secs(600))
+                    .json(&body)
+                    .send()
+                    .await;
+                match r {
+                    Ok(resp) => match super::transfer::remote_json(resp, "move: adopt").await {
+                        Ok(v) => return Ok(Ok(v)),
+                        // The target is there but failed (it may have
+                        // crashed half-way): tried again, then its own
+                        // take-up is waited for.
+                        Err(e) if e.code() == ErrorCode::Internal => last = e.message(),
+                        // A refusal (the lease expired before it was
+                        // taken up, the caller not allowed there): its
+                        // answer.
+                        Err(e) => return Ok(Err(e)),
+                    },
+                    Err(e) => last = e.to_string(),
+                }
             }
-        }
-        let sandbox = match (answer, last) {
-            (Some(r), _) => r?,
-            (None, Some(e)) => return Err(untold(&e)),
-            (None, None) => serde_json::Value::Null,
+            Err(last)
+        };
+        let (sandbox, adoption) = match adopt().await {
+            Ok(answer) => (answer?, Adoption::Answered),
+            Err(why) => {
+                // Lost (or dropped): the target takes the lease up by
+                // itself once it went unrenewed for half its TTL
+                // (docs/cluster.md "A lost adopt call"); what PostgreSQL
+                // shows decides the answer.
+                warn!(sandbox = %id, to = %target.info.id, error = %why, "move: the adopt call was not answered; waiting for the target to take the lease up");
+                let seen = cluster.wait_taken_up(&lease, handed_at).await;
+                let id2 = id.clone();
+                let rec = self
+                    .db(move |s| s.get_sandbox(&id2))
+                    .await
+                    .ok()
+                    .flatten()
+                    .and_then(|r| serde_json::to_value(r).ok())
+                    .unwrap_or(serde_json::Value::Null);
+                match seen {
+                    Confirmation::TakenUp => {
+                        info!(sandbox = %id, to = %target.info.id, "move: the target took the lease up without the adopt call");
+                        // Its take-up does not wake it: the adopt call
+                        // (a no-op now, but for the wake) once more.
+                        let woken = match wake {
+                            true => adopt().await.ok().and_then(Result::ok),
+                            false => None,
+                        };
+                        (woken.unwrap_or(rec), Adoption::TakenUp)
+                    }
+                    Confirmation::Pending | Confirmation::Gone => {
+                        warn!(sandbox = %id, to = %target.info.id, reading = ?seen, "move: the target has not confirmed the move");
+                        (rec, Adoption::Unconfirmed)
+                    }
+                }
+            }
         };
         Ok(MoveReport {
             sandbox,
+            adoption,
             from: me,
             to: target.info.id,
             token: lease.token,

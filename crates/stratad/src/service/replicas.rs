@@ -532,7 +532,7 @@ impl Service {
             ));
         }
         let rec = self.replica_sender(auth, id).await?;
-        self.offer_for(&rec.tenant, snaps).await
+        self.offer_for(&rec.tenant, snaps, false).await
     }
 
     /// `PUT /v1/cluster/replicas/{id}/snapshots?snapshot=S[&parent=I]`:

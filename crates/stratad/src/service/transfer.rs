@@ -300,27 +300,79 @@ impl Service {
             )));
         }
         let tenant = self.receiving_tenant(caller, id).await?;
-        self.offer_for(&tenant, snaps).await
+        self.offer_for(&tenant, snaps, true).await
     }
 
-    /// Which of `snaps` this host holds received for `tenant`, with their
-    /// identities (an offer's answer).
+    /// Which of `snaps` this host holds for `tenant`, with their
+    /// identities (an offer's answer): received for it, or, with `own`,
+    /// made here as one of its own ready snapshots and still in the pool
+    /// (a sandbox coming back: docs/move.md "A return move"). A replica
+    /// offer leaves `own` out: a replica counts only once received and
+    /// recorded (a stale copy of a host that owned the sandbox once is
+    /// replaced).
     pub(super) async fn offer_for(
         &self,
         tenant: &str,
         snaps: Vec<SnapshotId>,
+        own: bool,
     ) -> ServiceResult<BTreeMap<SnapshotId, String>> {
         let received = self.engine.received_snapshots().await?;
         let mut held = BTreeMap::new();
         for s in snaps {
-            let Some((_, identity)) = received.iter().find(|(n, _)| n == s.as_str()) else {
-                continue;
+            let identity = match received.iter().find(|(n, _)| n == s.as_str()) {
+                Some((_, identity)) if self.import_of(tenant, &s).await? => Some(identity.clone()),
+                Some(_) => None,
+                None if own => self.own_identity(tenant, &s).await?,
+                None => None,
             };
-            if self.import_of(tenant, &s).await? {
-                held.insert(s, identity.clone());
+            if let Some(identity) = identity {
+                held.insert(s, identity);
             }
         }
         Ok(held)
+    }
+
+    /// The identity of `snap` when it is a ready snapshot of `tenant`
+    /// (a real one, not a `same_as` record) published in this host's pool.
+    async fn own_identity(&self, tenant: &str, snap: &SnapshotId) -> ServiceResult<Option<String>> {
+        let s2 = snap.clone();
+        let Some(rec) = self.db(move |s| s.get_snapshot(&s2)).await? else {
+            return Ok(None);
+        };
+        if rec.tenant != tenant || rec.status != SnapshotStatus::Ready || rec.same_as.is_some() {
+            return Ok(None);
+        }
+        Ok(self.engine.snapshot_identity(snap).await.ok())
+    }
+
+    /// A ready snapshot of sandbox `id` of `tenant` in this host's pool
+    /// whose identity is `identity` (a stream coming back names it as its
+    /// parent), made a parent streams can be received against
+    /// ([`crate::engine::Engine::anchor_snapshot`]). `false`: none.
+    async fn anchor_own_parent(
+        &self,
+        tenant: &str,
+        id: &SandboxId,
+        identity: &str,
+    ) -> ServiceResult<bool> {
+        let id2 = id.clone();
+        let snaps = self.db(move |s| s.list_snapshots(&id2, false)).await?;
+        for s in snaps {
+            if s.tenant != tenant || s.status != SnapshotStatus::Ready || s.same_as.is_some() {
+                continue;
+            }
+            let same = self
+                .engine
+                .snapshot_identity(&s.id)
+                .await
+                .is_ok_and(|i| i.eq_ignore_ascii_case(identity));
+            if same {
+                let anchored = self.engine.anchor_snapshot(&s.id).await?;
+                info!(sandbox = %id, snapshot = %s.id, identity = %anchored, "own snapshot anchored as a parent");
+                return Ok(anchored.eq_ignore_ascii_case(identity));
+            }
+        }
+        Ok(false)
     }
 
     /// `PUT /v1/imports/{id}/snapshots?snapshot=S&parent=P`: receives one
@@ -377,7 +429,9 @@ impl Service {
                 .map(|(n, _)| n.clone());
             let ok = match name.and_then(|n| n.parse::<SnapshotId>().ok()) {
                 Some(ps) => self.import_of(&tenant, &ps).await?,
-                None => false,
+                // One of the sandbox's own snapshots made here (it comes
+                // back): anchored in the import directory first.
+                None => self.anchor_own_parent(&tenant, id, p).await?,
             };
             if !ok {
                 return Err(ServiceError::InvalidRequest(format!(
@@ -802,7 +856,9 @@ impl Service {
         let size = check_register(&reg).map_err(|e| {
             ServiceError::InvalidRequest(format!("pull: the remote's manifest: {}", e.message()))
         })?;
-        // 2. What this deployment holds of it, received for this tenant.
+        // 2. What this deployment holds of it, received for this tenant
+        //    (or, bringing a copy up to date, made here: a sandbox pushed
+        //    from here and pulled back).
         let received: HashMap<String, String> = self
             .engine
             .received_snapshots()
@@ -811,10 +867,17 @@ impl Service {
             .collect();
         let mut held = std::collections::HashSet::new();
         for s in &snaps {
-            let same = received
-                .get(s.id.as_str())
-                .is_some_and(|i| i.eq_ignore_ascii_case(&s.identity));
-            if same && self.import_of(&tenant, &s.id).await? {
+            let same = match received.get(s.id.as_str()) {
+                Some(i) => {
+                    i.eq_ignore_ascii_case(&s.identity) && self.import_of(&tenant, &s.id).await?
+                }
+                None if local.is_some() => self
+                    .own_identity(&tenant, &s.id)
+                    .await?
+                    .is_some_and(|i| i.eq_ignore_ascii_case(&s.identity)),
+                None => false,
+            };
+            if same {
                 held.insert(s.id.clone());
             }
         }
