@@ -195,7 +195,7 @@ impl E2b {
                 .map_err(|e| e.to_string())?;
             if found.is_none_or(|(sid, _)| sid != rec.id.as_str()) {
                 return Err(format!(
-                    "the envd access token of sandbox {} was made with another secret than this door's: every host and API process of a cluster must have the same e2b.secret ([e2b] token_secret_file); until then envd calls and signed URLs fail across processes",
+                    "the envd access token of sandbox {} was made with another secret than this door's: every host and API process of a cluster must have the same e2b.secret ([e2b] token_secret_file); until then the envd tokens this door hands out again (connect), its signed URLs and traffic tokens do not hold on the other processes",
                     rec.id
                 ));
             }

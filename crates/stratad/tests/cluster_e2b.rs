@@ -15,9 +15,14 @@
 //!    through the API process are host-a's answers (`x-strata-host`), the
 //!    list is the API process's own; an E2B template build there is `421`
 //!    in E2B's error shape (`{"code": 421, "message": "host_required: …"}`);
-//! 4. `Sandbox.kill(id)` through the API process: the sandbox is gone on
-//!    host-a;
-//! 5. the API process never held a lease and has no child process (no
+//! 4. a second API process started with another envd token secret logs the
+//!    mismatch (the first does not);
+//! 5. `Sandbox.connect(id)` (the token handed out again) runs a command,
+//!    `Sandbox.kill(id)` deletes the sandbox on host-a;
+//! 6. with host-a's daemon killed, a second sandbox's `GET` is `503`
+//!    `{"code": 503, "message": "owner_unreachable: host host-a …"}` and an
+//!    envd call a Connect `unavailable` error (`503`);
+//! 7. no API process ever held a lease; the first has no child process (no
 //!    QEMU), no `qemu.pid` in its run dir.
 //!
 //! Needs `STRATA_TEST_PG_URL` (scripts/test-pg.sh) and a Python with `e2b`;
@@ -221,23 +226,97 @@ fn the_e2b_sdk_drives_a_cluster_through_an_api_process() {
         );
     });
 
-    // 4. Kill through the API process.
+    // 4. A door whose envd token secret is not the cluster's says so.
+    let from = a.root.clone();
+    let odd = Daemon::start_on(
+        &format!("{}{}", api_conf("api-2", &url, &schema), door_conf()),
+        move |root| {
+            share_keys(&from, root);
+            std::fs::write(root.join("e2b.secret"), "0".repeat(64)).expect("write");
+        },
+    );
+    let t = Instant::now();
+    while !odd.logs().contains("another secret") {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(20),
+            "no mismatch logged:\n{}",
+            odd.logs()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    odd.shutdown();
+    assert!(!api.logs().contains("another secret"), "{}", api.logs());
+
+    // 5. Connect (the token handed out again) and kill, through the API
+    // process.
     let v = sdk(
         &py,
         &api.url,
         &format!(
-            "import json\nfrom e2b import Sandbox\nprint(json.dumps({{'killed': Sandbox.kill('{id}')}}))\n"
+            "import json\nfrom e2b import Sandbox\ns = Sandbox.connect('{id}')\nr = s.commands.run('cat /tmp/door.txt')\nprint(json.dumps({{'again': r.stdout, 'killed': Sandbox.kill('{id}')}}))\n"
         ),
     );
+    assert_eq!(v["again"], "through the API process\n", "{v}");
     assert_eq!(v["killed"], true, "{v}");
     rt.block_on(async {
         let (st, v) = a.call("GET", &format!("/v1/sandboxes/{id}"), None).await;
         assert!(st == 404 || v["state"] == "deleted", "{st} {v}");
 
-        // 5. The API process ran nothing.
+        // 6. The owner gone: `owner_unreachable`, in the door's shapes.
+        let http = reqwest::Client::new();
+        let r = http
+            .post(format!("{}/sandboxes", api.url))
+            .header("x-api-key", KEY)
+            .json(&serde_json::json!({ "timeout": 300 }))
+            .send()
+            .await
+            .expect("create");
+        assert_eq!((r.status().as_u16(), host_of(&r)), (201, "host-a".into()));
+        let v: Value = r.json().await.expect("sandbox");
+        let id2 = v["sandboxID"].as_str().expect("id").to_owned();
+        let token = v["envdAccessToken"].as_str().expect("token").to_owned();
+        a.kill9();
+        let r = http
+            .get(format!("{}/sandboxes/{id2}", api.url))
+            .header("x-api-key", KEY)
+            .send()
+            .await
+            .expect("get");
+        assert_eq!((r.status().as_u16(), host_of(&r)), (503, "api-1".into()));
+        let e: Value = r.json().await.unwrap_or(Value::Null);
+        assert_eq!(e["code"], 503, "{e}");
+        assert!(
+            e["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("owner_unreachable: host host-a")),
+            "{e}"
+        );
+        let r = http
+            .post(format!("{}/filesystem.Filesystem/Stat", api.url))
+            .header("e2b-sandbox-id", &id2)
+            .header("x-access-token", &token)
+            .header("content-type", "application/json")
+            .body(r#"{"path":"/"}"#)
+            .send()
+            .await
+            .expect("stat");
+        let st = r.status().as_u16();
+        let e: Value = r.json().await.unwrap_or(Value::Null);
+        assert_eq!(st, 503, "{e}");
+        assert_eq!(e["code"], "unavailable", "{e}");
+        assert!(
+            e["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("owner_unreachable: ")),
+            "{e}"
+        );
+
+        // 7. The API process ran nothing.
         let held = pg_row(
             &url,
-            &format!("SELECT count(*) FROM {schema}.sandbox_owners WHERE host_id = 'api-1'"),
+            &format!(
+                "SELECT count(*) FROM {schema}.sandbox_owners WHERE host_id IN ('api-1', 'api-2')"
+            ),
         )
         .await
         .map(|r| r.get::<_, i64>(0));
@@ -254,7 +333,5 @@ fn the_e2b_sdk_drives_a_cluster_through_an_api_process() {
         })
         .unwrap_or_default();
     assert!(qemus.is_empty(), "{qemus:?}");
-    let logs = api.logs();
-    assert!(!logs.contains("another secret"), "{logs}");
     eprintln!("whole test: {:?}", t0.elapsed());
 }
