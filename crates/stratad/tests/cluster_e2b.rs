@@ -10,8 +10,10 @@
 //!    is host-a's);
 //! 2. `commands.run` with its output, a background command listed and
 //!    killed (its handle lives in host-a's door), `files.write` /
-//!    `files.read`, `is_running`: envd calls the API process forwards;
-//! 3. read back over the wire: `GET /sandboxes/{id}` and an envd `Stat`
+//!    `files.read`, `is_running`, a guest HTTP server started: envd calls
+//!    the API process forwards;
+//! 3. read back over the wire: `GET /sandboxes/{id}`, an envd `Stat` and
+//!    the guest port by `Host: 8000-<id>.<the API process's domain>`
 //!    through the API process are host-a's answers (`x-strata-host`), the
 //!    list is the API process's own; an E2B template build there is `421`
 //!    in E2B's error shape (`{"code": 421, "message": "host_required: …"}`);
@@ -108,6 +110,12 @@ out["killed"] = h.kill()
 s.files.write("/tmp/door.txt", "through the API process\n")
 out["read"] = s.files.read("/tmp/door.txt")
 out["running"] = s.is_running()
+s.commands.run("mkdir -p /tmp/www && echo hello-port > /tmp/www/p.txt && cd /tmp/www && "
+               "(setsid python3 -m http.server 8000 --bind 127.0.0.1 >/tmp/h.log 2>&1 &)")
+r = s.commands.run("for i in $(seq 1 100); do python3 -c 'import socket; "
+                   "socket.create_connection((\"127.0.0.1\", 8000)).close()' 2>/dev/null "
+                   "&& echo up && exit 0; sleep 0.2; done; echo down")
+out["port"] = r.stdout.strip()
 print(json.dumps(out))
 "#;
 
@@ -161,6 +169,7 @@ fn the_e2b_sdk_drives_a_cluster_through_an_api_process() {
     assert_eq!(v["killed"], true, "{v}");
     assert_eq!(v["read"], "through the API process\n", "{v}");
     assert_eq!(v["running"], true, "{v}");
+    assert_eq!(v["port"], "up", "{v}");
 
     rt.block_on(async {
         let owner = pg_row(
@@ -199,6 +208,17 @@ fn the_e2b_sdk_drives_a_cluster_through_an_api_process() {
         let stat: Value = r.json().await.unwrap_or(Value::Null);
         assert_eq!((st, who.as_str()), (200, "host-a"), "{stat}");
         assert_eq!(stat["entry"]["size"], "24", "{stat}");
+        // A guest port by `Host`, as `get_host(8000)` names it on the API
+        // process's domain (`localhost:<its port>`): host-a's guest answers.
+        let port = api.url.rsplit(':').next().expect("port");
+        let r = http
+            .get(format!("{}/p.txt", api.url))
+            .header("host", format!("8000-{id}.localhost:{port}"))
+            .send()
+            .await
+            .expect("port request");
+        assert_eq!((r.status().as_u16(), host_of(&r)), (200, "host-a".into()));
+        assert_eq!(r.text().await.unwrap_or_default(), "hello-port\n");
         let r = http
             .get(format!("{}/v2/sandboxes", api.url))
             .header("x-api-key", KEY)
