@@ -26,12 +26,13 @@
 use std::sync::Arc;
 
 use axum::extract::{MatchedPath, Request, State};
-use axum::http::{HeaderValue, Method};
+use axum::http::{header, HeaderValue, Method};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use strata_core::SandboxId;
 use stratad::api::forward::{door, DoorCall, DoorRefusal};
 use stratad::caller::{Caller, SystemReason};
+use stratad::security::auth::{is_token, TOKEN_PREFIX};
 use stratad::store::SandboxFilter;
 
 use crate::auth::{EnvdSandbox, Shape};
@@ -103,12 +104,40 @@ fn control_call(st: &E2b, req: &Request) -> DoorCall {
 }
 
 /// Route layer of the control plane (inside the `X-API-KEY` check).
-pub async fn control(State(st): State<Arc<E2b>>, req: Request, next: Next) -> Response {
+pub async fn control(State(st): State<Arc<E2b>>, mut req: Request, next: Next) -> Response {
     if st.svc.cluster().is_none() {
         return next.run(req).await;
     }
     let call = control_call(&st, &req);
+    if matches!(call, DoorCall::Create { .. }) {
+        bearer_of_key(&mut req);
+    }
     door(&st.svc, call, req, json_refusal, |r| next.run(r)).await
+}
+
+/// A create whose `X-API-KEY` is a strata API token also carries it as
+/// `Authorization`: the host that makes the sandbox fetches a template it
+/// has no copy of from a holder with the caller's `Authorization`
+/// (docs/cluster.md, "Templates across hosts"). A configured E2B key is no
+/// credential of `/v1`: such a fetch is refused when authentication is on.
+fn bearer_of_key(req: &mut Request) {
+    if req.headers().contains_key(header::AUTHORIZATION) {
+        return;
+    }
+    let Some(key) = req
+        .headers()
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+    else {
+        return;
+    };
+    if !(key.starts_with(TOKEN_PREFIX) || is_token(key)) {
+        return;
+    }
+    if let Ok(v) = HeaderValue::from_str(&format!("Bearer {key}")) {
+        req.headers_mut().insert(header::AUTHORIZATION, v);
+    }
 }
 
 /// Route layer of envd's Connect routes and `/files` (inside the

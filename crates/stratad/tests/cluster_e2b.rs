@@ -21,10 +21,15 @@
 //!    mismatch (the first does not);
 //! 5. `Sandbox.connect(id)` (the token handed out again) runs a command,
 //!    `Sandbox.kill(id)` deletes the sandbox on host-a;
-//! 6. with host-a's daemon killed, a second sandbox's `GET` is `503`
-//!    `{"code": 503, "message": "owner_unreachable: host host-a …"}` and an
-//!    envd call a Connect `unavailable` error (`503`);
-//! 7. no API process ever held a lease; the first has no child process (no
+//! 6. host-b (8 vCPUs, no template) joins: an E2B create sent to host-a's
+//!    door with a strata token as `X-API-KEY` is placed on host-b and made
+//!    there (`201`, `x-strata-host: host-b`, host-b's lease; host-b fetched
+//!    the template from host-a with that token); an envd call on it through
+//!    the API process is host-b's answer;
+//! 7. with host-b's daemon killed, that sandbox's `GET` through the API
+//!    process is `503` `{"code": 503, "message": "owner_unreachable: host
+//!    host-b …"}` and an envd call a Connect `unavailable` error (`503`);
+//! 8. no API process ever held a lease; the first has no child process (no
 //!    QEMU), no `qemu.pid` in its run dir.
 //!
 //! Needs `STRATA_TEST_PG_URL` (scripts/test-pg.sh) and a Python with `e2b`;
@@ -281,21 +286,66 @@ fn the_e2b_sdk_drives_a_cluster_through_an_api_process() {
     rt.block_on(async {
         let (st, v) = a.call("GET", &format!("/v1/sandboxes/{id}"), None).await;
         assert!(st == 404 || v["state"] == "deleted", "{st} {v}");
+    });
 
-        // 6. The owner gone: `owner_unreachable`, in the door's shapes.
+    // 6. A create through host-a's door that placement puts on host-b (more
+    // free vCPUs, no copy of the template): sent to host-b's door, which
+    // fetches the template from host-a with the caller's strata token (its
+    // X-API-KEY).
+    let from = a.root.clone();
+    let b = Daemon::start_on(
+        &format!(
+            "{}{}",
+            host_conf("host-b", &url, &schema, 8, false),
+            door_conf()
+        ),
+        move |root| {
+            share_keys(&from, root);
+            write_secret(root);
+        },
+    );
+    let admin = a.token().expect("admin token");
+    rt.block_on(async {
+        tokio::time::sleep(std::time::Duration::from_secs(3)).await;
         let http = reqwest::Client::new();
+        let t = Instant::now();
         let r = http
-            .post(format!("{}/sandboxes", api.url))
-            .header("x-api-key", KEY)
+            .post(format!("{}/sandboxes", a.url))
+            .header("x-api-key", &admin)
             .json(&serde_json::json!({ "timeout": 300 }))
             .send()
             .await
             .expect("create");
-        assert_eq!((r.status().as_u16(), host_of(&r)), (201, "host-a".into()));
-        let v: Value = r.json().await.expect("sandbox");
+        let who = host_of(&r);
+        let st = r.status().as_u16();
+        let v: Value = r.json().await.unwrap_or(Value::Null);
+        assert_eq!((st, who.as_str()), (201, "host-b"), "{v}\n{}", b.logs());
+        eprintln!(
+            "E2B create through host-a placed on host-b: {:?}",
+            t.elapsed()
+        );
         let id2 = v["sandboxID"].as_str().expect("id").to_owned();
         let token = v["envdAccessToken"].as_str().expect("token").to_owned();
-        a.kill9();
+        let owner = pg_row(
+            &url,
+            &format!("SELECT host_id FROM {schema}.sandbox_owners WHERE sandbox_id = '{id2}'"),
+        )
+        .await
+        .map(|r| r.get::<_, String>(0));
+        assert_eq!(owner.as_deref(), Some("host-b"), "the sandbox's lease");
+        let stat = |path: &'static str| {
+            http.post(format!("{}/filesystem.Filesystem/Stat", api.url))
+                .header("e2b-sandbox-id", &id2)
+                .header("x-access-token", &token)
+                .header("content-type", "application/json")
+                .body(format!(r#"{{"path":"{path}"}}"#))
+                .send()
+        };
+        let r = stat("/").await.expect("stat");
+        assert_eq!((r.status().as_u16(), host_of(&r)), (200, "host-b".into()));
+
+        // 7. The owner gone: `owner_unreachable`, in the door's shapes.
+        b.kill9();
         let r = http
             .get(format!("{}/sandboxes/{id2}", api.url))
             .header("x-api-key", KEY)
@@ -308,18 +358,10 @@ fn the_e2b_sdk_drives_a_cluster_through_an_api_process() {
         assert!(
             e["message"]
                 .as_str()
-                .is_some_and(|m| m.starts_with("owner_unreachable: host host-a")),
+                .is_some_and(|m| m.starts_with("owner_unreachable: host host-b")),
             "{e}"
         );
-        let r = http
-            .post(format!("{}/filesystem.Filesystem/Stat", api.url))
-            .header("e2b-sandbox-id", &id2)
-            .header("x-access-token", &token)
-            .header("content-type", "application/json")
-            .body(r#"{"path":"/"}"#)
-            .send()
-            .await
-            .expect("stat");
+        let r = stat("/").await.expect("stat");
         let st = r.status().as_u16();
         let e: Value = r.json().await.unwrap_or(Value::Null);
         assert_eq!(st, 503, "{e}");
@@ -331,7 +373,7 @@ fn the_e2b_sdk_drives_a_cluster_through_an_api_process() {
             "{e}"
         );
 
-        // 7. The API process ran nothing.
+        // 8. The API process ran nothing.
         let held = pg_row(
             &url,
             &format!(
