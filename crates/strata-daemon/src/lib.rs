@@ -43,6 +43,14 @@ pub fn e2b_door(cfg: &Config) -> anyhow::Result<Option<Mount>> {
     let api_keys = strata_e2b::auth::ApiKey::parse_all(&s.api_keys)
         .context("[e2b] api_keys / --e2b-api-key (KEY, KEY=TENANT or KEY=TENANT:ACTOR)")?;
     let secret_path = s.token_secret_path(&cfg.data_dir);
+    if cfg.cluster.enabled && !secret_path.exists() {
+        // A new random secret: another host's or API process's envd tokens
+        // (and this one's for them) would not check (docs/cluster.md).
+        tracing::warn!(
+            secret = %secret_path.display(),
+            "E2B door on a cluster with no envd token secret yet: a new one is made, which no other host or API process shares; give every one the same file ([e2b] token_secret_file)"
+        );
+    }
     let door = strata_e2b::E2bConfig {
         api_keys,
         token_secret: token_secret(&secret_path)?,

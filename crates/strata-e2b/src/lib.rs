@@ -15,7 +15,9 @@
 //! (E2B process handles on top of strata's one-shot exec), [`auth`] (API
 //! keys and strata tokens, envd tokens), [`policy`] (callers, the envd
 //! token bindings), [`error`] (the door's errors and the mapping of the
-//! service's, so the modules that raise them import none of each other).
+//! service's, so the modules that raise them import none of each other),
+//! [`cluster`] (on a cluster: each request naming a sandbox goes to the
+//! host that holds it, a create to the host placement picks).
 //!
 //! Security: `X-API-KEY` is a configured E2B key ([`auth::ApiKey`]: its
 //! own tenant and actor, or for a bare key a developer of tenant `default`)
@@ -36,6 +38,7 @@
 //! address for failed authentication answer `429`.
 
 pub mod auth;
+pub mod cluster;
 pub mod connect;
 pub mod control;
 pub mod envd;
@@ -178,6 +181,21 @@ impl E2b {
             templates,
             cfg,
         });
+        if st.svc.cluster().is_some() {
+            // The doors of a cluster check each other's envd tokens.
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                let st2 = st.clone();
+                rt.spawn(async move {
+                    match st2.check_shared_secret().await {
+                        Ok(Some(id)) => {
+                            tracing::info!(sandbox = %id, "E2B door: the envd token secret matches the cluster's")
+                        }
+                        Ok(None) => {}
+                        Err(e) => tracing::error!("E2B door on a cluster: {e}"),
+                    }
+                });
+            }
+        }
         // Whoever deletes a sandbox (a user, its timeout), the door forgets it.
         let weak = Arc::downgrade(&st);
         st.svc.on_deleted(Arc::new(move |id| {
@@ -359,6 +377,11 @@ fn routes(state: Arc<E2b>) -> Router {
             post(control::templates::assign_tags).delete(control::templates::remove_tags),
         )
         .route("/templates/:id/tags", get(control::templates::list_tags))
+        // On a cluster: to the sandbox's host (inside the key check).
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            cluster::control,
+        ))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             auth::require_api_key,
@@ -371,6 +394,8 @@ fn routes(state: Arc<E2b>) -> Router {
     let checked = |shape| {
         axum::middleware::from_fn_with_state((state.clone(), shape), auth::require_access_token)
     };
+    // On a cluster: to the sandbox's host, once the check found it.
+    let owner = |shape| axum::middleware::from_fn_with_state((state.clone(), shape), cluster::envd);
     let unary = Router::new()
         .route(&format!("{p}/List"), post(envd::list))
         .route(&format!("{p}/SendInput"), post(envd::send_input))
@@ -388,19 +413,27 @@ fn routes(state: Arc<E2b>) -> Router {
             post(envd::get_watcher_events),
         )
         .route(&format!("{f}/RemoveWatcher"), post(envd::remove_watcher))
+        .route_layer(owner(auth::Shape::Unary))
         .route_layer(checked(auth::Shape::Unary));
     let streams = Router::new()
         .route(&format!("{p}/Start"), post(envd::start))
         .route(&format!("{p}/Connect"), post(envd::connect))
         .route(&format!("{f}/WatchDir"), post(envd::watch_dir))
+        .route_layer(owner(auth::Shape::Stream))
         .route_layer(checked(auth::Shape::Stream));
     // A build's upload link is its own credential (as a presigned URL is).
-    let uploads = Router::new().route(
-        "/e2b-template-uploads/:token",
-        put(control::templates::upload),
-    );
+    let uploads = Router::new()
+        .route(
+            "/e2b-template-uploads/:token",
+            put(control::templates::upload),
+        )
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            cluster::control,
+        ));
     let files = Router::new()
         .route("/files", get(envd::download).post(envd::upload))
+        .route_layer(owner(auth::Shape::Files))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             envd::signed::files_access,

@@ -21,6 +21,9 @@
 //! `401` and counts against the source address. The credential headers are
 //! not forwarded to the guest.
 //!
+//! On a cluster, once the credential is checked, a port request for a
+//! sandbox another host holds goes to that host's door ([`crate::cluster`]).
+//!
 //! The proxying itself is the daemon's ([`stratad::api::ports::forward`],
 //! shared with `/v1/sandboxes/{id}/ports/{port}`). Each proxied HTTP
 //! request is one port connection (HTTP/1.1 to the guest,
@@ -42,6 +45,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
 use strata_core::SandboxId;
+use stratad::api::forward::{door, DoorCall, DoorRefusal};
 use stratad::api::ports::{forward, Forward, PortProxyError};
 use stratad::caller::Caller;
 use stratad::service::{is_port_closed, ServiceError};
@@ -284,16 +288,43 @@ async fn proxy(st: Arc<E2b>, t: Target, mut req: Request) -> Response {
             req.headers_mut().insert(axum::http::header::HOST, v);
         }
     }
-    let how = Forward {
-        drop_headers: &DOOR_HEADERS,
-        target: None,
-    };
-    match forward(&st.svc, &caller, &id, t.port, &gate_opts(), req, how).await {
-        Ok(r) => r,
-        Err(PortProxyError::Open(e)) => service_refusal(&e, &t),
-        Err(PortProxyError::Guest(m)) => refuse(502, m, Some(&t)),
-        Err(PortProxyError::BadRequest(m)) => refuse(400, m, Some(&t)),
+    if st.svc.cluster().is_some() {
+        // Forwarded to the sandbox's host, its door routes by these (its
+        // `domain` may not be this one's); they never reach the guest.
+        for (name, value) in [
+            (SANDBOX_ID_HEADER, t.sandbox.clone()),
+            (SANDBOX_PORT_HEADER, t.port.to_string()),
+        ] {
+            if let Ok(v) = axum::http::HeaderValue::from_str(&value) {
+                req.headers_mut().insert(name, v);
+            }
+        }
     }
+    let svc = st.svc.clone();
+    let call = DoorCall::Sandbox {
+        id: id.clone(),
+        read: false,
+    };
+    let shape = |r: DoorRefusal| {
+        refuse(
+            r.status.as_u16(),
+            format!("{}: {}", r.code, r.message),
+            Some(&t),
+        )
+    };
+    let local = |req: Request| async {
+        let how = Forward {
+            drop_headers: &DOOR_HEADERS,
+            target: None,
+        };
+        match forward(&st.svc, &caller, &id, t.port, &gate_opts(), req, how).await {
+            Ok(r) => r,
+            Err(PortProxyError::Open(e)) => service_refusal(&e, &t),
+            Err(PortProxyError::Guest(m)) => refuse(502, m, Some(&t)),
+            Err(PortProxyError::BadRequest(m)) => refuse(400, m, Some(&t)),
+        }
+    };
+    door(&svc, call, req, shape, local).await
 }
 
 #[cfg(test)]

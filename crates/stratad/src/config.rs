@@ -1083,13 +1083,8 @@ impl Config {
                     .into(),
             ));
         }
-        if self.cluster.role == crate::cluster::Role::Api && self.e2b.enabled {
-            // The E2B door's calls are not forwarded (docs/cluster.md).
-            return Err(ConfigError::Invalid(
-                "[e2b] enabled = true (--e2b) is not served by an API-only process ([cluster] role = \"api\"): its calls are not forwarded to hosts; enable the E2B door on the hosts"
-                    .into(),
-            ));
-        }
+        // `[e2b] enabled` on an API process: its door forwards to the hosts
+        // (docs/cluster.md, "The E2B door on a cluster").
         if !self.security.auth {
             // Without tokens every caller is an admin: never off this host.
             let open = [Some(self.listen), self.e2b.tls_listen, self.tls_listen]

@@ -31,7 +31,7 @@ mod common;
 
 use std::time::Instant;
 
-use common::cluster::{api_conf, host_conf, host_of, pg_row};
+use common::cluster::{api_conf, children, host_conf, host_of, pg_row};
 use common::Daemon;
 use serde_json::{json, Value};
 
@@ -45,32 +45,6 @@ async fn send(d: &Daemon, method: &str, path: &str, body: Option<Value>) -> (u16
     let host = host_of(&r);
     let st = r.status().as_u16();
     (st, host, r.json().await.unwrap_or(Value::Null))
-}
-
-/// The pids whose parent is `pid`, with their command names.
-fn children(pid: u32) -> Vec<(u32, String)> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir("/proc").expect("/proc").flatten() {
-        let Some(p) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
-            continue;
-        };
-        // `pid (comm) state ppid …`; comm may hold spaces.
-        let Some((head, tail)) = stat.rsplit_once(')') else {
-            continue;
-        };
-        let comm = head.split_once('(').map(|x| x.1).unwrap_or_default();
-        let ppid = tail
-            .split_whitespace()
-            .nth(1)
-            .and_then(|s| s.parse::<u32>().ok());
-        if ppid == Some(pid) {
-            out.push((p, comm.to_owned()));
-        }
-    }
-    out
 }
 
 #[test]

@@ -16,6 +16,9 @@
 //!   the owner of the snapshot's sandbox the same way.
 //! - Not forwarded: connection upgrades (the WebSocket terminal), other
 //!   routes (reads of records are served from the shared store by any host).
+//! - Another door (the E2B door, which names its sandbox by path, header or
+//!   `Host` and has its own error shape) goes through [`door`]: the same
+//!   rules, its refusals in that door's shape ([`DoorRefusal`]).
 //! - An API-only process (`[cluster] role = "api"`) runs no VMs: a call that
 //!   needs a host ([`Action::runs_on_host`]) and cannot be forwarded is
 //!   refused before any handler runs: `503 no_owner` for a live sandbox no
@@ -110,14 +113,17 @@ pub(crate) fn client() -> &'static reqwest::Client {
 }
 
 fn unreachable(status: StatusCode, host: &str, why: impl std::fmt::Display) -> Response {
-    (
+    let message = format!(
+        "host {host} (which owns this sandbox or was chosen for it) cannot be reached: {why}"
+    );
+    let mut r = (
         status,
-        axum::Json(json!({ "error": {
-            "code": OWNER_UNREACHABLE,
-            "message": format!("host {host} (which owns this sandbox or was chosen for it) cannot be reached: {why}"),
-        }})),
+        axum::Json(json!({ "error": { "code": OWNER_UNREACHABLE, "message": &message }})),
     )
-        .into_response()
+        .into_response();
+    r.extensions_mut()
+        .insert(DoorRefusal::new(status, OWNER_UNREACHABLE, message));
+    r
 }
 
 /// Hop-by-hop headers (RFC 9110 §7.6.1) and those the client recomputes.
@@ -184,11 +190,14 @@ async fn proxy(
 }
 
 fn refuse(status: StatusCode, code: &str, message: String) -> Response {
-    (
+    let mut r = (
         status,
-        axum::Json(json!({ "error": { "code": code, "message": message } })),
+        axum::Json(json!({ "error": { "code": code, "message": &message } })),
     )
-        .into_response()
+        .into_response();
+    r.extensions_mut()
+        .insert(DoorRefusal::new(status, code, message));
+    r
 }
 
 /// The sandbox id of a `/v1/sandboxes/{id}[/…]` path.
@@ -379,4 +388,208 @@ async fn route(
         }
     }
     CTX.scope(ctx, next.run(req)).await
+}
+
+// Other doors on a cluster: the E2B door (`strata-e2b`; docs/cluster.md,
+// "The E2B door on a cluster") names its sandbox in its own way (a path,
+// the `E2b-Sandbox-Id` header, a `Host`) and answers errors in its own
+// shape; the forwarding itself is this module's.
+
+/// A refusal this module answers itself (owner unreachable, host required,
+/// no owner, a body too large to re-send, a failed owner lookup): status,
+/// machine-readable code and message. Each such answer carries one in its
+/// extensions, and [`door`] hands it to the door's shape.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DoorRefusal {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// [`OWNER_UNREACHABLE`], [`HOST_REQUIRED`], [`NO_OWNER`], or the name
+    /// of a [`strata_core::ErrorCode`].
+    pub code: String,
+    /// What happened, for a person.
+    pub message: String,
+}
+
+impl DoorRefusal {
+    fn new(status: StatusCode, code: &str, message: String) -> Self {
+        DoorRefusal {
+            status,
+            code: code.to_owned(),
+            message,
+        }
+    }
+}
+
+/// What a request of another door is about, as that door reads it; decides
+/// what [`door`] does with it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DoorCall {
+    /// An operation on one sandbox: forwarded to its lease holder when
+    /// another host holds it; else answered here, except on an API process
+    /// when not `read` (`503 no_owner` for a live sandbox, as `/v1`).
+    Sandbox {
+        /// The sandbox.
+        id: SandboxId,
+        /// A read of records, answered here when no host holds the sandbox.
+        read: bool,
+    },
+    /// A create: run here (placement decides); when placement picks
+    /// another host, its body (kept, at most `limit` bytes, else `413`) and
+    /// headers are sent there.
+    Create {
+        /// The largest body kept for the re-send.
+        limit: usize,
+    },
+    /// Runs on a host and names no sandbox (a template build): an API
+    /// process refuses it (`421 host_required`), a host runs it.
+    HostOnly,
+    /// Answered where it arrives (lists, reads of records).
+    Local,
+}
+
+/// Serves one request of another door (the E2B door) on a cluster as `/v1`
+/// requests are served ([`layer`]): `call` forwarded to the sandbox's
+/// lease holder (same loop rule, `owner_unreachable`, streaming, the
+/// caller's credential headers sent as they came for the owner's door to
+/// check again), a create placed and re-sent, an API process's refusals;
+/// anything answered here goes to `run` within the request's context (a
+/// create then reports placement, a forwarded one skips it). This module's
+/// own refusals are answered through `shape` (the door's error format);
+/// every answer carries [`HOST_HEADER`]. Without `[cluster]`: `run(req)`.
+pub async fn door<F, Fut, S>(
+    svc: &Arc<Service>,
+    call: DoorCall,
+    req: Request,
+    shape: S,
+    run: F,
+) -> Response
+where
+    F: FnOnce(Request) -> Fut,
+    Fut: std::future::Future<Output = Response>,
+    S: FnOnce(DoorRefusal) -> Response,
+{
+    let Some(cluster) = svc.cluster().cloned() else {
+        return run(req).await;
+    };
+    let me = cluster.host_id().to_owned();
+    let mut resp = door_route(svc, &cluster, call, req, run).await;
+    if let Some(r) = resp.extensions_mut().remove::<DoorRefusal>() {
+        resp = shape(r);
+    }
+    if !resp.headers().contains_key(HOST_HEADER) {
+        if let Ok(v) = me.parse() {
+            resp.headers_mut().insert(HOST_HEADER, v);
+        }
+    }
+    resp
+}
+
+async fn door_route<F, Fut>(
+    svc: &Arc<Service>,
+    cluster: &Arc<crate::cluster::Cluster>,
+    call: DoorCall,
+    req: Request,
+    run: F,
+) -> Response
+where
+    F: FnOnce(Request) -> Fut,
+    Fut: std::future::Future<Output = Response>,
+{
+    let forwarded = req.headers().contains_key(FORWARDED_HEADER);
+    let api = cluster.is_api();
+    let me = cluster.host_id().to_owned();
+    let label = format!("{} {}", req.method(), req.uri().path());
+    let ctx = Arc::new(Ctx {
+        forwarded,
+        authorization: req.headers().get(header::AUTHORIZATION).cloned(),
+        ..Default::default()
+    });
+    if forwarded {
+        // Never forwarded again; an API process runs no host's call.
+        if api && call != DoorCall::Local {
+            let id = match &call {
+                DoorCall::Sandbox { id, .. } => Some(id),
+                _ => None,
+            };
+            if let Some(r) = api_refusal(svc, &me, id, true, &label).await {
+                return r;
+            }
+        }
+        return CTX.scope(ctx, run(req)).await;
+    }
+    let pq = req
+        .uri()
+        .path_and_query()
+        .map(|p| p.as_str().to_owned())
+        .unwrap_or_else(|| req.uri().path().to_owned());
+    match call {
+        DoorCall::Local => CTX.scope(ctx, run(req)).await,
+        DoorCall::HostOnly => {
+            if api {
+                if let Some(r) = api_refusal(svc, &me, None, false, &label).await {
+                    return r;
+                }
+            }
+            CTX.scope(ctx, run(req)).await
+        }
+        DoorCall::Sandbox { id, read } => {
+            let owner = match cluster.owner_elsewhere(&id).await {
+                Ok(o) => o,
+                Err(e) => {
+                    let e = super::ApiError::from(e);
+                    let status = StatusCode::from_u16(e.status())
+                        .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+                    return refuse(status, &e.code.as_str(), e.message);
+                }
+            };
+            let Some((host, addr)) = owner else {
+                if api && !read {
+                    if let Some(r) = api_refusal(svc, &me, Some(&id), false, &label).await {
+                        return r;
+                    }
+                }
+                return CTX.scope(ctx, run(req)).await;
+            };
+            if req.headers().contains_key(header::UPGRADE) {
+                return refuse(
+                    StatusCode::MISDIRECTED_REQUEST,
+                    HOST_REQUIRED,
+                    format!(
+                        "this stratad ({me}) does not forward connection upgrades (WebSocket); connect to host {host} at {addr}, which runs sandbox {id}"
+                    ),
+                );
+            }
+            let (parts, body) = req.into_parts();
+            let body = reqwest::Body::wrap_stream(body.into_data_stream());
+            tracing::debug!(sandbox = %id, owner = %host, "door request forwarded");
+            proxy(&me, &host, &addr, parts.method, &pq, &parts.headers, body).await
+        }
+        DoorCall::Create { limit } => {
+            let (parts, body) = req.into_parts();
+            let Ok(bytes) = axum::body::to_bytes(body, limit).await else {
+                return refuse(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    &strata_core::ErrorCode::PayloadTooLarge.as_str(),
+                    format!("request body larger than {limit} bytes (or it broke off)"),
+                );
+            };
+            let local = Request::from_parts(parts.clone(), AxumBody::from(bytes.clone()));
+            let resp = CTX.scope(ctx.clone(), run(local)).await;
+            let placed = ctx.placed.lock().unwrap_or_else(|p| p.into_inner()).take();
+            let Some(addr) = placed else {
+                return resp;
+            };
+            tracing::debug!(to = %addr, "door create forwarded to the host placement chose");
+            proxy(
+                &me,
+                &addr,
+                &addr,
+                parts.method,
+                &pq,
+                &parts.headers,
+                reqwest::Body::from(bytes),
+            )
+            .await
+        }
+    }
 }

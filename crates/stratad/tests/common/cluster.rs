@@ -129,3 +129,29 @@ pub async fn lease_of(url: &str, schema: &str, id: &str) -> Option<(String, i64,
     .await
     .map(|r| (r.get(0), r.get(1), r.get(2)))
 }
+
+/// The pids whose parent is `pid`, with their command names.
+pub fn children(pid: u32) -> Vec<(u32, String)> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let Some(p) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
+            continue;
+        };
+        // `pid (comm) state ppid …`; comm may hold spaces.
+        let Some((head, tail)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        let comm = head.split_once('(').map(|x| x.1).unwrap_or_default();
+        let ppid = tail
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse::<u32>().ok());
+        if ppid == Some(pid) {
+            out.push((p, comm.to_owned()));
+        }
+    }
+    out
+}
