@@ -24,7 +24,9 @@
 //!    denied exec is refused by host-a), a call host-a holds for approval
 //!    (an exec, an upload) is listed there and released by an approval
 //!    sent there (forwarded to host-a: the exec's output, the uploaded
-//!    file), the egress view is host-a's, and the WebSocket terminal opens
+//!    file) or refused by a denial sent there, a tenant policy written
+//!    there is in force on host-a within a second, the egress view is
+//!    host-a's, and the WebSocket terminal opens
 //!    through it (ticket and upgrade forwarded) and echoes a command's
 //!    output.
 //!
@@ -95,10 +97,15 @@ async fn pending_approval(d: &Daemon, id: &str) -> (String, String) {
 
 /// Approves `approval` through `d` with `token`: (status, `x-strata-host`, body).
 async fn approve(d: &Daemon, token: &str, approval: &str) -> (u16, String, Value) {
+    answer_as(d, token, approval, "approve").await
+}
+
+/// `POST /v1/approvals/{approval}/{verb}` through `d` with `token`.
+async fn answer_as(d: &Daemon, token: &str, approval: &str, verb: &str) -> (u16, String, Value) {
     let r = d
         .api
         .client()
-        .post(format!("{}/v1/approvals/{approval}/approve", d.url))
+        .post(format!("{}/v1/approvals/{approval}/{verb}", d.url))
         .bearer_auth(token)
         .json(&json!({ "reason": "looked" }))
         .send()
@@ -168,6 +175,23 @@ async fn security_and_terminal(api: &Daemon, id: &str) {
     // Answered once: a second answer is a conflict.
     let (st, _, v) = approve(api, &approver, &aid).await;
     assert_eq!(st, 409, "{v}");
+    // A denial sent to the API process refuses the waiting exec on host-a.
+    let deny = async {
+        let (aid, _) = pending_approval(api, id).await;
+        let (st, host, v) = answer_as(api, &approver, &aid, "deny").await;
+        assert_eq!((st, host.as_str()), (200, "host-a"), "{v}");
+        assert_eq!(v["status"]["status"], "denied", "{v}");
+        aid
+    };
+    let (e, aid) = tokio::join!(api.exec(id, &["seq", "1"]), deny);
+    assert_eq!(e.status, 403, "{}", e.error);
+    assert!(
+        e.error
+            .to_string()
+            .contains(&format!("approval {aid} denied by")),
+        "{}",
+        e.error
+    );
 
     // A held upload: its bytes wait in host-a's data dir; the approval sent
     // to the API process releases them into the guest.
