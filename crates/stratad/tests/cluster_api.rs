@@ -71,8 +71,24 @@ path = "/tmp/held/**"
 reason = "a human looks"
 "#;
 
+/// The tenant layer the security part writes through the API process.
+const TENANT_POLICY: &str = r#"
+[[rule]]
+id = "no-uname"
+effect = "deny"
+kind = "exec"
+program = "uname"
+
+[[rule]]
+id = "ask-create"
+effect = "approve"
+kind = "lifecycle"
+op = "create"
+"#;
+
 /// Polls `GET /v1/approvals` on `d` until a pending request on sandbox
-/// `id` is listed; answers its id and the host that answered the listing.
+/// `id` (`""`: none, a create) is listed; answers its id and the host
+/// that answered the listing.
 async fn pending_approval(d: &Daemon, id: &str) -> (String, String) {
     let t = Instant::now();
     loop {
@@ -80,7 +96,7 @@ async fn pending_approval(d: &Daemon, id: &str) -> (String, String) {
         assert_eq!(st, 200, "{v}");
         let found = v["items"].as_array().and_then(|a| {
             a.iter()
-                .find(|i| i["sandbox"] == id)
+                .find(|i| i["sandbox"].as_str().unwrap_or_default() == id)
                 .and_then(|i| i["id"].as_str())
                 .map(str::to_owned)
         });
@@ -257,10 +273,7 @@ async fn security_and_terminal(api: &Daemon, id: &str) {
             .expect("put tenant policy");
         assert_eq!((r.status().as_u16(), host_of(&r).as_str()), (200, "api-1"));
     };
-    tenant(
-        "[[rule]]\nid = \"no-uname\"\neffect = \"deny\"\nkind = \"exec\"\nprogram = \"uname\"\n",
-    )
-    .await;
+    tenant(TENANT_POLICY).await;
     let t = Instant::now();
     loop {
         let e = api.exec(id, &["uname"]).await;
@@ -276,6 +289,44 @@ async fn security_and_terminal(api: &Daemon, id: &str) {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     eprintln!("tenant policy in force on host-a after {:?}", t.elapsed());
+    // A create held by it: the API process places it and leaves the hold
+    // to host-a (one approval, not one per process); its request has no
+    // sandbox, so the approval sent to the API process is answered there,
+    // in PostgreSQL, and host-a's waiting create reads it from there.
+    let t = Instant::now();
+    let create = async {
+        let r = api
+            .request("POST", "/v1/sandboxes")
+            .json(&json!({}))
+            .send()
+            .await
+            .expect("create");
+        let host = host_of(&r);
+        let st = r.status().as_u16();
+        (st, host, r.json::<Value>().await.unwrap_or(Value::Null))
+    };
+    let answer = async {
+        let (aid, _) = pending_approval(api, "").await;
+        let (st, host, v) = approve(api, &approver, &aid).await;
+        assert_eq!((st, host.as_str()), (200, "api-1"), "{v}");
+        aid
+    };
+    let ((st, host, v), aid) = tokio::join!(create, answer);
+    assert_eq!((st, host.as_str()), (201, "host-a"), "{v}");
+    let (_, _, list) = send(api, "GET", "/v1/approvals?status=all", None).await;
+    let creates: Vec<_> = list["items"]
+        .as_array()
+        .map(|a| a.iter().filter(|i| i["sandbox"].is_null()).collect())
+        .unwrap_or_default();
+    assert_eq!(creates.len(), 1, "one approval per create: {list}");
+    assert_eq!(creates[0]["id"], aid.as_str());
+    eprintln!(
+        "held create approved through the API process: {:?}",
+        t.elapsed()
+    );
+    let created = v["id"].as_str().expect("id");
+    let (st, _, v) = send(api, "DELETE", &format!("/v1/sandboxes/{created}"), None).await;
+    assert!(st == 200 || st == 204, "{st} {v}");
     tenant("# no rules").await;
     let t = Instant::now();
     while api.exec(id, &["uname"]).await.status != 200 {

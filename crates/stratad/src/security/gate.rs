@@ -254,6 +254,11 @@ pub mod approval_rules {
     pub const UNKNOWN: &str = "approval-unknown";
 }
 
+/// Whether `call` creates a sandbox.
+fn is_create(call: &ToolCall) -> bool {
+    matches!(&call.kind, strata_policy::CallKind::Lifecycle { op } if op == "create")
+}
+
 /// Whether `d` is the gate's refusal of a held call because the sandbox
 /// has too many pending requests (answered `429 rate_limited`).
 pub fn is_approval_limit(d: &Decision) -> bool {
@@ -324,7 +329,9 @@ impl Security {
     }
 
     /// Decides `call`: `Ok` when it may run (allowed, or approved). Every
-    /// decision is in the audit log before this returns.
+    /// decision is in the audit log before this returns, but for a create
+    /// an API-only process would hold: it passes, and the host it is sent
+    /// to decides and audits it.
     pub async fn gate(
         self: &Arc<Self>,
         call: ToolCall,
@@ -353,6 +360,13 @@ impl Security {
                     format!("denied by policy rule `{}`: {}", d.rule_id, d.reason),
                 ))
             }
+            // An API-only process never runs a create: it places it and
+            // sends it to a host, whose gate decides the same call again
+            // (same caller, same query) and holds it there or takes its
+            // `approval=`. Holding it here too asked for two approvals of
+            // one create (and used the approval a re-submission names
+            // before the host could). The host audits the decision.
+            Effect::Approve if self.api_only && is_create(&call) => Ok(()),
             Effect::Approve => match opts.approval.clone() {
                 Some(id) => self.run_approved(call, d, id, opts.body).await,
                 None => self.hold(call, d, opts).await,

@@ -403,6 +403,9 @@ pub struct Security {
     /// layers are read again from it ([`SHARED_APPROVAL_POLL`],
     /// [`SHARED_POLICY_TTL`]).
     shared: bool,
+    /// An API-only process (`[cluster] role = "api"`): the creates it
+    /// places are held, if at all, by the host they are sent to.
+    api_only: bool,
 }
 
 impl std::fmt::Debug for Security {
@@ -429,6 +432,7 @@ impl Security {
         let cfg = config.security.clone();
         // Other processes write the same tables (docs/cluster.md).
         let shared = config.cluster.enabled;
+        let api_only = shared && config.cluster.role == crate::cluster::Role::Api;
         let store = Arc::new(open_store(config)?);
         let platform = match &cfg.platform_policy {
             Some(p) => Policy::load(p)?,
@@ -534,6 +538,7 @@ impl Security {
             intercept: intercept::interception(config)?,
             journal: std::sync::OnceLock::new(),
             shared,
+            api_only,
             cfg,
         };
         let l = sec.tunnels.limits();
