@@ -216,6 +216,18 @@ pub trait ApprovalStore: Send + Sync {
     fn consume(&self, req: &ApprovalRequest) -> Result<bool, StoreError> {
         self.update(req).map(|()| true)
     }
+    /// Request `id` as recorded now (`None`: not recorded). A store that
+    /// several processes share overrides this with one read; the default
+    /// loads every request.
+    fn load_one(&self, id: &str) -> Result<Option<ApprovalRequest>, StoreError> {
+        Ok(self.load()?.into_iter().find(|r| r.id == id))
+    }
+    /// Every request of `tenant` (the default filters [`Self::load`]).
+    fn load_tenant(&self, tenant: &str) -> Result<Vec<ApprovalRequest>, StoreError> {
+        let mut all = self.load()?;
+        all.retain(|r| r.tenant == tenant);
+        Ok(all)
+    }
 }
 
 /// Errors of queue operations.
@@ -361,6 +373,72 @@ impl ApprovalQueue {
     /// The limits in force.
     pub fn limits(&self) -> ApprovalLimits {
         self.limits
+    }
+
+    /// Brings request `id` up to date with the store, which other processes
+    /// share (a cluster's PostgreSQL): a request another process recorded
+    /// is learnt, an answer or a use another process wrote replaces a
+    /// pending (or unused) copy and wakes its waiters. Answers whether the
+    /// request is still pending here (`false` for an unknown one, and
+    /// without a store: nothing to learn).
+    pub fn sync(&self, id: &str) -> Result<bool, StoreError> {
+        let Some(store) = &self.store else {
+            return Ok(self
+                .lock()
+                .get(id)
+                .is_some_and(|e| e.req.status == ApprovalStatus::Pending));
+        };
+        let stored = store.load_one(id)?;
+        let mut map = self.lock();
+        if let Some(req) = stored {
+            self.merge(&mut map, req);
+        }
+        Ok(map
+            .get(id)
+            .is_some_and(|e| e.req.status == ApprovalStatus::Pending))
+    }
+
+    /// [`Self::sync`] of every request of `tenant` the store holds (a
+    /// listing on a process that shares the store with others).
+    pub fn sync_tenant(&self, tenant: &str) -> Result<(), StoreError> {
+        let Some(store) = &self.store else {
+            return Ok(());
+        };
+        let all = store.load_tenant(tenant)?;
+        let mut map = self.lock();
+        for req in all {
+            self.merge(&mut map, req);
+        }
+        Ok(())
+    }
+
+    /// Takes a stored record into `map`: a new one is added; a known one
+    /// moves forward only (pending → answered, unused → used), never back.
+    fn merge(&self, map: &mut Map, mut req: ApprovalRequest) {
+        if req.request_sha256.is_empty() {
+            req.request_sha256 = request_digest(&req.call, req.body.as_ref());
+        }
+        match map.get_mut(&req.id) {
+            None => {
+                if req.expires_at.is_none() && req.consumed_at.is_none() {
+                    req.expires_at = expiry(&req.status, req.created_at, &self.limits);
+                }
+                let (tx, _) = watch::channel(req.status.clone());
+                map.insert(req.id.clone(), Entry { req, tx });
+            }
+            Some(e) => {
+                let answered = e.req.status == ApprovalStatus::Pending
+                    && req.status != ApprovalStatus::Pending;
+                let used = e.req.consumed_at.is_none() && req.consumed_at.is_some();
+                if answered || used {
+                    let changed = e.req.status != req.status;
+                    e.req = req;
+                    if changed {
+                        e.tx.send_replace(e.req.status.clone());
+                    }
+                }
+            }
+        }
     }
 
     /// Request `id` of `tenant` in `map`, its expiry applied now.

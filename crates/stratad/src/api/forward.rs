@@ -14,16 +14,23 @@
 //!   `owner_unreachable`.
 //! - `/v1/snapshots/{id}[/…]` (get, delete, fork of a snapshot) goes to
 //!   the owner of the snapshot's sandbox the same way.
-//! - Not forwarded: connection upgrades (the WebSocket terminal), other
-//!   routes (reads of records are served from the shared store by any host).
+//! - Connection upgrades on a sandbox (the WebSocket terminal, a guest
+//!   port's WebSocket) go to the owner too ([`proxy_upgrade`]): the owner's
+//!   `101`, then the bytes copied both ways.
+//! - The security layer's per-sandbox routes (`/policy`, `/egress`) are
+//!   forwarded like every sandbox route (the layer wraps them too); an
+//!   approval's answer goes to the host that holds the call
+//!   ([`send_to_owner`], from `api::security`).
+//! - Not forwarded: other routes (reads of records are served from the
+//!   shared store by any host).
 //! - Another door (the E2B door, which names its sandbox by path, header or
 //!   `Host` and has its own error shape) goes through [`door`]: the same
 //!   rules, its refusals in that door's shape ([`DoorRefusal`]).
 //! - An API-only process (`[cluster] role = "api"`) runs no VMs: a call that
 //!   needs a host ([`Action::runs_on_host`]) and cannot be forwarded is
 //!   refused before any handler runs: `503 no_owner` for a live sandbox no
-//!   host holds, `421 host_required` for the rest (a template build, a
-//!   terminal, an import), naming where to go when it can.
+//!   host holds, `421 host_required` for the rest (a template build, an
+//!   import), naming where to go when it can.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -300,7 +307,7 @@ async fn route(
         authorization: req.headers().get(header::AUTHORIZATION).cloned(),
         ..Default::default()
     });
-    if !api && (forwarded || upgrade) {
+    if !api && forwarded {
         return CTX.scope(ctx, next.run(req)).await;
     }
     let me = cluster.host_id().to_owned();
@@ -335,14 +342,8 @@ async fn route(
             return CTX.scope(ctx, next.run(req)).await;
         };
         if upgrade {
-            // Only an API process gets here: a host answers upgrades itself.
-            return refuse(
-                StatusCode::MISDIRECTED_REQUEST,
-                HOST_REQUIRED,
-                format!(
-                    "this stratad ({me}) is an API-only process ([cluster] role = \"api\"): connection upgrades (the terminal) are not forwarded; connect to host {host} at {addr}, which runs sandbox {id}"
-                ),
-            );
+            tracing::debug!(sandbox = %id, owner = %host, "upgrade forwarded");
+            return proxy_upgrade(&me, &host, &addr, &pq, req).await;
         }
         let (parts, body) = req.into_parts();
         let body = reqwest::Body::wrap_stream(body.into_data_stream());
@@ -592,4 +593,116 @@ where
             .await
         }
     }
+}
+
+/// Forwards a connection upgrade (the WebSocket terminal, a guest port's
+/// WebSocket) to the owner at `addr`: the request with its `Upgrade` and
+/// the client's own `Host` (the owner's same-origin check of a terminal
+/// compares the browser's `Origin` with the host the browser reached, not
+/// with the owner's address), connecting bounded like every forward. An
+/// answer other than `101` (the owner's `401` of a spent ticket) is
+/// returned as is; on `101` the client's and the owner's upgraded
+/// connections are joined, bytes copied both ways until either side
+/// closes.
+async fn proxy_upgrade(
+    me: &str,
+    host: &str,
+    addr: &str,
+    path_query: &str,
+    mut req: Request,
+) -> Response {
+    let client_side = hyper::upgrade::on(&mut req);
+    let (parts, _) = req.into_parts();
+    let url = format!("{}{}", addr.trim_end_matches('/'), path_query);
+    let mut out = HeaderMap::new();
+    copy_headers(&parts.headers, &mut out);
+    for name in [header::UPGRADE, header::HOST] {
+        if let Some(v) = parts.headers.get(&name) {
+            out.insert(name, v.clone());
+        }
+    }
+    out.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    if let Ok(v) = me.parse() {
+        out.insert(FORWARDED_HEADER, v);
+    }
+    let resp = match client()
+        .request(parts.method, &url)
+        .headers(out)
+        .send()
+        .await
+    {
+        Ok(r) => r,
+        Err(e) if e.is_connect() || e.is_timeout() => {
+            return unreachable(StatusCode::SERVICE_UNAVAILABLE, host, e)
+        }
+        Err(e) => return unreachable(StatusCode::BAD_GATEWAY, host, e),
+    };
+    let mut b = Response::builder().status(resp.status().as_u16());
+    if let Some(h) = b.headers_mut() {
+        copy_headers(resp.headers(), h);
+    }
+    if resp.status() != reqwest::StatusCode::SWITCHING_PROTOCOLS {
+        let stream = resp.bytes_stream().map_err(std::io::Error::other);
+        return b
+            .body(AxumBody::from_stream(stream))
+            .unwrap_or_else(|e| unreachable(StatusCode::BAD_GATEWAY, host, e));
+    }
+    if let Some(h) = b.headers_mut() {
+        h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        if let Some(p) = resp.headers().get(header::UPGRADE) {
+            h.insert(header::UPGRADE, p.clone());
+        }
+    }
+    let owner = host.to_owned();
+    tokio::spawn(async move {
+        let (mut theirs, ours) = match tokio::try_join!(
+            async { resp.upgrade().await.map_err(|e| e.to_string()) },
+            async { client_side.await.map_err(|e| e.to_string()) },
+        ) {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::debug!(owner = %owner, error = %e, "forwarded upgrade failed");
+                return;
+            }
+        };
+        let mut ours = hyper_util::rt::TokioIo::new(ours);
+        if let Err(e) = tokio::io::copy_bidirectional(&mut ours, &mut theirs).await {
+            tracing::debug!(owner = %owner, error = %e, "forwarded upgraded connection ended");
+        }
+    });
+    b.body(AxumBody::empty())
+        .unwrap_or_else(|e| unreachable(StatusCode::BAD_GATEWAY, host, e))
+}
+
+/// Sends `method path_query` with the JSON `body` and the caller's
+/// `Authorization` to host `host` at `addr`, marked forwarded (the owner
+/// authenticates and authorizes the caller again, and answers it itself),
+/// and returns its answer: a call only that host can complete (the answer
+/// to an approval of a call it holds, `api::security`).
+pub(crate) async fn send_to_owner(
+    me: &str,
+    host: &str,
+    addr: &str,
+    method: Method,
+    path_query: &str,
+    body: Vec<u8>,
+) -> Response {
+    let mut h = HeaderMap::new();
+    if let Some(a) = caller_authorization() {
+        h.insert(header::AUTHORIZATION, a);
+    }
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    proxy(
+        me,
+        host,
+        addr,
+        method,
+        path_query,
+        &h,
+        reqwest::Body::from(body),
+    )
+    .await
 }

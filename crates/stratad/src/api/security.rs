@@ -51,8 +51,19 @@ pub fn wrap(api: Router, svc: Arc<Service>, security: Result<Arc<Security>, Stri
     match security {
         Ok(sec) => {
             let limit = svc.config().max_json_body_bytes;
-            let ctx = Ctx { svc, sec };
-            api.merge(routes(ctx.clone()).layer(DefaultBodyLimit::max(limit)))
+            let ctx = Ctx {
+                svc: svc.clone(),
+                sec,
+            };
+            // A cluster forwards these routes like the service's: a
+            // sandbox's `/policy` and `/egress` to its owner.
+            let own = routes(ctx.clone())
+                .layer(DefaultBodyLimit::max(limit))
+                .layer(axum::middleware::from_fn_with_state(
+                    svc,
+                    super::forward::layer,
+                ));
+            api.merge(own)
                 .layer(axum::middleware::from_fn_with_state(ctx, authenticate))
         }
         Err(msg) => api.layer(axum::middleware::from_fn_with_state(Arc::new(msg), broken)),
@@ -655,11 +666,19 @@ async fn list_approvals(
             )))
         }
     };
-    // Listing times out expired pending requests (a store write).
+    // Listing times out expired pending requests (a store write). A store
+    // other processes share is read first: they hold calls too.
     let (q, t) = (ctx.sec.approvals().clone(), p.tenant.to_owned());
-    let items = tokio::task::spawn_blocking(move || q.list(&t, pending))
-        .await
-        .map_err(internal)?;
+    let shared = ctx.sec.shared();
+    let items = tokio::task::spawn_blocking(move || {
+        if shared {
+            q.sync_tenant(&t)?;
+        }
+        Ok::<_, strata_policy::approval::StoreError>(q.list(&t, pending))
+    })
+    .await
+    .map_err(internal)?
+    .map_err(internal)?;
     Ok(Json(json!({ "items": items })))
 }
 
@@ -701,11 +720,17 @@ async fn get_approval(State(ctx): State<Ctx>, c: Call) -> ApiResult<impl IntoRes
     let (caller, id, _) = c.into_parts();
     let p = who(&caller)?;
     let (q, t, id2) = (ctx.sec.approvals().clone(), p.tenant.to_owned(), id.clone());
-    tokio::task::spawn_blocking(move || q.get(&t, &id2))
-        .await
-        .map_err(internal)?
-        .map(Json)
-        .map_err(|e| approval_error(&id, e))
+    let shared = ctx.sec.shared();
+    tokio::task::spawn_blocking(move || {
+        if shared {
+            q.sync(&id2)?;
+        }
+        q.get(&t, &id2)
+    })
+    .await
+    .map_err(internal)?
+    .map(Json)
+    .map_err(|e| approval_error(&id, e))
 }
 
 /// `POST /v1/approvals/:id/approve|deny` body (optional).
@@ -744,6 +769,9 @@ async fn answer(
     } else {
         p.actor.clone()
     };
+    if let Some(r) = answer_on_holder(&ctx, p.tenant, &id, approve, reason.as_deref()).await? {
+        return Ok(r);
+    }
     let q = ctx.sec.approvals().clone();
     let (t, id2, who2) = (p.tenant.to_owned(), id.clone(), answerer.clone());
     let r =
@@ -771,6 +799,66 @@ async fn answer(
         .and_then(Result::ok)
         .ok_or_else(|| ApiError::new(ErrorCode::Internal, "audit log write failed"))?;
     Ok(Json(r).into_response())
+}
+
+/// In a cluster, the answer to approval `id` goes to the host that holds
+/// its call (the owner of its sandbox), whose waiter it releases at once
+/// and which holds what the call carries (a held upload's bytes, in its
+/// data dir): that host's answer, or `None` to answer here (the call is
+/// held here, or has no sandbox, or the request was forwarded already).
+/// The request is read from the shared store first (another process
+/// recorded it).
+async fn answer_on_holder(
+    ctx: &Ctx,
+    tenant: &str,
+    id: &str,
+    approve: bool,
+    reason: Option<&str>,
+) -> ApiResult<Option<Response>> {
+    let Some(cluster) = ctx.svc.cluster().cloned() else {
+        return Ok(None);
+    };
+    if !ctx.sec.shared() || super::forward::is_forwarded() {
+        return Ok(None);
+    }
+    let (q, t, id2) = (
+        ctx.sec.approvals().clone(),
+        tenant.to_owned(),
+        id.to_owned(),
+    );
+    let req = tokio::task::spawn_blocking(move || {
+        q.sync(&id2)?;
+        Ok::<_, strata_policy::approval::StoreError>(q.get(&t, &id2).ok())
+    })
+    .await
+    .map_err(internal)?
+    .map_err(internal)?;
+    let Some(sandbox) = req
+        .and_then(|r| r.sandbox)
+        .and_then(|s| s.parse::<SandboxId>().ok())
+    else {
+        return Ok(None);
+    };
+    let Some((host, addr)) = cluster.owner_elsewhere(&sandbox).await? else {
+        return Ok(None);
+    };
+    let verb = if approve { "approve" } else { "deny" };
+    let body = match reason {
+        Some(r) => json!({ "reason": r }).to_string().into_bytes(),
+        None => b"{}".to_vec(),
+    };
+    tracing::debug!(approval = %id, owner = %host, "approval answer forwarded to the host holding the call");
+    Ok(Some(
+        super::forward::send_to_owner(
+            cluster.host_id(),
+            &host,
+            &addr,
+            axum::http::Method::POST,
+            &format!("/v1/approvals/{id}/{verb}"),
+            body,
+        )
+        .await,
+    ))
 }
 
 async fn approve(State(ctx): State<Ctx>, c: Call, Body(b): Body<Answer>) -> ApiResult<Response> {

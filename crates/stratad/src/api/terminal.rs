@@ -22,6 +22,12 @@
 //!   close. The socket closing is a hangup (`SIGHUP`), as in
 //!   [`super::interactive`]; a malformed message ends the input the same way.
 //!
+//! In a cluster the ticket and the socket of another host's sandbox are
+//! forwarded to that host (`api::forward`): the ticket is issued by the
+//! owner and the upgrade lands there, with the client's `Host` kept, so the
+//! `Origin` check compares the browser's origin with the address it
+//! reached (a host's, or an API process's).
+//!
 //! Bounded: a message is at most [`MAX_MESSAGE`] bytes; input goes through
 //! the exec's bounded input queue (a command that does not read holds up
 //! the socket, not daemon memory); output is read from the command only as

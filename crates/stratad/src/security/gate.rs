@@ -254,6 +254,11 @@ pub mod approval_rules {
     pub const UNKNOWN: &str = "approval-unknown";
 }
 
+/// Whether `call` creates a sandbox.
+fn is_create(call: &ToolCall) -> bool {
+    matches!(&call.kind, strata_policy::CallKind::Lifecycle { op } if op == "create")
+}
+
 /// Whether `d` is the gate's refusal of a held call because the sandbox
 /// has too many pending requests (answered `429 rate_limited`).
 pub fn is_approval_limit(d: &Decision) -> bool {
@@ -324,7 +329,9 @@ impl Security {
     }
 
     /// Decides `call`: `Ok` when it may run (allowed, or approved). Every
-    /// decision is in the audit log before this returns.
+    /// decision is in the audit log before this returns, but for a create
+    /// an API-only process would hold: it passes, and the host it is sent
+    /// to decides and audits it.
     pub async fn gate(
         self: &Arc<Self>,
         call: ToolCall,
@@ -353,6 +360,13 @@ impl Security {
                     format!("denied by policy rule `{}`: {}", d.rule_id, d.reason),
                 ))
             }
+            // An API-only process never runs a create: it places it and
+            // sends it to a host, whose gate decides the same call again
+            // (same caller, same query) and holds it there or takes its
+            // `approval=`. Holding it here too asked for two approvals of
+            // one create (and used the approval a re-submission names
+            // before the host could). The host audits the decision.
+            Effect::Approve if self.api_only && is_create(&call) => Ok(()),
             Effect::Approve => match opts.approval.clone() {
                 Some(id) => self.run_approved(call, d, id, opts.body).await,
                 None => self.hold(call, d, opts).await,
@@ -374,10 +388,18 @@ impl Security {
         body: Option<BodyDigest>,
     ) -> Result<(), GateRefusal> {
         let (q, call2, id2) = (self.approvals().clone(), call.clone(), id.clone());
-        let taken =
-            tokio::task::spawn_blocking(move || q.take(&call2.tenant, &id2, &call2, body.as_ref()))
-                .await
-                .map_err(|e| GateRefusal::Internal(format!("approval: {e}")))?;
+        let shared = self.shared();
+        let taken = tokio::task::spawn_blocking(move || {
+            // Answered (or held) through another process sharing the store:
+            // learn it first.
+            if shared {
+                q.sync(&id2)?;
+            }
+            Ok::<_, ApprovalError>(q.take(&call2.tenant, &id2, &call2, body.as_ref()))
+        })
+        .await
+        .map_err(|e| GateRefusal::Internal(format!("approval: {e}")))?
+        .map_err(|e| GateRefusal::Internal(format!("approval: {e}")))?;
         match taken {
             Ok(_) => {
                 self.record_blocking(&call, &d, Outcome::Allowed, Some(id))
@@ -407,6 +429,28 @@ impl Security {
         }
     }
 
+    /// Reads approval `id` from the shared store every
+    /// [`super::SHARED_APPROVAL_POLL`] until it is no longer pending here
+    /// (an answer written by another process wakes the waiter). The caller
+    /// aborts it when the wait ends.
+    fn poll_approval(self: &Arc<Self>, id: String) -> tokio::task::JoinHandle<()> {
+        let q = self.approvals().clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(super::SHARED_APPROVAL_POLL).await;
+                let (q2, id2) = (q.clone(), id.clone());
+                match tokio::task::spawn_blocking(move || q2.sync(&id2)).await {
+                    Ok(Ok(true)) => {}
+                    Ok(Ok(false)) => return,
+                    Ok(Err(e)) => {
+                        tracing::warn!(approval = %id, error = %e, "reading a held call's approval")
+                    }
+                    Err(_) => return,
+                }
+            }
+        })
+    }
+
     /// Holds the call for an approver.
     async fn hold(
         self: &Arc<Self>,
@@ -434,9 +478,16 @@ impl Security {
             .timeout
             .unwrap_or(cfg.approval_timeout)
             .min(cfg.max_approval_timeout);
+        // An answer given through another process (a cluster's API process
+        // or host) is written to the shared store: read it from there.
+        let poll = self.shared().then(|| self.poll_approval(req.id.clone()));
         // `Approved` only when this waiter used the approval: one that a
         // re-submission (or another waiter) used first is a denial.
-        match self.approvals().wait(&call.tenant, &req.id, timeout).await {
+        let waited = self.approvals().wait(&call.tenant, &req.id, timeout).await;
+        if let Some(p) = poll {
+            p.abort();
+        }
+        match waited {
             Ok(WaitOutcome::Approved { .. }) => Ok(()),
             Ok(WaitOutcome::Denied { by, .. }) => Err(GateRefusal::denied(
                 &d,

@@ -147,6 +147,19 @@ pub struct NewToken<'a> {
 /// Rule id used when stored policies no longer compose.
 pub const INVALID_POLICY_RULE: &str = "invalid-policy";
 
+/// A cached policy layer: when it was read, and what (`None`: no layer).
+type Cached = (std::time::Instant, Option<Arc<Policy>>);
+
+/// How long a process that shares its security store with others (a
+/// cluster's PostgreSQL) trusts a cached policy layer: a layer written
+/// through another process is in force here within this time.
+pub const SHARED_POLICY_TTL: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// How often a held call's waiter reads its approval request again when
+/// the store is shared: an answer written through another process
+/// releases it within this time.
+pub const SHARED_APPROVAL_POLL: std::time::Duration = std::time::Duration::from_millis(500);
+
 /// Parsed policies, cached by tenant and sandbox.
 pub struct Policies {
     platform: Option<Arc<Policy>>,
@@ -159,9 +172,12 @@ pub struct Policies {
     /// registries whatever the defaults say.
     builders: Mutex<HashMap<String, Arc<Policy>>>,
     store: Arc<SecurityStore>,
-    tenants: Mutex<HashMap<String, Option<Arc<Policy>>>>,
-    sandboxes: Mutex<HashMap<String, Option<Arc<Policy>>>>,
+    tenants: Mutex<HashMap<String, Cached>>,
+    sandboxes: Mutex<HashMap<String, Cached>>,
     fallback: Arc<PolicySet>,
+    /// How long a cached layer is trusted (`None`: until this process
+    /// writes it; the store is this process's alone).
+    ttl: Option<std::time::Duration>,
 }
 
 impl std::fmt::Debug for Policies {
@@ -196,28 +212,33 @@ impl Policies {
         m.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A layer from `cache`, else loaded from the store and cached.
+    /// A layer from `cache` (read less than the TTL ago, when the store is
+    /// shared), else loaded from the store and cached.
     fn cached(
-        cache: &Mutex<HashMap<String, Option<Arc<Policy>>>>,
+        &self,
+        cache: &Mutex<HashMap<String, Cached>>,
         key: &str,
         load: impl FnOnce(&str) -> Result<Option<String>, SecStoreError>,
     ) -> Result<Option<Arc<Policy>>, SecStoreError> {
-        if let Some(p) = Self::lock(cache).get(key) {
-            return Ok(p.clone());
+        let now = std::time::Instant::now();
+        if let Some((at, p)) = Self::lock(cache).get(key) {
+            if self.ttl.is_none_or(|ttl| now.duration_since(*at) < ttl) {
+                return Ok(p.clone());
+            }
         }
         let p = parse_stored(key, load(key)?);
-        Self::lock(cache).insert(key.to_owned(), p.clone());
+        Self::lock(cache).insert(key.to_owned(), (now, p.clone()));
         Ok(p)
     }
 
     /// The tenant layer in force.
     pub fn tenant(&self, tenant: &str) -> Result<Option<Arc<Policy>>, SecStoreError> {
-        Self::cached(&self.tenants, tenant, |t| self.store.tenant_policy(t))
+        self.cached(&self.tenants, tenant, |t| self.store.tenant_policy(t))
     }
 
     /// The sandbox layer in force.
     pub fn sandbox(&self, sandbox: &str) -> Result<Option<Arc<Policy>>, SecStoreError> {
-        Self::cached(&self.sandboxes, sandbox, |s| self.store.sandbox_policy(s))
+        self.cached(&self.sandboxes, sandbox, |s| self.store.sandbox_policy(s))
     }
 
     /// The platform layer of calls on `sandbox` (a builder's has the build
@@ -318,7 +339,7 @@ impl Policies {
         self.store
             .put_tenant_policy(tenant, text, by)
             .map_err(|e| format!("storing policy: {e}"))?;
-        Self::lock(&self.tenants).insert(tenant.to_owned(), Some(p));
+        Self::lock(&self.tenants).insert(tenant.to_owned(), (std::time::Instant::now(), Some(p)));
         Ok(())
     }
 
@@ -352,7 +373,8 @@ impl Policies {
         self.store
             .put_sandbox_policy(tenant, sandbox, text, by)
             .map_err(|e| format!("storing policy: {e}"))?;
-        Self::lock(&self.sandboxes).insert(sandbox.to_owned(), Some(p));
+        Self::lock(&self.sandboxes)
+            .insert(sandbox.to_owned(), (std::time::Instant::now(), Some(p)));
         Ok(())
     }
 }
@@ -377,6 +399,13 @@ pub struct Security {
     secrets: Arc<secrets::Broker>,
     /// Where audited approvals and refusals are journaled (`events`).
     journal: std::sync::OnceLock<Arc<crate::events::JournalSink>>,
+    /// Other processes share the store (a cluster): approvals and policy
+    /// layers are read again from it ([`SHARED_APPROVAL_POLL`],
+    /// [`SHARED_POLICY_TTL`]).
+    shared: bool,
+    /// An API-only process (`[cluster] role = "api"`): the creates it
+    /// places are held, if at all, by the host they are sent to.
+    api_only: bool,
 }
 
 impl std::fmt::Debug for Security {
@@ -401,6 +430,9 @@ impl Security {
     /// bootstrap admin token on first start.
     pub fn open(config: &Config) -> Result<Arc<Security>, SecurityError> {
         let cfg = config.security.clone();
+        // Other processes write the same tables (docs/cluster.md).
+        let shared = config.cluster.enabled;
+        let api_only = shared && config.cluster.role == crate::cluster::Role::Api;
         let store = Arc::new(open_store(config)?);
         let platform = match &cfg.platform_policy {
             Some(p) => Policy::load(p)?,
@@ -472,6 +504,7 @@ impl Security {
             tenants: Mutex::new(HashMap::new()),
             sandboxes: Mutex::new(HashMap::new()),
             fallback: Arc::new(fallback),
+            ttl: shared.then_some(SHARED_POLICY_TTL),
         });
         let extra_roots = match &cfg.egress_upstream_ca_bundle {
             Some(p) => vec![std::fs::read(p)
@@ -504,6 +537,8 @@ impl Security {
             egress_tunnel_idle_timeout: config.egress.tunnel_idle_timeout,
             intercept: intercept::interception(config)?,
             journal: std::sync::OnceLock::new(),
+            shared,
+            api_only,
             cfg,
         };
         let l = sec.tunnels.limits();
@@ -543,6 +578,12 @@ impl Security {
     /// The approval queue.
     pub fn approvals(&self) -> &Arc<ApprovalQueue> {
         &self.approvals
+    }
+
+    /// Whether other processes share the security store (a cluster): the
+    /// approval queue is then brought up to date from it before it is read.
+    pub fn shared(&self) -> bool {
+        self.shared
     }
 
     /// The audit log file.

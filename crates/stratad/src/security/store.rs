@@ -354,6 +354,10 @@ pub trait SecurityBackend: Send + Sync {
     fn approval_update(&self, req: &ApprovalRequest, body: &str) -> SecResult<()>;
     /// Every request: its JSON body and the `consumed_at` column (ms).
     fn approval_load(&self) -> SecResult<Vec<(String, Option<i64>)>>;
+    /// Request `id`: its JSON body and `consumed_at` column (ms).
+    fn approval_get(&self, id: &str) -> SecResult<Option<(String, Option<i64>)>>;
+    /// The requests of `tenant`, as [`Self::approval_load`].
+    fn approval_load_tenant(&self, tenant: &str) -> SecResult<Vec<(String, Option<i64>)>>;
     /// Marks an approved, unused request used; false when it was used.
     fn approval_consume(&self, id: &str, at: DateTime<Utc>, body: &str) -> SecResult<bool>;
 }
@@ -729,6 +733,28 @@ impl SecurityBackend for SqliteSecurity {
         Ok(rows)
     }
 
+    fn approval_load_tenant(&self, tenant: &str) -> SecResult<Vec<(String, Option<i64>)>> {
+        let c = self.conn();
+        let mut st = c.prepare(
+            "SELECT body, consumed_at FROM approvals WHERE tenant_id = ?1 ORDER BY created_at, id",
+        )?;
+        let rows = st
+            .query_map([tenant], |r| {
+                Ok((r.get::<_, String>(0)?, r.get::<_, Option<i64>>(1)?))
+            })?
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(rows)
+    }
+
+    fn approval_get(&self, id: &str) -> SecResult<Option<(String, Option<i64>)>> {
+        let c = self.conn();
+        let mut st = c.prepare("SELECT body, consumed_at FROM approvals WHERE id = ?1")?;
+        let mut rows = st.query_map([id], |r| {
+            Ok((r.get::<_, String>(0)?, r.get::<_, Option<i64>>(1)?))
+        })?;
+        Ok(rows.next().transpose()?)
+    }
+
     fn approval_consume(&self, id: &str, at: DateTime<Utc>, body: &str) -> SecResult<bool> {
         let n = self.conn().execute(
             "UPDATE approvals SET consumed_at = ?2, body = ?3 \
@@ -955,6 +981,16 @@ fn store_err_chain(e: SecStoreError) -> StoreError {
     StoreError(strata_runtime::error::chain(&e))
 }
 
+/// An approval request from its stored JSON and `consumed_at` column.
+fn approval_row((body, consumed): (String, Option<i64>)) -> Result<ApprovalRequest, StoreError> {
+    let mut req: ApprovalRequest = serde_json::from_str(&body).map_err(store_err)?;
+    // Rows used before the body recorded it kept it in the column.
+    if req.consumed_at.is_none() {
+        req.consumed_at = consumed.map(from_ms);
+    }
+    Ok(req)
+}
+
 impl ApprovalStore for SecurityStore {
     fn insert(&self, req: &ApprovalRequest) -> Result<(), StoreError> {
         let body = serde_json::to_string(req).map_err(store_err)?;
@@ -971,16 +1007,29 @@ impl ApprovalStore for SecurityStore {
     }
 
     fn load(&self) -> Result<Vec<ApprovalRequest>, StoreError> {
-        let mut out = Vec::new();
-        for (body, consumed) in self.backend.approval_load().map_err(store_err_chain)? {
-            let mut req: ApprovalRequest = serde_json::from_str(&body).map_err(store_err)?;
-            // Rows used before the body recorded it kept it in the column.
-            if req.consumed_at.is_none() {
-                req.consumed_at = consumed.map(from_ms);
-            }
-            out.push(req);
-        }
-        Ok(out)
+        self.backend
+            .approval_load()
+            .map_err(store_err_chain)?
+            .into_iter()
+            .map(approval_row)
+            .collect()
+    }
+
+    fn load_tenant(&self, tenant: &str) -> Result<Vec<ApprovalRequest>, StoreError> {
+        self.backend
+            .approval_load_tenant(tenant)
+            .map_err(store_err_chain)?
+            .into_iter()
+            .map(approval_row)
+            .collect()
+    }
+
+    fn load_one(&self, id: &str) -> Result<Option<ApprovalRequest>, StoreError> {
+        self.backend
+            .approval_get(id)
+            .map_err(store_err_chain)?
+            .map(approval_row)
+            .transpose()
     }
 
     /// Marks an approved request used, in one statement: `false` (nothing
@@ -1097,6 +1146,7 @@ mod tests {
         egress_ports_and_envd_records,
         envd_tokens_go_with_their_deleted_sandbox,
         approval_used_once_across_queues,
+        an_answer_through_one_queue_wakes_the_other_queues_waiter,
     );
 
     fn tokens_round_trip_and_revoke_once(db: &TestDb) {
@@ -1274,6 +1324,43 @@ mod tests {
             .unwrap();
         assert!(got.consumed_at.is_some());
         assert_eq!(got.body, Some(body));
+    }
+
+    /// A call held by one process, answered through another sharing the
+    /// store: the holder learns the answer by [`ApprovalQueue::sync`] (the
+    /// gate's poll in a cluster), its waiter runs the call once; a queue
+    /// opened before the request learns it by `sync_tenant` (a listing).
+    fn an_answer_through_one_queue_wakes_the_other_queues_waiter(db: &TestDb) {
+        let holder = Arc::new(ApprovalQueue::with_store(open_on(db, "log-a")).unwrap());
+        let other = ApprovalQueue::with_store(open_on(db, "log-b")).unwrap();
+        let r = holder.request_with(&call(), &held(), None).unwrap();
+        assert!(matches!(
+            other.get("acme", &r.id),
+            Err(strata_policy::approval::ApprovalError::NotFound)
+        ));
+        other.sync_tenant("other-tenant").unwrap();
+        assert!(other.list("acme", true).is_empty());
+        other.sync_tenant("acme").unwrap();
+        assert_eq!(other.list("acme", true).len(), 1);
+        other.answer("acme", &r.id, "token:tok-boss", true).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let got = rt.block_on(async {
+            let h = holder.clone();
+            let id = r.id.clone();
+            let waiter = tokio::spawn(async move {
+                h.wait("acme", &id, std::time::Duration::from_secs(5)).await
+            });
+            tokio::task::yield_now().await;
+            assert!(!holder.sync(&r.id).unwrap(), "answered");
+            waiter.await.unwrap()
+        });
+        assert!(got.unwrap().is_approved());
+        // Used once: the other queue learns it too.
+        other.sync(&r.id).unwrap();
+        assert!(other.get("acme", &r.id).unwrap().consumed_at.is_some());
     }
 
     /// Two daemons on one PostgreSQL: two handles (pools, runtimes) on one

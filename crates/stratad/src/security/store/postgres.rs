@@ -710,6 +710,24 @@ impl SecurityBackend for PgSecurity {
         rows_of(rows, |r| Ok((r.try_get(0)?, r.try_get(1)?)))
     }
 
+    fn approval_load_tenant(&self, tenant: &str) -> SecResult<Vec<(String, Option<i64>)>> {
+        let rows = self.rows(
+            "SELECT body, consumed_at FROM approvals WHERE tenant_id = $1 ORDER BY created_at, id",
+            &[&tenant],
+        )?;
+        rows_of(rows, |r| Ok((r.try_get(0)?, r.try_get(1)?)))
+    }
+
+    fn approval_get(&self, id: &str) -> SecResult<Option<(String, Option<i64>)>> {
+        let rows = self.rows(
+            "SELECT body, consumed_at FROM approvals WHERE id = $1",
+            &[&id],
+        )?;
+        Ok(rows_of(rows, |r| Ok((r.try_get(0)?, r.try_get(1)?)))?
+            .into_iter()
+            .next())
+    }
+
     fn approval_consume(&self, id: &str, at: DateTime<Utc>, body: &str) -> SecResult<bool> {
         let n = self.exec(
             "UPDATE approvals SET consumed_at = $2, body = $3 \
