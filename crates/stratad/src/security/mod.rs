@@ -511,17 +511,19 @@ impl Security {
                 .map_err(|e| SecurityError::Intercept(format!("{}: {e}", p.display())))?],
             None => Vec::new(),
         };
-        let secrets = Arc::new(
-            secrets::Broker::open(
-                store.clone(),
-                policies.clone(),
-                &config.key_dir,
-                resolver.clone(),
-                &extra_roots,
-                cfg.secrets_allow_private.clone(),
-            )
-            .map_err(|e| SecurityError::Compose(format!("connector secrets: {e}")))?,
-        );
+        let mut broker = secrets::Broker::open(
+            store.clone(),
+            policies.clone(),
+            &config.key_dir,
+            resolver.clone(),
+            &extra_roots,
+            cfg.secrets_allow_private.clone(),
+        )
+        .map_err(|e| SecurityError::Compose(format!("connector secrets: {e}")))?;
+        if shared {
+            broker.set_shared_ttl(SHARED_POLICY_TTL);
+        }
+        let secrets = Arc::new(broker);
         let sec = Security {
             limiter: RateLimiter::new(cfg.rate_limit_per_second, cfg.rate_limit_burst),
             data_dir: config.data_dir.clone(),
@@ -1255,5 +1257,63 @@ mod builder_tests {
         ));
         assert_eq!(d.effect, Effect::Allow, "{d:?}");
         assert_ne!(d.rule_id, INVALID_POLICY_RULE);
+    }
+
+    /// Two processes on one store with `[cluster] enabled` (as a cluster's
+    /// hosts and API processes share PostgreSQL): a connector secret set,
+    /// rotated or deleted through one is what the other injects within
+    /// [`SHARED_POLICY_TTL`], without a restart.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_secret_written_through_another_process_is_injected_here_within_the_ttl() {
+        use strata_policy::proxy::RequestHook;
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = Config {
+            data_dir: dir.path().to_owned(),
+            ..Config::default()
+        };
+        cfg.cluster.enabled = true;
+        let _store = crate::store::SqliteStore::open(&cfg.db_path(), 1).unwrap();
+        let a = Security::open(&cfg).unwrap();
+        let b = Security::open(&cfg).unwrap();
+        let policy = "default = \"deny\"\n[[connector]]\nname = \"crm\"\nhosts = [\"api.crm.test\"]\n";
+        a.policies().put_tenant("acme", policy, "test").unwrap();
+        let put = |v: &str| -> secrets::SetSecret {
+            serde_json::from_value(serde_json::json!({
+                "name": "crm-key", "connector": "crm",
+                "rule": {"type": "bearer"}, "value": v,
+            }))
+            .unwrap()
+        };
+        // b reads the tenant's (empty) secrets before a writes one.
+        assert_eq!(b.secrets().secret_value("acme", "crm", "crm-key").await.unwrap(), None);
+        a.secrets().set("acme", "test", put("v1")).await.unwrap();
+        let seen = |want: Option<&'static str>| {
+            let b = b.clone();
+            async move {
+                let t0 = std::time::Instant::now();
+                loop {
+                    let got = b
+                        .secrets()
+                        .secret_value("acme", "crm", "crm-key")
+                        .await
+                        .unwrap();
+                    if got.as_deref() == want {
+                        return t0.elapsed();
+                    }
+                    assert!(
+                        t0.elapsed() < SHARED_POLICY_TTL * 3,
+                        "still {got:?} after {:?}, want {want:?}",
+                        t0.elapsed()
+                    );
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+            }
+        };
+        let set_in = seen(Some("v1")).await;
+        a.secrets().set("acme", "test", put("v2")).await.unwrap();
+        let rotated_in = seen(Some("v2")).await;
+        a.secrets().delete("acme", "crm-key").unwrap();
+        let deleted_in = seen(None).await;
+        println!("REPORT set seen after {set_in:?}, rotation {rotated_in:?}, deletion {deleted_in:?}");
     }
 }

@@ -196,8 +196,13 @@ pub struct Broker {
     store: Arc<SecurityStore>,
     policies: Arc<Policies>,
     sealer: Result<Sealer, String>,
-    /// tenant → its secrets.
-    cache: RwLock<HashMap<String, Arc<Vec<Entry>>>>,
+    /// tenant → when its secrets were read, and they.
+    cache: RwLock<HashMap<String, (std::time::Instant, Arc<Vec<Entry>>)>>,
+    /// How long a tenant's cached secrets are trusted (`None`: until this
+    /// process writes them; the store is its alone). With a shared store
+    /// (a cluster's PostgreSQL) a secret written, replaced or deleted
+    /// through another process is in force here within this time.
+    ttl: Option<std::time::Duration>,
     /// `<tenant>/<name>` → its access token.
     tokens: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Token>>>>,
     resolver: Mutex<Arc<dyn Resolver>>,
@@ -298,6 +303,7 @@ impl Broker {
             policies,
             sealer,
             cache: RwLock::new(HashMap::new()),
+            ttl: None,
             tokens: Mutex::new(HashMap::new()),
             resolver: Mutex::new(resolver),
             roots,
@@ -306,6 +312,13 @@ impl Broker {
         };
         b.reload(None)?;
         Ok(b)
+    }
+
+    /// Trusts cached secrets for `ttl` only: for a store other processes
+    /// write too (a cluster), so that a secret put, rotated or deleted
+    /// through any of them is injected (or no longer) here within `ttl`.
+    pub fn set_shared_ttl(&mut self, ttl: std::time::Duration) {
+        self.ttl = Some(ttl);
     }
 
     /// Replaces the resolver token URLs are resolved with.
@@ -330,19 +343,41 @@ impl Broker {
                 by.entry(r.tenant.clone()).or_default().push(e);
             }
         }
+        let now = std::time::Instant::now();
         let mut c = self.cache.write().unwrap_or_else(|p| p.into_inner());
         for (t, v) in by {
-            c.insert(t, Arc::new(v));
+            c.insert(t, (now, Arc::new(v)));
         }
         Ok(())
     }
 
     fn of_tenant(&self, tenant: &str) -> Arc<Vec<Entry>> {
+        let cached = self
+            .cache
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(tenant)
+            .cloned();
+        let Some(ttl) = self.ttl else {
+            return cached.map(|(_, v)| v).unwrap_or_default();
+        };
+        if let Some((at, v)) = &cached {
+            if at.elapsed() < ttl {
+                return v.clone();
+            }
+        }
+        // Shared store, stale or never read: read again. Unreadable: none
+        // injected (a secret deleted elsewhere must not go on being used
+        // because the store cannot say so).
+        if let Err(e) = self.reload(Some(tenant)) {
+            tracing::warn!(tenant, error = %e, "connector secrets cannot be read again: none injected");
+            return Arc::default();
+        }
         self.cache
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .get(tenant)
-            .cloned()
+            .map(|(_, v)| v.clone())
             .unwrap_or_default()
     }
 
