@@ -269,6 +269,17 @@ impl Cluster {
         self.epoch.store(lease.epoch, Ordering::SeqCst);
         *self.last_ok.lock().unwrap_or_else(|p| p.into_inner()) = t0;
         info!(host = %self.info.id, epoch = lease.epoch, address = %self.info.address, "registered as a cluster host");
+        // Its free resources at once, not only from the first renewal round:
+        // a registration alone says 0 free, and placement (a create or a move
+        // another host places here) would refuse this host until then.
+        let free = self.free_now(svc).await;
+        let (id, epoch) = (self.info.id.clone(), lease.epoch);
+        if let Err(e) = self
+            .blocking(move |h| h.heartbeat(&id, epoch, &free, ttl))
+            .await
+        {
+            warn!(host = %self.info.id, error = %e, "first heartbeat after registering failed; the renewal loop sends the next");
+        }
         let me = self.info.id.clone();
         let mut candidates: Vec<SandboxId> = match self.blocking(move |h| h.host_leases(&me)).await
         {

@@ -1275,7 +1275,8 @@ mod builder_tests {
         let _store = crate::store::SqliteStore::open(&cfg.db_path(), 1).unwrap();
         let a = Security::open(&cfg).unwrap();
         let b = Security::open(&cfg).unwrap();
-        let policy = "default = \"deny\"\n[[connector]]\nname = \"crm\"\nhosts = [\"api.crm.test\"]\n";
+        let policy =
+            "default = \"deny\"\n[[connector]]\nname = \"crm\"\nhosts = [\"api.crm.test\"]\n";
         a.policies().put_tenant("acme", policy, "test").unwrap();
         let put = |v: &str| -> secrets::SetSecret {
             serde_json::from_value(serde_json::json!({
@@ -1285,7 +1286,13 @@ mod builder_tests {
             .unwrap()
         };
         // b reads the tenant's (empty) secrets before a writes one.
-        assert_eq!(b.secrets().secret_value("acme", "crm", "crm-key").await.unwrap(), None);
+        assert_eq!(
+            b.secrets()
+                .secret_value("acme", "crm", "crm-key")
+                .await
+                .unwrap(),
+            None
+        );
         a.secrets().set("acme", "test", put("v1")).await.unwrap();
         let seen = |want: Option<&'static str>| {
             let b = b.clone();
@@ -1314,6 +1321,8 @@ mod builder_tests {
         let rotated_in = seen(Some("v2")).await;
         a.secrets().delete("acme", "crm-key").unwrap();
         let deleted_in = seen(None).await;
-        println!("REPORT set seen after {set_in:?}, rotation {rotated_in:?}, deletion {deleted_in:?}");
+        println!(
+            "REPORT set seen after {set_in:?}, rotation {rotated_in:?}, deletion {deleted_in:?}"
+        );
     }
 }
