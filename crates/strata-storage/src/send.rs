@@ -554,14 +554,7 @@ impl Pool {
             .into());
         }
         let identity = src.identity();
-        let dir = self.import_dir();
-        match std::fs::create_dir(&dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(StorageError::io("create", &dir, e).into()),
-        }
-        let dir = self.inside(&dir)?;
-        let target = dir.join(name);
+        let target = self.import_dir_made()?.join(name);
         if target.exists() {
             match subvol_info(&target) {
                 Ok(i) if i.readonly && i.received_uuid == Some(identity) => return Ok(i),
@@ -596,6 +589,17 @@ impl Pool {
         }
     }
 
+    /// The import directory, made if missing, resolved inside the pool.
+    fn import_dir_made(&self) -> Result<std::path::PathBuf, TransferError> {
+        let dir = self.import_dir();
+        match std::fs::create_dir(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(StorageError::io("create", &dir, e).into()),
+        }
+        Ok(self.inside(&dir)?)
+    }
+
     /// Deletes the received subvolume `name` of the import directory.
     /// Idempotent.
     pub fn delete_received(&self, name: &str) -> Result<(), StorageError> {
@@ -618,13 +622,7 @@ impl Pool {
             what: spec.name.clone(),
             reason,
         })?;
-        let dir = self.import_dir();
-        match std::fs::create_dir(&dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(StorageError::io("create", &dir, e).into()),
-        }
-        let dir = self.inside(&dir)?;
+        let dir = self.import_dir_made()?;
         let target = dir.join(&spec.name);
         if target.exists() {
             match subvol_info(&target) {

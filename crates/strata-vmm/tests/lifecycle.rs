@@ -477,7 +477,7 @@ async fn a_state_of_device_layout_2_restores_as_it_was_made() {
     if std::env::var_os(HELPER_ENV).is_some() {
         return;
     }
-    assert!(strata_vmm::cmdline::MACHINE_LAYOUT_VERSION > 2);
+    const { assert!(strata_vmm::cmdline::MACHINE_LAYOUT_VERSION > 2) };
     let driver = QemuDriver::new();
     let dir = scratch("vmm-layout2");
     let mut spec = image_spec(dir.path(), "vmm-layout2");

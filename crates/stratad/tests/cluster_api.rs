@@ -41,7 +41,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::cluster::{api_conf, children, host_conf, host_of, pg_row};
+use common::cluster::{api_conf, assert_ran_no_vm, host_conf, host_of, pg_row};
 use common::Daemon;
 use futures::{SinkExt, StreamExt};
 use serde_json::{json, Value};
@@ -650,17 +650,7 @@ fn an_api_process_serves_the_api_and_forwards_every_vm_operation_to_the_host() {
         .await
         .map(|r| r.get::<_, i64>(0));
         assert_eq!(held, Some(0));
-        let kids = children(api.pid());
-        assert!(kids.is_empty(), "the API process has children: {kids:?}");
-        let pids: Vec<_> = std::fs::read_dir(&api.run_dir)
-            .map(|d| {
-                d.flatten()
-                    .filter(|e| e.path().join("qemu.pid").exists())
-                    .map(|e| e.path())
-                    .collect()
-            })
-            .unwrap_or_default();
-        assert!(pids.is_empty(), "{pids:?}");
+        assert_ran_no_vm(api.pid(), &api.run_dir);
     });
     eprintln!("whole test: {:?}", t0.elapsed());
 }

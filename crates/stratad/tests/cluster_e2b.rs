@@ -41,7 +41,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
-use common::cluster::{api_conf, children, host_conf, host_of, pg_row};
+use common::cluster::{api_conf, assert_ran_no_vm, host_conf, host_of, pg_row};
 use common::{share_keys, Daemon};
 use serde_json::Value;
 
@@ -384,16 +384,6 @@ fn the_e2b_sdk_drives_a_cluster_through_an_api_process() {
         .map(|r| r.get::<_, i64>(0));
         assert_eq!(held, Some(0));
     });
-    let kids = children(api.pid());
-    assert!(kids.is_empty(), "the API process has children: {kids:?}");
-    let qemus: Vec<_> = std::fs::read_dir(&api.run_dir)
-        .map(|d| {
-            d.flatten()
-                .filter(|e| e.path().join("qemu.pid").exists())
-                .map(|e| e.path())
-                .collect()
-        })
-        .unwrap_or_default();
-    assert!(qemus.is_empty(), "{qemus:?}");
+    assert_ran_no_vm(api.pid(), &api.run_dir);
     eprintln!("whole test: {:?}", t0.elapsed());
 }

@@ -180,20 +180,38 @@ async fn proxy(
         .body(body)
         .send()
         .await;
+    let (resp, b) = match answered(sent, host) {
+        Ok(r) => r,
+        Err(refused) => return *refused,
+    };
+    let stream = resp.bytes_stream().map_err(std::io::Error::other);
+    b.body(AxumBody::from_stream(stream))
+        .unwrap_or_else(|e| unreachable(StatusCode::BAD_GATEWAY, host, e))
+}
+
+/// The owner's answer to a forwarded request and a response builder with
+/// its status and end-to-end headers; `Err`: the `503`/`502`
+/// `owner_unreachable` to answer instead.
+fn answered(
+    sent: Result<reqwest::Response, reqwest::Error>,
+    host: &str,
+) -> Result<(reqwest::Response, axum::http::response::Builder), Box<Response>> {
     let resp = match sent {
         Ok(r) => r,
         Err(e) if e.is_connect() || e.is_timeout() => {
-            return unreachable(StatusCode::SERVICE_UNAVAILABLE, host, e)
+            return Err(Box::new(unreachable(
+                StatusCode::SERVICE_UNAVAILABLE,
+                host,
+                e,
+            )))
         }
-        Err(e) => return unreachable(StatusCode::BAD_GATEWAY, host, e),
+        Err(e) => return Err(Box::new(unreachable(StatusCode::BAD_GATEWAY, host, e))),
     };
     let mut b = Response::builder().status(resp.status().as_u16());
     if let Some(h) = b.headers_mut() {
         copy_headers(resp.headers(), h);
     }
-    let stream = resp.bytes_stream().map_err(std::io::Error::other);
-    b.body(AxumBody::from_stream(stream))
-        .unwrap_or_else(|e| unreachable(StatusCode::BAD_GATEWAY, host, e))
+    Ok((resp, b))
 }
 
 fn refuse(status: StatusCode, code: &str, message: String) -> Response {
@@ -625,22 +643,15 @@ async fn proxy_upgrade(
     if let Ok(v) = me.parse() {
         out.insert(FORWARDED_HEADER, v);
     }
-    let resp = match client()
+    let sent = client()
         .request(parts.method, &url)
         .headers(out)
         .send()
-        .await
-    {
+        .await;
+    let (resp, mut b) = match answered(sent, host) {
         Ok(r) => r,
-        Err(e) if e.is_connect() || e.is_timeout() => {
-            return unreachable(StatusCode::SERVICE_UNAVAILABLE, host, e)
-        }
-        Err(e) => return unreachable(StatusCode::BAD_GATEWAY, host, e),
+        Err(refused) => return *refused,
     };
-    let mut b = Response::builder().status(resp.status().as_u16());
-    if let Some(h) = b.headers_mut() {
-        copy_headers(resp.headers(), h);
-    }
     if resp.status() != reqwest::StatusCode::SWITCHING_PROTOCOLS {
         let stream = resp.bytes_stream().map_err(std::io::Error::other);
         return b

@@ -191,13 +191,16 @@ struct Token {
     stale: bool,
 }
 
+/// A tenant's secrets as cached: when they were read, and they.
+type Cached = (std::time::Instant, Arc<Vec<Entry>>);
+
 /// The secrets broker: the proxies' [`RequestHook`].
 pub struct Broker {
     store: Arc<SecurityStore>,
     policies: Arc<Policies>,
     sealer: Result<Sealer, String>,
     /// tenant → when its secrets were read, and they.
-    cache: RwLock<HashMap<String, (std::time::Instant, Arc<Vec<Entry>>)>>,
+    cache: RwLock<HashMap<String, Cached>>,
     /// How long a tenant's cached secrets are trusted (`None`: until this
     /// process writes them; the store is its alone). With a shared store
     /// (a cluster's PostgreSQL) a secret written, replaced or deleted

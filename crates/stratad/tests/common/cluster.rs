@@ -130,6 +130,22 @@ pub async fn lease_of(url: &str, schema: &str, id: &str) -> Option<(String, i64,
     .map(|r| (r.get(0), r.get(1), r.get(2)))
 }
 
+/// An API-only process ran no VM: no child process (QEMU), no `qemu.pid`
+/// under its run dir.
+pub fn assert_ran_no_vm(pid: u32, run_dir: &std::path::Path) {
+    let kids = children(pid);
+    assert!(kids.is_empty(), "the API process has children: {kids:?}");
+    let qemus: Vec<_> = std::fs::read_dir(run_dir)
+        .map(|d| {
+            d.flatten()
+                .filter(|e| e.path().join("qemu.pid").exists())
+                .map(|e| e.path())
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(qemus.is_empty(), "{qemus:?}");
+}
+
 /// The pids whose parent is `pid`, with their command names.
 pub fn children(pid: u32) -> Vec<(u32, String)> {
     let mut out = Vec::new();
