@@ -70,6 +70,8 @@ note "kubernetes manifests: $(grep -E '^k8s-validate: ok' "$logs/k8s.log" | sed 
 
 echo "== the mcp SDK from PyPI for the MCP gateway tests (cached under /var/cache/strata/venv)" >&2
 bash scripts/mcp-venv.sh >/dev/null
+echo "== the e2b SDKs from PyPI (crates/stratad/tests/cluster_e2b.rs drives them in cargo test)" >&2
+bash scripts/e2b-venv.sh >/dev/null
 
 echo "== tests" >&2
 # Integration tests boot real guests under TCG; on 2 cores run test binaries one at a time.

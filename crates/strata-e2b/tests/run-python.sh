@@ -45,10 +45,8 @@ if [ -z "${IMAGE_DIR:-}" ]; then
   log "image: $IMAGE_DIR"
 fi
 
-if [ -z "${STRATA_E2B_RUNNER:-}" ] && { [ ! -x "$VENV/bin/pytest" ] || ! "$VENV/bin/python" -c 'import sys; from importlib.metadata import version as v; sys.exit(0 if v("e2b") == "2.63.0" and v("e2b-code-interpreter") == "2.11.5" else 1)' 2>/dev/null; }; then
-  log "creating virtualenv $VENV (e2b==2.63.0, e2b-code-interpreter==2.11.5, pytest)"
-  python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q "e2b==2.63.0" "e2b-code-interpreter==2.11.5" pytest
+if [ -z "${STRATA_E2B_RUNNER:-}" ]; then
+  VENV="$VENV" bash "$ROOT/scripts/e2b-venv.sh" >/dev/null
 fi
 
 mkdir -p "$SCRATCH" "$RUN_DIR"
