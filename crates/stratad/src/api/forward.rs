@@ -189,6 +189,34 @@ async fn proxy(
         .unwrap_or_else(|e| unreachable(StatusCode::BAD_GATEWAY, host, e))
 }
 
+/// After a create ran here (answered `resp`): when its placement chose
+/// another host, the same request is re-sent there and that host's answer
+/// is the one given (the `/v1` API's and the E2B door's creates alike).
+async fn follow_placement(
+    me: &str,
+    ctx: &Ctx,
+    resp: Response,
+    parts: axum::http::request::Parts,
+    path_query: &str,
+    bytes: bytes::Bytes,
+) -> Response {
+    let placed = ctx.placed.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let Some(addr) = placed else {
+        return resp;
+    };
+    tracing::debug!(to = %addr, "create forwarded to the host placement chose");
+    proxy(
+        me,
+        &addr,
+        &addr,
+        parts.method,
+        path_query,
+        &parts.headers,
+        reqwest::Body::from(bytes),
+    )
+    .await
+}
+
 /// The owner's answer to a forwarded request and a response builder with
 /// its status and end-to-end headers; `Err`: the `503`/`502`
 /// `owner_unreachable` to answer instead.
@@ -385,21 +413,7 @@ async fn route(
         };
         let local = Request::from_parts(parts.clone(), AxumBody::from(bytes.clone()));
         let resp = CTX.scope(ctx.clone(), next.run(local)).await;
-        let placed = ctx.placed.lock().unwrap_or_else(|p| p.into_inner()).take();
-        let Some(addr) = placed else {
-            return resp;
-        };
-        tracing::debug!(to = %addr, "create forwarded to the host placement chose");
-        return proxy(
-            &me,
-            &addr,
-            &addr,
-            parts.method,
-            &pq,
-            &parts.headers,
-            reqwest::Body::from(bytes),
-        )
-        .await;
+        return follow_placement(&me, &ctx, resp, parts, &pq, bytes).await;
     }
     if needs_host {
         if let Some(r) = api_refusal(svc, &me, None, false, &label).await {
@@ -594,21 +608,7 @@ where
             };
             let local = Request::from_parts(parts.clone(), AxumBody::from(bytes.clone()));
             let resp = CTX.scope(ctx.clone(), run(local)).await;
-            let placed = ctx.placed.lock().unwrap_or_else(|p| p.into_inner()).take();
-            let Some(addr) = placed else {
-                return resp;
-            };
-            tracing::debug!(to = %addr, "door create forwarded to the host placement chose");
-            proxy(
-                &me,
-                &addr,
-                &addr,
-                parts.method,
-                &pq,
-                &parts.headers,
-                reqwest::Body::from(bytes),
-            )
-            .await
+            follow_placement(&me, &ctx, resp, parts, &pq, bytes).await
         }
     }
 }
