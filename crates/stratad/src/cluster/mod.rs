@@ -12,8 +12,9 @@
 //! - at start it adopts only sandboxes whose lease it held last (or that
 //!   no host holds and whose subvolume is in its pool);
 //! - **self-fencing**: when its last successful renewal is older than
-//!   `lease_ttl - fence_margin` by its own monotonic clock, it pauses, then
-//!   kills, every VM it owns (their egress ends with them) and forgets the
+//!   `lease_ttl - fence_margin` by its own monotonic clock (a timer on a
+//!   thread of its own, whatever the async runtime does), it kills every
+//!   VM it owns (their egress ends with them) and forgets the
 //!   leases, before any other host may take them over (which PostgreSQL
 //!   allows only `takeover_margin` after expiry, by its own clock);
 //! - **host loss**: every host watches for leases expired past the margin;
@@ -44,7 +45,7 @@ use std::time::{Duration, Instant};
 
 use strata_core::{Op, SandboxId, SandboxState};
 use tokio::sync::watch;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 pub use config::{ClusterConfig, Role};
 pub use fenced::{FencedStore, Held, Leases};
@@ -345,8 +346,7 @@ impl Cluster {
     pub fn spawn(self: &Arc<Self>, svc: Arc<Service>, stop: watch::Receiver<bool>) {
         let (c, s, st) = (self.clone(), svc.clone(), stop.clone());
         tokio::spawn(async move { c.renew_loop(s, st).await });
-        let (c, s, st) = (self.clone(), svc.clone(), stop.clone());
-        tokio::spawn(async move { c.fence_loop(s, st).await });
+        self.spawn_fence_timer(svc.clone(), stop.clone());
         let (c, s, st) = (self.clone(), svc.clone(), stop.clone());
         tokio::spawn(async move { c.take_up_loop(s, st).await });
         let c = self.clone();
@@ -386,8 +386,7 @@ impl Cluster {
             Err(HostError::NotRegistered { .. }) => {
                 // A newer process registered this id: this one must not act.
                 warn!(host = %self.info.id, epoch, "a newer registration replaced this host; stopping its VMs");
-                self.fence(svc, "a newer registration of this host id replaced it")
-                    .await;
+                self.fence(svc, "a newer registration of this host id replaced it");
                 false
             }
             Err(e) => {
@@ -407,7 +406,7 @@ impl Cluster {
                     // Expired or taken over: not this host's any more.
                     if self.leases.drop_lease(&sid).is_some_and(|h| !h.custody) {
                         warn!(sandbox = %sid, "lease lost; stopping its VM");
-                        stop_vms(svc, &[sid]).await;
+                        kill_vms(svc, &[sid]);
                     }
                 }
                 Err(e) => {
@@ -426,7 +425,7 @@ impl Cluster {
                 count = lost.len(),
                 "leases found lost by writes; stopping their VMs"
             );
-            stop_vms(svc, &lost).await;
+            kill_vms(svc, &lost);
         }
         ok
     }
@@ -461,27 +460,36 @@ impl Cluster {
         last + self.cfg.lease_ttl.saturating_sub(self.cfg.fence_margin)
     }
 
-    async fn fence_loop(self: Arc<Self>, svc: Arc<Service>, mut stop: watch::Receiver<bool>) {
+    /// The self-fencing timer, on a thread of its own: it must fire even
+    /// when every async worker waits (a store call that hangs on a cut link
+    /// holds its thread for up to `[store] timeout`), so it needs neither
+    /// the runtime nor the store. It stops with `stop`.
+    fn spawn_fence_timer(self: &Arc<Self>, svc: Arc<Service>, stop: watch::Receiver<bool>) {
         let tick = (self.cfg.fence_margin / 8)
             .clamp(Duration::from_millis(50), Duration::from_millis(500));
-        loop {
-            tokio::select! {
-                _ = tokio::time::sleep(tick) => {}
-                _ = stop.changed() => return,
-            }
-            if *stop.borrow() {
-                return;
-            }
-            if Instant::now() >= self.fence_deadline() && !self.leases.owned().is_empty() {
-                self.fence(&svc, "no lease renewal within lease_ttl - fence_margin")
-                    .await;
-            }
+        let (c, s) = (self.clone(), svc.clone());
+        let spawned = std::thread::Builder::new()
+            .name("strata-fence".into())
+            .spawn(move || {
+                while !*stop.borrow() && stop.has_changed().is_ok() {
+                    std::thread::sleep(tick);
+                    if Instant::now() >= c.fence_deadline() && !c.leases.owned().is_empty() {
+                        c.fence(&s, "no lease renewal within lease_ttl - fence_margin");
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            // Without the timer a partitioned host would keep its VMs
+            // running past its leases' expiry: refuse to hold any.
+            error!(error = %e, "cannot start the self-fencing timer; fencing now");
+            self.fence(&svc, "the self-fencing timer could not start");
         }
     }
 
     /// Self-fencing: forget every owned lease (writes are refused from
-    /// here on), then pause and kill their VMs.
-    async fn fence(&self, svc: &Arc<Service>, why: &str) {
+    /// here on), then kill their VMs. Synchronous and store-free, so the
+    /// fencing timer's thread can run it whatever the runtime is doing.
+    fn fence(&self, svc: &Arc<Service>, why: &str) {
         let ids = self.leases.drop_owned();
         self.fenced.store(true, Ordering::SeqCst);
         if ids.is_empty() {
@@ -492,7 +500,7 @@ impl Cluster {
             why, "self-fencing: stopping this host's VMs"
         );
         svc.metrics().count("cluster_self_fenced");
-        stop_vms(svc, &ids).await;
+        kill_vms(svc, &ids);
     }
 
     async fn watch_loop(self: Arc<Self>, svc: Arc<Service>, mut stop: watch::Receiver<bool>) {
@@ -875,12 +883,11 @@ fn host_to_service(e: HostError) -> ServiceError {
 
 /// Pauses, then kills, the VMs of `ids` (without touching their records or
 /// subvolumes: they are no longer this host's to write).
-async fn stop_vms(svc: &Arc<Service>, ids: &[SandboxId]) {
-    let engine = svc.engine().clone();
-    for id in ids {
-        let _ = tokio::time::timeout(Duration::from_millis(500), engine.pause(id)).await;
-    }
-    let live = match engine.live_vms().await {
+/// Kills (`SIGKILL`) the QEMU of each of `ids` that runs on this host.
+/// Synchronous: the engines answer `live_vms` from memory and `/proc`
+/// without awaiting anything, so polling it once completes it.
+fn kill_vms(svc: &Arc<Service>, ids: &[SandboxId]) {
+    let live = match futures::executor::block_on(svc.engine().live_vms()) {
         Ok(v) => v,
         Err(e) => {
             warn!(error = %e.message(), "cannot list VMs to stop them");

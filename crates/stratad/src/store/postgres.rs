@@ -671,6 +671,23 @@ async fn listen(cfg: tokio_postgres::Config, changes: Arc<tokio::sync::watch::Se
     }
 }
 
+/// Runs `f`, which may wait (up to the store timeout), so that it does not
+/// hold an async worker of the daemon's runtime: on a worker of a
+/// multi-thread runtime the worker's other tasks move to another thread
+/// first (`block_in_place`). A sync store call made from async code (a
+/// policy or secret reload on the egress path) would otherwise park the
+/// worker for as long as PostgreSQL does not answer, and with every worker
+/// parked nothing else runs: not the API, not the self-fencing timer.
+/// Elsewhere (a blocking-pool thread, a plain thread, a current-thread
+/// runtime, where `block_in_place` is not allowed) `f` runs as it is.
+pub(crate) fn off_worker<T>(f: impl FnOnce() -> T) -> T {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}
+
 impl PgStore {
     /// Connects, creates the schema if asked, and migrates (one daemon at
     /// a time: an advisory lock is held while migrating).
@@ -746,15 +763,17 @@ impl PgStore {
     /// Runs `fut` to completion on this thread, bounded by the timeout
     /// (the security store's PostgreSQL backend runs its calls so too).
     pub(crate) fn block<T>(&self, fut: impl Future<Output = StoreResult<T>>) -> StoreResult<T> {
-        let _g = self.handle.enter();
-        let r = futures::executor::block_on(async {
-            match tokio::time::timeout(self.timeout, fut).await {
-                Ok(r) => r,
-                Err(_) => Err(StoreError::Unavailable(format!(
-                    "no answer from PostgreSQL within {} ms",
-                    self.timeout.as_millis()
-                ))),
-            }
+        let r = off_worker(|| {
+            let _g = self.handle.enter();
+            futures::executor::block_on(async {
+                match tokio::time::timeout(self.timeout, fut).await {
+                    Ok(r) => r,
+                    Err(_) => Err(StoreError::Unavailable(format!(
+                        "no answer from PostgreSQL within {} ms",
+                        self.timeout.as_millis()
+                    ))),
+                }
+            })
         });
         if matches!(&r, Err(StoreError::Unavailable(_))) {
             // An abandoned statement may still occupy a pooled connection:

@@ -30,8 +30,11 @@ const LEASE_COLS: &str = "sandbox_id, host_id, token, expires_at";
 impl PgStore {
     /// [`PgStore::block`] for host calls.
     fn block_h<T>(&self, fut: impl Future<Output = HostResult<T>>) -> HostResult<T> {
-        let _g = self.handle.enter();
-        match futures::executor::block_on(tokio::time::timeout(self.timeout, fut)) {
+        let r = super::off_worker(|| {
+            let _g = self.handle.enter();
+            futures::executor::block_on(tokio::time::timeout(self.timeout, fut))
+        });
+        match r {
             Ok(r) => r,
             Err(_) => {
                 self.pool.retain(|_, _| false);

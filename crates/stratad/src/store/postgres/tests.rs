@@ -125,6 +125,41 @@ fn a_stuck_or_lost_connection_is_a_typed_error_not_a_hang() {
         took >= Duration::from_millis(1500) && took < Duration::from_secs(5),
         "{took:?}"
     );
+    // The same wait, made from async code on a runtime with one worker (a
+    // policy reload on the egress path while the store does not answer):
+    // the worker's other tasks run meanwhile (`off_worker`). Before, the
+    // worker waited with the call, and with every worker so parked nothing
+    // else ran, the self-fencing timer included.
+    let s = Arc::new(s);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (r, ticked) = rt.block_on(async {
+        let ticks = Arc::new(AtomicUsize::new(0));
+        let t2 = ticks.clone();
+        let ticker = tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                t2.fetch_add(1, Ordering::SeqCst);
+            }
+        });
+        let (s2, id) = (s.clone(), rec.id.clone());
+        let before = ticks.load(Ordering::SeqCst);
+        let r = tokio::spawn(async move { s2.get_sandbox(&id) })
+            .await
+            .unwrap();
+        let ticked = ticks.load(Ordering::SeqCst) - before;
+        ticker.abort();
+        (r, ticked)
+    });
+    drop(rt);
+    assert!(matches!(r, Err(StoreError::Unavailable(_))), "{r:?}");
+    assert!(
+        ticked >= 10,
+        "the runtime's only worker ran {ticked} timer ticks of 50 ms during a 2 s store wait"
+    );
     let e = crate::service::ServiceError::Store(StoreError::Unavailable("x".into()));
     assert_eq!(e.code(), strata_core::ErrorCode::StorageFailed);
     let e = crate::service::ServiceError::Store(StoreError::Full("x".into()));
