@@ -79,7 +79,7 @@ fn rss_pss(pid: u32) -> Result<(u64, u64)> {
 }
 
 /// utime + stime (clock ticks) from the text of `/proc/<pid>/stat`.
-fn parse_cpu_ticks(stat: &str) -> Option<u64> {
+pub(crate) fn parse_cpu_ticks(stat: &str) -> Option<u64> {
     // The command name (field 2) may hold spaces: fields count from after ')'.
     let rest = &stat[stat.rfind(')')? + 1..];
     let f: Vec<&str> = rest.split_whitespace().collect();
