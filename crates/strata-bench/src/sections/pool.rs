@@ -228,14 +228,13 @@ impl HostCpu {
         })
     }
 
-    /// The processes and kernel threads outside the count that used the
-    /// most CPU between two [`proc_ticks`] readings: `(name, seconds)`,
-    /// largest first, at most `k`. `skip`: pids counted already.
-    fn top_others(
+    /// The processes and kernel threads outside the count that used CPU
+    /// between two [`proc_ticks`] readings: `(name, seconds)`, largest
+    /// first. `skip`: pids counted already.
+    fn others(
         before: &HashMap<u32, (String, u64)>,
         after: &HashMap<u32, (String, u64)>,
         skip: &[u32],
-        k: usize,
     ) -> Vec<(String, f64)> {
         let hz = super::density::clock_ticks();
         let mut by: HashMap<String, u64> = HashMap::new();
@@ -253,7 +252,6 @@ impl HostCpu {
             .map(|(c, t)| (c, t as f64 / hz))
             .collect();
         v.sort_by(|a, b| b.1.total_cmp(&a.1));
-        v.truncate(k);
         v
     }
 
@@ -328,6 +326,13 @@ async fn concurrent(api: &Api, side: &mut Side) -> Result<Option<BoundRound>> {
             Err(e) => first_err = first_err.or(Some(e)),
         }
     }
+    let mut others = HostCpu::others(&procs0, &procs1, &counted);
+    let kernel_s = others
+        .iter()
+        .filter(|(c, _)| c.starts_with("kworker"))
+        .map(|(_, s)| s)
+        .sum();
+    others.truncate(4);
     let bound = (first_err.is_none() && pids == 8).then(|| BoundRound {
         wall_s,
         cpu_s: self_cpu + qemu_ticks as f64 / super::density::clock_ticks(),
@@ -335,12 +340,8 @@ async fn concurrent(api: &Api, side: &mut Side) -> Result<Option<BoundRound>> {
             .map(|n| n.get() as f64)
             .unwrap_or(1.0),
         host,
-        others: HostCpu::top_others(&procs0, &procs1, &counted, 4),
-        kernel_s: HostCpu::top_others(&procs0, &procs1, &counted, usize::MAX)
-            .iter()
-            .filter(|(c, _)| c.starts_with("kworker"))
-            .map(|(_, s)| s)
-            .sum(),
+        others,
+        kernel_s,
     });
     for id in &ids {
         delete(api, id).await?;

@@ -881,9 +881,9 @@ fn host_to_service(e: HostError) -> ServiceError {
     }
 }
 
-/// Pauses, then kills, the VMs of `ids` (without touching their records or
-/// subvolumes: they are no longer this host's to write).
-/// Kills (`SIGKILL`) the QEMU of each of `ids` that runs on this host.
+/// Kills (`SIGKILL`) the QEMU of each of `ids` that runs on this host,
+/// without touching their records or subvolumes (they are no longer this
+/// host's to write).
 /// Synchronous: the engines answer `live_vms` from memory and `/proc`
 /// without awaiting anything, so polling it once completes it.
 fn kill_vms(svc: &Arc<Service>, ids: &[SandboxId]) {

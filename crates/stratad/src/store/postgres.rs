@@ -760,21 +760,29 @@ impl PgStore {
         Ok(store)
     }
 
+    /// Runs `fut` to completion on this thread, off the async worker
+    /// ([`off_worker`]) and inside the store runtime's context; `None` when
+    /// it did not finish within the timeout. [`PgStore::block`] and the
+    /// host calls' `block_h` wait through it.
+    pub(crate) fn bounded<F: Future>(&self, fut: F) -> Option<F::Output> {
+        off_worker(|| {
+            let _g = self.handle.enter();
+            futures::executor::block_on(tokio::time::timeout(self.timeout, fut)).ok()
+        })
+    }
+
+    /// The error of a call that found no answer within the timeout.
+    pub(crate) fn no_answer(&self) -> StoreError {
+        StoreError::Unavailable(format!(
+            "no answer from PostgreSQL within {} ms",
+            self.timeout.as_millis()
+        ))
+    }
+
     /// Runs `fut` to completion on this thread, bounded by the timeout
     /// (the security store's PostgreSQL backend runs its calls so too).
     pub(crate) fn block<T>(&self, fut: impl Future<Output = StoreResult<T>>) -> StoreResult<T> {
-        let r = off_worker(|| {
-            let _g = self.handle.enter();
-            futures::executor::block_on(async {
-                match tokio::time::timeout(self.timeout, fut).await {
-                    Ok(r) => r,
-                    Err(_) => Err(StoreError::Unavailable(format!(
-                        "no answer from PostgreSQL within {} ms",
-                        self.timeout.as_millis()
-                    ))),
-                }
-            })
-        });
+        let r = self.bounded(fut).unwrap_or_else(|| Err(self.no_answer()));
         if matches!(&r, Err(StoreError::Unavailable(_))) {
             // An abandoned statement may still occupy a pooled connection:
             // start over with fresh ones.

@@ -30,21 +30,10 @@ const LEASE_COLS: &str = "sandbox_id, host_id, token, expires_at";
 impl PgStore {
     /// [`PgStore::block`] for host calls.
     fn block_h<T>(&self, fut: impl Future<Output = HostResult<T>>) -> HostResult<T> {
-        let r = super::off_worker(|| {
-            let _g = self.handle.enter();
-            futures::executor::block_on(tokio::time::timeout(self.timeout, fut))
-        });
-        match r {
-            Ok(r) => r,
-            Err(_) => {
-                self.pool.retain(|_, _| false);
-                Err(StoreError::Unavailable(format!(
-                    "no answer from PostgreSQL within {} ms",
-                    self.timeout.as_millis()
-                ))
-                .into())
-            }
-        }
+        self.bounded(fut).unwrap_or_else(|| {
+            self.pool.retain(|_, _| false);
+            Err(self.no_answer().into())
+        })
     }
 
     /// The leases `SELECT … FROM sandbox_owners WHERE {rest}` finds.
