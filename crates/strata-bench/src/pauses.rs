@@ -37,6 +37,9 @@ pub struct Phases {
     /// Before the pause, the guest running: RAM written back and the
     /// pool's transaction committed (not part of `pause_ms`).
     pub before_pause_ms: f64,
+    /// After `cont`, paused by copies: the btrfs snapshot and its commit
+    /// (not part of `pause_ms`).
+    pub after_pause_ms: f64,
 }
 
 static ON: AtomicBool = AtomicBool::new(false);
@@ -80,6 +83,7 @@ impl Visit for Fields {
             "btrfs_ms" => self.p.btrfs_ms = value,
             "cont_ms" => self.p.cont_ms = value,
             "before_pause_ms" => self.p.before_pause_ms = value,
+            "after_pause_ms" => self.p.after_pause_ms = value,
             _ => {}
         }
     }
@@ -127,7 +131,7 @@ mod tests {
         tracing::subscriber::with_default(sub, || {
             tracing::info!(target: TARGET, pause_ms = 9.0, btrfs_ms = 3.0, "snapshot taken");
             start();
-            tracing::info!(target: TARGET, pause_ms = 9.5, stop_ms = 0.5, device_state_ms = 7.0, btrfs_ms = 3.1, cont_ms = 0.6, before_pause_ms = 40.0, "snapshot taken");
+            tracing::info!(target: TARGET, pause_ms = 9.5, stop_ms = 0.5, device_state_ms = 7.0, btrfs_ms = 3.1, cont_ms = 0.6, before_pause_ms = 40.0, after_pause_ms = 55.0, "snapshot taken");
             tracing::info!(target: TARGET, pause_ms = 1.0, "something else");
             tracing::info!(target: "elsewhere", pause_ms = 2.0, "snapshot taken");
         });
@@ -141,7 +145,8 @@ mod tests {
                 device_state_ms: 7.0,
                 btrfs_ms: 3.1,
                 cont_ms: 0.6,
-                before_pause_ms: 40.0
+                before_pause_ms: 40.0,
+                after_pause_ms: 55.0
             }]
         );
     }

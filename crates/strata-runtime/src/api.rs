@@ -260,8 +260,10 @@ pub struct PausePhases {
     /// snapshot read-only: after `cont`, so **not** part of the pause
     /// (`pause_ms`); the snapshot is acknowledged only once it is done.
     pub sign_ms: f64,
-    /// The btrfs snapshot of the subvolume (writes back the dirty pages of
-    /// RAM and disk, then commits); writable until signed.
+    /// The pool's step inside the pause. Paused by copies (the default,
+    /// `copies_in_pause`): the reflink copies of RAM and disk (writes back
+    /// their dirty pages, no commit). Otherwise: the btrfs snapshot of the
+    /// subvolume (writes back the dirty pages of RAM and disk, then commits).
     pub btrfs_ms: f64,
     /// QMP `cont` round trip.
     pub cont_ms: f64,
@@ -278,6 +280,15 @@ pub struct PausePhases {
     /// earlier stop was reused).
     #[serde(default)]
     pub device_state_method: Option<strata_vmm::SaveMethod>,
+    /// Whether the guest was paused by copies (`Runtime::set_copies_in_pause`):
+    /// `btrfs_ms` is then the reflinks and `after_pause_ms` the btrfs snapshot.
+    #[serde(default)]
+    pub copies_in_pause: bool,
+    /// After `cont` (**not** part of `pause_ms`), paused by copies: the
+    /// btrfs snapshot of the subvolume with its commit and the copies put in
+    /// its place, waiting for no pause to be in flight first.
+    #[serde(default)]
+    pub after_pause_ms: f64,
 }
 
 /// Space used by a snapshot.

@@ -71,6 +71,27 @@ fn process_keeps_counting_across_snapshot_and_fork() {
             "snapshot pause {:.1} ms, device state {} B",
             info.pause_ms, info.device_state_bytes
         );
+        // Paused by copies (the default): the snapshot's layout is as a
+        // btrfs snapshot under the pause made it (the same files, the same
+        // inodes), read-only, and no copies are left anywhere.
+        assert!(info.phases.copies_in_pause, "{:?}", info.phases);
+        assert!(info.phases.after_pause_ms > 0.0, "{:?}", info.phases);
+        let (sdir, ddir) = (
+            f.rt.pool().sandboxes_dir().join(a.as_str()),
+            f.rt.pool().snapshots_dir().join(snap.as_str()),
+        );
+        for d in [&sdir, &ddir] {
+            assert!(!d.join(".pause").exists(), "copies left in {}", d.display());
+        }
+        for name in ["mem", "disk.img"] {
+            use std::os::unix::fs::MetadataExt;
+            let (x, y) = (
+                std::fs::metadata(sdir.join(name)).expect("stat"),
+                std::fs::metadata(ddir.join(name)).expect("stat"),
+            );
+            assert_eq!((x.ino(), x.len()), (y.ino(), y.len()), "{name}");
+        }
+        assert!(f.rt.pool().is_readonly(&ddir).expect("flags"));
         let at_snap = count(&f.rt, &a).await;
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let b = SandboxId::generate();
@@ -751,6 +772,20 @@ fn a_snapshot_whose_vm_dies_before_it_resumes_leaves_no_subvolume() {
     let _pool = shared_pool();
     let f = fixture();
     tokio_rt().block_on(async {
+        // Paused by copies (the default), the VM is killed while its copies
+        // are made; with the btrfs snapshot under the pause, once the
+        // snapshot's subvolume exists. Either way the VM is stopped, the
+        // pool step is under way, and `cont` fails.
+        for copies in [true, false] {
+            f.rt.set_copies_in_pause(copies);
+            killed_before_resume(f, copies).await;
+        }
+        f.rt.set_copies_in_pause(true);
+    });
+}
+
+async fn killed_before_resume(f: &TestRuntime, copies: bool) {
+    {
         let mut hits = 0;
         for attempt in 0..12 {
             let a = new_sandbox(f).await;
@@ -761,8 +796,14 @@ fn a_snapshot_whose_vm_dies_before_it_resumes_leaves_no_subvolume() {
                     .expect("runs");
             let snap = SnapshotId::generate();
             let path = f.rt.pool().snapshots_dir().join(snap.as_str());
+            let copies_dir = f.rt.pool().sandboxes_dir().join(a.as_str()).join(".pause");
+            let trigger = if copies {
+                copies_dir.join("mem")
+            } else {
+                path.clone()
+            };
             let (p2, stop) = (
-                path.clone(),
+                trigger,
                 std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false)),
             );
             let stop2 = stop.clone();
@@ -787,9 +828,14 @@ fn a_snapshot_whose_vm_dies_before_it_resumes_leaves_no_subvolume() {
                     "attempt {attempt}: failed snapshot left {}",
                     path.display()
                 );
+                assert!(
+                    !copies_dir.exists(),
+                    "attempt {attempt}: failed snapshot left its copies in {}",
+                    copies_dir.display()
+                );
             }
             eprintln!(
-                "attempt {attempt}: killed {killed}, snapshot {:?}",
+                "copies {copies}, attempt {attempt}: killed {killed}, snapshot {:?}",
                 r.as_ref().err()
             );
             if r.is_ok() {
@@ -802,7 +848,7 @@ fn a_snapshot_whose_vm_dies_before_it_resumes_leaves_no_subvolume() {
         }
         assert!(
             hits > 0,
-            "never killed the VM between the snapshot and its resume"
+            "copies {copies}: never killed the VM between the snapshot and its resume"
         );
-    });
+    }
 }

@@ -255,6 +255,12 @@ impl Pool {
         subvol::reflink_file(&self.inside(src.as_ref())?, &self.inside(dst.as_ref())?)
     }
 
+    /// Makes existing file `dst` share all extents of file `src`, keeping
+    /// its inode; see [`subvol::reflink_over`].
+    pub fn reflink_over(&self, src: impl AsRef<Path>, dst: impl AsRef<Path>) -> Result<()> {
+        subvol::reflink_over(&self.inside(src.as_ref())?, &self.inside(dst.as_ref())?)
+    }
+
     /// Moves `path` (a subvolume, directory or file) into `trash/` with one atomic
     /// rename and deletes it on a background thread. Returns once it is gone from its
     /// old place.
@@ -271,9 +277,23 @@ impl Pool {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
         let target = self.trash_dir().join(format!("{}-{name}", unique_stamp()));
-        // A read-only subvolume cannot be renamed (its `..` entry would change): make
-        // it writable first, and read-only again if the rename fails.
+        // A read-only subvolume cannot be renamed (its `..` entry would change).
+        // It is destroyed where it is instead: the ioctl unlinks it at once (one
+        // atomic step, like the rename) and btrfs's cleaner frees its blocks later,
+        // as it would in the trash. Clearing the flag to rename it would commit the
+        // pool's transaction (`BTRFS_IOC_SUBVOL_SETFLAGS` does), and a commit
+        // beside a snapshot's pause lengthens it (docs/bench/soak.md).
         let was_ro = subvol::is_subvolume(&p)? && subvol::is_readonly(&p)?;
+        if was_ro {
+            match subvol::delete_subvolume(&p) {
+                Ok(()) => return Ok(()),
+                // Nested subvolumes inside, or a caller not allowed to destroy a
+                // read-only subvolume: through the trash, as before.
+                Err(e) => {
+                    tracing::debug!(path = %p.display(), error = %e, "destroying a read-only subvolume in place failed; trashing it");
+                }
+            }
+        }
         if was_ro {
             subvol::set_readonly(&p, false)?;
         }

@@ -211,6 +211,38 @@ pub fn reflink_file(src: &Path, dst: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Makes existing regular file `dst` share all extents of file `src`
+/// (`FICLONE` onto it): `dst` keeps its inode (and so its identity for an
+/// incremental send) and takes `src`'s contents and size.
+pub fn reflink_over(src: &Path, dst: &Path) -> Result<()> {
+    let s = File::open(src).map_err(|e| StorageError::io("open", src, e))?;
+    if !s
+        .metadata()
+        .map_err(|e| StorageError::io("stat", src, e))?
+        .is_file()
+    {
+        return Err(StorageError::InvalidArgument {
+            what: src.display().to_string(),
+            reason: "not a regular file".into(),
+        });
+    }
+    let d = OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
+        .open(dst)
+        .map_err(|e| StorageError::io("open", dst, e))?;
+    // SAFETY: FICLONE takes the source descriptor by value; `s` stays open for the call.
+    unsafe {
+        ioctl::ioctl_val(
+            d.as_fd(),
+            ioctl::FICLONE,
+            std::os::fd::AsRawFd::as_raw_fd(&s) as _,
+        )
+    }
+    .map_err(|e| StorageError::io("reflink", dst, e))?;
+    Ok(())
+}
+
 /// Commits the current btrfs transaction of the file system holding `path` (`BTRFS_IOC_SYNC`).
 pub fn sync_fs(path: &Path) -> Result<()> {
     let f = File::open(path).map_err(|e| StorageError::io("open", path, e))?;

@@ -285,6 +285,34 @@ fn reflinked_file_shares_extents() {
         &fs::read(b.join("disk.img")).expect("read")[..7],
         b"changed"
     );
+    // Reflinked over an existing file: it keeps its inode and takes the
+    // source's bytes (what a pause by copies does to a snapshot's files).
+    let ino = fs::metadata(b.join("disk.img")).expect("stat").ino();
+    tp.reflink_over(a.join("disk.img"), b.join("disk.img"))
+        .expect("reflink over");
+    assert_eq!(fs::metadata(b.join("disk.img")).expect("stat").ino(), ino);
+    assert_eq!(
+        fs::read(b.join("disk.img")).expect("read"),
+        fs::read(a.join("disk.img")).expect("read")
+    );
+}
+
+#[test]
+fn a_read_only_subvolume_is_trashed_without_clearing_its_flag() {
+    let tp = TestPool::new(GIB).expect("pool");
+    let a = tp.create_subvolume("sandboxes/a").expect("a");
+    write_file(&a.join("mem"), 8);
+    let s = tp
+        .snapshot(&a, tp.snapshots_dir().join("s"), true)
+        .expect("snapshot");
+    let before = subvol::commit_transaction(tp.root()).expect("commit");
+    tp.trash(&s).expect("trash");
+    assert!(!s.exists(), "gone from its place at once");
+    // Clearing the read-only flag would have committed a transaction.
+    let after = subvol::commit_transaction(tp.root()).expect("commit");
+    assert_eq!(after, before + 1, "the trash committed in between");
+    tp.wait_trash_empty();
+    assert_eq!(fs::read_dir(tp.trash_dir()).expect("ls").count(), 0);
 }
 
 #[test]

@@ -111,13 +111,15 @@ pub struct Args {
     /// What the device-state A/B compares: `memory` (before: the direct
     /// save into the sandbox's `.device.state.tmp` in the pool, beside the
     /// btrfs snapshot of that pool; now: the direct save into a memfd,
-    /// written to the pool after `cont`) or `migrate` (before: a
-    /// migration; now: the direct save).
+    /// written to the pool after `cont`), `migrate` (before: a
+    /// migration; now: the direct save) or `copies` (before: the btrfs
+    /// snapshot under the pause; now: reflink copies under the pause, the
+    /// btrfs snapshot after `cont`: `Runtime::set_copies_in_pause`).
     #[arg(
         id = "snapshot-ab-kind",
         long = "snapshot-ab-kind",
         default_value = "memory",
-        value_parser = ["memory", "migrate"]
+        value_parser = ["memory", "migrate", "copies"]
     )]
     pub ab_kind: String,
 }
@@ -127,14 +129,18 @@ impl Args {
     fn ab_names(&self) -> (&'static str, &'static str) {
         if self.ab_kind == "migrate" {
             ("migrate", "direct")
+        } else if self.ab_kind == "copies" {
+            ("btrfs snapshot in the pause", "copies in the pause")
         } else {
             ("direct to a pool file", "direct into memory")
         }
     }
 
     /// Sets the A/B's arm (`now`: the newer one) process-wide.
-    fn ab_arm(&self, now: bool) {
-        if self.ab_kind == "migrate" {
+    fn ab_arm(&self, rt: &strata_runtime::Runtime, now: bool) {
+        if self.ab_kind == "copies" {
+            rt.set_copies_in_pause(now);
+        } else if self.ab_kind == "migrate" {
             strata_vmm::qemu::set_direct_save(now);
         } else {
             strata_vmm::qemu::set_save_in_memory(now);
@@ -142,7 +148,8 @@ impl Args {
     }
 
     /// Back to the defaults after an A/B snapshot.
-    fn ab_reset(&self) {
+    fn ab_reset(&self, rt: &strata_runtime::Runtime) {
+        rt.set_copies_in_pause(true);
         strata_vmm::qemu::set_direct_save(true);
         strata_vmm::qemu::set_save_in_memory(true);
     }
@@ -421,7 +428,7 @@ async fn measure_size(ctx: &Ctx, args: &Args, mib: u64, res: &mut Results) -> Re
         // direct save), both beside the btrfs snapshot.
         for i in 0..args.save_ab * 2 {
             let now = i % 2 == 1;
-            args.ab_arm(now);
+            args.ab_arm(&brt.rt, now);
             let r = strata_snapshots(&brt.rt, &id, 1, interval, |s| {
                 if now {
                     case.ab_now_ms.push(s.pause_ms);
@@ -432,7 +439,7 @@ async fn measure_size(ctx: &Ctx, args: &Args, mib: u64, res: &mut Results) -> Re
                 }
             })
             .await;
-            args.ab_reset();
+            args.ab_reset(&brt.rt);
             r.context("strata snapshots, device-state A/B")?;
         }
         if args.save_ab > 0 {

@@ -66,6 +66,26 @@ pub struct Args {
         action = clap::ArgAction::Set
     )]
     pub commit_before_pause: bool,
+    /// Pause by reflink copies of RAM and disk, the btrfs snapshot after
+    /// `cont` (the default; `false` for the btrfs snapshot under the pause:
+    /// `Runtime::set_copies_in_pause`).
+    #[arg(
+        id = "soak-copies-in-pause",
+        long = "soak-copies-in-pause",
+        default_value_t = true,
+        action = clap::ArgAction::Set
+    )]
+    pub copies_in_pause: bool,
+    /// Divides the default retention's times by this (1: the default
+    /// retention). With `--soak-interval` shortened by the same factor, a
+    /// short run goes through the default retention's shape: retention
+    /// starts deleting after 60 / scale minutes.
+    #[arg(
+        id = "soak-retention-scale",
+        long = "soak-retention-scale",
+        default_value_t = 1
+    )]
+    pub retention_scale: u32,
 }
 
 impl Args {
@@ -213,6 +233,7 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
     };
     let interval = Duration::from_secs(args.interval_s.max(1));
     let pool_gib = (8 + args.n as u64).max(16);
+    let scale = args.retention_scale.max(1);
     let d = BenchDaemon::start(ctx, "strata-bench-soak-", pool_gib, size, |cfg| {
         cfg.snapshot_interval = interval;
         cfg.capacity.vcpus = 0;
@@ -224,9 +245,16 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         cfg.pressure.enabled = false;
         cfg.capacity.admission = stratad::config::AdmissionMode::Nominal;
         cfg.capacity.cpu_overcommit = cfg.capacity.cpu_overcommit.max(args.n as f64);
+        if scale > 1 {
+            for t in &mut cfg.retention.tiers {
+                t.within /= scale;
+                t.every /= scale;
+            }
+        }
     })
     .await?;
     d.rt.set_commit_before_pause(args.commit_before_pause);
+    d.rt.set_copies_in_pause(args.copies_in_pause);
     let pool = d.root.join("data").join("pool");
     let mut ids = Vec::new();
     for i in 0..args.n {
@@ -301,7 +329,7 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         };
         let s = w.pauses.summary();
         eprintln!(
-            "soak: {:.1} min: {} snapshots, pause p50 {} p99 {}, btrfs {}, device state {}, before the pause {}, kept {}, pending deletions {}, data {}, metadata {}, RSS {}, unanswered {}, load {:.2}",
+            "soak: {:.1} min: {} snapshots, pause p50 {} p99 {}, pool step {}, device state {}, before the pause {}, after the pause {}, kept {}, pending deletions {}, data {}, metadata {}, RSS {}, unanswered {}, load {:.2}",
             w.end_min,
             s.n,
             fmt_ms(s.p50),
@@ -309,6 +337,7 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             phase_cell(&w.phases, |p| p.btrfs_ms),
             phase_cell(&w.phases, |p| p.device_state_ms),
             phase_cell(&w.phases, |p| p.before_pause_ms),
+            phase_cell(&w.phases, |p| p.after_pause_ms),
             w.kept,
             w.pending_deletions,
             fmt_bytes(w.data_used as f64),
@@ -334,9 +363,10 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             "pause p50",
             "pause p99",
             "pause max",
-            "btrfs snapshot p50 (p99)",
+            "pool step in the pause p50 (p99)",
             "device state p50 (p99)",
             "before the pause p50 (p99)",
+            "after the pause p50 (p99)",
             "kept",
             "pending deletions",
             "pool data",
@@ -357,6 +387,7 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             phase_cell(&w.phases, |p| p.btrfs_ms),
             phase_cell(&w.phases, |p| p.device_state_ms),
             phase_cell(&w.phases, |p| p.before_pause_ms),
+            phase_cell(&w.phases, |p| p.after_pause_ms),
             w.kept.to_string(),
             w.pending_deletions.to_string(),
             fmt_bytes(w.data_used as f64),
@@ -375,14 +406,27 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
          is off and admission is nominal, so the host's other load cannot hibernate the soak's guests. Bar \
          (issue 18): the last window's pause p99 within 1.2× of the first's.",
     );
-    sec.text(format!(
-        "The pool's btrfs transaction is {} before each pause (`--soak-commit-before-pause`).",
-        if args.commit_before_pause {
-            "committed"
-        } else {
-            "**not** committed"
-        }
-    ));
+    sec.text(if args.copies_in_pause {
+        "Paused by copies (`--soak-copies-in-pause`, the default): the pool step in the pause is the reflink \
+         copies of RAM and disk; the btrfs snapshot and its commit come after `cont` (\"after the pause\"), and \
+         no commit of the daemon's runs beside a pause."
+            .to_string()
+    } else {
+        format!(
+            "The btrfs snapshot under the pause (`--soak-copies-in-pause false`); the pool's btrfs transaction is \
+             {} before each pause (`--soak-commit-before-pause`).",
+            if args.commit_before_pause {
+                "committed"
+            } else {
+                "**not** committed"
+            }
+        )
+    });
+    if scale > 1 {
+        sec.text(format!(
+            "Retention scaled: the default retention's times divided by {scale} (`--soak-retention-scale`)."
+        ));
+    }
     sec.table(t);
     if let (Some(first), Some(last)) = (windows.first(), windows.last()) {
         let (a, b) = (first.pauses.summary(), last.pauses.summary());

@@ -90,6 +90,12 @@ pub struct Runtime {
     overlap_save: std::sync::atomic::AtomicBool,
     /// See [`Runtime::set_commit_before_pause`].
     commit_before_pause: std::sync::atomic::AtomicBool,
+    /// See [`Runtime::set_copies_in_pause`].
+    copies_in_pause: std::sync::atomic::AtomicBool,
+    /// Pauses by copies hold it shared while a guest is stopped; the btrfs
+    /// commits a snapshot makes after `cont` hold it exclusively, so no
+    /// commit of ours runs beside a pause ([`Runtime::set_copies_in_pause`]).
+    commit_gate: tokio::sync::RwLock<()>,
     /// CPU weight of a VM with a call in flight ([`Runtime::call_boost`]).
     call_weight: std::sync::atomic::AtomicU32,
 }
@@ -292,6 +298,8 @@ impl Runtime {
             hello_cue: std::sync::atomic::AtomicBool::new(true),
             overlap_save: std::sync::atomic::AtomicBool::new(true),
             commit_before_pause: std::sync::atomic::AtomicBool::new(true),
+            copies_in_pause: std::sync::atomic::AtomicBool::new(true),
+            commit_gate: tokio::sync::RwLock::new(()),
             call_weight: std::sync::atomic::AtomicU32::new(boost::CALL_CPU_WEIGHT),
         }))
     }
