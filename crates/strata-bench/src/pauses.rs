@@ -40,6 +40,8 @@ pub struct Phases {
     /// After `cont`, paused by copies: the btrfs snapshot and its commit
     /// (not part of `pause_ms`).
     pub after_pause_ms: f64,
+    /// Whether the guest was paused by copies (`copies_in_pause`).
+    pub copies_in_pause: bool,
 }
 
 static ON: AtomicBool = AtomicBool::new(false);
@@ -88,6 +90,12 @@ impl Visit for Fields {
         }
     }
 
+    fn record_bool(&mut self, field: &Field, value: bool) {
+        if field.name() == "copies_in_pause" {
+            self.p.copies_in_pause = value;
+        }
+    }
+
     fn record_str(&mut self, field: &Field, value: &str) {
         if field.name() == "message" && value == "snapshot taken" {
             self.taken = true;
@@ -131,7 +139,7 @@ mod tests {
         tracing::subscriber::with_default(sub, || {
             tracing::info!(target: TARGET, pause_ms = 9.0, btrfs_ms = 3.0, "snapshot taken");
             start();
-            tracing::info!(target: TARGET, pause_ms = 9.5, stop_ms = 0.5, device_state_ms = 7.0, btrfs_ms = 3.1, cont_ms = 0.6, before_pause_ms = 40.0, after_pause_ms = 55.0, "snapshot taken");
+            tracing::info!(target: TARGET, pause_ms = 9.5, stop_ms = 0.5, device_state_ms = 7.0, btrfs_ms = 3.1, cont_ms = 0.6, before_pause_ms = 40.0, after_pause_ms = 55.0, copies_in_pause = true, "snapshot taken");
             tracing::info!(target: TARGET, pause_ms = 1.0, "something else");
             tracing::info!(target: "elsewhere", pause_ms = 2.0, "snapshot taken");
         });
@@ -146,7 +154,8 @@ mod tests {
                 btrfs_ms: 3.1,
                 cont_ms: 0.6,
                 before_pause_ms: 40.0,
-                after_pause_ms: 55.0
+                after_pause_ms: 55.0,
+                copies_in_pause: true
             }]
         );
     }

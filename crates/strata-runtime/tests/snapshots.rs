@@ -776,15 +776,17 @@ fn a_snapshot_whose_vm_dies_before_it_resumes_leaves_no_subvolume() {
         // are made; with the btrfs snapshot under the pause, once the
         // snapshot's subvolume exists. Either way the VM is stopped, the
         // pool step is under way, and `cont` fails.
-        for copies in [true, false] {
+        // Paused by copies, the RAM copy is begun before the pause (a kill
+        // then fails the pause itself) and the disk's is made in it.
+        for (copies, trigger) in [(true, "disk.img"), (true, "mem"), (false, "")] {
             f.rt.set_copies_in_pause(copies);
-            killed_before_resume(f, copies).await;
+            killed_before_resume(f, copies, trigger).await;
         }
         f.rt.set_copies_in_pause(true);
     });
 }
 
-async fn killed_before_resume(f: &TestRuntime, copies: bool) {
+async fn killed_before_resume(f: &TestRuntime, copies: bool, copy: &str) {
     {
         let mut hits = 0;
         for attempt in 0..12 {
@@ -798,7 +800,7 @@ async fn killed_before_resume(f: &TestRuntime, copies: bool) {
             let path = f.rt.pool().snapshots_dir().join(snap.as_str());
             let copies_dir = f.rt.pool().sandboxes_dir().join(a.as_str()).join(".pause");
             let trigger = if copies {
-                copies_dir.join("mem")
+                copies_dir.join(copy)
             } else {
                 path.clone()
             };
@@ -835,7 +837,7 @@ async fn killed_before_resume(f: &TestRuntime, copies: bool) {
                 );
             }
             eprintln!(
-                "copies {copies}, attempt {attempt}: killed {killed}, snapshot {:?}",
+                "copies {copies} ({copy}), attempt {attempt}: killed {killed}, snapshot {:?}",
                 r.as_ref().err()
             );
             if r.is_ok() {

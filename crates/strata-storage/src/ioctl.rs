@@ -149,7 +149,25 @@ pub const FIEMAP_EXTENT_LAST: u32 = 0x1;
 /// `FIEMAP_EXTENT_SHARED`.
 pub const FIEMAP_EXTENT_SHARED: u32 = 0x2000;
 
+/// `FIEMAP_FLAG_SYNC`: write the file's dirty data back (and, on btrfs,
+/// wait until its extents are recorded) before mapping.
+pub const FIEMAP_FLAG_SYNC: u32 = 0x1;
+
+/// `struct file_clone_range` (`linux/fs.h`).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct FileCloneRange {
+    pub src_fd: i64,
+    pub src_offset: u64,
+    pub src_length: u64,
+    pub dest_offset: u64,
+}
+
+/// `BTRFS_EXTENT_DATA_KEY`: a file extent item (key: inode, type, file offset).
+pub const EXTENT_DATA_KEY: u32 = 108;
+
 pub const BTRFS_IOC_SYNC: u32 = ioc(IOC_NONE, BTRFS_MAGIC, 8, 0);
+pub const FICLONERANGE: u32 = ioc(IOC_WRITE, BTRFS_MAGIC, 13, size_of::<FileCloneRange>());
 pub const BTRFS_IOC_RESIZE: u32 = ioc(IOC_WRITE, BTRFS_MAGIC, 3, size_of::<VolArgs>());
 pub const FICLONE: u32 = ioc(IOC_WRITE, BTRFS_MAGIC, 9, size_of::<libc::c_int>());
 pub const BTRFS_IOC_SUBVOL_CREATE: u32 = ioc(IOC_WRITE, BTRFS_MAGIC, 14, size_of::<VolArgs>());
@@ -295,6 +313,7 @@ mod tests {
         assert_eq!(BTRFS_IOC_SUBVOL_GETFLAGS, 0x8008_9419);
         assert_eq!(BTRFS_IOC_SUBVOL_SETFLAGS, 0x4008_941a);
         assert_eq!(FICLONE, 0x4004_9409);
+        assert_eq!(FICLONERANGE, 0x4020_940d);
         assert_eq!(BTRFS_IOC_INO_LOOKUP, 0xd000_9412);
         assert_eq!(BTRFS_IOC_TREE_SEARCH, 0xd000_9411);
         assert_eq!(BTRFS_IOC_QUOTA_CTL, 0xc010_9428);
@@ -316,6 +335,7 @@ mod tests {
         assert_eq!(size_of::<SearchHeader>(), 32);
         assert_eq!(size_of::<FiemapHeader>(), 32);
         assert_eq!(size_of::<FiemapExtent>(), 56);
+        assert_eq!(size_of::<FileCloneRange>(), 32);
     }
 
     #[test]

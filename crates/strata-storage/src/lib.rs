@@ -20,6 +20,7 @@
 //! (util-linux) when it is mounted, and `btrfs send` / `btrfs receive` for moves
 //! between pools ([`send`]).
 
+pub mod catchup;
 mod error;
 mod ioctl;
 mod mountinfo;

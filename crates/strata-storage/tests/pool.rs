@@ -712,3 +712,97 @@ fn commit_transaction_commits_what_was_written_back_and_moves_on() {
     g.read_exact(&mut x).expect("read");
     assert_eq!(x, vec![7u8; 4096]);
 }
+
+/// A copy caught up after writes through a shared mapping (QEMU's RAM file)
+/// and through `pwrite`, in a sparse file, is byte-identical to the file, and
+/// the catch-up reflinks only what was written after the copy began.
+#[test]
+fn a_copy_caught_up_equals_the_file_and_copies_only_what_changed() {
+    use strata_storage::catchup;
+    let tp = TestPool::new(GIB).expect("pool");
+    let sb = tp.create_subvolume("sandboxes/vm").expect("create");
+    let (mem, copy) = (sb.join("mem"), sb.join("mem.copy"));
+    let len = 64 * MIB as usize;
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&mem)
+        .expect("mem");
+    f.set_len(len as u64).expect("size");
+    // SAFETY: mapping a file we own of `len` bytes; the pointer is used only
+    // within `len` and unmapped at the end of the test.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(ptr, libc::MAP_FAILED);
+    // SAFETY: `ptr` maps `len` writable bytes until the munmap below.
+    let ram = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
+    // A pseudo-random page pattern (xorshift), fixed seed.
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let pages = len / 4096;
+    // Half the pages written, the rest holes; then written back.
+    for _ in 0..pages / 2 {
+        let p = (next() as usize) % pages;
+        ram[p * 4096..p * 4096 + 8].copy_from_slice(&next().to_le_bytes());
+    }
+    for round in 0..3 {
+        let mark = catchup::begin(tp.root(), &mem, &copy).expect("begin");
+        // After the copy: pages changed through the mapping (some dirty and
+        // never written back before the catch-up), others by pwrite, one in
+        // a hole, and the last page.
+        let mut changed = 0u64;
+        for _ in 0..40 {
+            let p = (next() as usize) % pages;
+            ram[p * 4096 + 100..p * 4096 + 108].copy_from_slice(&next().to_le_bytes());
+            changed += 4096;
+        }
+        ram[len - 8..].copy_from_slice(&next().to_le_bytes());
+        {
+            use std::os::unix::fs::FileExt;
+            f.write_at(&next().to_le_bytes(), (next() % (len as u64 - 8)) & !7)
+                .expect("pwrite");
+        }
+        if round == 1 {
+            // Some of it written back and committed in between.
+            subvol::sync_fs(tp.root()).expect("sync");
+        }
+        let done = catchup::catch_up(&mem, &copy, mark).expect("catch up");
+        assert_eq!(
+            fs::read(&copy).expect("read copy"),
+            fs::read(&mem).expect("read mem"),
+            "round {round}: the copy differs from the file"
+        );
+        assert!(done.ranges > 0, "round {round}: {done:?}");
+        // Bounded by what changed (write-back batches neighbours; far from
+        // the 32 MiB written before the copy).
+        assert!(
+            done.bytes <= 64 * changed + 8 * MIB,
+            "round {round}: caught up {done:?} for {changed} bytes changed"
+        );
+        println!("round {round}: {done:?} for ~{changed} bytes changed");
+        fs::remove_file(&copy).expect("rm copy");
+    }
+    // A file whose size changed is refused (a truncation leaves no item).
+    let mark = catchup::begin(tp.root(), &mem, &copy).expect("begin");
+    // SAFETY: unmapping the mapping made above, not used after this.
+    unsafe { libc::munmap(ptr, len) };
+    f.set_len(len as u64 / 2).expect("truncate");
+    assert!(matches!(
+        catchup::catch_up(&mem, &copy, mark),
+        Err(StorageError::InvalidArgument { .. })
+    ));
+}

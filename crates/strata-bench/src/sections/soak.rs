@@ -86,6 +86,12 @@ pub struct Args {
         default_value_t = 1
     )]
     pub retention_scale: u32,
+    /// A/B inside one run: every this many seconds the pause method
+    /// alternates (copies, then the btrfs snapshot under the pause, …), and
+    /// each window reports both arms' pauses apart (from the daemon's
+    /// `snapshot taken` events). 0: off (`--soak-copies-in-pause` holds).
+    #[arg(id = "soak-ab-secs", long = "soak-ab-secs", default_value_t = 0)]
+    pub ab_secs: u64,
 }
 
 impl Args {
@@ -215,6 +221,21 @@ fn phase_cell(v: &[crate::pauses::Phases], f: fn(&crate::pauses::Phases) -> f64)
     format!("{} ({})", fmt_ms(s.p50), fmt_ms(s.p99))
 }
 
+/// One pause method's pauses in a window (its `snapshot taken` events):
+/// p50 (p99, or the maximum under 100 samples), and n.
+fn arm_cell(v: &[crate::pauses::Phases], copies: bool) -> String {
+    let x: Vec<f64> = v
+        .iter()
+        .filter(|p| p.copies_in_pause == copies && p.pause_ms > 0.0)
+        .map(|p| p.pause_ms)
+        .collect();
+    let s = crate::stats::Summary::of(&x);
+    if s.n == 0 {
+        return "–".into();
+    }
+    format!("{} ({}), n={}", fmt_ms(s.p50), p99_cell(&s), s.n)
+}
+
 /// A p99 cell: under 100 samples it is the maximum, and says so.
 fn p99_cell(s: &crate::stats::Summary) -> String {
     if s.n < 100 {
@@ -285,6 +306,18 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         interval.as_secs(),
         args.minutes
     );
+    let flipper = (args.ab_secs > 0).then(|| {
+        let rt = d.rt.clone();
+        let every = Duration::from_secs(args.ab_secs);
+        tokio::spawn(async move {
+            let mut copies = true;
+            loop {
+                rt.set_copies_in_pause(copies);
+                tokio::time::sleep(every).await;
+                copies = !copies;
+            }
+        })
+    });
     let start = Instant::now();
     let total = Duration::from_secs(args.minutes * 60);
     let window = Duration::from_secs(args.window_s.max(1));
@@ -329,11 +362,13 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         };
         let s = w.pauses.summary();
         eprintln!(
-            "soak: {:.1} min: {} snapshots, pause p50 {} p99 {}, pool step {}, device state {}, before the pause {}, after the pause {}, kept {}, pending deletions {}, data {}, metadata {}, RSS {}, unanswered {}, load {:.2}",
+            "soak: {:.1} min: {} snapshots, pause p50 {} p99 {}, by copies {}, by btrfs snapshot {}, pool step {}, device state {}, before the pause {}, after the pause {}, kept {}, pending deletions {}, data {}, metadata {}, RSS {}, unanswered {}, load {:.2}",
             w.end_min,
             s.n,
             fmt_ms(s.p50),
             fmt_ms(s.p99),
+            arm_cell(&w.phases, true),
+            arm_cell(&w.phases, false),
             phase_cell(&w.phases, |p| p.btrfs_ms),
             phase_cell(&w.phases, |p| p.device_state_ms),
             phase_cell(&w.phases, |p| p.before_pause_ms),
@@ -350,6 +385,10 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         from = to;
     }
     crate::pauses::stop();
+    if let Some(f) = flipper {
+        f.abort();
+        d.rt.set_copies_in_pause(args.copies_in_pause);
+    }
     let mut t = Table::new(
         format!(
             "{} sandboxes ({} MiB, 1 vCPU, a writer each), a rolling snapshot every {} s, default retention",
@@ -367,6 +406,8 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             "device state p50 (p99)",
             "before the pause p50 (p99)",
             "after the pause p50 (p99)",
+            "pause by copies p50 (p99)",
+            "pause by btrfs snapshot p50 (p99)",
             "kept",
             "pending deletions",
             "pool data",
@@ -388,6 +429,8 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             phase_cell(&w.phases, |p| p.device_state_ms),
             phase_cell(&w.phases, |p| p.before_pause_ms),
             phase_cell(&w.phases, |p| p.after_pause_ms),
+            arm_cell(&w.phases, true),
+            arm_cell(&w.phases, false),
             w.kept.to_string(),
             w.pending_deletions.to_string(),
             fmt_bytes(w.data_used as f64),

@@ -261,15 +261,29 @@ impl Runtime {
         id: &str,
         live: &Live,
         dir: &Path,
+        mem_mark: Option<strata_storage::catchup::Mark>,
     ) -> Result<(f64, f64, strata_vmm::SaveStats, SavedState)> {
         let tmp = dir.join(STATE_TMP);
         let pool = self.pool.clone();
         let src = dir.to_path_buf();
+        let sandbox = id.to_owned();
         let copies = blocking(move || {
             let t = Instant::now();
             let to = src.join(PAUSE_COPIES);
             for f in PAUSE_COPIED {
                 let from = src.join(f);
+                if let (true, Some(mark)) = (f == files::MEM, mem_mark) {
+                    match strata_storage::catchup::catch_up(&from, &to.join(f), mark) {
+                        Ok(c) => {
+                            tracing::debug!(sandbox = %sandbox, ranges = c.ranges, bytes = c.bytes, "guest RAM copy caught up");
+                            continue;
+                        }
+                        Err(e) => {
+                            tracing::warn!(sandbox = %sandbox, error = %e, "catching up the RAM copy failed; copying it whole");
+                            let _ = std::fs::remove_file(to.join(f));
+                        }
+                    }
+                }
                 if from.exists() {
                     pool.reflink_file(&from, to.join(f)).map_err(storage_err)?;
                 }
@@ -418,6 +432,9 @@ impl Runtime {
         let mut phases = PausePhases::default();
         let by_copies = was_running && self.copies_in_pause.load(Ordering::Relaxed);
         phases.copies_in_pause = by_copies;
+        let mut mem_mark = None;
+        // Whatever way this returns, no copies stay behind in the sandbox.
+        let _copies = by_copies.then(|| CopiesGuard(dir.clone()));
         if by_copies {
             // The copies' directory, empty (a crash may have left one).
             let copies = dir.join(PAUSE_COPIES);
@@ -431,31 +448,57 @@ impl Runtime {
                     .map_err(|e| io_err("create the pause's copies directory", e))
             })
             .await?;
-        }
-        if was_running {
-            // Write back the guest RAM (and, paused by copies, disk) the VM
-            // dirtied while it still runs: the btrfs snapshot and the
-            // reflinks write back the source's dirty pages, and under the
-            // pause that would be all of them, not only those of the last
-            // few milliseconds. Best effort: the snapshot is complete either
-            // way.
-            let mem = dir.join(files::MEM);
-            let disk = by_copies.then(|| dir.join(files::DISK));
+            // RAM is copied now, the guest running, and only caught up in
+            // the pause (`strata_storage::catchup`): the whole-file reflink
+            // costs in proportion to the file's extents, the catch-up to
+            // what the guest wrote since. The disk is copied whole in the
+            // pause: QEMU punches holes into it on discard, which a
+            // catch-up cannot see; its dirty pages are written back now.
             let pre = Instant::now();
-            // Paused by copies, the pause has no commit to shorten.
-            let commit = (!by_copies && self.commit_before_pause.load(Ordering::Relaxed))
+            let (root, d) = (self.pool.root().to_path_buf(), dir.clone());
+            let begun = {
+                // `begin` commits the pool's transaction.
+                let _exclusive = self.commit_gate.write().await;
+                blocking(move || {
+                    let disk = d.join(files::DISK);
+                    if let Ok(f) = std::fs::File::open(&disk) {
+                        let _ = strata_storage::catchup::write_back(&f, &disk);
+                    }
+                    strata_storage::catchup::begin(
+                        &root,
+                        &d.join(files::MEM),
+                        &d.join(PAUSE_COPIES).join(files::MEM),
+                    )
+                    .map_err(storage_err)
+                })
+                .await
+            };
+            match begun {
+                Ok(m) => mem_mark = Some(m),
+                Err(e) => {
+                    // Copied whole in the pause instead.
+                    tracing::warn!(sandbox = %id, error = %e, "copying guest RAM before the pause failed");
+                    let _ = std::fs::remove_file(dir.join(PAUSE_COPIES).join(files::MEM));
+                }
+            }
+            phases.before_pause_ms = ms(pre);
+        }
+        if was_running && !by_copies {
+            // Write back the guest RAM the VM dirtied while it still runs:
+            // the btrfs snapshot writes back the source's dirty pages, and
+            // under the pause that would be all of them, not only those of
+            // the last few milliseconds. Best effort: the snapshot is
+            // complete either way.
+            let mem = dir.join(files::MEM);
+            let pre = Instant::now();
+            let commit = self
+                .commit_before_pause
+                .load(Ordering::Relaxed)
                 .then(|| self.pool.clone());
             let flushed = blocking(move || {
                 std::fs::File::open(&mem)
                     .and_then(|f| f.sync_data())
                     .map_err(|e| RuntimeError::Other(format!("flush guest RAM: {e}")))?;
-                if let Some(disk) = disk {
-                    if disk.exists() {
-                        std::fs::File::open(&disk)
-                            .and_then(|f| f.sync_data())
-                            .map_err(|e| RuntimeError::Other(format!("flush guest disk: {e}")))?;
-                    }
-                }
                 // Then the metadata that write-back (and everyone else's)
                 // made: see `set_commit_before_pause`.
                 if let Some(pool) = commit {
@@ -497,8 +540,9 @@ impl Runtime {
         let overlap = was_running && self.overlap_save.load(Ordering::Relaxed);
         let result = async {
             if by_copies {
-                let (c, save_ms, st, at) =
-                    self.state_beside_copies(id.as_str(), &live, &dir).await?;
+                let (c, save_ms, st, at) = self
+                    .state_beside_copies(id.as_str(), &live, &dir, mem_mark)
+                    .await?;
                 steps = st.steps;
                 method = Some(st.method);
                 saved_state = Some(at);
@@ -832,6 +876,15 @@ impl Runtime {
             })
         })
         .await
+    }
+}
+
+/// Removes a pause's copies from sandbox subvolume `dir` when dropped.
+struct CopiesGuard(std::path::PathBuf);
+
+impl Drop for CopiesGuard {
+    fn drop(&mut self) {
+        remove_copies(&self.0);
     }
 }
 
