@@ -42,6 +42,10 @@ pub struct Phases {
     pub after_pause_ms: f64,
     /// Whether the guest was paused by copies (`copies_in_pause`).
     pub copies_in_pause: bool,
+    /// Paused by copies: the RAM copy's catch-up, in the pause.
+    pub copy_mem_ms: f64,
+    /// Paused by copies: the disk image's reflink, in the pause.
+    pub copy_disk_ms: f64,
 }
 
 static ON: AtomicBool = AtomicBool::new(false);
@@ -86,6 +90,8 @@ impl Visit for Fields {
             "cont_ms" => self.p.cont_ms = value,
             "before_pause_ms" => self.p.before_pause_ms = value,
             "after_pause_ms" => self.p.after_pause_ms = value,
+            "copy_mem_ms" => self.p.copy_mem_ms = value,
+            "copy_disk_ms" => self.p.copy_disk_ms = value,
             _ => {}
         }
     }
@@ -155,7 +161,8 @@ mod tests {
                 cont_ms: 0.6,
                 before_pause_ms: 40.0,
                 after_pause_ms: 55.0,
-                copies_in_pause: true
+                copies_in_pause: true,
+                ..Default::default()
             }]
         );
     }

@@ -289,6 +289,13 @@ pub struct PausePhases {
     /// its place, waiting for no pause to be in flight first.
     #[serde(default)]
     pub after_pause_ms: f64,
+    /// Paused by copies, inside `btrfs_ms`: the RAM copy's catch-up (or its
+    /// whole reflink when it could not be begun before the pause).
+    #[serde(default)]
+    pub copy_mem_ms: f64,
+    /// Paused by copies, inside `btrfs_ms`: the disk image's whole reflink.
+    #[serde(default)]
+    pub copy_disk_ms: f64,
 }
 
 /// Space used by a snapshot.

@@ -776,8 +776,11 @@ fn a_snapshot_whose_vm_dies_before_it_resumes_leaves_no_subvolume() {
         // are made; with the btrfs snapshot under the pause, once the
         // snapshot's subvolume exists. Either way the VM is stopped, the
         // pool step is under way, and `cont` fails.
-        // Paused by copies, the RAM copy is begun before the pause (a kill
-        // then fails the pause itself) and the disk's is made in it.
+        // Paused by copies, the copies are begun before the pause (RAM
+        // first, then the disk) and caught up in it: the VM is killed once
+        // the disk's copy exists, at once (the pause itself fails) or a few
+        // milliseconds later (in the pause or just before it: the attempt
+        // number sets the delay).
         for (copies, trigger) in [(true, "disk.img"), (true, "mem"), (false, "")] {
             f.rt.set_copies_in_pause(copies);
             killed_before_resume(f, copies, trigger).await;
@@ -804,6 +807,11 @@ async fn killed_before_resume(f: &TestRuntime, copies: bool, copy: &str) {
             } else {
                 path.clone()
             };
+            let delay_ms = if copy == "disk.img" {
+                attempt as u64 * 2
+            } else {
+                0
+            };
             let (p2, stop) = (
                 trigger,
                 std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false)),
@@ -812,6 +820,9 @@ async fn killed_before_resume(f: &TestRuntime, copies: bool, copy: &str) {
             let spin = std::thread::spawn(move || {
                 while !stop2.load(std::sync::atomic::Ordering::Relaxed) {
                     if p2.exists() {
+                        if delay_ms > 0 {
+                            std::thread::sleep(Duration::from_millis(delay_ms));
+                        }
                         // SAFETY: SIGKILL to the QEMU this test started.
                         unsafe { libc::kill(pid as i32, libc::SIGKILL) };
                         return true;

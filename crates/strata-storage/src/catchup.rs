@@ -18,10 +18,15 @@
 //! place), and every transaction after the mark's has a larger id. Parts of
 //! older items that a write split keep their old data and their old id.
 //!
-//! What it does not cover: ranges **removed** from the file (a hole punched,
-//! `fallocate(PUNCH_HOLE)`, or a truncation) leave no item behind to find. A
-//! file that can lose ranges (a disk image QEMU discards into) must be copied
-//! whole instead; [`catch_up`] refuses a file whose size changed.
+//! Ranges **removed** from the file (a hole punched, `fallocate(PUNCH_HOLE)`,
+//! as QEMU does when a guest discards) leave no item behind to find. They
+//! are detected instead: after the catch-up the copy must reference exactly
+//! as many bytes as the file (`st_blocks`, which btrfs keeps as the sum of
+//! the file's extent items). A copy is equal to the file in every range a
+//! changed item covers, and holds its begin-time data everywhere else, where
+//! the file can only have kept that data or lost it; so the copy holds more
+//! bytes exactly when the file lost some. Then the copy is reflinked whole
+//! over ([`CatchUp::whole`]). A file whose size changed is refused.
 
 use std::fs::{File, OpenOptions};
 use std::mem::size_of;
@@ -49,6 +54,9 @@ pub struct CatchUp {
     pub ranges: usize,
     /// Bytes those ranges span.
     pub bytes: u64,
+    /// Whether ranges were removed from the file since, so the copy was
+    /// reflinked whole over instead.
+    pub whole: bool,
 }
 
 /// Writes back `f`'s dirty pages and waits until btrfs has recorded their
@@ -73,18 +81,39 @@ pub fn write_back(f: &File, path: &Path) -> Result<()> {
 /// Step 1: writes `src` back, commits the pool's transaction, and reflinks
 /// `src` to `dst` (which must not exist). `pool_root` is any path of the pool.
 pub fn begin(pool_root: &Path, src: &Path, dst: &Path) -> Result<Mark> {
-    let f = File::open(src).map_err(|e| StorageError::io("open", src, e))?;
-    write_back(&f, src)?;
+    let marks = begin_all(pool_root, &[(src, dst)])?;
+    marks
+        .into_iter()
+        .next()
+        .ok_or_else(|| StorageError::InvalidArgument {
+            what: src.display().to_string(),
+            reason: "no copy was begun".into(),
+        })
+}
+
+/// [`begin`] for several files under one commit: each `(src, dst)` written
+/// back, then the commit, then each reflinked. The marks in order.
+pub fn begin_all(pool_root: &Path, files: &[(&Path, &Path)]) -> Result<Vec<Mark>> {
+    let mut lens = Vec::with_capacity(files.len());
+    for (src, _) in files {
+        let f = File::open(src).map_err(|e| StorageError::io("open", src, e))?;
+        write_back(&f, src)?;
+        lens.push(
+            f.metadata()
+                .map_err(|e| StorageError::io("stat", src, e))?
+                .len(),
+        );
+    }
     let committed = subvol::commit_transaction(pool_root)?;
-    let len = f
-        .metadata()
-        .map_err(|e| StorageError::io("stat", src, e))?
-        .len();
-    subvol::reflink_file(src, dst)?;
-    Ok(Mark {
-        since: committed + 1,
-        len,
-    })
+    let mut marks = Vec::with_capacity(files.len());
+    for ((src, dst), len) in files.iter().zip(lens) {
+        subvol::reflink_file(src, dst)?;
+        marks.push(Mark {
+            since: committed + 1,
+            len,
+        });
+    }
+    Ok(marks)
 }
 
 /// Step 2: brings `dst`, made by [`begin`] with `mark`, up to `src` as it is
@@ -129,6 +158,18 @@ pub fn catch_up(src: &Path, dst: &Path, mark: Mark) -> Result<CatchUp> {
             .map_err(|e| StorageError::io("reflink range", dst, e))?;
         done.ranges += 1;
         done.bytes += len;
+    }
+    let referenced = |f: &File, p: &Path| -> Result<u64> {
+        Ok(f.metadata()
+            .map_err(|e| StorageError::io("stat", p, e))?
+            .blocks())
+    };
+    if referenced(&d, dst)? != referenced(&s, src)? {
+        // Ranges were removed from `src` since the copy began.
+        // SAFETY: FICLONE takes the source descriptor by value; `s` stays open.
+        unsafe { ioctl::ioctl_val(d.as_fd(), ioctl::FICLONE, s.as_raw_fd() as _) }
+            .map_err(|e| StorageError::io("reflink", dst, e))?;
+        done.whole = true;
     }
     Ok(done)
 }

@@ -786,7 +786,7 @@ fn a_copy_caught_up_equals_the_file_and_copies_only_what_changed() {
             fs::read(&mem).expect("read mem"),
             "round {round}: the copy differs from the file"
         );
-        assert!(done.ranges > 0, "round {round}: {done:?}");
+        assert!(done.ranges > 0 && !done.whole, "round {round}: {done:?}");
         // Bounded by what changed (write-back batches neighbours; far from
         // the 32 MiB written before the copy).
         assert!(
@@ -796,6 +796,35 @@ fn a_copy_caught_up_equals_the_file_and_copies_only_what_changed() {
         println!("round {round}: {done:?} for ~{changed} bytes changed");
         fs::remove_file(&copy).expect("rm copy");
     }
+    // A hole punched after the copy began (QEMU on a guest's discard) leaves
+    // no item to find: the catch-up sees the copy hold more bytes than the
+    // file and reflinks it whole.
+    let mark = catchup::begin(tp.root(), &mem, &copy).expect("begin");
+    ram[4096..8192].copy_from_slice(&[0x5a; 4096]);
+    // SAFETY: `f` is open for writing; the range lies inside the file.
+    let r = unsafe {
+        libc::fallocate(
+            f.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            16 * MIB as i64,
+            MIB as i64,
+        )
+    };
+    assert_eq!(r, 0, "punch hole");
+    let done = catchup::catch_up(&mem, &copy, mark).expect("catch up");
+    assert!(done.whole, "{done:?}");
+    assert_eq!(
+        fs::read(&copy).expect("read copy"),
+        fs::read(&mem).expect("read mem"),
+        "after a punched hole"
+    );
+    // Without a removed range the copy is not reflinked whole.
+    fs::remove_file(&copy).expect("rm copy");
+    let mark = catchup::begin(tp.root(), &mem, &copy).expect("begin");
+    ram[8192..8200].copy_from_slice(&next().to_le_bytes());
+    let done = catchup::catch_up(&mem, &copy, mark).expect("catch up");
+    assert!(!done.whole && done.ranges > 0, "{done:?}");
+    fs::remove_file(&copy).expect("rm copy");
     // A file whose size changed is refused (a truncation leaves no item).
     let mark = catchup::begin(tp.root(), &mem, &copy).expect("begin");
     // SAFETY: unmapping the mapping made above, not used after this.

@@ -722,7 +722,9 @@ fn render(ctx: &Ctx, args: &Args, res: &Results, sec: &mut Section) -> Result<()
         sec.table(t);
     }
     if res.cases.iter().any(|c| !c.ab_now.is_empty()) {
-        let title = if args.ab_kind == "migrate" {
+        let title = if args.ab_kind == "copies" {
+            "The pause before (the btrfs snapshot of the subvolume under the pause, after a commit before it) vs now (by copies: RAM reflinked before the pause and caught up in it, the disk image reflinked in it, the btrfs snapshot after `cont`): p50 (p99), ms, the two interleaved one snapshot at a time on the same VM"
+        } else if args.ab_kind == "migrate" {
             "The device-state save before (a migration: `migrate fd:` with `x-ignore-shared`, its `MIGRATION` event, the wait until finalized) vs now (the direct save: `xen-save-devices-state` into an `add-fd` set, completed in place by the driver), both beside the btrfs snapshot: p50 (p99), ms, the two interleaved one snapshot at a time on the same VM"
         } else {
             "The direct device-state save before (into the sandbox's `.device.state.tmp`, a file in the pool the btrfs snapshot beside it commits) vs now (into a memfd, completed in memory, written to the pool after `cont`): p50 (p99), ms, the two interleaved one snapshot at a time on the same VM"

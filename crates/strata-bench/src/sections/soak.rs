@@ -221,6 +221,12 @@ fn phase_cell(v: &[crate::pauses::Phases], f: fn(&crate::pauses::Phases) -> f64)
     format!("{} ({})", fmt_ms(s.p50), fmt_ms(s.p99))
 }
 
+/// A phase of the pauses by copies only.
+fn copies_cell(v: &[crate::pauses::Phases], f: fn(&crate::pauses::Phases) -> f64) -> String {
+    let x: Vec<crate::pauses::Phases> = v.iter().filter(|p| p.copies_in_pause).copied().collect();
+    phase_cell(&x, f)
+}
+
 /// One pause method's pauses in a window (its `snapshot taken` events):
 /// p50 (p99, or the maximum under 100 samples), and n.
 fn arm_cell(v: &[crate::pauses::Phases], copies: bool) -> String {
@@ -362,13 +368,15 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         };
         let s = w.pauses.summary();
         eprintln!(
-            "soak: {:.1} min: {} snapshots, pause p50 {} p99 {}, by copies {}, by btrfs snapshot {}, pool step {}, device state {}, before the pause {}, after the pause {}, kept {}, pending deletions {}, data {}, metadata {}, RSS {}, unanswered {}, load {:.2}",
+            "soak: {:.1} min: {} snapshots, pause p50 {} p99 {}, by copies {}, by btrfs snapshot {}, RAM catch-up {}, disk copy {}, pool step {}, device state {}, before the pause {}, after the pause {}, kept {}, pending deletions {}, data {}, metadata {}, RSS {}, unanswered {}, load {:.2}",
             w.end_min,
             s.n,
             fmt_ms(s.p50),
             fmt_ms(s.p99),
             arm_cell(&w.phases, true),
             arm_cell(&w.phases, false),
+            copies_cell(&w.phases, |p| p.copy_mem_ms),
+            copies_cell(&w.phases, |p| p.copy_disk_ms),
             phase_cell(&w.phases, |p| p.btrfs_ms),
             phase_cell(&w.phases, |p| p.device_state_ms),
             phase_cell(&w.phases, |p| p.before_pause_ms),
@@ -408,6 +416,8 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             "after the pause p50 (p99)",
             "pause by copies p50 (p99)",
             "pause by btrfs snapshot p50 (p99)",
+            "RAM catch-up p50 (p99)",
+            "disk copy p50 (p99)",
             "kept",
             "pending deletions",
             "pool data",
@@ -431,6 +441,8 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             phase_cell(&w.phases, |p| p.after_pause_ms),
             arm_cell(&w.phases, true),
             arm_cell(&w.phases, false),
+            copies_cell(&w.phases, |p| p.copy_mem_ms),
+            copies_cell(&w.phases, |p| p.copy_disk_ms),
             w.kept.to_string(),
             w.pending_deletions.to_string(),
             fmt_bytes(w.data_used as f64),

@@ -127,6 +127,8 @@ impl Runtime {
             });
         }
         self.unstick(id).await;
+        // A process that died in a snapshot's pause by copies left them.
+        super::snapshot::remove_copies(&self.sandbox_dir(id));
         let t0 = Instant::now();
         let run = self.run_dir(id.as_str());
         let spec: VmSpec = std::fs::read(run.join("spec.json"))

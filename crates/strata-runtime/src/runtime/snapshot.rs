@@ -161,10 +161,13 @@ impl Runtime {
     /// host that snapshots 20 guests a minute pause them 8 ms at first and
     /// 148 ms (p50) two hours later (docs/bench/soak.md).
     ///
-    /// By copies, the guest is stopped for its device-state save beside
-    /// `FICLONE`s of `mem` and `disk.img` into the subvolume's `.pause/`:
-    /// they write back the files' last dirty pages and add their extents to
-    /// the running transaction, without committing it. After `cont` the
+    /// By copies, `mem` is reflinked into the subvolume's `.pause/` before
+    /// the pause (after a write-back and a commit: the copy's mark), and the
+    /// guest is stopped for its device-state save beside the copy's catch-up
+    /// (only the ranges written since the mark: `strata_storage::catchup`)
+    /// and a whole reflink of `disk.img` (QEMU punches holes into it, which
+    /// a catch-up cannot see). Reflinks add extents to the running
+    /// transaction without committing it. After `cont` the
     /// subvolume is snapshotted as before and the copies are cloned over the
     /// snapshot's `mem` and `disk.img` (same inodes: incremental sends still
     /// compare trees), so a snapshot's layout is unchanged and every older
@@ -261,34 +264,46 @@ impl Runtime {
         id: &str,
         live: &Live,
         dir: &Path,
-        mem_mark: Option<strata_storage::catchup::Mark>,
-    ) -> Result<(f64, f64, strata_vmm::SaveStats, SavedState)> {
+        marks: Option<[strata_storage::catchup::Mark; 2]>,
+    ) -> Result<(CopyTimes, f64, strata_vmm::SaveStats, SavedState)> {
         let tmp = dir.join(STATE_TMP);
         let pool = self.pool.clone();
         let src = dir.to_path_buf();
         let sandbox = id.to_owned();
         let copies = blocking(move || {
             let t = Instant::now();
+            let mut times = CopyTimes::default();
             let to = src.join(PAUSE_COPIES);
-            for f in PAUSE_COPIED {
+            for (i, f) in PAUSE_COPIED.into_iter().enumerate() {
+                let tf = Instant::now();
                 let from = src.join(f);
-                if let (true, Some(mark)) = (f == files::MEM, mem_mark) {
-                    match strata_storage::catchup::catch_up(&from, &to.join(f), mark) {
-                        Ok(c) => {
-                            tracing::debug!(sandbox = %sandbox, ranges = c.ranges, bytes = c.bytes, "guest RAM copy caught up");
-                            continue;
-                        }
-                        Err(e) => {
-                            tracing::warn!(sandbox = %sandbox, error = %e, "catching up the RAM copy failed; copying it whole");
-                            let _ = std::fs::remove_file(to.join(f));
+                let caught_up = match marks.map(|m| m[i]) {
+                    Some(mark) => {
+                        match strata_storage::catchup::catch_up(&from, &to.join(f), mark) {
+                            Ok(c) => {
+                                tracing::debug!(sandbox = %sandbox, file = f, ranges = c.ranges, bytes = c.bytes, whole = c.whole, "copy caught up");
+                                true
+                            }
+                            Err(e) => {
+                                tracing::warn!(sandbox = %sandbox, file = f, error = %e, "catching up a copy failed; copying it whole");
+                                let _ = std::fs::remove_file(to.join(f));
+                                false
+                            }
                         }
                     }
-                }
-                if from.exists() {
+                    None => false,
+                };
+                if !caught_up && from.exists() {
                     pool.reflink_file(&from, to.join(f)).map_err(storage_err)?;
                 }
+                if f == files::MEM {
+                    times.mem_ms = ms(tf);
+                } else {
+                    times.disk_ms = ms(tf);
+                }
             }
-            Ok(ms(t))
+            times.total_ms = ms(t);
+            Ok(times)
         });
         let save = async {
             let t = Instant::now();
@@ -432,7 +447,7 @@ impl Runtime {
         let mut phases = PausePhases::default();
         let by_copies = was_running && self.copies_in_pause.load(Ordering::Relaxed);
         phases.copies_in_pause = by_copies;
-        let mut mem_mark = None;
+        let mut marks = None;
         // Whatever way this returns, no copies stay behind in the sandbox.
         let _copies = by_copies.then(|| CopiesGuard(dir.clone()));
         if by_copies {
@@ -448,37 +463,41 @@ impl Runtime {
                     .map_err(|e| io_err("create the pause's copies directory", e))
             })
             .await?;
-            // RAM is copied now, the guest running, and only caught up in
-            // the pause (`strata_storage::catchup`): the whole-file reflink
-            // costs in proportion to the file's extents, the catch-up to
-            // what the guest wrote since. The disk is copied whole in the
-            // pause: QEMU punches holes into it on discard, which a
-            // catch-up cannot see; its dirty pages are written back now.
+            // RAM and disk are copied now, the guest running, and only
+            // caught up in the pause (`strata_storage::catchup`): a
+            // whole-file reflink costs in proportion to the file's extents,
+            // a catch-up to what the guest wrote since (and a disk range
+            // QEMU punched meanwhile makes it reflink the disk whole).
             let pre = Instant::now();
             let (root, d) = (self.pool.root().to_path_buf(), dir.clone());
             let begun = {
-                // `begin` commits the pool's transaction.
+                // `begin_all` commits the pool's transaction.
                 let _exclusive = self.commit_gate.write().await;
                 blocking(move || {
-                    let disk = d.join(files::DISK);
-                    if let Ok(f) = std::fs::File::open(&disk) {
-                        let _ = strata_storage::catchup::write_back(&f, &disk);
-                    }
-                    strata_storage::catchup::begin(
+                    let (mem, disk) = (d.join(files::MEM), d.join(files::DISK));
+                    let to = d.join(PAUSE_COPIES);
+                    let (mem_to, disk_to) = (to.join(files::MEM), to.join(files::DISK));
+                    strata_storage::catchup::begin_all(
                         &root,
-                        &d.join(files::MEM),
-                        &d.join(PAUSE_COPIES).join(files::MEM),
+                        &[
+                            (mem.as_path(), mem_to.as_path()),
+                            (disk.as_path(), disk_to.as_path()),
+                        ],
                     )
                     .map_err(storage_err)
                 })
                 .await
             };
             match begun {
-                Ok(m) => mem_mark = Some(m),
-                Err(e) => {
+                Ok(m) if m.len() == 2 => marks = Some([m[0], m[1]]),
+                other => {
                     // Copied whole in the pause instead.
-                    tracing::warn!(sandbox = %id, error = %e, "copying guest RAM before the pause failed");
-                    let _ = std::fs::remove_file(dir.join(PAUSE_COPIES).join(files::MEM));
+                    if let Err(e) = other {
+                        tracing::warn!(sandbox = %id, error = %e, "copying guest RAM and disk before the pause failed");
+                    }
+                    for f in PAUSE_COPIED {
+                        let _ = std::fs::remove_file(dir.join(PAUSE_COPIES).join(f));
+                    }
                 }
             }
             phases.before_pause_ms = ms(pre);
@@ -532,6 +551,7 @@ impl Runtime {
         let mut steps = strata_vmm::SaveSteps::default();
         let mut method = None;
         let mut saved_state = None;
+        let mut copy_times = CopyTimes::default();
         let t0 = Instant::now();
         if was_running {
             live.pause_vm().await.map_err(|e| vmm_err(id.as_str(), e))?;
@@ -541,8 +561,10 @@ impl Runtime {
         let result = async {
             if by_copies {
                 let (c, save_ms, st, at) = self
-                    .state_beside_copies(id.as_str(), &live, &dir, mem_mark)
+                    .state_beside_copies(id.as_str(), &live, &dir, marks)
                     .await?;
+                copy_times = c;
+                let c = c.total_ms;
                 steps = st.steps;
                 method = Some(st.method);
                 saved_state = Some(at);
@@ -658,11 +680,14 @@ impl Runtime {
         phases.device_state_method = method;
         phases.sign_ms = sign_ms;
         phases.btrfs_ms = btrfs_ms;
+        phases.copy_mem_ms = copy_times.mem_ms;
+        phases.copy_disk_ms = copy_times.disk_ms;
         tracing::info!(
             sandbox = %id, snapshot = %snap, pause_ms, stop_ms = phases.stop_ms,
             device_state_ms, sign_ms, btrfs_ms, cont_ms = phases.cont_ms, bytes,
             before_pause_ms = phases.before_pause_ms,
             after_pause_ms = phases.after_pause_ms, copies_in_pause = by_copies,
+            copy_mem_ms = phases.copy_mem_ms, copy_disk_ms = phases.copy_disk_ms,
             "snapshot taken"
         );
         Ok(SnapshotInfo {
@@ -879,6 +904,14 @@ impl Runtime {
     }
 }
 
+/// A pause by copies' pool step: in all, the RAM copy's, the disk's (ms).
+#[derive(Debug, Clone, Copy, Default)]
+struct CopyTimes {
+    total_ms: f64,
+    mem_ms: f64,
+    disk_ms: f64,
+}
+
 /// Removes a pause's copies from sandbox subvolume `dir` when dropped.
 struct CopiesGuard(std::path::PathBuf);
 
@@ -891,7 +924,7 @@ impl Drop for CopiesGuard {
 /// Removes a pause's copies from sandbox subvolume `dir`, if any (unlinking
 /// reflinks: metadata only). Best effort: a leftover is removed before the
 /// next snapshot of `dir`.
-fn remove_copies(dir: &Path) {
+pub(super) fn remove_copies(dir: &Path) {
     let copies = dir.join(PAUSE_COPIES);
     match std::fs::remove_dir_all(&copies) {
         Ok(()) => {}
