@@ -223,19 +223,7 @@ impl Runtime {
             pool.snapshot(&src, &d, false).map_err(storage_err)?;
             Ok(ms(t))
         });
-        let save = async {
-            let t = Instant::now();
-            let r = match live.vm.save_device_state_in_memory().await {
-                Ok(Some((bytes, stats))) => Ok((stats, SavedState::Memory(bytes))),
-                Ok(None) => live
-                    .vm
-                    .save_device_state(&tmp)
-                    .await
-                    .map(|stats| (stats, SavedState::File)),
-                Err(e) => Err(e),
-            };
-            (r, ms(t))
-        };
+        let save = save_beside(live, &tmp);
         let (btrfs, (saved, save_ms)) = tokio::join!(btrfs, save);
         let err = match (btrfs, saved) {
             (Ok(b), Ok((s, at))) => {
@@ -305,19 +293,7 @@ impl Runtime {
             times.total_ms = ms(t);
             Ok(times)
         });
-        let save = async {
-            let t = Instant::now();
-            let r = match live.vm.save_device_state_in_memory().await {
-                Ok(Some((bytes, stats))) => Ok((stats, SavedState::Memory(bytes))),
-                Ok(None) => live
-                    .vm
-                    .save_device_state(&tmp)
-                    .await
-                    .map(|stats| (stats, SavedState::File)),
-                Err(e) => Err(e),
-            };
-            (r, ms(t))
-        };
+        let save = save_beside(live, &tmp);
         let (copies, (saved, save_ms)) = tokio::join!(copies, save);
         let err = match (copies, saved) {
             (Ok(c), Ok((s, at))) => {
@@ -514,6 +490,10 @@ impl Runtime {
                 .commit_before_pause
                 .load(Ordering::Relaxed)
                 .then(|| self.pool.clone());
+            let exclusive = match commit {
+                Some(_) => Some(self.commit_gate.write().await),
+                None => None,
+            };
             let flushed = blocking(move || {
                 std::fs::File::open(&mem)
                     .and_then(|f| f.sync_data())
@@ -528,6 +508,7 @@ impl Runtime {
                 Ok(())
             })
             .await;
+            drop(exclusive);
             if let Err(e) = flushed {
                 tracing::debug!(sandbox = %id, error = %e, "pre-flush before snapshot failed");
             }
@@ -536,14 +517,15 @@ impl Runtime {
         }
         // A slot before the guest stops: a queue of snapshots waits here with
         // its guests running, not stopped behind each other's commits.
-        let _slot = if was_running {
+        let slot = if was_running {
             Some(self.pauses.enter().await?)
         } else {
             None
         };
-        // Paused by copies: no commit of ours starts while the guest is
-        // stopped (one in flight is waited for here, the guest running).
-        let shared = if by_copies {
+        // No commit of ours starts while the guest is stopped (one in
+        // flight is waited for here, the guest running); by btrfs snapshot,
+        // the pause's own commit is the only one.
+        let shared = if was_running {
             Some(self.commit_gate.read().await)
         } else {
             None
@@ -631,7 +613,10 @@ impl Runtime {
             phases.cont_ms = ms(t_cont);
         }
         let pause_ms = ms(t0);
+        // The guest runs again: the next snapshot's guest may stop (the
+        // commits below wait for it through the gate).
         drop(shared);
+        drop(slot);
         let (bytes, device_state_ms, btrfs_ms) = result?;
         if by_copies {
             match self.snapshot_after_copies(id.as_str(), &dir, &dst).await {
@@ -902,6 +887,29 @@ impl Runtime {
         })
         .await
     }
+}
+
+/// The device-state save of a pause, beside its pool step: into memory when
+/// the VM saves directly (nothing of the pool is written while the guest is
+/// stopped), else into `tmp`. With its ms.
+async fn save_beside(
+    live: &Live,
+    tmp: &Path,
+) -> (
+    std::result::Result<(strata_vmm::SaveStats, SavedState), strata_vmm::VmmError>,
+    f64,
+) {
+    let t = Instant::now();
+    let r = match live.vm.save_device_state_in_memory().await {
+        Ok(Some((bytes, stats))) => Ok((stats, SavedState::Memory(bytes))),
+        Ok(None) => live
+            .vm
+            .save_device_state(tmp)
+            .await
+            .map(|stats| (stats, SavedState::File)),
+        Err(e) => Err(e),
+    };
+    (r, ms(t))
 }
 
 /// A pause by copies' pool step: in all, the RAM copy's, the disk's (ms).

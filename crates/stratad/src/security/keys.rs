@@ -159,22 +159,39 @@ impl KeyStore {
         check_private(dir, 0o077)?;
         let file = dir.join(MASTER_FILE);
         let rng = SystemRandom::new();
-        let key = match OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&file)
-        {
-            Ok(mut f) => {
-                let mut key = [0u8; MASTER_LEN];
-                rng.fill(&mut key).map_err(|_| KeyError::Random)?;
-                f.write_all(&key).map_err(io(&file))?;
-                f.sync_all().map_err(io(&file))?;
-                key.to_vec()
+        let key = if file.exists() {
+            read_master(&file)?
+        } else {
+            // Written whole under a name of its own, then linked into place:
+            // a daemon starting beside this one (or a crash) never sees a
+            // master key half written. `link` fails if one is there already.
+            let tmp = dir.join(format!(
+                ".{MASTER_FILE}.{}.{}",
+                std::process::id(),
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_nanos())
+                    .unwrap_or_default()
+            ));
+            let mut key = [0u8; MASTER_LEN];
+            rng.fill(&mut key).map_err(|_| KeyError::Random)?;
+            let written = OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&tmp)
+                .and_then(|mut f| {
+                    f.write_all(&key)?;
+                    f.sync_all()
+                })
+                .and_then(|()| fs::hard_link(&tmp, &file));
+            let _ = fs::remove_file(&tmp);
+            match written {
+                Ok(()) => key.to_vec(),
+                // Another daemon (or a test beside this one) made it first.
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => read_master(&file)?,
+                Err(e) => return Err(io(&file)(e)),
             }
-            // Another daemon (or a test beside this one) made it first.
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => read_master(&file)?,
-            Err(e) => return Err(io(&file)(e)),
         };
         check_private(&file, 0o077)?;
         if key.len() != MASTER_LEN {
@@ -375,6 +392,47 @@ mod tests {
                 .unwrap(),
             b"hello"
         );
+    }
+
+    /// Daemons starting at once on a fresh host (two tests' daemons did, in
+    /// CI's first run) all open the same key: none reads a master key the
+    /// other is still writing, and no temporary file is left.
+    #[test]
+    fn daemons_opening_a_new_key_store_at_once_share_one_key() {
+        for _ in 0..20 {
+            let tmp = tempfile::tempdir().unwrap();
+            let dir = tmp.path().join("keys");
+            fs::create_dir(&dir).unwrap();
+            fs::set_permissions(&dir, fs::Permissions::from_mode(0o700)).unwrap();
+            let barrier = std::sync::Arc::new(std::sync::Barrier::new(8));
+            let opened: Vec<_> = (0..8)
+                .map(|_| {
+                    let (d, b) = (dir.clone(), barrier.clone());
+                    std::thread::spawn(move || {
+                        b.wait();
+                        let k = KeyStore::open(&d).map_err(|e| e.to_string())?;
+                        k.sealer(Purpose::SandboxEnv)
+                            .and_then(|s| s.seal("sb-1", b"x"))
+                            .map_err(|e| e.to_string())
+                    })
+                })
+                .collect();
+            let sealed: Vec<String> = opened
+                .into_iter()
+                .map(|t| t.join().unwrap().unwrap())
+                .collect();
+            let k = KeyStore::open(&dir).unwrap();
+            for s in &sealed {
+                assert_eq!(
+                    k.sealer(Purpose::SandboxEnv)
+                        .unwrap()
+                        .open("sb-1", s)
+                        .unwrap(),
+                    b"x"
+                );
+            }
+            assert_eq!(fs::read_dir(&dir).unwrap().count(), 1, "only master.key");
+        }
     }
 
     #[test]
