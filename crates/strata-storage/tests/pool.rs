@@ -27,6 +27,32 @@ fn write_file(path: &Path, mib: u64) {
     f.sync_all().expect("fsync");
 }
 
+/// Creates `path` with `len` bytes and maps it shared and writable, as QEMU
+/// maps its RAM file. The caller unmaps `(ptr, len)` when done.
+fn map_new_file(path: &Path, len: usize) -> (File, *mut libc::c_void) {
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .expect("create the mapped file");
+    f.set_len(len as u64).expect("size");
+    // SAFETY: mapping a file we own of `len` bytes; the caller uses the
+    // pointer only within `len` and unmaps it.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(ptr, libc::MAP_FAILED);
+    (f, ptr)
+}
+
 fn is_mounted(mp: &Path) -> bool {
     let mi = fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
     let mp = mp.to_str().expect("utf8");
@@ -360,26 +386,7 @@ fn snapshot_captures_pages_dirtied_through_a_shared_mapping() {
     let tp = TestPool::new(GIB).expect("pool");
     let sb = tp.create_subvolume("sandboxes/vm").expect("create");
     let len = 64 * MIB as usize;
-    let f = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .open(sb.join("mem"))
-        .expect("mem");
-    f.set_len(len as u64).expect("size");
-    // SAFETY: mapping a file we own of `len` bytes; the pointer is used only within `len`
-    // and unmapped at the end of the test.
-    let ptr = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            f.as_raw_fd(),
-            0,
-        )
-    };
-    assert_ne!(ptr, libc::MAP_FAILED);
+    let (_file, ptr) = map_new_file(&sb.join("mem"), len);
     // SAFETY: `ptr` is a live, writable mapping of `len` bytes.
     let mem = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
     let pages = [0usize, 1, 777, 4096, len / 4096 - 1];
@@ -723,26 +730,7 @@ fn a_copy_caught_up_equals_the_file_and_copies_only_what_changed() {
     let sb = tp.create_subvolume("sandboxes/vm").expect("create");
     let (mem, copy) = (sb.join("mem"), sb.join("mem.copy"));
     let len = 64 * MIB as usize;
-    let f = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .open(&mem)
-        .expect("mem");
-    f.set_len(len as u64).expect("size");
-    // SAFETY: mapping a file we own of `len` bytes; the pointer is used only
-    // within `len` and unmapped at the end of the test.
-    let ptr = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            f.as_raw_fd(),
-            0,
-        )
-    };
-    assert_ne!(ptr, libc::MAP_FAILED);
+    let (f, ptr) = map_new_file(&mem, len);
     // SAFETY: `ptr` maps `len` writable bytes until the munmap below.
     let ram = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
     // A pseudo-random page pattern (xorshift), fixed seed.
