@@ -71,6 +71,8 @@ pub enum Entry {
     Upload {
         /// Chunk queue.
         tx: mpsc::Sender<UploadMsg>,
+        /// The temporary file it writes (removed at once on `write_abort`).
+        tmp: std::path::PathBuf,
     },
     /// A download.
     Download {

@@ -169,21 +169,33 @@ impl Session {
                     Err(f) => return out.error(id, f).await,
                 };
                 let (tx, rx) = mpsc::channel(UPLOAD_QUEUE);
-                let slot = Slot::insert(&self.table, id, epoch, out, Entry::Upload { tx });
+                let entry = Entry::Upload {
+                    tx,
+                    tmp: tmp.clone(),
+                };
+                let slot = Slot::insert(&self.table, id, epoch, out, entry);
                 tokio::spawn(files::upload(dest, tmp, file, mode, rx, slot));
             }
             Request::WriteEnd {} => {
-                if let Some((_, Entry::Upload { tx })) = lock(&self.table).get(&id) {
+                if let Some((_, Entry::Upload { tx, .. })) = lock(&self.table).get(&id) {
                     let _ = tx.try_send(UploadMsg::End);
                 }
             }
             Request::WriteAbort {} => {
                 // Dropping the row's sender ends the upload task once it has
-                // written what was queued: it removes the temporary file (the
-                // path of a host that went away) and frees the slot.
-                let mut t = lock(&self.table);
-                if matches!(t.get(&id), Some((e, Entry::Upload { .. })) if *e == epoch) {
-                    t.remove(&id);
+                // written what was queued, and it frees the slot. The
+                // temporary file goes now, before the next request is read:
+                // a listing the host sends after the abort never sees it.
+                let removed = {
+                    let mut t = lock(&self.table);
+                    if matches!(t.get(&id), Some((e, Entry::Upload { .. })) if *e == epoch) {
+                        t.remove(&id)
+                    } else {
+                        None
+                    }
+                };
+                if let Some((_, Entry::Upload { tmp, .. })) = removed {
+                    let _ = std::fs::remove_file(&tmp);
                 }
             }
             Request::ReadFile { path } => {

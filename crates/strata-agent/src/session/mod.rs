@@ -340,7 +340,7 @@ impl Session {
                     let _ = tx.send(f.payload);
                     false
                 }
-                (FrameKind::FileData, Entry::Upload { tx }) => {
+                (FrameKind::FileData, Entry::Upload { tx, .. }) => {
                     let full = tx.try_send(UploadMsg::Data(f.payload)).is_err();
                     if full {
                         table.remove(&f.id);
