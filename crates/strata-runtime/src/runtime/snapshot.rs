@@ -161,13 +161,13 @@ impl Runtime {
     /// host that snapshots 20 guests a minute pause them 8 ms at first and
     /// 148 ms (p50) two hours later (docs/bench/soak.md).
     ///
-    /// By copies, `mem` is reflinked into the subvolume's `.pause/` before
-    /// the pause (after a write-back and a commit: the copy's mark), and the
-    /// guest is stopped for its device-state save beside the copy's catch-up
-    /// (only the ranges written since the mark: `strata_storage::catchup`)
-    /// and a whole reflink of `disk.img` (QEMU punches holes into it, which
-    /// a catch-up cannot see). Reflinks add extents to the running
-    /// transaction without committing it. After `cont` the
+    /// By copies, `mem` and `disk.img` are reflinked into the subvolume's
+    /// `.pause/` before the pause (after a write-back and a commit: the
+    /// copies' mark), and the guest is stopped for its device-state save
+    /// beside the copies' catch-ups (only the ranges written since the
+    /// mark; a disk range QEMU punched meanwhile makes the disk's copy
+    /// whole: `strata_storage::catchup`). Reflinks add extents to the
+    /// running transaction without committing it. After `cont` the
     /// subvolume is snapshotted as before and the copies are cloned over the
     /// snapshot's `mem` and `disk.img` (same inodes: incremental sends still
     /// compare trees), so a snapshot's layout is unchanged and every older
