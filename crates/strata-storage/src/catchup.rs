@@ -28,7 +28,7 @@
 //! bytes exactly when the file lost some. Then the copy is reflinked whole
 //! over ([`CatchUp::whole`]). A file whose size changed is refused.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::mem::size_of;
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::MetadataExt;
@@ -131,11 +131,7 @@ pub fn catch_up(src: &Path, dst: &Path, mark: Mark) -> Result<CatchUp> {
             ),
         });
     }
-    let d = OpenOptions::new()
-        .write(true)
-        .custom_flags_cloexec()
-        .open(dst)
-        .map_err(|e| StorageError::io("open", dst, e))?;
+    let d = subvol::open_existing_for_clone(dst)?;
     write_back(&s, src)?;
     let tree = subvol::subvolume_id(src)?;
     let ranges = changed_ranges(&s, src, tree, md.ino(), mark.since)?;
@@ -166,9 +162,7 @@ pub fn catch_up(src: &Path, dst: &Path, mark: Mark) -> Result<CatchUp> {
     };
     if referenced(&d, dst)? != referenced(&s, src)? {
         // Ranges were removed from `src` since the copy began.
-        // SAFETY: FICLONE takes the source descriptor by value; `s` stays open.
-        unsafe { ioctl::ioctl_val(d.as_fd(), ioctl::FICLONE, s.as_raw_fd() as _) }
-            .map_err(|e| StorageError::io("reflink", dst, e))?;
+        subvol::ficlone(&s, &d, dst)?;
         done.whole = true;
     }
     Ok(done)
@@ -292,17 +286,6 @@ fn bad(path: &Path, what: &str) -> StorageError {
         path,
         std::io::Error::new(std::io::ErrorKind::InvalidData, format!("truncated {what}")),
     )
-}
-
-trait CloexecExt {
-    fn custom_flags_cloexec(&mut self) -> &mut Self;
-}
-
-impl CloexecExt for OpenOptions {
-    fn custom_flags_cloexec(&mut self) -> &mut Self {
-        use std::os::unix::fs::OpenOptionsExt;
-        self.custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
-    }
 }
 
 #[cfg(test)]

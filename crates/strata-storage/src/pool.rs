@@ -288,14 +288,12 @@ impl Pool {
             match subvol::delete_subvolume(&p) {
                 Ok(()) => return Ok(()),
                 // Nested subvolumes inside, or a caller not allowed to destroy a
-                // read-only subvolume: through the trash, as before.
+                // read-only subvolume: made writable and through the trash, as before.
                 Err(e) => {
                     tracing::debug!(path = %p.display(), error = %e, "destroying a read-only subvolume in place failed; trashing it");
+                    subvol::set_readonly(&p, false)?;
                 }
             }
-        }
-        if was_ro {
-            subvol::set_readonly(&p, false)?;
         }
         if let Err(e) = std::fs::rename(&p, &target) {
             if was_ro {

@@ -180,14 +180,7 @@ pub fn subvolume_id(path: &Path) -> Result<u64> {
 /// Creates `dst` as a copy of regular file `src` that shares all its extents (`FICLONE`).
 /// `dst` must not exist; on error it is removed again.
 pub fn reflink_file(src: &Path, dst: &Path) -> Result<()> {
-    let s = File::open(src).map_err(|e| StorageError::io("open", src, e))?;
-    let md = s.metadata().map_err(|e| StorageError::io("stat", src, e))?;
-    if !md.is_file() {
-        return Err(StorageError::InvalidArgument {
-            what: src.display().to_string(),
-            reason: "not a regular file".into(),
-        });
-    }
+    let (s, md) = open_regular(src)?;
     let d = OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -195,18 +188,10 @@ pub fn reflink_file(src: &Path, dst: &Path) -> Result<()> {
         .custom_flags(libc::O_CLOEXEC)
         .open(dst)
         .map_err(|e| StorageError::io("create", dst, e))?;
-    // SAFETY: FICLONE takes the source descriptor by value; `s` stays open for the call.
-    let r = unsafe {
-        ioctl::ioctl_val(
-            d.as_fd(),
-            ioctl::FICLONE,
-            std::os::fd::AsRawFd::as_raw_fd(&s) as _,
-        )
-    };
-    if let Err(e) = r {
+    if let Err(e) = ficlone(&s, &d, dst) {
         drop(d);
         let _ = std::fs::remove_file(dst);
-        return Err(StorageError::io("reflink", dst, e));
+        return Err(e);
     }
     Ok(())
 }
@@ -215,31 +200,45 @@ pub fn reflink_file(src: &Path, dst: &Path) -> Result<()> {
 /// (`FICLONE` onto it): `dst` keeps its inode (and so its identity for an
 /// incremental send) and takes `src`'s contents and size.
 pub fn reflink_over(src: &Path, dst: &Path) -> Result<()> {
-    let s = File::open(src).map_err(|e| StorageError::io("open", src, e))?;
-    if !s
+    let (s, _) = open_regular(src)?;
+    ficlone(&s, &open_existing_for_clone(dst)?, dst)
+}
+
+/// Opens `path` for reading, refusing anything but a regular file.
+fn open_regular(path: &Path) -> Result<(File, std::fs::Metadata)> {
+    let f = File::open(path).map_err(|e| StorageError::io("open", path, e))?;
+    let md = f
         .metadata()
-        .map_err(|e| StorageError::io("stat", src, e))?
-        .is_file()
-    {
+        .map_err(|e| StorageError::io("stat", path, e))?;
+    if !md.is_file() {
         return Err(StorageError::InvalidArgument {
-            what: src.display().to_string(),
+            what: path.display().to_string(),
             reason: "not a regular file".into(),
         });
     }
-    let d = OpenOptions::new()
+    Ok((f, md))
+}
+
+/// Opens existing file `path` to be cloned onto (not through a symlink).
+pub(crate) fn open_existing_for_clone(path: &Path) -> Result<File> {
+    OpenOptions::new()
         .write(true)
         .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
-        .open(dst)
-        .map_err(|e| StorageError::io("open", dst, e))?;
-    // SAFETY: FICLONE takes the source descriptor by value; `s` stays open for the call.
+        .open(path)
+        .map_err(|e| StorageError::io("open", path, e))
+}
+
+/// `FICLONE`: `dst` (the file at `dst_path`) shares all of `src`'s extents.
+pub(crate) fn ficlone(src: &File, dst: &File, dst_path: &Path) -> Result<()> {
+    // SAFETY: FICLONE takes the source descriptor by value; `src` stays open for the call.
     unsafe {
         ioctl::ioctl_val(
-            d.as_fd(),
+            dst.as_fd(),
             ioctl::FICLONE,
-            std::os::fd::AsRawFd::as_raw_fd(&s) as _,
+            std::os::fd::AsRawFd::as_raw_fd(src) as _,
         )
     }
-    .map_err(|e| StorageError::io("reflink", dst, e))?;
+    .map_err(|e| StorageError::io("reflink", dst_path, e))?;
     Ok(())
 }
 
