@@ -246,7 +246,7 @@ impl Runtime {
     /// device state saved (as in [`Runtime::state_beside_btrfs`]) while the
     /// guest's files are reflinked into `dir/.pause/`, which exists and is
     /// empty. The copies' ms, the save's ms, its figures and where the state
-    /// is; on failure the copies are removed.
+    /// is. On failure the caller's `CopiesGuard` removes the copies.
     async fn state_beside_copies(
         &self,
         id: &str,
@@ -303,15 +303,16 @@ impl Runtime {
             (Err(e), _) => e,
             (Ok(_), Err(e)) => vmm_err(id, e),
         };
+        // The copies go with the caller's `CopiesGuard`.
         let _ = std::fs::remove_file(&tmp);
-        remove_copies(dir);
         Err(err)
     }
 
     /// After a pause by copies: snapshots `dir` into `dst` (with the btrfs
     /// commit, the guest running) and puts the copies over the snapshot's
     /// files. The copies are gone from `dir` either way; on failure nothing
-    /// is left at `dst`.
+    /// is left at `dst` (the caller's `CopiesGuard` removes the copies if
+    /// this fails before it did).
     async fn snapshot_after_copies(&self, id: &str, dir: &Path, dst: &Path) -> Result<f64> {
         let t = Instant::now();
         let (pool, src, d) = (self.pool.clone(), dir.to_path_buf(), dst.to_path_buf());
@@ -333,7 +334,6 @@ impl Runtime {
             .await
         };
         if let Err(e) = made {
-            remove_copies(dir);
             if dst.exists() {
                 self.discard_unlisted(id, dst, "a snapshot whose copies were not put in place")
                     .await;
@@ -428,14 +428,10 @@ impl Runtime {
         let _copies = by_copies.then(|| CopiesGuard(dir.clone()));
         if by_copies {
             // The copies' directory, empty (a crash may have left one).
-            let copies = dir.join(PAUSE_COPIES);
+            let d = dir.clone();
             blocking(move || {
-                match std::fs::remove_dir_all(&copies) {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                    Err(e) => return Err(io_err("remove a pause's leftover copies", e)),
-                }
-                std::fs::create_dir(&copies)
+                remove_copies(&d);
+                std::fs::create_dir(d.join(PAUSE_COPIES))
                     .map_err(|e| io_err("create the pause's copies directory", e))
             })
             .await?;
@@ -464,16 +460,17 @@ impl Runtime {
                 })
                 .await
             };
-            match begun {
-                Ok(m) if m.len() == 2 => marks = Some([m[0], m[1]]),
-                other => {
-                    // Copied whole in the pause instead.
-                    if let Err(e) = other {
-                        tracing::warn!(sandbox = %id, error = %e, "copying guest RAM and disk before the pause failed");
-                    }
-                    for f in PAUSE_COPIED {
-                        let _ = std::fs::remove_file(dir.join(PAUSE_COPIES).join(f));
-                    }
+            marks = match begun {
+                Ok(m) => <[_; 2]>::try_from(m).ok(),
+                Err(e) => {
+                    tracing::warn!(sandbox = %id, error = %e, "copying guest RAM and disk before the pause failed");
+                    None
+                }
+            };
+            if marks.is_none() {
+                // Copied whole in the pause instead.
+                for f in PAUSE_COPIED {
+                    let _ = std::fs::remove_file(dir.join(PAUSE_COPIES).join(f));
                 }
             }
             phases.before_pause_ms = ms(pre);
@@ -490,9 +487,10 @@ impl Runtime {
                 .commit_before_pause
                 .load(Ordering::Relaxed)
                 .then(|| self.pool.clone());
-            let exclusive = match commit {
-                Some(_) => Some(self.commit_gate.write().await),
-                None => None,
+            let exclusive = if commit.is_some() {
+                Some(self.commit_gate.write().await)
+            } else {
+                None
             };
             let flushed = blocking(move || {
                 std::fs::File::open(&mem)
@@ -605,7 +603,6 @@ impl Runtime {
                         .await;
                     if by_copies {
                         let _ = std::fs::remove_file(dir.join(STATE_TMP));
-                        remove_copies(&dir);
                     }
                     return Err(vmm_err(id.as_str(), e));
                 }
