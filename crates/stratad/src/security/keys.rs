@@ -26,9 +26,9 @@
 //! system random generator.
 
 use std::fmt;
-use std::fs::{self, OpenOptions};
+use std::fs;
 use std::io::{Read, Write};
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
@@ -162,30 +162,18 @@ impl KeyStore {
         let key = if file.exists() {
             read_master(&file)?
         } else {
-            // Written whole under a name of its own, then linked into place:
-            // a daemon starting beside this one (or a crash) never sees a
-            // master key half written. `link` fails if one is there already.
-            let tmp = dir.join(format!(
-                ".{MASTER_FILE}.{}.{}",
-                std::process::id(),
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map(|d| d.as_nanos())
-                    .unwrap_or_default()
-            ));
+            // Written whole under a name of its own (0600), then moved into
+            // place only if no key is there yet: a daemon starting beside
+            // this one (or a crash) never sees a master key half written.
             let mut key = [0u8; MASTER_LEN];
             rng.fill(&mut key).map_err(|_| KeyError::Random)?;
-            let written = OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .open(&tmp)
+            let written = tempfile::NamedTempFile::new_in(dir)
                 .and_then(|mut f| {
                     f.write_all(&key)?;
-                    f.sync_all()
+                    f.as_file().sync_all()?;
+                    Ok(f)
                 })
-                .and_then(|()| fs::hard_link(&tmp, &file));
-            let _ = fs::remove_file(&tmp);
+                .and_then(|f| f.persist_noclobber(&file).map(drop).map_err(|e| e.error));
             match written {
                 Ok(()) => key.to_vec(),
                 // Another daemon (or a test beside this one) made it first.
