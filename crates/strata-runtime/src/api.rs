@@ -293,9 +293,16 @@ pub struct PausePhases {
     /// whole reflink when it could not be begun before the pause).
     #[serde(default)]
     pub copy_mem_ms: f64,
-    /// Paused by copies, inside `btrfs_ms`: the disk image's whole reflink.
+    /// Paused by copies, inside `btrfs_ms`: the disk image's catch-up (or
+    /// its whole reflink).
     #[serde(default)]
     pub copy_disk_ms: f64,
+    /// Paused by copies, the copies being the snapshot's own files
+    /// (`Runtime::set_copies_into_snapshot`): the btrfs snapshot was made
+    /// before the pause (in `before_pause_ms`) and nothing after `cont`
+    /// but signing.
+    #[serde(default)]
+    pub copies_into_snapshot: bool,
 }
 
 /// Space used by a snapshot.

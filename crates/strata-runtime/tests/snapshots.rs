@@ -71,11 +71,14 @@ fn process_keeps_counting_across_snapshot_and_fork() {
             "snapshot pause {:.1} ms, device state {} B",
             info.pause_ms, info.device_state_bytes
         );
-        // Paused by copies (the default): the snapshot's layout is as a
+        // Paused by copies into the snapshot (the default): the snapshot is
+        // made before the pause and caught up in it; its layout is as a
         // btrfs snapshot under the pause made it (the same files, the same
         // inodes), read-only, and no copies are left anywhere.
         assert!(info.phases.copies_in_pause, "{:?}", info.phases);
-        assert!(info.phases.after_pause_ms > 0.0, "{:?}", info.phases);
+        assert!(info.phases.copies_into_snapshot, "{:?}", info.phases);
+        assert!(info.phases.before_pause_ms > 0.0, "{:?}", info.phases);
+        assert_eq!(info.phases.after_pause_ms, 0.0, "{:?}", info.phases);
         let (sdir, ddir) = (
             f.rt.pool().sandboxes_dir().join(a.as_str()),
             f.rt.pool().snapshots_dir().join(snap.as_str()),
@@ -781,11 +784,21 @@ fn a_snapshot_whose_vm_dies_before_it_resumes_leaves_no_subvolume() {
         // the disk's copy exists, at once (the pause itself fails) or a few
         // milliseconds later (in the pause or just before it: the attempt
         // number sets the delay).
-        for (copies, trigger) in [(true, "disk.img"), (true, "mem"), (false, "")] {
+        // Into the snapshot (the default), the snapshot's subvolume exists
+        // before the pause: the VM is killed once it appears, at once or a
+        // few milliseconds later (before, in or after the pause's stop).
+        for (copies, into, trigger) in [
+            (true, true, "snapshot"),
+            (true, false, "disk.img"),
+            (true, false, "mem"),
+            (false, false, ""),
+        ] {
             f.rt.set_copies_in_pause(copies);
-            killed_before_resume(f, copies, trigger).await;
+            f.rt.set_copies_into_snapshot(into);
+            killed_before_resume(f, copies && !into, trigger).await;
         }
         f.rt.set_copies_in_pause(true);
+        f.rt.set_copies_into_snapshot(true);
     });
 }
 
@@ -807,7 +820,7 @@ async fn killed_before_resume(f: &TestRuntime, copies: bool, copy: &str) {
             } else {
                 path.clone()
             };
-            let delay_ms = if copy == "disk.img" {
+            let delay_ms = if copy == "disk.img" || copy == "snapshot" {
                 attempt as u64 * 2
             } else {
                 0

@@ -116,6 +116,45 @@ pub fn begin_all(pool_root: &Path, files: &[(&Path, &Path)]) -> Result<Vec<Mark>
     Ok(marks)
 }
 
+/// Step 1 with a snapshot for the copies: writes back each of `names` in
+/// subvolume `src`, then snapshots `src` to `dst` (writable). The snapshot's
+/// files are the copies, to catch up from `src`'s with the marks returned (in
+/// the order of `names`); the snapshot's own commit is the mark (its
+/// `otransid`: every extent item written in it or before is in the
+/// snapshot, and a write after it lands in a later transaction).
+///
+/// Unlike [`begin_all`], no file is reflinked whole: the snapshot shares the
+/// subvolume's tree, so this costs one commit whatever the files' extents,
+/// and the catch-up's clones touch only the snapshot's leaves that changed.
+pub fn begin_snapshot(src: &Path, dst: &Path, names: &[&str]) -> Result<Vec<Mark>> {
+    for name in names {
+        let p = src.join(name);
+        let f = File::open(&p).map_err(|e| StorageError::io("open", &p, e))?;
+        write_back(&f, &p)?;
+    }
+    subvol::snapshot(src, dst, false)?;
+    let made = crate::send::subvol_info(dst)?.otransid;
+    if made == 0 {
+        return Err(StorageError::InvalidArgument {
+            what: dst.display().to_string(),
+            reason: "the snapshot reports no creating transaction".into(),
+        });
+    }
+    names
+        .iter()
+        .map(|name| {
+            let copy = dst.join(name);
+            let len = std::fs::metadata(&copy)
+                .map_err(|e| StorageError::io("stat", &copy, e))?
+                .len();
+            Ok(Mark {
+                since: made + 1,
+                len,
+            })
+        })
+        .collect()
+}
+
 /// Step 2: brings `dst`, made by [`begin`] with `mark`, up to `src` as it is
 /// now: writes `src` back and reflinks over `dst` every range written since.
 pub fn catch_up(src: &Path, dst: &Path, mark: Mark) -> Result<CatchUp> {

@@ -156,6 +156,9 @@ pub struct SubvolInfo {
     pub readonly: bool,
     /// Its generation (transaction id of its last change).
     pub generation: u64,
+    /// The transaction it was created in (a snapshot: the one whose commit
+    /// made it).
+    pub otransid: u64,
 }
 
 impl SubvolInfo {
@@ -279,6 +282,7 @@ pub fn subvol_info(path: &Path) -> Result<SubvolInfo, StorageError> {
         // `BTRFS_ROOT_SUBVOL_RDONLY` of the root item (not the ioctl flag).
         readonly: args.flags & 1 != 0,
         generation: args.generation,
+        otransid: args.otransid,
     })
 }
 

@@ -823,3 +823,97 @@ fn a_copy_caught_up_equals_the_file_and_copies_only_what_changed() {
         Err(StorageError::InvalidArgument { .. })
     ));
 }
+
+/// The copies made by a snapshot of the subvolume (`catchup::begin_snapshot`):
+/// after writes through the mapping and `pwrite`, the snapshot's file caught
+/// up equals the file, only what changed is cloned, the snapshot stays a
+/// snapshot of the subvolume (its parent UUID), and its other files keep
+/// their state of the snapshot's time. A punched hole makes it whole.
+#[test]
+fn a_snapshot_caught_up_equals_the_file_and_keeps_its_lineage() {
+    use strata_storage::catchup;
+    let tp = TestPool::new(GIB).expect("pool");
+    let sb = tp.create_subvolume("sandboxes/vm").expect("create");
+    fs::create_dir_all(tp.root().join("snapshots")).expect("snapshots dir");
+    let mem = sb.join("mem");
+    let len = 64 * MIB as usize;
+    let (f, ptr) = map_new_file(&mem, len);
+    // SAFETY: `ptr` maps `len` writable bytes until the munmap below.
+    let ram = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let pages = len / 4096;
+    for _ in 0..pages / 2 {
+        let p = (next() as usize) % pages;
+        ram[p * 4096..p * 4096 + 8].copy_from_slice(&next().to_le_bytes());
+    }
+    let parent = strata_storage::send::subvol_info(&sb).expect("info").uuid;
+    for round in 0..3 {
+        fs::write(sb.join("meta"), format!("before {round}")).expect("meta");
+        let snap = tp.root().join(format!("snapshots/s{round}"));
+        let marks = catchup::begin_snapshot(&sb, &snap, &["mem"]).expect("begin");
+        let info = strata_storage::send::subvol_info(&snap).expect("snap info");
+        assert_eq!(
+            info.parent_uuid,
+            Some(parent),
+            "a snapshot of the subvolume"
+        );
+        assert!(!info.readonly);
+        fs::write(sb.join("meta"), format!("after {round}")).expect("meta");
+        let mut changed = 0u64;
+        for _ in 0..40 {
+            let p = (next() as usize) % pages;
+            ram[p * 4096 + 100..p * 4096 + 108].copy_from_slice(&next().to_le_bytes());
+            changed += 4096;
+        }
+        {
+            use std::os::unix::fs::FileExt;
+            f.write_at(&next().to_le_bytes(), (next() % (len as u64 - 8)) & !7)
+                .expect("pwrite");
+        }
+        if round == 1 {
+            subvol::sync_fs(tp.root()).expect("sync");
+        }
+        let done = catchup::catch_up(&mem, &snap.join("mem"), marks[0]).expect("catch up");
+        assert_eq!(
+            fs::read(snap.join("mem")).expect("read snapshot's mem"),
+            fs::read(&mem).expect("read mem"),
+            "round {round}: the snapshot's RAM differs from the file"
+        );
+        assert!(done.ranges > 0 && !done.whole, "round {round}: {done:?}");
+        assert!(
+            done.bytes <= 64 * changed + 8 * MIB,
+            "round {round}: caught up {done:?} for {changed} bytes changed"
+        );
+        assert_eq!(
+            fs::read_to_string(snap.join("meta")).expect("meta"),
+            format!("before {round}"),
+            "the snapshot's other files are of its own time"
+        );
+    }
+    let snap = tp.root().join("snapshots/holes");
+    let marks = catchup::begin_snapshot(&sb, &snap, &["mem"]).expect("begin");
+    // SAFETY: `f` is open for writing; the range lies inside the file.
+    let r = unsafe {
+        libc::fallocate(
+            f.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            16 * MIB as i64,
+            MIB as i64,
+        )
+    };
+    assert_eq!(r, 0, "punch hole");
+    let done = catchup::catch_up(&mem, &snap.join("mem"), marks[0]).expect("catch up");
+    assert!(done.whole, "{done:?}");
+    assert_eq!(
+        fs::read(snap.join("mem")).expect("read"),
+        fs::read(&mem).expect("read mem")
+    );
+    // SAFETY: unmapping the mapping made above, not used after this.
+    unsafe { libc::munmap(ptr, len) };
+}

@@ -175,6 +175,15 @@ struct Variant {
     port_open: Samples,
     hellos: Vec<u32>,
     cued: Vec<u32>,
+    /// The host's part: the call until the vCPUs run (`cont` answered).
+    host: Samples,
+    /// The guest's part: vCPUs running until the first exec is answered
+    /// (Hello, restore sync, session, the exec).
+    guest: Samples,
+    /// A second `exec true` right after the first, in the same guest: the
+    /// same request once the guest's code paths have run (under TCG: are
+    /// translated).
+    warm_exec: Samples,
 }
 
 impl Variant {
@@ -182,6 +191,9 @@ impl Variant {
         self.total.push(total);
         self.ready.push(ready);
         let Some(tl) = tl else { return };
+        let running = tl.running_ms.or(tl.incoming_ms).unwrap_or(tl.assembled_ms);
+        self.host.push(running);
+        self.guest.push(total - running);
         let d = step_durations(&tl, total);
         if self.steps.is_empty() {
             self.steps = vec![Samples::new(); d.len()];
@@ -202,6 +214,7 @@ impl Variant {
             "steps_ms": STEPS.iter().zip(&self.steps).map(|(n, s)| json!({"step": n, "ms": s.0})).collect::<Vec<_>>(),
             "port_open_after_cont_ms": self.port_open.0,
             "hellos": self.hellos, "hellos_cued": self.cued,
+            "host_ms": self.host.0, "guest_ms": self.guest.0, "warm_exec_ms": self.warm_exec.0,
             "summary": self.total.summary(),
         })
     }
@@ -223,6 +236,8 @@ async fn fork_once(
         .with_context(|| format!("fork run {run}"))?;
     let total = first_exec(rt, &id, t0).await?;
     into.push(total, vm.ready_ms, rt.start_timeline(&id));
+    into.warm_exec
+        .push(first_exec(rt, &id, Instant::now()).await?);
     if let Some(token) = check {
         expect_marker(rt, &id, token, "fork").await?;
     }
@@ -252,6 +267,8 @@ async fn wake_once(
         .with_context(|| format!("wake run {run}"))?;
     let total = first_exec(rt, src, t0).await?;
     into.push(total, vm.ready_ms, rt.start_timeline(src));
+    into.warm_exec
+        .push(first_exec(rt, src, Instant::now()).await?);
     if let Some(token) = check {
         expect_marker(rt, src, token, "wake").await?;
     }
@@ -260,6 +277,9 @@ async fn wake_once(
         .context("delete the hibernation snapshot")?;
     Ok(())
 }
+
+/// Which of a [`Variant`]'s samples a row shows.
+type Pick = fn(&Variant) -> &Samples;
 
 /// The before → after table of fork and wake, and the breakdown of where
 /// each step's time goes.
@@ -333,6 +353,27 @@ fn ab_tables(sec: &mut Section, paths: &[(&str, &Variant, &Variant)]) {
         }
     }
     b.row(row);
+    let split: [(&str, Pick); 3] = [
+        (
+            "host's part: call → vCPUs running (`cont` answered)",
+            |v| &v.host,
+        ),
+        ("guest's part: vCPUs running → first exec answered", |v| {
+            &v.guest
+        }),
+        ("(beside) a second exec `true` right after the first", |v| {
+            &v.warm_exec
+        }),
+    ];
+    for (name, pick) in split {
+        let mut row = vec![name.to_string()];
+        for (_, before, after) in paths {
+            for v in [before, after] {
+                row.push(cell(pick(v)));
+            }
+        }
+        b.row(row);
+    }
     sec.table(b);
 }
 

@@ -114,12 +114,15 @@ pub struct Args {
     /// written to the pool after `cont`), `migrate` (before: a
     /// migration; now: the direct save) or `copies` (before: the btrfs
     /// snapshot under the pause; now: reflink copies under the pause, the
-    /// btrfs snapshot after `cont`: `Runtime::set_copies_in_pause`).
+    /// btrfs snapshot after `cont`: `Runtime::set_copies_in_pause`) or
+    /// `into-snapshot` (before: copies in the subvolume's `.pause/`, the
+    /// snapshot after `cont`; now: the snapshot before the pause, its files
+    /// caught up in it: `Runtime::set_copies_into_snapshot`).
     #[arg(
         id = "snapshot-ab-kind",
         long = "snapshot-ab-kind",
         default_value = "memory",
-        value_parser = ["memory", "migrate", "copies"]
+        value_parser = ["memory", "migrate", "copies", "into-snapshot"]
     )]
     pub ab_kind: String,
 }
@@ -131,6 +134,8 @@ impl Args {
             ("migrate", "direct")
         } else if self.ab_kind == "copies" {
             ("btrfs snapshot in the pause", "copies in the pause")
+        } else if self.ab_kind == "into-snapshot" {
+            ("copies in .pause/", "copies into the snapshot")
         } else {
             ("direct to a pool file", "direct into memory")
         }
@@ -140,6 +145,8 @@ impl Args {
     fn ab_arm(&self, rt: &strata_runtime::Runtime, now: bool) {
         if self.ab_kind == "copies" {
             rt.set_copies_in_pause(now);
+        } else if self.ab_kind == "into-snapshot" {
+            rt.set_copies_into_snapshot(now);
         } else if self.ab_kind == "migrate" {
             strata_vmm::qemu::set_direct_save(now);
         } else {
@@ -150,6 +157,7 @@ impl Args {
     /// Back to the defaults after an A/B snapshot.
     fn ab_reset(&self, rt: &strata_runtime::Runtime) {
         rt.set_copies_in_pause(true);
+        rt.set_copies_into_snapshot(true);
         strata_vmm::qemu::set_direct_save(true);
         strata_vmm::qemu::set_save_in_memory(true);
     }

@@ -76,6 +76,17 @@ pub struct Args {
         action = clap::ArgAction::Set
     )]
     pub copies_in_pause: bool,
+    /// Paused by copies, the copies are the snapshot's own files, the
+    /// snapshot made before the pause (the default; `false` for copies in
+    /// the subvolume's `.pause/` and the snapshot after `cont`:
+    /// `Runtime::set_copies_into_snapshot`).
+    #[arg(
+        id = "soak-copies-into-snapshot",
+        long = "soak-copies-into-snapshot",
+        default_value_t = true,
+        action = clap::ArgAction::Set
+    )]
+    pub copies_into_snapshot: bool,
     /// Divides the default retention's times by this (1: the default
     /// retention). With `--soak-interval` shortened by the same factor, a
     /// short run goes through the default retention's shape: retention
@@ -282,6 +293,7 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
     .await?;
     d.rt.set_commit_before_pause(args.commit_before_pause);
     d.rt.set_copies_in_pause(args.copies_in_pause);
+    d.rt.set_copies_into_snapshot(args.copies_into_snapshot);
     let pool = d.root.join("data").join("pool");
     let mut ids = Vec::new();
     for i in 0..args.n {
@@ -461,9 +473,14 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
          is off and admission is nominal, so the host's other load cannot hibernate the soak's guests. Bar \
          (issue 18): the last window's pause p99 within 1.2× of the first's.",
     );
-    sec.text(if args.copies_in_pause {
-        "Paused by copies (`--soak-copies-in-pause`, the default): the pool step in the pause is the reflink \
-         copies of RAM and disk; the btrfs snapshot and its commit come after `cont` (\"after the pause\"), and \
+    sec.text(if args.copies_in_pause && args.copies_into_snapshot {
+        "Paused by copies into the snapshot (`--soak-copies-into-snapshot`, the default): the subvolume is \
+         snapshotted before the pause (\"before the pause\"), and in the pause the snapshot's RAM and disk are \
+         caught up to the guest's; after `cont` only the device state is put in place and the snapshot signed."
+            .to_string()
+    } else if args.copies_in_pause {
+        "Paused by copies in `.pause/` (`--soak-copies-into-snapshot false`): the pool step in the pause is the \
+         catch-up of reflink copies of RAM and disk made before it; the btrfs snapshot and its commit come after `cont` (\"after the pause\"), and \
          no commit of the daemon's runs beside a pause."
             .to_string()
     } else {

@@ -92,6 +92,8 @@ pub struct Runtime {
     commit_before_pause: std::sync::atomic::AtomicBool,
     /// See [`Runtime::set_copies_in_pause`].
     copies_in_pause: std::sync::atomic::AtomicBool,
+    /// See [`Runtime::set_copies_into_snapshot`].
+    copies_into_snapshot: std::sync::atomic::AtomicBool,
     /// Pauses by copies hold it shared while a guest is stopped; the btrfs
     /// commits a snapshot makes after `cont` hold it exclusively, so no
     /// commit of ours runs beside a pause ([`Runtime::set_copies_in_pause`]).
@@ -299,6 +301,7 @@ impl Runtime {
             overlap_save: std::sync::atomic::AtomicBool::new(true),
             commit_before_pause: std::sync::atomic::AtomicBool::new(true),
             copies_in_pause: std::sync::atomic::AtomicBool::new(true),
+            copies_into_snapshot: std::sync::atomic::AtomicBool::new(true),
             commit_gate: tokio::sync::RwLock::new(()),
             call_weight: std::sync::atomic::AtomicU32::new(boost::CALL_CPU_WEIGHT),
         }))

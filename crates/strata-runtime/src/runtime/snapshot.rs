@@ -181,6 +181,25 @@ impl Runtime {
         self.copies_in_pause.store(on, Ordering::Relaxed);
     }
 
+    /// Paused by copies ([`Runtime::set_copies_in_pause`]), whether the
+    /// copies are the snapshot's own files (on by default): the subvolume is
+    /// snapshotted before the pause (its RAM and disk written back first;
+    /// the snapshot's commit is the copies' mark) and, in the pause, the
+    /// snapshot's `mem` and `disk.img` are caught up to the stopped guest's
+    /// (`strata_storage::catchup::begin_snapshot`). After `cont` only the
+    /// device state is put in place and the snapshot signed.
+    ///
+    /// Off: copies in the subvolume's `.pause/`, the snapshot made after
+    /// `cont` and the copies cloned over its files. That costs three
+    /// whole-file reflinks and their removal per snapshot, each in proportion
+    /// to the files' extents (thousands once a RAM file is fragmented), and
+    /// a second commit; on a pool snapshotting 20 guests a minute that work
+    /// grew with the history until the commits it made slowed the pauses'
+    /// catch-ups (docs/bench/soak.md). Kept for A/B runs.
+    pub fn set_copies_into_snapshot(&self, on: bool) {
+        self.copies_into_snapshot.store(on, Ordering::Relaxed);
+    }
+
     /// Writes the device state of a paused VM into `dir/device.state` (atomically).
     pub(super) async fn save_state(
         &self,
@@ -252,16 +271,17 @@ impl Runtime {
         id: &str,
         live: &Live,
         dir: &Path,
+        to: &Path,
         marks: Option<[strata_storage::catchup::Mark; 2]>,
     ) -> Result<(CopyTimes, f64, strata_vmm::SaveStats, SavedState)> {
         let tmp = dir.join(STATE_TMP);
         let pool = self.pool.clone();
         let src = dir.to_path_buf();
+        let to = to.to_path_buf();
         let sandbox = id.to_owned();
         let copies = blocking(move || {
             let t = Instant::now();
             let mut times = CopyTimes::default();
-            let to = src.join(PAUSE_COPIES);
             for (i, f) in PAUSE_COPIED.into_iter().enumerate() {
                 let tf = Instant::now();
                 let from = src.join(f);
@@ -274,7 +294,6 @@ impl Runtime {
                             }
                             Err(e) => {
                                 tracing::warn!(sandbox = %sandbox, file = f, error = %e, "catching up a copy failed; copying it whole");
-                                let _ = std::fs::remove_file(to.join(f));
                                 false
                             }
                         }
@@ -282,7 +301,12 @@ impl Runtime {
                     None => false,
                 };
                 if !caught_up && from.exists() {
-                    pool.reflink_file(&from, to.join(f)).map_err(storage_err)?;
+                    let copy = to.join(f);
+                    if copy.exists() {
+                        pool.reflink_over(&from, &copy).map_err(storage_err)?;
+                    } else {
+                        pool.reflink_file(&from, &copy).map_err(storage_err)?;
+                    }
                 }
                 if f == files::MEM {
                     times.mem_ms = ms(tf);
@@ -422,11 +446,45 @@ impl Runtime {
         }
         let mut phases = PausePhases::default();
         let by_copies = was_running && self.copies_in_pause.load(Ordering::Relaxed);
+        let into_snapshot = by_copies && self.copies_into_snapshot.load(Ordering::Relaxed);
         phases.copies_in_pause = by_copies;
+        phases.copies_into_snapshot = into_snapshot;
         let mut marks = None;
-        // Whatever way this returns, no copies stay behind in the sandbox.
-        let _copies = by_copies.then(|| CopiesGuard(dir.clone()));
-        if by_copies {
+        // Whatever way this returns, no copies stay behind in the sandbox,
+        // and a snapshot begun before the pause is not left unlisted.
+        let _copies = (by_copies && !into_snapshot).then(|| CopiesGuard(dir.clone()));
+        let mut unlisted = None;
+        let copies_at = if into_snapshot {
+            dst.clone()
+        } else {
+            dir.join(PAUSE_COPIES)
+        };
+        if into_snapshot {
+            // The snapshot now, the guest running; its RAM and disk are
+            // caught up in the pause (`strata_storage::catchup`).
+            let pre = Instant::now();
+            let (d, s) = (dir.clone(), dst.clone());
+            let begun = {
+                // The snapshot commits the pool's transaction.
+                let _exclusive = self.commit_gate.write().await;
+                blocking(move || {
+                    strata_storage::catchup::begin_snapshot(&d, &s, &PAUSE_COPIED)
+                        .map_err(storage_err)
+                })
+                .await
+            };
+            if dst.exists() {
+                unlisted = Some(UnlistedGuard {
+                    pool: self.pool.clone(),
+                    dst: Some(dst.clone()),
+                });
+            }
+            marks = Some(
+                <[_; 2]>::try_from(begun?)
+                    .map_err(|m| RuntimeError::Other(format!("{} marks for 2 copies", m.len())))?,
+            );
+            phases.before_pause_ms = ms(pre);
+        } else if by_copies {
             // The copies' directory, empty (a crash may have left one).
             let d = dir.clone();
             blocking(move || {
@@ -541,7 +599,7 @@ impl Runtime {
         let result = async {
             if by_copies {
                 let (c, save_ms, st, at) = self
-                    .state_beside_copies(id.as_str(), &live, &dir, marks)
+                    .state_beside_copies(id.as_str(), &live, &dir, &copies_at, marks)
                     .await?;
                 copy_times = c;
                 let c = c.total_ms;
@@ -615,7 +673,7 @@ impl Runtime {
         drop(shared);
         drop(slot);
         let (bytes, device_state_ms, btrfs_ms) = result?;
-        if by_copies {
+        if by_copies && !into_snapshot {
             match self.snapshot_after_copies(id.as_str(), &dir, &dst).await {
                 Ok(v) => phases.after_pause_ms = v,
                 Err(e) => {
@@ -668,10 +726,13 @@ impl Runtime {
             sandbox = %id, snapshot = %snap, pause_ms, stop_ms = phases.stop_ms,
             device_state_ms, sign_ms, btrfs_ms, cont_ms = phases.cont_ms, bytes,
             before_pause_ms = phases.before_pause_ms,
-            after_pause_ms = phases.after_pause_ms, copies_in_pause = by_copies,
+            after_pause_ms = phases.after_pause_ms, copies_in_pause = by_copies, copies_into_snapshot = into_snapshot,
             copy_mem_ms = phases.copy_mem_ms, copy_disk_ms = phases.copy_disk_ms,
             "snapshot taken"
         );
+        if let Some(g) = unlisted.take() {
+            g.keep();
+        }
         Ok(SnapshotInfo {
             id: snap.clone(),
             pause_ms,
@@ -915,6 +976,33 @@ struct CopyTimes {
     total_ms: f64,
     mem_ms: f64,
     disk_ms: f64,
+}
+
+/// Trashes a snapshot subvolume begun before a pause, never listed, when
+/// dropped (the pause failed or its call was dropped); [`UnlistedGuard::keep`]
+/// once the snapshot is complete. A crash instead leaves it to recovery,
+/// which removes unlisted snapshot subvolumes.
+struct UnlistedGuard {
+    pool: std::sync::Arc<strata_storage::Pool>,
+    dst: Option<std::path::PathBuf>,
+}
+
+impl UnlistedGuard {
+    fn keep(mut self) {
+        self.dst = None;
+    }
+}
+
+impl Drop for UnlistedGuard {
+    fn drop(&mut self) {
+        let Some(dst) = self.dst.take() else { return };
+        if !dst.exists() {
+            return;
+        }
+        if let Err(e) = self.pool.trash(&dst) {
+            tracing::warn!(snapshot = %dst.display(), error = %e, "removing an unfinished snapshot failed");
+        }
+    }
 }
 
 /// Removes a pause's copies from sandbox subvolume `dir` when dropped.
