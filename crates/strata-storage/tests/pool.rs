@@ -824,6 +824,74 @@ fn a_copy_caught_up_equals_the_file_and_copies_only_what_changed() {
     ));
 }
 
+/// A guest-RAM-like file for the catch-up tests: mapped shared (as QEMU maps
+/// guest RAM), half its pages written and the rest holes, and a fixed-seed
+/// pseudo-random sequence (xorshift) for what is written next.
+struct RamFile {
+    f: File,
+    ptr: *mut libc::c_void,
+    len: usize,
+    x: u64,
+}
+
+impl RamFile {
+    fn new(path: &Path, len: usize, seed: u64) -> RamFile {
+        let (f, ptr) = map_new_file(path, len);
+        let mut r = RamFile {
+            f,
+            ptr,
+            len,
+            x: seed,
+        };
+        let pages = len / 4096;
+        for _ in 0..pages / 2 {
+            let p = (r.next() as usize) % pages;
+            let v = r.next();
+            r.ram()[p * 4096..p * 4096 + 8].copy_from_slice(&v.to_le_bytes());
+        }
+        r
+    }
+
+    fn next(&mut self) -> u64 {
+        self.x ^= self.x << 13;
+        self.x ^= self.x >> 7;
+        self.x ^= self.x << 17;
+        self.x
+    }
+
+    fn ram(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` maps `len` writable bytes until `Drop` unmaps them;
+        // the slice borrows `self`, so it cannot outlive the mapping.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut u8, self.len) }
+    }
+
+    /// Changes 40 random pages through the mapping (some left dirty) and 8
+    /// bytes by `pwrite`; returns about the bytes changed.
+    fn touch(&mut self) -> u64 {
+        use std::os::unix::fs::FileExt;
+        let pages = self.len / 4096;
+        let mut changed = 0u64;
+        for _ in 0..40 {
+            let p = (self.next() as usize) % pages;
+            let v = self.next();
+            self.ram()[p * 4096 + 100..p * 4096 + 108].copy_from_slice(&v.to_le_bytes());
+            changed += 4096;
+        }
+        let (v, at) = (self.next(), self.next());
+        self.f
+            .write_at(&v.to_le_bytes(), (at % (self.len as u64 - 8)) & !7)
+            .expect("pwrite");
+        changed
+    }
+}
+
+impl Drop for RamFile {
+    fn drop(&mut self) {
+        // SAFETY: unmapping the mapping made in `new`, not used after this.
+        unsafe { libc::munmap(self.ptr, self.len) };
+    }
+}
+
 /// The copies made by a snapshot of the subvolume (`catchup::begin_snapshot`):
 /// after writes through the mapping and `pwrite`, the snapshot's file caught
 /// up equals the file, only what changed is cloned, the snapshot stays a
@@ -836,22 +904,7 @@ fn a_snapshot_caught_up_equals_the_file_and_keeps_its_lineage() {
     let sb = tp.create_subvolume("sandboxes/vm").expect("create");
     fs::create_dir_all(tp.root().join("snapshots")).expect("snapshots dir");
     let mem = sb.join("mem");
-    let len = 64 * MIB as usize;
-    let (f, ptr) = map_new_file(&mem, len);
-    // SAFETY: `ptr` maps `len` writable bytes until the munmap below.
-    let ram = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
-    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
-    let mut next = move || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    };
-    let pages = len / 4096;
-    for _ in 0..pages / 2 {
-        let p = (next() as usize) % pages;
-        ram[p * 4096..p * 4096 + 8].copy_from_slice(&next().to_le_bytes());
-    }
+    let mut ram = RamFile::new(&mem, 64 * MIB as usize, 0x2545_f491_4f6c_dd1d);
     let parent = strata_storage::send::subvol_info(&sb).expect("info").uuid;
     for round in 0..3 {
         fs::write(sb.join("meta"), format!("before {round}")).expect("meta");
@@ -865,17 +918,7 @@ fn a_snapshot_caught_up_equals_the_file_and_keeps_its_lineage() {
         );
         assert!(!info.readonly);
         fs::write(sb.join("meta"), format!("after {round}")).expect("meta");
-        let mut changed = 0u64;
-        for _ in 0..40 {
-            let p = (next() as usize) % pages;
-            ram[p * 4096 + 100..p * 4096 + 108].copy_from_slice(&next().to_le_bytes());
-            changed += 4096;
-        }
-        {
-            use std::os::unix::fs::FileExt;
-            f.write_at(&next().to_le_bytes(), (next() % (len as u64 - 8)) & !7)
-                .expect("pwrite");
-        }
+        let changed = ram.touch();
         if round == 1 {
             subvol::sync_fs(tp.root()).expect("sync");
         }
@@ -898,10 +941,10 @@ fn a_snapshot_caught_up_equals_the_file_and_keeps_its_lineage() {
     }
     let snap = tp.root().join("snapshots/holes");
     let marks = catchup::begin_snapshot(&sb, &snap, &["mem"]).expect("begin");
-    // SAFETY: `f` is open for writing; the range lies inside the file.
+    // SAFETY: `ram.f` is open for writing; the range lies inside the file.
     let r = unsafe {
         libc::fallocate(
-            f.as_raw_fd(),
+            ram.f.as_raw_fd(),
             libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
             16 * MIB as i64,
             MIB as i64,
@@ -914,6 +957,4 @@ fn a_snapshot_caught_up_equals_the_file_and_keeps_its_lineage() {
         fs::read(snap.join("mem")).expect("read"),
         fs::read(&mem).expect("read mem")
     );
-    // SAFETY: unmapping the mapping made above, not used after this.
-    unsafe { libc::munmap(ptr, len) };
 }
