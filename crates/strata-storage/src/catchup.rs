@@ -78,6 +78,13 @@ pub fn write_back(f: &File, path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Opens `path` and writes its dirty pages back ([`write_back`]).
+fn open_written_back(path: &Path) -> Result<File> {
+    let f = File::open(path).map_err(|e| StorageError::io("open", path, e))?;
+    write_back(&f, path)?;
+    Ok(f)
+}
+
 /// Step 1: writes `src` back, commits the pool's transaction, and reflinks
 /// `src` to `dst` (which must not exist). `pool_root` is any path of the pool.
 pub fn begin(pool_root: &Path, src: &Path, dst: &Path) -> Result<Mark> {
@@ -96,8 +103,7 @@ pub fn begin(pool_root: &Path, src: &Path, dst: &Path) -> Result<Mark> {
 pub fn begin_all(pool_root: &Path, files: &[(&Path, &Path)]) -> Result<Vec<Mark>> {
     let mut lens = Vec::with_capacity(files.len());
     for (src, _) in files {
-        let f = File::open(src).map_err(|e| StorageError::io("open", src, e))?;
-        write_back(&f, src)?;
+        let f = open_written_back(src)?;
         lens.push(
             f.metadata()
                 .map_err(|e| StorageError::io("stat", src, e))?
@@ -128,9 +134,7 @@ pub fn begin_all(pool_root: &Path, files: &[(&Path, &Path)]) -> Result<Vec<Mark>
 /// and the catch-up's clones touch only the snapshot's leaves that changed.
 pub fn begin_snapshot(src: &Path, dst: &Path, names: &[&str]) -> Result<Vec<Mark>> {
     for name in names {
-        let p = src.join(name);
-        let f = File::open(&p).map_err(|e| StorageError::io("open", &p, e))?;
-        write_back(&f, &p)?;
+        open_written_back(&src.join(name))?;
     }
     subvol::snapshot(src, dst, false)?;
     let made = crate::send::subvol_info(dst)?.otransid;

@@ -730,40 +730,16 @@ fn a_copy_caught_up_equals_the_file_and_copies_only_what_changed() {
     let sb = tp.create_subvolume("sandboxes/vm").expect("create");
     let (mem, copy) = (sb.join("mem"), sb.join("mem.copy"));
     let len = 64 * MIB as usize;
-    let (f, ptr) = map_new_file(&mem, len);
-    // SAFETY: `ptr` maps `len` writable bytes until the munmap below.
-    let ram = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
-    // A pseudo-random page pattern (xorshift), fixed seed.
-    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
-    let mut next = move || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    };
-    let pages = len / 4096;
-    // Half the pages written, the rest holes; then written back.
-    for _ in 0..pages / 2 {
-        let p = (next() as usize) % pages;
-        ram[p * 4096..p * 4096 + 8].copy_from_slice(&next().to_le_bytes());
-    }
+    // Half the pages written, the rest holes.
+    let mut ram = RamFile::new(&mem, len, 0x9e37_79b9_7f4a_7c15);
     for round in 0..3 {
         let mark = catchup::begin(tp.root(), &mem, &copy).expect("begin");
         // After the copy: pages changed through the mapping (some dirty and
         // never written back before the catch-up), others by pwrite, one in
         // a hole, and the last page.
-        let mut changed = 0u64;
-        for _ in 0..40 {
-            let p = (next() as usize) % pages;
-            ram[p * 4096 + 100..p * 4096 + 108].copy_from_slice(&next().to_le_bytes());
-            changed += 4096;
-        }
-        ram[len - 8..].copy_from_slice(&next().to_le_bytes());
-        {
-            use std::os::unix::fs::FileExt;
-            f.write_at(&next().to_le_bytes(), (next() % (len as u64 - 8)) & !7)
-                .expect("pwrite");
-        }
+        let changed = ram.touch();
+        let v = ram.next();
+        ram.ram()[len - 8..].copy_from_slice(&v.to_le_bytes());
         if round == 1 {
             // Some of it written back and committed in between.
             subvol::sync_fs(tp.root()).expect("sync");
@@ -788,17 +764,8 @@ fn a_copy_caught_up_equals_the_file_and_copies_only_what_changed() {
     // no item to find: the catch-up sees the copy hold more bytes than the
     // file and reflinks it whole.
     let mark = catchup::begin(tp.root(), &mem, &copy).expect("begin");
-    ram[4096..8192].copy_from_slice(&[0x5a; 4096]);
-    // SAFETY: `f` is open for writing; the range lies inside the file.
-    let r = unsafe {
-        libc::fallocate(
-            f.as_raw_fd(),
-            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-            16 * MIB as i64,
-            MIB as i64,
-        )
-    };
-    assert_eq!(r, 0, "punch hole");
+    ram.ram()[4096..8192].copy_from_slice(&[0x5a; 4096]);
+    ram.punch_hole(16 * MIB as i64, MIB as i64);
     let done = catchup::catch_up(&mem, &copy, mark).expect("catch up");
     assert!(done.whole, "{done:?}");
     assert_eq!(
@@ -809,14 +776,15 @@ fn a_copy_caught_up_equals_the_file_and_copies_only_what_changed() {
     // Without a removed range the copy is not reflinked whole.
     fs::remove_file(&copy).expect("rm copy");
     let mark = catchup::begin(tp.root(), &mem, &copy).expect("begin");
-    ram[8192..8200].copy_from_slice(&next().to_le_bytes());
+    let v = ram.next();
+    ram.ram()[8192..8200].copy_from_slice(&v.to_le_bytes());
     let done = catchup::catch_up(&mem, &copy, mark).expect("catch up");
     assert!(!done.whole && done.ranges > 0, "{done:?}");
     fs::remove_file(&copy).expect("rm copy");
     // A file whose size changed is refused (a truncation leaves no item).
     let mark = catchup::begin(tp.root(), &mem, &copy).expect("begin");
-    // SAFETY: unmapping the mapping made above, not used after this.
-    unsafe { libc::munmap(ptr, len) };
+    let f = ram.f.try_clone().expect("dup");
+    drop(ram);
     f.set_len(len as u64 / 2).expect("truncate");
     assert!(matches!(
         catchup::catch_up(&mem, &copy, mark),
@@ -885,6 +853,23 @@ impl RamFile {
     }
 }
 
+impl RamFile {
+    /// Punches a hole (`fallocate(PUNCH_HOLE)`, as QEMU does on a guest's
+    /// discard) of `len` bytes at `off`.
+    fn punch_hole(&self, off: i64, len: i64) {
+        // SAFETY: `f` is open for writing; the caller keeps the range inside the file.
+        let r = unsafe {
+            libc::fallocate(
+                self.f.as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                off,
+                len,
+            )
+        };
+        assert_eq!(r, 0, "punch hole: {}", std::io::Error::last_os_error());
+    }
+}
+
 impl Drop for RamFile {
     fn drop(&mut self) {
         // SAFETY: unmapping the mapping made in `new`, not used after this.
@@ -941,16 +926,7 @@ fn a_snapshot_caught_up_equals_the_file_and_keeps_its_lineage() {
     }
     let snap = tp.root().join("snapshots/holes");
     let marks = catchup::begin_snapshot(&sb, &snap, &["mem"]).expect("begin");
-    // SAFETY: `ram.f` is open for writing; the range lies inside the file.
-    let r = unsafe {
-        libc::fallocate(
-            ram.f.as_raw_fd(),
-            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-            16 * MIB as i64,
-            MIB as i64,
-        )
-    };
-    assert_eq!(r, 0, "punch hole");
+    ram.punch_hole(16 * MIB as i64, MIB as i64);
     let done = catchup::catch_up(&mem, &snap.join("mem"), marks[0]).expect("catch up");
     assert!(done.whole, "{done:?}");
     assert_eq!(

@@ -453,7 +453,10 @@ impl Runtime {
         // Whatever way this returns, no copies stay behind in the sandbox,
         // and a snapshot begun before the pause is not left unlisted.
         let _copies = (by_copies && !into_snapshot).then(|| CopiesGuard(dir.clone()));
-        let mut unlisted = None;
+        let unlisted = into_snapshot.then(|| UnlistedGuard {
+            pool: self.pool.clone(),
+            dst: Some(dst.clone()),
+        });
         let copies_at = if into_snapshot {
             dst.clone()
         } else {
@@ -473,12 +476,6 @@ impl Runtime {
                 })
                 .await
             };
-            if dst.exists() {
-                unlisted = Some(UnlistedGuard {
-                    pool: self.pool.clone(),
-                    dst: Some(dst.clone()),
-                });
-            }
             marks = Some(
                 <[_; 2]>::try_from(begun?)
                     .map_err(|m| RuntimeError::Other(format!("{} marks for 2 copies", m.len())))?,
@@ -730,7 +727,7 @@ impl Runtime {
             copy_mem_ms = phases.copy_mem_ms, copy_disk_ms = phases.copy_disk_ms,
             "snapshot taken"
         );
-        if let Some(g) = unlisted.take() {
+        if let Some(g) = unlisted {
             g.keep();
         }
         Ok(SnapshotInfo {
