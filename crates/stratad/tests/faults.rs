@@ -657,17 +657,23 @@ fn daemon_killed_during_a_template_build_and_during_gc_leaves_nothing_half_made(
     let d = &fx.d;
     rt().block_on(async {
         // ---- during a template build.
+        // The sandboxes before the build: its builder is a sandbox of the
+        // caller, listed as soon as it is recorded (on a loaded host that
+        // can be before the POST's answer is read).
+        let known: HashSet<String> = sandboxes(d).await.iter().map(id_of).collect();
         let body = json!({ "id": "tpl-faults", "recipe": { "step": [{ "run": "sleep 120" }] } });
         let (s, v) = d.call("POST", "/v1/templates", Some(body)).await;
         assert!(s == 201 || s == 202, "{s} {v}");
-        let known: HashSet<String> = sandboxes(d).await.iter().map(id_of).collect();
         let t = Instant::now();
         loop {
             let build_vm = qemu_pids(&d.run_dir).into_iter().any(|(n, _)| !known.contains(&n));
             if build_vm {
                 break;
             }
-            assert!(t.elapsed() < Duration::from_secs(60), "no build VM");
+            if t.elapsed() > Duration::from_secs(60) {
+                let (_, v) = d.call("GET", "/v1/templates/tpl-faults", None).await;
+                panic!("no build VM in 60 s; the template: {v}");
+            }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         tokio::time::sleep(Duration::from_secs(2)).await;
