@@ -42,6 +42,8 @@ pub struct Phases {
     pub after_pause_ms: f64,
     /// Whether the guest was paused by copies (`copies_in_pause`).
     pub copies_in_pause: bool,
+    /// Whether the pause ran boosted (`boosted`: `Runtime::set_pause_boost`).
+    pub boosted: bool,
     /// Paused by copies: the RAM copy's catch-up, in the pause.
     pub copy_mem_ms: f64,
     /// Paused by copies: the disk image's reflink, in the pause.
@@ -97,8 +99,10 @@ impl Visit for Fields {
     }
 
     fn record_bool(&mut self, field: &Field, value: bool) {
-        if field.name() == "copies_in_pause" {
-            self.p.copies_in_pause = value;
+        match field.name() {
+            "copies_in_pause" => self.p.copies_in_pause = value,
+            "boosted" => self.p.boosted = value,
+            _ => {}
         }
     }
 
@@ -145,7 +149,7 @@ mod tests {
         tracing::subscriber::with_default(sub, || {
             tracing::info!(target: TARGET, pause_ms = 9.0, btrfs_ms = 3.0, "snapshot taken");
             start();
-            tracing::info!(target: TARGET, pause_ms = 9.5, stop_ms = 0.5, device_state_ms = 7.0, btrfs_ms = 3.1, cont_ms = 0.6, before_pause_ms = 40.0, after_pause_ms = 55.0, copies_in_pause = true, "snapshot taken");
+            tracing::info!(target: TARGET, pause_ms = 9.5, stop_ms = 0.5, device_state_ms = 7.0, btrfs_ms = 3.1, cont_ms = 0.6, before_pause_ms = 40.0, after_pause_ms = 55.0, copies_in_pause = true, boosted = true, "snapshot taken");
             tracing::info!(target: TARGET, pause_ms = 1.0, "something else");
             tracing::info!(target: "elsewhere", pause_ms = 2.0, "snapshot taken");
         });
@@ -162,6 +166,7 @@ mod tests {
                 before_pause_ms: 40.0,
                 after_pause_ms: 55.0,
                 copies_in_pause: true,
+                boosted: true,
                 ..Default::default()
             }]
         );

@@ -303,6 +303,11 @@ pub struct PausePhases {
     /// but signing.
     #[serde(default)]
     pub copies_into_snapshot: bool,
+    /// Whether the pause ran boosted (`Runtime::set_pause_boost`): the VM's
+    /// CPU weight raised and the catch-up's thread at a higher priority
+    /// while the guest was stopped.
+    #[serde(default)]
+    pub boosted: bool,
 }
 
 /// Space used by a snapshot.

@@ -77,6 +77,8 @@ fn process_keeps_counting_across_snapshot_and_fork() {
         // inodes), read-only, and no copies are left anywhere.
         assert!(info.phases.copies_in_pause, "{:?}", info.phases);
         assert!(info.phases.copies_into_snapshot, "{:?}", info.phases);
+        // And boosted (the default; tests/pressure.rs watches the weight).
+        assert!(info.phases.boosted, "{:?}", info.phases);
         assert!(info.phases.before_pause_ms > 0.0, "{:?}", info.phases);
         assert_eq!(info.phases.after_pause_ms, 0.0, "{:?}", info.phases);
         let (sdir, ddir) = (

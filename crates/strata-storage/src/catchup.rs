@@ -59,13 +59,25 @@ pub struct CatchUp {
     pub whole: bool,
 }
 
+/// Where [`write_back`]'s one-byte `FIEMAP` looks: far past any extent a
+/// file of ours has (`s_maxbytes` is 2^63 - 1 on btrfs).
+const FIEMAP_FAR: u64 = 1 << 62;
+
 /// Writes back `f`'s dirty pages and waits until btrfs has recorded their
-/// extents: a one-byte `FS_IOC_FIEMAP` with `FIEMAP_FLAG_SYNC` (btrfs waits
-/// for the whole file's ordered extents). Unlike `fdatasync` it commits no
-/// log tree and flushes no device.
+/// extents: a one-byte `FS_IOC_FIEMAP` with `FIEMAP_FLAG_SYNC` (the VFS
+/// writes the whole mapping back and btrfs waits for the whole file's
+/// ordered extents, whatever the range asked). Unlike `fdatasync` it
+/// commits no log tree and flushes no device.
+///
+/// The byte asked for is far past the file's end ([`FIEMAP_FAR`]), where no
+/// extent is: at offset 0 btrfs also reported that extent, and checking
+/// whether it is shared walks its back references and joins the running
+/// transaction, so a write-back in a snapshot's pause could wait for a
+/// commit it did not need (docs/bench/soak.md, the stack samples of the
+/// copies-into-the-snapshot run).
 pub fn write_back(f: &File, path: &Path) -> Result<()> {
     let mut hdr = ioctl::FiemapHeader {
-        fm_start: 0,
+        fm_start: FIEMAP_FAR,
         fm_length: 1,
         fm_flags: ioctl::FIEMAP_FLAG_SYNC,
         fm_extent_count: 0,

@@ -321,4 +321,49 @@ async fn a_call_in_flight_raises_its_sandboxs_cpu_weight_until_it_ends() {
         .await;
     assert!(s < 300, "{s} {}", String::from_utf8_lossy(&v));
     assert_eq!(qemu_cpu_weight(&a).expect("a's weight").1, default);
+
+    // A snapshot's pause is such a call: the weight is raised while the
+    // guest is stopped (watched from a thread reading the file as fast as
+    // it can: the pause is milliseconds) and the default after it.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = {
+        let (f, stop) = (file.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut seen = std::collections::BTreeSet::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Some(v) = std::fs::read_to_string(&f)
+                    .ok()
+                    .and_then(|v| v.trim().parse::<u64>().ok())
+                {
+                    seen.insert(v);
+                }
+            }
+            seen
+        })
+    };
+    let snap = d
+        .ok(
+            "POST",
+            &format!("/v1/sandboxes/{a}/snapshots"),
+            Some(json!({})),
+            201,
+        )
+        .await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let seen = watcher.join().expect("watcher");
+    assert!(
+        seen.contains(&boosted),
+        "{} during the snapshot's pause: seen {seen:?} ({snap})",
+        file.display()
+    );
+    assert_eq!(
+        qemu_cpu_weight(&a).expect("a's weight").1,
+        default,
+        "after the snapshot"
+    );
+    assert_eq!(
+        qemu_cpu_weight(&b).expect("b's weight").1,
+        default,
+        "b, not snapshotted"
+    );
 }

@@ -103,6 +103,30 @@ pub struct Args {
     /// `snapshot taken` events). 0: off (`--soak-copies-in-pause` holds).
     #[arg(id = "soak-ab-secs", long = "soak-ab-secs", default_value_t = 0)]
     pub ab_secs: u64,
+    /// What `--soak-ab-secs` alternates: `method` (copies, then the btrfs
+    /// snapshot under the pause) or `boost` (pauses boosted, then not:
+    /// `Runtime::set_pause_boost`; the arms' columns are then boosted and
+    /// not boosted).
+    #[arg(id = "soak-ab-kind", long = "soak-ab-kind", default_value = "method")]
+    pub ab_kind: AbKind,
+    /// Pauses boosted (the default; `false` for the run without:
+    /// `Runtime::set_pause_boost`).
+    #[arg(
+        id = "soak-pause-boost",
+        long = "soak-pause-boost",
+        default_value_t = true,
+        action = clap::ArgAction::Set
+    )]
+    pub pause_boost: bool,
+}
+
+/// What an A/B soak alternates (`--soak-ab-kind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum AbKind {
+    /// The pause method: copies, then the btrfs snapshot under the pause.
+    Method,
+    /// The pause boost: on, then off.
+    Boost,
 }
 
 impl Args {
@@ -238,19 +262,45 @@ fn copies_cell(v: &[crate::pauses::Phases], f: fn(&crate::pauses::Phases) -> f64
     phase_cell(&x, f)
 }
 
-/// One pause method's pauses in a window (its `snapshot taken` events):
-/// p50 (p99, or the maximum under 100 samples), and n.
-fn arm_cell(v: &[crate::pauses::Phases], copies: bool) -> String {
-    let x: Vec<f64> = v
-        .iter()
-        .filter(|p| p.copies_in_pause == copies && p.pause_ms > 0.0)
-        .map(|p| p.pause_ms)
-        .collect();
+/// One A/B arm's pauses in a window (the `snapshot taken` events): by
+/// method, `a` is by copies; by boost, `a` is boosted.
+fn arm(v: &[crate::pauses::Phases], kind: AbKind, a: bool) -> Vec<crate::pauses::Phases> {
+    v.iter()
+        .filter(|p| p.pause_ms > 0.0)
+        .filter(|p| match kind {
+            AbKind::Method => p.copies_in_pause == a,
+            AbKind::Boost => p.boosted == a,
+        })
+        .copied()
+        .collect()
+}
+
+/// The arms' names.
+fn arm_names(kind: AbKind) -> [&'static str; 2] {
+    match kind {
+        AbKind::Method => ["by copies", "by btrfs snapshot"],
+        AbKind::Boost => ["boosted", "not boosted"],
+    }
+}
+
+/// One arm's pauses in a window: p50 (p99, or the maximum under 100
+/// samples), and n; by boost, its device state and RAM catch-up too.
+fn arm_cell(v: &[crate::pauses::Phases], kind: AbKind, a: bool) -> String {
+    let picked = arm(v, kind, a);
+    let x: Vec<f64> = picked.iter().map(|p| p.pause_ms).collect();
     let s = crate::stats::Summary::of(&x);
     if s.n == 0 {
         return "–".into();
     }
-    format!("{} ({}), n={}", fmt_ms(s.p50), p99_cell(&s), s.n)
+    let mut cell = format!("{} ({}), n={}", fmt_ms(s.p50), p99_cell(&s), s.n);
+    if kind == AbKind::Boost {
+        cell.push_str(&format!(
+            "; device state {}; RAM catch-up {}",
+            phase_cell(&picked, |p| p.device_state_ms),
+            phase_cell(&picked, |p| p.copy_mem_ms)
+        ));
+    }
+    cell
 }
 
 /// A p99 cell: under 100 samples it is the maximum, and says so.
@@ -294,6 +344,7 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
     d.rt.set_commit_before_pause(args.commit_before_pause);
     d.rt.set_copies_in_pause(args.copies_in_pause);
     d.rt.set_copies_into_snapshot(args.copies_into_snapshot);
+    d.rt.set_pause_boost(args.pause_boost);
     let pool = d.root.join("data").join("pool");
     let mut ids = Vec::new();
     for i in 0..args.n {
@@ -327,12 +378,16 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
     let flipper = (args.ab_secs > 0).then(|| {
         let rt = d.rt.clone();
         let every = Duration::from_secs(args.ab_secs);
+        let kind = args.ab_kind;
         tokio::spawn(async move {
-            let mut copies = true;
+            let mut a = true;
             loop {
-                rt.set_copies_in_pause(copies);
+                match kind {
+                    AbKind::Method => rt.set_copies_in_pause(a),
+                    AbKind::Boost => rt.set_pause_boost(a),
+                }
                 tokio::time::sleep(every).await;
-                copies = !copies;
+                a = !a;
             }
         })
     });
@@ -380,13 +435,15 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         };
         let s = w.pauses.summary();
         eprintln!(
-            "soak: {:.1} min: {} snapshots, pause p50 {} p99 {}, by copies {}, by btrfs snapshot {}, RAM catch-up {}, disk copy {}, pool step {}, device state {}, before the pause {}, after the pause {}, kept {}, pending deletions {}, data {}, metadata {}, RSS {}, unanswered {}, load {:.2}",
+            "soak: {:.1} min: {} snapshots, pause p50 {} p99 {}, {} {}, {} {}, RAM catch-up {}, disk copy {}, pool step {}, device state {}, before the pause {}, after the pause {}, kept {}, pending deletions {}, data {}, metadata {}, RSS {}, unanswered {}, load {:.2}",
             w.end_min,
             s.n,
             fmt_ms(s.p50),
             fmt_ms(s.p99),
-            arm_cell(&w.phases, true),
-            arm_cell(&w.phases, false),
+            arm_names(args.ab_kind)[0],
+            arm_cell(&w.phases, args.ab_kind, true),
+            arm_names(args.ab_kind)[1],
+            arm_cell(&w.phases, args.ab_kind, false),
             copies_cell(&w.phases, |p| p.copy_mem_ms),
             copies_cell(&w.phases, |p| p.copy_disk_ms),
             phase_cell(&w.phases, |p| p.btrfs_ms),
@@ -408,7 +465,9 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
     if let Some(f) = flipper {
         f.abort();
         d.rt.set_copies_in_pause(args.copies_in_pause);
+        d.rt.set_pause_boost(args.pause_boost);
     }
+    let arm_col = arm_names(args.ab_kind).map(|n| format!("pause {n} p50 (p99)"));
     let mut t = Table::new(
         format!(
             "{} sandboxes ({} MiB, 1 vCPU, a writer each), a rolling snapshot every {} s, default retention",
@@ -426,8 +485,8 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             "device state p50 (p99)",
             "before the pause p50 (p99)",
             "after the pause p50 (p99)",
-            "pause by copies p50 (p99)",
-            "pause by btrfs snapshot p50 (p99)",
+            arm_col[0].as_str(),
+            arm_col[1].as_str(),
             "RAM catch-up p50 (p99)",
             "disk copy p50 (p99)",
             "kept",
@@ -451,8 +510,8 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             phase_cell(&w.phases, |p| p.device_state_ms),
             phase_cell(&w.phases, |p| p.before_pause_ms),
             phase_cell(&w.phases, |p| p.after_pause_ms),
-            arm_cell(&w.phases, true),
-            arm_cell(&w.phases, false),
+            arm_cell(&w.phases, args.ab_kind, true),
+            arm_cell(&w.phases, args.ab_kind, false),
             copies_cell(&w.phases, |p| p.copy_mem_ms),
             copies_cell(&w.phases, |p| p.copy_disk_ms),
             w.kept.to_string(),

@@ -17,6 +17,13 @@
 //!   the old one writes nothing that matters (its cgroup is gone).
 //! - A weight at or under the default turns the boost off
 //!   ([`Runtime::set_call_cpu_weight`]); a VM without a cgroup is left alone.
+//! - A snapshot's pause is such a call too ([`Runtime::set_pause_boost`], on
+//!   by default): from just before the guest stops until `cont` has been
+//!   answered the VM has the call weight (its device-state save is QEMU's
+//!   CPU), and the daemon thread catching up the snapshot's RAM and disk
+//!   runs at nice [`PAUSE_NICE`] ([`ThreadNice`]). The guest is stopped for
+//!   the user's call meanwhile; on a contended host its pause otherwise
+//!   waits behind every other guest's timers.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -29,6 +36,60 @@ use super::Runtime;
 
 /// The CPU weight of a sandbox with a call in flight, by default.
 pub const CALL_CPU_WEIGHT: u32 = 1000;
+
+/// The nice value of the daemon thread doing a pause's catch-up.
+pub const PAUSE_NICE: i32 = -10;
+
+/// The calling thread's nice value raised until dropped, then put back.
+/// Best effort: where the daemon may not raise it (no `CAP_SYS_NICE`),
+/// nothing changes.
+#[derive(Debug)]
+pub(super) struct ThreadNice {
+    tid: libc::id_t,
+    was: Option<i32>,
+    /// Not `Send`: it restores the thread that made it.
+    _here: std::marker::PhantomData<*const ()>,
+}
+
+impl ThreadNice {
+    /// Sets the calling thread's nice value to `nice` (Linux keeps it per
+    /// thread: `setpriority(PRIO_PROCESS, tid)` touches no other thread).
+    pub(super) fn raise(nice: i32) -> Self {
+        // SAFETY: `gettid` takes nothing and cannot fail.
+        let tid = unsafe { libc::gettid() } as libc::id_t;
+        // SAFETY: `__errno_location` returns this thread's errno slot; the
+        // write clears it so a -1 from `getpriority` can be told from an
+        // error.
+        unsafe { *libc::__errno_location() = 0 };
+        // SAFETY: `getpriority` reads a thread's nice value; no memory is
+        // passed.
+        let cur = unsafe { libc::getpriority(libc::PRIO_PROCESS, tid) };
+        let failed = cur == -1 && std::io::Error::last_os_error().raw_os_error().unwrap_or(0) != 0;
+        let mut was = None;
+        if !failed && cur > nice {
+            // SAFETY: `setpriority` changes only this thread's nice value;
+            // no memory is passed.
+            if unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, nice) } == 0 {
+                was = Some(cur);
+            }
+        }
+        ThreadNice {
+            tid,
+            was,
+            _here: std::marker::PhantomData,
+        }
+    }
+}
+
+impl Drop for ThreadNice {
+    fn drop(&mut self) {
+        if let Some(was) = self.was {
+            // SAFETY: as in `raise`; `tid` is this thread (a guard is not
+            // `Send`: it is dropped on the thread that made it).
+            unsafe { libc::setpriority(libc::PRIO_PROCESS, self.tid, was) };
+        }
+    }
+}
 
 /// Calls in flight on one live VM and the weight written for them.
 #[derive(Debug, Default)]
@@ -86,6 +147,18 @@ impl Runtime {
         self.call_weight.load(Ordering::Relaxed)
     }
 
+    /// Whether a snapshot's pause runs boosted (on by default; see the
+    /// module documentation). Off for A/B runs (`strata-bench --only soak
+    /// --soak-ab-kind boost`).
+    pub fn set_pause_boost(&self, on: bool) {
+        self.pause_boost.store(on, Ordering::Relaxed);
+    }
+
+    /// See [`Runtime::set_pause_boost`].
+    pub fn pause_boost(&self) -> bool {
+        self.pause_boost.load(Ordering::Relaxed)
+    }
+
     /// Counts a call in flight on sandbox `id`'s live VM until the guard is
     /// dropped; its first raises the VM's CPU weight. `None`: no live VM.
     pub fn call_boost(&self, id: &SandboxId) -> Option<CallBoost> {
@@ -102,5 +175,40 @@ impl Runtime {
             live,
             id: id.clone(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn nice_now() -> i32 {
+        // SAFETY: as in `ThreadNice::raise`.
+        let tid = unsafe { libc::gettid() } as libc::id_t;
+        // SAFETY: reads this thread's nice value; no memory is passed.
+        unsafe { libc::getpriority(libc::PRIO_PROCESS, tid) }
+    }
+
+    #[test]
+    fn a_raised_thread_runs_at_the_pause_nice_and_gets_its_own_back() {
+        let before = nice_now();
+        // SAFETY: `geteuid` takes nothing and cannot fail.
+        let root = unsafe { libc::geteuid() } == 0;
+        // A thread that exists already: it reads its own value once this
+        // one is raised.
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        let other = std::thread::spawn(move || {
+            let _ = wait.recv();
+            nice_now()
+        });
+        {
+            let _n = ThreadNice::raise(PAUSE_NICE);
+            if root {
+                assert_eq!(nice_now(), PAUSE_NICE, "raised (as root)");
+            }
+            let _ = go.send(());
+            assert_eq!(other.join().ok(), Some(before), "only this thread");
+        }
+        assert_eq!(nice_now(), before, "put back");
     }
 }

@@ -100,6 +100,8 @@ pub struct Runtime {
     commit_gate: tokio::sync::RwLock<()>,
     /// CPU weight of a VM with a call in flight ([`Runtime::call_boost`]).
     call_weight: std::sync::atomic::AtomicU32,
+    /// See [`Runtime::set_pause_boost`].
+    pause_boost: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -304,6 +306,7 @@ impl Runtime {
             copies_into_snapshot: std::sync::atomic::AtomicBool::new(true),
             commit_gate: tokio::sync::RwLock::new(()),
             call_weight: std::sync::atomic::AtomicU32::new(boost::CALL_CPU_WEIGHT),
+            pause_boost: std::sync::atomic::AtomicBool::new(true),
         }))
     }
 

@@ -273,6 +273,7 @@ impl Runtime {
         dir: &Path,
         to: &Path,
         marks: Option<[strata_storage::catchup::Mark; 2]>,
+        boosted: bool,
     ) -> Result<(CopyTimes, f64, strata_vmm::SaveStats, SavedState)> {
         let tmp = dir.join(STATE_TMP);
         let pool = self.pool.clone();
@@ -280,6 +281,7 @@ impl Runtime {
         let to = to.to_path_buf();
         let sandbox = id.to_owned();
         let copies = blocking(move || {
+            let _nice = boosted.then(|| super::boost::ThreadNice::raise(super::boost::PAUSE_NICE));
             let t = Instant::now();
             let mut times = CopyTimes::default();
             for (i, f) in PAUSE_COPIED.into_iter().enumerate() {
@@ -587,6 +589,15 @@ impl Runtime {
         let mut method = None;
         let mut saved_state = None;
         let mut copy_times = CopyTimes::default();
+        // The guest is stopped for the user: its VM and our catch-up run
+        // before other guests' work until it runs again (boost.rs).
+        let boost = if was_running && self.pause_boost() {
+            self.call_boost(id)
+        } else {
+            None
+        };
+        phases.boosted = boost.is_some();
+        let boosted = phases.boosted;
         let t0 = Instant::now();
         if was_running {
             live.pause_vm().await.map_err(|e| vmm_err(id.as_str(), e))?;
@@ -596,7 +607,7 @@ impl Runtime {
         let result = async {
             if by_copies {
                 let (c, save_ms, st, at) = self
-                    .state_beside_copies(id.as_str(), &live, &dir, &copies_at, marks)
+                    .state_beside_copies(id.as_str(), &live, &dir, &copies_at, marks, boosted)
                     .await?;
                 copy_times = c;
                 let c = c.total_ms;
@@ -665,6 +676,7 @@ impl Runtime {
             phases.cont_ms = ms(t_cont);
         }
         let pause_ms = ms(t0);
+        drop(boost);
         // The guest runs again: the next snapshot's guest may stop (the
         // commits below wait for it through the gate).
         drop(shared);
@@ -724,7 +736,7 @@ impl Runtime {
             device_state_ms, sign_ms, btrfs_ms, cont_ms = phases.cont_ms, bytes,
             before_pause_ms = phases.before_pause_ms,
             after_pause_ms = phases.after_pause_ms, copies_in_pause = by_copies, copies_into_snapshot = into_snapshot,
-            copy_mem_ms = phases.copy_mem_ms, copy_disk_ms = phases.copy_disk_ms,
+            boosted = phases.boosted, copy_mem_ms = phases.copy_mem_ms, copy_disk_ms = phases.copy_disk_ms,
             "snapshot taken"
         );
         if let Some(g) = unlisted {
