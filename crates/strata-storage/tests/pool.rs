@@ -851,9 +851,7 @@ impl RamFile {
             .expect("pwrite");
         changed
     }
-}
 
-impl RamFile {
     /// Punches a hole (`fallocate(PUNCH_HOLE)`, as QEMU does on a guest's
     /// discard) of `len` bytes at `off`.
     fn punch_hole(&self, off: i64, len: i64) {
