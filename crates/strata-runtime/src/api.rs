@@ -305,7 +305,9 @@ pub struct PausePhases {
     pub copies_into_snapshot: bool,
     /// Whether the pause ran boosted (`Runtime::set_pause_boost`): the VM's
     /// CPU weight raised and the catch-up's thread at a higher priority
-    /// while the guest was stopped.
+    /// while the guest was stopped. With the call CPU weight at or under the
+    /// default (`Runtime::set_call_cpu_weight`) the VM's weight is left as
+    /// it is; the field is still true.
     #[serde(default)]
     pub boosted: bool,
 }
