@@ -1297,6 +1297,16 @@ async fn replicate_is_kept_and_shown_and_host_routes_want_a_host_credential() {
     assert_eq!(v["replicate"], false, "{v}");
     let (s, v) = call(&h, "PUT", "/v1/settings", r#"{"replicate":false}"#).await;
     assert_eq!((s, &v["replicate"]), (StatusCode::OK, &json!(false)), "{v}");
+    // null, like a field left out, changes nothing (the document says
+    // nullable: the API fuzz sends it).
+    let (s, v) = call(&h, "PUT", "/v1/settings", r#"{"replicate":null}"#).await;
+    assert_eq!((s, &v["replicate"]), (StatusCode::OK, &json!(false)), "{v}");
+    let (s, v) = call(&h, "PUT", "/v1/settings", r#"{"replicate":"yes"}"#).await;
+    assert_eq!(
+        (s, code(&v)),
+        (StatusCode::BAD_REQUEST, "invalid_request"),
+        "{v}"
+    );
     let (s, v) = call(&h, "PUT", "/v1/settings", r#"{"other":1}"#).await;
     assert_eq!(
         (s, code(&v)),
@@ -1311,6 +1321,8 @@ async fn replicate_is_kept_and_shown_and_host_routes_want_a_host_credential() {
     let (_, v) = call(&h, "GET", &uri, "").await;
     assert_eq!(v["replicate"], true, "{v}");
     let (s, v) = call(&h, "PATCH", &uri, r#"{"replicate":false}"#).await;
+    assert_eq!((s, &v["replicate"]), (StatusCode::OK, &json!(false)), "{v}");
+    let (s, v) = call(&h, "PATCH", &uri, r#"{"replicate":null}"#).await;
     assert_eq!((s, &v["replicate"]), (StatusCode::OK, &json!(false)), "{v}");
     let (s, v) = call(&h, "PATCH", &uri, r#"{"idle":"1s"}"#).await;
     assert_eq!(
