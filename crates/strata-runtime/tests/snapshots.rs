@@ -74,7 +74,8 @@ fn process_keeps_counting_across_snapshot_and_fork() {
         // Paused by copies into the snapshot (the default): the snapshot is
         // made before the pause and caught up in it; its layout is as a
         // btrfs snapshot under the pause made it (the same files, the same
-        // inodes), read-only, and no copies are left anywhere.
+        // inodes), and no copies are left anywhere. It is not read-only
+        // yet: the flag costs a commit, paid when a send first needs it.
         assert!(info.phases.copies_in_pause, "{:?}", info.phases);
         assert!(info.phases.copies_into_snapshot, "{:?}", info.phases);
         // And boosted (the default; tests/pressure.rs watches the weight).
@@ -96,7 +97,7 @@ fn process_keeps_counting_across_snapshot_and_fork() {
             );
             assert_eq!((x.ino(), x.len()), (y.ino(), y.len()), "{name}");
         }
-        assert!(f.rt.pool().is_readonly(&ddir).expect("flags"));
+        assert!(!f.rt.pool().is_readonly(&ddir).expect("flags"));
         let at_snap = count(&f.rt, &a).await;
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let b = SandboxId::generate();
@@ -104,6 +105,18 @@ fn process_keeps_counting_across_snapshot_and_fork() {
             .await
             .expect("fork");
         let fork_start = count(&f.rt, &b).await;
+        // Sealed on demand, once; its fork (above) and files unchanged.
+        f.rt.seal_snapshot(&snap).await.expect("seal");
+        assert!(f.rt.pool().is_readonly(&ddir).expect("flags"));
+        f.rt.seal_snapshot(&snap).await.expect("seal again");
+        let missing = SnapshotId::generate();
+        assert!(
+            matches!(
+                f.rt.seal_snapshot(&missing).await,
+                Err(strata_runtime::RuntimeError::SnapshotNotFound(_))
+            ),
+            "a missing snapshot is not found"
+        );
         let orig_now = count(&f.rt, &a).await;
         // The fork resumed from the snapshot's count: far below where the original is now.
         assert!(
@@ -525,7 +538,13 @@ fn full_pool_refuses_snapshots_and_forks_and_the_sandbox_runs_on() {
     tokio_rt().block_on(async {
         let a = new_sandbox(f).await;
         let snap = SnapshotId::generate();
-        f.rt.snapshot(&a, &snap).await.expect("snapshot with room");
+        // Sealed as it is taken when so set (the pool is this test's alone).
+        f.rt.set_seal_at_snapshot(true);
+        let taken = f.rt.snapshot(&a, &snap).await;
+        f.rt.set_seal_at_snapshot(false);
+        taken.expect("snapshot with room");
+        let sdir = f.rt.pool().snapshots_dir().join(snap.as_str());
+        assert!(f.rt.pool().is_readonly(&sdir).expect("flags"));
         // Fill the pool up to ~64 MiB of free space with one preallocated file.
         let filler = f.rt.pool().root().join("filler");
         let free = f.rt.pool().usage().expect("usage").free_bytes;

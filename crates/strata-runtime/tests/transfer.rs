@@ -20,6 +20,12 @@ use common::{new_sandbox, sh, size, tokio_rt, TestRuntime};
 fn push(a: &Runtime, b: &Runtime, snap: &SnapshotId, parent: Option<&SnapshotId>) -> u64 {
     let parent_id = parent.map(|p| a.snapshot_identity(p).expect("identity"));
     let mut tx = a.send_snapshot(snap, parent).expect("send");
+    // A snapshot is made read-only when a send first needs it (it and its
+    // parent: `btrfs send` takes read-only subvolumes only).
+    for s in std::iter::once(snap).chain(parent) {
+        let dir = a.pool().snapshots_dir().join(s.as_str());
+        assert!(a.pool().is_readonly(&dir).expect("flags"), "{s} sealed");
+    }
     let got = b
         .receive_snapshot(snap, parent_id, 8 << 30, &mut tx, "tcg")
         .expect("receive");

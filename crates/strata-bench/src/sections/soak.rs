@@ -118,6 +118,16 @@ pub struct Args {
         action = clap::ArgAction::Set
     )]
     pub pause_boost: bool,
+    /// Snapshots made read-only as they are taken (a second commit each;
+    /// `Runtime::set_seal_at_snapshot`). Off by default: sealed when a send
+    /// first needs it.
+    #[arg(
+        id = "soak-seal-at-snapshot",
+        long = "soak-seal-at-snapshot",
+        default_value_t = false,
+        action = clap::ArgAction::Set
+    )]
+    pub seal_at_snapshot: bool,
 }
 
 /// What an A/B soak alternates (`--soak-ab-kind`).
@@ -345,6 +355,7 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
     d.rt.set_copies_in_pause(args.copies_in_pause);
     d.rt.set_copies_into_snapshot(args.copies_into_snapshot);
     d.rt.set_pause_boost(args.pause_boost);
+    d.rt.set_seal_at_snapshot(args.seal_at_snapshot);
     let pool = d.root.join("data").join("pool");
     let mut ids = Vec::new();
     for i in 0..args.n {
@@ -553,6 +564,15 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             }
         )
     });
+    sec.text(format!(
+        "Pauses boosted: {}. Snapshots made read-only {} (`--soak-seal-at-snapshot`).",
+        if args.pause_boost { "yes" } else { "no" },
+        if args.seal_at_snapshot {
+            "as they are taken, a second commit each"
+        } else {
+            "only when a send needs it (none here): one commit per snapshot"
+        }
+    ));
     if scale > 1 {
         sec.text(format!(
             "Retention scaled: the default retention's times divided by {scale} (`--soak-retention-scale`)."

@@ -98,6 +98,8 @@ pub struct Runtime {
     /// commits a snapshot makes after `cont` hold it exclusively, so no
     /// commit of ours runs beside a pause ([`Runtime::set_copies_in_pause`]).
     commit_gate: tokio::sync::RwLock<()>,
+    /// See [`Runtime::set_seal_at_snapshot`].
+    seal_at_snapshot: std::sync::atomic::AtomicBool,
     /// CPU weight of a VM with a call in flight ([`Runtime::call_boost`]).
     call_weight: std::sync::atomic::AtomicU32,
     /// See [`Runtime::set_pause_boost`].
@@ -305,6 +307,7 @@ impl Runtime {
             copies_in_pause: std::sync::atomic::AtomicBool::new(true),
             copies_into_snapshot: std::sync::atomic::AtomicBool::new(true),
             commit_gate: tokio::sync::RwLock::new(()),
+            seal_at_snapshot: std::sync::atomic::AtomicBool::new(false),
             call_weight: std::sync::atomic::AtomicU32::new(boost::CALL_CPU_WEIGHT),
             pause_boost: std::sync::atomic::AtomicBool::new(true),
         }))

@@ -200,6 +200,46 @@ impl Runtime {
         self.copies_into_snapshot.store(on, Ordering::Relaxed);
     }
 
+    /// Whether a snapshot is made read-only as it is taken (off by
+    /// default). Setting a subvolume's read-only flag commits the pool's
+    /// btrfs transaction (`BTRFS_IOC_SUBVOL_SETFLAGS` always does, holding
+    /// the file system's subvolume lock, so flags set at once do not share
+    /// a commit): with it, a snapshot cost two full commits, its
+    /// creation's and the flag's, and on a pool snapshotting 20 guests a
+    /// minute the flag's was half of the pool's btrfs time
+    /// (docs/bench/soak.md).
+    ///
+    /// Off, a snapshot stays a writable subvolume until something needs it
+    /// read-only: a send (move, replication, export) or a parent anchor
+    /// seals it first ([`Runtime::seal_snapshot`]), once. Nothing writes
+    /// into a published snapshot either way; what guards its contents on
+    /// restore is its signature (docs/snapshots.md "Read-only").
+    pub fn set_seal_at_snapshot(&self, on: bool) {
+        self.seal_at_snapshot.store(on, Ordering::Relaxed);
+    }
+
+    /// Makes snapshot `snap`'s subvolume read-only if it is not yet (see
+    /// [`Runtime::set_seal_at_snapshot`]): one commit, which waits for the
+    /// pauses in flight and holds back new ones while it runs. A no-op for
+    /// a sealed snapshot.
+    pub async fn seal_snapshot(&self, snap: &SnapshotId) -> Result<()> {
+        let dir = self.snapshot_dir(snap);
+        let pool = self.pool.clone();
+        let d = dir.clone();
+        let sealed = blocking(move || pool.is_readonly(&d).map_err(storage_err)).await;
+        match sealed {
+            Ok(true) => return Ok(()),
+            Ok(false) => {}
+            Err(_) if !dir.exists() => {
+                return Err(RuntimeError::SnapshotNotFound(snap.to_string()))
+            }
+            Err(e) => return Err(e),
+        }
+        let _exclusive = self.commit_gate.write().await;
+        let pool = self.pool.clone();
+        blocking(move || seal_dir(&pool, &dir)).await
+    }
+
     /// Writes the device state of a paused VM into `dir/device.state` (atomically).
     pub(super) async fn save_state(
         &self,
@@ -699,17 +739,25 @@ impl Runtime {
             }
         }
         // Signed in the snapshot itself (a point-in-time copy: the running
-        // guest no longer changes it), then made read-only.
+        // guest no longer changes it); read-only now only if so set
+        // (`set_seal_at_snapshot`), else when a send first needs it.
         let (pool, d) = (self.pool.clone(), dst.clone());
         let signer = self.cfg.signing.clone();
         let name = snap.to_string();
+        let seal = self.seal_at_snapshot.load(Ordering::Relaxed);
         let signed = {
             // The flag's commit waits for the pauses in flight.
-            let _exclusive = self.commit_gate.write().await;
+            let _exclusive = if seal {
+                Some(self.commit_gate.write().await)
+            } else {
+                None
+            };
             blocking(move || {
                 let t = Instant::now();
                 super::signatures::sign_into(signer.as_deref(), &d, &name, None)?;
-                pool.set_readonly(&d, true).map_err(storage_err)?;
+                if seal {
+                    pool.set_readonly(&d, true).map_err(storage_err)?;
+                }
                 Ok(ms(t))
             })
             .await
@@ -1035,4 +1083,14 @@ pub(super) fn remove_copies(dir: &Path) {
             tracing::warn!(path = %copies.display(), error = %e, "removing a pause's copies failed");
         }
     }
+}
+
+/// Sets subvolume `dir`'s read-only flag unless it is set (one commit).
+/// Blocking.
+pub(super) fn seal_dir(pool: &strata_storage::Pool, dir: &Path) -> Result<()> {
+    if !pool.is_readonly(dir).map_err(storage_err)? {
+        pool.set_readonly(dir, true).map_err(storage_err)?;
+        tracing::debug!(path = %dir.display(), "snapshot sealed read-only");
+    }
+    Ok(())
 }

@@ -229,6 +229,11 @@ impl Runtime {
     ) -> std::result::Result<SendStream, MoveError> {
         let (dir, _) = self.sent_form(snap)?;
         let parent = parent.map(|p| self.sent_form(p)).transpose()?;
+        // Sealed already when the caller awaited `seal_snapshot` (which
+        // keeps the flag's commit out of pauses); else here.
+        for d in std::iter::once(&dir).chain(parent.as_ref().map(|(p, _)| p)) {
+            super::snapshot::seal_dir(&self.pool, d)?;
+        }
         Ok(self
             .pool
             .send(&dir, parent.as_ref().map(|(p, _)| p.as_path()))?)
@@ -246,6 +251,7 @@ impl Runtime {
         if path.starts_with(self.pool.import_dir()) {
             return Ok(identity);
         }
+        super::snapshot::seal_dir(&self.pool, &path)?;
         let info = self.pool.anchor_received(&path, snap.as_str())?;
         Ok(info.identity())
     }

@@ -442,6 +442,9 @@ impl Engine for RuntimeEngine {
     }
 
     async fn anchor_snapshot(&self, snap: &SnapshotId) -> EngineResult<String> {
+        // Read-only first, its commit kept out of pauses (a snapshot is
+        // sealed when first needed: `Runtime::set_seal_at_snapshot`).
+        self.rt.seal_snapshot(snap).await?;
         let (rt, snap) = (self.rt.clone(), snap.clone());
         tokio::task::spawn_blocking(move || rt.anchor_snapshot(&snap))
             .await
@@ -471,6 +474,11 @@ impl Engine for RuntimeEngine {
         snap: &SnapshotId,
         parent: Option<&SnapshotId>,
     ) -> EngineResult<ByteStream> {
+        // Read-only first, their commits kept out of pauses (a snapshot is
+        // sealed when first needed: `Runtime::set_seal_at_snapshot`).
+        for s in std::iter::once(snap).chain(parent) {
+            self.rt.seal_snapshot(s).await?;
+        }
         let (rt, snap2, parent) = (self.rt.clone(), snap.clone(), parent.cloned());
         // Started here so a missing snapshot is the answer, not a cut stream.
         let stream = tokio::task::spawn_blocking(move || rt.send_snapshot(&snap2, parent.as_ref()))
