@@ -61,6 +61,10 @@ pub struct RuntimeConfig {
     /// resident as far as it is used, flushed whole when full.
     #[serde(default = "default_tb_size")]
     pub tcg_tb_size_mib: u32,
+    /// Whether a guest's disk flush reaches the host's disk
+    /// ([`strata_vmm::VmSpec::guest_disk_flush`]; default on).
+    #[serde(default = "default_cgroups")]
+    pub guest_disk_flush: bool,
     /// The deployment's key for state signatures ([`crate::signing`]):
     /// every snapshot and template this runtime makes is signed, and every
     /// restore refuses a state whose `meta.json` or `device.state` does not
@@ -131,6 +135,7 @@ impl RuntimeConfig {
             disk_throttle: None,
             egress_proxy: None,
             tcg_tb_size_mib: default_tb_size(),
+            guest_disk_flush: true,
             signing: None,
             max_concurrent_pauses: DEFAULT_MAX_CONCURRENT_PAUSES,
         }

@@ -127,10 +127,17 @@ pub fn qemu_args(spec: &VmSpec, host_tsc_khz: Option<u64>) -> Vec<String> {
     // and read-write again on `cont`, which fails once it runs as `run_as`.
     // Throttling is host-side (not in the migration stream, not in the
     // device layout): a snapshot made without it restores with it and back.
+    // cache.no-flush: a guest's flush is answered without an fdatasync
+    // (`VmSpec::guest_disk_flush`); host-side, not in the layout either.
     let drive = format!(
-        "id=disk0,file={},format={},if=none,cache=writeback,discard=unmap,aio=threads,auto-read-only=off{}",
+        "id=disk0,file={},format={},if=none,cache=writeback,{}discard=unmap,aio=threads,auto-read-only=off{}",
         path_str(&spec.disk_path),
         spec.disk_format.qemu_name(),
+        if spec.guest_disk_flush {
+            ""
+        } else {
+            "cache.no-flush=on,"
+        },
         spec.disk_throttle
             .map(|t| t.drive_options())
             .unwrap_or_default()
@@ -311,6 +318,41 @@ mod tests {
         // so neither the device layout nor the slirp state changes.
         assert_eq!(qemu_args(&plain, None), qemu_args(&confined, None));
         assert_eq!(device_layout(&plain), device_layout(&confined));
+    }
+
+    #[test]
+    fn guest_flushes_pass_unless_turned_off_and_are_not_in_the_layout() {
+        let drive = |s: &VmSpec| {
+            let a = qemu_args(s, None);
+            let i = a.iter().position(|x| x == "-drive").unwrap();
+            a[i + 1].clone()
+        };
+        let flushing = spec();
+        assert!(flushing.guest_disk_flush, "passed through by default");
+        let mut plain = spec();
+        plain.guest_disk_flush = false;
+        assert!(
+            drive(&plain).contains(",cache=writeback,cache.no-flush=on,"),
+            "{}",
+            drive(&plain)
+        );
+        assert!(
+            !drive(&flushing).contains("no-flush"),
+            "{}",
+            drive(&flushing)
+        );
+        // Snapshots made either way restore either way, in every layout.
+        for layout in [1, 2, 3] {
+            let (mut a, mut b) = (plain.clone(), flushing.clone());
+            a.layout = layout;
+            b.layout = layout;
+            assert_eq!(device_layout(&a), device_layout(&b));
+        }
+        // A spec.json written before the field existed reads as it ran.
+        let mut v = serde_json::to_value(&plain).unwrap();
+        v.as_object_mut().unwrap().remove("guest_disk_flush");
+        let old: VmSpec = serde_json::from_value(v).unwrap();
+        assert!(old.guest_disk_flush);
     }
 
     #[test]

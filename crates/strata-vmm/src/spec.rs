@@ -199,6 +199,12 @@ pub struct VmSpec {
     /// [`crate::cmdline::TCG_TB_SIZE_MIB`].
     #[serde(default = "default_tb_size")]
     pub tcg_tb_size_mib: u32,
+    /// Whether the guest's disk flushes reach the host's disk (on by
+    /// default). Off, QEMU completes them at once (`cache.no-flush=on`): on
+    /// a btrfs pool such a flush can commit the pool's whole transaction.
+    /// Host-side only: not in the device layout.
+    #[serde(default = "default_true")]
+    pub guest_disk_flush: bool,
     /// Device-state file to restore from (`-incoming defer` + `migrate-incoming`).
     #[serde(default)]
     pub incoming: Option<PathBuf>,
@@ -309,6 +315,7 @@ impl VmSpec {
             disk_format: DiskFormat::Raw,
             accel: ResolvedAccel::Tcg,
             tcg_tb_size_mib: crate::cmdline::TCG_TB_SIZE_MIB,
+            guest_disk_flush: true,
             incoming: None,
             start_paused: false,
             net: NetSpec::default(),

@@ -714,6 +714,14 @@ pub struct VmConfig {
     /// Disk bytes per second each sandbox's root disk may move; `0`: no
     /// limit.
     pub disk_bps: u64,
+    /// Whether a guest's disk flush (an `fsync` inside the sandbox) is
+    /// passed to the host's disk (the default). `false`: QEMU answers it at
+    /// once (`cache.no-flush=on`). On the btrfs pool such a flush can commit
+    /// the whole pool's transaction, outside the pauses' commit gate; a
+    /// sandbox's state after a host crash is its newest snapshot either way
+    /// (its RAM is gone, so a flushed disk without it is never booted).
+    /// docs/hardening.md "Guest disk flushes".
+    pub guest_disk_flush: bool,
 }
 
 impl Default for VmConfig {
@@ -725,6 +733,7 @@ impl Default for VmConfig {
             netns: strata_vmm::netns::DEFAULT_NETNS.to_owned(),
             disk_iops: 0,
             disk_bps: 0,
+            guest_disk_flush: true,
         }
     }
 }
@@ -1285,12 +1294,14 @@ mod tests {
         assert_eq!(c.vm.user, "strata-vm");
         assert!(!c.vm.allow_root && c.vm.require_cgroups);
         assert_eq!(c.vm.netns, "strata-vm");
+        assert!(c.vm.guest_disk_flush, "guests' flushes pass by default");
         let c: Config = toml::from_str(
-            "[vm]\nallow_root = true\nrequire_cgroups = false\nnetns = \"\"\ndisk_iops = 100\ndisk_bps = 1048576\n",
+            "[vm]\nallow_root = true\nrequire_cgroups = false\nnetns = \"\"\ndisk_iops = 100\ndisk_bps = 1048576\nguest_disk_flush = false\n",
         )
         .unwrap();
         c.validate().unwrap();
         assert!(c.vm.allow_root && !c.vm.require_cgroups && c.vm.netns.is_empty());
+        assert!(!c.vm.guest_disk_flush);
         assert!(toml::from_str::<Config>("[vm]\nallow_rot = true\n").is_err());
         let c: Config = toml::from_str("[vm]\nnetns = \"a/b\"\n").unwrap();
         assert!(c.validate().is_err());

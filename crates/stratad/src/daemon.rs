@@ -163,6 +163,7 @@ pub fn runtime_config(cfg: &Config) -> Result<RuntimeConfig, DaemonError> {
         disk_throttle: strata_vmm::DiskThrottle::new(cfg.vm.disk_iops, cfg.vm.disk_bps),
         egress_proxy: None,
         tcg_tb_size_mib: cfg.tcg_tb_size_mib,
+        guest_disk_flush: cfg.vm.guest_disk_flush,
         // Set by [`open_engine`] from the key store.
         signing: None,
         max_concurrent_pauses: cfg.snapshots.max_concurrent_pauses,

@@ -128,6 +128,15 @@ pub struct Args {
         action = clap::ArgAction::Set
     )]
     pub seal_at_snapshot: bool,
+    /// Guests' disk flushes passed to the host's disk (`[vm]
+    /// guest_disk_flush`; on by default).
+    #[arg(
+        id = "soak-guest-disk-flush",
+        long = "soak-guest-disk-flush",
+        default_value_t = true,
+        action = clap::ArgAction::Set
+    )]
+    pub guest_disk_flush: bool,
 }
 
 /// What an A/B soak alternates (`--soak-ab-kind`).
@@ -167,6 +176,11 @@ struct Window {
     /// The host's 5-minute load average at the window's end: the machine
     /// may be shared, and a pause is only as steady as its neighbours.
     load5: f64,
+    /// The pool's btrfs transaction commits in the window, all of them
+    /// (the daemon's, the guests' flushes', btrfs's own), and their mean
+    /// duration, ms (`/sys/fs/btrfs/<uuid>/commit_stats`); `None` when
+    /// unreadable.
+    commits: Option<(u64, f64)>,
     /// Pause phases of every snapshot the daemon took in the window (its
     /// `snapshot taken` events: rolling and any other).
     phases: Vec<crate::pauses::Phases>,
@@ -178,6 +192,32 @@ fn load5() -> f64 {
         .ok()
         .and_then(|s| s.split_whitespace().nth(1).and_then(|v| v.parse().ok()))
         .unwrap_or(0.0)
+}
+
+/// The pool's `commit_stats` (commits, total commit ms) since it was
+/// mounted: `/sys/fs/btrfs/<uuid>/commit_stats`, the uuid from `btrfs
+/// filesystem show`.
+fn commit_stats(pool: &Path) -> Option<(u64, u64)> {
+    let out = std::process::Command::new("btrfs")
+        .args(["filesystem", "show"])
+        .arg(pool)
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let uuid = text
+        .split("uuid:")
+        .nth(1)?
+        .split_whitespace()
+        .next()?
+        .to_owned();
+    let stats = std::fs::read_to_string(format!("/sys/fs/btrfs/{uuid}/commit_stats")).ok()?;
+    let field = |name: &str| -> Option<u64> {
+        stats
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().parse().ok())
+    };
+    Some((field("commits ")?, field("total_commit_ms ")?))
 }
 
 /// Resident memory of this process (VmRSS), bytes.
@@ -196,6 +236,14 @@ fn pending_deletions(pool: &Path) -> Result<usize> {
         .lines()
         .filter(|l| !l.trim().is_empty())
         .count())
+}
+
+/// A window's pool commits: "n (mean ms)", "–" when unknown.
+fn commits_cell(c: Option<(u64, f64)>) -> String {
+    match c {
+        Some((n, mean)) => format!("{n} ({mean:.0} ms)"),
+        None => "–".into(),
+    }
 }
 
 /// (data used, metadata used) of the pool, bytes (`btrfs filesystem df -b`).
@@ -341,6 +389,7 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         // (a compilation next to the run would hibernate the soak's idle
         // guests), so both step aside: nominal admission with room for all.
         cfg.pressure.enabled = false;
+        cfg.vm.guest_disk_flush = args.guest_disk_flush;
         cfg.capacity.admission = stratad::config::AdmissionMode::Nominal;
         cfg.capacity.cpu_overcommit = cfg.capacity.cpu_overcommit.max(args.n as f64);
         if scale > 1 {
@@ -406,6 +455,7 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
     let total = Duration::from_secs(args.minutes * 60);
     let window = Duration::from_secs(args.window_s.max(1));
     let mut windows: Vec<Window> = Vec::new();
+    let mut commits_at = commit_stats(&pool);
     let mut from = Utc::now();
     crate::pauses::start();
     crate::pauses::take();
@@ -428,10 +478,25 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             }
         }
         let p2 = pool.clone();
-        let (pending, (data, meta)) = tokio::task::spawn_blocking(move || {
-            Ok::<_, anyhow::Error>((pending_deletions(&p2)?, pool_df(&p2)?))
+        let (pending, (data, meta), stats) = tokio::task::spawn_blocking(move || {
+            Ok::<_, anyhow::Error>((pending_deletions(&p2)?, pool_df(&p2)?, commit_stats(&p2)))
         })
         .await??;
+        let commits = match (commits_at, stats) {
+            (Some((c0, ms0)), Some((c1, ms1))) if c1 >= c0 => {
+                let n = c1 - c0;
+                Some((
+                    n,
+                    if n > 0 {
+                        ms1.saturating_sub(ms0) as f64 / n as f64
+                    } else {
+                        0.0
+                    },
+                ))
+            }
+            _ => None,
+        };
+        commits_at = stats;
         let w = Window {
             end_min: start.elapsed().as_secs_f64() / 60.0,
             pauses,
@@ -442,11 +507,12 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             rss: rss(),
             unanswered,
             load5: load5(),
+            commits,
             phases: crate::pauses::take(),
         };
         let s = w.pauses.summary();
         eprintln!(
-            "soak: {:.1} min: {} snapshots, pause p50 {} p99 {}, {} {}, {} {}, RAM catch-up {}, disk copy {}, pool step {}, device state {}, before the pause {}, after the pause {}, kept {}, pending deletions {}, data {}, metadata {}, RSS {}, unanswered {}, load {:.2}",
+            "soak: {:.1} min: {} snapshots, pause p50 {} p99 {}, {} {}, {} {}, RAM catch-up {}, disk copy {}, pool step {}, device state {}, before the pause {}, after the pause {}, kept {}, pending deletions {}, data {}, metadata {}, RSS {}, unanswered {}, load {:.2}, pool commits {}",
             w.end_min,
             s.n,
             fmt_ms(s.p50),
@@ -467,7 +533,8 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             fmt_bytes(w.meta_used as f64),
             fmt_bytes(w.rss as f64),
             w.unanswered,
-            w.load5
+            w.load5,
+            commits_cell(w.commits)
         );
         windows.push(w);
         from = to;
@@ -507,6 +574,7 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             "daemon RSS",
             "no answer",
             "load (5 min)",
+            "pool commits (mean ms)",
         ],
     );
     for w in &windows {
@@ -532,6 +600,7 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             fmt_bytes(w.rss as f64),
             w.unanswered.to_string(),
             format!("{:.2}", w.load5),
+            commits_cell(w.commits),
         ]);
     }
     sec.text(
@@ -539,7 +608,8 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
          retention; a writer in each guest so no snapshot is skipped as unchanged. Per window: the pauses of \
          the rolling snapshots taken in it (snapshots API `pause_ms`), what is kept, btrfs subvolumes deleted \
          and not yet cleaned, pool data/metadata (`btrfs filesystem df`), the daemon's RSS (in-process: includes \
-         the bench's own few MiB), and guests that did not answer `exec true` within 30 s. Pressure hibernation \
+         the bench's own few MiB), guests that did not answer `exec true` within 30 s, and the pool's btrfs \
+         commits (all of them, with their mean duration: `/sys/fs/btrfs/<uuid>/commit_stats`). Pressure hibernation \
          is off and admission is nominal, so the host's other load cannot hibernate the soak's guests. Bar \
          (issue 18): the last window's pause p99 within 1.2× of the first's.",
     );
@@ -565,8 +635,13 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
         )
     });
     sec.text(format!(
-        "Pauses boosted: {}. Snapshots made read-only {} (`--soak-seal-at-snapshot`).",
+        "Pauses boosted: {}. Guests' disk flushes {} (`--soak-guest-disk-flush`). Snapshots made read-only {} (`--soak-seal-at-snapshot`).",
         if args.pause_boost { "yes" } else { "no" },
+        if args.guest_disk_flush {
+            "passed to the host's disk"
+        } else {
+            "answered by QEMU"
+        },
         if args.seal_at_snapshot {
             "as they are taken, a second commit each"
         } else {

@@ -434,6 +434,7 @@ impl Runtime {
         spec.memory_mib = u64::from(meta.size.memory_mib);
         spec.accel = accel;
         spec.tcg_tb_size_mib = self.cfg.tcg_tb_size_mib;
+        spec.guest_disk_flush = self.cfg.guest_disk_flush;
         spec.layout = meta.layout_version;
         spec.net = meta.net.clone();
         spec.console_log_max_bytes = self.cfg.console_log_max_bytes;
