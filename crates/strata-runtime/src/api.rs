@@ -63,7 +63,7 @@ pub struct RuntimeConfig {
     pub tcg_tb_size_mib: u32,
     /// Whether a guest's disk flush reaches the host's disk
     /// ([`strata_vmm::VmSpec::guest_disk_flush`]; default on).
-    #[serde(default = "default_cgroups")]
+    #[serde(default = "default_true")]
     pub guest_disk_flush: bool,
     /// The deployment's key for state signatures ([`crate::signing`]):
     /// every snapshot and template this runtime makes is signed, and every
@@ -147,6 +147,10 @@ pub fn default_run_as() -> Option<String> {
 }
 
 fn default_cgroups() -> bool {
+    true
+}
+
+fn default_true() -> bool {
     true
 }
 

@@ -194,23 +194,27 @@ fn load5() -> f64 {
         .unwrap_or(0.0)
 }
 
-/// The pool's `commit_stats` (commits, total commit ms) since it was
-/// mounted: `/sys/fs/btrfs/<uuid>/commit_stats`, the uuid from `btrfs
-/// filesystem show`.
-fn commit_stats(pool: &Path) -> Option<(u64, u64)> {
+/// The pool's file system uuid (`btrfs filesystem show`).
+fn pool_uuid(pool: &Path) -> Option<String> {
     let out = std::process::Command::new("btrfs")
         .args(["filesystem", "show"])
         .arg(pool)
         .output()
         .ok()?;
     let text = String::from_utf8_lossy(&out.stdout);
-    let uuid = text
-        .split("uuid:")
-        .nth(1)?
-        .split_whitespace()
-        .next()?
-        .to_owned();
-    let stats = std::fs::read_to_string(format!("/sys/fs/btrfs/{uuid}/commit_stats")).ok()?;
+    Some(
+        text.split("uuid:")
+            .nth(1)?
+            .split_whitespace()
+            .next()?
+            .to_owned(),
+    )
+}
+
+/// The pool's `commit_stats` (commits, total commit ms) since it was
+/// mounted: `/sys/fs/btrfs/<uuid>/commit_stats`.
+fn commit_stats(uuid: Option<&str>) -> Option<(u64, u64)> {
+    let stats = std::fs::read_to_string(format!("/sys/fs/btrfs/{}/commit_stats", uuid?)).ok()?;
     let field = |name: &str| -> Option<u64> {
         stats
             .lines()
@@ -455,7 +459,8 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
     let total = Duration::from_secs(args.minutes * 60);
     let window = Duration::from_secs(args.window_s.max(1));
     let mut windows: Vec<Window> = Vec::new();
-    let mut commits_at = commit_stats(&pool);
+    let uuid = pool_uuid(&pool);
+    let mut commits_at = commit_stats(uuid.as_deref());
     let mut from = Utc::now();
     crate::pauses::start();
     crate::pauses::take();
@@ -478,10 +483,11 @@ pub async fn run(ctx: &Ctx, args: &Args, sec: &mut Section) -> Result<()> {
             }
         }
         let p2 = pool.clone();
-        let (pending, (data, meta), stats) = tokio::task::spawn_blocking(move || {
-            Ok::<_, anyhow::Error>((pending_deletions(&p2)?, pool_df(&p2)?, commit_stats(&p2)))
+        let (pending, (data, meta)) = tokio::task::spawn_blocking(move || {
+            Ok::<_, anyhow::Error>((pending_deletions(&p2)?, pool_df(&p2)?))
         })
         .await??;
+        let stats = commit_stats(uuid.as_deref());
         let commits = match (commits_at, stats) {
             (Some((c0, ms0)), Some((c1, ms1))) if c1 >= c0 => {
                 let n = c1 - c0;

@@ -218,22 +218,21 @@ impl Runtime {
         self.seal_at_snapshot.store(on, Ordering::Relaxed);
     }
 
-    /// Makes snapshot `snap`'s subvolume read-only if it is not yet (see
-    /// [`Runtime::set_seal_at_snapshot`]): one commit, which waits for the
-    /// pauses in flight and holds back new ones while it runs. A no-op for
-    /// a sealed snapshot.
-    pub async fn seal_snapshot(&self, snap: &SnapshotId) -> Result<()> {
-        let dir = self.snapshot_dir(snap);
-        let pool = self.pool.clone();
-        let d = dir.clone();
-        let sealed = blocking(move || pool.is_readonly(&d).map_err(storage_err)).await;
-        match sealed {
-            Ok(true) => return Ok(()),
-            Ok(false) => {}
-            Err(_) if !dir.exists() => {
-                return Err(RuntimeError::SnapshotNotFound(snap.to_string()))
-            }
-            Err(e) => return Err(e),
+    /// Makes the subvolume a send of snapshot `snap` would stream (its
+    /// received copy, else `snapshots/<snap>`: `sent_form`) read-only if it
+    /// is not yet (see [`Runtime::set_seal_at_snapshot`]): one commit, which
+    /// waits for the pauses in flight and holds back new ones while it runs.
+    /// A no-op for a sealed snapshot.
+    pub async fn seal_snapshot(self: &Arc<Self>, snap: &SnapshotId) -> Result<()> {
+        let (rt, s) = (self.clone(), snap.clone());
+        let (dir, sealed) = blocking(move || {
+            let (dir, _) = rt.sent_form(&s)?;
+            let sealed = rt.pool.is_readonly(&dir).map_err(storage_err)?;
+            Ok((dir, sealed))
+        })
+        .await?;
+        if sealed {
+            return Ok(());
         }
         let _exclusive = self.commit_gate.write().await;
         let pool = self.pool.clone();

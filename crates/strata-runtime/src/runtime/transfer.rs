@@ -195,7 +195,7 @@ impl Runtime {
     /// back (or moves on) is sent incremental against what the receiver
     /// holds. (`snapshots/<snap>` of a received snapshot is a new
     /// subvolume, re-signed here: another identity.)
-    fn sent_form(&self, snap: &SnapshotId) -> Result<(PathBuf, Uuid)> {
+    pub(super) fn sent_form(&self, snap: &SnapshotId) -> Result<(PathBuf, Uuid)> {
         let published = self.snapshot_dir(snap);
         let info = strata_storage::subvol_info(&published).map_err(|e| match e {
             strata_storage::StorageError::NotFound { .. }
